@@ -1,0 +1,227 @@
+"""Configuration as frozen, validated data.
+
+Environment is read only in :meth:`SitsConfig.from_env`; a TOML file only in
+:meth:`SitsConfig.from_file`. Everything else receives a ``SitsConfig``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+from sits_queue.errors import ConfigError
+
+#: Used by ``celery -A sits_queue worker`` when nothing is configured, as Celery users expect.
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+
+
+@dataclass(frozen=True)
+class ClassQuota:
+    """One business SLA class: its share of a node and its place in the priority model."""
+
+    name: str
+    #: CPU cores a task of this class may use (affinity and torch threads).
+    cpu_cores: int
+    #: Hard VRAM limit for one task of this class, GiB.
+    vram_gib: float
+    #: Celery hard time limit for one run, seconds (MISSION §1.4 "max single run s").
+    max_run_s: float
+    #: Multiplier on the §2.1 latency priority; ranks classes against each other.
+    weight: float
+    #: Default latency SLA for the class, ms (§2.1 ``latency_sla_ms``).
+    latency_sla_ms: float
+    #: Default loss sensitivity for the class, in [0.1, 0.9] (§2.2).
+    loss_sensitivity: float
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"class name {self.name!r} must be a non-empty identifier")
+        _positive(f"class {self.name}: cpu_cores", self.cpu_cores)
+        _positive(f"class {self.name}: vram_gib", self.vram_gib)
+        _positive(f"class {self.name}: max_run_s", self.max_run_s)
+        _positive(f"class {self.name}: weight", self.weight)
+        _positive(f"class {self.name}: latency_sla_ms", self.latency_sla_ms)
+        _in_range(f"class {self.name}: loss_sensitivity", self.loss_sensitivity, 0.1, 0.9)
+
+
+#: MISSION §1.4 defaults for an A100-80G node. Weights and SLAs are ours: the source gives
+#: an ordering (risk control outranks summaries), not numbers.
+DEFAULT_CLASSES: tuple[ClassQuota, ...] = (
+    ClassQuota("high", cpu_cores=16, vram_gib=64, max_run_s=45, weight=100.0,
+               latency_sla_ms=800, loss_sensitivity=0.9),
+    ClassQuota("medium", cpu_cores=8, vram_gib=32, max_run_s=30, weight=10.0,
+               latency_sla_ms=2000, loss_sensitivity=0.5),
+    ClassQuota("low", cpu_cores=4, vram_gib=8, max_run_s=10, weight=1.0,
+               latency_sla_ms=5000, loss_sensitivity=0.2),
+)
+
+
+@dataclass(frozen=True)
+class PriorityWeights:
+    """Weights of the combined priority score (see ``sits_queue.priority.model``)."""
+
+    #: §2.2 QoS weights: jitter, bandwidth non-compliance, loss sensitivity. Sum to 1.
+    qos_jitter: float = 0.4
+    qos_bandwidth: float = 0.35
+    qos_loss: float = 0.25
+    #: How much a QoS score of 1 multiplies priority: ``1 + qos_gain * qos``.
+    qos_gain: float = 0.5
+    #: How much the hottest model multiplies priority: ``1 + hotness_gain * hotness``.
+    hotness_gain: float = 0.5
+    #: How much a maximal-entropy input divides priority: ``1 - entropy_gain * entropy``.
+    entropy_gain: float = 0.2
+    #: Cap on §2.1 ``risk`` so one bad p95 cannot swamp the class weights.
+    risk_cap: float = 4.0
+    #: A task that has waited this long outranks any fresh task of any class (no starvation).
+    aging_bound_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        total = self.qos_jitter + self.qos_bandwidth + self.qos_loss
+        if not math.isclose(total, 1.0, abs_tol=1e-6):
+            raise ConfigError(f"QoS weights must sum to 1, got {total:.4f}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"priority weight {f.name} must be finite and >= 0, got {value}")
+        if self.entropy_gain >= 1:
+            raise ConfigError("entropy_gain must be < 1 so priority stays positive")
+        if self.risk_cap < 1:
+            raise ConfigError("risk_cap must be >= 1 (risk is never below 1)")
+        _positive("aging_bound_s", self.aging_bound_s)
+
+
+@dataclass(frozen=True)
+class SitsConfig:
+    """Everything the app, broker, beat and CLI need."""
+
+    #: Broker, result backend and beat scheduler state.
+    redis_url: str = DEFAULT_REDIS_URL
+    classes: tuple[ClassQuota, ...] = DEFAULT_CLASSES
+    #: Class of a task that names none.
+    default_class: str = "medium"
+    #: Soft time limit = ``soft_limit_fraction * max_run_s`` (the hard limit).
+    soft_limit_fraction: float = 0.8
+    #: Beat period of the full rescoring pass, seconds.
+    rescore_interval_s: float = 5.0
+    #: Beat period of the cheap §2.2 trigger check, seconds.
+    trigger_check_interval_s: float = 1.0
+    #: Waiting tasks rewritten per Lua call: bounds how long one call holds Redis.
+    rescore_chunk: int = 256
+    #: Completed-task latencies kept per class for the observed p95.
+    stats_window: int = 512
+    #: Unacked message is redelivered after this long without a heartbeat, seconds.
+    #: Workers refresh the deadline of every message they hold every third of it.
+    visibility_timeout_s: float = 60.0
+    #: A message redelivered more often than this is dead-lettered (it keeps killing workers).
+    max_redeliveries: int = 5
+    #: Prefix on every Redis key the broker writes (kombu ``global_keyprefix``).
+    global_keyprefix: str = ""
+    weights: PriorityWeights = field(default_factory=PriorityWeights)
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.classes]
+        if not names:
+            raise ConfigError("at least one SLA class is required")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"duplicate SLA class names in {names}")
+        if self.default_class not in names:
+            raise ConfigError(f"default_class {self.default_class!r} is not one of {names}")
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"redis_url must be redis://, rediss:// or unix://, got "
+                              f"{self.redis_url!r}")
+        if not 0 < self.soft_limit_fraction < 1:
+            raise ConfigError("soft_limit_fraction must be in (0, 1)")
+        _positive("rescore_interval_s", self.rescore_interval_s)
+        _positive("trigger_check_interval_s", self.trigger_check_interval_s)
+        _positive("rescore_chunk", self.rescore_chunk)
+        _positive("stats_window", self.stats_window)
+        _positive("max_redeliveries", self.max_redeliveries)
+        # No bound against the longest run time: workers heartbeat the messages they hold.
+        if self.visibility_timeout_s <= 3:
+            raise ConfigError("visibility_timeout_s must be > 3 s (heartbeat every third)")
+
+    # -- lookups -----------------------------------------------------------------------------
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.classes)
+
+    def quota(self, name: str) -> ClassQuota:
+        for c in self.classes:
+            if c.name == name:
+                return c
+        raise ConfigError(f"unknown SLA class {name!r}; known classes: {list(self.class_names)}")
+
+    def time_limits(self, name: str) -> tuple[float, float]:
+        """(soft, hard) Celery time limits for a class, seconds."""
+        hard = self.quota(name).max_run_s
+        return hard * self.soft_limit_fraction, hard
+
+    # -- sources -----------------------------------------------------------------------------
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> SitsConfig:
+        """Build from ``SITS_*`` variables, on top of ``SITS_CONFIG`` (a TOML file) if set."""
+        env = os.environ if env is None else env
+        base = cls.from_file(env["SITS_CONFIG"]) if env.get("SITS_CONFIG") else cls()
+        overrides: dict[str, Any] = {}
+        for f in fields(cls):
+            key = "SITS_" + f.name.upper()
+            if key in env and f.name not in ("classes", "weights"):
+                overrides[f.name] = _coerce(f.name, env[key], type(getattr(base, f.name)))
+        return replace(base, **overrides)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> SitsConfig:
+        """Build from a TOML file: top-level scalars, ``[weights]``, ``[[classes]]``."""
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file {p} does not exist") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
+        return cls.from_mapping(data, source=str(p))
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], source: str = "mapping") -> SitsConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"{source}: unknown settings {sorted(unknown)}")
+        kwargs = dict(data)
+        try:
+            if "classes" in kwargs:
+                kwargs["classes"] = tuple(ClassQuota(**c) for c in kwargs["classes"])
+            if "weights" in kwargs:
+                kwargs["weights"] = PriorityWeights(**kwargs["weights"])
+            return cls(**kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"{source}: {exc}") from exc
+
+
+def _coerce(name: str, raw: str, kind: type) -> Any:
+    try:
+        if kind is bool:
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        return kind(raw)
+    except ValueError as exc:
+        raise ConfigError(f"SITS_{name.upper()}={raw!r} is not a valid {kind.__name__}") from exc
+
+
+def _positive(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name} must be a positive number, got {value!r}")
+
+
+def _in_range(name: str, value: float, lo: float, hi: float) -> None:
+    if not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise ConfigError(f"{name} must be in [{lo}, {hi}], got {value!r}")
