@@ -25,6 +25,25 @@ from sits_queue.errors import ConfigError
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
 
+def _coerce(name: str, raw: str, kind: type) -> Any:
+    try:
+        if kind is bool:
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        return kind(raw)
+    except ValueError as exc:
+        raise ConfigError(f"SITS_{name.upper()}={raw!r} is not a valid {kind.__name__}") from exc
+
+
+def _positive(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name} must be a positive number, got {value!r}")
+
+
+def _in_range(name: str, value: float, lo: float, hi: float) -> None:
+    if not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise ConfigError(f"{name} must be in [{lo}, {hi}], got {value!r}")
+
+
 @dataclass(frozen=True)
 class ClassQuota:
     """One business SLA class: its share of a node and its place in the priority model."""
@@ -206,22 +225,3 @@ class SitsConfig:
             return cls(**kwargs)
         except TypeError as exc:
             raise ConfigError(f"{source}: {exc}") from exc
-
-
-def _coerce(name: str, raw: str, kind: type) -> Any:
-    try:
-        if kind is bool:
-            return raw.strip().lower() in ("1", "true", "yes", "on")
-        return kind(raw)
-    except ValueError as exc:
-        raise ConfigError(f"SITS_{name.upper()}={raw!r} is not a valid {kind.__name__}") from exc
-
-
-def _positive(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name} must be a positive number, got {value!r}")
-
-
-def _in_range(name: str, value: float, lo: float, hi: float) -> None:
-    if not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise ConfigError(f"{name} must be in [{lo}, {hi}], got {value!r}")
