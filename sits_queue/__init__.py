@@ -1,3 +1,13 @@
+"""SITS queue: a Celery-compatible task queue for offline AI inference on GPU fleets.
+
+``celery -A sits_queue worker`` finds :data:`app` here.
+"""
+
+from sits_queue.app import SitsTask, make_app
 from sits_queue.errors import ConfigError, InvalidTaskOptions, SitsError
 
-__all__ = ["ConfigError", "InvalidTaskOptions", "SitsError"]
+app = make_app()
+celery = app  # `celery -A sits_queue` also looks for this name
+
+__all__ = ["ConfigError", "InvalidTaskOptions", "SitsError", "SitsTask", "app", "celery",
+           "make_app"]

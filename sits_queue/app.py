@@ -1,0 +1,144 @@
+"""The Celery app, its production defaults, and the task class that carries SITS options."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from datetime import timedelta
+from typing import Any
+
+from celery import Celery, Task
+from kombu import Queue
+
+from sits_queue.config import SitsConfig
+from sits_queue.options import HEADER, OPTION_NAMES, resolve
+
+TRANSPORT = "sits_queue.broker.transport:Transport"
+#: Maintenance tasks (rescoring, trigger checks) go here so a deep task backlog never
+#: delays the pass that is supposed to reorder it. Every worker consumes it.
+CONTROL_QUEUE = "sits.control"
+DEFAULT_QUEUE = "celery"
+#: Header with the producer's wall clock at submission, for end-to-end latency stats.
+SUBMITTED_AT = "sits_submitted_at"
+
+
+class SitsTask(Task):  # type: ignore[misc]
+    """Celery task whose ``apply_async`` validates and attaches the SITS options.
+
+    Options are settable on the decorator (``@app.task(sla_class="high")``) and per
+    call (``t.apply_async(args, sla_class="low", context_tokens=4096)``). Invalid
+    options raise :class:`~sits_queue.errors.InvalidTaskOptions` and nothing is sent.
+    """
+
+    sla_class: str | None = None
+    model: str | None = None
+    context_tokens: int | None = None
+    latency_sla_ms: float | None = None
+    loss_sensitivity: float | None = None
+    input_entropy: float | None = None
+    vram_gib: float | None = None
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
+                    producer: Any = None, link: Any = None, link_error: Any = None,
+                    shadow: str | None = None, **options: Any) -> Any:
+        config = sits_config(self.app)
+        per_call = {name: options.pop(name) for name in OPTION_NAMES if name in options}
+        declared = {name: getattr(self, name, None) for name in OPTION_NAMES}
+        opts = resolve(config, declared, per_call, args, kwargs)
+        soft, hard = config.time_limits(opts.sla_class)
+        # A limit set on the task or the call wins; the class supplies the default.
+        if self.soft_time_limit is None:
+            options.setdefault("soft_time_limit", soft)
+        if self.time_limit is None:
+            options.setdefault("time_limit", hard)
+        headers = dict(options.pop("headers", None) or {})
+        headers[HEADER] = opts.to_header()
+        headers[SUBMITTED_AT] = time.time()
+        options["headers"] = headers
+        return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow,
+                                   **options)
+
+
+def sits_config(app: Celery) -> SitsConfig:
+    """The SitsConfig an app was built with (stored on the app, not in Celery's conf)."""
+    config: SitsConfig | None = getattr(app, "sits", None)
+    if config is None:
+        config = SitsConfig.from_env()
+        app.sits = config
+    return config
+
+
+def celery_settings(config: SitsConfig) -> dict[str, Any]:
+    """Celery configuration derived from a SitsConfig: the production defaults."""
+    prefix = config.global_keyprefix
+    return {
+        "broker_url": config.redis_url,
+        "broker_transport": TRANSPORT,
+        "broker_transport_options": {
+            "visibility_timeout": config.visibility_timeout_s,
+            "global_keyprefix": prefix,
+            "sits_config": _plain(asdict(config)),
+            # The sweep restores messages of silent workers; ours throttles by time.
+            "unacked_restore_interval": max(1.0, config.visibility_timeout_s / 6),
+        },
+        "broker_connection_retry_on_startup": True,
+        "result_backend": config.redis_url,
+        "result_backend_transport_options": {"global_keyprefix": prefix},
+        "result_expires": timedelta(days=1),
+        "result_extended": True,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        # Late acks + requeue on worker loss: a SIGKILLed worker's task runs again.
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        # Reserve only what a free pool slot is about to run, so priority stays exact.
+        "worker_prefetch_multiplier": 1,
+        "worker_disable_prefetch": True,
+        "task_track_started": True,
+        "task_send_sent_event": True,
+        "worker_send_task_events": True,
+        "task_default_queue": DEFAULT_QUEUE,
+        "task_queues": (Queue(DEFAULT_QUEUE), Queue(CONTROL_QUEUE)),
+        "task_routes": {"sits.*": {"queue": CONTROL_QUEUE}},
+        "beat_scheduler": "redbeat.RedBeatScheduler",
+        "redbeat_redis_url": config.redis_url,
+        "redbeat_key_prefix": f"{prefix}sits:redbeat:",
+        "redbeat_lock_timeout": int(max(30, 6 * config.rescore_interval_s)),
+        "beat_schedule": beat_schedule(config),
+    }
+
+
+def beat_schedule(config: SitsConfig) -> dict[str, Any]:
+    # expires: a pass that could not start within one period is superseded by the next.
+    return {
+        "sits-rescore": {"task": "sits.rescore", "schedule": config.rescore_interval_s,
+                         "options": {"expires": config.rescore_interval_s}},
+        "sits-check-triggers": {"task": "sits.check_triggers",
+                                "schedule": config.trigger_check_interval_s,
+                                "options": {"expires": config.trigger_check_interval_s}},
+    }
+
+
+def _plain(value: Any) -> Any:
+    """asdict() keeps tuples; transport options should be plain JSON-like data."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def make_app(config: SitsConfig | None = None, main: str = "sits_queue") -> Celery:
+    """A configured Celery app. ``celery -A sits_queue`` uses the one built from the env."""
+    config = SitsConfig.from_env() if config is None else config
+    app = Celery(main, task_cls=SitsTask)
+    app.sits = config
+    app.conf.update(celery_settings(config))
+    from sits_queue.priority import tasks as maintenance
+    from sits_queue.workers import signals
+
+    maintenance.register(app)
+    signals.connect(app)
+    return app

@@ -1,0 +1,85 @@
+"""Redis key layout and score encoding for the sorted-set queues.
+
+Every key of one queue shares the hash tag ``{queue}`` so each Lua script touches a
+single Redis Cluster slot. The score of a waiting message packs its priority and its
+arrival order into one integer below 2**53 (exact in a double), so one ``ZPOPMIN``
+gives "highest priority first, FIFO among equals" (BullMQ's ``priority*2^32+counter``
+layout, with a log-scaled priority so that both 0.5 and 50,000 keep fine resolution).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+#: Arrival counter bits in the score; it wraps after 4.29e9 messages per queue.
+SEQ_BITS = 32
+SEQ_SPAN = 1 << SEQ_BITS
+#: Priority levels: 21 bits, so (levels << 32) stays below 2**53.
+PRIORITY_LEVELS = (1 << 21) - 1
+#: Levels per e-fold of (1 + priority): relative resolution 1/131072 ~ 8e-6.
+LEVELS_PER_E = 1 << 17
+#: Largest priority that still has its own level (log1p(p) * 2**17 < 2**21 - 1).
+PRIORITY_CEILING = math.expm1(PRIORITY_LEVELS / LEVELS_PER_E)
+
+#: Members of the marker set that wakes blocked consumers (one member: puts coalesce).
+MARKER_MEMBER = "ready"
+
+
+def priority_level(priority: float) -> int:
+    """Quantise a priority (higher runs sooner) to an integer level in [0, PRIORITY_LEVELS]."""
+    if math.isnan(priority):
+        raise ValueError("priority is NaN")
+    p = min(max(priority, 0.0), PRIORITY_CEILING)
+    return min(PRIORITY_LEVELS, round(math.log1p(p) * LEVELS_PER_E))
+
+
+def score_base(priority: float) -> int:
+    """Score without the arrival counter: lower pops first, so invert the level."""
+    return (PRIORITY_LEVELS - priority_level(priority)) << SEQ_BITS
+
+
+def decode_score(score: float) -> tuple[float, int]:
+    """(approximate priority, arrival counter) of a stored score, for status displays."""
+    s = int(score)
+    level = PRIORITY_LEVELS - (s >> SEQ_BITS)
+    return math.expm1(level / LEVELS_PER_E), s & (SEQ_SPAN - 1)
+
+
+@dataclass(frozen=True)
+class QueueKeys:
+    """The Redis keys of one queue, in the order every Lua script receives them."""
+
+    waiting: str  # ZSET message id -> score
+    payloads: str  # HASH message id -> kombu message JSON (until acked or dead-lettered)
+    meta: str  # HASH message id -> scheduling metadata JSON (for the rescoring pass)
+    marker: str  # ZSET with one member while messages wait; consumers BZPOPMIN it
+    seq: str  # STRING arrival counter
+    unacked: str  # ZSET message id -> deadline base (pick or heartbeat time, unix s)
+    saved: str  # HASH message id -> score it had when picked (restored with it)
+    redelivered: str  # HASH message id -> times restored
+    dead: str  # HASH message id -> dead-letter record JSON
+    arrivals: str  # HASH SLA class -> messages ever enqueued (bandwidth compliance)
+
+    @classmethod
+    def for_queue(cls, queue: str, prefix: str = "") -> QueueKeys:
+        if "{" in queue or "}" in queue:
+            # A brace would move the hash tag and scatter the queue over cluster slots.
+            raise ValueError(f"queue name {queue!r} must not contain braces")
+        base = f"{prefix}sits:{{{queue}}}:"
+        return cls(*(base + suffix for suffix in ("z", "p", "i", "mk", "seq", "u", "s", "rd", "dl",
+                                                         "arr")))
+
+    def all(self) -> list[str]:
+        return [self.waiting, self.payloads, self.meta, self.marker, self.seq, self.unacked,
+                self.saved, self.redelivered, self.dead, self.arrivals]
+
+
+def queues_registry(prefix: str = "") -> str:
+    """SET of queue names ever declared (for ``sitsq status``; never used inside a script)."""
+    return f"{prefix}sits:queues"
+
+
+def stats_key(prefix: str = "") -> str:
+    """STRING with the latest priority snapshot JSON, written by the rescoring beat task."""
+    return f"{prefix}sits:stats"

@@ -1,0 +1,17 @@
+-- ack.lua: forget delivered messages for good.
+-- KEYS (all hash-tagged {queue}, same order for every script):
+--   1 waiting ZSET  2 payloads HASH  3 meta HASH  4 marker ZSET  5 seq STRING
+--   6 unacked ZSET  7 saved-score HASH  8 redelivered HASH  9 dead-letter HASH
+--   10 arrivals HASH (class -> messages ever enqueued)
+-- ARGV: ids
+-- Returns how many were still unacked.
+local n = 0
+for i = 1, #ARGV do
+  local id = ARGV[i]
+  n = n + redis.call('ZREM', KEYS[6], id)
+  redis.call('HDEL', KEYS[2], id)
+  redis.call('HDEL', KEYS[3], id)
+  redis.call('HDEL', KEYS[7], id)
+  redis.call('HDEL', KEYS[8], id)
+end
+return n

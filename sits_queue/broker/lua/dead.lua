@@ -1,0 +1,25 @@
+-- dead.lua: move a message (waiting or unacked) to the dead-letter hash with a reason.
+-- KEYS (all hash-tagged {queue}, same order for every script):
+--   1 waiting ZSET  2 payloads HASH  3 meta HASH  4 marker ZSET  5 seq STRING
+--   6 unacked ZSET  7 saved-score HASH  8 redelivered HASH  9 dead-letter HASH
+--   10 arrivals HASH (class -> messages ever enqueued)
+-- ARGV: now (unix s), reason, ids
+-- Returns how many records were written.
+local n = 0
+for i = 3, #ARGV do
+  local id = ARGV[i]
+  local payload = redis.call('HGET', KEYS[2], id)
+  if payload then
+    redis.call('HSET', KEYS[9], id, cjson.encode({reason = ARGV[2], at = tonumber(ARGV[1]),
+                                                payload = payload,
+                                                meta = redis.call('HGET', KEYS[3], id)}))
+    n = n + 1
+  end
+  redis.call('ZREM', KEYS[1], id)
+  redis.call('ZREM', KEYS[6], id)
+  redis.call('HDEL', KEYS[2], id)
+  redis.call('HDEL', KEYS[3], id)
+  redis.call('HDEL', KEYS[7], id)
+  redis.call('HDEL', KEYS[8], id)
+end
+return n

@@ -1,0 +1,36 @@
+-- pick.lua: pop the best waiting message and record it as unacked, atomically, so a
+-- popped message is never outside both the queue and the unacked set.
+-- KEYS (all hash-tagged {queue}, same order for every script):
+--   1 waiting ZSET  2 payloads HASH  3 meta HASH  4 marker ZSET  5 seq STRING
+--   6 unacked ZSET  7 saved-score HASH  8 redelivered HASH  9 dead-letter HASH
+--   10 arrivals HASH (class -> messages ever enqueued)
+-- ARGV: now (unix s), max redeliveries before dead-lettering
+-- Returns {id, payload, times redelivered} or false when nothing is waiting.
+local now, max_redeliveries = ARGV[1], tonumber(ARGV[2])
+for _ = 1, 64 do
+  local head = redis.call('ZPOPMIN', KEYS[1])
+  if #head == 0 then return false end
+  local id, score = head[1], head[2]
+  local payload = redis.call('HGET', KEYS[2], id)
+  if payload then
+    local times = tonumber(redis.call('HGET', KEYS[8], id) or '0')
+    if times > max_redeliveries then
+      -- It was restored after a crash this many times: it is killing workers. Park it.
+      local record = cjson.encode({reason = 'redelivered ' .. times .. ' times (poison message)',
+                                   at = tonumber(now), payload = payload,
+                                   meta = redis.call('HGET', KEYS[3], id)})
+      redis.call('HSET', KEYS[9], id, record)
+      redis.call('HDEL', KEYS[2], id)
+      redis.call('HDEL', KEYS[3], id)
+      redis.call('HDEL', KEYS[8], id)
+    else
+      redis.call('ZADD', KEYS[6], now, id)
+      redis.call('HSET', KEYS[7], id, score)
+      if redis.call('ZCARD', KEYS[1]) > 0 then redis.call('ZADD', KEYS[4], 0, 'ready') end
+      return {id, payload, times}
+    end
+  end
+  -- An id without a payload was acked or purged mid-flight: nothing to deliver, skip it.
+end
+if redis.call('ZCARD', KEYS[1]) > 0 then redis.call('ZADD', KEYS[4], 0, 'ready') end
+return false

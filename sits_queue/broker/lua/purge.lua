@@ -1,0 +1,17 @@
+-- purge.lua: drop up to ARGV[1] waiting messages (one bounded chunk; call until 0).
+-- Unacked messages are left alone, as kombu's purge does.
+-- KEYS (all hash-tagged {queue}, same order for every script):
+--   1 waiting ZSET  2 payloads HASH  3 meta HASH  4 marker ZSET  5 seq STRING
+--   6 unacked ZSET  7 saved-score HASH  8 redelivered HASH  9 dead-letter HASH
+--   10 arrivals HASH (class -> messages ever enqueued)
+-- ARGV: chunk size
+-- Returns the number removed.
+local ids = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
+for _, id in ipairs(ids) do
+  redis.call('ZREM', KEYS[1], id)
+  redis.call('HDEL', KEYS[2], id)
+  redis.call('HDEL', KEYS[3], id)
+  redis.call('HDEL', KEYS[8], id)
+end
+if redis.call('ZCARD', KEYS[1]) == 0 then redis.call('DEL', KEYS[4]) end
+return #ids

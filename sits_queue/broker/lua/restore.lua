@@ -1,0 +1,32 @@
+-- restore.lua: put unacked messages back into the waiting set with the score they had.
+-- Only ids still in the unacked set move, so a message acked meanwhile is never re-added.
+-- KEYS (all hash-tagged {queue}, same order for every script):
+--   1 waiting ZSET  2 payloads HASH  3 meta HASH  4 marker ZSET  5 seq STRING
+--   6 unacked ZSET  7 saved-score HASH  8 redelivered HASH  9 dead-letter HASH
+--   10 arrivals HASH (class -> messages ever enqueued)
+-- ARGV[1]: deadline ceiling (unix s) to restore every message picked/heartbeated before
+--          it, or '-' to restore exactly the ids in ARGV[3..]
+-- ARGV[2]: at most this many (with a ceiling)
+-- Returns the number restored.
+local ids
+if ARGV[1] == '-' then
+  ids = {}
+  for i = 3, #ARGV do ids[#ids + 1] = ARGV[i] end
+else
+  ids = redis.call('ZRANGE', KEYS[6], '-inf', ARGV[1], 'BYSCORE', 'LIMIT', 0, tonumber(ARGV[2]))
+end
+local n = 0
+for _, id in ipairs(ids) do
+  if redis.call('ZREM', KEYS[6], id) == 1 then
+    local score = redis.call('HGET', KEYS[7], id)
+    redis.call('HDEL', KEYS[7], id)
+    if redis.call('HEXISTS', KEYS[2], id) == 1 then
+      -- No saved score (older state): the very front is safer than losing its place.
+      redis.call('ZADD', KEYS[1], score or 0, id)
+      redis.call('HINCRBY', KEYS[8], id, 1)
+      n = n + 1
+    end
+  end
+end
+if n > 0 then redis.call('ZADD', KEYS[4], 0, 'ready') end
+return n

@@ -1,0 +1,42 @@
+"""What the broker keeps about a waiting message besides its payload: the scoring inputs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from sits_queue.options import TaskOptions
+from sits_queue.priority.model import TaskFeatures
+
+# Short JSON keys: this record exists once per waiting message (100k+ in a deep queue).
+_KEYS = {"sla_class": "c", "model": "m", "context_tokens": "n", "latency_sla_ms": "sla",
+         "loss_sensitivity": "ls", "input_entropy": "e", "vram_gib": "v"}
+
+
+@dataclass(frozen=True)
+class WaitingMeta:
+    options: TaskOptions
+    enqueued_at_s: float
+    task: str
+
+    def to_json(self) -> str:
+        record: dict[str, Any] = {short: getattr(self.options, name)
+                                  for name, short in _KEYS.items()}
+        record["t"] = self.enqueued_at_s
+        record["task"] = self.task
+        return json.dumps(record, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> WaitingMeta:
+        record = json.loads(raw)
+        options = TaskOptions(**{name: record.get(short) for name, short in _KEYS.items()})
+        return cls(options=options, enqueued_at_s=float(record["t"]),
+                   task=str(record.get("task", "")))
+
+    def features(self) -> TaskFeatures:
+        o = self.options
+        return TaskFeatures(sla_class=o.sla_class, enqueued_at_s=self.enqueued_at_s,
+                            context_tokens=o.context_tokens, latency_sla_ms=o.latency_sla_ms,
+                            loss_sensitivity=o.loss_sensitivity,
+                            input_entropy=o.input_entropy or 0.0, model=o.model)

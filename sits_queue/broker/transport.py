@@ -1,0 +1,325 @@
+"""kombu transport whose queues are Redis sorted sets ordered by a live priority score.
+
+Built on kombu's Redis transport: connection handling, fanout (pub/sub), events,
+remote control, the event-loop poller and Sentinel support are inherited; only the
+queue primitives (put, get, the blocking wait, size, purge, delete) and the ack
+emulation (QoS) are replaced. See ``keys.py`` for the key layout and ``lua/`` for
+the atomic steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import redis
+from kombu.transport import redis as kredis
+from kombu.transport import virtual
+from kombu.utils.json import dumps, loads
+
+from sits_queue.broker.keys import QueueKeys, queues_registry, score_base
+from sits_queue.broker.meta import WaitingMeta
+from sits_queue.broker.scripts import Scripts
+from sits_queue.broker.snapshot import SnapshotCache
+from sits_queue.config import SitsConfig
+from sits_queue.errors import InvalidTaskOptions
+from sits_queue.options import HEADER, from_header
+from sits_queue.priority.model import priority
+
+logger = logging.getLogger(__name__)
+
+Empty = virtual.Empty
+#: Messages moved per Lua call when purging: bounds how long one call holds Redis.
+PURGE_CHUNK = 1000
+#: Restored per sweep per queue: a crashed worker's backlog comes back over a few sweeps.
+RESTORE_LIMIT = 1000
+#: Malformed messages skipped in one get before yielding to the event loop.
+MAX_BAD_IN_A_ROW = 100
+
+
+class QoS(kredis.QoS):
+    """Ack emulation over the per-queue unacked sets.
+
+    ``pick.lua`` already recorded the message as unacked, so ``append`` only keeps the
+    local bookkeeping; ack, reject and restore run one script on the message's queue.
+    """
+
+    restore_at_shutdown = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._last_sweep = 0.0
+        self._last_heartbeat = time.monotonic()
+
+    def _queue_of(self, delivery_tag: str) -> str | None:
+        message = self._delivered.get(delivery_tag)
+        if message is None:
+            return None
+        queue: str | None = message.delivery_info.get("sits_queue")
+        return queue
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        virtual.QoS.append(self, message, delivery_tag)
+
+    def ack(self, delivery_tag: str) -> None:
+        queue = self._queue_of(delivery_tag)
+        if queue is not None:
+            self.channel._run("ack", queue, [delivery_tag])
+        virtual.QoS.ack(self, delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        queue = self._queue_of(delivery_tag)
+        if queue is not None:
+            if requeue:
+                self.channel._run("restore", queue, ["-", 0, delivery_tag])
+            else:
+                # Rejected for good (unknown task, Reject(requeue=False)): keep it inspectable.
+                self.channel._run("dead", queue, [time.time(), "rejected by consumer",
+                                                  delivery_tag])
+        virtual.QoS.ack(self, delivery_tag)
+
+    def restore_unacked(self, client: Any = None) -> None:
+        by_queue: dict[str, list[str]] = defaultdict(list)
+        for tag in list(self._delivered):
+            queue = self._queue_of(tag)
+            if queue is not None:
+                by_queue[queue].append(tag)
+        for queue, tags in by_queue.items():
+            self.channel._run("restore", queue, ["-", 0, *tags])
+        self._delivered.clear()
+
+    def restore_visible(self, start: int = 0, num: int | None = 10, interval: int = 10) -> None:
+        """Heartbeat held messages, then restore messages whose holder went silent."""
+        now_mono = time.monotonic()
+        period = self.channel.visibility_timeout / 3
+        if now_mono - self._last_heartbeat >= period:
+            self.heartbeat()
+        if now_mono - self._last_sweep < period:
+            return
+        self._last_sweep = now_mono
+        ceiling = time.time() - self.channel.visibility_timeout
+        for queue in self.channel.active_queues:
+            restored = self.channel._run("restore", queue, [ceiling, num or RESTORE_LIMIT])
+            if restored:
+                logger.warning("restored %d message(s) of queue %r whose worker stopped "
+                               "heartbeating for %.0f s", restored, queue,
+                               self.channel.visibility_timeout)
+
+    def heartbeat(self) -> None:
+        """Push the deadline of every message this channel holds (running or reserved)."""
+        self._last_heartbeat = time.monotonic()
+        now = time.time()
+        by_queue: dict[str, list[str]] = defaultdict(list)
+        for tag in list(self._delivered):
+            queue = self._queue_of(tag)
+            if queue is not None:
+                by_queue[queue].append(tag)
+        if not by_queue:
+            return
+        with self.channel.raw.pipeline(transaction=False) as pipe:
+            for queue, tags in by_queue.items():
+                pipe.zadd(self.channel.keys(queue).unacked, dict.fromkeys(tags, now), xx=True)
+            pipe.execute()
+
+
+class Channel(kredis.Channel):
+    QoS = QoS
+    sits_config: dict[str, Any] | None = None
+    from_transport_options = (*kredis.Channel.from_transport_options, "sits_config")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.config = (SitsConfig.from_mapping(self.sits_config) if self.sits_config
+                       else SitsConfig())
+        self.unacked_restore_throttle = 1  # our QoS throttles by time itself
+        self._raw_client: redis.Redis | None = None
+        self._raw_pool: Any = None
+        self._scripts: Scripts | None = None
+        self._keys: dict[str, QueueKeys] = {}
+        self._marker_queue: dict[bytes, str] = {}
+        self.snapshots = SnapshotCache(self.config)
+
+    # kombu's pool can no longer ship batched puts atomically with our scripts.
+    @property
+    def supports_batch_publish(self) -> bool:
+        return False
+
+    # -- plumbing --------------------------------------------------------------------------
+    @property
+    def raw(self) -> redis.Redis:
+        """A client on kombu's pool that does not re-prefix keys (we prefix them ourselves)."""
+        pool = self.pool
+        if self._raw_client is None or self._raw_pool is not pool:
+            self._raw_client = redis.Redis(connection_pool=pool)
+            self._raw_pool = pool
+            self._scripts = Scripts.register(self._raw_client)
+        return self._raw_client
+
+    @property
+    def scripts(self) -> Scripts:
+        _ = self.raw
+        assert self._scripts is not None
+        return self._scripts
+
+    def keys(self, queue: str) -> QueueKeys:
+        k = self._keys.get(queue)
+        if k is None:
+            k = self._keys[queue] = QueueKeys.for_queue(queue, self.global_keyprefix)
+            self._marker_queue[k.marker.encode()] = queue
+        return k
+
+    def _run(self, script: str, queue: str, args: list[Any]) -> Any:
+        return self.scripts.run(script, self.keys(queue), args, self.raw)
+
+    # -- publishing ------------------------------------------------------------------------
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        kwargs.pop("_publish_batch", None)
+        self._put_many(queue, [message])
+
+    def _put_many(self, queue: str, messages: Iterable[dict[str, Any]]) -> int:
+        now = time.time()
+        snapshot = self.snapshots.get(self.raw, now)
+        args: list[Any] = []
+        for message in messages:
+            meta = self._meta_for(message, now)
+            args += [message["properties"]["delivery_tag"], dumps(message), meta.to_json(),
+                     score_base(priority(meta.features(), snapshot, self.config)),
+                     meta.options.sla_class]
+        with self.raw.pipeline(transaction=False) as pipe:
+            self.scripts.run("put", self.keys(queue), args, pipe)
+            if queue in self._expires:
+                # Reply queues come and go: keep them expiring and out of the registry.
+                for key in self.keys(queue).all():
+                    pipe.pexpire(key, self._expires[queue])
+            else:
+                # Same round trip as the put; idempotent, so a flushed registry heals itself.
+                pipe.sadd(queues_registry(self.global_keyprefix), queue)
+            n: int = pipe.execute()[0]
+        return n
+
+    def _meta_for(self, message: dict[str, Any], now: float) -> WaitingMeta:
+        headers = message.get("headers") or {}
+        try:
+            options = from_header(self.config, headers.get(HEADER))
+        except InvalidTaskOptions as exc:
+            # A foreign producer wrote a bad header: enqueue with defaults, never drop.
+            logger.warning("message %s: %s; scheduling it with default options",
+                           message.get("properties", {}).get("delivery_tag"), exc)
+            options = from_header(self.config, None)
+        return WaitingMeta(options=options, enqueued_at_s=now, task=str(headers.get("task", "")))
+
+    def _new_queue(self, queue: str, auto_delete: bool = False, **kwargs: Any) -> None:
+        super()._new_queue(queue, auto_delete=auto_delete, **kwargs)
+        self.keys(queue)  # validates the name
+        if queue not in self._expires:  # reply queues come and go; do not list them
+            self.raw.sadd(queues_registry(self.global_keyprefix), queue)
+
+    # -- consuming -------------------------------------------------------------------------
+    def _get(self, queue: str) -> dict[str, Any]:
+        for _ in range(MAX_BAD_IN_A_ROW):
+            picked = self._run("pick", queue, [time.time(), self.config.max_redeliveries])
+            if not picked:
+                raise Empty()
+            message = self._decode(queue, picked)
+            if message is not None:
+                return message
+        raise Empty()
+
+    def _decode(self, queue: str, picked: list[Any]) -> dict[str, Any] | None:
+        """The kombu message, or None after dead-lettering a malformed payload."""
+        tag = picked[0].decode() if isinstance(picked[0], bytes) else str(picked[0])
+        try:
+            message = loads(picked[1])
+            if not isinstance(message, dict) or not isinstance(message.get("properties"), dict):
+                raise ValueError("not a kombu message (no 'properties' object)")
+        except ValueError as exc:
+            reason = f"malformed payload: {exc}"
+            logger.error("queue %r message %s: %s; moved to dead letters", queue, tag, reason)
+            self._run("dead", queue, [time.time(), reason, tag])
+            return None
+        props = message["properties"]
+        props["delivery_tag"] = tag
+        info = props.setdefault("delivery_info", {})
+        info["sits_queue"] = queue
+        if int(picked[2]):
+            info["redelivered"] = True
+            message.setdefault("headers", {})["redelivered"] = True
+        return message
+
+    def _brpop_start(self, timeout: float | None = None) -> None:
+        if timeout is None:
+            timeout = self.brpop_timeout
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        if not queues:
+            return
+        markers = [self.keys(q).marker for q in queues]
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = time.monotonic()
+        # Wait on the markers, not the queues: the pick itself must be the atomic script.
+        self.client.connection.send_command("BZPOPMIN", *markers, timeout or 0)
+
+    def _brpop_read(self, **options: Any) -> bool:
+        try:
+            try:
+                woke = self.client.parse_response(self.client.connection, "BZPOPMIN",
+                                                  **options)
+            except self.connection_errors:
+                self.client.connection.disconnect()
+                raise
+            if not woke:
+                raise Empty()
+            key = woke[0] if isinstance(woke[0], bytes) else str(woke[0]).encode()
+            queue = self._marker_queue[key]
+            self._queue_cycle.rotate(queue)
+            message = self._get(queue)
+            self.connection._deliver(message, queue)
+            return True
+        finally:
+            self._in_poll = None
+            self._flush_brpop_reauth()
+
+    def _size(self, queue: str) -> int:
+        return int(self.raw.zcard(self.keys(queue).waiting))
+
+    def _purge(self, queue: str) -> int:
+        total = 0
+        while n := self._run("purge", queue, [PURGE_CHUNK]):
+            total += int(n)
+        return total
+
+    def _delete(self, queue: str, exchange: str, routing_key: str, pattern: str, *args: Any,
+                **kwargs: Any) -> None:
+        self.auto_delete_queues.discard(queue)
+        member = self.sep.join([routing_key or "", pattern or "", queue or ""])
+        with self.raw.pipeline(transaction=False) as pipe:
+            pipe.srem(self.global_keyprefix + self.keyprefix_queue % (exchange,), member)
+            pipe.srem(self.global_keyprefix + self.keyprefix_binding_permanent % (exchange,),
+                      member)
+            # UNLINK frees large hashes off the main thread.
+            pipe.unlink(*self.keys(queue).all())
+            pipe.srem(queues_registry(self.global_keyprefix), queue)
+            pipe.execute()
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        k = self.keys(queue)
+        return bool(self.raw.exists(k.waiting, k.unacked))
+
+    def _restore(self, message: Any, leftmost: bool = False) -> None:
+        queue = message.delivery_info.get("sits_queue")
+        if queue is not None:
+            self._run("restore", queue, ["-", 0, message.delivery_tag])
+
+    # -- inspection ------------------------------------------------------------------------
+    def dead_letters(self, queue: str) -> dict[str, Any]:
+        raw = self.raw.hgetall(self.keys(queue).dead)
+        return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+
+class Transport(kredis.Transport):
+    Channel = Channel
+    driver_type = "redis"
+    driver_name = "redis"

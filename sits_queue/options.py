@@ -1,0 +1,107 @@
+"""Submission options: what a task declares about itself, validated before enqueueing.
+
+The same dataclass travels in the message header ``sits`` and is read back by the
+broker (to score the message) and by the worker (to apply class limits).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from sits_queue.config import SitsConfig
+from sits_queue.errors import InvalidTaskOptions
+from sits_queue.priority.entropy import input_entropy
+
+#: The message header that carries these options.
+HEADER = "sits"
+#: Option names accepted on ``@app.task(...)`` and ``apply_async(...)``.
+OPTION_NAMES = ("sla_class", "model", "context_tokens", "latency_sla_ms", "loss_sensitivity",
+                "input_entropy", "vram_gib")
+#: Larger contexts than this are typos, not prompts (10M tokens).
+MAX_CONTEXT_TOKENS = 10_000_000
+#: An SLA longer than a day is not a latency SLA.
+MAX_LATENCY_SLA_MS = 86_400_000.0
+#: No single device offers more (largest parts today: 192 GiB).
+MAX_VRAM_GIB = 1024.0
+
+
+@dataclass(frozen=True)
+class TaskOptions:
+    sla_class: str
+    model: str | None
+    context_tokens: int
+    latency_sla_ms: float
+    loss_sensitivity: float
+    input_entropy: float | None
+    vram_gib: float | None
+
+    def to_header(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def resolve(config: SitsConfig, declared: Mapping[str, Any], per_call: Mapping[str, Any],
+            args: Any = (), kwargs: Any = None) -> TaskOptions:
+    """Merge decorator defaults and per-call options, fill class defaults, validate.
+
+    Raises :class:`InvalidTaskOptions` naming the bad option; the caller enqueues nothing.
+    """
+    merged = {k: v for k, v in declared.items() if v is not None}
+    merged.update({k: v for k, v in per_call.items() if v is not None})
+    sla_class = merged.get("sla_class", config.default_class)
+    if not isinstance(sla_class, str) or sla_class not in config.class_names:
+        raise InvalidTaskOptions(f"unknown sla_class {sla_class!r}; known classes: "
+                                 f"{list(config.class_names)}")
+    quota = config.quota(sla_class)
+    entropy = merged.get("input_entropy")
+    if entropy is None:
+        entropy = input_entropy(args or (), kwargs or {})
+    return TaskOptions(
+        sla_class=sla_class,
+        model=_model(merged.get("model")),
+        context_tokens=int(_number("context_tokens", merged.get("context_tokens", 0), 0,
+                                   MAX_CONTEXT_TOKENS, integer=True)),
+        latency_sla_ms=_number("latency_sla_ms", merged.get("latency_sla_ms",
+                                                            quota.latency_sla_ms),
+                               1e-3, MAX_LATENCY_SLA_MS),
+        loss_sensitivity=_number("loss_sensitivity", merged.get("loss_sensitivity",
+                                                                quota.loss_sensitivity),
+                                 0.1, 0.9),
+        input_entropy=None if entropy is None else _number("input_entropy", entropy, 0.0, 1.0),
+        vram_gib=None if merged.get("vram_gib") is None
+        else _number("vram_gib", merged["vram_gib"], 0.0, MAX_VRAM_GIB),
+    )
+
+
+def from_header(config: SitsConfig, header: Any) -> TaskOptions:
+    """Read options back from a message header; raises InvalidTaskOptions if malformed."""
+    if header is None:
+        return resolve(config, {}, {})
+    if not isinstance(header, Mapping):
+        raise InvalidTaskOptions(f"header {HEADER!r} must be an object, got "
+                                 f"{type(header).__name__}")
+    unknown = set(header) - {f.name for f in fields(TaskOptions)}
+    if unknown:
+        raise InvalidTaskOptions(f"header {HEADER!r} has unknown options {sorted(unknown)}")
+    return resolve(config, {}, header)
+
+
+def _model(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > 200:
+        raise InvalidTaskOptions(f"model must be a non-empty name of at most 200 characters, "
+                                 f"got {value!r}")
+    return value
+
+
+def _number(name: str, value: Any, lo: float, hi: float, integer: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidTaskOptions(f"{name} must be a number, got {value!r}")
+    if integer and not float(value).is_integer():
+        raise InvalidTaskOptions(f"{name} must be a whole number, got {value!r}")
+    if not math.isfinite(value) or not lo <= value <= hi:
+        raise InvalidTaskOptions(f"{name} must be in [{lo:g}, {hi:g}], got {value!r}")
+    return float(value)

@@ -1,0 +1,217 @@
+"""The rescoring pass and the §2.2 trigger check: the Redis edge of the priority model.
+
+Workers record each finished task (``sits_queue.workers.signals``); this module turns
+those records into a :class:`PrioritySnapshot`, stores it for producers, and rewrites
+the score of every waiting message in bounded, atomic chunks (``rescore.lua``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from sits_queue.broker.keys import QueueKeys, queues_registry, score_base, stats_key
+from sits_queue.broker.meta import WaitingMeta
+from sits_queue.broker.scripts import Scripts
+from sits_queue.broker.snapshot import snapshot_to_json
+from sits_queue.config import SitsConfig
+from sits_queue.priority import stats
+from sits_queue.priority.model import ClassStats, PrioritySnapshot, priority
+
+logger = logging.getLogger(__name__)
+
+#: Per-pass decay of model call counts: hotness halves in ~6.6 passes (~33 s at 5 s).
+HOTNESS_DECAY = 0.9
+#: Waiting messages read per queue when looking for the oldest top-class task.
+HEAD_PEEK = 32
+
+
+def latency_key(config: SitsConfig, sla_class: str) -> str:
+    return f"{config.global_keyprefix}sits:lat:{sla_class}"
+
+
+def counter_key(config: SitsConfig, name: str) -> str:
+    """HASH class -> count, for name in ("done", "failed")."""
+    return f"{config.global_keyprefix}sits:{name}"
+
+
+def hot_key(config: SitsConfig) -> str:
+    return f"{config.global_keyprefix}sits:hot"
+
+
+def _state_key(config: SitsConfig, name: str) -> str:
+    return f"{config.global_keyprefix}sits:state:{name}"
+
+
+@dataclass(frozen=True)
+class PassReport:
+    queues: int
+    seen: int
+    rewritten: int
+    calls: int
+    max_call_ms: float
+    duration_ms: float
+
+
+class Rescorer:
+    """Holds one Redis client and the scripts; one instance per worker process."""
+
+    def __init__(self, config: SitsConfig, client: redis.Redis | None = None) -> None:
+        self.config = config
+        self.client = client or redis.Redis.from_url(config.redis_url)
+        self.scripts = Scripts.register(self.client)
+
+    def queues(self) -> list[str]:
+        names = self.client.smembers(queues_registry(self.config.global_keyprefix))
+        return sorted(n.decode() if isinstance(n, bytes) else str(n) for n in names)
+
+    def keys(self, queue: str) -> QueueKeys:
+        return QueueKeys.for_queue(queue, self.config.global_keyprefix)
+
+    # -- snapshot ----------------------------------------------------------------------------
+    def gather_snapshot(self, now_s: float) -> PrioritySnapshot:
+        """Build the snapshot from worker records and store it for producers."""
+        c, cfg = self.client, self.config
+        with c.pipeline(transaction=False) as pipe:
+            for name in cfg.class_names:
+                pipe.lrange(latency_key(cfg, name), 0, -1)
+            pipe.hgetall(counter_key(cfg, "done"))
+            pipe.hgetall(hot_key(cfg))
+            pipe.get(_state_key(cfg, "totals"))
+            for queue in self.queues():
+                pipe.hgetall(self.keys(queue).arrivals)
+            replies = pipe.execute()
+        n = len(cfg.class_names)
+        latencies, done, hot, prev_raw, arrivals = (replies[:n], replies[n], replies[n + 1],
+                                                     replies[n + 2], replies[n + 3:])
+        done_now = _counts(done)
+        arrived_now: dict[str, float] = {}
+        for table in arrivals:
+            for name, count in _counts(table).items():
+                arrived_now[name] = arrived_now.get(name, 0.0) + count
+        prev = json.loads(prev_raw) if prev_raw else {"done": {}, "arrived": {}}
+        classes = {}
+        for name, samples in zip(cfg.class_names, latencies, strict=True):
+            chrono = [float(s) for s in reversed(samples)]  # LPUSH keeps newest first
+            classes[name] = ClassStats(
+                p95_ms=stats.p95(chrono), jitter_ms=stats.jitter_ms(chrono),
+                bandwidth_compliance=stats.bandwidth_compliance(
+                    done_now.get(name, 0.0) - prev["done"].get(name, 0.0),
+                    arrived_now.get(name, 0.0) - prev["arrived"].get(name, 0.0)))
+        hot_counts = _counts(hot)
+        snapshot = PrioritySnapshot(now_s=now_s, classes=classes,
+                                    hotness=stats.hotness(hot_counts))
+        with c.pipeline(transaction=False) as pipe:
+            pipe.set(stats_key(cfg.global_keyprefix), snapshot_to_json(snapshot))
+            pipe.set(_state_key(cfg, "totals"), json.dumps({"done": done_now,
+                                                            "arrived": arrived_now}))
+            # Decay by increment, so counts workers add meanwhile are never lost.
+            for model, count in hot_counts.items():
+                pipe.hincrbyfloat(hot_key(cfg), model, count * (HOTNESS_DECAY - 1))
+            pipe.execute()
+        return snapshot
+
+    # -- the pass ----------------------------------------------------------------------------
+    def rescore_all(self, now_s: float | None = None) -> PassReport | None:
+        """One full pass over every registered queue, or None if another pass holds the lock."""
+        lock = self.client.lock(_state_key(self.config, "rescore-lock"),
+                                timeout=max(10.0, 6 * self.config.rescore_interval_s),
+                                blocking=False)
+        if not lock.acquire():
+            return None
+        try:
+            return self._pass(time.time() if now_s is None else now_s)
+        finally:
+            try:
+                lock.release()
+            except redis.exceptions.LockError:
+                logger.warning("rescoring pass outlived its lock")
+
+    def _pass(self, now_s: float) -> PassReport:
+        started = time.perf_counter()
+        snapshot = self.gather_snapshot(now_s)
+        queues = self.queues()
+        seen = rewritten = calls = 0
+        max_call = 0.0
+        for queue in queues:
+            s, r, k, m = self.rescore_queue(queue, snapshot)
+            seen, rewritten, calls, max_call = seen + s, rewritten + r, calls + k, max(max_call, m)
+        return PassReport(len(queues), seen, rewritten, calls, max_call * 1000,
+                          (time.perf_counter() - started) * 1000)
+
+    def rescore_queue(self, queue: str, snapshot: PrioritySnapshot) -> tuple[int, int, int, float]:
+        """Rewrite one queue's scores chunk by chunk; returns (seen, rewritten, calls, max s)."""
+        keys, chunk = self.keys(queue), self.config.rescore_chunk
+        seen = rewritten = calls = 0
+        max_call = 0.0
+        cursor = 0
+        while True:
+            t0 = time.perf_counter()
+            cursor, members = self.client.zscan(keys.waiting, cursor, count=chunk)
+            ids = [m for m, _ in members]
+            metas = self.client.hmget(keys.meta, ids) if ids else []
+            max_call = max(max_call, time.perf_counter() - t0)
+            args: list[Any] = []
+            for msg_id, raw in zip(ids, metas, strict=True):
+                if raw is None:
+                    continue  # picked between ZSCAN and HMGET: nothing to rewrite
+                meta = WaitingMeta.from_json(raw)
+                args += [msg_id, score_base(priority(meta.features(), snapshot, self.config))]
+            seen += len(ids)
+            if args:
+                t0 = time.perf_counter()
+                rewritten += int(self.scripts.run("rescore", keys, args, self.client))
+                max_call = max(max_call, time.perf_counter() - t0)
+                calls += 1
+            calls += 1
+            if cursor == 0:
+                return seen, rewritten, calls, max_call
+
+    # -- triggers ----------------------------------------------------------------------------
+    def check_triggers(self, now_s: float | None = None) -> tuple[str, ...]:
+        """Sample RTT, loss and the top class's backlog; rescore now if a §2.2 trigger fires."""
+        now_s = time.time() if now_s is None else now_s
+        t0 = time.perf_counter()
+        self.client.ping()
+        rtt_ms = (time.perf_counter() - t0) * 1000
+        raw = self.client.get(_state_key(self.config, "triggers"))
+        saved = json.loads(raw) if raw else {}
+        done = sum(_counts(self.client.hgetall(counter_key(self.config, "done"))).values())
+        failed = sum(_counts(self.client.hgetall(counter_key(self.config, "failed"))).values())
+        d_done = done - saved.get("done", 0.0)
+        d_failed = failed - saved.get("failed", 0.0)
+        loss = d_failed / d_done if d_done > 0 else 0.0
+        sample = stats.TriggerSample(rtt_ms=rtt_ms, loss_rate=min(1.0, max(0.0, loss)),
+                                     oldest_high_wait_ms=self.oldest_top_class_wait_ms(now_s))
+        state = stats.TriggerState(**saved.get("state", {}))
+        fired, state = stats.evaluate_triggers(state, sample)
+        self.client.set(_state_key(self.config, "triggers"), json.dumps(
+            {"done": done, "failed": failed, "state": state.__dict__}))
+        if fired:
+            report = self.rescore_all(now_s)
+            logger.info("priority triggers %s fired; rescoring pass: %s", fired, report)
+        return fired
+
+    def oldest_top_class_wait_ms(self, now_s: float) -> float | None:
+        top = max(self.config.classes, key=lambda c: c.weight).name
+        oldest: float | None = None
+        for queue in self.queues():
+            keys = self.keys(queue)
+            ids = self.client.zrange(keys.waiting, 0, HEAD_PEEK - 1)
+            for raw in self.client.hmget(keys.meta, ids) if ids else []:
+                if raw is None:
+                    continue
+                meta = WaitingMeta.from_json(raw)
+                if meta.options.sla_class == top:
+                    wait = (now_s - meta.enqueued_at_s) * 1000
+                    oldest = wait if oldest is None else max(oldest, wait)
+        return oldest
+
+
+def _counts(table: dict[Any, Any]) -> dict[str, float]:
+    return {(k.decode() if isinstance(k, bytes) else str(k)): float(v) for k, v in table.items()}

@@ -1,0 +1,33 @@
+"""The maintenance tasks beat schedules. Thin: decode nothing, call one method, log."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict
+from typing import Any
+
+from celery import Celery
+
+from sits_queue.priority.rescore import Rescorer
+
+_local = threading.local()
+
+
+def _rescorer(app: Celery) -> Rescorer:
+    # One client per worker process (created after fork, never inherited).
+    r: Rescorer | None = getattr(_local, "rescorer", None)
+    if r is None:
+        r = _local.rescorer = Rescorer(app.sits)
+    return r
+
+
+def register(app: Celery) -> None:
+    @app.task(name="sits.rescore", ignore_result=True, shared=False, sla_class=app.sits.classes[0].name)
+    def rescore() -> dict[str, Any] | None:
+        report = _rescorer(app).rescore_all()
+        return None if report is None else asdict(report)
+
+    @app.task(name="sits.check_triggers", ignore_result=True, shared=False,
+              sla_class=app.sits.classes[0].name)
+    def check_triggers() -> list[str]:
+        return list(_rescorer(app).check_triggers())

@@ -1,0 +1,264 @@
+"""The sorted-set transport against a real Redis, in-process (no worker)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from sits_queue.app import make_app
+from sits_queue.broker.keys import QueueKeys
+from sits_queue.config import SitsConfig
+from sits_queue.errors import InvalidTaskOptions
+from sits_queue.priority.model import starvation_bound_s
+from sits_queue.priority.rescore import Rescorer, hot_key
+
+
+def build_app(redis_url: str, **overrides: Any) -> Celery:
+    config = replace(SitsConfig(redis_url=redis_url), **overrides)
+    app = make_app(config, main="transport_test")
+
+    @app.task(name="t.echo", sla_class="low", shared=False)
+    def echo(tag: str) -> str:
+        return tag
+
+    return app
+
+
+@pytest.fixture
+def app(redis_url: str, redis_client: redis.Redis) -> Iterator[Celery]:
+    app = build_app(redis_url)
+    yield app
+    app.close()
+
+
+def drain(app: Celery, queue: str = "celery", limit: int = 10_000) -> list[str]:
+    """Pick and ack every waiting message; return each task's first argument, in order."""
+    out: list[str] = []
+    with app.connection_for_write() as conn:
+        q = conn.SimpleQueue(queue)
+        for _ in range(limit):
+            try:
+                msg = q.get(block=False)
+            except q.Empty:
+                break
+            out.append(msg.payload[0][0])
+            msg.ack()
+        q.close()
+    return out
+
+
+def test_strict_priority_order_with_fifo_ties(app: Celery) -> None:
+    echo = app.tasks["t.echo"]
+    # Given interleaved submissions across classes, several per class
+    plan = [("low", "l1"), ("high", "h1"), ("medium", "m1"), ("low", "l2"), ("high", "h2"),
+            ("medium", "m2"), ("low", "l3"), ("high", "h3")]
+    for cls, tag in plan:
+        echo.apply_async((tag,), sla_class=cls)
+    # Then the queue hands them out class by class, FIFO inside each class
+    assert drain(app) == ["h1", "h2", "h3", "m1", "m2", "l1", "l2", "l3"]
+
+
+def test_equal_priorities_leave_in_arrival_order_at_scale(app: Celery) -> None:
+    echo = app.tasks["t.echo"]
+    tags = [f"t{i:04d}" for i in range(500)]
+    for tag in tags:
+        # Entropy is computed from the text argument; pin it so priorities are equal.
+        echo.apply_async((tag,), input_entropy=0.5)
+    assert drain(app) == tags
+
+
+def test_context_decay_orders_within_a_class(app: Celery) -> None:
+    echo = app.tasks["t.echo"]
+    echo.apply_async(("long",), sla_class="medium", context_tokens=32_000)
+    echo.apply_async(("short",), sla_class="medium", context_tokens=100)
+    assert drain(app) == ["short", "long"]
+
+
+def test_rescoring_moves_a_waiting_task_ahead(app: Celery, redis_client: redis.Redis) -> None:
+    echo = app.tasks["t.echo"]
+    # Given two equal low-class tasks for different models, "cold" first
+    echo.apply_async(("cold",), sla_class="low", model="cold-model")
+    echo.apply_async(("hot",), sla_class="low", model="hot-model")
+    # When the hot model gets many calls and a rescoring pass runs
+    redis_client.hincrbyfloat(hot_key(app.sits), "hot-model", 50.0)
+    report = Rescorer(app.sits, redis_client).rescore_all()
+    # Then the later task now leaves first
+    assert report is not None and report.rewritten == 2
+    assert drain(app) == ["hot", "cold"]
+
+
+def test_aging_lets_an_old_low_task_overtake_fresh_high_ones(app: Celery,
+                                                             redis_client: redis.Redis) -> None:
+    echo = app.tasks["t.echo"]
+    keys = QueueKeys.for_queue("celery")
+    echo.apply_async(("old-low",), sla_class="low")
+    (low_id,) = redis_client.zrange(keys.waiting, 0, -1)
+    echo.apply_async(("high",), sla_class="high")
+    rescorer = Rescorer(app.sits, redis_client)
+    # A pass now keeps class order...
+    rescorer.rescore_all()
+    assert redis_client.zrange(keys.waiting, 0, 0) != [low_id]
+    # ...but once the low task has waited past the starvation bound, it goes first.
+    meta = json.loads(redis_client.hget(keys.meta, low_id))
+    meta["t"] -= starvation_bound_s(app.sits) * 1.01
+    redis_client.hset(keys.meta, low_id, json.dumps(meta))
+    rescorer.rescore_all()
+    assert drain(app) == ["old-low", "high"]
+
+
+def test_invalid_options_enqueue_nothing(app: Celery, redis_client: redis.Redis) -> None:
+    echo = app.tasks["t.echo"]
+    bad: list[dict[str, Any]] = [{"sla_class": "urgent"}, {"context_tokens": -5},
+                                 {"latency_sla_ms": float("nan")}, {"loss_sensitivity": 3},
+                                 {"input_entropy": 1.5}, {"vram_gib": -1},
+                                 {"context_tokens": 1.5}, {"model": ""}]
+    for options in bad:
+        with pytest.raises(InvalidTaskOptions) as info:
+            echo.apply_async(("x",), **options)
+        assert next(iter(options)) in str(info.value)
+    assert redis_client.zcard(QueueKeys.for_queue("celery").waiting) == 0
+
+
+def test_class_sets_time_limits_and_header(app: Celery, redis_client: redis.Redis) -> None:
+    app.tasks["t.echo"].apply_async(("x",), sla_class="high", model="m", context_tokens=7)
+    keys = QueueKeys.for_queue("celery")
+    (msg_id,) = redis_client.zrange(keys.waiting, 0, -1)
+    message = json.loads(redis_client.hget(keys.payloads, msg_id))
+    assert message["headers"]["timelimit"] == [45, 36]
+    assert message["headers"]["sits"]["sla_class"] == "high"
+    assert message["headers"]["sits"]["context_tokens"] == 7
+
+
+def test_unacked_messages_are_restored_never_lost(redis_url: str,
+                                                  redis_client: redis.Redis) -> None:
+    app = build_app(redis_url, visibility_timeout_s=4.0)
+    for i in range(20):
+        app.tasks["t.echo"].delay(f"m{i}")
+    keys = QueueKeys.for_queue("celery")
+    # Given a consumer that picks 5 messages, acks 2 and then vanishes without a word
+    conn = app.connection_for_write()
+    q = conn.SimpleQueue("celery")
+    picked = [q.get(block=False) for _ in range(5)]
+    for m in picked[:2]:
+        m.ack()
+    assert redis_client.zcard(keys.unacked) == 3
+    assert redis_client.zcard(keys.waiting) == 15
+    # When the visibility timeout passes and another consumer sweeps
+    redis_client.zadd(keys.unacked, {m.delivery_tag: time.time() - 10 for m in picked[2:]})
+    app2 = build_app(redis_url, visibility_timeout_s=4.0)
+    with app2.connection_for_write() as conn2:
+        ch = conn2.default_channel
+        ch.basic_consume("celery", no_ack=False, callback=lambda *a: None, consumer_tag="t")
+        ch.qos._last_sweep = -1e9
+        ch.qos.restore_visible()
+    # Then the three unacked ones are back, the two acked ones are gone, nothing else moved
+    got = drain(app2)
+    acked = {m.payload[0][0] for m in picked[:2]}
+    assert sorted(got) == sorted({f"m{i}" for i in range(20)} - acked)
+    assert redis_client.hlen(keys.payloads) == 0
+    restored = [m.payload[0][0] for m in picked[2:]]
+    assert got[:3] == restored  # they kept their old (earlier) place
+    conn.release()
+    app.close()
+    app2.close()
+
+
+def test_heartbeat_keeps_held_messages_from_being_restored(redis_url: str,
+                                                          redis_client: redis.Redis) -> None:
+    app = build_app(redis_url, visibility_timeout_s=4.0)
+    app.tasks["t.echo"].delay("held")
+    keys = QueueKeys.for_queue("celery")
+    with app.connection_for_write() as conn:
+        q = conn.SimpleQueue("celery")
+        msg = q.get(block=False)
+        redis_client.zadd(keys.unacked, {msg.delivery_tag: time.time() - 10})
+        q.consumer.channel.qos.heartbeat()
+        deadline = redis_client.zscore(keys.unacked, msg.delivery_tag)
+        assert deadline is not None and deadline > time.time() - 2
+        msg.ack()
+    assert redis_client.zcard(keys.unacked) == 0
+
+
+def test_requeue_and_reject(app: Celery, redis_client: redis.Redis) -> None:
+    keys = QueueKeys.for_queue("celery")
+    app.tasks["t.echo"].delay("a")
+    app.tasks["t.echo"].delay("b")
+    with app.connection_for_write() as conn:
+        q = conn.SimpleQueue("celery")
+        first = q.get(block=False)
+        first.requeue()
+        again = q.get(block=False)
+        assert again.payload[0][0] == "a" and again.delivery_info.get("redelivered")
+        again.reject()
+        last = q.get(block=False)
+        assert last.payload[0][0] == "b"
+        last.ack()
+    dead = redis_client.hgetall(keys.dead)
+    assert len(dead) == 1
+    assert json.loads(next(iter(dead.values())))["reason"] == "rejected by consumer"
+
+
+@pytest.mark.parametrize("garbage", [b"not json at all", b"[1, 2, 3]", b'{"body": "x"}'])
+def test_malformed_payload_is_dead_lettered_and_the_queue_keeps_flowing(
+        app: Celery, redis_client: redis.Redis, garbage: bytes) -> None:
+    keys = QueueKeys.for_queue("celery")
+    app.tasks["t.echo"].delay("good")
+    # A foreign writer slips a bad payload in front of the good message
+    redis_client.hset(keys.payloads, "bad-1", garbage)
+    redis_client.zadd(keys.waiting, {"bad-1": 0})
+    assert drain(app) == ["good"]
+    record = json.loads(redis_client.hget(keys.dead, "bad-1"))
+    assert "malformed payload" in record["reason"]
+    assert record["payload"] == garbage.decode()
+
+
+def test_orphan_id_without_payload_is_skipped(app: Celery, redis_client: redis.Redis) -> None:
+    keys = QueueKeys.for_queue("celery")
+    redis_client.zadd(keys.waiting, {"ghost": 0})
+    app.tasks["t.echo"].delay("real")
+    assert drain(app) == ["real"]
+
+
+def test_poison_message_is_dead_lettered_after_max_redeliveries(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    app = build_app(redis_url, max_redeliveries=2)
+    keys = QueueKeys.for_queue("celery")
+    app.tasks["t.echo"].delay("poison")
+    with app.connection_for_write() as conn:
+        q = conn.SimpleQueue("celery")
+        for _ in range(3):  # delivered, then restored twice (as if it killed two workers)
+            q.get(block=False).requeue()
+        with pytest.raises(q.Empty):
+            q.get(block=False)
+    record = json.loads(redis_client.hget(keys.dead, next(iter(redis_client.hkeys(keys.dead)))))
+    assert "poison" in record["reason"]
+
+
+def test_size_purge_delete(app: Celery, redis_client: redis.Redis) -> None:
+    for i in range(2500):
+        app.tasks["t.echo"].delay(str(i))
+    with app.connection_for_write() as conn:
+        conn.SimpleQueue("celery")  # declares and binds, as a worker would
+        ch = conn.default_channel
+        assert ch._size("celery") == 2500
+        assert ch.queue_purge("celery") == 2500
+        assert ch._size("celery") == 0
+        app.tasks["t.echo"].delay("again")
+        ch.queue_delete("celery")
+    assert not redis_client.keys("sits:{celery}:*")
+
+
+def test_global_keyprefix_namespaces_every_key(redis_url: str, redis_client: redis.Redis) -> None:
+    app = build_app(redis_url, global_keyprefix="tenant1:")
+    app.tasks["t.echo"].delay("x")
+    assert redis_client.zcard("tenant1:sits:{celery}:z") == 1
+    assert not redis_client.exists("sits:{celery}:z")
+    assert drain(app) == ["x"]
+    assert redis_client.hlen("tenant1:sits:{celery}:p") == 0
