@@ -1,0 +1,57 @@
+"""Helpers to run real worker and beat subprocesses against the session Redis."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+
+from sits_queue.app import make_app
+from sits_queue.config import SitsConfig
+from sits_queue.procs import CeleryProcess, start_beat, start_worker, wait_ready
+from tests.integration.worker_app import register
+
+ROOT = Path(__file__).resolve().parents[2]
+APP_MODULE = "tests.integration.worker_app"
+
+
+def worker_env(redis_url: str, **settings: str) -> dict[str, str]:
+    env = {"SITS_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT) + os.pathsep +
+           os.environ.get("PYTHONPATH", "")}
+    env.update({f"SITS_{k.upper()}": v for k, v in settings.items()})
+    return env
+
+
+@pytest.fixture
+def client_app(redis_url: str) -> Iterator[Celery]:
+    """The submitting side: the same app module the workers run, configured alike."""
+    app = make_app(SitsConfig(redis_url=redis_url), main="client")
+    register(app)
+    yield app
+    app.close()
+
+
+@pytest.fixture
+def spawn(tmp_path: Path, redis_url: str, client_app: Celery
+          ) -> Iterator[Callable[..., CeleryProcess]]:
+    """spawn("worker"|"beat", **settings) starts a process; all are stopped at teardown."""
+    started: list[CeleryProcess] = []
+
+    def _spawn(kind: str = "worker", wait: bool = True, concurrency: int = 2,
+               **settings: str) -> CeleryProcess:
+        env = worker_env(redis_url, **settings)
+        if kind == "beat":
+            proc = start_beat(APP_MODULE, env, tmp_path, cwd=ROOT)
+        else:
+            proc = start_worker(APP_MODULE, env, tmp_path, concurrency=concurrency, cwd=ROOT)
+        started.append(proc)
+        if kind == "worker" and wait:
+            wait_ready(client_app, [proc])
+        return proc
+
+    yield _spawn
+    for proc in started:
+        proc.stop(timeout_s=10)

@@ -1,0 +1,155 @@
+"""Real ``celery worker`` / ``beat`` / CLI subprocesses on the sorted-set transport."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import psutil
+import pytest
+import redis
+from celery import Celery
+from celery.exceptions import NotRegistered
+
+from sits_queue.broker.keys import QueueKeys, stats_key
+from sits_queue.procs import CeleryProcess
+from tests.integration.conftest import APP_MODULE, ROOT, worker_env
+
+Spawn = Callable[..., CeleryProcess]
+WAITING = QueueKeys.for_queue("celery")
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_delay_from_a_separate_process(spawn: Spawn, client_app: Celery,
+                                       redis_url: str) -> None:
+    spawn()
+    # Given a producer that is another OS process, using plain `delay()`
+    code = ("from tests.integration.worker_app import tasks; "
+            "print(tasks['add'].delay(2, 3).id)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ,
+                         **worker_env(redis_url)}, cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, check=True)
+    # Then the worker runs it and the result comes back through the result backend
+    assert client_app.AsyncResult(out.stdout.strip()).get(timeout=30) == 5
+
+
+@pytest.mark.slow
+def test_ten_thousand_in_ten_thousand_out_no_duplicates(spawn: Spawn, client_app: Celery,
+                                                        redis_client: redis.Redis) -> None:
+    n = 10_000
+    record = client_app.tasks["w.record"]
+    with client_app.producer_or_acquire() as producer:
+        ids = [record.apply_async((f"t{i}",), producer=producer).id for i in range(n)]
+    spawn(concurrency=2)
+    spawn(concurrency=2)
+    wait_for(lambda: int(redis_client.get("test:runs") or 0) >= n, 240, f"{n} executions")
+    time.sleep(1.0)  # a duplicate would still be running now; give it the chance to show
+    assert redis_client.scard("test:done") == n
+    assert int(redis_client.get("test:runs") or 0) == n
+    results = [client_app.AsyncResult(i) for i in ids[:: n // 100]]
+    assert all(r.get(timeout=30).startswith("t") for r in results)
+    assert redis_client.zcard(WAITING.waiting) == 0
+    wait_for(lambda: redis_client.zcard(WAITING.unacked) == 0, 10, "the last acks")
+    assert redis_client.hlen(WAITING.payloads) == 0
+
+
+def test_sigkilled_worker_task_is_redelivered_and_completes(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    first = spawn(visibility_timeout_s="4")
+    result = client_app.tasks["w.slow"].delay("k", 2.0)
+    wait_for(lambda: redis_client.get("test:started:k") == b"1", 30, "the task to start")
+    # When the whole worker (main process and pool) dies without a word
+    first.kill()
+    assert redis_client.zcard(WAITING.unacked) == 1
+    # Then a surviving worker restores it after the visibility timeout and runs it
+    spawn(visibility_timeout_s="4")
+    assert result.get(timeout=60) == "k"
+    assert redis_client.get("test:started:k") == b"2"
+    # Late ack: the result is stored just before the ack, so wait for the ack itself.
+    wait_for(lambda: redis_client.zcard(WAITING.unacked) == 0, 10, "the ack")
+
+
+def test_sigkilled_pool_child_requeues_its_task(spawn: Spawn, client_app: Celery,
+                                                redis_client: redis.Redis) -> None:
+    worker = spawn(concurrency=1)
+    result = client_app.tasks["w.slow"].delay("c", 1.5)
+    wait_for(lambda: redis_client.get("test:started:c") == b"1", 30, "the task to start")
+    children = psutil.Process(worker.pid).children(recursive=True)
+    assert children, "prefork worker has no pool child"
+    for child in children:
+        os.kill(child.pid, signal.SIGKILL)
+    # task_reject_on_worker_lost: the message goes back and a fresh child runs it
+    assert result.get(timeout=60) == "c"
+    assert redis_client.get("test:started:c") == b"2"
+    assert worker.alive()
+
+
+def test_unknown_task_fails_clearly_and_the_worker_keeps_serving(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    worker = spawn()
+    ghost = client_app.send_task("no.such.task", args=(1,))
+    with pytest.raises(NotRegistered):
+        ghost.get(timeout=30)
+    assert client_app.tasks["w.add"].delay(1, 1).get(timeout=30) == 2
+    assert worker.alive()
+    (record,) = [json.loads(v) for v in redis_client.hvals(WAITING.dead)]
+    assert record["reason"] == "rejected by consumer"
+
+
+def test_malformed_messages_do_not_kill_the_worker(spawn: Spawn, client_app: Celery,
+                                                   redis_client: redis.Redis) -> None:
+    worker = spawn()
+    # A foreign writer drops garbage straight into the queue while the worker waits
+    redis_client.hset(WAITING.payloads, "junk", "{{{ not json")
+    redis_client.zadd(WAITING.waiting, {"junk": 0})
+    redis_client.zadd(WAITING.marker, {"ready": 0})
+    body = {"no": "headers"}
+    redis_client.hset(WAITING.payloads, "nobody", json.dumps({"body": body,
+                      "properties": {"delivery_tag": "nobody"}, "headers": {}}))
+    redis_client.zadd(WAITING.waiting, {"nobody": 0})
+    assert client_app.tasks["w.add"].delay(2, 2).get(timeout=30) == 4
+    assert worker.alive()
+    assert redis_client.hexists(WAITING.dead, "junk")
+    assert redis_client.zcard(WAITING.waiting) == 0
+
+
+def test_beat_runs_the_rescoring_pass(spawn: Spawn, redis_client: redis.Redis) -> None:
+    spawn(rescore_interval_s="1", trigger_check_interval_s="1")
+    spawn("beat", rescore_interval_s="1", trigger_check_interval_s="1")
+    wait_for(lambda: redis_client.exists(stats_key()) == 1, 60, "a rescoring pass")
+    snapshot = json.loads(redis_client.get(stats_key()))
+    assert set(snapshot["classes"]) == {"high", "medium", "low"}
+
+
+def celery_cli(redis_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "celery", "-A", APP_MODULE, *args],
+                          env={**os.environ, **worker_env(redis_url)}, cwd=ROOT,
+                          capture_output=True, text=True, timeout=90)
+
+
+def test_celery_inspect_ping(spawn: Spawn, redis_url: str) -> None:
+    worker = spawn()
+    out = celery_cli(redis_url, "inspect", "ping", "--timeout=5")
+    assert out.returncode == 0, out.stderr
+    assert "pong" in out.stdout and worker.hostname in out.stdout
+
+
+def test_celery_purge(client_app: Celery, redis_client: redis.Redis, redis_url: str) -> None:
+    for i in range(5):
+        client_app.tasks["w.add"].delay(i, i)
+    out = celery_cli(redis_url, "purge", "-f")
+    assert out.returncode == 0, out.stderr
+    assert "5 messages" in out.stdout
+    assert redis_client.zcard(WAITING.waiting) == 0

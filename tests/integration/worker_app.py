@@ -1,0 +1,54 @@
+"""Tasks the integration tests run inside real ``celery worker`` subprocesses.
+
+Workers load this module with ``-A``; its ``app`` is ``sits_queue.app`` itself
+(configured from SITS_* variables), so the tests exercise exactly what
+``celery -A sits_queue worker`` runs. The submitting test process registers the same
+tasks on its own app with :func:`register`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from sits_queue import app
+
+_r: dict[int, redis.Redis] = {}
+
+
+def register(app: Celery) -> dict[str, Any]:
+    def r() -> redis.Redis:
+        pid = os.getpid()
+        if pid not in _r:
+            _r[pid] = redis.Redis.from_url(app.sits.redis_url)
+        return _r[pid]
+
+    @app.task(name="w.add", shared=False)
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    @app.task(name="w.record", shared=False)
+    def record(tag: str) -> str:
+        """Count every execution, so duplicates show up as runs > distinct tags."""
+        r().pipeline().sadd("test:done", tag).incr("test:runs").execute()
+        return tag
+
+    @app.task(name="w.slow", sla_class="high", shared=False)
+    def slow(tag: str, seconds: float) -> str:
+        r().pipeline().incr(f"test:started:{tag}").rpush("test:started", tag).execute()
+        time.sleep(seconds)
+        r().rpush("test:finished", tag)
+        return tag
+
+    @app.task(name="w.pid", shared=False)
+    def pid() -> int:
+        return os.getpid()
+
+    return {"add": add, "record": record, "slow": slow, "pid": pid}
+
+
+tasks = register(app)
