@@ -8,7 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 from celery import Celery, Task
-from kombu import Queue
+from kombu.entity import Queue
 
 from sits_queue.config import SitsConfig
 from sits_queue.options import HEADER, OPTION_NAMES, resolve
@@ -100,7 +100,7 @@ def celery_settings(config: SitsConfig) -> dict[str, Any]:
         "task_send_sent_event": True,
         "worker_send_task_events": True,
         "task_default_queue": DEFAULT_QUEUE,
-        "task_queues": (Queue(DEFAULT_QUEUE), Queue(CONTROL_QUEUE)),
+        "task_queues": (Queue(DEFAULT_QUEUE), Queue(CONTROL_QUEUE)),  # type: ignore[no-untyped-call]
         "task_routes": {"sits.*": {"queue": CONTROL_QUEUE}},
         "beat_scheduler": "redbeat.RedBeatScheduler",
         "redbeat_redis_url": config.redis_url,

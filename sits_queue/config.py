@@ -174,6 +174,11 @@ class SitsConfig:
     def class_names(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.classes)
 
+    @property
+    def top_class(self) -> str:
+        """The class with the largest weight (maintenance tasks and backlog triggers use it)."""
+        return max(self.classes, key=lambda c: c.weight).name
+
     def quota(self, name: str) -> ClassQuota:
         for c in self.classes:
             if c.name == name:

@@ -129,7 +129,8 @@ class QoS(kredis.QoS):
 class Channel(kredis.Channel):
     QoS = QoS
     sits_config: dict[str, Any] | None = None
-    from_transport_options = (*kredis.Channel.from_transport_options, "sits_config")
+    from_transport_options = (*kredis.Channel.from_transport_options,  # type: ignore[assignment]
+                              "sits_config")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -219,7 +220,7 @@ class Channel(kredis.Channel):
             self.raw.sadd(queues_registry(self.global_keyprefix), queue)
 
     # -- consuming -------------------------------------------------------------------------
-    def _get(self, queue: str) -> dict[str, Any]:
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         for _ in range(MAX_BAD_IN_A_ROW):
             picked = self._run("pick", queue, [time.time(), self.config.max_redeliveries])
             if not picked:
@@ -231,7 +232,7 @@ class Channel(kredis.Channel):
 
     def _decode(self, queue: str, picked: list[Any]) -> dict[str, Any] | None:
         """The kombu message, or None after dead-lettering a malformed payload."""
-        tag = picked[0].decode() if isinstance(picked[0], bytes) else str(picked[0])
+        tag = _text(picked[0])
         try:
             message = loads(picked[1])
             if not isinstance(message, dict) or not isinstance(message.get("properties"), dict):
@@ -258,7 +259,7 @@ class Channel(kredis.Channel):
             return
         markers = [self.keys(q).marker for q in queues]
         self._in_poll = self.client.connection
-        self._brpop_sent_at = time.monotonic()
+        self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
         # Wait on the markers, not the queues: the pick itself must be the atomic script.
         self.client.connection.send_command("BZPOPMIN", *markers, timeout or 0)
 
@@ -279,7 +280,7 @@ class Channel(kredis.Channel):
             self.connection._deliver(message, queue)
             return True
         finally:
-            self._in_poll = None
+            self._in_poll = None  # type: ignore[assignment]
             self._flush_brpop_reauth()
 
     def _size(self, queue: str) -> int:
@@ -316,10 +317,14 @@ class Channel(kredis.Channel):
     # -- inspection ------------------------------------------------------------------------
     def dead_letters(self, queue: str) -> dict[str, Any]:
         raw = self.raw.hgetall(self.keys(queue).dead)
-        return {k.decode(): json.loads(v) for k, v in raw.items()}
+        return {_text(k): json.loads(v) for k, v in raw.items()}
 
 
 class Transport(kredis.Transport):
     Channel = Channel
     driver_type = "redis"
     driver_name = "redis"
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

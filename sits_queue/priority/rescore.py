@@ -198,11 +198,11 @@ class Rescorer:
         return fired
 
     def oldest_top_class_wait_ms(self, now_s: float) -> float | None:
-        top = max(self.config.classes, key=lambda c: c.weight).name
+        top = self.config.top_class
         oldest: float | None = None
         for queue in self.queues():
             keys = self.keys(queue)
-            ids = self.client.zrange(keys.waiting, 0, HEAD_PEEK - 1)
+            ids: list[Any] = list(self.client.zrange(keys.waiting, 0, HEAD_PEEK - 1))
             for raw in self.client.hmget(keys.meta, ids) if ids else []:
                 if raw is None:
                     continue

@@ -22,12 +22,14 @@ def _rescorer(app: Celery) -> Rescorer:
 
 
 def register(app: Celery) -> None:
-    @app.task(name="sits.rescore", ignore_result=True, shared=False, sla_class=app.sits.classes[0].name)
+    top = app.sits.top_class
+
+    @app.task(name="sits.rescore", ignore_result=True, shared=False, sla_class=top)  # type: ignore[untyped-decorator]
     def rescore() -> dict[str, Any] | None:
         report = _rescorer(app).rescore_all()
         return None if report is None else asdict(report)
 
-    @app.task(name="sits.check_triggers", ignore_result=True, shared=False,
-              sla_class=app.sits.classes[0].name)
+    @app.task(name="sits.check_triggers", ignore_result=True, shared=False,  # type: ignore[untyped-decorator]
+              sla_class=top)
     def check_triggers() -> list[str]:
         return list(_rescorer(app).check_triggers())

@@ -13,6 +13,7 @@ from typing import Any
 import redis
 from celery import Celery, signals
 
+from sits_queue.app import sits_config
 from sits_queue.config import SitsConfig
 from sits_queue.options import HEADER
 from sits_queue.priority.rescore import counter_key, hot_key, latency_key
@@ -59,7 +60,8 @@ def connect(app: Celery) -> None:
                    **_: Any) -> None:
         if task is None or getattr(task, "app", None) is not app:
             return
-        record_completion(app.sits, task.request, failed=state == "FAILURE", now_s=time.time())
+        record_completion(sits_config(app), task.request, failed=state == "FAILURE",
+                          now_s=time.time())
 
     # weak=False: the closure would otherwise be collected at once.
     signals.task_postrun.connect(on_postrun, weak=False)
