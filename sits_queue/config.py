@@ -101,7 +101,11 @@ class PriorityWeights:
     entropy_gain: float = 0.2
     #: Cap on §2.1 ``risk`` so one bad p95 cannot swamp the class weights.
     risk_cap: float = 4.0
-    #: A task that has waited this long outranks any fresh task of any class (no starvation).
+    #: A task gains no aging boost before it has waited this long, s: short-term order stays
+    #: strictly by class, so a burst of old low tasks cannot push fresh mid-class work back.
+    aging_start_s: float = 20.0
+    #: A task that has waited this long outranks a fresh top-class task at nominal priority
+    #: (no starvation; see ``sits_queue.priority.model.starvation_bound_s`` for boosts).
     aging_bound_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -117,6 +121,9 @@ class PriorityWeights:
         if self.risk_cap < 1:
             raise ConfigError("risk_cap must be >= 1 (risk is never below 1)")
         _positive("aging_bound_s", self.aging_bound_s)
+        if not 0 <= self.aging_start_s < self.aging_bound_s:
+            raise ConfigError(f"aging_start_s must be in [0, aging_bound_s), got "
+                              f"{self.aging_start_s} (bound {self.aging_bound_s})")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ Higher runs sooner. With ``w = config.weights`` and the task's class quota ``cls
              * (1 + w.qos_gain * qos)                              # §2.2 QoS, qos in [0, 1]
              * (1 + w.hotness_gain * hotness[model])               # §1.3 model hotness
              * (1 - w.entropy_gain * input_entropy)                # §1.3 entropy (sharded)
-             + aging_rate_per_s * max(0, now_s - enqueued_at_s)    # ours: no starvation
+             + aging_rate_per_s * max(0, wait_s - w.aging_start_s) # ours: no starvation
 
     qos = w.qos_jitter    * clamp(jitter_ms / 100, 0, 1)           # §2.2
         + w.qos_bandwidth * (1 - clamp(bandwidth_compliance, 0, 1))
@@ -217,15 +217,24 @@ def qos_score(
 
 # -- aging ---------------------------------------------------------------------------------
 def aging_rate_per_s(config: SitsConfig) -> float:
-    """Priority a waiting task gains per second of wait, 1/s.
+    """Priority a waiting task gains per second of wait beyond ``aging_start_s``, 1/s.
 
     Chosen so that a task of *any* class that has waited ``weights.aging_bound_s``
     strictly outranks a fresh task of the top class at nominal priority: risk 1, zero
     context, qos 0, hotness 0, entropy 0, i.e. ``max_weight * 100``. Boosts can make a
     fresh task worth more than nominal; :func:`starvation_bound_s` covers that case.
+    Before ``aging_start_s`` there is no boost at all, so under a short overload the
+    classes keep their strict order (a linear boost from t=0 would let a low task that
+    waited a few seconds overtake fresh medium work, ten times its weight).
     """
     top_weight = max(c.weight for c in config.classes)
-    return top_weight * PRIORITY_SCALE / config.weights.aging_bound_s
+    w = config.weights
+    return top_weight * PRIORITY_SCALE / (w.aging_bound_s - w.aging_start_s)
+
+
+def aging_boost(wait_s: float, config: SitsConfig) -> float:
+    """The aging term of the score for a task that has waited ``wait_s``."""
+    return aging_rate_per_s(config) * max(0.0, wait_s - config.weights.aging_start_s)
 
 
 def max_fresh_priority(config: SitsConfig) -> float:
@@ -242,12 +251,13 @@ def starvation_bound_s(config: SitsConfig) -> float:
     Guarantee: if task A was enqueued more than this many seconds before task B, then
     A's priority exceeds B's at every ``now``, whatever their classes, stats, context,
     hotness or entropy. So a task can only be overtaken by tasks enqueued less than this
-    long after it, and cannot starve. Equals ``aging_bound_s * risk_cap * (1 + qos_gain)
-    * (1 + hotness_gain)`` (the boosts delay the nominal ``aging_bound_s`` crossover by at
-    most that factor). Scores are rewritten once per rescoring pass, so in the queue the
-    bound holds up to one ``rescore_interval_s`` of staleness.
+    long after it, and cannot starve. Equals ``aging_start_s + (aging_bound_s -
+    aging_start_s) * risk_cap * (1 + qos_gain) * (1 + hotness_gain)`` (the boosts delay
+    the nominal crossover by at most that factor). Scores are rewritten once per
+    rescoring pass, so in the queue the bound holds up to one ``rescore_interval_s`` of
+    staleness.
     """
-    return max_fresh_priority(config) / aging_rate_per_s(config)
+    return config.weights.aging_start_s + max_fresh_priority(config) / aging_rate_per_s(config)
 
 
 # -- the score -----------------------------------------------------------------------------
@@ -281,9 +291,9 @@ def explain(
                       ("class_weight", "latency_priority", "qos_factor",
                        "hotness_factor", "entropy_factor"))
     wait_s = max(0.0, snapshot.now_s - features.enqueued_at_s)
-    rate = aging_rate_per_s(config)
-    factors.update(fresh=fresh, wait_s=wait_s, aging_rate_per_s=rate,
-                   aging=rate * wait_s, priority=fresh + rate * wait_s)
+    aging = aging_boost(wait_s, config)
+    factors.update(fresh=fresh, wait_s=wait_s, aging_rate_per_s=aging_rate_per_s(config),
+                   aging=aging, priority=fresh + aging)
     return factors
 
 

@@ -17,6 +17,9 @@ MIN_COUNT = 0.01
 
 #: §2.2: RTT off its baseline by more than this fraction fires "rtt".
 RTT_TOLERANCE = 0.15
+#: ...and by more than this much, ms: on loopback a 0.1 ms PING jitters by 15% every
+#: sample, which is noise, not a route change.
+RTT_FLOOR_MS = 1.0
 #: §2.2: loss above its baseline by more than this (absolute fraction) counts as a rise.
 LOSS_RISE = 0.05
 #: §2.2: consecutive rising samples, samples, before "loss" fires.
@@ -138,6 +141,7 @@ def evaluate_triggers(
     state: TriggerState,
     sample: TriggerSample,
     rtt_tolerance: float = RTT_TOLERANCE,
+    rtt_floor_ms: float = RTT_FLOOR_MS,
     loss_rise: float = LOSS_RISE,
     loss_samples: int = LOSS_SAMPLES,
     backlog_ms: float = BACKLOG_MS,
@@ -160,7 +164,7 @@ def evaluate_triggers(
         first = TriggerState(rtt_baseline_ms=sample.rtt_ms, loss_baseline=sample.loss_rate)
         return _names(backlog=backlog), first
     # Multiplied out, not divided: a zero baseline (loopback) must not divide by zero.
-    rtt = abs(sample.rtt_ms - rtt_base) > rtt_tolerance * rtt_base
+    rtt = abs(sample.rtt_ms - rtt_base) > max(rtt_tolerance * rtt_base, rtt_floor_ms)
     rising = sample.loss_rate - loss_base > loss_rise
     streak = state.loss_streak + 1 if rising else 0
     loss = streak >= loss_samples

@@ -163,8 +163,23 @@ def test_every_factor_multiplies_in() -> None:
     assert parts["qos"] == pytest.approx(qos)
     assert parts["fresh"] == pytest.approx(fresh)
     assert parts["wait_s"] == pytest.approx(10)
-    assert parts["priority"] == pytest.approx(fresh + 10 * aging_rate_per_s(CONFIG))
+    # 10 s is inside the aging grace period: no boost yet
+    assert WEIGHTS.aging_start_s > 10
+    assert parts["aging"] == 0.0
+    assert parts["priority"] == pytest.approx(fresh)
     assert priority(features, snapshot, CONFIG) == parts["priority"]
+    # Past the grace period the boost grows linearly with the extra wait
+    later = PrioritySnapshot(now_s=NOW_S + WEIGHTS.aging_start_s + 10,
+                             classes=snapshot.classes, hotness=snapshot.hotness)
+    assert explain(features, later, CONFIG)["priority"] == pytest.approx(
+        fresh + 10 * aging_rate_per_s(CONFIG))
+
+
+def test_no_aging_inside_the_grace_period_keeps_class_order() -> None:
+    # A low task that has waited almost aging_start_s still yields to fresh medium work
+    low = task("low", enqueued_at_s=NOW_S - WEIGHTS.aging_start_s * 0.99)
+    medium = task("medium", context_tokens=2048)
+    assert priority(low, EMPTY, CONFIG) < priority(medium, EMPTY, CONFIG)
 
 
 def test_risk_is_capped() -> None:
@@ -256,12 +271,14 @@ def test_aged_low_task_outranks_fresh_high_task_at_nominal_stats() -> None:
 
 def test_aging_rate_matches_the_documented_crossover() -> None:
     top = max(q.weight for q in CONFIG.classes)
-    assert aging_rate_per_s(CONFIG) * WEIGHTS.aging_bound_s == pytest.approx(top * 100)
+    span = WEIGHTS.aging_bound_s - WEIGHTS.aging_start_s
+    assert aging_rate_per_s(CONFIG) * span == pytest.approx(top * 100)
 
 
 def test_starvation_bound_is_the_boosted_crossover() -> None:
     w = WEIGHTS
-    expected = w.aging_bound_s * w.risk_cap * (1 + w.qos_gain) * (1 + w.hotness_gain)
+    expected = w.aging_start_s + (w.aging_bound_s - w.aging_start_s) * w.risk_cap * (
+        1 + w.qos_gain) * (1 + w.hotness_gain)
     assert starvation_bound_s(CONFIG) == pytest.approx(expected)
 
 

@@ -155,7 +155,19 @@ def test_rtt_fires_beyond_15_percent(rtt: float, fires: bool) -> None:
 def test_zero_rtt_baseline_does_not_divide_by_zero() -> None:
     state = TriggerState(rtt_baseline_ms=0.0, loss_baseline=0.0)
     assert evaluate_triggers(state, sample(rtt=0.0))[0] == ()
-    assert evaluate_triggers(state, sample(rtt=1.0))[0] == ("rtt",)
+    assert evaluate_triggers(state, sample(rtt=1.5))[0] == ("rtt",)
+
+
+@pytest.mark.parametrize(("base", "rtt", "fires"), [
+    (0.1, 0.13, False),   # +30% but 0.03 ms: loopback noise under the 1 ms floor
+    (0.1, 1.2, True),     # +1.1 ms: over the floor
+    (20.0, 22.0, False),  # +10%: under the relative tolerance
+    (20.0, 24.0, True),   # +20% and 4 ms
+])
+def test_rtt_needs_both_relative_and_absolute_change(base: float, rtt: float,
+                                                     fires: bool) -> None:
+    state = TriggerState(rtt_baseline_ms=base, loss_baseline=0.0)
+    assert ("rtt" in evaluate_triggers(state, sample(rtt=rtt))[0]) is fires
 
 
 @pytest.mark.parametrize(

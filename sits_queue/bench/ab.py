@@ -1,0 +1,175 @@
+"""``sitsq bench ab``: one seeded mixed workload through stock Celery (FIFO), stock
+Celery's Redis priority emulation, and SITS, on the same Redis and worker concurrency.
+
+A program, not a test: it prints a table and JSON, and asserts nothing about timings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from sits_queue.bench.ab_apps import DONE_KEY, SYSTEMS, build, submit, system_url
+from sits_queue.bench.workload import Completion, Workload, mixed_workload, summarise
+from sits_queue.config import SitsConfig
+from sits_queue.embedded import EmbeddedRedis
+from sits_queue.priority.model import starvation_bound_s
+from sits_queue.procs import CeleryProcess, start_beat, start_worker, wait_ready
+
+CLASSES = ("high", "medium", "low")
+#: A run that has not drained this long after its last arrival is reported as incomplete.
+DRAIN_TIMEOUT_S = 120.0
+QUICK = {"n_jobs": 600, "concurrency": 4}
+FULL = {"n_jobs": 3000, "concurrency": 4}
+
+
+def run_system(system: str, workload: Workload, base_url: str, log_dir: Path,
+               on_progress: Callable[[str], None] = print) -> dict[str, Any]:
+    url = system_url(base_url, system)
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    app = build(system, base_url)
+    env = {"SITS_BENCH_SYSTEM": system, "SITS_BENCH_REDIS_URL": base_url,
+           "SITS_REDIS_URL": url}
+    procs: list[CeleryProcess] = [start_worker("sits_queue.bench.ab_apps", env, log_dir,
+                                               concurrency=workload.concurrency)]
+    try:
+        if system == "sits":
+            procs.append(start_beat("sits_queue.bench.ab_apps", env, log_dir))
+        wait_ready(app, procs[:1])
+        on_progress(f"  {system}: submitting {len(workload.jobs)} jobs over "
+                    f"{workload.duration_s:.1f} s")
+        _replay(app, system, workload)
+        _await_drain(client, len(workload.jobs), procs[0])
+    finally:
+        for proc in procs:
+            proc.stop()
+        app.close()
+    done = [json.loads(raw) for raw in client.lrange(DONE_KEY, 0, -1)]
+    completions = [Completion(d["c"], d["wait_ms"], d["sub"], d["fin"]) for d in done]
+    summary = summarise(completions, CLASSES)
+    summary["completed"] = len(completions)
+    return summary
+
+
+def _replay(app: Any, system: str, workload: Workload) -> None:
+    """Submit each job at its arrival time (this pacing is the load generator)."""
+    with app.producer_or_acquire() as producer:
+        start = time.monotonic()
+        for job in workload.jobs:
+            delay = start + job.arrival_s - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            submit(app, system, job.sla_class, job.service_ms, job.context_tokens, producer)
+
+
+def _await_drain(client: redis.Redis, n: int, worker: CeleryProcess) -> None:
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    while client.llen(DONE_KEY) < n and time.monotonic() < deadline:
+        if not worker.alive():
+            raise RuntimeError(f"worker died:\n{worker.log()[-3000:]}")
+        time.sleep(0.2)
+
+
+def ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    def p99(name: str) -> float:
+        return float(systems[name]["high"]["p99_wait_ms"])
+
+    def div(a: float, b: float) -> float | None:
+        return round(a / b, 3) if b else None
+
+    return {
+        "high_p99_vs_fifo": div(p99("sits"), p99("celery_fifo")),
+        "high_p99_vs_priority": div(p99("sits"), p99("celery_priority")),
+        "throughput_vs_fifo": div(systems["sits"]["throughput_tps"],
+                                  systems["celery_fifo"]["throughput_tps"]),
+    }
+
+
+def run(quick: bool = False, redis_url: str | None = None, seed: int = 7,
+        on_progress: Callable[[str], None] = print) -> dict[str, Any]:
+    shape = QUICK if quick else FULL
+    workload = mixed_workload(seed, shape["n_jobs"], shape["concurrency"])
+    with tempfile.TemporaryDirectory(prefix="sits-bench-ab-") as tmp:
+        server = None
+        if redis_url is None:
+            server = EmbeddedRedis(Path(tmp) / "redis")
+            redis_url = server.start()
+        try:
+            systems = {name: run_system(name, workload, redis_url, Path(tmp) / name,
+                                        on_progress) for name in SYSTEMS}
+        finally:
+            if server is not None:
+                server.stop()
+    bound_s = starvation_bound_s(SitsConfig())
+    result = {
+        "systems": systems,
+        "ratios": ratios(systems),
+        "low_max_wait_s": round(float(systems["sits"]["low"]["max_wait_ms"]) / 1000, 2),
+        "aging_bound_s": round(bound_s, 1),
+        "workload": {"seed": seed, "jobs": len(workload.jobs), "concurrency":
+                     workload.concurrency, "load_factor": workload.load_factor,
+                     "arrival_span_s": round(workload.duration_s, 2)},
+        "meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                 "python": platform.python_version(), "cpus": os.cpu_count(),
+                 "quick": quick},
+    }
+    r = result["ratios"]
+    assert isinstance(r, dict)
+    result["targets"] = {
+        "high_p99_vs_fifo<=0.10": r["high_p99_vs_fifo"] is not None
+        and r["high_p99_vs_fifo"] <= 0.10,
+        "high_p99_vs_priority<=0.5": r["high_p99_vs_priority"] is not None
+        and r["high_p99_vs_priority"] <= 0.5,
+        "throughput_vs_fifo>=0.95": r["throughput_vs_fifo"] is not None
+        and r["throughput_vs_fifo"] >= 0.95,
+        "low_max_wait<=aging_bound": result["low_max_wait_s"] <= bound_s,  # type: ignore[operator]
+    }
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [f"{'system':<16}{'class':<8}{'n':>6}{'p50 ms':>10}{'p99 ms':>10}{'max ms':>10}"
+             f"{'tput/s':>9}"]
+    for name, s in result["systems"].items():
+        for cls in CLASSES:
+            c = s[cls]
+            lines.append(f"{name:<16}{cls:<8}{c['n']:>6}{c['p50_wait_ms']:>10.1f}"
+                         f"{c['p99_wait_ms']:>10.1f}{c['max_wait_ms']:>10.1f}"
+                         f"{s['throughput_tps'] if cls == 'high' else '':>9}")
+    lines.append("ratios: " + ", ".join(f"{k}={v}" for k, v in result["ratios"].items()))
+    lines.append(f"low max wait {result['low_max_wait_s']} s (aging bound "
+                 f"{result['aging_bound_s']} s)")
+    lines.append("targets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}"
+                                         for k, v in result["targets"].items()))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m sits_queue.bench.ab")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--redis-url")
+    args = parser.parse_args(argv)
+    result = run(quick=args.quick, redis_url=args.redis_url)
+    print(table(result))
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

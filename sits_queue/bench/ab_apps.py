@@ -1,0 +1,86 @@
+"""The three systems of ``sitsq bench ab``, as Celery apps workers load with ``-A``.
+
+``SITS_BENCH_SYSTEM`` picks one (``celery_fifo``, ``celery_priority``, ``sits``) and
+``SITS_BENCH_REDIS_URL`` the Redis server; each system gets its own database there so
+the runs cannot see each other's keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import replace
+from typing import Any
+
+import redis
+from celery import Celery
+
+from sits_queue.app import make_app
+from sits_queue.config import SitsConfig
+
+SYSTEMS = ("celery_fifo", "celery_priority", "sits")
+DATABASES = {"celery_fifo": 1, "celery_priority": 2, "sits": 3}
+#: Stock Celery's Redis priorities: 0 is served first (kombu BRPOPs buckets in order).
+STOCK_PRIORITY = {"high": 0, "medium": 5, "low": 9}
+DONE_KEY = "bench:done"
+TASK_NAME = "bench.work"
+
+
+def system_url(base_url: str, system: str) -> str:
+    root = base_url.rsplit("/", 1)[0] if base_url.count("/") > 2 else base_url
+    return f"{root}/{DATABASES[system]}"
+
+
+def build(system: str, base_url: str) -> Celery:
+    url = system_url(base_url, system)
+    if system == "sits":
+        app = make_app(replace(SitsConfig(redis_url=url)), main="bench_sits")
+    elif system == "celery_fifo":
+        app = Celery("bench_fifo", broker=url)  # stock defaults, on purpose
+    elif system == "celery_priority":
+        app = Celery("bench_priority", broker=url)
+        # Celery's documented settings for the best priority behaviour on Redis.
+        app.conf.update(
+            broker_transport_options={"queue_order_strategy": "priority",
+                                      "priority_steps": list(range(10)), "sep": ":"},
+            worker_prefetch_multiplier=1, task_acks_late=True)
+    else:
+        raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
+    app.conf.task_ignore_result = True
+    _register(app, url)
+    return app
+
+
+def _register(app: Celery, url: str) -> None:
+    clients: dict[int, redis.Redis] = {}
+
+    @app.task(name=TASK_NAME, shared=False)
+    def work(sla_class: str, service_ms: float, submitted_s: float) -> None:
+        started = time.time()
+        time.sleep(service_ms / 1000)  # the simulated inference
+        pid = os.getpid()
+        if pid not in clients:
+            clients[pid] = redis.Redis.from_url(url)
+        clients[pid].rpush(DONE_KEY, json.dumps({
+            "c": sla_class, "wait_ms": (started - submitted_s) * 1000, "sub": submitted_s,
+            "fin": time.time()}))
+
+
+def submit(app: Celery, system: str, sla_class: str, service_ms: float,
+           context_tokens: int, producer: Any) -> None:
+    """Send one job the way a user of that system would."""
+    args = (sla_class, service_ms, time.time())
+    task = app.tasks[TASK_NAME]
+    if system == "sits":
+        task.apply_async(args, sla_class=sla_class, context_tokens=context_tokens,
+                         input_entropy=0.5, producer=producer)
+    elif system == "celery_priority":
+        task.apply_async(args, priority=STOCK_PRIORITY[sla_class], producer=producer)
+    else:
+        task.apply_async(args, producer=producer)
+
+
+_system = os.environ.get("SITS_BENCH_SYSTEM")
+if _system:
+    app = build(_system, os.environ["SITS_BENCH_REDIS_URL"])
