@@ -33,14 +33,17 @@ QUICK = {"n_jobs": 600, "concurrency": 4}
 FULL = {"n_jobs": 3000, "concurrency": 4}
 
 
-def run_system(system: str, workload: Workload, base_url: str, log_dir: Path,
-               on_progress: Callable[[str], None] = print) -> dict[str, Any]:
-    url = system_url(base_url, system)
+def run_system(system: str, workload: Workload, url: str, log_dir: Path,
+               on_progress: Callable[[str], None] = print, flush: bool = True
+               ) -> dict[str, Any]:
+    """Run one system on the Redis database ``url`` (flushed first when ``flush``)."""
     client = redis.Redis.from_url(url)
-    client.flushdb()
-    app = build(system, base_url)
-    env = {"SITS_BENCH_SYSTEM": system, "SITS_BENCH_REDIS_URL": base_url,
-           "SITS_REDIS_URL": url}
+    if flush:
+        client.flushdb()
+    else:
+        client.delete(DONE_KEY)
+    app = build(system, url)
+    env = {"SITS_BENCH_SYSTEM": system, "SITS_BENCH_REDIS_URL": url, "SITS_REDIS_URL": url}
     procs: list[CeleryProcess] = [start_worker("sits_queue.bench.ab_apps", env, log_dir,
                                                concurrency=workload.concurrency)]
     try:
@@ -106,8 +109,8 @@ def run(quick: bool = False, redis_url: str | None = None, seed: int = 7,
             server = EmbeddedRedis(Path(tmp) / "redis")
             redis_url = server.start()
         try:
-            systems = {name: run_system(name, workload, redis_url, Path(tmp) / name,
-                                        on_progress) for name in SYSTEMS}
+            systems = {name: run_system(name, workload, system_url(redis_url, name),
+                                        Path(tmp) / name, on_progress) for name in SYSTEMS}
         finally:
             if server is not None:
                 server.stop()

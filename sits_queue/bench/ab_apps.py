@@ -1,8 +1,8 @@
 """The three systems of ``sitsq bench ab``, as Celery apps workers load with ``-A``.
 
 ``SITS_BENCH_SYSTEM`` picks one (``celery_fifo``, ``celery_priority``, ``sits``) and
-``SITS_BENCH_REDIS_URL`` the Redis server; each system gets its own database there so
-the runs cannot see each other's keys.
+``SITS_BENCH_REDIS_URL`` its Redis database; the A/B benchmark gives each system its own
+database (:func:`system_url`) so the runs cannot see each other's keys.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ def system_url(base_url: str, system: str) -> str:
     return f"{root}/{DATABASES[system]}"
 
 
-def build(system: str, base_url: str) -> Celery:
-    url = system_url(base_url, system)
+def build(system: str, url: str) -> Celery:
     if system == "sits":
         app = make_app(replace(SitsConfig(redis_url=url)), main="bench_sits")
     elif system == "celery_fifo":

@@ -1,0 +1,38 @@
+# The two quick-start commands. Each does all set-up on a fresh machine (a virtualenv
+# with the project, its test tools and the CPU inference stack), then its job.
+#   make demo   - the main job on the embedded default (no Redis to install)
+#   make test   - the whole test suite (unit, integration with real Redis and workers)
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.sits-installed
+
+.PHONY: demo test lint bench gpu-check clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first, pinned: the CPU build; the inference extra must not pull a CUDA one.
+	$(BIN)/pip install --quiet "torch==2.13.0"
+	$(BIN)/pip install --quiet -e ".[dev,inference]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/sitsq demo
+
+test: $(STAMP)
+	$(BIN)/pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/sitsq bench ab --json bench-ab.json
+	$(BIN)/sitsq bench broker --json bench-broker.json
+	$(BIN)/sitsq bench coldstart --json bench-coldstart.json
+
+gpu-check:
+	bash ops/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,207 @@
+"""``sitsq``: status, the demo, benchmarks, and Celery commands on the embedded default.
+
+With ``SITS_REDIS_URL`` unset, every command uses (and if needed starts) the private
+embedded Redis in the per-user data dir, and points the processes it starts at it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from importlib import import_module
+from pathlib import Path
+from typing import Any
+
+import click
+import redis
+
+from sits_queue.broker.keys import QueueKeys, decode_score, queues_registry
+from sits_queue.broker.meta import WaitingMeta
+from sits_queue.config import SitsConfig
+from sits_queue.embedded import resolve_redis_url
+
+#: Waiting tasks shown per queue by ``sitsq status``.
+HEAD_ROWS = 5
+
+
+def _redis_url() -> str:
+    url, embedded = resolve_redis_url(os.environ)
+    if embedded:
+        click.echo(f"sitsq: no SITS_REDIS_URL set; using the embedded Redis at "
+                   f"{_redact(url)}", err=True)
+    return url
+
+
+def _redact(url: str) -> str:
+    if "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://***@{rest.split('@', 1)[1]}"
+
+
+@click.group()
+def main() -> None:
+    """SITS queue: priority task queue for offline AI inference on GPU fleets."""
+
+
+# -- status ----------------------------------------------------------------------------------
+def queue_status(client: redis.Redis, config: SitsConfig, now_s: float) -> list[dict[str, Any]]:
+    """Per registered queue: depth, unacked, dead letters and the head of the line."""
+    out = []
+    names = sorted(n.decode() for n in client.smembers(queues_registry(config.global_keyprefix)))
+    for name in names:
+        keys = QueueKeys.for_queue(name, config.global_keyprefix)
+        head = client.zrange(keys.waiting, 0, HEAD_ROWS - 1, withscores=True)
+        metas = client.hmget(keys.meta, [m for m, _ in head]) if head else []
+        rows = []
+        for (msg_id, score), raw in zip(head, metas, strict=True):
+            prio, seq = decode_score(score)
+            row: dict[str, Any] = {"id": msg_id.decode(), "priority": round(prio, 2),
+                                   "seq": seq}
+            if raw is not None:
+                meta = WaitingMeta.from_json(raw)
+                row.update(task=meta.task, sla_class=meta.options.sla_class,
+                           model=meta.options.model,
+                           wait_s=round(now_s - meta.enqueued_at_s, 2))
+            rows.append(row)
+        out.append({"queue": name, "waiting": client.zcard(keys.waiting),
+                    "unacked": client.zcard(keys.unacked), "dead": client.hlen(keys.dead),
+                    "head": rows})
+    return out
+
+
+def workers_status(client: redis.Redis, config: SitsConfig) -> list[dict[str, Any]]:
+    try:
+        advertise = import_module("sits_queue.workers.advertise")
+    except ImportError:  # pragma: no cover - the worker runtime ships with the package
+        return []
+    workers: list[dict[str, Any]] = advertise.read_workers(client, config.global_keyprefix)
+    return workers
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+def status(as_json: bool) -> None:
+    """Queues (depth, head tasks with score and class) and the workers seen."""
+    config = SitsConfig.from_env()
+    url = os.environ.get("SITS_REDIS_URL") or _redis_url()
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    try:
+        report = {"queues": queue_status(client, config, time.time()),
+                  "workers": workers_status(client, config)}
+    except redis.ConnectionError as exc:
+        raise click.ClickException(f"cannot reach Redis at {_redact(url)}: {exc}") from exc
+    if as_json:
+        click.echo(json.dumps(report, indent=2, default=str))
+        return
+    click.echo(_format_status(report))
+
+
+def _format_status(report: dict[str, Any]) -> str:
+    lines = []
+    if not report["queues"]:
+        lines.append("no queues yet (submit a task first)")
+    for q in report["queues"]:
+        lines.append(f"queue {q['queue']}: {q['waiting']} waiting, {q['unacked']} running/"
+                     f"reserved, {q['dead']} dead-lettered")
+        for row in q["head"]:
+            lines.append(f"  {row['priority']:>12.2f}  {row.get('sla_class', '?'):<8}"
+                         f"{row.get('task', '?'):<32}waited {row.get('wait_s', '?')} s")
+    lines.append(f"workers: {len(report['workers'])}")
+    for w in report["workers"]:
+        devices = ", ".join(str(d.get("name", "?")) for d in w.get("devices", []))
+        lines.append(f"  {w.get('hostname', '?')}: pid {w.get('pid', '?')}, concurrency "
+                     f"{w.get('concurrency', '?')}, devices [{devices}], warm "
+                     f"{w.get('warm', {})}, cold share {w.get('cold_share', '?')}")
+    return "\n".join(lines)
+
+
+# -- demo ------------------------------------------------------------------------------------
+@main.command()
+@click.option("--jobs", default=400, show_default=True, help="Jobs in the mixed workload.")
+@click.option("--concurrency", default=4, show_default=True)
+@click.option("--seed", default=7, show_default=True)
+def demo(jobs: int, concurrency: int, seed: int) -> None:
+    """The main job: a worker and beat on the embedded Redis, a mixed workload across
+    the classes, then a per-class table of waits and throughput."""
+    from sits_queue.bench.demo import run_demo
+
+    run_demo(_redis_url(), jobs=jobs, concurrency=concurrency, seed=seed, echo=click.echo)
+
+
+# -- benchmarks ------------------------------------------------------------------------------
+@main.group()
+def bench() -> None:
+    """Benchmark programs: they print a table and JSON; they assert nothing."""
+
+
+def _bench_options(fn: Any) -> Any:
+    fn = click.option("--json", "json_path", type=click.Path(path_type=Path),
+                      help="Also write the JSON result here.")(fn)
+    fn = click.option("--quick", is_flag=True, help="A smaller run (about a minute).")(fn)
+    return fn
+
+
+@bench.command("ab")
+@_bench_options
+def bench_ab(quick: bool, json_path: Path | None) -> None:
+    """Stock Celery FIFO vs stock Celery priority vs SITS on one seeded workload."""
+    from sits_queue.bench import ab
+
+    result = ab.run(quick=quick, redis_url=os.environ.get("SITS_REDIS_URL"),
+                    on_progress=click.echo)
+    _emit(ab.table(result), result, json_path)
+
+
+@bench.command("broker")
+@_bench_options
+def bench_broker(quick: bool, json_path: Path | None) -> None:
+    """delay() rate, bulk enqueue, pick latency and a rescoring pass at depth."""
+    _run_module("sits_queue.bench.broker", quick, json_path)
+
+
+@bench.command("coldstart")
+@_bench_options
+def bench_coldstart(quick: bool, json_path: Path | None) -> None:
+    """Load-per-task vs module LRU vs the SITS two-tier engine cache."""
+    _run_module("sits_queue.bench.coldstart", quick, json_path)
+
+
+def _run_module(module: str, quick: bool, json_path: Path | None) -> None:
+    argv = (["--quick"] if quick else []) + (["--json", str(json_path)] if json_path else [])
+    rc = import_module(module).main(argv)
+    if rc:
+        sys.exit(rc)
+
+
+def _emit(text: str, result: dict[str, Any], json_path: Path | None) -> None:
+    click.echo(text)
+    click.echo(json.dumps(result, indent=2))
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=2))
+
+
+# -- celery passthrough ----------------------------------------------------------------------
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("command", type=click.Choice(["worker", "beat", "flower", "inspect", "purge",
+                                              "events", "call", "result"]))
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def celery(command: str, args: tuple[str, ...]) -> None:
+    """Run `celery -A sits_queue COMMAND ...` against the configured or embedded Redis."""
+    env = {**os.environ, "SITS_REDIS_URL": os.environ.get("SITS_REDIS_URL") or _redis_url()}
+    argv = [sys.executable, "-m", "celery", "-A", "sits_queue", command, *args]
+    os.execvpe(argv[0], argv, env)
+
+
+@main.command("stop-redis")
+def stop_redis() -> None:
+    """Stop the embedded Redis started by earlier sitsq commands (its data is kept)."""
+    from sits_queue.embedded import stop_server
+
+    click.echo("stopped" if stop_server() else "no embedded Redis was running")
+
+
+if __name__ == "__main__":
+    main()
