@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -44,11 +45,18 @@ def register(app: Celery) -> dict[str, Any]:
         r().rpush("test:finished", tag)
         return tag
 
+    @app.task(name="w.mark", shared=False)
+    def mark(tag: str, seconds: float, directory: str) -> str:
+        """Completion recorded in a file, not Redis: for tests where Redis goes away."""
+        time.sleep(seconds)
+        (Path(directory) / tag).touch()
+        return tag
+
     @app.task(name="w.pid", shared=False)
     def pid() -> int:
         return os.getpid()
 
-    return {"add": add, "record": record, "slow": slow, "pid": pid}
+    return {"add": add, "record": record, "slow": slow, "mark": mark, "pid": pid}
 
 
 tasks = register(app)

@@ -1,0 +1,63 @@
+"""`sitsq` as a user runs it: a real subprocess, a real Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import redis
+from celery import Celery
+
+from tests.integration.conftest import ROOT
+
+
+def sitsq(*args: str, env: dict[str, str], timeout: float = 180
+          ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sits_queue.cli", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_status_shows_depth_and_head_tasks_with_class(client_app: Celery, redis_url: str,
+                                                      redis_client: redis.Redis) -> None:
+    client_app.tasks["w.add"].apply_async((1, 2), sla_class="low")
+    client_app.tasks["w.add"].apply_async((3, 4), sla_class="high")
+    out = sitsq("status", "--json", env={**os.environ, "SITS_REDIS_URL": redis_url})
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    (queue,) = [q for q in report["queues"] if q["queue"] == "celery"]
+    assert queue["waiting"] == 2
+    assert [row["sla_class"] for row in queue["head"]] == ["high", "low"]
+    assert queue["head"][0]["priority"] > queue["head"][1]["priority"]
+    assert queue["head"][0]["task"] == "w.add"
+
+
+def test_status_reports_an_unreachable_redis_clearly() -> None:
+    out = sitsq("status", env={**os.environ, "SITS_REDIS_URL": "redis://127.0.0.1:1/0"})
+    assert out.returncode != 0
+    assert "cannot reach Redis" in out.stderr
+
+
+def test_embedded_default_starts_reuses_and_stops(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "SITS_REDIS_URL"}
+    env["XDG_DATA_HOME"] = str(tmp_path)
+    first = sitsq("status", env=env)
+    assert first.returncode == 0, first.stderr
+    assert "embedded Redis" in first.stderr
+    second = sitsq("status", env=env)
+    url = first.stderr.split(" at ")[-1].strip()
+    assert url in second.stderr  # the same server, reused
+    stopped = sitsq("stop-redis", env=env)
+    assert stopped.stdout.strip() == "stopped"
+    assert sitsq("stop-redis", env=env).stdout.strip() == "no embedded Redis was running"
+
+
+def test_demo_runs_the_mixed_workload_to_completion(redis_url: str,
+                                                    redis_client: redis.Redis) -> None:
+    out = sitsq("demo", "--jobs", "60", env={**os.environ, "SITS_REDIS_URL": redis_url})
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "completed 60/60" in out.stdout
+    for cls in ("high", "medium", "low"):
+        assert any(line.startswith(cls) for line in out.stdout.splitlines())
