@@ -1,0 +1,417 @@
+"""Bulk submission: many calls of one SitsTask, validated once, enqueued in few round trips.
+
+``enqueue_many(task, [(a1,), (a2,), ...], sla_class="low")`` does what
+``[task.apply_async(args, sla_class="low") for args in ...]`` does, with the per-call work
+hoisted out of the loop: SITS options are resolved and validated once (only the input
+entropy is measured per item), routing, time limits and the queue declaration happen
+once, and each chunk of messages reaches Redis as one ``put.lua`` call
+(:meth:`Channel._put_many`) instead of one round trip per task.
+
+Each message is built by Celery's own ``amqp.create_task_message`` (protocol 2) and
+turned into a transport message by kombu's own ``Channel.prepare_message`` and
+``Channel._inplace_augment_message``, with the same body serialization, properties and
+headers as ``Producer.publish`` gives, so a worker cannot tell it from ``apply_async``'s.
+``task-sent`` events go out as one ``task.multi`` event per chunk (the batching Celery
+workers use for their own task events; Flower's receiver unpacks it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from celery import Celery, signals
+from celery.app.task import Task
+from celery.utils.nodenames import anon_nodename
+from dateutil.parser import isoparse
+from kombu.compression import compress
+from kombu.entity import Queue, maybe_delivery_mode
+from kombu.serialization import dumps
+from kombu.utils.uuid import uuid
+
+from sits_queue.app import SUBMITTED_AT, sits_config
+from sits_queue.config import SitsConfig
+from sits_queue.errors import SitsError
+from sits_queue.options import HEADER, OPTION_NAMES, TaskOptions, resolve
+from sits_queue.priority.entropy import input_entropy
+
+#: Messages per ``put.lua`` call: large enough to amortise the round trip, small enough
+#: that one call holds Redis for only a few milliseconds.
+DEFAULT_CHUNK = 1000
+#: Largest chunk accepted: a put of this many messages runs ~50 ms inside Redis.
+MAX_CHUNK = 10_000
+#: ``apply_async`` options ``enqueue_many`` understands (besides the SITS options). Others
+#: (``task_id``, ``exchange``, ``retry``...) make no sense for a batch or are not supported.
+SUPPORTED_OPTIONS = frozenset({
+    "queue", "priority", "serializer", "compression", "headers",
+    "ignore_result", "time_limit", "soft_time_limit", "expires", "countdown", "eta",
+    "shadow", "link", "link_error", "producer", "delivery_mode",
+})
+
+
+class BulkEnqueueError(SitsError):
+    """Sending a chunk failed after earlier chunks were enqueued.
+
+    ``task_ids`` lists the tasks that are in the queue; the others were not sent. A chunk
+    is one atomic Lua call, so no chunk is ever half-enqueued.
+    """
+
+    def __init__(self, message: str, task_ids: list[str]) -> None:
+        super().__init__(message)
+        self.task_ids = task_ids
+
+
+# -- the SITS part of apply_async, as reusable steps -------------------------------------------
+def pop_sits_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Remove and return the SITS option names from apply_async-style ``options``."""
+    return {name: options.pop(name) for name in OPTION_NAMES if name in options}
+
+
+def resolve_task_options(task: Task, config: SitsConfig, per_call: Mapping[str, Any],
+                         args: Any = (), kwargs: Any = None) -> TaskOptions:
+    """Decorator defaults + per-call options, validated (``SitsTask.apply_async``'s rule).
+
+    Raises :class:`~sits_queue.errors.InvalidTaskOptions`; nothing has been sent then.
+    """
+    declared = {name: getattr(task, name, None) for name in OPTION_NAMES}
+    return resolve(config, declared, per_call, args, kwargs)
+
+
+def apply_class_limits(task: Task, config: SitsConfig, sla_class: str,
+                       options: dict[str, Any]) -> None:
+    """Default the Celery time limits from the class; a task or call setting wins."""
+    soft, hard = config.time_limits(sla_class)
+    if task.soft_time_limit is None:
+        options.setdefault("soft_time_limit", soft)
+    if task.time_limit is None:
+        options.setdefault("time_limit", hard)
+
+
+def sits_headers(opts: TaskOptions, headers: Mapping[str, Any] | None,
+                 now_s: float) -> dict[str, Any]:
+    """The caller's headers plus the ``sits`` options header and the submission time."""
+    out = dict(headers or {})
+    out[HEADER] = opts.to_header()
+    out[SUBMITTED_AT] = now_s
+    return out
+
+
+# -- what stays the same for every item of one call ----------------------------------------------
+@dataclass(frozen=True)
+class _Plan:
+    """Everything ``send_task`` + ``Producer.publish`` decide per call, decided once."""
+
+    name: str
+    queue: Queue
+    qname: str
+    priority: int
+    delivery_mode: int
+    serializer: str
+    compression: str | None
+    expiration: str | None
+    headers: dict[str, Any]  # caller headers + sits header (input_entropy filled per item)
+    measure_entropy: bool
+    message_args: dict[str, Any]  # keyword arguments of create_task_message
+    shadow_per_item: bool  # the task overrides shadow_name and the call named no shadow
+    send_event: bool
+
+
+@dataclass(frozen=True)
+class _Built:
+    task_id: str
+    message: dict[str, Any]
+    body: Any  # (args, kwargs, embed) for the publish signals
+    sent_event: dict[str, Any] | None
+
+
+def _check_items(task: Task, arg_list: Sequence[Any],
+                 kwargs_list: Sequence[Any] | None) -> list[Mapping[str, Any]]:
+    """Argument shapes and signatures of every item, before anything is sent."""
+    if isinstance(arg_list, (str, bytes)):
+        raise TypeError("arg_list must be a sequence of argument tuples")
+    if kwargs_list is None:
+        kwargs_all: list[Mapping[str, Any]] = [{}] * len(arg_list)
+    else:
+        if len(kwargs_list) != len(arg_list):
+            raise ValueError(f"kwargs_list has {len(kwargs_list)} items, arg_list "
+                             f"{len(arg_list)}")
+        kwargs_all = [{} if kw is None else kw for kw in kwargs_list]
+    check = getattr(task, "__header__", None) if task.typing else None
+    for i, (args, kwargs) in enumerate(zip(arg_list, kwargs_all, strict=True)):
+        if not isinstance(args, (list, tuple)):
+            raise TypeError(f"item {i}: task args must be a list or tuple, got "
+                            f"{type(args).__name__}")
+        if not isinstance(kwargs, Mapping):
+            raise TypeError(f"item {i}: task keyword arguments must be a mapping, got "
+                            f"{type(kwargs).__name__}")
+        if check is not None:
+            try:
+                check(*args, **kwargs)
+            except TypeError as exc:
+                raise TypeError(f"item {i}: {exc}") from exc
+    return kwargs_all
+
+
+def _plan(task: Task, options: dict[str, Any]) -> _Plan:
+    """Validate the options and do ``apply_async``/``send_task``'s per-call work once."""
+    app: Celery = task._get_app()
+    if app.conf.task_protocol != 2:
+        raise SitsError("enqueue_many builds task protocol 2 messages; "
+                        f"task_protocol is {app.conf.task_protocol}")
+    unsupported = set(options) - SUPPORTED_OPTIONS - set(OPTION_NAMES)
+    if unsupported:
+        raise TypeError(f"enqueue_many does not support {sorted(unsupported)}; supported: "
+                        f"{sorted(SUPPORTED_OPTIONS | set(OPTION_NAMES))}")
+    config = sits_config(app)
+    opts = resolve_task_options(task, config, pop_sits_options(options))
+    apply_class_limits(task, config, opts.sla_class, options)
+    if task.soft_time_limit and task.time_limit and task.soft_time_limit > task.time_limit:
+        raise ValueError("soft_time_limit must be less than or equal to time_limit")
+    options = {**task._get_exec_options(), **options}
+    options.setdefault("ignore_result", task.ignore_result)
+    routed = app.amqp.router.route(options, task.name, (), {}, task)
+    queue: Queue = routed["queue"]
+    exchange_type = getattr(queue.exchange, "type", "direct")
+    if exchange_type != "direct":
+        raise SitsError(f"enqueue_many needs a direct-exchange queue; {queue.name!r} is "
+                        f"bound to a {exchange_type} exchange")
+    send_event = bool(app.conf.task_send_sent_event)
+    return _Plan(
+        name=task.name, queue=queue, qname=queue.name,
+        priority=routed.get("priority") or 0,
+        delivery_mode=maybe_delivery_mode(  # type: ignore[no-untyped-call]
+            routed.get("delivery_mode") or queue.exchange.delivery_mode
+            or app.conf.task_default_delivery_mode),
+        serializer=routed.get("serializer") or app.conf.task_serializer,
+        compression=routed.get("compression") or app.conf.task_compression,
+        expiration=_expiration(app, routed.get("expires")),
+        headers=sits_headers(opts, routed.get("headers"), 0.0),
+        measure_entropy=opts.input_entropy is None,
+        message_args=_message_args(app, routed, send_event),
+        shadow_per_item=(routed.get("shadow") is None
+                         and type(task).shadow_name is not Task.shadow_name),
+        send_event=send_event)
+
+
+def _message_args(app: Celery, routed: Mapping[str, Any], send_event: bool) -> dict[str, Any]:
+    """``create_task_message`` keywords, as ``send_task`` passes them."""
+    root_id = parent_id = None
+    parent = app.current_worker_task
+    if parent is not None:  # submitted from inside a task: link the tree like send_task
+        root_id = parent.request.root_id or parent.request.id
+        parent_id = parent.request.id
+    return {
+        "countdown": routed.get("countdown"), "eta": routed.get("eta"),
+        "expires": routed.get("expires"), "callbacks": _as_list(routed.get("link")),
+        "errbacks": _as_list(routed.get("link_error")), "reply_to": app.thread_oid,
+        "time_limit": routed.get("time_limit"),
+        "soft_time_limit": routed.get("soft_time_limit"), "create_sent_event": send_event,
+        "root_id": root_id, "parent_id": parent_id, "shadow": routed.get("shadow"),
+        "ignore_result": bool(routed.get("ignore_result")),
+        # anon_nodename() once, not per message (as_task_v2 would call it each time).
+        "origin": anon_nodename(),
+    }
+
+
+def _as_list(value: Any) -> list[Any] | None:
+    """Celery's ``maybe_list`` for link/link_error: one signature or several."""
+    if value is None or isinstance(value, list):
+        return value
+    return list(value) if isinstance(value, tuple) else [value]
+
+
+def _expiration(app: Celery, expires: Any) -> str | None:
+    """The AMQP ``expiration`` property send_task + Producer.publish derive from ``expires``."""
+    if expires is None:
+        return None
+    if isinstance(expires, str):
+        expires = isoparse(expires)
+    if isinstance(expires, datetime):
+        seconds = (expires - app.now()).total_seconds()
+    else:
+        seconds = float(expires)
+    return str(int(max(0.0, seconds) * 1000))
+
+
+# -- per item ----------------------------------------------------------------------------------
+#: Scalar types whose saferepr is ``str(value)`` (exact types: subclasses such as IntEnum
+#: may print differently).
+_NUMBERS = (int, float, bool)
+#: Longest argument list the fast repr handles; longer ones go through saferepr.
+_FAST_REPR_ITEMS = 32
+
+
+def _scalar_repr(value: Any) -> str | None:
+    kind = type(value)
+    if kind is str:
+        text: str = value
+        return "'" + text.replace("'", "\\'") + "'"
+    if kind in _NUMBERS:
+        return str(value)
+    if value is None:
+        return "None"
+    return None
+
+
+def fast_saferepr(value: Any, maxlen: int) -> str | None:
+    """Celery's ``saferepr(value, maxlen)`` for flat args/kwargs of plain scalars, else None.
+
+    ``create_task_message`` spends most of its time in ``saferepr`` for ``argsrepr`` and
+    ``kwargsrepr``; for a tuple, list or str-keyed dict of str/int/float/bool/None that
+    fits in ``maxlen`` its output is simple: numbers print with ``str``, strings in single
+    quotes with only ``'`` escaped, no truncation. Anything else returns None (use
+    saferepr). ``tests/unit/test_bulk.py`` checks the two agree.
+    """
+    kind = type(value)
+    if kind is dict:
+        if len(value) > _FAST_REPR_ITEMS:
+            return None
+        parts = []
+        for k, v in value.items():
+            kr, vr = (_scalar_repr(k), _scalar_repr(v)) if type(k) is str else (None, None)
+            if kr is None or vr is None:
+                return None
+            parts.append(f"{kr}: {vr}")
+        text = "{" + ", ".join(parts) + "}"
+    elif kind is tuple or kind is list:
+        if len(value) > _FAST_REPR_ITEMS:
+            return None
+        reprs = [_scalar_repr(v) for v in value]
+        if None in reprs:
+            return None
+        inner = ", ".join(reprs)  # type: ignore[arg-type]
+        if kind is list:
+            text = "[" + inner + "]"
+        else:
+            text = "(" + inner + (",)" if len(value) == 1 else ")")
+    else:
+        return None
+    # Shorter than maxlen: no token reaches saferepr's truncation point.
+    return text if len(text) < maxlen else None
+
+
+def _build(app: Celery, task: Task, plan: _Plan, channel: Any, args: Sequence[Any],
+           kwargs: Mapping[str, Any]) -> _Built:
+    """One item as the transport message ``apply_async`` would hand to ``Channel._put``."""
+    task_id = uuid()
+    message_args = plan.message_args
+    if plan.shadow_per_item:
+        message_args = {**message_args, "shadow": task.shadow_name(args, kwargs, {})}
+    amqp = app.amqp
+    headers, properties, body, sent_event = amqp.create_task_message(
+        task_id, plan.name, args, kwargs,
+        # as_task_v2 reprs ``args or ()`` and ``kwargs or {}``; None lets it use saferepr.
+        argsrepr=fast_saferepr(args or (), amqp.argsrepr_maxsize),
+        kwargsrepr=fast_saferepr(kwargs or {}, amqp.kwargsrepr_maxsize), **message_args)
+    headers.update(plan.headers)
+    if plan.measure_entropy:
+        headers[HEADER] = {**plan.headers[HEADER], "input_entropy": input_entropy(args, kwargs)}
+    headers[SUBMITTED_AT] = time.time()
+    before = signals.before_task_publish
+    if before.receivers:
+        before.send(sender=plan.name, body=body, exchange="", routing_key=plan.qname,
+                    declare=[plan.queue], headers=headers, properties=properties,
+                    retry_policy={})
+    # What Producer.publish does between Celery and the channel.
+    content_type, content_encoding, data = dumps(  # type: ignore[no-untyped-call]
+        body, serializer=plan.serializer)
+    if plan.compression:
+        data, headers["compression"] = compress(  # type: ignore[no-untyped-call]
+            data, plan.compression)
+    properties["delivery_mode"] = plan.delivery_mode
+    if plan.expiration is not None:
+        properties["expiration"] = plan.expiration
+    message: dict[str, Any] = channel.prepare_message(
+        data, plan.priority, content_type, content_encoding, headers, properties)
+    # What virtual Channel.basic_publish does for the anonymous exchange before _put.
+    channel._inplace_augment_message(message, "", plan.qname)
+    if sent_event is not None:
+        sent_event.update(queue=plan.qname, exchange="", routing_key=plan.qname)
+    return _Built(task_id, message, body, sent_event)
+
+
+def _send(channel: Any, plan: _Plan, built: list[_Built], dispatcher: Any) -> None:
+    """One ``put.lua`` call for the chunk, then its signals and one ``task.multi`` event."""
+    channel._put_many(plan.qname, [b.message for b in built])
+    after = signals.after_task_publish
+    if after.receivers:
+        for b in built:
+            after.send(sender=plan.name, body=b.body, headers=b.message["headers"],
+                       exchange="", routing_key=plan.qname)
+    if dispatcher is not None:
+        for b in built:
+            if b.sent_event is not None:
+                dispatcher.send("task-sent", **b.sent_event)
+        # Events are best effort, as in send_task: an offline dispatcher buffers them.
+        dispatcher.flush(errors=False, groups=True)
+
+
+def enqueue_many(task: Task, arg_list: Sequence[Sequence[Any]], *,
+                 kwargs_list: Sequence[Mapping[str, Any] | None] | None = None,
+                 chunk: int = DEFAULT_CHUNK, **options: Any) -> list[str]:
+    """Submit ``task`` once per item of ``arg_list``; returns the task ids, in order.
+
+    ``options`` are ``apply_async`` options shared by every item: the SITS options
+    (``sla_class``, ``model``, ``context_tokens``...) and those in
+    :data:`SUPPORTED_OPTIONS`. Input entropy is measured per item unless given. Routers
+    are consulted once per call (with no arguments). Items of one chunk keep their order
+    among equal priorities.
+
+    Raises :class:`~sits_queue.errors.InvalidTaskOptions` for invalid options and
+    ``TypeError`` for a malformed item before anything is sent. If a chunk fails after
+    earlier chunks were enqueued, raises :class:`BulkEnqueueError` with their ids;
+    if the first chunk fails, the original error (nothing was enqueued).
+    """
+    if not 1 <= chunk <= MAX_CHUNK:
+        raise ValueError(f"chunk must be in [1, {MAX_CHUNK}], got {chunk}")
+    # @app.task returns a lazy proxy until the app is finalized; work on the task itself.
+    task = task._get_current_object() if hasattr(task, "_get_current_object") else task
+    options = dict(options)
+    producer = options.pop("producer", None)
+    plan = _plan(task, options)
+    kwargs_all = _check_items(task, arg_list, kwargs_list)
+    app: Celery = task._get_app()
+    ids: list[str] = []
+    with app.producer_or_acquire(producer) as prod:
+        channel = prod.channel
+        if not hasattr(channel, "_put_many"):
+            raise SitsError("enqueue_many needs the SITS sorted-set transport; this app "
+                            f"uses {type(channel).__module__}")
+        prod.maybe_declare(plan.queue)
+        dispatcher = (app.events.Dispatcher(prod.connection, buffer_group=("task",),
+                                            buffer_limit=chunk + 1)
+                      if plan.send_event else None)
+        try:
+            for start in range(0, len(arg_list), chunk):
+                try:
+                    _send_chunk(app, task, plan, channel, dispatcher,
+                                arg_list[start:start + chunk], kwargs_all[start:start + chunk],
+                                ids)
+                except Exception as exc:
+                    if not ids:
+                        raise
+                    raise BulkEnqueueError(f"items from {start} on were not enqueued "
+                                           f"({len(ids)} were): {exc}", ids) from exc
+        finally:
+            if dispatcher is not None:
+                dispatcher.close()
+    return ids
+
+
+def _send_chunk(app: Celery, task: Task, plan: _Plan, channel: Any, dispatcher: Any,
+                arg_list: Sequence[Sequence[Any]], kwargs_list: Sequence[Mapping[str, Any]],
+                ids: list[str]) -> None:
+    """Build and send one chunk; append its ids to ``ids`` once it is in Redis."""
+    dump_pydantic = getattr(task, "_dump_pydantic_arguments", None)
+    if plan.serializer == "pickle":
+        dump_pydantic = None  # pickle sends models as they are (apply_async's rule)
+    built: list[_Built] = []
+    for args, kwargs in zip(arg_list, kwargs_list, strict=True):
+        if dump_pydantic is not None:
+            args, kwargs = dump_pydantic(args, kwargs)
+        built.append(_build(app, task, plan, channel, args, kwargs))
+    _send(channel, plan, built, dispatcher)
+    ids += [b.task_id for b in built]

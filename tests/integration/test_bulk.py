@@ -1,0 +1,228 @@
+"""Bulk submission (``enqueue_many``) against a real Redis and a real worker."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from kombu.exceptions import EncodeError
+
+from sits_queue.app import make_app
+from sits_queue.broker.bulk import BulkEnqueueError, enqueue_many
+from sits_queue.broker.keys import SEQ_BITS, QueueKeys
+from sits_queue.config import SitsConfig
+from sits_queue.errors import InvalidTaskOptions
+from sits_queue.procs import CeleryProcess
+
+Spawn = Callable[..., CeleryProcess]
+KEYS = QueueKeys.for_queue("celery")
+
+
+@pytest.fixture
+def app(redis_url: str, redis_client: redis.Redis) -> Iterator[Celery]:
+    app = make_app(SitsConfig(redis_url=redis_url), main="bulk_test")
+
+    @app.task(name="t.echo", sla_class="low", shared=False)
+    def echo(tag: str, n: int = 0) -> str:
+        return tag
+
+    yield app
+    app.close()
+
+
+def payloads(client: redis.Redis) -> dict[str, dict[str, Any]]:
+    """Waiting message id -> kombu message, from the payload hash."""
+    return {k.decode(): json.loads(v) for k, v in client.hgetall(KEYS.payloads).items()}
+
+
+def first_arg(message: dict[str, Any]) -> str:
+    body = json.loads(base64.b64decode(message["body"]))
+    return str(body[0][0])
+
+
+def levels(client: redis.Redis) -> dict[str, int]:
+    """Task tag -> priority level part of its score."""
+    by_id = payloads(client)
+    return {first_arg(by_id[m.decode()]): int(score) >> SEQ_BITS
+            for m, score in client.zrange(KEYS.waiting, 0, -1, withscores=True)}
+
+
+def drain(app: Celery) -> list[str]:
+    out: list[str] = []
+    with app.connection_for_write() as conn:
+        q = conn.SimpleQueue("celery")
+        while True:
+            try:
+                msg = q.get(block=False)
+            except q.Empty:
+                break
+            out.append(msg.payload[0][0])
+            msg.ack()
+        q.close()
+    return out
+
+
+def normalised(message: dict[str, Any]) -> dict[str, Any]:
+    """A message with its per-submission ids and clock readings blanked out."""
+    m: dict[str, Any] = json.loads(json.dumps(message))
+    for key in ("id", "root_id", "sits_submitted_at"):
+        m["headers"][key] = "-"
+    m["properties"]["delivery_tag"] = m["properties"]["correlation_id"] = "-"
+    return m
+
+
+def test_bulk_message_is_the_message_apply_async_sends(app: Celery,
+                                                      redis_client: redis.Redis) -> None:
+    echo = app.tasks["t.echo"]
+    options: dict[str, Any] = {"sla_class": "high", "model": "summarizer",
+                               "context_tokens": 300, "headers": {"trace": "abc"}}
+    # Given one task sent each way with the same arguments and options
+    echo.apply_async(("hello world",), {"n": 3}, **options)
+    (single,) = payloads(redis_client).values()
+    single_meta = json.loads(next(iter(redis_client.hvals(KEYS.meta))))
+    redis_client.flushall()
+    (task_id,) = enqueue_many(echo, [("hello world",)], kwargs_list=[{"n": 3}], **options)
+    (bulk,) = payloads(redis_client).values()
+    bulk_meta = json.loads(next(iter(redis_client.hvals(KEYS.meta))))
+    # Then the stored messages agree on everything but ids and clock readings
+    assert normalised(bulk) == normalised(single)
+    assert bulk["headers"]["id"] == task_id
+    assert bulk["headers"]["timelimit"] == [45, 36.0]
+    assert bulk["headers"]["trace"] == "abc"
+    single_meta.pop("t")
+    bulk_meta.pop("t")
+    assert bulk_meta == single_meta
+
+
+@pytest.mark.parametrize("options", [
+    {"sla_class": "urgent"}, {"context_tokens": -5}, {"latency_sla_ms": float("nan")},
+    {"loss_sensitivity": 3}, {"input_entropy": 1.5}, {"vram_gib": -1}, {"model": ""},
+])
+def test_invalid_options_raise_and_enqueue_nothing(app: Celery, redis_client: redis.Redis,
+                                                   options: dict[str, Any]) -> None:
+    items = [(f"t{i}",) for i in range(50)]
+    with pytest.raises(InvalidTaskOptions) as info:
+        enqueue_many(app.tasks["t.echo"], items, chunk=10, **options)
+    assert next(iter(options)) in str(info.value)
+    assert redis_client.zcard(KEYS.waiting) == 0
+    assert redis_client.hlen(KEYS.payloads) == 0
+
+
+@pytest.mark.parametrize(("items", "kwargs_list", "options", "error"), [
+    ([("a",), "b"], None, {}, TypeError),  # an item that is not an argument tuple
+    ([("a",), ("b", 1, 2, 3)], None, {}, TypeError),  # does not fit the signature
+    ([("a",)], [{"n": 1}, {"n": 2}], {}, ValueError),  # lengths differ
+    ([("a",)], None, {"task_id": "x"}, TypeError),  # meaningless for a batch
+])
+def test_malformed_items_raise_before_anything_is_sent(
+        app: Celery, redis_client: redis.Redis, items: list[Any],
+        kwargs_list: list[dict[str, Any]] | None, options: dict[str, Any],
+        error: type[Exception]) -> None:
+    with pytest.raises(error):
+        enqueue_many(app.tasks["t.echo"], items, kwargs_list=kwargs_list, **options)
+    assert redis_client.zcard(KEYS.waiting) == 0
+
+
+def test_a_failing_later_chunk_reports_what_was_enqueued(app: Celery,
+                                                        redis_client: redis.Redis) -> None:
+    echo = app.tasks["t.echo"]
+    # Given a batch whose 25th item cannot be serialised, sent in chunks of 10
+    items: list[tuple[Any, ...]] = [(f"t{i}",) for i in range(30)]
+    items[24] = (object(),)
+    with pytest.raises(BulkEnqueueError) as info:
+        enqueue_many(echo, items, chunk=10)
+    # Then the first two chunks are in the queue, whole, and the error says which
+    assert len(info.value.task_ids) == 20
+    assert redis_client.zcard(KEYS.waiting) == 20
+    # And when the very first chunk fails, nothing is enqueued and the cause surfaces as is
+    redis_client.flushall()
+    with pytest.raises(EncodeError):
+        enqueue_many(echo, [(object(),)], chunk=10)
+    assert redis_client.zcard(KEYS.waiting) == 0
+
+
+PLAN: list[tuple[dict[str, Any], list[str]]] = [
+    ({"sla_class": "low"}, ["low-1", "low-2", "low-3"]),
+    ({"sla_class": "high", "context_tokens": 4000}, ["long-high-1", "long-high-2"]),
+    ({"sla_class": "medium", "model": "embedder"}, ["med-1", "med-2"]),
+    # Texts of different entropy: the same class and options, yet different priorities.
+    ({"sla_class": "high"}, ["aaaaaaaa", "zq8#kL!x@3vP", "high-1", "bbbbbbbb"]),
+    ({"sla_class": "low", "input_entropy": 0.5}, ["low-fixed-1", "low-fixed-2"]),
+]
+
+
+def test_priority_order_equals_apply_async_order(app: Celery,
+                                                 redis_client: redis.Redis) -> None:
+    echo = app.tasks["t.echo"]
+    # Given the same submissions once one by one, once in one bulk call per option set
+    for options, tags in PLAN:
+        for tag in tags:
+            echo.apply_async((tag,), **options)
+    single_levels = levels(redis_client)
+    single_order = drain(app)
+    redis_client.flushall()
+    for options, tags in PLAN:
+        enqueue_many(echo, [(tag,) for tag in tags], **options)
+    # Then every task gets the same priority level and they leave in the same order
+    assert levels(redis_client) == single_levels
+    assert drain(app) == single_order
+    assert len(set(single_levels.values())) > 4  # the plan really spans several levels
+
+
+def test_sent_events_go_out_as_one_multi_event_per_chunk(app: Celery,
+                                                         redis_client: redis.Redis) -> None:
+    echo = app.tasks["t.echo"]
+    echo.delay("declare")  # the first publish declares the event exchange
+    pubsub = redis_client.pubsub(ignore_subscribe_messages=True)
+    pubsub.psubscribe("*celeryev*")
+    time.sleep(0.1)
+    ids = enqueue_many(echo, [(f"t{i}",) for i in range(25)], chunk=10)
+    events: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 5
+    while len(events) < 25 and time.monotonic() < deadline:
+        got = pubsub.get_message(timeout=0.5)
+        if got is None:
+            continue
+        message = json.loads(got["data"])
+        assert message["properties"]["delivery_info"]["routing_key"] == "task.multi"
+        events += json.loads(base64.b64decode(message["body"]))
+    pubsub.close()
+    assert [e["type"] for e in events] == ["task-sent"] * 25
+    assert [e["uuid"] for e in events] == ids
+    assert {e["queue"] for e in events} == {"celery"}
+
+
+@pytest.mark.slow
+def test_five_thousand_bulk_tasks_run_on_a_real_worker(spawn: Spawn, client_app: Celery,
+                                                       redis_client: redis.Redis) -> None:
+    n = 5000
+    add = client_app.tasks["w.add"]
+    # Given 5,000 additions submitted in one bulk call, positional and keyword arguments
+    ids = enqueue_many(add, [(i,) for i in range(n)],
+                       kwargs_list=[{"y": 2 * i} for i in range(n)], sla_class="low")
+    assert len(set(ids)) == n
+    assert redis_client.zcard(KEYS.waiting) == n
+    # When real workers consume them
+    spawn(concurrency=2)
+    spawn(concurrency=2)
+    backend = client_app.backend
+    keys = [backend.get_key_for_task(task_id) for task_id in ids]
+    deadline = time.monotonic() + 240
+    metas: list[Any] = []
+    while time.monotonic() < deadline:
+        metas = redis_client.mget(keys)
+        if all(m is not None for m in metas):
+            break
+        time.sleep(0.5)
+    # Then every task succeeded with its own result
+    assert all(m is not None for m in metas), f"{metas.count(None)} results missing"
+    results = [json.loads(m) for m in metas]
+    assert all(r["status"] == "SUCCESS" for r in results)
+    assert [r["result"] for r in results] == [3 * i for i in range(n)]
+    assert redis_client.zcard(KEYS.waiting) == 0
