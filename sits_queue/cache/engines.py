@@ -1,0 +1,559 @@
+"""Engine backends behind one contract (:mod:`sits_queue.cache.contract`), and
+:func:`engine_from_path`, which picks one by file type.
+
+* :class:`TorchEngine`: an ``nn.Module`` (Hugging Face models included);
+* :class:`ExportedEngine`: a ``torch.export`` program (.pt2);
+* :class:`AotiEngine`: an AOTInductor package (.pt2), built by :func:`compile_aoti`;
+* :class:`OnnxEngine`: an ONNX Runtime session, from :func:`export_onnx`;
+* :class:`TensorRTEngine`: a TensorRT plan, from :func:`build_trt_plan`.
+
+Every engine starts in the host tier, its weights or artefact read from disk once into
+host memory; promotion builds the device side from that copy and never reads the disk.
+torch, onnxruntime and tensorrt are imported inside functions only (STYLE habit 6).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import zipfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from sits_queue.cache.contract import (
+    Backend,
+    Engine,
+    EngineError,
+    EngineFormatError,
+    EngineNotResident,
+    EngineReleased,
+    Inputs,
+    InputSpec,
+    device_index,
+    input_spec,
+    is_cuda,
+    synthesize,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["AOTI_SPEC_KEY", "AotiEngine", "Backend", "Engine", "EngineError",
+           "EngineFormatError", "EngineNotResident", "EngineReleased", "ExportedEngine",
+           "Inputs", "OnnxEngine", "TensorRTEngine", "TorchEngine", "build_trt_plan",
+           "compile_aoti", "engine_from_path", "export_onnx"]
+
+#: Key under which :func:`compile_aoti` stores the sample input spec in the package metadata.
+AOTI_SPEC_KEY = "sits.sample_inputs"
+#: A prompt long enough to exercise attention and the KV cache, short enough to cost little.
+HF_WARMUP_PROMPT = "Warm-up: a short representative prompt for the engine cache."
+#: TensorRT builder scratch space; 1 GiB covers small and medium models without tuning.
+TRT_WORKSPACE_BYTES = 1 << 30
+_ONNX_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16",
+                "tensor(double)": "float64", "tensor(int64)": "int64",
+                "tensor(int32)": "int32", "tensor(bool)": "bool", "tensor(uint8)": "uint8",
+                "tensor(int8)": "int8", "tensor(bfloat16)": "bfloat16"}
+
+# -- torch: a module, an exported program, an AOTInductor package -------------------------------
+
+def _tensor_bytes(tensors: Any) -> int:
+    """Bytes of distinct tensors (tied weights, e.g. GPT-2's lm_head, count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """A page-locked host copy: host-to-device copies from it run at full PCIe speed."""
+    import torch
+
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+    host.copy_(t)
+    return host
+
+
+class TorchEngine(Engine):
+    """An ``nn.Module`` (a Hugging Face model included); moves weights with ``.to()``."""
+
+    backend = "torch"
+
+    def __init__(self, key: str, module: torch.nn.Module, sample_inputs: Inputs | None,
+                 artifacts: Mapping[str, Any] | None = None) -> None:
+        super().__init__(key, sample_inputs, artifacts)
+        self._module: torch.nn.Module | None = module.eval()
+        self._size = _tensor_bytes([*module.parameters(), *module.buffers()])
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The module, e.g. for ``module.generate`` on a causal LM."""
+        self._live()
+        assert self._module is not None
+        return self._module
+
+    def size_bytes(self) -> int:
+        return self._size
+
+    def _promote(self, device: str) -> None:
+        # non_blocking pays off from pinned host memory (see _demote); to_device syncs.
+        self.module.to(device, non_blocking=True)
+
+    def _demote(self) -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            # Demote straight into pinned pages so the next promotion is one fast copy;
+            # _apply is what .to() uses, with our copy function in its place.
+            module: Any = self.module
+            module._apply(_pinned)
+        else:
+            self.module.to("cpu")
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        import torch
+
+        with torch.inference_mode():
+            return self.module(*args, **kwargs)
+
+    def _release(self) -> None:
+        self._module = None
+
+
+class ExportedEngine(Engine):
+    """A ``torch.export`` program (``torch.export.save`` .pt2); host tier keeps the program."""
+
+    backend = "torch_export"
+
+    def __init__(self, key: str, program: torch.export.ExportedProgram,
+                 sample_inputs: Inputs | None = None,
+                 artifacts: Mapping[str, Any] | None = None) -> None:
+        if sample_inputs is None and program.example_inputs is not None:
+            args, kwargs = program.example_inputs
+            sample_inputs = kwargs if kwargs and not args else tuple(args)
+        super().__init__(key, sample_inputs, artifacts)
+        self._program: torch.export.ExportedProgram | None = program
+        self._module: Callable[..., Any] | None = None
+        self._size = _tensor_bytes([*program.state_dict.values(),
+                                    *(c for c in program.constants.values()
+                                      if hasattr(c, "element_size"))])
+
+    @classmethod
+    def load(cls, key: str, path: str | Path,
+             artifacts: Mapping[str, Any] | None = None) -> ExportedEngine:
+        import torch
+
+        return cls(key, torch.export.load(str(path)), artifacts=artifacts)
+
+    def size_bytes(self) -> int:
+        return self._size
+
+    def _promote(self, device: str) -> None:
+        from torch.export.passes import move_to_device_pass
+
+        assert self._program is not None
+        # The pass also rewrites device constants baked into the graph, which .to() misses.
+        self._module = move_to_device_pass(self._program, device).module()
+
+    def _demote(self) -> None:
+        self._module = None
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        import torch
+
+        assert self._module is not None
+        with torch.inference_mode():
+            return self._module(*args, **kwargs)
+
+    def _release(self) -> None:
+        self._program = self._module = None
+
+
+def _aoti_metadata(package: bytes) -> dict[str, str]:
+    """The metadata AOTInductor writes beside its wrapper, read without loading the library."""
+    with zipfile.ZipFile(io.BytesIO(package)) as archive:
+        for name in archive.namelist():
+            if "/aotinductor/" in f"/{name}" and name.endswith("wrapper_metadata.json"):
+                return cast(dict[str, str], json.loads(archive.read(name)))
+    raise EngineFormatError("not an AOTInductor package: no aotinductor wrapper metadata")
+
+
+class AotiEngine(Engine):
+    """An AOTInductor package (.pt2). The weights are compiled into the package's library,
+    so the host tier keeps the package bytes and a promotion loads it from memory.
+    """
+
+    backend = "aoti"
+    rewarm_on_promote = True
+
+    def __init__(self, key: str, package: bytes, sample_inputs: Inputs | None = None,
+                 artifacts: Mapping[str, Any] | None = None) -> None:
+        meta = _aoti_metadata(package)
+        if sample_inputs is None and AOTI_SPEC_KEY in meta:
+            spec = [(list(s), str(d)) for s, d in json.loads(meta[AOTI_SPEC_KEY])]
+            sample_inputs = synthesize(spec)
+        super().__init__(key, sample_inputs, artifacts)
+        #: The device kind the package was compiled for: "cpu" or "cuda".
+        self.compiled_for = meta.get("AOTI_DEVICE_KEY", "cpu")
+        self._package = package
+        self._runner: Callable[..., Any] | None = None
+
+    @classmethod
+    def load(cls, key: str, path: str | Path,
+             artifacts: Mapping[str, Any] | None = None) -> AotiEngine:
+        return cls(key, Path(path).read_bytes(), artifacts=artifacts)
+
+    def size_bytes(self) -> int:
+        # The weights are inside the package; its length is their size plus a little code.
+        return len(self._package)
+
+    def _promote(self, device: str) -> None:
+        import torch
+
+        if device.partition(":")[0] != self.compiled_for:
+            raise EngineFormatError(f"AOTInductor package {self.key!r} was compiled for "
+                                    f"{self.compiled_for}; it cannot run on {device}")
+        # Loading extracts the library to a temporary directory to dlopen it: that is
+        # unavoidable for compiled code, but the weights come from host memory.
+        self._runner = torch._inductor.aoti_load_package(
+            io.BytesIO(self._package), device_index=device_index(device))
+
+    def _demote(self) -> None:
+        self._runner = None
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        assert self._runner is not None
+        return self._runner(*args, **kwargs)
+
+    def _release(self) -> None:
+        self._runner = None
+        self._package = b""
+
+
+def compile_aoti(module: torch.nn.Module, sample_inputs: Sequence[Any],
+                 path: str | Path) -> Path:
+    """Compile ``module`` with AOTInductor into a package at ``path`` (needs a C++ compiler).
+
+    The package targets the device ``module`` and ``sample_inputs`` are on. Their shapes
+    are recorded in the package metadata so a loaded engine can warm itself up.
+    """
+    import torch
+
+    args = tuple(sample_inputs)
+    program = torch.export.export(module.eval(), args)
+    meta = {AOTI_SPEC_KEY: json.dumps(input_spec(args))}
+    torch._inductor.aoti_compile_and_package(
+        program, package_path=str(path), inductor_configs={"aot_inductor.metadata": meta})
+    return Path(path)
+
+
+# -- ONNX Runtime ---------------------------------------------------------------------------------
+
+class OnnxEngine(Engine):
+    """An ONNX model run by ONNX Runtime; the host tier keeps the model bytes and a
+    promotion builds a session from them (no disk). Takes and returns torch tensors.
+    """
+
+    backend = "onnxruntime"
+    rewarm_on_promote = True
+
+    def __init__(self, key: str, model_bytes: bytes, sample_inputs: Inputs | None = None,
+                 artifacts: Mapping[str, Any] | None = None) -> None:
+        super().__init__(key, sample_inputs, artifacts)
+        self._bytes = model_bytes
+        self._session: Any = None
+
+    @classmethod
+    def load(cls, key: str, path: str | Path,
+             artifacts: Mapping[str, Any] | None = None) -> OnnxEngine:
+        return cls(key, Path(path).read_bytes(), artifacts=artifacts)
+
+    @property
+    def session(self) -> Any:
+        """The ``onnxruntime.InferenceSession``; None in the host tier."""
+        return self._session
+
+    @property
+    def providers(self) -> list[str]:
+        return list(self._session.get_providers()) if self._session is not None else []
+
+    def size_bytes(self) -> int:
+        # Initialisers (the weights) are nearly all of an ONNX model's bytes.
+        return len(self._bytes)
+
+    def _promote(self, device: str) -> None:
+        import onnxruntime as ort
+
+        providers: list[str | tuple[str, dict[str, Any]]] = ["CPUExecutionProvider"]
+        if is_cuda(device) and "CUDAExecutionProvider" in ort.get_available_providers():
+            providers.insert(0, ("CUDAExecutionProvider",
+                                 {"device_id": max(0, device_index(device))}))
+        self._session = ort.InferenceSession(self._bytes, providers=providers)
+
+    def _demote(self) -> None:
+        self._session = None
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        import numpy as np
+        import torch
+
+        names = [i.name for i in self._session.get_inputs()]
+        feed = dict(zip(names, args, strict=False)) | kwargs
+        arrays = {k: v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
+                  for k, v in feed.items()}
+        outs = [torch.from_numpy(o).to(self._device or "cpu")
+                for o in self._session.run(None, arrays)]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _warmup_inputs(self, device: str) -> Inputs:
+        if self._sample is not None:
+            return self._sample
+        # Symbolic dimensions (batch, sequence) become 1: the smallest valid call.
+        spec = [([d if isinstance(d, int) and d > 0 else 1 for d in i.shape],
+                 _ONNX_DTYPES[i.type]) for i in self._session.get_inputs()]
+        return synthesize(spec, device)
+
+    def _release(self) -> None:
+        self._session = None
+        self._bytes = b""
+
+
+def export_onnx(module: torch.nn.Module, sample_inputs: Sequence[Any], path: str | Path,
+                dynamic_shapes: Any = None) -> Path:
+    """Export ``module`` to ONNX at ``path`` (weights inside the file, so bytes suffice)."""
+    import torch
+
+    torch.onnx.export(module.eval(), tuple(sample_inputs), str(path), dynamo=True,
+                      external_data=False, dynamic_shapes=dynamic_shapes, verbose=False)
+    return Path(path)
+
+
+# -- TensorRT -------------------------------------------------------------------------------------
+
+@functools.cache
+def _trt_logger() -> Any:
+    """One logger per process: TensorRT objects keep a pointer to it, so it must outlive them."""
+    import tensorrt as trt
+
+    return trt.Logger(trt.Logger.WARNING)
+
+
+def _trt_to_torch(dtype: Any) -> torch.dtype:
+    import tensorrt as trt
+    import torch
+
+    table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.int32: torch.int32,
+             trt.int8: torch.int8, trt.bool: torch.bool, trt.uint8: torch.uint8}
+    for name in ("bfloat16", "int64"):  # TensorRT >= 9 only
+        if hasattr(trt, name):
+            table[getattr(trt, name)] = getattr(torch, name)
+    return table[dtype]
+
+
+class TensorRTEngine(Engine):
+    """A serialized TensorRT plan. Host tier: the plan bytes. Device tier: the deserialised
+    engine and one execution context. Runs with torch CUDA tensors as the I/O buffers on
+    torch's current stream, so it orders with the surrounding torch work without syncs.
+    """
+
+    backend = "tensorrt"
+    rewarm_on_promote = True
+
+    def __init__(self, key: str, plan: bytes, sample_inputs: Inputs | None = None,
+                 artifacts: Mapping[str, Any] | None = None) -> None:
+        super().__init__(key, sample_inputs, artifacts)
+        self._plan = plan
+        self._runtime: Any = None
+        self._engine: Any = None
+        self._context: Any = None
+
+    @classmethod
+    def load(cls, key: str, path: str | Path,
+             artifacts: Mapping[str, Any] | None = None) -> TensorRTEngine:
+        return cls(key, Path(path).read_bytes(), artifacts=artifacts)
+
+    def size_bytes(self) -> int:
+        # The plan holds the weights; activation memory comes per context on top of it
+        # (``engine.device_memory_size_v2`` once deserialised) and is not counted here.
+        return len(self._plan)
+
+    def _promote(self, device: str) -> None:
+        import tensorrt as trt
+        import torch
+
+        if not is_cuda(device):
+            raise EngineFormatError(f"TensorRT engine {self.key!r} needs a CUDA device, "
+                                    f"not {device}")
+        with torch.cuda.device(device):
+            self._runtime = trt.Runtime(_trt_logger())
+            self._engine = self._runtime.deserialize_cuda_engine(self._plan)
+            if self._engine is None:
+                raise EngineFormatError(f"TensorRT could not deserialise {self.key!r} "
+                                        "(built by another TensorRT version or GPU?)")
+            self._context = self._engine.create_execution_context()
+
+    def _demote(self) -> None:
+        # Context before engine before runtime: each depends on the next.
+        self._context = None
+        self._engine = None
+        self._runtime = None
+
+    def _io(self, mode: Any) -> list[str]:
+        names = (self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors))
+        return [n for n in names if self._engine.get_tensor_mode(n) == mode]
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        import tensorrt as trt
+        import torch
+
+        device = self._device or "cuda"
+        feed = dict(zip(self._io(trt.TensorIOMode.INPUT), args, strict=False)) | kwargs
+        # Held until enqueued; after that torch's allocator reuses their blocks only in
+        # this stream's order, so later work cannot overwrite them before TensorRT reads.
+        keep = []
+        for name, value in feed.items():
+            t = torch.as_tensor(value).to(device, _trt_to_torch(
+                self._engine.get_tensor_dtype(name))).contiguous()
+            self._context.set_input_shape(name, tuple(t.shape))
+            self._context.set_tensor_address(name, t.data_ptr())
+            keep.append(t)
+        outs = []
+        for name in self._io(trt.TensorIOMode.OUTPUT):
+            shape = tuple(self._context.get_tensor_shape(name))
+            if any(d < 0 for d in shape):
+                raise EngineError(f"{self.key!r}: output {name} has a data-dependent shape; "
+                                  "this runner needs shapes known from the inputs")
+            out = torch.empty(shape, dtype=_trt_to_torch(self._engine.get_tensor_dtype(name)),
+                              device=device)
+            self._context.set_tensor_address(name, out.data_ptr())
+            outs.append(out)
+        stream = torch.cuda.current_stream(device)
+        if not self._context.execute_async_v3(stream.cuda_stream):
+            raise EngineError(f"TensorRT execution of {self.key!r} failed")
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _warmup_inputs(self, device: str) -> Inputs:
+        import tensorrt as trt
+
+        if self._sample is not None:
+            return self._sample
+        spec: InputSpec = []
+        for name in self._io(trt.TensorIOMode.INPUT):
+            shape = list(self._engine.get_tensor_shape(name))
+            if any(d < 0 for d in shape):  # dynamic: the optimisation profile's "opt" shape
+                shape = list(self._engine.get_tensor_profile_shape(name, 0)[1])
+            dtype = _trt_to_torch(self._engine.get_tensor_dtype(name))
+            spec.append((shape, str(dtype).removeprefix("torch.")))
+        return synthesize(spec, device)
+
+    def _release(self) -> None:
+        self._demote()
+        self._plan = b""
+
+
+def build_trt_plan(onnx_bytes: bytes, fp16: bool = True,
+                   profile_shapes: Mapping[str, tuple[Sequence[int], Sequence[int],
+                                                      Sequence[int]]] | None = None,
+                   workspace_bytes: int = TRT_WORKSPACE_BYTES) -> bytes:
+    """Build a serialized TensorRT plan from an ONNX model (on the current CUDA device).
+
+    ``profile_shapes`` gives ``(min, opt, max)`` per dynamic input; static inputs need none.
+    """
+    import tensorrt as trt
+
+    logger = _trt_logger()
+    builder = trt.Builder(logger)
+    # TensorRT 10 networks are always explicit-batch; earlier versions need the flag.
+    major = int(trt.__version__.split(".")[0])
+    flags = 0 if major >= 10 else 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse(onnx_bytes):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise EngineFormatError(f"TensorRT could not parse the ONNX model: {errors}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
+    if fp16:
+        config.set_flag(trt.BuilderFlag.FP16)
+    dynamic = [network.get_input(i) for i in range(network.num_inputs)
+               if any(d < 0 for d in network.get_input(i).shape)]
+    if dynamic:
+        profile = builder.create_optimization_profile()
+        for tensor in dynamic:
+            if not profile_shapes or tensor.name not in profile_shapes:
+                raise EngineFormatError(f"input {tensor.name} has dynamic shape "
+                                        f"{tuple(tensor.shape)}: pass profile_shapes for it")
+            profile.set_shape(tensor.name, *profile_shapes[tensor.name])
+        config.add_optimization_profile(profile)
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise EngineFormatError("TensorRT failed to build the engine (see its log above)")
+    return bytes(plan)
+
+
+# -- choosing a backend by file type ------------------------------------------------------------
+
+def _load_hf(key: str, path: Path) -> TorchEngine:
+    """A Hugging Face model directory: Auto classes, tokenizer in ``artifacts``."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    causal = any(a.endswith(("ForCausalLM", "LMHeadModel"))
+                 for a in (getattr(config, "architectures", None) or []))
+    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+    model = auto.from_pretrained(path)
+    artifacts: dict[str, Any] = {"config": config,
+                                 "task": "text-generation" if causal else "feature-extraction"}
+    sample: Inputs
+    if any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        artifacts["tokenizer"] = tokenizer
+        sample = dict(tokenizer(HF_WARMUP_PROMPT, return_tensors="pt"))
+    else:
+        import torch
+
+        sample = {"input_ids": torch.zeros((1, 8), dtype=torch.long)}
+    return TorchEngine(key, model, sample, artifacts)
+
+
+def _is_aoti_archive(path: Path) -> bool:
+    with zipfile.ZipFile(path) as archive:
+        return any("/aotinductor/" in f"/{n}" for n in archive.namelist())
+
+
+def engine_from_path(key: str, path: str | Path, device: str) -> Engine:
+    """Build the engine stored at ``path``, in the host tier, for running on ``device``.
+
+    A directory with ``config.json``: a Hugging Face model (``TorchEngine``). ``.pt2``: an
+    AOTInductor package or a ``torch.export`` program, told apart by their contents.
+    ``.onnx``: ONNX Runtime. ``.plan``/``.engine``: TensorRT. Formats ``device`` cannot
+    run are refused here, before anything is read.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no engine at {path}")
+    suffix = path.suffix.lower()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise EngineFormatError(f"{path} is a directory without config.json")
+        return _load_hf(key, path)
+    if suffix == ".pt2":
+        if not zipfile.is_zipfile(path):
+            raise EngineFormatError(f"{path} is not a .pt2 archive")
+        if _is_aoti_archive(path):
+            engine = AotiEngine.load(key, path)
+            if device.partition(":")[0] != engine.compiled_for:
+                raise EngineFormatError(f"{path} was compiled for {engine.compiled_for}, "
+                                        f"not {device}")
+            return engine
+        return ExportedEngine.load(key, path)
+    if suffix == ".onnx":
+        return OnnxEngine.load(key, path)
+    if suffix in (".plan", ".engine"):
+        if not is_cuda(device):
+            raise EngineFormatError(f"{path} is a TensorRT plan; it needs a CUDA device, "
+                                    f"not {device}")
+        return TensorRTEngine.load(key, path)
+    raise EngineFormatError(f"{path}: unknown engine format {suffix or '(no suffix)'!r}; "
+                            "expected a model directory, .pt2, .onnx, .plan or .engine")

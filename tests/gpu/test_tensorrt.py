@@ -1,0 +1,97 @@
+"""The TensorRT backend: an ONNX export built into a plan, run against the torch module.
+
+Needs an NVIDIA GPU (the ``gpu`` marker: skipped by tests/conftest.py where NVML sees
+none) and the ``tensorrt`` package (skipped, with the reason shown, where it is missing).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch", reason="the inference extra (torch) is not installed")
+pytest.importorskip("tensorrt", reason="TensorRT is not installed: `pip install tensorrt` "
+                                       "on a host with an NVIDIA GPU and driver")
+import torch
+
+from sits_queue.cache.engines import (
+    TensorRTEngine,
+    build_trt_plan,
+    engine_from_path,
+    export_onnx,
+)
+from sits_queue.cache.pool import EngineCache
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda:0"
+
+
+class Scorer(torch.nn.Module):
+    """The contract tests' model (tests/integration/test_engines.py), built on the GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 16)
+        self.lin = torch.nn.Linear(16, 8)
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, ids: Any, scale: Any) -> Any:
+        hidden = self.emb(ids).mean(dim=1)
+        return self.norm(torch.nn.functional.gelu(self.lin(hidden))) * scale
+
+
+def inputs(seed: int) -> tuple[Any, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (2, 8), generator=gen)
+    return ids.to(DEVICE), torch.rand(2, 1, generator=gen).to(DEVICE)
+
+
+@pytest.fixture(scope="module")
+def scorer() -> Scorer:
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device (CPU-only torch build?)")
+    torch.manual_seed(0)
+    model = Scorer()
+    model.eval()
+    return model.to(DEVICE)
+
+
+@pytest.fixture(scope="module")
+def onnx_bytes(scorer: Scorer, tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    path = export_onnx(scorer, inputs(0), tmp_path_factory.mktemp("trt") / "scorer.onnx")
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize(("fp16", "atol"), [(False, 1e-4), (True, 3e-2)])
+def test_plan_matches_torch(scorer: Scorer, onnx_bytes: bytes, fp16: bool,
+                            atol: float) -> None:
+    engine = TensorRTEngine("scorer", build_trt_plan(onnx_bytes, fp16=fp16))
+    assert engine.tier == "host" and engine.size_bytes() > 0
+    assert engine.to_device(DEVICE) > 0
+    assert engine.warmup() > 0
+    with torch.inference_mode():
+        for seed in (1, 2):
+            got = engine(*inputs(seed))
+            torch.testing.assert_close(got.float(), scorer(*inputs(seed)), atol=atol, rtol=0)
+
+
+def test_round_trip_and_release_through_the_cache(scorer: Scorer, onnx_bytes: bytes,
+                                                  tmp_path: Path) -> None:
+    plan_path = tmp_path / "scorer.plan"
+    plan_path.write_bytes(build_trt_plan(onnx_bytes, fp16=False))
+    first = engine_from_path("scorer", plan_path, DEVICE)
+    assert isinstance(first, TensorRTEngine)
+    cache = EngineCache(DEVICE, first.size_bytes(), 10 * first.size_bytes())
+    engine, cold = cache.get("scorer", lambda: first)
+    assert cold.source == "disk" and cold.promote_ms > 0 and cold.warmup_ms > 0
+    before = engine(*inputs(3))
+    # A second engine takes the device pool: the first is demoted to its plan bytes
+    cache.get("other", lambda: engine_from_path("other", plan_path, DEVICE))
+    assert cache.warm() == {"other": "device", "scorer": "host"}
+    again, cold = cache.get("scorer", lambda: pytest.fail("promotion must not reload"))
+    assert again is engine and cold.source == "host" and cold.load_ms == 0
+    torch.testing.assert_close(engine(*inputs(3)), before, atol=0, rtol=0)
+    cache.clear()
+    assert engine.released

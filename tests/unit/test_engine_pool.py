@@ -1,0 +1,396 @@
+"""The runtime two-tier engine cache (MISSION §4.1, §4.3) over fake engines: no torch."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from sits_queue.cache.contract import Engine, EngineReleased
+from sits_queue.cache.pool import ColdStart, EngineCache, EngineTooLarge, ModelLoadError
+from sits_queue.errors import SitsError
+
+DEVICE = "cpu"
+CTX_MS = 150.0
+
+
+class FakeEngine(Engine):
+    """Counts every primitive; ``fail`` names one to raise from."""
+
+    backend = "torch"
+
+    def __init__(self, key: str, size: int, fail: str | None = None) -> None:
+        super().__init__(key, sample_inputs=(1,), artifacts={"tokenizer": "tok"})
+        self.size = size
+        self.fail = fail
+        self.calls: dict[str, int] = dict.fromkeys(("promote", "demote", "run", "release"), 0)
+        #: Stands for the weights: kept across demotion, dropped only by release.
+        self.weights: list[int] | None = list(range(4))
+
+    def size_bytes(self) -> int:
+        return self.size
+
+    def _count(self, name: str) -> None:
+        self.calls[name] += 1
+        if self.fail == name:
+            raise RuntimeError(f"{name} broke")
+
+    def _promote(self, device: str) -> None:
+        assert self.weights is not None, "promotion must start from host weights"
+        self._count("promote")
+
+    def _demote(self) -> None:
+        self._count("demote")
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self._count("run")
+        return sum(args)
+
+    def _release(self) -> None:
+        self.weights = None
+        self._count("release")
+
+
+class RewarmingEngine(FakeEngine):
+    rewarm_on_promote = True
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+class Loaders:
+    """Builds fake engines on demand and remembers every one, with per-key load counts."""
+
+    def __init__(self, sizes: dict[str, int], cls: type[FakeEngine] = FakeEngine) -> None:
+        self.sizes = sizes
+        self.cls = cls
+        self.loads: dict[str, int] = dict.fromkeys(sizes, 0)
+        self.built: list[FakeEngine] = []
+
+    def __call__(self, key: str, fail: str | None = None) -> Callable[[], Engine]:
+        def load() -> Engine:
+            self.loads[key] += 1
+            engine = self.cls(key, self.sizes[key], fail)
+            self.built.append(engine)
+            return engine
+        return load
+
+
+def make_cache(device_budget: int = 200, host_budget: int = 300, **kwargs: Any
+               ) -> tuple[EngineCache, list[int]]:
+    ctx_calls: list[int] = []
+
+    def context() -> float:
+        ctx_calls.append(1)
+        return CTX_MS
+
+    cache = EngineCache(DEVICE, device_budget, host_budget, context=context, clock=Clock(),
+                        half_life_s=50.0, **kwargs)
+    return cache, ctx_calls
+
+
+def assert_consistent(cache: EngineCache, loaders: Loaders) -> None:
+    """Budgets hold, and the cache's view of each engine matches the engine itself."""
+    s = cache.state
+    assert s.device_used <= s.device_budget_bytes
+    assert s.host_used <= s.host_budget_bytes
+    warm = cache.warm()
+    live = {e.key: e for e in loaders.built if not e.released}
+    assert set(live) == set(warm), "an engine is live outside the cache, or released inside it"
+    for key, tier in warm.items():
+        assert live[key].tier == tier
+    on_device = sum(e.size for e in live.values() if e.tier == "device")
+    assert on_device <= s.device_budget_bytes
+
+
+# -- the three paths --------------------------------------------------------------------------
+
+def test_disk_then_device_hit() -> None:
+    cache, ctx = make_cache()
+    loaders = Loaders({"a": 100})
+
+    engine, first = cache.get("a", loaders("a"))
+    assert (first.cold, first.source) == (True, "disk")
+    assert first.cuda_ctx_ms == CTX_MS and first.load_ms >= 0 and first.warmup_ms > 0
+    assert first.total_ms == pytest.approx(first.cuda_ctx_ms + first.load_ms +
+                                           first.promote_ms + first.warmup_ms)
+    assert engine.tier == "device" and engine.artifacts == {"tokenizer": "tok"}
+    assert engine(2, 3) == 5
+
+    again, second = cache.get("a", loaders("a"))
+    assert again is engine
+    assert second == ColdStart(cold=False, source="device")
+    assert second.total_ms == 0.0
+    assert loaders.loads["a"] == 1 and ctx == [1]  # context created once per process
+    assert_consistent(cache, loaders)
+
+
+def test_demoted_engine_is_promoted_from_host_without_the_loader() -> None:
+    # Given a device pool for two engines, holding a (older) and b
+    cache, _ = make_cache(device_budget=200, host_budget=300)
+    loaders = Loaders({"a": 100, "b": 100, "c": 100})
+    a, _ = cache.get("a", loaders("a"))
+    cache.get("b", loaders("b"))
+
+    # When c arrives, the coldest (a) is demoted, not dropped
+    _, cold_c = cache.get("c", loaders("c"))
+    assert cold_c.demoted == ("a",) and cold_c.evicted == ()
+    assert cache.warm() == {"a": "host", "b": "device", "c": "device"}
+    assert isinstance(a, FakeEngine) and a.weights is not None and not a.released
+
+    # Then getting a again promotes it from host memory: no loader call, no warm-up
+    again, cold_a = cache.get("a", loaders("a"))
+    assert again is a
+    assert (cold_a.cold, cold_a.source, cold_a.load_ms, cold_a.warmup_ms) == (
+        True, "host", 0.0, 0.0)
+    assert loaders.loads["a"] == 1
+    assert a.calls["promote"] == 2 and a.calls["demote"] == 1
+    assert cold_a.demoted == ("b",)
+    assert_consistent(cache, loaders)
+
+
+def test_rewarming_engine_warms_again_after_promotion() -> None:
+    cache, _ = make_cache(device_budget=100, host_budget=100)
+    loaders = Loaders({"a": 100, "b": 100}, cls=RewarmingEngine)
+    cache.get("a", loaders("a"))
+    cache.get("b", loaders("b"))
+    engine, cold = cache.get("a", loaders("a"))
+    assert cold.source == "host" and cold.warmup_ms > 0
+    assert isinstance(engine, FakeEngine) and engine.calls["run"] == 2  # disk + promotion
+
+
+def test_engine_without_sample_input_loads_without_warmup() -> None:
+    cache, _ = make_cache()
+    bare = FakeEngine("a", 10)
+    bare._sample = None  # as built from a bare module with no sample input
+    engine, cold = cache.get("a", lambda: bare)
+    assert engine is bare and cold.source == "disk" and cold.warmup_ms == 0.0
+    assert bare.calls["run"] == 0
+
+
+def test_full_host_pool_evicts_and_reloads_from_disk() -> None:
+    cache, _ = make_cache(device_budget=100, host_budget=100)
+    loaders = Loaders({"a": 100, "b": 100, "c": 100})
+    a, _ = cache.get("a", loaders("a"))
+    cache.get("b", loaders("b"))          # a demoted to host
+    _, cold = cache.get("c", loaders("c"))  # b demoted; a, colder, evicted to make room
+    assert cold.evicted == ("a",) and cold.demoted == ("b",)
+    assert a.released and isinstance(a, FakeEngine) and a.weights is None
+    _, back = cache.get("a", loaders("a"))
+    assert back.source == "disk" and loaders.loads["a"] == 2
+    assert_consistent(cache, loaders)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_budgets_hold_under_a_random_stream(seed: int) -> None:
+    rng = random.Random(seed)
+    sizes = {f"m{i}": rng.randint(10, 120) for i in range(8)}
+    cache, _ = make_cache(device_budget=150, host_budget=260)
+    loaders = Loaders(sizes)
+    for _ in range(200):
+        key = rng.choice(sorted(sizes))
+        engine, cold = cache.get(key, loaders(key))
+        assert engine.key == key and engine.tier == "device"
+        assert cold.cold == (cold.source != "device")
+        assert_consistent(cache, loaders)
+    stats = cache.stats()
+    assert stats["gets"] == 200
+    assert stats["loads"] == sum(loaders.loads.values())
+    assert stats["hits_device"] + stats["hits_host"] + stats["loads"] == 200
+
+
+# -- failures ---------------------------------------------------------------------------------
+
+def test_engine_larger_than_the_device_pool_is_refused_and_released() -> None:
+    cache, _ = make_cache(device_budget=200)
+    loaders = Loaders({"a": 100, "huge": 201})
+    cache.get("a", loaders("a"))
+    with pytest.raises(EngineTooLarge, match=r"'huge' needs 201 bytes.*holds 200") as info:
+        cache.get("huge", loaders("huge"))
+    assert isinstance(info.value, SitsError)
+    assert loaders.built[-1].released
+    assert cache.warm() == {"a": "device"} and cache.stats()["too_large"] == 1
+    assert_consistent(cache, loaders)
+
+
+def test_loader_failure_is_a_model_load_error_and_the_cache_stays_usable() -> None:
+    cache, _ = make_cache()
+    loaders = Loaders({"a": 100})
+    cache.get("a", loaders("a"))
+    cause = OSError("no such file: weights.safetensors")
+
+    def broken() -> Engine:
+        raise cause
+
+    with pytest.raises(ModelLoadError, match=r"'bad'.*OSError.*weights") as info:
+        cache.get("bad", broken)
+    assert isinstance(info.value, SitsError)
+    assert info.value.key == "bad" and info.value.cause is cause
+    assert info.value.__cause__ is cause
+    assert "bad" not in cache and cache.stats()["load_failures"] == 1
+    _, hit = cache.get("a", loaders("a"))
+    assert hit.source == "device"
+    assert_consistent(cache, loaders)
+
+
+@pytest.mark.parametrize("fail", ["promote", "run"])
+def test_promotion_or_warmup_failure_on_load_leaves_nothing_behind(fail: str) -> None:
+    cache, _ = make_cache(device_budget=100)
+    loaders = Loaders({"a": 100, "b": 100})
+    cache.get("a", loaders("a"))
+    with pytest.raises(ModelLoadError, match=f"{fail} broke"):
+        cache.get("b", loaders("b", fail=fail))
+    broken = loaders.built[-1]
+    assert broken.released and "b" not in cache
+    assert cache.warm() == {"a": "host"}  # the demotion that made room did happen
+    assert_consistent(cache, loaders)
+    _, again = cache.get("b", loaders("b"))
+    assert again.source == "disk"
+
+
+def test_failed_promotion_from_host_drops_the_engine() -> None:
+    cache, _ = make_cache(device_budget=100, host_budget=100)
+    loaders = Loaders({"a": 100, "b": 100})
+    a, _ = cache.get("a", loaders("a"))
+    cache.get("b", loaders("b"))
+    assert isinstance(a, FakeEngine)
+    a.fail = "promote"
+    with pytest.raises(ModelLoadError, match="'a'"):
+        cache.get("a", loaders("a"))
+    assert a.released and "a" not in cache
+    assert_consistent(cache, loaders)
+
+
+def test_passthrough_errors_escape_unwrapped() -> None:
+    class SoftTimeLimit(Exception):
+        pass
+
+    cache, _ = make_cache(passthrough=(SoftTimeLimit,))
+
+    def slow() -> Engine:
+        raise SoftTimeLimit()
+
+    with pytest.raises(SoftTimeLimit):
+        cache.get("a", slow)
+    assert cache.stats()["load_failures"] == 0
+
+
+def test_context_failure_propagates_and_is_retried() -> None:
+    attempts: list[int] = []
+
+    def context() -> float:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise RuntimeError("CUDA driver not ready")
+        return 5.0
+
+    cache = EngineCache(DEVICE, 100, 100, context=context)
+    loaders = Loaders({"a": 10})
+    with pytest.raises(RuntimeError, match="driver"):
+        cache.get("a", loaders("a"))
+    _, cold = cache.get("a", loaders("a"))
+    assert cold.cuda_ctx_ms == 5.0 and len(attempts) == 2
+
+
+def test_errors_survive_result_backends() -> None:
+    # Celery's result backends rebuild a task's exception as cls(*args), after json or pickle.
+    err = ModelLoadError("m", ValueError("bad config"))
+    for again in (pickle.loads(pickle.dumps(err)), ModelLoadError(*json.loads(
+            json.dumps(err.args)))):
+        assert (again.key, again.reason) == ("m", "ValueError: bad config")
+        assert str(again) == str(err) == "loading model 'm' failed: ValueError: bad config"
+    big = EngineTooLarge("m", 10, 5)
+    again_big = EngineTooLarge(*json.loads(json.dumps(big.args)))
+    assert (again_big.key, again_big.size_bytes, again_big.budget_bytes) == ("m", 10, 5)
+    assert str(pickle.loads(pickle.dumps(big))) == str(big)
+
+
+# -- housekeeping and stats -------------------------------------------------------------------
+
+def test_stats_count_every_path() -> None:
+    cache, _ = make_cache(device_budget=100, host_budget=200)
+    loaders = Loaders({"a": 100, "b": 100})
+    for key in ("a", "a", "b", "a", "a"):  # disk, hit, disk (a demoted), host, hit
+        cache.get(key, loaders(key))
+    s = cache.stats()
+    assert (s["gets"], s["hits_device"], s["hits_host"], s["loads"]) == (5, 2, 1, 2)
+    assert (s["promotions"], s["demotions"], s["evictions"]) == (1, 2, 0)
+    assert s["cold_share"] == pytest.approx(3 / 5)
+    assert s["cuda_ctx_ms"] == CTX_MS and s["warmup_ms_total"] > 0
+    assert (s["device_used_bytes"], s["host_used_bytes"]) == (100, 100)
+    assert (s["engines_device"], s["engines_host"]) == (1, 1)
+
+
+def test_expire_shrink_drop_and_clear_release_engines() -> None:
+    clock = Clock()
+    cache = EngineCache(DEVICE, 100, 300, clock=clock)
+    loaders = Loaders({"a": 100, "b": 100, "c": 100, "d": 100})
+    for key in ("a", "b", "c", "d"):
+        cache.get(key, loaders(key))           # a, b, c end up on the host
+    assert cache.warm() == {"a": "host", "b": "host", "c": "host", "d": "device"}
+
+    clock.now += 10.0
+    assert cache.expire(host_ttl_s=13.5) == ("a",)   # only a is older than 13.5 s
+    assert cache.shrink_host(100) == ("b",)          # the coldest of b, c goes
+    assert cache.state.host_budget_bytes == 100
+    assert cache.drop("c") and not cache.drop("c")
+    assert_consistent(cache, loaders)
+    cache.clear()
+    assert cache.warm() == {} and len(cache) == 0
+    assert all(e.released for e in loaders.built)
+    with pytest.raises(EngineReleased):
+        loaders.built[0](1)
+
+
+def test_cold_start_as_dict() -> None:
+    cold = ColdStart(True, "disk", 1.0, 2.0, 3.0, 4.0, ("x",), ("y",))
+    assert cold.as_dict() == {"cold": True, "source": "disk", "cuda_ctx_ms": 1.0,
+                              "load_ms": 2.0, "promote_ms": 3.0, "warmup_ms": 4.0,
+                              "evicted": ["x"], "demoted": ["y"], "total_ms": 10.0}
+
+
+def test_concurrent_misses_load_once() -> None:
+    cache, _ = make_cache()
+    loaders = Loaders({"a": 100})
+    barrier = threading.Barrier(8)
+    got: list[Engine] = []
+
+    def worker() -> None:
+        barrier.wait()
+        got.append(cache.get("a", loaders("a"))[0])
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert loaders.loads["a"] == 1 and len({id(e) for e in got}) == 1
+
+
+def test_invalid_half_life() -> None:
+    with pytest.raises(ValueError, match="half_life_s"):
+        EngineCache(DEVICE, 1, 1, half_life_s=0)
+
+
+def test_importing_the_cache_starts_no_gpu_runtime() -> None:
+    # The worker's parent imports these modules before forking: torch (and with it CUDA)
+    # must load only in the children (STYLE habit 6).
+    code = ("import sys, sits_queue.cache.pool, sits_queue.cache.engines, sits_queue.models; "
+            "print(sorted(m for m in ('torch', 'onnxruntime', 'tensorrt', 'transformers') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
