@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from celery import Celery, Task
 from kombu.entity import Queue
 
 from sits_queue.config import SitsConfig
 from sits_queue.options import HEADER, OPTION_NAMES, resolve
+from sits_queue.registry import Loader, ModelRegistry
 
 TRANSPORT = "sits_queue.broker.transport:Transport"
 #: Maintenance tasks (rescoring, trigger checks) go here so a deep task backlog never
 #: delays the pass that is supposed to reorder it. Every worker consumes it.
 CONTROL_QUEUE = "sits.control"
 DEFAULT_QUEUE = "celery"
+#: The beat's maintenance tasks: routed to CONTROL_QUEUE, left out of the task statistics.
+MAINTENANCE_TASKS = ("sits.rescore", "sits.check_triggers")
+#: Marks a function whose first argument the worker supplies (the warm engine).
+ENGINE_ARG = "__sits_engine_arg__"
 #: Header with the producer's wall clock at submission, for end-to-end latency stats.
 SUBMITTED_AT = "sits_submitted_at"
 
@@ -28,7 +35,12 @@ class SitsTask(Task):  # type: ignore[misc]
     Options are settable on the decorator (``@app.task(sla_class="high")``) and per
     call (``t.apply_async(args, sla_class="low", context_tokens=4096)``). Invalid
     options raise :class:`~sits_queue.errors.InvalidTaskOptions` and nothing is sent.
+
+    In the worker, :class:`~sits_queue.workers.request.SitsRequest` checks a declared
+    ``vram_gib`` against the devices' free memory before the task reaches the pool.
     """
+
+    Request = "sits_queue.workers.request:SitsRequest"
 
     sla_class: str | None = None
     model: str | None = None
@@ -86,6 +98,10 @@ def celery_settings(config: SitsConfig) -> dict[str, Any]:
         "result_backend_transport_options": {"global_keyprefix": prefix},
         "result_expires": timedelta(days=1),
         "result_extended": True,
+        # A result store that meets a Redis restart retries instead of failing a task
+        # whose body already succeeded.
+        "result_backend_always_retry": True,
+        "result_backend_max_retries": 20,
         "task_serializer": "json",
         "result_serializer": "json",
         "accept_content": ["json"],
@@ -101,7 +117,8 @@ def celery_settings(config: SitsConfig) -> dict[str, Any]:
         "worker_send_task_events": True,
         "task_default_queue": DEFAULT_QUEUE,
         "task_queues": (Queue(DEFAULT_QUEUE), Queue(CONTROL_QUEUE)),  # type: ignore[no-untyped-call]
-        "task_routes": {"sits.*": {"queue": CONTROL_QUEUE}},
+        # By name: the built-in inference tasks (sits.generate, sits.embed) are work.
+        "task_routes": {name: {"queue": CONTROL_QUEUE} for name in MAINTENANCE_TASKS},
         "beat_scheduler": "redbeat.RedBeatScheduler",
         "redbeat_redis_url": config.redis_url,
         "redbeat_key_prefix": f"{prefix}sits:redbeat:",
@@ -130,15 +147,78 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def make_app(config: SitsConfig | None = None, main: str = "sits_queue") -> Celery:
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class SitsCelery(Celery):  # type: ignore[misc]
+    """Celery with a model registry and inference tasks that receive a warm engine::
+
+        @app.model("summarizer")
+        def load():
+            return "/models/summarizer"      # a HF directory, an nn.Module or an Engine
+
+        @app.inference_task(model="summarizer", sla_class="medium")
+        def summarize(engine, text): ...
+
+        summarize.delay("...")  # -> {"output": ..., "sits": {"cold": ..., ...}}
+    """
+
+    sits: SitsConfig
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.models = ModelRegistry()
+
+    def model(self, name: str, *, sample_inputs: tuple[Any, ...] | None = None,
+              replace: bool = False) -> Callable[[Loader], Loader]:
+        """Decorator registering a zero-argument loader for model ``name``."""
+        def decorate(loader: Loader) -> Loader:
+            self.models.register(name, loader, sample_inputs=sample_inputs, replace=replace)
+            return loader
+
+        return decorate
+
+    def register_model(self, name: str, source: Loader | str | os.PathLike[str], *,
+                       sample_inputs: tuple[Any, ...] | None = None,
+                       replace: bool = False) -> None:
+        """Register a loader, or a model directory loaded with ``from_pretrained``."""
+        self.models.register(name, source, sample_inputs=sample_inputs, replace=replace)
+
+    def inference_task(self, *, model: str | None = None, **options: Any) -> Callable[[F], Any]:
+        """Decorator for a task whose first argument is the warm engine of ``model``.
+
+        ``model`` becomes the task's default model option (the message carries it, so
+        the broker and the worker see it); a call may pass ``model=`` to override it.
+        Other keywords are Celery task options and SITS options (``sla_class`` ...).
+        """
+        from sits_queue.workers.inference import InferenceTask
+
+        if options.get("bind"):
+            raise TypeError("inference tasks cannot bind=True: the first argument is the "
+                            "engine; use celery.current_task for the request")
+
+        def decorate(fun: F) -> Any:
+            setattr(fun, ENGINE_ARG, True)
+            return self.task(base=InferenceTask, model=model, **options)(fun)
+
+        return decorate
+
+    def type_checker(self, fun: Callable[..., Any], bound: bool = False) -> Any:
+        # Callers do not pass the engine: check their arguments as if it were bound.
+        return super().type_checker(fun, bound=bound or getattr(fun, ENGINE_ARG, False))
+
+
+def make_app(config: SitsConfig | None = None, main: str = "sits_queue") -> SitsCelery:
     """A configured Celery app. ``celery -A sits_queue`` uses the one built from the env."""
     config = SitsConfig.from_env() if config is None else config
-    app = Celery(main, task_cls=SitsTask)
+    app = SitsCelery(main, task_cls=SitsTask)
     app.sits = config
     app.conf.update(celery_settings(config))
     from sits_queue.priority import tasks as maintenance
-    from sits_queue.workers import signals
+    from sits_queue.workers import inference, runtime, signals
 
     maintenance.register(app)
+    inference.register(app)
     signals.connect(app)
+    runtime.connect(app)
     return app

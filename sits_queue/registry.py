@@ -1,0 +1,146 @@
+"""The model registry: names users give models, and how each one is loaded.
+
+``@app.model("name")`` registers a zero-argument loader that returns an engine
+(:class:`sits_queue.cache.engines.Engine`), a ``torch.nn.Module``, or the path of a
+Hugging Face model directory; ``app.register_model("name", path)`` registers a directory
+directly. Loaders run lazily, inside a pool child, the first time a task needs the model
+and again whenever the warm cache dropped it, so they must be cheap to call twice and
+must not touch CUDA at import time.
+
+Importing this module imports neither torch nor the engine backends.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sits_queue.errors import ModelLoadError, UnknownModel
+
+#: What a loader may return: an Engine, an nn.Module, or a model directory.
+Loader = Callable[[], Any]
+#: Model names travel in message headers and Redis keys: keep them printable and short.
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One registered model."""
+
+    name: str
+    loader: Loader
+    #: Example inputs for an nn.Module's warm-up call (``module(*sample_inputs)``).
+    sample_inputs: tuple[Any, ...] | None = None
+
+
+def _check_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"model name must be 1-200 printable characters without spaces, "
+                         f"got {name!r}")
+    return name
+
+
+class ModelRegistry:
+    """Name -> :class:`ModelSpec`. Registration is thread-safe; lookups are plain reads."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, ModelSpec] = {}
+        self._lock = threading.Lock()
+
+    def register(self, name: str, loader: Loader | str | os.PathLike[str], *,
+                 sample_inputs: tuple[Any, ...] | None = None,
+                 replace: bool = False) -> ModelSpec:
+        """Register ``loader`` (or a model directory) under ``name``.
+
+        Registering a name twice raises unless ``replace``: two modules silently
+        fighting over one name would serve one of them to every task.
+        """
+        _check_name(name)
+        if isinstance(loader, (str, os.PathLike)):
+            loader = _directory_loader(Path(loader))
+        if not callable(loader):
+            raise TypeError(f"loader for model {name!r} must be callable or a path, "
+                            f"got {type(loader).__name__}")
+        spec = ModelSpec(name=name, loader=loader, sample_inputs=sample_inputs)
+        with self._lock:
+            if name in self._specs and not replace and self._specs[name] != spec:
+                raise ValueError(f"model {name!r} is already registered; pass replace=True")
+            self._specs[name] = spec
+        return spec
+
+    def get(self, name: str) -> ModelSpec:
+        """The spec for ``name``; :class:`UnknownModel` naming the known ones otherwise."""
+        spec = self._specs.get(name)
+        if spec is None:
+            known = ", ".join(sorted(self._specs)) or "none"
+            raise UnknownModel(f"no model named {name!r} is registered on this worker "
+                               f"(known: {known})")
+        return spec
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(sorted(self._specs))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._specs
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+
+def _directory_loader(path: Path) -> Loader:
+    def load() -> Path:
+        return path
+
+    load.__qualname__ = f"directory({path})"
+    return load
+
+
+def load_engine(spec: ModelSpec, device: str) -> Any:
+    """Run the loader and wrap what it returns in an Engine (``cache.engines``).
+
+    A loader that raises, or returns something that is not a model, becomes
+    :class:`ModelLoadError` naming the model; the cause stays chained for the log.
+    Device out-of-memory errors pass through unchanged so the caller can map them to
+    ``VramLimitExceeded``.
+    """
+    from sits_queue.workers import gpu
+
+    try:
+        produced = spec.loader()
+        return as_engine(spec, produced, device)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        if gpu.is_oom(exc):
+            raise
+        raise ModelLoadError(f"loader for model {spec.name!r} failed: "
+                             f"{type(exc).__name__}: {exc}") from exc
+
+
+def as_engine(spec: ModelSpec, produced: Any, device: str) -> Any:
+    """Engine for a loader's result: an Engine as is, a module wrapped, a path loaded."""
+    from sits_queue.cache import engines
+    from sits_queue.cache.contract import Engine
+
+    if isinstance(produced, Engine):
+        return produced
+    if isinstance(produced, (str, os.PathLike)):
+        path = Path(produced)
+        if not path.is_dir():
+            raise ModelLoadError(f"model {spec.name!r}: {path} is not a model directory")
+        return engines.engine_from_path(spec.name, path, device)
+    import torch
+
+    if isinstance(produced, torch.nn.Module):
+        return engines.TorchEngine(spec.name, produced, spec.sample_inputs)
+    raise ModelLoadError(f"loader for model {spec.name!r} returned "
+                         f"{type(produced).__name__}; expected an Engine, a torch.nn.Module "
+                         f"or a model directory path")

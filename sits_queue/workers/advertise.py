@@ -1,0 +1,227 @@
+"""Each worker advertises itself in Redis with a TTL heartbeat (``sitsq status`` reads it).
+
+Keys (``prefix`` is the app's ``global_keyprefix``):
+
+* ``{prefix}sits:worker:<hostname>``: JSON written by the worker's main process every
+  :data:`REFRESH_S` with a :data:`TTL_S` expiry: host, pid, pool size, devices (NVML:
+  name, total/free VRAM, utilisation, alpha), counters and the cold-start share;
+* ``{prefix}sits:worker:<hostname>:child:<slot>``: JSON each pool child writes after
+  every inference task (its warm engines, memory, counters);
+* ``{prefix}sits:worker:<hostname>:counters``: HASH the children increment (tasks,
+  cold, cold_ms), so the counts survive a replaced child.
+
+The main process re-arms the TTL of the child keys and the counters with its own, so a
+worker that dies disappears entirely within :data:`TTL_S`, while an idle child's warm set
+stays visible. Writing never fails a task or the worker: Redis errors are logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+from celery import bootsteps
+
+from sits_queue.config import SitsConfig
+from sits_queue.workers.devices import Device, discover
+
+logger = logging.getLogger(__name__)
+
+#: A worker silent this long is gone from ``sitsq status``, s.
+TTL_S = 15
+#: Refresh period, s: a third of the TTL, so two lost refreshes are survivable.
+REFRESH_S = 5.0
+_CHILD = ":child:"
+_COUNTERS = ":counters"
+
+_clients: dict[int, redis.Redis] = {}
+_lock = threading.Lock()
+
+
+def worker_key(prefix: str, hostname: str) -> str:
+    return f"{prefix}sits:worker:{hostname}"
+
+
+def child_key(prefix: str, hostname: str, slot: int) -> str:
+    return f"{worker_key(prefix, hostname)}{_CHILD}{slot}"
+
+
+def counters_key(prefix: str, hostname: str) -> str:
+    return f"{worker_key(prefix, hostname)}{_COUNTERS}"
+
+
+def _client(config: SitsConfig) -> redis.Redis:
+    # Per pid: a forked child must not share its parent's sockets.
+    with _lock:
+        client = _clients.get(os.getpid())
+        if client is None:
+            client = redis.Redis.from_url(config.redis_url, socket_timeout=2,
+                                          socket_connect_timeout=2)
+            _clients[os.getpid()] = client
+        return client
+
+
+# -- pure ----------------------------------------------------------------------------------
+
+def cold_share(tasks: int, cold: int) -> float:
+    """Share of inference tasks that paid a cold start (MISSION §4.4), 0 with no tasks."""
+    return cold / tasks if tasks > 0 else 0.0
+
+
+def device_record(device: Device) -> dict[str, Any]:
+    return {"index": device.index, "kind": device.kind, "name": device.name,
+            "uuid": device.uuid, "total_vram_bytes": device.total_vram_bytes,
+            "free_vram_bytes": device.free_vram_bytes,
+            "utilisation_pct": device.utilisation_pct, "numa_node": device.numa_node,
+            "alpha": device.alpha}
+
+
+def counters_from(raw: Mapping[Any, Any]) -> dict[str, Any]:
+    def get(name: str) -> float:
+        value = raw.get(name, raw.get(name.encode(), 0))
+        return float(value.decode() if isinstance(value, bytes) else value)
+
+    tasks, cold = int(get("tasks")), int(get("cold"))
+    cold_ms = get("cold_ms")
+    return {"tasks": tasks, "cold": cold, "cold_ms": round(cold_ms, 3),
+            "cold_share": round(cold_share(tasks, cold), 6),
+            "cold_ms_mean": round(cold_ms / cold, 3) if cold else 0.0}
+
+
+def worker_record(hostname: str, pid: int, concurrency: int, devices: list[Device],
+                  counters: Mapping[Any, Any], now_s: float) -> dict[str, Any]:
+    return {"hostname": hostname, "host": socket.gethostname(), "pid": pid,
+            "concurrency": concurrency, "devices": [device_record(d) for d in devices],
+            "cold_start": counters_from(counters), "updated_at": now_s, "ttl_s": TTL_S}
+
+
+# -- writing -----------------------------------------------------------------------------
+
+def publish_child(config: SitsConfig, hostname: str, slot: int, record: Mapping[str, Any],
+                  tasks: int = 0, cold: int = 0, cold_ms: float = 0.0) -> None:
+    """Child side, one round trip: this child's record, and its new tasks in the counters.
+
+    The counters live in the worker's hash (not the child record) so they survive a
+    child that is replaced after a hard time limit.
+    """
+    prefix = config.global_keyprefix
+    counters = counters_key(prefix, hostname)
+    try:
+        pipe = _client(config).pipeline(transaction=False)
+        pipe.set(child_key(prefix, hostname, slot),
+                 json.dumps({**record, "updated_at": time.time()}, default=str), ex=TTL_S)
+        if tasks:
+            pipe.hincrby(counters, "tasks", tasks)
+            if cold:
+                pipe.hincrby(counters, "cold", cold)
+                pipe.hincrbyfloat(counters, "cold_ms", round(cold_ms, 3))
+            pipe.expire(counters, TTL_S * 4)
+        pipe.execute()
+    except redis.RedisError as exc:
+        logger.warning("could not publish the child's warm set and counters: %s", exc)
+
+
+def refresh(client: redis.Redis, prefix: str, hostname: str, pid: int, concurrency: int,
+            devices: list[Device], now_s: float) -> dict[str, Any]:
+    """Main process: rewrite the worker record, re-arm the children's TTLs."""
+    counters = client.hgetall(counters_key(prefix, hostname))
+    record = worker_record(hostname, pid, concurrency, devices, counters, now_s)
+    pipe = client.pipeline(transaction=False)
+    pipe.set(worker_key(prefix, hostname), json.dumps(record), ex=TTL_S)
+    for slot in range(concurrency):
+        pipe.expire(child_key(prefix, hostname, slot), TTL_S)
+    pipe.expire(counters_key(prefix, hostname), TTL_S * 4)
+    pipe.execute()
+    return record
+
+
+def withdraw(client: redis.Redis, prefix: str, hostname: str, concurrency: int) -> None:
+    keys = [worker_key(prefix, hostname)]
+    keys += [child_key(prefix, hostname, slot) for slot in range(concurrency)]
+    client.delete(*keys)
+
+
+# -- reading -----------------------------------------------------------------------------
+
+def read_workers(client: redis.Redis, prefix: str = "") -> list[dict[str, Any]]:
+    """Every live worker's record, with ``children`` (slot -> record), by hostname."""
+    base = worker_key(prefix, "")
+    workers: list[dict[str, Any]] = []
+    for raw_key in client.scan_iter(match=f"{base}*", count=200):
+        key = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key)
+        if _CHILD in key[len(base):] or key.endswith(_COUNTERS):
+            continue
+        raw = client.get(key)
+        if raw is None:
+            continue
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            continue
+        concurrency = int(record.get("concurrency") or 0)
+        hostname = key[len(base):]
+        children: dict[str, Any] = {}
+        if concurrency:
+            values = client.mget([child_key(prefix, hostname, s) for s in range(concurrency)])
+            for slot, value in enumerate(values):
+                if value is not None:
+                    children[str(slot)] = json.loads(value)
+        record["children"] = children
+        record["warm"] = sorted({k for c in children.values() for k in c.get("warm", {})})
+        workers.append(record)
+    return sorted(workers, key=lambda r: str(r.get("hostname", "")))
+
+
+# -- the bootstep ------------------------------------------------------------------------
+
+class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Consumer step: refresh this worker's advertisement every :data:`REFRESH_S`.
+
+    Runs on the consumer's timer (the event loop), like Celery's own heartbeat step.
+    Each refresh asks NVML afresh (free VRAM and utilisation change); never CUDA.
+    """
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+    name = "SITS advertisement"
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        super().__init__(c, **kwargs)
+        self.tref: Any = None
+
+    def _args(self, c: Any) -> tuple[SitsConfig, str, int]:
+        config: SitsConfig = c.app.sits
+        concurrency = int(getattr(c.controller, "concurrency", 0) or c.pool.num_processes)
+        return config, c.hostname, concurrency
+
+    def tick(self, c: Any) -> None:
+        config, hostname, concurrency = self._args(c)
+        devices = list(discover(visible=os.environ.get("CUDA_VISIBLE_DEVICES")).devices)
+        try:
+            refresh(_client(config), config.global_keyprefix, hostname, os.getpid(),
+                    concurrency, devices, time.time())
+        except redis.RedisError as exc:
+            logger.warning("could not refresh the worker advertisement: %s", exc)
+
+    def start(self, c: Any) -> None:
+        self.tick(c)
+        self.tref = c.timer.call_repeatedly(REFRESH_S, self.tick, (c,), priority=10)
+
+    def stop(self, c: Any) -> None:
+        if self.tref is not None:
+            self.tref.cancel()
+            self.tref = None
+
+    def shutdown(self, c: Any) -> None:
+        self.stop(c)
+        config, hostname, concurrency = self._args(c)
+        try:
+            withdraw(_client(config), config.global_keyprefix, hostname, concurrency)
+        except redis.RedisError as exc:
+            logger.warning("could not withdraw the worker advertisement: %s", exc)

@@ -1,0 +1,328 @@
+"""Inference tasks: the warm engine in, ``{"output", "sits"}`` out, clear errors on failure.
+
+``@app.inference_task(model="name")`` functions receive the engine as their first
+argument; :class:`InferenceTask` fetches it from the child's warm cache, applies the
+class limits and wraps the result with the cold-start accounting (MISSION §4.1)::
+
+    {"output": ..., "sits": {"cold": bool, "source": "device"|"host"|"disk",
+                             "cuda_ctx_ms", "load_ms", "promote_ms", "warmup_ms",
+                             "run_ms", "device", "sla_class", "limits": {...}}}
+
+Built in, as tasks ``sits.generate`` and ``sits.embed`` (the model comes per call,
+``sits.generate.apply_async(("prompt",), model="gpt")``) and as plain functions:
+:func:`generate` (a Hugging Face causal LM, greedy or sampled, decoding step by step
+with the KV cache and checking the soft time limit between steps) and :func:`embed`
+(mean-pooled encoder output). torch is imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
+
+from sits_queue.app import SitsTask
+from sits_queue.errors import (
+    ContextTooLong,
+    InferenceError,
+    InvalidInput,
+    ModelLoadError,
+    VramLimitExceeded,
+)
+from sits_queue.workers import gpu, runtime
+
+#: Upper bound on ``max_new_tokens``: a typo guard, not a model limit (that is checked too).
+MAX_NEW_TOKENS = 8192
+#: Texts per ``sits.embed`` call: bounds one task's activation memory.
+MAX_EMBED_BATCH = 1024
+#: Activations live per layer alongside the KV cache; a few hidden-size vectors per token
+#: per layer is what a forward pass keeps at once (the estimate used without CUDA).
+_ACTIVATION_VECTORS = 4
+_MS_PER_S = 1000.0
+
+
+class InferenceTask(SitsTask):
+    """Task base for ``@app.inference_task``: the function's first argument is the engine."""
+
+    abstract = True
+    #: Expected failures (bad input, unknown model, limits): logged in one line, no trace.
+    throws = (InferenceError,)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return run_inference(runtime.for_app(self.app), self, args, kwargs)
+
+
+def _cold_meta(cold: Any, ctx_ms: float) -> dict[str, Any]:
+    return {"cold": bool(cold.cold), "source": cold.source,
+            "cuda_ctx_ms": round(float(cold.cuda_ctx_ms) + ctx_ms, 3),
+            "load_ms": round(float(cold.load_ms), 3),
+            "promote_ms": round(float(cold.promote_ms), 3),
+            "warmup_ms": round(float(cold.warmup_ms), 3),
+            "evicted": list(cold.evicted), "demoted": list(cold.demoted)}
+
+
+def _acquire(rt: runtime.ChildRuntime, model: str) -> tuple[Any, Any]:
+    """The warm engine for ``model`` and how cold its start was; errors mapped."""
+    from sits_queue.cache import pool
+    from sits_queue.registry import load_engine
+
+    spec = rt.app.models.get(model)  # UnknownModel
+    rt.lift_cap()
+    oom: str | None = None
+    try:
+        engine, cold = rt.cache().get(model, lambda: load_engine(spec, rt.torch_device))
+        return engine, cold
+    except pool.EngineTooLarge as exc:
+        raise VramLimitExceeded(f"model {model!r} does not fit this worker's engine cache: "
+                                f"{exc}") from None
+    except pool.ModelLoadError as exc:
+        cause = exc.cause
+        if isinstance(cause, InferenceError):
+            raise cause from None  # already says what went wrong, in our words
+        if not gpu.is_oom(cause):
+            # Re-raised as our own error: it pickles and JSON-serialises by message alone.
+            raise ModelLoadError(str(exc)) from cause
+        oom = str(cause).splitlines()[0][:300]
+    # Outside the handler: the failed frames (and the tensors they hold) are gone now.
+    gpu.release_memory()
+    raise VramLimitExceeded(f"out of device memory loading model {model!r}: {oom}")
+
+
+def run_inference(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Engine from the warm cache, limits, the user's function, accounting."""
+    request = task.request
+    model = runtime.task_model(request, getattr(task, "model", None))
+    quota = runtime.task_class(rt.config, request, getattr(task, "sla_class", None))
+    cpus = rt.confine(quota)
+    rt.cap_for_class(quota)  # the context first, so its cost is timed on its own
+    engine, cold = _acquire(rt, model)
+    rt.confine(quota)  # again: the first load may have imported torch just now (threads)
+    engine_bytes = int(engine.size_bytes())
+    runtime.check_engine_fits_class(model, quota, engine_bytes)
+    fraction = rt.cap_for_class(quota, engine_bytes)
+    meta = _cold_meta(cold, rt.take_ctx_ms())
+    rt.count(meta["cold"], meta["cuda_ctx_ms"] + meta["load_ms"] + meta["promote_ms"]
+             + meta["warmup_ms"])
+    timelimit = getattr(request, "timelimit", None) or (None, None)
+    hard, soft = (*tuple(timelimit), None, None)[:2]
+    soft = soft or getattr(task, "soft_time_limit", None)
+    active = runtime.ActiveTask(model=model, quota=quota, engine_bytes=engine_bytes,
+                                device=rt.torch_device, on_cuda=rt.on_cuda,
+                                soft_deadline=time.monotonic() + soft if soft else None)
+    oom: str | None = None
+    start = time.perf_counter()
+    try:
+        with runtime.activated(active):
+            output = task.run(engine, *args, **kwargs)
+    except Exception as exc:
+        if not gpu.is_oom(exc):
+            raise
+        oom = str(exc).splitlines()[0][:300]
+    finally:
+        rt.publish()
+    if oom is not None:
+        gpu.release_memory()
+        raise VramLimitExceeded(f"task exceeded the {quota.vram_gib:g} GiB VRAM limit of "
+                                f"class {quota.name!r} running model {model!r}: {oom}")
+    meta.update(run_ms=round((time.perf_counter() - start) * _MS_PER_S, 3),
+                device=rt.device_label, slot=rt.slot, sla_class=quota.name,
+                limits={"soft_time_limit_s": soft, "time_limit_s": hard,
+                        "vram_gib": quota.vram_gib, "memory_fraction": fraction,
+                        "cpus": list(cpus)})
+    return {"output": output, "sits": meta}
+
+
+# -- the built-in functions ------------------------------------------------------------------
+
+def _tokenizer(engine: Any, model: str) -> Any:
+    tokenizer = getattr(engine, "artifacts", {}).get("tokenizer")
+    if tokenizer is None:
+        raise ModelLoadError(f"model {model!r} has no tokenizer; built-in text tasks need a "
+                             "Hugging Face model directory with one")
+    return tokenizer
+
+
+def _module(engine: Any, model: str) -> Any:
+    module = getattr(engine, "module", None)
+    if module is None:
+        raise ModelLoadError(f"model {model!r} is a {getattr(engine, 'backend', '?')} engine; "
+                             "built-in text tasks need a torch (Hugging Face) model")
+    return module
+
+
+def max_positions(module: Any, tokenizer: Any = None) -> int | None:
+    """The model's maximum sequence length, from its config (or tokenizer), if it has one."""
+    config = getattr(module, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    value = getattr(tokenizer, "model_max_length", None)
+    # Tokenizers without a limit report ~1e30; only a plausible number is a limit.
+    return value if isinstance(value, int) and 0 < value < 10**7 else None
+
+
+def kv_cache_bytes(module: Any, tokens: int) -> int:
+    """Upper estimate of the KV cache plus live activations for ``tokens`` positions."""
+    config = getattr(module, "config", None)
+    layers = int(getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 1) or 1)
+    hidden = int(getattr(config, "hidden_size", None) or getattr(config, "n_embd", 1) or 1)
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    dtype_bytes = next((p.element_size() for p in module.parameters()), 4)
+    per_token = (2 + _ACTIVATION_VECTORS) * layers * hidden * dtype_bytes
+    return per_token * tokens + vocab * 4 * 2  # logits of the last position, twice
+
+
+def _cache_kwarg(module: Any) -> str:
+    # transformers 5 renamed ``past_key_values`` to ``cache`` (the old name warns).
+    return "cache" if "cache" in inspect.signature(module.forward).parameters \
+        else "past_key_values"
+
+
+def _check_prompt(prompt: Any, max_new_tokens: Any, temperature: Any) -> None:
+    if not isinstance(prompt, str) or not prompt:
+        raise InvalidInput(f"prompt must be a non-empty string, got {type(prompt).__name__}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+            or not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
+        raise InvalidInput(f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS}], "
+                           f"got {max_new_tokens!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not 0 <= temperature <= 100:
+        raise InvalidInput(f"temperature must be a number in [0, 100], got {temperature!r}")
+
+
+def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0,
+             seed: int = 0, stop_at_eos: bool = True) -> dict[str, Any]:
+    """Continue ``prompt`` with a causal LM, one token per step through the KV cache.
+
+    Greedy at ``temperature`` 0, else sampled (seeded). Refuses, with
+    :class:`ContextTooLong`, a prompt that with ``max_new_tokens`` would pass the
+    model's maximum positions. Between steps the soft time limit is checked; when it
+    hits, the step's tensors are dropped and ``SoftTimeLimitExceeded`` says how far it got.
+    """
+    import torch
+
+    _check_prompt(prompt, max_new_tokens, temperature)
+    model = getattr(engine, "key", "?")
+    module, tokenizer = _module(engine, model), _tokenizer(engine, model)
+    device = next(module.parameters()).device
+    input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
+    prompt_tokens = int(input_ids.shape[1])
+    limit = max_positions(module, tokenizer)
+    if limit is not None and prompt_tokens + max_new_tokens > limit:
+        raise ContextTooLong(f"prompt of {prompt_tokens} tokens + max_new_tokens "
+                             f"{max_new_tokens} exceeds model {model!r}'s {limit} positions")
+    active = runtime.active()
+    if active is not None:
+        active.check_vram(kv_cache_bytes(module, prompt_tokens + max_new_tokens))
+    eos = getattr(tokenizer, "eos_token_id", None) if stop_at_eos else None
+    generator = torch.Generator(device="cpu").manual_seed(int(seed))
+    new: list[int] = []
+    try:
+        _decode(module, input_ids, max_new_tokens, eos, float(temperature), generator, new,
+                active)
+    except SoftTimeLimitExceeded:
+        raise SoftTimeLimitExceeded(
+            f"soft time limit hit while generating with model {model!r}: stopped after "
+            f"{len(new)} of {max_new_tokens} new tokens") from None
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    stopped = "eos" if eos is not None and new and new[-1] == eos else "length"
+    return {"text": text, "tokens": len(new), "prompt_tokens": prompt_tokens,
+            "stopped": stopped}
+
+
+def _decode(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
+            temperature: float, generator: Any, new: list[int],
+            active: runtime.ActiveTask | None) -> None:
+    """The decode loop; appends token ids to ``new`` so a caller sees progress on timeout."""
+    import torch
+
+    kwarg = _cache_kwarg(module)
+    ids: Any = input_ids
+    past: Any = None
+    out: Any = None
+    logits: Any = None
+    mask: Any = torch.ones_like(input_ids)
+    try:
+        with torch.inference_mode():
+            for step in range(max_new_tokens):
+                if active is not None:
+                    active.check_time(step, max_new_tokens)
+                out = module(input_ids=ids, attention_mask=mask, use_cache=True,
+                             **{kwarg: past})
+                past = out.cache if hasattr(out, "cache") else out.past_key_values
+                logits = out.logits[:, -1, :].float()
+                if temperature > 0:
+                    probs = torch.softmax(logits / temperature, dim=-1).cpu()
+                    token = int(torch.multinomial(probs, 1, generator=generator))
+                else:
+                    token = int(torch.argmax(logits, dim=-1))
+                new.append(token)
+                if eos is not None and token == eos:
+                    return
+                ids = torch.tensor([[token]], device=input_ids.device)
+                mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+    finally:
+        # A traceback keeps this frame alive: drop the KV cache now, not with the frame.
+        past = out = ids = mask = logits = None
+
+
+def _check_texts(texts: Any) -> list[str]:
+    batch = [texts] if isinstance(texts, str) else texts
+    if not isinstance(batch, (list, tuple)) or not batch:
+        raise InvalidInput("texts must be a non-empty string or a non-empty list of strings")
+    if len(batch) > MAX_EMBED_BATCH:
+        raise InvalidInput(f"at most {MAX_EMBED_BATCH} texts per call, got {len(batch)}")
+    bad = [i for i, t in enumerate(batch) if not isinstance(t, str) or not t]
+    if bad:
+        raise InvalidInput(f"texts must be non-empty strings; item {bad[0]} is "
+                           f"{type(batch[bad[0]]).__name__}")
+    return list(batch)
+
+
+def embed(engine: Any, texts: str | Sequence[str], normalize: bool = True) -> Any:
+    """Mean-pooled (over real tokens) last hidden states; a list per text, L2-normalised.
+
+    A single string gives one vector, a list gives a list of vectors.
+    """
+    import torch
+
+    batch = _check_texts(texts)
+    model = getattr(engine, "key", "?")
+    module, tokenizer = _module(engine, model), _tokenizer(engine, model)
+    device = next(module.parameters()).device
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    enc = tokenizer(batch, return_tensors="pt", padding=True)
+    length = int(enc["input_ids"].shape[1])
+    limit = max_positions(module, tokenizer)
+    if limit is not None and length > limit:
+        raise ContextTooLong(f"longest text is {length} tokens; model {model!r} takes "
+                             f"at most {limit}")
+    active = runtime.active()
+    if active is not None:
+        active.check_vram(kv_cache_bytes(module, length * len(batch)))
+    enc = {k: v.to(device) for k, v in enc.items()}
+    with torch.inference_mode():
+        out = module(**enc)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+        if normalize:
+            pooled = torch.nn.functional.normalize(pooled.float(), dim=-1)
+        vectors: list[list[float]] = pooled.float().cpu().tolist()
+    return vectors[0] if isinstance(texts, str) else vectors
+
+
+def register(app: Celery) -> dict[str, Any]:
+    """``sits.generate`` and ``sits.embed`` on ``app`` (model per call)."""
+    tasks: dict[str, Callable[..., Any]] = {
+        "generate": app.inference_task(name="sits.generate", shared=False)(generate),
+        "embed": app.inference_task(name="sits.embed", shared=False)(embed),
+    }
+    return tasks

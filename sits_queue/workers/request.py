@@ -1,0 +1,268 @@
+"""Admission in the worker's main process: a task that cannot fit is left for another worker.
+
+A task may declare ``vram_gib`` (the SITS option). Before the main process hands it to a
+pool child, :class:`SitsRequest` asks NVML how much memory the worker's devices have
+free right now. If it does not fit, the message goes back to its queue *without*
+counting as a redelivery (the broker's ``release.lua``; a redelivery count is for
+messages whose worker died, and too many of those dead-letter a message), and this
+consumer stops taking messages for a short, growing back-off so that another worker can
+take it. The task never fails for want of memory it did not yet try to use.
+
+Everything here runs in the parent process: NVML only, never CUDA.
+
+Known limit: priorities are strict, so while a released task is the best message in the
+queues this worker reads, the worker picks it again after each back-off (growing to
+``BACKOFF_CAP_S``) and lower-priority tasks behind it wait for another worker to take it
+or for memory to come free. Letting ``pick.lua`` skip ids a worker released recently
+would lift that; it is a broker change, left for later.
+
+Why a wrapper rather than an override: Celery builds, per task type, a subclass of
+``Task.Request`` (``celery.worker.request.create_request_cls``) whose own
+``execute_using_pool`` does not call ``super()``. ``SitsRequest.__init_subclass__``
+wraps that method in every such subclass, so the check runs whatever Celery generates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import psutil
+from celery import bootsteps
+from celery.exceptions import TaskRevokedError
+from celery.worker.request import Request
+from celery.worker.state import task_ready
+
+from sits_queue.options import HEADER
+from sits_queue.workers.limits import BYTES_PER_GIB, fits
+
+logger = logging.getLogger(__name__)
+
+#: Kept free on a device beyond a task's declaration: a child's CUDA context and the
+#: caching allocator's slack take a few hundred MiB that ``vram_gib`` does not count.
+HEADROOM_BYTES = 512 * 2**20
+#: First back-off after a release, s: long enough for a peer's poll to win the message.
+BACKOFF_BASE_S = 0.25
+#: Longest back-off, s: bounds how late this worker notices that memory came free.
+BACKOFF_CAP_S = 4.0
+
+
+class NotStartedHere(TaskRevokedError):  # type: ignore[misc]
+    """Raised to the worker after a release: it frees the pool slot, as for a revoke."""
+
+
+class FreeMemoryProbe(Protocol):
+    def max_free_bytes(self) -> int:
+        """Free memory of the worker's roomiest device, bytes."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Why a task does not start here (None from :func:`admit` means it does)."""
+
+    needed_gib: float
+    free_bytes: int
+
+    def reason(self) -> str:
+        return (f"declares vram_gib={self.needed_gib:g} but the roomiest device has "
+                f"{self.free_bytes / BYTES_PER_GIB:.2f} GiB free "
+                f"(minus {HEADROOM_BYTES / BYTES_PER_GIB:.2f} GiB headroom)")
+
+
+def declared_vram_gib(headers: Mapping[str, Any]) -> float | None:
+    """The ``vram_gib`` a message declares; None when absent or unreadable (run it)."""
+    header = headers.get(HEADER)
+    if not isinstance(header, Mapping):
+        return None
+    value = header.get("vram_gib")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        return None
+    return float(value)
+
+
+def admit(needed_gib: float | None, free_bytes: int,
+          headroom_bytes: int = HEADROOM_BYTES) -> Verdict | None:
+    """None if a task declaring ``needed_gib`` may start now, else the reason it may not."""
+    if fits(needed_gib, free_bytes, headroom_bytes):
+        return None
+    assert needed_gib is not None  # fits() admits every undeclared task
+    return Verdict(needed_gib=needed_gib, free_bytes=free_bytes)
+
+
+class Backoff:
+    """Exponential back-off of one consumer after it released tasks (thread-safe).
+
+    ``BACKOFF_BASE_S`` after the first release, doubling per release in a row up to
+    ``BACKOFF_CAP_S``; a task that starts resets it. ``now`` is passed in (monotonic s).
+    """
+
+    def __init__(self, base_s: float = BACKOFF_BASE_S, cap_s: float = BACKOFF_CAP_S) -> None:
+        self.base_s = base_s
+        self.cap_s = cap_s
+        self._streak = 0
+        self._until = 0.0
+        self._lock = threading.Lock()
+
+    def back_off(self, now: float) -> float:
+        """Close the gate after a release; returns how long it stays closed, s."""
+        with self._lock:
+            delay = min(self.cap_s, self.base_s * 2.0 ** self._streak)
+            self._streak += 1
+            self._until = now + delay
+            return delay
+
+    def reset(self) -> None:
+        with self._lock:
+            self._streak = 0
+            self._until = 0.0
+
+    def open(self, now: float) -> bool:
+        return now >= self._until
+
+    @property
+    def streak(self) -> int:
+        return self._streak
+
+    @property
+    def until(self) -> float:
+        """Monotonic time the gate opens again (0 when open)."""
+        return self._until
+
+
+class HostProbe:
+    """The CPU fallback: host RAM stands in for device memory (as in ``cpu_device``)."""
+
+    def max_free_bytes(self) -> int:
+        return int(psutil.virtual_memory().available)
+
+
+class NvmlProbe:
+    """Free memory of the worker's GPUs through NVML (initialised once, kept open)."""
+
+    def __init__(self, uuids: Sequence[str], nvml: Any = None) -> None:
+        if nvml is None:
+            import pynvml
+
+            nvml = pynvml
+        self._nvml: Any = nvml
+        self._uuids = tuple(uuids)
+        self._handles: list[Any] | None = None
+        self._lock = threading.Lock()
+
+    def _open(self) -> list[Any]:
+        if self._handles is None:
+            self._nvml.nvmlInit()
+            self._handles = [self._nvml.nvmlDeviceGetHandleByUUID(u) for u in self._uuids]
+        return self._handles
+
+    def max_free_bytes(self) -> int:
+        with self._lock:
+            return max(int(self._nvml.nvmlDeviceGetMemoryInfo(h).free) for h in self._open())
+
+
+_probe: FreeMemoryProbe | None = None
+#: The consumer's back-off; one per worker main process (the only process that admits).
+GATE = Backoff()
+
+
+def configure(probe: FreeMemoryProbe | None) -> None:
+    """Install the parent's probe (runtime does, from its NVML discovery)."""
+    global _probe
+    _probe = probe
+
+
+def probe() -> FreeMemoryProbe:
+    global _probe
+    if _probe is None:
+        _probe = HostProbe()
+    return _probe
+
+
+def release(request: Request, verdict: Verdict, now: float | None = None) -> float:
+    """Give the message back without a redelivery, forget the request, back off; delay s."""
+    message = request.message
+    qos: Any = getattr(getattr(message, "channel", None), "qos", None)
+    if qos is not None and callable(getattr(qos, "release", None)):
+        qos.release(message.delivery_tag)
+        # kombu's own requeue() marks the message so; nothing may ack it after this.
+        message._state = "REQUEUED"
+    else:  # another transport: a plain requeue (it may count as a redelivery there)
+        message.requeue()
+    request.acknowledged = True
+    with contextlib.suppress(Exception):  # events are best effort, as in Request.reject
+        request.send_event("task-rejected", requeue=True)
+    task_ready(request)
+    delay = GATE.back_off(time.monotonic() if now is None else now)
+    logger.info("task %s[%s] not started here: %s; released to its queue, backing off "
+                "%.2f s", request.name, request.id, verdict.reason(), delay)
+    return delay
+
+
+def _guard(execute: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(execute)
+    def execute_using_pool(self: Request, pool: Any, **kwargs: Any) -> Any:
+        needed = declared_vram_gib(self.request_dict)
+        verdict = None if needed is None else admit(needed, probe().max_free_bytes())
+        if verdict is not None:
+            release(self, verdict)
+            raise NotStartedHere(self.id)
+        GATE.reset()
+        return execute(self, pool, **kwargs)
+
+    execute_using_pool.__sits_guarded__ = True  # type: ignore[attr-defined]
+    return execute_using_pool
+
+
+class SitsRequest(Request):  # type: ignore[misc]
+    """``Task.Request`` for SITS tasks: checks declared VRAM before the pool runs a task."""
+
+    execute_using_pool = _guard(Request.execute_using_pool)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("execute_using_pool")
+        if own is not None and not getattr(own, "__sits_guarded__", False):
+            cls.execute_using_pool = _guard(own)
+
+
+class ReleaseGate(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Consumer step: while :data:`GATE` is closed, the task channel takes no messages.
+
+    Installed on the channel's ``can_consume`` (where Celery's own
+    ``worker_disable_prefetch`` hooks in); kombu's poller asks it before every fetch.
+    A timer entry at the gate's expiry wakes the event loop to fetch again promptly.
+    """
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+    name = "SITS release gate"
+
+    def start(self, c: Any) -> None:
+        consumer = getattr(c, "task_consumer", None)
+        qos = getattr(getattr(consumer, "channel", None), "qos", None)
+        if qos is None:
+            return
+        inner = qos.can_consume
+        timer = getattr(c, "timer", None)
+        woken = {"until": 0.0}
+
+        def can_consume() -> bool:
+            now = time.monotonic()
+            if GATE.open(now):
+                return bool(inner())
+            until = GATE.until
+            if timer is not None and woken["until"] != until:
+                woken["until"] = until
+                timer.call_after(max(0.0, until - now), _noop)
+            return False
+
+        qos.can_consume = can_consume
+
+
+def _noop() -> None:
+    """A timer entry's only job is to end the event loop's sleep."""

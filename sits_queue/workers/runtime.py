@@ -1,0 +1,480 @@
+"""The GPU worker runtime: one pool child per device, each pinned, capped and kept warm.
+
+Pool choice: **prefork**, one child per GPU. A CUDA context belongs to a process and
+cannot survive ``fork`` (celery#6036), and threads would share one context, one
+allocator cap (``set_per_process_memory_fraction`` is per *process*) and the GIL.
+Prefork is fork-safe here because the parent never touches CUDA: it discovers devices
+through NVML (plain numbers, no context), then each child pins itself to its own GPU by
+setting ``CUDA_VISIBLE_DEVICES`` in ``worker_process_init``, before anything in it
+initialises CUDA. The child's slot is billiard's process *index*, which a replacement
+child (after a hard time-limit kill or a crash) inherits, so it lands on the same GPU.
+
+What runs where:
+
+* parent, ``celeryd_init``: NVML discovery; default ``--concurrency`` = number of GPUs
+  (1 on a CPU host) unless ``-c`` is given; the admission probe for ``SitsRequest``;
+* parent, worker step :class:`PlanStep`: records the final pool size (after ``-c``,
+  ``auto``) before the pool forks;
+* child, ``worker_process_init``: pinning, and one :class:`ChildRuntime`;
+* child, ``task_prerun``: the class's CPU confinement and VRAM cap for every task;
+* child, :meth:`ChildRuntime.infer`: the warm engine, cold-start accounting and the
+  error mapping for inference tasks.
+
+Pure decisions (which device, which budgets, which cap) are plain functions at the top;
+the I/O (``os``, torch via :mod:`gpu`, Redis via :mod:`advertise`) is below them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+from billiard.process import current_process
+from celery import Celery, bootsteps, current_app, signals
+from celery.exceptions import SoftTimeLimitExceeded
+
+from sits_queue.config import ClassQuota, SitsConfig
+from sits_queue.errors import ConfigError, UnknownModel, VramLimitExceeded
+from sits_queue.options import HEADER
+from sits_queue.workers import advertise, gpu
+from sits_queue.workers import request as admission
+from sits_queue.workers.devices import Device, Discovery, default_concurrency, discover
+from sits_queue.workers.limits import BYTES_PER_GIB, cpu_set
+
+logger = logging.getLogger(__name__)
+
+#: MISSION §4.3: the device warm pool takes about 30% of the device's memory.
+DEVICE_CACHE_SHARE = 0.30
+#: ... and the host shadow pool 70% of the child's share of host memory.
+HOST_CACHE_SHARE = 0.70
+#: Share of host RAM all children's caches may use together: the rest is for the tasks,
+#: the OS, and (on a CPU host) the "device" tier, which is host RAM as well.
+HOST_MEMORY_SHARE = 0.50
+
+
+# -- pure decisions ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What the parent learnt before forking; every child inherits it."""
+
+    hostname: str
+    discovery: Discovery
+    #: CPUs the worker may use (its affinity at start); children split them by slot.
+    available_cpus: tuple[int, ...]
+    #: Pool size; 0 until :class:`PlanStep` records it.
+    slots: int = 0
+
+
+def device_for_slot(discovery: Discovery, slot: int) -> Device:
+    """Slot ``i`` gets GPU ``i mod n`` (more children than GPUs share round-robin)."""
+    gpus = discovery.cuda_devices
+    if not gpus:
+        return discovery.devices[0]
+    return gpus[slot % len(gpus)]
+
+
+def pin_env(device: Device) -> dict[str, str]:
+    """Environment that pins a child to ``device``; empty for the CPU device.
+
+    The UUID, not the NVML index: CUDA numbers devices fastest-first by default while
+    NVML numbers them by PCI bus, so an index could name a different GPU. Inside the
+    child the one visible device is ``cuda:0``.
+    """
+    if device.kind != "cuda":
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": device.uuid}
+
+
+def children_per_device(discovery: Discovery, slots: int) -> int:
+    """How many children share the busiest device (for splitting its cache budget)."""
+    devices = len(discovery.cuda_devices) or 1
+    return -(-max(1, slots) // devices)  # ceil
+
+
+@dataclass(frozen=True)
+class CacheBudgets:
+    """Byte budgets of one child's two-tier engine cache; None = derive from the device."""
+
+    #: Device (warm) tier, bytes. Env ``SITS_DEVICE_CACHE_BYTES``.
+    device_bytes: int | None = None
+    #: Host (shadow) tier, bytes. Env ``SITS_HOST_CACHE_BYTES``.
+    host_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("device_bytes", "host_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or value < 0):
+                raise ConfigError(f"cache {name} must be >= 0, got {value!r}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> CacheBudgets:
+        env = os.environ if env is None else env
+        return cls(device_bytes=_env_bytes(env, "SITS_DEVICE_CACHE_BYTES"),
+                   host_bytes=_env_bytes(env, "SITS_HOST_CACHE_BYTES"))
+
+    def resolve(self, device: Device, host_total_bytes: int, slots: int,
+                sharing: int = 1) -> tuple[int, int]:
+        """``(device_bytes, host_bytes)``: the overrides, else the §4.3 shares.
+
+        The device tier takes :data:`DEVICE_CACHE_SHARE` of the device, split between
+        the ``sharing`` children pinned to it; on a CPU host the "device" is host RAM,
+        so it comes out of the child's host share instead. The host tier takes
+        :data:`HOST_CACHE_SHARE` of the child's share of host RAM.
+        """
+        host_share = host_total_bytes * HOST_MEMORY_SHARE / max(1, slots)
+        if device.kind == "cuda":
+            device_default = device.total_vram_bytes * DEVICE_CACHE_SHARE / max(1, sharing)
+        else:
+            device_default = host_share * DEVICE_CACHE_SHARE
+        return (int(device_default) if self.device_bytes is None else self.device_bytes,
+                int(host_share * HOST_CACHE_SHARE) if self.host_bytes is None
+                else self.host_bytes)
+
+
+def _env_bytes(env: Mapping[str, str], key: str) -> int | None:
+    raw = env.get(key)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return int(float(raw))
+    except ValueError as exc:
+        raise ConfigError(f"{key}={raw!r} is not a number of bytes") from exc
+
+
+def class_bytes(quota: ClassQuota) -> int:
+    return int(quota.vram_gib * BYTES_PER_GIB)
+
+
+def memory_cap_fraction(quota: ClassQuota, allocated_bytes: int, engine_bytes: int,
+                        device_total_bytes: int) -> float:
+    """Allocator fraction so this task can add at most its class limit minus its engine.
+
+    The class limit covers the task's own footprint: its engine's weights plus what it
+    allocates while running. Engines the warm cache keeps for *other* models are already
+    in ``allocated_bytes`` and are not this task's, so the cap sits on top of what is
+    allocated now: ``allocated + (class - engine)``, as a fraction of the device.
+    """
+    if device_total_bytes <= 0:
+        raise ValueError(f"device_total_bytes must be > 0, got {device_total_bytes}")
+    headroom = max(0, class_bytes(quota) - engine_bytes)
+    return max(1e-6, min(1.0, (allocated_bytes + headroom) / device_total_bytes))
+
+
+def check_engine_fits_class(model: str, quota: ClassQuota, engine_bytes: int,
+                            extra_bytes: int = 0) -> None:
+    """Raise :class:`VramLimitExceeded` if weights plus an estimate exceed the class limit."""
+    need = engine_bytes + max(0, extra_bytes)
+    if need > class_bytes(quota):
+        detail = (f"{engine_bytes / BYTES_PER_GIB:.4g} GiB of weights" if not extra_bytes else
+                  f"{engine_bytes / BYTES_PER_GIB:.4g} GiB of weights + "
+                  f"{extra_bytes / BYTES_PER_GIB:.4g} GiB estimated working memory")
+        raise VramLimitExceeded(f"model {model!r} needs {detail}, over the "
+                                f"{quota.vram_gib:g} GiB VRAM limit of class {quota.name!r}")
+
+
+def task_class(config: SitsConfig, request: Any, declared: str | None = None) -> ClassQuota:
+    """The SLA class a running task was submitted with: the message header's, else the
+    task's declared one (a direct call has no header), else the default class."""
+    header = getattr(request, HEADER, None)
+    name = header.get("sla_class") if isinstance(header, Mapping) else None
+    if not isinstance(name, str) or name not in config.class_names:
+        name = declared if declared in config.class_names else config.default_class
+    assert name is not None
+    return config.quota(name)
+
+
+def task_model(request: Any, declared: str | None) -> str:
+    header = getattr(request, HEADER, None)
+    name = header.get("model") if isinstance(header, Mapping) else None
+    name = name if isinstance(name, str) and name else declared
+    if not name:
+        raise UnknownModel("this inference task names no model; register one with "
+                           "@app.model and pass model=... on the task or the call")
+    return name
+
+
+# -- the active task (read by the built-in inference functions) ------------------------------
+
+@dataclass
+class ActiveTask:
+    """Limits of the inference task running in this process right now."""
+
+    model: str
+    quota: ClassQuota
+    engine_bytes: int
+    device: str
+    soft_deadline: float | None = None
+    on_cuda: bool = False
+
+    def check_vram(self, extra_bytes: int) -> None:
+        """Enforce the class VRAM limit against an estimate where CUDA cannot enforce it.
+
+        On CUDA the allocator cap raises the real out-of-memory error, so this is a
+        no-op; elsewhere weights plus ``extra_bytes`` must fit the class limit.
+        """
+        if not self.on_cuda:
+            check_engine_fits_class(self.model, self.quota, self.engine_bytes, extra_bytes)
+
+    def check_time(self, done: int, total: int) -> None:
+        """Cooperative soft-limit check between decode steps (the signal may come late)."""
+        if self.soft_deadline is not None and time.monotonic() >= self.soft_deadline:
+            raise SoftTimeLimitExceeded(f"soft time limit reached after {done} of {total} "
+                                        "steps; stopped")
+
+
+_active: ActiveTask | None = None
+
+
+def active() -> ActiveTask | None:
+    return _active
+
+
+@contextmanager
+def activated(task: ActiveTask) -> Iterator[ActiveTask]:
+    global _active
+    _active, previous = task, _active
+    try:
+        yield task
+    finally:
+        _active = previous
+
+
+# -- per-process state --------------------------------------------------------------------------
+
+@dataclass
+class Counters:
+    tasks: int = 0
+    cold: int = 0
+    cold_ms: float = 0.0
+
+
+@dataclass
+class ChildRuntime:
+    """One pool child: its slot, device, warm cache and counters."""
+
+    app: Celery
+    plan: WorkerPlan
+    slot: int
+    device: Device
+    budgets: CacheBudgets = field(default_factory=CacheBudgets)
+    #: A prefork pool child confines itself per task; a direct call in some other
+    #: process (a script, a test, ``task.apply()``) must not re-pin its caller.
+    pool_child: bool = False
+    counters: Counters = field(default_factory=Counters)
+    cache_factory: Callable[..., Any] | None = None
+    _cache: Any = None
+    _unsent: Counters = field(default_factory=Counters)
+    _cpus: tuple[int, ...] = ()
+    _pending_ctx_ms: float = 0.0
+
+    @property
+    def config(self) -> SitsConfig:
+        config: SitsConfig = self.app.sits
+        return config
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.kind == "cuda" and gpu.cuda_available()
+
+    @property
+    def torch_device(self) -> str:
+        return "cuda:0" if self.on_cuda else "cpu"
+
+    @property
+    def device_label(self) -> str:
+        return f"cuda:{self.device.index}" if self.on_cuda else "cpu"
+
+    def cache(self) -> Any:
+        if self._cache is None:
+            factory = self.cache_factory or _engine_cache
+            slots = max(1, self.plan.slots)
+            dev, host = self.budgets.resolve(
+                self.device, int(psutil.virtual_memory().total), slots,
+                children_per_device(self.plan.discovery, slots))
+            self._cache = factory(self.torch_device, dev, host, context=gpu.create_context)
+        return self._cache
+
+    # -- limits (task_prerun) --------------------------------------------------------------
+    def confine(self, quota: ClassQuota) -> tuple[int, ...]:
+        """Pin this child to its class's cores; torch's intra-op pool to as many threads.
+
+        Returns the cores; outside a pool child, the process's own, untouched.
+        """
+        if not self.pool_child:
+            return tuple(sorted(os.sched_getaffinity(0)))
+        cpus = cpu_set(quota, self.plan.available_cpus, self.slot % max(1, self.plan.slots),
+                       max(1, self.plan.slots))
+        if cpus != self._cpus:
+            os.sched_setaffinity(0, cpus)
+            self._cpus = cpus
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.get_num_threads() != len(cpus):
+            torch.set_num_threads(len(cpus))
+        return cpus
+
+    def cap_for_class(self, quota: ClassQuota, engine_bytes: int = 0) -> float | None:
+        """Cap the allocator for a task of this class; the fraction, or None off CUDA."""
+        if not self.on_cuda:
+            return None
+        self._pending_ctx_ms += gpu.create_context()
+        total = gpu.total_memory_bytes() or self.device.total_vram_bytes
+        allocated = gpu.memory_stats()["allocated_bytes"]
+        fraction = memory_cap_fraction(quota, allocated, engine_bytes, total)
+        gpu.cap_memory(fraction)
+        return fraction
+
+    def lift_cap(self) -> None:
+        """The cache loads under its own budget, not the previous task's class cap."""
+        if gpu.context_created() and self.on_cuda:
+            gpu.cap_memory(1.0)
+
+    def before_task(self, request: Any, declared_class: str | None = None) -> None:
+        quota = task_class(self.config, request, declared_class)
+        self.confine(quota)
+        # A plain task gets its class cap too, but only once the child has a context:
+        # creating one for a task that may never use CUDA would cost every child VRAM.
+        if gpu.context_created() and self.on_cuda:
+            self.cap_for_class(quota)
+
+    def take_ctx_ms(self) -> float:
+        ms, self._pending_ctx_ms = self._pending_ctx_ms, 0.0
+        return ms
+
+    # -- accounting ------------------------------------------------------------------------
+    def count(self, cold: bool, cold_ms: float) -> None:
+        """One more inference task; sent with the next :meth:`publish`."""
+        for counters in (self.counters, self._unsent):
+            counters.tasks += 1
+            if cold:
+                counters.cold += 1
+                counters.cold_ms += cold_ms
+
+    def publish(self) -> None:
+        """Write this child's warm set and memory, and its new counts, for the advert."""
+        warm = self._cache.warm() if self._cache is not None else {}
+        unsent, self._unsent = self._unsent, Counters()
+        advertise.publish_child(self.config, self.plan.hostname, self.slot, {
+            "slot": self.slot, "slots": self.plan.slots, "pid": os.getpid(),
+            "device": self.device_label, "warm": dict(warm), "cpus": list(self._cpus),
+            "tasks": self.counters.tasks, "cold": self.counters.cold,
+            "memory": gpu.memory_stats()}, unsent.tasks, unsent.cold, unsent.cold_ms)
+
+
+def _engine_cache(device: str, device_bytes: int, host_bytes: int, *,
+                  context: Callable[[], float]) -> Any:
+    from sits_queue.cache.pool import EngineCache
+
+    # A time limit hit while loading is the task's, not a broken model: let it through.
+    return EngineCache(device, device_bytes, host_bytes, context=context,
+                       passthrough=(SoftTimeLimitExceeded,))
+
+
+# -- process-wide state and signal wiring ----------------------------------------------------
+
+_plan: WorkerPlan | None = None
+_child: ChildRuntime | None = None
+
+
+def plan() -> WorkerPlan:
+    """The worker plan; outside a worker, a one-slot plan for this process."""
+    global _plan
+    if _plan is None:
+        _plan = WorkerPlan(hostname=os.uname().nodename,
+                           discovery=discover(visible=os.environ.get("CUDA_VISIBLE_DEVICES")),
+                           available_cpus=tuple(sorted(os.sched_getaffinity(0))), slots=1)
+    return _plan
+
+
+def for_app(app: Celery) -> ChildRuntime:
+    """This process's runtime; a one-slot runtime when called outside a pool child
+    (``task.apply()``, a direct call in a script or test)."""
+    global _child
+    if _child is None or _child.app is not app:
+        p = plan()
+        _child = ChildRuntime(app=app, plan=p, slot=0, device=device_for_slot(p.discovery, 0),
+                              budgets=CacheBudgets.from_env())
+    return _child
+
+
+def init_parent(app: Celery, hostname: str, conf: Any, options: Mapping[str, Any]) -> None:
+    """``celeryd_init``: discover through NVML, size the pool, arm admission."""
+    global _plan
+    discovery = discover(visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if discovery.notice:
+        logger.warning("%s", discovery.notice)
+    if not options.get("concurrency") and not conf.worker_concurrency:
+        conf.worker_concurrency = default_concurrency(discovery)
+    _plan = WorkerPlan(hostname=hostname, discovery=discovery,
+                       available_cpus=tuple(sorted(os.sched_getaffinity(0))))
+    gpus = discovery.cuda_devices
+    admission.configure(admission.NvmlProbe([d.uuid for d in gpus]) if gpus
+                        else admission.HostProbe())
+
+
+def record_slots(slots: int) -> None:
+    global _plan
+    p = plan()
+    _plan = WorkerPlan(p.hostname, p.discovery, p.available_cpus, slots)
+
+
+def init_child(app: Celery, index: int, env: dict[str, str] | None = None) -> ChildRuntime:
+    """``worker_process_init``: pin to the slot's device before CUDA is touched."""
+    global _child
+    p = plan()
+    device = device_for_slot(p.discovery, index)
+    (os.environ if env is None else env).update(pin_env(device))
+    _child = ChildRuntime(app=app, plan=p, slot=index, device=device,
+                          budgets=CacheBudgets.from_env(), pool_child=True)
+    _child.publish()  # replaces a dead predecessor's record (its engines died with it)
+    logger.info("pool child %d (pid %d) pinned to %s", index, os.getpid(),
+                f"{device.name} ({device.uuid})" if device.kind == "cuda" else "CPU")
+    return _child
+
+
+def child() -> ChildRuntime | None:
+    return _child
+
+
+class PlanStep(bootsteps.Step):  # type: ignore[misc]
+    """Worker step: records the final pool size (after ``-c`` / ``auto``) before forking."""
+
+    name = "SITS worker plan"
+
+    def __init__(self, w: Any, **kwargs: Any) -> None:
+        super().__init__(w, **kwargs)
+        record_slots(int(w.concurrency))
+
+
+def connect(app: Celery) -> None:
+    """Wire the runtime into ``app``'s workers (signals filter on the app)."""
+
+    def on_celeryd_init(sender: Any = None, instance: Any = None, conf: Any = None,
+                        options: Any = None, **_: Any) -> None:
+        if getattr(instance, "app", None) is app:
+            init_parent(app, str(sender), conf, options or {})
+
+    def on_process_init(**_: Any) -> None:
+        if current_app._get_current_object() is app:
+            init_child(app, int(getattr(current_process(), "index", 0) or 0))
+
+    def on_prerun(sender: Any = None, task: Any = None, **_: Any) -> None:
+        rt = _child
+        if rt is not None and getattr(task, "app", None) is app and rt.app is app:
+            rt.before_task(task.request, getattr(task, "sla_class", None))
+
+    signals.celeryd_init.connect(on_celeryd_init, weak=False)
+    signals.worker_process_init.connect(on_process_init, weak=False)
+    signals.task_prerun.connect(on_prerun, weak=False)
+    app.steps["worker"].add(PlanStep)
+    app.steps["consumer"].add(admission.ReleaseGate)
+    app.steps["consumer"].add(advertise.Advertise)
+
+

@@ -1,0 +1,212 @@
+"""Models and inference tasks that ``tests/integration/test_gpu_worker.py`` runs in real
+``celery worker`` subprocesses (on CPU here; the same code pins and caps on a GPU host).
+
+The worker loads this module with ``-A``; its ``app`` is ``sits_queue``'s own (configured
+from SITS_* variables, classes from ``SITS_CONFIG``). Models come from
+``SITS_TEST_MODELS``, a directory the test session filled with tiny random models
+(:mod:`sits_queue.models.tiny`); the submitting test process registers the same tasks
+with :func:`register` and no models (it never loads one).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+
+from sits_queue import app
+from sits_queue.app import make_app
+from sits_queue.config import SitsConfig
+from sits_queue.procs import CeleryProcess, celery_command
+from sits_queue.workers.inference import generate
+
+APP_MODULE = "tests.integration.inference_app"
+ROOT = Path(__file__).resolve().parents[2]
+#: Causal LMs of one size (different seeds): the eviction test cycles through them.
+LMS = ("gpt", "lm-a", "lm-b", "lm-c")
+#: Per forward pass of the "slow" model, s: makes a long generation outlast a soft limit.
+SLOW_FORWARD_S = 0.02
+#: The default classes plus ones that make limits observable on a small machine: "one"
+#: (a single core), "tiny" / "small" (VRAM limits below / just above a tiny model's
+#: weights, enforced on CPU against the estimate), "gpu2" (2 GiB: a real cap on a GPU).
+CLASSES_TOML = """
+default_class = "medium"
+[[classes]]
+name = "high"
+cpu_cores = 16
+vram_gib = 64
+max_run_s = 45
+weight = 100.0
+latency_sla_ms = 800
+loss_sensitivity = 0.9
+[[classes]]
+name = "medium"
+cpu_cores = 8
+vram_gib = 32
+max_run_s = 30
+weight = 10.0
+latency_sla_ms = 2000
+loss_sensitivity = 0.5
+[[classes]]
+name = "low"
+cpu_cores = 4
+vram_gib = 8
+max_run_s = 10
+weight = 1.0
+latency_sla_ms = 5000
+loss_sensitivity = 0.2
+[[classes]]
+name = "one"
+cpu_cores = 1
+vram_gib = 8
+max_run_s = 30
+weight = 5.0
+latency_sla_ms = 2000
+loss_sensitivity = 0.5
+[[classes]]
+name = "tiny"
+cpu_cores = 1
+vram_gib = 0.0003
+max_run_s = 30
+weight = 5.0
+latency_sla_ms = 2000
+loss_sensitivity = 0.5
+[[classes]]
+name = "small"
+cpu_cores = 1
+vram_gib = 0.0008
+max_run_s = 30
+weight = 5.0
+latency_sla_ms = 2000
+loss_sensitivity = 0.5
+[[classes]]
+name = "gpu2"
+cpu_cores = 2
+vram_gib = 2
+max_run_s = 30
+weight = 5.0
+latency_sla_ms = 2000
+loss_sensitivity = 0.5
+"""
+
+
+def register_models(app: Celery, root: Path) -> None:
+    for name in LMS:
+        app.register_model(name, root / name)
+    app.register_model("enc", root / "enc")
+
+    @app.model("broken")
+    def broken() -> Any:
+        raise RuntimeError("simulated: weights file is corrupt")
+
+    @app.model("not-a-model")
+    def not_a_model() -> Any:
+        return 42
+
+    @app.model("slow")
+    def slow() -> Any:
+        from sits_queue.cache.engines import engine_from_path
+
+        engine = engine_from_path("slow", root / "gpt", "cpu")
+        engine.module.register_forward_pre_hook(lambda *_: time.sleep(SLOW_FORWARD_S))
+        return engine
+
+
+def build_models(root: Path) -> Path:
+    """The tiny models the tasks below use, under ``root`` (see :func:`register_models`)."""
+    from sits_queue.models import tiny
+
+    for seed, name in enumerate(LMS):
+        tiny.build_tiny_causal_lm(root / name, seed=seed)
+    tiny.build_tiny_encoder(root / "enc", seed=7)
+    return root
+
+
+def write_config(path: Path) -> Path:
+    path.write_text(CLASSES_TOML)
+    return path
+
+
+def client_app(redis_url: str, config_path: Path, main: str) -> Celery:
+    """A submitting app with the workers' class table and tasks (and no models)."""
+    config = replace(SitsConfig.from_file(config_path), redis_url=redis_url)
+    client = make_app(config, main=main)
+    register(client)
+    return client
+
+
+def spawn_worker(redis_url: str, config_path: Path, models_dir: Path, log_dir: Path,
+                 env: Mapping[str, str] | None = None, concurrency: int | None = None,
+                 name: str = "infer") -> CeleryProcess:
+    """``celery -A tests.integration.inference_app worker``; ``-c`` only if given."""
+    full_env = {"SITS_REDIS_URL": redis_url, "SITS_CONFIG": str(config_path),
+                "SITS_TEST_MODELS": str(models_dir), "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                **(env or {})}
+    hostname = f"{name}-{os.getpid()}-{time.monotonic_ns() % 10**6}@%h"
+    args = ["worker", "--loglevel=INFO", "--pool=prefork", f"--hostname={hostname}",
+            "--without-mingle", "--without-gossip"]
+    if concurrency is not None:
+        args.append(f"--concurrency={concurrency}")
+    proc = celery_command(APP_MODULE, args, full_env, log_dir / f"{name}.log", cwd=ROOT)
+    proc.hostname = hostname.replace("%h", os.uname().nodename)
+    return proc
+
+
+def register(app: Celery) -> dict[str, Any]:
+    models = os.environ.get("SITS_TEST_MODELS")
+    if models:
+        register_models(app, Path(models))
+
+    @app.inference_task(name="t.describe", model="gpt", shared=False)
+    def describe(engine: Any, tag: str) -> dict[str, Any]:
+        """What the task saw: its engine, its cores, torch's threads, its process."""
+        torch = sys.modules["torch"]
+        return {"tag": tag, "key": engine.key, "tier": engine.tier,
+                "tokenizer": "tokenizer" in engine.artifacts, "pid": os.getpid(),
+                "affinity": sorted(os.sched_getaffinity(0)),
+                "torch_threads": torch.get_num_threads(),
+                "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    @app.inference_task(name="t.generate_slow", model="slow", shared=False)
+    def generate_slow(engine: Any, prompt: str, max_new_tokens: int) -> dict[str, Any]:
+        return generate(engine, prompt, max_new_tokens=max_new_tokens, stop_at_eos=False)
+
+    @app.inference_task(name="t.hang", model="gpt", shared=False)
+    def hang(engine: Any, seconds: float) -> str:
+        """Ignores the soft limit (a C extension stuck in a call): only a kill stops it."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                time.sleep(0.05)
+            except Exception:  # SoftTimeLimitExceeded included, on purpose
+                continue
+        return "finished"
+
+    @app.task(name="t.ping", shared=False)
+    def ping(tag: str) -> str:
+        return tag
+
+    @app.inference_task(name="t.alloc", model="gpt", shared=False)
+    def alloc(engine: Any, gib: float, hold_s: float = 0.0) -> dict[str, Any]:
+        """Allocate ``gib`` on the engine's device (and keep it ``hold_s``): the VRAM cap."""
+        torch = sys.modules["torch"]
+        device = next(engine.module.parameters()).device
+        block = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
+        block.fill_(1)
+        time.sleep(hold_s)
+        allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+        del block
+        return {"device": str(device), "allocated_bytes": int(allocated)}
+
+    return {"describe": describe, "generate_slow": generate_slow, "hang": hang, "ping": ping,
+            "alloc": alloc}
+
+
+tasks = register(app)

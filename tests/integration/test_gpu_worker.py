@@ -1,0 +1,307 @@
+"""The GPU worker runtime in a real ``celery worker`` subprocess, with tiny real models.
+
+One worker serves the whole module (starting one costs seconds: torch and transformers
+load in its child). It runs on CPU here, exactly as on a GPU host minus the pinning and
+the CUDA cap; the class table comes from a TOML file with two extra classes that make the
+limits observable on a two-core machine: ``one`` (a single core) and ``tiny`` / ``small``
+(VRAM limits below and just above a tiny model's weights). The engine cache budgets
+hold exactly one model per tier, so a third model evicts.
+
+The tests run in file order; each leaves the worker serving (checked by the next).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import redis
+from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
+
+from sits_queue.broker.keys import QueueKeys
+from sits_queue.errors import (
+    ContextTooLong,
+    InvalidInput,
+    ModelLoadError,
+    UnknownModel,
+    VramLimitExceeded,
+)
+from sits_queue.procs import CeleryProcess, wait_ready
+from sits_queue.workers.advertise import read_workers
+from tests.integration.inference_app import (
+    build_models,
+    client_app,
+    spawn_worker,
+    write_config,
+)
+
+WAITING = QueueKeys.for_queue("celery")
+#: First call in a fresh child imports torch and transformers: allow for a slow CI box.
+FIRST_CALL_S = 120
+CALL_S = 60
+
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_models(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def model_bytes(models_dir: Path) -> int:
+    """Weights of one tiny LM, bytes (the safetensors payload; the header is noise)."""
+    return (models_dir / "gpt" / "model.safetensors").stat().st_size
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_config(tmp_path_factory.mktemp("config") / "sits.toml")
+
+
+@pytest.fixture(scope="module")
+def app(redis_url: str, config_path: Path) -> Iterator[Celery]:
+    """The submitting side, with the same class table as the worker."""
+    client = client_app(redis_url, config_path, "gpu-worker-client")
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory, redis_url: str, config_path: Path,
+           models_dir: Path, model_bytes: int, app: Celery, r: redis.Redis
+           ) -> Iterator[CeleryProcess]:
+    """One worker, started without ``-c``: its pool size is the runtime's default."""
+    budget = str(int(model_bytes * 1.5))  # one model per tier, never two
+    proc = spawn_worker(redis_url, config_path, models_dir,
+                        tmp_path_factory.mktemp("worker-logs"),
+                        {"SITS_DEVICE_CACHE_BYTES": budget, "SITS_HOST_CACHE_BYTES": budget})
+    try:
+        wait_ready(app, [proc])
+        yield proc
+    finally:
+        proc.stop(timeout_s=20)
+
+
+@pytest.fixture(scope="module")
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    """A client on the session server, emptied once: earlier modules leave messages."""
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    yield client
+    client.close()
+
+
+def call(app: Celery, name: str, *args: Any, timeout: float = CALL_S, **options: Any) -> Any:
+    return app.tasks[name].apply_async(args, **options).get(timeout=timeout)
+
+
+def assert_serving(app: Celery, worker: CeleryProcess) -> None:
+    assert worker.alive(), worker.log()[-3000:]
+    assert call(app, "t.describe", "still-serving")["output"]["tag"] == "still-serving"
+
+
+# -- warm engines and cold-start accounting ---------------------------------------------------
+
+def test_default_pool_is_one_child_per_device(worker: CeleryProcess) -> None:
+    # Celery alone would start one child per core (two here); a CPU host has one device.
+    children = psutil.Process(worker.pid).children()
+    assert len(children) == 1, worker.log()[-2000:]
+
+
+def test_second_call_is_warm(app: Celery, worker: CeleryProcess) -> None:
+    first = call(app, "t.describe", "first", timeout=FIRST_CALL_S)
+    second = call(app, "t.describe", "second")
+    # The first call paid a cold start, each phase timed; the second found the engine ready.
+    assert first["sits"]["cold"] is True and first["sits"]["source"] in ("disk", "host")
+    assert second["output"] == {**first["output"], "tag": "second"}
+    assert second["sits"]["cold"] is False
+    assert second["sits"]["source"] == "device"
+    assert second["sits"]["load_ms"] == 0 and second["sits"]["warmup_ms"] == 0
+    assert second["sits"]["run_ms"] > 0
+    meta = second["sits"]
+    assert set(meta) >= {"cold", "source", "cuda_ctx_ms", "load_ms", "promote_ms",
+                         "warmup_ms", "run_ms", "device", "sla_class", "limits"}
+    assert meta["device"] == "cpu" and meta["cuda_ctx_ms"] == 0
+    assert second["output"]["key"] == "gpt" and second["output"]["tokenizer"] is True
+
+
+def test_builtin_generate_and_embed(app: Celery, worker: CeleryProcess) -> None:
+    text = call(app, "sits.generate", "the worker loads the prompt", model="gpt",
+                kwargs={"max_new_tokens": 8, "stop_at_eos": False}, timeout=FIRST_CALL_S)
+    assert text["output"]["tokens"] == 8 and text["output"]["prompt_tokens"] > 0
+    assert isinstance(text["output"]["text"], str)
+    again = call(app, "sits.generate", "the worker loads the prompt", model="gpt",
+                 kwargs={"max_new_tokens": 8, "stop_at_eos": False})
+    assert again["output"] == text["output"]  # greedy decoding is deterministic
+    vectors = call(app, "sits.embed", ["a model serves", "the cache warms"], model="enc")
+    assert len(vectors["output"]) == 2 and len(vectors["output"][0]) == 64
+    norm = sum(x * x for x in vectors["output"][0]) ** 0.5
+    assert norm == pytest.approx(1.0, abs=1e-4)
+
+
+def test_eviction_under_a_small_budget(app: Celery, worker: CeleryProcess) -> None:
+    def use(model: str) -> dict[str, Any]:
+        meta: dict[str, Any] = call(app, "t.describe", model, model=model)["sits"]
+        return meta
+
+    # Given budgets that hold one model on the "device" and one in the host pool, and
+    # model a used often (eviction is LRU weighted by recent use: a is the hot one)
+    a1 = use("lm-a")
+    for _ in range(9):
+        assert use("lm-a")["cold"] is False
+    # When b arrives, a is demoted to host memory (evicting anything colder there)
+    b1 = use("lm-b")
+    assert a1["source"] == "disk" and a1["load_ms"] > 0
+    assert b1["source"] == "disk" and "lm-a" in b1["demoted"]
+    # Then a comes back from host memory, not disk; b had nowhere to go and was evicted
+    a2 = use("lm-a")
+    assert a2["cold"] is True and a2["source"] == "host"
+    assert a2["load_ms"] == 0 and a2["promote_ms"] > 0 and "lm-b" in a2["evicted"]
+    # And an evicted model is read from disk again; the cold newcomer c loses to hot a
+    c1 = use("lm-c")
+    b2 = use("lm-b")
+    assert c1["source"] == "disk" and "lm-a" in c1["demoted"]
+    assert b2["source"] == "disk" and b2["load_ms"] > 0 and "lm-c" in b2["evicted"]
+
+
+def test_warm_set_and_cold_share_are_advertised(app: Celery, worker: CeleryProcess,
+                                                r: redis.Redis) -> None:
+    call(app, "t.describe", "adv")
+
+    def advertised() -> dict[str, Any] | None:
+        found = [w for w in read_workers(r) if w["hostname"] == worker.hostname]
+        return found[0] if found and found[0]["cold_start"]["tasks"] > 0 else None
+
+    wait_for(lambda: advertised() is not None, 15, "the worker's advertisement")
+    record = advertised()
+    assert record is not None
+    assert record["pid"] == worker.pid and record["concurrency"] == 1
+    assert record["devices"][0]["kind"] == "cpu"
+    assert record["children"]["0"]["warm"]["gpt"] == "device"
+    assert record["children"]["0"]["slots"] == 1  # the pool size reached the children
+    assert "gpt" in record["warm"]
+    share = record["cold_start"]
+    assert 0 < share["cold"] <= share["tasks"]
+    assert share["cold_share"] == pytest.approx(share["cold"] / share["tasks"], abs=1e-5)
+    assert 0 < r.ttl(f"sits:worker:{worker.hostname}") <= 15
+
+
+# -- limits -----------------------------------------------------------------------------------
+
+def test_cpu_confinement_per_class(app: Celery, worker: CeleryProcess) -> None:
+    everything = sorted(os.sched_getaffinity(0))
+    one = call(app, "t.describe", "one", sla_class="one")
+    wide = call(app, "t.describe", "wide", sla_class="high")
+    # A one-core class runs on one core with one torch thread; "high" gets the slot's cores
+    assert len(one["output"]["affinity"]) == 1 and one["output"]["torch_threads"] == 1
+    assert one["sits"]["limits"]["cpus"] == one["output"]["affinity"]
+    assert wide["output"]["affinity"] == everything
+    assert wide["output"]["torch_threads"] == len(everything)
+
+
+def test_vram_limit_of_the_class(app: Celery, worker: CeleryProcess) -> None:
+    # Weights alone exceed the "tiny" class's limit (on CPU: checked against the estimate)
+    with pytest.raises(VramLimitExceeded, match="limit of class 'tiny'"):
+        call(app, "t.describe", "tiny", sla_class="tiny")
+    # "small" holds the weights and a short generation, not a long one
+    ok = call(app, "sits.generate", "a model", model="gpt", sla_class="small",
+              kwargs={"max_new_tokens": 4})
+    assert ok["output"]["tokens"] >= 1
+    with pytest.raises(VramLimitExceeded, match="estimated working memory"):
+        call(app, "sits.generate", "a model", model="gpt", sla_class="small",
+             kwargs={"max_new_tokens": 200})
+    assert_serving(app, worker)
+
+
+def delivery_tag(r: redis.Redis, task_id: str) -> str | None:
+    """The broker's id (kombu delivery tag) of the message carrying ``task_id``."""
+    for tag, payload in r.hscan_iter(WAITING.payloads):
+        if task_id.encode() in payload:
+            return str(tag.decode())
+    return None
+
+
+def test_task_that_does_not_fit_is_released_not_failed(app: Celery, worker: CeleryProcess,
+                                                        r: redis.Redis) -> None:
+    # Given a task declaring more memory than the host has free
+    big = app.tasks["t.ping"].apply_async(("big",), vram_gib=1000, sla_class="low")
+    tag = delivery_tag(r, big.id)
+    assert tag is not None
+    wait_for(lambda: worker.log().count(f"[{big.id}] not started here") >= 2, 30,
+             "the worker to release it twice")
+    # Then it is back in its queue, never run, and not counted as a redelivery
+    wait_for(lambda: r.zscore(WAITING.waiting, tag) is not None, 10, "it to be waiting")
+    assert r.hget(WAITING.redelivered, tag) is None
+    assert big.state == "PENDING"
+    # And the worker keeps serving (the higher class is picked ahead of it)
+    assert call(app, "t.ping", "after", sla_class="high", timeout=30) == "after"
+    assert r.hget(WAITING.redelivered, tag) is None and big.state == "PENDING"
+    r.hdel(WAITING.payloads, tag)  # gone for good: a pick skips an id without payload
+    r.zrem(WAITING.waiting, tag)
+
+
+# -- failure paths: each a clear failure, the worker keeps serving -----------------------------
+
+@pytest.mark.parametrize(("name", "args", "options", "error", "match"), [
+    ("t.describe", ("x",), {"model": "no-such-model"}, UnknownModel, "no-such-model"),
+    ("t.describe", ("x",), {"model": "broken"}, ModelLoadError, "weights file is corrupt"),
+    ("t.describe", ("x",), {"model": "not-a-model"}, ModelLoadError, "returned int"),
+    ("sits.generate", (42,), {"model": "gpt"}, InvalidInput, "prompt must be"),
+    ("sits.embed", ([],), {"model": "enc"}, InvalidInput, "non-empty"),
+    ("sits.generate", ("the queue " * 200,), {"model": "gpt"}, ContextTooLong, "positions"),
+    ("sits.generate", ("hi",), {}, UnknownModel, "names no model"),
+])
+def test_failure_is_clear_and_the_worker_survives(app: Celery, worker: CeleryProcess,
+                                                  name: str, args: tuple[Any, ...],
+                                                  options: dict[str, Any],
+                                                  error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        call(app, name, *args, **options)
+    assert_serving(app, worker)
+
+
+def test_soft_time_limit_mid_generation(app: Celery, worker: CeleryProcess) -> None:
+    # Given a generation of 200 steps at >= 20 ms each, and a soft limit of 1 s
+    result = app.tasks["t.generate_slow"].apply_async(("the gpu", 200), soft_time_limit=1.0,
+                                                      time_limit=30)
+    # Then it stops between steps and says how far it got
+    with pytest.raises(SoftTimeLimitExceeded, match=r"stopped after \d+ of 200"):
+        result.get(timeout=FIRST_CALL_S)
+    assert_serving(app, worker)
+
+
+def test_hard_time_limit_replaces_the_child(app: Celery, worker: CeleryProcess) -> None:
+    before = call(app, "t.describe", "before")
+    # When a task ignores its soft limit and is killed at the hard one
+    hung = app.tasks["t.hang"].apply_async((60,), soft_time_limit=1, time_limit=3)
+    with pytest.raises(TimeLimitExceeded):
+        hung.get(timeout=CALL_S)
+    # Then a new child takes the same slot (same device), starts cold, and serves
+    after = call(app, "t.describe", "after", timeout=FIRST_CALL_S)
+    assert after["output"]["pid"] != before["output"]["pid"]
+    assert after["sits"]["slot"] == before["sits"]["slot"] == 0
+    assert after["sits"]["cold"] is True and after["sits"]["source"] == "disk"
+    assert after["output"]["cuda_visible"] == before["output"]["cuda_visible"]
+    assert worker.alive()
+    assert "pinned to" in worker.log()
+
+
+def test_worker_record_disappears_on_shutdown(worker: CeleryProcess, r: redis.Redis) -> None:
+    key = f"sits:worker:{worker.hostname}"
+    assert r.exists(key)
+    worker.stop(timeout_s=30)
+    assert not r.exists(key)

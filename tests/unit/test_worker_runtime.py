@@ -1,0 +1,416 @@
+"""The worker runtime's decisions, without Redis, a GPU or a worker: pinning, budgets,
+caps, admission, the request guard, the registry and the advertisement records."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import MappingProxyType, SimpleNamespace
+from typing import Any
+
+import pytest
+from celery.worker.request import Request
+
+from sits_queue.app import ENGINE_ARG, make_app
+from sits_queue.config import DEFAULT_CLASSES, ClassQuota, SitsConfig
+from sits_queue.errors import ConfigError, ModelLoadError, UnknownModel, VramLimitExceeded
+from sits_queue.registry import ModelRegistry, load_engine
+from sits_queue.workers import advertise, gpu, request
+from sits_queue.workers import runtime as rt
+from sits_queue.workers.devices import Device, Discovery
+from sits_queue.workers.limits import BYTES_PER_GIB
+
+GIB = BYTES_PER_GIB
+HIGH, MEDIUM, LOW = DEFAULT_CLASSES
+
+
+def gpu_device(index: int, total_gib: float = 80, free_gib: float = 70) -> Device:
+    return Device(index=index, kind="cuda", name="NVIDIA A100-SXM4-80GB",
+                  uuid=f"GPU-{index:04d}-uuid", total_vram_bytes=int(total_gib * GIB),
+                  free_vram_bytes=int(free_gib * GIB))
+
+
+CPU = Device(index=0, kind="cpu", name="x86_64", uuid="cpu", total_vram_bytes=64 * GIB,
+             free_vram_bytes=32 * GIB)
+FOUR_GPUS = Discovery(devices=tuple(gpu_device(i) for i in range(4)))
+CPU_ONLY = Discovery(devices=(CPU,), notice="no GPU")
+
+
+def quota(vram_gib: float = 8, cpu_cores: int = 4) -> ClassQuota:
+    return ClassQuota("q", cpu_cores=cpu_cores, vram_gib=vram_gib, max_run_s=10, weight=1.0,
+                      latency_sla_ms=1000, loss_sensitivity=0.5)
+
+
+# -- device per child ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("discovery", "slot", "expected"), [
+    (FOUR_GPUS, 0, 0), (FOUR_GPUS, 3, 3),
+    (FOUR_GPUS, 5, 1),   # more children than GPUs: round-robin
+    (CPU_ONLY, 0, 0), (CPU_ONLY, 2, 0),
+])
+def test_device_for_slot(discovery: Discovery, slot: int, expected: int) -> None:
+    assert rt.device_for_slot(discovery, slot).index == expected
+
+
+def test_pin_env_names_the_gpu_by_uuid_and_leaves_cpu_alone() -> None:
+    # The UUID: CUDA orders devices fastest-first, NVML by PCI bus; an index could mismatch.
+    assert rt.pin_env(gpu_device(2)) == {"CUDA_VISIBLE_DEVICES": "GPU-0002-uuid"}
+    assert rt.pin_env(CPU) == {}
+
+
+def test_a_replaced_child_gets_the_same_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # billiard gives a replacement the free index of the child it replaces.
+    monkeypatch.setattr(advertise, "publish_child", lambda *_: None)  # no Redis in unit tests
+    env: dict[str, str] = {}
+    app = make_app(SitsConfig(), main="pin-test")
+    saved_plan, saved_child = rt._plan, rt._child
+    try:
+        rt._plan = rt.WorkerPlan("w@h", FOUR_GPUS, (0, 1, 2, 3), slots=4)
+        first = rt.init_child(app, 2, env)
+        assert env == {"CUDA_VISIBLE_DEVICES": "GPU-0002-uuid"} and first.pool_child
+        env.clear()
+        rt.init_child(app, 2, env)
+        assert env == {"CUDA_VISIBLE_DEVICES": "GPU-0002-uuid"}
+    finally:
+        rt._plan, rt._child = saved_plan, saved_child
+
+
+@pytest.mark.parametrize(("discovery", "slots", "sharing"), [
+    (FOUR_GPUS, 4, 1), (FOUR_GPUS, 8, 2), (FOUR_GPUS, 5, 2), (CPU_ONLY, 3, 3),
+])
+def test_children_per_device(discovery: Discovery, slots: int, sharing: int) -> None:
+    assert rt.children_per_device(discovery, slots) == sharing
+
+
+# -- cache budgets ------------------------------------------------------------------------------
+
+def test_budgets_default_to_the_4_3_shares() -> None:
+    dev, host = rt.CacheBudgets().resolve(gpu_device(0, total_gib=80), 512 * GIB, slots=4)
+    assert dev == int(80 * GIB * 0.30)
+    assert host == int(512 * GIB * 0.5 / 4 * 0.70)
+
+
+def test_budgets_split_a_shared_gpu_and_use_host_ram_on_cpu() -> None:
+    dev, _ = rt.CacheBudgets().resolve(gpu_device(0, total_gib=80), 64 * GIB, slots=2,
+                                       sharing=2)
+    assert dev == int(80 * GIB * 0.30 / 2)
+    cpu_dev, cpu_host = rt.CacheBudgets().resolve(CPU, 64 * GIB, slots=1)
+    assert cpu_dev + cpu_host <= 64 * GIB * 0.5  # both tiers are host RAM on a CPU host
+
+
+def test_budgets_from_env_override() -> None:
+    budgets = rt.CacheBudgets.from_env({"SITS_DEVICE_CACHE_BYTES": "1e6",
+                                        "SITS_HOST_CACHE_BYTES": "2000"})
+    assert budgets.resolve(CPU, 64 * GIB, slots=1) == (1_000_000, 2000)
+    assert rt.CacheBudgets.from_env({}).device_bytes is None
+    with pytest.raises(ConfigError, match="SITS_HOST_CACHE_BYTES"):
+        rt.CacheBudgets.from_env({"SITS_HOST_CACHE_BYTES": "lots"})
+    with pytest.raises(ConfigError):
+        rt.CacheBudgets(device_bytes=-1)
+
+
+# -- VRAM caps ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("q", "allocated", "engine", "total", "fraction"), [
+    # Nothing cached: the class limit over the device (§1.4 on an A100-80G)
+    (LOW, 0, 0, 80 * GIB, 0.1),
+    (HIGH, 0, 0, 80 * GIB, 0.8),
+    # Other engines resident (allocated) are not this task's: the cap sits on top of them
+    (LOW, 10 * GIB, 0, 80 * GIB, 18 / 80),
+    # The task's own engine counts against its class
+    (LOW, 10 * GIB, 3 * GIB, 80 * GIB, 15 / 80),
+    # An engine larger than the class leaves no headroom (and is refused before running)
+    (LOW, 10 * GIB, 9 * GIB, 80 * GIB, 10 / 80),
+    # Never more than the device
+    (HIGH, 40 * GIB, 0, 80 * GIB, 1.0),
+])
+def test_memory_cap_fraction(q: ClassQuota, allocated: int, engine: int, total: int,
+                             fraction: float) -> None:
+    assert rt.memory_cap_fraction(q, allocated, engine, total) == pytest.approx(fraction)
+
+
+def test_memory_cap_fraction_rejects_an_empty_device() -> None:
+    with pytest.raises(ValueError):
+        rt.memory_cap_fraction(LOW, 0, 0, 0)
+
+
+def test_engine_over_the_class_limit_is_refused_with_the_numbers() -> None:
+    rt.check_engine_fits_class("m", quota(vram_gib=1), GIB)  # exactly fits
+    with pytest.raises(VramLimitExceeded, match=r"model 'm' needs 2 GiB of weights, over "
+                                                r"the 1 GiB VRAM limit of class 'q'"):
+        rt.check_engine_fits_class("m", quota(vram_gib=1), 2 * GIB)
+    with pytest.raises(VramLimitExceeded, match="estimated working memory"):
+        rt.check_engine_fits_class("m", quota(vram_gib=1), GIB // 2, GIB)
+
+
+def test_cpu_estimate_is_checked_only_without_cuda() -> None:
+    on_cpu = rt.ActiveTask("m", quota(vram_gib=1), GIB // 2, "cpu", on_cuda=False)
+    on_gpu = replace(on_cpu, on_cuda=True)
+    with pytest.raises(VramLimitExceeded):
+        on_cpu.check_vram(GIB)
+    on_gpu.check_vram(GIB)  # CUDA's allocator cap enforces the real limit there
+
+
+def test_soft_deadline_is_checked_between_steps() -> None:
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    task = rt.ActiveTask("m", LOW, 0, "cpu", soft_deadline=0.0)
+    with pytest.raises(SoftTimeLimitExceeded, match="after 3 of 10 steps"):
+        task.check_time(3, 10)
+    rt.ActiveTask("m", LOW, 0, "cpu", soft_deadline=None).check_time(3, 10)
+
+
+# -- reading the task's options ---------------------------------------------------------------
+
+def test_task_class_from_header_then_declaration_then_default() -> None:
+    config = SitsConfig()
+    assert rt.task_class(config, SimpleNamespace(sits={"sla_class": "high"}), "low") is HIGH
+    assert rt.task_class(config, SimpleNamespace(sits=None), "low") is LOW
+    assert rt.task_class(config, SimpleNamespace(), None).name == config.default_class
+    assert rt.task_class(config, SimpleNamespace(sits={"sla_class": "nope"}), None) is MEDIUM
+
+
+def test_task_model_from_header_or_declaration() -> None:
+    assert rt.task_model(SimpleNamespace(sits={"model": "a"}), "b") == "a"
+    assert rt.task_model(SimpleNamespace(sits={"model": None}), "b") == "b"
+    with pytest.raises(UnknownModel, match="names no model"):
+        rt.task_model(SimpleNamespace(), None)
+
+
+# -- CPU confinement in a child (affinity faked) -------------------------------------------------
+
+def test_confine_applies_the_class_share_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, ...]] = []
+    monkeypatch.setattr(rt.os, "sched_setaffinity", lambda pid, cpus: calls.append(cpus))
+    app = make_app(SitsConfig(), main="confine-test")
+    plan = rt.WorkerPlan("w@h", FOUR_GPUS, tuple(range(32)), slots=4)
+    child = rt.ChildRuntime(app=app, plan=plan, slot=1, device=gpu_device(1), pool_child=True)
+    assert child.confine(LOW) == (8, 9, 10, 11)     # slot 1 of 4 owns cores 8..15
+    assert child.confine(LOW) == (8, 9, 10, 11)
+    assert child.confine(HIGH) == tuple(range(8, 16))
+    assert calls == [(8, 9, 10, 11), tuple(range(8, 16))]  # unchanged sets are not re-applied
+
+
+def test_confine_outside_a_pool_child_leaves_the_process_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rt.os, "sched_setaffinity", lambda *_: pytest.fail("re-pinned"))
+    app = make_app(SitsConfig(), main="confine-test-2")
+    child = rt.ChildRuntime(app=app, plan=rt.WorkerPlan("w", CPU_ONLY, (0,), 1), slot=0,
+                            device=CPU)
+    assert child.confine(LOW) == tuple(sorted(rt.os.sched_getaffinity(0)))
+
+
+# -- admission in the main process ------------------------------------------------------------
+
+@pytest.mark.parametrize(("headers", "needed"), [
+    ({"sits": {"vram_gib": 12}}, 12.0), ({"sits": {"vram_gib": None}}, None),
+    ({"sits": {}}, None), ({}, None), ({"sits": "junk"}, None),
+    ({"sits": {"vram_gib": True}}, None), ({"sits": {"vram_gib": -1}}, None),
+])
+def test_declared_vram(headers: dict[str, Any], needed: float | None) -> None:
+    assert request.declared_vram_gib(headers) == needed
+
+
+def test_admit() -> None:
+    assert request.admit(None, 0) is None
+    assert request.admit(8, 10 * GIB, headroom_bytes=GIB) is None
+    verdict = request.admit(12, 10 * GIB, headroom_bytes=GIB)
+    assert verdict is not None and "vram_gib=12" in verdict.reason()
+
+
+def test_backoff_doubles_to_a_cap_and_resets() -> None:
+    gate = request.Backoff(base_s=0.25, cap_s=1.0)
+    assert gate.open(0.0)
+    assert [gate.back_off(10.0) for _ in range(4)] == [0.25, 0.5, 1.0, 1.0]
+    assert not gate.open(10.5) and gate.open(11.0)
+    gate.reset()
+    assert gate.open(10.0) and gate.back_off(20.0) == 0.25
+
+
+class FakeQoS:
+    def __init__(self) -> None:
+        self.released: list[str] = []
+
+    def release(self, tag: str) -> None:
+        self.released.append(tag)
+
+
+class FakeProbe:
+    def __init__(self, free_bytes: int) -> None:
+        self.free_bytes = free_bytes
+
+    def max_free_bytes(self) -> int:
+        return self.free_bytes
+
+
+class CeleryGenerated(request.SitsRequest):
+    """Like celery.worker.request.create_request_cls: its own method, no super() call."""
+
+    ran: list[str] = []
+
+    def execute_using_pool(self, pool: Any, **kwargs: Any) -> Any:
+        self.ran.append(self.id)
+        return "sent to the pool"
+
+
+def fake_request(vram_gib: float | None) -> tuple[CeleryGenerated, FakeQoS]:
+    qos = FakeQoS()
+    req = CeleryGenerated.__new__(CeleryGenerated)
+    req._message = SimpleNamespace(channel=SimpleNamespace(qos=qos), delivery_tag="tag-1",
+                                   _state="RECEIVED")
+    req._request_dict = {"id": "task-1", "task": "t", "sits": {"vram_gib": vram_gib}}
+    req.id, req.name, req._eventer = "task-1", "t", None
+    return req, qos
+
+
+def test_generated_request_classes_are_guarded(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert getattr(CeleryGenerated.execute_using_pool, "__sits_guarded__", False)
+    monkeypatch.setattr(request, "GATE", request.Backoff())
+    monkeypatch.setattr(request, "_probe", FakeProbe(40 * GIB))
+    CeleryGenerated.ran.clear()
+    # A task that fits goes to the pool
+    fits, qos = fake_request(8)
+    assert fits.execute_using_pool(None) == "sent to the pool"
+    assert CeleryGenerated.ran == ["task-1"] and qos.released == []
+    # One that does not is released (no redelivery), never run, and the consumer backs off
+    big, qos = fake_request(60)
+    with pytest.raises(request.NotStartedHere):
+        big.execute_using_pool(None)
+    assert CeleryGenerated.ran == ["task-1"]
+    assert qos.released == ["tag-1"] and big.message._state == "REQUEUED"
+    assert big.acknowledged and not request.GATE.open(0.0)
+
+
+def test_sits_request_is_a_celery_request() -> None:
+    assert issubclass(request.SitsRequest, Request)
+    app = make_app(SitsConfig(), main="req-test")
+    assert app.tasks["sits.generate"].Request == "sits_queue.workers.request:SitsRequest"
+
+
+# -- registry and app API ---------------------------------------------------------------------
+
+def test_registry_names_and_errors() -> None:
+    registry = ModelRegistry()
+    registry.register("a", lambda: 1)
+    registry.register("dir", "/models/dir")
+    assert registry.names() == ("a", "dir") and "a" in registry and len(registry) == 2
+    with pytest.raises(UnknownModel, match=r"'b'.*known: a, dir"):
+        registry.get("b")
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register("a", lambda: 2)
+    registry.register("a", lambda: 2, replace=True)
+    with pytest.raises(ValueError, match="model name"):
+        registry.register("has space", lambda: 1)
+    with pytest.raises(TypeError):
+        registry.register("x", 42)  # type: ignore[arg-type]
+
+
+def test_a_raising_or_odd_loader_is_a_model_load_error() -> None:
+    registry = ModelRegistry()
+
+    def broken() -> Any:
+        raise OSError("disk gone")
+
+    with pytest.raises(ModelLoadError, match=r"loader for model 'x' failed: OSError: disk gone"):
+        load_engine(registry.register("x", broken), "cpu")
+    with pytest.raises(ModelLoadError, match="returned int"):
+        load_engine(registry.register("y", lambda: 3), "cpu")
+    with pytest.raises(ModelLoadError, match="not a model directory"):
+        load_engine(registry.register("z", "/no/such/dir"), "cpu")
+
+
+def test_app_model_decorator_and_inference_task() -> None:
+    app = make_app(SitsConfig(), main="api-test")
+
+    @app.model("summarizer")
+    def load() -> str:
+        return "/models/summarizer"
+
+    @app.inference_task(model="summarizer", sla_class="low")
+    def summarize(engine: Any, text: str, words: int = 10) -> str:
+        return text
+
+    assert "summarizer" in app.models
+    assert summarize.model == "summarizer" and summarize.sla_class == "low"
+    assert getattr(summarize.run, ENGINE_ARG)
+    # Callers check arguments without the engine: it is the worker's to supply
+    summarize.__header__("some text")
+    summarize.__header__("some text", words=3)
+    with pytest.raises(TypeError):
+        summarize.__header__()
+    with pytest.raises(TypeError, match="bind"):
+        app.inference_task(model="summarizer", bind=True)
+
+
+def test_builtin_tasks_go_to_the_work_queue_and_maintenance_to_control() -> None:
+    app = make_app(SitsConfig(), main="route-test")
+    route = app.amqp.router.route
+    assert route({}, "sits.generate")["queue"].name == "celery"
+    assert route({}, "sits.embed")["queue"].name == "celery"
+    assert route({}, "sits.rescore")["queue"].name == "sits.control"
+
+
+# -- cold-start metadata and the advertisement ---------------------------------------------------
+
+def test_cold_meta_shape() -> None:
+    from sits_queue.cache.pool import ColdStart
+    from sits_queue.workers.inference import _cold_meta
+
+    meta = _cold_meta(ColdStart(True, "host", 0.0, 0.0, 1.23456, 2.0, ("x",), ()), 150.0)
+    assert meta == {"cold": True, "source": "host", "cuda_ctx_ms": 150.0, "load_ms": 0.0,
+                    "promote_ms": 1.235, "warmup_ms": 2.0, "evicted": ["x"], "demoted": []}
+
+
+@pytest.mark.parametrize(("tasks", "cold", "share"), [(0, 0, 0.0), (10, 3, 0.3), (4, 4, 1.0)])
+def test_cold_share(tasks: int, cold: int, share: float) -> None:
+    assert advertise.cold_share(tasks, cold) == share
+
+
+def test_worker_record() -> None:
+    record = advertise.worker_record("w@h", 123, 4, [gpu_device(0)],
+                                     {b"tasks": b"10", b"cold": b"2", b"cold_ms": b"500.5"},
+                                     now_s=1.0)
+    assert record["concurrency"] == 4 and record["pid"] == 123
+    assert record["devices"][0]["uuid"] == "GPU-0000-uuid"
+    assert record["devices"][0]["total_vram_bytes"] == 80 * GIB
+    assert record["cold_start"] == {"tasks": 10, "cold": 2, "cold_ms": 500.5,
+                                    "cold_share": 0.2, "cold_ms_mean": 250.25}
+    assert advertise.counters_from({})["cold_share"] == 0.0
+
+
+def test_advertisement_keys() -> None:
+    assert advertise.worker_key("p:", "w@h") == "p:sits:worker:w@h"
+    assert advertise.child_key("p:", "w@h", 2) == "p:sits:worker:w@h:child:2"
+    assert advertise.counters_key("", "w@h") == "sits:worker:w@h:counters"
+
+
+# -- gpu helpers on a CPU host -----------------------------------------------------------------
+
+def test_oom_mapping() -> None:
+    import torch
+
+    assert gpu.is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    assert gpu.is_oom(RuntimeError("CUDA error: out of memory"))
+    assert gpu.is_oom(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
+    assert not gpu.is_oom(RuntimeError("shape mismatch"))
+    assert not gpu.is_oom(ValueError("out of memory"))  # not a runtime failure
+
+
+def test_gpu_helpers_are_no_ops_without_cuda() -> None:
+    if gpu.cuda_available():
+        pytest.skip("this host has CUDA; tests/gpu covers it")
+    assert gpu.create_context() == 0.0
+    assert gpu.cap_memory(0.5) is False
+    assert gpu.total_memory_bytes() is None
+    assert gpu.memory_stats() == {"allocated_bytes": 0, "reserved_bytes": 0,
+                                  "peak_allocated_bytes": 0}
+    gpu.release_memory()
+    with pytest.raises(ValueError):
+        gpu.cap_memory(0.0)
+
+
+def test_discovery_mapping_is_frozen() -> None:
+    # The plan a parent hands its children must not change under them.
+    plan = rt.WorkerPlan("w", FOUR_GPUS, (0, 1), 2)
+    with pytest.raises(AttributeError):
+        plan.slots = 3  # type: ignore[misc]
+    assert isinstance(FOUR_GPUS.topology, MappingProxyType)

@@ -1,0 +1,300 @@
+"""Inference in-process (no worker, no Redis): the built-in generate/embed on tiny real
+models, and run_inference's accounting and error mapping with a fake engine cache."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
+
+from sits_queue.app import make_app
+from sits_queue.cache.engines import engine_from_path
+from sits_queue.cache.pool import ColdStart, EngineTooLarge
+from sits_queue.cache.pool import ModelLoadError as PoolLoadError
+from sits_queue.config import SitsConfig
+from sits_queue.errors import (
+    ContextTooLong,
+    InvalidInput,
+    ModelLoadError,
+    UnknownModel,
+    VramLimitExceeded,
+)
+from sits_queue.models import tiny
+from sits_queue.workers import advertise, gpu, inference
+from sits_queue.workers import runtime as rt
+from sits_queue.workers.devices import Device, Discovery
+
+CPU = Device(index=0, kind="cpu", name="cpu", uuid="cpu", total_vram_bytes=2**36,
+             free_vram_bytes=2**35)
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    path = tiny.build_tiny_causal_lm(tmp_path_factory.mktemp("lm") / "lm", seed=0,
+                                     n_positions=64)
+    engine = engine_from_path("lm", path, "cpu")
+    engine.to_device("cpu")
+    return engine
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    path = tiny.build_tiny_encoder(tmp_path_factory.mktemp("enc") / "enc", seed=0)
+    engine = engine_from_path("enc", path, "cpu")
+    engine.to_device("cpu")
+    return engine
+
+
+# -- generate ---------------------------------------------------------------------------------
+
+def test_generate_is_greedy_and_deterministic(lm: Any) -> None:
+    first = inference.generate(lm, "the worker loads", max_new_tokens=6, stop_at_eos=False)
+    again = inference.generate(lm, "the worker loads", max_new_tokens=6, stop_at_eos=False)
+    assert first == again
+    assert first["tokens"] == 6 and first["stopped"] == "length" and first["prompt_tokens"] > 0
+
+
+def test_generate_matches_huggingface_generate(lm: Any) -> None:
+    # The hand-written KV-cache loop decodes exactly what transformers' own greedy one does.
+    import torch
+
+    ours = inference.generate(lm, "a model serves", max_new_tokens=5, stop_at_eos=False)
+    tokenizer = lm.artifacts["tokenizer"]
+    ids = tokenizer("a model serves", return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        out = lm.module.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5,
+                                 min_new_tokens=5, do_sample=False, use_cache=True,
+                                 pad_token_id=tokenizer.pad_token_id)
+    assert ours["text"] == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_sampling_is_seeded(lm: Any) -> None:
+    a = inference.generate(lm, "the cache", max_new_tokens=6, temperature=1.5, seed=3)
+    b = inference.generate(lm, "the cache", max_new_tokens=6, temperature=1.5, seed=3)
+    assert a == b
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    ((42,), "prompt must be a non-empty string"),
+    (("",), "prompt must be a non-empty string"),
+    (("hi", 0), "max_new_tokens"),
+    (("hi", True), "max_new_tokens"),
+    (("hi", 4, -1.0), "temperature"),
+])
+def test_generate_rejects_malformed_input(lm: Any, args: tuple[Any, ...], match: str) -> None:
+    with pytest.raises(InvalidInput, match=match):
+        inference.generate(lm, *args)
+
+
+def test_generate_refuses_a_context_longer_than_the_model(lm: Any) -> None:
+    with pytest.raises(ContextTooLong, match=r"exceeds model 'lm'.s 64 positions"):
+        inference.generate(lm, "the queue " * 40)
+    with pytest.raises(ContextTooLong):
+        inference.generate(lm, "the queue", max_new_tokens=64)
+
+
+class StopsAt(rt.ActiveTask):
+    """An active task whose soft limit arrives before step ``at``."""
+
+    at = 3
+
+    def check_time(self, done: int, total: int) -> None:
+        if done >= self.at:
+            raise SoftTimeLimitExceeded()
+
+
+def test_soft_time_limit_stops_generation_between_steps(lm: Any) -> None:
+    from sits_queue.config import DEFAULT_CLASSES
+
+    active = StopsAt("lm", DEFAULT_CLASSES[0], 0, "cpu")
+    with rt.activated(active), pytest.raises(SoftTimeLimitExceeded,
+                                             match=r"stopped after 3 of 10 new tokens"):
+        inference.generate(lm, "the gpu", max_new_tokens=10, stop_at_eos=False)
+    assert rt.active() is None
+
+
+def test_generation_is_refused_when_the_cpu_estimate_exceeds_the_class(lm: Any) -> None:
+    from sits_queue.config import ClassQuota
+
+    small = ClassQuota("small", cpu_cores=1, vram_gib=lm.size_bytes() * 1.05 / 2**30,
+                       max_run_s=10, weight=1, latency_sla_ms=100, loss_sensitivity=0.5)
+    with rt.activated(rt.ActiveTask("lm", small, lm.size_bytes(), "cpu")), \
+            pytest.raises(VramLimitExceeded, match="estimated working memory"):
+        inference.generate(lm, "the gpu", max_new_tokens=60)
+
+
+def test_estimates_grow_with_tokens(lm: Any) -> None:
+    assert inference.kv_cache_bytes(lm.module, 100) > inference.kv_cache_bytes(lm.module, 10)
+    assert inference.max_positions(lm.module) == 64
+
+
+# -- embed ------------------------------------------------------------------------------------
+
+def test_embed_mean_pools_and_normalises(encoder: Any) -> None:
+    one = inference.embed(encoder, "the beat scores")
+    many = inference.embed(encoder, ["the beat scores", "a client streams the next token"])
+    assert len(one) == 64 and len(many) == 2
+    assert sum(x * x for x in one) == pytest.approx(1.0, abs=1e-5)
+    # Padding a shorter text in a batch does not change its vector (the mask excludes pads)
+    assert many[0] == pytest.approx(one, abs=1e-5)
+
+
+@pytest.mark.parametrize("texts", [[], [""], ["ok", 3], 7, None])
+def test_embed_rejects_malformed_input(encoder: Any, texts: Any) -> None:
+    with pytest.raises(InvalidInput):
+        inference.embed(encoder, texts)
+
+
+def test_embed_refuses_too_long_texts(encoder: Any) -> None:
+    with pytest.raises(ContextTooLong, match="takes at most 256"):
+        inference.embed(encoder, "the queue " * 300)
+
+
+def test_builtins_need_a_tokenizer_and_a_module() -> None:
+    bare = SimpleNamespace(key="bare", artifacts={}, module=object())
+    with pytest.raises(ModelLoadError, match="no tokenizer"):
+        inference.generate(bare, "hi")
+    onnx = SimpleNamespace(key="o", artifacts={"tokenizer": object()}, backend="onnxruntime")
+    with pytest.raises(ModelLoadError, match="onnxruntime engine"):
+        inference.embed(onnx, "hi")
+
+
+# -- run_inference with a fake cache ----------------------------------------------------------
+
+class FakeEngine:
+    key = "m"
+    artifacts: dict[str, Any] = {}
+
+    def __init__(self, size: int = 1000) -> None:
+        self.size = size
+
+    def size_bytes(self) -> int:
+        return self.size
+
+
+class FakeCache:
+    def __init__(self, outcome: Callable[[], tuple[Any, ColdStart]]) -> None:
+        self.outcome = outcome
+
+    def get(self, key: str, loader: Callable[[], Any]) -> tuple[Any, ColdStart]:
+        return self.outcome()
+
+    def warm(self) -> dict[str, str]:
+        return {"m": "device"}
+
+
+@pytest.fixture
+def app() -> Iterator[Celery]:
+    app = make_app(SitsConfig(), main="infer-unit")
+    app.register_model("m", lambda: FakeEngine())
+    yield app
+
+
+@pytest.fixture
+def published(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Advertisement writes, captured instead of sent to Redis."""
+    seen: list[Any] = []
+    monkeypatch.setattr(advertise, "publish_child", lambda *a: seen.append(a[3:]))
+    return seen
+
+
+def child(app: Celery, outcome: Callable[[], tuple[Any, ColdStart]]) -> rt.ChildRuntime:
+    plan = rt.WorkerPlan("w@h", Discovery(devices=(CPU,)), (0,), 1)
+    return rt.ChildRuntime(app=app, plan=plan, slot=0, device=CPU,
+                           cache_factory=lambda *a, **k: FakeCache(outcome))
+
+
+def fake_task(run: Callable[..., Any], model: str = "m", sla_class: str = "low") -> Any:
+    request = SimpleNamespace(sits={"model": model, "sla_class": sla_class},
+                              timelimit=(10, 8))
+    return SimpleNamespace(request=request, model=None, sla_class=None, run=run)
+
+
+COLD = ColdStart(True, "disk", 0.0, 12.5, 0.5, 3.0)
+
+
+def test_result_carries_output_and_cold_start_accounting(app: Celery,
+                                                         published: list[Any]) -> None:
+    result = inference.run_inference(child(app, lambda: (FakeEngine(), COLD)),
+                                     fake_task(lambda engine, x: x * 2), (21,), {})
+    assert result["output"] == 42
+    meta = result["sits"]
+    assert meta["cold"] is True and meta["source"] == "disk" and meta["load_ms"] == 12.5
+    assert meta["run_ms"] >= 0 and meta["device"] == "cpu" and meta["sla_class"] == "low"
+    assert meta["limits"]["soft_time_limit_s"] == 8 and meta["limits"]["time_limit_s"] == 10
+    record, tasks, cold, cold_ms = published[-1]
+    assert record["warm"] == {"m": "device"} and record["tasks"] == 1
+    assert (tasks, cold, cold_ms) == (1, 1, 16.0)  # the counters go out with the record
+
+
+def test_oom_while_running_is_a_vram_limit_failure_and_memory_is_released(
+        app: Celery, published: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    released: list[bool] = []
+    monkeypatch.setattr(gpu, "release_memory", lambda: released.append(True))
+
+    def run(engine: Any) -> Any:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    with pytest.raises(VramLimitExceeded, match=r"8 GiB VRAM limit of class 'low'.*20.00 GiB"):
+        inference.run_inference(child(app, lambda: (FakeEngine(), COLD)), fake_task(run),
+                                (), {})
+    assert released == [True]
+
+
+def test_other_task_errors_pass_through(app: Celery, published: list[Any]) -> None:
+    def run(engine: Any) -> Any:
+        raise KeyError("user bug")
+
+    with pytest.raises(KeyError):
+        inference.run_inference(child(app, lambda: (FakeEngine(), COLD)), fake_task(run),
+                                (), {})
+
+
+def raising(exc: BaseException) -> Callable[[], tuple[Any, ColdStart]]:
+    def outcome() -> tuple[Any, ColdStart]:
+        raise exc
+
+    return outcome
+
+
+@pytest.mark.parametrize(("exc", "error", "match"), [
+    (PoolLoadError("m", ModelLoadError("loader for model 'm' failed: OSError: gone")),
+     ModelLoadError, r"^loader for model 'm' failed: OSError: gone$"),
+    (PoolLoadError("m", OSError("gone")), ModelLoadError, "loading model 'm' failed"),
+    (PoolLoadError("m", RuntimeError("CUDA out of memory")), VramLimitExceeded,
+     "out of device memory loading model 'm'"),
+    (EngineTooLarge("m", 10, 5), VramLimitExceeded, "does not fit this worker's engine cache"),
+])
+def test_cache_errors_are_mapped(app: Celery, published: list[Any], exc: BaseException,
+                                 error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match) as info:
+        inference.run_inference(child(app, raising(exc)), fake_task(lambda e: 1), (), {})
+    assert type(info.value).__module__ == "sits_queue.errors"  # JSON-serialisable by message
+
+
+def test_unknown_model_and_class_limit(app: Celery, published: list[Any]) -> None:
+    with pytest.raises(UnknownModel, match="'nope'"):
+        inference.run_inference(child(app, lambda: (FakeEngine(), COLD)),
+                                fake_task(lambda e: 1, model="nope"), (), {})
+    huge = FakeEngine(size=9 * 2**30)
+    with pytest.raises(VramLimitExceeded, match="limit of class 'low'"):
+        inference.run_inference(child(app, lambda: (huge, COLD)), fake_task(lambda e: 1),
+                                (), {})
+
+
+def test_inference_task_direct_call_uses_a_local_runtime(
+        app: Celery, published: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rt, "_child", child(app, lambda: (FakeEngine(), COLD)))
+
+    @app.inference_task(model="m", sla_class="low")
+    def double(engine: Any, x: int) -> int:
+        return 2 * x
+
+    out = double(4)
+    assert out["output"] == 8 and out["sits"]["sla_class"] == "low"
