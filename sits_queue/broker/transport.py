@@ -82,6 +82,18 @@ class QoS(kredis.QoS):
                                                   delivery_tag])
         virtual.QoS.ack(self, delivery_tag)
 
+    def release(self, delivery_tag: str) -> None:
+        """Put a delivered message back with its score, *not* counting a redelivery.
+
+        For a worker that chose not to start the task (its device lacks the VRAM the
+        task declares): the message goes to another worker, and since nothing crashed,
+        it must not creep towards the poison-message limit. See ``lua/release.lua``.
+        """
+        queue = self._queue_of(delivery_tag)
+        if queue is not None:
+            self.channel._run("release", queue, [delivery_tag])
+        virtual.QoS.ack(self, delivery_tag)  # forget it locally; Redis already has it back
+
     def restore_unacked(self, client: Any = None) -> None:
         by_queue: dict[str, list[str]] = defaultdict(list)
         for tag in list(self._delivered):
@@ -254,6 +266,8 @@ class Channel(kredis.Channel):
     def _brpop_start(self, timeout: float | None = None) -> None:
         if timeout is None:
             timeout = self.brpop_timeout
+        if not self.connection.cycle._in_protected_read and self._fast_pick():
+            return  # delivered until the consumer is full: nothing to wait for
         queues = self._queue_cycle.consume(len(self.active_queues))
         if not queues:
             return
@@ -262,6 +276,27 @@ class Channel(kredis.Channel):
         self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
         # Wait on the markers, not the queues: the pick itself must be the atomic script.
         self.client.connection.send_command("BZPOPMIN", *markers, timeout or 0)
+
+    def _fast_pick(self) -> bool:
+        """Event-loop path: pick straight away while the consumer has room.
+
+        A slot that frees while messages wait would otherwise cost a BZPOPMIN round trip
+        and an extra loop turn before the pick. Returns True when it stopped because the
+        consumer is full (then no blocking wait is needed), False when the queues are
+        empty (the caller blocks on the markers).
+        """
+        while self.qos.can_consume():
+            for queue in self._queue_cycle.consume(len(self.active_queues)):
+                try:
+                    message = self._get(queue)
+                except Empty:
+                    continue
+                self._queue_cycle.rotate(queue)
+                self.connection._deliver(message, queue)
+                break
+            else:
+                return False
+        return True
 
     def _brpop_read(self, **options: Any) -> bool:
         try:

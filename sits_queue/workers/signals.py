@@ -5,15 +5,17 @@ Recording must never fail a task: Redis errors are logged and dropped.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 from celery import Celery, signals
 
-from sits_queue.app import sits_config
+from sits_queue.app import MAINTENANCE_TASKS, sits_config
 from sits_queue.config import SitsConfig
 from sits_queue.options import HEADER
 from sits_queue.priority.rescore import counter_key, hot_key, latency_key
@@ -21,6 +23,20 @@ from sits_queue.priority.rescore import counter_key, hot_key, latency_key
 logger = logging.getLogger(__name__)
 
 _clients: dict[int, redis.Redis] = {}
+#: Completion records are flushed in batches: one round trip per task would sit on the
+#: critical path between a task's end and the slot's next pick.
+FLUSH_EVERY_RECORDS = 32
+FLUSH_EVERY_S = 0.5
+
+
+@dataclass
+class _Buffer:
+    pid: int
+    records: list[tuple[str, str | None, float | None, bool]] = field(default_factory=list)
+    flushed_at: float = field(default_factory=time.monotonic)
+
+
+_buffer: _Buffer | None = None
 
 
 def _client(config: SitsConfig) -> redis.Redis:
@@ -33,26 +49,47 @@ def _client(config: SitsConfig) -> redis.Redis:
 
 
 def record_completion(config: SitsConfig, request: Any, failed: bool, now_s: float) -> None:
+    """Buffer one finished task's statistics; flush every 32 records or 0.5 s."""
+    global _buffer
     header = getattr(request, HEADER, None)
-    if not isinstance(header, dict) or request.task is None or request.task.startswith("sits."):
+    if not isinstance(header, dict) or request.task is None or request.task in MAINTENANCE_TASKS:
         return
     sla_class = header.get("sla_class")
     if sla_class not in config.class_names:
         return
     submitted = getattr(request, "sits_submitted_at", None)
+    latency_ms = (round(max(0.0, now_s - submitted) * 1000, 3)
+                  if isinstance(submitted, (int, float)) else None)
+    if _buffer is None or _buffer.pid != os.getpid():
+        _buffer = _Buffer(pid=os.getpid())
+        atexit.register(flush, config)
+    _buffer.records.append((sla_class, header.get("model"), latency_ms, failed))
+    if (len(_buffer.records) >= FLUSH_EVERY_RECORDS
+            or time.monotonic() - _buffer.flushed_at >= FLUSH_EVERY_S):
+        flush(config)
+
+
+def flush(config: SitsConfig) -> None:
+    """Write buffered records in one pipeline; Redis errors are logged, never raised."""
+    if _buffer is None or _buffer.pid != os.getpid() or not _buffer.records:
+        return
+    records, _buffer.records = _buffer.records, []
+    _buffer.flushed_at = time.monotonic()
     pipe = _client(config).pipeline(transaction=False)
-    if isinstance(submitted, (int, float)):
-        pipe.lpush(latency_key(config, sla_class), round(max(0.0, now_s - submitted) * 1000, 3))
-        pipe.ltrim(latency_key(config, sla_class), 0, config.stats_window - 1)
-    pipe.hincrby(counter_key(config, "failed" if failed else "done"), sla_class, 1)
-    if failed:
+    for sla_class, model, latency_ms, failed in records:
+        if latency_ms is not None:
+            pipe.lpush(latency_key(config, sla_class), latency_ms)
         pipe.hincrby(counter_key(config, "done"), sla_class, 1)
-    if header.get("model"):
-        pipe.hincrbyfloat(hot_key(config), header["model"], 1.0)
+        if failed:
+            pipe.hincrby(counter_key(config, "failed"), sla_class, 1)
+        if model:
+            pipe.hincrbyfloat(hot_key(config), model, 1.0)
+    for sla_class in {r[0] for r in records}:
+        pipe.ltrim(latency_key(config, sla_class), 0, config.stats_window - 1)
     try:
         pipe.execute()
     except redis.RedisError as exc:
-        logger.warning("could not record task statistics: %s", exc)
+        logger.warning("could not record %d task statistics: %s", len(records), exc)
 
 
 def connect(app: Celery) -> None:
