@@ -50,10 +50,13 @@ def main() -> None:
 def queue_status(client: redis.Redis, config: SitsConfig, now_s: float) -> list[dict[str, Any]]:
     """Per registered queue: depth, unacked, dead letters and the head of the line."""
     out = []
-    names = sorted(n.decode() for n in client.smembers(queues_registry(config.global_keyprefix)))
+    members: set[bytes] = client.smembers(  # type: ignore[assignment]
+        queues_registry(config.global_keyprefix))
+    names = sorted(n.decode() for n in members)
     for name in names:
         keys = QueueKeys.for_queue(name, config.global_keyprefix)
-        head = client.zrange(keys.waiting, 0, HEAD_ROWS - 1, withscores=True)
+        head: list[tuple[bytes, float]] = client.zrange(  # type: ignore[assignment]
+            keys.waiting, 0, HEAD_ROWS - 1, withscores=True)
         metas = client.hmget(keys.meta, [m for m, _ in head]) if head else []
         rows = []
         for (msg_id, score), raw in zip(head, metas, strict=True):

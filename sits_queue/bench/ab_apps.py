@@ -54,7 +54,7 @@ def build(system: str, url: str) -> Celery:
 def _register(app: Celery, url: str) -> None:
     clients: dict[int, redis.Redis] = {}
 
-    @app.task(name=TASK_NAME, shared=False)
+    @app.task(name=TASK_NAME, shared=False)  # type: ignore[untyped-decorator]
     def work(sla_class: str, service_ms: float, submitted_s: float) -> None:
         started = time.time()
         time.sleep(service_ms / 1000)  # the simulated inference

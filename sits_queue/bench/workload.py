@@ -53,7 +53,8 @@ def mixed_workload(seed: int, n_jobs: int, concurrency: int, load_factor: float 
     rng = random.Random(seed)
     capacity_tps = concurrency / (mean_service_ms(seed) / 1000)
     rate = capacity_tps * load_factor
-    names, weights = zip(*CLASS_MIX, strict=True)
+    names = [name for name, _ in CLASS_MIX]
+    weights = [share for _, share in CLASS_MIX]
     t = 0.0
     jobs = []
     for i in range(n_jobs):
