@@ -113,7 +113,7 @@ def celery_settings(config: SitsConfig) -> dict[str, Any]:
         "worker_prefetch_multiplier": 1,
         "worker_disable_prefetch": True,
         "task_track_started": True,
-        "task_send_sent_event": True,
+        "task_send_sent_event": config.send_sent_events,
         "worker_send_task_events": True,
         "task_default_queue": DEFAULT_QUEUE,
         "task_queues": (Queue(DEFAULT_QUEUE), Queue(CONTROL_QUEUE)),  # type: ignore[no-untyped-call]

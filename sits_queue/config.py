@@ -150,6 +150,10 @@ class SitsConfig:
     visibility_timeout_s: float = 60.0
     #: A message redelivered more often than this is dead-lettered (it keeps killing workers).
     max_redeliveries: int = 5
+    #: Publish a task-sent event per submission (Flower's SENT state). Off, as in stock
+    #: Celery: it is one more PUBLISH on every ``delay()``; Flower still sees every task
+    #: from the worker's received/started/succeeded events.
+    send_sent_events: bool = False
     #: Prefix on every Redis key the broker writes (kombu ``global_keyprefix``).
     global_keyprefix: str = ""
     weights: PriorityWeights = field(default_factory=PriorityWeights)

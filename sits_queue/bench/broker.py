@@ -238,8 +238,7 @@ def pick_latency(app: Celery, client: redis.Redis, picks: int) -> dict[str, Any]
     ack_ms: list[float] = []
     with app.connection_for_write() as conn:
         channel = conn.default_channel
-        for script in channel.scripts.by_name.values():  # no NOSCRIPT reload on the clock
-            client.script_load(script.script)
+        channel.scripts.load_all(client)  # no NOSCRIPT reload on the clock
         client.config_resetstat()
         for _ in range(min(picks, waiting)):
             t0 = time.perf_counter()

@@ -39,9 +39,9 @@ from sits_queue.options import HEADER, OPTION_NAMES, TaskOptions, resolve
 from sits_queue.priority.entropy import input_entropy
 
 #: Messages per ``put.lua`` call. Throughput is flat from ~200 up (the round trip is paid
-#: once per chunk), but one call of 1000 holds Redis 15-30 ms on a small 2-core host, and
-#: workers' picks wait behind it: pass ``chunk=200`` where pick latency matters.
-DEFAULT_CHUNK = 1000
+#: once per chunk), while one call of 1000 holds Redis 15-30 ms on a small 2-core host and
+#: workers' picks wait behind it; 200 keeps each call to a few ms.
+DEFAULT_CHUNK = 200
 #: Largest chunk accepted: 10,000 messages hold Redis for a few hundred milliseconds.
 MAX_CHUNK = 10_000
 #: ``apply_async`` options ``enqueue_many`` understands (besides the SITS options). Others

@@ -40,3 +40,15 @@ class WaitingMeta:
                             context_tokens=o.context_tokens, latency_sla_ms=o.latency_sla_ms,
                             loss_sensitivity=o.loss_sensitivity,
                             input_entropy=o.input_entropy or 0.0, model=o.model)
+
+
+def score_inputs(raw: str | bytes) -> tuple[str, float, int, float, float, float, str | None]:
+    """The scorer's arguments straight from a stored record, without building objects.
+
+    (sla_class, enqueued_at_s, context_tokens, latency_sla_ms, loss_sensitivity,
+    input_entropy, model) — the order of :meth:`Scorer.score`. The rescoring pass reads
+    one record per waiting message, so this skips the dataclasses.
+    """
+    r = json.loads(raw)
+    return (r["c"], float(r["t"]), int(r["n"]), float(r["sla"]), float(r["ls"]),
+            float(r["e"] or 0.0), r["m"])

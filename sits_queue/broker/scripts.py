@@ -1,16 +1,25 @@
-"""Load the broker's Lua scripts once per Redis client (redis-py handles NOSCRIPT)."""
+"""The broker's Lua scripts, called by SHA.
+
+redis-py's ``Script`` objects send ``SCRIPT EXISTS`` before every pipeline that uses
+them: a whole extra round trip per ``delay()``. Here a script is called with ``EVALSHA``
+directly; after a ``NOSCRIPT`` (a restarted or flushed server) every script is loaded
+again and the call, or the whole pipeline, is retried once. A script that hit NOSCRIPT
+did not run, so the retry cannot apply it twice.
+"""
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from redis.commands.core import Script
+from redis.exceptions import NoScriptError
 
 from sits_queue.broker.keys import QueueKeys
 
-SCRIPT_NAMES = ("put", "pick", "ack", "dead", "restore", "release", "rescore", "purge")
+SCRIPT_NAMES = ("put", "pick", "ack", "dead", "restore", "release", "purge")
 
 
 def _source(name: str) -> str:
@@ -19,13 +28,38 @@ def _source(name: str) -> str:
 
 @dataclass(frozen=True)
 class Scripts:
-    """The registered scripts; call ``run(name, keys, args, client)``."""
+    """Script sources and their SHA1s (computed locally, as Redis does)."""
 
-    by_name: dict[str, Script]
+    sources: dict[str, str]
+    shas: dict[str, str]
 
     @classmethod
-    def register(cls, client: Any) -> Scripts:
-        return cls({name: client.register_script(_source(name)) for name in SCRIPT_NAMES})
+    def register(cls, client: Any = None) -> Scripts:
+        sources = {name: _source(name) for name in SCRIPT_NAMES}
+        return cls(sources, {n: hashlib.sha1(s.encode()).hexdigest() for n, s in sources.items()})
+
+    def load_all(self, client: Any) -> None:
+        for source in self.sources.values():
+            client.script_load(source)
 
     def run(self, name: str, keys: QueueKeys, args: list[Any], client: Any) -> Any:
-        return self.by_name[name](keys=keys.all(), args=args, client=client)
+        """One script call; ``client`` may be a pipeline (then see :meth:`pipelined`)."""
+        names = keys.all()
+        try:
+            return client.evalsha(self.shas[name], len(names), *names, *args)
+        except NoScriptError:
+            self.load_all(client)
+            return client.evalsha(self.shas[name], len(names), *names, *args)
+
+    def pipelined(self, client: Any, build: Callable[[Any], None]) -> list[Any]:
+        """Build and execute a non-transactional pipeline; reload scripts on NOSCRIPT."""
+        for attempt in (1, 2):
+            with client.pipeline(transaction=False) as pipe:
+                build(pipe)
+                try:
+                    return list(pipe.execute())
+                except NoScriptError:
+                    if attempt == 2:
+                        raise
+                    self.load_all(client)
+        raise AssertionError("unreachable")  # pragma: no cover

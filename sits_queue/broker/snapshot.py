@@ -13,7 +13,7 @@ from typing import Any
 
 from sits_queue.broker.keys import stats_key
 from sits_queue.config import SitsConfig
-from sits_queue.priority.model import ClassStats, PrioritySnapshot
+from sits_queue.priority.model import ClassStats, PrioritySnapshot, Scorer
 
 #: Producers re-read the snapshot at most this often, seconds (beat writes every 5 s).
 SNAPSHOT_TTL_S = 2.0
@@ -42,7 +42,9 @@ class SnapshotCache:
 
     def __init__(self, config: SitsConfig) -> None:
         self._key = stats_key(config.global_keyprefix)
+        self._config = config
         self._snapshot: PrioritySnapshot | None = None
+        self._scorer: Scorer | None = None
         self._read_at = -SNAPSHOT_TTL_S
 
     def get(self, client: Any, now_s: float) -> PrioritySnapshot:
@@ -51,3 +53,11 @@ class SnapshotCache:
             self._snapshot = snapshot_from_json(client.get(self._key), now_s)
             self._read_at = mono
         return replace(self._snapshot, now_s=now_s)
+
+    def scorer(self, client: Any, now_s: float) -> Scorer:
+        """A :class:`Scorer` for the cached snapshot, valid at ``now_s``."""
+        mono = time.monotonic()
+        if self._scorer is None or mono - self._read_at >= SNAPSHOT_TTL_S:
+            self._scorer = Scorer(self.get(client, now_s), self._config)
+        self._scorer.now_s = now_s
+        return self._scorer

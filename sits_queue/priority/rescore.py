@@ -15,13 +15,12 @@ from typing import Any
 
 import redis
 
-from sits_queue.broker.keys import QueueKeys, queues_registry, score_base, stats_key
-from sits_queue.broker.meta import WaitingMeta
-from sits_queue.broker.scripts import Scripts
+from sits_queue.broker.keys import SEQ_SPAN, QueueKeys, queues_registry, score_base, stats_key
+from sits_queue.broker.meta import WaitingMeta, score_inputs
 from sits_queue.broker.snapshot import snapshot_to_json
 from sits_queue.config import SitsConfig
 from sits_queue.priority import stats
-from sits_queue.priority.model import ClassStats, PrioritySnapshot, priority
+from sits_queue.priority.model import ClassStats, PrioritySnapshot, Scorer
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +63,6 @@ class Rescorer:
     def __init__(self, config: SitsConfig, client: redis.Redis | None = None) -> None:
         self.config = config
         self.client = client or redis.Redis.from_url(config.redis_url)
-        self.scripts = Scripts.register(self.client)
 
     def queues(self) -> list[str]:
         names = self.client.smembers(queues_registry(self.config.global_keyprefix))
@@ -145,30 +143,42 @@ class Rescorer:
                           (time.perf_counter() - started) * 1000)
 
     def rescore_queue(self, queue: str, snapshot: PrioritySnapshot) -> tuple[int, int, int, float]:
-        """Rewrite one queue's scores chunk by chunk; returns (seen, rewritten, calls, max s)."""
+        """Rewrite one queue's scores chunk by chunk; returns (seen, rewritten, calls, max s).
+
+        Each chunk is one ``ZADD XX``: atomic, it only updates members still waiting (a
+        message picked meanwhile is not re-added), and the new score keeps the arrival
+        counter of the score ZSCAN returned (a message's counter never changes).
+        """
         keys, chunk = self.keys(queue), self.config.rescore_chunk
+        scorer = Scorer(snapshot, self.config)
         seen = rewritten = calls = 0
         max_call = 0.0
         cursor = 0
         while True:
             t0 = time.perf_counter()
             cursor, members = self.client.zscan(keys.waiting, cursor, count=chunk)
-            ids = [m for m, _ in members]
-            metas = self.client.hmget(keys.meta, ids) if ids else []
+            metas = self.client.hmget(keys.meta, [m for m, _ in members]) if members else []
             max_call = max(max_call, time.perf_counter() - t0)
-            args: list[Any] = []
-            for msg_id, raw in zip(ids, metas, strict=True):
+            calls += 2 if members else 1
+            updates: dict[Any, int] = {}
+            for (msg_id, old), raw in zip(members, metas, strict=True):
                 if raw is None:
                     continue  # picked between ZSCAN and HMGET: nothing to rewrite
-                meta = WaitingMeta.from_json(raw)
-                args += [msg_id, score_base(priority(meta.features(), snapshot, self.config))]
-            seen += len(ids)
-            if args:
+                try:
+                    prio = scorer.score(*score_inputs(raw))
+                except (ValueError, KeyError, TypeError) as exc:
+                    logger.warning("queue %r message %r: unreadable scheduling record (%s); "
+                                   "keeping its score", queue, msg_id, exc)
+                    continue
+                new = score_base(prio) + (int(old) & (SEQ_SPAN - 1))
+                if new != int(old):
+                    updates[msg_id] = new
+            seen += len(members)
+            if updates:
                 t0 = time.perf_counter()
-                rewritten += int(self.scripts.run("rescore", keys, args, self.client))
+                rewritten += int(self.client.zadd(keys.waiting, updates, xx=True, ch=True) or 0)
                 max_call = max(max_call, time.perf_counter() - t0)
                 calls += 1
-            calls += 1
             if cursor == 0:
                 return seen, rewritten, calls, max_call
 

@@ -26,7 +26,8 @@ KEYS = QueueKeys.for_queue("celery")
 
 @pytest.fixture
 def app(redis_url: str, redis_client: redis.Redis) -> Iterator[Celery]:
-    app = make_app(SitsConfig(redis_url=redis_url), main="bulk_test")
+    # Sent events on (they are opt-in), so the event tests below have something to see.
+    app = make_app(SitsConfig(redis_url=redis_url, send_sent_events=True), main="bulk_test")
 
     @app.task(name="t.echo", sla_class="low", shared=False)
     def echo(tag: str, n: int = 0) -> str:

@@ -90,7 +90,8 @@ def test_rescoring_moves_a_waiting_task_ahead(app: Celery, redis_client: redis.R
     redis_client.hincrbyfloat(hot_key(app.sits), "hot-model", 50.0)
     report = Rescorer(app.sits, redis_client).rescore_all()
     # Then the later task now leaves first
-    assert report is not None and report.rewritten == 2
+    # (the cold task's score may change too: the class's bandwidth compliance moved)
+    assert report is not None and report.seen == 2 and report.rewritten >= 1
     assert drain(app) == ["hot", "cold"]
 
 

@@ -14,6 +14,7 @@ from sits_queue.errors import ConfigError, InvalidTaskOptions
 from sits_queue.priority.model import (
     ClassStats,
     PrioritySnapshot,
+    Scorer,
     TaskFeatures,
     aging_rate_per_s,
     context_decay,
@@ -332,6 +333,13 @@ def test_priority_is_finite_and_positive(
     score = priority(features, snapshot, CONFIG)
     assert math.isfinite(score)
     assert score > 0
+    # The hoisted scorer used on hot paths gives the very same number
+    assert Scorer(snapshot, CONFIG).score_features(features) == score
+
+
+def test_scorer_rejects_an_unknown_class() -> None:
+    with pytest.raises(ConfigError, match="urgent"):
+        Scorer(EMPTY, CONFIG).score("urgent", NOW_S, 0, 800, 0.5, 0.5, None)
 
 
 def test_extreme_config_stays_finite_and_positive() -> None:
