@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from kombu import pools
 
 from sits_queue.embedded import EmbeddedRedis
 from sits_queue.errors import SitsError
@@ -61,6 +62,9 @@ def redis_url(redis_server: EmbeddedRedis) -> str:
 def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     """A client on the session server, emptied first so tests do not see each other's keys."""
     client = redis.Redis.from_url(redis_url)
+    # kombu pools connections (and their channels' state) process-wide; a test that
+    # starts from an empty Redis must not inherit a channel that "knows" old keys.
+    pools.reset()
     client.flushall()
     yield client
     client.close()

@@ -23,7 +23,9 @@ How it runs (same for every system, one after another, in one process run):
 * then the whole stream is **submitted at once** (a backlog, as offline jobs arrive):
   throughput = requests / (last finish - first submission); task latency = finish -
   submission, so it includes the queueing behind earlier requests (service time, start
-  to finish, is reported beside it).
+  to finish, is reported beside it). The plain workers serve it FIFO; SITS in its
+  priority order (each prompt's entropy, model hotness), so the cold-start shares may
+  differ on one stream: ``model_switches`` counts the model changes of each order.
 
 Cold-start cost: for (a) and (b) the load measured inside the task (``from_pretrained``
 of model and tokenizer, moved to the device); for (c) the result's ``sits`` metadata:
@@ -231,8 +233,9 @@ def _mean(values: Sequence[float]) -> float:
     return round(sum(values) / len(values), 3) if values else 0.0
 
 
-def summarise(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The per-system figures of the JSON, from its task records."""
+def summarise(records: Sequence[dict[str, Any]], warm: str) -> dict[str, Any]:
+    """The per-system figures of the JSON, from its task records in completion order
+    (with one pool child, the order the tasks ran in; ``warm`` ran just before)."""
     ok = [r for r in records if not r.get("error")]
     cold = [r for r in ok if r["cold"]]
     latency = [(r["fin"] - r["sub"]) * 1000 for r in ok]
@@ -248,6 +251,9 @@ def summarise(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "p99_ms": round(percentile(latency, 99), 1),
         "throughput_tps": round(len(ok) / span, 2) if span > 0 else 0.0,
         "n": len(ok), "failed": len(records) - len(ok), "cold": len(cold),
+        # Changes of model between consecutive tasks: the cold starts a one-model cache
+        # would pay in this system's serving order (SITS orders its backlog itself).
+        "model_switches": switches([str(r["model"]) for r in ok], warm),
         "service_p50_ms": round(percentile(service, 50), 1),
         "service_p99_ms": round(percentile(service, 99), 1),
         "sources": dict(sorted(sources.items())),
@@ -315,7 +321,7 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
         finally:
             if server is not None:
                 server.stop()
-    systems = {name: summarise(recs) for name, recs in records.items()}
+    systems = {name: summarise(recs, warm) for name, recs in records.items()}
     r = ratios(systems)
     return {"systems": systems, "ratios": r,
             "meta": _meta(quick, shape, sizes, weights, stream, warm, (budget, host),

@@ -3,14 +3,13 @@
 redis-py's ``Script`` objects send ``SCRIPT EXISTS`` before every pipeline that uses
 them: a whole extra round trip per ``delay()``. Here a script is called with ``EVALSHA``
 directly; after a ``NOSCRIPT`` (a restarted or flushed server) every script is loaded
-again and the call, or the whole pipeline, is retried once. A script that hit NOSCRIPT
-did not run, so the retry cannot apply it twice.
+again and the call is retried once. A script that hit NOSCRIPT did not run, so the retry
+cannot apply it twice.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -43,23 +42,10 @@ class Scripts:
             client.script_load(source)
 
     def run(self, name: str, keys: QueueKeys, args: list[Any], client: Any) -> Any:
-        """One script call; ``client`` may be a pipeline (then see :meth:`pipelined`)."""
+        """One script call (EVALSHA, reloading every script once after NOSCRIPT)."""
         names = keys.all()
         try:
             return client.evalsha(self.shas[name], len(names), *names, *args)
         except NoScriptError:
             self.load_all(client)
             return client.evalsha(self.shas[name], len(names), *names, *args)
-
-    def pipelined(self, client: Any, build: Callable[[Any], None]) -> list[Any]:
-        """Build and execute a non-transactional pipeline; reload scripts on NOSCRIPT."""
-        for attempt in (1, 2):
-            with client.pipeline(transaction=False) as pipe:
-                build(pipe)
-                try:
-                    return list(pipe.execute())
-                except NoScriptError:
-                    if attempt == 2:
-                        raise
-                    self.load_all(client)
-        raise AssertionError("unreachable")  # pragma: no cover

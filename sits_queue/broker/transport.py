@@ -36,6 +36,8 @@ Empty = virtual.Empty
 PURGE_CHUNK = 1000
 #: Restored per sweep per queue: a crashed worker's backlog comes back over a few sweeps.
 RESTORE_LIMIT = 1000
+#: Producers re-add their queues to the registry this often, s (heals a flushed registry).
+REGISTRY_REFRESH_S = 10.0
 #: Malformed messages skipped in one get before yielding to the event loop.
 MAX_BAD_IN_A_ROW = 100
 
@@ -113,6 +115,9 @@ class QoS(kredis.QoS):
             return
         self._last_sweep = now_mono
         ceiling = time.time() - self.channel.visibility_timeout
+        durable = [q for q in self.channel.active_queues if q not in self.channel._expires]
+        if durable:  # consumers keep the registry whole too (the rescoring pass reads it)
+            self.channel.raw.sadd(queues_registry(self.channel.global_keyprefix), *durable)
         for queue in self.channel.active_queues:
             restored = self.channel._run("restore", queue, [ceiling, num or RESTORE_LIMIT])
             if restored:
@@ -153,6 +158,7 @@ class Channel(kredis.Channel):
         self._scripts: Scripts | None = None
         self._keys: dict[str, QueueKeys] = {}
         self._marker_queue: dict[bytes, str] = {}
+        self._registry_refreshed: dict[str, float] = {}
         self.snapshots = SnapshotCache(self.config)
 
     # kombu's pool can no longer ship batched puts atomically with our scripts.
@@ -217,17 +223,18 @@ class Channel(kredis.Channel):
             args += [message["properties"]["delivery_tag"], dumps(message), meta.to_json(),
                      score_base(prio), o.sla_class]
 
-        def build(pipe: Any) -> None:
-            self.scripts.run("put", keys, args, pipe)
-            if queue in self._expires:
-                # Reply queues come and go: keep them expiring and out of the registry.
+        n: int = self.scripts.run("put", keys, args, self.raw)
+        if queue in self._expires:
+            # Reply queues come and go: keep them expiring and out of the registry.
+            with self.raw.pipeline(transaction=False) as pipe:
                 for key in keys.all():
                     pipe.pexpire(key, self._expires[queue])
-            else:
-                # Same round trip as the put; idempotent, so a flushed registry heals itself.
-                pipe.sadd(queues_registry(self.global_keyprefix), queue)
-
-        n: int = self.scripts.pipelined(self.raw, build)[0]
+                pipe.execute()
+        elif time.monotonic() - self._registry_refreshed.get(queue, -REGISTRY_REFRESH_S) \
+                >= REGISTRY_REFRESH_S:
+            # Idempotent and periodic, so a flushed registry heals within the period.
+            self.raw.sadd(queues_registry(self.global_keyprefix), queue)
+            self._registry_refreshed[queue] = time.monotonic()
         return n
 
     def _meta_for(self, message: dict[str, Any], now: float) -> WaitingMeta:
