@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -114,6 +114,7 @@ class _Plan:
     compression: str | None
     expiration: str | None
     headers: dict[str, Any]  # caller headers + sits header (input_entropy filled per item)
+    options: TaskOptions  # validated once; the transport trusts it (no re-validation)
     measure_entropy: bool
     message_args: dict[str, Any]  # keyword arguments of create_task_message
     shadow_per_item: bool  # the task overrides shadow_name and the call named no shadow
@@ -126,6 +127,7 @@ class _Built:
     message: dict[str, Any]
     body: Any  # (args, kwargs, embed) for the publish signals
     sent_event: dict[str, Any] | None
+    options: TaskOptions
 
 
 def _check_items(task: Task, arg_list: Sequence[Any],
@@ -190,6 +192,7 @@ def _plan(task: Task, options: dict[str, Any]) -> _Plan:
         compression=routed.get("compression") or app.conf.task_compression,
         expiration=_expiration(app, routed.get("expires")),
         headers=sits_headers(opts, routed.get("headers"), 0.0),
+        options=opts,
         measure_entropy=opts.input_entropy is None,
         message_args=_message_args(app, routed, send_event),
         shadow_per_item=(routed.get("shadow") is None
@@ -308,8 +311,11 @@ def _build(app: Celery, task: Task, plan: _Plan, channel: Any, args: Sequence[An
         argsrepr=fast_saferepr(args or (), amqp.argsrepr_maxsize),
         kwargsrepr=fast_saferepr(kwargs or {}, amqp.kwargsrepr_maxsize), **message_args)
     headers.update(plan.headers)
+    options = plan.options
     if plan.measure_entropy:
-        headers[HEADER] = {**plan.headers[HEADER], "input_entropy": input_entropy(args, kwargs)}
+        entropy = input_entropy(args, kwargs)
+        headers[HEADER] = {**plan.headers[HEADER], "input_entropy": entropy}
+        options = replace(options, input_entropy=entropy)
     headers[SUBMITTED_AT] = time.time()
     before = signals.before_task_publish
     if before.receivers:
@@ -331,12 +337,12 @@ def _build(app: Celery, task: Task, plan: _Plan, channel: Any, args: Sequence[An
     channel._inplace_augment_message(message, "", plan.qname)
     if sent_event is not None:
         sent_event.update(queue=plan.qname, exchange="", routing_key=plan.qname)
-    return _Built(task_id, message, body, sent_event)
+    return _Built(task_id, message, body, sent_event, options)
 
 
 def _send(channel: Any, plan: _Plan, built: list[_Built], dispatcher: Any) -> None:
     """One ``put.lua`` call for the chunk, then its signals and one ``task.multi`` event."""
-    channel._put_many(plan.qname, [b.message for b in built])
+    channel._put_many(plan.qname, [b.message for b in built], [b.options for b in built])
     after = signals.after_task_publish
     if after.receivers:
         for b in built:

@@ -13,13 +13,13 @@ import json
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any
 
 import redis
 from kombu.transport import redis as kredis
 from kombu.transport import virtual
-from kombu.utils.json import dumps, loads
+from kombu.utils.json import loads
 
 from sits_queue.broker.keys import QueueKeys, queues_registry, score_base
 from sits_queue.broker.meta import WaitingMeta
@@ -27,7 +27,7 @@ from sits_queue.broker.scripts import Scripts
 from sits_queue.broker.snapshot import SnapshotCache
 from sits_queue.config import SitsConfig
 from sits_queue.errors import InvalidTaskOptions
-from sits_queue.options import HEADER, from_header
+from sits_queue.options import HEADER, TaskOptions, from_header
 
 logger = logging.getLogger(__name__)
 
@@ -210,17 +210,25 @@ class Channel(kredis.Channel):
         kwargs.pop("_publish_batch", None)
         self._put_many(queue, [message])
 
-    def _put_many(self, queue: str, messages: Iterable[dict[str, Any]]) -> int:
+    def _put_many(self, queue: str, messages: Sequence[dict[str, Any]],
+                  options: Sequence[TaskOptions] | None = None) -> int:
+        """Enqueue messages in one ``put.lua`` call.
+
+        ``options``, one per message, are options the caller already validated (bulk
+        submission): then the headers are not parsed and validated a second time.
+        """
         now = time.time()
         scorer = self.snapshots.scorer(self.raw, now)
         keys = self.keys(queue)
         args: list[Any] = []
-        for message in messages:
-            meta = self._meta_for(message, now)
+        for i, message in enumerate(messages):
+            meta = (self._meta_for(message, now) if options is None else
+                    WaitingMeta(options[i], now, str(message["headers"].get("task", ""))))
             o = meta.options
             prio = scorer.score(o.sla_class, now, o.context_tokens, o.latency_sla_ms,
                                 o.loss_sensitivity, o.input_entropy or 0.0, o.model)
-            args += [message["properties"]["delivery_tag"], dumps(message), meta.to_json(),
+            # stdlib json: a kombu message is plain JSON types already (body is encoded).
+            args += [message["properties"]["delivery_tag"], json.dumps(message), meta.to_json(),
                      score_base(prio), o.sla_class]
 
         n: int = self.scripts.run("put", keys, args, self.raw)
