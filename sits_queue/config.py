@@ -141,7 +141,7 @@ class SitsConfig:
     rescore_interval_s: float = 5.0
     #: Beat period of the cheap §2.2 trigger check, seconds.
     trigger_check_interval_s: float = 1.0
-    #: Waiting tasks rewritten per Lua call: bounds how long one call holds Redis.
+    #: Waiting tasks rescored per ZSCAN/ZADD round: bounds how long one call holds Redis.
     rescore_chunk: int = 256
     #: Completed-task latencies kept per class for the observed p95.
     stats_window: int = 512

@@ -19,6 +19,7 @@ from sits_queue.broker.keys import SEQ_BITS, QueueKeys
 from sits_queue.config import SitsConfig
 from sits_queue.errors import InvalidTaskOptions
 from sits_queue.procs import CeleryProcess
+from tests.integration.test_transport import drain
 
 Spawn = Callable[..., CeleryProcess]
 KEYS = QueueKeys.for_queue("celery")
@@ -52,21 +53,6 @@ def levels(client: redis.Redis) -> dict[str, int]:
     by_id = payloads(client)
     return {first_arg(by_id[m.decode()]): int(score) >> SEQ_BITS
             for m, score in client.zrange(KEYS.waiting, 0, -1, withscores=True)}
-
-
-def drain(app: Celery) -> list[str]:
-    out: list[str] = []
-    with app.connection_for_write() as conn:
-        q = conn.SimpleQueue("celery")
-        while True:
-            try:
-                msg = q.get(block=False)
-            except q.Empty:
-                break
-            out.append(msg.payload[0][0])
-            msg.ack()
-        q.close()
-    return out
 
 
 def normalised(message: dict[str, Any]) -> dict[str, Any]:
