@@ -216,14 +216,21 @@ def bulk_enqueue(app: Celery, client: redis.Redis, n: int) -> dict[str, Any]:
 
 
 def rescore_pass(app: Celery, client: redis.Redis) -> dict[str, Any]:
-    """One full pass; Redis calls over 5 ms counted by SLOWLOG, server-side."""
+    """One full pass; Redis calls over 5 ms counted by SLOWLOG, server-side.
+
+    The pass is run as of a moment past the aging start, so every waiting task gets a
+    new score: the worst case (a pass right after enqueueing would change nothing and
+    write nothing, since only changed scores are written).
+    """
     waiting = int(client.zcard(QueueKeys.for_queue(DEFAULT_QUEUE).waiting))
+    later = time.time() + app.sits.weights.aging_start_s + 1.0
     with slowlog(client, LOGGED_OVER_US) as logged:
-        report = Rescorer(app.sits, client).rescore_all()
+        report = Rescorer(app.sits, client).rescore_all(now_s=later)
         durations = [e["duration"] for e in logged()]
     if report is None:
         raise RuntimeError("another rescoring pass holds the lock")
-    return {"waiting": waiting, "rewritten": report.rewritten, "calls": report.calls,
+    return {"waiting": waiting, "seen": report.seen, "rewritten": report.rewritten,
+            "calls": report.calls,
             "duration_ms": round(report.duration_ms, 1),
             "max_call_ms_client": round(report.max_call_ms, 3),
             # 0.0 when no call took over LOGGED_OVER_US.

@@ -231,16 +231,17 @@ class Channel(kredis.Channel):
             args += [message["properties"]["delivery_tag"], json.dumps(message), meta.to_json(),
                      score_base(prio), o.sla_class]
 
-        n: int = self.scripts.run("put", keys, args, self.raw)
+        n, waiting = (int(x) for x in self.scripts.run("put", keys, args, self.raw))
         if queue in self._expires:
             # Reply queues come and go: keep them expiring and out of the registry.
             with self.raw.pipeline(transaction=False) as pipe:
                 for key in keys.all():
                     pipe.pexpire(key, self._expires[queue])
                 pipe.execute()
-        elif time.monotonic() - self._registry_refreshed.get(queue, -REGISTRY_REFRESH_S) \
-                >= REGISTRY_REFRESH_S:
-            # Idempotent and periodic, so a flushed registry heals within the period.
+        elif waiting == n or time.monotonic() - self._registry_refreshed.get(
+                queue, -REGISTRY_REFRESH_S) >= REGISTRY_REFRESH_S:
+            # When this put made the queue appear (new, or Redis was flushed), and
+            # periodically: idempotent, so a lost registry heals at once or within the period.
             self.raw.sadd(queues_registry(self.global_keyprefix), queue)
             self._registry_refreshed[queue] = time.monotonic()
         return n

@@ -5,7 +5,8 @@
 --   10 arrivals HASH (class -> messages ever enqueued)
 -- ARGV (per message): id, payload JSON, meta JSON, score base ((levels - level) * 2^32),
 --                      SLA class
--- Returns the number of messages enqueued.
+-- Returns {messages enqueued, waiting after}: equal when the queue was empty before, so
+-- the caller (re-)registers the queue exactly when it appears.
 local n = 0
 for i = 1, #ARGV, 5 do
   local id = ARGV[i]
@@ -20,4 +21,4 @@ for i = 1, #ARGV, 5 do
   n = n + 1
 end
 if n > 0 then redis.call('ZADD', KEYS[4], 0, 'ready') end
-return n
+return {n, redis.call('ZCARD', KEYS[1])}
