@@ -317,18 +317,24 @@ class Channel(kredis.Channel):
         consumer is full (then no blocking wait is needed), False when the queues are
         empty (the caller blocks on the markers).
         """
-        while self.qos.can_consume():
-            for queue in self._queue_cycle.consume(len(self.active_queues)):
-                try:
-                    message = self._get(queue)
-                except Empty:
-                    continue
-                self._queue_cycle.rotate(queue)
-                self.connection._deliver(message, queue)
-                break
-            else:
-                return False
-        return True
+        delivered = False
+        try:
+            while self.qos.can_consume():
+                for queue in self._queue_cycle.consume(len(self.active_queues)):
+                    try:
+                        message = self._get(queue)
+                    except Empty:
+                        continue
+                    self._queue_cycle.rotate(queue)
+                    self.connection._deliver(message, queue)
+                    delivered = True
+                    break
+                else:
+                    return False
+            return True
+        finally:
+            if delivered:
+                self.connection.wake_hub()
 
     def _brpop_read(self, **options: Any) -> bool:
         try:
@@ -391,6 +397,24 @@ class Transport(kredis.Transport):
     Channel = Channel
     driver_type = "redis"
     driver_name = "redis"
+    _hub: Any = None
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        super().register_with_event_loop(connection, loop)
+        self._hub = loop
+
+    def wake_hub(self) -> None:
+        """Make the event loop's next poll return at once.
+
+        A fast pick delivers from a tick callback. The hub computed its poll timeout (up
+        to 1 s) before the tick callbacks ran, and the prefork pool writes jobs to its
+        children from a tick callback of its own, which may have run already this turn:
+        without a wake-up the job would sit in the pool's outbox until the poll times
+        out. The hub has no public wake for its own thread, hence its waker.
+        """
+        waker = getattr(self._hub, "_waker", None)
+        if waker is not None:
+            waker.wake()
 
 
 def _text(value: bytes | str) -> str:
