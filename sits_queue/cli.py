@@ -115,9 +115,11 @@ def _format_status(report: dict[str, Any]) -> str:
     lines.append(f"workers: {len(report['workers'])}")
     for w in report["workers"]:
         devices = ", ".join(str(d.get("name", "?")) for d in w.get("devices", []))
+        cold = w.get("cold_start", {})
         lines.append(f"  {w.get('hostname', '?')}: pid {w.get('pid', '?')}, concurrency "
-                     f"{w.get('concurrency', '?')}, devices [{devices}], warm "
-                     f"{w.get('warm', {})}, cold share {w.get('cold_share', '?')}")
+                     f"{w.get('concurrency', '?')}, devices [{devices}], warm engines "
+                     f"{w.get('warm', [])}, cold starts {cold.get('cold', 0)}/"
+                     f"{cold.get('tasks', 0)} tasks")
     return "\n".join(lines)
 
 

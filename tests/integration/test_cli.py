@@ -6,11 +6,14 @@ import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
 from celery import Celery
 
+from sits_queue.procs import CeleryProcess
 from tests.integration.conftest import ROOT
 
 
@@ -61,3 +64,20 @@ def test_demo_runs_the_mixed_workload_to_completion(redis_url: str,
     assert "completed 60/60" in out.stdout
     for cls in ("high", "medium", "low"):
         assert any(line.startswith(cls) for line in out.stdout.splitlines())
+
+
+def test_status_lists_live_workers_with_their_devices(
+        spawn: Callable[..., CeleryProcess], redis_url: str) -> None:
+    worker = spawn()
+    env = {**os.environ, "SITS_REDIS_URL": redis_url}
+    deadline = time.monotonic() + 30
+    while True:
+        report = json.loads(sitsq("status", "--json", env=env).stdout)
+        if any(w["hostname"] == worker.hostname for w in report["workers"]):
+            break
+        assert time.monotonic() < deadline, report
+        time.sleep(0.5)
+    (record,) = [w for w in report["workers"] if w["hostname"] == worker.hostname]
+    assert record["devices"] and record["devices"][0]["kind"] in ("cpu", "cuda")
+    text = sitsq("status", env=env).stdout
+    assert worker.hostname in text and "cold starts" in text
