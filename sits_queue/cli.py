@@ -154,10 +154,11 @@ def _bench_options(fn: Any) -> Any:
 def bench_ab(quick: bool, json_path: Path | None) -> None:
     """Stock Celery FIFO vs stock Celery priority vs SITS on one seeded workload."""
     from sits_queue.bench import ab
+    from sits_queue.bench.report import emit
 
     result = ab.run(quick=quick, redis_url=os.environ.get("SITS_REDIS_URL"),
                     on_progress=click.echo)
-    _emit(ab.table(result), result, json_path)
+    emit(ab.table(result), result, json_path, echo=click.echo)
 
 
 @bench.command("broker")
@@ -179,13 +180,6 @@ def _run_module(module: str, quick: bool, json_path: Path | None) -> None:
     rc = import_module(module).main(argv)
     if rc:
         sys.exit(rc)
-
-
-def _emit(text: str, result: dict[str, Any], json_path: Path | None) -> None:
-    click.echo(text)
-    click.echo(json.dumps(result, indent=2))
-    if json_path:
-        json_path.write_text(json.dumps(result, indent=2))
 
 
 # -- celery passthrough ----------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import Any
 import redis
 
 from sits_queue.bench.ab_apps import DONE_KEY, SYSTEMS, build, submit, system_url
+from sits_queue.bench.report import emit, parser, targets_line
 from sits_queue.bench.workload import Completion, Workload, mixed_workload, summarise
 from sits_queue.config import SitsConfig
 from sits_queue.embedded import EmbeddedRedis
@@ -153,24 +154,14 @@ def table(result: dict[str, Any]) -> str:
     lines.append("ratios: " + ", ".join(f"{k}={v}" for k, v in result["ratios"].items()))
     lines.append(f"low max wait {result['low_max_wait_s']} s (aging bound "
                  f"{result['aging_bound_s']} s)")
-    lines.append("targets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}"
-                                         for k, v in result["targets"].items()))
+    lines.append(targets_line(result["targets"]))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m sits_queue.bench.ab")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--redis-url")
-    args = parser.parse_args(argv)
+    args = parser("python -m sits_queue.bench.ab", __doc__).parse_args(argv)
     result = run(quick=args.quick, redis_url=args.redis_url)
-    print(table(result))
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    emit(table(result), result, args.json)
     return 0
 
 

@@ -16,8 +16,6 @@ both; without one it starts a private ``redis-server``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import platform
@@ -36,6 +34,7 @@ import redis
 from celery import Celery
 
 from sits_queue.app import DEFAULT_QUEUE, make_app
+from sits_queue.bench.report import emit, parser
 from sits_queue.broker.bulk import enqueue_many
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.config import SitsConfig
@@ -347,19 +346,10 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sits_queue.bench.broker",
-                                     description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="smaller sizes (about 30 s)")
-    parser.add_argument("--json", type=Path, help="also write the JSON result here")
-    parser.add_argument("--redis-url", help="use this server (its db N and N+1 are FLUSHED); "
-                                            "default: a private redis-server")
-    args = parser.parse_args(argv)
+    args = parser("python -m sits_queue.bench.broker", __doc__).parse_args(argv)
     result = run(quick=args.quick, redis_url=args.redis_url,
                  on_progress=lambda line: print(line, file=sys.stderr))
-    print(table(result))
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    emit(table(result), result, args.json)
     return 0
 
 

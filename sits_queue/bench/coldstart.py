@@ -70,6 +70,7 @@ from sits_queue.bench.coldstart_apps import (
     submit,
     system_url,
 )
+from sits_queue.bench.report import emit, parser, targets_line
 from sits_queue.bench.workload import percentile
 from sits_queue.embedded import EmbeddedRedis
 from sits_queue.procs import start_worker, wait_ready
@@ -389,25 +390,16 @@ def table(result: Mapping[str, Any]) -> str:
     if failed:
         lines.append(f"FAILED tasks: {failed}")
     lines.append("ratios: " + ", ".join(f"{k}={v}" for k, v in result["ratios"].items()))
-    lines.append("targets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}"
-                                         for k, v in meta["targets"].items()))
+    lines.append(targets_line(meta["targets"]))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m sits_queue.bench.coldstart")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--redis-url")
-    parser.add_argument("--zoo", type=Path, help=f"model cache (default {default_zoo()})")
-    args = parser.parse_args(argv)
+    p = parser("python -m sits_queue.bench.coldstart", __doc__)
+    p.add_argument("--zoo", type=Path, help=f"model cache (default {default_zoo()})")
+    args = p.parse_args(argv)
     result = run(quick=args.quick, redis_url=args.redis_url, zoo_root=args.zoo)
-    print(table(result))
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    emit(table(result), result, args.json)
     return 0
 
 

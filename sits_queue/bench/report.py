@@ -1,0 +1,34 @@
+"""What every benchmark program shares: its command line and how it reports."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+
+def parser(prog: str, description: str | None = None) -> argparse.ArgumentParser:
+    """--quick, --json PATH and --redis-url, the options all benchmarks take."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--quick", action="store_true", help="a smaller run")
+    p.add_argument("--json", type=Path, help="also write the JSON result here")
+    p.add_argument("--redis-url", help="use this server (the benchmark FLUSHES its "
+                                       "databases); default: a private redis-server")
+    return p
+
+
+def targets_line(targets: Mapping[str, bool]) -> str:
+    return "targets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}"
+                                   for k, v in targets.items())
+
+
+def emit(text: str, result: Mapping[str, Any], json_path: Path | None,
+         echo: Callable[[str], Any] = print) -> None:
+    """The table, then the JSON; the JSON also to ``json_path`` when given."""
+    echo(text)
+    rendered = json.dumps(result, indent=2)
+    echo(rendered)
+    if json_path:
+        json_path.write_text(rendered + "\n")
