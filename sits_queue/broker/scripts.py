@@ -33,7 +33,7 @@ class Scripts:
     shas: dict[str, str]
 
     @classmethod
-    def register(cls, client: Any = None) -> Scripts:
+    def register(cls) -> Scripts:
         sources = {name: _source(name) for name in SCRIPT_NAMES}
         return cls(sources, {n: hashlib.sha1(s.encode()).hexdigest() for n, s in sources.items()})
 

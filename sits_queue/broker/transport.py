@@ -155,13 +155,16 @@ class Channel(kredis.Channel):
         self.unacked_restore_throttle = 1  # our QoS throttles by time itself
         self._raw_client: redis.Redis | None = None
         self._raw_pool: Any = None
-        self._scripts: Scripts | None = None
+        self._sync_client: tuple[Any, Any] | None = None
+        self.scripts = Scripts.register()
         self._keys: dict[str, QueueKeys] = {}
         self._marker_queue: dict[bytes, str] = {}
         self._registry_refreshed: dict[str, float] = {}
         self.snapshots = SnapshotCache(self.config)
 
-    # kombu's pool can no longer ship batched puts atomically with our scripts.
+    # kombu's publish batches buffer plain Redis commands; a put here is a script whose
+    # arguments (score, record) are computed per message. Bulk submission has its own path
+    # (``sits_queue.broker.bulk.enqueue_many``), so producers publish one by one.
     @property
     def supports_batch_publish(self) -> bool:
         return False
@@ -173,11 +176,9 @@ class Channel(kredis.Channel):
         if asynchronous:
             return super()._create_client(asynchronous=True)
         pool = self.pool
-        cached = getattr(self, "_sync_client", None)
-        if cached is None or cached[0] is not pool:
-            cached = (pool, super()._create_client(asynchronous=False))
-            self._sync_client = cached
-        return cached[1]
+        if self._sync_client is None or self._sync_client[0] is not pool:
+            self._sync_client = (pool, super()._create_client(asynchronous=False))
+        return self._sync_client[1]
 
     @property
     def raw(self) -> redis.Redis:
@@ -186,14 +187,7 @@ class Channel(kredis.Channel):
         if self._raw_client is None or self._raw_pool is not pool:
             self._raw_client = redis.Redis(connection_pool=pool)
             self._raw_pool = pool
-            self._scripts = Scripts.register(self._raw_client)
         return self._raw_client
-
-    @property
-    def scripts(self) -> Scripts:
-        _ = self.raw
-        assert self._scripts is not None
-        return self._scripts
 
     def keys(self, queue: str) -> QueueKeys:
         k = self._keys.get(queue)
