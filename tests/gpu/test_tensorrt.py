@@ -23,29 +23,16 @@ from sits_queue.cache.engines import (
     export_onnx,
 )
 from sits_queue.cache.pool import EngineCache
+from tests.integration.test_engines import Scorer, scorer_inputs
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda:0"
 
 
-class Scorer(torch.nn.Module):
-    """The contract tests' model (tests/integration/test_engines.py), built on the GPU."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = torch.nn.Embedding(64, 16)
-        self.lin = torch.nn.Linear(16, 8)
-        self.norm = torch.nn.LayerNorm(8)
-
-    def forward(self, ids: Any, scale: Any) -> Any:
-        hidden = self.emb(ids).mean(dim=1)
-        return self.norm(torch.nn.functional.gelu(self.lin(hidden))) * scale
-
-
 def inputs(seed: int) -> tuple[Any, Any]:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 64, (2, 8), generator=gen)
-    return ids.to(DEVICE), torch.rand(2, 1, generator=gen).to(DEVICE)
+    """The contract tests' inputs (tests/integration/test_engines.py), on the GPU."""
+    ids, scale = scorer_inputs(seed)
+    return ids.to(DEVICE), scale.to(DEVICE)
 
 
 @pytest.fixture(scope="module")
