@@ -20,10 +20,9 @@ from typing import Any
 import redis
 
 from sits_queue.bench.ab_apps import DONE_KEY, SYSTEMS, build, submit, system_url
-from sits_queue.bench.report import emit, parser, targets_line
+from sits_queue.bench.report import emit, parser, redis_server, targets_line
 from sits_queue.bench.workload import Completion, Workload, mixed_workload, summarise
 from sits_queue.config import SitsConfig
-from sits_queue.embedded import EmbeddedRedis
 from sits_queue.priority.model import starvation_bound_s
 from sits_queue.procs import CeleryProcess, start_beat, start_worker, wait_ready
 
@@ -104,17 +103,10 @@ def run(quick: bool = False, redis_url: str | None = None, seed: int = 7,
         on_progress: Callable[[str], None] = print) -> dict[str, Any]:
     shape = QUICK if quick else FULL
     workload = mixed_workload(seed, shape["n_jobs"], shape["concurrency"])
-    with tempfile.TemporaryDirectory(prefix="sits-bench-ab-") as tmp:
-        server = None
-        if redis_url is None:
-            server = EmbeddedRedis(Path(tmp) / "redis")
-            redis_url = server.start()
-        try:
-            systems = {name: run_system(name, workload, system_url(redis_url, name),
-                                        Path(tmp) / name, on_progress) for name in SYSTEMS}
-        finally:
-            if server is not None:
-                server.stop()
+    with tempfile.TemporaryDirectory(prefix="sits-bench-ab-") as tmp, \
+            redis_server(redis_url) as url:
+        systems = {name: run_system(name, workload, system_url(url, name),
+                                    Path(tmp) / name, on_progress) for name in SYSTEMS}
     bound_s = starvation_bound_s(SitsConfig())
     result = {
         "systems": systems,

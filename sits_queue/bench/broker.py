@@ -20,13 +20,11 @@ import math
 import os
 import platform
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -34,11 +32,10 @@ import redis
 from celery import Celery
 
 from sits_queue.app import DEFAULT_QUEUE, make_app
-from sits_queue.bench.report import emit, parser
+from sits_queue.bench.report import emit, parser, redis_server
 from sits_queue.broker.bulk import enqueue_many
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.config import SitsConfig
-from sits_queue.embedded import EmbeddedRedis
 from sits_queue.priority.rescore import Rescorer
 
 TASK_NAME = "bench.noop"
@@ -78,17 +75,6 @@ def db_url(url: str, offset: int) -> str:
     path = parts.path.strip("/")
     db = int(path) if path.isdigit() else 0
     return urlunsplit(parts._replace(path=f"/{db + offset}"))
-
-
-@contextmanager
-def redis_server(redis_url: str | None) -> Iterator[str]:
-    """The given URL, or a private server for the duration of the run."""
-    if redis_url is not None:
-        yield redis_url
-        return
-    with tempfile.TemporaryDirectory(prefix="sits-bench-broker-") as tmp, \
-            EmbeddedRedis(Path(tmp) / "redis") as server:
-        yield server.url
 
 
 def sits_app(url: str, sent_events: bool = False) -> Celery:

@@ -70,9 +70,8 @@ from sits_queue.bench.coldstart_apps import (
     submit,
     system_url,
 )
-from sits_queue.bench.report import emit, parser, targets_line
+from sits_queue.bench.report import emit, parser, redis_server, targets_line
 from sits_queue.bench.workload import percentile
-from sits_queue.embedded import EmbeddedRedis
 from sits_queue.procs import start_worker, wait_ready
 
 #: One pool child per system: with one worker the cold-start share is set by the stream
@@ -319,18 +318,11 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
     weights = popularity(sorted(sizes), shape.seed, shape.zipf_exponent)
     warm = next(iter(weights))
     stream = make_stream(sorted(sizes), shape)
-    with tempfile.TemporaryDirectory(prefix="sits-bench-coldstart-") as tmp:
-        server = None
-        if redis_url is None:
-            server = EmbeddedRedis(Path(tmp) / "redis")
-            redis_url = server.start()
-        try:
-            records = {name: run_system(name, stream, warm, system_url(redis_url, name), zoo,
-                                        (budget, host), shape, Path(tmp) / name, on_progress)
-                       for name in SYSTEMS}
-        finally:
-            if server is not None:
-                server.stop()
+    with tempfile.TemporaryDirectory(prefix="sits-bench-coldstart-") as tmp, \
+            redis_server(redis_url) as url:
+        records = {name: run_system(name, stream, warm, system_url(url, name), zoo,
+                                    (budget, host), shape, Path(tmp) / name, on_progress)
+                   for name in SYSTEMS}
     systems = {name: summarise(recs, warm) for name, recs in records.items()}
     r = ratios(systems)
     return {"systems": systems, "ratios": r,

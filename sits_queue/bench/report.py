@@ -4,9 +4,24 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Mapping
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from sits_queue.embedded import EmbeddedRedis
+
+
+@contextmanager
+def redis_server(redis_url: str | None) -> Iterator[str]:
+    """The given URL, or a private redis-server (never 6379) for the duration of the run."""
+    if redis_url is not None:
+        yield redis_url
+        return
+    with tempfile.TemporaryDirectory(prefix="sits-bench-") as tmp, \
+            EmbeddedRedis(Path(tmp) / "redis") as server:
+        yield server.url
 
 
 def parser(prog: str, description: str | None = None) -> argparse.ArgumentParser:
