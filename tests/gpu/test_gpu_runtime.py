@@ -18,8 +18,7 @@ import json
 import re
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ from tests.integration.inference_app import (
     spawn_worker,
     write_config,
 )
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.gpu
 
@@ -71,13 +71,6 @@ def in_fresh_process(code: str) -> Any:
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.2)
 
 
 # -- in one process ----------------------------------------------------------------------------
@@ -214,3 +207,4 @@ def test_more_children_than_gpus_share_round_robin(
         proc.stop(timeout_s=30)
     # The parent (like this test process) never touched CUDA, so forking was safe
     assert "Cannot re-initialize CUDA" not in proc.log()
+

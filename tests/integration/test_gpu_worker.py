@@ -13,8 +13,7 @@ The tests run in file order; each leaves the worker serving (checked by the next
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from tests.integration.inference_app import (
     spawn_worker,
     write_config,
 )
+from tests.waiting import wait_for
 
 WAITING = QueueKeys.for_queue("celery")
 #: First call in a fresh child imports torch and transformers: allow for a slow CI box.
@@ -47,13 +47,6 @@ FIRST_CALL_S = 120
 CALL_S = 60
 
 
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -305,3 +298,4 @@ def test_worker_record_disappears_on_shutdown(worker: CeleryProcess, r: redis.Re
     assert r.exists(key)
     worker.stop(timeout_s=30)
     assert not r.exists(key)
+

@@ -19,17 +19,12 @@ from celery.exceptions import NotRegistered
 from sits_queue.broker.keys import QueueKeys, stats_key
 from sits_queue.procs import CeleryProcess
 from tests.integration.conftest import APP_MODULE, ROOT, worker_env
+from tests.waiting import wait_for
 
 Spawn = Callable[..., CeleryProcess]
 WAITING = QueueKeys.for_queue("celery")
 
 
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def test_delay_from_a_separate_process(spawn: Spawn, client_app: Celery,
