@@ -95,12 +95,17 @@ class QoS(kredis.QoS):
             self.channel._run("release", queue, [delivery_tag])
         virtual.QoS.ack(self, delivery_tag)  # forget it locally; Redis already has it back
 
-    def restore_unacked(self, client: Any = None) -> None:
+    def _held_by_queue(self) -> dict[str, list[str]]:
+        """Delivery tags this channel holds (running or reserved), grouped by queue."""
         by_queue: dict[str, list[str]] = defaultdict(list)
         for tag in list(self._delivered):
             queue = self._queue_of(tag)
             if queue is not None:
                 by_queue[queue].append(tag)
+        return by_queue
+
+    def restore_unacked(self, client: Any = None) -> None:
+        by_queue = self._held_by_queue()
         for queue, tags in by_queue.items():
             self.channel._run("restore", queue, ["-", 0, *tags])
         self._delivered.clear()
@@ -129,11 +134,7 @@ class QoS(kredis.QoS):
         """Push the deadline of every message this channel holds (running or reserved)."""
         self._last_heartbeat = time.monotonic()
         now = time.time()
-        by_queue: dict[str, list[str]] = defaultdict(list)
-        for tag in list(self._delivered):
-            queue = self._queue_of(tag)
-            if queue is not None:
-                by_queue[queue].append(tag)
+        by_queue = self._held_by_queue()
         if not by_queue:
             return
         with self.channel.raw.pipeline(transaction=False) as pipe:
