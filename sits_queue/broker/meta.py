@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from sits_queue.options import TaskOptions
-from sits_queue.priority.model import TaskFeatures
 
 # Short JSON keys: this record exists once per waiting message (100k+ in a deep queue).
 _KEYS = {"sla_class": "c", "model": "m", "context_tokens": "n", "latency_sla_ms": "sla",
@@ -34,12 +33,6 @@ class WaitingMeta:
         return cls(options=options, enqueued_at_s=float(record["t"]),
                    task=str(record.get("task", "")))
 
-    def features(self) -> TaskFeatures:
-        o = self.options
-        return TaskFeatures(sla_class=o.sla_class, enqueued_at_s=self.enqueued_at_s,
-                            context_tokens=o.context_tokens, latency_sla_ms=o.latency_sla_ms,
-                            loss_sensitivity=o.loss_sensitivity,
-                            input_entropy=o.input_entropy or 0.0, model=o.model)
 
 
 def score_inputs(raw: str | bytes) -> tuple[str, float, int, float, float, float, str | None]:

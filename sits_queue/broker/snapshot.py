@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
 from typing import Any
 
 from sits_queue.broker.keys import stats_key
@@ -38,26 +37,20 @@ def snapshot_from_json(raw: str | bytes | None, now_s: float) -> PrioritySnapsho
 
 
 class SnapshotCache:
-    """Per-process cache of the stored snapshot, refreshed every SNAPSHOT_TTL_S."""
+    """Per-process :class:`Scorer` over the stored snapshot, re-read every SNAPSHOT_TTL_S."""
 
     def __init__(self, config: SitsConfig) -> None:
         self._key = stats_key(config.global_keyprefix)
         self._config = config
-        self._snapshot: PrioritySnapshot | None = None
         self._scorer: Scorer | None = None
         self._read_at = -SNAPSHOT_TTL_S
-
-    def get(self, client: Any, now_s: float) -> PrioritySnapshot:
-        mono = time.monotonic()
-        if self._snapshot is None or mono - self._read_at >= SNAPSHOT_TTL_S:
-            self._snapshot = snapshot_from_json(client.get(self._key), now_s)
-            self._read_at = mono
-        return replace(self._snapshot, now_s=now_s)
 
     def scorer(self, client: Any, now_s: float) -> Scorer:
         """A :class:`Scorer` for the cached snapshot, valid at ``now_s``."""
         mono = time.monotonic()
         if self._scorer is None or mono - self._read_at >= SNAPSHOT_TTL_S:
-            self._scorer = Scorer(self.get(client, now_s), self._config)
+            snapshot = snapshot_from_json(client.get(self._key), now_s)
+            self._scorer = Scorer(snapshot, self._config)
+            self._read_at = mono
         self._scorer.now_s = now_s
         return self._scorer
