@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -13,7 +13,7 @@ from celery import Celery, Task
 from kombu.entity import Queue
 
 from sits_queue.config import SitsConfig
-from sits_queue.options import HEADER, OPTION_NAMES, resolve
+from sits_queue.options import HEADER, OPTION_NAMES, TaskOptions, resolve
 from sits_queue.registry import Loader, ModelRegistry
 
 TRANSPORT = "sits_queue.broker.transport:Transport"
@@ -27,6 +27,40 @@ MAINTENANCE_TASKS = ("sits.rescore", "sits.check_triggers")
 ENGINE_ARG = "__sits_engine_arg__"
 #: Header with the producer's wall clock at submission, for end-to-end latency stats.
 SUBMITTED_AT = "sits_submitted_at"
+
+
+def pop_sits_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Remove and return the SITS option names from apply_async-style ``options``."""
+    return {name: options.pop(name) for name in OPTION_NAMES if name in options}
+
+
+def resolve_task_options(task: Task, config: SitsConfig, per_call: Mapping[str, Any],
+                         args: Any = (), kwargs: Any = None) -> TaskOptions:
+    """Decorator defaults + per-call options, validated (``SitsTask.apply_async``'s rule).
+
+    Raises :class:`~sits_queue.errors.InvalidTaskOptions`; nothing has been sent then.
+    """
+    declared = {name: getattr(task, name, None) for name in OPTION_NAMES}
+    return resolve(config, declared, per_call, args, kwargs)
+
+
+def apply_class_limits(task: Task, config: SitsConfig, sla_class: str,
+                       options: dict[str, Any]) -> None:
+    """Default the Celery time limits from the class; a task or call setting wins."""
+    soft, hard = config.time_limits(sla_class)
+    if task.soft_time_limit is None:
+        options.setdefault("soft_time_limit", soft)
+    if task.time_limit is None:
+        options.setdefault("time_limit", hard)
+
+
+def sits_headers(opts: TaskOptions, headers: Mapping[str, Any] | None,
+                 now_s: float) -> dict[str, Any]:
+    """The caller's headers plus the ``sits`` options header and the submission time."""
+    out = dict(headers or {})
+    out[HEADER] = opts.to_header()
+    out[SUBMITTED_AT] = now_s
+    return out
 
 
 class SitsTask(Task):  # type: ignore[misc]
@@ -54,19 +88,9 @@ class SitsTask(Task):  # type: ignore[misc]
                     producer: Any = None, link: Any = None, link_error: Any = None,
                     shadow: str | None = None, **options: Any) -> Any:
         config = sits_config(self.app)
-        per_call = {name: options.pop(name) for name in OPTION_NAMES if name in options}
-        declared = {name: getattr(self, name, None) for name in OPTION_NAMES}
-        opts = resolve(config, declared, per_call, args, kwargs)
-        soft, hard = config.time_limits(opts.sla_class)
-        # A limit set on the task or the call wins; the class supplies the default.
-        if self.soft_time_limit is None:
-            options.setdefault("soft_time_limit", soft)
-        if self.time_limit is None:
-            options.setdefault("time_limit", hard)
-        headers = dict(options.pop("headers", None) or {})
-        headers[HEADER] = opts.to_header()
-        headers[SUBMITTED_AT] = time.time()
-        options["headers"] = headers
+        opts = resolve_task_options(self, config, pop_sits_options(options), args, kwargs)
+        apply_class_limits(self, config, opts.sla_class, options)
+        options["headers"] = sits_headers(opts, options.pop("headers", None), time.time())
         return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow,
                                    **options)
 

@@ -32,10 +32,16 @@ from kombu.entity import Queue, maybe_delivery_mode
 from kombu.serialization import dumps
 from kombu.utils.uuid import uuid
 
-from sits_queue.app import SUBMITTED_AT, sits_config
-from sits_queue.config import SitsConfig
+from sits_queue.app import (
+    SUBMITTED_AT,
+    apply_class_limits,
+    pop_sits_options,
+    resolve_task_options,
+    sits_config,
+    sits_headers,
+)
 from sits_queue.errors import SitsError
-from sits_queue.options import HEADER, OPTION_NAMES, TaskOptions, resolve
+from sits_queue.options import HEADER, OPTION_NAMES, TaskOptions
 from sits_queue.priority.entropy import input_entropy
 
 #: Messages per ``put.lua`` call. Throughput is flat from ~200 up (the round trip is paid
@@ -66,40 +72,6 @@ class BulkEnqueueError(SitsError):
 
 
 # -- the SITS part of apply_async, as reusable steps -------------------------------------------
-def pop_sits_options(options: dict[str, Any]) -> dict[str, Any]:
-    """Remove and return the SITS option names from apply_async-style ``options``."""
-    return {name: options.pop(name) for name in OPTION_NAMES if name in options}
-
-
-def resolve_task_options(task: Task, config: SitsConfig, per_call: Mapping[str, Any],
-                         args: Any = (), kwargs: Any = None) -> TaskOptions:
-    """Decorator defaults + per-call options, validated (``SitsTask.apply_async``'s rule).
-
-    Raises :class:`~sits_queue.errors.InvalidTaskOptions`; nothing has been sent then.
-    """
-    declared = {name: getattr(task, name, None) for name in OPTION_NAMES}
-    return resolve(config, declared, per_call, args, kwargs)
-
-
-def apply_class_limits(task: Task, config: SitsConfig, sla_class: str,
-                       options: dict[str, Any]) -> None:
-    """Default the Celery time limits from the class; a task or call setting wins."""
-    soft, hard = config.time_limits(sla_class)
-    if task.soft_time_limit is None:
-        options.setdefault("soft_time_limit", soft)
-    if task.time_limit is None:
-        options.setdefault("time_limit", hard)
-
-
-def sits_headers(opts: TaskOptions, headers: Mapping[str, Any] | None,
-                 now_s: float) -> dict[str, Any]:
-    """The caller's headers plus the ``sits`` options header and the submission time."""
-    out = dict(headers or {})
-    out[HEADER] = opts.to_header()
-    out[SUBMITTED_AT] = now_s
-    return out
-
-
 # -- what stays the same for every item of one call ----------------------------------------------
 @dataclass(frozen=True)
 class _Plan:
