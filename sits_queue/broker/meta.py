@@ -6,7 +6,19 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from sits_queue.options import TaskOptions
+
+
+def compact_json(value: Any) -> bytes:
+    """``value`` as compact JSON bytes: orjson (5-10x faster than json on the put path),
+    falling back to the stdlib for what orjson refuses (ints beyond 64 bits, non-str keys).
+    """
+    try:
+        return orjson.dumps(value)
+    except TypeError:
+        return json.dumps(value, separators=(",", ":")).encode()
 
 # Short JSON keys: this record exists once per waiting message (100k+ in a deep queue).
 _KEYS = {"sla_class": "c", "model": "m", "context_tokens": "n", "latency_sla_ms": "sla",
@@ -19,12 +31,12 @@ class WaitingMeta:
     enqueued_at_s: float
     task: str
 
-    def to_json(self) -> str:
+    def to_json(self) -> bytes:
         record: dict[str, Any] = {short: getattr(self.options, name)
                                   for name, short in _KEYS.items()}
         record["t"] = self.enqueued_at_s
         record["task"] = self.task
-        return json.dumps(record, separators=(",", ":"))
+        return compact_json(record)
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> WaitingMeta:

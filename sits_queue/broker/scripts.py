@@ -10,11 +10,12 @@ cannot apply it twice.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import ConnectionError, NoScriptError
 
 from sits_queue.broker.keys import QueueKeys
 
@@ -49,3 +50,41 @@ class Scripts:
         except NoScriptError:
             self.load_all(client)
             return client.evalsha(self.shas[name], len(names), *names, *args)
+
+    def start(self, name: str, keys: QueueKeys, args: list[Any], client: Any
+              ) -> Callable[[], Any]:
+        """Send one script call now; the returned function waits for its reply.
+
+        Lets a producer build its next batch while Redis runs this one (bulk
+        submission). The call holds one pooled connection until the reply is read; the
+        reply function must be called exactly once. NOSCRIPT is handled as in :meth:`run`.
+        """
+        names = keys.all()
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        command = ("EVALSHA", self.shas[name], len(names), *names, *args)
+        try:
+            try:
+                conn.send_command(*command)
+            except ConnectionError:
+                # A pooled connection the server closed (restart, idle timeout): nothing
+                # ran, since Redis drops a partial command with its connection. Once more.
+                conn.disconnect()
+                conn.send_command(*command)
+        except BaseException:
+            pool.release(conn)
+            raise
+
+        def reply() -> Any:
+            try:
+                # On a transport error read_response disconnects the connection itself,
+                # so it goes back to the pool clean either way.
+                return conn.read_response()
+            except NoScriptError:
+                pass  # that error was the whole reply: the script did not run
+            finally:
+                pool.release(conn)
+            self.load_all(client)
+            return client.evalsha(self.shas[name], len(names), *names, *args)
+
+        return reply

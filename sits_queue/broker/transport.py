@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -22,7 +22,7 @@ from kombu.transport import virtual
 from kombu.utils.json import loads
 
 from sits_queue.broker.keys import QueueKeys, queues_registry, score_base
-from sits_queue.broker.meta import WaitingMeta
+from sits_queue.broker.meta import WaitingMeta, compact_json
 from sits_queue.broker.scripts import Scripts
 from sits_queue.broker.snapshot import SnapshotCache
 from sits_queue.config import SitsConfig
@@ -207,14 +207,39 @@ class Channel(kredis.Channel):
 
     def _put_many(self, queue: str, messages: Sequence[dict[str, Any]],
                   options: Sequence[TaskOptions] | None = None) -> int:
-        """Enqueue messages in one ``put.lua`` call.
+        """Enqueue messages in one ``put.lua`` call; returns how many.
 
         ``options``, one per message, are options the caller already validated (bulk
         submission): then the headers are not parsed and validated a second time.
         """
+        n, waiting = (int(x) for x in self.scripts.run(
+            "put", self.keys(queue), self._put_args(messages, options), self.raw))
+        self._after_put(queue, n, waiting)
+        return n
+
+    def _put_many_start(self, queue: str, messages: Sequence[dict[str, Any]],
+                        options: Sequence[TaskOptions] | None = None) -> Callable[[], int]:
+        """Send the ``put.lua`` call for ``messages`` now; the returned function waits
+        for Redis's reply and returns how many were enqueued.
+
+        Bulk submission builds its next chunk in between, so Redis's work on this chunk
+        overlaps the producer's Python instead of being waited for.
+        """
+        reply = self.scripts.start("put", self.keys(queue), self._put_args(messages, options),
+                                   self.raw)
+
+        def finish() -> int:
+            n, waiting = (int(x) for x in reply())
+            self._after_put(queue, n, waiting)
+            return n
+
+        return finish
+
+    def _put_args(self, messages: Sequence[dict[str, Any]],
+                  options: Sequence[TaskOptions] | None) -> list[Any]:
+        """``put.lua``'s ARGV: per message its id, payload, scoring record, score, class."""
         now = time.time()
         scorer = self.snapshots.scorer(self.raw, now)
-        keys = self.keys(queue)
         args: list[Any] = []
         for i, message in enumerate(messages):
             meta = (self._meta_for(message, now) if options is None else
@@ -222,15 +247,16 @@ class Channel(kredis.Channel):
             o = meta.options
             prio = scorer.score(o.sla_class, now, o.context_tokens, o.latency_sla_ms,
                                 o.loss_sensitivity, o.input_entropy or 0.0, o.model)
-            # stdlib json: a kombu message is plain JSON types already (body is encoded).
-            args += [message["properties"]["delivery_tag"], json.dumps(message), meta.to_json(),
-                     score_base(prio), o.sla_class]
+            # A kombu message is plain JSON types already (the body is encoded).
+            args += [message["properties"]["delivery_tag"], compact_json(message),
+                     meta.to_json(), score_base(prio), o.sla_class]
+        return args
 
-        n, waiting = (int(x) for x in self.scripts.run("put", keys, args, self.raw))
+    def _after_put(self, queue: str, n: int, waiting: int) -> None:
         if queue in self._expires:
             # Reply queues come and go: keep them expiring and out of the registry.
             with self.raw.pipeline(transaction=False) as pipe:
-                for key in keys.all():
+                for key in self.keys(queue).all():
                     pipe.pexpire(key, self._expires[queue])
                 pipe.execute()
         elif waiting == n or time.monotonic() - self._registry_refreshed.get(
@@ -239,7 +265,6 @@ class Channel(kredis.Channel):
             # periodically: idempotent, so a lost registry heals at once or within the period.
             self.raw.sadd(queues_registry(self.global_keyprefix), queue)
             self._registry_refreshed[queue] = time.monotonic()
-        return n
 
     def _meta_for(self, message: dict[str, Any], now: float) -> WaitingMeta:
         headers = message.get("headers") or {}

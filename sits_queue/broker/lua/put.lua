@@ -7,18 +7,37 @@
 --                      SLA class
 -- Returns {messages enqueued, waiting after}: equal when the queue was empty before, so
 -- the caller (re-)registers the queue exactly when it appears.
-local n = 0
-for i = 1, #ARGV, 5 do
-  local id = ARGV[i]
-  -- The counter wraps at 2^32 so it never carries into the priority bits.
-  local seq = redis.call('INCR', KEYS[5]) % 4294967296
-  local score = tonumber(ARGV[i + 3]) + seq
-  redis.call('HSET', KEYS[2], id, ARGV[i + 1])
-  redis.call('HSET', KEYS[3], id, ARGV[i + 2])
-  -- %.0f: Lua's default number format would round scores above 1e14.
-  redis.call('ZADD', KEYS[1], string.format('%.0f', score), id)
-  redis.call('HINCRBY', KEYS[10], ARGV[i + 4], 1)
-  n = n + 1
+--
+-- One variadic HSET/ZADD per slice of messages instead of four calls per message: a
+-- chunk of 200 costs Redis about a third of the time, which is what bulk enqueue and the
+-- workers' picks waiting behind it feel. Slices keep unpack() under Lua's C-stack limit.
+local SLICE = 500
+local n = math.floor(#ARGV / 5)
+if n == 0 then return {0, redis.call('ZCARD', KEYS[1])} end
+-- The arrival counter wraps at 2^32 so it never carries into the priority bits; one
+-- INCRBY reserves the chunk's n consecutive values, kept in ARGV order.
+local first = redis.call('INCRBY', KEYS[5], n) - n
+local arrivals = {}
+for s = 0, n - 1, SLICE do
+  local payloads, metas, scores = {}, {}, {}
+  for m = s, math.min(n, s + SLICE) - 1 do
+    local i = m * 5 + 1
+    local id = ARGV[i]
+    local seq = (first + m + 1) % 4294967296
+    payloads[#payloads + 1] = id
+    payloads[#payloads + 1] = ARGV[i + 1]
+    metas[#metas + 1] = id
+    metas[#metas + 1] = ARGV[i + 2]
+    -- %.0f: Lua's default number format would round scores above 1e14.
+    scores[#scores + 1] = string.format('%.0f', tonumber(ARGV[i + 3]) + seq)
+    scores[#scores + 1] = id
+    local cls = ARGV[i + 4]
+    arrivals[cls] = (arrivals[cls] or 0) + 1
+  end
+  redis.call('HSET', KEYS[2], unpack(payloads))
+  redis.call('HSET', KEYS[3], unpack(metas))
+  redis.call('ZADD', KEYS[1], unpack(scores))
 end
-if n > 0 then redis.call('ZADD', KEYS[4], 0, 'ready') end
+for cls, count in pairs(arrivals) do redis.call('HINCRBY', KEYS[10], cls, count) end
+redis.call('ZADD', KEYS[4], 0, 'ready')
 return {n, redis.call('ZCARD', KEYS[1])}
