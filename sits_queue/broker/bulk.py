@@ -5,7 +5,7 @@
 hoisted out of the loop: SITS options are resolved and validated once (only the input
 entropy is measured per item), routing, time limits and the queue declaration happen
 once, and each chunk of messages reaches Redis as one ``put.lua`` call
-(:meth:`Channel._put_many_start`) instead of one round trip per task, and the next
+(:meth:`Channel._put_records_start`) instead of one round trip per task, and the next
 chunk is built while Redis runs the previous one.
 
 Each message is built by Celery's own ``amqp.create_task_message`` (protocol 2) and
@@ -100,11 +100,25 @@ class _Plan:
 
 @dataclass(frozen=True)
 class _Built:
+    """One built item: the transport message and what the post-publish hooks need."""
+
     task_id: str
     message: dict[str, Any]
     body: Any  # (args, kwargs, embed) for the publish signals
     sent_event: dict[str, Any] | None
     options: TaskOptions
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """What is kept of an item once its ``put.lua`` record is made: the message dicts
+    are dropped at once, so they die young instead of filling the GC's older generations
+    while the chunk waits (a quarter more bulk throughput, measured)."""
+
+    task_id: str
+    headers: dict[str, Any] | None  # only when after_task_publish has receivers
+    body: Any
+    sent_event: dict[str, Any] | None
 
 
 def _check_items(task: Task, arg_list: Sequence[Any],
@@ -337,13 +351,13 @@ def _build(app: Celery, task: Task, plan: _Plan, channel: Any, args: Sequence[An
     return _Built(task_id, message, body, sent_event, options)
 
 
-def _announce(plan: _Plan, built: list[_Built], dispatcher: Any) -> None:
+def _announce(plan: _Plan, built: list[_Sent], dispatcher: Any) -> None:
     """After a chunk is in Redis: its ``after_task_publish`` signals and its task-sent
     events, as one ``task.multi`` event (the batching Celery workers use for their own)."""
     after = signals.after_task_publish
     if after.receivers:
         for b in built:
-            after.send(sender=plan.name, body=b.body, headers=b.message["headers"],
+            after.send(sender=plan.name, body=b.body, headers=b.headers,
                        exchange="", routing_key=plan.qname)
     if dispatcher is not None:
         for b in built:
@@ -381,7 +395,7 @@ def enqueue_many(task: Task, arg_list: Sequence[Sequence[Any]], *,
     ids: list[str] = []
     with app.producer_or_acquire(producer) as prod:
         channel = prod.channel
-        if not hasattr(channel, "_put_many_start"):
+        if not hasattr(channel, "_put_records_start"):
             raise SitsError("enqueue_many needs the SITS sorted-set transport; this app "
                             f"uses {type(channel).__module__}")
         prod.maybe_declare(plan.queue)
@@ -404,24 +418,24 @@ def _pipeline(app: Celery, task: Task, plan: _Plan, channel: Any, dispatcher: An
     One chunk is in flight at a time, so chunks reach Redis in order, and ``ids`` grows
     only once a chunk is confirmed: it always names exactly what is enqueued.
     """
-    in_flight: tuple[Callable[[], int], list[_Built]] | None = None
+    in_flight: tuple[Callable[[], int], list[_Sent]] | None = None
 
     def settle() -> None:
         nonlocal in_flight
         if in_flight is not None:
-            reply, built = in_flight
+            reply, sent = in_flight
             in_flight = None
             reply()
-            ids.extend(b.task_id for b in built)
-            _announce(plan, built, dispatcher)
+            ids.extend(b.task_id for b in sent)
+            _announce(plan, sent, dispatcher)
 
     try:
         for start in range(0, len(arg_list), chunk):
-            built = _build_chunk(app, task, plan, channel, arg_list[start:start + chunk],
-                                 kwargs_all[start:start + chunk])
+            records, sent = _build_chunk(app, task, plan, channel,
+                                         arg_list[start:start + chunk],
+                                         kwargs_all[start:start + chunk])
             settle()
-            in_flight = (channel._put_many_start(
-                plan.qname, [b.message for b in built], [b.options for b in built]), built)
+            in_flight = (channel._put_records_start(plan.qname, records), sent)
         settle()
     except Exception as exc:
         if in_flight is not None:  # building a chunk failed: count the one in flight
@@ -441,13 +455,21 @@ def _pipeline(app: Celery, task: Task, plan: _Plan, channel: Any, dispatcher: An
 
 def _build_chunk(app: Celery, task: Task, plan: _Plan, channel: Any,
                  arg_list: Sequence[Sequence[Any]], kwargs_list: Sequence[Mapping[str, Any]]
-                 ) -> list[_Built]:
+                 ) -> tuple[list[Any], list[_Sent]]:
+    """The chunk's ``put.lua`` arguments, and per item what the post-publish hooks need."""
     dump_pydantic = getattr(task, "_dump_pydantic_arguments", None)
     if plan.serializer == "pickle":
         dump_pydantic = None  # pickle sends models as they are (apply_async's rule)
-    built: list[_Built] = []
+    keep = bool(signals.after_task_publish.receivers)
+    now = time.time()
+    scorer = channel.snapshots.scorer(channel.raw, now)
+    records: list[Any] = []
+    sent: list[_Sent] = []
     for args, kwargs in zip(arg_list, kwargs_list, strict=True):
         if dump_pydantic is not None:
             args, kwargs = dump_pydantic(args, kwargs)
-        built.append(_build(app, task, plan, channel, args, kwargs))
-    return built
+        b = _build(app, task, plan, channel, args, kwargs)
+        records += channel._put_record(b.message, b.options, now, scorer)
+        sent.append(_Sent(b.task_id, b.message["headers"] if keep else None,
+                          b.body if keep else None, b.sent_event))
+    return records, sent

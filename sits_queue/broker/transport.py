@@ -28,6 +28,7 @@ from sits_queue.broker.snapshot import SnapshotCache
 from sits_queue.config import SitsConfig
 from sits_queue.errors import InvalidTaskOptions
 from sits_queue.options import HEADER, TaskOptions, from_header
+from sits_queue.priority.model import Scorer
 
 logger = logging.getLogger(__name__)
 
@@ -217,24 +218,6 @@ class Channel(kredis.Channel):
         self._after_put(queue, n, waiting)
         return n
 
-    def _put_many_start(self, queue: str, messages: Sequence[dict[str, Any]],
-                        options: Sequence[TaskOptions] | None = None) -> Callable[[], int]:
-        """Send the ``put.lua`` call for ``messages`` now; the returned function waits
-        for Redis's reply and returns how many were enqueued.
-
-        Bulk submission builds its next chunk in between, so Redis's work on this chunk
-        overlaps the producer's Python instead of being waited for.
-        """
-        reply = self.scripts.start("put", self.keys(queue), self._put_args(messages, options),
-                                   self.raw)
-
-        def finish() -> int:
-            n, waiting = (int(x) for x in reply())
-            self._after_put(queue, n, waiting)
-            return n
-
-        return finish
-
     def _put_args(self, messages: Sequence[dict[str, Any]],
                   options: Sequence[TaskOptions] | None) -> list[Any]:
         """``put.lua``'s ARGV: per message its id, payload, scoring record, score, class."""
@@ -242,15 +225,38 @@ class Channel(kredis.Channel):
         scorer = self.snapshots.scorer(self.raw, now)
         args: list[Any] = []
         for i, message in enumerate(messages):
-            meta = (self._meta_for(message, now) if options is None else
-                    WaitingMeta(options[i], now, str(message["headers"].get("task", ""))))
-            o = meta.options
-            prio = scorer.score(o.sla_class, now, o.context_tokens, o.latency_sla_ms,
-                                o.loss_sensitivity, o.input_entropy or 0.0, o.model)
-            # A kombu message is plain JSON types already (the body is encoded).
-            args += [message["properties"]["delivery_tag"], compact_json(message),
-                     meta.to_json(), score_base(prio), o.sla_class]
+            args += self._put_record(message, None if options is None else options[i],
+                                     now, scorer)
         return args
+
+    def _put_record(self, message: dict[str, Any], options: TaskOptions | None, now: float,
+                    scorer: Scorer) -> list[Any]:
+        """One message's five ``put.lua`` arguments. ``options``: already validated ones
+        (bulk submission), else they are read from the message's header."""
+        meta = (self._meta_for(message, now) if options is None else
+                WaitingMeta(options, now, str(message["headers"].get("task", ""))))
+        o = meta.options
+        prio = scorer.score(o.sla_class, now, o.context_tokens, o.latency_sla_ms,
+                            o.loss_sensitivity, o.input_entropy or 0.0, o.model)
+        # A kombu message is plain JSON types already (the body is encoded).
+        return [message["properties"]["delivery_tag"], compact_json(message), meta.to_json(),
+                score_base(prio), o.sla_class]
+
+    def _put_records_start(self, queue: str, args: list[Any]) -> Callable[[], int]:
+        """Send one ``put.lua`` call of records made by :meth:`_put_record` now; the
+        returned function waits for Redis's reply and returns how many were enqueued.
+
+        Bulk submission builds its next chunk in between, so Redis's work on this chunk
+        overlaps the producer's Python instead of being waited for.
+        """
+        reply = self.scripts.start("put", self.keys(queue), args, self.raw)
+
+        def finish() -> int:
+            n, waiting = (int(x) for x in reply())
+            self._after_put(queue, n, waiting)
+            return n
+
+        return finish
 
     def _after_put(self, queue: str, n: int, waiting: int) -> None:
         if queue in self._expires:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, signals
 from kombu.exceptions import EncodeError
 
 from sits_queue.app import make_app
@@ -155,6 +155,32 @@ def test_unusual_scalars_arrive_as_submitted(app: Celery, redis_client: redis.Re
     bodies = [json.loads(base64.b64decode(m["body"])) for m in payloads(redis_client).values()]
     got = sorted(repr(b[0][0]) for b in bodies)
     assert got == sorted(repr(v) for v in values)
+
+
+def test_publish_signals_fire_per_item_as_for_apply_async(app: Celery,
+                                                         redis_client: redis.Redis) -> None:
+    seen: list[tuple[str, str, Any]] = []
+
+    def before(sender: str, body: Any, headers: dict[str, Any], **_: Any) -> None:
+        seen.append(("before", headers["id"], body[0][0]))
+
+    def after(sender: str, body: Any, headers: dict[str, Any], **_: Any) -> None:
+        seen.append(("after", headers["id"], body[0][0]))
+
+    signals.before_task_publish.connect(before, weak=False)
+    signals.after_task_publish.connect(after, weak=False)
+    try:
+        ids = enqueue_many(app.tasks["t.echo"], [("a",), ("b",), ("c",)], chunk=2)
+    finally:
+        signals.before_task_publish.disconnect(before)
+        signals.after_task_publish.disconnect(after)
+    # Every item is announced before it is built and after its chunk is in Redis
+    assert [s for s in seen if s[0] == "before"] == [("before", i, t)
+                                                    for i, t in zip(ids, "abc", strict=True)]
+    assert [s for s in seen if s[0] == "after"] == [("after", i, t)
+                                                   for i, t in zip(ids, "abc", strict=True)]
+    # and "after" for the first chunk comes only once it was sent, never before its build
+    assert seen.index(("after", ids[0], "a")) > seen.index(("before", ids[1], "b"))
 
 
 PLAN: list[tuple[dict[str, Any], list[str]]] = [
