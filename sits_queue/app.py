@@ -94,6 +94,38 @@ class SitsTask(Task):  # type: ignore[misc]
         return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow,
                                    **options)
 
+    # -- time slices (sits_queue.workers.slices) ------------------------------------------
+    def yield_point(self, state: Any = None, remaining_s: float | None = None) -> None:
+        """Give the pool slot to more urgent work if it is time to; call between steps.
+
+        Returns at once (microseconds) unless this task has run its ``slice_ms`` and a
+        task of a higher-weight class waits; then ``state`` (JSON data) is saved, the
+        task stops with :class:`~sits_queue.workers.slices.Preempted` and runs again
+        later, from the same place in the queue, where ``self.checkpoint`` returns it.
+        ``remaining_s``, the task's own estimate of the work left, lets it finish instead
+        when that is under ``yield_min_remaining_ms``. Outside a SITS worker (an eager
+        call) it never yields.
+        """
+        from sits_queue.workers import slices
+
+        running = slices.running_from(self.request, slices.started_at(self.request.id))
+        if running is None:
+            return
+        if (remaining_s is not None
+                and remaining_s * 1000 < sits_config(self.app).yield_min_remaining_ms):
+            return
+        slicer = slices.slicer_for(sits_config(self.app))
+        if slicer.should_yield(running, time.monotonic()):
+            slicer.save(running, state)
+            raise slices.Preempted(f"yielded its slot after {running.sla_class!r} time slice")
+
+    @property
+    def checkpoint(self) -> Any:
+        """The state saved at this task's last yield, or None on its first run."""
+        from sits_queue.workers import slices
+
+        return slices.checkpoint_of(self.request)
+
 
 def sits_config(app: Celery) -> SitsConfig:
     """The SitsConfig an app was built with (stored on the app, not in Celery's conf)."""

@@ -156,6 +156,14 @@ class SitsConfig:
     send_sent_events: bool = False
     #: Prefix on every Redis key the broker writes (kombu ``global_keyprefix``).
     global_keyprefix: str = ""
+    #: Time slices (§1.4), for tasks that call ``self.yield_point()``: a running task
+    #: gives its slot to a task of a higher-weight class once it has run this long, ms...
+    slice_ms: float = 20.0
+    #: ...and that task has waited this long (a slot freeing on its own gets it first), ms;
+    yield_wait_ms: float = 2.0
+    #: but not when the task says it will finish within this long anyway, ms: a yield and
+    #: the later resumption cost about two task dispatches of the pool.
+    yield_min_remaining_ms: float = 15.0
     weights: PriorityWeights = field(default_factory=PriorityWeights)
 
     def __post_init__(self) -> None:
@@ -176,6 +184,10 @@ class SitsConfig:
         _positive("rescore_chunk", self.rescore_chunk)
         _positive("stats_window", self.stats_window)
         _positive("max_redeliveries", self.max_redeliveries)
+        for name in ("slice_ms", "yield_wait_ms", "yield_min_remaining_ms"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 <= value < 3_600_000:
+                raise ConfigError(f"{name} must be in [0, 3600000) ms, got {value!r}")
         # No bound against the longest run time: workers heartbeat the messages they hold.
         if self.visibility_timeout_s <= 3:
             raise ConfigError("visibility_timeout_s must be > 3 s (heartbeat every third)")
@@ -189,6 +201,11 @@ class SitsConfig:
     def top_class(self) -> str:
         """The class with the largest weight (maintenance tasks and backlog triggers use it)."""
         return max(self.classes, key=lambda c: c.weight).name
+
+    def outranking(self, name: str) -> tuple[str, ...]:
+        """Classes whose tasks a running task of class ``name`` yields its slot to."""
+        weight = self.quota(name).weight
+        return tuple(c.name for c in self.classes if c.weight > weight)
 
     def quota(self, name: str) -> ClassQuota:
         for c in self.classes:

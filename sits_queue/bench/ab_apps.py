@@ -19,8 +19,11 @@ from celery import Celery
 from sits_queue.app import make_app
 from sits_queue.config import SitsConfig
 
-SYSTEMS = ("celery_fifo", "celery_priority", "sits")
-DATABASES = {"celery_fifo": 1, "celery_priority": 2, "sits": 3}
+SYSTEMS = ("celery_fifo", "celery_priority", "sits", "sits_sliced")
+DATABASES = {"celery_fifo": 1, "celery_priority": 2, "sits": 3, "sits_sliced": 4}
+#: ``sits_sliced`` runs the same service time in steps this long, with a yield point
+#: between steps (the granularity of a decode chunk or a batch item), ms.
+STEP_MS = 5.0
 #: Stock Celery's Redis priorities: 0 is served first (kombu BRPOPs buckets in order).
 STOCK_PRIORITY = {"high": 0, "medium": 5, "low": 9}
 DONE_KEY = "bench:done"
@@ -33,8 +36,8 @@ def system_url(base_url: str, system: str) -> str:
 
 
 def build(system: str, url: str) -> Celery:
-    if system == "sits":
-        app = make_app(replace(SitsConfig(redis_url=url)), main="bench_sits")
+    if system in ("sits", "sits_sliced"):
+        app = make_app(replace(SitsConfig(redis_url=url)), main=f"bench_{system}")
     elif system == "celery_fifo":
         app = Celery("bench_fifo", broker=url)  # stock defaults, on purpose
     elif system == "celery_priority":
@@ -47,7 +50,10 @@ def build(system: str, url: str) -> Celery:
     else:
         raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
     app.conf.task_ignore_result = True
-    _register(app, url)
+    if system == "sits_sliced":
+        _register_sliced(app, url)
+    else:
+        _register(app, url)
     return app
 
 
@@ -66,12 +72,36 @@ def _register(app: Celery, url: str) -> None:
             "fin": time.time()}))
 
 
+def _register_sliced(app: Celery, url: str) -> None:
+    """The same simulated inference, in steps with yield points (SITS time slices)."""
+    clients: dict[int, redis.Redis] = {}
+
+    @app.task(name=TASK_NAME, bind=True, shared=False)  # type: ignore[untyped-decorator]
+    def work(self: Any, sla_class: str, service_ms: float, submitted_s: float) -> None:
+        # The wait that counts is until the task first started; progress survives yields.
+        state = self.checkpoint or {"started": time.time(), "left_ms": service_ms}
+        while state["left_ms"] > 0:
+            # Progress is the time actually spent, so sleep overshoot does not add up
+            # over the steps: the task is busy for service_ms in all, as in the others.
+            began = time.perf_counter()
+            time.sleep(min(STEP_MS, state["left_ms"]) / 1000)
+            state["left_ms"] -= (time.perf_counter() - began) * 1000
+            if state["left_ms"] > 0:
+                self.yield_point(state, remaining_s=state["left_ms"] / 1000)
+        pid = os.getpid()
+        if pid not in clients:
+            clients[pid] = redis.Redis.from_url(url)
+        clients[pid].rpush(DONE_KEY, json.dumps({
+            "c": sla_class, "wait_ms": (state["started"] - submitted_s) * 1000,
+            "sub": submitted_s, "fin": time.time()}))
+
+
 def submit(app: Celery, system: str, sla_class: str, service_ms: float,
            context_tokens: int, producer: Any) -> None:
     """Send one job the way a user of that system would."""
     args = (sla_class, service_ms, time.time())
     task = app.tasks[TASK_NAME]
-    if system == "sits":
+    if system in ("sits", "sits_sliced"):
         task.apply_async(args, sla_class=sla_class, context_tokens=context_tokens,
                          input_entropy=0.5, producer=producer)
     elif system == "celery_priority":

@@ -22,6 +22,11 @@ LEVELS_PER_E = 1 << 17
 #: Largest priority that still has its own level (log1p(p) * 2**17 < 2**21 - 1).
 PRIORITY_CEILING = math.expm1(PRIORITY_LEVELS / LEVELS_PER_E)
 
+#: Header a picked message carries to the pool child: [queue, message id] (time slices).
+DELIVERY_HEADER = "sits_delivery"
+#: Header with the JSON state a task saved when it last yielded its slot (absent before).
+CHECKPOINT_HEADER = "sits_checkpoint"
+
 #: Members of the marker set that wakes blocked consumers (one member: puts coalesce).
 MARKER_MEMBER = "ready"
 
@@ -60,6 +65,8 @@ class QueueKeys:
     redelivered: str  # HASH message id -> times restored
     dead: str  # HASH message id -> dead-letter record JSON
     arrivals: str  # HASH SLA class -> messages ever enqueued (bandwidth compliance)
+    checkpoints: str  # HASH message id -> state a preempted task saved when it yielded
+    yields: str  # HASH waiting message id -> time a running task claimed to yield for it
 
     @classmethod
     def for_queue(cls, queue: str, prefix: str = "") -> QueueKeys:
@@ -68,11 +75,18 @@ class QueueKeys:
             raise ValueError(f"queue name {queue!r} must not contain braces")
         base = f"{prefix}sits:{{{queue}}}:"
         return cls(*(base + suffix for suffix in ("z", "p", "i", "mk", "seq", "u", "s", "rd", "dl",
-                                                         "arr")))
+                                                         "arr", "ck", "yc")))
 
     def all(self) -> list[str]:
         return [self.waiting, self.payloads, self.meta, self.marker, self.seq, self.unacked,
-                self.saved, self.redelivered, self.dead, self.arrivals]
+                self.saved, self.redelivered, self.dead, self.arrivals, self.checkpoints,
+                self.yields]
+
+    @property
+    def put_channel(self) -> str:
+        """Pub/sub channel ``put.lua`` announces each put's classes on (running tasks
+        listen to know when to look for a reason to yield their slot)."""
+        return self.waiting + ":put"
 
 
 def queues_registry(prefix: str = "") -> str:

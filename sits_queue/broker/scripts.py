@@ -19,7 +19,7 @@ from redis.exceptions import ConnectionError, NoScriptError
 
 from sits_queue.broker.keys import QueueKeys
 
-SCRIPT_NAMES = ("put", "pick", "ack", "dead", "restore", "release", "purge")
+SCRIPT_NAMES = ("put", "pick", "ack", "dead", "restore", "release", "purge", "preempt")
 
 
 def _source(name: str) -> str:

@@ -21,7 +21,13 @@ from kombu.transport import redis as kredis
 from kombu.transport import virtual
 from kombu.utils.json import loads
 
-from sits_queue.broker.keys import QueueKeys, queues_registry, score_base
+from sits_queue.broker.keys import (
+    CHECKPOINT_HEADER,
+    DELIVERY_HEADER,
+    QueueKeys,
+    queues_registry,
+    score_base,
+)
 from sits_queue.broker.meta import WaitingMeta, compact_json
 from sits_queue.broker.scripts import Scripts
 from sits_queue.broker.snapshot import SnapshotCache
@@ -316,9 +322,18 @@ class Channel(kredis.Channel):
         props["delivery_tag"] = tag
         info = props.setdefault("delivery_info", {})
         info["sits_queue"] = queue
+        headers = message.get("headers")
+        if not isinstance(headers, dict):
+            headers = message["headers"] = {}
+        # Where the running task's message lives, for the task itself: Celery hands the
+        # headers (not the delivery info) to the pool child, which needs both to yield
+        # its slot (workers/slices.py).
+        headers[DELIVERY_HEADER] = [queue, tag]
+        if len(picked) > 3 and picked[3]:  # it yielded its slot before: where it got to
+            headers[CHECKPOINT_HEADER] = _text(picked[3])
         if int(picked[2]):
             info["redelivered"] = True
-            message.setdefault("headers", {})["redelivered"] = True
+            headers["redelivered"] = True
         return message
 
     def _brpop_start(self, timeout: float | None = None) -> None:

@@ -41,6 +41,7 @@ from celery.worker.state import task_ready
 
 from sits_queue.options import HEADER
 from sits_queue.workers.limits import BYTES_PER_GIB, fits
+from sits_queue.workers.slices import Preempted
 
 logger = logging.getLogger(__name__)
 
@@ -184,8 +185,8 @@ def probe() -> FreeMemoryProbe:
     return _probe
 
 
-def release(request: Request, verdict: Verdict, now: float | None = None) -> float:
-    """Give the message back without a redelivery, forget the request, back off; delay s."""
+def _give_back(request: Request) -> None:
+    """Put the message back at its score without a redelivery; forget the request."""
     message = request.message
     qos: Any = getattr(getattr(message, "channel", None), "qos", None)
     if qos is not None and callable(getattr(qos, "release", None)):
@@ -198,6 +199,11 @@ def release(request: Request, verdict: Verdict, now: float | None = None) -> flo
     with contextlib.suppress(Exception):  # events are best effort, as in Request.reject
         request.send_event("task-rejected", requeue=True)
     task_ready(request)
+
+
+def release(request: Request, verdict: Verdict, now: float | None = None) -> float:
+    """Give the message back without a redelivery, forget the request, back off; delay s."""
+    _give_back(request)
     delay = GATE.back_off(time.monotonic() if now is None else now)
     logger.info("task %s[%s] not started here: %s; released to its queue, backing off "
                 "%.2f s", request.name, request.id, verdict.reason(), delay)
@@ -220,9 +226,22 @@ def _guard(execute: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class SitsRequest(Request):  # type: ignore[misc]
-    """``Task.Request`` for SITS tasks: checks declared VRAM before the pool runs a task."""
+    """``Task.Request`` for SITS tasks: checks declared VRAM before the pool runs a task,
+    and gives back the message of a task that yielded its time slice."""
 
     execute_using_pool = _guard(Request.execute_using_pool)
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True,
+                   return_ok: bool = False) -> Any:
+        exc = getattr(exc_info, "exception", None)
+        exc = getattr(exc, "exc", exc)  # unwrap billiard's ExceptionWithTraceback
+        if isinstance(exc, Preempted):
+            # Not a failure, not a redelivery: the task runs again from its checkpoint,
+            # from the place in the queue it had (release.lua restores its score).
+            _give_back(self)
+            logger.info("task %s[%s] yielded its slot: %s", self.name, self.id, exc.reason)
+            return None
+        return super().on_failure(exc_info, send_failed_event, return_ok)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -97,6 +97,8 @@ def connect(app: Celery) -> None:
                    **_: Any) -> None:
         if task is None or getattr(task, "app", None) is not app:
             return
+        if state not in ("SUCCESS", "FAILURE"):
+            return  # a retry, or a slot yielded (REJECTED): the task has not finished
         record_completion(sits_config(app), task.request, failed=state == "FAILURE",
                           now_s=time.time())
 

@@ -67,3 +67,66 @@ def test_a_script_error_surfaces_and_the_connection_stays_usable(
     assert in_use(redis_client) == 0
     redis_client.delete(KEYS.waiting)
     assert scripts.start("put", KEYS, put_args(["z"]), redis_client)() == [1, 1]
+
+
+# -- preempt.lua ------------------------------------------------------------------------------
+def waiting_task(client: redis.Redis, task_id: str, sla_class: str, enqueued_at: float,
+                 score: int) -> None:
+    client.zadd(KEYS.waiting, {task_id: score})
+    client.hset(KEYS.meta, task_id, json.dumps({"c": sla_class, "t": enqueued_at}))
+
+
+def preempt(scripts: Scripts, client: redis.Redis, running: str, now: float,
+            *outranking: str) -> object:
+    return scripts.run("preempt", KEYS, [running, now, 0.005, 1.0, *outranking], client)
+
+
+def test_preempt_claims_one_yield_per_urgent_waiting_task(redis_client: redis.Redis) -> None:
+    scripts = Scripts.register()
+    now = 1000.0
+    redis_client.zadd(KEYS.unacked, {"run-1": now, "run-2": now, "run-3": now})
+    # Given two high tasks waiting for 10 ms, ahead of a low one
+    waiting_task(redis_client, "h1", "high", now - 0.01, 1)
+    waiting_task(redis_client, "h2", "high", now - 0.01, 2)
+    waiting_task(redis_client, "l1", "low", now - 5, 3)
+    # Then one running low task yields for each, and a third finds nothing left to yield for
+    assert preempt(scripts, redis_client, "run-1", now, "high", "medium") == b"h1"
+    assert preempt(scripts, redis_client, "run-2", now, "high", "medium") == b"h2"
+    assert preempt(scripts, redis_client, "run-3", now, "high", "medium") is None
+    # And a claim lapses after its time (its yielder died): then another may claim
+    assert preempt(scripts, redis_client, "run-3", now + 1.5, "high", "medium") == b"h1"
+
+
+def test_preempt_waits_for_a_free_slot_to_win_and_ignores_lesser_classes(
+        redis_client: redis.Redis) -> None:
+    scripts = Scripts.register()
+    now = 1000.0
+    redis_client.zadd(KEYS.unacked, {"run": now})
+    waiting_task(redis_client, "h", "high", now - 0.001, 1)
+    # Waited 1 ms < the 5 ms least wait: ask again soon
+    assert preempt(scripts, redis_client, "run", now, "high") == b"wait"
+    # A medium runner does not yield for a task of its own or a lower class
+    redis_client.delete(KEYS.waiting, KEYS.meta)
+    waiting_task(redis_client, "m", "medium", now - 1, 1)
+    assert preempt(scripts, redis_client, "run", now, "high") is None
+    # Nor does a task its worker no longer holds (restored elsewhere meanwhile)
+    redis_client.delete(KEYS.waiting, KEYS.meta)
+    waiting_task(redis_client, "h", "high", now - 1, 1)
+    assert preempt(scripts, redis_client, "gone", now, "high") is None
+    # A garbled scoring record is skipped, not an error
+    redis_client.hset(KEYS.meta, "h", "not json")
+    assert preempt(scripts, redis_client, "run", now, "high") is None
+
+
+def test_pick_settles_the_claim_and_ack_drops_the_checkpoint(
+        redis_client: redis.Redis) -> None:
+    scripts = Scripts.register()
+    assert scripts.run("put", KEYS, put_args(["h"]), redis_client) == [1, 1]
+    redis_client.hset(KEYS.yields, "h", 1.0)
+    redis_client.hset(KEYS.checkpoints, "h", "{}")
+    picked = scripts.run("pick", KEYS, [1000.0, 5], redis_client)
+    assert picked[0] == b"h"
+    assert redis_client.hlen(KEYS.yields) == 0
+    assert redis_client.hlen(KEYS.checkpoints) == 1  # kept while the task runs
+    scripts.run("ack", KEYS, ["h"], redis_client)
+    assert redis_client.hlen(KEYS.checkpoints) == 0

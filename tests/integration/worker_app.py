@@ -52,11 +52,29 @@ def register(app: Celery) -> dict[str, Any]:
         (Path(directory) / tag).touch()
         return tag
 
+    @app.task(name="w.steps", bind=True, sla_class="low", shared=False)
+    def steps(self: Any, tag: str, n: int, step_s: float) -> int:
+        """n steps of step_s seconds, yielding its slot between steps when asked to."""
+        state = self.checkpoint or {"done": 0, "runs": 0}
+        state["runs"] += 1
+        r().rpush("test:steps", f"{tag}:start:{state['done']}")
+        for i in range(state["done"], n):
+            time.sleep(step_s)
+            state["done"] = i + 1
+            try:
+                self.yield_point(state)
+            except Exception:
+                r().rpush("test:steps", f"{tag}:yield:{state['done']}")
+                raise
+        r().rpush("test:steps", f"{tag}:end:{state['runs']}")
+        return int(state["runs"])
+
     @app.task(name="w.pid", shared=False)
     def pid() -> int:
         return os.getpid()
 
-    return {"add": add, "record": record, "slow": slow, "mark": mark, "pid": pid}
+    return {"add": add, "record": record, "slow": slow, "mark": mark, "pid": pid,
+            "steps": steps}
 
 
 tasks = register(app)

@@ -2,7 +2,8 @@
 -- KEYS (all hash-tagged {queue}, same order for every script):
 --   1 waiting ZSET  2 payloads HASH  3 meta HASH  4 marker ZSET  5 seq STRING
 --   6 unacked ZSET  7 saved-score HASH  8 redelivered HASH  9 dead-letter HASH
---   10 arrivals HASH (class -> messages ever enqueued)
+--   10 arrivals HASH (class -> messages ever enqueued)  11 checkpoints HASH
+--   12 yield claims HASH
 -- ARGV: ids
 -- Returns how many were still unacked.
 local n = 0
@@ -13,5 +14,6 @@ for i = 1, #ARGV do
   redis.call('HDEL', KEYS[3], id)
   redis.call('HDEL', KEYS[7], id)
   redis.call('HDEL', KEYS[8], id)
+  redis.call('HDEL', KEYS[11], id)
 end
 return n

@@ -3,9 +3,11 @@
 -- KEYS (all hash-tagged {queue}, same order for every script):
 --   1 waiting ZSET  2 payloads HASH  3 meta HASH  4 marker ZSET  5 seq STRING
 --   6 unacked ZSET  7 saved-score HASH  8 redelivered HASH  9 dead-letter HASH
---   10 arrivals HASH (class -> messages ever enqueued)
+--   10 arrivals HASH (class -> messages ever enqueued)  11 checkpoints HASH
+--   12 yield claims HASH
 -- ARGV: now (unix s), max redeliveries before dead-lettering
--- Returns {id, payload, times redelivered} or false when nothing is waiting.
+-- Returns {id, payload, times redelivered, checkpoint or false} or false when nothing is
+-- waiting. The checkpoint is what the task saved when it last yielded its slot.
 local now, max_redeliveries = ARGV[1], tonumber(ARGV[2])
 for _ = 1, 64 do
   local head = redis.call('ZPOPMIN', KEYS[1])
@@ -23,11 +25,14 @@ for _ = 1, 64 do
       redis.call('HDEL', KEYS[2], id)
       redis.call('HDEL', KEYS[3], id)
       redis.call('HDEL', KEYS[8], id)
+      redis.call('HDEL', KEYS[11], id)
+      redis.call('HDEL', KEYS[12], id)
     else
       redis.call('ZADD', KEYS[6], now, id)
+      redis.call('HDEL', KEYS[12], id)
       redis.call('HSET', KEYS[7], id, score)
       if redis.call('ZCARD', KEYS[1]) > 0 then redis.call('ZADD', KEYS[4], 0, 'ready') end
-      return {id, payload, times}
+      return {id, payload, times, redis.call('HGET', KEYS[11], id)}
     end
   end
   -- An id without a payload was acked or purged mid-flight: nothing to deliver, skip it.

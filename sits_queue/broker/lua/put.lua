@@ -2,7 +2,8 @@
 -- KEYS (all hash-tagged {queue}, same order for every script):
 --   1 waiting ZSET  2 payloads HASH  3 meta HASH  4 marker ZSET  5 seq STRING
 --   6 unacked ZSET  7 saved-score HASH  8 redelivered HASH  9 dead-letter HASH
---   10 arrivals HASH (class -> messages ever enqueued)
+--   10 arrivals HASH (class -> messages ever enqueued)  11 checkpoints HASH
+--   12 yield claims HASH
 -- ARGV (per message): id, payload JSON, meta JSON, score base ((levels - level) * 2^32),
 --                      SLA class
 -- Returns {messages enqueued, waiting after}: equal when the queue was empty before, so
@@ -40,4 +41,7 @@ for s = 0, n - 1, SLICE do
 end
 for cls, count in pairs(arrivals) do redis.call('HINCRBY', KEYS[10], cls, count) end
 redis.call('ZADD', KEYS[4], 0, 'ready')
+-- Running tasks of lower classes listen here (workers/slices.py): a put of a class
+-- that outranks them is their cue to check whether to yield their slot.
+for cls, _ in pairs(arrivals) do redis.call('PUBLISH', KEYS[1] .. ':put', cls) end
 return {n, redis.call('ZCARD', KEYS[1])}

@@ -5,7 +5,8 @@
 -- KEYS (all hash-tagged {queue}, same order for every script):
 --   1 waiting ZSET  2 payloads HASH  3 meta HASH  4 marker ZSET  5 seq STRING
 --   6 unacked ZSET  7 saved-score HASH  8 redelivered HASH  9 dead-letter HASH
---   10 arrivals HASH (class -> messages ever enqueued)
+--   10 arrivals HASH (class -> messages ever enqueued)  11 checkpoints HASH
+--   12 yield claims HASH
 -- ARGV: ids
 -- Returns the number released.
 local n = 0

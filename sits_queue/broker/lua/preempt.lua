@@ -1,0 +1,39 @@
+-- preempt.lua: should a running task give its slot up now? Claims the yield atomically,
+-- so that of the many tasks that hear about one urgent arrival only one steps aside.
+-- KEYS (all hash-tagged {queue}, same order for every script):
+--   1 waiting ZSET  2 payloads HASH  3 meta HASH  4 marker ZSET  5 seq STRING
+--   6 unacked ZSET  7 saved-score HASH  8 redelivered HASH  9 dead-letter HASH
+--   10 arrivals HASH (class -> messages ever enqueued)  11 checkpoints HASH
+--   12 yield claims HASH
+-- ARGV: running message id, now (unix s), least wait before yielding for a task (s),
+--       how long a claim stands (s), then the classes that outrank the running task
+-- Returns the id yielded for when the best waiting task is of an outranking class, has
+-- waited at least the least wait (a slot that frees on its own gets it first), and no
+-- other running task has claimed to yield for it; 'wait' when only the least wait is
+-- missing (ask again soon); false otherwise.
+local running, now = ARGV[1], tonumber(ARGV[2])
+local least_wait, claim_s = tonumber(ARGV[3]), tonumber(ARGV[4])
+-- Only a task this worker still holds may claim (not one already restored elsewhere).
+if not redis.call('ZSCORE', KEYS[6], running) then return false end
+local outranking = {}
+for i = 5, #ARGV do outranking[ARGV[i]] = true end
+-- The best few waiting tasks, best first: one claimed already (another task is yielding
+-- for it) lets the next urgent one find its own yielder at once.
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, 7)) do
+  local raw = redis.call('HGET', KEYS[3], id)
+  local ok, meta = false, nil
+  if raw then ok, meta = pcall(cjson.decode, raw) end
+  -- Scores follow class weight but for aging and decay: stop at the first that does not
+  -- outrank the runner rather than digging for one further down.
+  if not ok or type(meta) ~= 'table' or not outranking[meta.c] then return false end
+  local claimed = tonumber(redis.call('HGET', KEYS[12], id))
+  -- A task with a checkpoint already ran and yielded: it resumes when a slot frees, and
+  -- displaces no one (one urgent arrival must not cascade down the classes).
+  local resuming = redis.call('HEXISTS', KEYS[11], id) == 1
+  if not resuming and not (claimed and now - claimed < claim_s) then
+    if now - (tonumber(meta.t) or now) < least_wait then return 'wait' end
+    redis.call('HSET', KEYS[12], id, now)
+    return id
+  end
+end
+return false

@@ -1,0 +1,200 @@
+"""Time slices (MISSION §1.4): a long task steps aside for more urgent work, and resumes.
+
+Celery runs a task to completion on its pool slot, so under load an urgent task waits
+for some slot's current task to end: on a busy worker its wait is the shortest
+remaining run time of the running tasks, whatever the broker's order. A task that calls
+``self.yield_point(state)`` between steps (a batch item, a decode chunk) lets its slot go
+instead: once it has run ``slice_ms``, if the best waiting task in its queue belongs to
+a class of higher weight and has waited ``yield_wait_ms`` (so that a slot freeing on its
+own gets it first), the task saves ``state`` and raises :class:`Preempted`. The worker
+puts the message back at the score it had (``release.lua``: no redelivery counted, no
+priority lost); when it runs again, ``self.checkpoint`` returns the saved state.
+
+Cost while nothing urgent arrives: ``put.lua`` announces each put's classes on a
+pub/sub channel and a yield point only reads that subscription without blocking
+(microseconds); the broker is asked (``preempt.lua``, which also makes sure only one
+running task yields per waiting task) only after an announcement of an outranking
+class, or every ``RECHECK_S`` in case one was missed.
+
+Everything here runs in the pool child.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from celery import signals
+from celery.exceptions import Reject
+
+from sits_queue.broker.keys import CHECKPOINT_HEADER, DELIVERY_HEADER, QueueKeys
+from sits_queue.broker.scripts import Scripts
+from sits_queue.config import SitsConfig
+from sits_queue.options import HEADER
+
+#: Ask the broker at least this often while a task is past its slice, s: a missed
+#: announcement (a reconnect) or a claim whose yielder died costs at most this much.
+RECHECK_S = 0.2
+#: While an urgent task has not waited ``yield_wait_ms`` yet, ask again this often, s.
+RETRY_S = 0.002
+#: A claim to yield for a waiting task stands this long, s: others do not yield for the
+#: same task meanwhile; a claimer that died is forgotten after it.
+CLAIM_S = 1.0
+
+
+class Preempted(Reject):  # type: ignore[misc]
+    """Raised by ``yield_point``: the worker puts the message back, to run again later."""
+
+    def __init__(self, reason: str, requeue: bool = True) -> None:
+        # (reason, requeue): the signature Exception pickling replays in the parent.
+        super().__init__(reason, requeue)
+
+
+@dataclass(frozen=True)
+class Running:
+    """What a yield point knows about the task it runs in."""
+
+    queue: str
+    message_id: str
+    sla_class: str
+    started: float  # monotonic s
+
+
+def running_from(request: Any, started: float) -> Running | None:
+    """The running task's queue, message id and class, from its headers; None when it was
+    not delivered by the SITS transport (eager call, another broker) or has no class."""
+    delivery = getattr(request, DELIVERY_HEADER, None)
+    header = getattr(request, HEADER, None)
+    if (not isinstance(delivery, (list, tuple)) or len(delivery) != 2
+            or not isinstance(header, Mapping)):
+        return None
+    queue, message_id = delivery
+    sla_class = header.get("sla_class")
+    if not (isinstance(queue, str) and isinstance(message_id, str)
+            and isinstance(sla_class, str)):
+        return None
+    return Running(queue, message_id, sla_class, started)
+
+
+def checkpoint_of(request: Any) -> Any:
+    """The state saved at the task's last yield (``pick.lua`` hands it over in a header),
+    or None on a first run."""
+    raw = getattr(request, CHECKPOINT_HEADER, None)
+    return json.loads(raw) if isinstance(raw, (str, bytes)) else None
+
+
+def past_slice(running: Running, now: float, config: SitsConfig) -> bool:
+    return now - running.started >= config.slice_ms / 1000
+
+
+class Slicer:
+    """One per pool child: the subscription to put announcements and the broker calls."""
+
+    def __init__(self, config: SitsConfig, client: redis.Redis | None = None) -> None:
+        self.config = config
+        self.client = client or redis.Redis.from_url(config.redis_url, socket_timeout=2)
+        self.scripts = Scripts.register()
+        self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        self._subscribed: set[str] = set()
+        self._urgent_heard = False
+        self._next_check = 0.0
+
+    # -- the task's view --------------------------------------------------------------
+    def should_yield(self, running: Running, now: float) -> bool:
+        """True when this task should give its slot up now (the yield is then claimed)."""
+        outranking = self.config.outranking(running.sla_class)
+        if not outranking or not past_slice(running, now, self.config):
+            return False
+        keys = QueueKeys.for_queue(running.queue, self.config.global_keyprefix)
+        self._listen(keys)
+        if self._heard(outranking):
+            self._next_check = 0.0  # something urgent was put: ask now
+        if now < self._next_check:
+            return False
+        verdict = self.scripts.run("preempt", keys, [
+            running.message_id, time.time(), self.config.yield_wait_ms / 1000, CLAIM_S,
+            *outranking], self.client)
+        if verdict == b"wait" or verdict == "wait":
+            self._next_check = now + RETRY_S
+            return False
+        self._next_check = now + RECHECK_S
+        return bool(verdict)
+
+    def save(self, running: Running, state: Any) -> None:
+        """Keep ``state`` for the next run. Saved even when None: a waiting task with a
+        checkpoint is a resumption, and ``preempt.lua`` lets no one yield for it (else
+        one urgent arrival would cascade: high displaces medium, medium displaces low)."""
+        keys = QueueKeys.for_queue(running.queue, self.config.global_keyprefix)
+        self.client.hset(keys.checkpoints, running.message_id, json.dumps(state))
+
+
+    # -- announcements ----------------------------------------------------------------
+    def _listen(self, keys: QueueKeys) -> None:
+        if keys.put_channel not in self._subscribed:
+            self.pubsub.subscribe(keys.put_channel)
+            self._subscribed.add(keys.put_channel)
+            self._next_check = 0.0  # announcements before now were missed: ask once
+
+    def _heard(self, outranking: tuple[str, ...]) -> bool:
+        """Drain the announcements without blocking; True if one named an outranking class."""
+        heard = False
+        try:
+            while (message := self.pubsub.get_message(timeout=0.0)) is not None:
+                data = message.get("data")
+                cls = data.decode() if isinstance(data, bytes) else data
+                heard = heard or cls in outranking
+        except redis.ConnectionError:
+            # Resubscribed on the next use; RECHECK_S covers the gap.
+            self._subscribed.clear()
+            self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        return heard
+
+
+_slicers: dict[tuple[int, int], Slicer] = {}
+
+
+def slicer_for(config: SitsConfig) -> Slicer:
+    """The pool child's slicer (by pid: a forked child must not share its parent's)."""
+    key = (os.getpid(), id(config))
+    slicer = _slicers.get(key)
+    if slicer is None:
+        slicer = _slicers[key] = Slicer(config)
+    return slicer
+
+
+def _note_start(task_id: str | None = None, **_: Any) -> None:
+    if task_id is not None:
+        _starts[task_id] = time.monotonic()
+
+
+def _forget(task_id: str | None = None, **_: Any) -> None:
+    if task_id is not None:
+        _starts.pop(task_id, None)
+
+
+class _QuietYields(logging.Filter):
+    """Celery's tracer logs every ``Reject`` as a warning with its traceback; a yield is
+    routine (the worker logs one line for it), so drop those records."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, Preempted)
+
+
+logging.getLogger("celery.app.trace").addFilter(_QuietYields())
+
+#: Task id -> monotonic time its current run started (in this process).
+_starts: dict[str, float] = {}
+signals.task_prerun.connect(_note_start, weak=False)
+signals.task_postrun.connect(_forget, weak=False)
+
+
+def started_at(task_id: str | None) -> float:
+    """When the current run of ``task_id`` started (now if unknown: an eager call)."""
+    return _starts.get(task_id or "", time.monotonic())

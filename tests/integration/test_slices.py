@@ -1,0 +1,70 @@
+"""Time slices with real workers: a long low task gives its slot to an urgent one at a
+yield point, and resumes from its checkpoint without losing its place or its count."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import redis
+from celery import Celery
+
+from sits_queue.broker.keys import QueueKeys
+from sits_queue.procs import CeleryProcess
+from tests.waiting import wait_for
+
+Spawn = Callable[..., CeleryProcess]
+KEYS = QueueKeys.for_queue("celery")
+
+
+def steps_log(client: redis.Redis) -> list[str]:
+    return [x.decode() for x in client.lrange("test:steps", 0, -1)]
+
+
+def test_an_urgent_task_takes_the_slot_of_a_long_low_one(spawn: Spawn, client_app: Celery,
+                                                         redis_client: redis.Redis) -> None:
+    spawn(concurrency=1)
+    # Given the only slot busy with a low task of 40 steps of 50 ms
+    low = client_app.tasks["w.steps"].delay("low", 40, 0.05)
+    wait_for(lambda: "low:start:0" in steps_log(redis_client), 20, "the low task to start")
+    # When a high task arrives
+    submitted = time.time()
+    high = client_app.tasks["w.slow"].apply_async(("urgent", 0.0), sla_class="high")
+    assert high.get(timeout=30) == "urgent"
+    # Then it ran long before the low task could have ended (2 s), and the low task
+    # yielded once, resumed from its checkpoint and finished all 40 steps
+    assert low.get(timeout=60) == 2
+    log = steps_log(redis_client)
+    started_high = float(redis_client.get("test:started:urgent") or 0)
+    assert started_high == 1
+    assert [x for x in log if ":yield:" in x] == [log[1]]
+    done_at_yield = int(log[1].rsplit(":", 1)[1])
+    assert log[2] == f"low:start:{done_at_yield}"
+    assert log[-1] == "low:end:2"
+    assert 0 < done_at_yield < 40
+    assert time.time() - submitted < 20
+    # Yielding is not a redelivery, and an acked task leaves no checkpoint behind
+    # (the worker acks just after storing the result)
+    wait_for(lambda: redis_client.hlen(KEYS.checkpoints) == 0, 10, "the checkpoint to go")
+    assert redis_client.hlen(KEYS.redelivered) == 0
+    assert redis_client.hlen(KEYS.yields) == 0
+
+
+def test_a_task_of_the_same_class_does_not_preempt(spawn: Spawn, client_app: Celery,
+                                                   redis_client: redis.Redis) -> None:
+    spawn(concurrency=1)
+    steps = client_app.tasks["w.steps"]
+    first = steps.delay("first", 10, 0.03)
+    wait_for(lambda: "first:start:0" in steps_log(redis_client), 20, "the first task to start")
+    second = steps.delay("second", 1, 0.0)
+    assert first.get(timeout=30) == 1 and second.get(timeout=30) == 1
+    assert steps_log(redis_client) == ["first:start:0", "first:end:1",
+                                       "second:start:0", "second:end:1"]
+
+
+def test_yield_point_outside_a_worker_never_yields(client_app: Celery,
+                                                    redis_client: redis.Redis) -> None:
+    # An eager call has no delivery: yield_point is a no-op and checkpoint is None
+    result = client_app.tasks["w.steps"].apply(("eager", 3, 0.0))
+    assert result.get() == 1
+    assert steps_log(redis_client) == ["eager:start:0", "eager:end:1"]

@@ -1,0 +1,63 @@
+"""Time slices: which classes outrank which, what a yield point reads off the request,
+and the Preempted exception crossing the pool's pipe (no services)."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+from celery.exceptions import Reject
+
+from sits_queue.config import ConfigError, SitsConfig
+from sits_queue.workers.slices import Preempted, Running, past_slice, running_from
+
+
+def test_classes_yield_only_to_heavier_ones() -> None:
+    config = SitsConfig()
+    assert config.outranking("low") == ("high", "medium")
+    assert config.outranking("medium") == ("high",)
+    assert config.outranking("high") == ()
+
+
+@pytest.mark.parametrize("field", ["slice_ms", "yield_wait_ms"])
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), "20"])
+def test_bad_slice_settings_are_refused(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=field):
+        replace(SitsConfig(), **{field: value})
+
+
+def request(**fields: object) -> SimpleNamespace:
+    return SimpleNamespace(**fields)
+
+
+def test_running_is_read_from_the_delivery_and_sits_headers() -> None:
+    got = running_from(request(sits_delivery=["celery", "m-1"], sits={"sla_class": "low"}), 5.0)
+    assert got == Running("celery", "m-1", "low", 5.0)
+
+
+@pytest.mark.parametrize("req", [
+    request(),  # an eager call: no delivery
+    request(sits_delivery=["celery", "m-1"]),  # no sits header (a foreign producer)
+    request(sits_delivery="celery/m-1", sits={"sla_class": "low"}),
+    request(sits_delivery=["celery"], sits={"sla_class": "low"}),
+    request(sits_delivery=["celery", 7], sits={"sla_class": "low"}),
+    request(sits_delivery=["celery", "m-1"], sits={"sla_class": None}),
+])
+def test_anything_else_never_yields(req: SimpleNamespace) -> None:
+    assert running_from(req, 0.0) is None
+
+
+def test_the_slice_is_measured_from_the_run_start() -> None:
+    config = replace(SitsConfig(), slice_ms=20.0)
+    running = Running("q", "m", "low", started=100.0)
+    assert not past_slice(running, 100.019, config)
+    assert past_slice(running, 100.021, config)
+
+
+def test_preempted_is_a_requeueing_reject_that_survives_pickling() -> None:
+    exc = Preempted("yielded")
+    assert isinstance(exc, Reject) and exc.requeue
+    back = pickle.loads(pickle.dumps(exc))
+    assert isinstance(back, Preempted) and back.requeue and back.reason == "yielded"
