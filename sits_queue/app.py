@@ -9,6 +9,7 @@ from dataclasses import asdict
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import redis
 from celery import Celery, Task
 from kombu.entity import Queue
 
@@ -115,9 +116,16 @@ class SitsTask(Task):  # type: ignore[misc]
                 and remaining_s * 1000 < sits_config(self.app).yield_min_remaining_ms):
             return
         slicer = slices.slicer_for(sits_config(self.app))
-        if slicer.should_yield(running, time.monotonic()):
+        try:
+            if not slicer.should_yield(running, time.monotonic()):
+                return
             slicer.save(running, state)
-            raise slices.Preempted(f"yielded its slot after {running.sla_class!r} time slice")
+        except redis.RedisError as exc:
+            # Yielding is an optimisation: with Redis unreachable the task runs on (a
+            # yield whose checkpoint could not be saved would lose its progress).
+            slices.logger.warning("yield point skipped: %s", exc)
+            return
+        raise slices.Preempted(f"yielded its slot after {running.sla_class!r} time slice")
 
     @property
     def checkpoint(self) -> Any:

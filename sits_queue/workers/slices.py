@@ -38,6 +38,8 @@ from sits_queue.broker.scripts import Scripts
 from sits_queue.config import SitsConfig
 from sits_queue.options import HEADER
 
+logger = logging.getLogger(__name__)
+
 #: Ask the broker at least this often while a task is past its slice, s: a missed
 #: announcement (a reconnect) or a claim whose yielder died costs at most this much.
 RECHECK_S = 0.2

@@ -61,3 +61,27 @@ def test_preempted_is_a_requeueing_reject_that_survives_pickling() -> None:
     assert isinstance(exc, Reject) and exc.requeue
     back = pickle.loads(pickle.dumps(exc))
     assert isinstance(back, Preempted) and back.requeue and back.reason == "yielded"
+
+
+def test_a_yield_point_with_redis_unreachable_lets_the_task_run_on(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from sits_queue.app import make_app
+    from sits_queue.workers import slices
+
+    app = make_app(SitsConfig(redis_url="redis://127.0.0.1:1/0"), main="slices_unit")
+
+    @app.task(bind=True, sla_class="low", shared=False)
+    def step(self: object) -> None: ...
+
+    task = app.tasks[step.name]
+    task.push_request(id="t-1", sits_delivery=["celery", "m-1"], sits={"sla_class": "low"})
+    slices._starts["t-1"] = -1e9  # long past its slice
+    try:
+        with caplog.at_level("WARNING"):
+            task.yield_point({"done": 3})  # no Preempted, no ConnectionError
+        assert "yield point skipped" in caplog.text
+        assert task.checkpoint is None
+    finally:
+        slices._starts.pop("t-1", None)
+        task.pop_request()
+        app.close()
