@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import psutil
+from billiard.einfo import ExceptionWithTraceback
 from celery import bootsteps
 from celery.exceptions import TaskRevokedError
 from celery.worker.request import Request
@@ -234,7 +235,8 @@ class SitsRequest(Request):  # type: ignore[misc]
     def on_failure(self, exc_info: Any, send_failed_event: bool = True,
                    return_ok: bool = False) -> Any:
         exc = getattr(exc_info, "exception", None)
-        exc = getattr(exc, "exc", exc)  # unwrap billiard's ExceptionWithTraceback
+        if isinstance(exc, ExceptionWithTraceback):  # as Request.on_failure unwraps it
+            exc = exc.exc
         if isinstance(exc, Preempted):
             # Not a failure, not a redelivery: the task runs again from its checkpoint,
             # from the place in the queue it had (release.lua restores its score).

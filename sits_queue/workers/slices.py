@@ -106,6 +106,7 @@ class Slicer:
         self._subscribed: set[str] = set()
         self._urgent_heard = False
         self._next_check = 0.0
+        self._keys: dict[str, QueueKeys] = {}
 
     # -- the task's view --------------------------------------------------------------
     def should_yield(self, running: Running, now: float) -> bool:
@@ -113,7 +114,7 @@ class Slicer:
         outranking = self.config.outranking(running.sla_class)
         if not outranking or not past_slice(running, now, self.config):
             return False
-        keys = QueueKeys.for_queue(running.queue, self.config.global_keyprefix)
+        keys = self.keys(running.queue)
         self._listen(keys)
         if self._heard(outranking):
             self._next_check = 0.0  # something urgent was put: ask now
@@ -132,9 +133,15 @@ class Slicer:
         """Keep ``state`` for the next run. Saved even when None: a waiting task with a
         checkpoint is a resumption, and ``preempt.lua`` lets no one yield for it (else
         one urgent arrival would cascade: high displaces medium, medium displaces low)."""
-        keys = QueueKeys.for_queue(running.queue, self.config.global_keyprefix)
-        self.client.hset(keys.checkpoints, running.message_id, json.dumps(state))
+        self.client.hset(self.keys(running.queue).checkpoints, running.message_id,
+                         json.dumps(state))
 
+
+    def keys(self, queue: str) -> QueueKeys:
+        k = self._keys.get(queue)
+        if k is None:
+            k = self._keys[queue] = QueueKeys.for_queue(queue, self.config.global_keyprefix)
+        return k
 
     # -- announcements ----------------------------------------------------------------
     def _listen(self, keys: QueueKeys) -> None:
