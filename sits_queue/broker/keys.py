@@ -67,6 +67,7 @@ class QueueKeys:
     arrivals: str  # HASH SLA class -> messages ever enqueued (bandwidth compliance)
     checkpoints: str  # HASH message id -> state a preempted task saved when it yielded
     yields: str  # HASH waiting message id -> time a running task claimed to yield for it
+    held: str  # HASH message id -> "<consumer> <until>": released, not offered back to it
 
     @classmethod
     def for_queue(cls, queue: str, prefix: str = "") -> QueueKeys:
@@ -75,12 +76,12 @@ class QueueKeys:
             raise ValueError(f"queue name {queue!r} must not contain braces")
         base = f"{prefix}sits:{{{queue}}}:"
         return cls(*(base + suffix for suffix in ("z", "p", "i", "mk", "seq", "u", "s", "rd", "dl",
-                                                         "arr", "ck", "yc")))
+                                                         "arr", "ck", "yc", "hd")))
 
     def all(self) -> list[str]:
         return [self.waiting, self.payloads, self.meta, self.marker, self.seq, self.unacked,
                 self.saved, self.redelivered, self.dead, self.arrivals, self.checkpoints,
-                self.yields]
+                self.yields, self.held]
 
     @property
     def put_channel(self) -> str:

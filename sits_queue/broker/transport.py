@@ -15,6 +15,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
+from uuid import uuid4
 
 import redis
 from kombu.transport import redis as kredis
@@ -45,6 +46,8 @@ PURGE_CHUNK = 1000
 RESTORE_LIMIT = 1000
 #: Producers re-add their queues to the registry this often, s (heals a flushed registry).
 REGISTRY_REFRESH_S = 10.0
+#: How long a consumer stops looking after a pick found only messages it holds off, s.
+HELD_PAUSE_S = 0.25
 #: Malformed messages skipped in one get before yielding to the event loop.
 MAX_BAD_IN_A_ROW = 100
 
@@ -90,16 +93,20 @@ class QoS(kredis.QoS):
                                                   delivery_tag])
         virtual.QoS.ack(self, delivery_tag)
 
-    def release(self, delivery_tag: str) -> None:
+    def release(self, delivery_tag: str, hold_s: float = 0.0) -> None:
         """Put a delivered message back with its score, *not* counting a redelivery.
 
         For a worker that chose not to start the task (its device lacks the VRAM the
-        task declares): the message goes to another worker, and since nothing crashed,
-        it must not creep towards the poison-message limit. See ``lua/release.lua``.
+        task declares; ``hold_s`` > 0: this consumer is not offered it again for that
+        long, and takes the tasks behind it meanwhile) or a task that yielded its time
+        slice (no hold). Since nothing crashed, it must not creep towards the
+        poison-message limit. See ``lua/release.lua``.
         """
         queue = self._queue_of(delivery_tag)
         if queue is not None:
-            self.channel._run("release", queue, [delivery_tag])
+            hold_until = time.time() + hold_s if hold_s > 0 else 0
+            self.channel._run("release", queue,
+                              [self.channel.consumer_id, hold_until, delivery_tag])
         virtual.QoS.ack(self, delivery_tag)  # forget it locally; Redis already has it back
 
     def _held_by_queue(self) -> dict[str, list[str]]:
@@ -168,6 +175,10 @@ class Channel(kredis.Channel):
         self._keys: dict[str, QueueKeys] = {}
         self._marker_queue: dict[bytes, str] = {}
         self._registry_refreshed: dict[str, float] = {}
+        #: Who this channel is to pick.lua/release.lua: a message it released with a
+        #: hold is not offered back to it until the hold runs out.
+        self.consumer_id = uuid4().hex
+        self._held_pause_until = 0.0
         self.snapshots = SnapshotCache(self.config)
 
     # kombu's publish batches buffer plain Redis commands; a put here is a script whose
@@ -298,7 +309,13 @@ class Channel(kredis.Channel):
     # -- consuming -------------------------------------------------------------------------
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         for _ in range(MAX_BAD_IN_A_ROW):
-            picked = self._run("pick", queue, [time.time(), self.config.max_redeliveries])
+            picked = self._run("pick", queue, [time.time(), self.config.max_redeliveries,
+                                               self.consumer_id])
+            if isinstance(picked, int) and picked > 0:
+                # Only messages this consumer released (and still holds off) wait at the
+                # head: pause briefly, or the marker they keep set would wake us at once.
+                self._held_pause_until = time.monotonic() + HELD_PAUSE_S
+                raise Empty()
             if not picked:
                 raise Empty()
             message = self._decode(queue, picked)
@@ -339,8 +356,12 @@ class Channel(kredis.Channel):
     def _brpop_start(self, timeout: float | None = None) -> None:
         if timeout is None:
             timeout = self.brpop_timeout
+        if self._paused():
+            return
         if not self.connection.cycle._in_protected_read and self._fast_pick():
             return  # delivered until the consumer is full: nothing to wait for
+        if self._paused():  # that pick found only messages this consumer holds off
+            return
         queues = self._queue_cycle.consume(len(self.active_queues))
         if not queues:
             return
@@ -349,6 +370,16 @@ class Channel(kredis.Channel):
         self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
         # Wait on the markers, not the queues: the pick itself must be the atomic script.
         self.client.connection.send_command("BZPOPMIN", *markers, timeout or 0)
+
+    def _paused(self) -> bool:
+        """True while only messages this consumer holds off were waiting: it looks again
+        after the pause (a timer ends the hub's sleep then), not on the marker those
+        messages keep set for the other consumers, which would wake it at once."""
+        pause = self._held_pause_until - time.monotonic()
+        if pause <= 0:
+            return False
+        self.connection.call_later(pause)
+        return True
 
     def _fast_pick(self) -> bool:
         """Event-loop path: pick straight away while the consumer has room.
@@ -439,10 +470,22 @@ class Transport(kredis.Transport):
     driver_type = "redis"
     driver_name = "redis"
     _hub: Any = None
+    _wake_scheduled = False
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         super().register_with_event_loop(connection, loop)
         self._hub = loop
+
+    def call_later(self, delay_s: float) -> None:
+        """Make the event loop turn again in ``delay_s`` (its tick callbacks then run,
+        the fast pick among them). Without a hub (a plain drain_events loop) there is
+        nothing to wake: that loop polls again by itself."""
+        if self._hub is not None and not self._wake_scheduled:
+            self._wake_scheduled = True
+            self._hub.call_later(delay_s, self._woken)
+
+    def _woken(self) -> None:
+        self._wake_scheduled = False
 
     def wake_hub(self) -> None:
         """Make the event loop's next poll return at once.

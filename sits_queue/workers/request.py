@@ -4,17 +4,13 @@ A task may declare ``vram_gib`` (the SITS option). Before the main process hands
 pool child, :class:`SitsRequest` asks NVML how much memory the worker's devices have
 free right now. If it does not fit, the message goes back to its queue *without*
 counting as a redelivery (the broker's ``release.lua``; a redelivery count is for
-messages whose worker died, and too many of those dead-letter a message), and this
-consumer stops taking messages for a short, growing back-off so that another worker can
-take it. The task never fails for want of memory it did not yet try to use.
+messages whose worker died, and too many of those dead-letter a message), held off from
+this consumer for a short, growing time: ``pick.lua`` does not offer it back to this
+worker until then and hands it the tasks behind it instead, while every other worker
+may take it at once. The task never fails for want of memory it did not yet try to use,
+and it does not block the tasks behind it on a worker that cannot run it.
 
 Everything here runs in the parent process: NVML only, never CUDA.
-
-Known limit: priorities are strict, so while a released task is the best message in the
-queues this worker reads, the worker picks it again after each back-off (growing to
-``BACKOFF_CAP_S``) and lower-priority tasks behind it wait for another worker to take it
-or for memory to come free. Letting ``pick.lua`` skip ids a worker released recently
-would lift that; it is a broker change, left for later.
 
 Why a wrapper rather than an override: Celery builds, per task type, a subclass of
 ``Task.Request`` (``celery.worker.request.create_request_cls``) whose own
@@ -28,14 +24,12 @@ import contextlib
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import psutil
 from billiard.einfo import ExceptionWithTraceback
-from celery import bootsteps
 from celery.exceptions import TaskRevokedError
 from celery.worker.request import Request
 from celery.worker.state import task_ready
@@ -49,9 +43,9 @@ logger = logging.getLogger(__name__)
 #: Kept free on a device beyond a task's declaration: a child's CUDA context and the
 #: caching allocator's slack take a few hundred MiB that ``vram_gib`` does not count.
 HEADROOM_BYTES = 512 * 2**20
-#: First back-off after a release, s: long enough for a peer's poll to win the message.
+#: First hold after a release, s: long enough for a peer's poll to win the message.
 BACKOFF_BASE_S = 0.25
-#: Longest back-off, s: bounds how late this worker notices that memory came free.
+#: Longest hold, s: bounds how late this worker notices that memory came free.
 BACKOFF_CAP_S = 4.0
 
 
@@ -98,43 +92,32 @@ def admit(needed_gib: float | None, free_bytes: int,
 
 
 class Backoff:
-    """Exponential back-off of one consumer after it released tasks (thread-safe).
+    """How long a worker holds off a task it released: grows while it keeps releasing.
 
     ``BACKOFF_BASE_S`` after the first release, doubling per release in a row up to
-    ``BACKOFF_CAP_S``; a task that starts resets it. ``now`` is passed in (monotonic s).
+    ``BACKOFF_CAP_S``; a task that starts resets it (thread-safe).
     """
 
     def __init__(self, base_s: float = BACKOFF_BASE_S, cap_s: float = BACKOFF_CAP_S) -> None:
         self.base_s = base_s
         self.cap_s = cap_s
         self._streak = 0
-        self._until = 0.0
         self._lock = threading.Lock()
 
-    def back_off(self, now: float) -> float:
-        """Close the gate after a release; returns how long it stays closed, s."""
+    def next_hold(self) -> float:
+        """The hold for this release, s."""
         with self._lock:
             delay = min(self.cap_s, self.base_s * 2.0 ** self._streak)
             self._streak += 1
-            self._until = now + delay
             return delay
 
     def reset(self) -> None:
         with self._lock:
             self._streak = 0
-            self._until = 0.0
-
-    def open(self, now: float) -> bool:
-        return now >= self._until
 
     @property
     def streak(self) -> int:
         return self._streak
-
-    @property
-    def until(self) -> float:
-        """Monotonic time the gate opens again (0 when open)."""
-        return self._until
 
 
 class HostProbe:
@@ -169,7 +152,7 @@ class NvmlProbe:
 
 
 _probe: FreeMemoryProbe | None = None
-#: The consumer's back-off; one per worker main process (the only process that admits).
+#: The worker's hold-off; one per worker main process (the only process that admits).
 GATE = Backoff()
 
 
@@ -186,12 +169,13 @@ def probe() -> FreeMemoryProbe:
     return _probe
 
 
-def _give_back(request: Request) -> None:
-    """Put the message back at its score without a redelivery; forget the request."""
+def _give_back(request: Request, hold_s: float = 0.0) -> None:
+    """Put the message back at its score without a redelivery (held off from this
+    consumer for ``hold_s``); forget the request."""
     message = request.message
     qos: Any = getattr(getattr(message, "channel", None), "qos", None)
     if qos is not None and callable(getattr(qos, "release", None)):
-        qos.release(message.delivery_tag)
+        qos.release(message.delivery_tag, hold_s)
         # kombu's own requeue() marks the message so; nothing may ack it after this.
         message._state = "REQUEUED"
     else:  # another transport: a plain requeue (it may count as a redelivery there)
@@ -202,13 +186,13 @@ def _give_back(request: Request) -> None:
     task_ready(request)
 
 
-def release(request: Request, verdict: Verdict, now: float | None = None) -> float:
-    """Give the message back without a redelivery, forget the request, back off; delay s."""
-    _give_back(request)
-    delay = GATE.back_off(time.monotonic() if now is None else now)
-    logger.info("task %s[%s] not started here: %s; released to its queue, backing off "
-                "%.2f s", request.name, request.id, verdict.reason(), delay)
-    return delay
+def release(request: Request, verdict: Verdict) -> float:
+    """Give the message back without a redelivery, held off from this worker; hold s."""
+    hold = GATE.next_hold()
+    _give_back(request, hold)
+    logger.info("task %s[%s] not started here: %s; released to its queue, not taken "
+                "back here for %.2f s", request.name, request.id, verdict.reason(), hold)
+    return hold
 
 
 def _guard(execute: Callable[..., Any]) -> Callable[..., Any]:
@@ -250,40 +234,3 @@ class SitsRequest(Request):  # type: ignore[misc]
         own = cls.__dict__.get("execute_using_pool")
         if own is not None and not getattr(own, "__sits_guarded__", False):
             cls.execute_using_pool = _guard(own)
-
-
-class ReleaseGate(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Consumer step: while :data:`GATE` is closed, the task channel takes no messages.
-
-    Installed on the channel's ``can_consume`` (where Celery's own
-    ``worker_disable_prefetch`` hooks in); kombu's poller asks it before every fetch.
-    A timer entry at the gate's expiry wakes the event loop to fetch again promptly.
-    """
-
-    requires = ("celery.worker.consumer.tasks:Tasks",)
-    name = "SITS release gate"
-
-    def start(self, c: Any) -> None:
-        consumer = getattr(c, "task_consumer", None)
-        qos = getattr(getattr(consumer, "channel", None), "qos", None)
-        if qos is None:
-            return
-        inner = qos.can_consume
-        timer = getattr(c, "timer", None)
-        woken = {"until": 0.0}
-
-        def can_consume() -> bool:
-            now = time.monotonic()
-            if GATE.open(now):
-                return bool(inner())
-            until = GATE.until
-            if timer is not None and woken["until"] != until:
-                woken["until"] = until
-                timer.call_after(max(0.0, until - now), _noop)
-            return False
-
-        qos.can_consume = can_consume
-
-
-def _noop() -> None:
-    """A timer entry's only job is to end the event loop's sleep."""

@@ -474,7 +474,6 @@ def connect(app: Celery) -> None:
     signals.worker_process_init.connect(on_process_init, weak=False)
     signals.task_prerun.connect(on_prerun, weak=False)
     app.steps["worker"].add(PlanStep)
-    app.steps["consumer"].add(admission.ReleaseGate)
     app.steps["consumer"].add(advertise.Advertise)
 
 

@@ -240,8 +240,11 @@ def test_task_that_does_not_fit_is_released_not_failed(app: Celery, worker: Cele
     wait_for(lambda: r.zscore(WAITING.waiting, tag) is not None, 10, "it to be waiting")
     assert r.hget(WAITING.redelivered, tag) is None
     assert big.state == "PENDING"
-    # And the worker keeps serving (the higher class is picked ahead of it)
+    # And the worker keeps serving: the higher class ahead of it, and (no head-of-line
+    # blocking) a task of its own class queued behind it, well within the 4 s longest hold
     assert call(app, "t.ping", "after", sla_class="high", timeout=30) == "after"
+    behind = app.tasks["t.ping"].apply_async(("behind",), sla_class="low")
+    assert behind.get(timeout=3) == "behind"
     assert r.hget(WAITING.redelivered, tag) is None and big.state == "PENDING"
     r.hdel(WAITING.payloads, tag)  # gone for good: a pick skips an id without payload
     r.zrem(WAITING.waiting, tag)

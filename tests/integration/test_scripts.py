@@ -130,3 +130,26 @@ def test_pick_settles_the_claim_and_ack_drops_the_checkpoint(
     assert redis_client.hlen(KEYS.checkpoints) == 1  # kept while the task runs
     scripts.run("ack", KEYS, ["h"], redis_client)
     assert redis_client.hlen(KEYS.checkpoints) == 0
+
+
+def test_a_released_message_is_held_off_from_its_releaser_only(
+        redis_client: redis.Redis) -> None:
+    scripts = Scripts.register()
+    now = 1000.0
+    assert scripts.run("put", KEYS, put_args(["big", "small"]), redis_client) == [2, 2]
+    # Given consumer A picked "big" and released it with a hold of 5 s
+    assert scripts.run("pick", KEYS, [now, 5, "A"], redis_client)[0] == b"big"
+    assert scripts.run("release", KEYS, ["A", now + 5, "big"], redis_client) == 1
+    # Then A is offered the task behind it, and when only "big" is left, A is told so
+    assert scripts.run("pick", KEYS, [now + 1, 5, "A"], redis_client)[0] == b"small"
+    assert scripts.run("pick", KEYS, [now + 1, 5, "A"], redis_client) == 1
+    assert redis_client.zrange(KEYS.waiting, 0, -1) == [b"big"]  # in place, untouched
+    assert redis_client.zcard(KEYS.marker) == 1  # others are still woken for it
+    # While any other consumer may take it at once, and A again once the hold ran out
+    assert scripts.run("pick", KEYS, [now + 1, 5, "B"], redis_client)[0] == b"big"
+    scripts.run("release", KEYS, ["A", now + 5, "big"], redis_client)
+    assert scripts.run("pick", KEYS, [now + 6, 5, "A"], redis_client)[0] == b"big"
+    assert redis_client.hlen(KEYS.held) == 0
+    # An empty queue is 0, not a hold
+    scripts.run("ack", KEYS, ["big", "small"], redis_client)
+    assert scripts.run("pick", KEYS, [now + 7, 5, "A"], redis_client) == 0

@@ -217,21 +217,20 @@ def test_admit() -> None:
     assert verdict is not None and "vram_gib=12" in verdict.reason()
 
 
-def test_backoff_doubles_to_a_cap_and_resets() -> None:
+def test_hold_doubles_to_a_cap_and_resets() -> None:
     gate = request.Backoff(base_s=0.25, cap_s=1.0)
-    assert gate.open(0.0)
-    assert [gate.back_off(10.0) for _ in range(4)] == [0.25, 0.5, 1.0, 1.0]
-    assert not gate.open(10.5) and gate.open(11.0)
+    assert [gate.next_hold() for _ in range(4)] == [0.25, 0.5, 1.0, 1.0]
+    assert gate.streak == 4
     gate.reset()
-    assert gate.open(10.0) and gate.back_off(20.0) == 0.25
+    assert gate.next_hold() == 0.25
 
 
 class FakeQoS:
     def __init__(self) -> None:
-        self.released: list[str] = []
+        self.released: list[tuple[str, float]] = []
 
-    def release(self, tag: str) -> None:
-        self.released.append(tag)
+    def release(self, tag: str, hold_s: float = 0.0) -> None:
+        self.released.append((tag, hold_s))
 
 
 class FakeProbe:
@@ -271,13 +270,18 @@ def test_generated_request_classes_are_guarded(monkeypatch: pytest.MonkeyPatch) 
     fits, qos = fake_request(8)
     assert fits.execute_using_pool(None) == "sent to the pool"
     assert CeleryGenerated.ran == ["task-1"] and qos.released == []
-    # One that does not is released (no redelivery), never run, and the consumer backs off
+    # One that does not is released (no redelivery), never run, and held off from this
+    # worker for a growing time
     big, qos = fake_request(60)
     with pytest.raises(request.NotStartedHere):
         big.execute_using_pool(None)
     assert CeleryGenerated.ran == ["task-1"]
-    assert qos.released == ["tag-1"] and big.message._state == "REQUEUED"
-    assert big.acknowledged and not request.GATE.open(0.0)
+    assert qos.released == [("tag-1", 0.25)] and big.message._state == "REQUEUED"
+    assert big.acknowledged
+    again, qos = fake_request(60)
+    with pytest.raises(request.NotStartedHere):
+        again.execute_using_pool(None)
+    assert qos.released == [("tag-1", 0.5)]
 
 
 def test_sits_request_is_a_celery_request() -> None:

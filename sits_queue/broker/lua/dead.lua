@@ -3,7 +3,7 @@
 --   1 waiting ZSET  2 payloads HASH  3 meta HASH  4 marker ZSET  5 seq STRING
 --   6 unacked ZSET  7 saved-score HASH  8 redelivered HASH  9 dead-letter HASH
 --   10 arrivals HASH (class -> messages ever enqueued)  11 checkpoints HASH
---   12 yield claims HASH
+--   12 yield claims HASH  13 held HASH (released by a consumer, not offered back to it)
 -- ARGV: now (unix s), reason, ids
 -- Returns how many records were written.
 local n = 0
@@ -23,6 +23,7 @@ for i = 3, #ARGV do
   redis.call('HDEL', KEYS[7], id)
   redis.call('HDEL', KEYS[8], id)
   redis.call('HDEL', KEYS[11], id)
+  redis.call('HDEL', KEYS[13], id)
   redis.call('HDEL', KEYS[12], id)
 end
 return n

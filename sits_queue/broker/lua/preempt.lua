@@ -4,7 +4,7 @@
 --   1 waiting ZSET  2 payloads HASH  3 meta HASH  4 marker ZSET  5 seq STRING
 --   6 unacked ZSET  7 saved-score HASH  8 redelivered HASH  9 dead-letter HASH
 --   10 arrivals HASH (class -> messages ever enqueued)  11 checkpoints HASH
---   12 yield claims HASH
+--   12 yield claims HASH  13 held HASH (released by a consumer, not offered back to it)
 -- ARGV: running message id, now (unix s), least wait before yielding for a task (s),
 --       how long a claim stands (s), then the classes that outrank the running task
 -- Returns the id yielded for when the best waiting task is of an outranking class, has

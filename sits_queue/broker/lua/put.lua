@@ -3,7 +3,7 @@
 --   1 waiting ZSET  2 payloads HASH  3 meta HASH  4 marker ZSET  5 seq STRING
 --   6 unacked ZSET  7 saved-score HASH  8 redelivered HASH  9 dead-letter HASH
 --   10 arrivals HASH (class -> messages ever enqueued)  11 checkpoints HASH
---   12 yield claims HASH
+--   12 yield claims HASH  13 held HASH (released by a consumer, not offered back to it)
 -- ARGV (per message): id, payload JSON, meta JSON, score base ((levels - level) * 2^32),
 --                      SLA class
 -- Returns {messages enqueued, waiting after}: equal when the queue was empty before, so

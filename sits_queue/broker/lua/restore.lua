@@ -4,7 +4,7 @@
 --   1 waiting ZSET  2 payloads HASH  3 meta HASH  4 marker ZSET  5 seq STRING
 --   6 unacked ZSET  7 saved-score HASH  8 redelivered HASH  9 dead-letter HASH
 --   10 arrivals HASH (class -> messages ever enqueued)  11 checkpoints HASH
---   12 yield claims HASH
+--   12 yield claims HASH  13 held HASH (released by a consumer, not offered back to it)
 -- ARGV[1]: deadline ceiling (unix s) to restore every message picked/heartbeated before
 --          it, or '-' to restore exactly the ids in ARGV[3..]
 -- ARGV[2]: at most this many (with a ceiling)
