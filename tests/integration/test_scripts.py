@@ -153,3 +153,18 @@ def test_a_released_message_is_held_off_from_its_releaser_only(
     # An empty queue is 0, not a hold
     scripts.run("ack", KEYS, ["big", "small"], redis_client)
     assert scripts.run("pick", KEYS, [now + 7, 5, "A"], redis_client) == 0
+
+
+def test_a_crash_restore_keeps_the_checkpoint_for_the_next_run(
+        redis_client: redis.Redis) -> None:
+    scripts = Scripts.register()
+    scripts.run("put", KEYS, put_args(["t"]), redis_client)
+    # Given a task that yielded once (checkpoint saved) and is running again
+    assert scripts.run("pick", KEYS, [1000.0, 5, "A"], redis_client)[3] is None
+    redis_client.hset(KEYS.checkpoints, "t", '{"done": 7}')
+    # When its worker dies and the message is restored (restore.lua with explicit ids)
+    assert scripts.run("restore", KEYS, ["-", 0, "t"], redis_client) == 1
+    # Then the next run is handed the progress it had saved
+    picked = scripts.run("pick", KEYS, [1001.0, 5, "B"], redis_client)
+    assert picked[0] == b"t" and json.loads(picked[3]) == {"done": 7}
+    assert int(picked[2]) == 1  # and the crash counts as a redelivery, as before
