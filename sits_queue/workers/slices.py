@@ -104,7 +104,6 @@ class Slicer:
         self.scripts = Scripts.register()
         self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
         self._subscribed: set[str] = set()
-        self._urgent_heard = False
         self._next_check = 0.0
         self._keys: dict[str, QueueKeys] = {}
 
@@ -135,7 +134,6 @@ class Slicer:
         one urgent arrival would cascade: high displaces medium, medium displaces low)."""
         self.client.hset(self.keys(running.queue).checkpoints, running.message_id,
                          json.dumps(state))
-
 
     def keys(self, queue: str) -> QueueKeys:
         k = self._keys.get(queue)
