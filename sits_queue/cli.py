@@ -71,7 +71,10 @@ def queue_status(client: redis.Redis, config: SitsConfig, now_s: float) -> list[
             rows.append(row)
         out.append({"queue": name, "waiting": client.zcard(keys.waiting),
                     "unacked": client.zcard(keys.unacked), "dead": client.hlen(keys.dead),
-                    "head": rows})
+                    # Tasks that yielded a time slice and have progress saved; tasks a
+                    # worker released for want of VRAM and holds off for a while.
+                    "checkpointed": client.hlen(keys.checkpoints),
+                    "held": client.hlen(keys.held), "head": rows})
     return out
 
 
@@ -108,7 +111,8 @@ def _format_status(report: dict[str, Any]) -> str:
         lines.append("no queues yet (submit a task first)")
     for q in report["queues"]:
         lines.append(f"queue {q['queue']}: {q['waiting']} waiting, {q['unacked']} running/"
-                     f"reserved, {q['dead']} dead-lettered")
+                     f"reserved, {q['dead']} dead-lettered, {q['checkpointed']} resuming "
+                     f"from a yield, {q['held']} held off by a worker")
         for row in q["head"]:
             lines.append(f"  {row['priority']:>12.2f}  {row.get('sla_class', '?'):<8}"
                          f"{row.get('task', '?'):<32}waited {row.get('wait_s', '?')} s")

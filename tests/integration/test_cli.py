@@ -13,6 +13,7 @@ from pathlib import Path
 import redis
 from celery import Celery
 
+from sits_queue.broker.keys import QueueKeys
 from sits_queue.procs import CeleryProcess
 from tests.integration.conftest import ROOT
 
@@ -35,6 +36,14 @@ def test_status_shows_depth_and_head_tasks_with_class(client_app: Celery, redis_
     assert [row["sla_class"] for row in queue["head"]] == ["high", "low"]
     assert queue["head"][0]["priority"] > queue["head"][1]["priority"]
     assert queue["head"][0]["task"] == "w.add"
+    assert queue["checkpointed"] == queue["held"] == 0
+    # A task resuming from a yield and one held off by a worker are counted
+    first_id = queue["head"][0]["id"]
+    keys = QueueKeys.for_queue("celery")
+    redis_client.hset(keys.checkpoints, first_id, "{}")
+    redis_client.hset(keys.held, first_id, "consumer 9999999999")
+    text = sitsq("status", env={**os.environ, "SITS_REDIS_URL": redis_url}).stdout
+    assert "1 resuming from a yield, 1 held off by a worker" in text
 
 
 def test_status_reports_an_unreachable_redis_clearly() -> None:
