@@ -93,21 +93,27 @@ class QoS(kredis.QoS):
                                                   delivery_tag])
         virtual.QoS.ack(self, delivery_tag)
 
-    def release(self, delivery_tag: str, hold_s: float = 0.0) -> None:
-        """Put a delivered message back with its score, *not* counting a redelivery.
+    def release(self, delivery_tag: str, first_hold_s: float = 0.0,
+                longest_hold_s: float = 0.0) -> float:
+        """Put a delivered message back with its score, *not* counting a redelivery;
+        returns the hold it got, s.
 
         For a worker that chose not to start the task (its device lacks the VRAM the
-        task declares; ``hold_s`` > 0: this consumer is not offered it again for that
-        long, and takes the tasks behind it meanwhile) or a task that yielded its time
-        slice (no hold). Since nothing crashed, it must not creep towards the
-        poison-message limit. See ``lua/release.lua``.
+        task declares: ``first_hold_s`` > 0, and this consumer is not offered it again
+        for that long, doubling per repeat up to ``longest_hold_s``; it takes the tasks
+        behind it meanwhile) or a task that yielded its time slice (no hold). Since
+        nothing crashed, it must not creep towards the poison-message limit. See
+        ``lua/release.lua``.
         """
         queue = self._queue_of(delivery_tag)
+        hold = 0.0
         if queue is not None:
-            hold_until = time.time() + hold_s if hold_s > 0 else 0
-            self.channel._run("release", queue,
-                              [self.channel.consumer_id, hold_until, delivery_tag])
+            _, hold_text = self.channel._run("release", queue, [
+                self.channel.consumer_id, time.time(), first_hold_s,
+                max(first_hold_s, longest_hold_s), delivery_tag])
+            hold = float(hold_text)
         virtual.QoS.ack(self, delivery_tag)  # forget it locally; Redis already has it back
+        return hold
 
     def _held_by_queue(self) -> dict[str, list[str]]:
         """Delivery tags this channel holds (running or reserved), grouped by queue."""

@@ -5,10 +5,11 @@ pool child, :class:`SitsRequest` asks NVML how much memory the worker's devices 
 free right now. If it does not fit, the message goes back to its queue *without*
 counting as a redelivery (the broker's ``release.lua``; a redelivery count is for
 messages whose worker died, and too many of those dead-letter a message), held off from
-this consumer for a short, growing time: ``pick.lua`` does not offer it back to this
-worker until then and hands it the tasks behind it instead, while every other worker
-may take it at once. The task never fails for want of memory it did not yet try to use,
-and it does not block the tasks behind it on a worker that cannot run it.
+this consumer for a short time that doubles each time it releases the same message:
+``pick.lua`` does not offer it back to this worker until then and hands it the tasks
+behind it instead, while every other worker may take it at once. The task never fails
+for want of memory it did not yet try to use, and it does not block the tasks behind it
+on a worker that cannot run it.
 
 Everything here runs in the parent process: NVML only, never CUDA.
 
@@ -43,10 +44,11 @@ logger = logging.getLogger(__name__)
 #: Kept free on a device beyond a task's declaration: a child's CUDA context and the
 #: caching allocator's slack take a few hundred MiB that ``vram_gib`` does not count.
 HEADROOM_BYTES = 512 * 2**20
-#: First hold after a release, s: long enough for a peer's poll to win the message.
-BACKOFF_BASE_S = 0.25
-#: Longest hold, s: bounds how late this worker notices that memory came free.
-BACKOFF_CAP_S = 4.0
+#: First hold of a released message from its releaser, s: long enough for a peer's poll
+#: to win it. It doubles each time the same worker releases the same message again...
+HOLD_FIRST_S = 0.25
+#: ...up to this, s: bounds how late this worker notices that memory came free.
+HOLD_LONGEST_S = 4.0
 
 
 class NotStartedHere(TaskRevokedError):  # type: ignore[misc]
@@ -91,35 +93,6 @@ def admit(needed_gib: float | None, free_bytes: int,
     return Verdict(needed_gib=needed_gib, free_bytes=free_bytes)
 
 
-class Backoff:
-    """How long a worker holds off a task it released: grows while it keeps releasing.
-
-    ``BACKOFF_BASE_S`` after the first release, doubling per release in a row up to
-    ``BACKOFF_CAP_S``; a task that starts resets it (thread-safe).
-    """
-
-    def __init__(self, base_s: float = BACKOFF_BASE_S, cap_s: float = BACKOFF_CAP_S) -> None:
-        self.base_s = base_s
-        self.cap_s = cap_s
-        self._streak = 0
-        self._lock = threading.Lock()
-
-    def next_hold(self) -> float:
-        """The hold for this release, s."""
-        with self._lock:
-            delay = min(self.cap_s, self.base_s * 2.0 ** self._streak)
-            self._streak += 1
-            return delay
-
-    def reset(self) -> None:
-        with self._lock:
-            self._streak = 0
-
-    @property
-    def streak(self) -> int:
-        return self._streak
-
-
 class HostProbe:
     """The CPU fallback: host RAM stands in for device memory (as in ``cpu_device``)."""
 
@@ -152,8 +125,6 @@ class NvmlProbe:
 
 
 _probe: FreeMemoryProbe | None = None
-#: The worker's hold-off; one per worker main process (the only process that admits).
-GATE = Backoff()
 
 
 def configure(probe: FreeMemoryProbe | None) -> None:
@@ -169,13 +140,15 @@ def probe() -> FreeMemoryProbe:
     return _probe
 
 
-def _give_back(request: Request, hold_s: float = 0.0) -> None:
+def _give_back(request: Request, hold: bool = False) -> float:
     """Put the message back at its score without a redelivery (held off from this
-    consumer for ``hold_s``); forget the request."""
+    consumer when ``hold``); forget the request. Returns the hold, s."""
     message = request.message
     qos: Any = getattr(getattr(message, "channel", None), "qos", None)
+    held = 0.0
     if qos is not None and callable(getattr(qos, "release", None)):
-        qos.release(message.delivery_tag, hold_s)
+        held = float(qos.release(message.delivery_tag, *((HOLD_FIRST_S, HOLD_LONGEST_S)
+                                                        if hold else ())) or 0.0)
         # kombu's own requeue() marks the message so; nothing may ack it after this.
         message._state = "REQUEUED"
     else:  # another transport: a plain requeue (it may count as a redelivery there)
@@ -184,12 +157,12 @@ def _give_back(request: Request, hold_s: float = 0.0) -> None:
     with contextlib.suppress(Exception):  # events are best effort, as in Request.reject
         request.send_event("task-rejected", requeue=True)
     task_ready(request)
+    return held
 
 
 def release(request: Request, verdict: Verdict) -> float:
     """Give the message back without a redelivery, held off from this worker; hold s."""
-    hold = GATE.next_hold()
-    _give_back(request, hold)
+    hold = _give_back(request, hold=True)
     logger.info("task %s[%s] not started here: %s; released to its queue, not taken "
                 "back here for %.2f s", request.name, request.id, verdict.reason(), hold)
     return hold
@@ -203,7 +176,6 @@ def _guard(execute: Callable[..., Any]) -> Callable[..., Any]:
         if verdict is not None:
             release(self, verdict)
             raise NotStartedHere(self.id)
-        GATE.reset()
         return execute(self, pool, **kwargs)
 
     execute_using_pool.__sits_guarded__ = True  # type: ignore[attr-defined]

@@ -132,27 +132,44 @@ def test_pick_settles_the_claim_and_ack_drops_the_checkpoint(
     assert redis_client.hlen(KEYS.checkpoints) == 0
 
 
+def release(scripts: Scripts, client: redis.Redis, consumer: str, now: float,
+            task_id: str) -> tuple[int, float]:
+    n, hold = scripts.run("release", KEYS, [consumer, now, 0.25, 1.0, task_id], client)
+    return int(n), float(hold)
+
+
 def test_a_released_message_is_held_off_from_its_releaser_only(
         redis_client: redis.Redis) -> None:
     scripts = Scripts.register()
     now = 1000.0
     assert scripts.run("put", KEYS, put_args(["big", "small"]), redis_client) == [2, 2]
-    # Given consumer A picked "big" and released it with a hold of 5 s
+    # Given consumer A picked "big" and released it (first hold 0.25 s)
     assert scripts.run("pick", KEYS, [now, 5, "A"], redis_client)[0] == b"big"
-    assert scripts.run("release", KEYS, ["A", now + 5, "big"], redis_client) == 1
+    assert release(scripts, redis_client, "A", now, "big") == (1, 0.25)
     # Then A is offered the task behind it, and when only "big" is left, A is told so
-    assert scripts.run("pick", KEYS, [now + 1, 5, "A"], redis_client)[0] == b"small"
-    assert scripts.run("pick", KEYS, [now + 1, 5, "A"], redis_client) == 1
+    assert scripts.run("pick", KEYS, [now + 0.1, 5, "A"], redis_client)[0] == b"small"
+    assert scripts.run("pick", KEYS, [now + 0.1, 5, "A"], redis_client) == 1
     assert redis_client.zrange(KEYS.waiting, 0, -1) == [b"big"]  # in place, untouched
     assert redis_client.zcard(KEYS.marker) == 1  # others are still woken for it
-    # While any other consumer may take it at once, and A again once the hold ran out
-    assert scripts.run("pick", KEYS, [now + 1, 5, "B"], redis_client)[0] == b"big"
-    scripts.run("release", KEYS, ["A", now + 5, "big"], redis_client)
-    assert scripts.run("pick", KEYS, [now + 6, 5, "A"], redis_client)[0] == b"big"
-    assert redis_client.hlen(KEYS.held) == 0
-    # An empty queue is 0, not a hold
+    # While any other consumer may take it at once
+    assert scripts.run("pick", KEYS, [now + 0.1, 5, "B"], redis_client)[0] == b"big"
+    assert release(scripts, redis_client, "B", now + 0.1, "big") == (1, 0.25)
+    # And A each time it is offered again: its hold doubles per release by A, to the cap
+    holds = []
+    t = now + 1
+    for _ in range(4):
+        assert scripts.run("pick", KEYS, [t, 5, "A"], redis_client)[0] == b"big"
+        _, hold = release(scripts, redis_client, "A", t, "big")
+        holds.append(hold)
+        t += hold + 0.01
+    assert holds == [0.25, 0.5, 1.0, 1.0]
+    # A yield gives no hold; ack forgets the record; an empty queue is 0, not a hold
+    assert scripts.run("pick", KEYS, [t, 5, "A"], redis_client)[0] == b"big"
+    assert scripts.run("release", KEYS, ["A", t, 0, 0, "big"], redis_client) == [1, b"0"]
+    assert scripts.run("pick", KEYS, [t, 5, "A"], redis_client)[0] == b"big"
     scripts.run("ack", KEYS, ["big", "small"], redis_client)
-    assert scripts.run("pick", KEYS, [now + 7, 5, "A"], redis_client) == 0
+    assert redis_client.hlen(KEYS.held) == 0
+    assert scripts.run("pick", KEYS, [t, 5, "A"], redis_client) == 0
 
 
 def test_a_crash_restore_keeps_the_checkpoint_for_the_next_run(

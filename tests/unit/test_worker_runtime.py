@@ -217,20 +217,13 @@ def test_admit() -> None:
     assert verdict is not None and "vram_gib=12" in verdict.reason()
 
 
-def test_hold_doubles_to_a_cap_and_resets() -> None:
-    gate = request.Backoff(base_s=0.25, cap_s=1.0)
-    assert [gate.next_hold() for _ in range(4)] == [0.25, 0.5, 1.0, 1.0]
-    assert gate.streak == 4
-    gate.reset()
-    assert gate.next_hold() == 0.25
-
-
 class FakeQoS:
     def __init__(self) -> None:
-        self.released: list[tuple[str, float]] = []
+        self.released: list[tuple[Any, ...]] = []
 
-    def release(self, tag: str, hold_s: float = 0.0) -> None:
-        self.released.append((tag, hold_s))
+    def release(self, tag: str, *hold: float) -> float:
+        self.released.append((tag, *hold))
+        return hold[0] if hold else 0.0
 
 
 class FakeProbe:
@@ -263,7 +256,6 @@ def fake_request(vram_gib: float | None) -> tuple[CeleryGenerated, FakeQoS]:
 
 def test_generated_request_classes_are_guarded(monkeypatch: pytest.MonkeyPatch) -> None:
     assert getattr(CeleryGenerated.execute_using_pool, "__sits_guarded__", False)
-    monkeypatch.setattr(request, "GATE", request.Backoff())
     monkeypatch.setattr(request, "_probe", FakeProbe(40 * GIB))
     CeleryGenerated.ran.clear()
     # A task that fits goes to the pool
@@ -271,17 +263,13 @@ def test_generated_request_classes_are_guarded(monkeypatch: pytest.MonkeyPatch) 
     assert fits.execute_using_pool(None) == "sent to the pool"
     assert CeleryGenerated.ran == ["task-1"] and qos.released == []
     # One that does not is released (no redelivery), never run, and held off from this
-    # worker for a growing time
+    # worker (the broker doubles the hold on each repeat: tests/integration/test_scripts)
     big, qos = fake_request(60)
     with pytest.raises(request.NotStartedHere):
         big.execute_using_pool(None)
     assert CeleryGenerated.ran == ["task-1"]
-    assert qos.released == [("tag-1", 0.25)] and big.message._state == "REQUEUED"
-    assert big.acknowledged
-    again, qos = fake_request(60)
-    with pytest.raises(request.NotStartedHere):
-        again.execute_using_pool(None)
-    assert qos.released == [("tag-1", 0.5)]
+    assert qos.released == [("tag-1", request.HOLD_FIRST_S, request.HOLD_LONGEST_S)]
+    assert big.message._state == "REQUEUED" and big.acknowledged
 
 
 def test_sits_request_is_a_celery_request() -> None:

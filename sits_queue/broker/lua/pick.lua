@@ -26,12 +26,10 @@ for _ = 1, 64 do
   local held = redis.call('HGET', KEYS[13], id)
   local mine = false
   if held then
-    local who, till = string.match(held, '^(%S*) (%S+)$')
-    if tonumber(till) and tonumber(till) > tonumber(now) then
-      mine = who == consumer
-    else
-      redis.call('HDEL', KEYS[13], id)  -- its hold ran out (or is unreadable)
-    end
+    -- "<consumer> <until> <releases>"; a hold that ran out stays for its count
+    -- (release.lua doubles the next one), and ack drops it.
+    local who, till = string.match(held, '^(%S*) (%S+)')
+    mine = who == consumer and tonumber(till) ~= nil and tonumber(till) > tonumber(now)
   end
   local payload = (not mine) and redis.call('HGET', KEYS[2], id)
   if mine then
@@ -54,7 +52,6 @@ for _ = 1, 64 do
     else
       redis.call('ZADD', KEYS[6], now, id)
       redis.call('HDEL', KEYS[12], id)
-      redis.call('HDEL', KEYS[13], id)
       redis.call('HSET', KEYS[7], id, score)
       restore_passed()
       return {id, payload, times, redis.call('HGET', KEYS[11], id)}
