@@ -47,6 +47,8 @@ CLASSES = ("high", "medium", "low")
 #: A run that has not drained this long after its last arrival is reported as incomplete.
 DRAIN_TIMEOUT_S = 120.0
 QUICK = {"n_jobs": 600, "concurrency": 4}
+#: The SITS systems and the suffix of their ratio names.
+SITS_VARIANTS = (("sits", ""), ("sits_sliced", "_sliced"))
 FULL = {"n_jobs": 3000, "concurrency": 4}
 
 
@@ -109,7 +111,7 @@ def ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float | None]:
         return round(a / b, 3) if b else None
 
     out: dict[str, float | None] = {}
-    for name, suffix in (("sits", ""), ("sits_sliced", "_sliced")):
+    for name, suffix in SITS_VARIANTS:
         if name in systems:
             out[f"high_p99_vs_fifo{suffix}"] = div(p99(name), p99("celery_fifo"))
             out[f"high_p99_vs_priority{suffix}"] = div(p99(name), p99("celery_priority"))
@@ -153,7 +155,7 @@ def run(quick: bool = False, redis_url: str | None = None, seed: int = 7,
     r = result["ratios"]
     assert isinstance(r, dict)
     result["targets"] = {}
-    for name, suffix in (("sits", ""), ("sits_sliced", "_sliced")):
+    for name, suffix in SITS_VARIANTS:
         low_max_s = float(systems[name]["low"]["max_wait_ms"]) / 1000
         result["targets"].update({  # type: ignore[attr-defined]
             f"{name}: high_p99_vs_fifo<=0.10": _at_most(r[f"high_p99_vs_fifo{suffix}"], 0.10),

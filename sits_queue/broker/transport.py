@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 from uuid import uuid4
 
@@ -226,31 +226,14 @@ class Channel(kredis.Channel):
 
     # -- publishing ------------------------------------------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        """One published message: one ``put.lua`` call (bulk submission has its own path,
+        :meth:`_put_records_start`)."""
         kwargs.pop("_publish_batch", None)
-        self._put_many(queue, [message])
-
-    def _put_many(self, queue: str, messages: Sequence[dict[str, Any]],
-                  options: Sequence[TaskOptions] | None = None) -> int:
-        """Enqueue messages in one ``put.lua`` call; returns how many.
-
-        ``options``, one per message, are options the caller already validated (bulk
-        submission): then the headers are not parsed and validated a second time.
-        """
-        n, waiting = (int(x) for x in self.scripts.run(
-            "put", self.keys(queue), self._put_args(messages, options), self.raw))
-        self._after_put(queue, n, waiting)
-        return n
-
-    def _put_args(self, messages: Sequence[dict[str, Any]],
-                  options: Sequence[TaskOptions] | None) -> list[Any]:
-        """``put.lua``'s ARGV: per message its id, payload, scoring record, score, class."""
         now = time.time()
-        scorer = self.snapshots.scorer(self.raw, now)
-        args: list[Any] = []
-        for i, message in enumerate(messages):
-            args += self._put_record(message, None if options is None else options[i],
-                                     now, scorer)
-        return args
+        record = self._put_record(message, None, now, self.snapshots.scorer(self.raw, now))
+        n, waiting = (int(x) for x in self.scripts.run("put", self.keys(queue), record,
+                                                        self.raw))
+        self._after_put(queue, n, waiting)
 
     def _put_record(self, message: dict[str, Any], options: TaskOptions | None, now: float,
                     scorer: Scorer) -> list[Any]:
