@@ -117,9 +117,8 @@ class SitsTask(Task):  # type: ignore[misc]
             return
         slicer = slices.slicer_for(sits_config(self.app))
         try:
-            if not slicer.should_yield(running, time.monotonic()):
+            if not slicer.claim(running, time.monotonic(), state):
                 return
-            slicer.save(running, state)
         except redis.RedisError as exc:
             # Yielding is an optimisation: with Redis unreachable the task runs on (a
             # yield whose checkpoint could not be saved would lose its progress).

@@ -91,6 +91,15 @@ def checkpoint_of(request: Any) -> Any:
     return json.loads(raw) if isinstance(raw, (str, bytes)) else None
 
 
+def state_json(state: Any) -> str:
+    """``state`` as the JSON kept for the next run; a clear error when it is not JSON data."""
+    try:
+        return json.dumps(state)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"yield_point state must be JSON data (dicts, lists, str, numbers, "
+                        f"bool, None): {exc}") from exc
+
+
 def past_slice(running: Running, now: float, config: SitsConfig) -> bool:
     return now - running.started >= config.slice_ms / 1000
 
@@ -108,8 +117,14 @@ class Slicer:
         self._keys: dict[str, QueueKeys] = {}
 
     # -- the task's view --------------------------------------------------------------
-    def should_yield(self, running: Running, now: float) -> bool:
-        """True when this task should give its slot up now (the yield is then claimed)."""
+    def claim(self, running: Running, now: float, state: Any) -> bool:
+        """True when this task should give its slot up now. The yield is then claimed and
+        ``state`` kept as the task's checkpoint, in one step (``preempt.lua``).
+
+        The checkpoint is kept even when ``state`` is None: a waiting task with one is a
+        resumption, and ``preempt.lua`` lets no one yield for it (else one urgent arrival
+        would cascade: high displaces medium, medium displaces low).
+        """
         outranking = self.config.outranking(running.sla_class)
         if not outranking or not past_slice(running, now, self.config):
             return False
@@ -121,19 +136,12 @@ class Slicer:
             return False
         verdict = self.scripts.run("preempt", keys, [
             running.message_id, time.time(), self.config.yield_wait_ms / 1000, CLAIM_S,
-            *outranking], self.client)
+            state_json(state), *outranking], self.client)
         if verdict == b"wait" or verdict == "wait":
             self._next_check = now + RETRY_S
             return False
         self._next_check = now + RECHECK_S
         return bool(verdict)
-
-    def save(self, running: Running, state: Any) -> None:
-        """Keep ``state`` for the next run. Saved even when None: a waiting task with a
-        checkpoint is a resumption, and ``preempt.lua`` lets no one yield for it (else
-        one urgent arrival would cascade: high displaces medium, medium displaces low)."""
-        self.client.hset(self.keys(running.queue).checkpoints, running.message_id,
-                         json.dumps(state))
 
     def keys(self, queue: str) -> QueueKeys:
         k = self._keys.get(queue)

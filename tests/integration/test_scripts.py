@@ -78,7 +78,9 @@ def waiting_task(client: redis.Redis, task_id: str, sla_class: str, enqueued_at:
 
 def preempt(scripts: Scripts, client: redis.Redis, running: str, now: float,
             *outranking: str) -> object:
-    return scripts.run("preempt", KEYS, [running, now, 0.005, 1.0, *outranking], client)
+    state = json.dumps({"step": running})  # what the runner would resume from
+    return scripts.run("preempt", KEYS, [running, now, 0.005, 1.0, state, *outranking],
+                       client)
 
 
 def test_preempt_claims_one_yield_per_urgent_waiting_task(redis_client: redis.Redis) -> None:
@@ -93,6 +95,9 @@ def test_preempt_claims_one_yield_per_urgent_waiting_task(redis_client: redis.Re
     assert preempt(scripts, redis_client, "run-1", now, "high", "medium") == b"h1"
     assert preempt(scripts, redis_client, "run-2", now, "high", "medium") == b"h2"
     assert preempt(scripts, redis_client, "run-3", now, "high", "medium") is None
+    # And each yielder's state was kept in the same step as its claim; none for the third
+    assert {k: json.loads(v) for k, v in redis_client.hgetall(KEYS.checkpoints).items()} == {
+        b"run-1": {"step": "run-1"}, b"run-2": {"step": "run-2"}}
     # And a claim lapses after its time (its yielder died): then another may claim
     assert preempt(scripts, redis_client, "run-3", now + 1.5, "high", "medium") == b"h1"
 
@@ -116,6 +121,8 @@ def test_preempt_waits_for_a_free_slot_to_win_and_ignores_lesser_classes(
     # A garbled scoring record is skipped, not an error
     redis_client.hset(KEYS.meta, "h", "not json")
     assert preempt(scripts, redis_client, "run", now, "high") is None
+    # No verdict but a claim keeps a checkpoint (a waiting task with one is a resumption)
+    assert redis_client.hlen(KEYS.checkpoints) == 0
 
 
 def test_pick_settles_the_claim_and_ack_drops_the_checkpoint(

@@ -3,6 +3,7 @@ and the Preempted exception crossing the pool's pipe (no services)."""
 
 from __future__ import annotations
 
+import json
 import pickle
 from dataclasses import replace
 from types import SimpleNamespace
@@ -11,7 +12,13 @@ import pytest
 from celery.exceptions import Reject
 
 from sits_queue.config import ConfigError, SitsConfig
-from sits_queue.workers.slices import Preempted, Running, past_slice, running_from
+from sits_queue.workers.slices import (
+    Preempted,
+    Running,
+    past_slice,
+    running_from,
+    state_json,
+)
 
 
 def test_classes_yield_only_to_heavier_ones() -> None:
@@ -85,3 +92,10 @@ def test_a_yield_point_with_redis_unreachable_lets_the_task_run_on(
         slices._starts.pop("t-1", None)
         task.pop_request()
         app.close()
+
+
+def test_the_state_kept_at_a_yield_must_be_json_data() -> None:
+    assert json.loads(state_json({"done": 3, "ids": [1, 2]})) == {"done": 3, "ids": [1, 2]}
+    assert state_json(None) == "null"
+    with pytest.raises(TypeError, match="yield_point state must be JSON data"):
+        state_json({"tensor": object()})

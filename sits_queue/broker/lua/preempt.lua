@@ -6,17 +6,20 @@
 --   10 arrivals HASH (class -> messages ever enqueued)  11 checkpoints HASH
 --   12 yield claims HASH  13 held HASH (released by a consumer, not offered back to it)
 -- ARGV: running message id, now (unix s), least wait before yielding for a task (s),
---       how long a claim stands (s), then the classes that outrank the running task
+--       how long a claim stands (s), the running task's state (JSON) to keep when it
+--       yields, then the classes that outrank the running task
+-- On a claim the state is saved as the running task's checkpoint in the same step, so
+-- a yield never stands without what it resumes from (and costs one round trip).
 -- Returns the id yielded for when the best waiting task is of an outranking class, has
 -- waited at least the least wait (a slot that frees on its own gets it first), and no
 -- other running task has claimed to yield for it; 'wait' when only the least wait is
 -- missing (ask again soon); false otherwise.
 local running, now = ARGV[1], tonumber(ARGV[2])
-local least_wait, claim_s = tonumber(ARGV[3]), tonumber(ARGV[4])
+local least_wait, claim_s, state = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 -- Only a task this worker still holds may claim (not one already restored elsewhere).
 if not redis.call('ZSCORE', KEYS[6], running) then return false end
 local outranking = {}
-for i = 5, #ARGV do outranking[ARGV[i]] = true end
+for i = 6, #ARGV do outranking[ARGV[i]] = true end
 -- The best few waiting tasks, best first: one claimed already (another task is yielding
 -- for it) lets the next urgent one find its own yielder at once.
 for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, 7)) do
@@ -33,6 +36,7 @@ for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, 7)) do
   if not resuming and not (claimed and now - claimed < claim_s) then
     if now - (tonumber(meta.t) or now) < least_wait then return 'wait' end
     redis.call('HSET', KEYS[12], id, now)
+    redis.call('HSET', KEYS[11], running, state)
     return id
   end
 end
