@@ -21,11 +21,12 @@ Everything here runs in the pool child.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +90,32 @@ def checkpoint_of(request: Any) -> Any:
     or None on a first run."""
     raw = getattr(request, CHECKPOINT_HEADER, None)
     return json.loads(raw) if isinstance(raw, (str, bytes)) else None
+
+
+def slim_yields(tracer: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a Celery tracer so that a yield's result leaves out its traceback frames.
+
+    Celery returns a rejected task's ``ExceptionInfo`` from the pool child to the parent,
+    frames and all: billiard copies every frame's code positions, ~32 KB pickled for the
+    tracer's own frame, pickled by the child and unpickled by the parent on the path of
+    every yield. For a yield the parent reads only the exception (``SitsRequest``), so the
+    frames are dropped; the formatted traceback text stays. Anything else passes as is.
+    """
+    if getattr(tracer, "__sits_slim__", False):
+        return tracer
+
+    @functools.wraps(tracer)
+    def trace(*args: Any, **kwargs: Any) -> Any:
+        out = tracer(*args, **kwargs)
+        info: Any = out[0] if isinstance(out, tuple) and out else None
+        exc = getattr(info, "exception", None)
+        # billiard wraps it: ExceptionWithTraceback(exc, text).exc
+        if isinstance(getattr(exc, "exc", exc), Preempted):
+            info.tb = None
+        return out
+
+    trace.__sits_slim__ = True  # type: ignore[attr-defined]
+    return trace
 
 
 def state_json(state: Any) -> str:

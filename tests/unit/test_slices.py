@@ -99,3 +99,37 @@ def test_the_state_kept_at_a_yield_must_be_json_data() -> None:
     assert state_json(None) == "null"
     with pytest.raises(TypeError, match="yield_point state must be JSON data"):
         state_json({"tensor": object()})
+
+
+def test_a_yield_crosses_to_the_parent_without_its_traceback_frames() -> None:
+    from celery.app.trace import build_tracer
+
+    from sits_queue.app import make_app
+
+    app = make_app(SitsConfig(redis_url="redis://127.0.0.1:1/0"), main="slices_trace")
+
+    @app.task(bind=True, sla_class="low", shared=False, ignore_result=True)
+    def yields(self: object) -> None:
+        raise Preempted("yielded its slot")
+
+    @app.task(bind=True, sla_class="low", shared=False, ignore_result=True)
+    def fails(self: object) -> None:
+        raise ValueError("a real failure")
+
+    request = {"id": "t-1", "args": [], "kwargs": {}, "delivery_info": {}, "hostname": "h"}
+    try:
+        outcomes = {}
+        for task in (app.tasks[yields.name], app.tasks[fails.name]):
+            # As the prefork child does: Celery stores the tracer on the task.
+            task.__trace__ = build_tracer(task.name, task, app=app, eager=False)
+            outcomes[task.name] = task.__trace__("t-1", [], {}, request)[0]
+        # Then the yield's ExceptionInfo keeps its exception and text, not the frames...
+        slim = outcomes[yields.name]
+        assert isinstance(slim.exception.exc, Preempted) and slim.tb is None
+        assert "Preempted" in slim.traceback
+        assert len(pickle.dumps(slim)) < 4096
+        # ...while a failure's is untouched (its traceback is reported in full)
+        failed = outcomes[fails.name]
+        assert failed.tb is not None and "a real failure" in failed.traceback
+    finally:
+        app.close()
