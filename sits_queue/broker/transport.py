@@ -20,8 +20,9 @@ from uuid import uuid4
 import redis
 from kombu.transport import redis as kredis
 from kombu.transport import virtual
-from kombu.utils.json import loads
+from kombu.utils.json import dumps, loads
 
+from sits_queue.broker.fanout import DeferredPublisher
 from sits_queue.broker.keys import (
     CHECKPOINT_HEADER,
     DELIVERY_HEADER,
@@ -186,6 +187,7 @@ class Channel(kredis.Channel):
         self.consumer_id = uuid4().hex
         self._held_pause_until = 0.0
         self.snapshots = SnapshotCache(self.config)
+        self._fanout = DeferredPublisher()
 
     # kombu's publish batches buffer plain Redis commands; a put here is a script whose
     # arguments (score, record) are computed per message. Bulk submission has its own path
@@ -225,6 +227,22 @@ class Channel(kredis.Channel):
         return self.scripts.run(script, self.keys(queue), args, self.raw)
 
     # -- publishing ------------------------------------------------------------------------
+    def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
+                    **kwargs: Any) -> None:
+        """Events and broadcasts: PUBLISH without waiting for the reply (broker/fanout.py)."""
+        if kwargs.get("_publish_batch") is not None:
+            super()._put_fanout(exchange, message, routing_key, **kwargs)
+            return
+        # kombu's prefixed client puts global_keyprefix on PUBLISH's channel name.
+        topics = [f"{self.global_keyprefix}{topic}"
+                  for topic in self._get_publish_topics(exchange, routing_key)]
+        self._fanout.publish(self.pool, topics, dumps(message))
+
+    def close(self) -> None:
+        if not self.closed:
+            self._fanout.close()
+        super().close()
+
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         """One published message: one ``put.lua`` call (bulk submission has its own path,
         :meth:`_put_records_start`)."""
