@@ -18,6 +18,7 @@ with the KV cache and checking the soft time limit between steps) and :func:`emb
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,6 +35,8 @@ from sits_queue.errors import (
     VramLimitExceeded,
 )
 from sits_queue.workers import gpu, runtime
+
+logger = logging.getLogger(__name__)
 
 #: Upper bound on ``max_new_tokens``: a typo guard, not a model limit (that is checked too).
 MAX_NEW_TOKENS = 8192
@@ -113,7 +116,9 @@ def run_inference(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     soft = soft or getattr(task, "soft_time_limit", None)
     active = runtime.ActiveTask(model=model, quota=quota, engine_bytes=engine_bytes,
                                 device=rt.torch_device, on_cuda=rt.on_cuda,
-                                soft_deadline=time.monotonic() + soft if soft else None)
+                                soft_deadline=time.monotonic() + soft if soft else None,
+                                yielder=getattr(task, "yield_point", None),
+                                checkpoint=getattr(task, "checkpoint", None))
     oom: str | None = None
     start = time.perf_counter()
     try:
@@ -200,10 +205,17 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
              seed: int = 0, stop_at_eos: bool = True) -> dict[str, Any]:
     """Continue ``prompt`` with a causal LM, one token per step through the KV cache.
 
-    Greedy at ``temperature`` 0, else sampled (seeded). Refuses, with
+    Greedy at ``temperature`` 0, else sampled, each position from its own seed (``seed``
+    and the position), so a sample does not depend on how the run was cut. Refuses, with
     :class:`ContextTooLong`, a prompt that with ``max_new_tokens`` would pass the
     model's maximum positions. Between steps the soft time limit is checked; when it
     hits, the step's tensors are dropped and ``SoftTimeLimitExceeded`` says how far it got.
+
+    Between steps it is also a yield point (time slices, ``workers/slices.py``): once
+    it has run its slice while a task of a heavier class waits, it keeps the tokens so
+    far and gives its slot up; the next run re-reads prompt and tokens in one forward
+    pass (the KV cache is rebuilt, not shipped) and decodes on, to the same output an
+    uncut run gives. ``runs`` in the result counts the runs it took.
     """
     import torch
 
@@ -221,11 +233,14 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
     if active is not None:
         active.check_vram(kv_cache_bytes(module, prompt_tokens + max_new_tokens))
     eos = getattr(tokenizer, "eos_token_id", None) if stop_at_eos else None
-    generator = torch.Generator(device="cpu").manual_seed(int(seed))
-    new: list[int] = []
+    progress = _resumed(active.checkpoint if active is not None else None, max_new_tokens,
+                        int(getattr(module.config, "vocab_size", 0) or 0))
+    new: list[int] = progress["new"]
+    if new:  # the tokens of earlier runs go in with the prompt: one pass rebuilds the cache
+        input_ids = torch.cat([input_ids, torch.tensor([new], device=device)], dim=1)
     try:
-        _decode(module, input_ids, max_new_tokens, eos, float(temperature), generator, new,
-                active)
+        _decode(module, input_ids, max_new_tokens, eos, float(temperature), int(seed),
+                progress, active)
     except SoftTimeLimitExceeded:
         raise SoftTimeLimitExceeded(
             f"soft time limit hit while generating with model {model!r}: stopped after "
@@ -233,33 +248,64 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
     text = tokenizer.decode(new, skip_special_tokens=True)
     stopped = "eos" if eos is not None and new and new[-1] == eos else "length"
     return {"text": text, "tokens": len(new), "prompt_tokens": prompt_tokens,
-            "stopped": stopped}
+            "stopped": stopped, "runs": progress["runs"]}
+
+
+def _resumed(checkpoint: Any, max_new_tokens: int, vocab_size: int) -> dict[str, Any]:
+    """The progress a generation saved at its last yield, or a fresh start. A checkpoint
+    that is not one of ours (hand-edited, another version) is ignored, with a warning."""
+    if checkpoint is None:
+        return {"new": [], "runs": 1}
+    new: Any = checkpoint.get("new") if isinstance(checkpoint, dict) else None
+    runs: Any = checkpoint.get("runs") if isinstance(checkpoint, dict) else None
+    if (isinstance(new, list) and len(new) < max_new_tokens
+            and all(_is_token(t, vocab_size) for t in new)
+            and isinstance(runs, int) and not isinstance(runs, bool) and runs >= 1):
+        return {"new": list(new), "runs": runs + 1}
+    logger.warning("generation checkpoint not understood, starting over: %.200r", checkpoint)
+    return {"new": [], "runs": 1}
+
+
+def _is_token(value: Any, vocab_size: int) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            and (vocab_size <= 0 or value < vocab_size))
+
+
+def _seeded(generator: Any, seed: int, position: int) -> Any:
+    """The sampler for one position: the same whichever run reaches it."""
+    return generator.manual_seed((seed * 1_000_003 + position) % 2**63)
 
 
 def _decode(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
-            temperature: float, generator: Any, new: list[int],
+            temperature: float, seed: int, progress: dict[str, Any],
             active: runtime.ActiveTask | None) -> None:
-    """The decode loop; appends token ids to ``new`` so a caller sees progress on timeout."""
+    """The decode loop; appends token ids to ``progress["new"]`` so a caller sees how far
+    it got on a timeout, and so a yield keeps them for the next run."""
     import torch
 
+    new: list[int] = progress["new"]
     kwarg = _cache_kwarg(module)
+    generator = torch.Generator(device="cpu")
     ids: Any = input_ids
     past: Any = None
     out: Any = None
     logits: Any = None
     mask: Any = torch.ones_like(input_ids)
+    step_s = 0.0  # recent seconds per step: the work left, for yield_point
     try:
         with torch.inference_mode():
-            for step in range(max_new_tokens):
+            while len(new) < max_new_tokens:
+                began = time.perf_counter()
                 if active is not None:
-                    active.check_time(step, max_new_tokens)
+                    active.check_time(len(new), max_new_tokens)
                 out = module(input_ids=ids, attention_mask=mask, use_cache=True,
                              **{kwarg: past})
                 past = out.cache if hasattr(out, "cache") else out.past_key_values
                 logits = out.logits[:, -1, :].float()
                 if temperature > 0:
                     probs = torch.softmax(logits / temperature, dim=-1).cpu()
-                    token = int(torch.multinomial(probs, 1, generator=generator))
+                    token = int(torch.multinomial(probs, 1,
+                                                  generator=_seeded(generator, seed, len(new))))
                 else:
                     token = int(torch.argmax(logits, dim=-1))
                 new.append(token)
@@ -267,6 +313,10 @@ def _decode(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
                     return
                 ids = torch.tensor([[token]], device=input_ids.device)
                 mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+                if active is not None and len(new) < max_new_tokens:
+                    took = time.perf_counter() - began
+                    step_s = took if step_s == 0.0 else 0.8 * step_s + 0.2 * took
+                    active.yield_point(progress, step_s * (max_new_tokens - len(new)))
     finally:
         # A traceback keeps this frame alive: drop the KV cache now, not with the frame.
         past = out = ids = mask = logits = None

@@ -213,6 +213,15 @@ class ActiveTask:
     device: str
     soft_deadline: float | None = None
     on_cuda: bool = False
+    #: The running task's ``yield_point`` (time slices) and the state it saved at its
+    #: last yield (None on a first run), for loops that step: generation, batches.
+    yielder: Callable[[Any, float | None], None] | None = None
+    checkpoint: Any = None
+
+    def yield_point(self, state: Any, remaining_s: float | None = None) -> None:
+        """Let the slot go to more urgent work if it is time to (raises ``Preempted``)."""
+        if self.yielder is not None:
+            self.yielder(state, remaining_s)
 
     def check_vram(self, extra_bytes: int) -> None:
         """Enforce the class VRAM limit against an estimate where CUDA cannot enforce it.

@@ -250,6 +250,29 @@ def test_task_that_does_not_fit_is_released_not_failed(app: Celery, worker: Cele
     r.zrem(WAITING.waiting, tag)
 
 
+def test_a_long_generation_yields_its_slot_to_a_high_task(app: Celery, worker: CeleryProcess,
+                                                           r: redis.Redis) -> None:
+    # Given a low-class generation of 80 steps at >= 20 ms each on the worker's one slot
+    long = app.tasks["t.generate_slow"].apply_async(("the gpu", 80), sla_class="low")
+    wait_for(lambda: r.zcard(WAITING.waiting) == 0 and r.zcard(WAITING.unacked) == 1, 30,
+             "the generation to start")
+    # When a high task arrives while it decodes, the high task is served...
+    assert call(app, "t.describe", "urgent", sla_class="high",
+                timeout=FIRST_CALL_S)["output"]["tag"] == "urgent"
+    out = long.get(timeout=FIRST_CALL_S)["output"]
+    # ...because the generation gave its slot up between steps and resumed afterwards,
+    assert out["runs"] >= 2
+    assert "yielded its slot" in worker.log()
+    # to exactly the text an uncut run decodes ("slow" is "gpt" with a delay per step)
+    uncut = app.tasks["sits.generate"].apply_async(
+        ("the gpu",), {"max_new_tokens": 80, "stop_at_eos": False}, model="gpt",
+    ).get(timeout=CALL_S)["output"]
+    assert uncut["runs"] == 1
+    assert (out["text"], out["tokens"]) == (uncut["text"], uncut["tokens"]) and out["tokens"] == 80
+    assert r.hlen(WAITING.checkpoints) == 0  # the ack dropped it
+    assert_serving(app, worker)
+
+
 # -- failure paths: each a clear failure, the worker keeps serving -----------------------------
 
 @pytest.mark.parametrize(("name", "args", "options", "error", "match"), [

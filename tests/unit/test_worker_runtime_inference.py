@@ -3,6 +3,7 @@ models, and run_inference's accounting and error mapping with a fake engine cach
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -76,6 +77,65 @@ def test_sampling_is_seeded(lm: Any) -> None:
     a = inference.generate(lm, "the cache", max_new_tokens=6, temperature=1.5, seed=3)
     b = inference.generate(lm, "the cache", max_new_tokens=6, temperature=1.5, seed=3)
     assert a == b
+
+
+class YieldAt(Exception):
+    """Stands in for Preempted: carries the state a yield point was given, as JSON."""
+
+    def __init__(self, state: Any) -> None:
+        super().__init__("yielded")
+        self.state = json.loads(json.dumps(state))  # what preempt.lua would keep
+
+
+def runs_until_done(lm: Any, cut_at: set[int], **kwargs: Any) -> tuple[dict[str, Any], int]:
+    """``generate`` as a worker runs it, yielding after each token count in ``cut_at``
+    and resuming from the checkpoint; returns the final result and how many runs."""
+    checkpoint: Any = None
+    for attempt in range(1, 50):
+        def yielder(state: Any, remaining_s: float | None) -> None:
+            assert remaining_s is not None and remaining_s >= 0
+            if len(state["new"]) in cut_at:
+                cut_at.discard(len(state["new"]))
+                raise YieldAt(state)
+
+        active = rt.ActiveTask("lm", SitsConfig().quota("low"), lm.size_bytes(), "cpu",
+                               yielder=yielder, checkpoint=checkpoint)
+        try:
+            with rt.activated(active):
+                return inference.generate(lm, **kwargs), attempt
+        except YieldAt as y:
+            checkpoint = y.state
+    raise AssertionError("never finished")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.5])
+def test_a_generation_cut_by_yields_resumes_to_the_same_output(lm: Any,
+                                                                temperature: float) -> None:
+    kwargs = {"prompt": "the slot yields", "max_new_tokens": 12, "temperature": temperature,
+              "seed": 5, "stop_at_eos": False}
+    uncut = inference.generate(lm, **kwargs)
+    # When the run is cut after 1, 4 and 11 tokens and resumed each time
+    result, runs = runs_until_done(lm, {1, 4, 11}, **kwargs)
+    # Then it decodes exactly what the uncut run did, and says it took four runs
+    assert runs == 4 and result["runs"] == 4
+    assert {k: v for k, v in result.items() if k != "runs"} == \
+        {k: v for k, v in uncut.items() if k != "runs"}
+    assert uncut["runs"] == 1
+
+
+@pytest.mark.parametrize("checkpoint", [
+    {"new": "abc", "runs": 1}, {"new": [-1], "runs": 1}, {"new": [10**9], "runs": 1},
+    {"new": [1] * 12, "runs": 1}, {"new": [1], "runs": 0}, ["not", "a", "dict"],
+])
+def test_a_checkpoint_that_is_not_ours_starts_over(lm: Any, checkpoint: Any,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    kwargs = {"prompt": "the slot yields", "max_new_tokens": 12, "stop_at_eos": False}
+    active = rt.ActiveTask("lm", SitsConfig().quota("low"), lm.size_bytes(), "cpu",
+                           checkpoint=checkpoint)
+    with rt.activated(active), caplog.at_level("WARNING"):
+        result = inference.generate(lm, **kwargs)
+    assert result == inference.generate(lm, **kwargs)
+    assert "checkpoint not understood" in caplog.text
 
 
 @pytest.mark.parametrize(("args", "match"), [
