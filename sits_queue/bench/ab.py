@@ -3,16 +3,19 @@ Celery's Redis priority emulation, and SITS, on the same Redis and worker concur
 
 A program, not a test: it prints a table and JSON, and asserts nothing about timings.
 
+``sits`` runs each job's simulated inference in 5 ms steps with a ``yield_point()``
+between them, as a SITS task for long work is written (the built-in ``sits.generate``
+yields between decode steps): a long low task gives its slot to a high one instead of
+finishing first (time slices, workers/slices.py). The total work per job is the same as
+in the Celery systems, whose tasks have no way to step aside. Waits count until a task
+*first* starts. ``sits_run_to_completion`` is SITS with the job in one piece, as the
+Celery tasks run it: the broker's ordering alone.
+
 It also simulates the same arrivals through an ideal strict-priority scheduler that
 runs tasks to completion with zero overhead (``ideal_nonpreemptive``): the floor of the
 high class's waits for any broker whose workers never idle while work waits. On this
 workload that floor's p99 is about stock priority's, so a high p99 of half stock
-priority's is out of reach without preemption or slots held idle for the high class.
-
-Hence a fourth system, ``sits_sliced``: SITS again, with the simulated inference run
-in 5 ms steps and a ``yield_point()`` between them (time slices, workers/slices.py), so
-a long low task gives its slot to a high one instead of finishing first. Its waits
-count until a task *first* starts.
+priority's is out of reach without preemption, which is what the time slices add.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ CLASSES = ("high", "medium", "low")
 DRAIN_TIMEOUT_S = 120.0
 QUICK = {"n_jobs": 600, "concurrency": 4}
 #: The SITS systems and the suffix of their ratio names.
-SITS_VARIANTS = (("sits", ""), ("sits_sliced", "_sliced"))
+SITS_VARIANTS = (("sits", ""), ("sits_run_to_completion", "_run_to_completion"))
 FULL = {"n_jobs": 3000, "concurrency": 4}
 
 

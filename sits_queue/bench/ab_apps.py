@@ -1,6 +1,6 @@
-"""The three systems of ``sitsq bench ab``, as Celery apps workers load with ``-A``.
+"""The systems of ``sitsq bench ab``, as Celery apps workers load with ``-A``.
 
-``SITS_BENCH_SYSTEM`` picks one (``celery_fifo``, ``celery_priority``, ``sits``) and
+``SITS_BENCH_SYSTEM`` picks one (:data:`SYSTEMS`) and
 ``SITS_BENCH_REDIS_URL`` its Redis database; the A/B benchmark gives each system its own
 database (:func:`system_url`) so the runs cannot see each other's keys.
 """
@@ -19,10 +19,12 @@ from celery import Celery
 from sits_queue.app import make_app
 from sits_queue.config import SitsConfig
 
-SYSTEMS = ("celery_fifo", "celery_priority", "sits", "sits_sliced")
-DATABASES = {"celery_fifo": 1, "celery_priority": 2, "sits": 3, "sits_sliced": 4}
-#: ``sits_sliced`` runs the same service time in steps this long, with a yield point
-#: between steps (the granularity of a decode chunk or a batch item), ms.
+SYSTEMS = ("celery_fifo", "celery_priority", "sits", "sits_run_to_completion")
+DATABASES = {"celery_fifo": 1, "celery_priority": 2, "sits": 3, "sits_run_to_completion": 4}
+SITS_SYSTEMS = ("sits", "sits_run_to_completion")
+#: ``sits`` runs the service time in steps this long with a yield point between steps,
+#: as a SITS task for long work is written (``sits.generate`` yields between decode
+#: steps); ``sits_run_to_completion`` runs it in one piece, as the Celery tasks do, ms.
 STEP_MS = 5.0
 #: Stock Celery's Redis priorities: 0 is served first (kombu BRPOPs buckets in order).
 STOCK_PRIORITY = {"high": 0, "medium": 5, "low": 9}
@@ -36,7 +38,7 @@ def system_url(base_url: str, system: str) -> str:
 
 
 def build(system: str, url: str) -> Celery:
-    if system in ("sits", "sits_sliced"):
+    if system in SITS_SYSTEMS:
         app = make_app(replace(SitsConfig(redis_url=url)), main=f"bench_{system}")
     elif system == "celery_fifo":
         app = Celery("bench_fifo", broker=url)  # stock defaults, on purpose
@@ -50,7 +52,7 @@ def build(system: str, url: str) -> Celery:
     else:
         raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
     app.conf.task_ignore_result = True
-    if system == "sits_sliced":
+    if system == "sits":
         _register_sliced(app, url)
     else:
         _register(app, url)
@@ -101,7 +103,7 @@ def submit(app: Celery, system: str, sla_class: str, service_ms: float,
     """Send one job the way a user of that system would."""
     args = (sla_class, service_ms, time.time())
     task = app.tasks[TASK_NAME]
-    if system in ("sits", "sits_sliced"):
+    if system in SITS_SYSTEMS:
         task.apply_async(args, sla_class=sla_class, context_tokens=context_tokens,
                          input_entropy=0.5, producer=producer)
     elif system == "celery_priority":
