@@ -1,7 +1,8 @@
 """``sitsq demo``: the A/B workload through SITS alone, on the embedded (or given) Redis.
 
 A worker and beat run as real subprocesses; jobs simulate inference with a seeded
-service time. The table is the same per-class summary the A/B benchmark prints.
+service time, run in 5 ms steps with a yield point between them (time slices), as in
+the A/B benchmark's ``sits`` system; the table is the same per-class summary it prints.
 """
 
 from __future__ import annotations
