@@ -214,8 +214,10 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
     Between steps it is also a yield point (time slices, ``workers/slices.py``): once
     it has run its slice while a task of a heavier class waits, it keeps the tokens so
     far and gives its slot up; the next run re-reads prompt and tokens in one forward
-    pass (the KV cache is rebuilt, not shipped) and decodes on, to the same output an
-    uncut run gives. ``runs`` in the result counts the runs it took.
+    pass (the KV cache is rebuilt, not shipped) and decodes on. The result is an uncut
+    run's up to floating-point rounding: a one-pass prefill and step-by-step decoding
+    round differently, so a near-tie between two tokens could go the other way (on CPU
+    the tests see identical output). ``runs`` in the result counts the runs it took.
     """
     import torch
 
