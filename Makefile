@@ -7,7 +7,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.sits-installed
 
-.PHONY: demo test lint bench gpu-check clean
+.PHONY: demo test lint bench gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ bench: $(STAMP)
 
 gpu-check:
 	bash ops/gpu_check.sh
+
+# On a machine with PyPI: what a bare GPU image lacks, as wheels in .whl to carry there.
+gpu-wheels: $(STAMP)
+	bash ops/gpu_wheels.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

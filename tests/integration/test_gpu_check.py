@@ -1,0 +1,82 @@
+"""``ops/gpu_check.sh`` end to end on a host without a GPU.
+
+A session is lent a GPU rarely and for minutes, and this script is the first thing it
+runs there: it must not be found broken on the device. Here it runs exactly as it will
+there (a fresh interpreter, tests/gpu under pytest, the cold-start benchmark, one JSON
+summary), with every GPU test skipped for the reason the suite gives. On a GPU host the
+script runs those tests for real and is run by itself, so this test steps aside there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sits_queue.bench.coldstart import REQUIRED
+from tests.conftest import GPU_SKIP_REASON, _nvml_device_count
+
+ROOT = Path(__file__).resolve().parents[2]
+#: The script boxes its own steps to 6 minutes; past that it is broken, not slow.
+SCRIPT_TIMEOUT_S = 420
+
+
+@pytest.fixture(scope="module")
+def check(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, dict[str, Any]]:
+    if _nvml_device_count() > 0:
+        pytest.skip("a GPU is visible: run `bash ops/gpu_check.sh` itself, it runs tests/gpu")
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), "TMPDIR": str(out),
+           # no carried wheels: this interpreter has the packages already
+           "WHEELS": str(out / "no-wheels"),
+           # the benchmark's model zoo goes to the user cache dir: keep it in the test's
+           "XDG_CACHE_HOME": str(out / "cache")}
+    proc = subprocess.run(["bash", str(ROOT / "ops" / "gpu_check.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S,
+                          check=False)
+    summary = out / "gpu_check.json"
+    assert summary.exists(), proc.stderr[-3000:]
+    return proc.returncode, proc.stdout, json.loads(summary.read_text())
+
+
+@pytest.mark.slow
+def test_the_check_passes_with_every_gpu_test_skipped_for_the_reason(
+        check: tuple[int, str, dict[str, Any]]) -> None:
+    rc, stdout, summary = check
+    assert rc == 0, json.dumps(summary, indent=1)[-4000:]
+    assert summary["ok"] is True
+    assert json.loads(stdout.strip().splitlines()[-1])["ok"] is True
+    assert summary["install"] == {"rc": 0, "missing": [], "log_tail": None}
+    tests = summary["tests"]
+    assert tests["ran"] is True and tests["rc"] == 0
+    # Every test module of tests/gpu was collected: none vanished from the check
+    modules = {case["test"].split("::")[0] for case in tests["cases"]}
+    assert modules == {"tests.gpu.test_gpu_runtime", "tests.gpu.test_tensorrt"}
+    assert tests["counts"]["skipped"] == len(tests["cases"]) >= 7
+    assert summary["tests_all_skipped"] is True
+    runtime = [c for c in tests["cases"] if c["test"].startswith("tests.gpu.test_gpu_runtime")]
+    assert all(GPU_SKIP_REASON in c["message"] for c in runtime)
+
+
+@pytest.mark.slow
+def test_the_summary_carries_the_benchmark_and_the_host(
+        check: tuple[int, str, dict[str, Any]]) -> None:
+    _, _, summary = check
+    bench = summary["bench"]
+    assert bench["ran"] is True and bench["rc"] == 0
+    result = bench["result"]
+    assert set(result["systems"]) == {"celery_load_per_task", "celery_lru", "sits"}
+    for system in result["systems"].values():
+        assert set(REQUIRED) <= set(system)
+    assert set(result["ratios"]) == {"cold_cost_vs_lru", "throughput_vs_lru",
+                                     "throughput_vs_load_per_task"}
+    assert result["meta"]["quick"] is True
+    assert summary["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert summary["versions"]["cuda_available"] is False
+    assert summary["gpus"] == [] or "error" in summary["gpus"]
+    assert summary["elapsed_s"] < 360
