@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
+from dataclasses import replace
 from importlib import import_module
 from pathlib import Path
 from typing import Any
@@ -124,6 +126,12 @@ def _format_status(report: dict[str, Any]) -> str:
                      f"{w.get('concurrency', '?')}, devices [{devices}], warm engines "
                      f"{w.get('warm', [])}, cold starts {cold.get('cold', 0)}/"
                      f"{cold.get('tasks', 0)} tasks")
+        phases = ", ".join(f"{k} {v:,.1f}" for k, v in cold.get("phases_ms", {}).items())
+        if phases:
+            lines.append(f"    cold-start ms: {phases}")
+        failed = ", ".join(f"{k} {v}" for k, v in cold.get("failed", {}).items())
+        if failed:
+            lines.append(f"    failed: {failed}")
     return "\n".join(lines)
 
 
@@ -196,6 +204,31 @@ def celery(command: str, args: tuple[str, ...]) -> None:
     env = {**os.environ, "SITS_REDIS_URL": os.environ.get("SITS_REDIS_URL") or _redis_url()}
     argv = [sys.executable, "-m", "celery", "-A", "sits_queue", command, *args]
     os.execvpe(argv[0], argv, env)
+
+
+@main.command("metrics")
+@click.option("--port", default=9808, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
+def metrics_command(port: int, addr: str) -> None:
+    """Serve Prometheus metrics of every live worker and every queue, from Redis.
+
+    One endpoint for the fleet, for when Prometheus cannot reach each worker's own
+    (SITS_METRICS_PORT); runs until interrupted.
+    """
+    from sits_queue.workers import metrics
+
+    url = os.environ.get("SITS_REDIS_URL") or _redis_url()
+    config = replace(SitsConfig.from_env(), redis_url=url, metrics_port=port,
+                     metrics_addr=addr)
+    server = metrics.serve(config, None, queues=lambda c: queue_status(c, config, time.time()))
+    if server is None:
+        raise click.ClickException(f"cannot listen on {addr}:{port}")
+    click.echo(f"sitsq: serving http://{addr}:{server.server_address[1]}/metrics "
+               f"(Redis {_redact(url)})", err=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        metrics.stop()
 
 
 @main.command("stop-redis")

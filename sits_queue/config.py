@@ -166,6 +166,11 @@ class SitsConfig:
     #: but not when the task says it will finish within this long anyway, ms: a yield and
     #: the later resumption cost about two task dispatches of the pool.
     yield_min_remaining_ms: float = 15.0
+    #: Port of the worker's Prometheus endpoint (``/metrics``, served by its main
+    #: process); 0: none. Each worker on one host needs its own.
+    metrics_port: int = 0
+    #: Address it listens on.
+    metrics_addr: str = "0.0.0.0"
     weights: PriorityWeights = field(default_factory=PriorityWeights)
 
     def __post_init__(self) -> None:
@@ -190,6 +195,10 @@ class SitsConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 <= value < 3_600_000:
                 raise ConfigError(f"{name} must be in [0, 3600000) ms, got {value!r}")
+        if isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int) \
+                or not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be an integer in [0, 65535] (0: no "
+                              f"endpoint), got {self.metrics_port!r}")
         # No bound against the longest run time: workers heartbeat the messages they hold.
         if self.visibility_timeout_s <= 3:
             raise ConfigError("visibility_timeout_s must be > 3 s (heartbeat every third)")

@@ -109,14 +109,17 @@ def load_engine(spec: ModelSpec, device: str) -> Any:
     A loader that raises, or returns something that is not a model, becomes
     :class:`ModelLoadError` naming the model; the cause stays chained for the log.
     Device out-of-memory errors pass through unchanged so the caller can map them to
-    ``VramLimitExceeded``.
+    ``VramLimitExceeded``, and so does the task's soft time limit firing mid-load: the
+    task ran out of time, the model is not broken.
     """
+    from celery.exceptions import SoftTimeLimitExceeded
+
     from sits_queue.workers import gpu
 
     try:
         produced = spec.loader()
         return as_engine(spec, produced, device)
-    except ModelLoadError:
+    except (ModelLoadError, SoftTimeLimitExceeded):
         raise
     except Exception as exc:
         if gpu.is_oom(exc):

@@ -57,7 +57,7 @@ def counters_key(prefix: str, hostname: str) -> str:
     return f"{worker_key(prefix, hostname)}{_COUNTERS}"
 
 
-def _client(config: SitsConfig) -> redis.Redis:
+def client_for(config: SitsConfig) -> redis.Redis:
     # Per pid: a forked child must not share its parent's sockets.
     with _lock:
         client = _clients.get(os.getpid())
@@ -84,15 +84,23 @@ def device_record(device: Device) -> dict[str, Any]:
 
 
 def counters_from(raw: Mapping[Any, Any]) -> dict[str, Any]:
-    def get(name: str) -> float:
-        value = raw.get(name, raw.get(name.encode(), 0))
-        return float(value.decode() if isinstance(value, bytes) else value)
+    """The counters hash as numbers: totals, cold-start share, ms per phase, failures."""
+    values: dict[str, float] = {}
+    for key, value in raw.items():
+        name = key.decode() if isinstance(key, bytes) else str(key)
+        values[name] = float(value.decode() if isinstance(value, bytes) else value)
 
-    tasks, cold = int(get("tasks")), int(get("cold"))
-    cold_ms = get("cold_ms")
+    def group(prefix: str) -> dict[str, float]:
+        return {k[len(prefix):]: round(v, 3) for k, v in sorted(values.items())
+                if k.startswith(prefix)}
+
+    tasks, cold = int(values.get("tasks", 0)), int(values.get("cold", 0))
+    cold_ms = values.get("cold_ms", 0.0)
     return {"tasks": tasks, "cold": cold, "cold_ms": round(cold_ms, 3),
             "cold_share": round(cold_share(tasks, cold), 6),
-            "cold_ms_mean": round(cold_ms / cold, 3) if cold else 0.0}
+            "cold_ms_mean": round(cold_ms / cold, 3) if cold else 0.0,
+            "phases_ms": group("phase_ms:"), "by_source": group("cold:"),
+            "failed": {k: int(v) for k, v in group("failed:").items()}}
 
 
 def worker_record(hostname: str, pid: int, concurrency: int, devices: list[Device],
@@ -105,23 +113,24 @@ def worker_record(hostname: str, pid: int, concurrency: int, devices: list[Devic
 # -- writing -----------------------------------------------------------------------------
 
 def publish_child(config: SitsConfig, hostname: str, slot: int, record: Mapping[str, Any],
-                  tasks: int = 0, cold: int = 0, cold_ms: float = 0.0) -> None:
-    """Child side, one round trip: this child's record, and its new tasks in the counters.
+                  increments: Mapping[str, float] | None = None) -> None:
+    """Child side, one round trip: this child's record, and its new counts in the counters.
 
     The counters live in the worker's hash (not the child record) so they survive a
-    child that is replaced after a hard time limit.
+    child that is replaced after a hard time limit. Field names: :mod:`.metrics`.
     """
     prefix = config.global_keyprefix
     counters = counters_key(prefix, hostname)
     try:
-        pipe = _client(config).pipeline(transaction=False)
+        pipe = client_for(config).pipeline(transaction=False)
         pipe.set(child_key(prefix, hostname, slot),
                  json.dumps({**record, "updated_at": time.time()}, default=str), ex=TTL_S)
-        if tasks:
-            pipe.hincrby(counters, "tasks", tasks)
-            if cold:
-                pipe.hincrby(counters, "cold", cold)
-                pipe.hincrbyfloat(counters, "cold_ms", round(cold_ms, 3))
+        for name, value in (increments or {}).items():
+            if name.split(":", 1)[0].endswith("_ms"):  # cold_ms, phase_ms:<phase>
+                pipe.hincrbyfloat(counters, name, round(value, 3))
+            else:
+                pipe.hincrby(counters, name, int(value))
+        if increments:
             pipe.expire(counters, TTL_S * 4)
         pipe.execute()
     except redis.RedisError as exc:
@@ -150,32 +159,39 @@ def withdraw(client: redis.Redis, prefix: str, hostname: str, concurrency: int) 
 
 # -- reading -----------------------------------------------------------------------------
 
+def read_worker(client: redis.Redis, prefix: str, hostname: str) -> dict[str, Any] | None:
+    """One live worker's record with ``children`` (slot -> record) and ``warm``; None if
+    it is gone (or its record is unreadable)."""
+    raw = client.get(worker_key(prefix, hostname))
+    if raw is None:
+        return None
+    try:
+        record: dict[str, Any] = json.loads(raw)
+    except ValueError:
+        return None
+    concurrency = int(record.get("concurrency") or 0)
+    children: dict[str, Any] = {}
+    if concurrency:
+        values = client.mget([child_key(prefix, hostname, s) for s in range(concurrency)])
+        for slot, value in enumerate(values):
+            if value is not None:
+                children[str(slot)] = json.loads(value)
+    record["children"] = children
+    record["warm"] = sorted({k for c in children.values() for k in c.get("warm", {})})
+    return record
+
+
 def read_workers(client: redis.Redis, prefix: str = "") -> list[dict[str, Any]]:
-    """Every live worker's record, with ``children`` (slot -> record), by hostname."""
+    """Every live worker's record (see :func:`read_worker`), by hostname."""
     base = worker_key(prefix, "")
     workers: list[dict[str, Any]] = []
     for raw_key in client.scan_iter(match=f"{base}*", count=200):
         key = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key)
         if _CHILD in key[len(base):] or key.endswith(_COUNTERS):
             continue
-        raw = client.get(key)
-        if raw is None:
-            continue
-        try:
-            record = json.loads(raw)
-        except ValueError:
-            continue
-        concurrency = int(record.get("concurrency") or 0)
-        hostname = key[len(base):]
-        children: dict[str, Any] = {}
-        if concurrency:
-            values = client.mget([child_key(prefix, hostname, s) for s in range(concurrency)])
-            for slot, value in enumerate(values):
-                if value is not None:
-                    children[str(slot)] = json.loads(value)
-        record["children"] = children
-        record["warm"] = sorted({k for c in children.values() for k in c.get("warm", {})})
-        workers.append(record)
+        record = read_worker(client, prefix, key[len(base):])
+        if record is not None:
+            workers.append(record)
     return sorted(workers, key=lambda r: str(r.get("hostname", "")))
 
 
@@ -204,7 +220,7 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
         config, hostname, concurrency = self._args(c)
         devices = list(discover(visible=os.environ.get("CUDA_VISIBLE_DEVICES")).devices)
         try:
-            refresh(_client(config), config.global_keyprefix, hostname, os.getpid(),
+            refresh(client_for(config), config.global_keyprefix, hostname, os.getpid(),
                     concurrency, devices, time.time())
         except redis.RedisError as exc:
             logger.warning("could not refresh the worker advertisement: %s", exc)
@@ -222,6 +238,6 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
         self.stop(c)
         config, hostname, concurrency = self._args(c)
         try:
-            withdraw(_client(config), config.global_keyprefix, hostname, concurrency)
+            withdraw(client_for(config), config.global_keyprefix, hostname, concurrency)
         except redis.RedisError as exc:
             logger.warning("could not withdraw the worker advertisement: %s", exc)

@@ -34,7 +34,7 @@ from sits_queue.errors import (
     ModelLoadError,
     VramLimitExceeded,
 )
-from sits_queue.workers import gpu, runtime
+from sits_queue.workers import gpu, metrics, runtime
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,21 @@ def _acquire(rt: runtime.ChildRuntime, model: str) -> tuple[Any, Any]:
 
 def run_inference(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
                   kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Engine from the warm cache, limits, the user's function, accounting."""
+    """Engine from the warm cache, limits, the user's function, accounting; a failure is
+    counted by reason, and the child's record and counts go out once per task."""
+    try:
+        return _run(rt, task, args, kwargs)
+    except BaseException as exc:
+        reason = metrics.failure_reason(exc)
+        if reason is not None:
+            rt.count(metrics.failure_fields(reason))
+        raise
+    finally:
+        rt.publish()
+
+
+def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
+         kwargs: dict[str, Any]) -> dict[str, Any]:
     request = task.request
     model = runtime.task_model(request, getattr(task, "model", None))
     quota = runtime.task_class(rt.config, request, getattr(task, "sla_class", None))
@@ -109,8 +123,7 @@ def run_inference(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     runtime.check_engine_fits_class(model, quota, engine_bytes)
     fraction = rt.cap_for_class(quota, engine_bytes)
     meta = _cold_meta(cold, rt.take_ctx_ms())
-    rt.count(meta["cold"], meta["cuda_ctx_ms"] + meta["load_ms"] + meta["promote_ms"]
-             + meta["warmup_ms"])
+    rt.count(metrics.task_fields(meta, quota.name))
     timelimit = getattr(request, "timelimit", None) or (None, None)
     hard, soft = (*tuple(timelimit), None, None)[:2]
     soft = soft or getattr(task, "soft_time_limit", None)
@@ -128,8 +141,6 @@ def run_inference(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
         if not gpu.is_oom(exc):
             raise
         oom = str(exc).splitlines()[0][:300]
-    finally:
-        rt.publish()
     if oom is not None:
         gpu.release_memory()
         raise VramLimitExceeded(f"task exceeded the {quota.vram_gib:g} GiB VRAM limit of "

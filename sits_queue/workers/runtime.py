@@ -43,7 +43,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from sits_queue.config import ClassQuota, SitsConfig
 from sits_queue.errors import ConfigError, UnknownModel, VramLimitExceeded
 from sits_queue.options import HEADER
-from sits_queue.workers import advertise, gpu
+from sits_queue.workers import advertise, gpu, metrics
 from sits_queue.workers import request as admission
 from sits_queue.workers.devices import Device, Discovery, default_concurrency, discover
 from sits_queue.workers.limits import BYTES_PER_GIB, cpu_set
@@ -259,13 +259,6 @@ def activated(task: ActiveTask) -> Iterator[ActiveTask]:
 # -- per-process state --------------------------------------------------------------------------
 
 @dataclass
-class Counters:
-    tasks: int = 0
-    cold: int = 0
-    cold_ms: float = 0.0
-
-
-@dataclass
 class ChildRuntime:
     """One pool child: its slot, device, warm cache and counters."""
 
@@ -277,10 +270,11 @@ class ChildRuntime:
     #: A prefork pool child confines itself per task; a direct call in some other
     #: process (a script, a test, ``task.apply()``) must not re-pin its caller.
     pool_child: bool = False
-    counters: Counters = field(default_factory=Counters)
+    #: This child's counts since it started (field names: :mod:`.metrics`).
+    counters: dict[str, float] = field(default_factory=dict)
     cache_factory: Callable[..., Any] | None = None
     _cache: Any = None
-    _unsent: Counters = field(default_factory=Counters)
+    _unsent: dict[str, float] = field(default_factory=dict)
     _cpus: tuple[int, ...] = ()
     _pending_ctx_ms: float = 0.0
 
@@ -358,23 +352,21 @@ class ChildRuntime:
         return ms
 
     # -- accounting ------------------------------------------------------------------------
-    def count(self, cold: bool, cold_ms: float) -> None:
-        """One more inference task; sent with the next :meth:`publish`."""
-        for counters in (self.counters, self._unsent):
-            counters.tasks += 1
-            if cold:
-                counters.cold += 1
-                counters.cold_ms += cold_ms
+    def count(self, fields: Mapping[str, float]) -> None:
+        """Add counts (``metrics.task_fields`` / ``failure_fields``); sent by :meth:`publish`."""
+        metrics.merge(self.counters, fields)
+        metrics.merge(self._unsent, fields)
 
     def publish(self) -> None:
         """Write this child's warm set and memory, and its new counts, for the advert."""
         warm = self._cache.warm() if self._cache is not None else {}
-        unsent, self._unsent = self._unsent, Counters()
+        unsent, self._unsent = self._unsent, {}
         advertise.publish_child(self.config, self.plan.hostname, self.slot, {
             "slot": self.slot, "slots": self.plan.slots, "pid": os.getpid(),
             "device": self.device_label, "warm": dict(warm), "cpus": list(self._cpus),
-            "tasks": self.counters.tasks, "cold": self.counters.cold,
-            "memory": gpu.memory_stats()}, unsent.tasks, unsent.cold, unsent.cold_ms)
+            "tasks": int(self.counters.get("tasks", 0)),
+            "cold": int(self.counters.get("cold", 0)),
+            "memory": gpu.memory_stats()}, unsent)
 
 
 def _engine_cache(device: str, device_bytes: int, host_bytes: int, *,
@@ -440,6 +432,7 @@ def init_child(app: Celery, index: int, env: dict[str, str] | None = None) -> Ch
     p = plan()
     device = device_for_slot(p.discovery, index)
     (os.environ if env is None else env).update(pin_env(device))
+    metrics.forget_in_child()
     _child = ChildRuntime(app=app, plan=p, slot=index, device=device,
                           budgets=CacheBudgets.from_env(), pool_child=True)
     _child.publish()  # replaces a dead predecessor's record (its engines died with it)
@@ -483,6 +476,7 @@ def connect(app: Celery) -> None:
     signals.worker_process_init.connect(on_process_init, weak=False)
     signals.task_prerun.connect(on_prerun, weak=False)
     app.steps["worker"].add(PlanStep)
+    app.steps["worker"].add(metrics.MetricsServer)
     app.steps["consumer"].add(advertise.Advertise)
 
 

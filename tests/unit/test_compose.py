@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 import yaml
 
+from sits_queue.config import SitsConfig
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 APP_SERVICES = ("worker", "beat", "flower")
@@ -89,3 +91,10 @@ def test_dockerfile_is_slim_non_root_and_inference_is_opt_in() -> None:
 def test_dockerignore_keeps_local_state_out() -> None:
     ignored = set((ROOT / ".dockerignore").read_text().split())
     assert {".git", ".venv"} <= ignored
+
+
+def test_worker_serves_metrics_on_the_network_only(services: dict[str, dict[str, Any]]) -> None:
+    worker = services["worker"]
+    port = worker["environment"]["SITS_METRICS_PORT"]
+    assert SitsConfig.from_env({"SITS_METRICS_PORT": port}).metrics_port == 9808
+    assert worker["expose"] == [port] and "ports" not in worker

@@ -310,6 +310,17 @@ def test_a_raising_or_odd_loader_is_a_model_load_error() -> None:
         load_engine(registry.register("z", "/no/such/dir"), "cpu")
 
 
+def test_a_soft_time_limit_while_loading_is_the_tasks_not_the_models() -> None:
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    def slow() -> Any:
+        raise SoftTimeLimitExceeded()  # as Celery's signal handler raises it mid-load
+
+    # Not "ModelLoadError": the model is fine, the task ran out of time
+    with pytest.raises(SoftTimeLimitExceeded):
+        load_engine(ModelRegistry().register("s", slow), "cpu")
+
+
 def test_app_model_decorator_and_inference_task() -> None:
     app = make_app(SitsConfig(), main="api-test")
 
@@ -359,13 +370,19 @@ def test_cold_share(tasks: int, cold: int, share: float) -> None:
 
 def test_worker_record() -> None:
     record = advertise.worker_record("w@h", 123, 4, [gpu_device(0)],
-                                     {b"tasks": b"10", b"cold": b"2", b"cold_ms": b"500.5"},
+                                     {b"tasks": b"10", b"cold": b"2", b"cold_ms": b"500.5",
+                                      b"cold:disk": b"1", b"cold:host": b"1",
+                                      b"phase_ms:load": b"480.25", b"phase_ms:warmup": b"20.25",
+                                      b"failed": b"3", b"failed:UnknownModel": b"3"},
                                      now_s=1.0)
     assert record["concurrency"] == 4 and record["pid"] == 123
     assert record["devices"][0]["uuid"] == "GPU-0000-uuid"
     assert record["devices"][0]["total_vram_bytes"] == 80 * GIB
     assert record["cold_start"] == {"tasks": 10, "cold": 2, "cold_ms": 500.5,
-                                    "cold_share": 0.2, "cold_ms_mean": 250.25}
+                                    "cold_share": 0.2, "cold_ms_mean": 250.25,
+                                    "phases_ms": {"load": 480.25, "warmup": 20.25},
+                                    "by_source": {"disk": 1, "host": 1},
+                                    "failed": {"UnknownModel": 3}}
     assert advertise.counters_from({})["cold_share"] == 0.0
 
 

@@ -286,9 +286,12 @@ def test_result_carries_output_and_cold_start_accounting(app: Celery,
     assert meta["cold"] is True and meta["source"] == "disk" and meta["load_ms"] == 12.5
     assert meta["run_ms"] >= 0 and meta["device"] == "cpu" and meta["sla_class"] == "low"
     assert meta["limits"]["soft_time_limit_s"] == 8 and meta["limits"]["time_limit_s"] == 10
-    record, tasks, cold, cold_ms = published[-1]
+    record, counts = published[-1]
     assert record["warm"] == {"m": "device"} and record["tasks"] == 1
-    assert (tasks, cold, cold_ms) == (1, 1, 16.0)  # the counters go out with the record
+    # the counts go out with the record: the class, the source, ms per phase, the bucket
+    assert counts == {"tasks": 1, "tasks:low": 1, "cold": 1, "cold:disk": 1, "cold_ms": 16.0,
+                      "cold_le:25": 1, "phase_ms:load": 12.5, "phase_ms:promote": 0.5,
+                      "phase_ms:warmup": 3.0}
 
 
 def test_oom_while_running_is_a_vram_limit_failure_and_memory_is_released(

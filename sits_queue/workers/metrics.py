@@ -1,0 +1,303 @@
+"""The worker's metrics: cold starts by phase, tasks, failures, devices (MISSION §4.1, §5).
+
+Pool children count into the worker's counters hash in Redis (see
+:mod:`sits_queue.workers.advertise`), which outlives a child replaced after a hard time
+limit; with ``metrics_port`` set, the worker's main process serves them to Prometheus at
+``http://<host>:<port>/metrics``, read from that hash and the worker's advertisement at
+each scrape. Children never serve: a prefork child has no HTTP thread and would only
+count what it ran itself.
+
+Counter fields (``HINCRBY``/``HINCRBYFLOAT``; plain numbers, so the hash stays readable
+with ``redis-cli``):
+
+* ``tasks`` / ``tasks:<class>``: inference tasks that got their engine;
+* ``cold`` / ``cold:<source>`` / ``cold_ms``: those that paid a cold start, by where the
+  engine came from (``host``: promoted from the shadow pool; ``disk``: loaded);
+* ``phase_ms:<phase>``: ms spent per cold-start phase (``cuda_ctx``, ``load``,
+  ``promote``, ``warmup``);
+* ``cold_le:<ms>``: cold starts per bucket of :data:`COLD_BUCKETS_MS` (not cumulative);
+* ``failed:<reason>``: inference tasks that failed, by reason.
+
+Labels are bounded (§5): classes come from the class table, sources and phases are
+fixed, reasons are the names of our own errors plus ``SoftTimeLimitExceeded`` and
+``other``; hostnames and pool slots are as many as the fleet has.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import redis
+from celery import bootsteps
+from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
+from prometheus_client import start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from sits_queue.config import SitsConfig
+from sits_queue.errors import SitsError
+from sits_queue.workers import advertise
+
+logger = logging.getLogger(__name__)
+
+#: Phases of a cold start, as :class:`sits_queue.cache.pool.ColdStart` times them.
+PHASES = ("cuda_ctx", "load", "promote", "warmup")
+#: Where a cold task's engine came from.
+SOURCES = ("host", "disk")
+#: Upper bounds of the cold-start histogram, ms: a host-to-device promotion of a small
+#: engine is ~1 ms, a first CUDA context 100-200 ms, a large engine from disk seconds.
+COLD_BUCKETS_MS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
+_MS_PER_S = 1000.0
+#: Control flow, not failure: a yield (``Preempted`` is a ``Reject``), a retry, an ignore.
+_NOT_FAILURES = (Reject, Retry, Ignore)
+
+
+# -- pure: what one task adds ------------------------------------------------------------------
+
+def _bucket(ms: float) -> str:
+    for bound in COLD_BUCKETS_MS:
+        if ms <= bound:
+            return str(bound)
+    return "+Inf"
+
+
+def task_fields(meta: Mapping[str, Any], sla_class: str) -> dict[str, float]:
+    """Counter increments for one inference task that got its engine; ``meta`` is the
+    result's ``sits`` block (``cold``, ``source``, ``<phase>_ms``)."""
+    fields: dict[str, float] = {"tasks": 1, f"tasks:{sla_class}": 1}
+    if not meta.get("cold"):
+        return fields
+    phases = {p: float(meta.get(f"{p}_ms") or 0.0) for p in PHASES}
+    total = sum(phases.values())
+    source = meta.get("source")
+    fields.update({"cold": 1, "cold_ms": total, f"cold_le:{_bucket(total)}": 1,
+                   f"cold:{source if source in SOURCES else 'other'}": 1})
+    fields.update({f"phase_ms:{p}": ms for p, ms in phases.items() if ms})
+    return fields
+
+
+def failure_reason(exc: BaseException) -> str | None:
+    """The ``reason`` label of a failed inference task; None when it is not a failure."""
+    if isinstance(exc, _NOT_FAILURES):
+        return None
+    if isinstance(exc, SitsError | SoftTimeLimitExceeded):
+        return type(exc).__name__
+    return "other"
+
+
+def failure_fields(reason: str) -> dict[str, float]:
+    return {"failed": 1, f"failed:{reason}": 1}
+
+
+def merge(into: dict[str, float], fields: Mapping[str, float]) -> None:
+    for name, value in fields.items():
+        into[name] = into.get(name, 0.0) + value
+
+
+# -- pure: families from what Redis holds --------------------------------------------------
+
+def _num(raw: Mapping[Any, Any], name: str) -> float:
+    value = raw.get(name, raw.get(name.encode(), 0))
+    return float(value.decode() if isinstance(value, bytes) else value)
+
+
+def _suffixed(raw: Mapping[Any, Any], prefix: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, value in raw.items():
+        name = key.decode() if isinstance(key, bytes) else str(key)
+        if name.startswith(prefix):
+            out[name[len(prefix):]] = float(value.decode() if isinstance(value, bytes)
+                                            else value)
+    return out
+
+
+def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
+             ) -> list[Metric]:
+    """Prometheus families for worker records (``advertise.read_workers`` shape, plus the
+    raw counters hash under ``counters``)."""
+    classes = tuple(class_names)
+    info = GaugeMetricFamily("sits_worker_info", "A live SITS worker (value 1).",
+                             labels=["worker", "host", "pid"])
+    slots = GaugeMetricFamily("sits_worker_slots", "Pool children (one per GPU by default).",
+                              labels=["worker"])
+    tasks = CounterMetricFamily("sits_inference_tasks", "Inference tasks that got their "
+                                "engine, by SLA class.", labels=["worker", "sla_class"])
+    cold = CounterMetricFamily("sits_cold_starts", "Inference tasks that paid a cold start, "
+                               "by where the engine came from.", labels=["worker", "source"])
+    share = GaugeMetricFamily("sits_cold_start_share", "Share of inference tasks that paid a "
+                              "cold start (MISSION 4.4).", labels=["worker"])
+    phase = CounterMetricFamily("sits_cold_start_phase_seconds", "Time spent per cold-start "
+                                "phase (MISSION 4.1).", labels=["worker", "phase"])
+    hist = HistogramMetricFamily("sits_cold_start_seconds", "Cost of one cold start, all "
+                                 "phases.", labels=["worker"])
+    failed = CounterMetricFamily("sits_inference_failures", "Inference tasks that failed, by "
+                                 "reason.", labels=["worker", "reason"])
+    vram = GaugeMetricFamily("sits_device_vram_bytes", "Device memory from NVML.",
+                             labels=["worker", "device", "state"])
+    util = GaugeMetricFamily("sits_device_utilisation_ratio", "Device utilisation from "
+                             "NVML, 0-1.", labels=["worker", "device"])
+    warm = GaugeMetricFamily("sits_warm_engines", "Engines in a pool child's warm cache, by "
+                             "tier.", labels=["worker", "slot", "tier"])
+    allocated = GaugeMetricFamily("sits_child_allocated_bytes", "Device memory a pool child's "
+                                  "allocator holds.", labels=["worker", "slot"])
+    for w in workers:
+        name = str(w.get("hostname", "?"))
+        raw = w.get("counters") or {}
+        info.add_metric([name, str(w.get("host", "")), str(w.get("pid", ""))], 1)
+        slots.add_metric([name], float(w.get("concurrency") or 0))
+        by_class = _suffixed(raw, "tasks:")
+        for cls in sorted(set(classes) | set(by_class)):
+            tasks.add_metric([name, cls], by_class.get(cls, 0.0))
+        by_source = _suffixed(raw, "cold:")
+        for source in sorted(set(SOURCES) | set(by_source)):
+            cold.add_metric([name, source], by_source.get(source, 0.0))
+        n_tasks, n_cold = _num(raw, "tasks"), _num(raw, "cold")
+        share.add_metric([name], advertise.cold_share(int(n_tasks), int(n_cold)))
+        by_phase = _suffixed(raw, "phase_ms:")
+        for p in PHASES:
+            phase.add_metric([name, p], by_phase.get(p, 0.0) / _MS_PER_S)
+        per_bucket = _suffixed(raw, "cold_le:")
+        running, buckets = 0.0, []
+        for bound in (*map(str, COLD_BUCKETS_MS), "+Inf"):
+            running += per_bucket.get(bound, 0.0)
+            le = bound if bound == "+Inf" else repr(int(bound) / _MS_PER_S)
+            buckets.append((le, running))
+        hist.add_metric([name], buckets, sum_value=_num(raw, "cold_ms") / _MS_PER_S)
+        for reason, count in sorted(_suffixed(raw, "failed:").items()):
+            failed.add_metric([name, reason], count)
+        for d in w.get("devices") or []:
+            label = f"{d.get('kind', '?')}:{d.get('index', 0)}"
+            for state, key in (("total", "total_vram_bytes"), ("free", "free_vram_bytes")):
+                if d.get(key) is not None:
+                    vram.add_metric([name, label, state], float(d[key]))
+            if d.get("utilisation_pct") is not None:
+                util.add_metric([name, label], float(d["utilisation_pct"]) / 100.0)
+        for slot, child in sorted((w.get("children") or {}).items()):
+            tiers: dict[str, int] = {}
+            for tier in (child.get("warm") or {}).values():
+                tiers[str(tier)] = tiers.get(str(tier), 0) + 1
+            for tier in sorted(set(tiers) | {"device", "host"}):
+                warm.add_metric([name, str(slot), tier], tiers.get(tier, 0))
+            memory = child.get("memory") or {}
+            allocated.add_metric([name, str(slot)], float(memory.get("allocated_bytes", 0)))
+    return [info, slots, tasks, cold, share, phase, hist, failed, vram, util, warm, allocated]
+
+
+# -- the Redis edge ----------------------------------------------------------------------------
+
+def read(client: redis.Redis, prefix: str, hostname: str | None = None
+         ) -> list[dict[str, Any]]:
+    """Live workers (or the one named) with their raw counters, for :func:`families`."""
+    if hostname is None:
+        records = advertise.read_workers(client, prefix)
+    else:
+        one = advertise.read_worker(client, prefix, hostname)
+        records = [one] if one is not None else []
+    for record in records:
+        record["counters"] = client.hgetall(
+            advertise.counters_key(prefix, str(record.get("hostname"))))
+    return records
+
+
+def queue_families(queues: Iterable[Mapping[str, Any]]) -> list[Metric]:
+    """Per-queue gauges from ``sitsq status``'s queue rows (``cli.queue_status``)."""
+    out: list[Metric] = []
+    for field, help_text in (("waiting", "Tasks waiting in the sorted set."),
+                             ("unacked", "Tasks a worker holds (running or reserved)."),
+                             ("dead", "Dead-lettered tasks (poison, malformed, unknown)."),
+                             ("checkpointed", "Waiting tasks that yielded a time slice."),
+                             ("held", "Waiting tasks a worker released for want of VRAM.")):
+        family = GaugeMetricFamily(f"sits_queue_{field}", help_text, labels=["queue"])
+        for q in queues:
+            family.add_metric([str(q["queue"])], float(q.get(field) or 0))
+        out.append(family)
+    return out
+
+
+class WorkerCollector(Collector):
+    """What Prometheus scrapes: read from Redis at each scrape (a few round trips).
+
+    ``hostname``: that worker only (its own endpoint); None: every live worker, and with
+    ``queues`` (a function of the client giving ``cli.queue_status`` rows) the queues too
+    (``sitsq metrics``, one endpoint for the fleet).
+    """
+
+    def __init__(self, config: SitsConfig, hostname: str | None = None,
+                 queues: Callable[[redis.Redis], list[dict[str, Any]]] | None = None) -> None:
+        self.config, self.hostname, self.queues = config, hostname, queues
+
+    def collect(self) -> Iterator[Metric]:
+        client = advertise.client_for(self.config)
+        try:
+            workers = read(client, self.config.global_keyprefix, self.hostname)
+            queues = self.queues(client) if self.queues is not None else None
+        except (redis.RedisError, ValueError) as exc:
+            # A scrape answers with what it can: Prometheus shows the gap, the worker lives.
+            logger.warning("metrics scrape could not read Redis: %s", exc)
+            workers, queues = [], None
+        yield from families(workers, self.config.class_names)
+        if queues is not None:
+            yield from queue_families(queues)
+
+
+# -- serving, in the worker's main process -----------------------------------------------------
+
+_server: Any = None
+
+
+def serve(config: SitsConfig, hostname: str | None,
+          queues: Callable[[redis.Redis], list[dict[str, Any]]] | None = None) -> Any:
+    """Start the ``/metrics`` endpoint (a daemon thread); None when the port is off or taken."""
+    global _server
+    if not config.metrics_port:
+        return None
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(WorkerCollector(config, hostname, queues))
+    try:
+        _server, _ = start_http_server(config.metrics_port, addr=config.metrics_addr,
+                                       registry=registry)
+    except OSError as exc:
+        # Another worker on this host has the port: serve tasks anyway, say how to fix it.
+        logger.error("metrics endpoint not started: cannot listen on %s:%d (%s); give each "
+                     "worker on a host its own SITS_METRICS_PORT", config.metrics_addr,
+                     config.metrics_port, exc)
+        return None
+    logger.info("metrics at http://%s:%d/metrics", config.metrics_addr,
+                _server.server_address[1])
+    return _server
+
+
+def stop() -> None:
+    global _server
+    if _server is not None:
+        _server.shutdown()
+        _server.server_close()
+        _server = None
+
+
+def forget_in_child() -> None:
+    """A forked pool child closes its copy of the listening socket (it never accepts)."""
+    global _server
+    if _server is not None:
+        _server.socket.close()
+        _server = None
+
+
+class MetricsServer(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Worker step: the Prometheus endpoint, when ``metrics_port`` is set."""
+
+    requires = ("celery.worker.components:Pool",)
+    name = "SITS metrics"
+
+    def start(self, w: Any) -> None:
+        serve(w.app.sits, w.hostname)
+
+    def stop(self, w: Any) -> None:
+        stop()

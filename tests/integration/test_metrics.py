@@ -1,0 +1,224 @@
+"""The worker's Prometheus endpoint, scraped over HTTP from a real ``celery worker``.
+
+What a scrape must show after real inference tasks on tiny real models: tasks by class,
+cold starts by source with the time per phase and the histogram agreeing with them,
+failures by reason, the device and the warm engines; a second worker on the same port
+logs why it has no endpoint and serves on.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import redis
+from celery import Celery
+from prometheus_client.parser import text_string_to_metric_families
+
+from sits_queue.cli import _format_status, workers_status
+from sits_queue.config import SitsConfig
+from sits_queue.errors import InvalidInput, UnknownModel
+from sits_queue.procs import CeleryProcess, wait_ready
+from tests.integration.inference_app import (
+    ROOT,
+    build_models,
+    client_app,
+    spawn_worker,
+    write_config,
+)
+from tests.waiting import wait_for
+
+FIRST_CALL_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("metrics")
+    return build_models(root / "models"), write_config(root / "sits.toml")
+
+
+@pytest.fixture(scope="module")
+def app(redis_url: str, setup: tuple[Path, Path]) -> Iterator[Celery]:
+    client = client_app(redis_url, setup[1], "metrics-client")
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory, redis_url: str, setup: tuple[Path, Path],
+           app: Celery, port: int) -> Iterator[CeleryProcess]:
+    proc = spawn_worker(redis_url, setup[1], setup[0], tmp_path_factory.mktemp("logs"),
+                        env={"SITS_METRICS_PORT": str(port), "SITS_METRICS_ADDR": "127.0.0.1"},
+                        concurrency=1, name="metrics")
+    try:
+        wait_ready(app, [proc], timeout_s=120)
+        yield proc
+    finally:
+        proc.stop(timeout_s=30)
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample, keyed by name and sorted labels (the worker label dropped)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "worker"))
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def call(app: Celery, name: str, *args: Any, timeout: float = 60, **options: Any) -> Any:
+    return app.tasks[name].apply_async(args, **options).get(timeout=timeout)
+
+
+def test_a_scrape_shows_tasks_cold_starts_by_phase_failures_and_devices(
+        app: Celery, worker: CeleryProcess, port: int) -> None:
+    # Given a fresh worker: its first inference task loads from disk (in the class with
+    # the longest time limit: the child imports torch and transformers), the next is warm
+    first = call(app, "t.describe", "one", sla_class="high", timeout=FIRST_CALL_S)
+    call(app, "t.describe", "two", sla_class="low")
+    assert first["sits"]["cold"] is True and first["sits"]["source"] == "disk"
+    # And two failures: a model nobody registered, and a malformed prompt
+    with pytest.raises(UnknownModel):
+        call(app, "sits.generate", "hi", model="no-such-model")
+    with pytest.raises(InvalidInput):
+        call(app, "sits.generate", "", model="gpt")
+    m = scrape(port)
+    assert m[("sits_inference_tasks_total", (("sla_class", "high"),))] == 1
+    assert m[("sits_inference_tasks_total", (("sla_class", "low"),))] == 1
+    # (sits.generate on "gpt" got its engine before rejecting the empty prompt)
+    assert m[("sits_inference_tasks_total", (("sla_class", "medium"),))] == 1
+    assert m[("sits_cold_starts_total", (("source", "disk"),))] == 1
+    assert m[("sits_cold_starts_total", (("source", "host"),))] == 0
+    assert m[("sits_cold_start_share", ())] == pytest.approx(1 / 3)
+    # The phases add up to the cold start the task's result reported, in seconds
+    phases = {p: m[("sits_cold_start_phase_seconds_total", (("phase", p),))]
+              for p in ("cuda_ctx", "load", "promote", "warmup")}
+    reported = sum(first["sits"][f"{p}_ms"] for p in phases) / 1000
+    assert phases["load"] > 0 and sum(phases.values()) == pytest.approx(reported, abs=1e-5)
+    assert m[("sits_cold_start_seconds_count", ())] == 1
+    assert m[("sits_cold_start_seconds_sum", ())] == pytest.approx(reported, abs=1e-5)
+    assert m[("sits_cold_start_seconds_bucket", (("le", "+Inf"),))] == 1
+    assert m[("sits_inference_failures_total", (("reason", "UnknownModel"),))] == 1
+    assert m[("sits_inference_failures_total", (("reason", "InvalidInput"),))] == 1
+    # The worker, its device (a CPU host here) and the child's warm engine
+    assert m[("sits_worker_slots", ())] == 1
+    assert m[("sits_device_vram_bytes", (("device", "cpu:0"), ("state", "total")))] > 0
+    assert m[("sits_warm_engines", (("slot", "0"), ("tier", "device")))] == 1
+
+
+def test_sitsq_status_shows_the_phases_and_failures(worker: CeleryProcess,
+                                                    redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+
+    def text() -> str:
+        return _format_status({"queues": [], "workers": workers_status(client, SitsConfig())})
+
+    # The advertisement is refreshed every few seconds from the same counters
+    wait_for(lambda: "failed: InvalidInput 1, UnknownModel 1" in text(), 20,
+             "the worker's record to show the failures")
+    assert "cold-start ms: " in text() and "load " in text()
+    client.close()
+
+
+def test_counts_survive_a_scrape_and_grow(app: Celery, worker: CeleryProcess,
+                                          port: int) -> None:
+    before = scrape(port)
+    call(app, "t.describe", "three", sla_class="low")
+    after = scrape(port)
+    key = ("sits_inference_tasks_total", (("sla_class", "low"),))
+    assert after[key] == before[key] + 1
+    # A warm task adds no cold start
+    assert after[("sits_cold_start_seconds_count", ())] == \
+        before[("sits_cold_start_seconds_count", ())]
+
+
+def test_only_the_main_process_listens(worker: CeleryProcess, port: int) -> None:
+    def listening(pid: int) -> bool:
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                   for c in psutil.Process(pid).net_connections(kind="tcp"))
+
+    children = psutil.Process(worker.pid).children()
+    assert children and listening(worker.pid)
+    # The pool child forked after the endpoint started, and closed its copy of the socket
+    assert not any(listening(c.pid) for c in children)
+
+
+def test_a_second_worker_on_the_same_port_says_so_and_serves(
+        tmp_path_factory: pytest.TempPathFactory, redis_url: str, setup: tuple[Path, Path],
+        app: Celery, worker: CeleryProcess, port: int) -> None:
+    proc = spawn_worker(redis_url, setup[1], setup[0], tmp_path_factory.mktemp("logs2"),
+                        env={"SITS_METRICS_PORT": str(port), "SITS_METRICS_ADDR": "127.0.0.1"},
+                        concurrency=1, name="metrics-2")
+    try:
+        wait_ready(app, [proc], timeout_s=120)
+        wait_for(lambda: "metrics endpoint not started" in proc.log(), 30,
+                 "the second worker to log that the port is taken")
+        assert "give each worker on a host its own SITS_METRICS_PORT" in proc.log()
+        assert proc.alive()
+        # The first worker's endpoint still answers
+        assert ("sits_worker_slots", ()) in scrape(port)
+    finally:
+        proc.stop(timeout_s=30)
+
+
+def test_sitsq_metrics_serves_the_fleet_and_the_queues(
+        app: Celery, worker: CeleryProcess, redis_url: str) -> None:
+    # Given a task waiting in a queue no worker consumes
+    app.tasks["t.ping"].apply_async(("x",), queue="nobody-consumes")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "sits_queue.cli", "metrics", "--port",
+                             str(port), "--addr", "127.0.0.1"], cwd=ROOT,
+                            env={**os.environ, "SITS_REDIS_URL": redis_url},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        def answers() -> bool:
+            try:
+                scrape(port)
+            except OSError:
+                return False
+            return True
+
+        wait_for(answers, 30, "sitsq metrics to answer")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        # Every live worker, labelled by its hostname, and every queue
+        assert f'sits_worker_slots{{worker="{worker.hostname}"}} 1.0' in text
+        assert 'sits_queue_waiting{queue="nobody-consumes"} 1.0' in text
+        assert 'sits_queue_dead{queue="celery"}' in text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        with app.connection_for_write() as conn:
+            conn.default_channel.queue_purge("nobody-consumes")
+
+
+def test_sitsq_metrics_on_a_taken_port_exits_with_the_reason(
+        worker: CeleryProcess, redis_url: str, port: int) -> None:
+    out = subprocess.run([sys.executable, "-m", "sits_queue.cli", "metrics", "--port",
+                          str(port), "--addr", "127.0.0.1"], cwd=ROOT,
+                         env={**os.environ, "SITS_REDIS_URL": redis_url},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr

@@ -1,0 +1,136 @@
+"""The worker's metrics, pure parts: what a task adds, failure reasons, the families."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery.exceptions import Retry, SoftTimeLimitExceeded
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import CollectorRegistry
+
+from sits_queue.config import ConfigError, SitsConfig
+from sits_queue.errors import ModelLoadError, VramLimitExceeded
+from sits_queue.workers import metrics
+from sits_queue.workers.slices import Preempted
+
+
+def cold_meta(source: str = "disk", **phases: float) -> dict[str, Any]:
+    return {"cold": True, "source": source,
+            **{f"{p}_ms": phases.get(p, 0.0) for p in metrics.PHASES}}
+
+
+def test_a_warm_task_counts_only_as_a_task() -> None:
+    assert metrics.task_fields({"cold": False, "source": "device"}, "high") == \
+        {"tasks": 1, "tasks:high": 1}
+
+
+def test_a_cold_task_counts_its_source_phases_and_bucket() -> None:
+    fields = metrics.task_fields(cold_meta("host", promote=0.75, warmup=0.25), "low")
+    assert fields == {"tasks": 1, "tasks:low": 1, "cold": 1, "cold:host": 1, "cold_ms": 1.0,
+                      "cold_le:1": 1, "phase_ms:promote": 0.75, "phase_ms:warmup": 0.25}
+
+
+@pytest.mark.parametrize(("ms", "bucket"), [(0.0, "1"), (1.0, "1"), (1.01, "5"),
+                                            (30000.0, "30000"), (30000.5, "+Inf")])
+def test_buckets_are_upper_bounds(ms: float, bucket: str) -> None:
+    assert f"cold_le:{bucket}" in metrics.task_fields(cold_meta(load=ms), "low")
+
+
+def test_an_unknown_source_is_bounded() -> None:
+    assert "cold:other" in metrics.task_fields(cold_meta("somewhere"), "low")
+
+
+@pytest.mark.parametrize(("exc", "reason"), [
+    (VramLimitExceeded("x"), "VramLimitExceeded"),
+    (ModelLoadError("x"), "ModelLoadError"),
+    (SoftTimeLimitExceeded(), "SoftTimeLimitExceeded"),
+    (ValueError("user code"), "other"),
+    (Preempted("high task waiting"), None),   # a yield is not a failure
+    (Retry(), None),
+])
+def test_failure_reasons_are_a_bounded_set(exc: BaseException, reason: str | None) -> None:
+    assert metrics.failure_reason(exc) == reason
+
+
+def test_merge_adds() -> None:
+    into = {"tasks": 1.0}
+    metrics.merge(into, {"tasks": 1, "cold": 1})
+    assert into == {"tasks": 2.0, "cold": 1.0}
+
+
+def scrape(workers: list[dict[str, Any]]) -> dict[tuple[str, tuple[tuple[str, str], ...]],
+                                                  float]:
+    class Fixed:
+        def collect(self) -> Any:
+            return metrics.families(workers, ("high", "low"))
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Fixed())  # type: ignore[arg-type]
+    text = generate_latest(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+WORKER = {
+    "hostname": "w1@gpu-a", "host": "gpu-a", "pid": 42, "concurrency": 2,
+    "devices": [{"kind": "cuda", "index": 0, "total_vram_bytes": 80 * 2**30,
+                 "free_vram_bytes": 60 * 2**30, "utilisation_pct": 25}],
+    "children": {"0": {"warm": {"a": "device", "b": "host", "c": "host"},
+                       "memory": {"allocated_bytes": 1024}}},
+    # as HGETALL returns it: bytes, counts per bucket (not cumulative)
+    "counters": {b"tasks": b"10", b"tasks:high": b"7", b"tasks:low": b"3", b"cold": b"3",
+                 b"cold:disk": b"1", b"cold:host": b"2", b"cold_ms": b"1503.5",
+                 b"cold_le:1": b"1", b"cold_le:5": b"1", b"cold_le:2500": b"1",
+                 b"phase_ms:load": b"1200", b"phase_ms:cuda_ctx": b"150",
+                 b"phase_ms:promote": b"3.5", b"phase_ms:warmup": b"150",
+                 b"failed": b"2", b"failed:VramLimitExceeded": b"2"},
+}
+
+
+def test_families_from_a_worker_record() -> None:
+    m = scrape([WORKER])
+    w = ("worker", "w1@gpu-a")
+    assert m[("sits_worker_info", (("host", "gpu-a"), ("pid", "42"), w))] == 1
+    assert m[("sits_inference_tasks_total", (("sla_class", "high"), w))] == 7
+    assert m[("sits_cold_starts_total", (("source", "host"), w))] == 2
+    assert m[("sits_cold_start_share", (w,))] == pytest.approx(0.3)
+    assert m[("sits_cold_start_phase_seconds_total", (("phase", "load"), w))] == 1.2
+    # Cumulative buckets in seconds, count = every cold start, sum = their cost
+    assert m[("sits_cold_start_seconds_bucket", (("le", "0.001"), w))] == 1
+    assert m[("sits_cold_start_seconds_bucket", (("le", "0.005"), w))] == 2
+    assert m[("sits_cold_start_seconds_bucket", (("le", "1.0"), w))] == 2
+    assert m[("sits_cold_start_seconds_bucket", (("le", "2.5"), w))] == 3
+    assert m[("sits_cold_start_seconds_count", (w,))] == 3
+    assert m[("sits_cold_start_seconds_sum", (w,))] == pytest.approx(1.5035)
+    assert m[("sits_inference_failures_total", (("reason", "VramLimitExceeded"), w))] == 2
+    dev = ("device", "cuda:0")
+    assert m[("sits_device_vram_bytes", (dev, ("state", "free"), w))] == 60 * 2**30
+    assert m[("sits_device_utilisation_ratio", (dev, w))] == 0.25
+    assert m[("sits_warm_engines", (("slot", "0"), ("tier", "host"), w))] == 2
+    assert m[("sits_child_allocated_bytes", (("slot", "0"), w))] == 1024
+
+
+def test_a_worker_without_counts_reports_zeros_not_gaps() -> None:
+    m = scrape([{"hostname": "w2@h", "concurrency": 1}])
+    w = ("worker", "w2@h")
+    assert m[("sits_inference_tasks_total", (("sla_class", "low"), w))] == 0
+    assert m[("sits_cold_start_share", (w,))] == 0
+    assert m[("sits_cold_start_seconds_count", (w,))] == 0
+
+
+@pytest.mark.parametrize("port", [-1, 65536, True, 1.5])
+def test_metrics_port_is_checked(port: Any) -> None:
+    with pytest.raises(ConfigError, match="metrics_port"):
+        SitsConfig(metrics_port=port)
+
+
+def test_metrics_port_from_the_environment() -> None:
+    assert SitsConfig.from_env({"SITS_METRICS_PORT": "9808"}).metrics_port == 9808
+    with pytest.raises(ConfigError, match="SITS_METRICS_PORT"):
+        SitsConfig.from_env({"SITS_METRICS_PORT": "ninety"})
+
+
+def test_no_port_no_endpoint() -> None:
+    assert metrics.serve(SitsConfig(), "w@h") is None
