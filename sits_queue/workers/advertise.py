@@ -83,16 +83,26 @@ def device_record(device: Device) -> dict[str, Any]:
             "alpha": device.alpha}
 
 
-def counters_from(raw: Mapping[Any, Any]) -> dict[str, Any]:
-    """The counters hash as numbers: totals, cold-start share, ms per phase, failures."""
+def counter_values(raw: Mapping[Any, Any]) -> dict[str, float]:
+    """The counters hash, as ``HGETALL`` returns it (bytes), as names to numbers."""
     values: dict[str, float] = {}
     for key, value in raw.items():
         name = key.decode() if isinstance(key, bytes) else str(key)
         values[name] = float(value.decode() if isinstance(value, bytes) else value)
+    return values
+
+
+def counter_group(values: Mapping[str, float], prefix: str) -> dict[str, float]:
+    """The fields named ``<prefix><rest>`` (``phase_ms:load``...), by ``rest``, sorted."""
+    return {k[len(prefix):]: v for k, v in sorted(values.items()) if k.startswith(prefix)}
+
+
+def counters_from(raw: Mapping[Any, Any]) -> dict[str, Any]:
+    """The counters hash as numbers: totals, cold-start share, ms per phase, failures."""
+    values = counter_values(raw)
 
     def group(prefix: str) -> dict[str, float]:
-        return {k[len(prefix):]: round(v, 3) for k, v in sorted(values.items())
-                if k.startswith(prefix)}
+        return {k: round(v, 3) for k, v in counter_group(values, prefix).items()}
 
     tasks, cold = int(values.get("tasks", 0)), int(values.get("cold", 0))
     cold_ms = values.get("cold_ms", 0.0)

@@ -103,21 +103,6 @@ def merge(into: dict[str, float], fields: Mapping[str, float]) -> None:
 
 # -- pure: families from what Redis holds --------------------------------------------------
 
-def _num(raw: Mapping[Any, Any], name: str) -> float:
-    value = raw.get(name, raw.get(name.encode(), 0))
-    return float(value.decode() if isinstance(value, bytes) else value)
-
-
-def _suffixed(raw: Mapping[Any, Any], prefix: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for key, value in raw.items():
-        name = key.decode() if isinstance(key, bytes) else str(key)
-        if name.startswith(prefix):
-            out[name[len(prefix):]] = float(value.decode() if isinstance(value, bytes)
-                                            else value)
-    return out
-
-
 def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
              ) -> list[Metric]:
     """Prometheus families for worker records (``advertise.read_workers`` shape, plus the
@@ -149,28 +134,28 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
                                   "allocator holds.", labels=["worker", "slot"])
     for w in workers:
         name = str(w.get("hostname", "?"))
-        raw = w.get("counters") or {}
+        values = advertise.counter_values(w.get("counters") or {})
         info.add_metric([name, str(w.get("host", "")), str(w.get("pid", ""))], 1)
         slots.add_metric([name], float(w.get("concurrency") or 0))
-        by_class = _suffixed(raw, "tasks:")
+        by_class = advertise.counter_group(values, "tasks:")
         for cls in sorted(set(classes) | set(by_class)):
             tasks.add_metric([name, cls], by_class.get(cls, 0.0))
-        by_source = _suffixed(raw, "cold:")
+        by_source = advertise.counter_group(values, "cold:")
         for source in sorted(set(SOURCES) | set(by_source)):
             cold.add_metric([name, source], by_source.get(source, 0.0))
-        n_tasks, n_cold = _num(raw, "tasks"), _num(raw, "cold")
+        n_tasks, n_cold = values.get("tasks", 0.0), values.get("cold", 0.0)
         share.add_metric([name], advertise.cold_share(int(n_tasks), int(n_cold)))
-        by_phase = _suffixed(raw, "phase_ms:")
+        by_phase = advertise.counter_group(values, "phase_ms:")
         for p in PHASES:
             phase.add_metric([name, p], by_phase.get(p, 0.0) / _MS_PER_S)
-        per_bucket = _suffixed(raw, "cold_le:")
+        per_bucket = advertise.counter_group(values, "cold_le:")
         running, buckets = 0.0, []
         for bound in (*map(str, COLD_BUCKETS_MS), "+Inf"):
             running += per_bucket.get(bound, 0.0)
             le = bound if bound == "+Inf" else repr(int(bound) / _MS_PER_S)
             buckets.append((le, running))
-        hist.add_metric([name], buckets, sum_value=_num(raw, "cold_ms") / _MS_PER_S)
-        for reason, count in sorted(_suffixed(raw, "failed:").items()):
+        hist.add_metric([name], buckets, sum_value=values.get("cold_ms", 0.0) / _MS_PER_S)
+        for reason, count in advertise.counter_group(values, "failed:").items():
             failed.add_metric([name, reason], count)
         for d in w.get("devices") or []:
             label = f"{d.get('kind', '?')}:{d.get('index', 0)}"
