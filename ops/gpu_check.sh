@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU check: run tests/gpu and the GPU cold-start benchmark on a host with an NVIDIA GPU,
-# and write ONE JSON summary. Finishes within 6 minutes on one GPU (time boxes below).
+# GPU check: run tests/gpu and the cold-start and affinity benchmarks on a host with an
+# NVIDIA GPU, and write ONE JSON summary. Finishes within 6 minutes on one GPU (time
+# boxes below).
 #
 #   bash ops/gpu_check.sh [SUMMARY.json]      # default: $OUT/gpu_check.json, else ./
 #
@@ -15,8 +16,8 @@
 # Present, ./.whl is installed with `pip install --no-index --no-deps --target` into a
 # scratch dir put first on PYTHONPATH (the host's environment is left as it is; the
 # worker subprocesses inherit the path); absent, the packages must be installed.
-# Exit status: 0 when the tests passed (or were all skipped for lack of a GPU) and the
-# benchmark ran to its end, else 1; the summary is written either way.
+# Exit status: 0 when the tests passed (or were all skipped for lack of a GPU) and both
+# benchmarks ran to their end, else 1; the summary is written either way.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,9 +27,10 @@ OUT_DIR="${OUT:-$ROOT}"
 SUMMARY="${1:-$OUT_DIR/gpu_check.json}"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
 WHEELS="${WHEELS:-$ROOT/.whl}"
-# Time boxes, s: tests, then benchmark; with install and summary well under 6 minutes.
-TESTS_TIMEOUT_S="${TESTS_TIMEOUT_S:-210}"
-BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-110}"
+# Time boxes, s: tests, then the benchmarks; with install and summary under 6 minutes.
+TESTS_TIMEOUT_S="${TESTS_TIMEOUT_S:-180}"
+BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-100}"
+AFFINITY_TIMEOUT_S="${AFFINITY_TIMEOUT_S:-60}"
 START_S=$(date +%s)
 mkdir -p "$(dirname "$SUMMARY")"
 
@@ -69,21 +71,28 @@ else
 fi
 
 bench_rc=""
+affinity_rc=""
 if [ -z "$deps_missing" ] && "$PY" -c "import sits_queue.bench.coldstart" 2>/dev/null; then
     echo "gpu_check: cold-start benchmark (at most ${BENCH_TIMEOUT_S}s)" >&2
     timeout --kill-after=10 "$BENCH_TIMEOUT_S" "$PY" -m sits_queue.bench.coldstart --quick \
         --json "$WORK/coldstart.json" >"$WORK/bench.log" 2>&1
     bench_rc=$?
 fi
+if [ -z "$deps_missing" ] && "$PY" -c "import sits_queue.bench.affinity" 2>/dev/null; then
+    echo "gpu_check: affinity benchmark (at most ${AFFINITY_TIMEOUT_S}s)" >&2
+    timeout --kill-after=10 "$AFFINITY_TIMEOUT_S" "$PY" -m sits_queue.bench.affinity --quick \
+        --json "$WORK/affinity.json" >"$WORK/affinity.log" 2>&1
+    affinity_rc=$?
+fi
 
 "$PY" - "$SUMMARY" "$WORK" "$tests_rc" "${bench_rc:-}" "$install_rc" "$deps_missing" \
-    "$START_S" <<'EOF'
+    "$START_S" "${affinity_rc:-}" <<'EOF'
 """Fold the logs and results into one JSON summary (standard library only)."""
 import datetime, json, os, platform, socket, subprocess, sys, time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-summary, work, tests_rc, bench_rc, install_rc, missing, start = sys.argv[1:8]
+summary, work, tests_rc, bench_rc, install_rc, missing, start, affinity_rc = sys.argv[1:9]
 work = Path(work)
 
 
@@ -149,17 +158,17 @@ def tests():
     return result
 
 
-def bench():
-    if bench_rc == "":
-        return {"ran": False, "reason": "sits_queue.bench.coldstart not present"}
+def bench(rc, name, log):
+    if rc == "":
+        return {"ran": False, "reason": f"sits_queue.bench.{name} not present"}
     data = None
-    path = work / "coldstart.json"
+    path = work / f"{name}.json"
     if path.exists():
         try:
             data = json.loads(path.read_text())
         except ValueError as exc:
             data = {"error": f"unreadable JSON: {exc}"}
-    return {"ran": True, "rc": int(bench_rc), "result": data, "log_tail": tail("bench.log")}
+    return {"ran": True, "rc": int(rc), "result": data, "log_tail": tail(log)}
 
 
 t = tests()
@@ -172,17 +181,18 @@ report = {
     "install": {"rc": int(install_rc), "missing": missing.split() or [],
                 "log_tail": tail("pip.log", 1500)},
     "tests": t,
-    "bench": bench(),
+    "bench": bench(bench_rc, "coldstart", "bench.log"),
+    "bench_affinity": bench(affinity_rc, "affinity", "affinity.log"),
     "elapsed_s": round(time.time() - int(start), 1),
 }
 counts = t.get("counts", {})
 # On a GPU host every test skipped means NVML saw nothing: worth flagging, not failing.
 report["tests_all_skipped"] = bool(counts) and counts.get("skipped") == sum(counts.values())
-b = report["bench"]
+benches = (report["bench"], report["bench_affinity"])
 # pytest's 5 ("no tests collected") is a failure: the check exists to run them.
 report["ok"] = (t["rc"] == 0 and not counts.get("failure") and not counts.get("error")
                 and not report["install"]["missing"] and int(install_rc) == 0
-                and b.get("ran") is True and b.get("rc") == 0)
+                and all(b.get("ran") is True and b.get("rc") == 0 for b in benches))
 Path(summary).write_text(json.dumps(report, indent=2))
 print(json.dumps({"ok": report["ok"], "tests": counts, "elapsed_s": report["elapsed_s"],
                   "summary": summary}))

@@ -125,7 +125,8 @@ def _format_status(report: dict[str, Any]) -> str:
         lines.append(f"  {w.get('hostname', '?')}: pid {w.get('pid', '?')}, concurrency "
                      f"{w.get('concurrency', '?')}, devices [{devices}], warm engines "
                      f"{w.get('warm', [])}, cold starts {cold.get('cold', 0)}/"
-                     f"{cold.get('tasks', 0)} tasks")
+                     f"{cold.get('tasks', 0)} tasks, {cold.get('affinity_picks', 0)} taken "
+                     "ahead by affinity")
         phases = ", ".join(f"{k} {v:,.1f}" for k, v in cold.get("phases_ms", {}).items())
         if phases:
             lines.append(f"    cold-start ms: {phases}")
@@ -185,6 +186,13 @@ def bench_broker(quick: bool, json_path: Path | None) -> None:
 def bench_coldstart(quick: bool, json_path: Path | None) -> None:
     """Load-per-task vs module LRU vs the SITS two-tier engine cache."""
     _run_module("sits_queue.bench.coldstart", quick, json_path)
+
+
+@bench.command("affinity")
+@_bench_options
+def bench_affinity(quick: bool, json_path: Path | None) -> None:
+    """A fleet of workers pulling in priority order vs by warm-engine affinity."""
+    _run_module("sits_queue.bench.affinity", quick, json_path)
 
 
 def _run_module(module: str, quick: bool, json_path: Path | None) -> None:

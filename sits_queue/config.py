@@ -19,6 +19,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
+from sits_queue.broker.affinity import AffinityPolicy
 from sits_queue.errors import ConfigError
 
 #: Used by ``celery -A sits_queue worker`` when nothing is configured, as Celery users expect.
@@ -32,6 +33,10 @@ def _coerce(name: str, raw: str, kind: type) -> Any:
         return kind(raw)
     except ValueError as exc:
         raise ConfigError(f"SITS_{name.upper()}={raw!r} is not a valid {kind.__name__}") from exc
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _positive(name: str, value: float) -> None:
@@ -171,6 +176,16 @@ class SitsConfig:
     metrics_port: int = 0
     #: Address it listens on.
     metrics_addr: str = "0.0.0.0"
+    #: Affinity-aware pulling (``broker/affinity.py``): a worker looks at this many
+    #: waiting tasks from the head for one whose model it holds warm; below 2: off...
+    affinity_window: int = 16
+    #: ...taking it ahead of the head only if its priority >= the head's / this...
+    affinity_priority_ratio: float = 2.0
+    #: ...and never once the head has waited this long, ms (bounds what affinity costs
+    #: a task that is warm nowhere: about one cold start of a mid-size engine);
+    affinity_max_skip_ms: float = 1000.0
+    #: an engine in the host tier counts this much of one on the device.
+    affinity_host_weight: float = 0.5
     weights: PriorityWeights = field(default_factory=PriorityWeights)
 
     def __post_init__(self) -> None:
@@ -199,11 +214,26 @@ class SitsConfig:
                 or not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be an integer in [0, 65535] (0: no "
                               f"endpoint), got {self.metrics_port!r}")
+        if not _is_number(self.affinity_max_skip_ms) or not 0 <= self.affinity_max_skip_ms \
+                < 3_600_000:
+            raise ConfigError(f"affinity_max_skip_ms must be in [0, 3600000) ms, got "
+                              f"{self.affinity_max_skip_ms!r}")
+        try:
+            self.affinity  # noqa: B018 - validates the other affinity settings
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
         # No bound against the longest run time: workers heartbeat the messages they hold.
         if self.visibility_timeout_s <= 3:
             raise ConfigError("visibility_timeout_s must be > 3 s (heartbeat every third)")
 
     # -- lookups -----------------------------------------------------------------------------
+    @property
+    def affinity(self) -> AffinityPolicy:
+        return AffinityPolicy(window=self.affinity_window,
+                              priority_ratio=self.affinity_priority_ratio,
+                              max_skip_s=self.affinity_max_skip_ms / 1000.0,
+                              host_weight=self.affinity_host_weight)
+
     @property
     def class_names(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.classes)

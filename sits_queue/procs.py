@@ -68,12 +68,23 @@ class CeleryProcess:
             os.killpg(self.popen.pid, sig)
 
 
+#: Runs celery with the CPU affinity given in argv[1] (comma-separated): set before the
+#: interpreter imports anything, so the worker and every pool child inherit it.
+_PINNED = ("import os, runpy, sys; "
+           "os.sched_setaffinity(0, [int(c) for c in sys.argv.pop(1).split(',')]); "
+           "sys.argv[0] = 'celery'; runpy.run_module('celery', run_name='__main__')")
+
+
 def celery_command(app_module: str, args: Sequence[str], env: Mapping[str, str],
-                   log_path: Path, cwd: Path | None = None) -> CeleryProcess:
+                   log_path: Path, cwd: Path | None = None,
+                   cpus: Sequence[int] | None = None) -> CeleryProcess:
+    """``celery -A app_module *args`` in its own session, logging to ``log_path``; on
+    ``cpus`` only, if given (as ``taskset`` would, without needing it)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    launcher = ["-c", _PINNED, ",".join(map(str, cpus))] if cpus else ["-m", "celery"]
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", app_module, *args],
+            [sys.executable, *launcher, "-A", app_module, *args],
             env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True)
     return CeleryProcess(name=args[0], popen=popen, log_path=log_path)
@@ -82,13 +93,15 @@ def celery_command(app_module: str, args: Sequence[str], env: Mapping[str, str],
 def start_worker(app_module: str, env: Mapping[str, str], log_dir: Path, *,
                  concurrency: int = 2, queues: str | None = None, pool: str = "prefork",
                  extra_args: Sequence[str] = (), cwd: Path | None = None,
-                 hostname: str | None = None) -> CeleryProcess:
+                 hostname: str | None = None, cpus: Sequence[int] | None = None
+                 ) -> CeleryProcess:
     hostname = hostname or f"w{uuid.uuid4().hex[:8]}@%h"
     args = ["worker", "--loglevel=INFO", f"--concurrency={concurrency}", f"--pool={pool}",
             f"--hostname={hostname}", "--without-mingle", "--without-gossip", *extra_args]
     if queues:
         args.append(f"--queues={queues}")
-    proc = celery_command(app_module, args, env, log_dir / f"{hostname.split('@')[0]}.log", cwd)
+    proc = celery_command(app_module, args, env, log_dir / f"{hostname.split('@')[0]}.log", cwd,
+                          cpus)
     proc.hostname = hostname.replace("%h", os.uname().nodename)
     return proc
 

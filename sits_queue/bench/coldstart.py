@@ -60,15 +60,12 @@ import redis
 
 from sits_queue.bench.coldstart_apps import (
     DONE_KEY,
-    ENV_BUDGET,
-    ENV_SYSTEM,
-    ENV_URL,
-    ENV_ZOO,
     SITS_CLASS,
     SYSTEMS,
     build,
     submit,
     system_url,
+    worker_env,
 )
 from sits_queue.bench.report import emit, parser, redis_server, targets_line
 from sits_queue.bench.workload import percentile
@@ -187,20 +184,16 @@ def run_system(system: str, stream: Sequence[Request], warm: str, url: str, zoo:
     """Warm up, then the whole stream; the per-task records, in completion order."""
     client = redis.Redis.from_url(url)
     client.flushdb()
-    device_bytes, host_bytes = budgets
-    app = build(system, url, zoo, device_bytes)
-    env = {ENV_SYSTEM: system, ENV_URL: url, ENV_ZOO: str(zoo), ENV_BUDGET: str(device_bytes),
-           "SITS_REDIS_URL": url, "SITS_DEVICE_CACHE_BYTES": str(device_bytes),
-           "SITS_HOST_CACHE_BYTES": str(host_bytes), "TOKENIZERS_PARALLELISM": "false",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    app = build(system, url, zoo, budgets[0])
+    env = worker_env(system, url, zoo, budgets)
     worker = start_worker("sits_queue.bench.coldstart_apps", env, log_dir,
                           concurrency=CONCURRENCY)
     try:
         wait_ready(app, [worker])
         with app.producer_or_acquire() as producer:
             submit(app, system, warm, stream[0].prompt, shape.max_new_tokens, -1, producer)
-            warmup = _await(client, 1, worker, WARMUP_TIMEOUT_S, "the warm-up request")
+            warmup = await_records(client, 1, [worker], WARMUP_TIMEOUT_S,
+                                   "the warm-up request")
             if warmup[0].get("error"):
                 raise RuntimeError(f"{system}: warm-up failed: {warmup[0]['error']}")
             client.delete(DONE_KEY)
@@ -209,7 +202,7 @@ def run_system(system: str, stream: Sequence[Request], warm: str, url: str, zoo:
                 submit(app, system, req.model, req.prompt, shape.max_new_tokens, req.index,
                        producer)
         timeout = max(DRAIN_MIN_S, DRAIN_S_PER_REQUEST * len(stream))
-        return _await(client, len(stream), worker, timeout, "the stream to drain")
+        return await_records(client, len(stream), [worker], timeout, "the stream to drain")
     finally:
         worker.stop()
         app.close()
@@ -217,15 +210,20 @@ def run_system(system: str, stream: Sequence[Request], warm: str, url: str, zoo:
         client.close()
 
 
-def _await(client: redis.Redis, n: int, worker: Any, timeout_s: float,
-           what: str) -> list[dict[str, Any]]:
+def await_records(client: redis.Redis, n: int, workers: Sequence[Any], timeout_s: float,
+                  what: str) -> list[dict[str, Any]]:
+    """The first ``n`` task records once they are in; raises with a log if a worker dies
+    or ``timeout_s`` passes."""
     deadline = time.monotonic() + timeout_s
     while client.llen(DONE_KEY) < n:
-        if not worker.alive():
-            raise RuntimeError(f"worker died waiting for {what}:\n{worker.log()[-3000:]}")
+        for worker in workers:
+            if not worker.alive():
+                raise RuntimeError(f"worker {worker.hostname} died waiting for {what}:\n"
+                                   f"{worker.log()[-3000:]}")
         if time.monotonic() > deadline:
+            logs = "\n".join(w.log()[-1500:] for w in workers)
             raise TimeoutError(f"{what}: {client.llen(DONE_KEY)} of {n} done after "
-                               f"{timeout_s:.0f} s:\n{worker.log()[-3000:]}")
+                               f"{timeout_s:.0f} s:\n{logs}")
         time.sleep(0.05)
     return [json.loads(raw) for raw in client.lrange(DONE_KEY, 0, -1)]
 
@@ -378,21 +376,34 @@ def table(result: Mapping[str, Any]) -> str:
     lines.append(f"device {meta['device']}, {meta['requests']} requests over "
                  f"{len(meta['models'])} models, budget {meta['budget']['device_bytes']} of "
                  f"{meta['budget']['zoo_bytes']} bytes, concurrency {meta['concurrency']}")
+    return "\n".join(lines + footer(result))
+
+
+def footer(result: Mapping[str, Any]) -> list[str]:
+    """Failed tasks, if any, the ratios and the targets: the table's last lines."""
+    lines = []
     failed = {k: s["failed"] for k, s in result["systems"].items() if s["failed"]}
     if failed:
         lines.append(f"FAILED tasks: {failed}")
     lines.append("ratios: " + ", ".join(f"{k}={v}" for k, v in result["ratios"].items()))
-    lines.append(targets_line(meta["targets"]))
-    return "\n".join(lines)
+    lines.append(targets_line(result["meta"]["targets"]))
+    return lines
+
+
+def zoo_main(prog: str, doc: str | None, run_fn: Callable[..., dict[str, Any]],
+             table_fn: Callable[[Mapping[str, Any]], str], argv: list[str] | None) -> int:
+    """The command line of a benchmark over the tiny-model zoo (``--zoo`` besides the
+    common options)."""
+    p = parser(prog, doc)
+    p.add_argument("--zoo", type=Path, help=f"model cache (default {default_zoo()})")
+    args = p.parse_args(argv)
+    result = run_fn(quick=args.quick, redis_url=args.redis_url, zoo_root=args.zoo)
+    emit(table_fn(result), result, args.json)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser("python -m sits_queue.bench.coldstart", __doc__)
-    p.add_argument("--zoo", type=Path, help=f"model cache (default {default_zoo()})")
-    args = p.parse_args(argv)
-    result = run(quick=args.quick, redis_url=args.redis_url, zoo_root=args.zoo)
-    emit(table(result), result, args.json)
-    return 0
+    return zoo_main("python -m sits_queue.bench.coldstart", __doc__, run, table, argv)
 
 
 if __name__ == "__main__":

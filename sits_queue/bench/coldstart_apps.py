@@ -27,7 +27,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ import redis
 from celery import Celery, signals
 
 from sits_queue.app import make_app
+from sits_queue.broker.keys import AFFINITY_HEADER
 from sits_queue.config import SitsConfig
 
 SYSTEMS = ("celery_load_per_task", "celery_lru", "sits")
@@ -49,7 +50,25 @@ ENV_SYSTEM = "SITS_COLDSTART_SYSTEM"
 ENV_URL = "SITS_COLDSTART_REDIS_URL"
 ENV_ZOO = "SITS_COLDSTART_ZOO"
 ENV_BUDGET = "SITS_COLDSTART_BUDGET_BYTES"
+#: The worker's ``affinity_window`` (unset: the default); the other SITS_* variables of
+#: the environment are not read, so a user's settings do not change a benchmark run.
+ENV_AFFINITY_WINDOW = "SITS_COLDSTART_AFFINITY_WINDOW"
 _MS_PER_S = 1000.0
+
+
+def worker_env(system: str, url: str, zoo: Path, budgets: tuple[int, int],
+               affinity_window: int | None = None) -> dict[str, str]:
+    """The environment of a worker of ``system``: its database, the zoo, the budgets
+    (device, host bytes), and no network for Hugging Face (everything is local)."""
+    device_bytes, host_bytes = budgets
+    env = {ENV_SYSTEM: system, ENV_URL: url, ENV_ZOO: str(zoo), ENV_BUDGET: str(device_bytes),
+           "SITS_REDIS_URL": url, "SITS_DEVICE_CACHE_BYTES": str(device_bytes),
+           "SITS_HOST_CACHE_BYTES": str(host_bytes), "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    if affinity_window is not None:
+        env[ENV_AFFINITY_WINDOW] = str(affinity_window)
+    return env
 
 
 def system_url(base_url: str, system: str) -> str:
@@ -222,6 +241,8 @@ def _connect_records(app: Celery, url: str) -> None:
         if getattr(task, "app", None) is not app or task.name != TASK_NAME:
             return
         rec = record(retval, dict(kwargs or {}), started.pop(task_id, None), time.time())
+        rec["host"] = getattr(task.request, "hostname", None)  # which worker served it
+        rec["affinity"] = bool(getattr(task.request, AFFINITY_HEADER, False))
         pid = os.getpid()  # a forked child must not reuse its parent's socket
         if pid not in clients:
             clients[pid] = redis.Redis.from_url(url)
@@ -231,11 +252,16 @@ def _connect_records(app: Celery, url: str) -> None:
     signals.task_postrun.connect(on_postrun, weak=False)
 
 
-def build(system: str, url: str, zoo: Path, budget_bytes: int) -> Celery:
-    """The app of ``system`` on database ``url``, its task registered."""
+def build(system: str, url: str, zoo: Path, budget_bytes: int,
+          affinity_window: int | None = None) -> Celery:
+    """The app of ``system`` on database ``url``, its task registered; SITS's affinity
+    window as given (``sitsq bench affinity``), else the default."""
     app: Celery
     if system == "sits":
-        app = make_app(SitsConfig(redis_url=url), main="bench_coldstart_sits")
+        config = SitsConfig(redis_url=url)
+        if affinity_window is not None:
+            config = replace(config, affinity_window=affinity_window)
+        app = make_app(config, main="bench_coldstart_sits")
         _register_sits(app, zoo)
     elif system in ("celery_load_per_task", "celery_lru"):
         app = Celery(f"bench_{system}", broker=url)  # stock settings, on purpose
@@ -261,5 +287,6 @@ def submit(app: Celery, system: str, model: str, prompt: str, max_new_tokens: in
 
 _system = os.environ.get(ENV_SYSTEM)
 if _system:
+    _window = os.environ.get(ENV_AFFINITY_WINDOW)
     app = build(_system, os.environ[ENV_URL], Path(os.environ[ENV_ZOO]),
-                int(os.environ[ENV_BUDGET]))
+                int(os.environ[ENV_BUDGET]), int(_window) if _window else None)

@@ -27,6 +27,10 @@ DELIVERY_HEADER = "sits_delivery"
 #: Header with the JSON state a task saved when it last yielded its slot (absent before).
 CHECKPOINT_HEADER = "sits_checkpoint"
 
+#: Header set on a message a pick took ahead of its queue's head by affinity (the task
+#: reads it as ``self.request.sits_affinity``).
+AFFINITY_HEADER = "sits_affinity"
+
 #: Members of the marker set that wakes blocked consumers (one member: puts coalesce).
 MARKER_MEMBER = "ready"
 
@@ -68,6 +72,7 @@ class QueueKeys:
     checkpoints: str  # HASH message id -> state a preempted task saved when it yielded
     yields: str  # HASH waiting message id -> time a running task claimed to yield for it
     held: str  # HASH message id -> "<consumer> <until>": released, not offered back to it
+    skipped: str  # HASH message id -> when a pick first passed it over at the head (affinity)
 
     @classmethod
     def for_queue(cls, queue: str, prefix: str = "") -> QueueKeys:
@@ -76,12 +81,12 @@ class QueueKeys:
             raise ValueError(f"queue name {queue!r} must not contain braces")
         base = f"{prefix}sits:{{{queue}}}:"
         return cls(*(base + suffix for suffix in ("z", "p", "i", "mk", "seq", "u", "s", "rd", "dl",
-                                                         "arr", "ck", "yc", "hd")))
+                                                         "arr", "ck", "yc", "hd", "af")))
 
     def all(self) -> list[str]:
         return [self.waiting, self.payloads, self.meta, self.marker, self.seq, self.unacked,
                 self.saved, self.redelivered, self.dead, self.arrivals, self.checkpoints,
-                self.yields, self.held]
+                self.yields, self.held, self.skipped]
 
     @property
     def put_channel(self) -> str:

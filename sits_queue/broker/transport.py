@@ -22,8 +22,10 @@ from kombu.transport import redis as kredis
 from kombu.transport import virtual
 from kombu.utils.json import dumps, loads
 
+from sits_queue.broker import affinity
 from sits_queue.broker.fanout import DeferredPublisher
 from sits_queue.broker.keys import (
+    AFFINITY_HEADER,
     CHECKPOINT_HEADER,
     DELIVERY_HEADER,
     QueueKeys,
@@ -82,6 +84,7 @@ class QoS(kredis.QoS):
         if queue is not None:
             self.channel._run("ack", queue, [delivery_tag])
         virtual.QoS.ack(self, delivery_tag)
+        affinity.invalidate()  # its child has published what it holds now
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         queue = self._queue_of(delivery_tag)
@@ -187,6 +190,9 @@ class Channel(kredis.Channel):
         self.consumer_id = uuid4().hex
         self._held_pause_until = 0.0
         self.snapshots = SnapshotCache(self.config)
+        self.affinity_policy = self.config.affinity
+        #: Messages this channel took ahead of their queue's head by affinity.
+        self.affinity_picks = 0
         self._fanout = DeferredPublisher()
 
     # kombu's publish batches buffer plain Redis commands; a put here is a script whose
@@ -315,9 +321,11 @@ class Channel(kredis.Channel):
 
     # -- consuming -------------------------------------------------------------------------
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        warm = affinity.warm_now() if self.affinity_policy.enabled else {}
+        extra = affinity.lua_args(self.affinity_policy, warm)
         for _ in range(MAX_BAD_IN_A_ROW):
             picked = self._run("pick", queue, [time.time(), self.config.max_redeliveries,
-                                               self.consumer_id])
+                                               self.consumer_id, *extra])
             if isinstance(picked, int) and picked > 0:
                 # Only messages this consumer released (and still holds off) wait at the
                 # head: pause briefly, or the marker they keep set would wake us at once.
@@ -355,6 +363,9 @@ class Channel(kredis.Channel):
         headers[DELIVERY_HEADER] = [queue, tag]
         if len(picked) > 3 and picked[3]:  # it yielded its slot before: where it got to
             headers[CHECKPOINT_HEADER] = _text(picked[3])
+        if len(picked) > 4 and int(picked[4]):
+            self.affinity_picks += 1
+            headers[AFFINITY_HEADER] = True
         if int(picked[2]):
             info["redelivered"] = True
             headers["redelivered"] = True

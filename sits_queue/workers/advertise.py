@@ -29,6 +29,7 @@ from typing import Any
 import redis
 from celery import bootsteps
 
+from sits_queue.broker import affinity
 from sits_queue.config import SitsConfig
 from sits_queue.workers.devices import Device, discover
 
@@ -109,6 +110,7 @@ def counters_from(raw: Mapping[Any, Any]) -> dict[str, Any]:
     return {"tasks": tasks, "cold": cold, "cold_ms": round(cold_ms, 3),
             "cold_share": round(cold_share(tasks, cold), 6),
             "cold_ms_mean": round(cold_ms / cold, 3) if cold else 0.0,
+            "affinity_picks": int(values.get("affinity", 0)),
             "phases_ms": group("phase_ms:"), "by_source": group("cold:"),
             "failed": {k: int(v) for k, v in group("failed:").items()}}
 
@@ -205,6 +207,58 @@ def read_workers(client: redis.Redis, prefix: str = "") -> list[dict[str, Any]]:
     return sorted(workers, key=lambda r: str(r.get("hostname", "")))
 
 
+class WarmReader:
+    """Worker main process: its children's warm engines as affinity weights, for the
+    transport's picks (``broker/affinity.py``).
+
+    One ``MGET`` of the child records, reused for :data:`WARM_MAX_AGE_S` and, once a
+    child holds an engine, read again after every ack (the child published its cache
+    before its task returned). A Redis error means no affinity for that pick, never a
+    failed pick.
+    """
+
+    #: Longest a warm set is reused without an ack, s (another worker's hold runs out,
+    #: a child was replaced): picks stay cheap, a stale set costs only a cold start.
+    WARM_MAX_AGE_S = 0.5
+
+    def __init__(self, config: SitsConfig, hostname: str, concurrency: int,
+                 clock: Any = time.monotonic) -> None:
+        self._config = config
+        self._keys = [child_key(config.global_keyprefix, hostname, s)
+                      for s in range(max(1, concurrency))]
+        self._clock = clock
+        self._weights: dict[str, float] = {}
+        self._read_at: float | None = None
+
+    def invalidate(self) -> None:
+        # Only once some child holds an engine: a worker of plain tasks (whose children
+        # never publish a warm set) must not pay a read per ack; it looks again with age.
+        if self._weights:
+            self._read_at = None
+
+    def __call__(self) -> dict[str, float]:
+        now = self._clock()
+        if self._read_at is not None and now - self._read_at < self.WARM_MAX_AGE_S:
+            return self._weights
+        self._read_at = now
+        try:
+            raw = client_for(self._config).mget(self._keys)
+        except redis.RedisError as exc:
+            logger.debug("warm set unreadable, picking without affinity: %s", exc)
+            self._weights = {}
+            return self._weights
+        warm_maps = []
+        for value in raw:
+            try:
+                warm = json.loads(value).get("warm") if value is not None else None
+            except (ValueError, AttributeError):
+                warm = None
+            if isinstance(warm, dict):
+                warm_maps.append(warm)
+        self._weights = affinity.warm_weights(warm_maps, self._config.affinity_host_weight)
+        return self._weights
+
+
 # -- the bootstep ------------------------------------------------------------------------
 
 class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
@@ -236,6 +290,9 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
             logger.warning("could not refresh the worker advertisement: %s", exc)
 
     def start(self, c: Any) -> None:
+        config, hostname, concurrency = self._args(c)
+        if config.affinity.enabled:
+            affinity.set_warm_source(WarmReader(config, hostname, concurrency))
         self.tick(c)
         self.tref = c.timer.call_repeatedly(REFRESH_S, self.tick, (c,), priority=10)
 
@@ -246,6 +303,7 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def shutdown(self, c: Any) -> None:
         self.stop(c)
+        affinity.set_warm_source(None)
         config, hostname, concurrency = self._args(c)
         try:
             withdraw(client_for(config), config.global_keyprefix, hostname, concurrency)

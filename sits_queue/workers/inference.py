@@ -27,6 +27,7 @@ from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 
 from sits_queue.app import SitsTask
+from sits_queue.broker.keys import AFFINITY_HEADER
 from sits_queue.errors import (
     ContextTooLong,
     InferenceError,
@@ -123,6 +124,8 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     runtime.check_engine_fits_class(model, quota, engine_bytes)
     fraction = rt.cap_for_class(quota, engine_bytes)
     meta = _cold_meta(cold, rt.take_ctx_ms())
+    # Taken ahead of its queue's head because this worker held the model warm (pick.lua).
+    meta["affinity"] = bool(getattr(request, AFFINITY_HEADER, False))
     rt.count(metrics.task_fields(meta, quota.name))
     timelimit = getattr(request, "timelimit", None) or (None, None)
     hard, soft = (*tuple(timelimit), None, None)[:2]

@@ -70,8 +70,10 @@ def _bucket(ms: float) -> str:
 
 def task_fields(meta: Mapping[str, Any], sla_class: str) -> dict[str, float]:
     """Counter increments for one inference task that got its engine; ``meta`` is the
-    result's ``sits`` block (``cold``, ``source``, ``<phase>_ms``)."""
+    result's ``sits`` block (``cold``, ``source``, ``<phase>_ms``, ``affinity``)."""
     fields: dict[str, float] = {"tasks": 1, f"tasks:{sla_class}": 1}
+    if meta.get("affinity"):
+        fields["affinity"] = 1
     if not meta.get("cold"):
         return fields
     phases = {p: float(meta.get(f"{p}_ms") or 0.0) for p in PHASES}
@@ -116,6 +118,9 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
                                 "engine, by SLA class.", labels=["worker", "sla_class"])
     cold = CounterMetricFamily("sits_cold_starts", "Inference tasks that paid a cold start, "
                                "by where the engine came from.", labels=["worker", "source"])
+    ahead = CounterMetricFamily("sits_affinity_picks", "Inference tasks taken ahead of "
+                                "their queue's head because the worker held their model "
+                                "warm.", labels=["worker"])
     share = GaugeMetricFamily("sits_cold_start_share", "Share of inference tasks that paid a "
                               "cold start (MISSION 4.4).", labels=["worker"])
     phase = CounterMetricFamily("sits_cold_start_phase_seconds", "Time spent per cold-start "
@@ -143,6 +148,7 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
         by_source = advertise.counter_group(values, "cold:")
         for source in sorted(set(SOURCES) | set(by_source)):
             cold.add_metric([name, source], by_source.get(source, 0.0))
+        ahead.add_metric([name], values.get("affinity", 0.0))
         n_tasks, n_cold = values.get("tasks", 0.0), values.get("cold", 0.0)
         share.add_metric([name], advertise.cold_share(int(n_tasks), int(n_cold)))
         by_phase = advertise.counter_group(values, "phase_ms:")
@@ -172,7 +178,8 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
                 warm.add_metric([name, str(slot), tier], tiers.get(tier, 0))
             memory = child.get("memory") or {}
             allocated.add_metric([name, str(slot)], float(memory.get("allocated_bytes", 0)))
-    return [info, slots, tasks, cold, share, phase, hist, failed, vram, util, warm, allocated]
+    return [info, slots, tasks, cold, ahead, share, phase, hist, failed, vram, util, warm,
+            allocated]
 
 
 # -- the Redis edge ----------------------------------------------------------------------------

@@ -76,6 +76,9 @@ def test_the_summary_carries_the_benchmark_and_the_host(
     assert set(result["ratios"]) == {"cold_cost_vs_lru", "throughput_vs_lru",
                                      "throughput_vs_load_per_task"}
     assert result["meta"]["quick"] is True
+    affinity = summary["bench_affinity"]
+    assert affinity["ran"] is True and affinity["rc"] == 0, affinity["log_tail"]
+    assert set(affinity["result"]["systems"]) == {"sits_priority_order", "sits_affinity"}
     assert summary["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
     assert summary["versions"]["cuda_available"] is False
     assert summary["gpus"] == [] or "error" in summary["gpus"]

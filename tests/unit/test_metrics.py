@@ -26,6 +26,11 @@ def test_a_warm_task_counts_only_as_a_task() -> None:
         {"tasks": 1, "tasks:high": 1}
 
 
+def test_a_task_taken_by_affinity_is_counted() -> None:
+    meta = {"cold": False, "source": "device", "affinity": True}
+    assert metrics.task_fields(meta, "high") == {"tasks": 1, "tasks:high": 1, "affinity": 1}
+
+
 def test_a_cold_task_counts_its_source_phases_and_bucket() -> None:
     fields = metrics.task_fields(cold_meta("host", promote=0.75, warmup=0.25), "low")
     assert fields == {"tasks": 1, "tasks:low": 1, "cold": 1, "cold:host": 1, "cold_ms": 1.0,
@@ -85,7 +90,7 @@ WORKER = {
                  b"cold_le:1": b"1", b"cold_le:5": b"1", b"cold_le:2500": b"1",
                  b"phase_ms:load": b"1200", b"phase_ms:cuda_ctx": b"150",
                  b"phase_ms:promote": b"3.5", b"phase_ms:warmup": b"150",
-                 b"failed": b"2", b"failed:VramLimitExceeded": b"2"},
+                 b"failed": b"2", b"failed:VramLimitExceeded": b"2", b"affinity": b"4"},
 }
 
 
@@ -96,6 +101,7 @@ def test_families_from_a_worker_record() -> None:
     assert m[("sits_inference_tasks_total", (("sla_class", "high"), w))] == 7
     assert m[("sits_cold_starts_total", (("source", "host"), w))] == 2
     assert m[("sits_cold_start_share", (w,))] == pytest.approx(0.3)
+    assert m[("sits_affinity_picks_total", (w,))] == 4
     assert m[("sits_cold_start_phase_seconds_total", (("phase", "load"), w))] == 1.2
     # Cumulative buckets in seconds, count = every cold start, sum = their cost
     assert m[("sits_cold_start_seconds_bucket", (("le", "0.001"), w))] == 1
@@ -117,6 +123,7 @@ def test_a_worker_without_counts_reports_zeros_not_gaps() -> None:
     w = ("worker", "w2@h")
     assert m[("sits_inference_tasks_total", (("sla_class", "low"), w))] == 0
     assert m[("sits_cold_start_share", (w,))] == 0
+    assert m[("sits_affinity_picks_total", (w,))] == 0
     assert m[("sits_cold_start_seconds_count", (w,))] == 0
 
 

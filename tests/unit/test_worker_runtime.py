@@ -373,13 +373,15 @@ def test_worker_record() -> None:
                                      {b"tasks": b"10", b"cold": b"2", b"cold_ms": b"500.5",
                                       b"cold:disk": b"1", b"cold:host": b"1",
                                       b"phase_ms:load": b"480.25", b"phase_ms:warmup": b"20.25",
-                                      b"failed": b"3", b"failed:UnknownModel": b"3"},
+                                      b"failed": b"3", b"failed:UnknownModel": b"3",
+                                      b"affinity": b"4"},
                                      now_s=1.0)
     assert record["concurrency"] == 4 and record["pid"] == 123
     assert record["devices"][0]["uuid"] == "GPU-0000-uuid"
     assert record["devices"][0]["total_vram_bytes"] == 80 * GIB
     assert record["cold_start"] == {"tasks": 10, "cold": 2, "cold_ms": 500.5,
                                     "cold_share": 0.2, "cold_ms_mean": 250.25,
+                                    "affinity_picks": 4,
                                     "phases_ms": {"load": 480.25, "warmup": 20.25},
                                     "by_source": {"disk": 1, "host": 1},
                                     "failed": {"UnknownModel": 3}}

@@ -4,6 +4,7 @@
 --   6 unacked ZSET  7 saved-score HASH  8 redelivered HASH  9 dead-letter HASH
 --   10 arrivals HASH (class -> messages ever enqueued)  11 checkpoints HASH
 --   12 yield claims HASH  13 held HASH (released by a consumer, not offered back to it)
+--   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
 -- ARGV: now (unix s), reason, ids
 -- Returns how many records were written.
 local n = 0
@@ -25,5 +26,6 @@ for i = 3, #ARGV do
   redis.call('HDEL', KEYS[11], id)
   redis.call('HDEL', KEYS[13], id)
   redis.call('HDEL', KEYS[12], id)
+  redis.call('HDEL', KEYS[14], id)
 end
 return n

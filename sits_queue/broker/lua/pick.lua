@@ -5,32 +5,91 @@
 --   6 unacked ZSET  7 saved-score HASH  8 redelivered HASH  9 dead-letter HASH
 --   10 arrivals HASH (class -> messages ever enqueued)  11 checkpoints HASH
 --   12 yield claims HASH  13 held HASH (released by a consumer, not offered back to it)
--- ARGV: now (unix s), max redeliveries before dead-lettering, consumer ('' for none)
--- Returns {id, payload, times redelivered, checkpoint or false}; else the number of
--- messages passed over because this consumer released them and their hold has not run
--- out (0 when nothing is waiting at all: the caller waits for a put instead).
+--   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
+-- ARGV: now (unix s), max redeliveries before dead-lettering, consumer ('' for none);
+--   optional affinity (broker/affinity.py, whose choose() this mirrors): window,
+--   priority ratio, max skip s, then model, weight pairs of what the consumer holds warm
+-- Returns {id, payload, times redelivered, checkpoint or false, 1 if taken ahead of the
+-- head by affinity else 0}; else the number of messages passed over because this
+-- consumer released them and their hold has not run out (0 when nothing is waiting at
+-- all: the caller waits for a put instead).
 -- The checkpoint is what the task saved when it last yielded its slot.
 local now, max_redeliveries = ARGV[1], tonumber(ARGV[2])
 local consumer = ARGV[3] or ''
 local passed = {}  -- score, id pairs of held messages, put back as they were
+local SEQ_SPAN, LEVELS, LEVELS_PER_E = 4294967296, 2097151, 131072
+
+local function held_by_me(id)
+  local held = redis.call('HGET', KEYS[13], id)
+  if not held then return false end
+  -- "<consumer> <until> <releases>"; a hold that ran out stays for its count
+  -- (release.lua doubles the next one), and ack drops it.
+  local who, till = string.match(held, '^(%S*) (%S+)')
+  return who == consumer and tonumber(till) ~= nil and tonumber(till) > tonumber(now)
+end
+
+local function model_of(id)
+  local raw = redis.call('HGET', KEYS[3], id)
+  if not raw then return nil end
+  local ok, record = pcall(cjson.decode, raw)
+  if not ok or type(record) ~= 'table' or type(record['m']) ~= 'string' then return nil end
+  return record['m']
+end
+
+-- The warmest task within the window and the priority ratio, if warmer than the head:
+-- removed from the queue and returned as {id, score}; nil to take the head as usual.
+-- A head passed over is stamped with the time (KEYS[14]); once it has been passed over
+-- for max skip s, it is taken (delay scheduling: the wait counts from the first skip,
+-- not from its enqueueing, or a deep backlog would switch affinity off).
+local function affinity_pick()
+  local window = tonumber(ARGV[4] or '')
+  if window == nil or window < 2 or #ARGV < 8 then return nil end
+  local ratio, max_skip = tonumber(ARGV[5]), tonumber(ARGV[6])
+  local warm, top = {}, 0
+  for i = 7, #ARGV - 1, 2 do
+    local w = tonumber(ARGV[i + 1]) or 0
+    warm[ARGV[i]] = w
+    if w > top then top = w end
+  end
+  local near = redis.call('ZRANGE', KEYS[1], 0, window - 1, 'WITHSCORES')
+  if #near < 4 then return nil end
+  local head_model = model_of(near[1])
+  local best_w = (head_model and warm[head_model]) or 0
+  if best_w >= top or held_by_me(near[1]) then return nil end
+  local since = tonumber(redis.call('HGET', KEYS[14], near[1]) or '')
+  if since and tonumber(now) - since >= max_skip then return nil end
+  local head_level = LEVELS - math.floor(tonumber(near[2]) / SEQ_SPAN)
+  local floor = math.log(1 + (math.exp(head_level / LEVELS_PER_E) - 1) / ratio) * LEVELS_PER_E
+  local best
+  for i = 3, #near - 1, 2 do
+    local level = LEVELS - math.floor(tonumber(near[i + 1]) / SEQ_SPAN)
+    if level < floor then break end
+    local model = model_of(near[i])
+    local w = (model and warm[model]) or 0
+    if w > best_w and not held_by_me(near[i]) then
+      best, best_w = i, w
+      if w >= top then break end
+    end
+  end
+  if not best then return nil end
+  if not since then redis.call('HSET', KEYS[14], near[1], now) end
+  redis.call('ZREM', KEYS[1], near[best])
+  return {near[best], near[best + 1]}
+end
 
 local function restore_passed()
   if #passed > 0 then redis.call('ZADD', KEYS[1], unpack(passed)) end
   if redis.call('ZCARD', KEYS[1]) > 0 then redis.call('ZADD', KEYS[4], 0, 'ready') end
 end
 
+local chosen = affinity_pick()
+local by_affinity = chosen and 1 or 0
 for _ = 1, 64 do
-  local head = redis.call('ZPOPMIN', KEYS[1])
+  local head = chosen or redis.call('ZPOPMIN', KEYS[1])
+  chosen = nil
   if #head == 0 then break end
   local id, score = head[1], head[2]
-  local held = redis.call('HGET', KEYS[13], id)
-  local mine = false
-  if held then
-    -- "<consumer> <until> <releases>"; a hold that ran out stays for its count
-    -- (release.lua doubles the next one), and ack drops it.
-    local who, till = string.match(held, '^(%S*) (%S+)')
-    mine = who == consumer and tonumber(till) ~= nil and tonumber(till) > tonumber(now)
-  end
+  local mine = held_by_me(id)
   local payload = (not mine) and redis.call('HGET', KEYS[2], id)
   if mine then
     passed[#passed + 1] = score
@@ -49,15 +108,18 @@ for _ = 1, 64 do
       redis.call('HDEL', KEYS[11], id)
       redis.call('HDEL', KEYS[12], id)
       redis.call('HDEL', KEYS[13], id)
+      redis.call('HDEL', KEYS[14], id)
     else
       redis.call('ZADD', KEYS[6], now, id)
       redis.call('HDEL', KEYS[12], id)
+      redis.call('HDEL', KEYS[14], id)
       redis.call('HSET', KEYS[7], id, score)
       restore_passed()
-      return {id, payload, times, redis.call('HGET', KEYS[11], id)}
+      return {id, payload, times, redis.call('HGET', KEYS[11], id), by_affinity}
     end
   end
   -- An id without a payload was acked or purged mid-flight: nothing to deliver, skip it.
+  by_affinity = 0
 end
 restore_passed()
 return #passed / 2

@@ -5,6 +5,7 @@
 --   6 unacked ZSET  7 saved-score HASH  8 redelivered HASH  9 dead-letter HASH
 --   10 arrivals HASH (class -> messages ever enqueued)  11 checkpoints HASH
 --   12 yield claims HASH  13 held HASH (released by a consumer, not offered back to it)
+--   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
 -- ARGV: running message id, now (unix s), least wait before yielding for a task (s),
 --       how long a claim stands (s), the running task's state (JSON) to keep when it
 --       yields, then the classes that outrank the running task

@@ -5,6 +5,7 @@
 --   6 unacked ZSET  7 saved-score HASH  8 redelivered HASH  9 dead-letter HASH
 --   10 arrivals HASH (class -> messages ever enqueued)  11 checkpoints HASH
 --   12 yield claims HASH  13 held HASH (released by a consumer, not offered back to it)
+--   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
 -- ARGV: chunk size
 -- Returns the number removed.
 local ids = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
@@ -16,6 +17,7 @@ for _, id in ipairs(ids) do
   redis.call('HDEL', KEYS[11], id)
   redis.call('HDEL', KEYS[13], id)
   redis.call('HDEL', KEYS[12], id)
+  redis.call('HDEL', KEYS[14], id)
 end
 if redis.call('ZCARD', KEYS[1]) == 0 then redis.call('DEL', KEYS[4]) end
 return #ids

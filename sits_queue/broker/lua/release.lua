@@ -7,6 +7,7 @@
 --   6 unacked ZSET  7 saved-score HASH  8 redelivered HASH  9 dead-letter HASH
 --   10 arrivals HASH (class -> messages ever enqueued)  11 checkpoints HASH
 --   12 yield claims HASH  13 held HASH (released by a consumer, not offered back to it)
+--   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
 -- ARGV: releasing consumer, now (unix s), first hold (s; 0 for none), longest hold (s),
 --       then ids
 -- With a hold, pick.lua does not offer these messages back to that consumer for the

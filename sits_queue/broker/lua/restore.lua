@@ -5,6 +5,7 @@
 --   6 unacked ZSET  7 saved-score HASH  8 redelivered HASH  9 dead-letter HASH
 --   10 arrivals HASH (class -> messages ever enqueued)  11 checkpoints HASH
 --   12 yield claims HASH  13 held HASH (released by a consumer, not offered back to it)
+--   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
 -- ARGV[1]: deadline ceiling (unix s) to restore every message picked/heartbeated before
 --          it, or '-' to restore exactly the ids in ARGV[3..]
 -- ARGV[2]: at most this many (with a ceiling)

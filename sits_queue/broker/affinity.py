@@ -1,0 +1,186 @@
+"""Affinity-aware pulling: a worker takes a task whose model it holds warm from near the
+head of a queue, instead of always the head (the design card's "workers pull by
+affinity"; MISSION §4.4: cold starts cut by sending work where its engine is warm).
+
+With several workers on one stream, plain priority order hands every worker every model
+in turn, so each worker's cache churns: the cold-start share is set by the stream, not
+by the fleet's memory. Letting each worker prefer what it already holds makes the
+workers specialise, so the fleet's caches together hold the working set.
+
+What bounds the reordering (delay scheduling, Zaharia et al., EuroSys 2010):
+
+* only the first :attr:`AffinityPolicy.window` waiting tasks are looked at;
+* a task is taken ahead of the head only when its priority is at least the head's
+  divided by :attr:`AffinityPolicy.priority_ratio` (classes differ by 10x in weight, so
+  the default 2 keeps a lower class from jumping a higher one at nominal priority);
+* once the head has been passed over for :attr:`AffinityPolicy.max_skip_s`, nobody
+  passes it over again (the time counts from the first pick that passed it at the head,
+  kept in the queue's ``skipped`` hash; counting from its enqueueing instead would
+  switch affinity off in exactly the deep backlogs where it pays).
+
+The weight of a warm model is 1 on the device and :attr:`AffinityPolicy.host_weight` in
+the host shadow tier (a promotion is cheap but not free); the highest weight wins, the
+queue's order breaks ties. :func:`choose` is the reference of what ``lua/pick.lua``
+does inside Redis (the integration tests check they agree).
+
+The warm set comes from the pool children's advertisements (a worker's pick cannot
+choose which of its children runs the task, so it is the union of its children's
+caches); the worker registers a source with :func:`set_warm_source`, producers and
+plain consumers have none and pick plain priority order at no cost.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sits_queue.broker.keys import LEVELS_PER_E
+
+#: Cache tiers as the engine cache names them (``sits_queue.cache.policy.Tier``).
+DEVICE_TIER = "device"
+HOST_TIER = "host"
+
+
+@dataclass(frozen=True)
+class AffinityPolicy:
+    #: Waiting tasks a pick looks at, head included; below 2 affinity is off.
+    window: int = 16
+    #: A task may be taken ahead of the head when its priority >= head's / this (>= 1).
+    priority_ratio: float = 2.0
+    #: The head is taken, whatever is warm, once picks have passed it over this long, s.
+    max_skip_s: float = 1.0
+    #: Weight of a model warm in the host tier; one on the device weighs 1.
+    host_weight: float = 0.5
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window, bool) or not isinstance(self.window, int) \
+                or not 0 <= self.window <= 1024:
+            raise ValueError(f"affinity_window must be an integer in [0, 1024], got "
+                             f"{self.window!r}")
+        if not _finite(self.priority_ratio) or self.priority_ratio < 1:
+            raise ValueError(f"affinity_priority_ratio must be >= 1, got "
+                             f"{self.priority_ratio!r}")
+        if not _finite(self.max_skip_s) or self.max_skip_s < 0:
+            raise ValueError(f"affinity max_skip_s must be >= 0 s, got {self.max_skip_s!r}")
+        if not _finite(self.host_weight) or not 0 <= self.host_weight <= 1:
+            raise ValueError(f"affinity_host_weight must be in [0, 1], got "
+                             f"{self.host_weight!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.window >= 2
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One waiting task near the head, as a pick sees it."""
+
+    id: str
+    #: Priority level (``keys.priority_level``): higher runs sooner.
+    level: int
+    model: str | None
+    #: When a pick first passed it over at the head, unix s; None if none has.
+    skipped_since_s: float | None = None
+    #: This consumer released it and its hold has not run out: not to be taken.
+    held: bool = False
+
+
+def warm_weights(warm_maps: Iterable[Mapping[str, Any]], host_weight: float
+                 ) -> dict[str, float]:
+    """Model -> affinity weight, from each child's ``{model: tier}``; the best child's."""
+    weights: dict[str, float] = {}
+    for warm in warm_maps:
+        for model, tier in warm.items():
+            w = 1.0 if tier == DEVICE_TIER else host_weight if tier == HOST_TIER else 0.0
+            if w > weights.get(model, 0.0):
+                weights[model] = w
+    return weights
+
+
+def min_level(head_level: int, ratio: float) -> float:
+    """The lowest level a task may have to be taken ahead of a head at ``head_level``:
+    that of the head's priority divided by ``ratio`` (levels are ``log1p(p) * 2**17``)."""
+    head_priority = math.expm1(head_level / LEVELS_PER_E)
+    return math.log1p(head_priority / ratio) * LEVELS_PER_E
+
+
+def choose(candidates: Sequence[Candidate], warm: Mapping[str, float],
+           policy: AffinityPolicy, now_s: float) -> int:
+    """Index in ``candidates`` (queue order, head first) of the task to take.
+
+    0, the head, unless affinity is off, nothing is warm, the head is as warm as anything
+    can be, it is held, or picks have passed it over for
+    :attr:`~AffinityPolicy.max_skip_s`. Otherwise the warmest candidate within the
+    window and the priority ratio, earliest on ties (and whoever applies the choice
+    stamps the head's ``skipped_since_s`` if it has none).
+    """
+    if not policy.enabled or len(candidates) < 2 or not warm:
+        return 0
+    head = candidates[0]
+    top = max(warm.values())
+    best_w = _weight(warm, head.model)
+    if head.held or best_w >= top:
+        return 0
+    if head.skipped_since_s is not None and now_s - head.skipped_since_s >= policy.max_skip_s:
+        return 0
+    floor = min_level(head.level, policy.priority_ratio)
+    best = 0
+    for i, cand in enumerate(candidates[1:policy.window], start=1):
+        if cand.level < floor:
+            break  # queue order: every later one ranks lower still
+        w = _weight(warm, cand.model)
+        if not cand.held and w > best_w:
+            best, best_w = i, w
+            if w >= top:
+                break
+    return best
+
+
+def _weight(warm: Mapping[str, float], model: str | None) -> float:
+    return warm.get(model, 0.0) if model is not None else 0.0
+
+
+def lua_args(policy: AffinityPolicy, warm: Mapping[str, float]) -> list[Any]:
+    """``pick.lua``'s affinity arguments (after its first three); empty when off."""
+    if not policy.enabled or not warm:
+        return []
+    args: list[Any] = [policy.window, repr(float(policy.priority_ratio)),
+                       repr(float(policy.max_skip_s))]
+    for model, w in sorted(warm.items()):
+        if w > 0:
+            args += [model, repr(float(w))]
+    return args if len(args) > 3 else []
+
+
+# -- the worker's warm set, for the transport (process-wide: one worker per process) ------
+
+WarmSource = Callable[[], Mapping[str, float]]
+_source: list[WarmSource] = []
+
+
+def set_warm_source(source: WarmSource | None) -> None:
+    """The worker's main process registers where its children's warm set is read
+    (``workers.advertise.WarmReader``); None unregisters it."""
+    _source.clear()
+    if source is not None:
+        _source.append(source)
+
+
+def warm_now() -> Mapping[str, float]:
+    """The registered source's weights; empty without one (producers, plain consumers)."""
+    return _source[0]() if _source else {}
+
+
+def invalidate() -> None:
+    """A task finished (acked): its child has just published what it now holds."""
+    if _source:
+        stale = getattr(_source[0], "invalidate", None)
+        if stale is not None:
+            stale()

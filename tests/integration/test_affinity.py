@@ -1,0 +1,223 @@
+"""Affinity-aware pulling against a real Redis: ``pick.lua`` agrees with the reference
+policy, keeps the delivery guarantees, and a real worker takes what it holds warm first."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from sits_queue.broker.affinity import AffinityPolicy, Candidate, choose, lua_args
+from sits_queue.broker.keys import QueueKeys, priority_level, score_base
+from sits_queue.broker.scripts import Scripts
+from sits_queue.config import SitsConfig
+from sits_queue.procs import wait_ready
+from sits_queue.workers import advertise
+from tests.integration.inference_app import (
+    build_models,
+    client_app,
+    spawn_worker,
+    write_config,
+)
+from tests.waiting import wait_for
+
+KEYS = QueueKeys.for_queue("affinity-test")
+CELERY = QueueKeys.for_queue("celery")
+FIRST_CALL_S = 120
+CALL_S = 60
+ME = "consumer-1"
+NOW = 1_700_000_000.0
+
+
+@pytest.fixture
+def r(redis_client: redis.Redis) -> Iterator[redis.Redis]:
+    yield redis_client
+    redis_client.delete(*KEYS.all())
+
+
+@pytest.fixture(scope="module")
+def scripts() -> Scripts:
+    return Scripts.register()
+
+
+def enqueue(client: redis.Redis, tasks: list[Candidate], held_until: float = NOW + 60
+            ) -> None:
+    """Waiting tasks in this order (arrival counter = position), as put.lua leaves them."""
+    for seq, t in enumerate(tasks):
+        priority = float(str(t.id).split("@")[1])
+        client.zadd(KEYS.waiting, {t.id: score_base(priority) + seq})
+        client.hset(KEYS.payloads, t.id, json.dumps({"id": t.id}))
+        client.hset(KEYS.meta, t.id, json.dumps({"c": "high", "m": t.model, "t": NOW - 9}))
+        if t.skipped_since_s is not None:
+            client.hset(KEYS.skipped, t.id, repr(t.skipped_since_s))
+        if t.held:
+            client.hset(KEYS.held, t.id, f"{ME} {held_until} 1")
+
+
+def task(name: str, priority: float, model: str | None, skipped_s: float | None = None,
+         held: bool = False) -> Candidate:
+    tid = f"{name}@{priority}"
+    since = None if skipped_s is None else NOW - skipped_s
+    return Candidate(tid, priority_level(priority), model, since, held)
+
+
+def pick(scripts: Scripts, client: redis.Redis, policy: AffinityPolicy,
+         warm: dict[str, float]) -> Any:
+    return scripts.run("pick", KEYS, [NOW, 5, ME, *lua_args(policy, warm)], client)
+
+
+def expected(tasks: list[Candidate], policy: AffinityPolicy, warm: dict[str, float]
+             ) -> tuple[str, int]:
+    ordered = sorted(tasks, key=lambda t: (-t.level, tasks.index(t)))
+    i = choose(ordered, {m: w for m, w in warm.items() if w > 0}, policy, NOW)
+    if i > 0:
+        return ordered[i].id, 1
+    return next(t.id for t in ordered if not t.held), 0
+
+
+def test_pick_lua_agrees_with_the_reference_policy(r: redis.Redis, scripts: Scripts) -> None:
+    rng = random.Random(11)
+    models = ["x", "y", "z", None]
+    checked = ahead = 0
+    for _ in range(300):
+        n = rng.randint(1, 14)
+        tasks = [task(f"t{i}", rng.choice([300, 100, 100, 100, 90, 60, 45, 10]),
+                      rng.choice(models), rng.choice([None, None, 0.0, 0.3, 0.9, 1.5, 5.0]),
+                      held=rng.random() < 0.1) for i in range(n)]
+        if all(t.held for t in tasks):
+            continue
+        policy = AffinityPolicy(window=rng.choice([0, 2, 3, 5, 16]),
+                                priority_ratio=rng.choice([1.0, 2.0, 4.0]),
+                                max_skip_s=rng.choice([0.5, 1.0, 10.0]))
+        warm = {m: rng.choice([0.0, 0.5, 1.0]) for m in ("x", "y", "z") if rng.random() < 0.6}
+        r.delete(*KEYS.all())
+        enqueue(r, tasks)
+        want_id, want_ahead = expected(tasks, policy, warm)
+        head = max(tasks, key=lambda t: (t.level, -tasks.index(t)))
+        got = pick(scripts, r, policy, warm)
+        assert [got[0].decode(), got[4]] == [want_id, want_ahead], (tasks, policy, warm)
+        # a head passed over is stamped once, with the first skip's time
+        stamp = r.hget(KEYS.skipped, head.id)
+        if want_ahead:
+            assert float(stamp or 0) == (head.skipped_since_s or NOW)
+        assert not r.hexists(KEYS.skipped, want_id)  # delivered: its skips are forgotten
+        # the delivery guarantees hold either way: unacked, its score saved, gone from
+        # the queue, every other task still waiting with its own score
+        assert r.zscore(KEYS.unacked, want_id) == NOW
+        assert r.hget(KEYS.saved, want_id) is not None
+        assert r.zcard(KEYS.waiting) == n - 1
+        checked += 1
+        ahead += want_ahead
+    # the random cases exercised both outcomes
+    assert checked > 250 and 30 < ahead < checked - 30
+
+
+def test_a_poison_message_chosen_by_affinity_is_parked_and_the_pick_goes_on(
+        r: redis.Redis, scripts: Scripts) -> None:
+    # Given a warm task behind the head that has crashed workers too often
+    enqueue(r, [task("a", 100, "x"), task("b", 100, "y"), task("c", 100, "y")])
+    r.hset(KEYS.redelivered, "b@100", 9)
+    # When the consumer holding "y" warm picks
+    got = pick(scripts, r, AffinityPolicy(), {"y": 1.0})
+    # Then "b" is dead-lettered and the pick delivers the queue's head, not by affinity
+    assert r.hexists(KEYS.dead, "b@100")
+    assert (got[0], got[4]) == (b"a@100", 0)
+    assert r.zrange(KEYS.waiting, 0, -1) == [b"c@100"]
+
+
+def test_a_malformed_meta_record_just_is_not_warm(r: redis.Redis, scripts: Scripts) -> None:
+    enqueue(r, [task("a", 100, "x"), task("b", 100, "y"), task("c", 100, "y")])
+    r.hset(KEYS.meta, "b@100", "not json")
+    got = pick(scripts, r, AffinityPolicy(), {"y": 1.0})
+    assert (got[0], got[4]) == (b"c@100", 1)
+
+
+def test_warm_reader_reads_the_children_and_rereads_after_an_ack(
+        r: redis.Redis, redis_url: str) -> None:
+    config = SitsConfig(redis_url=redis_url, global_keyprefix="aff-test:")
+    clock = [0.0]
+    reader = advertise.WarmReader(config, "w1@host", 2, clock=lambda: clock[0])
+    prefix = config.global_keyprefix
+    try:
+        # Given no child has published yet: an ack does not make the next pick read again
+        assert reader() == {}
+        r.set(advertise.child_key(prefix, "w1@host", 0), json.dumps({"warm": {"x": "host"}}))
+        reader.invalidate()
+        assert reader() == {}
+        clock[0] += advertise.WarmReader.WARM_MAX_AGE_S
+        assert reader() == {"x": 0.5}
+        # Given two children, one with an unreadable record
+        r.set(advertise.child_key(prefix, "w1@host", 0),
+              json.dumps({"warm": {"x": "device", "y": "host"}}))
+        r.set(advertise.child_key(prefix, "w1@host", 1), "garbage")
+        reader.invalidate()  # a child holds an engine now: an ack means read again
+        assert reader() == {"x": 1.0, "y": 0.5}
+        # When a child's cache changes, the set is reused until an ack (or it ages out)
+        r.set(advertise.child_key(prefix, "w1@host", 1), json.dumps({"warm": {"y": "device"}}))
+        assert reader() == {"x": 1.0, "y": 0.5}
+        reader.invalidate()
+        assert reader() == {"x": 1.0, "y": 1.0}
+        r.delete(advertise.child_key(prefix, "w1@host", 0))
+        clock[0] += advertise.WarmReader.WARM_MAX_AGE_S
+        assert reader() == {"y": 1.0}
+    finally:
+        r.delete(*(advertise.child_key(prefix, "w1@host", s) for s in (0, 1)))
+
+
+def test_warm_reader_without_redis_means_no_affinity() -> None:
+    config = SitsConfig(redis_url="redis://127.0.0.1:1/0")  # nothing listens on port 1
+    assert advertise.WarmReader(config, "w@h", 1)() == {}
+
+
+# -- a real worker --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_models(tmp_path_factory.mktemp("models"))
+
+
+@pytest.mark.parametrize("window", ["16", "0"])
+def test_a_worker_takes_the_task_it_holds_warm_first(
+        tmp_path: Path, redis_url: str, models_dir: Path, redis_client: redis.Redis,
+        window: str) -> None:
+    redis_client.flushall()  # earlier modules may leave messages in the celery queue
+    config_path = write_config(tmp_path / "sits.toml")
+    app = client_app(redis_url, config_path, f"affinity-client-{window}")
+    one_model = str(int((models_dir / "gpt" / "model.safetensors").stat().st_size * 1.5))
+    worker = spawn_worker(redis_url, config_path, models_dir, tmp_path, {
+        "SITS_AFFINITY_WINDOW": window, "SITS_AFFINITY_MAX_SKIP_MS": "60000",
+        "SITS_DEVICE_CACHE_BYTES": one_model, "SITS_HOST_CACHE_BYTES": one_model},
+        concurrency=1, name=f"affinity-{window}")
+    generate = app.tasks["sits.generate"]
+    try:
+        wait_ready(app, [worker])
+        # Given a worker that used lm-a and is now busy with a long task of another model
+        generate.apply_async(("warm",), model="lm-a").get(timeout=FIRST_CALL_S)
+        busy = app.tasks["t.generate_slow"].apply_async(("busy", 60), sla_class="medium")
+        wait_for(lambda: redis_client.zcard(CELERY.unacked) == 1
+                 and redis_client.zcard(CELERY.waiting) == 0, FIRST_CALL_S,
+                 "the worker to start the long task")
+        # When two lm-b tasks and then an lm-a task queue behind it, at one priority
+        tasks = [generate.apply_async((prompt,), model=m, sla_class="medium")
+                 for prompt, m in [("ab", "lm-b"), ("cd", "lm-b"), ("ef", "lm-a")]]
+        metas = [t.get(timeout=CALL_S)["sits"] for t in tasks]
+        busy.get(timeout=CALL_S)
+        done = [app.AsyncResult(t.id).date_done for t in tasks]
+    finally:
+        worker.stop(timeout_s=20)
+        app.close()
+    order = sorted(range(3), key=lambda i: done[i])
+    if window == "16":
+        # Then the worker took lm-a first: its engine was still in the host tier
+        assert order == [2, 0, 1], worker.log()[-3000:]
+        assert [m["source"] for m in metas] == ["disk", "device", "host"]
+        assert [m["affinity"] for m in metas] == [False, False, True]
+    else:
+        # Then without affinity it went in queue order, lm-a last
+        assert order == [0, 1, 2], worker.log()[-3000:]
+        assert not any(m["affinity"] for m in metas)
