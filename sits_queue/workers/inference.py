@@ -35,7 +35,7 @@ from sits_queue.errors import (
     ModelLoadError,
     VramLimitExceeded,
 )
-from sits_queue.workers import gpu, metrics, runtime
+from sits_queue.workers import gpu, kvreuse, metrics, runtime
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,9 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     cpus = rt.confine(quota)
     rt.cap_for_class(quota)  # the context first, so its cost is timed on its own
     engine, cold = _acquire(rt, model)
+    left = [*cold.evicted, *cold.demoted]
+    if left:  # their prefixes' KV sat on the device beside them: free it too
+        rt.prefixes().drop(left)
     rt.confine(quota)  # again: the first load may have imported torch just now (threads)
     engine_bytes = int(engine.size_bytes())
     runtime.check_engine_fits_class(model, quota, engine_bytes)
@@ -134,7 +137,8 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
                                 device=rt.torch_device, on_cuda=rt.on_cuda,
                                 soft_deadline=time.monotonic() + soft if soft else None,
                                 yielder=getattr(task, "yield_point", None),
-                                checkpoint=getattr(task, "checkpoint", None))
+                                checkpoint=getattr(task, "checkpoint", None),
+                                prefixes=rt.prefixes(), count=rt.count)
     oom: str | None = None
     start = time.perf_counter()
     try:
@@ -254,9 +258,14 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
     new: list[int] = progress["new"]
     if new:  # the tokens of earlier runs go in with the prompt: one pass rebuilds the cache
         input_ids = torch.cat([input_ids, torch.tensor([new], device=device)], dim=1)
+    prefix = _Prefix(active.prefixes if active is not None else None, model,
+                     input_ids[0].tolist())
+    progress["cached_tokens"] = prefix.tokens
+    if active is not None and active.count is not None and prefix.store is not None:
+        active.count(metrics.prefix_fields(prefix.tokens))
     try:
         _decode(module, input_ids, max_new_tokens, eos, float(temperature), int(seed),
-                progress, active)
+                progress, active, prefix)
     except SoftTimeLimitExceeded:
         raise SoftTimeLimitExceeded(
             f"soft time limit hit while generating with model {model!r}: stopped after "
@@ -264,7 +273,29 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
     text = tokenizer.decode(new, skip_special_tokens=True)
     stopped = "eos" if eos is not None and new and new[-1] == eos else "length"
     return {"text": text, "tokens": len(new), "prompt_tokens": prompt_tokens,
-            "stopped": stopped, "runs": progress["runs"]}
+            "cached_tokens": progress["cached_tokens"], "stopped": stopped,
+            "runs": progress["runs"]}
+
+
+class _Prefix:
+    """The KV-prefix cache as one generation uses it: the start it found (a private
+    copy, cut to the shared prefix) and, after the prefill, its own prompt stored."""
+
+    def __init__(self, store: Any, model: str, tokens: list[int]) -> None:
+        self.store, self.model, self.tokens_in = store, model, tokens
+        hit = store.lookup(model, tokens) if store is not None else None
+        self.start = kvreuse.prefix_copy(hit.value, hit.tokens) if hit is not None else None
+        self.tokens = hit.tokens if hit is not None else 0
+
+    def after_prefill(self, cache: Any) -> None:
+        """Keep this prompt's whole blocks unless the store holds them already."""
+        if self.store is None or not kvreuse.reusable(cache):
+            return
+        block = self.store.block
+        aligned = (len(self.tokens_in) // block) * block
+        if aligned and self.store.covered(self.model, self.tokens_in[:aligned]) < aligned:
+            kept = kvreuse.prefix_copy(cache, aligned)
+            self.store.store(self.model, self.tokens_in[:aligned], kept, kvreuse.nbytes(kept))
 
 
 def _resumed(checkpoint: Any, max_new_tokens: int, vocab_size: int) -> dict[str, Any]:
@@ -294,16 +325,18 @@ def _seeded(generator: Any, seed: int, position: int) -> Any:
 
 def _decode(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
             temperature: float, seed: int, progress: dict[str, Any],
-            active: runtime.ActiveTask | None) -> None:
+            active: runtime.ActiveTask | None, prefix: _Prefix) -> None:
     """The decode loop; appends token ids to ``progress["new"]`` so a caller sees how far
-    it got on a timeout, and so a yield keeps them for the next run."""
+    it got on a timeout, and so a yield keeps them for the next run. The prefill starts
+    after the cached prefix, if any."""
     import torch
 
     new: list[int] = progress["new"]
     kwarg = _cache_kwarg(module)
     generator = torch.Generator(device="cpu")
-    ids: Any = input_ids
-    past: Any = None
+    ids: Any = input_ids[:, prefix.tokens:]
+    past: Any = prefix.start
+    prefilled = False
     out: Any = None
     logits: Any = None
     mask: Any = torch.ones_like(input_ids)
@@ -317,6 +350,9 @@ def _decode(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
                 out = module(input_ids=ids, attention_mask=mask, use_cache=True,
                              **{kwarg: past})
                 past = out.cache if hasattr(out, "cache") else out.past_key_values
+                if not prefilled:
+                    prefix.after_prefill(past)
+                    prefilled = True
                 logits = out.logits[:, -1, :].float()
                 if temperature > 0:
                     probs = torch.softmax(logits / temperature, dim=-1).cpu()
@@ -335,7 +371,7 @@ def _decode(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
                     active.yield_point(progress, step_s * (max_new_tokens - len(new)))
     finally:
         # A traceback keeps this frame alive: drop the KV cache now, not with the frame.
-        past = out = ids = mask = logits = None
+        past = out = ids = mask = logits = prefix.start = None
 
 
 def _check_texts(texts: Any) -> list[str]:

@@ -85,6 +85,14 @@ def task_fields(meta: Mapping[str, Any], sla_class: str) -> dict[str, float]:
     return fields
 
 
+def prefix_fields(cached_tokens: int) -> dict[str, float]:
+    """Counter increments for one generation's KV-prefix lookup (``cache/prefix.py``):
+    a hit and the prompt tokens whose prefill it skipped, or just the lookup."""
+    if cached_tokens > 0:
+        return {"kv_lookups": 1, "kv_hits": 1, "kv_tokens": cached_tokens}
+    return {"kv_lookups": 1}
+
+
 def failure_reason(exc: BaseException) -> str | None:
     """The ``reason`` label of a failed inference task; None when it is not a failure."""
     if isinstance(exc, _NOT_FAILURES):
@@ -121,6 +129,9 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
     ahead = CounterMetricFamily("sits_affinity_picks", "Inference tasks taken ahead of "
                                 "their queue's head because the worker held their model "
                                 "warm.", labels=["worker"])
+    kv = CounterMetricFamily("sits_kv_prefix", "KV-prefix cache of generations: lookups, "
+                             "hits, and prompt tokens whose prefill a hit skipped.",
+                             labels=["worker", "kind"])
     share = GaugeMetricFamily("sits_cold_start_share", "Share of inference tasks that paid a "
                               "cold start (MISSION 4.4).", labels=["worker"])
     phase = CounterMetricFamily("sits_cold_start_phase_seconds", "Time spent per cold-start "
@@ -149,6 +160,8 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
         for source in sorted(set(SOURCES) | set(by_source)):
             cold.add_metric([name, source], by_source.get(source, 0.0))
         ahead.add_metric([name], values.get("affinity", 0.0))
+        for kind in ("lookups", "hits", "tokens"):
+            kv.add_metric([name, kind], values.get(f"kv_{kind}", 0.0))
         n_tasks, n_cold = values.get("tasks", 0.0), values.get("cold", 0.0)
         share.add_metric([name], advertise.cold_share(int(n_tasks), int(n_cold)))
         by_phase = advertise.counter_group(values, "phase_ms:")
@@ -178,8 +191,8 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
                 warm.add_metric([name, str(slot), tier], tiers.get(tier, 0))
             memory = child.get("memory") or {}
             allocated.add_metric([name, str(slot)], float(memory.get("allocated_bytes", 0)))
-    return [info, slots, tasks, cold, ahead, share, phase, hist, failed, vram, util, warm,
-            allocated]
+    return [info, slots, tasks, cold, ahead, kv, share, phase, hist, failed, vram, util,
+            warm, allocated]
 
 
 # -- the Redis edge ----------------------------------------------------------------------------

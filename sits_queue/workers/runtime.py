@@ -50,6 +50,9 @@ from sits_queue.workers.limits import BYTES_PER_GIB, cpu_set
 
 logger = logging.getLogger(__name__)
 
+#: Share of the device tier the KV-prefix cache may take besides it: prefixes are small
+#: next to weights (a 2k-token prefix of a 7B fp16 model is ~1 GiB) but pay per hit.
+PREFIX_CACHE_SHARE = 0.125
 #: MISSION §4.3: the device warm pool takes about 30% of the device's memory.
 DEVICE_CACHE_SHARE = 0.30
 #: ... and the host shadow pool 70% of the child's share of host memory.
@@ -107,9 +110,12 @@ class CacheBudgets:
     device_bytes: int | None = None
     #: Host (shadow) tier, bytes. Env ``SITS_HOST_CACHE_BYTES``.
     host_bytes: int | None = None
+    #: KV-prefix cache of generations, bytes (0: off); by default an eighth of the
+    #: device tier. Env ``SITS_KV_PREFIX_CACHE_BYTES``.
+    prefix_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("device_bytes", "host_bytes"):
+        for name in ("device_bytes", "host_bytes", "prefix_bytes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or value < 0):
                 raise ConfigError(f"cache {name} must be >= 0, got {value!r}")
@@ -118,7 +124,15 @@ class CacheBudgets:
     def from_env(cls, env: Mapping[str, str] | None = None) -> CacheBudgets:
         env = os.environ if env is None else env
         return cls(device_bytes=_env_bytes(env, "SITS_DEVICE_CACHE_BYTES"),
-                   host_bytes=_env_bytes(env, "SITS_HOST_CACHE_BYTES"))
+                   host_bytes=_env_bytes(env, "SITS_HOST_CACHE_BYTES"),
+                   prefix_bytes=_env_bytes(env, "SITS_KV_PREFIX_CACHE_BYTES"))
+
+    def prefix_budget(self, device_bytes: int) -> int:
+        """The KV-prefix budget: the override, else :data:`PREFIX_CACHE_SHARE` of the
+        device tier (prefixes live on the device, beside the engines)."""
+        if self.prefix_bytes is not None:
+            return self.prefix_bytes
+        return int(device_bytes * PREFIX_CACHE_SHARE)
 
     def resolve(self, device: Device, host_total_bytes: int, slots: int,
                 sharing: int = 1) -> tuple[int, int]:
@@ -217,6 +231,9 @@ class ActiveTask:
     #: last yield (None on a first run), for loops that step: generation, batches.
     yielder: Callable[[Any, float | None], None] | None = None
     checkpoint: Any = None
+    #: This child's KV-prefix store (``cache/prefix.py``) and its counter, if any.
+    prefixes: Any = None
+    count: Callable[[Mapping[str, float]], None] | None = None
 
     def yield_point(self, state: Any, remaining_s: float | None = None) -> None:
         """Let the slot go to more urgent work if it is time to (raises ``Preempted``)."""
@@ -274,6 +291,7 @@ class ChildRuntime:
     counters: dict[str, float] = field(default_factory=dict)
     cache_factory: Callable[..., Any] | None = None
     _cache: Any = None
+    _prefixes: Any = None
     _unsent: dict[str, float] = field(default_factory=dict)
     _cpus: tuple[int, ...] = ()
     _pending_ctx_ms: float = 0.0
@@ -295,15 +313,25 @@ class ChildRuntime:
     def device_label(self) -> str:
         return f"cuda:{self.device.index}" if self.on_cuda else "cpu"
 
+    def _budgets(self) -> tuple[int, int]:
+        slots = max(1, self.plan.slots)
+        return self.budgets.resolve(self.device, int(psutil.virtual_memory().total), slots,
+                                    children_per_device(self.plan.discovery, slots))
+
     def cache(self) -> Any:
         if self._cache is None:
             factory = self.cache_factory or _engine_cache
-            slots = max(1, self.plan.slots)
-            dev, host = self.budgets.resolve(
-                self.device, int(psutil.virtual_memory().total), slots,
-                children_per_device(self.plan.discovery, slots))
+            dev, host = self._budgets()
             self._cache = factory(self.torch_device, dev, host, context=gpu.create_context)
         return self._cache
+
+    def prefixes(self) -> Any:
+        """This child's KV-prefix store (generations reuse shared prompt prefixes)."""
+        if self._prefixes is None:
+            from sits_queue.cache.prefix import PrefixStore
+
+            self._prefixes = PrefixStore(self.budgets.prefix_budget(self._budgets()[0]))
+        return self._prefixes
 
     # -- limits (task_prerun) --------------------------------------------------------------
     def confine(self, quota: ClassQuota) -> tuple[int, ...]:
@@ -364,6 +392,7 @@ class ChildRuntime:
         advertise.publish_child(self.config, self.plan.hostname, self.slot, {
             "slot": self.slot, "slots": self.plan.slots, "pid": os.getpid(),
             "device": self.device_label, "warm": dict(warm), "cpus": list(self._cpus),
+            "kv_prefixes": self._prefixes.models() if self._prefixes is not None else {},
             "tasks": int(self.counters.get("tasks", 0)),
             "cold": int(self.counters.get("cold", 0)),
             "memory": gpu.memory_stats()}, unsent)

@@ -32,6 +32,7 @@ from sits_queue.errors import (
     VramLimitExceeded,
 )
 from sits_queue.procs import CeleryProcess, wait_ready
+from sits_queue.workers import advertise
 from sits_queue.workers.advertise import read_workers
 from tests.integration.inference_app import (
     build_models,
@@ -144,6 +145,24 @@ def test_builtin_generate_and_embed(app: Celery, worker: CeleryProcess) -> None:
     assert len(vectors["output"]) == 2 and len(vectors["output"][0]) == 64
     norm = sum(x * x for x in vectors["output"][0]) ** 0.5
     assert norm == pytest.approx(1.0, abs=1e-4)
+
+
+def test_a_shared_prompt_prefix_is_prefilled_once_across_tasks(
+        app: Celery, worker: CeleryProcess, r: redis.Redis) -> None:
+    shared = "you summarise operations logs and keep every number. " * 3
+    kwargs = {"max_new_tokens": 6, "stop_at_eos": False}
+    # Given a generation whose prompt starts with a long instruction
+    first = call(app, "sits.generate", shared + "disk 3 is full", model="gpt", kwargs=kwargs,
+                 timeout=FIRST_CALL_S)["output"]
+    # When another task's prompt starts the same way
+    second = call(app, "sits.generate", shared + "node 7 is down", model="gpt",
+                  kwargs=kwargs)["output"]
+    # Then its prefill skipped the shared whole blocks, which the worker counts
+    assert first["cached_tokens"] == 0
+    assert 16 <= second["cached_tokens"] < second["prompt_tokens"]
+    counters = {k.decode(): float(v) for k, v in
+                r.hgetall(advertise.counters_key("", worker.hostname)).items()}
+    assert counters["kv_hits"] >= 1 and counters["kv_tokens"] >= second["cached_tokens"]
 
 
 def test_eviction_under_a_small_budget(app: Celery, worker: CeleryProcess) -> None:
