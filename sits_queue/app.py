@@ -84,6 +84,7 @@ class SitsTask(Task):  # type: ignore[misc]
     loss_sensitivity: float | None = None
     input_entropy: float | None = None
     vram_gib: float | None = None
+    prefix_key: str | None = None
 
     def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
                     producer: Any = None, link: Any = None, link_error: Any = None,

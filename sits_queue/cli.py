@@ -195,6 +195,13 @@ def bench_affinity(quick: bool, json_path: Path | None) -> None:
     _run_module("sits_queue.bench.affinity", quick, json_path)
 
 
+@bench.command("prefix")
+@_bench_options
+def bench_prefix(quick: bool, json_path: Path | None) -> None:
+    """Shared prompt templates: no KV-prefix cache vs the cache vs the cache + affinity."""
+    _run_module("sits_queue.bench.prefix", quick, json_path)
+
+
 def _run_module(module: str, quick: bool, json_path: Path | None) -> None:
     argv = (["--quick"] if quick else []) + (["--json", str(json_path)] if json_path else [])
     rc = import_module(module).main(argv)

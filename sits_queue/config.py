@@ -184,8 +184,12 @@ class SitsConfig:
     #: ...and never once the head has waited this long, ms (bounds what affinity costs
     #: a task that is warm nowhere: about one cold start of a mid-size engine);
     affinity_max_skip_ms: float = 1000.0
-    #: an engine in the host tier counts this much of one on the device.
+    #: an engine in the host tier counts this much of one on the device;
     affinity_host_weight: float = 0.5
+    #: a task whose prompt prefix's KV the worker holds adds this much.
+    affinity_prefix_weight: float = 0.5
+    #: Characters of a prompt the automatic ``prefix_key`` covers (0: derive none).
+    prefix_key_chars: int = 256
     weights: PriorityWeights = field(default_factory=PriorityWeights)
 
     def __post_init__(self) -> None:
@@ -218,6 +222,10 @@ class SitsConfig:
                 < 3_600_000:
             raise ConfigError(f"affinity_max_skip_ms must be in [0, 3600000) ms, got "
                               f"{self.affinity_max_skip_ms!r}")
+        if isinstance(self.prefix_key_chars, bool) or not isinstance(self.prefix_key_chars, int) \
+                or not 0 <= self.prefix_key_chars <= 1_000_000:
+            raise ConfigError(f"prefix_key_chars must be an integer in [0, 1000000], got "
+                              f"{self.prefix_key_chars!r}")
         try:
             self.affinity  # noqa: B018 - validates the other affinity settings
         except ValueError as exc:
@@ -232,7 +240,8 @@ class SitsConfig:
         return AffinityPolicy(window=self.affinity_window,
                               priority_ratio=self.affinity_priority_ratio,
                               max_skip_s=self.affinity_max_skip_ms / 1000.0,
-                              host_weight=self.affinity_host_weight)
+                              host_weight=self.affinity_host_weight,
+                              prefix_weight=self.affinity_prefix_weight)
 
     @property
     def class_names(self) -> tuple[str, ...]:

@@ -6,6 +6,7 @@ broker (to score the message) and by the worker (to apply class limits).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
@@ -19,7 +20,7 @@ from sits_queue.priority.entropy import input_entropy
 HEADER = "sits"
 #: Option names accepted on ``@app.task(...)`` and ``apply_async(...)``.
 OPTION_NAMES = ("sla_class", "model", "context_tokens", "latency_sla_ms", "loss_sensitivity",
-                "input_entropy", "vram_gib")
+                "input_entropy", "vram_gib", "prefix_key")
 #: Larger contexts than this are typos, not prompts (10M tokens).
 MAX_CONTEXT_TOKENS = 10_000_000
 #: An SLA longer than a day is not a latency SLA.
@@ -37,6 +38,9 @@ class TaskOptions:
     loss_sensitivity: float
     input_entropy: float | None
     vram_gib: float | None
+    #: What the prompt starts with, as a key: tasks with equal keys share a prompt prefix
+    #: (workers holding its KV pull them first). Given, or derived from the prompt.
+    prefix_key: str | None = None
 
     def to_header(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,9 +62,13 @@ def resolve(config: SitsConfig, declared: Mapping[str, Any], per_call: Mapping[s
     entropy = merged.get("input_entropy")
     if entropy is None:
         entropy = input_entropy(args or (), kwargs or {})
+    model = _model(merged.get("model"))
+    prefix = merged.get("prefix_key")
+    if prefix is None and model is not None:
+        prefix = derive_prefix_key(args or (), kwargs or {}, config.prefix_key_chars)
     return TaskOptions(
         sla_class=sla_class,
-        model=_model(merged.get("model")),
+        model=model,
         context_tokens=int(_number("context_tokens", merged.get("context_tokens", 0), 0,
                                    MAX_CONTEXT_TOKENS, integer=True)),
         latency_sla_ms=_number("latency_sla_ms", merged.get("latency_sla_ms",
@@ -72,7 +80,19 @@ def resolve(config: SitsConfig, declared: Mapping[str, Any], per_call: Mapping[s
         input_entropy=None if entropy is None else _number("input_entropy", entropy, 0.0, 1.0),
         vram_gib=None if merged.get("vram_gib") is None
         else _number("vram_gib", merged["vram_gib"], 0.0, MAX_VRAM_GIB),
+        prefix_key=_prefix_key(prefix),
     )
+
+
+def derive_prefix_key(args: Any, kwargs: Mapping[str, Any], chars: int) -> str | None:
+    """The automatic ``prefix_key``: a hash of the prompt's first ``chars`` characters
+    (the first positional string argument, else ``prompt=``); None for a shorter prompt,
+    no prompt, or ``chars`` 0. Prompts equal that far almost surely share a long token
+    prefix too, whose KV a worker may hold (``cache/prefix.py``)."""
+    text = args[0] if args and isinstance(args[0], str) else kwargs.get("prompt")
+    if chars <= 0 or not isinstance(text, str) or len(text) < chars:
+        return None
+    return hashlib.blake2b(text[:chars].encode(), digest_size=8).hexdigest()
 
 
 def from_header(config: SitsConfig, header: Any) -> TaskOptions:
@@ -94,6 +114,15 @@ def _model(value: Any) -> str | None:
     if not isinstance(value, str) or not value or len(value) > 200:
         raise InvalidTaskOptions(f"model must be a non-empty name of at most 200 characters, "
                                  f"got {value!r}")
+    return value
+
+
+def _prefix_key(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > 200:
+        raise InvalidTaskOptions(f"prefix_key must be a non-empty string of at most 200 "
+                                 f"characters, got {value!r}")
     return value
 
 

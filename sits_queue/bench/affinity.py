@@ -84,25 +84,34 @@ def system_url(base_url: str, system: str) -> str:
 
 
 def run_system(system: str, stream: Sequence[Request], warm: str, url: str, zoo: Path,
-               budgets: tuple[int, int], fleet: Fleet, log_dir: Path,
-               on_progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Warm every worker up, then the whole stream; the task records."""
+               budgets: tuple[int, int], fleet: tuple[int, int], log_dir: Path,
+               on_progress: Callable[[str], None] = print, *,
+               settings: Mapping[str, Any] | None = None,
+               extra_env: Mapping[str, str] | None = None,
+               warmup_prompt: str | None = None,
+               submit_options: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Warm every worker up (``warm`` model, ``warmup_prompt`` or the stream's first),
+    then the whole stream, on ``fleet`` = (workers, new tokens per request) SITS
+    workers with these ``SitsConfig``
+    ``settings`` (default: this benchmark's window for ``system``); the task records."""
     client = redis.Redis.from_url(url)
     client.flushdb()
-    app = build("sits", url, zoo, budgets[0])
-    env = worker_env("sits", url, zoo, budgets, affinity_window=WINDOWS[system])
+    settings = {"affinity_window": WINDOWS[system]} if settings is None else settings
+    app = build("sits", url, zoo, budgets[0], settings)
+    env = {**worker_env("sits", url, zoo, budgets, settings), **(extra_env or {})}
     workers = [start_worker("sits_queue.bench.coldstart_apps", env, log_dir, concurrency=1,
                             hostname=f"{system}-{i}@%h", cpus=cpus)
-               for i, cpus in enumerate(cpu_sets(fleet.workers, available_cpus()))]
+               for i, cpus in enumerate(cpu_sets(fleet[0], available_cpus()))]
     try:
         wait_ready(app, workers)
         with app.producer_or_acquire() as producer:
-            _warm_up(client, app, workers, warm, stream[0].prompt, fleet.shape, producer)
+            _warm_up(client, app, workers, warm, warmup_prompt or stream[0].prompt,
+                     fleet[1], producer)
             on_progress(f"  {system}: {len(workers)} workers warm ({warm}); submitting "
                         f"{len(stream)} requests")
             for req in stream:
-                submit(app, "sits", req.model, req.prompt, fleet.shape.max_new_tokens,
-                       req.index, producer)
+                submit(app, "sits", req.model, req.prompt, fleet[1], req.index, producer,
+                       **(submit_options or {}))
         timeout = max(coldstart.DRAIN_MIN_S, coldstart.DRAIN_S_PER_REQUEST * len(stream))
         return await_records(client, len(stream), workers, timeout, "the stream to drain")
     finally:
@@ -114,13 +123,13 @@ def run_system(system: str, stream: Sequence[Request], warm: str, url: str, zoo:
 
 
 def _warm_up(client: redis.Redis, app: Any, workers: Sequence[CeleryProcess], warm: str,
-             prompt: str, shape: Shape, producer: Any) -> None:
+             prompt: str, max_new_tokens: int, producer: Any) -> None:
     """Until every worker has served ``warm`` once (one request per worker per round)."""
     pending = {w.hostname for w in workers}
     for _ in range(WARMUP_ROUNDS):
         client.delete(DONE_KEY)
         for _ in workers:
-            submit(app, "sits", warm, prompt, shape.max_new_tokens, -1, producer)
+            submit(app, "sits", warm, prompt, max_new_tokens, -1, producer)
         records = await_records(client, len(workers), workers, coldstart.WARMUP_TIMEOUT_S,
                                 "the warm-up requests")
         errors = [r["error"] for r in records if r.get("error")]
@@ -217,7 +226,8 @@ def run(quick: bool = False, redis_url: str | None = None, *, fleet: Fleet | Non
     with tempfile.TemporaryDirectory(prefix="sits-bench-affinity-") as tmp, \
             redis_server(redis_url) as url:
         records = {name: run_system(name, stream, warm, system_url(url, name), zoo,
-                                    (budget, host), fleet, Path(tmp) / name, on_progress)
+                                    (budget, host), (fleet.workers, shape.max_new_tokens),
+                                    Path(tmp) / name, on_progress)
                    for name in SYSTEMS}
     systems = {name: fleet_summary(recs, warm) for name, recs in records.items()}
     r = ratios(systems)

@@ -87,6 +87,10 @@ HOST_MARGIN = 2.0
 #: the LRU's, and throughput at least the LRU's.
 TARGET_COLD_COST_VS_LRU = 0.33
 TARGET_THROUGHPUT_VS_LRU = 1.0
+#: SITS here pulls in plain priority order: this benchmark compares what a cold start
+#: costs; how affinity-aware pulling cuts their share is ``sitsq bench affinity``'s
+#: (with one worker it would also run the warm model's backlog first).
+SITS_SETTINGS = {"affinity_window": 0}
 REQUIRED = ("cold_share", "cold_cost_ms_mean", "cold_cost_ms_p99", "p50_ms", "p99_ms",
             "throughput_tps")
 
@@ -184,8 +188,9 @@ def run_system(system: str, stream: Sequence[Request], warm: str, url: str, zoo:
     """Warm up, then the whole stream; the per-task records, in completion order."""
     client = redis.Redis.from_url(url)
     client.flushdb()
-    app = build(system, url, zoo, budgets[0])
-    env = worker_env(system, url, zoo, budgets)
+    settings = SITS_SETTINGS if system == "sits" else None
+    app = build(system, url, zoo, budgets[0], settings)
+    env = worker_env(system, url, zoo, budgets, settings)
     worker = start_worker("sits_queue.bench.coldstart_apps", env, log_dir,
                           concurrency=CONCURRENCY)
     try:
@@ -340,7 +345,7 @@ def _meta(quick: bool, shape: Shape, sizes: Mapping[str, int], weights: Mapping[
         "budget": {"device_bytes": budgets[0], "host_bytes": budgets[1],
                    "zoo_bytes": sum(sizes.values())},
         "warm_model": warm, "concurrency": CONCURRENCY, "pool": "prefork", "workers": 1,
-        "sits_class": SITS_CLASS,
+        "sits_class": SITS_CLASS, "sits_settings": SITS_SETTINGS,
         "submission": "one warm-up request per system, then the whole stream at once",
         "one_model_cache_switches": switches([r.model for r in stream], warm),
         "device": (systems["sits"]["device"] or ["?"])[0],

@@ -26,7 +26,7 @@ import json
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -50,24 +50,26 @@ ENV_SYSTEM = "SITS_COLDSTART_SYSTEM"
 ENV_URL = "SITS_COLDSTART_REDIS_URL"
 ENV_ZOO = "SITS_COLDSTART_ZOO"
 ENV_BUDGET = "SITS_COLDSTART_BUDGET_BYTES"
-#: The worker's ``affinity_window`` (unset: the default); the other SITS_* variables of
-#: the environment are not read, so a user's settings do not change a benchmark run.
-ENV_AFFINITY_WINDOW = "SITS_COLDSTART_AFFINITY_WINDOW"
+#: ``SitsConfig`` settings of the SITS worker, a JSON object (``sitsq bench affinity``,
+#: ``prefix``); the SITS_* variables of the environment are not read for the config, so
+#: a user's settings do not change a benchmark run.
+ENV_SETTINGS = "SITS_COLDSTART_SETTINGS"
 _MS_PER_S = 1000.0
 
 
 def worker_env(system: str, url: str, zoo: Path, budgets: tuple[int, int],
-               affinity_window: int | None = None) -> dict[str, str]:
+               settings: Mapping[str, Any] | None = None) -> dict[str, str]:
     """The environment of a worker of ``system``: its database, the zoo, the budgets
-    (device, host bytes), and no network for Hugging Face (everything is local)."""
+    (device, host bytes), ``SitsConfig`` settings for SITS, and no network for Hugging
+    Face (everything is local)."""
     device_bytes, host_bytes = budgets
     env = {ENV_SYSTEM: system, ENV_URL: url, ENV_ZOO: str(zoo), ENV_BUDGET: str(device_bytes),
            "SITS_REDIS_URL": url, "SITS_DEVICE_CACHE_BYTES": str(device_bytes),
            "SITS_HOST_CACHE_BYTES": str(host_bytes), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    if affinity_window is not None:
-        env[ENV_AFFINITY_WINDOW] = str(affinity_window)
+    if settings:
+        env[ENV_SETTINGS] = json.dumps(dict(settings))
     return env
 
 
@@ -204,7 +206,8 @@ def _register_sits(app: Celery, zoo: Path) -> None:
         from sits_queue.workers.inference import generate
 
         out = generate(engine, prompt, max_new_tokens=max_new_tokens, stop_at_eos=False)
-        return {"model": engine.key, "tokens": out["tokens"]}
+        return {"model": engine.key, "tokens": out["tokens"],
+                "prompt_tokens": out["prompt_tokens"], "cached_tokens": out["cached_tokens"]}
 
 
 # -- the record every task leaves ----------------------------------------------------------
@@ -223,7 +226,8 @@ def record(retval: Any, kwargs: dict[str, Any], started_s: float | None,
                                                 "warmup_ms"))
         return {**base, "model": out["model"], "cold": bool(meta["cold"]),
                 "cold_ms": round(cold_ms, 3), "source": meta["source"],
-                "device": meta["device"]}
+                "device": meta["device"], "prompt_tokens": out.get("prompt_tokens", 0),
+                "cached_tokens": out.get("cached_tokens", 0)}
     return {**base, **{k: retval[k] for k in ("model", "cold", "cold_ms", "source",
                                               "device")}}
 
@@ -253,14 +257,12 @@ def _connect_records(app: Celery, url: str) -> None:
 
 
 def build(system: str, url: str, zoo: Path, budget_bytes: int,
-          affinity_window: int | None = None) -> Celery:
-    """The app of ``system`` on database ``url``, its task registered; SITS's affinity
-    window as given (``sitsq bench affinity``), else the default."""
+          settings: Mapping[str, Any] | None = None) -> Celery:
+    """The app of ``system`` on database ``url``, its task registered; SITS with these
+    ``SitsConfig`` settings, else the defaults."""
     app: Celery
     if system == "sits":
-        config = SitsConfig(redis_url=url)
-        if affinity_window is not None:
-            config = replace(config, affinity_window=affinity_window)
+        config = replace(SitsConfig(redis_url=url), **dict(settings or {}))
         app = make_app(config, main="bench_coldstart_sits")
         _register_sits(app, zoo)
     elif system in ("celery_load_per_task", "celery_lru"):
@@ -274,19 +276,19 @@ def build(system: str, url: str, zoo: Path, budget_bytes: int,
 
 
 def submit(app: Celery, system: str, model: str, prompt: str, max_new_tokens: int, i: int,
-           producer: Any) -> None:
-    """Send one request the way a user of that system would."""
+           producer: Any, **sits_options: Any) -> None:
+    """Send one request the way a user of that system would (SITS: with these options
+    besides the model and class)."""
     kwargs = {"submitted_s": time.time(), "i": i}
     task = app.tasks[TASK_NAME]
     if system == "sits":
         task.apply_async((prompt, max_new_tokens), kwargs, model=model, sla_class=SITS_CLASS,
-                         producer=producer)
+                         producer=producer, **sits_options)
     else:
         task.apply_async((model, prompt, max_new_tokens), kwargs, producer=producer)
 
 
 _system = os.environ.get(ENV_SYSTEM)
 if _system:
-    _window = os.environ.get(ENV_AFFINITY_WINDOW)
     app = build(_system, os.environ[ENV_URL], Path(os.environ[ENV_ZOO]),
-                int(os.environ[ENV_BUDGET]), int(_window) if _window else None)
+                int(os.environ[ENV_BUDGET]), json.loads(os.environ.get(ENV_SETTINGS) or "{}"))

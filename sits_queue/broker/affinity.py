@@ -19,8 +19,10 @@ What bounds the reordering (delay scheduling, Zaharia et al., EuroSys 2010):
   switch affinity off in exactly the deep backlogs where it pays).
 
 The weight of a warm model is 1 on the device and :attr:`AffinityPolicy.host_weight` in
-the host shadow tier (a promotion is cheap but not free); the highest weight wins, the
-queue's order breaks ties. :func:`choose` is the reference of what ``lua/pick.lua``
+the host shadow tier (a promotion is cheap but not free); a task whose ``prefix_key``
+the worker holds KV for (``cache/prefix.py``: a shared prompt prefix it need not
+prefill) adds :attr:`AffinityPolicy.prefix_weight`. The highest weight wins, the queue's
+order breaks ties. :func:`choose` is the reference of what ``lua/pick.lua``
 does inside Redis (the integration tests check they agree).
 
 The warm set comes from the pool children's advertisements (a worker's pick cannot
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sits_queue.broker.keys import LEVELS_PER_E
@@ -53,6 +55,8 @@ class AffinityPolicy:
     max_skip_s: float = 1.0
     #: Weight of a model warm in the host tier; one on the device weighs 1.
     host_weight: float = 0.5
+    #: Added for a task whose prompt prefix's KV the worker holds.
+    prefix_weight: float = 0.5
 
     def __post_init__(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) \
@@ -67,6 +71,9 @@ class AffinityPolicy:
         if not _finite(self.host_weight) or not 0 <= self.host_weight <= 1:
             raise ValueError(f"affinity_host_weight must be in [0, 1], got "
                              f"{self.host_weight!r}")
+        if not _finite(self.prefix_weight) or not 0 <= self.prefix_weight <= 10:
+            raise ValueError(f"affinity_prefix_weight must be in [0, 10], got "
+                             f"{self.prefix_weight!r}")
 
     @property
     def enabled(self) -> bool:
@@ -90,6 +97,35 @@ class Candidate:
     skipped_since_s: float | None = None
     #: This consumer released it and its hold has not run out: not to be taken.
     held: bool = False
+    #: Its ``prefix_key`` (what its prompt starts with), if any.
+    prefix: str | None = None
+
+
+@dataclass(frozen=True)
+class Warm:
+    """What a worker holds, as affinity weights: models (by tier) and prompt prefixes
+    (by ``prefix_key``). Only positive weights are kept."""
+
+    models: Mapping[str, float] = field(default_factory=dict)
+    prefixes: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "models", {k: w for k, w in self.models.items() if w > 0})
+        object.__setattr__(self, "prefixes",
+                           {k: w for k, w in self.prefixes.items() if w > 0})
+
+    def __bool__(self) -> bool:
+        return bool(self.models or self.prefixes)
+
+    @property
+    def top(self) -> float:
+        """The largest weight a task can have here (its model's plus its prefix's)."""
+        return max(self.models.values(), default=0.0) + \
+            max(self.prefixes.values(), default=0.0)
+
+    def weight(self, model: str | None, prefix: str | None) -> float:
+        return (self.models.get(model, 0.0) if model is not None else 0.0) + \
+            (self.prefixes.get(prefix, 0.0) if prefix is not None else 0.0)
 
 
 def warm_weights(warm_maps: Iterable[Mapping[str, Any]], host_weight: float
@@ -104,6 +140,17 @@ def warm_weights(warm_maps: Iterable[Mapping[str, Any]], host_weight: float
     return weights
 
 
+def warm_of(children: Iterable[Mapping[str, Any]], policy: AffinityPolicy) -> Warm:
+    """A worker's :class:`Warm` from its children's advertised records: ``warm``
+    (model -> tier) and ``kv_keys`` (prefix keys whose KV the child holds)."""
+    records = [c for c in children if isinstance(c, Mapping)]
+    models = warm_weights((c["warm"] for c in records if isinstance(c.get("warm"), Mapping)),
+                          policy.host_weight)
+    keys = {str(k) for c in records if isinstance(c.get("kv_keys"), list)
+            for k in c["kv_keys"]}
+    return Warm(models, dict.fromkeys(sorted(keys), policy.prefix_weight))
+
+
 def min_level(head_level: int, ratio: float) -> float:
     """The lowest level a task may have to be taken ahead of a head at ``head_level``:
     that of the head's priority divided by ``ratio`` (levels are ``log1p(p) * 2**17``)."""
@@ -111,8 +158,8 @@ def min_level(head_level: int, ratio: float) -> float:
     return math.log1p(head_priority / ratio) * LEVELS_PER_E
 
 
-def choose(candidates: Sequence[Candidate], warm: Mapping[str, float],
-           policy: AffinityPolicy, now_s: float) -> int:
+def choose(candidates: Sequence[Candidate], warm: Warm, policy: AffinityPolicy,
+           now_s: float) -> int:
     """Index in ``candidates`` (queue order, head first) of the task to take.
 
     0, the head, unless affinity is off, nothing is warm, the head is as warm as anything
@@ -124,8 +171,8 @@ def choose(candidates: Sequence[Candidate], warm: Mapping[str, float],
     if not policy.enabled or len(candidates) < 2 or not warm:
         return 0
     head = candidates[0]
-    top = max(warm.values())
-    best_w = _weight(warm, head.model)
+    top = warm.top
+    best_w = warm.weight(head.model, head.prefix)
     if head.held or best_w >= top:
         return 0
     if head.skipped_since_s is not None and now_s - head.skipped_since_s >= policy.max_skip_s:
@@ -135,7 +182,7 @@ def choose(candidates: Sequence[Candidate], warm: Mapping[str, float],
     for i, cand in enumerate(candidates[1:policy.window], start=1):
         if cand.level < floor:
             break  # queue order: every later one ranks lower still
-        w = _weight(warm, cand.model)
+        w = warm.weight(cand.model, cand.prefix)
         if not cand.held and w > best_w:
             best, best_w = i, w
             if w >= top:
@@ -143,25 +190,24 @@ def choose(candidates: Sequence[Candidate], warm: Mapping[str, float],
     return best
 
 
-def _weight(warm: Mapping[str, float], model: str | None) -> float:
-    return warm.get(model, 0.0) if model is not None else 0.0
+def lua_args(policy: AffinityPolicy, warm: Warm) -> list[Any]:
+    """``pick.lua``'s affinity arguments (after its first three); empty when off.
 
-
-def lua_args(policy: AffinityPolicy, warm: Mapping[str, float]) -> list[Any]:
-    """``pick.lua``'s affinity arguments (after its first three); empty when off."""
+    Weights go as ``m:<model>`` and ``p:<prefix key>`` pairs (two namespaces: a model
+    may be named like a key)."""
     if not policy.enabled or not warm:
         return []
     args: list[Any] = [policy.window, repr(float(policy.priority_ratio)),
                        repr(float(policy.max_skip_s))]
-    for model, w in sorted(warm.items()):
-        if w > 0:
-            args += [model, repr(float(w))]
-    return args if len(args) > 3 else []
+    for space, weights in (("m:", warm.models), ("p:", warm.prefixes)):
+        for name, w in sorted(weights.items()):
+            args += [space + name, repr(float(w))]
+    return args
 
 
 # -- the worker's warm set, for the transport (process-wide: one worker per process) ------
 
-WarmSource = Callable[[], Mapping[str, float]]
+WarmSource = Callable[[], Warm]
 _source: list[WarmSource] = []
 
 
@@ -173,9 +219,9 @@ def set_warm_source(source: WarmSource | None) -> None:
         _source.append(source)
 
 
-def warm_now() -> Mapping[str, float]:
+def warm_now() -> Warm:
     """The registered source's weights; empty without one (producers, plain consumers)."""
-    return _source[0]() if _source else {}
+    return _source[0]() if _source else Warm()
 
 
 def invalidate() -> None:

@@ -45,7 +45,7 @@ from sits_queue.app import (
     sits_headers,
 )
 from sits_queue.errors import SitsError
-from sits_queue.options import HEADER, OPTION_NAMES, TaskOptions
+from sits_queue.options import HEADER, OPTION_NAMES, TaskOptions, derive_prefix_key
 from sits_queue.priority.entropy import input_entropy
 
 #: Messages per ``put.lua`` call. Throughput is flat from ~200 up (the round trip is paid
@@ -92,6 +92,8 @@ class _Plan:
     headers: dict[str, Any]  # caller headers + sits header (input_entropy filled per item)
     options: TaskOptions  # validated once; the transport trusts it (no re-validation)
     measure_entropy: bool
+    derive_prefix_key: bool  # a model is named and no prefix_key: one per item's prompt
+    prefix_key_chars: int
     message_args: dict[str, Any]  # keyword arguments of create_task_message
     shadow_per_item: bool  # the task overrides shadow_name and the call named no shadow
     plain_json: bool  # JSON bodies, no links: flat-scalar bodies may take the orjson path
@@ -185,6 +187,9 @@ def _plan(task: Task, options: dict[str, Any]) -> _Plan:
         headers=sits_headers(opts, routed.get("headers"), 0.0),
         options=opts,
         measure_entropy=opts.input_entropy is None,
+        derive_prefix_key=opts.prefix_key is None and opts.model is not None
+        and config.prefix_key_chars > 0,
+        prefix_key_chars=config.prefix_key_chars,
         message_args=_message_args(app, routed, send_event),
         shadow_per_item=(routed.get("shadow") is None
                          and type(task).shadow_name is not Task.shadow_name),
@@ -317,12 +322,16 @@ def _build(app: Celery, task: Task, plan: _Plan, channel: Any, args: Sequence[An
         **message_args)
     headers.update(plan.headers)
     options = plan.options
-    if plan.measure_entropy:
-        entropy = input_entropy(args, kwargs)
-        headers[HEADER] = {**plan.headers[HEADER], "input_entropy": entropy}
-        o = options  # the constructor, not dataclasses.replace: 3x cheaper per item
+    if plan.measure_entropy or plan.derive_prefix_key:
+        o = options
+        entropy = input_entropy(args, kwargs) if plan.measure_entropy else o.input_entropy
+        prefix = derive_prefix_key(args, kwargs, plan.prefix_key_chars) \
+            if plan.derive_prefix_key else o.prefix_key
+        headers[HEADER] = {**plan.headers[HEADER], "input_entropy": entropy,
+                           "prefix_key": prefix}
+        # the constructor, not dataclasses.replace: 3x cheaper per item
         options = TaskOptions(o.sla_class, o.model, o.context_tokens, o.latency_sla_ms,
-                              o.loss_sensitivity, entropy, o.vram_gib)
+                              o.loss_sensitivity, entropy, o.vram_gib, prefix)
     headers[SUBMITTED_AT] = time.time()
     before = signals.before_task_publish
     if before.receivers:

@@ -321,7 +321,7 @@ class Channel(kredis.Channel):
 
     # -- consuming -------------------------------------------------------------------------
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
-        warm = affinity.warm_now() if self.affinity_policy.enabled else {}
+        warm = affinity.warm_now() if self.affinity_policy.enabled else affinity.Warm()
         extra = affinity.lua_args(self.affinity_policy, warm)
         for _ in range(MAX_BAD_IN_A_ROW):
             picked = self._run("pick", queue, [time.time(), self.config.max_redeliveries,

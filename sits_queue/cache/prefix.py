@@ -21,7 +21,7 @@ import hashlib
 import itertools
 import time
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 #: Tokens per block: a prefix is reused in whole blocks (as in vLLM's default of 16).
@@ -67,6 +67,10 @@ def plan_evictions(slots: Iterable[Slot], budget_bytes: int, incoming_bytes: int
     return tuple(evict)
 
 
+#: Prefix keys (``TaskOptions.prefix_key``) a child advertises at most: the newest.
+MAX_TAGS = 256
+
+
 @dataclass
 class _Entry:
     model: str
@@ -74,6 +78,14 @@ class _Entry:
     value: Any
     size_bytes: int
     last_used: float
+    #: ``prefix_key`` s of the tasks that stored or reused it (for affinity), newest last.
+    tags: list[str] = field(default_factory=list)
+
+    def tag(self, key: str | None) -> None:
+        if key is not None:
+            if key in self.tags:
+                self.tags.remove(key)
+            self.tags.append(key)
 
 
 @dataclass(frozen=True)
@@ -119,15 +131,27 @@ class PrefixStore:
             out[e.model] = out.get(e.model, 0) + 1
         return dict(sorted(out.items()))
 
-    def lookup(self, model: str, tokens: Sequence[int]) -> Hit | None:
+    def tags(self) -> list[str]:
+        """The ``prefix_key`` s of the tasks whose prefixes are held, most recent first,
+        at most :data:`MAX_TAGS` (what the child advertises for affinity)."""
+        seen: dict[str, None] = {}
+        for entry in sorted(self._entries.values(), key=lambda e: -e.last_used):
+            for key in reversed(entry.tags):
+                seen.setdefault(key)
+        return list(seen)[:MAX_TAGS]
+
+    def lookup(self, model: str, tokens: Sequence[int], tag: str | None = None
+               ) -> Hit | None:
         """The longest cached prefix of ``tokens`` for ``model``, in whole blocks, but
-        never all of ``tokens`` (the model must see at least one token to give logits)."""
+        never all of ``tokens`` (the model must see at least one token to give logits).
+        A hit's entry is tagged with the task's ``prefix_key``."""
         keys = block_keys(tokens[:len(tokens) - 1], self.block)
         for i in range(len(keys) - 1, -1, -1):
             entry_id = self._index.get((model, keys[i]))
             if entry_id is not None:
                 entry = self._entries[entry_id]
                 entry.last_used = self._clock()
+                entry.tag(tag)
                 self.hits += 1
                 return Hit(entry.value, (i + 1) * self.block)
         self.misses += 1
@@ -141,7 +165,8 @@ class PrefixStore:
                 return (i + 1) * self.block
         return 0
 
-    def store(self, model: str, tokens: Sequence[int], value: Any, size_bytes: int) -> bool:
+    def store(self, model: str, tokens: Sequence[int], value: Any, size_bytes: int,
+              tag: str | None = None) -> bool:
         """Keep ``value``, the KV cache of exactly ``tokens`` (a whole number of blocks),
         evicting the least recently used; False when it does not fit at all."""
         if len(tokens) == 0 or len(tokens) % self.block:
@@ -158,6 +183,7 @@ class PrefixStore:
         keys = tuple(block_keys(tokens, self.block))
         entry_id = next(self._ids)
         self._entries[entry_id] = _Entry(model, keys, value, size_bytes, self._clock())
+        self._entries[entry_id].tag(tag)
         for key in keys:  # the newest entry serves every prefix it holds
             self._index[(model, key)] = entry_id
         self.stored += 1

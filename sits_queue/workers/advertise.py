@@ -208,11 +208,11 @@ def read_workers(client: redis.Redis, prefix: str = "") -> list[dict[str, Any]]:
 
 
 class WarmReader:
-    """Worker main process: its children's warm engines as affinity weights, for the
-    transport's picks (``broker/affinity.py``).
+    """Worker main process: what its children hold (engines by tier, KV of prompt
+    prefixes) as affinity weights, for the transport's picks (``broker/affinity.py``).
 
     One ``MGET`` of the child records, reused for :data:`WARM_MAX_AGE_S` and, once a
-    child holds an engine, read again after every ack (the child published its cache
+    child holds something, read again after every ack (the child published its cache
     before its task returned). A Redis error means no affinity for that pick, never a
     failed pick.
     """
@@ -223,40 +223,41 @@ class WarmReader:
 
     def __init__(self, config: SitsConfig, hostname: str, concurrency: int,
                  clock: Any = time.monotonic) -> None:
+        self._policy = config.affinity
         self._config = config
         self._keys = [child_key(config.global_keyprefix, hostname, s)
                       for s in range(max(1, concurrency))]
         self._clock = clock
-        self._weights: dict[str, float] = {}
+        self._warm = affinity.Warm()
         self._read_at: float | None = None
 
     def invalidate(self) -> None:
-        # Only once some child holds an engine: a worker of plain tasks (whose children
+        # Only once some child holds something: a worker of plain tasks (whose children
         # never publish a warm set) must not pay a read per ack; it looks again with age.
-        if self._weights:
+        if self._warm:
             self._read_at = None
 
-    def __call__(self) -> dict[str, float]:
+    def __call__(self) -> affinity.Warm:
         now = self._clock()
         if self._read_at is not None and now - self._read_at < self.WARM_MAX_AGE_S:
-            return self._weights
+            return self._warm
         self._read_at = now
         try:
             raw = client_for(self._config).mget(self._keys)
         except redis.RedisError as exc:
             logger.debug("warm set unreadable, picking without affinity: %s", exc)
-            self._weights = {}
-            return self._weights
-        warm_maps = []
+            self._warm = affinity.Warm()
+            return self._warm
+        children = []
         for value in raw:
             try:
-                warm = json.loads(value).get("warm") if value is not None else None
-            except (ValueError, AttributeError):
-                warm = None
-            if isinstance(warm, dict):
-                warm_maps.append(warm)
-        self._weights = affinity.warm_weights(warm_maps, self._config.affinity_host_weight)
-        return self._weights
+                record = json.loads(value) if value is not None else None
+            except ValueError:
+                record = None
+            if isinstance(record, dict):
+                children.append(record)
+        self._warm = affinity.warm_of(children, self._policy)
+        return self._warm
 
 
 # -- the bootstep ------------------------------------------------------------------------

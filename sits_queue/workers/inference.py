@@ -138,7 +138,8 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
                                 soft_deadline=time.monotonic() + soft if soft else None,
                                 yielder=getattr(task, "yield_point", None),
                                 checkpoint=getattr(task, "checkpoint", None),
-                                prefixes=rt.prefixes(), count=rt.count)
+                                prefixes=rt.prefixes(), count=rt.count,
+                                prefix_key=runtime.task_prefix_key(request))
     oom: str | None = None
     start = time.perf_counter()
     try:
@@ -259,7 +260,7 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
     if new:  # the tokens of earlier runs go in with the prompt: one pass rebuilds the cache
         input_ids = torch.cat([input_ids, torch.tensor([new], device=device)], dim=1)
     prefix = _Prefix(active.prefixes if active is not None else None, model,
-                     input_ids[0].tolist())
+                     input_ids[0].tolist(), active.prefix_key if active is not None else None)
     progress["cached_tokens"] = prefix.tokens
     if active is not None and active.count is not None and prefix.store is not None:
         active.count(metrics.prefix_fields(prefix.tokens))
@@ -281,9 +282,9 @@ class _Prefix:
     """The KV-prefix cache as one generation uses it: the start it found (a private
     copy, cut to the shared prefix) and, after the prefill, its own prompt stored."""
 
-    def __init__(self, store: Any, model: str, tokens: list[int]) -> None:
-        self.store, self.model, self.tokens_in = store, model, tokens
-        hit = store.lookup(model, tokens) if store is not None else None
+    def __init__(self, store: Any, model: str, tokens: list[int], tag: str | None) -> None:
+        self.store, self.model, self.tokens_in, self.tag = store, model, tokens, tag
+        hit = store.lookup(model, tokens, tag) if store is not None else None
         self.start = kvreuse.prefix_copy(hit.value, hit.tokens) if hit is not None else None
         self.tokens = hit.tokens if hit is not None else 0
 
@@ -295,7 +296,8 @@ class _Prefix:
         aligned = (len(self.tokens_in) // block) * block
         if aligned and self.store.covered(self.model, self.tokens_in[:aligned]) < aligned:
             kept = kvreuse.prefix_copy(cache, aligned)
-            self.store.store(self.model, self.tokens_in[:aligned], kept, kvreuse.nbytes(kept))
+            self.store.store(self.model, self.tokens_in[:aligned], kept, kvreuse.nbytes(kept),
+                             self.tag)
 
 
 def _resumed(checkpoint: Any, max_new_tokens: int, vocab_size: int) -> dict[str, Any]:

@@ -215,6 +215,13 @@ def task_model(request: Any, declared: str | None) -> str:
     return name
 
 
+def task_prefix_key(request: Any) -> str | None:
+    """The ``prefix_key`` the producer set or derived (``options.derive_prefix_key``)."""
+    header = getattr(request, HEADER, None)
+    key = header.get("prefix_key") if isinstance(header, Mapping) else None
+    return key if isinstance(key, str) and key else None
+
+
 # -- the active task (read by the built-in inference functions) ------------------------------
 
 @dataclass
@@ -231,9 +238,11 @@ class ActiveTask:
     #: last yield (None on a first run), for loops that step: generation, batches.
     yielder: Callable[[Any, float | None], None] | None = None
     checkpoint: Any = None
-    #: This child's KV-prefix store (``cache/prefix.py``) and its counter, if any.
+    #: This child's KV-prefix store (``cache/prefix.py``) and its counter, if any, and
+    #: the task's ``prefix_key`` (advertised with the prefix it stores or reuses).
     prefixes: Any = None
     count: Callable[[Mapping[str, float]], None] | None = None
+    prefix_key: str | None = None
 
     def yield_point(self, state: Any, remaining_s: float | None = None) -> None:
         """Let the slot go to more urgent work if it is time to (raises ``Preempted``)."""
@@ -393,6 +402,7 @@ class ChildRuntime:
             "slot": self.slot, "slots": self.plan.slots, "pid": os.getpid(),
             "device": self.device_label, "warm": dict(warm), "cpus": list(self._cpus),
             "kv_prefixes": self._prefixes.models() if self._prefixes is not None else {},
+            "kv_keys": self._prefixes.tags() if self._prefixes is not None else [],
             "tasks": int(self.counters.get("tasks", 0)),
             "cold": int(self.counters.get("cold", 0)),
             "memory": gpu.memory_stats()}, unsent)

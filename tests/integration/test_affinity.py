@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 
-from sits_queue.broker.affinity import AffinityPolicy, Candidate, choose, lua_args
+from sits_queue.broker.affinity import AffinityPolicy, Candidate, Warm, choose, lua_args
 from sits_queue.broker.keys import QueueKeys, priority_level, score_base
 from sits_queue.broker.scripts import Scripts
 from sits_queue.config import SitsConfig
@@ -52,7 +52,8 @@ def enqueue(client: redis.Redis, tasks: list[Candidate], held_until: float = NOW
         priority = float(str(t.id).split("@")[1])
         client.zadd(KEYS.waiting, {t.id: score_base(priority) + seq})
         client.hset(KEYS.payloads, t.id, json.dumps({"id": t.id}))
-        client.hset(KEYS.meta, t.id, json.dumps({"c": "high", "m": t.model, "t": NOW - 9}))
+        client.hset(KEYS.meta, t.id, json.dumps({"c": "high", "m": t.model, "t": NOW - 9,
+                                                 "px": t.prefix}))
         if t.skipped_since_s is not None:
             client.hset(KEYS.skipped, t.id, repr(t.skipped_since_s))
         if t.held:
@@ -60,21 +61,19 @@ def enqueue(client: redis.Redis, tasks: list[Candidate], held_until: float = NOW
 
 
 def task(name: str, priority: float, model: str | None, skipped_s: float | None = None,
-         held: bool = False) -> Candidate:
+         held: bool = False, prefix: str | None = None) -> Candidate:
     tid = f"{name}@{priority}"
     since = None if skipped_s is None else NOW - skipped_s
-    return Candidate(tid, priority_level(priority), model, since, held)
+    return Candidate(tid, priority_level(priority), model, since, held, prefix)
 
 
-def pick(scripts: Scripts, client: redis.Redis, policy: AffinityPolicy,
-         warm: dict[str, float]) -> Any:
+def pick(scripts: Scripts, client: redis.Redis, policy: AffinityPolicy, warm: Warm) -> Any:
     return scripts.run("pick", KEYS, [NOW, 5, ME, *lua_args(policy, warm)], client)
 
 
-def expected(tasks: list[Candidate], policy: AffinityPolicy, warm: dict[str, float]
-             ) -> tuple[str, int]:
+def expected(tasks: list[Candidate], policy: AffinityPolicy, warm: Warm) -> tuple[str, int]:
     ordered = sorted(tasks, key=lambda t: (-t.level, tasks.index(t)))
-    i = choose(ordered, {m: w for m, w in warm.items() if w > 0}, policy, NOW)
+    i = choose(ordered, warm, policy, NOW)
     if i > 0:
         return ordered[i].id, 1
     return next(t.id for t in ordered if not t.held), 0
@@ -88,13 +87,16 @@ def test_pick_lua_agrees_with_the_reference_policy(r: redis.Redis, scripts: Scri
         n = rng.randint(1, 14)
         tasks = [task(f"t{i}", rng.choice([300, 100, 100, 100, 90, 60, 45, 10]),
                       rng.choice(models), rng.choice([None, None, 0.0, 0.3, 0.9, 1.5, 5.0]),
-                      held=rng.random() < 0.1) for i in range(n)]
+                      held=rng.random() < 0.1, prefix=rng.choice([None, "p1", "p2"]))
+                 for i in range(n)]
         if all(t.held for t in tasks):
             continue
         policy = AffinityPolicy(window=rng.choice([0, 2, 3, 5, 16]),
                                 priority_ratio=rng.choice([1.0, 2.0, 4.0]),
                                 max_skip_s=rng.choice([0.5, 1.0, 10.0]))
-        warm = {m: rng.choice([0.0, 0.5, 1.0]) for m in ("x", "y", "z") if rng.random() < 0.6}
+        warm = Warm({m: rng.choice([0.0, 0.5, 1.0]) for m in ("x", "y", "z")
+                     if rng.random() < 0.6},
+                    {p: rng.choice([0.0, 0.5, 0.75]) for p in ("p1", "p2") if rng.random() < 0.4})
         r.delete(*KEYS.all())
         enqueue(r, tasks)
         want_id, want_ahead = expected(tasks, policy, warm)
@@ -123,7 +125,7 @@ def test_a_poison_message_chosen_by_affinity_is_parked_and_the_pick_goes_on(
     enqueue(r, [task("a", 100, "x"), task("b", 100, "y"), task("c", 100, "y")])
     r.hset(KEYS.redelivered, "b@100", 9)
     # When the consumer holding "y" warm picks
-    got = pick(scripts, r, AffinityPolicy(), {"y": 1.0})
+    got = pick(scripts, r, AffinityPolicy(), Warm({"y": 1.0}))
     # Then "b" is dead-lettered and the pick delivers the queue's head, not by affinity
     assert r.hexists(KEYS.dead, "b@100")
     assert (got[0], got[4]) == (b"a@100", 0)
@@ -133,7 +135,7 @@ def test_a_poison_message_chosen_by_affinity_is_parked_and_the_pick_goes_on(
 def test_a_malformed_meta_record_just_is_not_warm(r: redis.Redis, scripts: Scripts) -> None:
     enqueue(r, [task("a", 100, "x"), task("b", 100, "y"), task("c", 100, "y")])
     r.hset(KEYS.meta, "b@100", "not json")
-    got = pick(scripts, r, AffinityPolicy(), {"y": 1.0})
+    got = pick(scripts, r, AffinityPolicy(), Warm({"y": 1.0}))
     assert (got[0], got[4]) == (b"c@100", 1)
 
 
@@ -145,33 +147,33 @@ def test_warm_reader_reads_the_children_and_rereads_after_an_ack(
     prefix = config.global_keyprefix
     try:
         # Given no child has published yet: an ack does not make the next pick read again
-        assert reader() == {}
+        assert reader() == Warm()
         r.set(advertise.child_key(prefix, "w1@host", 0), json.dumps({"warm": {"x": "host"}}))
         reader.invalidate()
-        assert reader() == {}
+        assert reader() == Warm()
         clock[0] += advertise.WarmReader.WARM_MAX_AGE_S
-        assert reader() == {"x": 0.5}
+        assert reader() == Warm({"x": 0.5})
         # Given two children, one with an unreadable record
         r.set(advertise.child_key(prefix, "w1@host", 0),
-              json.dumps({"warm": {"x": "device", "y": "host"}}))
+              json.dumps({"warm": {"x": "device", "y": "host"}, "kv_keys": ["k1"]}))
         r.set(advertise.child_key(prefix, "w1@host", 1), "garbage")
         reader.invalidate()  # a child holds an engine now: an ack means read again
-        assert reader() == {"x": 1.0, "y": 0.5}
+        assert reader() == Warm({"x": 1.0, "y": 0.5}, {"k1": 0.5})
         # When a child's cache changes, the set is reused until an ack (or it ages out)
         r.set(advertise.child_key(prefix, "w1@host", 1), json.dumps({"warm": {"y": "device"}}))
-        assert reader() == {"x": 1.0, "y": 0.5}
+        assert reader() == Warm({"x": 1.0, "y": 0.5}, {"k1": 0.5})
         reader.invalidate()
-        assert reader() == {"x": 1.0, "y": 1.0}
+        assert reader() == Warm({"x": 1.0, "y": 1.0}, {"k1": 0.5})
         r.delete(advertise.child_key(prefix, "w1@host", 0))
         clock[0] += advertise.WarmReader.WARM_MAX_AGE_S
-        assert reader() == {"y": 1.0}
+        assert reader() == Warm({"y": 1.0})
     finally:
         r.delete(*(advertise.child_key(prefix, "w1@host", s) for s in (0, 1)))
 
 
 def test_warm_reader_without_redis_means_no_affinity() -> None:
     config = SitsConfig(redis_url="redis://127.0.0.1:1/0")  # nothing listens on port 1
-    assert advertise.WarmReader(config, "w@h", 1)() == {}
+    assert advertise.WarmReader(config, "w@h", 1)() == Warm()
 
 
 # -- a real worker --------------------------------------------------------------------------
@@ -221,3 +223,45 @@ def test_a_worker_takes_the_task_it_holds_warm_first(
         # Then without affinity it went in queue order, lm-a last
         assert order == [0, 1, 2], worker.log()[-3000:]
         assert not any(m["affinity"] for m in metas)
+
+
+@pytest.mark.parametrize("prefix_weight", ["0.5", "0"])
+def test_a_worker_takes_the_task_whose_prompt_prefix_it_holds_first(
+        tmp_path: Path, redis_url: str, models_dir: Path, redis_client: redis.Redis,
+        prefix_weight: str) -> None:
+    redis_client.flushall()
+    config_path = write_config(tmp_path / "sits.toml")
+    app = client_app(redis_url, config_path, f"prefix-affinity-client-{prefix_weight}")
+    worker = spawn_worker(redis_url, config_path, models_dir, tmp_path, {
+        "SITS_AFFINITY_MAX_SKIP_MS": "60000", "SITS_AFFINITY_PREFIX_WEIGHT": prefix_weight},
+        concurrency=1, name=f"prefix-affinity-{prefix_weight}")
+    template_a = "Rules A: summarise the log line, keep every number. " * 6  # 312 chars
+    template_b = "Rules B: classify the ticket by team and urgency now. " * 6
+    generate = app.tasks["sits.generate"]
+    options = {"model": "gpt", "sla_class": "medium", "input_entropy": 0.5}
+    try:
+        wait_ready(app, [worker])
+        # Given a worker that ran a template-A prompt (its KV kept) and is busy now
+        generate.apply_async((template_a + "first",), **options).get(timeout=FIRST_CALL_S)
+        busy = app.tasks["t.generate_slow"].apply_async(("busy", 60), sla_class="medium")
+        wait_for(lambda: redis_client.zcard(CELERY.unacked) == 1
+                 and redis_client.zcard(CELERY.waiting) == 0, FIRST_CALL_S,
+                 "the worker to start the long task")
+        # When two template-B prompts and then a template-A one queue behind it
+        tasks = [generate.apply_async((text,), **options)
+                 for text in (template_b + "one", template_b + "two", template_a + "three")]
+        outputs = [t.get(timeout=CALL_S)["output"] for t in tasks]
+        busy.get(timeout=CALL_S)
+        done = [app.AsyncResult(t.id).date_done for t in tasks]
+    finally:
+        worker.stop(timeout_s=20)
+        app.close()
+    order = sorted(range(3), key=lambda i: done[i])
+    if prefix_weight == "0":  # no prefix affinity: queue order
+        assert order == [0, 1, 2], worker.log()[-3000:]
+        return
+    # Then it took the template-A task first, whose prefill started after the template
+    assert order[0] == 2, worker.log()[-3000:]
+    assert outputs[2]["cached_tokens"] >= 48
+    # and the second template-B prompt reused the first one's prefix
+    assert outputs[0]["cached_tokens"] == 0 and outputs[1]["cached_tokens"] >= 48

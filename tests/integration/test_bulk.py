@@ -66,17 +66,18 @@ def normalised(message: dict[str, Any]) -> dict[str, Any]:
     return m
 
 
-def test_bulk_message_is_the_message_apply_async_sends(app: Celery,
-                                                      redis_client: redis.Redis) -> None:
+@pytest.mark.parametrize("prompt", ["hello world", "a long shared instruction. " * 12])
+def test_bulk_message_is_the_message_apply_async_sends(app: Celery, redis_client: redis.Redis,
+                                                      prompt: str) -> None:
     echo = app.tasks["t.echo"]
     options: dict[str, Any] = {"sla_class": "high", "model": "summarizer",
                                "context_tokens": 300, "headers": {"trace": "abc"}}
     # Given one task sent each way with the same arguments and options
-    echo.apply_async(("hello world",), {"n": 3}, **options)
+    echo.apply_async((prompt,), {"n": 3}, **options)
     (single,) = payloads(redis_client).values()
     single_meta = json.loads(next(iter(redis_client.hvals(KEYS.meta))))
     redis_client.flushall()
-    (task_id,) = enqueue_many(echo, [("hello world",)], kwargs_list=[{"n": 3}], **options)
+    (task_id,) = enqueue_many(echo, [(prompt,)], kwargs_list=[{"n": 3}], **options)
     (bulk,) = payloads(redis_client).values()
     bulk_meta = json.loads(next(iter(redis_client.hvals(KEYS.meta))))
     # Then the stored messages agree on everything but ids and clock readings
@@ -87,11 +88,14 @@ def test_bulk_message_is_the_message_apply_async_sends(app: Celery,
     single_meta.pop("t")
     bulk_meta.pop("t")
     assert bulk_meta == single_meta
+    # (a prompt of 256+ characters gets a prefix key, the same one both ways)
+    assert (bulk_meta["px"] is not None) == (len(prompt) >= 256)
 
 
 @pytest.mark.parametrize("options", [
     {"sla_class": "urgent"}, {"context_tokens": -5}, {"latency_sla_ms": float("nan")},
     {"loss_sensitivity": 3}, {"input_entropy": 1.5}, {"vram_gib": -1}, {"model": ""},
+    {"prefix_key": ""}, {"prefix_key": 7},
 ])
 def test_invalid_options_raise_and_enqueue_nothing(app: Celery, redis_client: redis.Redis,
                                                    options: dict[str, Any]) -> None:

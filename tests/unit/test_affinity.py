@@ -7,7 +7,14 @@ import math
 import pytest
 
 from sits_queue.broker import affinity
-from sits_queue.broker.affinity import AffinityPolicy, Candidate, choose, lua_args, min_level
+from sits_queue.broker.affinity import (
+    AffinityPolicy,
+    Candidate,
+    Warm,
+    choose,
+    lua_args,
+    min_level,
+)
 from sits_queue.broker.keys import priority_level
 from sits_queue.config import SitsConfig
 from sits_queue.errors import ConfigError
@@ -56,13 +63,48 @@ def cand(i: str, priority: float, model: str | None, skipped_s: float | None = N
     ([cand("a", 100, None), cand("b", 100, None)], {"y": 1.0}, 0),
 ])
 def test_choose(queue: list[Candidate], warm: dict[str, float], expected: int) -> None:
+    assert choose(queue, Warm(warm), POLICY, NOW) == expected
+
+
+def pcand(i: str, model: str, prefix: str | None) -> Candidate:
+    return Candidate(i, priority_level(100), model, None, False, prefix)
+
+
+@pytest.mark.parametrize(("queue", "warm", "expected"), [
+    # the same model warm everywhere: the held prefix decides
+    ([pcand("a", "x", "p1"), pcand("b", "x", "p2")], Warm({"x": 1.0}, {"p2": 0.5}), 1),
+    ([pcand("a", "x", "p2"), pcand("b", "x", "p2")], Warm({"x": 1.0}, {"p2": 0.5}), 0),
+    # model on the device + prefix beats a model alone, further back
+    ([pcand("a", "y", None), pcand("b", "x", None), pcand("c", "x", "p2")],
+     Warm({"x": 1.0}, {"p2": 0.5}), 2),
+    # a prefix alone (its model's engine just demoted to the host tier) still counts
+    ([pcand("a", "y", None), pcand("b", "x", "p2")], Warm({"x": 0.5}, {"p2": 0.5}), 1),
+    # a task with no prefix key gets no prefix weight
+    ([pcand("a", "x", None), pcand("b", "x", None)], Warm({"x": 1.0}, {"p2": 0.5}), 0),
+])
+def test_choose_with_prefixes(queue: list[Candidate], warm: Warm, expected: int) -> None:
     assert choose(queue, warm, POLICY, NOW) == expected
+
+
+def test_warm_keeps_positive_weights_and_knows_its_top() -> None:
+    warm = Warm({"x": 1.0, "y": 0.0}, {"p": 0.5, "q": 0.0})
+    assert warm.models == {"x": 1.0} and warm.prefixes == {"p": 0.5}
+    assert warm.top == 1.5 and warm.weight("x", "p") == 1.5 and warm.weight(None, "p") == 0.5
+    assert not Warm() and not Warm({"x": 0.0}) and Warm({}, {"p": 0.1})
+
+
+def test_warm_of_children_records() -> None:
+    children = [{"warm": {"x": "host"}, "kv_keys": ["k1"]},
+                {"warm": {"x": "device", "y": "host"}, "kv_keys": ["k2", "k1"]},
+                {"warm": "garbage", "kv_keys": "garbage"}, "not a record"]
+    warm = affinity.warm_of(children, POLICY)  # type: ignore[arg-type]
+    assert warm == Warm({"x": 1.0, "y": 0.5}, {"k1": 0.5, "k2": 0.5})
 
 
 def test_off_below_a_window_of_two() -> None:
     queue = [cand("a", 100, "x"), cand("b", 100, "y")]
-    assert choose(queue, {"y": 1.0}, AffinityPolicy(window=1), NOW) == 0
-    assert lua_args(AffinityPolicy(window=0), {"y": 1.0}) == []
+    assert choose(queue, Warm({"y": 1.0}), AffinityPolicy(window=1), NOW) == 0
+    assert lua_args(AffinityPolicy(window=0), Warm({"y": 1.0})) == []
 
 
 @pytest.mark.parametrize("head", [1.0, 37.7, 5_000.0, 2e6])
@@ -82,9 +124,9 @@ def test_warm_weights_take_the_best_child_and_ignore_unknown_tiers() -> None:
 
 
 def test_lua_args_list_positive_weights_after_the_policy() -> None:
-    args = lua_args(POLICY, {"b": 0.5, "a": 1.0, "c": 0.0})
-    assert args == [4, "2.0", "1.0", "a", "1.0", "b", "0.5"]
-    assert lua_args(POLICY, {"c": 0.0}) == []  # only zero weights: nothing to prefer
+    args = lua_args(POLICY, Warm({"b": 0.5, "a": 1.0, "c": 0.0}, {"k": 0.5}))
+    assert args == [4, "2.0", "1.0", "m:a", "1.0", "m:b", "0.5", "p:k", "0.5"]
+    assert lua_args(POLICY, Warm({"c": 0.0})) == []  # only zero weights: nothing to prefer
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -92,6 +134,7 @@ def test_lua_args_list_positive_weights_after_the_policy() -> None:
     ({"window": True}, "affinity_window"), ({"priority_ratio": 0.9}, "priority_ratio"),
     ({"priority_ratio": math.inf}, "priority_ratio"), ({"max_skip_s": -1}, "max_skip_s"),
     ({"host_weight": 1.5}, "host_weight"), ({"host_weight": math.nan}, "host_weight"),
+    ({"prefix_weight": -0.1}, "prefix_weight"), ({"prefix_weight": 11}, "prefix_weight"),
 ])
 def test_policy_rejects_bad_values(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -102,7 +145,7 @@ def test_config_builds_the_policy_and_names_bad_settings() -> None:
     config = SitsConfig.from_env({"SITS_AFFINITY_WINDOW": "8",
                                   "SITS_AFFINITY_MAX_SKIP_MS": "250"})
     assert config.affinity == AffinityPolicy(window=8, priority_ratio=2.0, max_skip_s=0.25,
-                                             host_weight=0.5)
+                                             host_weight=0.5, prefix_weight=0.5)
     with pytest.raises(ConfigError, match="affinity_max_skip_ms"):
         SitsConfig(affinity_max_skip_ms=-5.0)
     with pytest.raises(ConfigError, match="affinity_priority_ratio"):
@@ -115,20 +158,20 @@ def test_warm_source_registry() -> None:
     calls: list[str] = []
 
     class Source:
-        def __call__(self) -> dict[str, float]:
+        def __call__(self) -> Warm:
             calls.append("read")
-            return {"x": 1.0}
+            return Warm({"x": 1.0})
 
         def invalidate(self) -> None:
             calls.append("invalidate")
 
     try:
-        assert affinity.warm_now() == {}
+        assert affinity.warm_now() == Warm()
         affinity.invalidate()  # no source: nothing to do
         affinity.set_warm_source(Source())
-        assert affinity.warm_now() == {"x": 1.0}
+        assert affinity.warm_now() == Warm({"x": 1.0})
         affinity.invalidate()
         assert calls == ["read", "invalidate"]
     finally:
         affinity.set_warm_source(None)
-    assert affinity.warm_now() == {}
+    assert affinity.warm_now() == Warm()

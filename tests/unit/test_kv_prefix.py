@@ -248,3 +248,25 @@ def test_prefix_budget_is_an_eighth_of_the_device_tier_unless_set() -> None:
         rt.CacheBudgets.from_env({"SITS_KV_PREFIX_CACHE_BYTES": "lots"})
     with pytest.raises(ConfigError, match="prefix_bytes"):
         rt.CacheBudgets(prefix_bytes=-1)
+
+
+def test_tags_are_the_prefix_keys_of_held_prefixes_most_recent_first() -> None:
+    store = PrefixStore(20, block=4, clock=ticking())
+    store.store("m", [1, 2, 3, 4], "kv-a", 10, tag="ka")
+    store.store("m", [5, 6, 7, 8], "kv-b", 10, tag="kb")
+    assert store.tags() == ["kb", "ka"]
+    # a task with another key that reuses kv-a tags it too, and makes it the most recent
+    assert store.lookup("m", [1, 2, 3, 4, 9], tag="kc") == Hit("kv-a", 4)
+    assert store.tags() == ["kc", "ka", "kb"]
+    # evicting an entry takes its keys off the list
+    store.store("m", [9, 9, 9, 9], "kv-c", 10)  # evicts kv-b, the least recent
+    assert store.tags() == ["kc", "ka"]
+
+
+def test_generate_tags_what_it_stores_with_the_tasks_prefix_key(lm: Any) -> None:
+    store = PrefixStore(2**26)
+    active = rt.ActiveTask("lm", SitsConfig().quota("high"), lm.size_bytes(), "cpu",
+                           prefixes=store, prefix_key="template-v1")
+    with rt.activated(active):
+        inference.generate(lm, SHARED + "a", max_new_tokens=2, stop_at_eos=False)
+    assert store.tags() == ["template-v1"]

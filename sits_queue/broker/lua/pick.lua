@@ -8,7 +8,8 @@
 --   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
 -- ARGV: now (unix s), max redeliveries before dead-lettering, consumer ('' for none);
 --   optional affinity (broker/affinity.py, whose choose() this mirrors): window,
---   priority ratio, max skip s, then model, weight pairs of what the consumer holds warm
+--   priority ratio, max skip s, then name, weight pairs of what the consumer holds warm:
+--   'm:<model>' (engines) and 'p:<prefix key>' (KV of prompt prefixes)
 -- Returns {id, payload, times redelivered, checkpoint or false, 1 if taken ahead of the
 -- head by affinity else 0}; else the number of messages passed over because this
 -- consumer released them and their hold has not run out (0 when nothing is waiting at
@@ -28,12 +29,21 @@ local function held_by_me(id)
   return who == consumer and tonumber(till) ~= nil and tonumber(till) > tonumber(now)
 end
 
-local function model_of(id)
+-- A waiting task's model and prefix key, from its scoring metadata (nil where absent).
+local function model_and_prefix(id)
   local raw = redis.call('HGET', KEYS[3], id)
-  if not raw then return nil end
+  if not raw then return nil, nil end
   local ok, record = pcall(cjson.decode, raw)
-  if not ok or type(record) ~= 'table' or type(record['m']) ~= 'string' then return nil end
-  return record['m']
+  if not ok or type(record) ~= 'table' then return nil, nil end
+  local model, prefix = record['m'], record['px']
+  if type(model) ~= 'string' then model = nil end
+  if type(prefix) ~= 'string' then prefix = nil end
+  return model, prefix
+end
+
+local function weight_of(warm, id)
+  local model, prefix = model_and_prefix(id)
+  return ((model and warm['m:' .. model]) or 0) + ((prefix and warm['p:' .. prefix]) or 0)
 end
 
 -- The warmest task within the window and the priority ratio, if warmer than the head:
@@ -45,16 +55,18 @@ local function affinity_pick()
   local window = tonumber(ARGV[4] or '')
   if window == nil or window < 2 or #ARGV < 8 then return nil end
   local ratio, max_skip = tonumber(ARGV[5]), tonumber(ARGV[6])
-  local warm, top = {}, 0
+  local warm, top_model, top_prefix = {}, 0, 0
   for i = 7, #ARGV - 1, 2 do
     local w = tonumber(ARGV[i + 1]) or 0
     warm[ARGV[i]] = w
-    if w > top then top = w end
+    if string.sub(ARGV[i], 1, 2) == 'p:' then
+      if w > top_prefix then top_prefix = w end
+    elseif w > top_model then top_model = w end
   end
+  local top = top_model + top_prefix
   local near = redis.call('ZRANGE', KEYS[1], 0, window - 1, 'WITHSCORES')
   if #near < 4 then return nil end
-  local head_model = model_of(near[1])
-  local best_w = (head_model and warm[head_model]) or 0
+  local best_w = weight_of(warm, near[1])
   if best_w >= top or held_by_me(near[1]) then return nil end
   local since = tonumber(redis.call('HGET', KEYS[14], near[1]) or '')
   if since and tonumber(now) - since >= max_skip then return nil end
@@ -64,8 +76,7 @@ local function affinity_pick()
   for i = 3, #near - 1, 2 do
     local level = LEVELS - math.floor(tonumber(near[i + 1]) / SEQ_SPAN)
     if level < floor then break end
-    local model = model_of(near[i])
-    local w = (model and warm[model]) or 0
+    local w = weight_of(warm, near[i])
     if w > best_w and not held_by_me(near[i]) then
       best, best_w = i, w
       if w >= top then break end
