@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned: the CPU build; the inference extra must not pull a CUDA one.
 	$(BIN)/pip install --quiet "torch==2.13.0"
-	$(BIN)/pip install --quiet -e ".[dev,inference]"
+	$(BIN)/pip install --quiet -e ".[dev,inference,otel]"
 	touch $(STAMP)
 
 demo: $(STAMP)

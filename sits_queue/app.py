@@ -291,6 +291,7 @@ def make_app(config: SitsConfig | None = None, main: str = "sits_queue") -> Sits
     app = SitsCelery(main, task_cls=SitsTask)
     app.sits = config
     app.conf.update(celery_settings(config))
+    from sits_queue import tracing
     from sits_queue.priority import tasks as maintenance
     from sits_queue.workers import inference, runtime, signals
 
@@ -298,4 +299,5 @@ def make_app(config: SitsConfig | None = None, main: str = "sits_queue") -> Sits
     inference.register(app)
     signals.connect(app)
     runtime.connect(app)
+    tracing.configure(config.otel_traces)
     return app

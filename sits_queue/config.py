@@ -190,6 +190,9 @@ class SitsConfig:
     affinity_prefix_weight: float = 0.5
     #: Characters of a prompt the automatic ``prefix_key`` covers (0: derive none).
     prefix_key_chars: int = 256
+    #: OpenTelemetry traces (``sits_queue/tracing.py``): auto (on when an OTLP endpoint
+    #: is set in ``OTEL_EXPORTER_OTLP_ENDPOINT``), otlp, console or off.
+    otel_traces: str = "auto"
     weights: PriorityWeights = field(default_factory=PriorityWeights)
 
     def __post_init__(self) -> None:
@@ -226,6 +229,9 @@ class SitsConfig:
                 or not 0 <= self.prefix_key_chars <= 1_000_000:
             raise ConfigError(f"prefix_key_chars must be an integer in [0, 1000000], got "
                               f"{self.prefix_key_chars!r}")
+        if self.otel_traces not in ("auto", "otlp", "console", "off"):
+            raise ConfigError(f"otel_traces must be auto, otlp, console or off, got "
+                              f"{self.otel_traces!r}")
         try:
             self.affinity  # noqa: B018 - validates the other affinity settings
         except ValueError as exc:

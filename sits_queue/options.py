@@ -62,7 +62,7 @@ def resolve(config: SitsConfig, declared: Mapping[str, Any], per_call: Mapping[s
     entropy = merged.get("input_entropy")
     if entropy is None:
         entropy = input_entropy(args or (), kwargs or {})
-    model = _model(merged.get("model"))
+    model = _name("model", merged.get("model"))
     prefix = merged.get("prefix_key")
     if prefix is None and model is not None:
         prefix = derive_prefix_key(args or (), kwargs or {}, config.prefix_key_chars)
@@ -80,7 +80,7 @@ def resolve(config: SitsConfig, declared: Mapping[str, Any], per_call: Mapping[s
         input_entropy=None if entropy is None else _number("input_entropy", entropy, 0.0, 1.0),
         vram_gib=None if merged.get("vram_gib") is None
         else _number("vram_gib", merged["vram_gib"], 0.0, MAX_VRAM_GIB),
-        prefix_key=_prefix_key(prefix),
+        prefix_key=_name("prefix_key", prefix),
     )
 
 
@@ -108,20 +108,12 @@ def from_header(config: SitsConfig, header: Any) -> TaskOptions:
     return resolve(config, {}, header)
 
 
-def _model(value: Any) -> str | None:
+def _name(option: str, value: Any) -> str | None:
+    """A model name or prefix key: None, or a non-empty string of at most 200 characters."""
     if value is None:
         return None
     if not isinstance(value, str) or not value or len(value) > 200:
-        raise InvalidTaskOptions(f"model must be a non-empty name of at most 200 characters, "
-                                 f"got {value!r}")
-    return value
-
-
-def _prefix_key(value: Any) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value or len(value) > 200:
-        raise InvalidTaskOptions(f"prefix_key must be a non-empty string of at most 200 "
+        raise InvalidTaskOptions(f"{option} must be a non-empty string of at most 200 "
                                  f"characters, got {value!r}")
     return value
 

@@ -26,6 +26,7 @@ from typing import Any
 from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 
+from sits_queue import tracing
 from sits_queue.app import SitsTask
 from sits_queue.broker.keys import AFFINITY_HEADER
 from sits_queue.errors import (
@@ -118,7 +119,9 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     quota = runtime.task_class(rt.config, request, getattr(task, "sla_class", None))
     cpus = rt.confine(quota)
     rt.cap_for_class(quota)  # the context first, so its cost is timed on its own
+    acquire_ns = time.time_ns()
     engine, cold = _acquire(rt, model)
+    acquired_ns = time.time_ns()
     left = [*cold.evicted, *cold.demoted]
     if left:  # their prefixes' KV sat on the device beside them: free it too
         rt.prefixes().drop(left)
@@ -130,6 +133,7 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     # Taken ahead of its queue's head because this worker held the model warm (pick.lua).
     meta["affinity"] = bool(getattr(request, AFFINITY_HEADER, False))
     rt.count(metrics.task_fields(meta, quota.name))
+    _trace(meta, model, quota.name, acquire_ns, acquired_ns)
     timelimit = getattr(request, "timelimit", None) or (None, None)
     hard, soft = (*tuple(timelimit), None, None)[:2]
     soft = soft or getattr(task, "soft_time_limit", None)
@@ -158,7 +162,22 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
                 limits={"soft_time_limit_s": soft, "time_limit_s": hard,
                         "vram_gib": quota.vram_gib, "memory_fraction": fraction,
                         "cpus": list(cpus)})
+    if isinstance(output, dict) and isinstance(output.get("cached_tokens"), int):
+        tracing.annotate({"sits.cached_tokens": output["cached_tokens"]})
     return {"output": output, "sits": meta}
+
+
+def _trace(meta: dict[str, Any], model: str, sla_class: str, start_ns: int,
+           end_ns: int) -> None:
+    """What the run's span should say (OpenTelemetry, when configured): bounded
+    attributes, and a child span for a cold start with its phases."""
+    tracing.annotate({"sits.model": model, "sits.sla_class": sla_class,
+                      "sits.cold": meta["cold"], "sits.affinity": meta["affinity"]})
+    if meta["cold"]:
+        tracing.record_span("sits.cold_start", start_ns, end_ns, {
+            "sits.model": model, "sits.cold_source": str(meta["source"]),
+            **{f"sits.{phase}": float(meta[phase])
+               for phase in ("cuda_ctx_ms", "load_ms", "promote_ms", "warmup_ms")}})
 
 
 # -- the built-in functions ------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any
 import redis
 from celery import Celery, signals
 
+from sits_queue import tracing
 from sits_queue.app import MAINTENANCE_TASKS, sits_config
 from sits_queue.config import SitsConfig
 from sits_queue.options import HEADER
@@ -104,3 +105,9 @@ def connect(app: Celery) -> None:
 
     # weak=False: the closure would otherwise be collected at once.
     signals.task_postrun.connect(on_postrun, weak=False)
+    # A pool child's buffered spans would die with it (billiard ends it with _exit).
+    signals.worker_process_shutdown.connect(_flush_traces, weak=False)
+
+
+def _flush_traces(**_: Any) -> None:
+    tracing.flush()

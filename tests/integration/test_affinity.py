@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +183,20 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_models(tmp_path_factory.mktemp("models"))
 
 
+def behind_a_long_task(app: Any, r: redis.Redis, send: Callable[[], list[Any]]
+                       ) -> tuple[list[Any], list[int]]:
+    """Occupy the worker's one slot with a long generation, then ``send`` tasks so they
+    queue behind it; their results, and the order they ran in (indices)."""
+    busy = app.tasks["t.generate_slow"].apply_async(("busy", 60), sla_class="medium")
+    wait_for(lambda: r.zcard(CELERY.unacked) == 1 and r.zcard(CELERY.waiting) == 0,
+             FIRST_CALL_S, "the worker to start the long task")
+    tasks = send()
+    results = [t.get(timeout=CALL_S) for t in tasks]
+    busy.get(timeout=CALL_S)
+    done = [app.AsyncResult(t.id).date_done for t in tasks]
+    return results, sorted(range(len(tasks)), key=lambda i: done[i])
+
+
 @pytest.mark.parametrize("window", ["16", "0"])
 def test_a_worker_takes_the_task_it_holds_warm_first(
         tmp_path: Path, redis_url: str, models_dir: Path, redis_client: redis.Redis,
@@ -200,20 +214,15 @@ def test_a_worker_takes_the_task_it_holds_warm_first(
         wait_ready(app, [worker])
         # Given a worker that used lm-a and is now busy with a long task of another model
         generate.apply_async(("warm",), model="lm-a").get(timeout=FIRST_CALL_S)
-        busy = app.tasks["t.generate_slow"].apply_async(("busy", 60), sla_class="medium")
-        wait_for(lambda: redis_client.zcard(CELERY.unacked) == 1
-                 and redis_client.zcard(CELERY.waiting) == 0, FIRST_CALL_S,
-                 "the worker to start the long task")
-        # When two lm-b tasks and then an lm-a task queue behind it, at one priority
-        tasks = [generate.apply_async((prompt,), model=m, sla_class="medium")
-                 for prompt, m in [("ab", "lm-b"), ("cd", "lm-b"), ("ef", "lm-a")]]
-        metas = [t.get(timeout=CALL_S)["sits"] for t in tasks]
-        busy.get(timeout=CALL_S)
-        done = [app.AsyncResult(t.id).date_done for t in tasks]
+        # When two lm-b tasks and then an lm-a task queue behind a long task, at one
+        # priority
+        results, order = behind_a_long_task(app, redis_client, lambda: [
+            generate.apply_async((prompt,), model=m, sla_class="medium")
+            for prompt, m in [("ab", "lm-b"), ("cd", "lm-b"), ("ef", "lm-a")]])
+        metas = [r["sits"] for r in results]
     finally:
         worker.stop(timeout_s=20)
         app.close()
-    order = sorted(range(3), key=lambda i: done[i])
     if window == "16":
         # Then the worker took lm-a first: its engine was still in the host tier
         assert order == [2, 0, 1], worker.log()[-3000:]
@@ -241,22 +250,16 @@ def test_a_worker_takes_the_task_whose_prompt_prefix_it_holds_first(
     options = {"model": "gpt", "sla_class": "medium", "input_entropy": 0.5}
     try:
         wait_ready(app, [worker])
-        # Given a worker that ran a template-A prompt (its KV kept) and is busy now
+        # Given a worker that ran a template-A prompt (its KV kept)
         generate.apply_async((template_a + "first",), **options).get(timeout=FIRST_CALL_S)
-        busy = app.tasks["t.generate_slow"].apply_async(("busy", 60), sla_class="medium")
-        wait_for(lambda: redis_client.zcard(CELERY.unacked) == 1
-                 and redis_client.zcard(CELERY.waiting) == 0, FIRST_CALL_S,
-                 "the worker to start the long task")
-        # When two template-B prompts and then a template-A one queue behind it
-        tasks = [generate.apply_async((text,), **options)
-                 for text in (template_b + "one", template_b + "two", template_a + "three")]
-        outputs = [t.get(timeout=CALL_S)["output"] for t in tasks]
-        busy.get(timeout=CALL_S)
-        done = [app.AsyncResult(t.id).date_done for t in tasks]
+        # When two template-B prompts and then a template-A one queue behind a long task
+        results, order = behind_a_long_task(app, redis_client, lambda: [
+            generate.apply_async((text,), **options)
+            for text in (template_b + "one", template_b + "two", template_a + "three")])
+        outputs = [r["output"] for r in results]
     finally:
         worker.stop(timeout_s=20)
         app.close()
-    order = sorted(range(3), key=lambda i: done[i])
     if prefix_weight == "0":  # no prefix affinity: queue order
         assert order == [0, 1, 2], worker.log()[-3000:]
         return

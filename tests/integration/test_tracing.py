@@ -1,0 +1,166 @@
+"""OpenTelemetry traces end to end: a producer's publish span and a real worker's run span
+share one trace (the context rides in the message headers through the sorted-set
+transport), exported over real OTLP/HTTP to a receiver the test runs."""
+
+from __future__ import annotations
+
+import gzip
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+    OTLPSpanExporter,
+)
+from opentelemetry.instrumentation.celery import CeleryInstrumentor
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+from sits_queue import tracing
+from sits_queue.config import SitsConfig
+from sits_queue.errors import ConfigError
+from sits_queue.procs import wait_ready
+from tests.integration.inference_app import (
+    build_models,
+    client_app,
+    spawn_worker,
+    write_config,
+)
+from tests.waiting import wait_for
+
+
+class Receiver(ThreadingHTTPServer):
+    """An OTLP/HTTP trace endpoint: keeps every span it is sent, flattened."""
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.spans: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def named(self, name: str) -> list[dict[str, Any]]:
+        with self.lock:
+            return [s for s in self.spans if s["name"] == name]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: Receiver
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.headers.get("Content-Encoding") == "gzip":
+            body = gzip.decompress(body)
+        request = ExportTraceServiceRequest.FromString(body)
+        with self.server.lock:
+            for rs in request.resource_spans:
+                service = {a.key: a.value.string_value
+                           for a in rs.resource.attributes}.get("service.name")
+                for ss in rs.scope_spans:
+                    for span in ss.spans:
+                        self.server.spans.append({
+                            "name": span.name, "service": service,
+                            "trace_id": span.trace_id.hex(), "span_id": span.span_id.hex(),
+                            "parent_id": span.parent_span_id.hex(),
+                            "attributes": {a.key: _value(a.value) for a in span.attributes}})
+        reply = ExportTraceServiceResponse().SerializeToString()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args: Any) -> None:  # quiet
+        pass
+
+
+def _value(v: Any) -> Any:
+    kind = v.WhichOneof("value")
+    return getattr(v, kind) if kind else None
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    server = Receiver()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def producer_tracing(receiver: Receiver) -> Iterator[TracerProvider]:
+    """The submitting side instrumented the way an application would, not globally."""
+    provider = TracerProvider(resource=Resource.create({"service.name": "test-producer"}))
+    provider.add_span_processor(SimpleSpanProcessor(
+        OTLPSpanExporter(endpoint=f"{receiver.url}/v1/traces")))
+    instrumentor = CeleryInstrumentor()  # type: ignore[no-untyped-call]
+    instrumentor.instrument(tracer_provider=provider)
+    yield provider
+    instrumentor.uninstrument()
+    provider.shutdown()
+
+
+def test_a_task_run_on_a_worker_continues_the_producers_trace(
+        tmp_path: Path, redis_url: str, receiver: Receiver,
+        producer_tracing: TracerProvider) -> None:
+    models = build_models(tmp_path / "models")
+    config_path = write_config(tmp_path / "sits.toml")
+    app = client_app(redis_url, config_path, "tracing-client")
+    worker = spawn_worker(redis_url, config_path, models, tmp_path, {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_SERVICE_NAME": "sits-worker",
+        "OTEL_BSP_SCHEDULE_DELAY": "100"}, concurrency=1, name="traced")
+    try:
+        wait_ready(app, [worker])
+        # When an inference task (cold: the model loads) and a plain one are sent
+        result = app.tasks["sits.generate"].apply_async(
+            ("the trace", ), {"max_new_tokens": 2}, model="gpt", sla_class="high"
+        ).get(timeout=120)
+        assert app.tasks["t.ping"].apply_async(("traced",)).get(timeout=60) == "traced"
+        wait_for(lambda: len(receiver.named("run/sits.generate")) == 1
+                 and len(receiver.named("run/t.ping")) == 1, 30, "the worker's spans")
+    finally:
+        worker.stop(timeout_s=20)
+        app.close()
+    (publish,) = receiver.named("apply_async/sits.generate")
+    (run,) = receiver.named("run/sits.generate")
+    # Then the run is the publish's child in one trace, across the two processes
+    assert publish["service"] == "test-producer" and run["service"] == "sits-worker"
+    assert run["trace_id"] == publish["trace_id"] and run["parent_id"] == publish["span_id"]
+    # with what SITS knows about the run, bounded (no ids, no inputs)
+    attrs = run["attributes"]
+    assert attrs["sits.model"] == "gpt" and attrs["sits.sla_class"] == "high"
+    assert attrs["sits.cold"] is True and attrs["sits.affinity"] is False
+    assert attrs["sits.cached_tokens"] == result["output"]["cached_tokens"] == 0
+    # and the cold start as a child span with its phases, as in the result
+    (cold,) = receiver.named("sits.cold_start")
+    assert cold["trace_id"] == run["trace_id"] and cold["parent_id"] == run["span_id"]
+    assert cold["attributes"]["sits.load_ms"] == result["sits"]["load_ms"]
+    assert cold["attributes"]["sits.cold_source"] == result["sits"]["source"]
+    # a plain task is traced too, without sits.* attributes
+    (ping,) = receiver.named("run/t.ping")
+    assert not any(k.startswith("sits.") for k in ping["attributes"])
+
+
+def test_modes() -> None:
+    assert tracing.resolve_mode("auto", {}) == "off"
+    assert tracing.resolve_mode("auto", {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}) \
+        == "otlp"
+    assert tracing.resolve_mode("auto", {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "x"}) == "otlp"
+    assert tracing.resolve_mode("console", {}) == "console"
+    assert tracing.configure("off") is False
+    with pytest.raises(ConfigError, match="otel_traces"):
+        tracing.resolve_mode("jaeger", {})
+    with pytest.raises(ConfigError, match="otel_traces"):
+        SitsConfig(otel_traces="jaeger")
