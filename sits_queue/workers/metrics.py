@@ -93,6 +93,11 @@ def prefix_fields(cached_tokens: int) -> dict[str, float]:
     return {"kv_lookups": 1}
 
 
+def embed_fields(texts: int, cached: int) -> dict[str, float]:
+    """Counter increments for one embedding call: texts asked for, served from cache."""
+    return {"emb_texts": texts, "emb_cached": cached}
+
+
 def failure_reason(exc: BaseException) -> str | None:
     """The ``reason`` label of a failed inference task; None when it is not a failure."""
     if isinstance(exc, _NOT_FAILURES):
@@ -132,6 +137,9 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
     kv = CounterMetricFamily("sits_kv_prefix", "KV-prefix cache of generations: lookups, "
                              "hits, and prompt tokens whose prefill a hit skipped.",
                              labels=["worker", "kind"])
+    emb = CounterMetricFamily("sits_embedding_texts", "Texts embedded, and those served "
+                              "from the embedding cache (MISSION 4.4).",
+                              labels=["worker", "kind"])
     share = GaugeMetricFamily("sits_cold_start_share", "Share of inference tasks that paid a "
                               "cold start (MISSION 4.4).", labels=["worker"])
     phase = CounterMetricFamily("sits_cold_start_phase_seconds", "Time spent per cold-start "
@@ -162,6 +170,8 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
         ahead.add_metric([name], values.get("affinity", 0.0))
         for kind in ("lookups", "hits", "tokens"):
             kv.add_metric([name, kind], values.get(f"kv_{kind}", 0.0))
+        for kind in ("texts", "cached"):
+            emb.add_metric([name, kind], values.get(f"emb_{kind}", 0.0))
         n_tasks, n_cold = values.get("tasks", 0.0), values.get("cold", 0.0)
         share.add_metric([name], advertise.cold_share(int(n_tasks), int(n_cold)))
         by_phase = advertise.counter_group(values, "phase_ms:")
@@ -191,8 +201,8 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
                 warm.add_metric([name, str(slot), tier], tiers.get(tier, 0))
             memory = child.get("memory") or {}
             allocated.add_metric([name, str(slot)], float(memory.get("allocated_bytes", 0)))
-    return [info, slots, tasks, cold, ahead, kv, share, phase, hist, failed, vram, util,
-            warm, allocated]
+    return [info, slots, tasks, cold, ahead, kv, emb, share, phase, hist, failed, vram,
+            util, warm, allocated]
 
 
 # -- the Redis edge ----------------------------------------------------------------------------

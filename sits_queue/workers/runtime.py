@@ -243,6 +243,8 @@ class ActiveTask:
     prefixes: Any = None
     count: Callable[[Mapping[str, float]], None] | None = None
     prefix_key: str | None = None
+    #: This child's embedding cache (``cache/embeddings.py``), if any.
+    embeddings: Any = None
 
     def yield_point(self, state: Any, remaining_s: float | None = None) -> None:
         """Let the slot go to more urgent work if it is time to (raises ``Preempted``)."""
@@ -301,6 +303,7 @@ class ChildRuntime:
     cache_factory: Callable[..., Any] | None = None
     _cache: Any = None
     _prefixes: Any = None
+    _embeddings: Any = None
     _unsent: dict[str, float] = field(default_factory=dict)
     _cpus: tuple[int, ...] = ()
     _pending_ctx_ms: float = 0.0
@@ -333,6 +336,15 @@ class ChildRuntime:
             dev, host = self._budgets()
             self._cache = factory(self.torch_device, dev, host, context=gpu.create_context)
         return self._cache
+
+    def embeddings(self) -> Any:
+        """This child's embedding cache; None when ``embed_cache_entries`` is 0."""
+        if self._embeddings is None and self.config.embed_cache_entries > 0:
+            from sits_queue.cache.embeddings import EmbeddingCache
+
+            self._embeddings = EmbeddingCache(self.config.embed_cache_entries,
+                                              self.config.embed_cache_ttl_s)
+        return self._embeddings
 
     def prefixes(self) -> Any:
         """This child's KV-prefix store (generations reuse shared prompt prefixes)."""

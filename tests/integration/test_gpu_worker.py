@@ -165,6 +165,17 @@ def test_a_shared_prompt_prefix_is_prefilled_once_across_tasks(
     assert counters["kv_hits"] >= 1 and counters["kv_tokens"] >= second["cached_tokens"]
 
 
+def test_repeated_texts_are_embedded_once(app: Celery, worker: CeleryProcess,
+                                          r: redis.Redis) -> None:
+    texts = ["the queue is deep today", "a worker holds the encoder"]
+    first = call(app, "sits.embed", texts, model="enc", timeout=FIRST_CALL_S)["output"]
+    again = call(app, "sits.embed", list(reversed(texts)), model="enc")["output"]
+    assert again == list(reversed(first))  # from the child's cache, the same floats
+    counters = {k.decode(): float(v) for k, v in
+                r.hgetall(advertise.counters_key("", worker.hostname)).items()}
+    assert counters["emb_cached"] >= 2 and counters["emb_texts"] >= 4
+
+
 def test_eviction_under_a_small_budget(app: Celery, worker: CeleryProcess) -> None:
     def use(model: str) -> dict[str, Any]:
         meta: dict[str, Any] = call(app, "t.describe", model, model=model)["sits"]

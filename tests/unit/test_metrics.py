@@ -90,7 +90,8 @@ WORKER = {
                  b"cold_le:1": b"1", b"cold_le:5": b"1", b"cold_le:2500": b"1",
                  b"phase_ms:load": b"1200", b"phase_ms:cuda_ctx": b"150",
                  b"phase_ms:promote": b"3.5", b"phase_ms:warmup": b"150",
-                 b"failed": b"2", b"failed:VramLimitExceeded": b"2", b"affinity": b"4"},
+                 b"failed": b"2", b"failed:VramLimitExceeded": b"2", b"affinity": b"4",
+                 b"emb_texts": b"9", b"emb_cached": b"5", b"kv_hits": b"2"},
 }
 
 
@@ -102,6 +103,9 @@ def test_families_from_a_worker_record() -> None:
     assert m[("sits_cold_starts_total", (("source", "host"), w))] == 2
     assert m[("sits_cold_start_share", (w,))] == pytest.approx(0.3)
     assert m[("sits_affinity_picks_total", (w,))] == 4
+    assert m[("sits_embedding_texts_total", (("kind", "cached"), w))] == 5
+    assert m[("sits_kv_prefix_total", (("kind", "hits"), w))] == 2
+    assert m[("sits_kv_prefix_total", (("kind", "tokens"), w))] == 0
     assert m[("sits_cold_start_phase_seconds_total", (("phase", "load"), w))] == 1.2
     # Cumulative buckets in seconds, count = every cold start, sum = their cost
     assert m[("sits_cold_start_seconds_bucket", (("le", "0.001"), w))] == 1
