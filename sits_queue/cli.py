@@ -202,6 +202,13 @@ def bench_prefix(quick: bool, json_path: Path | None) -> None:
     _run_module("sits_queue.bench.prefix", quick, json_path)
 
 
+@bench.command("batch")
+@_bench_options
+def bench_batch(quick: bool, json_path: Path | None) -> None:
+    """Batched embedding: the throughput/p99 frontier and the batch-size controller."""
+    _run_module("sits_queue.bench.batch", quick, json_path)
+
+
 def _run_module(module: str, quick: bool, json_path: Path | None) -> None:
     argv = (["--quick"] if quick else []) + (["--json", str(json_path)] if json_path else [])
     rc = import_module(module).main(argv)

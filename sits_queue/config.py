@@ -190,6 +190,9 @@ class SitsConfig:
     affinity_prefix_weight: float = 0.5
     #: Characters of a prompt the automatic ``prefix_key`` covers (0: derive none).
     prefix_key_chars: int = 256
+    #: Dynamic batch size (§1.2): the p95 latency one batch of a large ``sits.embed``
+    #: call may take, ms; the controller sizes batches to it.
+    batch_target_p95_ms: float = 120.0
     #: Embedding cache of each pool child (§4.4): entries (0: off) and their TTL, s.
     embed_cache_entries: int = 10_000
     embed_cache_ttl_s: float = 1800.0
@@ -238,6 +241,7 @@ class SitsConfig:
             raise ConfigError(f"embed_cache_entries must be an integer in [0, 10000000] "
                               f"(0: off), got {self.embed_cache_entries!r}")
         _positive("embed_cache_ttl_s", self.embed_cache_ttl_s)
+        _positive("batch_target_p95_ms", self.batch_target_p95_ms)
         if self.otel_traces not in ("auto", "otlp", "console", "off"):
             raise ConfigError(f"otel_traces must be auto, otlp, console or off, got "
                               f"{self.otel_traces!r}")

@@ -142,3 +142,13 @@ def memory_stats() -> dict[str, int]:
 def reset_peak() -> None:
     if _context_created:
         _torch().cuda.reset_peak_memory_stats(0)
+
+
+def free_bytes() -> int | None:
+    """Device memory this child could still allocate: the driver's free memory, capped
+    by the allocator's fraction; None without a context (a CPU child: not the limit)."""
+    if not _context_created:
+        return None
+    cuda = _torch().cuda
+    free, _total = cuda.mem_get_info(0)
+    return int(free)

@@ -36,7 +36,7 @@ from sits_queue.errors import (
     ModelLoadError,
     VramLimitExceeded,
 )
-from sits_queue.workers import gpu, kvreuse, metrics, runtime
+from sits_queue.workers import batching, gpu, kvreuse, metrics, runtime
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
                                 checkpoint=getattr(task, "checkpoint", None),
                                 prefixes=rt.prefixes(), count=rt.count,
                                 prefix_key=runtime.task_prefix_key(request),
-                                embeddings=rt.embeddings())
+                                embeddings=rt.embeddings(), batcher=rt.batcher(model))
     oom: str | None = None
     start = time.perf_counter()
     try:
@@ -424,7 +424,11 @@ def embed(engine: Any, texts: str | Sequence[str], normalize: bool = True) -> An
     cache = active.embeddings if active is not None else None
 
     def compute(todo: list[str]) -> list[list[float]]:
-        return _embed_batch(engine, model, todo, normalize, active)
+        batcher = active.batcher if active is not None else None
+        if batcher is None:
+            return _embed_batch(engine, model, todo, normalize, active)
+        return _in_batches(batcher, todo,
+                           lambda chunk: _embed_batch(engine, model, chunk, normalize, active))
 
     if cache is None:
         vectors = compute(batch)
@@ -433,6 +437,27 @@ def embed(engine: Any, texts: str | Sequence[str], normalize: bool = True) -> An
         if active is not None and active.count is not None:
             active.count(metrics.embed_fields(len(batch), hits))
     return vectors[0] if isinstance(texts, str) else vectors
+
+
+def _in_batches(batcher: Any, items: list[str],
+                run: Callable[[list[str]], list[list[float]]]) -> list[list[float]]:
+    """``run`` over ``items`` in batches the controller sizes (``batching.py``, §1.2),
+    each one timed (and its memory measured on a GPU) and fed back."""
+    out: list[list[float]] = []
+    start = 0
+    while start < len(items):
+        size = batcher.size(gpu.free_bytes())
+        chunk = items[start:start + size]
+        before = gpu.memory_stats()["allocated_bytes"]
+        gpu.reset_peak()
+        began = time.perf_counter()
+        out += run(chunk)
+        latency_ms = (time.perf_counter() - began) * _MS_PER_S
+        peak = gpu.memory_stats()["peak_allocated_bytes"]
+        if len(chunk) == size:  # a short remainder says little about its size
+            batcher.record(batching.Sample(size, latency_ms, max(0, peak - before) / size))
+        start += len(chunk)
+    return out
 
 
 def _embed_batch(engine: Any, model: str, batch: list[str], normalize: bool,

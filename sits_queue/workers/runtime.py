@@ -243,8 +243,10 @@ class ActiveTask:
     prefixes: Any = None
     count: Callable[[Mapping[str, float]], None] | None = None
     prefix_key: str | None = None
-    #: This child's embedding cache (``cache/embeddings.py``), if any.
+    #: This child's embedding cache (``cache/embeddings.py``), if any, and the batch
+    #: size controller of the task's model (``batching.py``).
     embeddings: Any = None
+    batcher: Any = None
 
     def yield_point(self, state: Any, remaining_s: float | None = None) -> None:
         """Let the slot go to more urgent work if it is time to (raises ``Preempted``)."""
@@ -304,6 +306,7 @@ class ChildRuntime:
     _cache: Any = None
     _prefixes: Any = None
     _embeddings: Any = None
+    _batchers: dict[str, Any] = field(default_factory=dict)
     _unsent: dict[str, float] = field(default_factory=dict)
     _cpus: tuple[int, ...] = ()
     _pending_ctx_ms: float = 0.0
@@ -345,6 +348,15 @@ class ChildRuntime:
             self._embeddings = EmbeddingCache(self.config.embed_cache_entries,
                                               self.config.embed_cache_ttl_s)
         return self._embeddings
+
+    def batcher(self, model: str) -> Any:
+        """The batch size controller for ``model`` in this child (§1.2)."""
+        if model not in self._batchers:
+            from sits_queue.workers.batching import Batcher, BatchPolicy
+
+            self._batchers[model] = Batcher(BatchPolicy(
+                target_p95_ms=self.config.batch_target_p95_ms))
+        return self._batchers[model]
 
     def prefixes(self) -> Any:
         """This child's KV-prefix store (generations reuse shared prompt prefixes)."""

@@ -91,3 +91,22 @@ def test_embed_serves_repeated_texts_from_the_cache(encoder: Any) -> None:
     assert mixed[1] == first[0] and single == first[1]  # from the cache: the same floats
     assert mixed[0] == pytest.approx(plain[2], abs=1e-5)
     assert counts == {"emb_texts": 5, "emb_cached": 2}
+
+
+def test_a_large_embed_call_runs_in_controller_sized_batches(encoder: Any) -> None:
+    from sits_queue.workers.batching import Batcher, BatchPolicy
+
+    texts = [f"document {i} about queues and workers" for i in range(40)]
+    whole = inference.embed(encoder, texts)
+    batcher = Batcher(BatchPolicy(start=4, target_p95_ms=10_000.0))
+    active = rt.ActiveTask("enc", SitsConfig().quota("low"), encoder.size_bytes(), "cpu",
+                           batcher=batcher)
+    with rt.activated(active):
+        split = inference.embed(encoder, texts)
+    # Then it started at 4 and probed one size up after each batch (all far under the
+    # target): 4, 8, 16, each timed; the last 12 went as one short batch, not recorded
+    # (a remainder says little about its size); the vectors are the texts', in order
+    assert [s.size for s in batcher.state.samples] == [4, 8, 16]
+    assert all(s.latency_ms > 0 for s in batcher.state.samples)
+    for got, want in zip(split, whole, strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
