@@ -23,7 +23,7 @@ TRANSPORT = "sits_queue.broker.transport:Transport"
 CONTROL_QUEUE = "sits.control"
 DEFAULT_QUEUE = "celery"
 #: The beat's maintenance tasks: routed to CONTROL_QUEUE, left out of the task statistics.
-MAINTENANCE_TASKS = ("sits.rescore", "sits.check_triggers")
+MAINTENANCE_TASKS = ("sits.rescore", "sits.check_triggers", "sits.prewarm_plan")
 #: Marks a function whose first argument the worker supplies (the warm engine).
 ENGINE_ARG = "__sits_engine_arg__"
 #: Header with the producer's wall clock at submission, for end-to-end latency stats.
@@ -192,6 +192,9 @@ def celery_settings(config: SitsConfig) -> dict[str, Any]:
         "task_track_started": True,
         "task_send_sent_event": config.send_sent_events,
         "worker_send_task_events": True,
+        # Each worker also consumes its own queue (<hostname>.dq2): pre-warm tasks go to
+        # the worker the planner chose (priority/prewarm.py).
+        "worker_direct": True,
         "task_default_queue": DEFAULT_QUEUE,
         "task_queues": (Queue(DEFAULT_QUEUE), Queue(CONTROL_QUEUE)),  # type: ignore[no-untyped-call]
         # By name: the built-in inference tasks (sits.generate, sits.embed) are work.
@@ -212,6 +215,10 @@ def beat_schedule(config: SitsConfig) -> dict[str, Any]:
         "sits-check-triggers": {"task": "sits.check_triggers",
                                 "schedule": config.trigger_check_interval_s,
                                 "options": {"expires": config.trigger_check_interval_s}},
+        **({"sits-prewarm-plan": {"task": "sits.prewarm_plan",
+                                  "schedule": config.prewarm_interval_s,
+                                  "options": {"expires": config.prewarm_interval_s}}}
+           if config.prewarm_interval_s > 0 else {}),
     }
 
 

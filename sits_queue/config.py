@@ -190,6 +190,9 @@ class SitsConfig:
     affinity_prefix_weight: float = 0.5
     #: Characters of a prompt the automatic ``prefix_key`` covers (0: derive none).
     prefix_key_chars: int = 256
+    #: Predictive pre-warming (§4.2): the forecast's interval and the beat period of the
+    #: planner, s (the source's 5 minutes); 0: off.
+    prewarm_interval_s: float = 300.0
     #: Dynamic batch size (§1.2): the p95 latency one batch of a large ``sits.embed``
     #: call may take, ms; the controller sizes batches to it.
     batch_target_p95_ms: float = 120.0
@@ -242,6 +245,10 @@ class SitsConfig:
                               f"(0: off), got {self.embed_cache_entries!r}")
         _positive("embed_cache_ttl_s", self.embed_cache_ttl_s)
         _positive("batch_target_p95_ms", self.batch_target_p95_ms)
+        if not _is_number(self.prewarm_interval_s) or not math.isfinite(self.prewarm_interval_s) \
+                or self.prewarm_interval_s < 0:
+            raise ConfigError(f"prewarm_interval_s must be >= 0 (0: off), got "
+                              f"{self.prewarm_interval_s!r}")
         if self.otel_traces not in ("auto", "otlp", "console", "off"):
             raise ConfigError(f"otel_traces must be auto, otlp, console or off, got "
                               f"{self.otel_traces!r}")

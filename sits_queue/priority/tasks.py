@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import asdict
 from typing import Any
 
 from celery import Celery
+from celery.utils.nodenames import worker_direct
 
+from sits_queue.priority.prewarm import Prewarmer
 from sits_queue.priority.rescore import Rescorer
+from sits_queue.workers import advertise
 
 _local = threading.local()
 
@@ -33,3 +37,19 @@ def register(app: Celery) -> None:
               sla_class=top)
     def check_triggers() -> list[str]:
         return list(_rescorer(app).check_triggers())
+
+    @app.task(name="sits.prewarm_plan", ignore_result=True, shared=False,  # type: ignore[untyped-decorator]
+              sla_class=top)
+    def prewarm_plan() -> dict[str, Any]:
+        return prewarmer(app).run(time.time())
+
+
+def prewarmer(app: Celery) -> Prewarmer:
+    """The planner of ``app``: sends ``sits.prewarm`` to the chosen worker's own queue,
+    in the top class (whose VRAM limit admits the largest engines)."""
+    def send(model: str, hostname: str) -> None:
+        app.tasks["sits.prewarm"].apply_async((), model=model, queue=worker_direct(hostname),
+                                               sla_class=top)
+
+    top = app.sits.top_class
+    return Prewarmer(app.sits, advertise.client_for(app.sits), send)

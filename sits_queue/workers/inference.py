@@ -132,7 +132,7 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     meta = _cold_meta(cold, rt.take_ctx_ms())
     # Taken ahead of its queue's head because this worker held the model warm (pick.lua).
     meta["affinity"] = bool(getattr(request, AFFINITY_HEADER, False))
-    rt.count(metrics.task_fields(meta, quota.name))
+    rt.count(metrics.task_fields(meta, quota.name, model))
     _trace(meta, model, quota.name, acquire_ns, acquired_ns)
     timelimit = getattr(request, "timelimit", None) or (None, None)
     hard, soft = (*tuple(timelimit), None, None)[:2]
@@ -163,6 +163,7 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
                 limits={"soft_time_limit_s": soft, "time_limit_s": hard,
                         "vram_gib": quota.vram_gib, "memory_fraction": fraction,
                         "cpus": list(cpus)})
+    rt.count(metrics.run_fields(model, meta["run_ms"]))
     if isinstance(output, dict) and isinstance(output.get("cached_tokens"), int):
         tracing.annotate({"sits.cached_tokens": output["cached_tokens"]})
     return {"output": output, "sits": meta}
@@ -488,10 +489,17 @@ def _embed_batch(engine: Any, model: str, batch: list[str], normalize: bool,
     return vectors
 
 
+def prewarm(engine: Any) -> dict[str, Any]:
+    """Nothing but getting the engine: the worker loads and warms it up as for any task
+    (``sits.prewarm``, sent by the pre-warm planner, ``priority/prewarm.py``)."""
+    return {"model": getattr(engine, "key", "?"), "bytes": int(engine.size_bytes())}
+
+
 def register(app: Celery) -> dict[str, Any]:
-    """``sits.generate`` and ``sits.embed`` on ``app`` (model per call)."""
+    """``sits.generate``, ``sits.embed`` and ``sits.prewarm`` on ``app`` (model per call)."""
     tasks: dict[str, Callable[..., Any]] = {
         "generate": app.inference_task(name="sits.generate", shared=False)(generate),
         "embed": app.inference_task(name="sits.embed", shared=False)(embed),
+        "prewarm": app.inference_task(name="sits.prewarm", shared=False)(prewarm),
     }
     return tasks

@@ -68,9 +68,11 @@ def _bucket(ms: float) -> str:
     return "+Inf"
 
 
-def task_fields(meta: Mapping[str, Any], sla_class: str) -> dict[str, float]:
+def task_fields(meta: Mapping[str, Any], sla_class: str, model: str | None = None
+                ) -> dict[str, float]:
     """Counter increments for one inference task that got its engine; ``meta`` is the
-    result's ``sits`` block (``cold``, ``source``, ``<phase>_ms``, ``affinity``)."""
+    result's ``sits`` block (``cold``, ``source``, ``<phase>_ms``, ``affinity``). With the
+    ``model``, its cold starts and their cost per model too (the pre-warm planner's)."""
     fields: dict[str, float] = {"tasks": 1, f"tasks:{sla_class}": 1}
     if meta.get("affinity"):
         fields["affinity"] = 1
@@ -82,7 +84,14 @@ def task_fields(meta: Mapping[str, Any], sla_class: str) -> dict[str, float]:
     fields.update({"cold": 1, "cold_ms": total, f"cold_le:{_bucket(total)}": 1,
                    f"cold:{source if source in SOURCES else 'other'}": 1})
     fields.update({f"phase_ms:{p}": ms for p, ms in phases.items() if ms})
+    if model is not None:
+        fields.update({f"model_cold:{model}": 1, f"model_cold_ms:{model}": total})
     return fields
+
+
+def run_fields(model: str, run_ms: float) -> dict[str, float]:
+    """Counter increments for one finished run: the model's service time."""
+    return {f"model_runs:{model}": 1, f"model_run_ms:{model}": run_ms}
 
 
 def prefix_fields(cached_tokens: int) -> dict[str, float]:

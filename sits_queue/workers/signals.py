@@ -19,6 +19,7 @@ from sits_queue import tracing
 from sits_queue.app import MAINTENANCE_TASKS, sits_config
 from sits_queue.config import SitsConfig
 from sits_queue.options import HEADER
+from sits_queue.priority.prewarm import MAX_CATCH_UP, bucket_of, demand_key
 from sits_queue.priority.rescore import counter_key, hot_key, latency_key
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ def flush(config: SitsConfig) -> None:
     records, _buffer.records = _buffer.records, []
     _buffer.flushed_at = time.monotonic()
     pipe = _client(config).pipeline(transaction=False)
+    demand = demand_key(config, bucket_of(config, time.time())) \
+        if config.prewarm_interval_s > 0 else ""
     for sla_class, model, latency_ms, failed in records:
         if latency_ms is not None:
             pipe.lpush(latency_key(config, sla_class), latency_ms)
@@ -85,8 +88,12 @@ def flush(config: SitsConfig) -> None:
             pipe.hincrby(counter_key(config, "failed"), sla_class, 1)
         if model:
             pipe.hincrbyfloat(hot_key(config), model, 1.0)
+            if config.prewarm_interval_s > 0:  # demand per interval, for the forecast
+                pipe.hincrby(demand, model, 1)
     for sla_class in {r[0] for r in records}:
         pipe.ltrim(latency_key(config, sla_class), 0, config.stats_window - 1)
+    if demand:  # after the increments: EXPIRE on a missing key does nothing
+        pipe.expire(demand, int(config.prewarm_interval_s * (MAX_CATCH_UP + 2)))
     try:
         pipe.execute()
     except redis.RedisError as exc:

@@ -11,7 +11,7 @@ from sits_queue.cache.engines import engine_from_path
 from sits_queue.config import SitsConfig
 from sits_queue.errors import ConfigError
 from sits_queue.models import tiny
-from sits_queue.workers import inference, metrics
+from sits_queue.workers import batching, inference, metrics
 from sits_queue.workers import runtime as rt
 
 
@@ -103,10 +103,12 @@ def test_a_large_embed_call_runs_in_controller_sized_batches(encoder: Any) -> No
                            batcher=batcher)
     with rt.activated(active):
         split = inference.embed(encoder, texts)
-    # Then it started at 4 and probed one size up after each batch (all far under the
-    # target): 4, 8, 16, each timed; the last 12 went as one short batch, not recorded
-    # (a remainder says little about its size); the vectors are the texts', in order
-    assert [s.size for s in batcher.state.samples] == [4, 8, 16]
+    # Then it started at 4 and probed 8 next (far under the target); what follows depends
+    # on which size measured faster; every recorded batch was a whole one of a size it
+    # chooses among, each timed (a short remainder is not recorded); the vectors are the
+    # texts', in order
+    sizes = [s.size for s in batcher.state.samples]
+    assert sizes[:2] == [4, 8] and sum(sizes) <= 40 and set(sizes) <= set(batching.SIZES)
     assert all(s.latency_ms > 0 for s in batcher.state.samples)
     for got, want in zip(split, whole, strict=True):
         assert got == pytest.approx(want, abs=1e-5)

@@ -1,0 +1,187 @@
+"""Predictive pre-warming (MISSION §4.2), the pure part: per-model demand forecast by
+recursive least squares, and the plan of which workers warm which model.
+
+The source: "learn per-model demand from the job history (periodicity offline, bursts
+online); online recursive least squares with forgetting factor 0.98, updated every 5
+minutes; features: time encoding, previous job type, CPU/memory request ratio. Pre-warm
+when the predicted cold start exceeds 850 ms with confidence >= 0.82; pre-warm
+ceil(predicted concurrency * 1.3) instances."
+
+Here, per model and per interval (``prewarm_interval_s``, 300 s):
+
+* features: a bias; the time of day and of week as sine/cosine pairs (periodicity);
+  the model's demand in the previous two intervals, scaled by its running mean (bursts:
+  what ran just before is the best hint of what runs next: the source's "previous job
+  type"). The source's CPU/memory request ratio is not something a queue of inference
+  tasks sees per model; it is left out rather than faked;
+* RLS with forgetting factor 0.98 updates the weights once per interval with the demand
+  that interval actually had;
+* confidence = 1 - (recency-weighted RMS of the one-step errors / the model's mean
+  demand), clamped to [0, 1]: a forecast that has been right recently is trusted;
+* the plan: a model whose predicted demand needs instances (Little's law: arrivals x
+  service time / interval), whose cold start costs more than 850 ms and whose forecast
+  is trusted (>= 0.82) gets ``ceil(concurrency x 1.3)`` warm workers; those it lacks are
+  chosen among workers that do not hold it warm, most free device memory first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+#: The source's figures.
+FORGETTING = 0.98
+COLD_THRESHOLD_MS = 850.0
+MIN_CONFIDENCE = 0.82
+HEADROOM = 1.3
+#: Initial diagonal of the RLS covariance: large, so the first intervals move the
+#: weights quickly.
+P0 = 100.0
+N_FEATURES = 7
+
+
+def features(now_s: float, previous: Sequence[float], mean: float) -> list[float]:
+    """The feature vector for the interval starting at ``now_s`` (unix s, UTC):
+    ``previous`` = the model's demand in the last two intervals, newest first."""
+    day = 2 * math.pi * ((now_s % 86_400) / 86_400)
+    week = 2 * math.pi * ((now_s % 604_800) / 604_800)
+    scale = mean if mean > 0 else 1.0
+    lag1 = previous[0] / scale if previous else 0.0
+    lag2 = previous[1] / scale if len(previous) > 1 else 0.0
+    return [1.0, math.sin(day), math.cos(day), math.sin(week), math.cos(week), lag1, lag2]
+
+
+@dataclass(frozen=True)
+class Forecaster:
+    """One model's RLS state (JSON-able: lists of floats)."""
+
+    weights: tuple[float, ...] = (0.0,) * N_FEATURES
+    covariance: tuple[tuple[float, ...], ...] = tuple(
+        tuple(P0 if i == j else 0.0 for j in range(N_FEATURES)) for i in range(N_FEATURES))
+    #: Demand of the last intervals, newest first (two are used).
+    history: tuple[float, ...] = ()
+    #: Running (forgetting) mean of the demand, and of the squared one-step error.
+    mean: float = 0.0
+    mse: float = 0.0
+    updates: int = 0
+
+    def predict(self, now_s: float) -> float:
+        """Demand (tasks) expected in the interval starting at ``now_s``, >= 0."""
+        x = features(now_s, self.history, self.mean)
+        return max(0.0, self.mean * sum(w * xi for w, xi in zip(self.weights, x, strict=True))
+                   if self.mean > 0 else 0.0)
+
+    @property
+    def confidence(self) -> float:
+        """1 - relative RMS error of recent one-step forecasts, in [0, 1]; 0 until a few
+        intervals were seen."""
+        if self.updates < 3 or self.mean <= 0:
+            return 0.0
+        return max(0.0, min(1.0, 1.0 - math.sqrt(self.mse) / self.mean))
+
+
+def update(f: Forecaster, start_s: float, demand: float,
+           forgetting: float = FORGETTING) -> Forecaster:
+    """The state after the interval that started at ``start_s`` had ``demand`` tasks."""
+    error = demand - f.predict(start_s)
+    mean = demand if f.updates == 0 else forgetting * f.mean + (1 - forgetting) * demand
+    mse = error ** 2 if f.updates == 0 else forgetting * f.mse + (1 - forgetting) * error ** 2
+    # the regression runs on demand scaled by its mean, so models of any volume learn alike
+    scale = f.mean if f.mean > 0 else (demand if demand > 0 else 1.0)
+    x = features(start_s, f.history, scale)
+    y = demand / scale
+    p = [list(row) for row in f.covariance]
+    px = [sum(p[i][j] * x[j] for j in range(N_FEATURES)) for i in range(N_FEATURES)]
+    denom = forgetting + sum(x[i] * px[i] for i in range(N_FEATURES))
+    gain = [v / denom for v in px]
+    residual = y - sum(w * xi for w, xi in zip(f.weights, x, strict=True))
+    weights = tuple(w + g * residual for w, g in zip(f.weights, gain, strict=True))
+    covariance = tuple(tuple((p[i][j] - gain[i] * px[j]) / forgetting
+                             for j in range(N_FEATURES)) for i in range(N_FEATURES))
+    return Forecaster(weights, covariance, (demand, *f.history)[:2], mean, mse, f.updates + 1)
+
+
+# -- the plan -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WorkerView:
+    """What the planner needs of a live worker (from its advertisement)."""
+
+    hostname: str
+    #: Models warm on its device tier.
+    warm: frozenset[str] = field(default_factory=frozenset)
+    free_vram_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ModelOutlook:
+    model: str
+    predicted: float  # tasks in the next interval
+    confidence: float
+    concurrency: float  # instances busy on average (Little's law)
+    cold_ms: float  # mean measured cold start; 0 unknown
+    instances: int  # warm workers wanted
+    warm_now: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Prewarm:
+    model: str
+    hostname: str
+
+
+def outlook(model: str, f: Forecaster, now_s: float, interval_s: float, service_ms: float,
+            cold_ms: float, warm_now: int) -> ModelOutlook:
+    predicted = f.predict(now_s)
+    concurrency = predicted * (service_ms / 1000.0) / interval_s
+    instances = math.ceil(concurrency * HEADROOM) if predicted > 0 else 0
+    if cold_ms <= COLD_THRESHOLD_MS:
+        reason = f"cold start {cold_ms:.0f} ms <= {COLD_THRESHOLD_MS:.0f} ms: not worth it"
+    elif f.confidence < MIN_CONFIDENCE:
+        reason = f"confidence {f.confidence:.2f} < {MIN_CONFIDENCE}"
+    elif instances <= warm_now:
+        reason = f"{warm_now} warm, {instances} needed"
+    else:
+        reason = "pre-warm"
+    return ModelOutlook(model, round(predicted, 3), round(f.confidence, 3),
+                        round(concurrency, 4), cold_ms, instances, warm_now, reason)
+
+
+def plan(outlooks: Sequence[ModelOutlook], workers: Sequence[WorkerView]) -> list[Prewarm]:
+    """Which worker warms which model: for each model marked ``pre-warm`` (most needed
+    first), its missing instances on workers without it, most free memory first, each
+    worker asked for one model per round."""
+    taken: set[str] = set()
+    out: list[Prewarm] = []
+    for o in sorted(outlooks, key=lambda o: (o.warm_now - o.instances, o.model)):
+        if o.reason != "pre-warm":
+            continue
+        candidates = sorted((w for w in workers
+                             if o.model not in w.warm and w.hostname not in taken),
+                            key=lambda w: (-w.free_vram_bytes, w.hostname))
+        for w in candidates[:o.instances - o.warm_now]:
+            out.append(Prewarm(o.model, w.hostname))
+            taken.add(w.hostname)
+    return out
+
+
+def to_json(f: Forecaster) -> dict[str, Any]:
+    return {"w": list(f.weights), "p": [list(r) for r in f.covariance],
+            "h": list(f.history), "m": f.mean, "e": f.mse, "n": f.updates}
+
+
+def from_json(raw: Mapping[str, Any]) -> Forecaster:
+    """A stored state; a record of another shape starts over (no crash on old data)."""
+    try:
+        weights = tuple(float(v) for v in raw["w"])
+        cov = tuple(tuple(float(v) for v in row) for row in raw["p"])
+        if len(weights) != N_FEATURES or len(cov) != N_FEATURES \
+                or any(len(row) != N_FEATURES for row in cov):
+            return Forecaster()
+        return Forecaster(weights, cov, tuple(float(v) for v in raw["h"])[:2],
+                          float(raw["m"]), float(raw["e"]), int(raw["n"]))
+    except (KeyError, TypeError, ValueError):
+        return Forecaster()

@@ -1,0 +1,120 @@
+"""Predictive pre-warming (MISSION §4.2), the Redis edge: demand per model per interval
+in, the forecasters' state kept, pre-warm tasks out to the chosen workers.
+
+* demand: every finished task counts one for its model in ``sits:demand:<bucket>``
+  (``workers/signals.py``), ``bucket = floor(t / prewarm_interval_s)``;
+* state: one JSON per model in ``sits:forecast`` (``forecast.to_json``) and the last
+  bucket folded in, so a beat restart resumes;
+* cold-start cost and service time per model: the workers' counters
+  (``model_cold_ms:<m>`` / ``model_cold:<m>``, ``model_run_ms:<m>`` / ``model_runs:<m>``);
+* a pre-warm is the built-in inference task ``sits.prewarm`` sent to the chosen worker's
+  own queue (Celery's ``worker_direct``): the worker's child loads the engine as for any
+  task, so the cost is counted, limited and traced like any cold start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+from typing import Any
+
+import redis
+
+from sits_queue.config import SitsConfig
+from sits_queue.priority import forecast
+from sits_queue.workers import advertise
+
+logger = logging.getLogger(__name__)
+
+#: Intervals a beat that was down catches up on (older ones are folded in as unknown).
+MAX_CATCH_UP = 12
+PREWARM_TASK = "sits.prewarm"
+
+
+def demand_key(config: SitsConfig, bucket: int) -> str:
+    return f"{config.global_keyprefix}sits:demand:{bucket}"
+
+
+def state_key(config: SitsConfig) -> str:
+    return f"{config.global_keyprefix}sits:forecast"
+
+
+def bucket_of(config: SitsConfig, now_s: float) -> int:
+    return int(now_s // config.prewarm_interval_s)
+
+
+def per_model(counters: Mapping[str, float], total: str, count: str) -> dict[str, float]:
+    """Mean per model of ``<total>:<model>`` over ``<count>:<model>`` counters."""
+    sums = advertise.counter_group(counters, f"{total}:")
+    counts = advertise.counter_group(counters, f"{count}:")
+    return {m: sums[m] / counts[m] for m in sums if counts.get(m)}
+
+
+class Prewarmer:
+    """One planning pass per call of :meth:`run` (the beat task ``sits.prewarm_plan``)."""
+
+    def __init__(self, config: SitsConfig, client: redis.Redis,
+                 send: Callable[[str, str], None]) -> None:
+        self.config, self.client, self.send = config, client, send
+
+    def run(self, now_s: float) -> dict[str, Any]:
+        """Fold the finished intervals' demand into the forecasts, plan, send; a report."""
+        states = self._fold(bucket_of(self.config, now_s) - 1)
+        workers = advertise.read_workers(self.client, self.config.global_keyprefix)
+        counters: dict[str, float] = {}
+        for w in workers:
+            raw = self.client.hgetall(advertise.counters_key(self.config.global_keyprefix,
+                                                             str(w.get("hostname"))))
+            for k, v in advertise.counter_values(raw).items():
+                counters[k] = counters.get(k, 0.0) + v
+        cold = per_model(counters, "model_cold_ms", "model_cold")
+        service = per_model(counters, "model_run_ms", "model_runs")
+        views = [_view(w) for w in workers]
+        start = (bucket_of(self.config, now_s)) * self.config.prewarm_interval_s
+        outlooks = [forecast.outlook(m, f, start, self.config.prewarm_interval_s,
+                                     service.get(m, 0.0), cold.get(m, 0.0),
+                                     sum(m in v.warm for v in views))
+                    for m, f in sorted(states.items())]
+        sent = []
+        for p in forecast.plan(outlooks, views):
+            try:
+                self.send(p.model, p.hostname)
+                sent.append(asdict(p))
+            except Exception as exc:  # one unreachable worker must not stop the others
+                logger.warning("could not send a pre-warm of %r to %s: %s", p.model,
+                               p.hostname, exc)
+        return {"outlooks": [asdict(o) for o in outlooks], "sent": sent,
+                "workers": len(views)}
+
+    def _fold(self, last_done: int) -> dict[str, forecast.Forecaster]:
+        key = state_key(self.config)
+        raw = self.client.hgetall(key)
+        decoded = {(k.decode() if isinstance(k, bytes) else str(k)): v for k, v in raw.items()}
+        meta = json.loads(decoded.pop("__bucket__", "null") or "null")
+        states = {m: forecast.from_json(json.loads(v)) for m, v in decoded.items()}
+        # the first pass (or one after a long stop) reads what the demand keys still hold
+        first = last_done - MAX_CATCH_UP + 1 if meta is None \
+            else max(int(meta) + 1, last_done - MAX_CATCH_UP + 1)
+        interval = self.config.prewarm_interval_s
+        for bucket in range(first, last_done + 1):
+            demand = {(k.decode() if isinstance(k, bytes) else str(k)): float(v) for k, v in
+                      self.client.hgetall(demand_key(self.config, bucket)).items()}
+            for model in set(states) | set(demand):
+                states[model] = forecast.update(states.get(model, forecast.Forecaster()),
+                                                bucket * interval, demand.get(model, 0.0))
+        if first <= last_done or meta is None:
+            pipe = self.client.pipeline(transaction=False)
+            for model, f in states.items():
+                pipe.hset(key, model, json.dumps(forecast.to_json(f)))
+            pipe.hset(key, "__bucket__", json.dumps(last_done))
+            pipe.execute()
+        return states
+
+
+def _view(worker: Mapping[str, Any]) -> forecast.WorkerView:
+    warm = {m for child in (worker.get("children") or {}).values()
+            for m, tier in (child.get("warm") or {}).items() if tier == "device"}
+    free = sum(int(d.get("free_vram_bytes") or 0) for d in worker.get("devices") or [])
+    return forecast.WorkerView(str(worker.get("hostname")), frozenset(warm), free)

@@ -1,0 +1,145 @@
+"""Predictive pre-warming against a real Redis and a real worker: finished tasks count as
+demand per interval, the planner folds it into the forecast, and a pre-warm sent to the
+chosen worker's own queue (Celery's worker_direct, through the sorted-set transport)
+leaves the model warm on that worker."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+import redis
+from celery import Celery
+
+from sits_queue.config import SitsConfig
+from sits_queue.priority import forecast as fc
+from sits_queue.priority import prewarm
+from sits_queue.priority.tasks import prewarmer
+from sits_queue.procs import CeleryProcess, wait_ready
+from sits_queue.workers import advertise
+from tests.integration.inference_app import (
+    build_models,
+    client_app,
+    spawn_worker,
+    write_config,
+)
+from tests.waiting import wait_for
+
+INTERVAL_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory, redis_url: str, r: redis.Redis
+          ) -> Iterator[tuple[Celery, CeleryProcess]]:
+    tmp = tmp_path_factory.mktemp("prewarm")
+    models = build_models(tmp / "models")
+    config_path = write_config(tmp / "sits.toml")
+    env = {"SITS_PREWARM_INTERVAL_S": str(INTERVAL_S)}
+    app = client_app(redis_url, config_path, "prewarm-client")
+    app.sits = replace(app.sits, prewarm_interval_s=INTERVAL_S)
+    worker = spawn_worker(redis_url, config_path, models, tmp, env, concurrency=1,
+                          name="prewarm")
+    try:
+        wait_ready(app, [worker])
+        yield app, worker
+    finally:
+        worker.stop(timeout_s=20)
+        app.close()
+
+
+def warm_on(r: redis.Redis, hostname: str) -> dict[str, str]:
+    record = advertise.read_worker(r, "", hostname) or {}
+    return {m: t for c in (record.get("children") or {}).values()
+            for m, t in (c.get("warm") or {}).items()}
+
+
+def demand(r: redis.Redis, config: SitsConfig, bucket: int, model: str) -> int:
+    return int(r.hget(prewarm.demand_key(config, bucket), model) or 0)
+
+
+def test_finished_tasks_count_as_demand_and_are_folded_into_the_forecast(
+        setup: tuple[Celery, CeleryProcess], r: redis.Redis) -> None:
+    app, _ = setup
+    config = app.sits
+    # Given a child that imported torch and transformers with another model (a first
+    # load pays for them: seconds) and then three generations with lm-b
+    app.tasks["sits.generate"].apply_async(("warm",), model="gpt").get(timeout=120)
+    first = prewarm.bucket_of(config, time.time())
+    for i in range(3):
+        app.tasks["sits.generate"].apply_async((f"p{i}",), {"max_new_tokens": 2},
+                                               model="lm-b").get(timeout=120)
+    last = prewarm.bucket_of(config, time.time())
+
+    def counted() -> bool:
+        # the child flushes its statistics with a later task once 0.5 s have passed
+        app.tasks["t.ping"].apply_async(("flush",)).get(timeout=30)
+        return sum(demand(r, config, b, "lm-b") for b in range(first, last + 3)) == 3
+
+    wait_for(counted, 20, "the demand counts")
+    last = max(b for b in range(first, last + 3) if demand(r, config, b, "lm-b"))
+    # When the planner runs once those intervals are over
+    wait_for(lambda: prewarm.bucket_of(config, time.time()) >= last + 2, 10, "the interval")
+    report = prewarmer(app).run(time.time())
+    # Then lm-b has a forecaster that saw each interval's demand, stored for the next pass
+    stored = {k.decode(): v for k, v in r.hgetall(prewarm.state_key(config)).items()}
+    done = json.loads(stored["__bucket__"])
+    f = fc.from_json(json.loads(stored["lm-b"]))
+    assert done >= last + 1 and f.updates >= 1  # from the first interval it was seen in
+    assert list(f.history) == [demand(r, config, done, "lm-b"),
+                               demand(r, config, done - 1, "lm-b")]
+    # and with cold starts of a tiny model far under 850 ms nothing was worth pre-warming
+    lm_b = next(o for o in report["outlooks"] if o["model"] == "lm-b")
+    assert "not worth it" in lm_b["reason"] and report["sent"] == []
+
+
+def test_a_confident_forecast_of_a_costly_model_warms_it_on_a_worker(
+        setup: tuple[Celery, CeleryProcess], r: redis.Redis) -> None:
+    app, worker = setup
+    config = app.sits
+    assert "lm-c" not in warm_on(r, worker.hostname)
+    # Given a forecast that has been right for a day (steady ~90 tasks per interval) ...
+    f = fc.Forecaster()
+    start = (prewarm.bucket_of(config, time.time()) - 300) * INTERVAL_S
+    for k in range(299):
+        f = fc.update(f, start + k * INTERVAL_S, 90.0 + (k % 3))
+    r.hset(prewarm.state_key(config), "lm-c", json.dumps(fc.to_json(f)))
+    r.hset(prewarm.state_key(config), "__bucket__",
+           json.dumps(prewarm.bucket_of(config, time.time()) - 1))
+    # ... and a model whose cold starts cost 2 s and whose tasks take 60 ms each (as the
+    # worker would have counted them on a real GPU fleet)
+    counters = advertise.counters_key("", worker.hostname)
+    r.hset(counters, mapping={"model_cold_ms:lm-c": 2000.0, "model_cold:lm-c": 1,
+                              "model_run_ms:lm-c": 60.0, "model_runs:lm-c": 1})
+    # When the planner runs
+    report = prewarmer(app).run(time.time())
+    # Then it wanted ceil(90 x 0.06 s / 2 s x 1.3) = 4 warm instances, had none, and sent
+    # a pre-warm to the one worker there is, which now holds lm-c on its device
+    lm_c = next(o for o in report["outlooks"] if o["model"] == "lm-c")
+    assert lm_c["reason"] == "pre-warm" and lm_c["confidence"] >= fc.MIN_CONFIDENCE
+    assert lm_c["instances"] >= 2 and lm_c["warm_now"] == 0
+    assert report["sent"] == [{"model": "lm-c", "hostname": worker.hostname}]
+    wait_for(lambda: warm_on(r, worker.hostname).get("lm-c") == "device", 60,
+             "the pre-warm to load lm-c")
+    # the next pass sees it warm and sends nothing more for it (one worker: no one else)
+    again = prewarmer(app).run(time.time())
+    assert not [s for s in again["sent"] if s["model"] == "lm-c"]
+    assert next(o for o in again["outlooks"] if o["model"] == "lm-c")["warm_now"] == 1
+
+
+def test_the_prewarm_task_went_through_the_workers_own_queue(
+        setup: tuple[Celery, CeleryProcess], r: redis.Redis) -> None:
+    _, worker = setup
+    queues = {q.decode() for q in r.smembers("sits:queues")}
+    assert f"{worker.hostname}.dq2" in queues
+    assert worker.alive(), worker.log()[-2000:]

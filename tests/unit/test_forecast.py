@@ -1,0 +1,100 @@
+"""Predictive pre-warming, pure: the RLS demand forecast, its confidence, and the plan."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from sits_queue.config import SitsConfig
+from sits_queue.errors import ConfigError
+from sits_queue.priority import forecast as fc
+from sits_queue.priority.forecast import Forecaster, ModelOutlook, WorkerView
+
+DAY = 86_400
+T0 = 1_700_006_400 - (1_700_006_400 % DAY)  # a midnight, UTC
+STEP = 300
+
+
+def daily(t: float) -> float:
+    return 50 + 40 * math.sin(2 * math.pi * (t % DAY) / DAY)
+
+
+def learn(days: float, noise: float = 3.0, seed: int = 1) -> tuple[Forecaster, list[float]]:
+    """Feed ``days`` of a daily pattern; the absolute one-step errors of the last day."""
+    rng, f, errors = random.Random(seed), Forecaster(), []
+    steps = int(days * DAY / STEP)
+    for k in range(steps):
+        t = T0 + k * STEP
+        demand = max(0.0, daily(t) + rng.gauss(0, noise))
+        if k >= steps - DAY // STEP:
+            errors.append(abs(f.predict(t) - demand))
+        f = fc.update(f, t, demand)
+    return f, errors
+
+
+def test_rls_learns_a_daily_pattern_and_trusts_itself() -> None:
+    f, errors = learn(2)
+    assert sum(errors) / len(errors) < 2 * 3.0  # within twice the noise
+    assert f.confidence >= fc.MIN_CONFIDENCE
+    assert f.updates == 2 * DAY // STEP
+
+
+def test_confidence_needs_history_and_a_forecast_that_was_right() -> None:
+    assert Forecaster().confidence == 0.0 and Forecaster().predict(T0) == 0.0
+    f = fc.update(fc.update(Forecaster(), T0, 10.0), T0 + STEP, 10.0)
+    assert f.confidence == 0.0  # two intervals are not a track record
+    rng, noisy = random.Random(3), Forecaster()
+    for k in range(300):  # demand that no feature explains
+        noisy = fc.update(noisy, T0 + k * STEP, rng.expovariate(1 / 30.0))
+    assert noisy.confidence < fc.MIN_CONFIDENCE
+
+
+def test_forgetting_follows_a_change_of_level() -> None:
+    f = Forecaster()
+    for k in range(200):
+        f = fc.update(f, T0 + k * STEP, 10.0 if k < 100 else 60.0)
+    assert f.predict(T0 + 200 * STEP) == pytest.approx(60.0, rel=0.1)
+
+
+def outlook(cold_ms: float = 2000.0, warm_now: int = 0, days: float = 2.0,
+            service_ms: float = 9000.0) -> ModelOutlook:
+    f, _ = learn(days)
+    return fc.outlook("m", f, T0 + 2 * DAY + DAY / 4, STEP, service_ms, cold_ms, warm_now)
+
+
+def test_outlook_follows_the_sources_rule() -> None:
+    o = outlook()
+    # ~90 tasks x 9 s / 300 s = ~2.7 busy instances -> ceil(x 1.3) warm ones wanted
+    assert o.concurrency == pytest.approx(o.predicted * 9.0 / STEP, rel=1e-3)
+    assert o.instances == math.ceil(o.concurrency * fc.HEADROOM) and o.instances >= 3
+    assert o.reason == "pre-warm"
+    assert "not worth it" in outlook(cold_ms=850.0).reason  # 850 ms exactly is not above
+    assert "confidence" in outlook(days=0.01).reason
+    assert "warm" in outlook(warm_now=10).reason
+
+
+def test_plan_fills_the_gap_on_the_roomiest_workers_without_the_model() -> None:
+    workers = [WorkerView("a", frozenset({"m"}), 10), WorkerView("b", frozenset(), 50),
+               WorkerView("c", frozenset(), 70), WorkerView("d", frozenset({"x"}), 60)]
+    need = ModelOutlook("m", 90, 0.9, 2.0, 2000, 3, 1, "pre-warm")
+    other = ModelOutlook("x", 90, 0.9, 1.0, 2000, 2, 1, "pre-warm")
+    skip = ModelOutlook("y", 90, 0.5, 1.0, 2000, 2, 0, "confidence 0.50 < 0.82")
+    got = fc.plan([need, other, skip], workers)
+    # m lacks 2 (c and d: most free memory, without m); x lacks 1, and b is left for it
+    assert [(p.model, p.hostname) for p in got] == [("m", "c"), ("m", "d"), ("x", "b")]
+
+
+def test_state_round_trips_and_foreign_records_start_over() -> None:
+    f, _ = learn(0.2)
+    assert fc.from_json(fc.to_json(f)) == f
+    assert fc.from_json({"w": [1.0]}) == Forecaster()
+    assert fc.from_json({"w": "x", "p": [], "h": [], "m": 0, "e": 0, "n": 0}) == Forecaster()
+
+
+def test_config_interval() -> None:
+    assert SitsConfig().prewarm_interval_s == 300.0
+    assert SitsConfig(prewarm_interval_s=0).prewarm_interval_s == 0
+    with pytest.raises(ConfigError, match="prewarm_interval_s"):
+        SitsConfig(prewarm_interval_s=-1)
