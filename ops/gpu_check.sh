@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# GPU check: run tests/gpu and the cold-start and affinity benchmarks on a host with an
-# NVIDIA GPU, and write ONE JSON summary. Finishes within 6 minutes on one GPU (time
-# boxes below).
+# GPU check: run tests/gpu and the cold-start, affinity and batch benchmarks on a host
+# with an NVIDIA GPU, and write ONE JSON summary. Finishes within 6 minutes on one GPU
+# (time boxes below).
 #
 #   bash ops/gpu_check.sh [SUMMARY.json]      # default: $OUT/gpu_check.json, else ./
 #
@@ -16,8 +16,8 @@
 # Present, ./.whl is installed with `pip install --no-index --no-deps --target` into a
 # scratch dir put first on PYTHONPATH (the host's environment is left as it is; the
 # worker subprocesses inherit the path); absent, the packages must be installed.
-# Exit status: 0 when the tests passed (or were all skipped for lack of a GPU) and both
-# benchmarks ran to their end, else 1; the summary is written either way.
+# Exit status: 0 when the tests passed (or were all skipped for lack of a GPU) and every
+# benchmark ran to its end, else 1; the summary is written either way.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,9 +28,10 @@ SUMMARY="${1:-$OUT_DIR/gpu_check.json}"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
 WHEELS="${WHEELS:-$ROOT/.whl}"
 # Time boxes, s: tests, then the benchmarks; with install and summary under 6 minutes.
-TESTS_TIMEOUT_S="${TESTS_TIMEOUT_S:-180}"
-BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-100}"
-AFFINITY_TIMEOUT_S="${AFFINITY_TIMEOUT_S:-60}"
+TESTS_TIMEOUT_S="${TESTS_TIMEOUT_S:-160}"
+BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-90}"
+AFFINITY_TIMEOUT_S="${AFFINITY_TIMEOUT_S:-50}"
+BATCH_TIMEOUT_S="${BATCH_TIMEOUT_S:-40}"
 START_S=$(date +%s)
 mkdir -p "$(dirname "$SUMMARY")"
 
@@ -84,15 +85,23 @@ if [ -z "$deps_missing" ] && "$PY" -c "import sits_queue.bench.affinity" 2>/dev/
         --json "$WORK/affinity.json" >"$WORK/affinity.log" 2>&1
     affinity_rc=$?
 fi
+batch_rc=""
+if [ -z "$deps_missing" ] && "$PY" -c "import sits_queue.bench.batch" 2>/dev/null; then
+    echo "gpu_check: batch frontier benchmark (at most ${BATCH_TIMEOUT_S}s)" >&2
+    timeout --kill-after=10 "$BATCH_TIMEOUT_S" "$PY" -m sits_queue.bench.batch --quick \
+        --json "$WORK/batch.json" >"$WORK/batch.log" 2>&1
+    batch_rc=$?
+fi
 
 "$PY" - "$SUMMARY" "$WORK" "$tests_rc" "${bench_rc:-}" "$install_rc" "$deps_missing" \
-    "$START_S" "${affinity_rc:-}" <<'EOF'
+    "$START_S" "${affinity_rc:-}" "${batch_rc:-}" <<'EOF'
 """Fold the logs and results into one JSON summary (standard library only)."""
 import datetime, json, os, platform, socket, subprocess, sys, time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-summary, work, tests_rc, bench_rc, install_rc, missing, start, affinity_rc = sys.argv[1:9]
+(summary, work, tests_rc, bench_rc, install_rc, missing, start, affinity_rc,
+ batch_rc) = sys.argv[1:10]
 work = Path(work)
 
 
@@ -183,12 +192,13 @@ report = {
     "tests": t,
     "bench": bench(bench_rc, "coldstart", "bench.log"),
     "bench_affinity": bench(affinity_rc, "affinity", "affinity.log"),
+    "bench_batch": bench(batch_rc, "batch", "batch.log"),
     "elapsed_s": round(time.time() - int(start), 1),
 }
 counts = t.get("counts", {})
 # On a GPU host every test skipped means NVML saw nothing: worth flagging, not failing.
 report["tests_all_skipped"] = bool(counts) and counts.get("skipped") == sum(counts.values())
-benches = (report["bench"], report["bench_affinity"])
+benches = (report["bench"], report["bench_affinity"], report["bench_batch"])
 # pytest's 5 ("no tests collected") is a failure: the check exists to run them.
 report["ok"] = (t["rc"] == 0 and not counts.get("failure") and not counts.get("error")
                 and not report["install"]["missing"] and int(install_rc) == 0

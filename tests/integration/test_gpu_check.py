@@ -79,6 +79,9 @@ def test_the_summary_carries_the_benchmark_and_the_host(
     affinity = summary["bench_affinity"]
     assert affinity["ran"] is True and affinity["rc"] == 0, affinity["log_tail"]
     assert set(affinity["result"]["systems"]) == {"sits_priority_order", "sits_affinity"}
+    frontier = summary["bench_batch"]
+    assert frontier["ran"] is True and frontier["rc"] == 0, frontier["log_tail"]
+    assert len(frontier["result"]["points"]) == 9 and frontier["result"]["controller"]
     assert summary["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
     assert summary["versions"]["cuda_available"] is False
     assert summary["gpus"] == [] or "error" in summary["gpus"]
