@@ -133,6 +133,14 @@ def _format_status(report: dict[str, Any]) -> str:
         failed = ", ".join(f"{k} {v}" for k, v in cold.get("failed", {}).items())
         if failed:
             lines.append(f"    failed: {failed}")
+        prof = w.get("profile") or {}
+        if prof.get("samples"):
+            why = f": {prof['why']}" if prof.get("why") else ""
+            lines.append(f"    intake {prof['state']}{why}; CPU {prof['cpu_util']:.0%} "
+                         f"(burstiness {prof['cpu_burstiness']}), fds "
+                         f"{prof['fd_pressure']:.1%} of limit, host memory "
+                         f"{prof['mem_available']:.0%} free, disk p95 "
+                         f"{prof['io_latency_p95_ms']} ms (skew {prof['io_skew']})")
     return "\n".join(lines)
 
 

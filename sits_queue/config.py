@@ -190,6 +190,11 @@ class SitsConfig:
     affinity_prefix_weight: float = 0.5
     #: Characters of a prompt the automatic ``prefix_key`` covers (0: derive none).
     prefix_key_chars: int = 256
+    #: Runtime profile (§3.3): a worker stops taking new tasks while a process of it
+    #: holds this share of its file-descriptor limit, or the host has this share of its
+    #: memory available or less (it resumes 0.10 below / at twice that).
+    throttle_fd_share: float = 0.85
+    throttle_mem_share: float = 0.05
     #: Predictive pre-warming (§4.2): the forecast's interval and the beat period of the
     #: planner, s (the source's 5 minutes); 0: off.
     prewarm_interval_s: float = 300.0
@@ -245,6 +250,10 @@ class SitsConfig:
                               f"(0: off), got {self.embed_cache_entries!r}")
         _positive("embed_cache_ttl_s", self.embed_cache_ttl_s)
         _positive("batch_target_p95_ms", self.batch_target_p95_ms)
+        for name in ("throttle_fd_share", "throttle_mem_share"):
+            share = getattr(self, name)
+            if not _is_number(share) or not 0 < share <= 1:
+                raise ConfigError(f"{name} must be in (0, 1], got {share!r}")
         if not _is_number(self.prewarm_interval_s) or not math.isfinite(self.prewarm_interval_s) \
                 or self.prewarm_interval_s < 0:
             raise ConfigError(f"prewarm_interval_s must be >= 0 (0: off), got "

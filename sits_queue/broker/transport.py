@@ -22,7 +22,7 @@ from kombu.transport import redis as kredis
 from kombu.transport import virtual
 from kombu.utils.json import dumps, loads
 
-from sits_queue.broker import affinity
+from sits_queue.broker import affinity, intake
 from sits_queue.broker.fanout import DeferredPublisher
 from sits_queue.broker.keys import (
     AFFINITY_HEADER,
@@ -51,6 +51,8 @@ RESTORE_LIMIT = 1000
 REGISTRY_REFRESH_S = 10.0
 #: How long a consumer stops looking after a pick found only messages it holds off, s.
 HELD_PAUSE_S = 0.25
+#: How soon a consumer whose intake is paused looks again, s.
+INTAKE_RECHECK_S = 1.0
 #: Malformed messages skipped in one get before yielding to the event loop.
 MAX_BAD_IN_A_ROW = 100
 
@@ -374,7 +376,7 @@ class Channel(kredis.Channel):
     def _brpop_start(self, timeout: float | None = None) -> None:
         if timeout is None:
             timeout = self.brpop_timeout
-        if self._paused():
+        if self._paused() or self._throttled():
             return
         if not self.connection.cycle._in_protected_read and self._fast_pick():
             return  # delivered until the consumer is full: nothing to wait for
@@ -388,6 +390,14 @@ class Channel(kredis.Channel):
         self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
         # Wait on the markers, not the queues: the pick itself must be the atomic script.
         self.client.connection.send_command("BZPOPMIN", *markers, timeout or 0)
+
+    def _throttled(self) -> bool:
+        """True while the worker's runtime profile pauses intake: look again in a second
+        (running tasks go on; waiting ones stay for workers with room)."""
+        if intake.paused() is None:
+            return False
+        self.connection.call_later(INTAKE_RECHECK_S)
+        return True
 
     def _paused(self) -> bool:
         """True while only messages this consumer holds off were waiting: it looks again

@@ -150,10 +150,13 @@ def publish_child(config: SitsConfig, hostname: str, slot: int, record: Mapping[
 
 
 def refresh(client: redis.Redis, prefix: str, hostname: str, pid: int, concurrency: int,
-            devices: list[Device], now_s: float) -> dict[str, Any]:
-    """Main process: rewrite the worker record, re-arm the children's TTLs."""
+            devices: list[Device], now_s: float,
+            extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Main process: rewrite the worker record (plus ``extra`` fields: its runtime
+    profile), re-arm the children's TTLs."""
     counters = client.hgetall(counters_key(prefix, hostname))
-    record = worker_record(hostname, pid, concurrency, devices, counters, now_s)
+    record = {**worker_record(hostname, pid, concurrency, devices, counters, now_s),
+              **(extra or {})}
     pipe = client.pipeline(transaction=False)
     pipe.set(worker_key(prefix, hostname), json.dumps(record), ex=TTL_S)
     for slot in range(concurrency):
@@ -284,9 +287,12 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
     def tick(self, c: Any) -> None:
         config, hostname, concurrency = self._args(c)
         devices = list(discover(visible=os.environ.get("CUDA_VISIBLE_DEVICES")).devices)
+        from sits_queue.workers import profile
+
+        extra = {"profile": profile.current[0].report()} if profile.current else None
         try:
             refresh(client_for(config), config.global_keyprefix, hostname, os.getpid(),
-                    concurrency, devices, time.time())
+                    concurrency, devices, time.time(), extra)
         except redis.RedisError as exc:
             logger.warning("could not refresh the worker advertisement: %s", exc)
 

@@ -43,7 +43,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from sits_queue.config import ClassQuota, SitsConfig
 from sits_queue.errors import ConfigError, UnknownModel, VramLimitExceeded
 from sits_queue.options import HEADER
-from sits_queue.workers import advertise, gpu, metrics
+from sits_queue.workers import advertise, gpu, metrics, profile
 from sits_queue.workers import request as admission
 from sits_queue.workers.devices import Device, Discovery, default_concurrency, discover
 from sits_queue.workers.limits import BYTES_PER_GIB, cpu_set
@@ -541,5 +541,6 @@ def connect(app: Celery) -> None:
     app.steps["worker"].add(PlanStep)
     app.steps["worker"].add(metrics.MetricsServer)
     app.steps["consumer"].add(advertise.Advertise)
+    app.steps["consumer"].add(profile.ProfileStep)
 
 

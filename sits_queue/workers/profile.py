@@ -1,0 +1,246 @@
+"""Runtime resource profiling with a feedback loop (MISSION §3.3): the worker samples its
+processes every 5 s and stops taking work while a resource is about to run out.
+
+The source profiles with eBPF and cgroups; psutil-level sampling is the portable
+baseline it names, and what this is. Over the last minute of samples:
+
+* **CPU burstiness**: coefficient of variation of the worker's CPU use (main process
+  and pool children) per interval: steady work is near 0, bursts are above 1;
+* **I/O latency skew**: the host's disks' mean latency per I/O in each interval, its
+  p95 over its median (a skewed tail means some reads wait far longer than others);
+* **file-descriptor pressure**: the most open descriptors of any of its processes over
+  its soft limit (``RLIMIT_NOFILE``);
+* **memory**: the host's available share, and how much the worker's resident memory grew
+  over the window (memory that is reused stays flat; a leak or a cache without a bound
+  grows).
+
+The feedback: the worker stops picking new tasks ("throttled") while descriptors or host
+memory run short or disk latency is skewed and slow, and picks again once all are back
+under their resume levels (hysteresis, so it does not flap). Running tasks are never
+touched. It reports "headroom" when it is idle enough to take more (for a scheduler or a
+person reading ``sitsq status``; the pool's size is the devices', so nothing grows it).
+Pure functions here; ``ProfileStep`` at the bottom is the Celery edge.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import resource
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from celery import bootsteps
+
+from sits_queue.broker import intake
+
+logger = logging.getLogger(__name__)
+
+#: The source's sampling period, s.
+SAMPLE_S = 5.0
+#: Samples kept: one minute.
+WINDOW = 12
+
+NORMAL, THROTTLED, HEADROOM = "normal", "throttled", "headroom"
+
+
+@dataclass(frozen=True)
+class Sample:
+    t_s: float
+    #: CPU seconds used so far by the worker's processes (user + system).
+    cpu_s: float
+    #: Cores the worker may use.
+    cpus: int
+    #: Most open descriptors of one of its processes, and the soft limit.
+    fds: int
+    fd_limit: int
+    #: Resident memory of its processes, bytes.
+    rss_bytes: int
+    #: Host: available memory share; disk busy ms and operations so far.
+    mem_available: float
+    io_ms: float
+    io_ops: int
+
+
+@dataclass(frozen=True)
+class ProfilePolicy:
+    fd_throttle: float = 0.85
+    fd_resume: float = 0.75
+    mem_throttle: float = 0.05
+    mem_resume: float = 0.10
+    #: Skewed *and* slow disks throttle: both the p95/median ratio and the p95 latency.
+    io_skew_throttle: float = 5.0
+    io_slow_ms: float = 50.0
+    #: Idle enough to take more: CPU use under this share of its cores, nothing short.
+    headroom_cpu: float = 0.25
+
+
+@dataclass(frozen=True)
+class Profile:
+    cpu_util: float  # share of its cores used, last interval
+    cpu_burstiness: float  # CV of per-interval CPU use
+    io_latency_p95_ms: float
+    io_skew: float  # p95 / median of per-interval disk latency
+    fd_pressure: float
+    mem_available: float
+    rss_growth: float  # relative growth of resident memory over the window
+    samples: int
+
+
+def profile(samples: Sequence[Sample]) -> Profile | None:
+    """The profile of a window of samples (oldest first); None under two samples."""
+    if len(samples) < 2:
+        return None
+    utils, latencies = [], []
+    for a, b in itertools.pairwise(samples):
+        dt = b.t_s - a.t_s
+        if dt > 0:
+            utils.append(max(0.0, b.cpu_s - a.cpu_s) / (dt * max(1, b.cpus)))
+        ops = b.io_ops - a.io_ops
+        if ops > 0:
+            latencies.append(max(0.0, b.io_ms - a.io_ms) / ops)
+    mean_util = statistics.fmean(utils) if utils else 0.0
+    burst = statistics.pstdev(utils) / mean_util if len(utils) > 1 and mean_util > 0 else 0.0
+    p95 = _p95(latencies)
+    median = statistics.median(latencies) if latencies else 0.0
+    last, first = samples[-1], samples[0]
+    return Profile(
+        cpu_util=round(utils[-1] if utils else 0.0, 4), cpu_burstiness=round(burst, 4),
+        io_latency_p95_ms=round(p95, 3),
+        io_skew=round(p95 / median, 3) if median > 0 else (0.0 if p95 == 0 else math.inf),
+        fd_pressure=round(last.fds / last.fd_limit, 4) if last.fd_limit > 0 else 0.0,
+        mem_available=round(last.mem_available, 4),
+        rss_growth=round((last.rss_bytes - first.rss_bytes) / first.rss_bytes, 4)
+        if first.rss_bytes > 0 else 0.0,
+        samples=len(samples))
+
+
+def _p95(values: Sequence[float]) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+def decide(p: Profile, state: str, policy: ProfilePolicy) -> tuple[str, str]:
+    """(next state, why) from the profile and the current state (hysteresis)."""
+    slow_io = p.io_skew >= policy.io_skew_throttle and p.io_latency_p95_ms >= policy.io_slow_ms
+    if p.fd_pressure >= policy.fd_throttle:
+        return THROTTLED, f"file descriptors at {p.fd_pressure:.0%} of the limit"
+    if p.mem_available <= policy.mem_throttle:
+        return THROTTLED, f"host memory {p.mem_available:.0%} available"
+    if slow_io:
+        return THROTTLED, (f"disk latency skewed {p.io_skew:.1f}x, p95 "
+                           f"{p.io_latency_p95_ms:.0f} ms")
+    if state == THROTTLED and (p.fd_pressure > policy.fd_resume
+                               or p.mem_available < policy.mem_resume):
+        return THROTTLED, "not yet back under the resume levels"
+    if p.cpu_util < policy.headroom_cpu and p.fd_pressure < policy.fd_resume \
+            and p.mem_available >= policy.mem_resume:
+        return HEADROOM, f"CPU {p.cpu_util:.0%} of its cores"
+    return NORMAL, ""
+
+
+# -- the edge: sampling and the consumer step ----------------------------------------------
+
+def sample(pids: Sequence[int], cpus: int, now_s: float | None = None) -> Sample:
+    """One sample of these processes (those gone meanwhile are skipped) and the host."""
+    import psutil
+
+    rss = fds = 0
+    cpu_s = 0.0
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            with proc.oneshot():
+                times = proc.cpu_times()
+                cpu_s += times.user + times.system
+                rss += proc.memory_info().rss
+                fds = max(fds, proc.num_fds())
+        except (psutil.Error, OSError):
+            continue
+    disk = psutil.disk_io_counters()
+    io_ms = float(disk.read_time + disk.write_time) if disk is not None else 0.0
+    io_ops = int(disk.read_count + disk.write_count) if disk is not None else 0
+    vm = psutil.virtual_memory()
+    return Sample(time.time() if now_s is None else now_s, cpu_s, cpus, fds,
+                  resource.getrlimit(resource.RLIMIT_NOFILE)[0], rss,
+                  vm.available / vm.total, io_ms, io_ops)
+
+
+class Profiler:
+    """The window and the state of one worker (its main process)."""
+
+    def __init__(self, policy: ProfilePolicy | None = None) -> None:
+        self.policy = policy or ProfilePolicy()
+        self.samples: list[Sample] = []
+        self.state, self.why = NORMAL, ""
+        self.latest: Profile | None = None
+
+    def add(self, s: Sample) -> str:
+        self.samples = [*self.samples, s][-WINDOW:]
+        self.latest = profile(self.samples)
+        if self.latest is not None:
+            state, why = decide(self.latest, self.state, self.policy)
+            if state != self.state and THROTTLED in (state, self.state):
+                logger.warning("intake %s: %s", "paused" if state == THROTTLED else "resumed",
+                               why or "resources back under the resume levels")
+            self.state, self.why = state, why
+        return self.state
+
+    def report(self) -> dict[str, Any]:
+        return {"state": self.state, "why": self.why,
+                **(asdict(self.latest) if self.latest is not None else {})}
+
+
+#: This worker's profiler (one worker per process), for the advertisement.
+current: list[Profiler] = []
+
+
+def policy_of(config: Any) -> ProfilePolicy:
+    """The policy from the configured throttle levels (resume 0.10 / 2x below them)."""
+    fd, mem = config.throttle_fd_share, config.throttle_mem_share
+    return ProfilePolicy(fd_throttle=fd, fd_resume=max(0.0, fd - 0.10),
+                         mem_throttle=mem, mem_resume=min(1.0, 2 * mem))
+
+
+class ProfileStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Consumer step: sample every :data:`SAMPLE_S` on the consumer's timer."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+    name = "SITS runtime profile"
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        super().__init__(c, **kwargs)
+        self.tref: Any = None
+
+    def tick(self, c: Any) -> None:
+        policy = policy_of(c.app.sits)
+        if not current or current[0].policy != policy:
+            current[:] = [Profiler(policy)]
+        try:
+            import psutil
+
+            # the pool's children are this process's children
+            children = [p.pid for p in psutil.Process().children()]
+            state = current[0].add(sample([os.getpid(), *children],
+                                          len(os.sched_getaffinity(0))))
+        except Exception as exc:  # a failed sample must never stop the worker
+            logger.warning("could not sample the worker's resources: %s", exc)
+            return
+        intake.pause(current[0].why if state == THROTTLED else None)
+
+    def start(self, c: Any) -> None:
+        self.tick(c)
+        self.tref = c.timer.call_repeatedly(SAMPLE_S, self.tick, (c,), priority=10)
+
+    def stop(self, c: Any) -> None:
+        if self.tref is not None:
+            self.tref.cancel()
+            self.tref = None
+        intake.pause(None)

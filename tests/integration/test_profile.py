@@ -1,0 +1,74 @@
+"""The runtime profile's feedback against a real Redis and a real worker: a paused
+intake picks nothing (and picks again when resumed), and a worker whose descriptor
+threshold is crossed advertises it and leaves new tasks waiting."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from kombu import Consumer, Queue
+
+from sits_queue.broker import intake
+from sits_queue.broker.keys import QueueKeys
+from sits_queue.procs import CeleryProcess
+from sits_queue.workers import advertise
+from tests.waiting import wait_for
+
+CELERY = QueueKeys.for_queue("celery")
+
+
+def test_a_paused_intake_picks_nothing_until_resumed(redis_client: redis.Redis,
+                                                      client_app: Celery) -> None:
+    client_app.tasks["w.add"].delay(1, 2)
+    got: list[Any] = []
+    with client_app.connection_for_read() as conn:
+        consumer = Consumer(conn.default_channel, [Queue("celery")],
+                            callbacks=[lambda body, msg: (got.append(body), msg.ack())],
+                            accept=["json"])
+        with consumer:
+            try:
+                intake.pause("a test")
+                # drain_events gives up after its timeout: nothing was picked
+                with pytest.raises(socket.timeout):
+                    conn.drain_events(timeout=1.0)
+                assert got == [] and redis_client.zcard(CELERY.waiting) == 1
+            finally:
+                intake.pause(None)
+            conn.drain_events(timeout=10)
+    assert len(got) == 1 and redis_client.zcard(CELERY.waiting) == 0
+
+
+@pytest.fixture
+def throttled_worker(spawn: Any) -> Iterator[CeleryProcess]:
+    # Any open descriptor crosses a threshold this low: the worker throttles itself.
+    yield spawn(concurrency=1, throttle_fd_share="0.000001")
+
+
+def profile_of(r: redis.Redis, worker: CeleryProcess) -> dict[str, Any]:
+    record = advertise.read_worker(r, "", worker.hostname) or {}
+    return dict(record.get("profile") or {})
+
+
+def test_a_worker_short_of_descriptors_leaves_new_tasks_waiting(
+        redis_client: redis.Redis, throttled_worker: CeleryProcess, client_app: Celery
+        ) -> None:
+    # (redis_client first: it resets kombu's pools, which the client app then opens anew)
+    worker = throttled_worker
+    # Given a worker whose profile says it is throttled (after two samples, ~5 s)
+    wait_for(lambda: profile_of(redis_client, worker).get("state") == "throttled", 30,
+             "the worker to throttle itself")
+    assert "file descriptors" in profile_of(redis_client, worker)["why"]
+    first = profile_of(redis_client, worker)["samples"]
+    # When a task is sent, and the worker samples and advertises again
+    client_app.tasks["w.add"].delay(3, 4)
+    wait_for(lambda: profile_of(redis_client, worker).get("samples", 0) > first, 30,
+             "the next sample")
+    # Then it is still waiting: nobody picked it
+    assert redis_client.zcard(CELERY.waiting) == 1 and redis_client.zcard(CELERY.unacked) == 0
+    assert "intake paused" in worker.log()
+    assert worker.alive()

@@ -1,0 +1,110 @@
+"""The runtime profile (§3.3), pure: what a window of samples says, and the feedback."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from sits_queue.broker import intake
+from sits_queue.config import SitsConfig
+from sits_queue.errors import ConfigError
+from sits_queue.workers import profile as prof
+from sits_queue.workers.profile import HEADROOM, NORMAL, THROTTLED, Profile, ProfilePolicy, Sample
+
+POLICY = ProfilePolicy()
+
+
+def window(cpu_per_step: list[float], io: list[tuple[float, int]] | None = None,
+           fds: int = 100, limit: int = 1000, mem: float = 0.5,
+           rss: tuple[int, int] = (100, 100)) -> list[Sample]:
+    """Samples 5 s apart on 2 cores: CPU seconds used per step, (io ms, ops) per step."""
+    io = io or [(10.0, 10)] * len(cpu_per_step)
+    out, cpu, io_ms, ops = [Sample(0.0, 0.0, 2, fds, limit, rss[0], mem, 0.0, 0)], 0.0, 0.0, 0
+    for i, (c, (ms, n)) in enumerate(zip(cpu_per_step, io, strict=True), start=1):
+        cpu, io_ms, ops = cpu + c, io_ms + ms, ops + n
+        out.append(Sample(5.0 * i, cpu, 2, fds, limit,
+                          rss[1] if i == len(cpu_per_step) else rss[0], mem, io_ms, ops))
+    return out
+
+
+def test_steady_work_is_not_bursty_and_bursts_are() -> None:
+    steady = prof.profile(window([5.0] * 6))
+    assert steady is not None
+    assert steady.cpu_util == 0.5 and steady.cpu_burstiness == 0.0
+    bursty = prof.profile(window([10.0, 0.0, 0.0, 10.0, 0.0, 0.0]))
+    assert bursty is not None and bursty.cpu_burstiness > 1.0
+    assert prof.profile(window([])) is None  # one sample: no interval
+
+
+def test_disk_latency_skew_memory_and_descriptors() -> None:
+    # 1 ms per I/O in most intervals, 20 ms in one: p95 / median = 20
+    p = prof.profile(window([1.0] * 10, io=[(10.0, 10)] * 9 + [(200.0, 10)], fds=900,
+                            rss=(100, 150)))
+    assert p is not None
+    assert (p.io_latency_p95_ms, p.io_skew) == (20.0, 20.0)
+    assert p.fd_pressure == 0.9 and p.rss_growth == 0.5 and p.mem_available == 0.5
+    quiet = prof.profile(window([1.0, 1.0], io=[(0.0, 0), (0.0, 0)]))
+    assert quiet is not None and quiet.io_skew == 0.0  # no I/O: nothing to skew
+
+
+def profile_of(**kw: Any) -> Profile:
+    base = {"cpu_util": 0.5, "cpu_burstiness": 0.1, "io_latency_p95_ms": 2.0, "io_skew": 1.5,
+            "fd_pressure": 0.1, "mem_available": 0.5, "rss_growth": 0.0, "samples": 12}
+    return Profile(**{**base, **kw})
+
+
+@pytest.mark.parametrize(("p", "state", "expected", "why"), [
+    (profile_of(), NORMAL, NORMAL, ""),
+    (profile_of(cpu_util=0.1), NORMAL, HEADROOM, "CPU"),
+    (profile_of(fd_pressure=0.9), NORMAL, THROTTLED, "file descriptors"),
+    (profile_of(mem_available=0.04), NORMAL, THROTTLED, "host memory"),
+    (profile_of(io_skew=8.0, io_latency_p95_ms=80.0), NORMAL, THROTTLED, "disk latency"),
+    # skewed but fast, or slow but even: not a reason to stop
+    (profile_of(io_skew=8.0, io_latency_p95_ms=5.0), NORMAL, NORMAL, ""),
+    (profile_of(io_skew=1.2, io_latency_p95_ms=80.0), NORMAL, NORMAL, ""),
+    # hysteresis: throttled until back under the resume levels
+    (profile_of(fd_pressure=0.8), THROTTLED, THROTTLED, "resume"),
+    (profile_of(mem_available=0.08), THROTTLED, THROTTLED, "resume"),
+    (profile_of(fd_pressure=0.7), THROTTLED, NORMAL, ""),
+    (profile_of(fd_pressure=0.8), NORMAL, NORMAL, ""),
+])
+def test_decide(p: Profile, state: str, expected: str, why: str) -> None:
+    got, reason = prof.decide(p, state, POLICY)
+    assert got == expected and why in reason
+
+
+def test_profiler_keeps_a_minute_and_reports(caplog: pytest.LogCaptureFixture) -> None:
+    p = prof.Profiler(POLICY)
+    for s in window([5.0] * 20, fds=950):
+        state = p.add(s)
+    assert state == THROTTLED and len(p.samples) == prof.WINDOW
+    assert "intake paused: file descriptors at 95%" in caplog.text
+    report = p.report()
+    assert report["state"] == THROTTLED and report["samples"] == prof.WINDOW
+    for s in window([5.0] * 20, fds=10):
+        state = p.add(Sample(s.t_s + 1000, s.cpu_s, s.cpus, s.fds, s.fd_limit, s.rss_bytes,
+                             s.mem_available, s.io_ms, s.io_ops))
+    assert state == NORMAL and "intake resumed" in caplog.text
+
+
+def test_a_real_sample_of_this_process() -> None:
+    s = prof.sample([os.getpid(), 2**22 + 12345], cpus=1)  # the second pid does not exist
+    assert s.fds > 0 and s.fd_limit > 0 and s.rss_bytes > 0 and s.cpu_s > 0
+    assert 0 < s.mem_available <= 1 and s.io_ops >= 0
+
+
+def test_policy_from_the_config_and_intake() -> None:
+    policy = prof.policy_of(SitsConfig(throttle_fd_share=0.5, throttle_mem_share=0.2))
+    assert (policy.fd_throttle, policy.fd_resume, policy.mem_throttle, policy.mem_resume) \
+        == (0.5, 0.4, 0.2, 0.4)
+    with pytest.raises(ConfigError, match="throttle_fd_share"):
+        SitsConfig(throttle_fd_share=0)
+    try:
+        assert intake.paused() is None
+        intake.pause("why not")
+        assert intake.paused() == "why not"
+    finally:
+        intake.pause(None)
+    assert intake.paused() is None
