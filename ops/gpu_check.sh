@@ -71,27 +71,21 @@ else
     echo "gpu_check: missing python packages: $deps_missing (carry them in ./wheels)" >&2
 fi
 
-bench_rc=""
-affinity_rc=""
-if [ -z "$deps_missing" ] && "$PY" -c "import sits_queue.bench.coldstart" 2>/dev/null; then
-    echo "gpu_check: cold-start benchmark (at most ${BENCH_TIMEOUT_S}s)" >&2
-    timeout --kill-after=10 "$BENCH_TIMEOUT_S" "$PY" -m sits_queue.bench.coldstart --quick \
-        --json "$WORK/coldstart.json" >"$WORK/bench.log" 2>&1
-    bench_rc=$?
-fi
-if [ -z "$deps_missing" ] && "$PY" -c "import sits_queue.bench.affinity" 2>/dev/null; then
-    echo "gpu_check: affinity benchmark (at most ${AFFINITY_TIMEOUT_S}s)" >&2
-    timeout --kill-after=10 "$AFFINITY_TIMEOUT_S" "$PY" -m sits_queue.bench.affinity --quick \
-        --json "$WORK/affinity.json" >"$WORK/affinity.log" 2>&1
-    affinity_rc=$?
-fi
-batch_rc=""
-if [ -z "$deps_missing" ] && "$PY" -c "import sits_queue.bench.batch" 2>/dev/null; then
-    echo "gpu_check: batch frontier benchmark (at most ${BATCH_TIMEOUT_S}s)" >&2
-    timeout --kill-after=10 "$BATCH_TIMEOUT_S" "$PY" -m sits_queue.bench.batch --quick \
-        --json "$WORK/batch.json" >"$WORK/batch.log" 2>&1
-    batch_rc=$?
-fi
+# run_bench NAME LOG BOX: `python -m sits_queue.bench.NAME --quick` into $WORK/NAME.json
+# and $WORK/LOG, at most BOX seconds; prints its exit status, or nothing when the module
+# is not there (then the summary says it did not run).
+run_bench() {
+    if [ -n "$deps_missing" ] || ! "$PY" -c "import sits_queue.bench.$1" 2>/dev/null; then
+        return
+    fi
+    echo "gpu_check: $1 benchmark (at most $3s)" >&2
+    timeout --kill-after=10 "$3" "$PY" -m "sits_queue.bench.$1" --quick \
+        --json "$WORK/$1.json" >"$WORK/$2" 2>&1
+    echo $?
+}
+bench_rc="$(run_bench coldstart bench.log "$BENCH_TIMEOUT_S")"
+affinity_rc="$(run_bench affinity affinity.log "$AFFINITY_TIMEOUT_S")"
+batch_rc="$(run_bench batch batch.log "$BATCH_TIMEOUT_S")"
 
 "$PY" - "$SUMMARY" "$WORK" "$tests_rc" "${bench_rc:-}" "$install_rc" "$deps_missing" \
     "$START_S" "${affinity_rc:-}" "${batch_rc:-}" <<'EOF'
