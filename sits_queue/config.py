@@ -39,6 +39,12 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _integer(name: str, value: object, most: int, note: str = "") -> None:
+    """An integer (not a bool) in [0, most]; ``note`` says what 0 means."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+        raise ConfigError(f"{name} must be an integer in [0, {most}]{note}, got {value!r}")
+
+
 def _positive(name: str, value: float) -> None:
     if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ConfigError(f"{name} must be a positive number, got {value!r}")
@@ -231,23 +237,13 @@ class SitsConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 <= value < 3_600_000:
                 raise ConfigError(f"{name} must be in [0, 3600000) ms, got {value!r}")
-        if isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int) \
-                or not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"metrics_port must be an integer in [0, 65535] (0: no "
-                              f"endpoint), got {self.metrics_port!r}")
+        _integer("metrics_port", self.metrics_port, 65535, " (0: no endpoint)")
         if not _is_number(self.affinity_max_skip_ms) or not 0 <= self.affinity_max_skip_ms \
                 < 3_600_000:
             raise ConfigError(f"affinity_max_skip_ms must be in [0, 3600000) ms, got "
                               f"{self.affinity_max_skip_ms!r}")
-        if isinstance(self.prefix_key_chars, bool) or not isinstance(self.prefix_key_chars, int) \
-                or not 0 <= self.prefix_key_chars <= 1_000_000:
-            raise ConfigError(f"prefix_key_chars must be an integer in [0, 1000000], got "
-                              f"{self.prefix_key_chars!r}")
-        if isinstance(self.embed_cache_entries, bool) \
-                or not isinstance(self.embed_cache_entries, int) \
-                or not 0 <= self.embed_cache_entries <= 10_000_000:
-            raise ConfigError(f"embed_cache_entries must be an integer in [0, 10000000] "
-                              f"(0: off), got {self.embed_cache_entries!r}")
+        _integer("prefix_key_chars", self.prefix_key_chars, 1_000_000)
+        _integer("embed_cache_entries", self.embed_cache_entries, 10_000_000, " (0: off)")
         _positive("embed_cache_ttl_s", self.embed_cache_ttl_s)
         _positive("batch_target_p95_ms", self.batch_target_p95_ms)
         for name in ("throttle_fd_share", "throttle_mem_share"):

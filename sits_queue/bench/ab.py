@@ -34,7 +34,7 @@ from typing import Any
 import redis
 
 from sits_queue.bench.ab_apps import DONE_KEY, SYSTEMS, build, submit, system_url
-from sits_queue.bench.report import emit, parser, redis_server, targets_line
+from sits_queue.bench.report import emit, parser, ratio, redis_server, targets_line
 from sits_queue.bench.workload import (
     Completion,
     Workload,
@@ -110,15 +110,12 @@ def ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     def p99(name: str) -> float:
         return float(systems[name]["high"]["p99_wait_ms"])
 
-    def div(a: float, b: float) -> float | None:
-        return round(a / b, 3) if b else None
-
     out: dict[str, float | None] = {}
     for name, suffix in SITS_VARIANTS:
         if name in systems:
-            out[f"high_p99_vs_fifo{suffix}"] = div(p99(name), p99("celery_fifo"))
-            out[f"high_p99_vs_priority{suffix}"] = div(p99(name), p99("celery_priority"))
-            out[f"throughput_vs_fifo{suffix}"] = div(systems[name]["throughput_tps"],
+            out[f"high_p99_vs_fifo{suffix}"] = ratio(p99(name), p99("celery_fifo"))
+            out[f"high_p99_vs_priority{suffix}"] = ratio(p99(name), p99("celery_priority"))
+            out[f"throughput_vs_fifo{suffix}"] = ratio(systems[name]["throughput_tps"],
                                                     systems["celery_fifo"]["throughput_tps"])
     return out
 

@@ -17,6 +17,7 @@ import redis
 from celery import Celery
 
 from sits_queue.app import make_app
+from sits_queue.bench.report import database_url
 from sits_queue.config import SitsConfig
 
 SYSTEMS = ("celery_fifo", "celery_priority", "sits", "sits_run_to_completion")
@@ -33,8 +34,7 @@ TASK_NAME = "bench.work"
 
 
 def system_url(base_url: str, system: str) -> str:
-    root = base_url.rsplit("/", 1)[0] if base_url.count("/") > 2 else base_url
-    return f"{root}/{DATABASES[system]}"
+    return database_url(base_url, DATABASES[system])
 
 
 def build(system: str, url: str) -> Celery:

@@ -45,7 +45,7 @@ import redis
 from sits_queue.bench import coldstart
 from sits_queue.bench.coldstart import Request, Shape, await_records, summarise
 from sits_queue.bench.coldstart_apps import DONE_KEY, build, submit, worker_env
-from sits_queue.bench.report import redis_server
+from sits_queue.bench.report import database_url, ratio, redis_server
 from sits_queue.config import SitsConfig
 from sits_queue.procs import CeleryProcess, start_worker, wait_ready
 
@@ -79,8 +79,7 @@ FULL = Fleet(3, Shape(n_models=6, n_requests=600, budget_share=1 / 3))
 
 
 def system_url(base_url: str, system: str) -> str:
-    root = base_url.rsplit("/", 1)[0] if base_url.count("/") > 2 else base_url
-    return f"{root}/{DATABASES[system]}"
+    return database_url(base_url, DATABASES[system])
 
 
 def run_system(system: str, stream: Sequence[Request], warm: str, url: str, zoo: Path,
@@ -187,13 +186,10 @@ def fleet_summary(records: Sequence[dict[str, Any]], warm: str) -> dict[str, Any
 
 
 def ratios(systems: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
-    def div(a: float, b: float) -> float | None:
-        return round(a / b, 3) if b else None
-
     on, off = systems["sits_affinity"], systems["sits_priority_order"]
-    return {"cold_share_vs_priority_order": div(on["cold_share"], off["cold_share"]),
-            "throughput_vs_priority_order": div(on["throughput_tps"], off["throughput_tps"]),
-            "p99_vs_priority_order": div(on["p99_ms"], off["p99_ms"])}
+    return {"cold_share_vs_priority_order": ratio(on["cold_share"], off["cold_share"]),
+            "throughput_vs_priority_order": ratio(on["throughput_tps"], off["throughput_tps"]),
+            "p99_vs_priority_order": ratio(on["p99_ms"], off["p99_ms"])}
 
 
 def targets(r: Mapping[str, float | None]) -> dict[str, bool]:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from sits_queue.bench import coldstart
-from sits_queue.bench.report import targets_line
+from sits_queue.bench.report import ratio, targets_line
 from sits_queue.bench.workload import percentile
 from sits_queue.config import SitsConfig
 from sits_queue.workers import batching
@@ -142,7 +142,7 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
     points = frontier(engine, shape, device)
     ctl = controller(engine, shape, target)
     best = best_under(points, target)
-    vs_best = round(ctl["throughput"] / best.throughput, 3) if best else None
+    vs_best = ratio(ctl["throughput"], best.throughput) if best else None
     met = {f"controller_p95<={TARGET_P95_SLACK}x_target":
            ctl["settled_p95_ms"] <= TARGET_P95_SLACK * target,
            f"throughput_vs_best_fixed>={TARGET_THROUGHPUT_VS_BEST}":

@@ -67,7 +67,7 @@ from sits_queue.bench.coldstart_apps import (
     system_url,
     worker_env,
 )
-from sits_queue.bench.report import emit, parser, redis_server, targets_line
+from sits_queue.bench.report import emit, parser, ratio, redis_server, targets_line
 from sits_queue.bench.workload import percentile
 from sits_queue.procs import start_worker, wait_ready
 
@@ -280,14 +280,11 @@ def summarise(records: Sequence[dict[str, Any]], warm: str) -> dict[str, Any]:
 
 
 def ratios(systems: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
-    def div(a: float, b: float) -> float | None:
-        return round(a / b, 3) if b else None
-
     sits, lru = systems["sits"], systems["celery_lru"]
     return {
-        "cold_cost_vs_lru": div(sits["cold_cost_ms_mean"], lru["cold_cost_ms_mean"]),
-        "throughput_vs_lru": div(sits["throughput_tps"], lru["throughput_tps"]),
-        "throughput_vs_load_per_task": div(
+        "cold_cost_vs_lru": ratio(sits["cold_cost_ms_mean"], lru["cold_cost_ms_mean"]),
+        "throughput_vs_lru": ratio(sits["throughput_tps"], lru["throughput_tps"]),
+        "throughput_vs_load_per_task": ratio(
             sits["throughput_tps"], systems["celery_load_per_task"]["throughput_tps"]),
     }
 

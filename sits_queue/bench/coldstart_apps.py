@@ -35,6 +35,7 @@ import redis
 from celery import Celery, signals
 
 from sits_queue.app import make_app
+from sits_queue.bench.report import database_url
 from sits_queue.broker.keys import AFFINITY_HEADER
 from sits_queue.config import SitsConfig
 
@@ -74,8 +75,7 @@ def worker_env(system: str, url: str, zoo: Path, budgets: tuple[int, int],
 
 
 def system_url(base_url: str, system: str) -> str:
-    root = base_url.rsplit("/", 1)[0] if base_url.count("/") > 2 else base_url
-    return f"{root}/{DATABASES[system]}"
+    return database_url(base_url, DATABASES[system])
 
 
 def model_dirs(zoo: Path) -> dict[str, Path]:

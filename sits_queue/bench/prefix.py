@@ -41,7 +41,7 @@ from typing import Any
 from sits_queue.bench import coldstart
 from sits_queue.bench.affinity import available_cpus, cpu_sets, run_system
 from sits_queue.bench.coldstart import Request
-from sits_queue.bench.report import redis_server
+from sits_queue.bench.report import database_url, ratio, redis_server
 from sits_queue.bench.workload import percentile
 from sits_queue.config import SitsConfig
 
@@ -149,16 +149,13 @@ def summarise(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def ratios(systems: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
-    def div(a: float, b: float) -> float | None:
-        return round(a / b, 3) if b else None
-
     none, cache, aff = (systems[s] for s in SYSTEMS)
     return {
-        "throughput_vs_no_cache": div(aff["throughput_tps"], none["throughput_tps"]),
-        "throughput_vs_cache_alone": div(aff["throughput_tps"], cache["throughput_tps"]),
-        "cache_alone_throughput_vs_no_cache": div(cache["throughput_tps"],
+        "throughput_vs_no_cache": ratio(aff["throughput_tps"], none["throughput_tps"]),
+        "throughput_vs_cache_alone": ratio(aff["throughput_tps"], cache["throughput_tps"]),
+        "cache_alone_throughput_vs_no_cache": ratio(cache["throughput_tps"],
                                                   none["throughput_tps"]),
-        "cached_share_vs_cache_alone": div(aff["cached_share"], cache["cached_share"]),
+        "cached_share_vs_cache_alone": ratio(aff["cached_share"], cache["cached_share"]),
     }
 
 
@@ -173,8 +170,7 @@ def targets(r: Mapping[str, float | None]) -> dict[str, bool]:
 # -- the program ---------------------------------------------------------------------------
 
 def system_url(base_url: str, system: str) -> str:
-    root = base_url.rsplit("/", 1)[0] if base_url.count("/") > 2 else base_url
-    return f"{root}/{DATABASES[system]}"
+    return database_url(base_url, DATABASES[system])
 
 
 def settings_of(system: str, prefix_budget: int) -> tuple[dict[str, Any], dict[str, str]]:

@@ -34,6 +34,17 @@ def parser(prog: str, description: str | None = None) -> argparse.ArgumentParser
     return p
 
 
+def ratio(a: float, b: float) -> float | None:
+    """``a / b`` to three places; None when ``b`` is 0 (nothing to compare against)."""
+    return round(a / b, 3) if b else None
+
+
+def database_url(base_url: str, database: int) -> str:
+    """``base_url`` with its database number replaced: one database per system."""
+    root = base_url.rsplit("/", 1)[0] if base_url.count("/") > 2 else base_url
+    return f"{root}/{database}"
+
+
 def targets_line(targets: Mapping[str, bool]) -> str:
     return "targets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}"
                                    for k, v in targets.items())

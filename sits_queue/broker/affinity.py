@@ -219,9 +219,14 @@ def set_warm_source(source: WarmSource | None) -> None:
         _source.append(source)
 
 
+#: What a consumer without a warm source holds (one object, so callers can cache on it).
+NOTHING_WARM = Warm()
+
+
 def warm_now() -> Warm:
-    """The registered source's weights; empty without one (producers, plain consumers)."""
-    return _source[0]() if _source else Warm()
+    """The registered source's weights (the same object until it reads again); empty
+    without one (producers, plain consumers)."""
+    return _source[0]() if _source else NOTHING_WARM
 
 
 def invalidate() -> None:

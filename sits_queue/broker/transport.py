@@ -193,6 +193,8 @@ class Channel(kredis.Channel):
         self._held_pause_until = 0.0
         self.snapshots = SnapshotCache(self.config)
         self.affinity_policy = self.config.affinity
+        self._warm_seen: affinity.Warm | None = None
+        self._warm_args: list[Any] = []
         #: Messages this channel took ahead of their queue's head by affinity.
         self.affinity_picks = 0
         self._fanout = DeferredPublisher()
@@ -323,8 +325,11 @@ class Channel(kredis.Channel):
 
     # -- consuming -------------------------------------------------------------------------
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
-        warm = affinity.warm_now() if self.affinity_policy.enabled else affinity.Warm()
-        extra = affinity.lua_args(self.affinity_policy, warm)
+        warm = affinity.warm_now() if self.affinity_policy.enabled else affinity.NOTHING_WARM
+        if warm is not self._warm_seen:  # the warm set is re-read rarely; picks are many
+            self._warm_seen, self._warm_args = warm, affinity.lua_args(self.affinity_policy,
+                                                                       warm)
+        extra = self._warm_args
         for _ in range(MAX_BAD_IN_A_ROW):
             picked = self._run("pick", queue, [time.time(), self.config.max_redeliveries,
                                                self.consumer_id, *extra])

@@ -24,7 +24,7 @@ import redis
 
 from sits_queue.config import SitsConfig
 from sits_queue.priority import forecast
-from sits_queue.workers import advertise
+from sits_queue.workers import advertise, metrics
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +62,10 @@ class Prewarmer:
     def run(self, now_s: float) -> dict[str, Any]:
         """Fold the finished intervals' demand into the forecasts, plan, send; a report."""
         states = self._fold(bucket_of(self.config, now_s) - 1)
-        workers = advertise.read_workers(self.client, self.config.global_keyprefix)
+        workers = metrics.read(self.client, self.config.global_keyprefix)
         counters: dict[str, float] = {}
         for w in workers:
-            raw = self.client.hgetall(advertise.counters_key(self.config.global_keyprefix,
-                                                             str(w.get("hostname"))))
-            for k, v in advertise.counter_values(raw).items():
+            for k, v in advertise.counter_values(w["counters"]).items():
                 counters[k] = counters.get(k, 0.0) + v
         cold = per_model(counters, "model_cold_ms", "model_cold")
         service = per_model(counters, "model_run_ms", "model_runs")
@@ -90,8 +88,7 @@ class Prewarmer:
 
     def _fold(self, last_done: int) -> dict[str, forecast.Forecaster]:
         key = state_key(self.config)
-        raw = self.client.hgetall(key)
-        decoded = {(k.decode() if isinstance(k, bytes) else str(k)): v for k, v in raw.items()}
+        decoded = {_text(k): v for k, v in self.client.hgetall(key).items()}
         meta = json.loads(decoded.pop("__bucket__", "null") or "null")
         states = {m: forecast.from_json(json.loads(v)) for m, v in decoded.items()}
         # the first pass (or one after a long stop) reads what the demand keys still hold
@@ -99,7 +96,7 @@ class Prewarmer:
             else max(int(meta) + 1, last_done - MAX_CATCH_UP + 1)
         interval = self.config.prewarm_interval_s
         for bucket in range(first, last_done + 1):
-            demand = {(k.decode() if isinstance(k, bytes) else str(k)): float(v) for k, v in
+            demand = {_text(k): float(v) for k, v in
                       self.client.hgetall(demand_key(self.config, bucket)).items()}
             for model in set(states) | set(demand):
                 states[model] = forecast.update(states.get(model, forecast.Forecaster()),
@@ -118,3 +115,7 @@ def _view(worker: Mapping[str, Any]) -> forecast.WorkerView:
             for m, tier in (child.get("warm") or {}).items() if tier == "device"}
     free = sum(int(d.get("free_vram_bytes") or 0) for d in worker.get("devices") or [])
     return forecast.WorkerView(str(worker.get("hostname")), frozenset(warm), free)
+
+
+def _text(key: bytes | str) -> str:
+    return key.decode() if isinstance(key, bytes) else str(key)
