@@ -28,6 +28,7 @@ from sits_queue.broker.keys import (
     AFFINITY_HEADER,
     CHECKPOINT_HEADER,
     DELIVERY_HEADER,
+    MARKER_MEMBER,
     QueueKeys,
     queues_registry,
     score_base,
@@ -452,6 +453,11 @@ class Channel(kredis.Channel):
             if not woke:
                 raise Empty()
             key = woke[0] if isinstance(woke[0], bytes) else str(woke[0]).encode()
+            if self._throttled():
+                # A wait sent before intake paused woke up: leave the message, and the
+                # wake-up marker this wait took, to the workers with room.
+                self.raw.zadd(key, {MARKER_MEMBER: 0})
+                raise Empty()
             queue = self._marker_queue[key]
             self._queue_cycle.rotate(queue)
             message = self._get(queue)

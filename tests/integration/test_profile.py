@@ -43,6 +43,32 @@ def test_a_paused_intake_picks_nothing_until_resumed(redis_client: redis.Redis,
     assert len(got) == 1 and redis_client.zcard(CELERY.waiting) == 0
 
 
+def test_a_wait_sent_before_the_pause_leaves_what_wakes_it(redis_client: redis.Redis,
+                                                           client_app: Celery) -> None:
+    got: list[Any] = []
+    with client_app.connection_for_read() as conn:
+        consumer = Consumer(conn.default_channel, [Queue("celery")],
+                            callbacks=[lambda body, msg: (got.append(body), msg.ack())],
+                            accept=["json"])
+        with consumer:
+            # Given a consumer blocked on the queue's wake-up marker (an empty queue)
+            with pytest.raises(socket.timeout):
+                conn.drain_events(timeout=0.3)
+            try:
+                # When its intake pauses and then a task arrives, waking that wait
+                intake.pause("a test")
+                client_app.tasks["w.add"].delay(5, 6)
+                with pytest.raises(socket.timeout):
+                    conn.drain_events(timeout=1.0)
+                # Then the task still waits, and so does the marker for other workers
+                assert got == [] and redis_client.zcard(CELERY.waiting) == 1
+                assert redis_client.zcard(CELERY.marker) == 1
+            finally:
+                intake.pause(None)
+            conn.drain_events(timeout=10)
+    assert len(got) == 1 and redis_client.zcard(CELERY.waiting) == 0
+
+
 @pytest.fixture
 def throttled_worker(spawn: Any) -> Iterator[CeleryProcess]:
     # Any open descriptor crosses a threshold this low: the worker throttles itself.
