@@ -22,50 +22,49 @@ from tests.waiting import wait_for
 CELERY = QueueKeys.for_queue("celery")
 
 
+def collecting(conn: Any, got: list[Any]) -> Consumer:
+    """A consumer of the celery queue that keeps each body in ``got`` and acks it."""
+    return Consumer(conn.default_channel, [Queue("celery")],
+                    callbacks=[lambda body, msg: (got.append(body), msg.ack())],
+                    accept=["json"])
+
+
 def test_a_paused_intake_picks_nothing_until_resumed(redis_client: redis.Redis,
                                                       client_app: Celery) -> None:
     client_app.tasks["w.add"].delay(1, 2)
     got: list[Any] = []
-    with client_app.connection_for_read() as conn:
-        consumer = Consumer(conn.default_channel, [Queue("celery")],
-                            callbacks=[lambda body, msg: (got.append(body), msg.ack())],
-                            accept=["json"])
-        with consumer:
-            try:
-                intake.pause("a test")
-                # drain_events gives up after its timeout: nothing was picked
-                with pytest.raises(socket.timeout):
-                    conn.drain_events(timeout=1.0)
-                assert got == [] and redis_client.zcard(CELERY.waiting) == 1
-            finally:
-                intake.pause(None)
-            conn.drain_events(timeout=10)
+    with client_app.connection_for_read() as conn, collecting(conn, got):
+        try:
+            intake.pause("a test")
+            # drain_events gives up after its timeout: nothing was picked
+            with pytest.raises(socket.timeout):
+                conn.drain_events(timeout=1.0)
+            assert got == [] and redis_client.zcard(CELERY.waiting) == 1
+        finally:
+            intake.pause(None)
+        conn.drain_events(timeout=10)
     assert len(got) == 1 and redis_client.zcard(CELERY.waiting) == 0
 
 
 def test_a_wait_sent_before_the_pause_leaves_what_wakes_it(redis_client: redis.Redis,
                                                            client_app: Celery) -> None:
     got: list[Any] = []
-    with client_app.connection_for_read() as conn:
-        consumer = Consumer(conn.default_channel, [Queue("celery")],
-                            callbacks=[lambda body, msg: (got.append(body), msg.ack())],
-                            accept=["json"])
-        with consumer:
-            # Given a consumer blocked on the queue's wake-up marker (an empty queue)
+    with client_app.connection_for_read() as conn, collecting(conn, got):
+        # Given a consumer blocked on the queue's wake-up marker (an empty queue)
+        with pytest.raises(socket.timeout):
+            conn.drain_events(timeout=0.3)
+        try:
+            # When its intake pauses and then a task arrives, waking that wait
+            intake.pause("a test")
+            client_app.tasks["w.add"].delay(5, 6)
             with pytest.raises(socket.timeout):
-                conn.drain_events(timeout=0.3)
-            try:
-                # When its intake pauses and then a task arrives, waking that wait
-                intake.pause("a test")
-                client_app.tasks["w.add"].delay(5, 6)
-                with pytest.raises(socket.timeout):
-                    conn.drain_events(timeout=1.0)
-                # Then the task still waits, and so does the marker for other workers
-                assert got == [] and redis_client.zcard(CELERY.waiting) == 1
-                assert redis_client.zcard(CELERY.marker) == 1
-            finally:
-                intake.pause(None)
-            conn.drain_events(timeout=10)
+                conn.drain_events(timeout=1.0)
+            # Then the task still waits, and so does the marker for other workers
+            assert got == [] and redis_client.zcard(CELERY.waiting) == 1
+            assert redis_client.zcard(CELERY.marker) == 1
+        finally:
+            intake.pause(None)
+        conn.drain_events(timeout=10)
     assert len(got) == 1 and redis_client.zcard(CELERY.waiting) == 0
 
 
