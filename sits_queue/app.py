@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -14,7 +14,7 @@ from celery import Celery, Task
 from kombu.entity import Queue
 
 from sits_queue.config import SitsConfig
-from sits_queue.options import HEADER, OPTION_NAMES, TaskOptions, resolve
+from sits_queue.options import HEADER, OPTION_NAMES, TaskOptions, batch_key, resolve
 from sits_queue.registry import Loader, ModelRegistry
 
 TRANSPORT = "sits_queue.broker.transport:Transport"
@@ -42,7 +42,11 @@ def resolve_task_options(task: Task, config: SitsConfig, per_call: Mapping[str, 
     Raises :class:`~sits_queue.errors.InvalidTaskOptions`; nothing has been sent then.
     """
     declared = {name: getattr(task, name, None) for name in OPTION_NAMES}
-    return resolve(config, declared, per_call, args, kwargs)
+    opts = resolve(config, declared, per_call, args, kwargs)
+    most = getattr(task, "max_batch", None)
+    if isinstance(most, int) and most > 1:  # a batch task: the broker may gather its kin
+        opts = replace(opts, batch=batch_key(task.name, opts), batch_max=most)
+    return opts
 
 
 def apply_class_limits(task: Task, config: SitsConfig, sla_class: str,
@@ -85,6 +89,8 @@ class SitsTask(Task):  # type: ignore[misc]
     input_entropy: float | None = None
     vram_gib: float | None = None
     prefix_key: str | None = None
+    #: Batch tasks (``app.batch_inference_task``): most tasks one batch may take.
+    max_batch: int | None = None
 
     def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
                     producer: Any = None, link: Any = None, link_error: Any = None,
@@ -284,6 +290,32 @@ class SitsCelery(Celery):  # type: ignore[misc]
         def decorate(fun: F) -> Any:
             setattr(fun, ENGINE_ARG, True)
             return self.task(base=InferenceTask, model=model, **options)(fun)
+
+        return decorate
+
+    def batch_inference_task(self, *, model: str | None = None, max_batch: int | None = None,
+                             **options: Any) -> Callable[[F], Any]:
+        """Decorator for a batch task: ``fun(engine, calls) -> outputs``, one output per
+        call in order (an exception instance fails that call alone); callers submit one
+        call per task (``fun.delay(text)``). Tasks of the same model and class that wait
+        together run as one batch of at most ``max_batch`` (default ``batch_max_tasks``);
+        see ``sits_queue/workers/batched.py``.
+        """
+        from sits_queue.config import MAX_BATCH_TASKS
+        from sits_queue.workers.batched import BatchInferenceTask
+
+        most = sits_config(self).batch_max_tasks if max_batch is None else max_batch
+        if isinstance(most, bool) or not isinstance(most, int) \
+                or not 1 <= most <= MAX_BATCH_TASKS:
+            raise ValueError(f"max_batch must be an integer in [1, {MAX_BATCH_TASKS}], "
+                             f"got {max_batch!r}")
+        if options.get("bind"):
+            raise TypeError("batch tasks cannot bind=True: the first argument is the engine")
+
+        def decorate(fun: F) -> Any:
+            setattr(fun, ENGINE_ARG, True)
+            return self.task(base=BatchInferenceTask, model=model, max_batch=most,
+                             **options)(fun)
 
         return decorate
 

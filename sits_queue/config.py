@@ -35,6 +35,10 @@ def _coerce(name: str, raw: str, kind: type) -> Any:
         raise ConfigError(f"SITS_{name.upper()}={raw!r} is not a valid {kind.__name__}") from exc
 
 
+#: Most tasks one batch may take: bounds one pick's Lua work and one pool job's inputs.
+MAX_BATCH_TASKS = 1024
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -196,6 +200,14 @@ class SitsConfig:
     affinity_prefix_weight: float = 0.5
     #: Characters of a prompt the automatic ``prefix_key`` covers (0: derive none).
     prefix_key_chars: int = 256
+    #: Same-model batching (``workers/batched.py``): a pick that takes a batchable task
+    #: (``sits.embed``, ``@app.batch_inference_task``) also takes the waiting tasks of the
+    #: same task, model and class among this many from the queue's head, up to the
+    #: task's ``max_batch``, and the worker runs them as one batch; 0: one at a time...
+    batch_window: int = 256
+    #: ...and ``max_batch`` of the built-in ``sits.embed`` and of batch tasks that do
+    #: not set one (1: no batching).
+    batch_max_tasks: int = 32
     #: Runtime profile (§3.3): a worker stops taking new tasks while a process of it
     #: holds this share of its file-descriptor limit, or the host has this share of its
     #: memory available or less (it resumes 0.10 below / at twice that).
@@ -243,6 +255,10 @@ class SitsConfig:
             raise ConfigError(f"affinity_max_skip_ms must be in [0, 3600000) ms, got "
                               f"{self.affinity_max_skip_ms!r}")
         _integer("prefix_key_chars", self.prefix_key_chars, 1_000_000)
+        _integer("batch_window", self.batch_window, 100_000, " (0: no batching)")
+        _integer("batch_max_tasks", self.batch_max_tasks, MAX_BATCH_TASKS)
+        if self.batch_max_tasks < 1:
+            raise ConfigError(f"batch_max_tasks must be >= 1, got {self.batch_max_tasks!r}")
         _integer("embed_cache_entries", self.embed_cache_entries, 10_000_000, " (0: off)")
         _positive("embed_cache_ttl_s", self.embed_cache_ttl_s)
         _positive("batch_target_p95_ms", self.batch_target_p95_ms)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from sits_queue.config import SitsConfig
+from sits_queue.config import MAX_BATCH_TASKS, SitsConfig
 from sits_queue.errors import InvalidTaskOptions
 from sits_queue.priority.entropy import input_entropy
 
@@ -27,6 +27,8 @@ MAX_CONTEXT_TOKENS = 10_000_000
 MAX_LATENCY_SLA_MS = 86_400_000.0
 #: No single device offers more (largest parts today: 192 GiB).
 MAX_VRAM_GIB = 1024.0
+#: A batch key names a task, a model and a class: room for long dotted task names.
+MAX_BATCH_KEY = 1000
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,10 @@ class TaskOptions:
     #: What the prompt starts with, as a key: tasks with equal keys share a prompt prefix
     #: (workers holding its KV pull them first). Given, or derived from the prompt.
     prefix_key: str | None = None
+    #: Same-model batching: tasks with equal keys (task, model, class) may run as one
+    #: batch of at most ``batch_max`` (``workers/batched.py``). Set by batch tasks.
+    batch: str | None = None
+    batch_max: int | None = None
 
     def to_header(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,7 +87,16 @@ def resolve(config: SitsConfig, declared: Mapping[str, Any], per_call: Mapping[s
         vram_gib=None if merged.get("vram_gib") is None
         else _number("vram_gib", merged["vram_gib"], 0.0, MAX_VRAM_GIB),
         prefix_key=_name("prefix_key", prefix),
+        batch=_name("batch", merged.get("batch"), longest=MAX_BATCH_KEY),
+        batch_max=None if merged.get("batch_max") is None
+        else int(_number("batch_max", merged["batch_max"], 1, MAX_BATCH_TASKS, integer=True)),
     )
+
+
+def batch_key(task_name: str, options: TaskOptions) -> str:
+    """What tasks must share to run in one batch: the task, its model and its class
+    (one engine, one set of limits)."""
+    return f"{task_name}|{options.model or ''}|{options.sla_class}"
 
 
 def derive_prefix_key(args: Any, kwargs: Mapping[str, Any], chars: int) -> str | None:
@@ -108,13 +123,13 @@ def from_header(config: SitsConfig, header: Any) -> TaskOptions:
     return resolve(config, {}, header)
 
 
-def _name(option: str, value: Any) -> str | None:
-    """A model name or prefix key: None, or a non-empty string of at most 200 characters."""
+def _name(option: str, value: Any, longest: int = 200) -> str | None:
+    """A model name or key: None, or a non-empty string of at most ``longest`` characters."""
     if value is None:
         return None
-    if not isinstance(value, str) or not value or len(value) > 200:
-        raise InvalidTaskOptions(f"{option} must be a non-empty string of at most 200 "
-                                 f"characters, got {value!r}")
+    if not isinstance(value, str) or not value or len(value) > longest:
+        raise InvalidTaskOptions(f"{option} must be a non-empty string of at most "
+                                 f"{longest} characters, got {value!r}")
     return value
 
 

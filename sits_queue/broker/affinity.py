@@ -191,7 +191,7 @@ def choose(candidates: Sequence[Candidate], warm: Warm, policy: AffinityPolicy,
 
 
 def lua_args(policy: AffinityPolicy, warm: Warm) -> list[Any]:
-    """``pick.lua``'s affinity arguments (after its first three); empty when off.
+    """``pick.lua``'s affinity arguments (after its first four); empty when off.
 
     Weights go as ``m:<model>`` and ``p:<prefix key>`` pairs (two namespaces: a model
     may be named like a key)."""

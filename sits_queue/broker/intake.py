@@ -1,8 +1,10 @@
 """Whether this process's consumer may take new work now (the runtime profile's feedback,
 ``workers/profile.py``, pauses it while a resource runs short). Process-wide: one worker
-per process; producers never pause."""
+per process; producers never pause), and when a batch a pick took has been delivered."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 _reason: list[str] = []
 
@@ -15,3 +17,23 @@ def pause(reason: str | None) -> None:
 def paused() -> str | None:
     """Why picking is paused, or None."""
     return _reason[0] if _reason else None
+
+
+# -- batches: the worker's batch requests learn where a pick's batch begins and ends -----
+
+BatchHook = Callable[[str, bool], None]
+_batch_hooks: list[BatchHook] = []
+
+
+def on_batch(hook: BatchHook | None) -> None:
+    """The worker's main process registers what gathers and runs a delivered batch
+    (``workers/batched.py``); None unregisters it."""
+    _batch_hooks[:] = [hook] if hook is not None else []
+
+
+def batch_delivery(group: str, done: bool) -> None:
+    """Batch ``group``'s messages are about to go to the consumer (``done`` False), or
+    all of them that will come have gone (True: a member may have been revoked, expired
+    or rejected on the way)."""
+    for hook in _batch_hooks:
+        hook(group, done)

@@ -31,6 +31,10 @@ CHECKPOINT_HEADER = "sits_checkpoint"
 #: reads it as ``self.request.sits_affinity``).
 AFFINITY_HEADER = "sits_affinity"
 
+#: Delivery info (and header) on each message of a batch one pick took (pick.lua's batch
+#: kin): [batch id, index, size]; the batch id is its first message's id.
+BATCH_INFO = "sits_batch"
+
 #: Members of the marker set that wakes blocked consumers (one member: puts coalesce).
 MARKER_MEMBER = "ready"
 

@@ -26,6 +26,7 @@ from sits_queue.broker import affinity, intake
 from sits_queue.broker.fanout import DeferredPublisher
 from sits_queue.broker.keys import (
     AFFINITY_HEADER,
+    BATCH_INFO,
     CHECKPOINT_HEADER,
     DELIVERY_HEADER,
     MARKER_MEMBER,
@@ -81,6 +82,11 @@ class QoS(kredis.QoS):
 
     def append(self, message: Any, delivery_tag: str) -> None:
         virtual.QoS.append(self, message, delivery_tag)
+
+    def can_consume(self) -> bool:
+        """Prefetch counts pool jobs: a batch (one pick, one job) counts once."""
+        pcount = self.prefetch_count
+        return not pcount or held_units(self._delivered, self._dirty) < pcount
 
     def ack(self, delivery_tag: str) -> None:
         queue = self._queue_of(delivery_tag)
@@ -326,6 +332,12 @@ class Channel(kredis.Channel):
 
     # -- consuming -------------------------------------------------------------------------
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        """One message (kombu's ``basic_get`` and tests): never a batch."""
+        return self._pick(queue, batch_window=0)[0]
+
+    def _pick(self, queue: str, batch_window: int) -> list[dict[str, Any]]:
+        """The best message for this consumer, with its batch kin when ``batch_window``
+        allows (``pick.lua``); raises Empty when there is none."""
         warm = affinity.warm_now() if self.affinity_policy.enabled else affinity.NOTHING_WARM
         if warm is not self._warm_seen:  # the warm set is re-read rarely; picks are many
             self._warm_seen, self._warm_args = warm, affinity.lua_args(self.affinity_policy,
@@ -333,7 +345,7 @@ class Channel(kredis.Channel):
         extra = self._warm_args
         for _ in range(MAX_BAD_IN_A_ROW):
             picked = self._run("pick", queue, [time.time(), self.config.max_redeliveries,
-                                               self.consumer_id, *extra])
+                                               self.consumer_id, batch_window, *extra])
             if isinstance(picked, int) and picked > 0:
                 # Only messages this consumer released (and still holds off) wait at the
                 # head: pause briefly, or the marker they keep set would wake us at once.
@@ -341,10 +353,34 @@ class Channel(kredis.Channel):
                 raise Empty()
             if not picked:
                 raise Empty()
-            message = self._decode(queue, picked)
-            if message is not None:
-                return message
+            first = self._decode(queue, picked)
+            batch = [first] if first is not None else []
+            for i in range(5, len(picked) - 2, 3):  # the kin pick.lua took with it
+                kin = self._decode(queue, picked[i:i + 3])
+                if kin is not None:
+                    batch.append(kin)
+            if len(batch) > 1:
+                group = batch[0]["properties"]["delivery_tag"]
+                for index, message in enumerate(batch):
+                    mark = [group, index, len(batch)]
+                    message["properties"]["delivery_info"][BATCH_INFO] = mark
+                    message["headers"][BATCH_INFO] = mark
+            if batch:
+                return batch
         raise Empty()
+
+    def _deliver(self, queue: str, batch: list[dict[str, Any]]) -> None:
+        """Hand a pick's messages to the consumer, a batch between its two marks."""
+        if len(batch) == 1:
+            self.connection._deliver(batch[0], queue)
+            return
+        group = batch[0]["properties"]["delivery_tag"]
+        intake.batch_delivery(group, done=False)
+        try:
+            for message in batch:
+                self.connection._deliver(message, queue)
+        finally:
+            intake.batch_delivery(group, done=True)
 
     def _decode(self, queue: str, picked: list[Any]) -> dict[str, Any] | None:
         """The kombu message, or None after dead-lettering a malformed payload."""
@@ -428,11 +464,11 @@ class Channel(kredis.Channel):
             while self.qos.can_consume():
                 for queue in self._queue_cycle.consume(len(self.active_queues)):
                     try:
-                        message = self._get(queue)
+                        batch = self._pick(queue, self.config.batch_window)
                     except Empty:
                         continue
                     self._queue_cycle.rotate(queue)
-                    self.connection._deliver(message, queue)
+                    self._deliver(queue, batch)
                     delivered = True
                     break
                 else:
@@ -460,8 +496,7 @@ class Channel(kredis.Channel):
                 raise Empty()
             queue = self._marker_queue[key]
             self._queue_cycle.rotate(queue)
-            message = self._get(queue)
-            self.connection._deliver(message, queue)
+            self._deliver(queue, self._pick(queue, self.config.batch_window))
             return True
         finally:
             self._in_poll = None  # type: ignore[assignment]
@@ -538,6 +573,17 @@ class Transport(kredis.Transport):
         waker = getattr(self._hub, "_waker", None)
         if waker is not None:
             waker.wake()
+
+
+def held_units(delivered: dict[str, Any], done: Any = ()) -> int:
+    """Messages held and not ``done``, a batch counting as one (it is one pool job)."""
+    units: set[str] = set()
+    for tag, message in list(delivered.items()):
+        if tag not in done:
+            info = getattr(message, "delivery_info", None)
+            mark = info.get(BATCH_INFO) if isinstance(info, dict) else None
+            units.add(str(mark[0]) if isinstance(mark, list) and mark else tag)
+    return len(units)
 
 
 def _text(value: bytes | str) -> str:

@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 
 from sits_queue import tracing
@@ -98,22 +97,23 @@ def _acquire(rt: runtime.ChildRuntime, model: str) -> tuple[Any, Any]:
 
 
 def run_inference(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
-                  kwargs: dict[str, Any]) -> dict[str, Any]:
+                  kwargs: dict[str, Any], tasks: int = 1) -> dict[str, Any]:
     """Engine from the warm cache, limits, the user's function, accounting; a failure is
-    counted by reason, and the child's record and counts go out once per task."""
+    counted by reason, and the child's record and counts go out once per run. ``tasks``:
+    how many tasks the run serves (a batch, ``batched.py``)."""
     try:
-        return _run(rt, task, args, kwargs)
+        return _run(rt, task, args, kwargs, tasks)
     except BaseException as exc:
         reason = metrics.failure_reason(exc)
         if reason is not None:
-            rt.count(metrics.failure_fields(reason))
+            rt.count(metrics.failure_fields(reason, tasks))
         raise
     finally:
         rt.publish()
 
 
 def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
-         kwargs: dict[str, Any]) -> dict[str, Any]:
+         kwargs: dict[str, Any], tasks: int = 1) -> dict[str, Any]:
     request = task.request
     model = runtime.task_model(request, getattr(task, "model", None))
     quota = runtime.task_class(rt.config, request, getattr(task, "sla_class", None))
@@ -132,7 +132,7 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     meta = _cold_meta(cold, rt.take_ctx_ms())
     # Taken ahead of its queue's head because this worker held the model warm (pick.lua).
     meta["affinity"] = bool(getattr(request, AFFINITY_HEADER, False))
-    rt.count(metrics.task_fields(meta, quota.name, model))
+    rt.count(metrics.task_fields(meta, quota.name, model, tasks))
     _trace(meta, model, quota.name, acquire_ns, acquired_ns)
     timelimit = getattr(request, "timelimit", None) or (None, None)
     hard, soft = (*tuple(timelimit), None, None)[:2]
@@ -163,7 +163,7 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
                 limits={"soft_time_limit_s": soft, "time_limit_s": hard,
                         "vram_gib": quota.vram_gib, "memory_fraction": fraction,
                         "cpus": list(cpus)})
-    rt.count(metrics.run_fields(model, meta["run_ms"]))
+    rt.count(metrics.run_fields(model, meta["run_ms"], tasks))
     if isinstance(output, dict) and isinstance(output.get("cached_tokens"), int):
         tracing.annotate({"sits.cached_tokens": output["cached_tokens"]})
     return {"output": output, "sits": meta}
@@ -397,7 +397,7 @@ def _decode(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
         past = out = ids = mask = logits = prefix.start = None
 
 
-def _check_texts(texts: Any) -> list[str]:
+def check_texts(texts: Any) -> list[str]:
     batch = [texts] if isinstance(texts, str) else texts
     if not isinstance(batch, (list, tuple)) or not batch:
         raise InvalidInput("texts must be a non-empty string or a non-empty list of strings")
@@ -419,7 +419,7 @@ def embed(engine: Any, texts: str | Sequence[str], normalize: bool = True) -> An
     batch (a cached vector was computed in another batch: equal up to the rounding of
     padding).
     """
-    batch = _check_texts(texts)
+    batch = check_texts(texts)
     model = getattr(engine, "key", "?")
     active = runtime.active()
     cache = active.embeddings if active is not None else None
@@ -495,11 +495,14 @@ def prewarm(engine: Any) -> dict[str, Any]:
     return {"model": getattr(engine, "key", "?"), "bytes": int(engine.size_bytes())}
 
 
-def register(app: Celery) -> dict[str, Any]:
-    """``sits.generate``, ``sits.embed`` and ``sits.prewarm`` on ``app`` (model per call)."""
+def register(app: Any) -> dict[str, Any]:
+    """``sits.generate``, ``sits.embed`` (a batch task: calls waiting together run as
+    one batch) and ``sits.prewarm`` on ``app`` (model per call)."""
+    from sits_queue.workers import batched
+
     tasks: dict[str, Callable[..., Any]] = {
         "generate": app.inference_task(name="sits.generate", shared=False)(generate),
-        "embed": app.inference_task(name="sits.embed", shared=False)(embed),
+        "embed": app.batch_inference_task(name="sits.embed", shared=False)(batched.embed_calls),
         "prewarm": app.inference_task(name="sits.prewarm", shared=False)(prewarm),
     }
     return tasks

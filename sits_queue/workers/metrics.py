@@ -68,12 +68,14 @@ def _bucket(ms: float) -> str:
     return "+Inf"
 
 
-def task_fields(meta: Mapping[str, Any], sla_class: str, model: str | None = None
-                ) -> dict[str, float]:
-    """Counter increments for one inference task that got its engine; ``meta`` is the
-    result's ``sits`` block (``cold``, ``source``, ``<phase>_ms``, ``affinity``). With the
-    ``model``, its cold starts and their cost per model too (the pre-warm planner's)."""
-    fields: dict[str, float] = {"tasks": 1, f"tasks:{sla_class}": 1}
+def task_fields(meta: Mapping[str, Any], sla_class: str, model: str | None = None,
+                tasks: int = 1) -> dict[str, float]:
+    """Counter increments for one inference run of ``tasks`` tasks (a batch: more than
+    one) that got its engine; ``meta`` is the result's ``sits`` block (``cold``,
+    ``source``, ``<phase>_ms``, ``affinity``). With the ``model``, its cold starts and
+    their cost per model too (the pre-warm planner's). A batch's cold start counts once:
+    it is one load, however many tasks waited for it."""
+    fields: dict[str, float] = {"tasks": tasks, f"tasks:{sla_class}": tasks}
     if meta.get("affinity"):
         fields["affinity"] = 1
     if not meta.get("cold"):
@@ -89,9 +91,10 @@ def task_fields(meta: Mapping[str, Any], sla_class: str, model: str | None = Non
     return fields
 
 
-def run_fields(model: str, run_ms: float) -> dict[str, float]:
-    """Counter increments for one finished run: the model's service time."""
-    return {f"model_runs:{model}": 1, f"model_run_ms:{model}": run_ms}
+def run_fields(model: str, run_ms: float, tasks: int = 1) -> dict[str, float]:
+    """Counter increments for one finished run of ``tasks`` tasks: the model's service
+    time (per task: a batch's run time is shared by its tasks)."""
+    return {f"model_runs:{model}": tasks, f"model_run_ms:{model}": run_ms}
 
 
 def prefix_fields(cached_tokens: int) -> dict[str, float]:
@@ -116,8 +119,8 @@ def failure_reason(exc: BaseException) -> str | None:
     return "other"
 
 
-def failure_fields(reason: str) -> dict[str, float]:
-    return {"failed": 1, f"failed:{reason}": 1}
+def failure_fields(reason: str, tasks: int = 1) -> dict[str, float]:
+    return {"failed": tasks, f"failed:{reason}": tasks}
 
 
 def merge(into: dict[str, float], fields: Mapping[str, float]) -> None:

@@ -32,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LMS = ("gpt", "lm-a", "lm-b", "lm-c")
 #: Per forward pass of the "slow" model, s: makes a long generation outlast a soft limit.
 SLOW_FORWARD_S = 0.02
+#: ``t.batch_echo``'s max_batch.
+BATCH_ECHO_MAX = 8
 #: The default classes plus ones that make limits observable on a small machine: "one"
 #: (a single core), "tiny" / "small" (VRAM limits below / just above a tiny model's
 #: weights, enforced on CPU against the estimate), "gpu2" (2 GiB: a real cap on a GPU).
@@ -205,8 +207,30 @@ def register(app: Celery) -> dict[str, Any]:
         del block
         return {"device": str(device), "allocated_bytes": int(allocated)}
 
+    @app.batch_inference_task(name="t.batch_echo", model="gpt", max_batch=BATCH_ECHO_MAX,
+                              shared=False)
+    def batch_echo(engine: Any, calls: list[Any]) -> list[Any]:
+        """Each call's tag with what its batch was; "bad" fails that call alone, "boom"
+        fails the whole run, "sleep:<s>" sleeps first (the soft limit)."""
+        from sits_queue.errors import InvalidInput
+
+        tags = [c.args[0] for c in calls]
+        if "boom" in tags:
+            raise RuntimeError("simulated: the batch run crashed")
+        for tag in tags:
+            if isinstance(tag, str) and tag.startswith("sleep:"):
+                time.sleep(float(tag.split(":")[1]))
+        return [InvalidInput(f"item {t!r} is bad") if t == "bad" else
+                {"tag": t, "pid": os.getpid(), "size": len(calls), "key": engine.key,
+                 "ids": [c.id for c in calls]}
+                for t in tags]
+
+    @app.batch_inference_task(name="t.batch_short", model="gpt", shared=False)
+    def batch_short(engine: Any, calls: list[Any]) -> list[Any]:
+        return []  # one output per call is owed: every call fails, clearly
+
     return {"describe": describe, "generate_slow": generate_slow, "hang": hang, "ping": ping,
-            "alloc": alloc}
+            "alloc": alloc, "batch_echo": batch_echo, "batch_short": batch_short}
 
 
 tasks = register(app)

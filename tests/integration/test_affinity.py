@@ -68,7 +68,7 @@ def task(name: str, priority: float, model: str | None, skipped_s: float | None 
 
 
 def pick(scripts: Scripts, client: redis.Redis, policy: AffinityPolicy, warm: Warm) -> Any:
-    return scripts.run("pick", KEYS, [NOW, 5, ME, *lua_args(policy, warm)], client)
+    return scripts.run("pick", KEYS, [NOW, 5, ME, 0, *lua_args(policy, warm)], client)
 
 
 def expected(tasks: list[Candidate], policy: AffinityPolicy, warm: Warm) -> tuple[str, int]:

@@ -6,15 +6,20 @@
 --   10 arrivals HASH (class -> messages ever enqueued)  11 checkpoints HASH
 --   12 yield claims HASH  13 held HASH (released by a consumer, not offered back to it)
 --   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
--- ARGV: now (unix s), max redeliveries before dead-lettering, consumer ('' for none);
+-- ARGV: now (unix s), max redeliveries before dead-lettering, consumer ('' for none),
+--   batch window (0 or absent: no batching; else how deep to look for the picked
+--   task's batch kin, workers/batched.py);
 --   optional affinity (broker/affinity.py, whose choose() this mirrors): window,
 --   priority ratio, max skip s, then name, weight pairs of what the consumer holds warm:
 --   'm:<model>' (engines) and 'p:<prefix key>' (KV of prompt prefixes)
 -- Returns {id, payload, times redelivered, checkpoint or false, 1 if taken ahead of the
--- head by affinity else 0}; else the number of messages passed over because this
--- consumer released them and their hold has not run out (0 when nothing is waiting at
--- all: the caller waits for a put instead).
+-- head by affinity else 0, then id, payload, times of each task taken with it as one
+-- batch}; else the number of messages passed over because this consumer released them
+-- and their hold has not run out (0 when nothing is waiting at all: the caller waits
+-- for a put instead).
 -- The checkpoint is what the task saved when it last yielded its slot.
+-- Batch kin: waiting tasks whose scoring metadata has the picked task's batch key 'b'
+-- (task, model, class), nearest the head first, up to its 'bn' in all.
 local now, max_redeliveries = ARGV[1], tonumber(ARGV[2])
 local consumer = ARGV[3] or ''
 local passed = {}  -- score, id pairs of held messages, put back as they were
@@ -52,11 +57,11 @@ end
 -- for max skip s, it is taken (delay scheduling: the wait counts from the first skip,
 -- not from its enqueueing, or a deep backlog would switch affinity off).
 local function affinity_pick()
-  local window = tonumber(ARGV[4] or '')
-  if window == nil or window < 2 or #ARGV < 8 then return nil end
-  local ratio, max_skip = tonumber(ARGV[5]), tonumber(ARGV[6])
+  local window = tonumber(ARGV[5] or '')
+  if window == nil or window < 2 or #ARGV < 9 then return nil end
+  local ratio, max_skip = tonumber(ARGV[6]), tonumber(ARGV[7])
   local warm, top_model, top_prefix = {}, 0, 0
-  for i = 7, #ARGV - 1, 2 do
+  for i = 8, #ARGV - 1, 2 do
     local w = tonumber(ARGV[i + 1]) or 0
     warm[ARGV[i]] = w
     if string.sub(ARGV[i], 1, 2) == 'p:' then
@@ -86,6 +91,48 @@ local function affinity_pick()
   if not since then redis.call('HSET', KEYS[14], near[1], now) end
   redis.call('ZREM', KEYS[1], near[best])
   return {near[best], near[best + 1]}
+end
+
+-- Marks one message as delivered: unacked from now, its score kept for a restore.
+local function take(id, score)
+  redis.call('ZADD', KEYS[6], now, id)
+  redis.call('HDEL', KEYS[12], id)
+  redis.call('HDEL', KEYS[14], id)
+  redis.call('HSET', KEYS[7], id, score)
+end
+
+-- The picked task's batch kin, taken (appended to reply as id, payload, times).
+local function gather(id, reply)
+  local window = tonumber(ARGV[4] or '') or 0
+  if window < 1 then return end
+  local raw = redis.call('HGET', KEYS[3], id)
+  local ok, record = pcall(cjson.decode, raw or '')
+  if not ok or type(record) ~= 'table' then return end
+  local key, most = record['b'], tonumber(record['bn'])
+  if type(key) ~= 'string' or most == nil or most < 2 then return end
+  local near = redis.call('ZRANGE', KEYS[1], 0, window - 1, 'WITHSCORES')
+  local taken = 1
+  for i = 1, #near - 1, 2 do
+    if taken >= most then break end
+    local other = near[i]
+    local meta = redis.call('HGET', KEYS[3], other)
+    -- The plain find skips decoding the records that cannot match (most of them).
+    if meta and string.find(meta, key, 1, true) and not held_by_me(other) then
+      local good, kin = pcall(cjson.decode, meta)
+      local payload = redis.call('HGET', KEYS[2], other)
+      local times = tonumber(redis.call('HGET', KEYS[8], other) or '0')
+      -- A message restored too often is left for the plain pick, which parks it.
+      if good and type(kin) == 'table' and kin['b'] == key and payload
+          and times <= max_redeliveries then
+        redis.call('ZREM', KEYS[1], other)
+        take(other, near[i + 1])
+        reply[#reply + 1] = other
+        reply[#reply + 1] = payload
+        reply[#reply + 1] = times
+        taken = taken + 1
+      end
+    end
+  end
 end
 
 local function restore_passed()
@@ -121,12 +168,11 @@ for _ = 1, 64 do
       redis.call('HDEL', KEYS[13], id)
       redis.call('HDEL', KEYS[14], id)
     else
-      redis.call('ZADD', KEYS[6], now, id)
-      redis.call('HDEL', KEYS[12], id)
-      redis.call('HDEL', KEYS[14], id)
-      redis.call('HSET', KEYS[7], id, score)
+      take(id, score)
+      local reply = {id, payload, times, redis.call('HGET', KEYS[11], id), by_affinity}
+      gather(id, reply)
       restore_passed()
-      return {id, payload, times, redis.call('HGET', KEYS[11], id), by_affinity}
+      return reply
     end
   end
   -- An id without a payload was acked or purged mid-flight: nothing to deliver, skip it.

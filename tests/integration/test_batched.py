@@ -1,0 +1,203 @@
+"""Same-model batching in a real ``celery worker`` subprocess with tiny real models.
+
+The tasks of the first tests are submitted *before* the worker starts, so they all wait
+together and the batches the worker forms are fixed by the queue, not by timing: the
+first pick of a batch task takes it and its kin up to ``max_batch``. One worker, one
+child (the CPU default) serves the module; tests run in file order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
+from celery.result import AsyncResult
+
+from sits_queue.errors import InferenceError, InvalidInput
+from sits_queue.procs import CeleryProcess, wait_ready
+from sits_queue.workers import metrics
+from tests.integration.inference_app import (
+    BATCH_ECHO_MAX,
+    build_models,
+    client_app,
+    spawn_worker,
+    write_config,
+)
+
+FIRST_CALL_S = 120
+CALL_S = 60
+#: Tasks submitted before the worker starts: two full batches of t.batch_echo and a part.
+ECHO_TAGS = [f"e{i}" for i in range(2 * BATCH_ECHO_MAX + 3)]
+ECHO_TAGS[3] = "bad"
+TEXTS = ["the cache warms", "a model serves", "queues wait", "batches run together",
+         "one more text", "and the last one is a little longer than the others"]
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_models(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_config(tmp_path_factory.mktemp("config") / "sits.toml")
+
+
+@pytest.fixture(scope="module")
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def app(redis_url: str, config_path: Path, r: redis.Redis) -> Iterator[Celery]:
+    client = client_app(redis_url, config_path, "batched-client")
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def waiting(app: Celery) -> dict[str, Any]:
+    """Submitted with no worker up: echo tasks (one already expired), embeds of two
+    normalisations and one bad embed, all waiting together."""
+    echo = [app.tasks["t.batch_echo"].delay(tag) for tag in ECHO_TAGS]
+    expired = app.tasks["t.batch_echo"].apply_async(
+        ("expired",), expires=datetime.now(UTC) - timedelta(seconds=5))
+    embeds = [app.tasks["sits.embed"].apply_async((text,), model="enc") for text in TEXTS]
+    raw = app.tasks["sits.embed"].apply_async((TEXTS[:2],), {"normalize": False},
+                                              model="enc")
+    empty = app.tasks["sits.embed"].apply_async(([],), model="enc")
+    return {"echo": echo, "expired": expired, "embeds": embeds, "raw": raw, "empty": empty}
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory, redis_url: str, config_path: Path,
+           models_dir: Path, app: Celery, waiting: dict[str, Any]) -> Iterator[CeleryProcess]:
+    proc = spawn_worker(redis_url, config_path, models_dir,
+                        tmp_path_factory.mktemp("batched-logs"), name="batched")
+    try:
+        wait_ready(app, [proc])
+        yield proc
+    finally:
+        proc.stop(timeout_s=20)
+
+
+def results(found: list[AsyncResult], timeout: float = FIRST_CALL_S) -> list[Any]:
+    """Each task's result, or the exception it failed with."""
+    out: list[Any] = []
+    for one in found:
+        try:
+            out.append(one.get(timeout=timeout))
+        except Exception as exc:  # the failures are what some tests check
+            out.append(exc)
+    return out
+
+
+def test_waiting_tasks_run_as_batches_of_at_most_max_batch(
+        waiting: dict[str, Any], worker: CeleryProcess) -> None:
+    got = results(waiting["echo"])
+    ids = [one.id for one in waiting["echo"]]
+    ok = [(i, g) for i, g in zip(ids, got, strict=True) if not isinstance(g, Exception)]
+    # Given 19 tasks waiting before the worker started, when it picks them, then they
+    # run as batches of 8, 8 and 3 (the expired one left the last), in one child.
+    batches = {tuple(g["output"]["ids"]) for _, g in ok}
+    assert sorted(len(b) for b in batches) == [3, BATCH_ECHO_MAX, BATCH_ECHO_MAX], batches
+    assert sorted(i for b in batches for i in b) == sorted(ids)  # each task in one batch
+    for own, g in ok:
+        batch = g["output"]["ids"]
+        assert g["sits"]["batch"] == {"size": len(batch), "index": batch.index(own)}
+        assert g["output"]["size"] == len(batch)
+    assert len({g["output"]["pid"] for _, g in ok}) == 1
+    assert [g["output"]["tag"] for _, g in ok] == [t for t in ECHO_TAGS if t != "bad"]
+
+
+def test_a_bad_call_fails_alone(waiting: dict[str, Any], worker: CeleryProcess) -> None:
+    got = results(waiting["echo"])
+    bad = got[ECHO_TAGS.index("bad")]
+    assert isinstance(bad, InvalidInput) and "'bad' is bad" in str(bad)
+    assert sum(isinstance(g, Exception) for g in got) == 1
+
+
+def test_an_expired_member_leaves_its_batch_to_run(waiting: dict[str, Any],
+                                                   worker: CeleryProcess) -> None:
+    # The expired task was picked with the last batch; Celery revoked it on receipt, and
+    # the rest of that batch ran without it (the transport said the batch was whole).
+    assert waiting["expired"].state == "REVOKED"
+    last = results(waiting["echo"][-3:])
+    assert all(g["output"]["size"] == 3 for g in last)
+
+
+def test_embeds_batch_together_and_match_a_lone_run(waiting: dict[str, Any],
+                                                    worker: CeleryProcess,
+                                                    models_dir: Path) -> None:
+    from sits_queue.cache.engines import engine_from_path
+    from sits_queue.workers.inference import embed
+
+    got = results(waiting["embeds"])
+    assert all(g["sits"]["batch"]["size"] >= 2 for g in got), [g["sits"] for g in got]
+    engine = engine_from_path("enc", models_dir / "enc", "cpu")
+    for text, g in zip(TEXTS, got, strict=True):
+        alone = embed(engine, text)
+        assert max(abs(a - b) for a, b in zip(g["output"], alone, strict=True)) < 1e-4
+    raw = waiting["raw"].get(timeout=CALL_S)["output"]
+    for got_vec, own in zip(raw, embed(engine, TEXTS[:2], normalize=False), strict=True):
+        assert got_vec == pytest.approx(own, abs=1e-4)
+    empty = results([waiting["empty"]])[0]
+    assert isinstance(empty, InvalidInput) and "non-empty" in str(empty)
+
+
+def test_counters_count_tasks_not_batches(r: redis.Redis, worker: CeleryProcess,
+                                          waiting: dict[str, Any]) -> None:
+    results(waiting["echo"] + waiting["embeds"] + [waiting["raw"]])
+    record = metrics.read(r, "", worker.hostname)[0]
+    counters = {k.decode(): float(v) for k, v in record["counters"].items()}
+    # 18 echo tasks ran (1 failed by its own output) + 6 + 1 embeds; one more embed
+    # failed on input, alone. A batch's cold start counts once.
+    assert counters["tasks"] >= len(ECHO_TAGS) + len(TEXTS) + 1
+    assert counters["model_runs:gpt"] == len(ECHO_TAGS)
+    assert counters["failed:InvalidInput"] == 2
+    assert counters["cold"] <= 2
+
+
+def test_an_idle_worker_runs_a_call_at_once_as_a_batch_of_one(
+        app: Celery, worker: CeleryProcess) -> None:
+    got = app.tasks["t.batch_echo"].delay("alone").get(timeout=CALL_S)
+    assert got["output"]["size"] == 1 and got["sits"]["batch"] == {"size": 1, "index": 0}
+
+
+def test_a_crashed_run_fails_every_call_and_the_worker_serves_on(
+        app: Celery, worker: CeleryProcess) -> None:
+    got = app.tasks["t.batch_echo"].delay("boom")
+    with pytest.raises(RuntimeError, match="batch run crashed"):
+        got.get(timeout=CALL_S)
+    short = app.tasks["t.batch_short"].delay("x")
+    with pytest.raises(InferenceError, match="returned 0 outputs for 1 calls"):
+        short.get(timeout=CALL_S)
+    assert app.tasks["t.batch_echo"].delay("after").get(timeout=CALL_S)["output"]["tag"] \
+        == "after"
+
+
+def test_soft_time_limit_fails_the_batch_and_the_child_lives(
+        app: Celery, worker: CeleryProcess) -> None:
+    got = app.tasks["t.batch_echo"].apply_async(("sleep:3",), soft_time_limit=1,
+                                               time_limit=20)
+    with pytest.raises(SoftTimeLimitExceeded):
+        got.get(timeout=CALL_S)
+    assert worker.alive()
+    assert app.tasks["t.batch_echo"].delay("later").get(timeout=CALL_S)["output"]["tag"] \
+        == "later"
+
+
+def test_bad_max_batch_is_refused(app: Celery) -> None:
+    with pytest.raises(ValueError, match="max_batch must be an integer"):
+        app.batch_inference_task(model="gpt", max_batch=0)
+    with pytest.raises(ValueError, match="max_batch"):
+        app.batch_inference_task(model="gpt", max_batch=True)

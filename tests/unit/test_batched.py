@@ -1,0 +1,148 @@
+"""Same-model batching: batch keys on the message, the batch's bookkeeping in the main
+process, and how a batch run's outputs become each task's outcome."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pytest
+
+from sits_queue.app import make_app, resolve_task_options
+from sits_queue.broker.keys import BATCH_INFO
+from sits_queue.broker.meta import WaitingMeta
+from sits_queue.broker.transport import held_units
+from sits_queue.config import ConfigError, SitsConfig
+from sits_queue.errors import InferenceError, InvalidInput, InvalidTaskOptions
+from sits_queue.options import from_header
+from sits_queue.workers import batched
+from sits_queue.workers.batched import Call, batch_mark, split_outputs
+
+CONFIG = SitsConfig()
+
+
+@pytest.fixture
+def app() -> Any:
+    app = make_app(CONFIG, main="batched-unit")
+
+    @app.batch_inference_task(name="u.score", model="enc", max_batch=16, shared=False)
+    def score(engine: Any, calls: list[Call]) -> list[Any]:
+        return [len(c.args[0]) for c in calls]
+
+    @app.inference_task(name="u.plain", model="enc", shared=False)
+    def plain(engine: Any, text: str) -> int:
+        return len(text)
+
+    return app
+
+
+def test_a_batch_task_marks_its_messages_with_task_model_and_class(app: Any) -> None:
+    opts = resolve_task_options(app.tasks["u.score"], CONFIG, {"sla_class": "high"}, ("x",))
+    assert opts.batch == "u.score|enc|high" and opts.batch_max == 16
+    other = resolve_task_options(app.tasks["u.score"], CONFIG, {"model": "enc2"}, ("x",))
+    assert other.batch == "u.score|enc2|medium"
+    # A plain task carries no batch key; the built-in embed does (batch_max_tasks)
+    assert resolve_task_options(app.tasks["u.plain"], CONFIG, {}, ("x",)).batch is None
+    embed = resolve_task_options(app.tasks["sits.embed"], CONFIG, {"model": "enc"}, ("x",))
+    assert embed.batch_max == CONFIG.batch_max_tasks
+
+
+def test_batch_options_survive_the_header_and_the_broker_record(app: Any) -> None:
+    opts = resolve_task_options(app.tasks["u.score"], CONFIG, {}, ("x",))
+    assert from_header(CONFIG, opts.to_header()) == opts
+    assert WaitingMeta.from_json(WaitingMeta(opts, 1.0, "u.score").to_json()).options == opts
+
+
+@pytest.mark.parametrize(("header", "message"), [
+    ({"batch": ""}, "batch must be a non-empty string"),
+    ({"batch": 7}, "batch must be a non-empty string"),
+    ({"batch_max": 0}, r"batch_max must be in \[1, 1024\]"),
+    ({"batch_max": 2.5}, "batch_max must be a whole number"),
+    ({"batch_max": "8"}, "batch_max must be a number"),
+])
+def test_a_bad_batch_header_is_refused_by_name(header: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidTaskOptions, match=message):
+        from_header(CONFIG, header)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"batch_max_tasks": 0}, "batch_max_tasks must be >= 1"),
+    ({"batch_max_tasks": 5000}, r"batch_max_tasks must be an integer in \[0, 1024\]"),
+    ({"batch_window": -1}, "batch_window must be an integer"),
+])
+def test_bad_batch_settings_are_refused(settings: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        replace(CONFIG, **settings)
+
+
+def test_batch_mark_reads_only_a_well_formed_mark() -> None:
+    assert batch_mark({BATCH_INFO: ["g", 1, 3]}) == ("g", 1, 3)
+    for bad in (None, {}, {BATCH_INFO: ["g", 3, 3]}, {BATCH_INFO: ["g", True, 3]},
+                {BATCH_INFO: [1, 0, 3]}, {BATCH_INFO: "g"}):
+        assert batch_mark(bad) is None
+
+
+def test_outputs_become_each_calls_result_or_its_own_failure() -> None:
+    calls = [Call("a", ("x",)), Call("b", ("y",)), Call("c", ("z",))]
+    bad = InvalidInput("item 'y' is bad")
+    got = split_outputs([1, bad, 3], calls, {"cold": False})
+    assert got["a"] == {"output": 1, "sits": {"cold": False, "batch": {"size": 3, "index": 0}}}
+    assert got["b"] is bad
+    assert got["c"]["sits"]["batch"]["index"] == 2
+
+
+@pytest.mark.parametrize("outputs", [[1, 2], None, {"a": 1}])
+def test_an_output_list_of_the_wrong_shape_fails_every_call(outputs: Any) -> None:
+    calls = [Call("a"), Call("b"), Call("c")]
+    got = split_outputs(outputs, calls, {})
+    assert all(isinstance(v, InferenceError) and "one output per call" in str(v)
+               for v in got.values())
+
+
+# -- the main process: gathering a delivered batch --------------------------------------------
+
+@dataclass
+class FakeRequest:
+    id: str
+    request_dict: dict[str, Any] = field(default_factory=dict)
+
+
+def test_a_delivered_batch_runs_once_carrying_its_members() -> None:
+    ran: list[FakeRequest] = []
+    members = [FakeRequest(f"t{i}", {BATCH_INFO: ["t0", i, 3]}) for i in range(3)]
+    # Given the transport opens batch t0 and delivers two of its three (one expired)
+    batched.delivery("t0", False, ran.append)
+    for request in (members[0], members[2]):
+        assert batched.gather(request, ran.append) is None
+    assert ran == []  # held until the end mark
+    # When it closes the batch, the first goes on, carrying the other
+    batched.delivery("t0", True, ran.append)
+    assert ran == [members[0]]
+    assert batched._ready.pop("t0") == [members[0], members[2]]
+
+
+def test_requests_outside_an_open_batch_run_at_once() -> None:
+    ran: list[FakeRequest] = []
+    plain = FakeRequest("p")
+    late = FakeRequest("late", {BATCH_INFO: ["gone", 1, 2]})  # its batch was closed
+    batched.gather(plain, ran.append)
+    batched.gather(late, ran.append)
+    assert ran == [plain, late]
+    batched.delivery("empty", False, ran.append)
+    batched.delivery("empty", True, ran.append)  # nothing came: nothing runs
+    assert ran == [plain, late]
+
+
+@dataclass
+class FakeMessage:
+    delivery_info: dict[str, Any]
+
+
+def test_prefetch_counts_a_batch_as_one_job() -> None:
+    delivered = {"a": FakeMessage({BATCH_INFO: ["a", 0, 3]}),
+                 "b": FakeMessage({BATCH_INFO: ["a", 1, 3]}),
+                 "c": FakeMessage({BATCH_INFO: ["a", 2, 3]}),
+                 "d": FakeMessage({})}
+    assert held_units(delivered) == 2
+    assert held_units(delivered, {"d"}) == 1
+    assert held_units(delivered, {"a", "b", "c"}) == 1
