@@ -210,6 +210,13 @@ def bench_prefix(quick: bool, json_path: Path | None) -> None:
     _run_module("sits_queue.bench.prefix", quick, json_path)
 
 
+@bench.command("coalesce")
+@_bench_options
+def bench_coalesce(quick: bool, json_path: Path | None) -> None:
+    """One text per task: stock Celery vs SITS one at a time vs same-model batches."""
+    _run_module("sits_queue.bench.coalesce", quick, json_path)
+
+
 @bench.command("batch")
 @_bench_options
 def bench_batch(quick: bool, json_path: Path | None) -> None:

@@ -216,21 +216,21 @@ def run_system(system: str, stream: Sequence[Request], warm: str, url: str, zoo:
 
 
 def await_records(client: redis.Redis, n: int, workers: Sequence[Any], timeout_s: float,
-                  what: str) -> list[dict[str, Any]]:
-    """The first ``n`` task records once they are in; raises with a log if a worker dies
-    or ``timeout_s`` passes."""
+                  what: str, key: str = DONE_KEY) -> list[dict[str, Any]]:
+    """The first ``n`` task records (in list ``key``) once they are in; raises with a log
+    if a worker dies or ``timeout_s`` passes."""
     deadline = time.monotonic() + timeout_s
-    while client.llen(DONE_KEY) < n:
+    while client.llen(key) < n:
         for worker in workers:
             if not worker.alive():
                 raise RuntimeError(f"worker {worker.hostname} died waiting for {what}:\n"
                                    f"{worker.log()[-3000:]}")
         if time.monotonic() > deadline:
             logs = "\n".join(w.log()[-1500:] for w in workers)
-            raise TimeoutError(f"{what}: {client.llen(DONE_KEY)} of {n} done after "
+            raise TimeoutError(f"{what}: {client.llen(key)} of {n} done after "
                                f"{timeout_s:.0f} s:\n{logs}")
         time.sleep(0.05)
-    return [json.loads(raw) for raw in client.lrange(DONE_KEY, 0, -1)]
+    return [json.loads(raw) for raw in client.lrange(key, 0, -1)]
 
 
 # -- statistics (pure) ---------------------------------------------------------------------

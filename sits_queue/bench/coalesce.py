@@ -1,0 +1,250 @@
+"""``sitsq bench coalesce``: one text per task, as offline embedding jobs submit them,
+through (a) a stock Celery worker that keeps the encoder warm in a module global,
+(b) a SITS worker running tasks one at a time (``batch_window`` 0), and (c) a SITS
+worker batching same-model tasks (``sits.embed`` is a batch task: the tasks waiting
+together run as one forward pass, ``workers/batched.py``).
+
+A program, not a test: it prints a table and JSON, and asserts nothing about timings.
+
+How it runs (same for all three, one after another, in one process run):
+
+* one Redis server (embedded unless ``--redis-url``), one database per system;
+* one ``celery worker`` (prefork, concurrency 1, on every core this process may use),
+  a BERT-style encoder (4 layers, 256 wide; random weights, built locally);
+* three seeded streams of short texts: ``burst``, the whole job submitted at once (the
+  offline case: throughput); then arrivals at fixed rates, as a job fed by a producer
+  pipeline: ``light`` at 50% of what (b) sustained in its burst (one at a time keeps
+  up: what batching costs when there is nothing to batch), and ``heavy`` at 150% of it
+  (one at a time falls behind, its queue grows for as long as the stream lasts);
+* every worker first embeds one text (its cold start is not measured).
+
+``batch``: mean tasks per run (1 for one at a time). ``p50/p99``: submit -> finish, ms;
+throughput: tasks over first submission -> last finish.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from sits_queue.bench import coldstart
+from sits_queue.bench.affinity import available_cpus
+from sits_queue.bench.coalesce_apps import (
+    DONE_KEY,
+    MODEL,
+    SYSTEMS,
+    build,
+    settings_of,
+    task_name,
+    worker_env,
+)
+from sits_queue.bench.report import database_url, ratio, redis_server, targets_line
+from sits_queue.bench.workload import percentile
+from sits_queue.procs import start_worker, wait_ready
+
+DATABASES = {"celery_per_task": 12, "sits_one_by_one": 13, "sits_batched": 14}
+ENCODER_SHAPE = {"n_layer": 4, "hidden": 256, "n_head": 4, "n_positions": 128}
+#: The paced streams' rates, as shares of what one-at-a-time SITS sustained in its burst.
+LOADS = {"light": 0.5, "heavy": 1.5}
+STREAMS = ("burst", *LOADS)
+#: Targets (printed, never asserted): batching must multiply a burst's throughput, keep
+#: up with a heavy stream, and cost little latency on a light one.
+TARGET_BURST_THROUGHPUT = 2.0
+TARGET_HEAVY_P99 = 0.5
+TARGET_LIGHT_P50 = 1.25
+DRAIN_S_PER_TASK = 0.5
+
+
+@dataclass(frozen=True)
+class Shape:
+    burst: int
+    paced: int  # tasks of each paced stream
+    seed: int = 5
+
+    def __post_init__(self) -> None:
+        if self.burst < 1 or self.paced < 1:
+            raise ValueError("burst and paced must be >= 1")
+
+
+QUICK = Shape(burst=1200, paced=400)
+FULL = Shape(burst=4000, paced=1500)
+
+
+def make_texts(n: int, seed: int) -> list[str]:
+    """``n`` short texts (one to three corpus sentences), seeded."""
+    from sits_queue.models.tiny import corpus
+
+    sentences = corpus(300, seed=seed)
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(sentences) for _ in range(rng.randint(1, 3)))
+            for _ in range(n)]
+
+
+# -- statistics (pure) ---------------------------------------------------------------------
+
+def summarise(records: Sequence[dict[str, Any]], submitted: Mapping[str, float]
+              ) -> dict[str, Any]:
+    ok = [r for r in records if not r.get("error") and r["id"] in submitted]
+    latency = [(r["fin"] - submitted[r["id"]]) * 1000 for r in ok]
+    span = (max(r["fin"] for r in ok) - min(submitted[r["id"]] for r in ok)) if ok else 0.0
+    sizes = [int(r.get("size") or 1) for r in ok]
+    return {
+        "n": len(ok), "failed": len(records) - len(ok),
+        "throughput_tps": round(len(ok) / span, 2) if span > 0 else 0.0,
+        "p50_ms": round(percentile(latency, 50), 1),
+        "p99_ms": round(percentile(latency, 99), 1),
+        "mean_batch": round(sum(sizes) / len(sizes), 2) if sizes else 0.0,
+        "errors": sorted({str(r["error"]) for r in records if r.get("error")})[:3],
+    }
+
+
+def ratios(result: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str, float | None]:
+    def of(stream: str, field: str, other: str = "sits_one_by_one") -> float | None:
+        return ratio(result[stream]["sits_batched"][field], result[stream][other][field])
+
+    return {"burst_throughput_vs_one_by_one": of("burst", "throughput_tps"),
+            "burst_throughput_vs_celery": of("burst", "throughput_tps", "celery_per_task"),
+            "heavy_p99_vs_one_by_one": of("heavy", "p99_ms"),
+            "heavy_p99_vs_celery": of("heavy", "p99_ms", "celery_per_task"),
+            "light_p50_vs_one_by_one": of("light", "p50_ms"),
+            "light_p50_vs_celery": of("light", "p50_ms", "celery_per_task")}
+
+
+def targets(r: Mapping[str, float | None]) -> dict[str, bool]:
+    def meets(name: str, bound: float, above: bool) -> bool:
+        value = r[name]
+        return value is not None and (value >= bound if above else value <= bound)
+
+    return {f"burst_throughput_vs_one_by_one>={TARGET_BURST_THROUGHPUT}":
+            meets("burst_throughput_vs_one_by_one", TARGET_BURST_THROUGHPUT, True),
+            f"heavy_p99_vs_one_by_one<={TARGET_HEAVY_P99}":
+            meets("heavy_p99_vs_one_by_one", TARGET_HEAVY_P99, False),
+            f"light_p50_vs_one_by_one<={TARGET_LIGHT_P50}":
+            meets("light_p50_vs_one_by_one", TARGET_LIGHT_P50, False)}
+
+
+# -- running one system --------------------------------------------------------------------
+
+class Runner:
+    """One system's worker, warm, and the streams through it."""
+
+    def __init__(self, system: str, url: str, model_dir: Path, log_dir: Path) -> None:
+        self.system, self.url = system, url
+        self.client = redis.Redis.from_url(url)
+        self.client.flushdb()
+        self.app = build(system, url, model_dir, settings_of(system))
+        env = worker_env(system, url, model_dir)
+        self.worker = start_worker("sits_queue.bench.coalesce_apps", env, log_dir,
+                                   concurrency=1, hostname=f"{system}@%h",
+                                   cpus=available_cpus())
+        self.task = self.app.tasks[task_name(system)]
+
+    def __enter__(self) -> Runner:
+        wait_ready(self.app, [self.worker])
+        self.stream(["warm up"], rate_per_s=None)  # its cold start is not measured
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.worker.stop()
+        self.app.close()
+        self.client.flushdb()  # leave nothing behind
+        self.client.close()
+
+    def stream(self, texts: Sequence[str], rate_per_s: float | None
+               ) -> tuple[list[dict[str, Any]], dict[str, float]]:
+        """Submit ``texts`` (all at once, or at ``rate_per_s``); the records once done."""
+        self.client.delete(DONE_KEY)
+        submitted: dict[str, float] = {}
+        options = {} if self.system == "celery_per_task" else {"model": MODEL}
+        start = time.monotonic()
+        with self.app.producer_or_acquire() as producer:
+            for i, text in enumerate(texts):
+                if rate_per_s:  # the arrival process of the paced stream
+                    delay = start + i / rate_per_s - time.monotonic()
+                    if delay > 0:
+                        time.sleep(delay)
+                now = time.time()
+                result = self.task.apply_async((text,), producer=producer, **options)
+                submitted[result.id] = now
+        timeout = max(coldstart.DRAIN_MIN_S, DRAIN_S_PER_TASK * len(texts))
+        records = coldstart.await_records(self.client, len(texts), [self.worker], timeout,
+                                          f"{self.system}'s stream", key=DONE_KEY)
+        return records, submitted
+
+
+def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | None = None,
+        zoo_root: Path | None = None, on_progress: Callable[[str], None] = print
+        ) -> dict[str, Any]:
+    """The three systems on both streams; the result the JSON holds."""
+    from sits_queue.models.tiny import build_tiny_encoder
+
+    shape = shape or (QUICK if quick else FULL)
+    model_dir = build_tiny_encoder((zoo_root or coldstart.default_zoo()) / "coalesce-enc",
+                                   seed=shape.seed, **ENCODER_SHAPE)
+    texts = {"burst": make_texts(shape.burst, shape.seed),
+             **{name: make_texts(shape.paced, shape.seed + 1 + i)
+                for i, name in enumerate(LOADS)}}
+    on_progress(f"coalesce: {shape.burst} texts at once, then {shape.paced} at each of "
+                f"{len(LOADS)} rates, one text per task")
+    out: dict[str, dict[str, Any]] = {name: {} for name in STREAMS}
+    base: float | None = None  # one-at-a-time SITS's burst throughput: sets the rates
+    with tempfile.TemporaryDirectory(prefix="sits-bench-coalesce-") as tmp, \
+            redis_server(redis_url) as url:
+        for system in ("sits_one_by_one", "celery_per_task", "sits_batched"):
+            with Runner(system, database_url(url, DATABASES[system]), model_dir,
+                        Path(tmp) / system) as runner:
+                out["burst"][system] = summarise(*runner.stream(texts["burst"], None))
+                base = base or out["burst"][system]["throughput_tps"]
+                for name, load in LOADS.items():
+                    out[name][system] = summarise(*runner.stream(texts[name], load * base))
+            on_progress(f"  {system}: " + ", ".join(
+                f"{n} {out[n][system]['throughput_tps']}/s p50 {out[n][system]['p50_ms']} ms"
+                for n in STREAMS))
+    result = {name: {s: v[s] for s in SYSTEMS} for name, v in out.items()}
+    r = ratios(result)
+    return {**result, "ratios": r, "meta": {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "quick": quick,
+        "shape": asdict(shape), "encoder": ENCODER_SHAPE,
+        "rates_per_s": {n: round(load * (base or 0.0), 1) for n, load in LOADS.items()},
+        "concurrency": 1, "cpus": available_cpus(), "python": platform.python_version(),
+        "host_cpus": os.cpu_count(), "torch": coldstart._version("torch"),
+        "targets": targets(r)}}
+
+
+def table(result: Mapping[str, Any]) -> str:
+    lines = [f"{'stream':<7}{'system':<18}{'n':>6}{'tput/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
+             f"{'batch':>7}"]
+    for stream in STREAMS:
+        for name, s in result[stream].items():
+            lines.append(f"{stream:<7}{name:<18}{s['n']:>6}{s['throughput_tps']:>9.1f}"
+                         f"{s['p50_ms']:>9.1f}{s['p99_ms']:>9.1f}{s['mean_batch']:>7.2f}")
+    rates = ", ".join(f"{n} {r}/s" for n, r in result["meta"]["rates_per_s"].items())
+    lines.append(f"(p50/p99: submit -> finish; batch: mean tasks per run; paced: {rates}, "
+                 "shares of one-by-one's burst throughput)")
+    failed = {f"{k}/{n}": s["failed"] for k in STREAMS
+              for n, s in result[k].items() if s["failed"]}
+    if failed:
+        lines.append(f"FAILED tasks: {failed}")
+    lines.append("ratios: " + ", ".join(f"{k}={v}" for k, v in result["ratios"].items()))
+    lines.append(targets_line(result["meta"]["targets"]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return coldstart.zoo_main("python -m sits_queue.bench.coalesce", __doc__, run, table,
+                              argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""The apps ``sitsq bench coalesce`` runs in its ``celery worker`` subprocesses.
+
+Selected by environment (the worker imports this module with ``-A``):
+
+* ``celery_per_task``: stock Celery (results in Redis, as for SITS); the task keeps the
+  encoder loaded in a module global (warm from the first task on, as a careful Celery
+  user writes it) and embeds its one text;
+* ``sits``: the built-in ``sits.embed`` of a SITS app, the encoder registered as a
+  model; ``SITS_COALESCE_SETTINGS`` (JSON) holds ``SitsConfig`` settings (the
+  one-at-a-time run sets ``batch_window`` 0).
+
+Both embed with the same function (:func:`sits_queue.workers.inference.embed`), so what
+differs is how tasks reach the model. Every finished task pushes a record (its id, when
+it finished, how many tasks its run served) to a Redis list the benchmark reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import redis
+from celery import Celery, signals
+
+from sits_queue.app import make_app
+from sits_queue.config import SitsConfig
+
+SYSTEMS = ("celery_per_task", "sits_one_by_one", "sits_batched")
+PLAIN_TASK = "bench.coalesce.embed"
+SITS_TASK = "sits.embed"
+MODEL = "enc"
+DONE_KEY = "bench:coalesce:done"
+ENV_SYSTEM = "SITS_COALESCE_SYSTEM"
+ENV_URL = "SITS_COALESCE_REDIS_URL"
+ENV_MODEL = "SITS_COALESCE_MODEL_DIR"
+ENV_SETTINGS = "SITS_COALESCE_SETTINGS"
+
+
+def settings_of(system: str) -> dict[str, Any]:
+    """``SitsConfig`` settings of a SITS system."""
+    return {"batch_window": 0} if system == "sits_one_by_one" else {}
+
+
+def worker_env(system: str, url: str, model_dir: Path) -> dict[str, str]:
+    return {ENV_SYSTEM: system, ENV_URL: url, ENV_MODEL: str(model_dir),
+            ENV_SETTINGS: json.dumps(settings_of(system)), "TOKENIZERS_PARALLELISM": "false"}
+
+
+# -- the plain Celery side ------------------------------------------------------------------
+
+_encoder: list[Any] = []
+
+
+def _load(model_dir: Path) -> Any:
+    """The encoder as the plain task keeps it: loaded on first use, then module-global."""
+    if not _encoder:
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        from sits_queue.bench.coldstart_apps import Loaded, tensor_bytes
+
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        module: Any = AutoModel.from_pretrained(model_dir)
+        module = module.eval()
+        size = tensor_bytes([*module.parameters(), *module.buffers()])
+        _encoder.append(Loaded(MODEL, module,
+                               {"tokenizer": AutoTokenizer.from_pretrained(model_dir)}, size))
+    return _encoder[0]
+
+
+def _register_plain(app: Celery, model_dir: Path) -> None:
+    @app.task(name=PLAIN_TASK, shared=False)  # type: ignore[untyped-decorator]
+    def embed_task(text: str) -> list[float]:
+        from sits_queue.workers.inference import embed
+
+        vector: list[float] = embed(_load(model_dir), text)
+        return vector
+
+
+# -- records -------------------------------------------------------------------------------
+
+def _connect_records(app: Celery, url: str, task_name: str) -> None:
+    clients: dict[int, redis.Redis] = {}
+
+    def on_postrun(task_id: str = "", task: Any = None, retval: Any = None,
+                   state: str | None = None, **_: Any) -> None:
+        if getattr(task, "app", None) is not app or task.name != task_name:
+            return
+        meta = retval.get("sits") if isinstance(retval, dict) else None
+        size = (meta.get("batch") or {}).get("size", 1) if isinstance(meta, dict) else 1
+        record = {"id": task_id, "fin": time.time(), "size": size, "state": state,
+                  "error": None if state == "SUCCESS" else repr(retval)[:300]}
+        pid = os.getpid()  # a forked child must not reuse its parent's socket
+        if pid not in clients:
+            clients[pid] = redis.Redis.from_url(url)
+        clients[pid].rpush(DONE_KEY, json.dumps(record))
+
+    signals.task_postrun.connect(on_postrun, weak=False)
+
+
+def build(system: str, url: str, model_dir: Path,
+          settings: dict[str, Any] | None = None) -> Celery:
+    """The app of ``system`` on database ``url``."""
+    app: Celery
+    if system == "celery_per_task":
+        # Stock settings, on purpose, with the results kept (the caller wants its vector).
+        app = Celery("bench_coalesce_celery", broker=url, backend=url)
+        _register_plain(app, model_dir)
+        task_name = PLAIN_TASK
+    elif system in ("sits_one_by_one", "sits_batched"):
+        config = replace(SitsConfig(redis_url=url), **(settings or {}))
+        app = make_app(config, main=f"bench_coalesce_{system}")
+        app.register_model(MODEL, model_dir)
+        task_name = SITS_TASK
+    else:
+        raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
+    _connect_records(app, url, task_name)
+    return app
+
+
+def task_name(system: str) -> str:
+    return PLAIN_TASK if system == "celery_per_task" else SITS_TASK
+
+
+_system = os.environ.get(ENV_SYSTEM)
+if _system:
+    app = build(_system, os.environ[ENV_URL], Path(os.environ[ENV_MODEL]),
+                json.loads(os.environ.get(ENV_SETTINGS) or "{}"))
