@@ -89,6 +89,7 @@ class SitsTask(Task):  # type: ignore[misc]
     input_entropy: float | None = None
     vram_gib: float | None = None
     prefix_key: str | None = None
+    precision: str | None = None
     #: Batch tasks (``app.batch_inference_task``): most tasks one batch may take.
     max_batch: int | None = None
 

@@ -196,8 +196,10 @@ class SitsConfig:
     affinity_max_skip_ms: float = 1000.0
     #: an engine in the host tier counts this much of one on the device;
     affinity_host_weight: float = 0.5
-    #: a task whose prompt prefix's KV the worker holds adds this much.
+    #: a task whose prompt prefix's KV the worker holds adds this much;
     affinity_prefix_weight: float = 0.5
+    #: a task's precision adds up to this much on a device relatively strong at it.
+    affinity_precision_weight: float = 0.5
     #: Characters of a prompt the automatic ``prefix_key`` covers (0: derive none).
     prefix_key_chars: int = 256
     #: Same-model batching (``workers/batched.py``): a pick that takes a batchable task
@@ -208,6 +210,9 @@ class SitsConfig:
     #: ...and ``max_batch`` of the built-in ``sits.embed`` and of batch tasks that do
     #: not set one (1: no batching).
     batch_max_tasks: int = 32
+    #: Quantisation gate (§3.2): a model is served at int8 only when the KL divergence of
+    #: its activations, int8 against full precision, stays below this.
+    int8_max_kl: float = 0.05
     #: Runtime profile (§3.3): a worker stops taking new tasks while a process of it
     #: holds this share of its file-descriptor limit, or the host has this share of its
     #: memory available or less (it resumes 0.10 below / at twice that).
@@ -257,6 +262,7 @@ class SitsConfig:
         _integer("prefix_key_chars", self.prefix_key_chars, 1_000_000)
         _integer("batch_window", self.batch_window, 100_000, " (0: no batching)")
         _integer("batch_max_tasks", self.batch_max_tasks, MAX_BATCH_TASKS)
+        _positive("int8_max_kl", self.int8_max_kl)
         if self.batch_max_tasks < 1:
             raise ConfigError(f"batch_max_tasks must be >= 1, got {self.batch_max_tasks!r}")
         _integer("embed_cache_entries", self.embed_cache_entries, 10_000_000, " (0: off)")
@@ -288,7 +294,8 @@ class SitsConfig:
                               priority_ratio=self.affinity_priority_ratio,
                               max_skip_s=self.affinity_max_skip_ms / 1000.0,
                               host_weight=self.affinity_host_weight,
-                              prefix_weight=self.affinity_prefix_weight)
+                              prefix_weight=self.affinity_prefix_weight,
+                              precision_weight=self.affinity_precision_weight)
 
     @property
     def class_names(self) -> tuple[str, ...]:

@@ -20,7 +20,9 @@ from sits_queue.priority.entropy import input_entropy
 HEADER = "sits"
 #: Option names accepted on ``@app.task(...)`` and ``apply_async(...)``.
 OPTION_NAMES = ("sla_class", "model", "context_tokens", "latency_sla_ms", "loss_sensitivity",
-                "input_entropy", "vram_gib", "prefix_key")
+                "input_entropy", "vram_gib", "prefix_key", "precision")
+#: Precisions a task may ask its model to be served at (``cache/precision.py``, §3.2).
+PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 #: Larger contexts than this are typos, not prompts (10M tokens).
 MAX_CONTEXT_TOKENS = 10_000_000
 #: An SLA longer than a day is not a latency SLA.
@@ -47,6 +49,8 @@ class TaskOptions:
     #: batch of at most ``batch_max`` (``workers/batched.py``). Set by batch tasks.
     batch: str | None = None
     batch_max: int | None = None
+    #: The precision to serve the model at (§3.2); None: as loaded.
+    precision: str | None = None
 
     def to_header(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,13 +94,23 @@ def resolve(config: SitsConfig, declared: Mapping[str, Any], per_call: Mapping[s
         batch=_name("batch", merged.get("batch"), longest=MAX_BATCH_KEY),
         batch_max=None if merged.get("batch_max") is None
         else int(_number("batch_max", merged["batch_max"], 1, MAX_BATCH_TASKS, integer=True)),
+        precision=_precision(merged.get("precision")),
     )
 
 
 def batch_key(task_name: str, options: TaskOptions) -> str:
-    """What tasks must share to run in one batch: the task, its model and its class
-    (one engine, one set of limits)."""
-    return f"{task_name}|{options.model or ''}|{options.sla_class}"
+    """What tasks must share to run in one batch: the task, its model at its precision
+    and its class (one engine, one set of limits)."""
+    key = f"{task_name}|{options.model or ''}|{options.sla_class}"
+    return key if options.precision is None else f"{key}|{options.precision}"
+
+
+def _precision(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str) and value in PRECISIONS:
+        return value
+    raise InvalidTaskOptions(f"precision must be one of {list(PRECISIONS)}, got {value!r}")
 
 
 def derive_prefix_key(args: Any, kwargs: Mapping[str, Any], chars: int) -> str | None:

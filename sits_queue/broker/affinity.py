@@ -22,8 +22,12 @@ The weight of a warm model is 1 on the device and :attr:`AffinityPolicy.host_wei
 the host shadow tier (a promotion is cheap but not free); a task whose ``prefix_key``
 the worker holds KV for (``cache/prefix.py``: a shared prompt prefix it need not
 prefill) adds :attr:`AffinityPolicy.prefix_weight`. The highest weight wins, the queue's
-order breaks ties. :func:`choose` is the reference of what ``lua/pick.lua``
-does inside Redis (the integration tests check they agree).
+order breaks ties. A task that asks for a ``precision`` (§3.2) matches the engine held
+at that precision (``<model>@<precision>``), and adds its precision's weight on this
+worker (:func:`precision_weights`: the device's comparative advantage at it across the
+fleet, so in a mixed fleet INT8 work drifts to the parts strongest at INT8 and FP16 work
+to the FP16 ones; nothing in a fleet of one kind). :func:`choose` is the reference of
+what ``lua/pick.lua`` does inside Redis (the integration tests check they agree).
 
 The warm set comes from the pool children's advertisements (a worker's pick cannot
 choose which of its children runs the task, so it is the union of its children's
@@ -57,6 +61,8 @@ class AffinityPolicy:
     host_weight: float = 0.5
     #: Added for a task whose prompt prefix's KV the worker holds.
     prefix_weight: float = 0.5
+    #: Most added for a task's precision on a device with an advantage at it (§3.2).
+    precision_weight: float = 0.5
 
     def __post_init__(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) \
@@ -74,6 +80,9 @@ class AffinityPolicy:
         if not _finite(self.prefix_weight) or not 0 <= self.prefix_weight <= 10:
             raise ValueError(f"affinity_prefix_weight must be in [0, 10], got "
                              f"{self.prefix_weight!r}")
+        if not _finite(self.precision_weight) or not 0 <= self.precision_weight <= 10:
+            raise ValueError(f"affinity_precision_weight must be in [0, 10], got "
+                             f"{self.precision_weight!r}")
 
     @property
     def enabled(self) -> bool:
@@ -99,33 +108,47 @@ class Candidate:
     held: bool = False
     #: Its ``prefix_key`` (what its prompt starts with), if any.
     prefix: str | None = None
+    #: The precision it asks its model to be served at, if any.
+    precision: str | None = None
+
+
+def engine_key(model: str, precision: str | None) -> str:
+    """The key a worker's cache holds ``model`` under at ``precision`` (as
+    ``cache/precision.py`` names it)."""
+    return model if precision is None else f"{model}@{precision}"
 
 
 @dataclass(frozen=True)
 class Warm:
-    """What a worker holds, as affinity weights: models (by tier) and prompt prefixes
-    (by ``prefix_key``). Only positive weights are kept."""
+    """What a worker holds, as affinity weights: models (engine keys, by tier), prompt
+    prefixes (by ``prefix_key``) and precisions (its device's advantage at each). Only
+    positive weights are kept."""
 
     models: Mapping[str, float] = field(default_factory=dict)
     prefixes: Mapping[str, float] = field(default_factory=dict)
+    precisions: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "models", {k: w for k, w in self.models.items() if w > 0})
-        object.__setattr__(self, "prefixes",
-                           {k: w for k, w in self.prefixes.items() if w > 0})
+        for name in ("models", "prefixes", "precisions"):
+            object.__setattr__(self, name,
+                               {k: w for k, w in getattr(self, name).items() if w > 0})
 
     def __bool__(self) -> bool:
-        return bool(self.models or self.prefixes)
+        return bool(self.models or self.prefixes or self.precisions)
 
     @property
     def top(self) -> float:
-        """The largest weight a task can have here (its model's plus its prefix's)."""
+        """The largest weight a task can have here (model + prefix + precision)."""
         return max(self.models.values(), default=0.0) + \
-            max(self.prefixes.values(), default=0.0)
+            max(self.prefixes.values(), default=0.0) + \
+            max(self.precisions.values(), default=0.0)
 
-    def weight(self, model: str | None, prefix: str | None) -> float:
-        return (self.models.get(model, 0.0) if model is not None else 0.0) + \
-            (self.prefixes.get(prefix, 0.0) if prefix is not None else 0.0)
+    def weight(self, model: str | None, prefix: str | None,
+               precision: str | None = None) -> float:
+        held = self.models.get(engine_key(model, precision), 0.0) if model is not None \
+            else 0.0
+        return held + (self.prefixes.get(prefix, 0.0) if prefix is not None else 0.0) + \
+            (self.precisions.get(precision, 0.0) if precision is not None else 0.0)
 
 
 def warm_weights(warm_maps: Iterable[Mapping[str, Any]], host_weight: float
@@ -140,15 +163,49 @@ def warm_weights(warm_maps: Iterable[Mapping[str, Any]], host_weight: float
     return weights
 
 
-def warm_of(children: Iterable[Mapping[str, Any]], policy: AffinityPolicy) -> Warm:
+def warm_of(children: Iterable[Mapping[str, Any]], policy: AffinityPolicy,
+            precisions: Mapping[str, float] | None = None) -> Warm:
     """A worker's :class:`Warm` from its children's advertised records: ``warm``
-    (model -> tier) and ``kv_keys`` (prefix keys whose KV the child holds)."""
+    (engine key -> tier) and ``kv_keys`` (prefix keys whose KV the child holds), with
+    its ``precisions`` weights (:func:`precision_weights`)."""
     records = [c for c in children if isinstance(c, Mapping)]
     models = warm_weights((c["warm"] for c in records if isinstance(c.get("warm"), Mapping)),
                           policy.host_weight)
     keys = {str(k) for c in records if isinstance(c.get("kv_keys"), list)
             for k in c["kv_keys"]}
-    return Warm(models, dict.fromkeys(sorted(keys), policy.prefix_weight))
+    return Warm(models, dict.fromkeys(sorted(keys), policy.prefix_weight),
+                dict(precisions or {}))
+
+
+def precision_profile(peaks: Mapping[str, float]) -> dict[str, float]:
+    """Each precision's peak throughput as a share of the device's best (1 at its best
+    precision); empty for a device without figures (a CPU)."""
+    top = max((v for v in peaks.values() if _finite(v) and v > 0), default=0.0)
+    return {p: v / top for p, v in peaks.items() if top and _finite(v) and v > 0}
+
+
+def precision_weights(own: Mapping[str, float], fleet: Sequence[Mapping[str, float]],
+                      weight: float) -> dict[str, float]:
+    """§3.2, matching precisions to devices: this worker's weight per precision, from
+    its device's peak throughput per precision (``own``) and every live worker's
+    (``fleet``, own included).
+
+    Comparative advantage: a device's profile (:func:`precision_profile`) against the
+    fleet's mean profile; a precision it is relatively stronger at than the fleet gets
+    up to ``weight`` (at twice the mean share and beyond), the rest nothing. So a T4
+    (INT8 twice its FP16) next to V100s (no INT8 tensor cores) pulls the INT8 tasks, the
+    V100s the FP16 ones; a fleet of one kind gets no weights (nothing to match).
+    """
+    mine = precision_profile(own)
+    profiles = [precision_profile(peaks) for peaks in fleet] or [mine]
+    out: dict[str, float] = {}
+    for precision, share in mine.items():
+        mean = sum(p.get(precision, 0.0) for p in profiles) / len(profiles)
+        advantage = share / mean - 1 if mean > 0 else 0.0
+        w = round(weight * min(1.0, advantage), 6)
+        if w > 0:
+            out[precision] = w
+    return out
 
 
 def min_level(head_level: int, ratio: float) -> float:
@@ -172,7 +229,7 @@ def choose(candidates: Sequence[Candidate], warm: Warm, policy: AffinityPolicy,
         return 0
     head = candidates[0]
     top = warm.top
-    best_w = warm.weight(head.model, head.prefix)
+    best_w = warm.weight(head.model, head.prefix, head.precision)
     if head.held or best_w >= top:
         return 0
     if head.skipped_since_s is not None and now_s - head.skipped_since_s >= policy.max_skip_s:
@@ -182,7 +239,7 @@ def choose(candidates: Sequence[Candidate], warm: Warm, policy: AffinityPolicy,
     for i, cand in enumerate(candidates[1:policy.window], start=1):
         if cand.level < floor:
             break  # queue order: every later one ranks lower still
-        w = warm.weight(cand.model, cand.prefix)
+        w = warm.weight(cand.model, cand.prefix, cand.precision)
         if not cand.held and w > best_w:
             best, best_w = i, w
             if w >= top:
@@ -193,13 +250,14 @@ def choose(candidates: Sequence[Candidate], warm: Warm, policy: AffinityPolicy,
 def lua_args(policy: AffinityPolicy, warm: Warm) -> list[Any]:
     """``pick.lua``'s affinity arguments (after its first four); empty when off.
 
-    Weights go as ``m:<model>`` and ``p:<prefix key>`` pairs (two namespaces: a model
-    may be named like a key)."""
+    Weights go as ``m:<engine key>``, ``p:<prefix key>`` and ``q:<precision>`` pairs
+    (namespaces: a model may be named like a key)."""
     if not policy.enabled or not warm:
         return []
     args: list[Any] = [policy.window, repr(float(policy.priority_ratio)),
                        repr(float(policy.max_skip_s))]
-    for space, weights in (("m:", warm.models), ("p:", warm.prefixes)):
+    for space, weights in (("m:", warm.models), ("p:", warm.prefixes),
+                           ("q:", warm.precisions)):
         for name, w in sorted(weights.items()):
             args += [space + name, repr(float(w))]
     return args

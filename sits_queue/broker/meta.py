@@ -23,7 +23,7 @@ def compact_json(value: Any) -> bytes:
 # Short JSON keys: this record exists once per waiting message (100k+ in a deep queue).
 _KEYS = {"sla_class": "c", "model": "m", "context_tokens": "n", "latency_sla_ms": "sla",
          "loss_sensitivity": "ls", "input_entropy": "e", "vram_gib": "v",
-         "prefix_key": "px", "batch": "b", "batch_max": "bn"}
+         "prefix_key": "px", "batch": "b", "batch_max": "bn", "precision": "q"}
 
 
 @dataclass(frozen=True)

@@ -152,6 +152,11 @@ class Engine(ABC):
     def released(self) -> bool:
         return self._released
 
+    @property
+    def sample_inputs(self) -> Inputs | None:
+        """The warm-up input the engine was built with (None: it has none)."""
+        return self._sample
+
     @abstractmethod
     def size_bytes(self) -> int:
         """Bytes the engine occupies on the device when promoted (what the budgets count)."""

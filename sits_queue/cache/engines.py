@@ -81,10 +81,13 @@ class TorchEngine(Engine):
     backend = "torch"
 
     def __init__(self, key: str, module: torch.nn.Module, sample_inputs: Inputs | None,
-                 artifacts: Mapping[str, Any] | None = None) -> None:
+                 artifacts: Mapping[str, Any] | None = None,
+                 size_bytes: int | None = None) -> None:
         super().__init__(key, sample_inputs, artifacts)
         self._module: torch.nn.Module | None = module.eval()
-        self._size = _tensor_bytes([*module.parameters(), *module.buffers()])
+        # Given when parameters and buffers miss some weights (quantised packed params).
+        self._size = size_bytes if size_bytes is not None else \
+            _tensor_bytes([*module.parameters(), *module.buffers()])
 
     @property
     def module(self) -> torch.nn.Module:

@@ -81,7 +81,21 @@ def device_record(device: Device) -> dict[str, Any]:
             "uuid": device.uuid, "total_vram_bytes": device.total_vram_bytes,
             "free_vram_bytes": device.free_vram_bytes,
             "utilisation_pct": device.utilisation_pct, "numa_node": device.numa_node,
-            "alpha": device.alpha}
+            "alpha": device.alpha,
+            # Peak throughput per precision (datasheet), for precision matching (§3.2).
+            "peak_tflops": {p: round(v / 1e12, 3) for p, v in device.peak_flops.items()}}
+
+
+def device_peaks(record: Mapping[str, Any]) -> dict[str, float]:
+    """A worker record's peak TFLOP/s per precision, the best of its devices."""
+    peaks: dict[str, float] = {}
+    devices = record.get("devices")
+    for device in devices if isinstance(devices, list) else []:
+        table = device.get("peak_tflops") if isinstance(device, Mapping) else None
+        for precision, value in (table.items() if isinstance(table, Mapping) else ()):
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                peaks[str(precision)] = max(peaks.get(str(precision), 0.0), float(value))
+    return peaks
 
 
 def counter_values(raw: Mapping[Any, Any]) -> dict[str, float]:
@@ -223,11 +237,17 @@ class WarmReader:
     #: Longest a warm set is reused without an ack, s (another worker's hold runs out,
     #: a child was replaced): picks stay cheap, a stale set costs only a cold start.
     WARM_MAX_AGE_S = 0.5
+    #: How often the fleet's devices are read again for the precision weights, s (the
+    #: fleet's make-up changes when workers come and go, not per task).
+    FLEET_MAX_AGE_S = 30.0
 
     def __init__(self, config: SitsConfig, hostname: str, concurrency: int,
                  clock: Any = time.monotonic) -> None:
         self._policy = config.affinity
         self._config = config
+        self._hostname = hostname
+        self._precisions: dict[str, float] = {}
+        self._fleet_at: float | None = None
         self._keys = [child_key(config.global_keyprefix, hostname, s)
                       for s in range(max(1, concurrency))]
         self._clock = clock
@@ -259,8 +279,26 @@ class WarmReader:
                 record = None
             if isinstance(record, dict):
                 children.append(record)
-        self._warm = affinity.warm_of(children, self._policy)
+        self._warm = affinity.warm_of(children, self._policy, self._precision_weights(now))
         return self._warm
+
+    def _precision_weights(self, now: float) -> dict[str, float]:
+        """This worker's precision weights (``affinity.precision_weights``) from every
+        live worker's advertised devices, re-read every :data:`FLEET_MAX_AGE_S`."""
+        if self._policy.precision_weight <= 0 or (
+                self._fleet_at is not None and now - self._fleet_at < self.FLEET_MAX_AGE_S):
+            return self._precisions
+        self._fleet_at = now
+        try:
+            records = read_workers(client_for(self._config), self._config.global_keyprefix)
+        except (redis.RedisError, ValueError) as exc:  # keep the last weights
+            logger.debug("fleet unreadable, precision weights kept: %s", exc)
+            return self._precisions
+        own = next((r for r in records if r.get("hostname") == self._hostname), None)
+        self._precisions = affinity.precision_weights(
+            device_peaks(own) if own is not None else {},
+            [device_peaks(r) for r in records], self._policy.precision_weight)
+        return self._precisions
 
 
 # -- the bootstep ------------------------------------------------------------------------

@@ -69,16 +69,26 @@ def _cold_meta(cold: Any, ctx_ms: float) -> dict[str, Any]:
             "evicted": list(cold.evicted), "demoted": list(cold.demoted)}
 
 
-def _acquire(rt: runtime.ChildRuntime, model: str) -> tuple[Any, Any]:
-    """The warm engine for ``model`` and how cold its start was; errors mapped."""
+def _acquire(rt: runtime.ChildRuntime, model: str, precision: str | None = None
+             ) -> tuple[Any, Any]:
+    """The warm engine for ``model`` (at ``precision``: its own cache entry) and how cold
+    its start was; errors mapped."""
     from sits_queue.cache import pool
+    from sits_queue.cache import precision as precisions
     from sits_queue.registry import load_engine
 
     spec = rt.app.models.get(model)  # UnknownModel
+
+    def load() -> Any:
+        engine = load_engine(spec, rt.torch_device)
+        if precision is None:
+            return engine
+        return precisions.convert(engine, precision, rt.torch_device, rt.config.int8_max_kl)
+
     rt.lift_cap()
     oom: str | None = None
     try:
-        engine, cold = rt.cache().get(model, lambda: load_engine(spec, rt.torch_device))
+        engine, cold = rt.cache().get(precisions.cache_key(model, precision), load)
         return engine, cold
     except pool.EngineTooLarge as exc:
         raise VramLimitExceeded(f"model {model!r} does not fit this worker's engine cache: "
@@ -119,8 +129,9 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     quota = runtime.task_class(rt.config, request, getattr(task, "sla_class", None))
     cpus = rt.confine(quota)
     rt.cap_for_class(quota)  # the context first, so its cost is timed on its own
+    precision = runtime.task_precision(request, getattr(task, "precision", None))
     acquire_ns = time.time_ns()
-    engine, cold = _acquire(rt, model)
+    engine, cold = _acquire(rt, model, precision)
     acquired_ns = time.time_ns()
     left = [*cold.evicted, *cold.demoted]
     if left:  # their prefixes' KV sat on the device beside them: free it too
@@ -132,6 +143,8 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     meta = _cold_meta(cold, rt.take_ctx_ms())
     # Taken ahead of its queue's head because this worker held the model warm (pick.lua).
     meta["affinity"] = bool(getattr(request, AFFINITY_HEADER, False))
+    # What a precision request got (§3.2): served, the int8 gate's KL, why not if not.
+    meta["precision"] = engine.artifacts.get("precision") if precision else None
     rt.count(metrics.task_fields(meta, quota.name, model, tasks))
     _trace(meta, model, quota.name, acquire_ns, acquired_ns)
     timelimit = getattr(request, "timelimit", None) or (None, None)

@@ -42,7 +42,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from sits_queue.config import ClassQuota, SitsConfig
 from sits_queue.errors import ConfigError, UnknownModel, VramLimitExceeded
-from sits_queue.options import HEADER
+from sits_queue.options import HEADER, PRECISIONS
 from sits_queue.workers import advertise, gpu, metrics, profile
 from sits_queue.workers import request as admission
 from sits_queue.workers.devices import Device, Discovery, default_concurrency, discover
@@ -220,6 +220,14 @@ def task_prefix_key(request: Any) -> str | None:
     header = getattr(request, HEADER, None)
     key = header.get("prefix_key") if isinstance(header, Mapping) else None
     return key if isinstance(key, str) and key else None
+
+
+def task_precision(request: Any, declared: str | None = None) -> str | None:
+    """The precision the task asked its model to be served at; None: as loaded."""
+    header = getattr(request, HEADER, None)
+    value = header.get("precision") if isinstance(header, Mapping) else None
+    value = value if isinstance(value, str) and value else declared
+    return value if value in PRECISIONS else None
 
 
 # -- the active task (read by the built-in inference functions) ------------------------------

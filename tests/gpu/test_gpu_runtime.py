@@ -208,3 +208,31 @@ def test_more_children_than_gpus_share_round_robin(
     # The parent (like this test process) never touched CUDA, so forking was safe
     assert "Cannot re-initialize CUDA" not in proc.log()
 
+
+
+def test_precisions_on_a_gpu(app: Celery, worker: CeleryProcess) -> None:
+    # int8 through torch has no CUDA kernels: served at fp16, and the result says why
+    got = call(app, "sits.generate", "Once upon a time", model="gpt", precision="int8",
+               timeout=FIRST_CALL_S)
+    meta = got["sits"]["precision"]
+    assert meta["requested"] == "int8" and meta["served"] == "fp16"
+    assert "TensorRT" in meta["reason"] and got["sits"]["device"].startswith("cuda")
+    bf16 = call(app, "sits.generate", "Once upon a time", model="gpt", precision="bf16")
+    assert bf16["sits"]["precision"]["served"] == "bf16"
+    assert bf16["output"]["tokens"] > 0
+
+
+def test_embeds_waiting_together_run_as_one_batch_on_the_gpu(
+        app: Celery, worker: CeleryProcess) -> None:
+    from sits_queue.broker.bulk import enqueue_many
+
+    call(app, "sits.embed", "warm", model="enc", timeout=FIRST_CALL_S)
+    # One put for all 40: they wait together, so the worker's next pick takes them in
+    # batches of at most 32 (batch_max_tasks)
+    ids = enqueue_many(app.tasks["sits.embed"], [(f"text number {i}",) for i in range(40)],
+                       model="enc")
+    results = [app.AsyncResult(i).get(timeout=60) for i in ids]
+    sizes = [r["sits"]["batch"]["size"] for r in results]
+    assert max(sizes) > 1 and all(s <= 32 for s in sizes)
+    assert all(r["sits"]["device"].startswith("cuda") for r in results)
+    assert len({len(r["output"]) for r in results}) == 1

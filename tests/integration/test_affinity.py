@@ -53,7 +53,7 @@ def enqueue(client: redis.Redis, tasks: list[Candidate], held_until: float = NOW
         client.zadd(KEYS.waiting, {t.id: score_base(priority) + seq})
         client.hset(KEYS.payloads, t.id, json.dumps({"id": t.id}))
         client.hset(KEYS.meta, t.id, json.dumps({"c": "high", "m": t.model, "t": NOW - 9,
-                                                 "px": t.prefix}))
+                                                 "px": t.prefix, "q": t.precision}))
         if t.skipped_since_s is not None:
             client.hset(KEYS.skipped, t.id, repr(t.skipped_since_s))
         if t.held:
@@ -61,10 +61,11 @@ def enqueue(client: redis.Redis, tasks: list[Candidate], held_until: float = NOW
 
 
 def task(name: str, priority: float, model: str | None, skipped_s: float | None = None,
-         held: bool = False, prefix: str | None = None) -> Candidate:
+         held: bool = False, prefix: str | None = None,
+         precision: str | None = None) -> Candidate:
     tid = f"{name}@{priority}"
     since = None if skipped_s is None else NOW - skipped_s
-    return Candidate(tid, priority_level(priority), model, since, held, prefix)
+    return Candidate(tid, priority_level(priority), model, since, held, prefix, precision)
 
 
 def pick(scripts: Scripts, client: redis.Redis, policy: AffinityPolicy, warm: Warm) -> Any:
@@ -87,16 +88,20 @@ def test_pick_lua_agrees_with_the_reference_policy(r: redis.Redis, scripts: Scri
         n = rng.randint(1, 14)
         tasks = [task(f"t{i}", rng.choice([300, 100, 100, 100, 90, 60, 45, 10]),
                       rng.choice(models), rng.choice([None, None, 0.0, 0.3, 0.9, 1.5, 5.0]),
-                      held=rng.random() < 0.1, prefix=rng.choice([None, "p1", "p2"]))
+                      held=rng.random() < 0.1, prefix=rng.choice([None, "p1", "p2"]),
+                      precision=rng.choice([None, None, "int8", "fp16"]))
                  for i in range(n)]
         if all(t.held for t in tasks):
             continue
         policy = AffinityPolicy(window=rng.choice([0, 2, 3, 5, 16]),
                                 priority_ratio=rng.choice([1.0, 2.0, 4.0]),
                                 max_skip_s=rng.choice([0.5, 1.0, 10.0]))
-        warm = Warm({m: rng.choice([0.0, 0.5, 1.0]) for m in ("x", "y", "z")
+        # engines as held: plain, or at a precision (x@int8 serves x asked at int8 only)
+        warm = Warm({m: rng.choice([0.0, 0.5, 1.0]) for m in ("x", "y", "z", "x@int8", "y@fp16")
                      if rng.random() < 0.6},
-                    {p: rng.choice([0.0, 0.5, 0.75]) for p in ("p1", "p2") if rng.random() < 0.4})
+                    {p: rng.choice([0.0, 0.5, 0.75]) for p in ("p1", "p2") if rng.random() < 0.4},
+                    {q: rng.choice([0.0, 0.25, 0.5]) for q in ("int8", "fp16")
+                     if rng.random() < 0.4})
         r.delete(*KEYS.all())
         enqueue(r, tasks)
         want_id, want_ahead = expected(tasks, policy, warm)

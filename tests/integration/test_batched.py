@@ -201,3 +201,16 @@ def test_bad_max_batch_is_refused(app: Celery) -> None:
         app.batch_inference_task(model="gpt", max_batch=0)
     with pytest.raises(ValueError, match="max_batch"):
         app.batch_inference_task(model="gpt", max_batch=True)
+
+
+def test_bulk_submitted_embeds_wait_together_and_run_in_batches(
+        app: Celery, worker: CeleryProcess) -> None:
+    from sits_queue.broker.bulk import enqueue_many
+
+    # One put.lua call for all 40: the next pick finds them waiting together
+    ids = enqueue_many(app.tasks["sits.embed"], [(f"text number {i}",) for i in range(40)],
+                       model="enc")
+    got = [app.AsyncResult(i).get(timeout=CALL_S) for i in ids]
+    sizes = [g["sits"]["batch"]["size"] for g in got]
+    assert max(sizes) > 1 and all(s <= 32 for s in sizes)  # batch_max_tasks
+    assert len({len(g["output"]) for g in got}) == 1

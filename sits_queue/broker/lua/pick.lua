@@ -11,7 +11,8 @@
 --   task's batch kin, workers/batched.py);
 --   optional affinity (broker/affinity.py, whose choose() this mirrors): window,
 --   priority ratio, max skip s, then name, weight pairs of what the consumer holds warm:
---   'm:<model>' (engines) and 'p:<prefix key>' (KV of prompt prefixes)
+--   'm:<engine key>' (engines: '<model>' or '<model>@<precision>'), 'p:<prefix key>' (KV
+--   of prompt prefixes) and 'q:<precision>' (the device's advantage at a precision)
 -- Returns {id, payload, times redelivered, checkpoint or false, 1 if taken ahead of the
 -- head by affinity else 0, then id, payload, times of each task taken with it as one
 -- batch}; else the number of messages passed over because this consumer released them
@@ -34,21 +35,27 @@ local function held_by_me(id)
   return who == consumer and tonumber(till) ~= nil and tonumber(till) > tonumber(now)
 end
 
--- A waiting task's model and prefix key, from its scoring metadata (nil where absent).
-local function model_and_prefix(id)
+-- A waiting task's model, prefix key and precision, from its scoring metadata (nil
+-- where absent).
+local function wants(id)
   local raw = redis.call('HGET', KEYS[3], id)
-  if not raw then return nil, nil end
+  if not raw then return nil, nil, nil end
   local ok, record = pcall(cjson.decode, raw)
-  if not ok or type(record) ~= 'table' then return nil, nil end
-  local model, prefix = record['m'], record['px']
+  if not ok or type(record) ~= 'table' then return nil, nil, nil end
+  local model, prefix, precision = record['m'], record['px'], record['q']
   if type(model) ~= 'string' then model = nil end
   if type(prefix) ~= 'string' then prefix = nil end
-  return model, prefix
+  if type(precision) ~= 'string' then precision = nil end
+  return model, prefix, precision
 end
 
+-- The engine a task needs is held under '<model>@<precision>' when it asks for one.
 local function weight_of(warm, id)
-  local model, prefix = model_and_prefix(id)
-  return ((model and warm['m:' .. model]) or 0) + ((prefix and warm['p:' .. prefix]) or 0)
+  local model, prefix, precision = wants(id)
+  local engine = model
+  if model and precision then engine = model .. '@' .. precision end
+  return ((engine and warm['m:' .. engine]) or 0) + ((prefix and warm['p:' .. prefix]) or 0)
+    + ((precision and warm['q:' .. precision]) or 0)
 end
 
 -- The warmest task within the window and the priority ratio, if warmer than the head:
@@ -60,15 +67,14 @@ local function affinity_pick()
   local window = tonumber(ARGV[5] or '')
   if window == nil or window < 2 or #ARGV < 9 then return nil end
   local ratio, max_skip = tonumber(ARGV[6]), tonumber(ARGV[7])
-  local warm, top_model, top_prefix = {}, 0, 0
+  local warm, tops = {}, {}
   for i = 8, #ARGV - 1, 2 do
     local w = tonumber(ARGV[i + 1]) or 0
+    local space = string.sub(ARGV[i], 1, 2)
     warm[ARGV[i]] = w
-    if string.sub(ARGV[i], 1, 2) == 'p:' then
-      if w > top_prefix then top_prefix = w end
-    elseif w > top_model then top_model = w end
+    if w > (tops[space] or 0) then tops[space] = w end
   end
-  local top = top_model + top_prefix
+  local top = (tops['m:'] or 0) + (tops['p:'] or 0) + (tops['q:'] or 0)
   local near = redis.call('ZRANGE', KEYS[1], 0, window - 1, 'WITHSCORES')
   if #near < 4 then return nil end
   local best_w = weight_of(warm, near[1])

@@ -1,0 +1,229 @@
+"""Serving a model at a precision (MISSION §3.2): FP16/BF16 casts, INT8 by dynamic
+quantisation, and the gate that keeps INT8 only where it barely changes the model.
+
+A task may ask for ``precision="fp32"|"fp16"|"bf16"|"int8"`` (the SITS option). The
+worker's cache holds each precision of a model as its own engine (``<model>@<precision>``),
+made from the model as loaded:
+
+* fp16 / bf16: a copy of the module cast to that type;
+* int8: a copy whose linear layers (and GPT-2's ``Conv1D``, turned into the equivalent
+  ``Linear`` first) are dynamically quantised to int8 weights
+  (``torch.ao.quantization.quantize_dynamic``: fbgemm / oneDNN kernels, CPU only), kept
+  only if the **quantisation gate** passes: over calibration inputs (the engine's warm-up
+  sample and :data:`CALIBRATION_TEXTS` through its tokenizer), the mean KL divergence
+  between the softmax of the original's and the quantised model's output activations
+  (logits, else the last hidden state) must stay under ``int8_max_kl`` (0.05, the
+  source's figure). Otherwise the model is served at full precision and the result says
+  why, with the KL it measured.
+
+torch has no int8 GEMM for CUDA tensors through this path: on a GPU an int8 request is
+served at fp16 (the reason says so); a real int8 GPU engine is a TensorRT plan built
+with int8 calibration, registered as its own model. Only torch modules can be cast or
+quantised here; an exported, ONNX or TensorRT engine is served as it was built.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from sits_queue.broker.affinity import engine_key
+from sits_queue.errors import ModelLoadError
+from sits_queue.options import PRECISIONS
+
+#: §3.2: INT8 only when the KL divergence of activations stays below this.
+DEFAULT_MAX_KL = 0.05
+#: Varied text for the gate's calibration pass (the engine's warm-up sample comes too).
+CALIBRATION_TEXTS = (
+    "The quarterly report shows revenue up four percent on the previous year.",
+    "Translate to French: the train leaves at seven in the morning.",
+    "def add(a, b):\n    return a + b",
+    "Patient presents with mild fever and a persistent cough for three days.",
+    "Summarise: the committee approved the budget after a long debate.",
+    "Q: What is the capital of Australia? A:",
+    "Error 503: the upstream service did not answer within 30 seconds.",
+    "She walked to the window, looked at the rain, and decided to stay home.",
+)
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a precision request got: the precision served, the gate's KL (int8), why."""
+
+    requested: str
+    served: str
+    kl: float | None = None
+    reason: str | None = None
+
+    def meta(self) -> dict[str, Any]:
+        return {"requested": self.requested, "served": self.served,
+                "kl": None if self.kl is None else round(self.kl, 6), "reason": self.reason}
+
+
+def cache_key(model: str, precision: str | None) -> str:
+    """The warm cache's key for ``model`` at ``precision`` (None: as loaded); affinity
+    matches tasks to it by the same rule."""
+    return engine_key(model, precision)
+
+
+def first_choice(requested: str, device: str) -> tuple[str, str | None]:
+    """The precision to build for a request on ``device`` and, if not the one asked
+    for, why (pure)."""
+    if requested not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {requested!r}")
+    if requested == "int8" and device.startswith("cuda"):
+        return "fp16", ("torch has no CUDA int8 kernels for dynamically quantised "
+                        "layers; served at fp16 (build an int8 TensorRT plan for int8 "
+                        "on a GPU)")
+    return requested, None
+
+
+def gate(kl: float, max_kl: float) -> str | None:
+    """None if INT8 may serve with this KL, else why not (pure)."""
+    if kl < max_kl:
+        return None
+    return (f"int8 refused by the quantisation gate: KL divergence of activations "
+            f"{kl:.4f} >= {max_kl:g}; served at full precision")
+
+
+# -- the torch edge ------------------------------------------------------------------------
+
+def kl_divergence(reference: Any, candidate: Any) -> float:
+    """Mean over rows of KL(softmax(reference) || softmax(candidate)), last dimension."""
+    import torch
+
+    p = torch.log_softmax(reference.double().flatten(0, -2), dim=-1)
+    q = torch.log_softmax(candidate.double().flatten(0, -2), dim=-1)
+    return float((p.exp() * (p - q)).sum(dim=-1).mean())
+
+
+def _activations(module: Any, inputs: dict[str, Any]) -> Any:
+    import torch
+
+    with torch.inference_mode():
+        out = module(**inputs)
+    for name in ("logits", "last_hidden_state"):
+        value = getattr(out, name, None)
+        if value is not None:
+            return value.float()
+    first = out[0] if isinstance(out, (tuple, list)) else out
+    if not isinstance(first, torch.Tensor):
+        raise ModelLoadError("the quantisation gate needs a model whose output is a tensor "
+                             "or has logits / last_hidden_state")
+    return first.float()
+
+
+def calibration_inputs(engine: Any) -> list[dict[str, Any]]:
+    """The gate's inputs: the warm-up sample, and each calibration text when the engine
+    has a tokenizer."""
+    inputs: list[dict[str, Any]] = []
+    sample = engine.sample_inputs
+    if isinstance(sample, dict):
+        inputs.append(dict(sample))
+    tokenizer = engine.artifacts.get("tokenizer")
+    if tokenizer is not None:
+        inputs += [dict(tokenizer(text, return_tensors="pt")) for text in CALIBRATION_TEXTS]
+    if not inputs:
+        raise ModelLoadError(f"model {engine.key!r} has no sample inputs or tokenizer to "
+                             "calibrate the int8 gate with")
+    return inputs
+
+
+def _linearize(module: Any) -> Any:
+    """GPT-2 style ``Conv1D`` layers (x @ W + b, W stored in x out) as ``nn.Linear``, so
+    quantisation reaches them; the same function, weights transposed."""
+    import torch
+
+    for name, child in list(module.named_children()):
+        if type(child).__name__ == "Conv1D" and hasattr(child, "nf"):
+            weight = child.weight.detach()
+            linear = torch.nn.Linear(weight.shape[0], weight.shape[1])
+            with torch.no_grad():
+                linear.weight.copy_(weight.t())
+                linear.bias.copy_(child.bias.detach())
+            setattr(module, name, linear)
+        else:
+            _linearize(child)
+    return module
+
+
+def quantize_int8(module: Any) -> Any:
+    """A dynamically quantised int8 copy of ``module`` (CPU).
+
+    torch marks ``torch.ao.quantization`` deprecated in favour of torchao, but it is the
+    path with fused fbgemm/oneDNN int8 kernels in eager mode in the torch we pin; the
+    warnings it raises on every call are silenced here (the gate and the cache keys do
+    not depend on which library quantises)."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        quantized = torch.ao.quantization.quantize_dynamic(  # type: ignore[no-untyped-call]
+            _linearize(copy.deepcopy(module)).cpu(), {torch.nn.Linear}, dtype=torch.qint8)
+    return quantized.eval()
+
+
+def module_bytes(module: Any) -> int:
+    """Bytes of a module's distinct tensors, packed quantised weights included (they are
+    in its state dict, not among its parameters)."""
+    import torch
+
+    seen: dict[int, int] = {}
+
+    def add(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            seen[id(value)] = value.numel() * value.element_size()
+        elif isinstance(value, (tuple, list)):
+            for item in value:
+                add(item)
+
+    for value in module.state_dict(keep_vars=True).values():
+        add(value)
+    return sum(seen.values())
+
+
+def int8_kl(engine: Any, quantized: Any) -> float:
+    """The gate's measure: mean KL over the calibration inputs, original vs int8."""
+    module = engine.module
+    kls = [kl_divergence(_activations(module, x), _activations(quantized, x))
+           for x in calibration_inputs(engine)]
+    return sum(kls) / len(kls)
+
+
+def convert(engine: Any, requested: str, device: str, max_kl: float = DEFAULT_MAX_KL
+            ) -> Any:
+    """``engine`` (as loaded, in the host tier) served at ``requested``: a new engine
+    keyed ``<model>@<requested>`` whose ``artifacts["precision"]`` says what it got."""
+    import torch
+
+    from sits_queue.cache.engines import TorchEngine
+
+    model = engine.key
+    if not isinstance(engine, TorchEngine):
+        raise ModelLoadError(f"model {model!r} is a {engine.backend} engine; a precision "
+                             "can only be chosen for torch models (build the engine at the "
+                             "precision you want and register it as its own model)")
+    target, reason = first_choice(requested, device)
+    kl = None
+    module: Any = engine.module
+    if target == "int8":
+        quantized = quantize_int8(module)
+        kl = int8_kl(engine, quantized)
+        refused = gate(kl, max_kl)
+        if refused is None:
+            module = quantized
+        else:
+            target, reason = "fp32", refused
+    if target in ("fp16", "bf16"):
+        dtype = torch.float16 if target == "fp16" else torch.bfloat16
+        module = copy.deepcopy(module).to(dtype)
+    served = Served(requested, target, kl, reason)
+    sample = engine.sample_inputs
+    converted = TorchEngine(cache_key(model, requested), module, sample,
+                            {**engine.artifacts, "precision": served.meta()},
+                            size_bytes=module_bytes(module) if target == "int8" else None)
+    engine.release()
+    return converted

@@ -1,0 +1,204 @@
+"""Precision affinity (MISSION §3.2): the option, matching precisions to devices, the
+INT8 quantisation gate, and serving a real (tiny, local) model at each precision."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sits_queue.broker.affinity import (
+    AffinityPolicy,
+    Candidate,
+    Warm,
+    choose,
+    lua_args,
+    precision_profile,
+    precision_weights,
+)
+from sits_queue.broker.keys import priority_level
+from sits_queue.broker.meta import WaitingMeta
+from sits_queue.cache import precision
+from sits_queue.config import SitsConfig
+from sits_queue.errors import InvalidTaskOptions, ModelLoadError
+from sits_queue.options import batch_key, from_header, resolve
+from sits_queue.workers.advertise import device_peaks
+from sits_queue.workers.devices import KNOWN_GPUS
+
+CONFIG = SitsConfig()
+
+
+def peaks(name: str) -> dict[str, float]:
+    return {p: v / 1e12 for p, v in KNOWN_GPUS[name].peak_flops.items()}
+
+
+# -- the option ----------------------------------------------------------------------------
+
+def test_precision_is_a_validated_option_that_reaches_the_broker_record() -> None:
+    opts = resolve(CONFIG, {"model": "enc"}, {"precision": "int8"})
+    assert opts.precision == "int8"
+    assert from_header(CONFIG, opts.to_header()) == opts
+    assert WaitingMeta.from_json(WaitingMeta(opts, 1.0, "t").to_json()).options == opts
+    # batches never mix precisions: they run on one engine
+    assert batch_key("t", opts) == "t|enc|medium|int8"
+    assert batch_key("t", resolve(CONFIG, {"model": "enc"}, {})) == "t|enc|medium"
+
+
+@pytest.mark.parametrize("bad", ["int4", "FP16", "", 8])
+def test_an_unknown_precision_is_refused_by_name(bad: Any) -> None:
+    with pytest.raises(InvalidTaskOptions, match="precision must be one of"):
+        resolve(CONFIG, {}, {"precision": bad})
+
+
+# -- matching precisions to devices --------------------------------------------------------
+
+def test_profiles_are_shares_of_the_devices_best_precision() -> None:
+    assert precision_profile(peaks("T4")) == pytest.approx(
+        {"fp32": 8.1 / 130, "fp16": 0.5, "int8": 1.0})
+    assert precision_profile({}) == {}  # a CPU: no figures, no preferences
+
+
+def test_a_mixed_fleet_sends_int8_to_the_t4_and_fp16_to_the_v100() -> None:
+    fleet = [peaks("T4"), peaks("V100"), peaks("V100")]
+    t4 = precision_weights(peaks("T4"), fleet, 0.5)
+    v100 = precision_weights(peaks("V100"), fleet, 0.5)
+    assert set(t4) == {"int8"} and t4["int8"] == 0.5  # 1.0 vs a fleet mean of 1/3: capped
+    # The V100 is relatively stronger at fp16 (1.0 vs a mean of 0.83) and fp32, never int8
+    assert set(v100) == {"fp16", "fp32"}
+    assert v100["fp16"] == pytest.approx(0.5 * (1 / ((0.5 + 1 + 1) / 3) - 1))
+
+
+@pytest.mark.parametrize("fleet", [["H200", "H200"], ["A100"], []])
+def test_a_fleet_of_one_kind_matches_nothing(fleet: list[str]) -> None:
+    own = peaks(fleet[0]) if fleet else peaks("A100")
+    assert precision_weights(own, [peaks(n) for n in fleet], 0.5) == {}
+
+
+def test_weights_scale_with_the_setting_and_zero_turns_them_off() -> None:
+    fleet = [peaks("T4"), peaks("V100")]
+    assert precision_weights(peaks("T4"), fleet, 0.0) == {}
+    assert precision_weights(peaks("T4"), fleet, 2.0) == {"int8": 2.0}
+
+
+def test_advertised_devices_give_each_workers_best_peaks() -> None:
+    record = {"devices": [{"peak_tflops": {"fp16": 65.0, "int8": 130.0}},
+                          {"peak_tflops": {"fp16": 125.0, "bogus": "x"}}, "junk"]}
+    assert device_peaks(record) == {"fp16": 125.0, "int8": 130.0}
+    assert device_peaks({}) == {} and device_peaks({"devices": "nope"}) == {}
+
+
+def cand(name: str, model: str | None, q: str | None = None, prio: float = 100.0) -> Candidate:
+    return Candidate(name, priority_level(prio), model, precision=q)
+
+
+def test_a_task_is_warm_where_its_model_is_held_at_its_precision() -> None:
+    warm = Warm({"enc@int8": 1.0, "enc": 0.5})
+    assert warm.weight("enc", None, "int8") == 1.0
+    assert warm.weight("enc", None, None) == 0.5
+    assert warm.weight("enc", None, "fp16") == 0.0
+    tasks = [cand("a", "enc", "fp16"), cand("b", "enc"), cand("c", "enc", "int8")]
+    assert choose(tasks, warm, AffinityPolicy(), 0.0) == 2
+
+
+def test_a_precision_weight_alone_pulls_the_matching_task() -> None:
+    warm = Warm(precisions={"int8": 0.5})
+    tasks = [cand("a", "m", "fp16"), cand("b", "m", "int8")]
+    assert choose(tasks, warm, AffinityPolicy(), 0.0) == 1
+    assert lua_args(AffinityPolicy(), warm)[-2:] == ["q:int8", "0.5"]
+
+
+# -- the gate and the conversions ----------------------------------------------------------
+
+def test_first_choice_keeps_int8_off_cuda_and_says_why() -> None:
+    assert precision.first_choice("int8", "cpu") == ("int8", None)
+    target, why = precision.first_choice("int8", "cuda:0")
+    assert target == "fp16" and why is not None and "TensorRT" in why
+    assert precision.first_choice("bf16", "cuda:0") == ("bf16", None)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        precision.first_choice("int4", "cpu")
+
+
+def test_the_gate_passes_below_the_limit_only() -> None:
+    assert precision.gate(0.049, 0.05) is None
+    refused = precision.gate(0.05, 0.05)
+    assert refused is not None and "0.0500 >= 0.05" in refused
+
+
+def test_kl_divergence_matches_the_definition() -> None:
+    import torch
+
+    p, q = torch.tensor([[0.0, 1.0, 2.0]]), torch.tensor([[2.0, 1.0, 0.0]])
+    pp, qq = torch.softmax(p, -1).double(), torch.softmax(q, -1).double()
+    want = float((pp * (pp / qq).log()).sum())
+    assert precision.kl_divergence(p, q) == pytest.approx(want)
+    assert precision.kl_divergence(p, p) == pytest.approx(0.0, abs=1e-12)
+    assert precision.kl_divergence(p, q) > 0 and math.isfinite(precision.kl_divergence(p, q))
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from sits_queue.models.tiny import build_tiny_causal_lm
+
+    return build_tiny_causal_lm(tmp_path_factory.mktemp("lm") / "lm", seed=3)
+
+
+def quantized(module: Any) -> bool:
+    import torch
+
+    return isinstance(module, torch.ao.nn.quantized.dynamic.Linear)
+
+
+def lm(path: Path) -> Any:
+    from sits_queue.cache.engines import engine_from_path
+
+    return engine_from_path("lm", path, "cpu")
+
+
+def test_int8_quantises_every_linear_gpt2s_conv1d_included(lm_dir: Path) -> None:
+    import torch
+
+    engine = lm(lm_dir)
+    size = engine.size_bytes()
+    served = precision.convert(engine, "int8", "cpu")
+    layers = list(served.module.modules())
+    assert not any(type(m).__name__ == "Conv1D" or type(m) is torch.nn.Linear for m in layers)
+    assert sum(quantized(m) for m in layers) == 2 * 4 + 1  # 4 per block (2 blocks), lm_head
+    meta = served.artifacts["precision"]
+    assert meta["served"] == "int8" and 0 <= meta["kl"] < 0.05 and meta["reason"] is None
+    assert served.key == "lm@int8" and served.size_bytes() < size  # int8 weights
+    assert engine.released  # the full-precision copy is not kept
+    served.to_device("cpu")
+    out = served(**served.artifacts["tokenizer"]("hello there", return_tensors="pt"))
+    assert torch.isfinite(out.logits).all()
+
+
+def test_a_strict_gate_serves_full_precision_and_reports_the_kl(lm_dir: Path) -> None:
+    served = precision.convert(lm(lm_dir), "int8", "cpu", max_kl=1e-12)
+    meta = served.artifacts["precision"]
+    assert meta["served"] == "fp32" and meta["kl"] > 0
+    assert "quantisation gate" in meta["reason"]
+    assert not any(quantized(m) for m in served.module.modules())
+
+
+@pytest.mark.parametrize(("wanted", "dtype"), [("fp16", "float16"), ("bf16", "bfloat16")])
+def test_casts_halve_the_weights(lm_dir: Path, wanted: str, dtype: str) -> None:
+    engine = lm(lm_dir)
+    size = engine.size_bytes()
+    served = precision.convert(engine, wanted, "cpu")
+    assert str(next(served.module.parameters()).dtype) == f"torch.{dtype}"
+    assert served.size_bytes() == size // 2
+    assert served.artifacts["precision"] == {"requested": wanted, "served": wanted,
+                                             "kl": None, "reason": None}
+
+
+def test_only_torch_engines_take_a_precision(tmp_path: Path) -> None:
+    import torch
+
+    from sits_queue.cache.engines import OnnxEngine, export_onnx
+
+    module = torch.nn.Linear(4, 2)
+    path = export_onnx(module, (torch.zeros(1, 4),), tmp_path / "m.onnx")
+    with pytest.raises(ModelLoadError, match="onnxruntime engine; a precision can only be"):
+        precision.convert(OnnxEngine.load("m", path), "int8", "cpu")
