@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check: run tests/gpu and the cold-start, affinity and batch benchmarks on a host
+# GPU check: run tests/gpu and the cold-start, affinity, batch and precision benchmarks on a host
 # with an NVIDIA GPU, and write ONE JSON summary. Finishes within 6 minutes on one GPU
 # (time boxes below).
 #
@@ -28,10 +28,11 @@ SUMMARY="${1:-$OUT_DIR/gpu_check.json}"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
 WHEELS="${WHEELS:-$ROOT/.whl}"
 # Time boxes, s: tests, then the benchmarks; with install and summary under 6 minutes.
-TESTS_TIMEOUT_S="${TESTS_TIMEOUT_S:-160}"
-BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-90}"
+TESTS_TIMEOUT_S="${TESTS_TIMEOUT_S:-150}"
+BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-85}"
 AFFINITY_TIMEOUT_S="${AFFINITY_TIMEOUT_S:-50}"
 BATCH_TIMEOUT_S="${BATCH_TIMEOUT_S:-40}"
+PRECISION_TIMEOUT_S="${PRECISION_TIMEOUT_S:-25}"
 START_S=$(date +%s)
 mkdir -p "$(dirname "$SUMMARY")"
 
@@ -86,16 +87,17 @@ run_bench() {
 bench_rc="$(run_bench coldstart bench.log "$BENCH_TIMEOUT_S")"
 affinity_rc="$(run_bench affinity affinity.log "$AFFINITY_TIMEOUT_S")"
 batch_rc="$(run_bench batch batch.log "$BATCH_TIMEOUT_S")"
+precision_rc="$(run_bench precision precision.log "$PRECISION_TIMEOUT_S")"
 
 "$PY" - "$SUMMARY" "$WORK" "$tests_rc" "${bench_rc:-}" "$install_rc" "$deps_missing" \
-    "$START_S" "${affinity_rc:-}" "${batch_rc:-}" <<'EOF'
+    "$START_S" "${affinity_rc:-}" "${batch_rc:-}" "${precision_rc:-}" <<'EOF'
 """Fold the logs and results into one JSON summary (standard library only)."""
 import datetime, json, os, platform, socket, subprocess, sys, time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 (summary, work, tests_rc, bench_rc, install_rc, missing, start, affinity_rc,
- batch_rc) = sys.argv[1:10]
+ batch_rc, precision_rc) = sys.argv[1:11]
 work = Path(work)
 
 
@@ -187,12 +189,14 @@ report = {
     "bench": bench(bench_rc, "coldstart", "bench.log"),
     "bench_affinity": bench(affinity_rc, "affinity", "affinity.log"),
     "bench_batch": bench(batch_rc, "batch", "batch.log"),
+    "bench_precision": bench(precision_rc, "precision", "precision.log"),
     "elapsed_s": round(time.time() - int(start), 1),
 }
 counts = t.get("counts", {})
 # On a GPU host every test skipped means NVML saw nothing: worth flagging, not failing.
 report["tests_all_skipped"] = bool(counts) and counts.get("skipped") == sum(counts.values())
-benches = (report["bench"], report["bench_affinity"], report["bench_batch"])
+benches = (report["bench"], report["bench_affinity"], report["bench_batch"],
+           report["bench_precision"])
 # pytest's 5 ("no tests collected") is a failure: the check exists to run them.
 report["ok"] = (t["rc"] == 0 and not counts.get("failure") and not counts.get("error")
                 and not report["install"]["missing"] and int(install_rc) == 0

@@ -217,6 +217,13 @@ def bench_coalesce(quick: bool, json_path: Path | None) -> None:
     _run_module("sits_queue.bench.coalesce", quick, json_path)
 
 
+@bench.command("precision")
+@_bench_options
+def bench_precision(quick: bool, json_path: Path | None) -> None:
+    """An encoder and an LM at fp32/fp16/bf16/int8: gate KL, memory, speed, closeness."""
+    _run_module("sits_queue.bench.precision", quick, json_path)
+
+
 @bench.command("batch")
 @_bench_options
 def bench_batch(quick: bool, json_path: Path | None) -> None:

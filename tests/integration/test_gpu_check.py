@@ -82,6 +82,9 @@ def test_the_summary_carries_the_benchmark_and_the_host(
     frontier = summary["bench_batch"]
     assert frontier["ran"] is True and frontier["rc"] == 0, frontier["log_tail"]
     assert len(frontier["result"]["points"]) == 9 and frontier["result"]["controller"]
+    precisions = summary["bench_precision"]
+    assert precisions["ran"] is True and precisions["rc"] == 0, precisions["log_tail"]
+    assert set(precisions["result"]["encoder"]) == {"fp32", "fp16", "bf16", "int8"}
     assert summary["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
     assert summary["versions"]["cuda_available"] is False
     assert summary["gpus"] == [] or "error" in summary["gpus"]
