@@ -70,19 +70,32 @@ def test_max_batch_one_never_gathers(redis_client: redis.Redis) -> None:
     assert taken(pick(redis_client, scripts, window=256)) == ["a1"]
 
 
-def test_held_and_poison_kin_are_left_for_others(redis_client: redis.Redis) -> None:
+def test_held_and_restored_kin_are_left_for_others(redis_client: redis.Redis) -> None:
     scripts = Scripts.register()
     put(redis_client, scripts, [("a1", KEY_A, 8), ("held", KEY_A, 8), ("poison", KEY_A, 8),
-                                ("a4", KEY_A, 8)])
-    # Given "held" released by A a moment ago and "poison" restored 9 times (limit 5)
+                                ("crashed", KEY_A, 8), ("a5", KEY_A, 8)])
+    # Given "held" released by A a moment ago, "poison" restored 9 times (limit 5) and
+    # "crashed" restored once (its worker died with it)
     redis_client.hset(KEYS.held, "held", f"A {NOW + 5} 1")
     redis_client.hset(KEYS.redelivered, "poison", 9)
+    redis_client.hset(KEYS.redelivered, "crashed", 1)
     picked = pick(redis_client, scripts, window=256)
-    assert taken(picked) == ["a1", "a4"]
-    # The poison one is parked by the plain pick; the held one goes to another consumer
+    assert taken(picked) == ["a1", "a5"]
+    # The held one goes to another consumer, alone: the restored one is no one's kin
     assert taken(pick(redis_client, scripts, window=256, consumer="B")) == ["held"]
+    # The poison one is parked by the plain pick; the restored one runs alone
+    assert taken(pick(redis_client, scripts, window=256, consumer="B")) == ["crashed"]
     assert pick(redis_client, scripts, window=256, consumer="B") == 0
     assert redis_client.hexists(KEYS.dead, "poison")
+
+
+def test_a_restored_message_runs_alone(redis_client: redis.Redis) -> None:
+    scripts = Scripts.register()
+    put(redis_client, scripts, [("crashed", KEY_A, 8), ("a2", KEY_A, 8), ("a3", KEY_A, 8)])
+    redis_client.hset(KEYS.redelivered, "crashed", 1)
+    picked = pick(redis_client, scripts, window=256)
+    assert taken(picked) == ["crashed"] and picked[2] == 1
+    assert taken(pick(redis_client, scripts, window=256)) == ["a2", "a3"]
 
 
 def test_a_batch_of_a_key_that_only_matches_as_a_substring_is_not_kin(

@@ -20,7 +20,8 @@
 -- for a put instead).
 -- The checkpoint is what the task saved when it last yielded its slot.
 -- Batch kin: waiting tasks whose scoring metadata has the picked task's batch key 'b'
--- (task, model, class), nearest the head first, up to its 'bn' in all.
+-- (task, model, class), nearest the head first, up to its 'bn' in all; none for (and
+-- none that is) a message restored after a crash.
 local now, max_redeliveries = ARGV[1], tonumber(ARGV[2])
 local consumer = ARGV[3] or ''
 local passed = {}  -- score, id pairs of held messages, put back as they were
@@ -108,9 +109,11 @@ local function take(id, score)
 end
 
 -- The picked task's batch kin, taken (appended to reply as id, payload, times).
-local function gather(id, reply)
+-- A message restored after a crash runs alone and is never taken as kin: a batch that
+-- kills its worker must not carry innocent tasks towards the poison-message limit.
+local function gather(id, times, reply)
   local window = tonumber(ARGV[4] or '') or 0
-  if window < 1 then return end
+  if window < 1 or times > 0 then return end
   local raw = redis.call('HGET', KEYS[3], id)
   local ok, record = pcall(cjson.decode, raw or '')
   if not ok or type(record) ~= 'table' then return end
@@ -128,8 +131,7 @@ local function gather(id, reply)
       local payload = redis.call('HGET', KEYS[2], other)
       local times = tonumber(redis.call('HGET', KEYS[8], other) or '0')
       -- A message restored too often is left for the plain pick, which parks it.
-      if good and type(kin) == 'table' and kin['b'] == key and payload
-          and times <= max_redeliveries then
+      if good and type(kin) == 'table' and kin['b'] == key and payload and times == 0 then
         redis.call('ZREM', KEYS[1], other)
         take(other, near[i + 1])
         reply[#reply + 1] = other
@@ -176,7 +178,7 @@ for _ = 1, 64 do
     else
       take(id, score)
       local reply = {id, payload, times, redis.call('HGET', KEYS[11], id), by_affinity}
-      gather(id, reply)
+      gather(id, times, reply)
       restore_passed()
       return reply
     end
