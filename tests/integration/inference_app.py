@@ -211,7 +211,8 @@ def register(app: Celery) -> dict[str, Any]:
                               shared=False)
     def batch_echo(engine: Any, calls: list[Any]) -> list[Any]:
         """Each call's tag with what its batch was; "bad" fails that call alone, "boom"
-        fails the whole run, "sleep:<s>" sleeps first (the soft limit)."""
+        fails the whole run, "sleep:<s>" sleeps first (the soft limit), "hang:<s>" sleeps
+        through the soft limit (only the hard one stops it)."""
         from sits_queue.errors import InvalidInput
 
         tags = [c.args[0] for c in calls]
@@ -220,6 +221,13 @@ def register(app: Celery) -> dict[str, Any]:
         for tag in tags:
             if isinstance(tag, str) and tag.startswith("sleep:"):
                 time.sleep(float(tag.split(":")[1]))
+            if isinstance(tag, str) and tag.startswith("hang:"):
+                deadline = time.monotonic() + float(tag.split(":")[1])
+                while time.monotonic() < deadline:
+                    try:
+                        time.sleep(0.05)
+                    except Exception:  # SoftTimeLimitExceeded included, on purpose
+                        continue
         return [InvalidInput(f"item {t!r} is bad") if t == "bad" else
                 {"tag": t, "pid": os.getpid(), "size": len(calls), "key": engine.key,
                  "ids": [c.id for c in calls]}

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from celery.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.result import AsyncResult
 
 from sits_queue.errors import InferenceError, InvalidInput
@@ -194,6 +194,18 @@ def test_soft_time_limit_fails_the_batch_and_the_child_lives(
     assert worker.alive()
     assert app.tasks["t.batch_echo"].delay("later").get(timeout=CALL_S)["output"]["tag"] \
         == "later"
+
+
+def test_a_hard_time_limit_fails_the_batch_and_the_child_is_replaced(
+        app: Celery, worker: CeleryProcess) -> None:
+    # A run that sleeps through its soft limit: the pool kills the child at the hard one
+    got = app.tasks["t.batch_echo"].apply_async(("hang:30",), soft_time_limit=1,
+                                               time_limit=3)
+    with pytest.raises(TimeLimitExceeded):
+        got.get(timeout=CALL_S)
+    assert worker.alive()
+    after = app.tasks["t.batch_echo"].delay("after-kill").get(timeout=FIRST_CALL_S)
+    assert after["output"]["tag"] == "after-kill"
 
 
 def test_bad_max_batch_is_refused(app: Celery) -> None:
