@@ -23,7 +23,8 @@ TRANSPORT = "sits_queue.broker.transport:Transport"
 CONTROL_QUEUE = "sits.control"
 DEFAULT_QUEUE = "celery"
 #: The beat's maintenance tasks: routed to CONTROL_QUEUE, left out of the task statistics.
-MAINTENANCE_TASKS = ("sits.rescore", "sits.check_triggers", "sits.prewarm_plan")
+MAINTENANCE_TASKS = ("sits.rescore", "sits.check_triggers", "sits.prewarm_plan",
+                     "sits.site_sync")
 #: Marks a function whose first argument the worker supplies (the warm engine).
 ENGINE_ARG = "__sits_engine_arg__"
 #: Header with the producer's wall clock at submission, for end-to-end latency stats.
@@ -226,6 +227,10 @@ def beat_schedule(config: SitsConfig) -> dict[str, Any]:
                                   "schedule": config.prewarm_interval_s,
                                   "options": {"expires": config.prewarm_interval_s}}}
            if config.prewarm_interval_s > 0 else {}),
+        **({"sits-site-sync": {"task": "sits.site_sync",
+                               "schedule": config.site_sync_interval_s,
+                               "options": {"expires": config.site_sync_interval_s}}}
+           if config.site else {}),
     }
 
 

@@ -210,6 +210,18 @@ class SitsConfig:
     #: ...and ``max_batch`` of the built-in ``sits.embed`` and of batch tasks that do
     #: not set one (1: no batching).
     batch_max_tasks: int = 32
+    #: Sites (§2.3, ``priority/sites.py``): this site's name ("" = one site, no sync)...
+    site: str = ""
+    #: ...its peers, ``name=redis://...`` separated by spaces (``?hops=N&rtt_ms=X`` in a
+    #: URL's query: hops away, and an RTT to use instead of measuring one)...
+    site_peers: str = ""
+    #: ...the link RTT up to which the top class is replicated in the enqueue itself, ms
+    #: (the source's 5 ms)...
+    site_strong_rtt_ms: float = 5.0
+    #: ...the sync pass's period (asynchronous replicas, digests, heartbeats), s...
+    site_sync_interval_s: float = 1.0
+    #: ...and how long a site may miss heartbeats before its peer takes its work over, s.
+    site_dead_after_s: float = 30.0
     #: Quantisation gate (§3.2): a model is served at int8 only when the KL divergence of
     #: its activations, int8 against full precision, stays below this.
     int8_max_kl: float = 0.05
@@ -263,6 +275,7 @@ class SitsConfig:
         _integer("batch_window", self.batch_window, 100_000, " (0: no batching)")
         _integer("batch_max_tasks", self.batch_max_tasks, MAX_BATCH_TASKS)
         _positive("int8_max_kl", self.int8_max_kl)
+        self._check_sites()
         if self.batch_max_tasks < 1:
             raise ConfigError(f"batch_max_tasks must be >= 1, got {self.batch_max_tasks!r}")
         _integer("embed_cache_entries", self.embed_cache_entries, 10_000_000, " (0: off)")
@@ -286,6 +299,23 @@ class SitsConfig:
         # No bound against the longest run time: workers heartbeat the messages they hold.
         if self.visibility_timeout_s <= 3:
             raise ConfigError("visibility_timeout_s must be > 3 s (heartbeat every third)")
+
+    def _check_sites(self) -> None:
+        from sits_queue.priority import sites
+
+        for name in ("site_strong_rtt_ms", "site_sync_interval_s", "site_dead_after_s"):
+            _positive(name, getattr(self, name))
+        if self.site_dead_after_s <= 2 * self.site_sync_interval_s:
+            raise ConfigError("site_dead_after_s must exceed two sync intervals (a site "
+                              "heartbeats once per interval)")
+        peers = sites.parse_peers(self.site_peers)
+        if not self.site:
+            if peers:
+                raise ConfigError("site_peers needs site (this site's own name)")
+            return
+        sites.check_site_name(self.site)
+        if self.site in {p.name for p in peers}:
+            raise ConfigError(f"site_peers lists this site ({self.site!r}) itself")
 
     # -- lookups -----------------------------------------------------------------------------
     @property

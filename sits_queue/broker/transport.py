@@ -22,7 +22,7 @@ from kombu.transport import redis as kredis
 from kombu.transport import virtual
 from kombu.utils.json import dumps, loads
 
-from sits_queue.broker import affinity, intake
+from sits_queue.broker import affinity, intake, sites
 from sits_queue.broker.fanout import DeferredPublisher
 from sits_queue.broker.keys import (
     AFFINITY_HEADER,
@@ -92,6 +92,7 @@ class QoS(kredis.QoS):
         queue = self._queue_of(delivery_tag)
         if queue is not None:
             self.channel._run("ack", queue, [delivery_tag])
+            self.channel._replicas_gone(queue, [delivery_tag])
         virtual.QoS.ack(self, delivery_tag)
         affinity.invalidate()  # its child has published what it holds now
 
@@ -104,6 +105,7 @@ class QoS(kredis.QoS):
                 # Rejected for good (unknown task, Reject(requeue=False)): keep it inspectable.
                 self.channel._run("dead", queue, [time.time(), "rejected by consumer",
                                                   delivery_tag])
+                self.channel._replicas_gone(queue, [delivery_tag])
         virtual.QoS.ack(self, delivery_tag)
 
     def release(self, delivery_tag: str, first_hold_s: float = 0.0,
@@ -269,6 +271,7 @@ class Channel(kredis.Channel):
         n, waiting = (int(x) for x in self.scripts.run("put", self.keys(queue), record,
                                                         self.raw))
         self._after_put(queue, n, waiting)
+        self._replicate(queue, [record])
 
     def _put_record(self, message: dict[str, Any], options: TaskOptions | None, now: float,
                     scorer: Scorer) -> list[Any]:
@@ -295,9 +298,23 @@ class Channel(kredis.Channel):
         def finish() -> int:
             n, waiting = (int(x) for x in reply())
             self._after_put(queue, n, waiting)
+            self._replicate(queue, [args[i:i + 5] for i in range(0, len(args), 5)])
             return n
 
         return finish
+
+    def _replicate(self, queue: str, records: list[Any]) -> None:
+        """Multi-site deployments (``broker/sites.py``): a put's records to the peer's
+        replica, now or by the sync pass, as their class's sync mode says. Reply queues
+        are not work: never replicated."""
+        sync = sites.for_config(self.config)
+        if sync is not None and queue not in self._expires:
+            sync.on_put(queue, records)
+
+    def _replicas_gone(self, queue: str, ids: list[str]) -> None:
+        sync = sites.for_config(self.config)
+        if sync is not None and queue not in self._expires:
+            sync.on_ack(queue, ids)
 
     def _after_put(self, queue: str, n: int, waiting: int) -> None:
         if queue in self._expires:

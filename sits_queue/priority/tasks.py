@@ -43,6 +43,15 @@ def register(app: Celery) -> None:
     def prewarm_plan() -> dict[str, Any]:
         return prewarmer(app).run(time.time())
 
+    @app.task(name="sits.site_sync", ignore_result=True, shared=False,  # type: ignore[untyped-decorator]
+              sla_class=top)
+    def site_sync() -> dict[str, Any] | None:
+        from sits_queue.broker import sites
+
+        sync = sites.for_config(app.sits)
+        report = None if sync is None else sync.sync_pass_locked()
+        return None if report is None else asdict(report)
+
 
 def prewarmer(app: Celery) -> Prewarmer:
     """The planner of ``app``: sends ``sits.prewarm`` to the chosen worker's own queue,

@@ -1,0 +1,401 @@
+"""Topology-aware priority sync between sites (MISSION §2.3): the Redis edge.
+
+The policy (tiers, the decision table, link weights) is ``priority/sites.py``. Here:
+
+* **replicas** live at the chosen peer, per origin site and queue, never consumed by the
+  peer's workers: ``sits:replica:{<origin>:<queue>}:z`` (id -> score), ``:p`` (payload),
+  ``:m`` (scoring metadata), and the set of such queues ``sits:replica:{<origin>}:queues``;
+* **strong** classes are written there by the producer's enqueue itself (the put returns
+  once the peer has them); the others go through this site's **outbox** (``sits:site:
+  outbox``, ``put``/``del`` entries), drained by the sync pass, which also deletes the
+  replicas of acked tasks (so a replica may outlive its task by one pass: a take-over in
+  that window runs the task again: at least once, never lost);
+* **digests**: every :data:`DIGEST_EVERY_S` the pass compares, per queue, the ids this
+  site holds (waiting or running) in digest-checked classes with the replica's, and
+  repairs a difference (a lost outbox entry, a peer restarted empty);
+* **heartbeats**: each pass sets ``sits:site:{<origin>}:alive`` at the peer, expiring after
+  ``site_dead_after_s``; the peer's pass **takes over** the replicas of an origin whose
+  heartbeat expired: each goes into the peer's own queue of the same name (``put.lua``)
+  and its id into ``sits:site:{<origin>}:takenover`` there. When the origin is back, its
+  pass reads that set and dead-letters its own copies that still wait (reason: taken
+  over), so the work runs once where it can.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from sits_queue.broker.keys import SEQ_SPAN, QueueKeys
+from sits_queue.broker.scripts import Scripts
+from sits_queue.config import SitsConfig
+from sits_queue.priority import sites
+from sits_queue.priority.sites import Link, SyncMode, SyncPlan
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between digest checks of one site's replica (a digest reads every id).
+DIGEST_EVERY_S = 10.0
+#: Seconds a measured link is reused before it is measured again.
+LINK_MAX_AGE_S = 10.0
+#: Outbox entries one pass drains (the rest wait for the next).
+DRAIN_BATCH = 5000
+#: PINGs per RTT measurement (the median is kept).
+PINGS = 3
+#: Seconds a peer may take to answer before it counts as down for this pass.
+PEER_TIMEOUT_S = 1.0
+#: How long a take-over record is kept for its origin to read, s.
+TAKEOVER_TTL_S = 7 * 86400
+
+
+def replica_keys(prefix: str, origin: str, queue: str) -> tuple[str, str, str]:
+    tag = f"{{{origin}:{queue}}}"
+    return (f"{prefix}sits:replica:{tag}:z", f"{prefix}sits:replica:{tag}:p",
+            f"{prefix}sits:replica:{tag}:m")
+
+
+def replica_queues_key(prefix: str, origin: str) -> str:
+    return f"{prefix}sits:replica:{{{origin}}}:queues"
+
+
+def origins_key(prefix: str) -> str:
+    return f"{prefix}sits:replica:origins"
+
+
+def alive_key(prefix: str, site: str) -> str:
+    return f"{prefix}sits:site:{{{site}}}:alive"
+
+
+def takenover_key(prefix: str, site: str) -> str:
+    return f"{prefix}sits:site:{{{site}}}:takenover"
+
+
+def outbox_key(prefix: str) -> str:
+    return f"{prefix}sits:site:outbox"
+
+
+@dataclass
+class PassReport:
+    """What one sync pass did."""
+
+    peer: str | None = None
+    rtt_ms: float | None = None
+    modes: dict[str, str] = field(default_factory=dict)
+    replicated: int = 0
+    deleted: int = 0
+    repaired: int = 0
+    taken_over: int = 0
+    dropped: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class SiteSync:
+    """This site's side of the sync: the hooks the transport calls on put and ack, and
+    the pass the beat runs. One per process and config (:func:`for_config`)."""
+
+    def __init__(self, config: SitsConfig, local: redis.Redis | None = None,
+                 clock: Any = time.time) -> None:
+        self.config = config
+        self.site = config.site
+        self.prefix = config.global_keyprefix
+        self.peers = sites.parse_peers(config.site_peers)
+        self.local = local or redis.Redis.from_url(config.redis_url)
+        self.clients = {p.name: redis.Redis.from_url(p.redis_url,
+                                                     socket_timeout=PEER_TIMEOUT_S,
+                                                     socket_connect_timeout=PEER_TIMEOUT_S)
+                        for p in self.peers}
+        self.scripts = Scripts.register()
+        self.clock = clock
+        self._links: list[Link] = []
+        self._links_at = -LINK_MAX_AGE_S
+        self._digest_at = -DIGEST_EVERY_S
+        self._weights = {c.name: c.weight for c in config.classes}
+
+    # -- links and the plan ------------------------------------------------------------------
+    def links(self, refresh: bool = False) -> list[Link]:
+        """The peers as last measured; measured again when ``refresh`` and older than
+        :data:`LINK_MAX_AGE_S` (the sync pass), or when never measured. The enqueue
+        path never waits on a peer that stopped answering beyond that first time."""
+        now = time.monotonic()
+        if not self._links or (refresh and now - self._links_at >= LINK_MAX_AGE_S):
+            self._links = [self._measure(p) for p in self.peers]
+            self._links_at = now
+        return self._links
+
+    def _measure(self, peer: sites.Peer) -> Link:
+        client = self.clients[peer.name]
+        samples = []
+        try:
+            for _ in range(PINGS):
+                began = time.perf_counter()
+                client.ping()
+                samples.append((time.perf_counter() - began) * 1000)
+        except redis.RedisError as exc:
+            logger.warning("site %s: peer %s unreachable: %s", self.site, peer.name, exc)
+            return Link(peer, peer.rtt_ms if peer.rtt_ms is not None else float("inf"), False)
+        rtt = peer.rtt_ms if peer.rtt_ms is not None else statistics.median(samples)
+        return Link(peer, rtt, True)
+
+    def plan(self, refresh: bool = False) -> SyncPlan:
+        return sites.plan(self._weights, self.links(refresh), self.config.site_strong_rtt_ms)
+
+    # -- hooks on the hot path -----------------------------------------------------------------
+    def on_put(self, queue: str, records: Sequence[Sequence[Any]]) -> None:
+        """After ``put.lua`` stored ``records`` ([id, payload, meta, score base, class]):
+        strong classes to the replica now, the other replicated ones to the outbox."""
+        plan = self.plan()
+        if plan.link is None:  # no live peer: keep them all; the pass decides when one is
+            later = list(records)
+            strong = []
+        else:
+            strong = [r for r in records if plan.mode(str(r[4])) is SyncMode.STRONG]
+            later = [r for r in records if plan.mode(str(r[4])) in
+                     (SyncMode.ASYNC_DIGEST, SyncMode.EVENTUAL)]
+        if strong and plan.link is not None:
+            try:
+                self._write_replicas(plan.link.peer.name, queue,
+                                     [(str(r[0]), r[1], r[2], float(r[3])) for r in strong])
+            except redis.RedisError as exc:  # the put stands; the pass retries it
+                logger.warning("site %s: strong replica to %s failed, queued: %s",
+                               self.site, plan.link.peer.name, exc)
+                later += strong
+        if later:
+            self.local.rpush(outbox_key(self.prefix),
+                             *(json.dumps(["put", queue, str(r[0])]) for r in later))
+
+    def on_ack(self, queue: str, ids: Iterable[str]) -> None:
+        """Acked (done or dead-lettered) tasks: their replicas go with the next pass."""
+        entries = [json.dumps(["del", queue, i]) for i in ids]
+        if entries:
+            self.local.rpush(outbox_key(self.prefix), *entries)
+
+    # -- the pass ------------------------------------------------------------------------------
+    def sync_pass_locked(self) -> PassReport | None:
+        """:meth:`sync_pass` unless another worker of this site runs one now (two would
+        drain the outbox twice); None when it was skipped."""
+        lock = self.local.lock(f"{self.prefix}sits:site:sync-lock",
+                               timeout=max(30.0, 10 * self.config.site_sync_interval_s))
+        if not lock.acquire(blocking=False):
+            return None
+        try:
+            return self.sync_pass()
+        finally:
+            # A lock that timed out meanwhile has nothing left to free.
+            with contextlib.suppress(redis.exceptions.LockError):
+                lock.release()
+
+    def sync_pass(self) -> PassReport:
+        """Heartbeat, drain the outbox, check digests, honour take-overs, take over dead
+        origins' replicas held here."""
+        plan = self.plan(refresh=True)
+        report = PassReport(modes={c: m.value for c, m in plan.modes.items()})
+        link = plan.link
+        if link is not None:
+            report.peer, report.rtt_ms = link.peer.name, round(link.rtt_ms, 3)
+            peer = self.clients[link.peer.name]
+            try:
+                peer.set(alive_key(self.prefix, self.site), self.clock(),
+                         px=int(self.config.site_dead_after_s * 1000))
+                self._drain(link.peer.name, plan, report)
+                if time.monotonic() - self._digest_at >= DIGEST_EVERY_S:
+                    self._digest_at = time.monotonic()
+                    self._repair(link.peer.name, plan, report)
+            except redis.RedisError as exc:
+                report.errors.append(f"{link.peer.name}: {exc}")
+        for other in self.peers:
+            try:
+                self._drop_taken_over(other.name, report)
+            except redis.RedisError as exc:
+                report.errors.append(f"{other.name}: {exc}")
+        self._take_over(report)
+        return report
+
+    def _drain(self, peer: str, plan: SyncPlan, report: PassReport) -> None:
+        key = outbox_key(self.prefix)
+        raw = self.local.lrange(key, 0, DRAIN_BATCH - 1)
+        if not raw:
+            return
+        puts: dict[str, list[str]] = {}
+        dels: dict[str, list[str]] = {}
+        for entry in raw:
+            op, queue, task_id = json.loads(entry)
+            (puts if op == "put" else dels).setdefault(queue, []).append(task_id)
+        for queue, ids in puts.items():
+            gone = set(dels.get(queue, ()))
+            records = [r for r in self._local_records(queue, [i for i in ids if i not in gone])
+                       if plan.mode(_class_of(r[2])).replicated]
+            report.replicated += self._write_replicas(peer, queue, records)
+        for queue, ids in dels.items():
+            report.deleted += self._delete_replicas(peer, queue, ids)
+        self.local.ltrim(key, len(raw), -1)  # only after the peer has them
+
+    def _local_records(self, queue: str, ids: Sequence[str]
+                       ) -> list[tuple[str, Any, Any, float]]:
+        """(id, payload, meta, score) of the ``ids`` still held here (waiting: its score;
+        running: the score it was picked with)."""
+        if not ids:
+            return []
+        k = QueueKeys.for_queue(queue, self.prefix)
+        with self.local.pipeline(transaction=False) as pipe:
+            for i in ids:
+                pipe.hget(k.payloads, i)
+                pipe.hget(k.meta, i)
+                pipe.zscore(k.waiting, i)
+                pipe.hget(k.saved, i)
+            raw = pipe.execute()
+        out = []
+        for n, i in enumerate(ids):
+            payload, meta, waiting, saved = raw[4 * n:4 * n + 4]
+            score = waiting if waiting is not None else saved
+            if payload is not None and meta is not None and score is not None:
+                out.append((i, payload, meta, float(score)))
+        return out
+
+    def _write_replicas(self, peer: str, queue: str,
+                        records: Sequence[tuple[str, Any, Any, float]]) -> int:
+        if not records:
+            return 0
+        z, p, m = replica_keys(self.prefix, self.site, queue)
+        client = self.clients[peer]
+        with client.pipeline(transaction=True) as pipe:  # one slot: {origin:queue}
+            pipe.zadd(z, {r[0]: r[3] for r in records})
+            pipe.hset(p, mapping={r[0]: r[1] for r in records})
+            pipe.hset(m, mapping={r[0]: r[2] for r in records})
+            pipe.execute()
+        client.sadd(replica_queues_key(self.prefix, self.site), queue)
+        client.sadd(origins_key(self.prefix), self.site)
+        return len(records)
+
+    def _delete_replicas(self, peer: str, queue: str, ids: Sequence[str]) -> int:
+        z, p, m = replica_keys(self.prefix, self.site, queue)
+        with self.clients[peer].pipeline(transaction=True) as pipe:
+            pipe.zrem(z, *ids)
+            pipe.hdel(p, *ids)
+            pipe.hdel(m, *ids)
+            removed = pipe.execute()[0]
+        return int(removed)
+
+    def _repair(self, peer: str, plan: SyncPlan, report: PassReport) -> None:
+        """Per queue: digest of the ids held here in digest-checked classes against the
+        replica's (which holds only those classes' and the strong ones'); on a
+        difference, write what is missing and delete what is gone."""
+        checked = set(plan.classes(SyncMode.ASYNC_DIGEST, SyncMode.STRONG))
+        if not checked:
+            return
+        client = self.clients[peer]
+        for raw in self.local.smembers(f"{self.prefix}sits:queues"):
+            queue = raw.decode() if isinstance(raw, bytes) else str(raw)
+            mine = self._held_ids(queue, checked)
+            m = replica_keys(self.prefix, self.site, queue)[2]
+            theirs = {i.decode(): json.loads(v).get("c") for i, v in client.hscan_iter(m)}
+            theirs_checked = {i for i, c in theirs.items() if c in checked}
+            if sites.digest(mine) == sites.digest(theirs_checked):
+                continue
+            missing = sorted(mine - theirs_checked)
+            gone = sorted(theirs_checked - mine)
+            report.repaired += self._write_replicas(peer, queue,
+                                                    self._local_records(queue, missing))
+            if gone:
+                report.repaired += self._delete_replicas(peer, queue, gone)
+            logger.info("site %s: replica of %r at %s repaired (+%d, -%d)", self.site, queue,
+                        peer, len(missing), len(gone))
+
+    def _held_ids(self, queue: str, classes: set[str]) -> set[str]:
+        k = QueueKeys.for_queue(queue, self.prefix)
+        out = set()
+        for raw_id, raw_meta in self.local.hscan_iter(k.meta):
+            try:
+                sla_class = json.loads(raw_meta).get("c")
+            except ValueError:
+                continue
+            if sla_class in classes:
+                out.add(raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id))
+        return out
+
+    # -- take-overs ----------------------------------------------------------------------------
+    def _take_over(self, report: PassReport) -> None:
+        """Replicas held here of origins whose heartbeat here expired: into this site's
+        own queues, their ids recorded for the origin."""
+        for raw in self.local.smembers(origins_key(self.prefix)):
+            origin = raw.decode() if isinstance(raw, bytes) else str(raw)
+            if origin == self.site or self.local.exists(alive_key(self.prefix, origin)):
+                continue
+            for qraw in self.local.smembers(replica_queues_key(self.prefix, origin)):
+                queue = qraw.decode() if isinstance(qraw, bytes) else str(qraw)
+                report.taken_over += self._promote(origin, queue)
+            self.local.delete(replica_queues_key(self.prefix, origin))
+            self.local.srem(origins_key(self.prefix), origin)
+            logger.warning("site %s: site %s missed its heartbeats for %.0f s; took over "
+                           "its replicated tasks", self.site, origin,
+                           self.config.site_dead_after_s)
+
+    def _promote(self, origin: str, queue: str) -> int:
+        z, p, m = replica_keys(self.prefix, origin, queue)
+        entries: list[Any] = list(self.local.zrange(z, 0, -1, withscores=True))
+        if not entries:
+            return 0
+        ids = [e[0].decode() if isinstance(e[0], bytes) else str(e[0]) for e in entries]
+        scores = [float(e[1]) for e in entries]
+        payloads, metas = self.local.hmget(p, ids), self.local.hmget(m, ids)
+        args: list[Any] = []
+        for task_id, score, payload, meta in zip(ids, scores, payloads, metas, strict=True):
+            if payload is None or meta is None:
+                continue
+            sla_class = json.loads(meta).get("c") or self.config.default_class
+            base = int(score) - int(score) % SEQ_SPAN  # keep its priority, renumber arrival
+            args += [task_id, payload, meta, base, sla_class]
+        if args:
+            self.scripts.run("put", QueueKeys.for_queue(queue, self.prefix), args, self.local)
+            marker = takenover_key(self.prefix, origin)
+            self.local.sadd(marker, *(json.dumps([queue, i]) for i in ids))
+            self.local.expire(marker, TAKEOVER_TTL_S)
+            self.local.sadd(f"{self.prefix}sits:queues", queue)
+        self.local.delete(z, p, m)
+        return len(args) // 5
+
+    def _drop_taken_over(self, peer: str, report: PassReport) -> None:
+        """This site's tasks a peer took over while this site was unreachable: the copies
+        still waiting here go to the dead letters (they run at the peer)."""
+        client = self.clients[peer]
+        marker = takenover_key(self.prefix, self.site)
+        entries = client.smembers(marker)
+        if not entries:
+            return
+        now = self.clock()
+        for raw in entries:
+            queue, task_id = json.loads(raw)
+            k = QueueKeys.for_queue(queue, self.prefix)
+            if self.local.zscore(k.waiting, task_id) is not None:
+                report.dropped += int(self.scripts.run("dead", k, [
+                    now, f"taken over by site {peer} while site {self.site} was "
+                         "unreachable; it runs there", task_id], self.local))
+            client.srem(marker, raw)
+
+
+def _class_of(meta: Any) -> str:
+    try:
+        return str(json.loads(meta).get("c"))
+    except (ValueError, AttributeError):
+        return ""
+
+
+_syncs: dict[tuple[str, str, str, str], SiteSync] = {}
+
+
+def for_config(config: SitsConfig) -> SiteSync | None:
+    """The process's :class:`SiteSync` for ``config``; None for a single site."""
+    if not config.site:
+        return None
+    key = (config.site, config.site_peers, config.redis_url, config.global_keyprefix)
+    sync = _syncs.get(key)
+    if sync is None:
+        sync = _syncs[key] = SiteSync(config)
+    return sync

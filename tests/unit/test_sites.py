@@ -1,0 +1,115 @@
+"""Topology-aware priority sync between sites (MISSION §2.3): the pure policy."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from sits_queue.config import ConfigError, SitsConfig
+from sits_queue.priority.sites import (
+    Link,
+    Peer,
+    SyncMode,
+    Tier,
+    decide,
+    digest,
+    link_weight,
+    parse_peers,
+    plan,
+    replica_link,
+    tiers,
+)
+
+WEIGHTS = {"high": 100.0, "medium": 10.0, "low": 1.0}
+
+
+def test_link_weight_is_the_sources_formula() -> None:
+    assert link_weight(2.0, 3) == pytest.approx(1 / (0.7 * 2 + 0.3 * 3))
+    assert link_weight(0.0, 0) == math.inf
+    assert link_weight(1.0, 1) > link_weight(10.0, 1) > link_weight(10.0, 5)
+
+
+def test_tiers_follow_class_weights() -> None:
+    assert tiers(WEIGHTS) == {"high": Tier.P0, "medium": Tier.P1, "low": Tier.P2}
+    assert tiers({"only": 5.0}) == {"only": Tier.P0}
+
+
+@pytest.mark.parametrize(("tier", "rtt", "mode"), [
+    (Tier.P0, 1.0, SyncMode.STRONG), (Tier.P0, 5.0, SyncMode.STRONG),
+    (Tier.P0, 5.1, SyncMode.ASYNC_DIGEST),
+    (Tier.P1, 1.0, SyncMode.ASYNC_DIGEST), (Tier.P1, 50.0, SyncMode.ASYNC_DIGEST),
+    (Tier.P2, 1.0, SyncMode.EVENTUAL), (Tier.P2, 5.1, SyncMode.SKIP),
+])
+def test_the_decision_table(tier: Tier, rtt: float, mode: SyncMode) -> None:
+    assert decide(tier, rtt) is mode
+
+
+def test_the_replica_goes_to_the_nearest_live_peer() -> None:
+    near, far, dead = (Link(Peer("b", "redis://b"), 2.0), Link(Peer("c", "redis://c"), 30.0),
+                       Link(Peer("a", "redis://a"), 0.1, alive=False))
+    assert replica_link([far, dead, near]) is near
+    assert replica_link([dead]) is None
+    # hops count too: 3 ms over 1 hop beats 1 ms over 20
+    assert replica_link([Link(Peer("x", "u", hops=20), 1.0),
+                         Link(Peer("y", "u", hops=1), 3.0)]).peer.name == "y"
+
+
+def test_a_plan_gives_each_class_its_mode_toward_the_replica() -> None:
+    near = plan(WEIGHTS, [Link(Peer("b", "redis://b"), 1.0)])
+    assert dict(near.modes) == {"high": SyncMode.STRONG, "medium": SyncMode.ASYNC_DIGEST,
+                                "low": SyncMode.EVENTUAL}
+    far = plan(WEIGHTS, [Link(Peer("b", "redis://b"), 40.0)])
+    assert far.mode("high") is SyncMode.ASYNC_DIGEST and far.mode("low") is SyncMode.SKIP
+    assert far.classes(SyncMode.ASYNC_DIGEST) == ("high", "medium")
+    alone = plan(WEIGHTS, [])
+    assert alone.link is None and alone.mode("high") is SyncMode.SKIP
+
+
+def test_digest_is_order_independent_and_sees_any_change() -> None:
+    assert digest(["a", "b", "c"]) == digest(["c", "a", "b", "a"])
+    assert digest(["a", "b"]) != digest(["a", "b", "c"]) != digest(["a", "c", "b", "d"])
+    assert digest(["a", "b"]) != digest(["a", "x"])
+    assert digest([]) == "0:" + "0" * 32
+
+
+def test_peers_parse_with_hops_and_a_pinned_rtt() -> None:
+    peers = parse_peers("b=redis://h:6379/0?hops=3&rtt_ms=1.5  c=redis://:pw@x:1/2?db=2")
+    assert peers[0] == Peer("b", "redis://h:6379/0", 3, 1.5)
+    assert peers[1] == Peer("c", "redis://:pw@x:1/2?db=2", 1, None)
+    assert parse_peers("") == ()
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("b", "is not name=redis"), ("b=http://x", "is not a Redis URL"),
+    ("b=redis://x?hops=-1", "must be >= 0"), ("b=redis://x?rtt_ms=abc", "site_peers entry"),
+    ("b=redis://x b=redis://y", "names a site twice"), ("b c=redis://x", "is not name"),
+    ("b/x=redis://x", "site name"),
+])
+def test_bad_peers_are_refused_by_name(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_peers(text)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"site_peers": "b=redis://x"}, "site_peers needs site"),
+    ({"site": "a", "site_peers": "a=redis://x"}, "lists this site"),
+    ({"site": "a b"}, "site name"),
+    ({"site": "a", "site_dead_after_s": 1.5}, "must exceed two sync intervals"),
+    ({"site": "a", "site_strong_rtt_ms": 0}, "site_strong_rtt_ms must be a positive"),
+])
+def test_bad_site_settings_are_refused(settings: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        replace(SitsConfig(), **settings)
+
+
+def test_the_sync_pass_is_scheduled_only_for_a_site() -> None:
+    from sits_queue.app import CONTROL_QUEUE, beat_schedule, celery_settings, make_app
+
+    assert "sits-site-sync" not in beat_schedule(SitsConfig())
+    config = SitsConfig(site="a", site_peers="b=redis://h:1/0", site_sync_interval_s=2.0)
+    entry = beat_schedule(config)["sits-site-sync"]
+    assert entry["task"] == "sits.site_sync" and entry["schedule"] == 2.0
+    assert celery_settings(config)["task_routes"]["sits.site_sync"] == {"queue": CONTROL_QUEUE}
+    assert "sits.site_sync" in make_app(config, main="sites-unit").tasks
