@@ -19,6 +19,7 @@ from typing import Any
 import click
 import redis
 
+from sits_queue.broker import sites
 from sits_queue.broker.keys import QueueKeys, decode_score, queues_registry
 from sits_queue.broker.meta import WaitingMeta
 from sits_queue.config import SitsConfig
@@ -98,7 +99,8 @@ def status(as_json: bool) -> None:
     client = redis.Redis.from_url(url, socket_timeout=5)
     try:
         report = {"queues": queue_status(client, config, time.time()),
-                  "workers": workers_status(client, config)}
+                  "workers": workers_status(client, config),
+                  "site": sites.status(client, config)}
     except redis.ConnectionError as exc:
         raise click.ClickException(f"cannot reach Redis at {_redact(url)}: {exc}") from exc
     if as_json:
@@ -109,6 +111,14 @@ def status(as_json: bool) -> None:
 
 def _format_status(report: dict[str, Any]) -> str:
     lines = []
+    site = report.get("site")
+    if site:
+        last = site["last_pass"] or {}
+        peer = (f"replica at {last['peer']} ({last['rtt_ms']} ms; "
+                + ", ".join(f"{c} {m}" for c, m in last.get("modes", {}).items()) + ")"
+                if last.get("peer") else "no live peer")
+        lines.append(f"site {site['site']}: {peer}, outbox {site['outbox']}, holding "
+                     f"replicas of {site['replicas_held'] or 'no site'}")
     if not report["queues"]:
         lines.append("no queues yet (submit a task first)")
     for q in report["queues"]:

@@ -29,7 +29,7 @@ import logging
 import statistics
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import redis
@@ -80,6 +80,28 @@ def takenover_key(prefix: str, site: str) -> str:
 
 def outbox_key(prefix: str) -> str:
     return f"{prefix}sits:site:outbox"
+
+
+def last_pass_key(prefix: str) -> str:
+    return f"{prefix}sits:site:last-pass"
+
+
+def status(client: redis.Redis, config: SitsConfig) -> dict[str, Any] | None:
+    """This site for ``sitsq status``: the last pass, the outbox, replicas held here."""
+    if not config.site:
+        return None
+    prefix = config.global_keyprefix
+    raw = client.get(last_pass_key(prefix))
+    held: dict[str, int] = {}
+    for origin_raw in client.smembers(origins_key(prefix)):
+        origin = origin_raw.decode() if isinstance(origin_raw, bytes) else str(origin_raw)
+        count = 0
+        for q in client.smembers(replica_queues_key(prefix, origin)):
+            queue = q.decode() if isinstance(q, bytes) else str(q)
+            count += int(client.zcard(replica_keys(prefix, origin, queue)[0]))
+        held[origin] = count
+    return {"site": config.site, "outbox": int(client.llen(outbox_key(prefix))),
+            "replicas_held": held, "last_pass": json.loads(raw) if raw else None}
 
 
 @dataclass
@@ -216,6 +238,8 @@ class SiteSync:
             except redis.RedisError as exc:
                 report.errors.append(f"{other.name}: {exc}")
         self._take_over(report)
+        self.local.set(last_pass_key(self.prefix),
+                       json.dumps({**asdict(report), "at": self.clock()}))
         return report
 
     def _drain(self, peer: str, plan: SyncPlan, report: PassReport) -> None:

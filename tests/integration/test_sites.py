@@ -15,6 +15,7 @@ from celery import Celery
 
 from sits_queue.app import make_app
 from sits_queue.broker import sites
+from sits_queue.cli import _format_status
 from sits_queue.broker.keys import SEQ_BITS, QueueKeys
 from sits_queue.config import SitsConfig
 from sits_queue.embedded import EmbeddedRedis
@@ -91,6 +92,14 @@ def test_near_peer_top_class_is_replicated_in_the_enqueue(
         int(clients[0].zscore(QUEUE.waiting, high) or 0) >> SEQ_BITS
     assert b.hget(p, low) == clients[0].hget(QUEUE.payloads, low)
     assert b.exists(sites.alive_key("", "a"))
+    # sitsq status: each side's view
+    mine = sites.status(clients[0], app.sits)
+    assert mine is not None and mine["outbox"] == 0
+    assert mine["last_pass"]["peer"] == "b" and mine["last_pass"]["replicated"] == 2
+    theirs = sites.status(b, SitsConfig(redis_url="redis://unused", site="b"))
+    assert theirs is not None and theirs["replicas_held"] == {"a": 3}
+    assert "replica at b (1.0 ms; high strong" in _format_status(
+        {"queues": [], "workers": [], "site": mine})
     app.close()
 
 
