@@ -14,9 +14,11 @@ The policy (tiers, the decision table, link weights) is ``priority/sites.py``. H
   site holds (waiting or running) in digest-checked classes with the replica's, and
   repairs a difference (a lost outbox entry, a peer restarted empty);
 * **heartbeats**: each pass sets ``sits:site:{<origin>}:alive`` at the peer, expiring after
-  ``site_dead_after_s``; the peer's pass **takes over** the replicas of an origin whose
-  heartbeat expired: each goes into the peer's own queue of the same name (``put.lua``)
-  and its id into ``sits:site:{<origin>}:takenover`` there. When the origin is back, its
+  ``site_dead_after_s``; the peer's pass **takes over** the replicas of an origin from
+  which it has itself heard nothing for that long (an expired heartbeat alone is not
+  enough: the peer may just be back from an outage of its own): each goes into the
+  peer's own queue of the same name (``put.lua``) and its id into
+  ``sits:site:{<origin>}:takenover`` there. When the origin is back, its
   pass reads that set and dead-letters its own copies that still wait (reason: taken
   over), so the work runs once where it can.
 """
@@ -34,7 +36,7 @@ from typing import Any
 
 import redis
 
-from sits_queue.broker.keys import SEQ_SPAN, QueueKeys
+from sits_queue.broker.keys import SEQ_SPAN, QueueKeys, queues_registry
 from sits_queue.broker.scripts import Scripts
 from sits_queue.config import SitsConfig
 from sits_queue.priority import sites
@@ -72,6 +74,10 @@ def origins_key(prefix: str) -> str:
 
 def alive_key(prefix: str, site: str) -> str:
     return f"{prefix}sits:site:{{{site}}}:alive"
+
+
+def missing_since_key(prefix: str, site: str) -> str:
+    return f"{prefix}sits:site:{{{site}}}:missing-since"
 
 
 def takenover_key(prefix: str, site: str) -> str:
@@ -250,7 +256,12 @@ class SiteSync:
         puts: dict[str, list[str]] = {}
         dels: dict[str, list[str]] = {}
         for entry in raw:
-            op, queue, task_id = json.loads(entry)
+            try:
+                op, queue, task_id = json.loads(entry)
+            except (ValueError, TypeError):
+                logger.error("site %s: outbox entry not understood, dropped: %.200r",
+                             self.site, entry)
+                continue
             (puts if op == "put" else dels).setdefault(queue, []).append(task_id)
         for queue, ids in puts.items():
             gone = set(dels.get(queue, ()))
@@ -315,7 +326,7 @@ class SiteSync:
         if not checked:
             return
         client = self.clients[peer]
-        for raw in self.local.smembers(f"{self.prefix}sits:queues"):
+        for raw in self.local.smembers(queues_registry(self.prefix)):
             queue = raw.decode() if isinstance(raw, bytes) else str(raw)
             mine = self._held_ids(queue, checked)
             m = replica_keys(self.prefix, self.site, queue)[2]
@@ -348,18 +359,32 @@ class SiteSync:
     def _take_over(self, report: PassReport) -> None:
         """Replicas held here of origins whose heartbeat here expired: into this site's
         own queues, their ids recorded for the origin."""
+        now = self.clock()
         for raw in self.local.smembers(origins_key(self.prefix)):
             origin = raw.decode() if isinstance(raw, bytes) else str(raw)
-            if origin == self.site or self.local.exists(alive_key(self.prefix, origin)):
+            if origin == self.site or not self._silent(origin, now):
                 continue
             for qraw in self.local.smembers(replica_queues_key(self.prefix, origin)):
                 queue = qraw.decode() if isinstance(qraw, bytes) else str(qraw)
                 report.taken_over += self._promote(origin, queue)
-            self.local.delete(replica_queues_key(self.prefix, origin))
+            self.local.delete(replica_queues_key(self.prefix, origin),
+                              missing_since_key(self.prefix, origin))
             self.local.srem(origins_key(self.prefix), origin)
             logger.warning("site %s: site %s missed its heartbeats for %.0f s; took over "
                            "its replicated tasks", self.site, origin,
                            self.config.site_dead_after_s)
+
+    def _silent(self, origin: str, now: float) -> bool:
+        """True once this site has itself seen no heartbeat from ``origin`` for
+        ``site_dead_after_s``: an expired heartbeat alone is not enough (this site may
+        just have come back from its own outage, before the origin's next pass)."""
+        since_key = missing_since_key(self.prefix, origin)
+        if self.local.exists(alive_key(self.prefix, origin)):
+            self.local.delete(since_key)
+            return False
+        self.local.set(since_key, now, nx=True)
+        since = float(self.local.get(since_key) or now)
+        return now - since >= self.config.site_dead_after_s
 
     def _promote(self, origin: str, queue: str) -> int:
         z, p, m = replica_keys(self.prefix, origin, queue)
@@ -381,7 +406,7 @@ class SiteSync:
             marker = takenover_key(self.prefix, origin)
             self.local.sadd(marker, *(json.dumps([queue, i]) for i in ids))
             self.local.expire(marker, TAKEOVER_TTL_S)
-            self.local.sadd(f"{self.prefix}sits:queues", queue)
+            self.local.sadd(queues_registry(self.prefix), queue)
         self.local.delete(z, p, m)
         return len(args) // 5
 

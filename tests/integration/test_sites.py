@@ -15,8 +15,8 @@ from celery import Celery
 
 from sits_queue.app import make_app
 from sits_queue.broker import sites
-from sits_queue.cli import _format_status
 from sits_queue.broker.keys import SEQ_BITS, QueueKeys
+from sits_queue.cli import _format_status
 from sits_queue.config import SitsConfig
 from sits_queue.embedded import EmbeddedRedis
 
@@ -161,8 +161,12 @@ def test_a_silent_site_is_taken_over_and_drops_its_copies_when_back(
     assert replica_ids(b) == {urgent, bulk}
     # While site a heartbeats, site b only keeps the replicas
     assert sync_of(app_b).sync_pass().taken_over == 0
-    # When a's heartbeat expires at b (here: removed), b's pass takes a's work over
+    # When a's heartbeat expires at b (here: removed), b first starts counting...
     b.delete(sites.alive_key("", "a"))
+    assert sync_of(app_b).sync_pass().taken_over == 0
+    # ...and once it has itself heard nothing for site_dead_after_s, takes a's work over
+    since = float(b.get(sites.missing_since_key("", "a")) or 0)
+    b.set(sites.missing_since_key("", "a"), since - app_b.sits.site_dead_after_s)
     report = sync_of(app_b).sync_pass()
     assert report.taken_over == 2
     assert {i.decode() for i in b.zrange(QUEUE.waiting, 0, -1)} == {urgent, bulk}
