@@ -234,6 +234,13 @@ def bench_precision(quick: bool, json_path: Path | None) -> None:
     _run_module("sits_queue.bench.precision", quick, json_path)
 
 
+@bench.command("sites")
+@_bench_options
+def bench_sites(quick: bool, json_path: Path | None) -> None:
+    """Two sites: enqueue cost per sync mode, and what survives losing a site."""
+    _run_module("sits_queue.bench.sites", quick, json_path)
+
+
 @bench.command("batch")
 @_bench_options
 def bench_batch(quick: bool, json_path: Path | None) -> None:

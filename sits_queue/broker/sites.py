@@ -54,6 +54,8 @@ DRAIN_BATCH = 5000
 PINGS = 3
 #: Seconds a peer may take to answer before it counts as down for this pass.
 PEER_TIMEOUT_S = 1.0
+#: How often a peer is told again which of this site's queues it holds replicas of, s.
+REGISTER_EVERY_S = 10.0
 #: How long a take-over record is kept for its origin to read, s.
 TAKEOVER_TTL_S = 7 * 86400
 
@@ -146,6 +148,8 @@ class SiteSync:
         self._links_at = -LINK_MAX_AGE_S
         self._digest_at = -DIGEST_EVERY_S
         self._weights = {c.name: c.weight for c in config.classes}
+        self._registered: dict[tuple[str, str], float] = {}
+        self._plan: tuple[list[Link], SyncPlan] | None = None
 
     # -- links and the plan ------------------------------------------------------------------
     def links(self, refresh: bool = False) -> list[Link]:
@@ -173,7 +177,11 @@ class SiteSync:
         return Link(peer, rtt, True)
 
     def plan(self, refresh: bool = False) -> SyncPlan:
-        return sites.plan(self._weights, self.links(refresh), self.config.site_strong_rtt_ms)
+        links = self.links(refresh)
+        if self._plan is None or self._plan[0] is not links:  # once per measurement
+            self._plan = (links, sites.plan(self._weights, links,
+                                            self.config.site_strong_rtt_ms))
+        return self._plan[1]
 
     # -- hooks on the hot path -----------------------------------------------------------------
     def on_put(self, queue: str, records: Sequence[Sequence[Any]]) -> None:
@@ -305,8 +313,13 @@ class SiteSync:
             pipe.hset(p, mapping={r[0]: r[1] for r in records})
             pipe.hset(m, mapping={r[0]: r[2] for r in records})
             pipe.execute()
-        client.sadd(replica_queues_key(self.prefix, self.site), queue)
-        client.sadd(origins_key(self.prefix), self.site)
+        now = time.monotonic()
+        if now - self._registered.get((peer, queue), -REGISTER_EVERY_S) >= REGISTER_EVERY_S:
+            # Idempotent; once in a while, not per put (a flushed peer heals within it, and
+            # the digest pass rewrites the replicas themselves).
+            client.sadd(replica_queues_key(self.prefix, self.site), queue)
+            client.sadd(origins_key(self.prefix), self.site)
+            self._registered[(peer, queue)] = now
         return len(records)
 
     def _delete_replicas(self, peer: str, queue: str, ids: Sequence[str]) -> int:
