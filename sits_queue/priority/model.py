@@ -18,7 +18,7 @@ Higher runs sooner. With ``w = config.weights`` and the task's class quota ``cls
 ``p95_ms``, ``jitter_ms`` and ``bandwidth_compliance`` are the task's class statistics
 from the :class:`PrioritySnapshot`; everything else comes from :class:`TaskFeatures`.
 High-entropy inputs rank slightly lower because §1.3 splits them into early-stoppable
-shards: a long, dense input should not block short ones.
+shards (``sits_queue/shards.py``): a long, dense input should not block short ones.
 
 Nothing here reads a clock, Redis or the environment; ``now`` is ``snapshot.now_s``.
 """

@@ -32,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LMS = ("gpt", "lm-a", "lm-b", "lm-c")
 #: Per forward pass of the "slow" model, s: makes a long generation outlast a soft limit.
 SLOW_FORWARD_S = 0.02
+#: ``t.lengths``' pause per call, s: shards queue behind one another long enough to stop.
+SHARD_PAUSE_S = 0.3
 #: ``t.batch_echo``'s max_batch.
 BATCH_ECHO_MAX = 8
 #: The default classes plus ones that make limits observable on a small machine: "one"
@@ -233,12 +235,19 @@ def register(app: Celery) -> dict[str, Any]:
                  "ids": [c.id for c in calls]}
                 for t in tags]
 
+    @app.inference_task(name="t.lengths", model="gpt", shared=False)
+    def lengths(engine: Any, items: list[str]) -> list[int]:
+        """One shard's work: the length of each item, after a fixed pause per call."""
+        time.sleep(SHARD_PAUSE_S)
+        return [len(item) for item in items]
+
     @app.batch_inference_task(name="t.batch_short", model="gpt", shared=False)
     def batch_short(engine: Any, calls: list[Any]) -> list[Any]:
         return []  # one output per call is owed: every call fails, clearly
 
     return {"describe": describe, "generate_slow": generate_slow, "hang": hang, "ping": ping,
-            "alloc": alloc, "batch_echo": batch_echo, "batch_short": batch_short}
+            "alloc": alloc, "batch_echo": batch_echo, "batch_short": batch_short,
+            "lengths": lengths}
 
 
 tasks = register(app)

@@ -1,0 +1,135 @@
+"""High-entropy inputs split into early-stoppable shards (MISSION §1.3).
+
+A task over a long list of dense inputs (code, encoded data, mixed scripts: input
+entropy >= ``SHARD_ENTROPY``) is submitted as several shard tasks of at most
+``shard_items`` items each, one Celery ``group``: each shard is a short task that waits
+and runs on its own merits, so one big dense job does not hold a slot for long while
+short tasks queue behind it, and the caller can **stop early**: take shard results in
+order and, once it has what it needs, revoke the shards not yet started::
+
+    from sits_queue.shards import apply_sharded
+
+    job = apply_sharded(app.tasks["sits.embed"], texts, model="encoder", shard_items=64)
+    vectors = job.get(timeout=600)                      # all of it, in input order
+    hits = job.take(lambda found: len(found) >= 100)    # or stop once 100 are in
+
+Low-entropy inputs (prose) and short lists go as one task, as ``apply_async`` would.
+The task's first argument must be the list; its result a list (or a ``{"output": list}``
+inference result) with one entry per item, which :meth:`Sharded.get` concatenates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from celery import group
+
+from sits_queue.priority.entropy import input_entropy, is_shardable
+
+#: Items per shard by default: a short task on the ladder the batch controller climbs.
+DEFAULT_SHARD_ITEMS = 64
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Where the input is cut: (start, end) per shard, and the entropy that decided."""
+
+    bounds: tuple[tuple[int, int], ...]
+    entropy: float | None
+
+    @property
+    def sharded(self) -> bool:
+        return len(self.bounds) > 1
+
+
+def plan(n_items: int, entropy: float | None, shard_items: int = DEFAULT_SHARD_ITEMS
+         ) -> ShardPlan:
+    """Shards of at most ``shard_items`` when the input is shardable (§1.3) and longer
+    than one shard; otherwise one piece (pure)."""
+    if shard_items < 1:
+        raise ValueError(f"shard_items must be >= 1, got {shard_items}")
+    if n_items < 0:
+        raise ValueError(f"n_items must be >= 0, got {n_items}")
+    if not is_shardable(entropy) or n_items <= shard_items:
+        return ShardPlan(((0, n_items),), entropy)
+    count = math.ceil(n_items / shard_items)
+    size = math.ceil(n_items / count)  # even shards: 130 items in 3 of 44/43/43, not 64/64/2
+    return ShardPlan(tuple((i, min(i + size, n_items)) for i in range(0, n_items, size)),
+                     entropy)
+
+
+def _items_of(result: Any) -> list[Any]:
+    value = result.get("output") if isinstance(result, dict) and "output" in result \
+        else result
+    if not isinstance(value, list):
+        raise TypeError(f"a sharded task must return a list per shard, got "
+                        f"{type(value).__name__}")
+    return value
+
+
+class Sharded:
+    """The shards of one submission, in input order."""
+
+    def __init__(self, app: Any, results: Sequence[Any], shard_plan: ShardPlan) -> None:
+        self.app = app
+        self.results = list(results)
+        self.plan = shard_plan
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+    def iter_outputs(self, timeout: float | None = None) -> Iterator[list[Any]]:
+        """Each shard's items, in input order, as each is done."""
+        for result in self.results:
+            yield _items_of(result.get(timeout=timeout))
+
+    def get(self, timeout: float | None = None) -> list[Any]:
+        """Every item's output, in input order."""
+        return [item for shard in self.iter_outputs(timeout) for item in shard]
+
+    def take(self, until: Callable[[list[Any]], bool], timeout: float | None = None
+             ) -> list[Any]:
+        """Items in input order, shard by shard, until ``until(items so far)`` holds;
+        then the shards not yet started are revoked (:meth:`stop`)."""
+        found: list[Any] = []
+        for shard in self.iter_outputs(timeout):
+            found += shard
+            if until(found):
+                self.stop()
+                break
+        return found
+
+    def stop(self) -> int:
+        """Revoke the shards that have not finished (a running one completes; Celery's
+        revoke reaches the live workers, which discard a revoked task when they get it).
+        Returns how many were revoked."""
+        pending = [r.id for r in self.results if not r.ready()]
+        if pending:
+            self.app.control.revoke(pending)
+        return len(pending)
+
+
+def apply_sharded(task: Any, items: Sequence[Any], *args: Any,
+                  shard_items: int = DEFAULT_SHARD_ITEMS, kwargs: dict[str, Any] | None = None,
+                  **options: Any) -> Sharded:
+    """Submit ``task(items, *args, **kwargs)``, split into shards when the items' text is
+    high-entropy (§1.3) and there are more than ``shard_items``; ``options`` are
+    ``apply_async``'s (SITS options included), the same for every shard."""
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise TypeError("items must be a list (or another sequence) of inputs, "
+                        f"got {type(items).__name__}")
+    entropy = options.get("input_entropy")
+    if entropy is None:
+        entropy = input_entropy((list(items),), {})
+    shard_plan = plan(len(items), entropy, shard_items)
+    extra = {} if entropy is None else {"input_entropy": entropy}
+    if not shard_plan.sharded:
+        one = task.apply_async((list(items), *args), kwargs or {}, **extra, **options)
+        return Sharded(task.app, [one], shard_plan)
+    signatures = [task.signature((list(items[a:b]), *args), kwargs or {}, **extra, **options)
+                  for a, b in shard_plan.bounds]
+    outcome = group(signatures).apply_async()
+    return Sharded(task.app, list(outcome.results), shard_plan)

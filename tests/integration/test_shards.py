@@ -1,0 +1,82 @@
+"""High-entropy inputs split into early-stoppable shards (MISSION §1.3), through a real
+worker: the split, the order of the outputs, and an early stop that revokes the rest."""
+
+from __future__ import annotations
+
+import base64
+import random
+from collections.abc import Iterator
+
+import pytest
+import redis
+from celery import Celery
+
+from sits_queue.procs import CeleryProcess, wait_ready
+from sits_queue.shards import apply_sharded
+from tests.integration.inference_app import (
+    build_models,
+    client_app,
+    spawn_worker,
+    write_config,
+)
+from tests.waiting import wait_for
+
+CALL_S = 120
+DENSE = [base64.b64encode(random.Random(i).randbytes(30 + i)).decode() for i in range(20)]
+PROSE = [f"the cat sat on the mat and looked at the garden number {i}" for i in range(20)]
+
+
+@pytest.fixture(scope="module")
+def app(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Celery]:
+    redis.Redis.from_url(redis_url).flushall()
+    config = write_config(tmp_path_factory.mktemp("config") / "sits.toml")
+    client = client_app(redis_url, config, "shards-client")
+    client.conf.sits_config_path = config
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory, redis_url: str, app: Celery
+           ) -> Iterator[CeleryProcess]:
+    models = build_models(tmp_path_factory.mktemp("models"))
+    proc = spawn_worker(redis_url, app.conf.sits_config_path, models,
+                        tmp_path_factory.mktemp("shards-logs"), name="shards")
+    try:
+        wait_ready(app, [proc])
+        yield proc
+    finally:
+        proc.stop(timeout_s=20)
+
+
+def test_dense_input_runs_as_shards_in_input_order(app: Celery, worker: CeleryProcess) -> None:
+    job = apply_sharded(app.tasks["t.lengths"], DENSE, shard_items=4)
+    assert len(job) == 5 and job.plan.sharded and job.plan.entropy is not None
+    assert job.get(timeout=CALL_S) == [len(t) for t in DENSE]
+    # each shard was its own task, with its own result
+    assert len({r.id for r in job.results}) == 5
+
+
+def test_prose_goes_as_one_task(app: Celery, worker: CeleryProcess) -> None:
+    job = apply_sharded(app.tasks["t.lengths"], PROSE, shard_items=4)
+    assert len(job) == 1 and not job.plan.sharded
+    assert job.get(timeout=CALL_S) == [len(t) for t in PROSE]
+
+
+def test_an_early_stop_revokes_the_shards_not_yet_run(app: Celery,
+                                                      worker: CeleryProcess) -> None:
+    job = apply_sharded(app.tasks["t.lengths"], DENSE, shard_items=2)  # 10 shards
+    # When the caller has what it needs after two shards, it stops
+    found = job.take(lambda items: len(items) >= 4, timeout=CALL_S)
+    assert found == [len(t) for t in DENSE[:4]]
+    # Then the shards still waiting are revoked: the worker discards them
+    wait_for(lambda: all(r.ready() for r in job.results), 30, "every shard to settle")
+    states = [r.state for r in job.results]
+    assert states[:2] == ["SUCCESS", "SUCCESS"]
+    assert states.count("REVOKED") >= 5, states  # one may have started meanwhile
+    assert states[-1] == "REVOKED"
+
+
+def test_a_bad_items_argument_is_refused(app: Celery) -> None:
+    with pytest.raises(TypeError, match="items must be a list"):
+        apply_sharded(app.tasks["t.lengths"], "one string")

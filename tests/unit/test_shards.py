@@ -1,0 +1,39 @@
+"""Where §1.3 cuts a high-entropy input into shards (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sits_queue.priority.entropy import SHARD_ENTROPY
+from sits_queue.shards import _items_of, plan
+
+
+@pytest.mark.parametrize(("n", "entropy", "size", "bounds"), [
+    (130, SHARD_ENTROPY, 64, ((0, 44), (44, 88), (88, 130))),  # even, not 64/64/2
+    (128, 0.9, 64, ((0, 64), (64, 128))),
+    (64, 0.9, 64, ((0, 64),)),  # one shard's worth: no split
+    (500, SHARD_ENTROPY - 0.01, 64, ((0, 500),)),  # prose: never split
+    (500, None, 64, ((0, 500),)),  # no text to measure
+    (0, 0.9, 64, ((0, 0),)),
+    (5, 0.9, 1, ((0, 1), (1, 2), (2, 3), (3, 4), (4, 5))),
+])
+def test_plan(n: int, entropy: float | None, size: int,
+              bounds: tuple[tuple[int, int], ...]) -> None:
+    got = plan(n, entropy, size)
+    assert got.bounds == bounds and got.sharded is (len(bounds) > 1)
+    # the shards cover the input exactly, in order
+    assert [i for a, b in got.bounds for i in range(a, b)] == list(range(n))
+
+
+def test_plan_refuses_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="shard_items must be >= 1"):
+        plan(10, 0.9, 0)
+    with pytest.raises(ValueError, match="n_items must be >= 0"):
+        plan(-1, 0.9, 4)
+
+
+def test_shard_outputs_are_lists_plain_or_wrapped() -> None:
+    assert _items_of([1, 2]) == [1, 2]
+    assert _items_of({"output": [3], "sits": {}}) == [3]
+    with pytest.raises(TypeError, match="must return a list per shard"):
+        _items_of({"output": 5})
