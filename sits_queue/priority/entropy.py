@@ -1,9 +1,10 @@
 """Input entropy (MISSION §1.3): how information-dense a task's text arguments are.
 
 High-entropy inputs rank a little lower (``model.py``) and are split into early-stoppable
-shards on submission (``sits_queue/shards.py``); here they are measured and flagged. Entropy is order-0 Shannon entropy of the UTF-8 bytes, in bits
-per byte, divided by 8 so it lies in [0, 1]. It is cheap (one pass, no model) because
-it runs on the submission path.
+shards on submission (``sits_queue/shards.py``); here they are measured and flagged.
+Entropy is order-0 Shannon entropy of the UTF-8 bytes, in bits per byte, divided by 8 so
+it lies in [0, 1]. It is cheap (one pass, no model) because it runs on the submission
+path.
 """
 
 from __future__ import annotations

@@ -188,25 +188,35 @@ def withdraw(client: redis.Redis, prefix: str, hostname: str, concurrency: int) 
 
 # -- reading -----------------------------------------------------------------------------
 
-def read_worker(client: redis.Redis, prefix: str, hostname: str) -> dict[str, Any] | None:
-    """One live worker's record with ``children`` (slot -> record) and ``warm``; None if
-    it is gone (or its record is unreadable)."""
-    raw = client.get(worker_key(prefix, hostname))
+def json_object(raw: Any) -> dict[str, Any] | None:
+    """A stored record as a dict; None when absent, not JSON or not an object."""
     if raw is None:
         return None
     try:
-        record: dict[str, Any] = json.loads(raw)
-    except ValueError:
+        value = json.loads(raw)
+    except (ValueError, TypeError):
         return None
-    concurrency = int(record.get("concurrency") or 0)
+    return value if isinstance(value, dict) else None
+
+
+def read_worker(client: redis.Redis, prefix: str, hostname: str) -> dict[str, Any] | None:
+    """One live worker's record with ``children`` (slot -> record) and ``warm``; None if
+    it is gone (or its record is unreadable)."""
+    record = json_object(client.get(worker_key(prefix, hostname)))
+    if record is None:
+        return None
+    concurrency = record.get("concurrency")
+    slots = concurrency if isinstance(concurrency, int) and 0 < concurrency <= 4096 else 0
     children: dict[str, Any] = {}
-    if concurrency:
-        values = client.mget([child_key(prefix, hostname, s) for s in range(concurrency)])
+    if slots:
+        values = client.mget([child_key(prefix, hostname, s) for s in range(slots)])
         for slot, value in enumerate(values):
-            if value is not None:
-                children[str(slot)] = json.loads(value)
+            child = json_object(value)  # a corrupt child record is left out, not fatal
+            if child is not None:
+                children[str(slot)] = child
     record["children"] = children
-    record["warm"] = sorted({k for c in children.values() for k in c.get("warm", {})})
+    record["warm"] = sorted({str(k) for c in children.values()
+                             if isinstance(c.get("warm"), dict) for k in c["warm"]})
     return record
 
 
@@ -257,7 +267,7 @@ class WarmReader:
     def invalidate(self) -> None:
         # Only once some child holds something: a worker of plain tasks (whose children
         # never publish a warm set) must not pay a read per ack; it looks again with age.
-        if self._warm:
+        if self._warm.models or self._warm.prefixes:
             self._read_at = None
 
     def __call__(self) -> affinity.Warm:
@@ -271,14 +281,7 @@ class WarmReader:
             logger.debug("warm set unreadable, picking without affinity: %s", exc)
             self._warm = affinity.Warm()
             return self._warm
-        children = []
-        for value in raw:
-            try:
-                record = json.loads(value) if value is not None else None
-            except ValueError:
-                record = None
-            if isinstance(record, dict):
-                children.append(record)
+        children = [c for c in (json_object(v) for v in raw) if c is not None]
         self._warm = affinity.warm_of(children, self._policy, self._precision_weights(now))
         return self._warm
 

@@ -176,6 +176,34 @@ def test_warm_reader_reads_the_children_and_rereads_after_an_ack(
         r.delete(*(advertise.child_key(prefix, "w1@host", s) for s in (0, 1)))
 
 
+def test_warm_reader_weighs_precisions_by_the_fleets_devices(
+        r: redis.Redis, redis_url: str) -> None:
+    config = SitsConfig(redis_url=redis_url, global_keyprefix="prec-test:")
+    prefix = config.global_keyprefix
+
+    def worker(host: str, peaks: dict[str, float], children: int = 1) -> None:
+        r.set(advertise.worker_key(prefix, host), json.dumps(
+            {"hostname": host, "concurrency": children,
+             "devices": [{"name": "x", "peak_tflops": peaks}]}))
+
+    try:
+        # Given a T4 worker, two V100 workers, and one with a corrupt child record
+        worker("t4@h", {"fp32": 8.1, "fp16": 65, "int8": 130})
+        worker("v100a@h", {"fp32": 15.7, "fp16": 125})
+        worker("v100b@h", {"fp32": 15.7, "fp16": 125}, children=2)
+        r.set(advertise.child_key(prefix, "v100b@h", 0), "garbage")
+        r.set(advertise.child_key(prefix, "v100b@h", 1), "[1, 2]")
+        # Then the T4 pulls int8 tasks (and only those); the V100s fp16 (and fp32)
+        assert advertise.WarmReader(config, "t4@h", 1)().precisions == {"int8": 0.5}
+        v100 = advertise.WarmReader(config, "v100a@h", 1)().precisions
+        assert set(v100) == {"fp16", "fp32"} and "int8" not in v100
+        # And a corrupt record is left out, not fatal (status reads the same records)
+        assert advertise.read_worker(r, prefix, "v100b@h")["children"] == {}
+        assert len(advertise.read_workers(r, prefix)) == 3
+    finally:
+        r.delete(*r.keys(f"{prefix}*"))
+
+
 def test_warm_reader_without_redis_means_no_affinity() -> None:
     config = SitsConfig(redis_url="redis://127.0.0.1:1/0")  # nothing listens on port 1
     assert advertise.WarmReader(config, "w@h", 1)() == Warm()
