@@ -54,7 +54,7 @@ from kombu.serialization import loads
 
 from sits_queue.broker import intake
 from sits_queue.broker.keys import BATCH_INFO
-from sits_queue.errors import InferenceError, InvalidInput
+from sits_queue.errors import ContextTooLong, InferenceError, InvalidInput
 from sits_queue.workers import inference, metrics, runtime
 from sits_queue.workers import request as admission
 from sits_queue.workers.request import SitsRequest
@@ -196,6 +196,96 @@ def embed_calls(engine: Any, calls: list[Call]) -> list[Any]:
             outputs[i] = part[0] if isinstance(texts, str) else part
             start += len(own)
     return outputs
+
+
+def generate_batched(engine: Any, prompt: str, max_new_tokens: int = 32,
+                     stop_at_eos: bool = True) -> dict[str, Any]:
+    """One call of ``sits.generate_batched`` (its signature: a call's arguments; the batch
+    function is :func:`generate_calls`), as a plain function."""
+    out = generate_calls(engine, [Call("", (prompt, max_new_tokens, stop_at_eos))])[0]
+    if isinstance(out, BaseException):
+        raise out
+    result: dict[str, Any] = out
+    return result
+
+
+_GENERATE = inspect.signature(generate_batched)
+
+
+def generate_calls(engine: Any, calls: list[Call]) -> list[Any]:
+    """Greedy continuations of every call's prompt as one left-padded batch through
+    Hugging Face ``generate`` (the KV cache, the attention mask and positions handled
+    there), each cut to its own ``max_new_tokens`` and, with ``stop_at_eos``, after its
+    end-of-sequence token: what :func:`~sits_queue.workers.inference.generate` decodes
+    greedily for each alone (tested), as ``{"text", "tokens", "prompt_tokens",
+    "cached_tokens": 0, "stopped", "runs": 1}``. No time slices and no KV-prefix reuse
+    (those are ``sits.generate``'s); a call with bad arguments or a prompt the model
+    cannot take fails alone."""
+    model = getattr(engine, "key", "?")
+    module, tokenizer = inference.module_of(engine, model), inference.tokenizer_of(engine, model)
+    limit = inference.max_positions(module, tokenizer)
+    outputs: list[Any] = [None] * len(calls)
+    groups: dict[bool, list[tuple[int, list[int], int]]] = {}
+    for i, call in enumerate(calls):
+        try:
+            bound = _GENERATE.bind(engine, *call.args, **call.kwargs)
+        except TypeError as exc:
+            outputs[i] = InvalidInput(f"sits.generate_batched arguments: {exc}")
+            continue
+        bound.apply_defaults()
+        prompt, most = bound.arguments["prompt"], bound.arguments["max_new_tokens"]
+        try:
+            inference.check_prompt(prompt, most, 0.0)
+            ids = tokenizer(prompt)["input_ids"]
+            if limit is not None and len(ids) + most > limit:
+                raise ContextTooLong(f"prompt of {len(ids)} tokens + max_new_tokens {most} "
+                                     f"exceeds model {model!r}'s {limit} positions")
+        except InferenceError as exc:
+            outputs[i] = exc
+            continue
+        groups.setdefault(bool(bound.arguments["stop_at_eos"]), []).append((i, ids, most))
+    for stop, members in groups.items():
+        rows = _generate_rows(module, tokenizer, members, stop)
+        for (i, _ids, _), row in zip(members, rows, strict=True):
+            outputs[i] = row
+    return outputs
+
+
+def _generate_rows(module: Any, tokenizer: Any, members: list[tuple[int, list[int], int]],
+                   stop: bool) -> list[dict[str, Any]]:
+    import copy
+
+    import torch
+
+    longest = max(most for _, _, most in members)
+    width = max(len(ids) for _, ids, _ in members)
+    active = runtime.active()
+    if active is not None:
+        active.check_vram(inference.kv_cache_bytes(module, (width + longest) * len(members)))
+    eos = getattr(tokenizer, "eos_token_id", None)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+    device = next(module.parameters()).device
+    input_ids = torch.full((len(members), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(members), width), dtype=torch.long)
+    for r, (_, ids, _) in enumerate(members):  # left padding: every prompt ends together
+        input_ids[r, width - len(ids):] = torch.tensor(ids)
+        mask[r, width - len(ids):] = 1
+    config = copy.deepcopy(module.generation_config)
+    config.update(max_new_tokens=longest, do_sample=False, pad_token_id=pad,
+                  eos_token_id=eos if stop else None)
+    with torch.inference_mode():
+        out = module.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device),
+                              generation_config=config)
+    rows = []
+    for r, (_, ids, most) in enumerate(members):
+        new = out[r, width:].tolist()[:most]
+        if stop and eos is not None and eos in new:
+            new = new[:new.index(eos) + 1]
+        rows.append({"text": tokenizer.decode(new, skip_special_tokens=True),
+                     "tokens": len(new), "prompt_tokens": len(ids), "cached_tokens": 0,
+                     "stopped": "eos" if stop and new and new[-1] == eos else "length",
+                     "runs": 1})
+    return rows
 
 
 def _alone(engine: Any, texts: Any, normalize: bool) -> Any:

@@ -197,7 +197,7 @@ def _trace(meta: dict[str, Any], model: str, sla_class: str, start_ns: int,
 
 # -- the built-in functions ------------------------------------------------------------------
 
-def _tokenizer(engine: Any, model: str) -> Any:
+def tokenizer_of(engine: Any, model: str) -> Any:
     tokenizer = getattr(engine, "artifacts", {}).get("tokenizer")
     if tokenizer is None:
         raise ModelLoadError(f"model {model!r} has no tokenizer; built-in text tasks need a "
@@ -205,7 +205,7 @@ def _tokenizer(engine: Any, model: str) -> Any:
     return tokenizer
 
 
-def _module(engine: Any, model: str) -> Any:
+def module_of(engine: Any, model: str) -> Any:
     module = getattr(engine, "module", None)
     if module is None:
         raise ModelLoadError(f"model {model!r} is a {getattr(engine, 'backend', '?')} engine; "
@@ -242,7 +242,7 @@ def _cache_kwarg(module: Any) -> str:
         else "past_key_values"
 
 
-def _check_prompt(prompt: Any, max_new_tokens: Any, temperature: Any) -> None:
+def check_prompt(prompt: Any, max_new_tokens: Any, temperature: Any) -> None:
     if not isinstance(prompt, str) or not prompt:
         raise InvalidInput(f"prompt must be a non-empty string, got {type(prompt).__name__}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
@@ -274,9 +274,9 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
     """
     import torch
 
-    _check_prompt(prompt, max_new_tokens, temperature)
+    check_prompt(prompt, max_new_tokens, temperature)
     model = getattr(engine, "key", "?")
-    module, tokenizer = _module(engine, model), _tokenizer(engine, model)
+    module, tokenizer = module_of(engine, model), tokenizer_of(engine, model)
     device = next(module.parameters()).device
     input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
     prompt_tokens = int(input_ids.shape[1])
@@ -478,7 +478,7 @@ def _embed_batch(engine: Any, model: str, batch: list[str], normalize: bool,
                  active: runtime.ActiveTask | None) -> list[list[float]]:
     import torch
 
-    module, tokenizer = _module(engine, model), _tokenizer(engine, model)
+    module, tokenizer = module_of(engine, model), tokenizer_of(engine, model)
     device = next(module.parameters()).device
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
@@ -516,6 +516,8 @@ def register(app: Any) -> dict[str, Any]:
     tasks: dict[str, Callable[..., Any]] = {
         "generate": app.inference_task(name="sits.generate", shared=False)(generate),
         "embed": app.batch_inference_task(name="sits.embed", shared=False)(batched.embed_calls),
+        "generate_batched": app.batch_inference_task(
+            name="sits.generate_batched", shared=False)(batched.generate_calls),
         "prewarm": app.inference_task(name="sits.prewarm", shared=False)(prewarm),
     }
     return tasks

@@ -35,6 +35,8 @@ CALL_S = 60
 #: Tasks submitted before the worker starts: two full batches of t.batch_echo and a part.
 ECHO_TAGS = [f"e{i}" for i in range(2 * BATCH_ECHO_MAX + 3)]
 ECHO_TAGS[3] = "bad"
+PROMPTS = [("Once upon a time", 6), ("The cat", 9), ("In a galaxy far away there was", 4),
+           ("", 5), ("Hello", 12)]
 TEXTS = ["the cache warms", "a model serves", "queues wait", "batches run together",
          "one more text", "and the last one is a little longer than the others"]
 
@@ -75,7 +77,11 @@ def waiting(app: Celery) -> dict[str, Any]:
     raw = app.tasks["sits.embed"].apply_async((TEXTS[:2],), {"normalize": False},
                                               model="enc")
     empty = app.tasks["sits.embed"].apply_async(([],), model="enc")
-    return {"echo": echo, "expired": expired, "embeds": embeds, "raw": raw, "empty": empty}
+    gens = [app.tasks["sits.generate_batched"].apply_async((prompt,), {"max_new_tokens": n},
+                                                          model="gpt")
+            for prompt, n in PROMPTS]
+    return {"echo": echo, "expired": expired, "embeds": embeds, "raw": raw, "empty": empty,
+            "gens": gens}
 
 
 @pytest.fixture(scope="module")
@@ -154,16 +160,34 @@ def test_embeds_batch_together_and_match_a_lone_run(waiting: dict[str, Any],
     assert isinstance(empty, InvalidInput) and "non-empty" in str(empty)
 
 
+def test_generations_batch_and_match_a_lone_greedy_run(
+        waiting: dict[str, Any], worker: CeleryProcess, models_dir: Path) -> None:
+    from sits_queue.cache.engines import engine_from_path
+    from sits_queue.workers.inference import generate
+
+    got = results(waiting["gens"])
+    engine = engine_from_path("gpt", models_dir / "gpt", "cpu")
+    engine.to_device("cpu")
+    for (prompt, n), g in zip(PROMPTS, got, strict=True):
+        if not prompt:  # the empty prompt fails alone
+            assert isinstance(g, InvalidInput) and "non-empty string" in str(g)
+            continue
+        assert g["sits"]["batch"]["size"] == len(PROMPTS)
+        alone = generate(engine, prompt, max_new_tokens=n)
+        assert g["output"] == {**alone, "cached_tokens": 0}
+
+
 def test_counters_count_tasks_not_batches(r: redis.Redis, worker: CeleryProcess,
                                           waiting: dict[str, Any]) -> None:
-    results(waiting["echo"] + waiting["embeds"] + [waiting["raw"]])
+    results(waiting["echo"] + waiting["embeds"] + [waiting["raw"]] + waiting["gens"])
     record = metrics.read(r, "", worker.hostname)[0]
     counters = {k.decode(): float(v) for k, v in record["counters"].items()}
     # 18 echo tasks ran (1 failed by its own output) + 6 + 1 embeds; one more embed
-    # failed on input, alone. A batch's cold start counts once.
+    # failed on input, alone; 4 generations + one that failed on input. A batch's cold
+    # start counts once.
     assert counters["tasks"] >= len(ECHO_TAGS) + len(TEXTS) + 1
-    assert counters["model_runs:gpt"] == len(ECHO_TAGS)
-    assert counters["failed:InvalidInput"] == 2
+    assert counters["model_runs:gpt"] == len(ECHO_TAGS) + len(PROMPTS)
+    assert counters["failed:InvalidInput"] == 3
     assert counters["cold"] <= 2
 
 
