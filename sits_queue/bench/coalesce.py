@@ -15,7 +15,10 @@ How it runs (same for all three, one after another, in one process run):
   offline case: throughput); then arrivals at fixed rates, as a job fed by a producer
   pipeline: ``light`` at 50% of what (b) sustained in its burst (one at a time keeps
   up: what batching costs when there is nothing to batch), and ``heavy`` at 150% of it
-  (one at a time falls behind, its queue grows for as long as the stream lasts);
+  (one at a time falls behind, its queue grows for as long as the stream lasts); then
+  ``gen_burst``: prompts for a small causal LM (4 x 256) submitted at once, each asking
+  for 8 new tokens greedily (stock Celery: ``inference.generate`` per task; SITS:
+  ``sits.generate_batched``);
 * every worker first embeds one text (its cold start is not measured).
 
 ``batch``: mean tasks per run (1 for one at a time). ``p50/p99``: submit -> finish, ms;
@@ -42,11 +45,13 @@ from sits_queue.bench import coldstart
 from sits_queue.bench.affinity import available_cpus
 from sits_queue.bench.coalesce_apps import (
     DONE_KEY,
+    GEN_TOKENS,
+    LM_MODEL,
     MODEL,
     SYSTEMS,
     build,
     settings_of,
-    task_name,
+    task_names,
     worker_env,
 )
 from sits_queue.bench.report import database_url, ratio, redis_server, targets_line
@@ -55,9 +60,11 @@ from sits_queue.procs import start_worker, wait_ready
 
 DATABASES = {"celery_per_task": 12, "sits_one_by_one": 13, "sits_batched": 14}
 ENCODER_SHAPE = {"n_layer": 4, "hidden": 256, "n_head": 4, "n_positions": 128}
+LM_SHAPE = {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 256}
 #: The paced streams' rates, as shares of what one-at-a-time SITS sustained in its burst.
 LOADS = {"light": 0.5, "heavy": 1.5}
-STREAMS = ("burst", *LOADS)
+#: Embedding streams, then one of generations submitted at once.
+STREAMS = ("burst", *LOADS, "gen_burst")
 #: Targets (printed, never asserted): batching must multiply a burst's throughput, keep
 #: up with a heavy stream, and cost little latency on a light one.
 TARGET_BURST_THROUGHPUT = 2.0
@@ -70,15 +77,16 @@ DRAIN_S_PER_TASK = 0.5
 class Shape:
     burst: int
     paced: int  # tasks of each paced stream
+    generations: int = 200
     seed: int = 5
 
     def __post_init__(self) -> None:
-        if self.burst < 1 or self.paced < 1:
-            raise ValueError("burst and paced must be >= 1")
+        if self.burst < 1 or self.paced < 1 or self.generations < 1:
+            raise ValueError("burst, paced and generations must be >= 1")
 
 
-QUICK = Shape(burst=1200, paced=400)
-FULL = Shape(burst=4000, paced=1500)
+QUICK = Shape(burst=1200, paced=400, generations=200)
+FULL = Shape(burst=4000, paced=1500, generations=600)
 
 
 def make_texts(n: int, seed: int) -> list[str]:
@@ -118,7 +126,9 @@ def ratios(result: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str, f
             "heavy_p99_vs_one_by_one": of("heavy", "p99_ms"),
             "heavy_p99_vs_celery": of("heavy", "p99_ms", "celery_per_task"),
             "light_p50_vs_one_by_one": of("light", "p50_ms"),
-            "light_p50_vs_celery": of("light", "p50_ms", "celery_per_task")}
+            "light_p50_vs_celery": of("light", "p50_ms", "celery_per_task"),
+            "gen_throughput_vs_one_by_one": of("gen_burst", "throughput_tps"),
+            "gen_throughput_vs_celery": of("gen_burst", "throughput_tps", "celery_per_task")}
 
 
 def targets(r: Mapping[str, float | None]) -> dict[str, bool]:
@@ -139,20 +149,24 @@ def targets(r: Mapping[str, float | None]) -> dict[str, bool]:
 class Runner:
     """One system's worker, warm, and the streams through it."""
 
-    def __init__(self, system: str, url: str, model_dir: Path, log_dir: Path) -> None:
+    def __init__(self, system: str, url: str, model_dir: Path, lm_dir: Path,
+                 log_dir: Path) -> None:
         self.system, self.url = system, url
         self.client = redis.Redis.from_url(url)
         self.client.flushdb()
-        self.app = build(system, url, model_dir, settings_of(system))
-        env = worker_env(system, url, model_dir)
+        self.app = build(system, url, model_dir, lm_dir, settings_of(system))
+        env = worker_env(system, url, model_dir, lm_dir)
         self.worker = start_worker("sits_queue.bench.coalesce_apps", env, log_dir,
                                    concurrency=1, hostname=f"{system}@%h",
                                    cpus=available_cpus())
-        self.task = self.app.tasks[task_name(system)]
+        embed, generate = task_names(system)
+        self.task, self.gen_task = self.app.tasks[embed], self.app.tasks[generate]
 
     def __enter__(self) -> Runner:
         wait_ready(self.app, [self.worker])
-        self.stream(["warm up"], rate_per_s=None)  # its cold start is not measured
+        # their cold starts are not measured
+        self.stream(["warm up"], rate_per_s=None)
+        self.stream(["warm up"], rate_per_s=None, generate=True)
         return self
 
     def __exit__(self, *_: Any) -> None:
@@ -161,12 +175,15 @@ class Runner:
         self.client.flushdb()  # leave nothing behind
         self.client.close()
 
-    def stream(self, texts: Sequence[str], rate_per_s: float | None
+    def stream(self, texts: Sequence[str], rate_per_s: float | None, generate: bool = False
                ) -> tuple[list[dict[str, Any]], dict[str, float]]:
-        """Submit ``texts`` (all at once, or at ``rate_per_s``); the records once done."""
+        """Submit ``texts`` (all at once, or at ``rate_per_s``) to embed, or as prompts to
+        continue by :data:`GEN_TOKENS` tokens; the records once done."""
         self.client.delete(DONE_KEY)
         submitted: dict[str, float] = {}
-        options = {} if self.system == "celery_per_task" else {"model": MODEL}
+        plain = self.system == "celery_per_task"
+        task = self.gen_task if generate else self.task
+        options: dict[str, Any] = {} if plain else {"model": LM_MODEL if generate else MODEL}
         start = time.monotonic()
         with self.app.producer_or_acquire() as producer:
             for i, text in enumerate(texts):
@@ -175,7 +192,13 @@ class Runner:
                     if delay > 0:
                         time.sleep(delay)
                 now = time.time()
-                result = self.task.apply_async((text,), producer=producer, **options)
+                if not generate:
+                    args: tuple[Any, ...] = (text,)
+                    kwargs: dict[str, Any] = {}
+                else:  # the same greedy work: fixed length, no stop at EOS
+                    args, kwargs = ((text, GEN_TOKENS), {}) if plain else \
+                        ((text,), {"max_new_tokens": GEN_TOKENS, "stop_at_eos": False})
+                result = task.apply_async(args, kwargs, producer=producer, **options)
                 submitted[result.id] = now
         timeout = max(coldstart.DRAIN_MIN_S, DRAIN_S_PER_TASK * len(texts))
         records = coldstart.await_records(self.client, len(texts), [self.worker], timeout,
@@ -187,14 +210,16 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
         zoo_root: Path | None = None, on_progress: Callable[[str], None] = print
         ) -> dict[str, Any]:
     """The three systems on both streams; the result the JSON holds."""
-    from sits_queue.models.tiny import build_tiny_encoder
+    from sits_queue.models.tiny import build_tiny_causal_lm, build_tiny_encoder
 
     shape = shape or (QUICK if quick else FULL)
-    model_dir = build_tiny_encoder((zoo_root or coldstart.default_zoo()) / "coalesce-enc",
-                                   seed=shape.seed, **ENCODER_SHAPE)
+    zoo = zoo_root or coldstart.default_zoo()
+    model_dir = build_tiny_encoder(zoo / "coalesce-enc", seed=shape.seed, **ENCODER_SHAPE)
+    lm_dir = build_tiny_causal_lm(zoo / "coalesce-lm", seed=shape.seed, **LM_SHAPE)
     texts = {"burst": make_texts(shape.burst, shape.seed),
              **{name: make_texts(shape.paced, shape.seed + 1 + i)
-                for i, name in enumerate(LOADS)}}
+                for i, name in enumerate(LOADS)},
+             "gen_burst": make_texts(shape.generations, shape.seed + 9)}
     on_progress(f"coalesce: {shape.burst} texts at once, then {shape.paced} at each of "
                 f"{len(LOADS)} rates, one text per task")
     out: dict[str, dict[str, Any]] = {name: {} for name in STREAMS}
@@ -202,12 +227,14 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
     with tempfile.TemporaryDirectory(prefix="sits-bench-coalesce-") as tmp, \
             redis_server(redis_url) as url:
         for system in ("sits_one_by_one", "celery_per_task", "sits_batched"):
-            with Runner(system, database_url(url, DATABASES[system]), model_dir,
+            with Runner(system, database_url(url, DATABASES[system]), model_dir, lm_dir,
                         Path(tmp) / system) as runner:
                 out["burst"][system] = summarise(*runner.stream(texts["burst"], None))
                 base = base or out["burst"][system]["throughput_tps"]
                 for name, load in LOADS.items():
                     out[name][system] = summarise(*runner.stream(texts[name], load * base))
+                out["gen_burst"][system] = summarise(*runner.stream(
+                    texts["gen_burst"], None, generate=True))
             on_progress(f"  {system}: " + ", ".join(
                 f"{n} {out[n][system]['throughput_tps']}/s p50 {out[n][system]['p50_ms']} ms"
                 for n in STREAMS))
@@ -215,7 +242,8 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
     r = ratios(result)
     return {**result, "ratios": r, "meta": {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "quick": quick,
-        "shape": asdict(shape), "encoder": ENCODER_SHAPE,
+        "shape": asdict(shape), "encoder": ENCODER_SHAPE, "lm": LM_SHAPE,
+        "gen_tokens": GEN_TOKENS,
         "rates_per_s": {n: round(load * (base or 0.0), 1) for n, load in LOADS.items()},
         "concurrency": 1, "cpus": available_cpus(), "python": platform.python_version(),
         "host_cpus": os.cpu_count(), "torch": coldstart._version("torch"),
@@ -223,15 +251,16 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
 
 
 def table(result: Mapping[str, Any]) -> str:
-    lines = [f"{'stream':<7}{'system':<18}{'n':>6}{'tput/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
+    lines = [f"{'stream':<10}{'system':<18}{'n':>6}{'tput/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
              f"{'batch':>7}"]
     for stream in STREAMS:
         for name, s in result[stream].items():
-            lines.append(f"{stream:<7}{name:<18}{s['n']:>6}{s['throughput_tps']:>9.1f}"
+            lines.append(f"{stream:<10}{name:<18}{s['n']:>6}{s['throughput_tps']:>9.1f}"
                          f"{s['p50_ms']:>9.1f}{s['p99_ms']:>9.1f}{s['mean_batch']:>7.2f}")
     rates = ", ".join(f"{n} {r}/s" for n, r in result["meta"]["rates_per_s"].items())
     lines.append(f"(p50/p99: submit -> finish; batch: mean tasks per run; paced: {rates}, "
-                 "shares of one-by-one's burst throughput)")
+                 "shares of one-by-one's burst throughput; gen_burst: greedy generations "
+                 f"of {GEN_TOKENS} tokens, submitted at once)")
     failed = {f"{k}/{n}": s["failed"] for k in STREAMS
               for n, s in result[k].items() if s["failed"]}
     if failed:

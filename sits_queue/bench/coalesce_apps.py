@@ -10,8 +10,11 @@ Selected by environment (the worker imports this module with ``-A``):
   one-at-a-time run sets ``batch_window`` 0).
 
 Both embed with the same function (:func:`sits_queue.workers.inference.embed`), so what
-differs is how tasks reach the model. Every finished task pushes a record (its id, when
-it finished, how many tasks its run served) to a Redis list the benchmark reads.
+differs is how tasks reach the model; likewise they generate (a small causal LM, greedy,
+:data:`GEN_TOKENS` new tokens): the plain task one prompt per call through
+``inference.generate``, SITS through ``sits.generate_batched``. Every finished task
+pushes a record (its id, when it finished, how many tasks its run served) to a Redis
+list the benchmark reads.
 """
 
 from __future__ import annotations
@@ -33,10 +36,16 @@ SYSTEMS = ("celery_per_task", "sits_one_by_one", "sits_batched")
 PLAIN_TASK = "bench.coalesce.embed"
 SITS_TASK = "sits.embed"
 MODEL = "enc"
+PLAIN_GEN_TASK = "bench.coalesce.generate"
+SITS_GEN_TASK = "sits.generate_batched"
+LM_MODEL = "lm"
+#: New tokens per generation (fixed: no stop at EOS, the same work everywhere).
+GEN_TOKENS = 8
 DONE_KEY = "bench:coalesce:done"
 ENV_SYSTEM = "SITS_COALESCE_SYSTEM"
 ENV_URL = "SITS_COALESCE_REDIS_URL"
 ENV_MODEL = "SITS_COALESCE_MODEL_DIR"
+ENV_LM = "SITS_COALESCE_LM_DIR"
 ENV_SETTINGS = "SITS_COALESCE_SETTINGS"
 
 
@@ -45,8 +54,8 @@ def settings_of(system: str) -> dict[str, Any]:
     return {"batch_window": 0} if system == "sits_one_by_one" else {}
 
 
-def worker_env(system: str, url: str, model_dir: Path) -> dict[str, str]:
-    return {ENV_SYSTEM: system, ENV_URL: url, ENV_MODEL: str(model_dir),
+def worker_env(system: str, url: str, model_dir: Path, lm_dir: Path) -> dict[str, str]:
+    return {ENV_SYSTEM: system, ENV_URL: url, ENV_MODEL: str(model_dir), ENV_LM: str(lm_dir),
             ENV_SETTINGS: json.dumps(settings_of(system)), "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -72,7 +81,10 @@ def _load(model_dir: Path) -> Any:
     return _encoder[0]
 
 
-def _register_plain(app: Celery, model_dir: Path) -> None:
+_lm: list[Any] = []
+
+
+def _register_plain(app: Celery, model_dir: Path, lm_dir: Path) -> None:
     @app.task(name=PLAIN_TASK, shared=False)  # type: ignore[untyped-decorator]
     def embed_task(text: str) -> list[float]:
         from sits_queue.workers.inference import embed
@@ -80,15 +92,24 @@ def _register_plain(app: Celery, model_dir: Path) -> None:
         vector: list[float] = embed(_load(model_dir), text)
         return vector
 
+    @app.task(name=PLAIN_GEN_TASK, shared=False)  # type: ignore[untyped-decorator]
+    def generate_task(prompt: str, max_new_tokens: int) -> dict[str, Any]:
+        from sits_queue.bench.coldstart_apps import load_from_disk
+        from sits_queue.workers.inference import generate
+
+        if not _lm:  # module-global, as for the encoder
+            _lm.append(load_from_disk(LM_MODEL, lm_dir, "cpu")[0])
+        return generate(_lm[0], prompt, max_new_tokens=max_new_tokens, stop_at_eos=False)
+
 
 # -- records -------------------------------------------------------------------------------
 
-def _connect_records(app: Celery, url: str, task_name: str) -> None:
+def _connect_records(app: Celery, url: str, task_names: tuple[str, ...]) -> None:
     clients: dict[int, redis.Redis] = {}
 
     def on_postrun(task_id: str = "", task: Any = None, retval: Any = None,
                    state: str | None = None, **_: Any) -> None:
-        if getattr(task, "app", None) is not app or task.name != task_name:
+        if getattr(task, "app", None) is not app or task.name not in task_names:
             return
         meta = retval.get("sits") if isinstance(retval, dict) else None
         size = (meta.get("batch") or {}).get("size", 1) if isinstance(meta, dict) else 1
@@ -102,31 +123,33 @@ def _connect_records(app: Celery, url: str, task_name: str) -> None:
     signals.task_postrun.connect(on_postrun, weak=False)
 
 
-def build(system: str, url: str, model_dir: Path,
+def build(system: str, url: str, model_dir: Path, lm_dir: Path,
           settings: dict[str, Any] | None = None) -> Celery:
     """The app of ``system`` on database ``url``."""
     app: Celery
     if system == "celery_per_task":
         # Stock settings, on purpose, with the results kept (the caller wants its vector).
         app = Celery("bench_coalesce_celery", broker=url, backend=url)
-        _register_plain(app, model_dir)
-        task_name = PLAIN_TASK
+        _register_plain(app, model_dir, lm_dir)
     elif system in ("sits_one_by_one", "sits_batched"):
         config = replace(SitsConfig(redis_url=url), **(settings or {}))
         app = make_app(config, main=f"bench_coalesce_{system}")
         app.register_model(MODEL, model_dir)
-        task_name = SITS_TASK
+        app.register_model(LM_MODEL, lm_dir)
     else:
         raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
-    _connect_records(app, url, task_name)
+    _connect_records(app, url, task_names(system))
     return app
 
 
-def task_name(system: str) -> str:
-    return PLAIN_TASK if system == "celery_per_task" else SITS_TASK
+def task_names(system: str) -> tuple[str, str]:
+    """(embedding task, generation task) of ``system``."""
+    if system == "celery_per_task":
+        return PLAIN_TASK, PLAIN_GEN_TASK
+    return SITS_TASK, SITS_GEN_TASK
 
 
 _system = os.environ.get(ENV_SYSTEM)
 if _system:
     app = build(_system, os.environ[ENV_URL], Path(os.environ[ENV_MODEL]),
-                json.loads(os.environ.get(ENV_SETTINGS) or "{}"))
+                Path(os.environ[ENV_LM]), json.loads(os.environ.get(ENV_SETTINGS) or "{}"))

@@ -12,7 +12,7 @@ from sits_queue.bench import coalesce
 from sits_queue.bench.coalesce import STREAMS, Shape
 from sits_queue.bench.coalesce_apps import SYSTEMS
 
-TINY = Shape(burst=40, paced=10)
+TINY = Shape(burst=40, paced=10, generations=12)
 
 
 def test_three_systems_three_streams(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -24,12 +24,13 @@ def test_three_systems_three_streams(tmp_path: Path, monkeypatch: pytest.MonkeyP
     for stream in STREAMS:
         assert set(result[stream]) == set(SYSTEMS)
         for system, s in result[stream].items():
-            want = TINY.burst if stream == "burst" else TINY.paced
+            want = {"burst": TINY.burst, "gen_burst": TINY.generations}.get(stream, TINY.paced)
             assert s["n"] == want and s["failed"] == 0, (stream, system, s)
             assert s["throughput_tps"] > 0 and s["p99_ms"] >= s["p50_ms"] > 0
     # One at a time means one task per run; 40 texts waiting at once run in batches
     assert all(result[k]["sits_one_by_one"]["mean_batch"] == 1.0 for k in STREAMS)
     assert all(result[k]["celery_per_task"]["mean_batch"] == 1.0 for k in STREAMS)
     assert result["burst"]["sits_batched"]["mean_batch"] > 4
+    assert result["gen_burst"]["sits_batched"]["mean_batch"] > 2
     assert set(result["meta"]["rates_per_s"]) == {"light", "heavy"}
     assert all(v is not None for v in result["ratios"].values())

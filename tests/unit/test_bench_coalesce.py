@@ -37,12 +37,15 @@ def test_ratios_and_targets() -> None:
                   "sits_batched": row(50, 6, 9)},
         "heavy": {"celery_per_task": row(90, 900, 1000), "sits_one_by_one": row(80, 50, 400),
                   "sits_batched": row(150, 10, 100)},
+        "gen_burst": {"celery_per_task": row(20, 1, 2), "sits_one_by_one": row(25, 1, 2),
+                      "sits_batched": row(100, 1, 2)},
     }
     r = ratios(result)
     assert r["burst_throughput_vs_one_by_one"] == 3.0
     assert r["burst_throughput_vs_celery"] == 1.5
     assert r["heavy_p99_vs_one_by_one"] == 0.25 and r["heavy_p99_vs_celery"] == 0.1
     assert r["light_p50_vs_one_by_one"] == 1.5
+    assert r["gen_throughput_vs_one_by_one"] == 4.0 and r["gen_throughput_vs_celery"] == 5.0
     met = targets(r)
     assert list(met.values()) == [True, True, False]  # light p50 1.5 > 1.25
 
