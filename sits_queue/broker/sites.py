@@ -54,6 +54,11 @@ DRAIN_BATCH = 5000
 PINGS = 3
 #: Seconds a peer may take to answer before it counts as down for this pass.
 PEER_TIMEOUT_S = 1.0
+#: Outbox entries beyond which eventual-mode puts are no longer queued (a long peer
+#: outage must not fill this site's memory; digest-checked classes are still queued, and
+#: repaired by the digest anyway), and for how long, s, before looking again.
+OUTBOX_MAX = 1_000_000
+OUTBOX_FULL_BACKOFF_S = 10.0
 #: How often a peer is told again which of this site's queues it holds replicas of, s.
 REGISTER_EVERY_S = 10.0
 #: How long a take-over record is kept for its origin to read, s.
@@ -150,6 +155,7 @@ class SiteSync:
         self._weights = {c.name: c.weight for c in config.classes}
         self._registered: dict[tuple[str, str], float] = {}
         self._plan: tuple[list[Link], SyncPlan] | None = None
+        self._outbox_full_until = 0.0
 
     # -- links and the plan ------------------------------------------------------------------
     def links(self, refresh: bool = False) -> list[Link]:
@@ -203,9 +209,16 @@ class SiteSync:
                 logger.warning("site %s: strong replica to %s failed, queued: %s",
                                self.site, plan.link.peer.name, exc)
                 later += strong
+        if later and time.monotonic() < self._outbox_full_until:
+            later = [r for r in later if plan.mode(str(r[4])) is not SyncMode.EVENTUAL]
         if later:
-            self.local.rpush(outbox_key(self.prefix),
-                             *(json.dumps(["put", queue, str(r[0])]) for r in later))
+            length = self.local.rpush(outbox_key(self.prefix),
+                                      *(json.dumps(["put", queue, str(r[0])]) for r in later))
+            if int(length) > OUTBOX_MAX and time.monotonic() >= self._outbox_full_until:
+                self._outbox_full_until = time.monotonic() + OUTBOX_FULL_BACKOFF_S
+                logger.warning("site %s: outbox holds %d entries (peer unreachable?); "
+                               "eventual-mode replicas are not queued for %.0f s", self.site,
+                               length, OUTBOX_FULL_BACKOFF_S)
 
     def on_ack(self, queue: str, ids: Iterable[str]) -> None:
         """Acked (done or dead-lettered) tasks: their replicas go with the next pass."""

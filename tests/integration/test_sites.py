@@ -193,3 +193,18 @@ def test_an_unreachable_peer_never_fails_a_put(clients: tuple[redis.Redis, redis
     # its replica waits in the outbox for the peer to come back
     assert a.llen(sites.outbox_key("")) == 1
     app.close()
+
+
+def test_a_full_outbox_stops_queueing_eventual_replicas_only(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    a, _ = clients
+    monkeypatch.setattr(sites, "OUTBOX_MAX", 2)
+    app = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)  # medium: digest, low: eventual
+    for _ in range(3):
+        submit(app, "low")  # the third push passes the cap
+    assert a.llen(sites.outbox_key("")) == 3
+    submit(app, "low")  # eventual: not queued while the outbox is full
+    submit(app, "medium")  # digest-checked: still queued
+    assert a.llen(sites.outbox_key("")) == 4
+    app.close()
