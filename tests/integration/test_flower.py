@@ -62,6 +62,18 @@ def test_flower_sees_the_worker_and_the_task_events(
                 time.sleep(0.3)
         assert seen["state"] == "SUCCESS"
         assert seen["name"] == "w.add"
+        # Tasks run in a batch (one pool job) are each a task to Flower: own events
+        batch = [client_app.tasks["w.lengths"].delay("x" * n) for n in range(1, 6)]
+        assert [b.get(timeout=60)["output"] for b in batch] == [1, 2, 3, 4, 5]
+        for b in batch:
+            info: dict[str, Any] = {}
+            while info.get("state") != "SUCCESS" and time.monotonic() < deadline + 60:
+                try:
+                    info = _get(f"{base}/api/task/info/{b.id}")
+                except OSError:
+                    time.sleep(0.3)
+            assert info["state"] == "SUCCESS" and info["name"] == "w.lengths"
+            assert info["received"] and info["started"] and info["succeeded"]
     finally:
         flower.terminate()
         flower.wait(10)

@@ -73,8 +73,19 @@ def register(app: Celery) -> dict[str, Any]:
     def pid() -> int:
         return os.getpid()
 
+    @app.model("w.identity", replace=True)
+    def identity() -> Any:
+        import torch  # in the pool child, on first use only
+
+        return torch.nn.Identity()
+
+    @app.batch_inference_task(name="w.lengths", model="w.identity", shared=False)
+    def lengths(engine: Any, calls: list[Any]) -> list[int]:
+        """A batch task: each call's text length."""
+        return [len(c.args[0]) for c in calls]
+
     return {"add": add, "record": record, "slow": slow, "mark": mark, "pid": pid,
-            "steps": steps}
+            "steps": steps, "lengths": lengths}
 
 
 tasks = register(app)
