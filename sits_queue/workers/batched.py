@@ -54,7 +54,7 @@ from kombu.serialization import loads
 
 from sits_queue.broker import intake
 from sits_queue.broker.keys import BATCH_INFO
-from sits_queue.errors import ContextTooLong, InferenceError, InvalidInput
+from sits_queue.errors import InferenceError, InvalidInput
 from sits_queue.workers import inference, metrics, runtime
 from sits_queue.workers import request as admission
 from sits_queue.workers.request import SitsRequest
@@ -156,6 +156,18 @@ def _run(task: Any, calls: list[Call], request: dict[str, Any]) -> dict[str, Any
 _EMBED = inspect.signature(inference.embed)
 
 
+def _arguments(signature: inspect.Signature, task: str, engine: Any, call: Call
+               ) -> dict[str, Any] | InvalidInput:
+    """One call's arguments by name, defaults filled in, as the batch function's
+    single-call signature reads them; or the error that fails that call alone."""
+    try:
+        bound = signature.bind(engine, *call.args, **call.kwargs)
+    except TypeError as exc:
+        return InvalidInput(f"{task} arguments: {exc}")
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
 def embed_calls(engine: Any, calls: list[Call]) -> list[Any]:
     """``sits.embed`` over a batch: the texts of every call that asks for the same
     normalisation go through :func:`~sits_queue.workers.inference.embed` together (its
@@ -167,14 +179,11 @@ def embed_calls(engine: Any, calls: list[Call]) -> list[Any]:
     outputs: list[Any] = [None] * len(calls)
     groups: dict[bool, list[tuple[int, Any]]] = {}
     for i, call in enumerate(calls):
-        try:
-            bound = _EMBED.bind(engine, *call.args, **call.kwargs)
-        except TypeError as exc:
-            outputs[i] = InvalidInput(f"sits.embed arguments: {exc}")
+        args = _arguments(_EMBED, "sits.embed", engine, call)
+        if isinstance(args, InvalidInput):
+            outputs[i] = args
             continue
-        bound.apply_defaults()
-        texts, normalize = bound.arguments["texts"], bound.arguments["normalize"]
-        groups.setdefault(bool(normalize), []).append((i, texts))
+        groups.setdefault(bool(args["normalize"]), []).append((i, args["texts"]))
     for normalize, members in groups.items():
         valid: list[tuple[int, Any, list[str]]] = []
         for i, texts in members:
@@ -227,23 +236,19 @@ def generate_calls(engine: Any, calls: list[Call]) -> list[Any]:
     outputs: list[Any] = [None] * len(calls)
     groups: dict[bool, list[tuple[int, list[int], int]]] = {}
     for i, call in enumerate(calls):
-        try:
-            bound = _GENERATE.bind(engine, *call.args, **call.kwargs)
-        except TypeError as exc:
-            outputs[i] = InvalidInput(f"sits.generate_batched arguments: {exc}")
+        args = _arguments(_GENERATE, "sits.generate_batched", engine, call)
+        if isinstance(args, InvalidInput):
+            outputs[i] = args
             continue
-        bound.apply_defaults()
-        prompt, most = bound.arguments["prompt"], bound.arguments["max_new_tokens"]
+        prompt, most = args["prompt"], args["max_new_tokens"]
         try:
             inference.check_prompt(prompt, most, 0.0)
             ids = tokenizer(prompt)["input_ids"]
-            if limit is not None and len(ids) + most > limit:
-                raise ContextTooLong(f"prompt of {len(ids)} tokens + max_new_tokens {most} "
-                                     f"exceeds model {model!r}'s {limit} positions")
+            inference.check_context(model, len(ids), most, limit)
         except InferenceError as exc:
             outputs[i] = exc
             continue
-        groups.setdefault(bool(bound.arguments["stop_at_eos"]), []).append((i, ids, most))
+        groups.setdefault(bool(args["stop_at_eos"]), []).append((i, ids, most))
     for stop, members in groups.items():
         rows = _generate_rows(module, tokenizer, members, stop)
         for (i, _ids, _), row in zip(members, rows, strict=True):

@@ -242,6 +242,15 @@ def _cache_kwarg(module: Any) -> str:
         else "past_key_values"
 
 
+def check_context(model: str, prompt_tokens: int, max_new_tokens: int,
+                  limit: int | None) -> None:
+    """:class:`ContextTooLong` when the prompt and the new tokens pass the model's
+    positions (``limit``, None: no limit known)."""
+    if limit is not None and prompt_tokens + max_new_tokens > limit:
+        raise ContextTooLong(f"prompt of {prompt_tokens} tokens + max_new_tokens "
+                             f"{max_new_tokens} exceeds model {model!r}'s {limit} positions")
+
+
 def check_prompt(prompt: Any, max_new_tokens: Any, temperature: Any) -> None:
     if not isinstance(prompt, str) or not prompt:
         raise InvalidInput(f"prompt must be a non-empty string, got {type(prompt).__name__}")
@@ -280,10 +289,7 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
     device = next(module.parameters()).device
     input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
     prompt_tokens = int(input_ids.shape[1])
-    limit = max_positions(module, tokenizer)
-    if limit is not None and prompt_tokens + max_new_tokens > limit:
-        raise ContextTooLong(f"prompt of {prompt_tokens} tokens + max_new_tokens "
-                             f"{max_new_tokens} exceeds model {model!r}'s {limit} positions")
+    check_context(model, prompt_tokens, max_new_tokens, max_positions(module, tokenizer))
     active = runtime.active()
     if active is not None:
         active.check_vram(kv_cache_bytes(module, prompt_tokens + max_new_tokens))
