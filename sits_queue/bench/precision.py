@@ -82,20 +82,15 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def gate_kl(path: Path, key: str, engine: Any, device: str) -> float:
+def gate_kl(path: Path, key: str, engine: Any) -> float:
     """The gate's KL of ``engine`` against the model as loaded (on the CPU, fp32)."""
     from sits_queue.cache import precision as precisions
     from sits_queue.cache.engines import engine_from_path
 
-    reference: Any = engine_from_path(key, path, "cpu")  # a TorchEngine: a model directory
-    module = engine.module
-    kls = []
-    for inputs in precisions.calibration_inputs(reference):
-        ref = precisions._activations(reference.module, inputs)
-        moved = {k: v.to(device) for k, v in inputs.items()}
-        kls.append(precisions.kl_divergence(ref, precisions._activations(module, moved).cpu()))
+    reference = engine_from_path(key, path, "cpu")
+    kl = precisions.mean_kl(reference, engine.module)
     reference.release()
-    return sum(kls) / len(kls)
+    return kl
 
 
 def encoder_row(path: Path, precision: str, texts: list[str], device: str,
@@ -114,7 +109,7 @@ def encoder_row(path: Path, precision: str, texts: list[str], device: str,
         for u, v in zip(vectors, reference, strict=True)) / len(vectors), 5)
     row = {**engine.artifacts["precision"], "bytes": engine.size_bytes(),
            "texts_per_s": round(len(texts) / seconds, 1), "cosine_vs_fp32": cosine,
-           "gate_kl": round(gate_kl(path, "enc", engine, device), 6)}
+           "gate_kl": round(gate_kl(path, "enc", engine), 6)}
     engine.release()
     return row, vectors
 
@@ -140,7 +135,7 @@ def lm_row(path: Path, precision: str, prompts: list[str], new_tokens: int, devi
     row = {**engine.artifacts["precision"], "bytes": engine.size_bytes(),
            "tokens_per_s": round(len(prompts) * new_tokens / seconds, 1),
            "token_agreement_vs_fp32": agree,
-           "gate_kl": round(gate_kl(path, "lm", engine, device), 6)}
+           "gate_kl": round(gate_kl(path, "lm", engine), 6)}
     engine.release()
     return row, outputs
 

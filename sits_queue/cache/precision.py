@@ -185,11 +185,15 @@ def module_bytes(module: Any) -> int:
     return sum(seen.values())
 
 
-def int8_kl(engine: Any, quantized: Any) -> float:
-    """The gate's measure: mean KL over the calibration inputs, original vs int8."""
-    module = engine.module
-    kls = [kl_divergence(_activations(module, x), _activations(quantized, x))
-           for x in calibration_inputs(engine)]
+def mean_kl(reference: Any, candidate: Any) -> float:
+    """The gate's measure: mean KL over ``reference``'s calibration inputs between its
+    module's output activations and the ``candidate`` module's (on whichever device it
+    is: the inputs follow it; the KL is taken on the CPU)."""
+    first = next(iter(candidate.parameters()), None)
+    device = first.device if first is not None else "cpu"
+    kls = [kl_divergence(_activations(reference.module, x),
+                         _activations(candidate, {k: v.to(device) for k, v in x.items()}).cpu())
+           for x in calibration_inputs(reference)]
     return sum(kls) / len(kls)
 
 
@@ -211,7 +215,7 @@ def convert(engine: Any, requested: str, device: str, max_kl: float = DEFAULT_MA
     module: Any = engine.module
     if target == "int8":
         quantized = quantize_int8(module)
-        kl = int8_kl(engine, quantized)
+        kl = mean_kl(engine, quantized)
         refused = gate(kl, max_kl)
         if refused is None:
             module = quantized
