@@ -10,6 +10,7 @@ layout, with a log-scaled priority so that both 0.5 and 50,000 keep fine resolut
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 #: Arrival counter bits in the score; it wraps after 4.29e9 messages per queue.
@@ -34,6 +35,24 @@ AFFINITY_HEADER = "sits_affinity"
 #: Delivery info (and header) on each message of a batch one pick took (pick.lua's batch
 #: kin): [batch id, index, size]; the batch id is its first message's id.
 BATCH_INFO = "sits_batch"
+
+def batch_mark(info: object) -> tuple[str, int, int] | None:
+    """``(batch, index, size)`` from a message's delivery info or headers (a request's
+    ``request_dict``); None if not in a batch."""
+    mark = info.get(BATCH_INFO) if isinstance(info, dict) else None
+    if (isinstance(mark, list) and len(mark) == 3 and isinstance(mark[0], str)
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in mark[1:])
+            and 0 <= mark[1] < mark[2]):
+        return mark[0], mark[1], mark[2]
+    return None
+
+
+def batch_units(items: Iterable[tuple[Hashable, object]]) -> int:
+    """How many pool jobs (own key, delivery info or headers) pairs make: a batch counts
+    once (the transport's prefetch and the worker's reserved count both ask)."""
+    return len({mark[0] if (mark := batch_mark(info)) is not None else own
+                for own, info in items})
+
 
 #: Members of the marker set that wakes blocked consumers (one member: puts coalesce).
 MARKER_MEMBER = "ready"

@@ -31,6 +31,7 @@ from sits_queue.broker.keys import (
     DELIVERY_HEADER,
     MARKER_MEMBER,
     QueueKeys,
+    batch_units,
     queues_registry,
     score_base,
 )
@@ -594,13 +595,8 @@ class Transport(kredis.Transport):
 
 def held_units(delivered: dict[str, Any], done: Any = ()) -> int:
     """Messages held and not ``done``, a batch counting as one (it is one pool job)."""
-    units: set[str] = set()
-    for tag, message in list(delivered.items()):
-        if tag not in done:
-            info = getattr(message, "delivery_info", None)
-            mark = info.get(BATCH_INFO) if isinstance(info, dict) else None
-            units.add(str(mark[0]) if isinstance(mark, list) and mark else tag)
-    return len(units)
+    return batch_units((tag, getattr(message, "delivery_info", None))
+                       for tag, message in list(delivered.items()) if tag not in done)
 
 
 def _text(value: bytes | str) -> str:

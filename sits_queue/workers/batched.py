@@ -53,7 +53,7 @@ from celery.worker import state
 from kombu.serialization import loads
 
 from sits_queue.broker import intake
-from sits_queue.broker.keys import BATCH_INFO
+from sits_queue.broker.keys import batch_mark, batch_units
 from sits_queue.errors import InferenceError, InvalidInput
 from sits_queue.workers import inference, metrics, runtime
 from sits_queue.workers import request as admission
@@ -69,17 +69,6 @@ class Call:
     id: str
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-def batch_mark(info: Any) -> tuple[str, int, int] | None:
-    """``(batch, index, size)`` from a message's headers (a request's ``request_dict``);
-    None if not in a batch."""
-    mark = info.get(BATCH_INFO) if isinstance(info, dict) else None
-    if (isinstance(mark, list) and len(mark) == 3 and isinstance(mark[0], str)
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in mark[1:])
-            and 0 <= mark[1] < mark[2]):
-        return mark[0], mark[1], mark[2]
-    return None
 
 
 def split_outputs(outputs: Any, calls: list[Call], meta: dict[str, Any]) -> dict[str, Any]:
@@ -428,11 +417,8 @@ BatchRequest.execute_using_pool = _execute_batched
 
 def reserved_units() -> int:
     """Reserved requests, a batch counting as one (it takes one pool slot)."""
-    units: set[Any] = set()
-    for request in list(state.reserved_requests):
-        mark = batch_mark(getattr(request, "request_dict", None))
-        units.add(mark[0] if mark is not None else id(request))
-    return len(units)
+    return batch_units((id(r), getattr(r, "request_dict", None))
+                       for r in list(state.reserved_requests))
 
 
 class Batches(bootsteps.StartStopStep):  # type: ignore[misc]
