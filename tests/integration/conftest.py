@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 from celery import Celery
 
 from sits_queue.app import make_app
@@ -23,6 +24,16 @@ def worker_env(redis_url: str, **settings: str) -> dict[str, str]:
            os.environ.get("PYTHONPATH", "")}
     env.update({f"SITS_{k.upper()}": v for k, v in settings.items()})
     return env
+
+
+@pytest.fixture(scope="module")
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    """A client on the session server, emptied once per module: earlier modules leave
+    messages and workers' records behind."""
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    yield client
+    client.close()
 
 
 @pytest.fixture

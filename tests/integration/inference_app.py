@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from celery import Celery
 from sits_queue import app
 from sits_queue.app import make_app
 from sits_queue.config import SitsConfig
-from sits_queue.procs import CeleryProcess, celery_command
+from sits_queue.procs import CeleryProcess, celery_command, wait_ready
 from sits_queue.workers.inference import generate
 
 APP_MODULE = "tests.integration.inference_app"
@@ -161,6 +162,20 @@ def spawn_worker(redis_url: str, config_path: Path, models_dir: Path, log_dir: P
     proc = celery_command(APP_MODULE, args, full_env, log_dir / f"{name}.log", cwd=ROOT)
     proc.hostname = hostname.replace("%h", os.uname().nodename)
     return proc
+
+
+@contextmanager
+def serving(redis_url: str, config_path: Path, models_dir: Path, log_dir: Path, app: Celery,
+            env: Mapping[str, str] | None = None, concurrency: int | None = None,
+            name: str = "infer") -> Iterator[CeleryProcess]:
+    """A worker of :func:`spawn_worker`, ready (it answers ``app``'s ping), stopped on
+    the way out."""
+    proc = spawn_worker(redis_url, config_path, models_dir, log_dir, env, concurrency, name)
+    try:
+        wait_ready(app, [proc])
+        yield proc
+    finally:
+        proc.stop(timeout_s=20)
 
 
 def register(app: Celery) -> dict[str, Any]:

@@ -20,13 +20,13 @@ from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.result import AsyncResult
 
 from sits_queue.errors import InferenceError, InvalidInput
-from sits_queue.procs import CeleryProcess, wait_ready
+from sits_queue.procs import CeleryProcess
 from sits_queue.workers import metrics
 from tests.integration.inference_app import (
     BATCH_ECHO_MAX,
     build_models,
     client_app,
-    spawn_worker,
+    serving,
     write_config,
 )
 
@@ -50,13 +50,6 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_config(tmp_path_factory.mktemp("config") / "sits.toml")
 
-
-@pytest.fixture(scope="module")
-def r(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
-    client.flushall()
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +80,9 @@ def waiting(app: Celery) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory, redis_url: str, config_path: Path,
            models_dir: Path, app: Celery, waiting: dict[str, Any]) -> Iterator[CeleryProcess]:
-    proc = spawn_worker(redis_url, config_path, models_dir,
-                        tmp_path_factory.mktemp("batched-logs"), name="batched")
-    try:
-        wait_ready(app, [proc])
+    with serving(redis_url, config_path, models_dir, tmp_path_factory.mktemp("batched-logs"),
+                 app, name="batched") as proc:
         yield proc
-    finally:
-        proc.stop(timeout_s=20)
 
 
 def results(found: list[AsyncResult], timeout: float = FIRST_CALL_S) -> list[Any]:

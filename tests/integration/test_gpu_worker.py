@@ -31,13 +31,13 @@ from sits_queue.errors import (
     UnknownModel,
     VramLimitExceeded,
 )
-from sits_queue.procs import CeleryProcess, wait_ready
+from sits_queue.procs import CeleryProcess
 from sits_queue.workers import advertise
 from sits_queue.workers.advertise import read_workers
 from tests.integration.inference_app import (
     build_models,
     client_app,
-    spawn_worker,
+    serving,
     write_config,
 )
 from tests.waiting import wait_for
@@ -80,23 +80,11 @@ def worker(tmp_path_factory: pytest.TempPathFactory, redis_url: str, config_path
            ) -> Iterator[CeleryProcess]:
     """One worker, started without ``-c``: its pool size is the runtime's default."""
     budget = str(int(model_bytes * 1.5))  # one model per tier, never two
-    proc = spawn_worker(redis_url, config_path, models_dir,
-                        tmp_path_factory.mktemp("worker-logs"),
-                        {"SITS_DEVICE_CACHE_BYTES": budget, "SITS_HOST_CACHE_BYTES": budget})
-    try:
-        wait_ready(app, [proc])
+    with serving(redis_url, config_path, models_dir, tmp_path_factory.mktemp("worker-logs"),
+                 app, {"SITS_DEVICE_CACHE_BYTES": budget, "SITS_HOST_CACHE_BYTES": budget}
+                 ) as proc:
         yield proc
-    finally:
-        proc.stop(timeout_s=20)
 
-
-@pytest.fixture(scope="module")
-def r(redis_url: str) -> Iterator[redis.Redis]:
-    """A client on the session server, emptied once: earlier modules leave messages."""
-    client = redis.Redis.from_url(redis_url)
-    client.flushall()
-    yield client
-    client.close()
 
 
 def call(app: Celery, name: str, *args: Any, timeout: float = CALL_S, **options: Any) -> Any:

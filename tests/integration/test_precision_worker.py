@@ -4,6 +4,7 @@ at the precision each task asks for, each precision its own warm engine."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,12 +12,12 @@ import redis
 from celery import Celery
 
 from sits_queue.errors import InvalidTaskOptions
-from sits_queue.procs import CeleryProcess, wait_ready
+from sits_queue.procs import CeleryProcess
 from sits_queue.workers.advertise import read_workers
 from tests.integration.inference_app import (
     build_models,
     client_app,
-    spawn_worker,
+    serving,
     write_config,
 )
 
@@ -25,26 +26,24 @@ CALL_S = 60
 
 
 @pytest.fixture(scope="module")
-def app(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Celery]:
-    redis.Redis.from_url(redis_url).flushall()
-    config = write_config(tmp_path_factory.mktemp("config") / "sits.toml")
-    client = client_app(redis_url, config, "precision-client")
-    client.conf.sits_config_path = config
+def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_config(tmp_path_factory.mktemp("config") / "sits.toml")
+
+
+@pytest.fixture(scope="module")
+def app(redis_url: str, config_path: Path, r: redis.Redis) -> Iterator[Celery]:
+    client = client_app(redis_url, config_path, "precision-client")
     yield client
     client.close()
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory, redis_url: str, app: Celery
-           ) -> Iterator[CeleryProcess]:
+def worker(tmp_path_factory: pytest.TempPathFactory, redis_url: str, config_path: Path,
+           app: Celery) -> Iterator[CeleryProcess]:
     models = build_models(tmp_path_factory.mktemp("models"))
-    proc = spawn_worker(redis_url, app.conf.sits_config_path, models,
-                        tmp_path_factory.mktemp("precision-logs"), name="precision")
-    try:
-        wait_ready(app, [proc])
+    with serving(redis_url, config_path, models, tmp_path_factory.mktemp("precision-logs"), app,
+                 name="precision") as proc:
         yield proc
-    finally:
-        proc.stop(timeout_s=20)
 
 
 def generate(app: Celery, timeout: float = CALL_S, **options: Any) -> Any:

@@ -18,25 +18,18 @@ from sits_queue.config import SitsConfig
 from sits_queue.priority import forecast as fc
 from sits_queue.priority import prewarm
 from sits_queue.priority.tasks import prewarmer
-from sits_queue.procs import CeleryProcess, wait_ready
+from sits_queue.procs import CeleryProcess
 from sits_queue.workers import advertise
 from tests.integration.inference_app import (
     build_models,
     client_app,
-    spawn_worker,
+    serving,
     write_config,
 )
 from tests.waiting import wait_for
 
 INTERVAL_S = 2.0
 
-
-@pytest.fixture(scope="module")
-def r(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
-    client.flushall()
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +41,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory, redis_url: str, r: redis.Red
     env = {"SITS_PREWARM_INTERVAL_S": str(INTERVAL_S)}
     app = client_app(redis_url, config_path, "prewarm-client")
     app.sits = replace(app.sits, prewarm_interval_s=INTERVAL_S)
-    worker = spawn_worker(redis_url, config_path, models, tmp, env, concurrency=1,
-                          name="prewarm")
     try:
-        wait_ready(app, [worker])
-        yield app, worker
+        with serving(redis_url, config_path, models, tmp, app, env, concurrency=1,
+                     name="prewarm") as worker:
+            yield app, worker
     finally:
-        worker.stop(timeout_s=20)
         app.close()
 
 

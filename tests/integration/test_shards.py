@@ -6,17 +6,18 @@ from __future__ import annotations
 import base64
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
 from celery import Celery
 
-from sits_queue.procs import CeleryProcess, wait_ready
+from sits_queue.procs import CeleryProcess
 from sits_queue.shards import apply_sharded
 from tests.integration.inference_app import (
     build_models,
     client_app,
-    spawn_worker,
+    serving,
     write_config,
 )
 from tests.waiting import wait_for
@@ -27,26 +28,24 @@ PROSE = [f"the cat sat on the mat and looked at the garden number {i}" for i in 
 
 
 @pytest.fixture(scope="module")
-def app(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Celery]:
-    redis.Redis.from_url(redis_url).flushall()
-    config = write_config(tmp_path_factory.mktemp("config") / "sits.toml")
-    client = client_app(redis_url, config, "shards-client")
-    client.conf.sits_config_path = config
+def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_config(tmp_path_factory.mktemp("config") / "sits.toml")
+
+
+@pytest.fixture(scope="module")
+def app(redis_url: str, config_path: Path, r: redis.Redis) -> Iterator[Celery]:
+    client = client_app(redis_url, config_path, "shards-client")
     yield client
     client.close()
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory, redis_url: str, app: Celery
-           ) -> Iterator[CeleryProcess]:
+def worker(tmp_path_factory: pytest.TempPathFactory, redis_url: str, config_path: Path,
+           app: Celery) -> Iterator[CeleryProcess]:
     models = build_models(tmp_path_factory.mktemp("models"))
-    proc = spawn_worker(redis_url, app.conf.sits_config_path, models,
-                        tmp_path_factory.mktemp("shards-logs"), name="shards")
-    try:
-        wait_ready(app, [proc])
+    with serving(redis_url, config_path, models, tmp_path_factory.mktemp("shards-logs"), app,
+                 name="shards") as proc:
         yield proc
-    finally:
-        proc.stop(timeout_s=20)
 
 
 def test_dense_input_runs_as_shards_in_input_order(app: Celery, worker: CeleryProcess) -> None:
