@@ -192,60 +192,36 @@ def bench_ab(quick: bool, json_path: Path | None) -> None:
     emit(ab.table(result), result, json_path, echo=click.echo)
 
 
-@bench.command("broker")
-@_bench_options
-def bench_broker(quick: bool, json_path: Path | None) -> None:
-    """delay() rate, bulk enqueue, pick latency and a rescoring pass at depth."""
-    _run_module("sits_queue.bench.broker", quick, json_path)
+#: ``sitsq bench <name>``: the program's module, and its line in ``--help``.
+_BENCHES = {
+    "broker": ("sits_queue.bench.broker",
+               "delay() rate, bulk enqueue, pick latency and a rescoring pass at depth."),
+    "coldstart": ("sits_queue.bench.coldstart",
+                  "Load-per-task vs module LRU vs the SITS two-tier engine cache."),
+    "affinity": ("sits_queue.bench.affinity",
+                 "A fleet of workers pulling in priority order vs by warm-engine affinity."),
+    "prefix": ("sits_queue.bench.prefix", "Shared prompt templates: no KV-prefix cache vs "
+               "the cache vs the cache + affinity."),
+    "coalesce": ("sits_queue.bench.coalesce", "One text per task: stock Celery vs SITS one "
+                 "at a time vs same-model batches."),
+    "precision": ("sits_queue.bench.precision", "An encoder and an LM at fp32/fp16/bf16/"
+                  "int8: gate KL, memory, speed, closeness."),
+    "sites": ("sits_queue.bench.sites",
+              "Two sites: enqueue cost per sync mode, and what survives losing a site."),
+    "batch": ("sits_queue.bench.batch", "Batched embedding: the throughput/p99 frontier "
+              "and the batch-size controller."),
+}
 
 
-@bench.command("coldstart")
-@_bench_options
-def bench_coldstart(quick: bool, json_path: Path | None) -> None:
-    """Load-per-task vs module LRU vs the SITS two-tier engine cache."""
-    _run_module("sits_queue.bench.coldstart", quick, json_path)
+def _bench_command(name: str, module: str, summary: str) -> None:
+    @bench.command(name, help=summary)
+    @_bench_options
+    def command(quick: bool, json_path: Path | None) -> None:
+        _run_module(module, quick, json_path)
 
 
-@bench.command("affinity")
-@_bench_options
-def bench_affinity(quick: bool, json_path: Path | None) -> None:
-    """A fleet of workers pulling in priority order vs by warm-engine affinity."""
-    _run_module("sits_queue.bench.affinity", quick, json_path)
-
-
-@bench.command("prefix")
-@_bench_options
-def bench_prefix(quick: bool, json_path: Path | None) -> None:
-    """Shared prompt templates: no KV-prefix cache vs the cache vs the cache + affinity."""
-    _run_module("sits_queue.bench.prefix", quick, json_path)
-
-
-@bench.command("coalesce")
-@_bench_options
-def bench_coalesce(quick: bool, json_path: Path | None) -> None:
-    """One text per task: stock Celery vs SITS one at a time vs same-model batches."""
-    _run_module("sits_queue.bench.coalesce", quick, json_path)
-
-
-@bench.command("precision")
-@_bench_options
-def bench_precision(quick: bool, json_path: Path | None) -> None:
-    """An encoder and an LM at fp32/fp16/bf16/int8: gate KL, memory, speed, closeness."""
-    _run_module("sits_queue.bench.precision", quick, json_path)
-
-
-@bench.command("sites")
-@_bench_options
-def bench_sites(quick: bool, json_path: Path | None) -> None:
-    """Two sites: enqueue cost per sync mode, and what survives losing a site."""
-    _run_module("sits_queue.bench.sites", quick, json_path)
-
-
-@bench.command("batch")
-@_bench_options
-def bench_batch(quick: bool, json_path: Path | None) -> None:
-    """Batched embedding: the throughput/p99 frontier and the batch-size controller."""
-    _run_module("sits_queue.bench.batch", quick, json_path)
+for _name, (_module, _summary) in _BENCHES.items():
+    _bench_command(_name, _module, _summary)
 
 
 def _run_module(module: str, quick: bool, json_path: Path | None) -> None:
