@@ -34,7 +34,7 @@ from typing import Any
 import redis
 
 from sits_queue.bench.ab_apps import DONE_KEY, SYSTEMS, build, submit, system_url
-from sits_queue.bench.report import emit, parser, ratio, redis_server, targets_line
+from sits_queue.bench.report import ratio, redis_server, run_main, targets_line
 from sits_queue.bench.workload import (
     Completion,
     Workload,
@@ -196,10 +196,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser("python -m sits_queue.bench.ab", __doc__).parse_args(argv)
-    result = run(quick=args.quick, redis_url=args.redis_url)
-    emit(table(result), result, args.json)
-    return 0
+    return run_main("python -m sits_queue.bench.ab", __doc__, run, table, argv)
 
 
 if __name__ == "__main__":

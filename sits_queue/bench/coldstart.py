@@ -396,7 +396,7 @@ def zoo_main(prog: str, doc: str | None, run_fn: Callable[..., dict[str, Any]],
              table_fn: Callable[[Mapping[str, Any]], str], argv: list[str] | None) -> int:
     """The command line of a benchmark over the tiny-model zoo (``--zoo`` besides the
     common options)."""
-    p = parser(prog, doc)
+    p = parser(prog, doc)  # report.run_main's, plus --zoo
     p.add_argument("--zoo", type=Path, help=f"model cache (default {default_zoo()})")
     args = p.parse_args(argv)
     result = run_fn(quick=args.quick, redis_url=args.redis_url, zoo_root=args.zoo)

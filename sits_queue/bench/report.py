@@ -58,3 +58,13 @@ def emit(text: str, result: Mapping[str, Any], json_path: Path | None,
     echo(rendered)
     if json_path:
         json_path.write_text(rendered + "\n")
+
+
+def run_main(prog: str, doc: str | None, run_fn: Callable[..., dict[str, Any]],
+             table_fn: Callable[[dict[str, Any]], str], argv: list[str] | None) -> int:
+    """The command line of a benchmark that takes only the common options: run it, print
+    its table and JSON (``coldstart.zoo_main`` adds ``--zoo`` for the model-zoo ones)."""
+    args = parser(prog, doc).parse_args(argv)
+    result = run_fn(quick=args.quick, redis_url=args.redis_url)
+    emit(table_fn(result), result, args.json)
+    return 0

@@ -34,7 +34,7 @@ from typing import Any
 import redis
 
 from sits_queue.app import make_app
-from sits_queue.bench.report import emit, parser, ratio, targets_line
+from sits_queue.bench.report import ratio, run_main, targets_line
 from sits_queue.bench.workload import percentile
 from sits_queue.broker import sites
 from sits_queue.broker.keys import QueueKeys
@@ -203,10 +203,7 @@ def table(result: Mapping[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser("python -m sits_queue.bench.sites", __doc__).parse_args(argv)
-    result = run(quick=args.quick, redis_url=args.redis_url)
-    emit(table(result), result, args.json)
-    return 0
+    return run_main("python -m sits_queue.bench.sites", __doc__, run, table, argv)
 
 
 if __name__ == "__main__":
