@@ -355,15 +355,7 @@ def _execute_batched(self: Any, pool: Any, **kwargs: Any) -> Any:
 def _admitted(request: Any) -> bool:
     """False for a request revoked meanwhile, or whose declared VRAM does not fit (then
     its message goes back to the queue, as ``request.py`` does for any task)."""
-    if request.revoked():
-        return False
-    needed = admission.declared_vram_gib(request.request_dict)
-    verdict = None if needed is None else admission.admit(needed,
-                                                         admission.probe().max_free_bytes())
-    if verdict is not None:
-        admission.release(request, verdict)
-        return False
-    return True
+    return not request.revoked() and not admission.refused(request)
 
 
 def submit(requests: list[Any], pool: Any) -> Any:

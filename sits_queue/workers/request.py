@@ -168,13 +168,21 @@ def release(request: Request, verdict: Verdict) -> float:
     return hold
 
 
+def refused(request: Request) -> bool:
+    """Give the message back (:func:`release`) when the VRAM it declares does not fit the
+    roomiest device now; True when it was given back."""
+    needed = declared_vram_gib(request.request_dict)
+    verdict = None if needed is None else admit(needed, probe().max_free_bytes())
+    if verdict is None:
+        return False
+    release(request, verdict)
+    return True
+
+
 def _guard(execute: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(execute)
     def execute_using_pool(self: Request, pool: Any, **kwargs: Any) -> Any:
-        needed = declared_vram_gib(self.request_dict)
-        verdict = None if needed is None else admit(needed, probe().max_free_bytes())
-        if verdict is not None:
-            release(self, verdict)
+        if refused(self):
             raise NotStartedHere(self.id)
         return execute(self, pool, **kwargs)
 
