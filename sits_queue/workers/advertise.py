@@ -220,17 +220,21 @@ def read_worker(client: redis.Redis, prefix: str, hostname: str) -> dict[str, An
     return record
 
 
-def read_workers(client: redis.Redis, prefix: str = "") -> list[dict[str, Any]]:
-    """Every live worker's record (see :func:`read_worker`), by hostname."""
+def live_hostnames(client: redis.Redis, prefix: str = "") -> list[str]:
+    """Hostnames of the workers whose advertisement has not expired."""
     base = worker_key(prefix, "")
-    workers: list[dict[str, Any]] = []
+    names = []
     for raw_key in client.scan_iter(match=f"{base}*", count=200):
         key = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key)
-        if _CHILD in key[len(base):] or key.endswith(_COUNTERS):
-            continue
-        record = read_worker(client, prefix, key[len(base):])
-        if record is not None:
-            workers.append(record)
+        if _CHILD not in key[len(base):] and not key.endswith(_COUNTERS):
+            names.append(key[len(base):])
+    return names
+
+
+def read_workers(client: redis.Redis, prefix: str = "") -> list[dict[str, Any]]:
+    """Every live worker's record (see :func:`read_worker`), by hostname."""
+    workers = [r for name in live_hostnames(client, prefix)
+               if (r := read_worker(client, prefix, name)) is not None]
     return sorted(workers, key=lambda r: str(r.get("hostname", "")))
 
 
@@ -292,15 +296,20 @@ class WarmReader:
                 self._fleet_at is not None and now - self._fleet_at < self.FLEET_MAX_AGE_S):
             return self._precisions
         self._fleet_at = now
+        client, prefix = client_for(self._config), self._config.global_keyprefix
         try:
-            records = read_workers(client_for(self._config), self._config.global_keyprefix)
-        except (redis.RedisError, ValueError) as exc:  # keep the last weights
+            own = device_peaks(json_object(client.get(worker_key(prefix, self._hostname)))
+                               or {})
+            # A device without datasheet figures (a CPU) prefers no precision: no fleet
+            # to read. Otherwise the workers' own records only (no child records).
+            names = live_hostnames(client, prefix) if own else []
+            fleet = [device_peaks(r) for raw in (client.mget(
+                [worker_key(prefix, n) for n in names]) if names else [])
+                if (r := json_object(raw)) is not None]
+        except redis.RedisError as exc:  # keep the last weights
             logger.debug("fleet unreadable, precision weights kept: %s", exc)
             return self._precisions
-        own = next((r for r in records if r.get("hostname") == self._hostname), None)
-        self._precisions = affinity.precision_weights(
-            device_peaks(own) if own is not None else {},
-            [device_peaks(r) for r in records], self._policy.precision_weight)
+        self._precisions = affinity.precision_weights(own, fleet, self._policy.precision_weight)
         return self._precisions
 
 
