@@ -304,17 +304,19 @@ class Channel(kredis.Channel):
 
         return finish
 
+    def _site_sync(self, queue: str) -> sites.SiteSync | None:
+        """Multi-site deployments (``broker/sites.py``): who keeps ``queue``'s replica in
+        step; None for one site, and for reply queues (they are not work)."""
+        return None if queue in self._expires else sites.for_config(self.config)
+
     def _replicate(self, queue: str, records: list[Any]) -> None:
-        """Multi-site deployments (``broker/sites.py``): a put's records to the peer's
-        replica, now or by the sync pass, as their class's sync mode says. Reply queues
-        are not work: never replicated."""
-        sync = sites.for_config(self.config)
-        if sync is not None and queue not in self._expires:
+        """A put's records to the peer's replica, now or by the sync pass, as their
+        class's sync mode says."""
+        if (sync := self._site_sync(queue)) is not None:
             sync.on_put(queue, records)
 
     def _replicas_gone(self, queue: str, ids: list[str]) -> None:
-        sync = sites.for_config(self.config)
-        if sync is not None and queue not in self._expires:
+        if (sync := self._site_sync(queue)) is not None:
             sync.on_ack(queue, ids)
 
     def _after_put(self, queue: str, n: int, waiting: int) -> None:
