@@ -18,7 +18,6 @@ A program, not a test: it prints a table and JSON, and asserts nothing about tim
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import random
@@ -38,6 +37,7 @@ from sits_queue.bench.report import ratio, run_main, targets_line
 from sits_queue.bench.workload import percentile
 from sits_queue.broker import sites
 from sits_queue.broker.keys import QueueKeys
+from sits_queue.broker.meta import sla_class_of
 from sits_queue.config import SitsConfig
 from sits_queue.embedded import EmbeddedRedis
 
@@ -100,7 +100,7 @@ def waiting_by_class(client: redis.Redis, queue: str = "celery") -> dict[str, in
     keys = QueueKeys.for_queue(queue)
     out = dict.fromkeys(CLASSES, 0)
     for _, raw in client.hscan_iter(keys.meta):
-        c = json.loads(raw).get("c")
+        c = sla_class_of(raw)
         if c in out:
             out[c] += 1
     return out

@@ -58,3 +58,14 @@ def score_inputs(raw: str | bytes) -> tuple[str, float, int, float, float, float
     r = json.loads(raw)
     return (r["c"], float(r["t"]), int(r["n"]), float(r["sla"]), float(r["ls"]),
             float(r["e"] or 0.0), r["m"])
+
+
+def sla_class_of(raw: str | bytes | None) -> str | None:
+    """The SLA class a stored record names; None for a record that is absent or not
+    understood (the sites' replicas and digests read only this)."""
+    try:
+        record = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    value = record.get("c") if isinstance(record, dict) else None
+    return value if isinstance(value, str) else None

@@ -37,6 +37,7 @@ from typing import Any
 import redis
 
 from sits_queue.broker.keys import SEQ_SPAN, QueueKeys, queues_registry
+from sits_queue.broker.meta import sla_class_of
 from sits_queue.broker.scripts import Scripts
 from sits_queue.config import SitsConfig
 from sits_queue.priority import sites
@@ -287,7 +288,7 @@ class SiteSync:
         for queue, ids in puts.items():
             gone = set(dels.get(queue, ()))
             records = [r for r in self._local_records(queue, [i for i in ids if i not in gone])
-                       if plan.mode(_class_of(r[2])).replicated]
+                       if plan.mode(sla_class_of(r[2]) or "").replicated]
             report.replicated += self._write_replicas(peer, queue, records)
         for queue, ids in dels.items():
             report.deleted += self._delete_replicas(peer, queue, ids)
@@ -356,7 +357,7 @@ class SiteSync:
             queue = raw.decode() if isinstance(raw, bytes) else str(raw)
             mine = self._held_ids(queue, checked)
             m = replica_keys(self.prefix, self.site, queue)[2]
-            theirs = {i.decode(): json.loads(v).get("c") for i, v in client.hscan_iter(m)}
+            theirs = {i.decode(): sla_class_of(v) for i, v in client.hscan_iter(m)}
             theirs_checked = {i for i, c in theirs.items() if c in checked}
             if sites.digest(mine) == sites.digest(theirs_checked):
                 continue
@@ -373,11 +374,7 @@ class SiteSync:
         k = QueueKeys.for_queue(queue, self.prefix)
         out = set()
         for raw_id, raw_meta in self.local.hscan_iter(k.meta):
-            try:
-                sla_class = json.loads(raw_meta).get("c")
-            except ValueError:
-                continue
-            if sla_class in classes:
+            if sla_class_of(raw_meta) in classes:
                 out.add(raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id))
         return out
 
@@ -424,7 +421,7 @@ class SiteSync:
         for task_id, score, payload, meta in zip(ids, scores, payloads, metas, strict=True):
             if payload is None or meta is None:
                 continue
-            sla_class = json.loads(meta).get("c") or self.config.default_class
+            sla_class = sla_class_of(meta) or self.config.default_class
             base = int(score) - int(score) % SEQ_SPAN  # keep its priority, renumber arrival
             args += [task_id, payload, meta, base, sla_class]
         if args:
@@ -453,13 +450,6 @@ class SiteSync:
                     now, f"taken over by site {peer} while site {self.site} was "
                          "unreachable; it runs there", task_id], self.local))
             client.srem(marker, raw)
-
-
-def _class_of(meta: Any) -> str:
-    try:
-        return str(json.loads(meta).get("c"))
-    except (ValueError, AttributeError):
-        return ""
 
 
 _syncs: dict[tuple[str, str, str, str], SiteSync] = {}

@@ -113,3 +113,11 @@ def test_the_sync_pass_is_scheduled_only_for_a_site() -> None:
     assert entry["task"] == "sits.site_sync" and entry["schedule"] == 2.0
     assert celery_settings(config)["task_routes"]["sits.site_sync"] == {"queue": CONTROL_QUEUE}
     assert "sits.site_sync" in make_app(config, main="sites-unit").tasks
+
+
+def test_a_records_class_is_read_or_none() -> None:
+    from sits_queue.broker.meta import sla_class_of
+
+    assert sla_class_of(b'{"c": "high", "m": null}') == "high"
+    for bad in (None, b"not json", b"[1]", b'{"c": 3}', b"{}"):
+        assert sla_class_of(bad) is None
