@@ -17,7 +17,9 @@ All three decode with the same function (:func:`sits_queue.workers.inference.gen
 greedy, a fixed number of tokens), so only how a task gets its model differs. A
 ``task_prerun`` / ``task_postrun`` pair (the same for all) appends one JSON record per
 task to :data:`DONE_KEY`: submission, start and finish times, whether the task paid a
-cold start, what it cost and where the model came from.
+cold start, what it cost, where the model came from, and when its first new token came
+(MISSION §4.4; ``workers/firsttoken.py``: from the start of the task's run, the load
+included, as the SITS worker reports it in ``sits.first_token_ms``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from sits_queue.app import make_app
 from sits_queue.bench.report import database_url
 from sits_queue.broker.keys import AFFINITY_HEADER
 from sits_queue.config import SitsConfig
+from sits_queue.workers.firsttoken import first_token_clock
 
 SYSTEMS = ("celery_load_per_task", "celery_lru", "sits")
 #: One database per system; ``sitsq bench ab`` uses 1-3 on a shared server.
@@ -183,15 +186,18 @@ def _register_plain(app: Celery, zoo: Path, keep: LruModels | None) -> None:
                       i: int) -> dict[str, Any]:
         _threads()
         device = _device()
-        loaded = keep.get(model) if keep is not None else None
-        cold, cold_ms = loaded is None, 0.0
-        if loaded is None:
-            loaded, cold_ms = load_from_disk(model, dirs[model], device)
-            if keep is not None:
-                keep.put(loaded)
-        out = _plain_run(loaded, prompt, max_new_tokens)
+        # The first token's time from here, load included: what SITS's worker reports.
+        with first_token_clock() as clock:
+            loaded = keep.get(model) if keep is not None else None
+            cold, cold_ms = loaded is None, 0.0
+            if loaded is None:
+                loaded, cold_ms = load_from_disk(model, dirs[model], device)
+                if keep is not None:
+                    keep.put(loaded)
+            out = _plain_run(loaded, prompt, max_new_tokens)
         return {**out, "cold": cold, "cold_ms": round(cold_ms, 3),
-                "source": "disk" if cold else "device", "device": device}
+                "source": "disk" if cold else "device", "device": device,
+                "first_token_ms": clock.ms}
 
 
 # -- the SITS side ---------------------------------------------------------------------------
@@ -226,10 +232,11 @@ def record(retval: Any, kwargs: dict[str, Any], started_s: float | None,
                                                 "warmup_ms"))
         return {**base, "model": out["model"], "cold": bool(meta["cold"]),
                 "cold_ms": round(cold_ms, 3), "source": meta["source"],
-                "device": meta["device"], "prompt_tokens": out.get("prompt_tokens", 0),
+                "device": meta["device"], "first_token_ms": meta.get("first_token_ms"),
+                "prompt_tokens": out.get("prompt_tokens", 0),
                 "cached_tokens": out.get("cached_tokens", 0)}
-    return {**base, **{k: retval[k] for k in ("model", "cold", "cold_ms", "source",
-                                              "device")}}
+    return {**base, **{k: retval.get(k) for k in ("model", "cold", "cold_ms", "source",
+                                                  "device", "first_token_ms")}}
 
 
 def _connect_records(app: Celery, url: str) -> None:

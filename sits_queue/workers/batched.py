@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,7 +56,7 @@ from kombu.serialization import loads
 from sits_queue.broker import intake
 from sits_queue.broker.keys import batch_mark, batch_units
 from sits_queue.errors import InferenceError, InvalidInput
-from sits_queue.workers import inference, metrics, runtime
+from sits_queue.workers import firsttoken, inference, metrics, runtime
 from sits_queue.workers import request as admission
 from sits_queue.workers.request import SitsRequest
 
@@ -197,10 +198,12 @@ def embed_calls(engine: Any, calls: list[Call]) -> list[Any]:
 
 
 def generate_batched(engine: Any, prompt: str, max_new_tokens: int = 32,
+                     temperature: float = 0.0, seed: int = 0,
                      stop_at_eos: bool = True) -> dict[str, Any]:
-    """One call of ``sits.generate_batched`` (its signature: a call's arguments; the batch
-    function is :func:`generate_calls`), as a plain function."""
-    out = generate_calls(engine, [Call("", (prompt, max_new_tokens, stop_at_eos))])[0]
+    """One call of ``sits.generate_batched`` (its signature: a call's arguments, those of
+    ``sits.generate``; the batch function is :func:`generate_calls`), as a plain function."""
+    out = generate_calls(engine, [Call("", (prompt, max_new_tokens, temperature, seed,
+                                            stop_at_eos))])[0]
     if isinstance(out, BaseException):
         raise out
     result: dict[str, Any] = out
@@ -210,20 +213,34 @@ def generate_batched(engine: Any, prompt: str, max_new_tokens: int = 32,
 _GENERATE = inspect.signature(generate_batched)
 
 
+@dataclass(frozen=True)
+class _Row:
+    """One call of a generation batch: where its output goes, its prompt's token ids and
+    how it decodes."""
+
+    index: int
+    ids: list[int]
+    most: int
+    temperature: float
+    seed: int
+
+
 def generate_calls(engine: Any, calls: list[Call]) -> list[Any]:
-    """Greedy continuations of every call's prompt as one left-padded batch through
-    Hugging Face ``generate`` (the KV cache, the attention mask and positions handled
-    there), each cut to its own ``max_new_tokens`` and, with ``stop_at_eos``, after its
-    end-of-sequence token: what :func:`~sits_queue.workers.inference.generate` decodes
-    greedily for each alone (tested), as ``{"text", "tokens", "prompt_tokens",
-    "cached_tokens": 0, "stopped", "runs": 1}``. No time slices and no KV-prefix reuse
-    (those are ``sits.generate``'s); a call with bad arguments or a prompt the model
-    cannot take fails alone."""
+    """Continuations of every call's prompt as one left-padded batch through Hugging Face
+    ``generate`` (the KV cache, the attention mask and positions handled there), each
+    cut to its own ``max_new_tokens`` and, with ``stop_at_eos``, after its
+    end-of-sequence token; greedy or sampled per call (``temperature``, ``seed``), each
+    row sampled as :func:`~sits_queue.workers.inference.generate` samples (the softmax at
+    its temperature, a generator seeded by its seed and the position): what that decodes
+    for each prompt alone (tested, greedy and sampled), as ``{"text", "tokens",
+    "prompt_tokens", "cached_tokens": 0, "stopped", "runs": 1}``. No time slices and no
+    KV-prefix reuse (those are ``sits.generate``'s); a call with bad arguments or a
+    prompt the model cannot take fails alone."""
     model = getattr(engine, "key", "?")
     module, tokenizer = inference.module_of(engine, model), inference.tokenizer_of(engine, model)
     limit = inference.max_positions(module, tokenizer)
     outputs: list[Any] = [None] * len(calls)
-    groups: dict[bool, list[tuple[int, list[int], int]]] = {}
+    groups: dict[bool, list[_Row]] = {}
     for i, call in enumerate(calls):
         args = _arguments(_GENERATE, "sits.generate_batched", engine, call)
         if isinstance(args, InvalidInput):
@@ -231,55 +248,84 @@ def generate_calls(engine: Any, calls: list[Call]) -> list[Any]:
             continue
         prompt, most = args["prompt"], args["max_new_tokens"]
         try:
-            inference.check_prompt(prompt, most, 0.0)
+            inference.check_prompt(prompt, most, args["temperature"], args["seed"])
             ids = tokenizer(prompt)["input_ids"]
             inference.check_context(model, len(ids), most, limit)
         except InferenceError as exc:
             outputs[i] = exc
             continue
-        groups.setdefault(bool(args["stop_at_eos"]), []).append((i, ids, most))
-    for stop, members in groups.items():
-        rows = _generate_rows(module, tokenizer, members, stop)
-        for (i, _ids, _), row in zip(members, rows, strict=True):
-            outputs[i] = row
+        row = _Row(i, ids, most, float(args["temperature"]), int(args["seed"]))
+        groups.setdefault(bool(args["stop_at_eos"]), []).append(row)
+    for stop, rows in groups.items():
+        for row, out in zip(rows, _generate_rows(module, tokenizer, rows, stop), strict=True):
+            outputs[row.index] = out
     return outputs
 
 
-def _generate_rows(module: Any, tokenizer: Any, members: list[tuple[int, list[int], int]],
-                   stop: bool) -> list[dict[str, Any]]:
+def _generate_rows(module: Any, tokenizer: Any, rows: list[_Row], stop: bool
+                   ) -> list[dict[str, Any]]:
     import copy
 
     import torch
+    from transformers import LogitsProcessorList
 
-    longest = max(most for _, _, most in members)
-    width = max(len(ids) for _, ids, _ in members)
+    longest = max(row.most for row in rows)
+    width = max(len(row.ids) for row in rows)
     active = runtime.active()
     if active is not None:
-        active.check_vram(inference.kv_cache_bytes(module, (width + longest) * len(members)))
+        active.check_vram(inference.kv_cache_bytes(module, (width + longest) * len(rows)))
     eos = getattr(tokenizer, "eos_token_id", None)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
     device = next(module.parameters()).device
-    input_ids = torch.full((len(members), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(members), width), dtype=torch.long)
-    for r, (_, ids, _) in enumerate(members):  # left padding: every prompt ends together
-        input_ids[r, width - len(ids):] = torch.tensor(ids)
-        mask[r, width - len(ids):] = 1
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):  # left padding: every prompt ends together
+        input_ids[r, width - len(row.ids):] = torch.tensor(row.ids)
+        mask[r, width - len(row.ids):] = 1
     config = copy.deepcopy(module.generation_config)
+    # Greedy for ``generate``: the sampled rows' tokens are chosen by _RowSampler, which
+    # leaves generate's argmax no other choice.
     config.update(max_new_tokens=longest, do_sample=False, pad_token_id=pad,
                   eos_token_id=eos if stop else None)
     with torch.inference_mode():
         out = module.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                              generation_config=config)
-    rows = []
-    for r, (_, ids, most) in enumerate(members):
-        new = out[r, width:].tolist()[:most]
+                              generation_config=config,
+                              logits_processor=LogitsProcessorList([_row_sampler(width, rows)]))
+    results = []
+    for r, row in enumerate(rows):
+        new = out[r, width:].tolist()[:row.most]
         if stop and eos is not None and eos in new:
             new = new[:new.index(eos) + 1]
-        rows.append({"text": tokenizer.decode(new, skip_special_tokens=True),
-                     "tokens": len(new), "prompt_tokens": len(ids), "cached_tokens": 0,
-                     "stopped": "eos" if stop and new and new[-1] == eos else "length",
-                     "runs": 1})
-    return rows
+        results.append({"text": tokenizer.decode(new, skip_special_tokens=True),
+                        "tokens": len(new), "prompt_tokens": len(row.ids), "cached_tokens": 0,
+                        "stopped": "eos" if stop and new and new[-1] == eos else "length",
+                        "runs": 1})
+    return results
+
+
+def _row_sampler(width: int, rows: list[_Row]) -> Any:
+    """A ``LogitsProcessor`` that marks the first token (``firsttoken.py``) and, for each
+    sampled row, draws that row's token as ``inference.generate`` would at that position
+    and leaves it the only possible one."""
+    import torch
+    from transformers import LogitsProcessor
+
+    sampled = [(r, row) for r, row in enumerate(rows) if row.temperature > 0]
+    generator = torch.Generator(device="cpu")
+
+    class RowSampler(LogitsProcessor):
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            firsttoken.mark()
+            position = int(input_ids.shape[1]) - width
+            for r, row in sampled:
+                probs = torch.softmax(scores[r:r + 1].float() / row.temperature, dim=-1).cpu()
+                token = int(torch.multinomial(probs, 1, generator=inference.seeded(
+                    generator, row.seed, position)))
+                scores[r] = -math.inf
+                scores[r, token] = 0.0
+            return scores
+
+    return RowSampler()
 
 
 def _alone(engine: Any, texts: Any, normalize: bool) -> Any:

@@ -35,7 +35,7 @@ from sits_queue.errors import (
     ModelLoadError,
     VramLimitExceeded,
 )
-from sits_queue.workers import batching, gpu, kvreuse, metrics, runtime
+from sits_queue.workers import batching, firsttoken, gpu, kvreuse, metrics, runtime
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,8 @@ def run_inference(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     counted by reason, and the child's record and counts go out once per run. ``tasks``:
     how many tasks the run serves (a batch, ``batched.py``)."""
     try:
-        return _run(rt, task, args, kwargs, tasks)
+        with firsttoken.first_token_clock() as clock:
+            return _run(rt, task, args, kwargs, clock, tasks)
     except BaseException as exc:
         reason = metrics.failure_reason(exc)
         if reason is not None:
@@ -123,7 +124,8 @@ def run_inference(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
 
 
 def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
-         kwargs: dict[str, Any], tasks: int = 1) -> dict[str, Any]:
+         kwargs: dict[str, Any], clock: firsttoken.FirstToken, tasks: int = 1
+         ) -> dict[str, Any]:
     request = task.request
     model = runtime.task_model(request, getattr(task, "model", None))
     quota = runtime.task_class(rt.config, request, getattr(task, "sla_class", None))
@@ -172,13 +174,17 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
         raise VramLimitExceeded(f"task exceeded the {quota.vram_gib:g} GiB VRAM limit of "
                                 f"class {quota.name!r} running model {model!r}: {oom}")
     meta.update(run_ms=round((time.perf_counter() - start) * _MS_PER_S, 3),
-                device=rt.device_label, slot=rt.slot, sla_class=quota.name,
+                first_token_ms=clock.ms, device=rt.device_label, slot=rt.slot, sla_class=quota.name,
                 limits={"soft_time_limit_s": soft, "time_limit_s": hard,
                         "vram_gib": quota.vram_gib, "memory_fraction": fraction,
                         "cpus": list(cpus)})
     rt.count(metrics.run_fields(model, meta["run_ms"], tasks))
+    if clock.ms is not None:
+        rt.count(metrics.first_token_fields(clock.ms, tasks))
     if isinstance(output, dict) and isinstance(output.get("cached_tokens"), int):
         tracing.annotate({"sits.cached_tokens": output["cached_tokens"]})
+    if clock.ms is not None:
+        tracing.annotate({"sits.first_token_ms": clock.ms})
     return {"output": output, "sits": meta}
 
 
@@ -251,7 +257,7 @@ def check_context(model: str, prompt_tokens: int, max_new_tokens: int,
                              f"{max_new_tokens} exceeds model {model!r}'s {limit} positions")
 
 
-def check_prompt(prompt: Any, max_new_tokens: Any, temperature: Any) -> None:
+def check_prompt(prompt: Any, max_new_tokens: Any, temperature: Any, seed: Any = 0) -> None:
     if not isinstance(prompt, str) or not prompt:
         raise InvalidInput(f"prompt must be a non-empty string, got {type(prompt).__name__}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
@@ -261,6 +267,8 @@ def check_prompt(prompt: Any, max_new_tokens: Any, temperature: Any) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
             or not 0 <= temperature <= 100:
         raise InvalidInput(f"temperature must be a number in [0, 100], got {temperature!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise InvalidInput(f"seed must be an integer, got {seed!r}")
 
 
 def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0,
@@ -283,7 +291,7 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
     """
     import torch
 
-    check_prompt(prompt, max_new_tokens, temperature)
+    check_prompt(prompt, max_new_tokens, temperature, seed)
     model = getattr(engine, "key", "?")
     module, tokenizer = module_of(engine, model), tokenizer_of(engine, model)
     device = next(module.parameters()).device
@@ -296,6 +304,9 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
     eos = getattr(tokenizer, "eos_token_id", None) if stop_at_eos else None
     progress = _resumed(active.checkpoint if active is not None else None, max_new_tokens,
                         int(getattr(module.config, "vocab_size", 0) or 0))
+    # A resumed generation's first token came in its first run: report that one.
+    if (first := firsttoken.carry(progress.pop("first_token_ms", None))) is not None:
+        progress["first_token_ms"] = first
     new: list[int] = progress["new"]
     if new:  # the tokens of earlier runs go in with the prompt: one pass rebuilds the cache
         input_ids = torch.cat([input_ids, torch.tensor([new], device=device)], dim=1)
@@ -350,7 +361,8 @@ def _resumed(checkpoint: Any, max_new_tokens: int, vocab_size: int) -> dict[str,
     if (isinstance(new, list) and len(new) < max_new_tokens
             and all(_is_token(t, vocab_size) for t in new)
             and isinstance(runs, int) and not isinstance(runs, bool) and runs >= 1):
-        return {"new": list(new), "runs": runs + 1}
+        return {"new": list(new), "runs": runs + 1,
+                "first_token_ms": checkpoint.get("first_token_ms")}
     logger.warning("generation checkpoint not understood, starting over: %.200r", checkpoint)
     return {"new": [], "runs": 1}
 
@@ -360,7 +372,7 @@ def _is_token(value: Any, vocab_size: int) -> bool:
             and (vocab_size <= 0 or value < vocab_size))
 
 
-def _seeded(generator: Any, seed: int, position: int) -> Any:
+def seeded(generator: Any, seed: int, position: int) -> Any:
     """The sampler for one position: the same whichever run reaches it."""
     return generator.manual_seed((seed * 1_000_003 + position) % 2**63)
 
@@ -399,10 +411,13 @@ def _decode(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
                 if temperature > 0:
                     probs = torch.softmax(logits / temperature, dim=-1).cpu()
                     token = int(torch.multinomial(probs, 1,
-                                                  generator=_seeded(generator, seed, len(new))))
+                                                  generator=seeded(generator, seed, len(new))))
                 else:
                     token = int(torch.argmax(logits, dim=-1))
                 new.append(token)
+                if "first_token_ms" not in progress \
+                        and (first := firsttoken.mark()) is not None:
+                    progress["first_token_ms"] = first  # kept across a yield
                 if eos is not None and token == eos:
                     return
                 ids = torch.tensor([[token]], device=input_ids.device)

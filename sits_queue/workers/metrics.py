@@ -16,7 +16,9 @@ with ``redis-cli``):
 * ``phase_ms:<phase>``: ms spent per cold-start phase (``cuda_ctx``, ``load``,
   ``promote``, ``warmup``);
 * ``cold_le:<ms>``: cold starts per bucket of :data:`COLD_BUCKETS_MS` (not cumulative);
-* ``failed:<reason>``: inference tasks that failed, by reason.
+* ``failed:<reason>``: inference tasks that failed, by reason;
+* ``ftt`` / ``ftt_ms`` / ``ftt_le:<ms>``: generations that made a first token, the ms
+  from their run's start to it (``firsttoken.py``, §4.4), per bucket of the same bounds.
 
 Labels are bounded (§5): classes come from the class table, sources and phases are
 fixed, reasons are the names of our own errors plus ``SoftTimeLimitExceeded`` and
@@ -51,8 +53,9 @@ logger = logging.getLogger(__name__)
 PHASES = ("cuda_ctx", "load", "promote", "warmup")
 #: Where a cold task's engine came from.
 SOURCES = ("host", "disk")
-#: Upper bounds of the cold-start histogram, ms: a host-to-device promotion of a small
-#: engine is ~1 ms, a first CUDA context 100-200 ms, a large engine from disk seconds.
+#: Upper bounds of the cold-start (and first-token) histograms, ms: a host-to-device
+#: promotion of a small engine is ~1 ms, a first CUDA context 100-200 ms, a large engine
+#: from disk seconds.
 COLD_BUCKETS_MS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
 _MS_PER_S = 1000.0
 #: Control flow, not failure: a yield (``Preempted`` is a ``Reject``), a retry, an ignore.
@@ -95,6 +98,12 @@ def run_fields(model: str, run_ms: float, tasks: int = 1) -> dict[str, float]:
     """Counter increments for one finished run of ``tasks`` tasks: the model's service
     time (per task: a batch's run time is shared by its tasks)."""
     return {f"model_runs:{model}": tasks, f"model_run_ms:{model}": run_ms}
+
+
+def first_token_fields(ms: float, tasks: int = 1) -> dict[str, float]:
+    """Counter increments for a run whose first new token came ``ms`` after it began;
+    every task of a batch waited that long for its own."""
+    return {"ftt": tasks, "ftt_ms": ms * tasks, f"ftt_le:{_bucket(ms)}": tasks}
 
 
 def prefix_fields(cached_tokens: int) -> dict[str, float]:
@@ -158,6 +167,9 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
                                 "phase (MISSION 4.1).", labels=["worker", "phase"])
     hist = HistogramMetricFamily("sits_cold_start_seconds", "Cost of one cold start, all "
                                  "phases.", labels=["worker"])
+    first = HistogramMetricFamily("sits_first_token_seconds", "Time from an inference run's "
+                                  "start to its first new token, cold start included "
+                                  "(MISSION 4.4).", labels=["worker"])
     failed = CounterMetricFamily("sits_inference_failures", "Inference tasks that failed, by "
                                  "reason.", labels=["worker", "reason"])
     vram = GaugeMetricFamily("sits_device_vram_bytes", "Device memory from NVML.",
@@ -189,13 +201,10 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
         by_phase = advertise.counter_group(values, "phase_ms:")
         for p in PHASES:
             phase.add_metric([name, p], by_phase.get(p, 0.0) / _MS_PER_S)
-        per_bucket = advertise.counter_group(values, "cold_le:")
-        running, buckets = 0.0, []
-        for bound in (*map(str, COLD_BUCKETS_MS), "+Inf"):
-            running += per_bucket.get(bound, 0.0)
-            le = bound if bound == "+Inf" else repr(int(bound) / _MS_PER_S)
-            buckets.append((le, running))
-        hist.add_metric([name], buckets, sum_value=values.get("cold_ms", 0.0) / _MS_PER_S)
+        hist.add_metric([name], _buckets(values, "cold_le:"),
+                        sum_value=values.get("cold_ms", 0.0) / _MS_PER_S)
+        first.add_metric([name], _buckets(values, "ftt_le:"),
+                         sum_value=values.get("ftt_ms", 0.0) / _MS_PER_S)
         for reason, count in advertise.counter_group(values, "failed:").items():
             failed.add_metric([name, reason], count)
         for d in w.get("devices") or []:
@@ -213,8 +222,19 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
                 warm.add_metric([name, str(slot), tier], tiers.get(tier, 0))
             memory = child.get("memory") or {}
             allocated.add_metric([name, str(slot)], float(memory.get("allocated_bytes", 0)))
-    return [info, slots, tasks, cold, ahead, kv, emb, share, phase, hist, failed, vram,
-            util, warm, allocated]
+    return [info, slots, tasks, cold, ahead, kv, emb, share, phase, hist, first, failed,
+            vram, util, warm, allocated]
+
+
+def _buckets(values: Mapping[str, float], prefix: str) -> list[tuple[str, float]]:
+    """Cumulative histogram buckets (seconds) from per-bucket counters ``<prefix><ms>``."""
+    per_bucket = advertise.counter_group(values, prefix)
+    running, buckets = 0.0, []
+    for bound in (*map(str, COLD_BUCKETS_MS), "+Inf"):
+        running += per_bucket.get(bound, 0.0)
+        le = bound if bound == "+Inf" else repr(int(bound) / _MS_PER_S)
+        buckets.append((le, running))
+    return buckets
 
 
 # -- the Redis edge ----------------------------------------------------------------------------

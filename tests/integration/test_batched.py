@@ -35,8 +35,10 @@ CALL_S = 60
 #: Tasks submitted before the worker starts: two full batches of t.batch_echo and a part.
 ECHO_TAGS = [f"e{i}" for i in range(2 * BATCH_ECHO_MAX + 3)]
 ECHO_TAGS[3] = "bad"
-PROMPTS = [("Once upon a time", 6), ("The cat", 9), ("In a galaxy far away there was", 4),
-           ("", 5), ("Hello", 12)]
+#: Generations: prompt, max_new_tokens, temperature, seed (greedy and sampled together).
+PROMPTS = [("Once upon a time", 6, 0.0, 0), ("The cat", 9, 1.5, 3),
+           ("In a galaxy far away there was", 4, 0.0, 0), ("", 5, 0.0, 0),
+           ("Hello", 12, 0.9, 8)]
 TEXTS = ["the cache warms", "a model serves", "queues wait", "batches run together",
          "one more text", "and the last one is a little longer than the others"]
 
@@ -70,9 +72,9 @@ def waiting(app: Celery) -> dict[str, Any]:
     raw = app.tasks["sits.embed"].apply_async((TEXTS[:2],), {"normalize": False},
                                               model="enc")
     empty = app.tasks["sits.embed"].apply_async(([],), model="enc")
-    gens = [app.tasks["sits.generate_batched"].apply_async((prompt,), {"max_new_tokens": n},
-                                                          model="gpt")
-            for prompt, n in PROMPTS]
+    gens = [app.tasks["sits.generate_batched"].apply_async(
+        (prompt,), {"max_new_tokens": n, "temperature": t, "seed": s}, model="gpt")
+            for prompt, n, t, s in PROMPTS]
     return {"echo": echo, "expired": expired, "embeds": embeds, "raw": raw, "empty": empty,
             "gens": gens}
 
@@ -149,7 +151,7 @@ def test_embeds_batch_together_and_match_a_lone_run(waiting: dict[str, Any],
     assert isinstance(empty, InvalidInput) and "non-empty" in str(empty)
 
 
-def test_generations_batch_and_match_a_lone_greedy_run(
+def test_generations_batch_and_match_a_lone_run_greedy_or_sampled(
         waiting: dict[str, Any], worker: CeleryProcess, models_dir: Path) -> None:
     from sits_queue.cache.engines import engine_from_path
     from sits_queue.workers.inference import generate
@@ -157,13 +159,18 @@ def test_generations_batch_and_match_a_lone_greedy_run(
     got = results(waiting["gens"])
     engine = engine_from_path("gpt", models_dir / "gpt", "cpu")
     engine.to_device("cpu")
-    for (prompt, n), g in zip(PROMPTS, got, strict=True):
+    for (prompt, n, t, s), g in zip(PROMPTS, got, strict=True):
         if not prompt:  # the empty prompt fails alone
             assert isinstance(g, InvalidInput) and "non-empty string" in str(g)
             continue
         assert g["sits"]["batch"]["size"] == len(PROMPTS)
-        alone = generate(engine, prompt, max_new_tokens=n)
+        alone = generate(engine, prompt, max_new_tokens=n, temperature=t, seed=s)
         assert g["output"] == {**alone, "cached_tokens": 0}
+        # Every row's first token came with the batch's first step, cold start included
+        assert 0 < g["sits"]["first_token_ms"] <= g["sits"]["run_ms"] + sum(
+            g["sits"][f"{p}_ms"] for p in ("cuda_ctx", "load", "promote", "warmup")) + 200
+    firsts = {g["sits"]["first_token_ms"] for g in got if not isinstance(g, Exception)}
+    assert len(firsts) == 1
 
 
 def test_counters_count_tasks_not_batches(r: redis.Redis, worker: CeleryProcess,
@@ -177,6 +184,7 @@ def test_counters_count_tasks_not_batches(r: redis.Redis, worker: CeleryProcess,
     assert counters["tasks"] >= len(ECHO_TAGS) + len(TEXTS) + 1
     assert counters["model_runs:gpt"] == len(ECHO_TAGS) + len(PROMPTS)
     assert counters["failed:InvalidInput"] == 3
+    assert counters["ftt"] == len(PROMPTS)  # the generation batch's tasks, one first token
     assert counters["cold"] <= 2
 
 

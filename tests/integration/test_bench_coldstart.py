@@ -46,8 +46,13 @@ def test_json_has_every_system_ratio_and_meta(result: dict[str, Any]) -> None:
         assert (s["n"], s["failed"]) == (TINY.n_requests, 0), (name, s["errors"])
         assert sum(s["sources"].values()) == TINY.n_requests
         assert s["device"] == ["cpu"]
+        # Every task reported when its first token came (§4.4), its load included
+        assert s["first_tokens"] == TINY.n_requests, name
+        assert 0 < s["first_token_ms_p50"] <= s["first_token_ms_p99"], name
+        assert s["first_token_ms_std"] >= 0, name
     assert set(result["ratios"]) == {"cold_cost_vs_lru", "throughput_vs_lru",
-                                     "throughput_vs_load_per_task"}
+                                     "throughput_vs_load_per_task",
+                                     "first_token_spread_vs_lru"}
     meta = result["meta"]
     assert meta["quick"] is True and meta["requests"] == TINY.n_requests
     assert meta["concurrency"] == 1 and meta["device"] == "cpu"
@@ -68,6 +73,9 @@ def test_load_per_task_reads_every_model_from_disk(result: dict[str, Any]) -> No
     s = result["systems"]["celery_load_per_task"]
     assert s["cold_share"] == 1.0 and s["sources"] == {"disk": TINY.n_requests}
     assert s["cold_cost_ms_mean"] > 0
+    # Each task's first token came after its model was read (the load is in it), so the
+    # first-token times dominate the load times, task by task, and so their p99
+    assert s["first_token_ms_p99"] >= s["cold_cost_ms_p99"]
 
 
 def test_lru_is_cold_exactly_when_the_model_changes(result: dict[str, Any]) -> None:

@@ -129,7 +129,13 @@ def test_builtin_generate_and_embed(app: Celery, worker: CeleryProcess) -> None:
     again = call(app, "sits.generate", "the worker loads the prompt", model="gpt",
                  kwargs={"max_new_tokens": 8, "stop_at_eos": False})
     assert again["output"] == text["output"]  # greedy decoding is deterministic
+    # The first token's time counts from the run's start: a cold start is in it
+    cold = sum(text["sits"][f"{p}_ms"] for p in ("cuda_ctx", "load", "promote", "warmup"))
+    if text["sits"]["cold"]:
+        assert text["sits"]["first_token_ms"] > cold
+    assert 0 < again["sits"]["first_token_ms"] <= again["sits"]["run_ms"]
     vectors = call(app, "sits.embed", ["a model serves", "the cache warms"], model="enc")
+    assert vectors["sits"]["first_token_ms"] is None  # an embedding makes no tokens
     assert len(vectors["output"]) == 2 and len(vectors["output"][0]) == 64
     norm = sum(x * x for x in vectors["output"][0]) ** 0.5
     assert norm == pytest.approx(1.0, abs=1e-4)

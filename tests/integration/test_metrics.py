@@ -120,6 +120,7 @@ def test_a_scrape_shows_tasks_cold_starts_by_phase_failures_and_devices(
     assert m[("sits_cold_start_seconds_count", ())] == 1
     assert m[("sits_cold_start_seconds_sum", ())] == pytest.approx(reported, abs=1e-5)
     assert m[("sits_cold_start_seconds_bucket", (("le", "+Inf"),))] == 1
+    assert m[("sits_first_token_seconds_count", ())] == 0  # nothing generated a token
     assert m[("sits_inference_failures_total", (("reason", "UnknownModel"),))] == 1
     assert m[("sits_inference_failures_total", (("reason", "InvalidInput"),))] == 1
     # The worker, its device (a CPU host here) and the child's warm engine

@@ -143,6 +143,7 @@ def test_a_task_run_on_a_worker_continues_the_producers_trace(
     assert attrs["sits.model"] == "gpt" and attrs["sits.sla_class"] == "high"
     assert attrs["sits.cold"] is True and attrs["sits.affinity"] is False
     assert attrs["sits.cached_tokens"] == result["output"]["cached_tokens"] == 0
+    assert attrs["sits.first_token_ms"] == result["sits"]["first_token_ms"] > 0
     # and the cold start as a child span with its phases, as in the result
     (cold,) = receiver.named("sits.cold_start")
     assert cold["trace_id"] == run["trace_id"] and cold["parent_id"] == run["span_id"]

@@ -59,6 +59,14 @@ def test_failure_reasons_are_a_bounded_set(exc: BaseException, reason: str | Non
     assert metrics.failure_reason(exc) == reason
 
 
+def test_a_first_token_counts_once_per_task_of_its_run() -> None:
+    # Given a batch of 3 whose first token came 30 ms into the run, each task waited 30 ms
+    assert metrics.first_token_fields(30.0, tasks=3) == {"ftt": 3, "ftt_ms": 90.0,
+                                                         "ftt_le:50": 3}
+    assert metrics.first_token_fields(40_000.0) == {"ftt": 1, "ftt_ms": 40_000.0,
+                                                    "ftt_le:+Inf": 1}
+
+
 def test_merge_adds() -> None:
     into = {"tasks": 1.0}
     metrics.merge(into, {"tasks": 1, "cold": 1})
@@ -91,7 +99,8 @@ WORKER = {
                  b"phase_ms:load": b"1200", b"phase_ms:cuda_ctx": b"150",
                  b"phase_ms:promote": b"3.5", b"phase_ms:warmup": b"150",
                  b"failed": b"2", b"failed:VramLimitExceeded": b"2", b"affinity": b"4",
-                 b"emb_texts": b"9", b"emb_cached": b"5", b"kv_hits": b"2"},
+                 b"emb_texts": b"9", b"emb_cached": b"5", b"kv_hits": b"2",
+                 b"ftt": b"4", b"ftt_ms": b"260", b"ftt_le:25": b"3", b"ftt_le:250": b"1"},
 }
 
 
@@ -114,6 +123,11 @@ def test_families_from_a_worker_record() -> None:
     assert m[("sits_cold_start_seconds_bucket", (("le", "2.5"), w))] == 3
     assert m[("sits_cold_start_seconds_count", (w,))] == 3
     assert m[("sits_cold_start_seconds_sum", (w,))] == pytest.approx(1.5035)
+    assert m[("sits_first_token_seconds_bucket", (("le", "0.01"), w))] == 0
+    assert m[("sits_first_token_seconds_bucket", (("le", "0.025"), w))] == 3
+    assert m[("sits_first_token_seconds_bucket", (("le", "+Inf"), w))] == 4
+    assert m[("sits_first_token_seconds_count", (w,))] == 4
+    assert m[("sits_first_token_seconds_sum", (w,))] == pytest.approx(0.26)
     assert m[("sits_inference_failures_total", (("reason", "VramLimitExceeded"), w))] == 2
     dev = ("device", "cuda:0")
     assert m[("sits_device_vram_bytes", (dev, ("state", "free"), w))] == 60 * 2**30

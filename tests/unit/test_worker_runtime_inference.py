@@ -25,7 +25,7 @@ from sits_queue.errors import (
     VramLimitExceeded,
 )
 from sits_queue.models import tiny
-from sits_queue.workers import advertise, gpu, inference
+from sits_queue.workers import advertise, batched, firsttoken, gpu, inference
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.devices import Device, Discovery
 
@@ -144,6 +144,8 @@ def test_a_checkpoint_that_is_not_ours_starts_over(lm: Any, checkpoint: Any,
     (("hi", 0), "max_new_tokens"),
     (("hi", True), "max_new_tokens"),
     (("hi", 4, -1.0), "temperature"),
+    (("hi", 4, 1.0, "7"), "seed must be an integer"),
+    (("hi", 4, 1.0, False), "seed must be an integer"),
 ])
 def test_generate_rejects_malformed_input(lm: Any, args: tuple[Any, ...], match: str) -> None:
     with pytest.raises(InvalidInput, match=match):
@@ -190,6 +192,73 @@ def test_generation_is_refused_when_the_cpu_estimate_exceeds_the_class(lm: Any) 
 def test_estimates_grow_with_tokens(lm: Any) -> None:
     assert inference.kv_cache_bytes(lm.module, 100) > inference.kv_cache_bytes(lm.module, 10)
     assert inference.max_positions(lm.module) == 64
+
+
+# -- first-token time (§4.4) ------------------------------------------------------------------
+
+def test_generate_marks_its_first_token_on_a_running_clock(lm: Any) -> None:
+    assert firsttoken.mark() is None  # no clock: nothing to mark, nothing breaks
+    with firsttoken.first_token_clock() as clock:
+        inference.generate(lm, "the clock runs", max_new_tokens=5, stop_at_eos=False)
+    assert clock.ms is not None and clock.ms > 0
+    assert clock.mark() == clock.ms  # marked once: later tokens do not move it
+
+
+def test_a_resumed_generation_reports_its_first_runs_first_token(lm: Any) -> None:
+    checkpoint: Any = None
+    firsts: list[float | None] = []
+    for _ in range(3):  # cut after 2 and 5 tokens, as a worker's yields would
+        active = rt.ActiveTask("lm", SitsConfig().quota("low"), lm.size_bytes(), "cpu",
+                               yielder=lambda state, _s: cut(state, {2, 5}),
+                               checkpoint=checkpoint)
+        with firsttoken.first_token_clock() as clock, rt.activated(active):
+            try:
+                inference.generate(lm, "the slot yields", max_new_tokens=8,
+                                   stop_at_eos=False)
+            except YieldAt as y:
+                checkpoint = y.state
+        firsts.append(clock.ms)
+    assert firsts[0] is not None and firsts == [firsts[0]] * 3
+    assert checkpoint["first_token_ms"] == firsts[0]
+
+
+def cut(state: Any, at: set[int]) -> None:
+    if len(state["new"]) in at:
+        at.discard(len(state["new"]))
+        raise YieldAt(state)
+
+
+@pytest.mark.parametrize("saved", ["12", -1.0, float("nan"), True, None, [3]])
+def test_a_saved_first_token_time_that_is_not_a_time_is_ignored(saved: Any) -> None:
+    with firsttoken.first_token_clock() as clock:
+        assert firsttoken.carry(saved) is None
+    assert clock.ms is None
+
+
+# -- generate_batched in-process -----------------------------------------------------------------
+
+def test_a_batch_mixes_greedy_and_sampled_rows_each_as_it_would_decode_alone(lm: Any) -> None:
+    rows = [("the cache warms", 6, 0.0, 0), ("a queue", 9, 1.5, 3),
+            ("the worker loads a model and", 4, 0.8, 11), ("once", 7, 1.5, 4)]
+    calls = [batched.Call(str(i), (p, n), {"temperature": t, "seed": s})
+             for i, (p, n, t, s) in enumerate(rows)]
+    with firsttoken.first_token_clock() as clock:
+        got = batched.generate_calls(lm, calls)
+    for (prompt, n, t, s), out in zip(rows, got, strict=True):
+        alone = inference.generate(lm, prompt, max_new_tokens=n, temperature=t, seed=s)
+        assert out == {**alone, "cached_tokens": 0}, prompt
+    assert clock.ms is not None and clock.ms > 0
+    # Another seed samples another continuation (the seed is used, per row)
+    other = batched.generate_calls(lm, [batched.Call("x", ("a queue", 9),
+                                                     {"temperature": 1.5, "seed": 4})])
+    assert other[0]["text"] != got[1]["text"]
+
+
+def test_a_call_with_a_bad_seed_fails_alone(lm: Any) -> None:
+    got = batched.generate_calls(lm, [batched.Call("a", ("the cache",), {"seed": "x"}),
+                                      batched.Call("b", ("the cache", 3), {})])
+    assert isinstance(got[0], InvalidInput) and "seed must be an integer" in str(got[0])
+    assert got[1]["tokens"] >= 1
 
 
 # -- embed ------------------------------------------------------------------------------------
@@ -295,6 +364,42 @@ def test_result_carries_output_and_cold_start_accounting(app: Celery,
                       "cold_le:25": 1, "phase_ms:load": 12.5, "phase_ms:promote": 0.5,
                       "phase_ms:warmup": 3.0, "model_cold:m": 1, "model_cold_ms:m": 16.0,
                       "model_runs:m": 1}
+
+
+class FakeClock:
+    """``time.perf_counter`` that moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_first_token_time_counts_from_before_the_engine_is_got(
+        app: Celery, published: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(firsttoken.time, "perf_counter", clock)
+
+    def acquire() -> tuple[Any, ColdStart]:
+        clock.now += 0.25  # the load
+        return FakeEngine(), COLD
+
+    def run(engine: Any) -> str:
+        clock.now += 0.02  # the prefill
+        firsttoken.mark()
+        clock.now += 0.5  # the rest of the decode
+        return "text"
+
+    result = inference.run_inference(child(app, acquire), fake_task(run), (), {})
+    assert result["sits"]["first_token_ms"] == 270.0
+    assert result["sits"]["run_ms"] == 520.0
+    _, counts = published[-1]
+    assert (counts["ftt"], counts["ftt_ms"], counts["ftt_le:500"]) == (1, 270.0, 1)
+    # A task that makes no tokens says so, and counts no first token
+    plain = inference.run_inference(child(app, lambda: (FakeEngine(), COLD)),
+                                    fake_task(lambda e: 1), (), {})
+    assert plain["sits"]["first_token_ms"] is None and "ftt" not in published[-1][1]
 
 
 def test_oom_while_running_is_a_vram_limit_failure_and_memory_is_released(
