@@ -38,7 +38,7 @@ from typing import Any
 import psutil
 from billiard.process import current_process
 from celery import Celery, bootsteps, current_app, signals
-from celery.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import ImproperlyConfigured, SoftTimeLimitExceeded
 
 from sits_queue.config import ClassQuota, SitsConfig
 from sits_queue.errors import ConfigError, UnknownModel, VramLimitExceeded
@@ -74,6 +74,24 @@ class WorkerPlan:
     available_cpus: tuple[int, ...]
     #: Pool size; 0 until :class:`PlanStep` records it.
     slots: int = 0
+
+
+#: Pools whose tasks each run in a process of their own (prefork's children) or alone in
+#: the worker (solo): the per-process CUDA memory cap, CPU confinement and the running
+#: task's state hold for one task at a time. Any other pool (threads, gevent, eventlet)
+#: runs several tasks in one process, so they would share one cap and clobber each
+#: other's confinement: allowed only at concurrency 1.
+PROCESS_POOLS = ("celery.concurrency.prefork", "celery.concurrency.solo")
+
+
+def pool_problem(pool_module: str, pool_name: str, concurrency: int) -> str | None:
+    """Why a worker must not start with this pool and concurrency (None: it may)."""
+    if pool_module in PROCESS_POOLS or concurrency <= 1:
+        return None
+    return (f"sits_queue: the {pool_name!r} pool would run {concurrency} tasks in one "
+            "process, sharing one CUDA memory cap, one CPU confinement and one engine cache; "
+            "per-class VRAM and CPU limits need a process per task. Use the prefork pool "
+            "(the default: one child per GPU), --pool=solo, or --concurrency=1.")
 
 
 def device_for_slot(discovery: Discovery, slot: int) -> Device:
@@ -517,12 +535,20 @@ def child() -> ChildRuntime | None:
 
 
 class PlanStep(bootsteps.Step):  # type: ignore[misc]
-    """Worker step: records the final pool size (after ``-c`` / ``auto``) before forking."""
+    """Worker step: refuses a pool that runs tasks side by side in one process (see
+    :func:`pool_problem`) and records the final pool size (after ``-c`` / ``auto``)
+    before forking."""
 
     name = "SITS worker plan"
 
     def __init__(self, w: Any, **kwargs: Any) -> None:
         super().__init__(w, **kwargs)
+        pool = w.pool_cls
+        problem = pool_problem(getattr(pool, "__module__", ""),
+                               getattr(pool, "__module__", str(pool)).rsplit(".", 1)[-1],
+                               int(w.concurrency))
+        if problem:  # raised here, the worker stops before it takes a task
+            raise ImproperlyConfigured(problem)
         record_slots(int(w.concurrency))
 
 

@@ -148,14 +148,14 @@ def client_app(redis_url: str, config_path: Path, main: str) -> Celery:
 
 def spawn_worker(redis_url: str, config_path: Path, models_dir: Path, log_dir: Path,
                  env: Mapping[str, str] | None = None, concurrency: int | None = None,
-                 name: str = "infer") -> CeleryProcess:
+                 name: str = "infer", pool: str = "prefork") -> CeleryProcess:
     """``celery -A tests.integration.inference_app worker``; ``-c`` only if given."""
     full_env = {"SITS_REDIS_URL": redis_url, "SITS_CONFIG": str(config_path),
                 "SITS_TEST_MODELS": str(models_dir), "TOKENIZERS_PARALLELISM": "false",
                 "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                 **(env or {})}
     hostname = f"{name}-{os.getpid()}-{time.monotonic_ns() % 10**6}@%h"
-    args = ["worker", "--loglevel=INFO", "--pool=prefork", f"--hostname={hostname}",
+    args = ["worker", "--loglevel=INFO", f"--pool={pool}", f"--hostname={hostname}",
             "--without-mingle", "--without-gossip"]
     if concurrency is not None:
         args.append(f"--concurrency={concurrency}")
@@ -167,10 +167,11 @@ def spawn_worker(redis_url: str, config_path: Path, models_dir: Path, log_dir: P
 @contextmanager
 def serving(redis_url: str, config_path: Path, models_dir: Path, log_dir: Path, app: Celery,
             env: Mapping[str, str] | None = None, concurrency: int | None = None,
-            name: str = "infer") -> Iterator[CeleryProcess]:
+            name: str = "infer", pool: str = "prefork") -> Iterator[CeleryProcess]:
     """A worker of :func:`spawn_worker`, ready (it answers ``app``'s ping), stopped on
     the way out."""
-    proc = spawn_worker(redis_url, config_path, models_dir, log_dir, env, concurrency, name)
+    proc = spawn_worker(redis_url, config_path, models_dir, log_dir, env, concurrency, name,
+                        pool)
     try:
         wait_ready(app, [proc])
         yield proc

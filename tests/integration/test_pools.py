@@ -1,0 +1,113 @@
+"""Pool choices other than the default prefork, with real ``celery worker`` subprocesses.
+
+``--pool=solo`` runs tasks in the worker process itself, one at a time: the per-task
+runtime (pinning, class caps, warm engines) holds there, and a soft time limit still
+stops a generation between decode steps (checked by the loop itself: the solo pool has
+no timer to raise it). A pool that runs several tasks side by side in one process
+(threads, gevent, eventlet) would share one memory cap and one confinement between
+them: the worker refuses to start with one at a concurrency above 1, naming the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
+from celery.utils import worker_direct
+
+from sits_queue.procs import CeleryProcess
+from tests.integration.inference_app import (
+    build_models,
+    client_app,
+    serving,
+    spawn_worker,
+    write_config,
+)
+from tests.waiting import wait_for
+
+FIRST_CALL_S = 120
+CALL_S = 60
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_models(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_config(tmp_path_factory.mktemp("config") / "sits.toml")
+
+
+@pytest.fixture(scope="module")
+def app(redis_url: str, config_path: Path, r: redis.Redis) -> Iterator[Celery]:
+    client = client_app(redis_url, config_path, "pools-client")
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def solo(tmp_path_factory: pytest.TempPathFactory, redis_url: str, config_path: Path,
+         models_dir: Path, app: Celery) -> Iterator[CeleryProcess]:
+    with serving(redis_url, config_path, models_dir, tmp_path_factory.mktemp("solo-logs"),
+                 app, name="solo", pool="solo") as proc:
+        yield proc
+
+
+def call(app: Celery, name: str, *args: Any, timeout: float = CALL_S, **options: Any) -> Any:
+    return app.tasks[name].apply_async(args, **options).get(timeout=timeout)
+
+
+def test_a_solo_worker_runs_inference_in_its_own_process_warm_after_the_first(
+        app: Celery, solo: CeleryProcess) -> None:
+    first = call(app, "t.describe", "one", timeout=FIRST_CALL_S)
+    second = call(app, "t.describe", "two")
+    assert first["output"]["pid"] == second["output"]["pid"] == solo.pid
+    assert first["sits"]["cold"] is True and second["sits"]["cold"] is False
+    assert "pool child 0" in solo.log() and "pinned to CPU" in solo.log()
+    # The class's CPU confinement applies in the worker process itself ("one": 1 core)
+    confined = call(app, "t.describe", "confined", sla_class="one")
+    assert len(confined["output"]["affinity"]) == 1
+    text = call(app, "sits.generate", "the solo worker", model="gpt", timeout=FIRST_CALL_S,
+                kwargs={"max_new_tokens": 4, "stop_at_eos": False})
+    assert text["output"]["tokens"] == 4 and text["sits"]["first_token_ms"] > 0
+
+
+def test_a_soft_time_limit_stops_a_generation_on_a_solo_worker(
+        app: Celery, solo: CeleryProcess) -> None:
+    # Given 200 decode steps of >= 20 ms and a 1 s soft limit, which the solo pool has no
+    # timer to raise, the generation stops between steps by itself and says how far it got
+    result = app.tasks["t.generate_slow"].apply_async(("the solo", 200), soft_time_limit=1.0)
+    with pytest.raises(SoftTimeLimitExceeded, match=r"stopped after \d+ of 200"):
+        result.get(timeout=FIRST_CALL_S)
+    assert solo.alive()
+    assert call(app, "t.describe", "after")["output"]["tag"] == "after"
+
+
+def test_a_pool_sharing_one_process_between_tasks_is_refused_at_start(
+        tmp_path: Path, redis_url: str, config_path: Path, models_dir: Path) -> None:
+    proc = spawn_worker(redis_url, config_path, models_dir, tmp_path, concurrency=2,
+                        name="threads", pool="threads")
+    try:
+        wait_for(lambda: not proc.alive(), 60, "the worker to refuse its pool and exit")
+        assert proc.popen.returncode != 0
+        log = proc.log()
+        assert "would run 2 tasks in one process" in log and "--pool=solo" in log, log[-2000:]
+    finally:
+        proc.stop(timeout_s=10)
+
+
+def test_the_same_pool_at_concurrency_1_serves(tmp_path: Path, redis_url: str,
+                                               config_path: Path, models_dir: Path,
+                                               app: Celery) -> None:
+    with serving(redis_url, config_path, models_dir, tmp_path, app, concurrency=1,
+                 name="threads1", pool="threads") as proc:
+        # sent to this worker's own queue: the solo worker of this module serves the rest
+        out = call(app, "t.describe", "threaded", timeout=FIRST_CALL_S,
+                   queue=worker_direct(proc.hostname))
+    assert out["output"]["pid"] == proc.pid and out["sits"]["device"] == "cpu"
