@@ -104,6 +104,21 @@ class SitsTask(Task):  # type: ignore[misc]
         return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow,
                                    **options)
 
+    def signature_from_request(self, request: Any = None, args: Any = None,
+                               kwargs: Any = None, queue: Any = None,
+                               **extra_options: Any) -> Any:
+        """Celery's (``retry`` builds the new message from it), carrying the running
+        task's SITS options over: Celery copies its own options from the request, not
+        ours, so a retried task would come back in the default class, without its model.
+        Options given to ``retry`` itself still win."""
+        sig = super().signature_from_request(request, args, kwargs, queue, **extra_options)
+        header = getattr(self.request if request is None else request, HEADER, None)
+        if isinstance(header, Mapping):
+            for name in OPTION_NAMES:
+                if header.get(name) is not None:
+                    sig.options.setdefault(name, header[name])
+        return sig
+
     # -- time slices (sits_queue.workers.slices) ------------------------------------------
     # Celery's worker stores the task's tracer here (``task.__trace__ = build_tracer(...)``
     # in each pool child); ours wraps it so that a yield's result crosses to the parent

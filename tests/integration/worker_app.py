@@ -69,6 +69,21 @@ def register(app: Celery) -> dict[str, Any]:
         r().rpush("test:steps", f"{tag}:end:{state['runs']}")
         return int(state["runs"])
 
+    @app.task(name="w.total", shared=False)
+    def total(values: list[int]) -> int:
+        """A chord's body: the sum of its header's results."""
+        return sum(values)
+
+    @app.task(name="w.flaky", bind=True, max_retries=3, shared=False)
+    def flaky(self: Any, tag: str, failures: int) -> dict[str, Any]:
+        """Fails its first ``failures`` runs and retries itself after 0.2 s each time."""
+        runs = int(r().incr(f"test:flaky:{tag}"))
+        if runs <= failures:
+            raise self.retry(exc=RuntimeError(f"{tag}: run {runs} failed"), countdown=0.2)
+        header = getattr(self.request, "sits", None) or {}
+        return {"tag": tag, "runs": runs, "retries": self.request.retries,
+                "sla_class": header.get("sla_class"), "model": header.get("model")}
+
     @app.task(name="w.pid", shared=False)
     def pid() -> int:
         return os.getpid()
@@ -85,7 +100,7 @@ def register(app: Celery) -> dict[str, Any]:
         return [len(c.args[0]) for c in calls]
 
     return {"add": add, "record": record, "slow": slow, "mark": mark, "pid": pid,
-            "steps": steps, "lengths": lengths}
+            "steps": steps, "lengths": lengths, "total": total, "flaky": flaky}
 
 
 tasks = register(app)

@@ -1,0 +1,63 @@
+"""Celery's own features on the sorted-set transport, through real ``celery worker``
+subprocesses: canvas (chain, group, chord), countdown / ETA, retries, and the
+scheduling options riding along the way (a retried or chained task keeps its class)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import redis
+from celery import Celery, chain, chord, group
+
+from sits_queue.procs import CeleryProcess
+
+Spawn = Callable[..., CeleryProcess]
+RESULT_S = 60
+
+
+def test_a_chain_passes_each_result_on(spawn: Spawn, client_app: Celery) -> None:
+    spawn()
+    add = client_app.tasks["w.add"]
+    assert chain(add.s(1, 2), add.s(3), add.s(4)).apply_async().get(timeout=RESULT_S) == 10
+
+
+def test_a_group_and_a_chord_gather_every_result(spawn: Spawn, client_app: Celery) -> None:
+    spawn()
+    add, total = client_app.tasks["w.add"], client_app.tasks["w.total"]
+    assert group(add.s(i, i) for i in range(6)).apply_async().get(timeout=RESULT_S) == \
+        [0, 2, 4, 6, 8, 10]
+    # The chord's body runs once, after every header task, with their results in order
+    assert chord([add.s(i, 1) for i in range(10)])(total.s()).get(timeout=RESULT_S) == 55
+
+
+def test_countdown_and_eta_are_honoured(spawn: Spawn, client_app: Celery) -> None:
+    spawn()
+    add = client_app.tasks["w.add"]
+    add.delay(0, 0).get(timeout=RESULT_S)  # the worker is up and serving
+    sent = datetime.now(UTC)
+    later = add.apply_async((1, 1), countdown=1.5)
+    at = add.apply_async((2, 2), eta=sent + timedelta(seconds=1.5))
+    now = add.delay(3, 3)
+    assert now.get(timeout=RESULT_S) == 6
+    assert not later.ready() and not at.ready()  # held by the worker, not run early
+    assert later.get(timeout=RESULT_S) == 2 and at.get(timeout=RESULT_S) == 4
+    for result in (later, at):
+        assert result.date_done is not None
+        assert result.date_done >= sent + timedelta(seconds=1.5)
+
+
+def test_a_retried_task_runs_again_and_keeps_its_class(spawn: Spawn, client_app: Celery,
+                                                       redis_client: redis.Redis) -> None:
+    spawn()
+    flaky = client_app.tasks["w.flaky"]
+    ok = flaky.apply_async(("ok", 2), sla_class="high", model="m-x")
+    # The third run succeeds, and it still carries the options it was submitted with
+    assert ok.get(timeout=RESULT_S) == {"tag": "ok", "runs": 3, "retries": 2,
+                                        "sla_class": "high", "model": "m-x"}
+    # Past max_retries (3) the task fails with its own error, after 4 runs
+    gone = flaky.apply_async(("gone", 10), sla_class="high")
+    with pytest.raises(RuntimeError, match="gone: run 4 failed"):
+        gone.get(timeout=RESULT_S)
+    assert int(redis_client.get("test:flaky:gone") or 0) == 4
