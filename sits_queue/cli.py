@@ -140,6 +140,9 @@ def _format_status(report: dict[str, Any]) -> str:
         phases = ", ".join(f"{k} {v:,.1f}" for k, v in cold.get("phases_ms", {}).items())
         if phases:
             lines.append(f"    cold-start ms: {phases}")
+        if cold.get("first_tokens"):
+            lines.append(f"    first token: {cold['first_token_ms_mean']:,.1f} ms mean over "
+                         f"{cold['first_tokens']} generations")
         failed = ", ".join(f"{k} {v}" for k, v in cold.get("failed", {}).items())
         if failed:
             lines.append(f"    failed: {failed}")

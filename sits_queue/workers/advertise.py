@@ -113,7 +113,8 @@ def counter_group(values: Mapping[str, float], prefix: str) -> dict[str, float]:
 
 
 def counters_from(raw: Mapping[Any, Any]) -> dict[str, Any]:
-    """The counters hash as numbers: totals, cold-start share, ms per phase, failures."""
+    """The counters hash as numbers: totals, cold-start share, ms per phase, first tokens,
+    failures."""
     values = counter_values(raw)
 
     def group(prefix: str) -> dict[str, float]:
@@ -121,9 +122,14 @@ def counters_from(raw: Mapping[Any, Any]) -> dict[str, Any]:
 
     tasks, cold = int(values.get("tasks", 0)), int(values.get("cold", 0))
     cold_ms = values.get("cold_ms", 0.0)
+    firsts = int(values.get("ftt", 0))
     return {"tasks": tasks, "cold": cold, "cold_ms": round(cold_ms, 3),
             "cold_share": round(cold_share(tasks, cold), 6),
             "cold_ms_mean": round(cold_ms / cold, 3) if cold else 0.0,
+            # generations that made a first token, and the mean ms to it (§4.4)
+            "first_tokens": firsts,
+            "first_token_ms_mean": round(values.get("ftt_ms", 0.0) / firsts, 3)
+            if firsts else 0.0,
             "affinity_picks": int(values.get("affinity", 0)),
             "phases_ms": group("phase_ms:"), "by_source": group("cold:"),
             "failed": {k: int(v) for k, v in group("failed:").items()}}

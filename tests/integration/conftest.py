@@ -36,6 +36,22 @@ def r(redis_url: str) -> Iterator[redis.Redis]:
     client.close()
 
 
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny models of ``inference_app``, built for the module's inference workers."""
+    from tests.integration.inference_app import build_models
+
+    return build_models(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``inference_app``'s class table, as the module's workers and clients read it."""
+    from tests.integration.inference_app import write_config
+
+    return write_config(tmp_path_factory.mktemp("config") / "sits.toml")
+
+
 @pytest.fixture
 def client_app(redis_url: str) -> Iterator[Celery]:
     """The submitting side: the same app module the workers run, configured alike."""

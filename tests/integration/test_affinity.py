@@ -19,7 +19,6 @@ from sits_queue.config import SitsConfig
 from sits_queue.procs import wait_ready
 from sits_queue.workers import advertise
 from tests.integration.inference_app import (
-    build_models,
     client_app,
     spawn_worker,
     write_config,
@@ -210,11 +209,6 @@ def test_warm_reader_without_redis_means_no_affinity() -> None:
 
 
 # -- a real worker --------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_models(tmp_path_factory.mktemp("models"))
-
 
 def behind_a_long_task(app: Any, r: redis.Redis, send: Callable[[], list[Any]]
                        ) -> tuple[list[Any], list[int]]:

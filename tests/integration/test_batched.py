@@ -24,10 +24,8 @@ from sits_queue.procs import CeleryProcess
 from sits_queue.workers import metrics
 from tests.integration.inference_app import (
     BATCH_ECHO_MAX,
-    build_models,
     client_app,
     serving,
-    write_config,
 )
 
 FIRST_CALL_S = 120
@@ -41,16 +39,6 @@ PROMPTS = [("Once upon a time", 6, 0.0, 0), ("The cat", 9, 1.5, 3),
            ("Hello", 12, 0.9, 8)]
 TEXTS = ["the cache warms", "a model serves", "queues wait", "batches run together",
          "one more text", "and the last one is a little longer than the others"]
-
-
-@pytest.fixture(scope="module")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_models(tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture(scope="module")
-def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_config(tmp_path_factory.mktemp("config") / "sits.toml")
 
 
 

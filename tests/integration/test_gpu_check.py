@@ -74,7 +74,8 @@ def test_the_summary_carries_the_benchmark_and_the_host(
     for system in result["systems"].values():
         assert set(REQUIRED) <= set(system)
     assert set(result["ratios"]) == {"cold_cost_vs_lru", "throughput_vs_lru",
-                                     "throughput_vs_load_per_task"}
+                                     "throughput_vs_load_per_task",
+                                     "first_token_spread_vs_lru"}
     assert result["meta"]["quick"] is True
     affinity = summary["bench_affinity"]
     assert affinity["ran"] is True and affinity["rc"] == 0, affinity["log_tail"]

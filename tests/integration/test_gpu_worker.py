@@ -35,10 +35,8 @@ from sits_queue.procs import CeleryProcess
 from sits_queue.workers import advertise
 from sits_queue.workers.advertise import read_workers
 from tests.integration.inference_app import (
-    build_models,
     client_app,
     serving,
-    write_config,
 )
 from tests.waiting import wait_for
 
@@ -51,19 +49,9 @@ CALL_S = 60
 
 
 @pytest.fixture(scope="module")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_models(tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture(scope="module")
 def model_bytes(models_dir: Path) -> int:
     """Weights of one tiny LM, bytes (the safetensors payload; the header is noise)."""
     return (models_dir / "gpt" / "model.safetensors").stat().st_size
-
-
-@pytest.fixture(scope="module")
-def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_config(tmp_path_factory.mktemp("config") / "sits.toml")
 
 
 @pytest.fixture(scope="module")

@@ -155,6 +155,24 @@ def test_counts_survive_a_scrape_and_grow(app: Celery, worker: CeleryProcess,
         before[("sits_cold_start_seconds_count", ())]
 
 
+
+def test_a_generation_counts_its_first_token(app: Celery, worker: CeleryProcess, port: int,
+                                             redis_url: str) -> None:
+    before = scrape(port)
+    out = call(app, "sits.generate", "the first token", model="gpt",
+               kwargs={"max_new_tokens": 3, "stop_at_eos": False}, timeout=FIRST_CALL_S)
+    after = scrape(port)
+    count, total = ("sits_first_token_seconds_count", ()), ("sits_first_token_seconds_sum", ())
+    assert after[count] == before[count] + 1
+    assert after[total] - before[total] == pytest.approx(out["sits"]["first_token_ms"] / 1000,
+                                                         abs=1e-6)
+    client = redis.Redis.from_url(redis_url)
+    wait_for(lambda: "first token: " in _format_status(
+        {"queues": [], "workers": workers_status(client, SitsConfig())}), 20,
+        "sitsq status to show the first-token mean")
+    client.close()
+
+
 def test_only_the_main_process_listens(worker: CeleryProcess, port: int) -> None:
     def listening(pid: int) -> bool:
         return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port

@@ -22,26 +22,14 @@ from celery.utils import worker_direct
 
 from sits_queue.procs import CeleryProcess
 from tests.integration.inference_app import (
-    build_models,
     client_app,
     serving,
     spawn_worker,
-    write_config,
 )
 from tests.waiting import wait_for
 
 FIRST_CALL_S = 120
 CALL_S = 60
-
-
-@pytest.fixture(scope="module")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_models(tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture(scope="module")
-def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_config(tmp_path_factory.mktemp("config") / "sits.toml")
 
 
 @pytest.fixture(scope="module")

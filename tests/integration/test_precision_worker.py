@@ -18,16 +18,10 @@ from tests.integration.inference_app import (
     build_models,
     client_app,
     serving,
-    write_config,
 )
 
 FIRST_CALL_S = 120
 CALL_S = 60
-
-
-@pytest.fixture(scope="module")
-def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_config(tmp_path_factory.mktemp("config") / "sits.toml")
 
 
 @pytest.fixture(scope="module")

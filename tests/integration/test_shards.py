@@ -18,18 +18,12 @@ from tests.integration.inference_app import (
     build_models,
     client_app,
     serving,
-    write_config,
 )
 from tests.waiting import wait_for
 
 CALL_S = 120
 DENSE = [base64.b64encode(random.Random(i).randbytes(30 + i)).decode() for i in range(20)]
 PROSE = [f"the cat sat on the mat and looked at the garden number {i}" for i in range(20)]
-
-
-@pytest.fixture(scope="module")
-def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_config(tmp_path_factory.mktemp("config") / "sits.toml")
 
 
 @pytest.fixture(scope="module")

@@ -374,13 +374,14 @@ def test_worker_record() -> None:
                                       b"cold:disk": b"1", b"cold:host": b"1",
                                       b"phase_ms:load": b"480.25", b"phase_ms:warmup": b"20.25",
                                       b"failed": b"3", b"failed:UnknownModel": b"3",
-                                      b"affinity": b"4"},
+                                      b"affinity": b"4", b"ftt": b"4", b"ftt_ms": b"50"},
                                      now_s=1.0)
     assert record["concurrency"] == 4 and record["pid"] == 123
     assert record["devices"][0]["uuid"] == "GPU-0000-uuid"
     assert record["devices"][0]["total_vram_bytes"] == 80 * GIB
     assert record["cold_start"] == {"tasks": 10, "cold": 2, "cold_ms": 500.5,
                                     "cold_share": 0.2, "cold_ms_mean": 250.25,
+                                    "first_tokens": 4, "first_token_ms_mean": 12.5,
                                     "affinity_picks": 4,
                                     "phases_ms": {"load": 480.25, "warmup": 20.25},
                                     "by_source": {"disk": 1, "host": 1},
