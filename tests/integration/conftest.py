@@ -52,6 +52,19 @@ def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_config(tmp_path_factory.mktemp("config") / "sits.toml")
 
 
+@pytest.fixture(scope="module")
+def app(request: pytest.FixtureRequest, redis_url: str, config_path: Path,
+        r: redis.Redis) -> Iterator[Celery]:
+    """The submitting side of a module's ``inference_app`` workers: the same class table
+    and tasks, no models (a module with other needs defines its own ``app``)."""
+    from tests.integration.inference_app import client_app as inference_client
+
+    client = inference_client(redis_url, config_path,
+                              f"{request.module.__name__.rsplit('.', 1)[-1]}-client")
+    yield client
+    client.close()
+
+
 @pytest.fixture
 def client_app(redis_url: str) -> Iterator[Celery]:
     """The submitting side: the same app module the workers run, configured alike."""

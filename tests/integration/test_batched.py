@@ -24,7 +24,6 @@ from sits_queue.procs import CeleryProcess
 from sits_queue.workers import metrics
 from tests.integration.inference_app import (
     BATCH_ECHO_MAX,
-    client_app,
     serving,
 )
 
@@ -40,13 +39,6 @@ PROMPTS = [("Once upon a time", 6, 0.0, 0), ("The cat", 9, 1.5, 3),
 TEXTS = ["the cache warms", "a model serves", "queues wait", "batches run together",
          "one more text", "and the last one is a little longer than the others"]
 
-
-
-@pytest.fixture(scope="module")
-def app(redis_url: str, config_path: Path, r: redis.Redis) -> Iterator[Celery]:
-    client = client_app(redis_url, config_path, "batched-client")
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,6 @@ from sits_queue.procs import CeleryProcess
 from sits_queue.workers import advertise
 from sits_queue.workers.advertise import read_workers
 from tests.integration.inference_app import (
-    client_app,
     serving,
 )
 from tests.waiting import wait_for
@@ -52,14 +51,6 @@ CALL_S = 60
 def model_bytes(models_dir: Path) -> int:
     """Weights of one tiny LM, bytes (the safetensors payload; the header is noise)."""
     return (models_dir / "gpt" / "model.safetensors").stat().st_size
-
-
-@pytest.fixture(scope="module")
-def app(redis_url: str, config_path: Path) -> Iterator[Celery]:
-    """The submitting side, with the same class table as the worker."""
-    client = client_app(redis_url, config_path, "gpu-worker-client")
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module")

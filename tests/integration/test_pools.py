@@ -15,28 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.utils import worker_direct
 
 from sits_queue.procs import CeleryProcess
-from tests.integration.inference_app import (
-    client_app,
-    serving,
-    spawn_worker,
-)
+from tests.integration.inference_app import serving, spawn_worker
 from tests.waiting import wait_for
 
 FIRST_CALL_S = 120
 CALL_S = 60
-
-
-@pytest.fixture(scope="module")
-def app(redis_url: str, config_path: Path, r: redis.Redis) -> Iterator[Celery]:
-    client = client_app(redis_url, config_path, "pools-client")
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module")

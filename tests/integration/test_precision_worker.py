@@ -14,29 +14,17 @@ from celery import Celery
 from sits_queue.errors import InvalidTaskOptions
 from sits_queue.procs import CeleryProcess
 from sits_queue.workers.advertise import read_workers
-from tests.integration.inference_app import (
-    build_models,
-    client_app,
-    serving,
-)
+from tests.integration.inference_app import serving
 
 FIRST_CALL_S = 120
 CALL_S = 60
 
 
 @pytest.fixture(scope="module")
-def app(redis_url: str, config_path: Path, r: redis.Redis) -> Iterator[Celery]:
-    client = client_app(redis_url, config_path, "precision-client")
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory, redis_url: str, config_path: Path,
-           app: Celery) -> Iterator[CeleryProcess]:
-    models = build_models(tmp_path_factory.mktemp("models"))
-    with serving(redis_url, config_path, models, tmp_path_factory.mktemp("precision-logs"), app,
-                 name="precision") as proc:
+           models_dir: Path, app: Celery) -> Iterator[CeleryProcess]:
+    with serving(redis_url, config_path, models_dir, tmp_path_factory.mktemp("precision-logs"),
+                 app, name="precision") as proc:
         yield proc
 
 

@@ -9,14 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 from celery import Celery
 
 from sits_queue.procs import CeleryProcess
 from sits_queue.shards import apply_sharded
 from tests.integration.inference_app import (
     build_models,
-    client_app,
     serving,
 )
 from tests.waiting import wait_for
@@ -24,13 +22,6 @@ from tests.waiting import wait_for
 CALL_S = 120
 DENSE = [base64.b64encode(random.Random(i).randbytes(30 + i)).decode() for i in range(20)]
 PROSE = [f"the cat sat on the mat and looked at the garden number {i}" for i in range(20)]
-
-
-@pytest.fixture(scope="module")
-def app(redis_url: str, config_path: Path, r: redis.Redis) -> Iterator[Celery]:
-    client = client_app(redis_url, config_path, "shards-client")
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module")
