@@ -193,9 +193,8 @@ class Engine(ABC):
         sample = self._warmup_inputs(device)
         if sample is None:
             return 0.0
-        args, kwargs = _split(sample)
         start = time.perf_counter()
-        self._run(_move(args, device), _move(kwargs, device))
+        self._warm(device, sample)
         _synchronize(device)
         return _ms_since(start)
 
@@ -235,6 +234,11 @@ class Engine(ABC):
 
     def _warmup_inputs(self, device: str) -> Inputs | None:
         return self._sample
+
+    def _warm(self, device: str, sample: Inputs) -> None:
+        """The warm-up itself: one inference on ``sample`` (a backend may do more)."""
+        args, kwargs = _split(sample)
+        self._run(_move(args, device), _move(kwargs, device))
 
     def _live(self) -> None:
         if self._released:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from sits_queue.cache import kvwarm
 from sits_queue.cache.contract import (
     Backend,
     Engine,
@@ -85,6 +86,8 @@ class TorchEngine(Engine):
                  size_bytes: int | None = None) -> None:
         super().__init__(key, sample_inputs, artifacts)
         self._module: torch.nn.Module | None = module.eval()
+        #: Bytes of KV memory the last warm-up reserved in the CUDA allocator (0 off CUDA).
+        self.kv_reserved_bytes = 0
         # Given when parameters and buffers miss some weights (quantised packed params).
         self._size = size_bytes if size_bytes is not None else \
             _tensor_bytes([*module.parameters(), *module.buffers()])
@@ -119,6 +122,19 @@ class TorchEngine(Engine):
 
         with torch.inference_mode():
             return self.module(*args, **kwargs)
+
+    def _warm(self, device: str, sample: Inputs) -> None:
+        """The warm-up inference; for a causal LM the KV-cache warm-up too (§4.1): a few
+        decode steps through the cache after the prefill and, on CUDA, the KV memory of
+        a long generation reserved in the allocator (``kvwarm.py``)."""
+        module = self.module
+        if not (kvwarm.generates(module) and isinstance(sample, Mapping)
+                and "input_ids" in sample):
+            super()._warm(device, sample)
+            return
+        kvwarm.warm_decode(module, {k: v.to(device) for k, v in sample.items()})
+        self.kv_reserved_bytes = kvwarm.reserve(
+            device, kvwarm.kv_bytes_per_token(module) * kvwarm.reserve_tokens(module))
 
     def _release(self) -> None:
         self._module = None

@@ -55,6 +55,7 @@ from kombu.serialization import loads
 
 from sits_queue.broker import intake
 from sits_queue.broker.keys import batch_mark, batch_units
+from sits_queue.cache import kvwarm
 from sits_queue.errors import InferenceError, InvalidInput
 from sits_queue.workers import firsttoken, inference, metrics, runtime
 from sits_queue.workers import request as admission
@@ -238,7 +239,7 @@ def generate_calls(engine: Any, calls: list[Call]) -> list[Any]:
     prompt the model cannot take fails alone."""
     model = getattr(engine, "key", "?")
     module, tokenizer = inference.module_of(engine, model), inference.tokenizer_of(engine, model)
-    limit = inference.max_positions(module, tokenizer)
+    limit = kvwarm.max_positions(module, tokenizer)
     outputs: list[Any] = [None] * len(calls)
     groups: dict[bool, list[_Row]] = {}
     for i, call in enumerate(calls):

@@ -17,7 +17,6 @@ with the KV cache and checking the soft time limit between steps) and :func:`emb
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +27,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from sits_queue import tracing
 from sits_queue.app import SitsTask
 from sits_queue.broker.keys import AFFINITY_HEADER
+from sits_queue.cache.kvwarm import cache_kwarg, cache_of, max_positions
 from sits_queue.errors import (
     ContextTooLong,
     InferenceError,
@@ -219,18 +219,6 @@ def module_of(engine: Any, model: str) -> Any:
     return module
 
 
-def max_positions(module: Any, tokenizer: Any = None) -> int | None:
-    """The model's maximum sequence length, from its config (or tokenizer), if it has one."""
-    config = getattr(module, "config", None)
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    value = getattr(tokenizer, "model_max_length", None)
-    # Tokenizers without a limit report ~1e30; only a plausible number is a limit.
-    return value if isinstance(value, int) and 0 < value < 10**7 else None
-
-
 def kv_cache_bytes(module: Any, tokens: int) -> int:
     """Upper estimate of the KV cache plus live activations for ``tokens`` positions."""
     config = getattr(module, "config", None)
@@ -240,12 +228,6 @@ def kv_cache_bytes(module: Any, tokens: int) -> int:
     dtype_bytes = next((p.element_size() for p in module.parameters()), 4)
     per_token = (2 + _ACTIVATION_VECTORS) * layers * hidden * dtype_bytes
     return per_token * tokens + vocab * 4 * 2  # logits of the last position, twice
-
-
-def _cache_kwarg(module: Any) -> str:
-    # transformers 5 renamed ``past_key_values`` to ``cache`` (the old name warns).
-    return "cache" if "cache" in inspect.signature(module.forward).parameters \
-        else "past_key_values"
 
 
 def check_context(model: str, prompt_tokens: int, max_new_tokens: int,
@@ -386,7 +368,7 @@ def _decode(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
     import torch
 
     new: list[int] = progress["new"]
-    kwarg = _cache_kwarg(module)
+    kwarg = cache_kwarg(module)
     generator = torch.Generator(device="cpu")
     ids: Any = input_ids[:, prefix.tokens:]
     past: Any = prefix.start
@@ -403,7 +385,7 @@ def _decode(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
                     active.check_time(len(new), max_new_tokens)
                 out = module(input_ids=ids, attention_mask=mask, use_cache=True,
                              **{kwarg: past})
-                past = out.cache if hasattr(out, "cache") else out.past_key_values
+                past = cache_of(out)
                 if not prefilled:
                     prefix.after_prefill(past)
                     prefilled = True

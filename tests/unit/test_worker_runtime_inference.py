@@ -13,6 +13,7 @@ from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 
 from sits_queue.app import make_app
+from sits_queue.cache import kvwarm
 from sits_queue.cache.engines import engine_from_path
 from sits_queue.cache.pool import ColdStart, EngineTooLarge
 from sits_queue.cache.pool import ModelLoadError as PoolLoadError
@@ -191,7 +192,7 @@ def test_generation_is_refused_when_the_cpu_estimate_exceeds_the_class(lm: Any) 
 
 def test_estimates_grow_with_tokens(lm: Any) -> None:
     assert inference.kv_cache_bytes(lm.module, 100) > inference.kv_cache_bytes(lm.module, 10)
-    assert inference.max_positions(lm.module) == 64
+    assert kvwarm.max_positions(lm.module) == 64
 
 
 # -- first-token time (§4.4) ------------------------------------------------------------------

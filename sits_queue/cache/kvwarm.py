@@ -1,0 +1,123 @@
+"""The KV-cache warm-up of a causal LM (MISSION §4.1's third cold-start phase).
+
+The source splits a cold start into CUDA context creation, engine load and "KV-cache
+warm-up (45-90 ms)", and its remedies include a warm-up inference and preallocated KV
+buffers. A prefill-only warm-up leaves the decode path cold: a decode step is another
+kernel shape (one query position against a cache) and the cache itself is new memory,
+so the first real generation would pay for both. :func:`warm_decode` runs the prefill
+and then :data:`DECODE_STEPS` decode steps through the KV cache; on a CUDA device,
+:func:`reserve` then has the caching allocator hold the KV memory of a
+:data:`RESERVE_TOKENS`-token generation (allocated once and freed into PyTorch's cache,
+which keeps the segment), so the first generations take their KV from there instead of
+``cudaMalloc``. A reserved block is only cached, not held: under the class's memory
+fraction, the allocator frees cached blocks before it fails an allocation.
+
+Used by :class:`~sits_queue.cache.engines.TorchEngine` for modules that generate
+(Hugging Face ``can_generate()``); the decode loop of ``sits.generate`` uses the same
+cache argument helpers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+#: Decode steps after the warm-up prefill: the first compiles / selects the decode
+#: kernels and grows the cache, the second runs them warm.
+DECODE_STEPS = 2
+#: KV positions reserved on a CUDA device at warm-up (batch 1), at most the model's own
+#: maximum: a long generation's worth without holding a 128k-context model's whole span.
+RESERVE_TOKENS = 2048
+
+
+def generates(module: Any) -> bool:
+    """A Hugging Face model that generates text (a causal LM, not an encoder)."""
+    can = getattr(module, "can_generate", None)
+    try:
+        return bool(can()) if callable(can) else False
+    except Exception:  # a custom module with its own notion of can_generate
+        return False
+
+
+def cache_kwarg(module: Any) -> str:
+    """The name the forward takes the KV cache by: transformers 5 renamed
+    ``past_key_values`` to ``cache`` (the old name warns)."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters \
+        else "past_key_values"
+
+
+def cache_of(output: Any) -> Any:
+    """The KV cache a forward returned, under either name."""
+    return output.cache if hasattr(output, "cache") else output.past_key_values
+
+
+def max_positions(module: Any, tokenizer: Any = None) -> int | None:
+    """The model's maximum sequence length, from its config (or tokenizer), if it has one."""
+    config = getattr(module, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    value = getattr(tokenizer, "model_max_length", None)
+    # Tokenizers without a limit report ~1e30; only a plausible number is a limit.
+    return value if isinstance(value, int) and 0 < value < 10**7 else None
+
+
+def kv_bytes_per_token(module: Any) -> int:
+    """Bytes of keys and values one position adds across all layers (grouped-query
+    attention counted by its key/value heads)."""
+    config = getattr(module, "config", None)
+    layers = int(getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 1)
+                 or 1)
+    hidden = int(getattr(config, "hidden_size", None) or getattr(config, "n_embd", 1) or 1)
+    heads = int(getattr(config, "num_attention_heads", None) or getattr(config, "n_head", 1)
+                or 1)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads or 1)
+    dtype_bytes = next((p.element_size() for p in module.parameters()), 4)
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
+def warm_decode(module: Any, inputs: Mapping[str, Any], steps: int = DECODE_STEPS) -> int:
+    """Prefill ``inputs`` (already on the module's device) and decode ``steps`` greedy
+    tokens through the KV cache; returns the positions the cache ended with."""
+    import torch
+
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    kwarg = cache_kwarg(module)
+    ids = inputs["input_ids"]
+    mask = inputs.get("attention_mask")
+    mask = torch.ones_like(ids) if mask is None else mask
+    with torch.inference_mode():
+        out = module(input_ids=ids, attention_mask=mask, use_cache=True)
+        past = cache_of(out)
+        for _ in range(steps):
+            token = out.logits[:, -1:].argmax(dim=-1)
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            out = module(input_ids=token, attention_mask=mask, use_cache=True, **{kwarg: past})
+            past = cache_of(out)
+    return int(mask.shape[1])
+
+
+def reserve_tokens(module: Any) -> int:
+    """Positions to reserve: :data:`RESERVE_TOKENS`, or the model's maximum if lower."""
+    limit = max_positions(module)
+    return min(RESERVE_TOKENS, limit) if limit else RESERVE_TOKENS
+
+
+def reserve(device: str, nbytes: int) -> int:
+    """Have the CUDA caching allocator hold ``nbytes`` on ``device`` for later tensors;
+    returns the bytes reserved (0 off CUDA, or when the device has no room: a reservation
+    is an optimisation, never a reason to fail a load)."""
+    import torch
+
+    if nbytes <= 0 or not device.startswith("cuda"):
+        return 0
+    try:
+        block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError:
+        return 0
+    del block  # freed into the allocator's cache, which keeps the segment
+    return nbytes
