@@ -18,7 +18,10 @@ How it runs (same for all three, one after another, in one process run):
   (one at a time falls behind, its queue grows for as long as the stream lasts); then
   ``gen_burst``: prompts for a small causal LM (4 x 256) submitted at once, each asking
   for 8 new tokens greedily (stock Celery: ``inference.generate`` per task; SITS:
-  ``sits.generate_batched``);
+  ``sits.generate_batched``); then ``gen_template``: the same, each prompt one
+  instruction template (:data:`TEMPLATE`, 84 tokens) followed by its own short input, as
+  offline jobs mostly are (a batch prefills the template once; one at a time, SITS takes
+  it from the worker's KV-prefix store; stock Celery prefills it every time);
 * every worker first embeds one text (its cold start is not measured).
 
 ``batch``: mean tasks per run (1 for one at a time). ``p50/p99``: submit -> finish, ms;
@@ -63,8 +66,12 @@ ENCODER_SHAPE = {"n_layer": 4, "hidden": 256, "n_head": 4, "n_positions": 128}
 LM_SHAPE = {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 256}
 #: The paced streams' rates, as shares of what one-at-a-time SITS sustained in its burst.
 LOADS = {"light": 0.5, "heavy": 1.5}
-#: Embedding streams, then one of generations submitted at once.
-STREAMS = ("burst", *LOADS, "gen_burst")
+#: Embedding streams, then generations submitted at once: short prompts, then prompts
+#: that share one instruction template.
+STREAMS = ("burst", *LOADS, "gen_burst", "gen_template")
+#: The instruction every ``gen_template`` prompt starts with.
+TEMPLATE = ("You summarise operations logs for the on-call engineer. Keep every number, "
+            "name the host, say what changed and what to do next, in one short line. Log: ")
 #: Targets (printed, never asserted): batching must multiply a burst's throughput, keep
 #: up with a heavy stream, and cost little latency on a light one.
 TARGET_BURST_THROUGHPUT = 2.0
@@ -128,7 +135,10 @@ def ratios(result: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str, f
             "light_p50_vs_one_by_one": of("light", "p50_ms"),
             "light_p50_vs_celery": of("light", "p50_ms", "celery_per_task"),
             "gen_throughput_vs_one_by_one": of("gen_burst", "throughput_tps"),
-            "gen_throughput_vs_celery": of("gen_burst", "throughput_tps", "celery_per_task")}
+            "gen_throughput_vs_celery": of("gen_burst", "throughput_tps", "celery_per_task"),
+            "template_throughput_vs_one_by_one": of("gen_template", "throughput_tps"),
+            "template_throughput_vs_celery": of("gen_template", "throughput_tps",
+                                                "celery_per_task")}
 
 
 def targets(r: Mapping[str, float | None]) -> dict[str, bool]:
@@ -209,7 +219,7 @@ class Runner:
 def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | None = None,
         zoo_root: Path | None = None, on_progress: Callable[[str], None] = print
         ) -> dict[str, Any]:
-    """The three systems on both streams; the result the JSON holds."""
+    """The three systems on every stream; the result the JSON holds."""
     from sits_queue.models.tiny import build_tiny_causal_lm, build_tiny_encoder
 
     shape = shape or (QUICK if quick else FULL)
@@ -219,7 +229,9 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
     texts = {"burst": make_texts(shape.burst, shape.seed),
              **{name: make_texts(shape.paced, shape.seed + 1 + i)
                 for i, name in enumerate(LOADS)},
-             "gen_burst": make_texts(shape.generations, shape.seed + 9)}
+             "gen_burst": make_texts(shape.generations, shape.seed + 9),
+             "gen_template": [TEMPLATE + t for t in make_texts(shape.generations,
+                                                               shape.seed + 10)]}
     on_progress(f"coalesce: {shape.burst} texts at once, then {shape.paced} at each of "
                 f"{len(LOADS)} rates, one text per task")
     out: dict[str, dict[str, Any]] = {name: {} for name in STREAMS}
@@ -233,8 +245,9 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
                 base = base or out["burst"][system]["throughput_tps"]
                 for name, load in LOADS.items():
                     out[name][system] = summarise(*runner.stream(texts[name], load * base))
-                out["gen_burst"][system] = summarise(*runner.stream(
-                    texts["gen_burst"], None, generate=True))
+                for name in ("gen_burst", "gen_template"):
+                    out[name][system] = summarise(*runner.stream(texts[name], None,
+                                                                 generate=True))
             on_progress(f"  {system}: " + ", ".join(
                 f"{n} {out[n][system]['throughput_tps']}/s p50 {out[n][system]['p50_ms']} ms"
                 for n in STREAMS))
@@ -251,16 +264,17 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
 
 
 def table(result: Mapping[str, Any]) -> str:
-    lines = [f"{'stream':<10}{'system':<18}{'n':>6}{'tput/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
+    lines = [f"{'stream':<13}{'system':<18}{'n':>6}{'tput/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
              f"{'batch':>7}"]
     for stream in STREAMS:
         for name, s in result[stream].items():
-            lines.append(f"{stream:<10}{name:<18}{s['n']:>6}{s['throughput_tps']:>9.1f}"
+            lines.append(f"{stream:<13}{name:<18}{s['n']:>6}{s['throughput_tps']:>9.1f}"
                          f"{s['p50_ms']:>9.1f}{s['p99_ms']:>9.1f}{s['mean_batch']:>7.2f}")
     rates = ", ".join(f"{n} {r}/s" for n, r in result["meta"]["rates_per_s"].items())
     lines.append(f"(p50/p99: submit -> finish; batch: mean tasks per run; paced: {rates}, "
                  "shares of one-by-one's burst throughput; gen_burst: greedy generations "
-                 f"of {GEN_TOKENS} tokens, submitted at once)")
+                 f"of {GEN_TOKENS} tokens, submitted at once; gen_template: the same from "
+                 "prompts sharing one instruction template)")
     failed = {f"{k}/{n}": s["failed"] for k in STREAMS
               for n, s in result[k].items() if s["failed"]}
     if failed:

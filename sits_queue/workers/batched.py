@@ -57,7 +57,7 @@ from sits_queue.broker import intake
 from sits_queue.broker.keys import batch_mark, batch_units
 from sits_queue.cache import kvwarm
 from sits_queue.errors import InferenceError, InvalidInput
-from sits_queue.workers import firsttoken, inference, metrics, runtime
+from sits_queue.workers import firsttoken, inference, kvreuse, metrics, runtime
 from sits_queue.workers import request as admission
 from sits_queue.workers.request import SitsRequest
 
@@ -227,16 +227,21 @@ class _Row:
 
 
 def generate_calls(engine: Any, calls: list[Call]) -> list[Any]:
-    """Continuations of every call's prompt as one left-padded batch through Hugging Face
+    """Continuations of every call's prompt as one padded batch through Hugging Face
     ``generate`` (the KV cache, the attention mask and positions handled there), each
     cut to its own ``max_new_tokens`` and, with ``stop_at_eos``, after its
     end-of-sequence token; greedy or sampled per call (``temperature``, ``seed``), each
     row sampled as :func:`~sits_queue.workers.inference.generate` samples (the softmax at
     its temperature, a generator seeded by its seed and the position): what that decodes
     for each prompt alone (tested, greedy and sampled), as ``{"text", "tokens",
-    "prompt_tokens", "cached_tokens": 0, "stopped", "runs": 1}``. No time slices and no
-    KV-prefix reuse (those are ``sits.generate``'s); a call with bad arguments or a
-    prompt the model cannot take fails alone."""
+    "prompt_tokens", "cached_tokens", "shared_tokens", "stopped", "runs": 1}``.
+
+    Prompts that start alike (one instruction template over many inputs: the offline
+    case) have that prefix prefilled once for the whole batch, after the part the
+    child's KV-prefix store already holds, and stored for later batches
+    (``shared_tokens``: the prefix's length; ``cached_tokens``: the part from the store).
+    No time slices (``sits.generate``'s); a call with bad arguments or a prompt the model
+    cannot take fails alone."""
     model = getattr(engine, "key", "?")
     module, tokenizer = inference.module_of(engine, model), inference.tokenizer_of(engine, model)
     limit = kvwarm.max_positions(module, tokenizer)
@@ -258,12 +263,31 @@ def generate_calls(engine: Any, calls: list[Call]) -> list[Any]:
         row = _Row(i, ids, most, float(args["temperature"]), int(args["seed"]))
         groups.setdefault(bool(args["stop_at_eos"]), []).append(row)
     for stop, rows in groups.items():
-        for row, out in zip(rows, _generate_rows(module, tokenizer, rows, stop), strict=True):
+        for row, out in zip(rows, _generate_rows(module, tokenizer, model, rows, stop),
+                            strict=True):
             outputs[row.index] = out
     return outputs
 
 
-def _generate_rows(module: Any, tokenizer: Any, rows: list[_Row], stop: bool
+#: Shortest token prefix a generation batch's prompts must share for it to be prefilled
+#: once for all of them: one KV-prefix block, the least the store keeps (a shorter
+#: common start stays in the batch's own prefill).
+SHARE_MIN_TOKENS = 16
+
+
+def shared_prefix(prompts: list[list[int]]) -> int:
+    """Tokens every prompt starts with, leaving each at least one of its own (a row needs
+    one position past the prefix to give logits); 0 below :data:`SHARE_MIN_TOKENS`."""
+    if not prompts:
+        return 0
+    shortest = min(len(p) for p in prompts)
+    n = 0
+    while n < shortest - 1 and all(p[n] == prompts[0][n] for p in prompts):
+        n += 1
+    return n if n >= SHARE_MIN_TOKENS else 0
+
+
+def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], stop: bool
                    ) -> list[dict[str, Any]]:
     import copy
 
@@ -278,30 +302,79 @@ def _generate_rows(module: Any, tokenizer: Any, rows: list[_Row], stop: bool
     eos = getattr(tokenizer, "eos_token_id", None)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
     device = next(module.parameters()).device
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, row in enumerate(rows):  # left padding: every prompt ends together
-        input_ids[r, width - len(row.ids):] = torch.tensor(row.ids)
-        mask[r, width - len(row.ids):] = 1
+    shared = shared_prefix([row.ids for row in rows])
+    past, cached = _shared_cache(module, model, rows[0].ids[:shared], len(rows), active) \
+        if shared else (None, 0)
+    if past is None:
+        shared = 0
+    input_ids, mask = _layout(rows, shared, pad)
+    width = int(input_ids.shape[1])
     config = copy.deepcopy(module.generation_config)
     # Greedy for ``generate``: the sampled rows' tokens are chosen by _RowSampler, which
     # leaves generate's argmax no other choice.
     config.update(max_new_tokens=longest, do_sample=False, pad_token_id=pad,
                   eos_token_id=eos if stop else None)
+    extra = {kvwarm.cache_kwarg(module): past} if past is not None else {}
     with torch.inference_mode():
         out = module.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device),
                               generation_config=config,
-                              logits_processor=LogitsProcessorList([_row_sampler(width, rows)]))
+                              logits_processor=LogitsProcessorList([_row_sampler(width, rows)]),
+                              **extra)
     results = []
     for r, row in enumerate(rows):
         new = out[r, width:].tolist()[:row.most]
         if stop and eos is not None and eos in new:
             new = new[:new.index(eos) + 1]
         results.append({"text": tokenizer.decode(new, skip_special_tokens=True),
-                        "tokens": len(new), "prompt_tokens": len(row.ids), "cached_tokens": 0,
+                        "tokens": len(new), "prompt_tokens": len(row.ids),
+                        "cached_tokens": cached, "shared_tokens": shared,
                         "stopped": "eos" if stop and new and new[-1] == eos else "length",
                         "runs": 1})
     return results
+
+
+def _layout(rows: list[_Row], shared: int, pad: int) -> tuple[Any, Any]:
+    """Token ids and attention mask of a batch: each prompt's own tokens end together
+    (left padding); with a shared prefix, that comes first in every row and the padding
+    sits between it and the rest (masked out; positions count only real tokens)."""
+    import torch
+
+    own = max(len(row.ids) - shared for row in rows)
+    input_ids = torch.full((len(rows), shared + own), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), shared + own), dtype=torch.long)
+    for r, row in enumerate(rows):
+        rest = row.ids[shared:]
+        input_ids[r, :shared] = torch.tensor(row.ids[:shared], dtype=torch.long)
+        mask[r, :shared] = 1
+        input_ids[r, shared + own - len(rest):] = torch.tensor(rest, dtype=torch.long)
+        mask[r, shared + own - len(rest):] = 1
+    return input_ids, mask
+
+
+def _shared_cache(module: Any, model: str, tokens: list[int], rows: int,
+                  active: runtime.ActiveTask | None) -> tuple[Any, int]:
+    """The KV cache of the batch's shared prefix, prefilled once (after the longest part
+    the child's KV-prefix store holds, which it then keeps for later batches and
+    generations) and repeated for every row; with the tokens that came from the store.
+    (None, 0) for a model whose cache cannot be shared (sliding-window, recurrent)."""
+    import torch
+
+    prefix = inference.PromptPrefix(active.prefixes if active is not None else None, model,
+                                    tokens, active.prefix_key if active is not None else None)
+    if active is not None and active.count is not None and prefix.store is not None:
+        active.count(metrics.prefix_fields(prefix.tokens))
+    device = next(module.parameters()).device
+    with torch.inference_mode():
+        out = module(input_ids=torch.tensor([tokens[prefix.tokens:]], device=device),
+                     attention_mask=torch.ones((1, len(tokens)), dtype=torch.long,
+                                               device=device),
+                     use_cache=True, **{kvwarm.cache_kwarg(module): prefix.start})
+    cache = kvwarm.cache_of(out)
+    if not kvreuse.reusable(cache):
+        return None, 0
+    prefix.after_prefill(cache)  # a copy: the repeat below is in place
+    cache.batch_repeat_interleave(rows)
+    return cache, prefix.tokens
 
 
 def _row_sampler(width: int, rows: list[_Row]) -> Any:

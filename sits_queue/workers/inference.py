@@ -292,7 +292,7 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
     new: list[int] = progress["new"]
     if new:  # the tokens of earlier runs go in with the prompt: one pass rebuilds the cache
         input_ids = torch.cat([input_ids, torch.tensor([new], device=device)], dim=1)
-    prefix = _Prefix(active.prefixes if active is not None else None, model,
+    prefix = PromptPrefix(active.prefixes if active is not None else None, model,
                      input_ids[0].tolist(), active.prefix_key if active is not None else None)
     progress["cached_tokens"] = prefix.tokens
     if active is not None and active.count is not None and prefix.store is not None:
@@ -311,7 +311,7 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
             "runs": progress["runs"]}
 
 
-class _Prefix:
+class PromptPrefix:
     """The KV-prefix cache as one generation uses it: the start it found (a private
     copy, cut to the shared prefix) and, after the prefill, its own prompt stored."""
 
@@ -361,7 +361,7 @@ def seeded(generator: Any, seed: int, position: int) -> Any:
 
 def _decode(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
             temperature: float, seed: int, progress: dict[str, Any],
-            active: runtime.ActiveTask | None, prefix: _Prefix) -> None:
+            active: runtime.ActiveTask | None, prefix: PromptPrefix) -> None:
     """The decode loop; appends token ids to ``progress["new"]`` so a caller sees how far
     it got on a timeout, and so a yield keeps them for the next run. The prefill starts
     after the cached prefix, if any."""

@@ -36,6 +36,9 @@ ECHO_TAGS[3] = "bad"
 PROMPTS = [("Once upon a time", 6, 0.0, 0), ("The cat", 9, 1.5, 3),
            ("In a galaxy far away there was", 4, 0.0, 0), ("", 5, 0.0, 0),
            ("Hello", 12, 0.9, 8)]
+#: Generations that start with one instruction template: a batch prefills it once.
+TEMPLATE = "Summarise this operations log in one line and keep every number: "
+TEMPLATED = ["disk 3 is full", "node 7 rebooted twice", "latency is up"]
 TEXTS = ["the cache warms", "a model serves", "queues wait", "batches run together",
          "one more text", "and the last one is a little longer than the others"]
 
@@ -55,8 +58,11 @@ def waiting(app: Celery) -> dict[str, Any]:
     gens = [app.tasks["sits.generate_batched"].apply_async(
         (prompt,), {"max_new_tokens": n, "temperature": t, "seed": s}, model="gpt")
             for prompt, n, t, s in PROMPTS]
+    templated = [app.tasks["sits.generate_batched"].apply_async(
+        (TEMPLATE + item,), {"max_new_tokens": 5, "stop_at_eos": False}, model="gpt",
+        sla_class="low") for item in TEMPLATED]  # another class: a batch of their own
     return {"echo": echo, "expired": expired, "embeds": embeds, "raw": raw, "empty": empty,
-            "gens": gens}
+            "gens": gens, "templated": templated}
 
 
 @pytest.fixture(scope="module")
@@ -145,12 +151,37 @@ def test_generations_batch_and_match_a_lone_run_greedy_or_sampled(
             continue
         assert g["sits"]["batch"]["size"] == len(PROMPTS)
         alone = generate(engine, prompt, max_new_tokens=n, temperature=t, seed=s)
-        assert g["output"] == {**alone, "cached_tokens": 0}
+        assert g["output"] == {**alone, "cached_tokens": 0, "shared_tokens": 0}
         # Every row's first token came with the batch's first step, cold start included
         assert 0 < g["sits"]["first_token_ms"] <= g["sits"]["run_ms"] + sum(
             g["sits"][f"{p}_ms"] for p in ("cuda_ctx", "load", "promote", "warmup")) + 200
     firsts = {g["sits"]["first_token_ms"] for g in got if not isinstance(g, Exception)}
     assert len(firsts) == 1
+
+
+def test_a_batch_sharing_a_template_prefills_it_once_and_keeps_it_for_the_next(
+        app: Celery, waiting: dict[str, Any], worker: CeleryProcess,
+        models_dir: Path) -> None:
+    from sits_queue.cache.engines import engine_from_path
+    from sits_queue.workers.inference import generate
+
+    got = results(waiting["templated"])
+    engine = engine_from_path("gpt", models_dir / "gpt", "cpu")
+    engine.to_device("cpu")
+    shared = got[0]["output"]["shared_tokens"]
+    assert shared >= 16 and all(g["sits"]["batch"]["size"] == len(TEMPLATED) for g in got)
+    for item, g in zip(TEMPLATED, got, strict=True):
+        alone = generate(engine, TEMPLATE + item, max_new_tokens=5, stop_at_eos=False)
+        assert g["output"] == {**alone, "cached_tokens": 0, "shared_tokens": shared}
+    # A later call with the same template finds it in the worker's KV-prefix cache
+    later = app.tasks["sits.generate_batched"].apply_async(
+        (TEMPLATE + "a new line",), {"max_new_tokens": 5, "stop_at_eos": False},
+        model="gpt").get(timeout=CALL_S)["output"]
+    assert 16 <= later["cached_tokens"] <= later["shared_tokens"]
+    assert later == {**generate(engine, TEMPLATE + "a new line", max_new_tokens=5,
+                                stop_at_eos=False),
+                     "cached_tokens": later["cached_tokens"],
+                     "shared_tokens": later["shared_tokens"]}
 
 
 def test_counters_count_tasks_not_batches(r: redis.Redis, worker: CeleryProcess,
@@ -159,12 +190,14 @@ def test_counters_count_tasks_not_batches(r: redis.Redis, worker: CeleryProcess,
     record = metrics.read(r, "", worker.hostname)[0]
     counters = {k.decode(): float(v) for k, v in record["counters"].items()}
     # 18 echo tasks ran (1 failed by its own output) + 6 + 1 embeds; one more embed
-    # failed on input, alone; 4 generations + one that failed on input. A batch's cold
-    # start counts once.
+    # failed on input, alone; 4 generations + one that failed on input; the templated
+    # batch and the later call (the test above). A batch's cold start counts once.
+    generations = len(PROMPTS) + len(TEMPLATED) + 1
     assert counters["tasks"] >= len(ECHO_TAGS) + len(TEXTS) + 1
-    assert counters["model_runs:gpt"] == len(ECHO_TAGS) + len(PROMPTS)
+    assert counters["model_runs:gpt"] == len(ECHO_TAGS) + generations
     assert counters["failed:InvalidInput"] == 3
-    assert counters["ftt"] == len(PROMPTS)  # the generation batch's tasks, one first token
+    assert counters["ftt"] == generations  # each generation batch's tasks, one first token
+    assert counters["kv_hits"] >= 1  # the later call's template, from the KV-prefix cache
     assert counters["cold"] <= 2
 
 

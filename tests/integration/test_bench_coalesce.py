@@ -15,7 +15,7 @@ from sits_queue.bench.coalesce_apps import SYSTEMS
 TINY = Shape(burst=40, paced=10, generations=12)
 
 
-def test_three_systems_three_streams(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_three_systems_every_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "coalesce.json"
     monkeypatch.setattr(coalesce, "QUICK", TINY)
     assert coalesce.main(["--quick", "--json", str(out), "--zoo", str(tmp_path / "zoo")]) == 0
@@ -24,7 +24,8 @@ def test_three_systems_three_streams(tmp_path: Path, monkeypatch: pytest.MonkeyP
     for stream in STREAMS:
         assert set(result[stream]) == set(SYSTEMS)
         for system, s in result[stream].items():
-            want = {"burst": TINY.burst, "gen_burst": TINY.generations}.get(stream, TINY.paced)
+            want = {"burst": TINY.burst, "gen_burst": TINY.generations,
+                    "gen_template": TINY.generations}.get(stream, TINY.paced)
             assert s["n"] == want and s["failed"] == 0, (stream, system, s)
             assert s["throughput_tps"] > 0 and s["p99_ms"] >= s["p50_ms"] > 0
     # One at a time means one task per run; 40 texts waiting at once run in batches
@@ -32,5 +33,6 @@ def test_three_systems_three_streams(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert all(result[k]["celery_per_task"]["mean_batch"] == 1.0 for k in STREAMS)
     assert result["burst"]["sits_batched"]["mean_batch"] > 4
     assert result["gen_burst"]["sits_batched"]["mean_batch"] > 2
+    assert result["gen_template"]["sits_batched"]["mean_batch"] > 2
     assert set(result["meta"]["rates_per_s"]) == {"light", "heavy"}
     assert all(v is not None for v in result["ratios"].values())

@@ -39,6 +39,8 @@ def test_ratios_and_targets() -> None:
                   "sits_batched": row(150, 10, 100)},
         "gen_burst": {"celery_per_task": row(20, 1, 2), "sits_one_by_one": row(25, 1, 2),
                       "sits_batched": row(100, 1, 2)},
+        "gen_template": {"celery_per_task": row(10, 1, 2), "sits_one_by_one": row(20, 1, 2),
+                         "sits_batched": row(120, 1, 2)},
     }
     r = ratios(result)
     assert r["burst_throughput_vs_one_by_one"] == 3.0
@@ -46,6 +48,8 @@ def test_ratios_and_targets() -> None:
     assert r["heavy_p99_vs_one_by_one"] == 0.25 and r["heavy_p99_vs_celery"] == 0.1
     assert r["light_p50_vs_one_by_one"] == 1.5
     assert r["gen_throughput_vs_one_by_one"] == 4.0 and r["gen_throughput_vs_celery"] == 5.0
+    assert r["template_throughput_vs_one_by_one"] == 6.0
+    assert r["template_throughput_vs_celery"] == 12.0
     met = targets(r)
     assert list(met.values()) == [True, True, False]  # light p50 1.5 > 1.25
 

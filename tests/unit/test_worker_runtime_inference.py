@@ -247,7 +247,7 @@ def test_a_batch_mixes_greedy_and_sampled_rows_each_as_it_would_decode_alone(lm:
         got = batched.generate_calls(lm, calls)
     for (prompt, n, t, s), out in zip(rows, got, strict=True):
         alone = inference.generate(lm, prompt, max_new_tokens=n, temperature=t, seed=s)
-        assert out == {**alone, "cached_tokens": 0}, prompt
+        assert out == {**alone, "cached_tokens": 0, "shared_tokens": 0}, prompt
     assert clock.ms is not None and clock.ms > 0
     # Another seed samples another continuation (the seed is used, per row)
     other = batched.generate_calls(lm, [batched.Call("x", ("a queue", 9),
