@@ -22,7 +22,11 @@ How it runs (same for all three, one after another, in one process run):
   instruction template (:data:`TEMPLATE`, 84 tokens) followed by its own short input, as
   offline jobs mostly are (a batch prefills the template once; one at a time, SITS takes
   it from the worker's KV-prefix store; stock Celery prefills it every time);
-* every worker first embeds one text (its cold start is not measured).
+* every worker first embeds one text (its cold start is not measured);
+* last, in this process, one batch of :data:`BATCH_ROWS` template prompts through the
+  batch function with the template's prefill shared and with every row prefilled in
+  full (``meta.template_batch``): what the sharing saves a batch, which the streams
+  cannot show apart from the per-task costs around it.
 
 ``batch``: mean tasks per run (1 for one at a time). ``p50/p99``: submit -> finish, ms;
 throughput: tasks over first submission -> last finish.
@@ -33,6 +37,7 @@ from __future__ import annotations
 import os
 import platform
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -154,6 +159,42 @@ def targets(r: Mapping[str, float | None]) -> dict[str, bool]:
             meets("light_p50_vs_one_by_one", TARGET_LIGHT_P50, False)}
 
 
+# -- the template's shared prefill, in-process ----------------------------------------------
+
+#: Rows of the in-process template batch: a full batch (``batch_max_tasks``).
+BATCH_ROWS = 32
+BATCH_REPEATS = 5
+
+
+def template_batch_ms(lm_dir: Path, prompts: Sequence[str]) -> dict[str, Any]:
+    """What sharing the template's prefill saves one batch, measured in this process: the
+    median ms of ``generate_calls`` over ``prompts`` with the shared prefix and with every
+    row prefilled in full (the same outputs; the worker streams cannot show it alone,
+    since their per-task costs are the same either way)."""
+    import torch
+
+    from sits_queue.cache.engines import engine_from_path
+    from sits_queue.workers.batched import Call, generate_calls
+
+    torch.set_num_threads(len(available_cpus()))
+    engine = engine_from_path(LM_MODEL, lm_dir, "cpu")
+    engine.to_device("cpu")
+    calls = [Call(str(i), (p,), {"max_new_tokens": GEN_TOKENS, "stop_at_eos": False})
+             for i, p in enumerate(prompts)]
+    out: dict[str, Any] = {"rows": len(calls)}
+    for name, share in (("shared_ms", True), ("unshared_ms", False)):
+        times = []
+        for _ in range(BATCH_REPEATS + 1):  # the first run warms up
+            start = time.perf_counter()
+            got = generate_calls(engine, calls, share_prefix=share)
+            times.append((time.perf_counter() - start) * 1000)
+        out[name] = round(statistics.median(times[1:]), 1)
+        if share:
+            out["shared_tokens"] = got[0]["shared_tokens"]
+    engine.release()
+    return out
+
+
 # -- running one system --------------------------------------------------------------------
 
 class Runner:
@@ -252,11 +293,13 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
                 f"{n} {out[n][system]['throughput_tps']}/s p50 {out[n][system]['p50_ms']} ms"
                 for n in STREAMS))
     result = {name: {s: v[s] for s in SYSTEMS} for name, v in out.items()}
-    r = ratios(result)
+    batch_ms = template_batch_ms(lm_dir, texts["gen_template"][:BATCH_ROWS])
+    r = {**ratios(result), "template_batch_shared_vs_unshared": ratio(
+        batch_ms["shared_ms"], batch_ms["unshared_ms"])}
     return {**result, "ratios": r, "meta": {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "quick": quick,
         "shape": asdict(shape), "encoder": ENCODER_SHAPE, "lm": LM_SHAPE,
-        "gen_tokens": GEN_TOKENS,
+        "gen_tokens": GEN_TOKENS, "template_batch": batch_ms,
         "rates_per_s": {n: round(load * (base or 0.0), 1) for n, load in LOADS.items()},
         "concurrency": 1, "cpus": available_cpus(), "python": platform.python_version(),
         "host_cpus": os.cpu_count(), "torch": coldstart._version("torch"),
@@ -279,6 +322,10 @@ def table(result: Mapping[str, Any]) -> str:
               for n, s in result[k].items() if s["failed"]}
     if failed:
         lines.append(f"FAILED tasks: {failed}")
+    tb = result["meta"]["template_batch"]
+    lines.append(f"one batch of {tb['rows']} template prompts, in-process: "
+                 f"{tb['shared_ms']} ms sharing the {tb['shared_tokens']}-token prefill, "
+                 f"{tb['unshared_ms']} ms prefilling every row")
     lines.append("ratios: " + ", ".join(f"{k}={v}" for k, v in result["ratios"].items()))
     lines.append(targets_line(result["meta"]["targets"]))
     return "\n".join(lines)

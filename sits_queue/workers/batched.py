@@ -226,7 +226,8 @@ class _Row:
     seed: int
 
 
-def generate_calls(engine: Any, calls: list[Call]) -> list[Any]:
+def generate_calls(engine: Any, calls: list[Call], *, share_prefix: bool = True
+                   ) -> list[Any]:
     """Continuations of every call's prompt as one padded batch through Hugging Face
     ``generate`` (the KV cache, the attention mask and positions handled there), each
     cut to its own ``max_new_tokens`` and, with ``stop_at_eos``, after its
@@ -241,7 +242,8 @@ def generate_calls(engine: Any, calls: list[Call]) -> list[Any]:
     child's KV-prefix store already holds, and stored for later batches
     (``shared_tokens``: the prefix's length; ``cached_tokens``: the part from the store).
     No time slices (``sits.generate``'s); a call with bad arguments or a prompt the model
-    cannot take fails alone."""
+    cannot take fails alone. ``share_prefix`` False prefills every row in full (what
+    ``sitsq bench coalesce`` compares with)."""
     model = getattr(engine, "key", "?")
     module, tokenizer = inference.module_of(engine, model), inference.tokenizer_of(engine, model)
     limit = kvwarm.max_positions(module, tokenizer)
@@ -263,8 +265,8 @@ def generate_calls(engine: Any, calls: list[Call]) -> list[Any]:
         row = _Row(i, ids, most, float(args["temperature"]), int(args["seed"]))
         groups.setdefault(bool(args["stop_at_eos"]), []).append(row)
     for stop, rows in groups.items():
-        for row, out in zip(rows, _generate_rows(module, tokenizer, model, rows, stop),
-                            strict=True):
+        for row, out in zip(rows, _generate_rows(module, tokenizer, model, rows, stop,
+                                                 share_prefix), strict=True):
             outputs[row.index] = out
     return outputs
 
@@ -287,8 +289,8 @@ def shared_prefix(prompts: list[list[int]]) -> int:
     return n if n >= SHARE_MIN_TOKENS else 0
 
 
-def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], stop: bool
-                   ) -> list[dict[str, Any]]:
+def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], stop: bool,
+                   share: bool = True) -> list[dict[str, Any]]:
     import copy
 
     import torch
@@ -302,7 +304,7 @@ def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], st
     eos = getattr(tokenizer, "eos_token_id", None)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
     device = next(module.parameters()).device
-    shared = shared_prefix([row.ids for row in rows])
+    shared = shared_prefix([row.ids for row in rows]) if share else 0
     past, cached = _shared_cache(module, model, rows[0].ids[:shared], len(rows), active) \
         if shared else (None, 0)
     if past is None:

@@ -36,3 +36,7 @@ def test_three_systems_every_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert result["gen_template"]["sits_batched"]["mean_batch"] > 2
     assert set(result["meta"]["rates_per_s"]) == {"light", "heavy"}
     assert all(v is not None for v in result["ratios"].values())
+    # The in-process batch of template prompts: the template is what they share
+    batch = result["meta"]["template_batch"]
+    assert batch["rows"] == TINY.generations and batch["shared_tokens"] >= 16
+    assert batch["shared_ms"] > 0 and batch["unshared_ms"] > 0
