@@ -35,6 +35,10 @@ LMS = ("gpt", "lm-a", "lm-b", "lm-c")
 SLOW_FORWARD_S = 0.02
 #: ``t.lengths``' pause per call, s: shards queue behind one another long enough to stop.
 SHARD_PAUSE_S = 0.3
+#: Result timeouts, s: a fresh child's first call imports torch and transformers (allow
+#: for a slow CI box); later calls find them loaded.
+FIRST_CALL_S = 120
+CALL_S = 60
 #: ``t.batch_echo``'s max_batch.
 BATCH_ECHO_MAX = 8
 #: The default classes plus ones that make limits observable on a small machine: "one"
@@ -177,6 +181,11 @@ def serving(redis_url: str, config_path: Path, models_dir: Path, log_dir: Path, 
         yield proc
     finally:
         proc.stop(timeout_s=20)
+
+
+def call(app: Celery, name: str, *args: Any, timeout: float = CALL_S, **options: Any) -> Any:
+    """Task ``name``'s result for ``args`` sent with ``options`` (raises its failure)."""
+    return app.tasks[name].apply_async(args, **options).get(timeout=timeout)
 
 
 def register(app: Celery) -> dict[str, Any]:

@@ -19,6 +19,8 @@ from sits_queue.config import SitsConfig
 from sits_queue.procs import wait_ready
 from sits_queue.workers import advertise
 from tests.integration.inference_app import (
+    CALL_S,
+    FIRST_CALL_S,
     client_app,
     spawn_worker,
     write_config,
@@ -27,8 +29,6 @@ from tests.waiting import wait_for
 
 KEYS = QueueKeys.for_queue("affinity-test")
 CELERY = QueueKeys.for_queue("celery")
-FIRST_CALL_S = 120
-CALL_S = 60
 ME = "consumer-1"
 NOW = 1_700_000_000.0
 

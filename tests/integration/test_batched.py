@@ -22,13 +22,8 @@ from celery.result import AsyncResult
 from sits_queue.errors import InferenceError, InvalidInput
 from sits_queue.procs import CeleryProcess
 from sits_queue.workers import metrics
-from tests.integration.inference_app import (
-    BATCH_ECHO_MAX,
-    serving,
-)
+from tests.integration.inference_app import BATCH_ECHO_MAX, CALL_S, FIRST_CALL_S, serving
 
-FIRST_CALL_S = 120
-CALL_S = 60
 #: Tasks submitted before the worker starts: two full batches of t.batch_echo and a part.
 ECHO_TAGS = [f"e{i}" for i in range(2 * BATCH_ECHO_MAX + 3)]
 ECHO_TAGS[3] = "bad"

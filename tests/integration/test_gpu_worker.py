@@ -34,15 +34,10 @@ from sits_queue.errors import (
 from sits_queue.procs import CeleryProcess
 from sits_queue.workers import advertise
 from sits_queue.workers.advertise import read_workers
-from tests.integration.inference_app import (
-    serving,
-)
+from tests.integration.inference_app import CALL_S, FIRST_CALL_S, call, serving
 from tests.waiting import wait_for
 
 WAITING = QueueKeys.for_queue("celery")
-#: First call in a fresh child imports torch and transformers: allow for a slow CI box.
-FIRST_CALL_S = 120
-CALL_S = 60
 
 
 
@@ -65,9 +60,6 @@ def worker(tmp_path_factory: pytest.TempPathFactory, redis_url: str, config_path
         yield proc
 
 
-
-def call(app: Celery, name: str, *args: Any, timeout: float = CALL_S, **options: Any) -> Any:
-    return app.tasks[name].apply_async(args, **options).get(timeout=timeout)
 
 
 def assert_serving(app: Celery, worker: CeleryProcess) -> None:

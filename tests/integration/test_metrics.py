@@ -15,7 +15,6 @@ import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
@@ -28,15 +27,15 @@ from sits_queue.config import SitsConfig
 from sits_queue.errors import InvalidInput, UnknownModel
 from sits_queue.procs import CeleryProcess, wait_ready
 from tests.integration.inference_app import (
+    FIRST_CALL_S,
     ROOT,
     build_models,
+    call,
     client_app,
     spawn_worker,
     write_config,
 )
 from tests.waiting import wait_for
-
-FIRST_CALL_S = 120
 
 
 def free_port() -> int:
@@ -87,9 +86,6 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
             out[(s.name, labels)] = s.value
     return out
 
-
-def call(app: Celery, name: str, *args: Any, timeout: float = 60, **options: Any) -> Any:
-    return app.tasks[name].apply_async(args, **options).get(timeout=timeout)
 
 
 def test_a_scrape_shows_tasks_cold_starts_by_phase_failures_and_devices(

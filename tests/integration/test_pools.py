@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from celery import Celery
@@ -20,11 +19,8 @@ from celery.exceptions import SoftTimeLimitExceeded
 from celery.utils import worker_direct
 
 from sits_queue.procs import CeleryProcess
-from tests.integration.inference_app import serving, spawn_worker
+from tests.integration.inference_app import FIRST_CALL_S, call, serving, spawn_worker
 from tests.waiting import wait_for
-
-FIRST_CALL_S = 120
-CALL_S = 60
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +30,6 @@ def solo(tmp_path_factory: pytest.TempPathFactory, redis_url: str, config_path: 
                  app, name="solo", pool="solo") as proc:
         yield proc
 
-
-def call(app: Celery, name: str, *args: Any, timeout: float = CALL_S, **options: Any) -> Any:
-    return app.tasks[name].apply_async(args, **options).get(timeout=timeout)
 
 
 def test_a_solo_worker_runs_inference_in_its_own_process_warm_after_the_first(

@@ -14,10 +14,7 @@ from celery import Celery
 from sits_queue.errors import InvalidTaskOptions
 from sits_queue.procs import CeleryProcess
 from sits_queue.workers.advertise import read_workers
-from tests.integration.inference_app import serving
-
-FIRST_CALL_S = 120
-CALL_S = 60
+from tests.integration.inference_app import CALL_S, FIRST_CALL_S, serving
 
 
 @pytest.fixture(scope="module")
