@@ -27,7 +27,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from sits_queue import tracing
 from sits_queue.app import SitsTask
 from sits_queue.broker.keys import AFFINITY_HEADER
-from sits_queue.cache.kvwarm import cache_kwarg, cache_of, max_positions
+from sits_queue.cache.kvwarm import cache_kwarg, cache_of, kv_bytes_per_token, max_positions
 from sits_queue.errors import (
     ContextTooLong,
     InferenceError,
@@ -226,7 +226,7 @@ def kv_cache_bytes(module: Any, tokens: int) -> int:
     hidden = int(getattr(config, "hidden_size", None) or getattr(config, "n_embd", 1) or 1)
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     dtype_bytes = next((p.element_size() for p in module.parameters()), 4)
-    per_token = (2 + _ACTIVATION_VECTORS) * layers * hidden * dtype_bytes
+    per_token = kv_bytes_per_token(module) + _ACTIVATION_VECTORS * layers * hidden * dtype_bytes
     return per_token * tokens + vocab * 4 * 2  # logits of the last position, twice
 
 
@@ -293,7 +293,8 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
     if new:  # the tokens of earlier runs go in with the prompt: one pass rebuilds the cache
         input_ids = torch.cat([input_ids, torch.tensor([new], device=device)], dim=1)
     prefix = PromptPrefix(active.prefixes if active is not None else None, model,
-                     input_ids[0].tolist(), active.prefix_key if active is not None else None)
+                          input_ids[0].tolist(),
+                          active.prefix_key if active is not None else None)
     progress["cached_tokens"] = prefix.tokens
     if active is not None and active.count is not None and prefix.store is not None:
         active.count(metrics.prefix_fields(prefix.tokens))
