@@ -257,7 +257,9 @@ def test_five_thousand_bulk_tasks_run_on_a_real_worker(spawn: Spawn, client_app:
     metas: list[Any] = []
     while time.monotonic() < deadline:
         metas = redis_client.mget(keys)
-        if all(m is not None for m in metas):
+        # task_track_started: a task still running has a STARTED record, not its result
+        if all(m is not None and json.loads(m)["status"] not in ("STARTED", "PENDING")
+               for m in metas):
             break
         time.sleep(0.5)
     # Then every task succeeded with its own result
