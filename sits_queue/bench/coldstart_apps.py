@@ -235,8 +235,8 @@ def record(retval: Any, kwargs: dict[str, Any], started_s: float | None,
                 "device": meta["device"], "first_token_ms": meta.get("first_token_ms"),
                 "prompt_tokens": out.get("prompt_tokens", 0),
                 "cached_tokens": out.get("cached_tokens", 0)}
-    return {**base, **{k: retval.get(k) for k in ("model", "cold", "cold_ms", "source",
-                                                  "device", "first_token_ms")}}
+    return {**base, **{k: retval[k] for k in ("model", "cold", "cold_ms", "source",
+                                              "device", "first_token_ms")}}
 
 
 def _connect_records(app: Celery, url: str) -> None:

@@ -361,10 +361,7 @@ def _shared_cache(module: Any, model: str, tokens: list[int], rows: int,
     (None, 0) for a model whose cache cannot be shared (sliding-window, recurrent)."""
     import torch
 
-    prefix = inference.PromptPrefix(active.prefixes if active is not None else None, model,
-                                    tokens, active.prefix_key if active is not None else None)
-    if active is not None and active.count is not None and prefix.store is not None:
-        active.count(metrics.prefix_fields(prefix.tokens))
+    prefix = inference.PromptPrefix.looked_up(active, model, tokens)
     device = next(module.parameters()).device
     with torch.inference_mode():
         out = module(input_ids=torch.tensor([tokens[prefix.tokens:]], device=device),

@@ -181,10 +181,9 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     rt.count(metrics.run_fields(model, meta["run_ms"], tasks))
     if clock.ms is not None:
         rt.count(metrics.first_token_fields(clock.ms, tasks))
+        tracing.annotate({"sits.first_token_ms": clock.ms})
     if isinstance(output, dict) and isinstance(output.get("cached_tokens"), int):
         tracing.annotate({"sits.cached_tokens": output["cached_tokens"]})
-    if clock.ms is not None:
-        tracing.annotate({"sits.first_token_ms": clock.ms})
     return {"output": output, "sits": meta}
 
 
@@ -292,12 +291,8 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
     new: list[int] = progress["new"]
     if new:  # the tokens of earlier runs go in with the prompt: one pass rebuilds the cache
         input_ids = torch.cat([input_ids, torch.tensor([new], device=device)], dim=1)
-    prefix = PromptPrefix(active.prefixes if active is not None else None, model,
-                          input_ids[0].tolist(),
-                          active.prefix_key if active is not None else None)
+    prefix = PromptPrefix.looked_up(active, model, input_ids[0].tolist())
     progress["cached_tokens"] = prefix.tokens
-    if active is not None and active.count is not None and prefix.store is not None:
-        active.count(metrics.prefix_fields(prefix.tokens))
     try:
         _decode(module, input_ids, max_new_tokens, eos, float(temperature), int(seed),
                 progress, active, prefix)
@@ -321,6 +316,17 @@ class PromptPrefix:
         hit = store.lookup(model, tokens, tag) if store is not None else None
         self.start = kvreuse.prefix_copy(hit.value, hit.tokens) if hit is not None else None
         self.tokens = hit.tokens if hit is not None else 0
+
+    @classmethod
+    def looked_up(cls, active: runtime.ActiveTask | None, model: str, tokens: list[int]
+                  ) -> PromptPrefix:
+        """The running task's lookup of ``tokens`` in its child's store (none outside a
+        worker), counted in the worker's KV-prefix metrics."""
+        prefix = cls(active.prefixes if active is not None else None, model, tokens,
+                     active.prefix_key if active is not None else None)
+        if active is not None and active.count is not None and prefix.store is not None:
+            active.count(metrics.prefix_fields(prefix.tokens))
+        return prefix
 
     def after_prefill(self, cache: Any) -> None:
         """Keep this prompt's whole blocks unless the store holds them already."""

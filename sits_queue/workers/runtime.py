@@ -84,10 +84,12 @@ class WorkerPlan:
 PROCESS_POOLS = ("celery.concurrency.prefork", "celery.concurrency.solo")
 
 
-def pool_problem(pool_module: str, pool_name: str, concurrency: int) -> str | None:
-    """Why a worker must not start with this pool and concurrency (None: it may)."""
+def pool_problem(pool_module: str, concurrency: int) -> str | None:
+    """Why a worker must not start with the pool class of ``pool_module`` at this
+    concurrency (None: it may)."""
     if pool_module in PROCESS_POOLS or concurrency <= 1:
         return None
+    pool_name = pool_module.rsplit(".", 1)[-1]
     return (f"sits_queue: the {pool_name!r} pool would run {concurrency} tasks in one "
             "process, sharing one CUDA memory cap, one CPU confinement and one engine cache; "
             "per-class VRAM and CPU limits need a process per task. Use the prefork pool "
@@ -543,9 +545,7 @@ class PlanStep(bootsteps.Step):  # type: ignore[misc]
 
     def __init__(self, w: Any, **kwargs: Any) -> None:
         super().__init__(w, **kwargs)
-        pool = w.pool_cls
-        problem = pool_problem(getattr(pool, "__module__", ""),
-                               getattr(pool, "__module__", str(pool)).rsplit(".", 1)[-1],
+        problem = pool_problem(getattr(w.pool_cls, "__module__", str(w.pool_cls)),
                                int(w.concurrency))
         if problem:  # raised here, the worker stops before it takes a task
             raise ImproperlyConfigured(problem)

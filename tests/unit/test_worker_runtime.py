@@ -434,12 +434,12 @@ def test_discovery_mapping_is_frozen() -> None:
 ])
 def test_process_pools_and_one_task_at_a_time_are_allowed(module: str,
                                                           concurrency: int) -> None:
-    assert rt.pool_problem(module, module.rsplit(".", 1)[-1], concurrency) is None
+    assert rt.pool_problem(module, concurrency) is None
 
 
 @pytest.mark.parametrize("module", ["celery.concurrency.thread", "celery.concurrency.gevent",
                                     "celery.concurrency.eventlet", "my.custom.pool"])
 def test_tasks_side_by_side_in_one_process_are_refused_with_the_fix(module: str) -> None:
-    problem = rt.pool_problem(module, "x", 4)
+    problem = rt.pool_problem(module, 4)
     assert problem is not None and "would run 4 tasks in one process" in problem
     assert "--pool=solo" in problem and "--concurrency=1" in problem
