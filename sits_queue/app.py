@@ -13,6 +13,7 @@ import redis
 from celery import Celery, Task
 from kombu.entity import Queue
 
+from sits_queue.broker import results
 from sits_queue.config import SitsConfig
 from sits_queue.options import HEADER, OPTION_NAMES, TaskOptions, batch_key, resolve
 from sits_queue.registry import Loader, ModelRegistry
@@ -194,7 +195,8 @@ def celery_settings(config: SitsConfig) -> dict[str, Any]:
             "unacked_restore_interval": max(1.0, config.visibility_timeout_s / 6),
         },
         "broker_connection_retry_on_startup": True,
-        "result_backend": config.redis_url,
+        # Celery's Redis backend, storing each state in one atomic round trip.
+        "result_backend": results.backend_url(config.redis_url),
         "result_backend_transport_options": {"global_keyprefix": prefix},
         "result_expires": timedelta(days=1),
         "result_extended": True,

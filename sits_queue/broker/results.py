@@ -1,0 +1,75 @@
+"""The result backend: Celery's Redis backend, storing a state in one round trip.
+
+Celery's key-value backends read a task's stored meta before every write, so that a
+second delivery of a task cannot overwrite its ``SUCCESS`` (GET, then SET + PUBLISH: two
+round trips). A SITS task is tracked as ``STARTED`` (``task_track_started``), so every
+task paid four round trips in its pool child, the largest share of what a short task
+costs there. :class:`SitsRedisBackend` runs the same check and write as one Lua call
+(``lua/store_result.lua``): one round trip per state, and the check and the write can no
+longer interleave with another writer's. Everything else (reading results, groups,
+chords, the pub/sub result consumer) is Celery's.
+
+Celery picks it from the backend URL: ``sits_queue.broker.results:SitsRedisBackend+redis://...``
+(:func:`backend_url`).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from importlib import resources
+from typing import Any
+
+from celery import states
+from celery.backends.redis import RedisBackend
+from celery.exceptions import BackendStoreError
+from kombu.utils.encoding import bytes_to_str
+
+#: The class as Celery's ``result_backend`` setting names it, before ``+<redis URL>``.
+BACKEND_PATH = "sits_queue.broker.results:SitsRedisBackend"
+
+
+def backend_url(redis_url: str) -> str:
+    """``result_backend`` for a Redis URL (``redis://``, ``rediss://``, ``redis+socket://``)."""
+    return f"{BACKEND_PATH}+{redis_url}"
+
+
+def expiry_ms(expires: float | timedelta | None) -> int:
+    """A result's time to live in ms as ``SET PX`` takes it; 0 keeps it forever."""
+    if expires is None:
+        return 0
+    seconds = expires.total_seconds() if isinstance(expires, timedelta) else float(expires)
+    return max(1, round(seconds * 1000)) if seconds > 0 else 0
+
+
+class SitsRedisBackend(RedisBackend):  # type: ignore[misc]
+    """Celery's Redis result backend with the state write done by ``store_result.lua``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._store_script: Any = None
+        # The script reads the stored status as JSON; other encodings keep Celery's path.
+        self._scripted = self.serializer == "json" and not self.compression
+
+    def _store_result(self, task_id: Any, result: Any, state: str, traceback: Any = None,
+                      request: Any = None, **kwargs: Any) -> Any:
+        if not self._scripted:
+            return super()._store_result(task_id, result, state, traceback,
+                                         request=request, **kwargs)
+        meta = self._get_result_meta(result=result, state=state, traceback=traceback,
+                                     request=request)
+        meta["task_id"] = bytes_to_str(task_id)  # type: ignore[no-untyped-call]
+        value = self.encode(meta)
+        if isinstance(value, str) and len(value) > self._MAX_STR_VALUE_SIZE:
+            raise BackendStoreError("value too large for Redis backend", state=state,
+                                    task_id=task_id)
+        expires = self.failure_expires if state == states.FAILURE else self.expires
+        self.ensure(self._store, (self.get_key_for_task(task_id), value, expiry_ms(expires)))
+        return result
+
+    def _store(self, key: Any, value: Any, ttl_ms: int) -> Any:
+        if self._store_script is None:
+            # redis-py's Script: EVALSHA, loading the source once after NOSCRIPT.
+            source = resources.files("sits_queue.broker").joinpath(
+                "lua/store_result.lua").read_text()
+            self._store_script = self.client.register_script(source)
+        return self._store_script(keys=[key], args=[value, ttl_ms])

@@ -1,0 +1,134 @@
+"""The result backend (``sits_queue.broker.results``) on a real Redis: one round trip per
+stored state, a SUCCESS never overwritten (the guarantee Celery's GET-then-SET gives,
+now atomic), Celery's expiries, pub/sub delivery to waiting clients, and Celery's own path
+where the stored value is not plain JSON."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery, states
+
+from sits_queue.app import make_app
+from sits_queue.broker.results import SitsRedisBackend, backend_url, expiry_ms
+from sits_queue.config import SitsConfig
+
+
+@pytest.fixture
+def app(redis_url: str, redis_client: redis.Redis) -> Iterator[Celery]:
+    application = make_app(SitsConfig(redis_url=redis_url), main="test_result_backend")
+    yield application
+    application.close()
+
+
+def calls(client: redis.Redis, command: str) -> int:
+    stats: dict[str, Any] = client.info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+def stored(client: redis.Redis, app: Celery, task_id: str) -> dict[str, Any]:
+    raw = client.get(app.backend.get_key_for_task(task_id))
+    assert raw is not None
+    meta: dict[str, Any] = json.loads(raw)
+    return meta
+
+
+def test_the_app_uses_it_with_the_configured_redis(app: Celery, redis_url: str) -> None:
+    assert isinstance(app.backend, SitsRedisBackend)
+    assert app.conf.result_backend == backend_url(redis_url)
+    assert app.backend.connparams["port"] == int(redis_url.rsplit(":", 1)[1].split("/")[0])
+
+
+def test_a_state_is_one_round_trip(app: Celery, redis_client: redis.Redis,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    app.backend.store_result("t-1", None, states.STARTED)  # loads the script once
+    sent: list[Any] = []
+    send = redis.connection.AbstractConnection.send_packed_command
+
+    def counted(self: Any, command: Any, check_health: bool = True) -> None:
+        sent.append(command)  # then sent for real
+        send(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted)
+    app.backend.store_result("t-2", {"pid": 1}, states.STARTED)
+    app.backend.mark_as_done("t-2", [1.0, 2.0])
+    monkeypatch.undo()
+    # one EVALSHA per state; Celery's own backend sends a GET and a SET/PUBLISH pipeline
+    assert len(sent) == 2
+    assert all(b"EVALSHA" in b"".join(c) if isinstance(c, list) else b"EVALSHA" in c
+               for c in sent)
+    meta = stored(redis_client, app, "t-2")
+    assert (meta["status"], meta["result"], meta["task_id"]) == ("SUCCESS", [1.0, 2.0], "t-2")
+    assert app.AsyncResult("t-2").get(timeout=5) == [1.0, 2.0]
+
+
+def test_a_success_is_never_overwritten(app: Celery, redis_client: redis.Redis) -> None:
+    app.backend.mark_as_done("t-3", "first")
+    # a second delivery of the same task (its worker lost, the message redelivered)
+    app.backend.store_result("t-3", {"pid": 2}, states.STARTED)
+    app.backend.mark_as_failure("t-3", RuntimeError("late failure"))
+    app.backend.mark_as_done("t-3", "second")
+    assert stored(redis_client, app, "t-3")["result"] == "first"
+    assert app.AsyncResult("t-3").get(timeout=5) == "first"
+
+
+def test_other_states_replace_each_other(app: Celery, redis_client: redis.Redis) -> None:
+    app.backend.store_result("t-4", {"pid": 3}, states.STARTED)
+    app.backend.mark_as_retry("t-4", RuntimeError("flaky"))
+    assert stored(redis_client, app, "t-4")["status"] == "RETRY"
+    app.backend.mark_as_failure("t-4", ValueError("bad input"))
+    result = app.AsyncResult("t-4")
+    with pytest.raises(ValueError, match="bad input"):
+        result.get(timeout=5)
+    assert result.state == "FAILURE"
+
+
+def test_expiries_follow_celerys_settings(app: Celery, redis_client: redis.Redis) -> None:
+    app.conf.result_failure_expires = 60
+    backend = SitsRedisBackend(app=app, url=app.conf.result_backend.split("+", 1)[1])
+    backend.mark_as_done("t-5", 1)
+    backend.mark_as_failure("t-6", RuntimeError("x"))
+    key = backend.get_key_for_task
+    assert 86_000 < redis_client.ttl(key("t-5")) <= 86_400  # result_expires: one day
+    assert 0 < redis_client.ttl(key("t-6")) <= 60
+    app.conf.result_expires = None
+    forever = SitsRedisBackend(app=app, url=app.conf.result_backend.split("+", 1)[1])
+    forever.mark_as_done("t-7", 1)
+    assert redis_client.ttl(key("t-7")) == -1
+
+
+def test_a_waiting_client_gets_the_result_by_pubsub(app: Celery) -> None:
+    result = app.AsyncResult("t-8")
+    app.backend.on_task_call(None, "t-8")  # subscribe, as apply_async does
+    app.backend.mark_as_done("t-8", {"ok": True})
+    assert result.get(timeout=5) == {"ok": True}
+
+
+def test_a_flushed_script_cache_is_reloaded(app: Celery, redis_client: redis.Redis) -> None:
+    app.backend.mark_as_done("t-9", 1)
+    redis_client.script_flush()
+    app.backend.mark_as_done("t-10", 2)
+    assert stored(redis_client, app, "t-10")["result"] == 2
+
+
+def test_compressed_results_keep_celerys_path(app: Celery, redis_client: redis.Redis) -> None:
+    app.conf.result_compression = "zlib"
+    backend = SitsRedisBackend(app=app, url=app.conf.result_backend.split("+", 1)[1])
+    before = calls(redis_client, "evalsha")
+    backend.mark_as_done("t-11", "x" * 1000)
+    backend.store_result("t-11", None, states.STARTED)
+    assert calls(redis_client, "evalsha") == before
+    assert backend.get_task_meta("t-11")["result"] == "x" * 1000
+
+
+def test_expiry_ms() -> None:
+    assert expiry_ms(None) == 0
+    assert expiry_ms(0) == 0
+    assert expiry_ms(86400) == 86_400_000
+    assert expiry_ms(timedelta(minutes=30)) == 1_800_000
+    assert expiry_ms(0.0001) == 1  # a positive expiry never becomes "keep forever"
