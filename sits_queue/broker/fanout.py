@@ -1,16 +1,22 @@
-"""Fanout publishes that do not wait for Redis's reply.
+"""Redis commands whose replies nobody waits for: fanout publishes and acks.
 
 A fanout message (worker events for Flower, ``celery control`` broadcasts) is a Redis
 ``PUBLISH`` whose reply, the number of subscribers, nobody reads. kombu waits for it
 anyway, and in a worker that wait sits on the path of every task: Celery's event loop
 flushes the buffered task events *before* its transport tick picks the next message, so
-each dispatch paid one extra round trip to Redis (~0.1-0.3 ms on a busy host).
+each dispatch paid one extra round trip to Redis (~0.1-0.3 ms on a busy host). An ack
+(``ack.lua``) is the same: with late acks it runs when a task's result comes back from
+the pool, and only after it does the worker pick the task for the freed slot, while the
+child waits.
 
-Here the command is written to a connection of its own and the replies are read later,
-when they have already arrived (before the next publish) or, past ``MAX_PENDING``
-unread, by waiting for the oldest. What was written has reached Redis when ``publish``
-returns, as before; a send that fails raises, as before (kombu's retry policy applies);
-an error reply, which kombu would have raised, is logged.
+Here a command is written to a connection of its own and the replies are read later,
+when they have already arrived (before the next command) or, past ``MAX_PENDING``
+unread, by waiting for the oldest; the transport also reads them on its periodic sweep.
+What was written has reached Redis when :meth:`DeferredCommands.send` returns, as
+before; a send that fails raises, as before. An error reply goes to the command's
+``on_error``, and so does a connection lost while its reply was owed (it may or may not
+have run): an ack is idempotent and runs again (after ``NOSCRIPT`` from a restarted
+Redis too); a publish is logged.
 """
 
 from __future__ import annotations
@@ -18,81 +24,130 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
 
 logger = logging.getLogger(__name__)
 
-#: Unread replies allowed before a publish waits for the oldest one.
+#: Unread replies allowed before a command waits for the oldest one.
 MAX_PENDING = 256
 
+#: Told why a command's reply was not a success: an error reply (``redis.ResponseError``)
+#: or its connection lost before the reply came (``redis.ConnectionError``).
+OnError = Callable[[redis.RedisError], None]
+_Failed = list[tuple[OnError, redis.RedisError]]
 
-class DeferredPublisher:
-    """PUBLISH on one held connection of a redis-py pool, replies read lazily."""
+
+def _refused_publish(exc: redis.RedisError) -> None:
+    if isinstance(exc, redis.ResponseError):
+        logger.warning("Redis refused a fanout publish: %s", exc)
+    # lost with its connection: like any publish, delivered at most once
+
+
+class DeferredCommands:
+    """Commands on one held connection of a redis-py pool, replies read lazily."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._conn: Any = None
         self._pool: Any = None
         self._pid = 0
-        self.pending = 0
+        self._owed: deque[OnError] = deque()
+
+    @property
+    def pending(self) -> int:
+        """Replies not read yet."""
+        return len(self._owed)
 
     def publish(self, pool: Any, topics: Sequence[str], payload: bytes | str) -> None:
+        self.send(pool, [("PUBLISH", topic, payload) for topic in topics], _refused_publish)
+
+    def send(self, pool: Any, commands: Sequence[tuple[Any, ...]], on_error: OnError) -> None:
+        """Write ``commands`` in one packet; their replies are read later. Raises what
+        the write raises (then nothing of ``commands`` is owed)."""
+        failed: _Failed = []
+        try:
+            with self._lock:
+                conn = self._connection(pool, failed)
+                try:
+                    self._drain(conn, wait=len(self._owed) >= MAX_PENDING, failed=failed)
+                    conn.send_packed_command(conn.pack_commands(commands))
+                except (redis.ConnectionError, redis.TimeoutError, OSError):
+                    self._drop(failed)
+                    raise
+                self._owed.extend([on_error] * len(commands))
+        finally:
+            self._report(failed)
+
+    def poll(self) -> None:
+        """Read the replies that have arrived (an idle worker's owed errors surface)."""
+        failed: _Failed = []
         with self._lock:
-            conn = self._connection(pool)
-            try:
-                self._drain(conn, wait=self.pending >= MAX_PENDING)
-                conn.send_packed_command(conn.pack_commands(
-                    [("PUBLISH", topic, payload) for topic in topics]))
-            except (redis.ConnectionError, redis.TimeoutError, OSError):
-                self._drop()
-                raise
-            self.pending += len(topics)
+            if self._conn is not None and self._pid == os.getpid():
+                try:
+                    self._drain(self._conn, wait=False, failed=failed)
+                except (redis.ConnectionError, redis.TimeoutError, OSError):
+                    self._drop(failed)
+        self._report(failed)
 
     def close(self) -> None:
         """Read what is still owed and give the connection back to its pool."""
+        failed: _Failed = []
         with self._lock:
-            if self._conn is None:
-                return
-            try:
-                while self.pending:
-                    self._drain(self._conn, wait=True)
-            except (redis.ConnectionError, redis.TimeoutError, OSError):
-                self._drop()
-                return
-            self._pool.release(self._conn)
-            self._conn = self._pool = None
+            if self._conn is not None and self._pid != os.getpid():
+                self._forget()
+            if self._conn is not None:
+                try:
+                    while self._owed:
+                        self._drain(self._conn, wait=True, failed=failed)
+                    self._pool.release(self._conn)
+                    self._conn = self._pool = None
+                except (redis.ConnectionError, redis.TimeoutError, OSError):
+                    self._drop(failed)
+        self._report(failed)
 
     # -- internals ---------------------------------------------------------------------
-    def _connection(self, pool: Any) -> Any:
+    def _connection(self, pool: Any, failed: _Failed) -> Any:
         if self._conn is not None and self._pid != os.getpid():
-            # Forked: the socket is the parent's; leave it alone and start afresh.
-            self._conn = self._pool = None
-            self.pending = 0
+            self._forget()
         if self._conn is not None and self._pool is not pool:
-            self._drop()  # the channel reconnected with a new pool
+            self._drop(failed)  # the channel reconnected with a new pool
         if self._conn is None:
             self._conn = pool.get_connection()
             self._pool, self._pid = pool, os.getpid()
         return self._conn
 
-    def _drain(self, conn: Any, wait: bool) -> None:
+    def _forget(self) -> None:
+        """Forked: the socket and what it owes are the parent's; leave them alone."""
+        self._conn = self._pool = None
+        self._owed.clear()
+
+    def _drain(self, conn: Any, wait: bool, failed: _Failed) -> None:
         """Read the replies that have arrived; with ``wait``, at least one."""
-        while self.pending and (wait or conn.can_read(timeout=0)):
+        while self._owed and (wait or conn.can_read(timeout=0)):
             wait = False
             try:
                 conn.read_response()
             except redis.ResponseError as exc:
-                logger.warning("Redis refused a fanout publish: %s", exc)
-            self.pending -= 1
+                failed.append((self._owed[0], exc))
+            self._owed.popleft()
 
-    def _drop(self) -> None:
-        """Forget a connection in an unknown state (unread replies): disconnect it."""
+    def _report(self, failed: _Failed) -> None:
+        """Failures, outside the lock: a handler may run commands of its own."""
+        for on_error, exc in failed:
+            on_error(exc)
+
+    def _drop(self, failed: _Failed) -> None:
+        """Forget a connection in an unknown state (unread replies): disconnect it; what
+        it owed goes to the commands' handlers."""
         conn, pool = self._conn, self._pool
+        lost = redis.ConnectionError("connection lost before Redis replied")
+        failed.extend((on_error, lost) for on_error in self._owed)
         self._conn = self._pool = None
-        self.pending = 0
+        self._owed.clear()
         if conn is not None:
             try:
                 conn.disconnect()

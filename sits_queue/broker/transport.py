@@ -23,7 +23,7 @@ from kombu.transport import virtual
 from kombu.utils.json import dumps, loads
 
 from sits_queue.broker import affinity, intake, sites
-from sits_queue.broker.fanout import DeferredPublisher
+from sits_queue.broker.fanout import DeferredCommands
 from sits_queue.broker.keys import (
     AFFINITY_HEADER,
     BATCH_INFO,
@@ -92,7 +92,7 @@ class QoS(kredis.QoS):
     def ack(self, delivery_tag: str) -> None:
         queue = self._queue_of(delivery_tag)
         if queue is not None:
-            self.channel._run("ack", queue, [delivery_tag])
+            self.channel._ack(queue, [delivery_tag])
             self.channel._replicas_gone(queue, [delivery_tag])
         virtual.QoS.ack(self, delivery_tag)
         affinity.invalidate()  # its child has published what it holds now
@@ -148,6 +148,7 @@ class QoS(kredis.QoS):
 
     def restore_visible(self, start: int = 0, num: int | None = 10, interval: int = 10) -> None:
         """Heartbeat held messages, then restore messages whose holder went silent."""
+        self.channel._deferred.poll()  # an idle worker's owed ack replies, errors too
         now_mono = time.monotonic()
         period = self.channel.visibility_timeout / 3
         if now_mono - self._last_heartbeat >= period:
@@ -207,7 +208,8 @@ class Channel(kredis.Channel):
         self._warm_args: list[Any] = []
         #: Messages this channel took ahead of their queue's head by affinity.
         self.affinity_picks = 0
-        self._fanout = DeferredPublisher()
+        #: Fanout publishes and, in a worker, acks: sent without waiting for the reply.
+        self._deferred = DeferredCommands()
 
     # kombu's publish batches buffer plain Redis commands; a put here is a script whose
     # arguments (score, record) are computed per message. Bulk submission has its own path
@@ -246,6 +248,35 @@ class Channel(kredis.Channel):
     def _run(self, script: str, queue: str, args: list[Any]) -> Any:
         return self.scripts.run(script, self.keys(queue), args, self.raw)
 
+    def _ack(self, queue: str, tags: list[str]) -> None:
+        """``ack.lua`` for ``tags``; in a worker, without waiting for Redis's reply.
+
+        With late acks a task is acked when its result comes back from the pool, and
+        only then does the worker pick the freed slot's next task: the round trip sat on
+        that path, with the child idle. Sent deferred (``fanout.py``), the ack has reached
+        Redis when this returns; its reply is read later. A refused or lost one runs
+        again here (``ack.lua`` is idempotent: after NOSCRIPT or a lost connection);
+        failing that, it is logged and the message stays unacked, as when kombu's ack
+        fails. Outside a worker's event loop (a plain consumer) the ack is awaited, so
+        that other clients see it as soon as ``ack()`` returns."""
+        if self.connection._hub is None:
+            self._run("ack", queue, tags)
+            return
+        names = self.keys(queue).all()
+
+        def again(exc: redis.RedisError) -> None:
+            try:
+                self._run("ack", queue, tags)
+            except Exception:
+                logger.exception("could not ack %s of queue %r (%s); it stays unacked "
+                                 "and is restored if this worker stops", tags, queue, exc)
+
+        command = ("EVALSHA", self.scripts.shas["ack"], len(names), *names, *tags)
+        try:
+            self._deferred.send(self.pool, [command], again)
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            self._run("ack", queue, tags)  # on a fresh pooled connection, or raise
+
     # -- publishing ------------------------------------------------------------------------
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
                     **kwargs: Any) -> None:
@@ -256,11 +287,11 @@ class Channel(kredis.Channel):
         # kombu's prefixed client puts global_keyprefix on PUBLISH's channel name.
         topics = [f"{self.global_keyprefix}{topic}"
                   for topic in self._get_publish_topics(exchange, routing_key)]
-        self._fanout.publish(self.pool, topics, dumps(message))
+        self._deferred.publish(self.pool, topics, dumps(message))
 
     def close(self) -> None:
         if not self.closed:
-            self._fanout.close()
+            self._deferred.close()
         super().close()
 
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:

@@ -59,7 +59,7 @@ def test_every_publish_arrives_in_order_and_replies_owed_stay_bounded(
         owed = []
         for i in range(200):
             producer.publish({"i": i}, routing_key="k", serializer="json")
-            owed.append(channel._fanout.pending)
+            owed.append(channel._deferred.pending)
         # Then at most MAX_PENDING replies were ever owed (the rest read as they came)
         assert max(owed) <= 8
         bodies = [body(m) for m in received(subscriber, 200)]
@@ -67,7 +67,7 @@ def test_every_publish_arrives_in_order_and_replies_owed_stay_bounded(
         pool = channel.pool
         # And closing the channel reads what is owed and gives the connection back
         channel.close()
-        assert channel._fanout.pending == 0
+        assert channel._deferred.pending == 0
         assert not pool._in_use_connections
 
 
