@@ -213,6 +213,8 @@ _BENCHES = {
               "Two sites: enqueue cost per sync mode, and what survives losing a site."),
     "batch": ("sits_queue.bench.batch", "Batched embedding: the throughput/p99 frontier "
               "and the batch-size controller."),
+    "dispatch": ("sits_queue.bench.dispatch", "Per-task cost through a worker: stock "
+                 "Celery's defaults vs Celery with SITS's guarantees vs SITS."),
 }
 
 
