@@ -1,6 +1,7 @@
 """``sitsq bench dispatch``: what a task costs to get through a worker, beside its work.
 
-One worker (prefork, concurrency 1) per system (``dispatch_apps.py``): stock Celery with
+One worker (prefork, concurrency 1, Celery's default log level, WARNING) per system
+(``dispatch_apps.py``): stock Celery with
 its defaults, stock Celery set up with SITS's guarantees (late acks, prefetch 1, events,
 STARTED), and SITS; the same no-op task everywhere, so the task's own work is nil and
 everything measured is the queue's:
@@ -153,8 +154,10 @@ def one_round(system: str, url: str, shape: Shape, log_dir: Path) -> dict[str, A
         with app.producer_or_acquire() as producer:
             ids = [task.apply_async((i,), producer=producer).id for i in range(shape.burst)]
         env = {**os.environ, ENV_SYSTEM: system, ENV_URL: url}
+        # Celery's default log level: at INFO every task writes two lines, a cost of its
+        # own that would blur the queue's.
         worker = start_worker("sits_queue.bench.dispatch_apps", env, log_dir, concurrency=1,
-                              hostname=f"{system}@%h")
+                              hostname=f"{system}@%h", extra_args=["--loglevel=WARNING"])
         deadline = time.monotonic() + BURST_TIMEOUT_S
         first_cpu: tuple[float, float] | None = None
         first_count = 0
