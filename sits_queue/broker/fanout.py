@@ -93,6 +93,21 @@ class DeferredCommands:
                     self._drop(failed)
         self._report(failed)
 
+    def settle(self) -> None:
+        """Wait for every owed reply (their handlers run): what was sent has taken effect,
+        or been run again, before the caller's next command."""
+        failed: _Failed = []
+        with self._lock:
+            if self._conn is not None and self._pid != os.getpid():
+                self._forget()
+            if self._conn is not None:
+                try:
+                    while self._owed:
+                        self._drain(self._conn, wait=True, failed=failed)
+                except (redis.ConnectionError, redis.TimeoutError, OSError):
+                    self._drop(failed)
+        self._report(failed)
+
     def close(self) -> None:
         """Read what is still owed and give the connection back to its pool."""
         failed: _Failed = []

@@ -9,6 +9,12 @@ costs there. :class:`SitsRedisBackend` runs the same check and write as one Lua 
 longer interleave with another writer's. Everything else (reading results, groups,
 chords, the pub/sub result consumer) is Celery's.
 
+A task's ``STARTED`` is written without waiting for the reply (``fanout.py``), on the
+path between a pool child taking the task and running it: the reply is read before the
+next state of any task is written, so a ``STARTED`` is in Redis before its task's
+outcome is, and one refused (``NOSCRIPT``) or lost with its connection is written again
+then (idempotent), as Celery's retry policy would.
+
 Celery picks it from the backend URL: ``sits_queue.broker.results:SitsRedisBackend+redis://...``
 (:func:`backend_url`).
 """
@@ -19,10 +25,13 @@ from datetime import timedelta
 from importlib import resources
 from typing import Any
 
+import redis
 from celery import states
 from celery.backends.redis import RedisBackend
 from celery.exceptions import BackendStoreError
 from kombu.utils.encoding import bytes_to_str
+
+from sits_queue.broker.fanout import DeferredCommands
 
 #: The class as Celery's ``result_backend`` setting names it, before ``+<redis URL>``.
 BACKEND_PATH = "sits_queue.broker.results:SitsRedisBackend"
@@ -47,6 +56,7 @@ class SitsRedisBackend(RedisBackend):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._store_script: Any = None
+        self._deferred = DeferredCommands()
         # The script reads the stored status as JSON; other encodings keep Celery's path.
         self._scripted = self.serializer == "json" and not self.compression
 
@@ -63,13 +73,34 @@ class SitsRedisBackend(RedisBackend):  # type: ignore[misc]
             raise BackendStoreError("value too large for Redis backend", state=state,
                                     task_id=task_id)
         expires = self.failure_expires if state == states.FAILURE else self.expires
-        self.ensure(self._store, (self.get_key_for_task(task_id), value, expiry_ms(expires)))
+        key, ttl_ms = self.get_key_for_task(task_id), expiry_ms(expires)
+        self._deferred.settle()  # an earlier STARTED is in Redis before this is written
+        if state == states.STARTED:
+            self._store_later(key, value, ttl_ms)
+        else:
+            self.ensure(self._store, (key, value, ttl_ms))
         return result
 
-    def _store(self, key: Any, value: Any, ttl_ms: int) -> Any:
+    def _script(self) -> Any:
         if self._store_script is None:
             # redis-py's Script: EVALSHA, loading the source once after NOSCRIPT.
             source = resources.files("sits_queue.broker").joinpath(
                 "lua/store_result.lua").read_text()
-            self._store_script = self.client.register_script(source)
-        return self._store_script(keys=[key], args=[value, ttl_ms])
+            script = self.client.register_script(source)
+            # Loaded now: a deferred STARTED sent before the first load would meet NOSCRIPT.
+            self.client.script_load(source)
+            self._store_script = script
+        return self._store_script
+
+    def _store(self, key: Any, value: Any, ttl_ms: int) -> Any:
+        return self._script()(keys=[key], args=[value, ttl_ms])
+
+    def _store_later(self, key: Any, value: Any, ttl_ms: int) -> None:
+        def again(_exc: redis.RedisError) -> None:
+            self.ensure(self._store, (key, value, ttl_ms))
+
+        command = ("EVALSHA", self._script().sha, 1, key, value, ttl_ms)
+        try:
+            self._deferred.send(self.client.connection_pool, [command], again)
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            self.ensure(self._store, (key, value, ttl_ms))

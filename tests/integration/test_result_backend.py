@@ -6,6 +6,7 @@ where the stored value is not plain JSON."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -47,6 +48,7 @@ def test_the_app_uses_it_with_the_configured_redis(app: Celery, redis_url: str) 
 def test_a_state_is_one_round_trip(app: Celery, redis_client: redis.Redis,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     app.backend.store_result("t-1", None, states.STARTED)  # loads the script once
+    app.backend.mark_as_done("t-1", None)
     sent: list[Any] = []
     send = redis.connection.AbstractConnection.send_packed_command
 
@@ -56,7 +58,13 @@ def test_a_state_is_one_round_trip(app: Celery, redis_client: redis.Redis,
 
     monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted)
     app.backend.store_result("t-2", {"pid": 1}, states.STARTED)
+    # STARTED is not waited for: its reply is owed until the task's next state
+    assert app.backend._deferred.pending == 1
+    ours = len(sent)
+    assert stored(redis_client, app, "t-2")["status"] == "STARTED"  # (the test's own GET)
+    del sent[ours:]
     app.backend.mark_as_done("t-2", [1.0, 2.0])
+    assert app.backend._deferred.pending == 0
     monkeypatch.undo()
     # one EVALSHA per state; Celery's own backend sends a GET and a SET/PUBLISH pipeline
     assert len(sent) == 2
@@ -114,6 +122,54 @@ def test_a_flushed_script_cache_is_reloaded(app: Celery, redis_client: redis.Red
     redis_client.script_flush()
     app.backend.mark_as_done("t-10", 2)
     assert stored(redis_client, app, "t-10")["result"] == 2
+
+
+def test_a_refused_started_is_written_before_the_outcome(app: Celery,
+                                                         redis_client: redis.Redis) -> None:
+    app.backend.mark_as_done("t-12", 1)
+    key = app.backend.get_key_for_task("t-13")
+    watch = redis_client.pubsub(ignore_subscribe_messages=True)
+    watch.subscribe(key)
+    # Given a STARTED refused with NOSCRIPT (its reply not read yet)
+    redis_client.script_flush()
+    app.backend.store_result("t-13", {"pid": 4}, states.STARTED)
+    assert redis_client.get(key) is None
+    # When the task's outcome is written, the STARTED is written again first, then it
+    app.backend.mark_as_failure("t-13", RuntimeError("boom"))
+    assert stored(redis_client, app, "t-13")["status"] == "FAILURE"
+    published: list[str] = []
+    deadline = time.monotonic() + 5
+    while len(published) < 2 and time.monotonic() < deadline:
+        message = watch.get_message(timeout=0.1)  # None for the subscription's own reply
+        if message is not None:
+            published.append(json.loads(message["data"])["status"])
+    watch.close()
+    assert published == ["STARTED", "FAILURE"]
+    # And a STARTED that is read back before any other state is there too
+    app.backend.store_result("t-14", {"pid": 5}, states.STARTED)
+    app.backend._deferred.settle()
+    assert stored(redis_client, app, "t-14")["status"] == "STARTED"
+
+
+def test_a_started_lost_with_its_connection_is_written_again(
+        app: Celery, redis_client: redis.Redis) -> None:
+    app.backend.mark_as_done("t-15", 1)
+    app.backend.store_result("t-16", {"pid": 6}, states.STARTED)
+    app.backend._deferred.settle()
+    held = app.backend._deferred._conn
+    host, port = held._sock.getsockname()[:2]
+    # Given a STARTED sent while Redis holds writes back, its connection then killed
+    redis_client.execute_command("CLIENT", "PAUSE", 5000, "WRITE")
+    try:
+        app.backend.store_result("t-17", {"pid": 7}, states.STARTED)
+        assert redis_client.client_kill(f"{host}:{port}")
+    finally:
+        redis_client.client_unpause()
+    # Then the next state's write finds it lost, writes it again, then its own
+    app.backend.store_result("t-18", {"pid": 8}, states.STARTED)
+    app.backend._deferred.settle()
+    assert stored(redis_client, app, "t-17")["status"] == "STARTED"
+    assert stored(redis_client, app, "t-18")["status"] == "STARTED"
 
 
 def test_compressed_results_keep_celerys_path(app: Celery, redis_client: redis.Redis) -> None:
