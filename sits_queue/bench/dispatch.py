@@ -65,7 +65,7 @@ class Shape:
     rounds: int  # alternating rounds per system
 
 
-FULL = Shape(burst=3000, idle=100, rounds=3)
+FULL = Shape(burst=2000, idle=100, rounds=5)
 QUICK = Shape(burst=500, idle=20, rounds=1)
 
 
