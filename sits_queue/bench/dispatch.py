@@ -51,9 +51,9 @@ from sits_queue.procs import CeleryProcess, start_worker, wait_ready
 #: One database per system, so the runs cannot see each other's keys.
 DATABASES = {"celery_default": 1, "celery_guarantees": 2, "sits": 3}
 #: SITS against stock Celery given the same guarantees: it must not cost throughput.
+#: (Against stock Celery's defaults there is no target: they guarantee less, acking a
+#: task as it starts and prefetching past the priority order, and send no events.)
 TARGET_VS_GUARANTEES = 1.0
-#: ... and against stock Celery's defaults, which guarantee less (early acks, prefetch).
-TARGET_VS_DEFAULTS = 0.9
 POLL_S = 0.05
 BURST_TIMEOUT_S = 300.0
 
@@ -104,9 +104,7 @@ def targets(r: Mapping[str, float | None]) -> dict[str, bool]:
         return value is not None and value >= bound
 
     return {"throughput_vs_same_guarantees": at_least("throughput_vs_same_guarantees",
-                                                       TARGET_VS_GUARANTEES),
-            "throughput_vs_stock_defaults": at_least("throughput_vs_stock_defaults",
-                                                     TARGET_VS_DEFAULTS)}
+                                                       TARGET_VS_GUARANTEES)}
 
 
 # -- one round of one system ---------------------------------------------------------------
