@@ -32,7 +32,7 @@ import redis
 from celery import Celery
 
 from sits_queue.app import DEFAULT_QUEUE, make_app
-from sits_queue.bench.report import emit, parser, redis_server
+from sits_queue.bench.report import redis_server, run_main
 from sits_queue.broker.bulk import enqueue_many
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.config import SitsConfig
@@ -332,11 +332,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser("python -m sits_queue.bench.broker", __doc__).parse_args(argv)
-    result = run(quick=args.quick, redis_url=args.redis_url,
-                 on_progress=lambda line: print(line, file=sys.stderr))
-    emit(table(result), result, args.json)
-    return 0
+    return run_main("python -m sits_queue.bench.broker", __doc__, run, table, argv, progress=True)
 
 
 if __name__ == "__main__":

@@ -37,14 +37,7 @@ import redis
 from celery import Celery
 
 from sits_queue.bench.dispatch_apps import ENV_SYSTEM, ENV_URL, SYSTEMS, TASK, build
-from sits_queue.bench.report import (
-    database_url,
-    emit,
-    parser,
-    ratio,
-    redis_server,
-    targets_line,
-)
+from sits_queue.bench.report import database_url, ratio, redis_server, run_main, targets_line
 from sits_queue.bench.workload import percentile
 from sits_queue.procs import CeleryProcess, start_worker, wait_ready
 
@@ -237,11 +230,7 @@ def table(result: Mapping[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser("sitsq bench dispatch", __doc__).parse_args(argv)
-    result = run(quick=args.quick, redis_url=args.redis_url,
-                 on_progress=lambda line: print(line, file=sys.stderr))
-    emit(table(result), result, args.json)
-    return 0
+    return run_main("sitsq bench dispatch", __doc__, run, table, argv, progress=True)
 
 
 if __name__ == "__main__":

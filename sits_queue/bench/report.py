@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -61,10 +62,15 @@ def emit(text: str, result: Mapping[str, Any], json_path: Path | None,
 
 
 def run_main(prog: str, doc: str | None, run_fn: Callable[..., dict[str, Any]],
-             table_fn: Callable[[dict[str, Any]], str], argv: list[str] | None) -> int:
+             table_fn: Callable[[dict[str, Any]], str], argv: list[str] | None,
+             progress: bool = False) -> int:
     """The command line of a benchmark that takes only the common options: run it, print
-    its table and JSON (``coldstart.zoo_main`` adds ``--zoo`` for the model-zoo ones)."""
+    its table and JSON (``coldstart.zoo_main`` adds ``--zoo`` for the model-zoo ones).
+    With ``progress``, ``run_fn`` also takes ``on_progress``: its lines go to stderr."""
     args = parser(prog, doc).parse_args(argv)
-    result = run_fn(quick=args.quick, redis_url=args.redis_url)
+    extra: dict[str, Any] = {}
+    if progress:
+        extra["on_progress"] = lambda line: print(line, file=sys.stderr)
+    result = run_fn(quick=args.quick, redis_url=args.redis_url, **extra)
     emit(table_fn(result), result, args.json)
     return 0

@@ -96,33 +96,11 @@ class DeferredCommands:
     def settle(self) -> None:
         """Wait for every owed reply (their handlers run): what was sent has taken effect,
         or been run again, before the caller's next command."""
-        failed: _Failed = []
-        with self._lock:
-            if self._conn is not None and self._pid != os.getpid():
-                self._forget()
-            if self._conn is not None:
-                try:
-                    while self._owed:
-                        self._drain(self._conn, wait=True, failed=failed)
-                except (redis.ConnectionError, redis.TimeoutError, OSError):
-                    self._drop(failed)
-        self._report(failed)
+        self._settle(release=False)
 
     def close(self) -> None:
         """Read what is still owed and give the connection back to its pool."""
-        failed: _Failed = []
-        with self._lock:
-            if self._conn is not None and self._pid != os.getpid():
-                self._forget()
-            if self._conn is not None:
-                try:
-                    while self._owed:
-                        self._drain(self._conn, wait=True, failed=failed)
-                    self._pool.release(self._conn)
-                    self._conn = self._pool = None
-                except (redis.ConnectionError, redis.TimeoutError, OSError):
-                    self._drop(failed)
-        self._report(failed)
+        self._settle(release=True)
 
     # -- internals ---------------------------------------------------------------------
     def _connection(self, pool: Any, failed: _Failed) -> Any:
@@ -134,6 +112,22 @@ class DeferredCommands:
             self._conn = pool.get_connection()
             self._pool, self._pid = pool, os.getpid()
         return self._conn
+
+    def _settle(self, release: bool) -> None:
+        failed: _Failed = []
+        with self._lock:
+            if self._conn is not None and self._pid != os.getpid():
+                self._forget()
+            if self._conn is not None:
+                try:
+                    while self._owed:
+                        self._drain(self._conn, wait=True, failed=failed)
+                    if release:
+                        self._pool.release(self._conn)
+                        self._conn = self._pool = None
+                except (redis.ConnectionError, redis.TimeoutError, OSError):
+                    self._drop(failed)
+        self._report(failed)
 
     def _forget(self) -> None:
         """Forked: the socket and what it owes are the parent's; leave them alone."""
