@@ -43,7 +43,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from weakref import ref
 
@@ -241,8 +241,10 @@ def generate_calls(engine: Any, calls: list[Call], *, share_prefix: bool = True
     case) have that prefix prefilled once for the whole batch, after the part the
     child's KV-prefix store already holds, and stored for later batches
     (``shared_tokens``: the prefix's length; ``cached_tokens``: the part from the store).
-    No time slices (``sits.generate``'s); a call with bad arguments or a prompt the model
-    cannot take fails alone. ``share_prefix`` False prefills every row in full (what
+    A batch of one runs ``inference.generate``'s decode loop instead (faster alone; its
+    ``shared_tokens`` is 0, the store still serves its prompt's start). No time slices
+    (``sits.generate``'s); a call with bad arguments or a prompt the model cannot take
+    fails alone. ``share_prefix`` False prefills every row in full (what
     ``sitsq bench coalesce`` compares with)."""
     model = getattr(engine, "key", "?")
     module, tokenizer = inference.module_of(engine, model), inference.tokenizer_of(engine, model)
@@ -302,6 +304,9 @@ def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], st
     if active is not None:
         active.check_vram(inference.kv_cache_bytes(module, (width + longest) * len(rows)))
     eos = getattr(tokenizer, "eos_token_id", None)
+    if len(rows) == 1:
+        return [_generate_alone(module, tokenizer, model, rows[0], eos if stop else None,
+                                active)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
     device = next(module.parameters()).device
     shared = shared_prefix([row.ids for row in rows]) if share else 0
@@ -333,6 +338,29 @@ def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], st
                         "stopped": "eos" if stop and new and new[-1] == eos else "length",
                         "runs": 1})
     return results
+
+
+def _generate_alone(module: Any, tokenizer: Any, model: str, row: _Row, eos: int | None,
+                    active: runtime.ActiveTask | None) -> dict[str, Any]:
+    """A batch of one: ``inference.generate``'s own decode loop, which is what the row
+    would get from ``generate`` (the same tokens, tested) without its per-call set-up
+    (generation config, logits processors, stopping criteria: a quarter of a short
+    generation's time with a small model), and with its soft-limit check between steps.
+    Never yields: a batch task does not resume from a checkpoint."""
+    import torch
+
+    device = next(module.parameters()).device
+    unsliced = replace(active, yielder=None) if active is not None else None
+    prefix = inference.PromptPrefix.looked_up(unsliced, model, row.ids)
+    progress: dict[str, Any] = {"new": [], "runs": 1}
+    inference.decode_steps(module, torch.tensor([row.ids], device=device), row.most, eos,
+                           row.temperature, row.seed, progress, unsliced, prefix)
+    new: list[int] = progress["new"]
+    return {"text": tokenizer.decode(new, skip_special_tokens=True), "tokens": len(new),
+            "prompt_tokens": len(row.ids), "cached_tokens": prefix.tokens,
+            "shared_tokens": 0,
+            "stopped": "eos" if eos is not None and new and new[-1] == eos else "length",
+            "runs": 1}
 
 
 def _layout(rows: list[_Row], shared: int, pad: int) -> tuple[Any, Any]:

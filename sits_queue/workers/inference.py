@@ -294,8 +294,8 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
     prefix = PromptPrefix.looked_up(active, model, input_ids[0].tolist())
     progress["cached_tokens"] = prefix.tokens
     try:
-        _decode(module, input_ids, max_new_tokens, eos, float(temperature), int(seed),
-                progress, active, prefix)
+        decode_steps(module, input_ids, max_new_tokens, eos, float(temperature), int(seed),
+                     progress, active, prefix)
     except SoftTimeLimitExceeded:
         raise SoftTimeLimitExceeded(
             f"soft time limit hit while generating with model {model!r}: stopped after "
@@ -366,12 +366,13 @@ def seeded(generator: Any, seed: int, position: int) -> Any:
     return generator.manual_seed((seed * 1_000_003 + position) % 2**63)
 
 
-def _decode(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
-            temperature: float, seed: int, progress: dict[str, Any],
-            active: runtime.ActiveTask | None, prefix: PromptPrefix) -> None:
-    """The decode loop; appends token ids to ``progress["new"]`` so a caller sees how far
-    it got on a timeout, and so a yield keeps them for the next run. The prefill starts
-    after the cached prefix, if any."""
+def decode_steps(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
+                 temperature: float, seed: int, progress: dict[str, Any],
+                 active: runtime.ActiveTask | None, prefix: PromptPrefix) -> None:
+    """The decode loop of one prompt; appends token ids to ``progress["new"]`` so a
+    caller sees how far it got on a timeout, and so a yield keeps them for the next run
+    (``active``'s yielder; None never yields). The prefill starts after the cached
+    prefix, if any."""
     import torch
 
     new: list[int] = progress["new"]

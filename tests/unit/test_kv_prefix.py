@@ -4,10 +4,12 @@ real model that start from a cached prefix and decode exactly what a full prefil
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from celery.exceptions import SoftTimeLimitExceeded
 
 from sits_queue.app import make_app
 from sits_queue.cache.engines import engine_from_path
@@ -15,7 +17,7 @@ from sits_queue.cache.pool import ColdStart
 from sits_queue.cache.prefix import Hit, PrefixStore, Slot, block_keys, plan_evictions
 from sits_queue.config import SitsConfig
 from sits_queue.models import tiny
-from sits_queue.workers import inference, kvreuse, metrics
+from sits_queue.workers import batched, inference, kvreuse, metrics
 from sits_queue.workers import runtime as rt
 
 # -- pure -------------------------------------------------------------------------------------
@@ -291,8 +293,6 @@ def test_shared_prefix_is_the_common_start_leaving_each_prompt_a_token() -> None
 
 def generate_batch(lm: Any, prompts: list[str], store: PrefixStore | None = None,
                    counts: dict[str, float] | None = None, **kwargs: Any) -> list[Any]:
-    from sits_queue.workers import batched
-
     calls = [batched.Call(str(i), (p,), {"max_new_tokens": 6, "stop_at_eos": False,
                                          "temperature": 1.3 if i % 2 else 0.0, "seed": i,
                                          **kwargs})
@@ -339,6 +339,37 @@ def test_the_next_batch_takes_the_template_from_the_kv_prefix_store(lm: Any) -> 
     assert counts == {"kv_lookups": 2, "kv_hits": 1, "kv_tokens": cached}
     plain = generate_batch(lm, prompts)  # no store: the same outputs
     assert [{**g, "cached_tokens": 0} for g in second] == plain
+
+
+def test_a_batch_of_one_decodes_alone_from_the_store_and_never_yields(lm: Any) -> None:
+    store = PrefixStore(2**26)
+    generate_batch(lm, [SHARED + item for item in ITEMS[:2]], store)  # stores the template
+
+    def refuse(*_args: Any, **_kwargs: Any) -> None:
+        raise AssertionError("a batch of one went through Hugging Face generate()")
+
+    def yielded(_state: Any, _remaining_s: float | None) -> None:
+        raise AssertionError("a batch task yielded: it cannot resume from a checkpoint")
+
+    call = batched.Call("0", (SHARED + "one more line",), {
+        "max_new_tokens": 6, "stop_at_eos": False, "temperature": 1.3, "seed": 3})
+    active = rt.ActiveTask("lm", SitsConfig().quota("high"), lm.size_bytes(), "cpu",
+                           prefixes=store, yielder=yielded)
+    lm.module.generate = refuse
+    try:
+        with rt.activated(active):
+            out = batched.generate_calls(lm, [call])[0]
+    finally:
+        del lm.module.generate
+    assert out["cached_tokens"] >= 16 and out["shared_tokens"] == 0
+    alone = inference.generate(lm, SHARED + "one more line", max_new_tokens=6,
+                               stop_at_eos=False, temperature=1.3, seed=3)
+    assert out == {**alone, "cached_tokens": out["cached_tokens"], "shared_tokens": 0}
+    # Its soft time limit is checked between decode steps, as a plain generation's
+    late = rt.ActiveTask("lm", SitsConfig().quota("high"), lm.size_bytes(), "cpu",
+                         soft_deadline=time.monotonic() - 1.0)
+    with rt.activated(late), pytest.raises(SoftTimeLimitExceeded, match="0 of 6 steps"):
+        batched.generate_calls(lm, [call])
 
 
 def test_prompts_with_nothing_in_common_batch_without_sharing(lm: Any) -> None:
