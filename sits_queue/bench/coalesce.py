@@ -25,8 +25,10 @@ How it runs (same for all three, one after another, in one process run):
 * every worker first embeds one text (its cold start is not measured);
 * last, in this process, one batch of :data:`BATCH_ROWS` template prompts through the
   batch function with the template's prefill shared and with every row prefilled in
-  full (``meta.template_batch``): what the sharing saves a batch, which the streams
-  cannot show apart from the per-task costs around it.
+  full, then the same with the prompts over four templates, interleaved (each
+  template's rows prefilled from one shared start: ``meta.template_batch``): what the
+  sharing saves a batch, which the streams cannot show apart from the per-task costs
+  around it.
 
 ``batch``: mean tasks per run (1 for one at a time). ``p50/p99``: submit -> finish, ms;
 throughput: tasks over first submission -> last finish.
@@ -164,33 +166,60 @@ def targets(r: Mapping[str, float | None]) -> dict[str, bool]:
 #: Rows of the in-process template batch: a full batch (``batch_max_tasks``).
 BATCH_ROWS = 32
 BATCH_REPEATS = 5
+#: The mixed batch's other instructions (with :data:`TEMPLATE`: a batch of several jobs'
+#: prompts, one template each, as a queue fed by several jobs delivers them).
+OTHER_TEMPLATES = (
+    "Classify the ticket below as billing, outage, access or other, and give the one "
+    "sentence of it that decided the class, quoted exactly. Ticket: ",
+    "Rewrite the release note below for customers: no internal names, no ticket numbers, "
+    "plain words, at most two sentences. Note: ",
+    "Extract every host name, error code and time from the alert below as a comma "
+    "separated list, in the order they appear, nothing else. Alert: ")
 
 
-def template_batch_ms(lm_dir: Path, prompts: Sequence[str]) -> dict[str, Any]:
-    """What sharing the template's prefill saves one batch, measured in this process: the
-    median ms of ``generate_calls`` over ``prompts`` with the shared prefix and with every
-    row prefilled in full (the same outputs; the worker streams cannot show it alone,
-    since their per-task costs are the same either way)."""
+def mixed_prompts(texts: Sequence[str]) -> list[str]:
+    """``texts`` behind the four templates in turn."""
+    templates = (TEMPLATE, *OTHER_TEMPLATES)
+    return [templates[i % len(templates)] + t for i, t in enumerate(texts)]
+
+
+def template_batch_ms(lm_dir: Path, batches: Mapping[str, Sequence[str]]
+                      ) -> dict[str, Any]:
+    """What sharing template prefills saves one batch, measured in this process: per
+    batch of prompts (``one``: one template; ``mixed``: four, interleaved), the median ms
+    of ``generate_calls`` with shared starts prefilled once per group and with every row
+    prefilled in full (the same outputs; the worker streams cannot show it alone, since
+    their per-task costs are the same either way)."""
     import torch
 
     from sits_queue.cache.engines import engine_from_path
-    from sits_queue.workers.batched import Call, generate_calls
+    from sits_queue.workers.batched import Call
+    from sits_queue.workers.batchgen import generate_calls
+    from sits_queue.workers.inference import tokenizer_of
 
     torch.set_num_threads(len(available_cpus()))
     engine = engine_from_path(LM_MODEL, lm_dir, "cpu")
     engine.to_device("cpu")
-    calls = [Call(str(i), (p,), {"max_new_tokens": GEN_TOKENS, "stop_at_eos": False})
-             for i, p in enumerate(prompts)]
-    out: dict[str, Any] = {"rows": len(calls)}
-    for name, share in (("shared_ms", True), ("unshared_ms", False)):
-        times = []
-        for _ in range(BATCH_REPEATS + 1):  # the first run warms up
-            start = time.perf_counter()
-            got = generate_calls(engine, calls, share_prefix=share)
-            times.append((time.perf_counter() - start) * 1000)
-        out[name] = round(statistics.median(times[1:]), 1)
-        if share:
-            out["shared_tokens"] = got[0]["shared_tokens"]
+    tokenizer = tokenizer_of(engine, LM_MODEL)
+    out: dict[str, Any] = {}
+    for batch, prompts in batches.items():
+        calls = [Call(str(i), (p,), {"max_new_tokens": GEN_TOKENS, "stop_at_eos": False})
+                 for i, p in enumerate(prompts)]
+        got_batch: dict[str, Any] = {"rows": len(calls)}
+        for name, share in (("shared_ms", True), ("unshared_ms", False)):
+            times = []
+            for _ in range(BATCH_REPEATS + 1):  # the first run warms up
+                start = time.perf_counter()
+                got = generate_calls(engine, calls, share_prefix=share)
+                times.append((time.perf_counter() - start) * 1000)
+            got_batch[name] = round(statistics.median(times[1:]), 1)
+            if share:
+                shared = [g["shared_tokens"] for g in got]
+                got_batch["shared_tokens"] = max(shared)
+                got_batch["groups"] = len({tuple(tokenizer(p)["input_ids"][:n])
+                                           for n, p in zip(shared, prompts, strict=True)
+                                           if n})
+        out[batch] = got_batch
     engine.release()
     return out
 
@@ -293,9 +322,12 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
                 f"{n} {out[n][system]['throughput_tps']}/s p50 {out[n][system]['p50_ms']} ms"
                 for n in STREAMS))
     result = {name: {s: v[s] for s in SYSTEMS} for name, v in out.items()}
-    batch_ms = template_batch_ms(lm_dir, texts["gen_template"][:BATCH_ROWS])
-    r = {**ratios(result), "template_batch_shared_vs_unshared": ratio(
-        batch_ms["shared_ms"], batch_ms["unshared_ms"])}
+    inputs = make_texts(BATCH_ROWS, shape.seed + 10)
+    batch_ms = template_batch_ms(lm_dir, {"one": [TEMPLATE + t for t in inputs],
+                                          "mixed": mixed_prompts(inputs)})
+    r = {**ratios(result), **{
+        f"{'template' if name == 'one' else 'mixed'}_batch_shared_vs_unshared":
+        ratio(b["shared_ms"], b["unshared_ms"]) for name, b in batch_ms.items()}}
     return {**result, "ratios": r, "meta": {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "quick": quick,
         "shape": asdict(shape), "encoder": ENCODER_SHAPE, "lm": LM_SHAPE,
@@ -323,9 +355,13 @@ def table(result: Mapping[str, Any]) -> str:
     if failed:
         lines.append(f"FAILED tasks: {failed}")
     tb = result["meta"]["template_batch"]
-    lines.append(f"one batch of {tb['rows']} template prompts, in-process: "
-                 f"{tb['shared_ms']} ms sharing the {tb['shared_tokens']}-token prefill, "
-                 f"{tb['unshared_ms']} ms prefilling every row")
+    one, mixed = tb["one"], tb["mixed"]
+    lines.append(f"one batch of {one['rows']} template prompts, in-process: "
+                 f"{one['shared_ms']} ms sharing the {one['shared_tokens']}-token prefill, "
+                 f"{one['unshared_ms']} ms prefilling every row; {mixed['rows']} prompts "
+                 f"over 4 templates: {mixed['shared_ms']} ms prefilling each of its "
+                 f"{mixed['groups']} groups' template once, {mixed['unshared_ms']} ms "
+                 "every row")
     lines.append("ratios: " + ", ".join(f"{k}={v}" for k, v in result["ratios"].items()))
     lines.append(targets_line(result["meta"]["targets"]))
     return "\n".join(lines)

@@ -40,10 +40,9 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 from weakref import ref
 
@@ -55,9 +54,8 @@ from kombu.serialization import loads
 
 from sits_queue.broker import intake
 from sits_queue.broker.keys import batch_mark, batch_units
-from sits_queue.cache import kvwarm
 from sits_queue.errors import InferenceError, InvalidInput
-from sits_queue.workers import firsttoken, inference, kvreuse, metrics, runtime
+from sits_queue.workers import inference, metrics, runtime
 from sits_queue.workers import request as admission
 from sits_queue.workers.request import SitsRequest
 
@@ -147,7 +145,7 @@ def _run(task: Any, calls: list[Call], request: dict[str, Any]) -> dict[str, Any
 _EMBED = inspect.signature(inference.embed)
 
 
-def _arguments(signature: inspect.Signature, task: str, engine: Any, call: Call
+def arguments(signature: inspect.Signature, task: str, engine: Any, call: Call
                ) -> dict[str, Any] | InvalidInput:
     """One call's arguments by name, defaults filled in, as the batch function's
     single-call signature reads them; or the error that fails that call alone."""
@@ -170,7 +168,7 @@ def embed_calls(engine: Any, calls: list[Call]) -> list[Any]:
     outputs: list[Any] = [None] * len(calls)
     groups: dict[bool, list[tuple[int, Any]]] = {}
     for i, call in enumerate(calls):
-        args = _arguments(_EMBED, "sits.embed", engine, call)
+        args = arguments(_EMBED, "sits.embed", engine, call)
         if isinstance(args, InvalidInput):
             outputs[i] = args
             continue
@@ -196,237 +194,6 @@ def embed_calls(engine: Any, calls: list[Call]) -> list[Any]:
             outputs[i] = part[0] if isinstance(texts, str) else part
             start += len(own)
     return outputs
-
-
-def generate_batched(engine: Any, prompt: str, max_new_tokens: int = 32,
-                     temperature: float = 0.0, seed: int = 0,
-                     stop_at_eos: bool = True) -> dict[str, Any]:
-    """One call of ``sits.generate_batched`` (its signature: a call's arguments, those of
-    ``sits.generate``; the batch function is :func:`generate_calls`), as a plain function."""
-    out = generate_calls(engine, [Call("", (prompt, max_new_tokens, temperature, seed,
-                                            stop_at_eos))])[0]
-    if isinstance(out, BaseException):
-        raise out
-    result: dict[str, Any] = out
-    return result
-
-
-_GENERATE = inspect.signature(generate_batched)
-
-
-@dataclass(frozen=True)
-class _Row:
-    """One call of a generation batch: where its output goes, its prompt's token ids and
-    how it decodes."""
-
-    index: int
-    ids: list[int]
-    most: int
-    temperature: float
-    seed: int
-
-
-def generate_calls(engine: Any, calls: list[Call], *, share_prefix: bool = True
-                   ) -> list[Any]:
-    """Continuations of every call's prompt as one padded batch through Hugging Face
-    ``generate`` (the KV cache, the attention mask and positions handled there), each
-    cut to its own ``max_new_tokens`` and, with ``stop_at_eos``, after its
-    end-of-sequence token; greedy or sampled per call (``temperature``, ``seed``), each
-    row sampled as :func:`~sits_queue.workers.inference.generate` samples (the softmax at
-    its temperature, a generator seeded by its seed and the position): what that decodes
-    for each prompt alone (tested, greedy and sampled), as ``{"text", "tokens",
-    "prompt_tokens", "cached_tokens", "shared_tokens", "stopped", "runs": 1}``.
-
-    Prompts that start alike (one instruction template over many inputs: the offline
-    case) have that prefix prefilled once for the whole batch, after the part the
-    child's KV-prefix store already holds, and stored for later batches
-    (``shared_tokens``: the prefix's length; ``cached_tokens``: the part from the store).
-    A batch of one runs ``inference.generate``'s decode loop instead (faster alone; its
-    ``shared_tokens`` is 0, the store still serves its prompt's start). No time slices
-    (``sits.generate``'s); a call with bad arguments or a prompt the model cannot take
-    fails alone. ``share_prefix`` False prefills every row in full (what
-    ``sitsq bench coalesce`` compares with)."""
-    model = getattr(engine, "key", "?")
-    module, tokenizer = inference.module_of(engine, model), inference.tokenizer_of(engine, model)
-    limit = kvwarm.max_positions(module, tokenizer)
-    outputs: list[Any] = [None] * len(calls)
-    groups: dict[bool, list[_Row]] = {}
-    for i, call in enumerate(calls):
-        args = _arguments(_GENERATE, "sits.generate_batched", engine, call)
-        if isinstance(args, InvalidInput):
-            outputs[i] = args
-            continue
-        prompt, most = args["prompt"], args["max_new_tokens"]
-        try:
-            inference.check_prompt(prompt, most, args["temperature"], args["seed"])
-            ids = tokenizer(prompt)["input_ids"]
-            inference.check_context(model, len(ids), most, limit)
-        except InferenceError as exc:
-            outputs[i] = exc
-            continue
-        row = _Row(i, ids, most, float(args["temperature"]), int(args["seed"]))
-        groups.setdefault(bool(args["stop_at_eos"]), []).append(row)
-    for stop, rows in groups.items():
-        for row, out in zip(rows, _generate_rows(module, tokenizer, model, rows, stop,
-                                                 share_prefix), strict=True):
-            outputs[row.index] = out
-    return outputs
-
-
-#: Shortest token prefix a generation batch's prompts must share for it to be prefilled
-#: once for all of them: one KV-prefix block, the least the store keeps (a shorter
-#: common start stays in the batch's own prefill).
-SHARE_MIN_TOKENS = 16
-
-
-def shared_prefix(prompts: list[list[int]]) -> int:
-    """Tokens every prompt starts with, leaving each at least one of its own (a row needs
-    one position past the prefix to give logits); 0 below :data:`SHARE_MIN_TOKENS`."""
-    if not prompts:
-        return 0
-    shortest = min(len(p) for p in prompts)
-    n = 0
-    while n < shortest - 1 and all(p[n] == prompts[0][n] for p in prompts):
-        n += 1
-    return n if n >= SHARE_MIN_TOKENS else 0
-
-
-def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], stop: bool,
-                   share: bool = True) -> list[dict[str, Any]]:
-    import copy
-
-    import torch
-    from transformers import LogitsProcessorList
-
-    longest = max(row.most for row in rows)
-    width = max(len(row.ids) for row in rows)
-    active = runtime.active()
-    if active is not None:
-        active.check_vram(inference.kv_cache_bytes(module, (width + longest) * len(rows)))
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if len(rows) == 1:
-        return [_generate_alone(module, tokenizer, model, rows[0], eos if stop else None,
-                                active)]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
-    device = next(module.parameters()).device
-    shared = shared_prefix([row.ids for row in rows]) if share else 0
-    past, cached = _shared_cache(module, model, rows[0].ids[:shared], len(rows), active) \
-        if shared else (None, 0)
-    if past is None:
-        shared = 0
-    input_ids, mask = _layout(rows, shared, pad)
-    width = int(input_ids.shape[1])
-    config = copy.deepcopy(module.generation_config)
-    # Greedy for ``generate``: the sampled rows' tokens are chosen by _RowSampler, which
-    # leaves generate's argmax no other choice.
-    config.update(max_new_tokens=longest, do_sample=False, pad_token_id=pad,
-                  eos_token_id=eos if stop else None)
-    extra = {kvwarm.cache_kwarg(module): past} if past is not None else {}
-    with torch.inference_mode():
-        out = module.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                              generation_config=config,
-                              logits_processor=LogitsProcessorList([_row_sampler(width, rows)]),
-                              **extra)
-    results = []
-    for r, row in enumerate(rows):
-        new = out[r, width:].tolist()[:row.most]
-        if stop and eos is not None and eos in new:
-            new = new[:new.index(eos) + 1]
-        results.append({"text": tokenizer.decode(new, skip_special_tokens=True),
-                        "tokens": len(new), "prompt_tokens": len(row.ids),
-                        "cached_tokens": cached, "shared_tokens": shared,
-                        "stopped": "eos" if stop and new and new[-1] == eos else "length",
-                        "runs": 1})
-    return results
-
-
-def _generate_alone(module: Any, tokenizer: Any, model: str, row: _Row, eos: int | None,
-                    active: runtime.ActiveTask | None) -> dict[str, Any]:
-    """A batch of one: ``inference.generate``'s own decode loop, which is what the row
-    would get from ``generate`` (the same tokens, tested) without its per-call set-up
-    (generation config, logits processors, stopping criteria: a quarter of a short
-    generation's time with a small model), and with its soft-limit check between steps.
-    Never yields: a batch task does not resume from a checkpoint."""
-    import torch
-
-    device = next(module.parameters()).device
-    unsliced = replace(active, yielder=None) if active is not None else None
-    prefix = inference.PromptPrefix.looked_up(unsliced, model, row.ids)
-    progress: dict[str, Any] = {"new": [], "runs": 1}
-    inference.decode_steps(module, torch.tensor([row.ids], device=device), row.most, eos,
-                           row.temperature, row.seed, progress, unsliced, prefix)
-    new: list[int] = progress["new"]
-    return {"text": tokenizer.decode(new, skip_special_tokens=True), "tokens": len(new),
-            "prompt_tokens": len(row.ids), "cached_tokens": prefix.tokens,
-            "shared_tokens": 0,
-            "stopped": "eos" if eos is not None and new and new[-1] == eos else "length",
-            "runs": 1}
-
-
-def _layout(rows: list[_Row], shared: int, pad: int) -> tuple[Any, Any]:
-    """Token ids and attention mask of a batch: each prompt's own tokens end together
-    (left padding); with a shared prefix, that comes first in every row and the padding
-    sits between it and the rest (masked out; positions count only real tokens)."""
-    import torch
-
-    own = max(len(row.ids) - shared for row in rows)
-    input_ids = torch.full((len(rows), shared + own), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), shared + own), dtype=torch.long)
-    for r, row in enumerate(rows):
-        rest = row.ids[shared:]
-        input_ids[r, :shared] = torch.tensor(row.ids[:shared], dtype=torch.long)
-        mask[r, :shared] = 1
-        input_ids[r, shared + own - len(rest):] = torch.tensor(rest, dtype=torch.long)
-        mask[r, shared + own - len(rest):] = 1
-    return input_ids, mask
-
-
-def _shared_cache(module: Any, model: str, tokens: list[int], rows: int,
-                  active: runtime.ActiveTask | None) -> tuple[Any, int]:
-    """The KV cache of the batch's shared prefix, prefilled once (after the longest part
-    the child's KV-prefix store holds, which it then keeps for later batches and
-    generations) and repeated for every row; with the tokens that came from the store.
-    (None, 0) for a model whose cache cannot be shared (sliding-window, recurrent)."""
-    import torch
-
-    prefix = inference.PromptPrefix.looked_up(active, model, tokens)
-    device = next(module.parameters()).device
-    with torch.inference_mode():
-        out = module(input_ids=torch.tensor([tokens[prefix.tokens:]], device=device),
-                     attention_mask=torch.ones((1, len(tokens)), dtype=torch.long,
-                                               device=device),
-                     use_cache=True, **{kvwarm.cache_kwarg(module): prefix.start})
-    cache = kvwarm.cache_of(out)
-    if not kvreuse.reusable(cache):
-        return None, 0
-    prefix.after_prefill(cache)  # a copy: the repeat below is in place
-    cache.batch_repeat_interleave(rows)
-    return cache, prefix.tokens
-
-
-def _row_sampler(width: int, rows: list[_Row]) -> Any:
-    """A ``LogitsProcessor`` that marks the first token (``firsttoken.py``) and, for each
-    sampled row, draws that row's token as ``inference.generate`` would at that position
-    and leaves it the only possible one."""
-    import torch
-    from transformers import LogitsProcessor
-
-    sampled = [(r, row) for r, row in enumerate(rows) if row.temperature > 0]
-    generator = torch.Generator(device="cpu")
-
-    class RowSampler(LogitsProcessor):
-        def __call__(self, input_ids: Any, scores: Any) -> Any:
-            firsttoken.mark()
-            position = int(input_ids.shape[1]) - width
-            for r, row in sampled:
-                probs = torch.softmax(scores[r:r + 1].float() / row.temperature, dim=-1).cpu()
-                token = int(torch.multinomial(probs, 1, generator=inference.seeded(
-                    generator, row.seed, position)))
-                scores[r] = -math.inf
-                scores[r, token] = 0.0
-            return scores
-
-    return RowSampler()
 
 
 def _alone(engine: Any, texts: Any, normalize: bool) -> Any:

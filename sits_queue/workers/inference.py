@@ -522,13 +522,13 @@ def prewarm(engine: Any) -> dict[str, Any]:
 def register(app: Any) -> dict[str, Any]:
     """``sits.generate``, ``sits.embed`` (a batch task: calls waiting together run as
     one batch) and ``sits.prewarm`` on ``app`` (model per call)."""
-    from sits_queue.workers import batched
+    from sits_queue.workers import batched, batchgen
 
     tasks: dict[str, Callable[..., Any]] = {
         "generate": app.inference_task(name="sits.generate", shared=False)(generate),
         "embed": app.batch_inference_task(name="sits.embed", shared=False)(batched.embed_calls),
         "generate_batched": app.batch_inference_task(
-            name="sits.generate_batched", shared=False)(batched.generate_calls),
+            name="sits.generate_batched", shared=False)(batchgen.generate_calls),
         "prewarm": app.inference_task(name="sits.prewarm", shared=False)(prewarm),
     }
     return tasks

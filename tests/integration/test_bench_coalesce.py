@@ -36,7 +36,10 @@ def test_three_systems_every_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert result["gen_template"]["sits_batched"]["mean_batch"] > 2
     assert set(result["meta"]["rates_per_s"]) == {"light", "heavy"}
     assert all(v is not None for v in result["ratios"].values())
-    # The in-process batch of template prompts: the template is what they share
-    batch = result["meta"]["template_batch"]
-    assert batch["rows"] == TINY.generations and batch["shared_tokens"] >= 16
-    assert batch["shared_ms"] > 0 and batch["unshared_ms"] > 0
+    # The in-process batches: one template is what the first shares; the mixed one
+    # shares each of its four templates within that template's rows
+    batches = result["meta"]["template_batch"]
+    assert batches["one"]["groups"] == 1 and batches["mixed"]["groups"] == 4
+    for batch in batches.values():
+        assert batch["rows"] == coalesce.BATCH_ROWS and batch["shared_tokens"] >= 16
+        assert batch["shared_ms"] > 0 and batch["unshared_ms"] > 0

@@ -4,12 +4,10 @@ real model that start from a cached prefix and decode exactly what a full prefil
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from celery.exceptions import SoftTimeLimitExceeded
 
 from sits_queue.app import make_app
 from sits_queue.cache.engines import engine_from_path
@@ -17,7 +15,7 @@ from sits_queue.cache.pool import ColdStart
 from sits_queue.cache.prefix import Hit, PrefixStore, Slot, block_keys, plan_evictions
 from sits_queue.config import SitsConfig
 from sits_queue.models import tiny
-from sits_queue.workers import batched, inference, kvreuse, metrics
+from sits_queue.workers import inference, kvreuse, metrics
 from sits_queue.workers import runtime as rt
 
 # -- pure -------------------------------------------------------------------------------------
@@ -272,106 +270,3 @@ def test_generate_tags_what_it_stores_with_the_tasks_prefix_key(lm: Any) -> None
     with rt.activated(active):
         inference.generate(lm, SHARED + "a", max_new_tokens=2, stop_at_eos=False)
     assert store.tags() == ["template-v1"]
-
-
-# -- a generation batch's shared prefix (workers/batched.py) -----------------------------------
-
-def test_shared_prefix_is_the_common_start_leaving_each_prompt_a_token() -> None:
-    from sits_queue.workers.batched import SHARE_MIN_TOKENS, shared_prefix
-
-    template = list(range(100, 100 + SHARE_MIN_TOKENS + 4))
-    assert shared_prefix([[*template, 1, 2], [*template, 3], [*template, 1, 9]]) == \
-        len(template)
-    # never a whole prompt: the shortest keeps one token of its own
-    assert shared_prefix([template, [*template, 5]]) == len(template) - 1
-    assert shared_prefix([[*template, 1]]) == len(template)  # one prompt: all but its last
-    assert shared_prefix([[*template[:SHARE_MIN_TOKENS - 1], 1],
-                          [*template[:SHARE_MIN_TOKENS - 1], 2]]) == 0  # too short to share
-    assert shared_prefix([[1, 2, 3, *template], [4, *template]]) == 0
-    assert shared_prefix([]) == 0
-
-
-def generate_batch(lm: Any, prompts: list[str], store: PrefixStore | None = None,
-                   counts: dict[str, float] | None = None, **kwargs: Any) -> list[Any]:
-    calls = [batched.Call(str(i), (p,), {"max_new_tokens": 6, "stop_at_eos": False,
-                                         "temperature": 1.3 if i % 2 else 0.0, "seed": i,
-                                         **kwargs})
-             for i, p in enumerate(prompts)]
-    seen = counts if counts is not None else {}
-    active = rt.ActiveTask("lm", SitsConfig().quota("high"), lm.size_bytes(), "cpu",
-                           prefixes=store, count=lambda f: metrics.merge(seen, f))
-    with rt.activated(active):
-        return batched.generate_calls(lm, calls)
-
-
-ITEMS = ["disk 3 is full", "node 7 rebooted twice", "ok", "latency is up by a fifth"]
-
-
-def test_a_batch_prefills_its_shared_template_once_and_decodes_as_each_alone(
-        lm: Any) -> None:
-    prompts = [SHARED + item for item in ITEMS]
-    forwards: list[tuple[int, int]] = []
-    handle = lm.module.register_forward_pre_hook(
-        lambda _m, _a, kw: forwards.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
-    try:
-        got = generate_batch(lm, prompts)
-    finally:
-        handle.remove()
-    shared = got[0]["shared_tokens"]
-    # The template's tokens, once, for one row; then every row goes on from there
-    assert shared >= 16 and forwards[0] == (1, shared)
-    assert forwards[1][0] == len(prompts) and forwards[1][1] < max(
-        g["prompt_tokens"] for g in got)
-    for i, (prompt, out) in enumerate(zip(prompts, got, strict=True)):
-        alone = inference.generate(lm, prompt, max_new_tokens=6, stop_at_eos=False,
-                                   temperature=1.3 if i % 2 else 0.0, seed=i)
-        assert out == {**alone, "shared_tokens": shared}, prompt
-
-
-def test_the_next_batch_takes_the_template_from_the_kv_prefix_store(lm: Any) -> None:
-    store, counts = PrefixStore(2**26), {}
-    first = generate_batch(lm, [SHARED + item for item in ITEMS[:2]], store, counts)
-    assert first[0]["cached_tokens"] == 0 and len(store) == 1
-    prompts = [SHARED + item for item in ITEMS[2:]]
-    second = generate_batch(lm, prompts, store, counts)
-    cached = second[0]["cached_tokens"]
-    assert 16 <= cached <= second[0]["shared_tokens"] and cached % store.block == 0
-    assert counts == {"kv_lookups": 2, "kv_hits": 1, "kv_tokens": cached}
-    plain = generate_batch(lm, prompts)  # no store: the same outputs
-    assert [{**g, "cached_tokens": 0} for g in second] == plain
-
-
-def test_a_batch_of_one_decodes_alone_from_the_store_and_never_yields(lm: Any) -> None:
-    store = PrefixStore(2**26)
-    generate_batch(lm, [SHARED + item for item in ITEMS[:2]], store)  # stores the template
-
-    def refuse(*_args: Any, **_kwargs: Any) -> None:
-        raise AssertionError("a batch of one went through Hugging Face generate()")
-
-    def yielded(_state: Any, _remaining_s: float | None) -> None:
-        raise AssertionError("a batch task yielded: it cannot resume from a checkpoint")
-
-    call = batched.Call("0", (SHARED + "one more line",), {
-        "max_new_tokens": 6, "stop_at_eos": False, "temperature": 1.3, "seed": 3})
-    active = rt.ActiveTask("lm", SitsConfig().quota("high"), lm.size_bytes(), "cpu",
-                           prefixes=store, yielder=yielded)
-    lm.module.generate = refuse
-    try:
-        with rt.activated(active):
-            out = batched.generate_calls(lm, [call])[0]
-    finally:
-        del lm.module.generate
-    assert out["cached_tokens"] >= 16 and out["shared_tokens"] == 0
-    alone = inference.generate(lm, SHARED + "one more line", max_new_tokens=6,
-                               stop_at_eos=False, temperature=1.3, seed=3)
-    assert out == {**alone, "cached_tokens": out["cached_tokens"], "shared_tokens": 0}
-    # Its soft time limit is checked between decode steps, as a plain generation's
-    late = rt.ActiveTask("lm", SitsConfig().quota("high"), lm.size_bytes(), "cpu",
-                         soft_deadline=time.monotonic() - 1.0)
-    with rt.activated(late), pytest.raises(SoftTimeLimitExceeded, match="0 of 6 steps"):
-        batched.generate_calls(lm, [call])
-
-
-def test_prompts_with_nothing_in_common_batch_without_sharing(lm: Any) -> None:
-    got = generate_batch(lm, ["the queue", "a model serves the"])
-    assert all(g["shared_tokens"] == 0 and g["cached_tokens"] == 0 for g in got)

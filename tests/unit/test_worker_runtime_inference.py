@@ -26,7 +26,7 @@ from sits_queue.errors import (
     VramLimitExceeded,
 )
 from sits_queue.models import tiny
-from sits_queue.workers import advertise, batched, firsttoken, gpu, inference
+from sits_queue.workers import advertise, batched, batchgen, firsttoken, gpu, inference
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.devices import Device, Discovery
 
@@ -244,19 +244,19 @@ def test_a_batch_mixes_greedy_and_sampled_rows_each_as_it_would_decode_alone(lm:
     calls = [batched.Call(str(i), (p, n), {"temperature": t, "seed": s})
              for i, (p, n, t, s) in enumerate(rows)]
     with firsttoken.first_token_clock() as clock:
-        got = batched.generate_calls(lm, calls)
+        got = batchgen.generate_calls(lm, calls)
     for (prompt, n, t, s), out in zip(rows, got, strict=True):
         alone = inference.generate(lm, prompt, max_new_tokens=n, temperature=t, seed=s)
         assert out == {**alone, "cached_tokens": 0, "shared_tokens": 0}, prompt
     assert clock.ms is not None and clock.ms > 0
     # Another seed samples another continuation (the seed is used, per row)
-    other = batched.generate_calls(lm, [batched.Call("x", ("a queue", 9),
+    other = batchgen.generate_calls(lm, [batched.Call("x", ("a queue", 9),
                                                      {"temperature": 1.5, "seed": 4})])
     assert other[0]["text"] != got[1]["text"]
 
 
 def test_a_call_with_a_bad_seed_fails_alone(lm: Any) -> None:
-    got = batched.generate_calls(lm, [batched.Call("a", ("the cache",), {"seed": "x"}),
+    got = batchgen.generate_calls(lm, [batched.Call("a", ("the cache",), {"seed": "x"}),
                                       batched.Call("b", ("the cache", 3), {})])
     assert isinstance(got[0], InvalidInput) and "seed must be an integer" in str(got[0])
     assert got[1]["tokens"] >= 1

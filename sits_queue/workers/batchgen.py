@@ -1,0 +1,358 @@
+"""``sits.generate_batched``: the continuations of a batch of prompts in one run.
+
+The calls of a batch (``workers/batched.py`` gathers them) decode as one left-padded
+batch through Hugging Face ``generate`` (its KV cache, attention mask and positions),
+each row cut to its own ``max_new_tokens`` and end-of-sequence token, greedy or sampled
+per row exactly as ``inference.generate`` samples it alone.
+
+Offline prompts mostly start with one of a few instruction templates. Prefilling a
+template once per batch instead of once per row is most of a short generation's work,
+so the rows are grouped by the prompt start they share (:func:`prefix_groups`: a
+template's rows together, even when the batch mixes templates), each group's start is
+prefilled once, after the part the child's KV-prefix store already holds, and stored for
+later batches; every row then goes on from its group's KV in one batch::
+
+    row  | pad | template A's KV (prefilled once)  | pad | own tokens ->
+    row  |        template B's KV (once)           | pad | own tokens ->
+    row  |            (no shared start)        pad       | own tokens ->
+
+Padding is masked out and positions count real tokens only, so each row decodes what it
+would alone (tested token for token, greedy and sampled). A batch of one runs
+``inference.generate``'s own decode loop: the same tokens without ``generate``'s per-call
+set-up.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from sits_queue.cache import kvwarm
+from sits_queue.errors import InferenceError, InvalidInput
+from sits_queue.workers import firsttoken, inference, kvreuse, runtime
+from sits_queue.workers.batched import Call, arguments
+
+#: Shortest token prefix the prompts of a group must share for it to be prefilled once
+#: for all of them: one KV-prefix block, the least the store keeps (a shorter common
+#: start stays in the batch's own prefill).
+SHARE_MIN_TOKENS = 16
+
+
+def generate_batched(engine: Any, prompt: str, max_new_tokens: int = 32,
+                     temperature: float = 0.0, seed: int = 0,
+                     stop_at_eos: bool = True) -> dict[str, Any]:
+    """One call of ``sits.generate_batched`` (its signature: a call's arguments, those of
+    ``sits.generate``; the batch function is :func:`generate_calls`), as a plain function."""
+    out = generate_calls(engine, [Call("", (prompt, max_new_tokens, temperature, seed,
+                                            stop_at_eos))])[0]
+    if isinstance(out, BaseException):
+        raise out
+    result: dict[str, Any] = out
+    return result
+
+
+_GENERATE = inspect.signature(generate_batched)
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One call of a generation batch: where its output goes, its prompt's token ids and
+    how it decodes."""
+
+    index: int
+    ids: list[int]
+    most: int
+    temperature: float
+    seed: int
+
+
+def generate_calls(engine: Any, calls: list[Call], *, share_prefix: bool = True
+                   ) -> list[Any]:
+    """Continuations of every call's prompt as one batch (the module's docstring): what
+    ``inference.generate`` decodes for each prompt alone, as ``{"text", "tokens",
+    "prompt_tokens", "cached_tokens", "shared_tokens", "stopped", "runs": 1}``
+    (``shared_tokens``: the length of the prompt start the row's group prefilled once;
+    ``cached_tokens``: the part of it that came from the KV-prefix store; a batch of one
+    shares nothing, though the store still serves its prompt's start).
+
+    No time slices (``sits.generate``'s); a call with bad arguments or a prompt the model
+    cannot take fails alone. ``share_prefix`` False prefills every row in full (what
+    ``sitsq bench coalesce`` compares with)."""
+    model = getattr(engine, "key", "?")
+    module, tokenizer = inference.module_of(engine, model), inference.tokenizer_of(engine, model)
+    limit = kvwarm.max_positions(module, tokenizer)
+    outputs: list[Any] = [None] * len(calls)
+    groups: dict[bool, list[_Row]] = {}
+    for i, call in enumerate(calls):
+        args = arguments(_GENERATE, "sits.generate_batched", engine, call)
+        if isinstance(args, InvalidInput):
+            outputs[i] = args
+            continue
+        prompt, most = args["prompt"], args["max_new_tokens"]
+        try:
+            inference.check_prompt(prompt, most, args["temperature"], args["seed"])
+            ids = tokenizer(prompt)["input_ids"]
+            inference.check_context(model, len(ids), most, limit)
+        except InferenceError as exc:
+            outputs[i] = exc
+            continue
+        row = _Row(i, ids, most, float(args["temperature"]), int(args["seed"]))
+        groups.setdefault(bool(args["stop_at_eos"]), []).append(row)
+    for stop, rows in groups.items():
+        for row, out in zip(rows, _generate_rows(module, tokenizer, model, rows, stop,
+                                                 share_prefix), strict=True):
+            outputs[row.index] = out
+    return outputs
+
+
+# -- which rows share what (pure) ------------------------------------------------------------
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """Tokens ``a`` and ``b`` start with alike, leaving each at least one of its own (a
+    row needs one position past its prefix to give logits)."""
+    most = min(len(a), len(b)) - 1
+    n = 0
+    while n < most and a[n] == b[n]:
+        n += 1
+    return max(n, 0)
+
+
+def prefix_groups(prompts: Sequence[Sequence[int]], least: int = SHARE_MIN_TOKENS
+                  ) -> list[tuple[tuple[int, ...], int]]:
+    """The rows of a batch grouped to prefill each shared prompt start once: ``(row
+    indices, shared tokens)`` per group, every row in one group.
+
+    Chosen to save the most prefill: a group of ``n`` rows sharing ``p`` tokens saves
+    ``(n - 1) * p``, so two templates that begin with the same preamble make two groups
+    (each sharing its whole template), not one sharing the preamble. A group shares at
+    least ``least`` tokens; a row that shares fewer with every other is a group of its
+    own sharing 0. Sorted, prompts that share a start are neighbours, and a set of
+    neighbours shares the least of its adjacent common starts: the best grouping of a
+    run either keeps it whole or splits it where that least one is (recursively)."""
+    order = sorted(range(len(prompts)), key=lambda i: list(prompts[i]))
+    common = [_common(prompts[a], prompts[b]) for a, b in itertools.pairwise(order)]
+
+    def best(lo: int, hi: int) -> tuple[int, list[tuple[tuple[int, ...], int]]]:
+        # rows order[lo..hi]; common[lo..hi-1] between neighbours
+        if lo == hi:
+            return 0, [((order[lo],), 0)]
+        least_common = min(common[lo:hi])
+        saved, parts, start = 0, [], lo
+        for k in [*(k for k in range(lo, hi) if common[k] == least_common), hi]:
+            got, groups = best(start, k)
+            saved, start = saved + got, k + 1
+            parts.extend(groups)
+        whole = (hi - lo) * least_common
+        if least_common >= least and whole >= saved:
+            return whole, [(tuple(sorted(order[lo:hi + 1])), least_common)]
+        return saved, parts
+
+    if not prompts:
+        return []
+    return sorted(best(0, len(order) - 1)[1])
+
+
+# -- the batch ---------------------------------------------------------------------------------
+
+def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], stop: bool,
+                   share: bool = True) -> list[dict[str, Any]]:
+    import torch
+    from transformers import LogitsProcessorList
+
+    longest = max(row.most for row in rows)
+    active = runtime.active()
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if len(rows) == 1:
+        if active is not None:
+            active.check_vram(inference.kv_cache_bytes(module, len(rows[0].ids) + longest))
+        return [_generate_alone(module, tokenizer, model, rows[0], eos if stop else None,
+                                active)]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+    device = next(module.parameters()).device
+    groups = _plan([row.ids for row in rows]) if share else []
+    shared = _shares(groups, len(rows))
+    if active is not None:
+        active.check_vram(inference.kv_cache_bytes(module, (_width(rows, shared) + longest)
+                                                   * len(rows)))
+    past, cached = None, [0] * len(rows)
+    if groups:
+        past, cached = _prefix_cache(module, model, rows, groups, active)
+        if past is None:
+            shared = [0] * len(rows)
+    input_ids, mask = _layout(rows, shared, pad)
+    width = int(input_ids.shape[1])
+    config = copy.deepcopy(module.generation_config)
+    # Greedy for ``generate``: the sampled rows' tokens are chosen by _RowSampler, which
+    # leaves generate's argmax no other choice.
+    config.update(max_new_tokens=longest, do_sample=False, pad_token_id=pad,
+                  eos_token_id=eos if stop else None)
+    extra = {kvwarm.cache_kwarg(module): past} if past is not None else {}
+    with torch.inference_mode():
+        out = module.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device),
+                              generation_config=config,
+                              logits_processor=LogitsProcessorList([_row_sampler(width, rows)]),
+                              **extra)
+    results = []
+    for r, row in enumerate(rows):
+        new = out[r, width:].tolist()[:row.most]
+        if stop and eos is not None and eos in new:
+            new = new[:new.index(eos) + 1]
+        results.append({"text": tokenizer.decode(new, skip_special_tokens=True),
+                        "tokens": len(new), "prompt_tokens": len(row.ids),
+                        "cached_tokens": cached[r], "shared_tokens": shared[r],
+                        "stopped": "eos" if stop and new and new[-1] == eos else "length",
+                        "runs": 1})
+    return results
+
+
+def _plan(prompts: list[list[int]]) -> list[tuple[tuple[int, ...], int]]:
+    """The groups worth prefilling once, or none when the padded layout would cost more
+    prefill than it saves (rows with no shared start are padded to the longest start's
+    width: prefilled tokens, all rows' own parts padded alike, against every row in full)."""
+    groups = [(rows, n) for rows, n in prefix_groups(prompts) if n > 0]
+    if not groups:
+        return []
+    shares = _shares(groups, len(prompts))
+    own = max(len(p) - s for p, s in zip(prompts, shares, strict=True))
+    grouped = sum(n for _, n in groups) + len(prompts) * own
+    return groups if grouped < len(prompts) * max(len(p) for p in prompts) else []
+
+
+def _shares(groups: list[tuple[tuple[int, ...], int]], n_rows: int) -> list[int]:
+    shares = [0] * n_rows
+    for rows, n in groups:
+        for r in rows:
+            shares[r] = n
+    return shares
+
+
+def _width(rows: list[_Row], shared: list[int]) -> int:
+    """Positions of the batch's layout (:func:`_layout`)."""
+    return max(shared) + max(len(row.ids) - s for row, s in zip(rows, shared, strict=True))
+
+
+def _layout(rows: list[_Row], shared: list[int], pad: int) -> tuple[Any, Any]:
+    """Token ids and attention mask of a batch: each row's shared start ends where the
+    longest one does, and each row's own tokens end together (left padding before each
+    part, masked out; positions count only real tokens)."""
+    import torch
+
+    start = max(shared)
+    input_ids = torch.full((len(rows), _width(rows, shared)), pad, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for r, (row, n) in enumerate(zip(rows, shared, strict=True)):
+        rest = row.ids[n:]
+        input_ids[r, start - n:start] = torch.tensor(row.ids[:n], dtype=torch.long)
+        mask[r, start - n:start] = 1
+        input_ids[r, input_ids.shape[1] - len(rest):] = torch.tensor(rest, dtype=torch.long)
+        mask[r, input_ids.shape[1] - len(rest):] = 1
+    return input_ids, mask
+
+
+def _prefix_cache(module: Any, model: str, rows: list[_Row],
+                  groups: list[tuple[tuple[int, ...], int]],
+                  active: runtime.ActiveTask | None) -> tuple[Any, list[int]]:
+    """The batch's KV cache of its groups' shared starts, each prefilled once and placed
+    in its rows right-aligned (zeros before, masked out), with each row's tokens that
+    came from the KV-prefix store; (None, zeros) for a model whose cache cannot be
+    shared (sliding-window, recurrent)."""
+    import torch
+
+    cached = [0] * len(rows)
+    prefilled = []
+    for members, n in groups:
+        cache, from_store = _group_cache(module, model, rows[members[0]].ids[:n], active)
+        if cache is None:
+            return None, [0] * len(rows)
+        prefilled.append((cache, list(members)))
+        for r in members:
+            cached[r] = from_store
+    width = max(n for _, n in groups)
+    first = prefilled[0][0]
+    memo: dict[int, Any] = {}
+    with torch.inference_mode():
+        for i, layer in enumerate(first.layers):
+            for name in ("keys", "values"):
+                like = getattr(layer, name)
+                batch = like.new_zeros((len(rows), like.shape[1], width, like.shape[3]))
+                for cache, placed in prefilled:
+                    part = getattr(cache.layers[i], name)
+                    batch[placed, :, width - part.shape[-2]:, :] = part
+                # deepcopy consults the memo first: the batch's tensor stands in for it
+                memo[id(like)] = batch
+        return copy.deepcopy(first, memo), cached
+
+
+def _group_cache(module: Any, model: str, tokens: list[int],
+                 active: runtime.ActiveTask | None) -> tuple[Any, int]:
+    """One group's shared start as a one-row KV cache, prefilled after the longest part
+    the child's KV-prefix store holds (which then keeps it for later batches and
+    generations); with the tokens that came from the store. (None, 0) when the model's
+    cache cannot be reused."""
+    import torch
+
+    prefix = inference.PromptPrefix.looked_up(active, model, tokens)
+    device = next(module.parameters()).device
+    with torch.inference_mode():
+        out = module(input_ids=torch.tensor([tokens[prefix.tokens:]], device=device),
+                     attention_mask=torch.ones((1, len(tokens)), dtype=torch.long,
+                                               device=device),
+                     use_cache=True, **{kvwarm.cache_kwarg(module): prefix.start})
+    cache = kvwarm.cache_of(out)
+    if not kvreuse.reusable(cache):
+        return None, 0
+    prefix.after_prefill(cache)
+    return cache, prefix.tokens
+
+
+def _generate_alone(module: Any, tokenizer: Any, model: str, row: _Row, eos: int | None,
+                    active: runtime.ActiveTask | None) -> dict[str, Any]:
+    """A batch of one: ``inference.generate``'s own decode loop, which is what the row
+    would get from ``generate`` (the same tokens, tested) without its per-call set-up
+    (generation config, logits processors, stopping criteria: a quarter of a short
+    generation's time with a small model), and with its soft-limit check between steps.
+    Never yields: a batch task does not resume from a checkpoint."""
+    import torch
+
+    device = next(module.parameters()).device
+    unsliced = replace(active, yielder=None) if active is not None else None
+    prefix = inference.PromptPrefix.looked_up(unsliced, model, row.ids)
+    progress: dict[str, Any] = {"new": [], "runs": 1}
+    inference.decode_steps(module, torch.tensor([row.ids], device=device), row.most, eos,
+                           row.temperature, row.seed, progress, unsliced, prefix)
+    new: list[int] = progress["new"]
+    return {"text": tokenizer.decode(new, skip_special_tokens=True), "tokens": len(new),
+            "prompt_tokens": len(row.ids), "cached_tokens": prefix.tokens,
+            "shared_tokens": 0,
+            "stopped": "eos" if eos is not None and new and new[-1] == eos else "length",
+            "runs": 1}
+
+
+def _row_sampler(width: int, rows: list[_Row]) -> Any:
+    """A ``LogitsProcessor`` that marks the first token (``firsttoken.py``) and, for each
+    sampled row, draws that row's token as ``inference.generate`` would at that position
+    and leaves it the only possible one."""
+    import torch
+    from transformers import LogitsProcessor
+
+    sampled = [(r, row) for r, row in enumerate(rows) if row.temperature > 0]
+    generator = torch.Generator(device="cpu")
+
+    class RowSampler(LogitsProcessor):
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            firsttoken.mark()
+            position = int(input_ids.shape[1]) - width
+            for r, row in sampled:
+                probs = torch.softmax(scores[r:r + 1].float() / row.temperature, dim=-1).cpu()
+                token = int(torch.multinomial(probs, 1, generator=inference.seeded(
+                    generator, row.seed, position)))
+                scores[r] = -math.inf
+                scores[r, token] = 0.0
+            return scores
+
+    return RowSampler()

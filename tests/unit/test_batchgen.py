@@ -1,0 +1,215 @@
+"""Generation batches (``workers/batchgen.py``): how rows are grouped by the prompt
+start they share (pure), and batches on a tiny real model that prefill each group's
+start once, take it from the KV-prefix store next time, and decode every row exactly as
+it would alone."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from celery.exceptions import SoftTimeLimitExceeded
+
+from sits_queue.cache.engines import engine_from_path
+from sits_queue.cache.prefix import PrefixStore
+from sits_queue.config import SitsConfig
+from sits_queue.models import tiny
+from sits_queue.workers import inference, metrics
+from sits_queue.workers import runtime as rt
+from sits_queue.workers.batched import Call
+from sits_queue.workers.batchgen import SHARE_MIN_TOKENS, generate_calls, prefix_groups
+
+# -- grouping (pure) ----------------------------------------------------------------------------
+
+A = list(range(100, 100 + SHARE_MIN_TOKENS + 4))
+B = list(range(300, 300 + SHARE_MIN_TOKENS + 30))
+
+
+def test_one_template_is_one_group_sharing_all_of_it() -> None:
+    assert prefix_groups([[*A, 1, 2], [*A, 3], [*A, 1, 9]]) == [((0, 1, 2), len(A))]
+
+
+def test_a_batch_mixing_templates_makes_a_group_of_each() -> None:
+    prompts = [[*A, 1], [*B, 1], [*A, 2], [7, 8, 9], [*B, 2, 3], [*A, 3]]
+    assert prefix_groups(prompts) == [((0, 2, 5), len(A)), ((1, 4), len(B)), ((3,), 0)]
+
+
+def test_a_group_never_shares_a_whole_prompt() -> None:
+    # one prompt is the template itself, or two are the same: each keeps a token of its own
+    assert prefix_groups([A, [*A, 5]]) == [((0, 1), len(A) - 1)]
+    assert prefix_groups([[*A, 5], [*A, 5]]) == [((0, 1), len(A))]
+
+
+def test_templates_under_a_common_preamble_are_grouped_to_save_the_most() -> None:
+    preamble = list(range(500, 500 + SHARE_MIN_TOKENS + 4))
+    long_a, long_b = [*preamble, *range(40)], [*preamble, *range(50, 90)]
+    # two rows of each long template: two groups sharing the templates beat one sharing
+    # the preamble ((2-1)*60 * 2 = 120 saved, against (4-1)*20 = 60)
+    assert prefix_groups([[*long_a, 1], [*long_b, 1], [*long_a, 2], [*long_b, 2]]) == [
+        ((0, 2), len(long_a)), ((1, 3), len(long_b))]
+    # templates that differ by a token each, under a long preamble, share the preamble
+    rows = [[*preamble, t, i] for t in (1, 2, 3) for i in (0, 1)]
+    assert prefix_groups(rows) == [((0, 1, 2, 3, 4, 5), len(preamble))]
+
+
+def test_short_common_starts_are_not_shared() -> None:
+    short = A[:SHARE_MIN_TOKENS - 1]
+    assert prefix_groups([[*short, 1], [*short, 2]]) == [((0,), 0), ((1,), 0)]
+    assert prefix_groups([[1, 2, 3, *A], [4, *A]]) == [((0,), 0), ((1,), 0)]
+    assert prefix_groups([[*A, 1]]) == [((0,), 0)]  # one row shares with no one
+    assert prefix_groups([]) == []
+
+
+def test_every_row_lands_in_exactly_one_group() -> None:
+    import random
+
+    rng = random.Random(3)
+    templates = [[rng.randrange(50) for _ in range(rng.randint(10, 40))] for _ in range(5)]
+    prompts = [[*rng.choice(templates), *(rng.randrange(50) for _ in range(rng.randint(1, 9)))]
+               for _ in range(64)]
+    groups = prefix_groups(prompts)
+    assert sorted(r for rows, _ in groups for r in rows) == list(range(64))
+    for rows, n in groups:
+        assert n == 0 or n >= SHARE_MIN_TOKENS
+        assert all(prompts[r][:n] == prompts[rows[0]][:n] and len(prompts[r]) > n
+                   for r in rows)
+
+
+# -- batches on a tiny real model ---------------------------------------------------------------
+
+SHARED = ("you are a careful summariser of operations logs. keep every number. "
+          "answer in one line. ") * 2
+OTHER = ("translate the following status line into plain words for a reader who does "
+         "not run the cluster, briefly. ") * 2
+ITEMS = ["disk 3 is full", "node 7 rebooted twice", "ok", "latency is up by a fifth"]
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    path = tiny.build_tiny_causal_lm(tmp_path_factory.mktemp("lm") / "lm", seed=2,
+                                     n_positions=256)
+    engine = engine_from_path("lm", path, "cpu")
+    engine.to_device("cpu")
+    return engine
+
+
+def generate_batch(lm: Any, prompts: list[str], store: PrefixStore | None = None,
+                   counts: dict[str, float] | None = None) -> list[Any]:
+    calls = [Call(str(i), (p,), {"max_new_tokens": 6, "stop_at_eos": False,
+                                 "temperature": 1.3 if i % 2 else 0.0, "seed": i})
+             for i, p in enumerate(prompts)]
+    seen = counts if counts is not None else {}
+    active = rt.ActiveTask("lm", SitsConfig().quota("high"), lm.size_bytes(), "cpu",
+                           prefixes=store, count=lambda f: metrics.merge(seen, f))
+    with rt.activated(active):
+        return generate_calls(lm, calls)
+
+
+def alone(lm: Any, prompts: list[str]) -> list[dict[str, Any]]:
+    return [inference.generate(lm, p, max_new_tokens=6, stop_at_eos=False,
+                               temperature=1.3 if i % 2 else 0.0, seed=i)
+            for i, p in enumerate(prompts)]
+
+
+def forwards_of(lm: Any, run: Any) -> tuple[Any, list[tuple[int, int]]]:
+    seen: list[tuple[int, int]] = []
+    handle = lm.module.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    try:
+        return run(), seen
+    finally:
+        handle.remove()
+
+
+def test_a_batch_prefills_its_shared_template_once_and_decodes_as_each_alone(
+        lm: Any) -> None:
+    prompts = [SHARED + item for item in ITEMS]
+    got, forwards = forwards_of(lm, lambda: generate_batch(lm, prompts))
+    shared = got[0]["shared_tokens"]
+    # The template's tokens, once, for one row; then every row goes on from there
+    assert shared >= 16 and forwards[0] == (1, shared)
+    assert forwards[1][0] == len(prompts) and forwards[1][1] < max(
+        g["prompt_tokens"] for g in got)
+    for prompt, out, one in zip(prompts, got, alone(lm, prompts), strict=True):
+        assert out == {**one, "shared_tokens": shared}, prompt
+
+
+def test_a_batch_mixing_templates_prefills_each_once_and_decodes_as_each_alone(
+        lm: Any) -> None:
+    prompts = [SHARED + ITEMS[0], OTHER + ITEMS[1], SHARED + ITEMS[2], "a short one",
+               OTHER + ITEMS[3], SHARED + ITEMS[1]]
+    got, forwards = forwards_of(lm, lambda: generate_batch(lm, prompts))
+    on_shared, on_other = got[0]["shared_tokens"], got[1]["shared_tokens"]
+    assert on_shared >= 16 and on_other >= 16 and on_shared != on_other
+    assert [g["shared_tokens"] for g in got] == [on_shared, on_other, on_shared, 0,
+                                                 on_other, on_shared]
+    # each template once, for one row, then the whole batch from its own tokens on
+    assert sorted(forwards[:2]) == sorted([(1, on_shared), (1, on_other)])
+    assert forwards[2][0] == len(prompts)
+    assert forwards[2][1] == max(g["prompt_tokens"] - g["shared_tokens"] for g in got)
+    for prompt, out, one in zip(prompts, got, alone(lm, prompts), strict=True):
+        assert out == {**one, "shared_tokens": out["shared_tokens"]}, prompt
+
+
+def test_the_next_batch_takes_each_template_from_the_kv_prefix_store(lm: Any) -> None:
+    store, counts = PrefixStore(2**26), {}
+    first = generate_batch(lm, [SHARED + ITEMS[0], OTHER + ITEMS[0], SHARED + ITEMS[1],
+                                OTHER + ITEMS[1]], store, counts)
+    assert all(g["cached_tokens"] == 0 for g in first) and len(store) == 2
+    prompts = [SHARED + ITEMS[2], OTHER + ITEMS[2], SHARED + ITEMS[3], OTHER + ITEMS[3]]
+    second = generate_batch(lm, prompts, store, counts)
+    for g in second:
+        assert 16 <= g["cached_tokens"] <= g["shared_tokens"]
+        assert g["cached_tokens"] % store.block == 0
+    assert counts["kv_lookups"] == 4 and counts["kv_hits"] == 2
+    plain = generate_batch(lm, prompts)  # no store: the same outputs
+    assert [{**g, "cached_tokens": 0} for g in second] == plain
+
+
+def test_prompts_with_nothing_in_common_batch_without_sharing(lm: Any) -> None:
+    got = generate_batch(lm, ["the queue", "a model serves the"])
+    assert all(g["shared_tokens"] == 0 and g["cached_tokens"] == 0 for g in got)
+
+
+def test_a_row_far_longer_than_the_shared_ones_is_batched_without_sharing(lm: Any) -> None:
+    # Sharing would pad every row's own part to the long row's length after the template:
+    # more prefill than it saves, so the batch prefills each row in full instead
+    long = "the worker loads a model and warms it up before the first task. " * 3
+    prompts = [SHARED + "a", SHARED + "b", long]
+    got, forwards = forwards_of(lm, lambda: generate_batch(lm, prompts))
+    assert [g["shared_tokens"] for g in got] == [0, 0, 0]
+    assert forwards[0] == (3, max(g["prompt_tokens"] for g in got))
+    for prompt, out, one in zip(prompts, got, alone(lm, prompts), strict=True):
+        assert out == {**one, "shared_tokens": 0}, prompt
+
+
+def test_a_batch_of_one_decodes_alone_from_the_store_and_never_yields(lm: Any) -> None:
+    store = PrefixStore(2**26)
+    generate_batch(lm, [SHARED + item for item in ITEMS[:2]], store)  # stores the template
+
+    def refuse(*_args: Any, **_kwargs: Any) -> None:
+        raise AssertionError("a batch of one went through Hugging Face generate()")
+
+    def yielded(_state: Any, _remaining_s: float | None) -> None:
+        raise AssertionError("a batch task yielded: it cannot resume from a checkpoint")
+
+    call = Call("0", (SHARED + "one more line",), {
+        "max_new_tokens": 6, "stop_at_eos": False, "temperature": 1.3, "seed": 3})
+    active = rt.ActiveTask("lm", SitsConfig().quota("high"), lm.size_bytes(), "cpu",
+                           prefixes=store, yielder=yielded)
+    lm.module.generate = refuse
+    try:
+        with rt.activated(active):
+            out = generate_calls(lm, [call])[0]
+    finally:
+        del lm.module.generate
+    assert out["cached_tokens"] >= 16 and out["shared_tokens"] == 0
+    one = inference.generate(lm, SHARED + "one more line", max_new_tokens=6,
+                             stop_at_eos=False, temperature=1.3, seed=3)
+    assert out == {**one, "cached_tokens": out["cached_tokens"], "shared_tokens": 0}
+    # Its soft time limit is checked between decode steps, as a plain generation's
+    late = rt.ActiveTask("lm", SitsConfig().quota("high"), lm.size_bytes(), "cpu",
+                         soft_deadline=time.monotonic() - 1.0)
+    with rt.activated(late), pytest.raises(SoftTimeLimitExceeded, match="0 of 6 steps"):
+        generate_calls(lm, [call])
