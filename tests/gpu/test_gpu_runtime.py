@@ -268,3 +268,24 @@ def test_generations_batch_greedy_and_sampled_on_the_gpu(app: Celery,
     assert all(r["output"]["tokens"] == 6 for r in results)
     assert all(r["sits"]["device"].startswith("cuda") for r in results)
     assert all(r["sits"]["first_token_ms"] > 0 for r in results)
+
+
+def test_a_batch_mixing_templates_prefills_each_once_on_the_gpu(
+        app: Celery, worker: CeleryProcess) -> None:
+    from sits_queue.broker.bulk import enqueue_many
+
+    templates = ("Summarise this operations log in one line and keep every number: ",
+                 "Translate this status line into plain words for a customer who does not "
+                 "run the cluster, in one short sentence: ")
+    call(app, "sits.generate_batched", "warm", model="gpt", timeout=FIRST_CALL_S)
+    calls = [(templates[i % 2] + f"line {i}", 4, 0.0, 0, False) for i in range(8)]
+    ids = enqueue_many(app.tasks["sits.generate_batched"], calls, model="gpt")
+    results = [app.AsyncResult(i).get(timeout=60) for i in ids]
+    assert all(r["output"]["tokens"] == 4 for r in results)
+    assert all(r["sits"]["device"].startswith("cuda") for r in results)
+    # Rows batched with another of their template's share that template's start
+    together = [(i, r) for i, r in enumerate(results) if r["sits"]["batch"]["size"] >= 4]
+    assert together and all(r["output"]["shared_tokens"] >= 16 for _, r in together)
+    by_template = {i % 2: r["output"]["shared_tokens"] for i, r in together}
+    if len(by_template) == 2:  # each its own template's: the longer one shares more
+        assert by_template[1] > by_template[0]

@@ -31,9 +31,13 @@ ECHO_TAGS[3] = "bad"
 PROMPTS = [("Once upon a time", 6, 0.0, 0), ("The cat", 9, 1.5, 3),
            ("In a galaxy far away there was", 4, 0.0, 0), ("", 5, 0.0, 0),
            ("Hello", 12, 0.9, 8)]
-#: Generations that start with one instruction template: a batch prefills it once.
+#: Generations that start with one of two instruction templates, mixed in one batch: the
+#: batch prefills each template once.
 TEMPLATE = "Summarise this operations log in one line and keep every number: "
-TEMPLATED = ["disk 3 is full", "node 7 rebooted twice", "latency is up"]
+OTHER_TEMPLATE = ("Translate this status line into plain words for a customer who does "
+                  "not run the cluster, in one short sentence: ")
+TEMPLATED = [(TEMPLATE, "disk 3 is full"), (OTHER_TEMPLATE, "node 7 rebooted twice"),
+             (TEMPLATE, "latency is up"), (OTHER_TEMPLATE, "all green")]
 TEXTS = ["the cache warms", "a model serves", "queues wait", "batches run together",
          "one more text", "and the last one is a little longer than the others"]
 
@@ -54,8 +58,8 @@ def waiting(app: Celery) -> dict[str, Any]:
         (prompt,), {"max_new_tokens": n, "temperature": t, "seed": s}, model="gpt")
             for prompt, n, t, s in PROMPTS]
     templated = [app.tasks["sits.generate_batched"].apply_async(
-        (TEMPLATE + item,), {"max_new_tokens": 5, "stop_at_eos": False}, model="gpt",
-        sla_class="low") for item in TEMPLATED]  # another class: a batch of their own
+        (template + item,), {"max_new_tokens": 5, "stop_at_eos": False}, model="gpt",
+        sla_class="low") for template, item in TEMPLATED]  # another class: a batch of their own
     return {"echo": echo, "expired": expired, "embeds": embeds, "raw": raw, "empty": empty,
             "gens": gens, "templated": templated}
 
@@ -154,7 +158,7 @@ def test_generations_batch_and_match_a_lone_run_greedy_or_sampled(
     assert len(firsts) == 1
 
 
-def test_a_batch_sharing_a_template_prefills_it_once_and_keeps_it_for_the_next(
+def test_a_batch_mixing_templates_prefills_each_once_and_keeps_them_for_the_next(
         app: Celery, waiting: dict[str, Any], worker: CeleryProcess,
         models_dir: Path) -> None:
     from sits_queue.cache.engines import engine_from_path
@@ -163,11 +167,18 @@ def test_a_batch_sharing_a_template_prefills_it_once_and_keeps_it_for_the_next(
     got = results(waiting["templated"])
     engine = engine_from_path("gpt", models_dir / "gpt", "cpu")
     engine.to_device("cpu")
-    shared = got[0]["output"]["shared_tokens"]
-    assert shared >= 16 and all(g["sits"]["batch"]["size"] == len(TEMPLATED) for g in got)
-    for item, g in zip(TEMPLATED, got, strict=True):
-        alone = generate(engine, TEMPLATE + item, max_new_tokens=5, stop_at_eos=False)
-        assert g["output"] == {**alone, "cached_tokens": 0, "shared_tokens": shared}
+    assert all(g["sits"]["batch"]["size"] == len(TEMPLATED) for g in got)
+    # Each template's rows share that template's tokens (its own length)
+    shares = {t: {g["output"]["shared_tokens"] for (tt, _), g in zip(TEMPLATED, got,
+                                                                     strict=True) if tt == t}
+              for t in (TEMPLATE, OTHER_TEMPLATE)}
+    assert all(len(n) == 1 and min(n) >= 16 for n in shares.values()), shares
+    shared = min(shares[TEMPLATE])
+    assert shared < min(shares[OTHER_TEMPLATE])  # the longer template shares more
+    for (template, item), g in zip(TEMPLATED, got, strict=True):
+        alone = generate(engine, template + item, max_new_tokens=5, stop_at_eos=False)
+        assert g["output"] == {**alone, "cached_tokens": 0,
+                               "shared_tokens": min(shares[template])}
     # A later call with the same template, alone in its batch, finds the template in the
     # worker's KV-prefix cache (the batch stored it there)
     later = app.tasks["sits.generate_batched"].apply_async(
