@@ -6,11 +6,14 @@ together run as one forward pass, ``workers/batched.py``).
 
 A program, not a test: it prints a table and JSON, and asserts nothing about timings.
 
-How it runs (same for all three, one after another, in one process run):
+How it runs (the same for all three, in one process run):
 
 * one Redis server (embedded unless ``--redis-url``), one database per system;
-* one ``celery worker`` (prefork, concurrency 1, on every core this process may use),
-  a BERT-style encoder (4 layers, 256 wide; random weights, built locally);
+* one ``celery worker`` per system (prefork, concurrency 1, on every core this process
+  may use), all three up at once, each stream run through each system in turn (the
+  others idle): a small machine's speed drifts over minutes, and one system's streams
+  all in a row would carry that drift into the comparison; a BERT-style encoder (4
+  layers, 256 wide; random weights, built locally);
 * three seeded streams of short texts: ``burst``, the whole job submitted at once (the
   offline case: throughput); then arrivals at fixed rates, as a job fed by a producer
   pipeline: ``light`` at 50% of what (b) sustained in its burst (one at a time keeps
@@ -44,6 +47,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -69,6 +73,8 @@ from sits_queue.bench.workload import percentile
 from sits_queue.procs import start_worker, wait_ready
 
 DATABASES = {"celery_per_task": 12, "sits_one_by_one": 13, "sits_batched": 14}
+#: One-at-a-time SITS first: its burst throughput sets the paced streams' rates.
+RUN_ORDER = ("sits_one_by_one", "celery_per_task", "sits_batched")
 ENCODER_SHAPE = {"n_layer": 4, "hidden": 256, "n_head": 4, "n_positions": 128}
 LM_SHAPE = {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 256}
 #: The paced streams' rates, as shares of what one-at-a-time SITS sustained in its burst.
@@ -305,22 +311,25 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
     on_progress(f"coalesce: {shape.burst} texts at once, then {shape.paced} at each of "
                 f"{len(LOADS)} rates, one text per task")
     out: dict[str, dict[str, Any]] = {name: {} for name in STREAMS}
-    base: float | None = None  # one-at-a-time SITS's burst throughput: sets the rates
+    base = 0.0  # one-at-a-time SITS's burst throughput: sets the rates
     with tempfile.TemporaryDirectory(prefix="sits-bench-coalesce-") as tmp, \
-            redis_server(redis_url) as url:
-        for system in ("sits_one_by_one", "celery_per_task", "sits_batched"):
-            with Runner(system, database_url(url, DATABASES[system]), model_dir, lm_dir,
-                        Path(tmp) / system) as runner:
-                out["burst"][system] = summarise(*runner.stream(texts["burst"], None))
-                base = base or out["burst"][system]["throughput_tps"]
-                for name, load in LOADS.items():
-                    out[name][system] = summarise(*runner.stream(texts[name], load * base))
-                for name in ("gen_burst", "gen_template"):
-                    out[name][system] = summarise(*runner.stream(texts[name], None,
-                                                                 generate=True))
-            on_progress(f"  {system}: " + ", ".join(
-                f"{n} {out[n][system]['throughput_tps']}/s p50 {out[n][system]['p50_ms']} ms"
-                for n in STREAMS))
+            redis_server(redis_url) as url, ExitStack() as stack:
+        # Every system's worker up at once (each idle but for its own turn) and the streams
+        # interleaved, a stream through each system in turn: this machine's speed drifts
+        # over minutes, and one system's streams all in a row would carry its drift.
+        runners = {system: stack.enter_context(Runner(
+            system, database_url(url, DATABASES[system]), model_dir, lm_dir,
+            Path(tmp) / system)) for system in RUN_ORDER}
+        for name in STREAMS:
+            for system, runner in runners.items():
+                rate = LOADS[name] * base if name in LOADS else None
+                out[name][system] = summarise(*runner.stream(
+                    texts[name], rate, generate=name.startswith("gen_")))
+                if name == "burst" and not base:
+                    base = out[name][system]["throughput_tps"]
+            on_progress(f"  {name}: " + ", ".join(
+                f"{system} {out[name][system]['throughput_tps']}/s p50 "
+                f"{out[name][system]['p50_ms']} ms" for system in runners))
     result = {name: {s: v[s] for s in SYSTEMS} for name, v in out.items()}
     inputs = make_texts(BATCH_ROWS, shape.seed + 10)
     batch_ms = template_batch_ms(lm_dir, {"one": [TEMPLATE + t for t in inputs],
