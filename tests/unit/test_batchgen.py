@@ -11,10 +11,8 @@ from typing import Any
 import pytest
 from celery.exceptions import SoftTimeLimitExceeded
 
-from sits_queue.cache.engines import engine_from_path
 from sits_queue.cache.prefix import PrefixStore
 from sits_queue.config import SitsConfig
-from sits_queue.models import tiny
 from sits_queue.workers import inference, metrics
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.batched import Call
@@ -83,15 +81,6 @@ SHARED = ("you are a careful summariser of operations logs. keep every number. "
 OTHER = ("translate the following status line into plain words for a reader who does "
          "not run the cluster, briefly. ") * 2
 ITEMS = ["disk 3 is full", "node 7 rebooted twice", "ok", "latency is up by a fifth"]
-
-
-@pytest.fixture(scope="module")
-def lm(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    path = tiny.build_tiny_causal_lm(tmp_path_factory.mktemp("lm") / "lm", seed=2,
-                                     n_positions=256)
-    engine = engine_from_path("lm", path, "cpu")
-    engine.to_device("cpu")
-    return engine
 
 
 def generate_batch(lm: Any, prompts: list[str], store: PrefixStore | None = None,

@@ -10,11 +10,9 @@ from typing import Any
 import pytest
 
 from sits_queue.app import make_app
-from sits_queue.cache.engines import engine_from_path
 from sits_queue.cache.pool import ColdStart
 from sits_queue.cache.prefix import Hit, PrefixStore, Slot, block_keys, plan_evictions
 from sits_queue.config import SitsConfig
-from sits_queue.models import tiny
 from sits_queue.workers import inference, kvreuse, metrics
 from sits_queue.workers import runtime as rt
 
@@ -112,15 +110,6 @@ def test_prefix_fields() -> None:
 
 SHARED = ("you are a careful summariser of operations logs. keep every number. "
           "answer in one line. ") * 2
-
-
-@pytest.fixture(scope="module")
-def lm(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    path = tiny.build_tiny_causal_lm(tmp_path_factory.mktemp("lm") / "lm", seed=2,
-                                     n_positions=256)
-    engine = engine_from_path("lm", path, "cpu")
-    engine.to_device("cpu")
-    return engine
 
 
 def with_store(lm: Any, store: PrefixStore, counts: dict[str, float], prompt: str,

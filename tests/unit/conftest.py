@@ -1,0 +1,21 @@
+"""Fixtures of the unit tests that run a tiny real model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sits_queue.cache.engines import engine_from_path
+from sits_queue.models import tiny
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny causal LM (built locally, 256 positions) through the engine loader, one per
+    test module (a module that needs another shape defines its own ``lm``)."""
+    path = tiny.build_tiny_causal_lm(tmp_path_factory.mktemp("lm") / "lm", seed=2,
+                                     n_positions=256)
+    engine = engine_from_path("lm", path, "cpu")
+    engine.to_device("cpu")
+    return engine
