@@ -141,6 +141,16 @@ def test_a_batch_mixing_templates_prefills_each_once_and_decodes_as_each_alone(
         assert out == {**one, "shared_tokens": out["shared_tokens"]}, prompt
 
 
+def test_the_same_prompt_sampled_with_several_seeds_shares_all_but_its_last_token(
+        lm: Any) -> None:
+    prompts = [SHARED + ITEMS[1]] * 4  # rows 1 and 3 sampled, each with its own seed
+    got = generate_batch(lm, prompts)
+    assert {g["shared_tokens"] for g in got} == {got[0]["prompt_tokens"] - 1}
+    for prompt, out, one in zip(prompts, got, alone(lm, prompts), strict=True):
+        assert out == {**one, "shared_tokens": out["shared_tokens"]}, prompt
+    assert got[1]["text"] != got[3]["text"]  # the seeds are used
+
+
 def test_the_next_batch_takes_each_template_from_the_kv_prefix_store(lm: Any) -> None:
     store, counts = PrefixStore(2**26), {}
     first = generate_batch(lm, [SHARED + ITEMS[0], OTHER + ITEMS[0], SHARED + ITEMS[1],
