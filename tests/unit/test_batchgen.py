@@ -13,7 +13,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from sits_queue.cache.prefix import PrefixStore
 from sits_queue.config import SitsConfig
-from sits_queue.workers import inference, metrics
+from sits_queue.workers import inference, kvreuse, metrics
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.batched import Call
 from sits_queue.workers.batchgen import SHARE_MIN_TOKENS, generate_calls, prefix_groups
@@ -164,6 +164,17 @@ def test_the_next_batch_takes_each_template_from_the_kv_prefix_store(lm: Any) ->
     assert counts["kv_lookups"] == 4 and counts["kv_hits"] == 2
     plain = generate_batch(lm, prompts)  # no store: the same outputs
     assert [{**g, "cached_tokens": 0} for g in second] == plain
+
+
+def test_a_model_whose_kv_cache_cannot_be_reused_batches_without_sharing(
+        lm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a sliding-window or recurrent cache cannot be cut and placed: every row in full
+    monkeypatch.setattr(kvreuse, "reusable", lambda _cache: False)
+    prompts = [SHARED + item for item in ITEMS]
+    got = generate_batch(lm, prompts, PrefixStore(2**26))
+    assert all(g["shared_tokens"] == 0 and g["cached_tokens"] == 0 for g in got)
+    for prompt, out, one in zip(prompts, got, alone(lm, prompts), strict=True):
+        assert out == {**one, "shared_tokens": 0}, prompt
 
 
 def test_prompts_with_nothing_in_common_batch_without_sharing(lm: Any) -> None:
