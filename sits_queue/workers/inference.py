@@ -55,6 +55,9 @@ class InferenceTask(SitsTask):
     abstract = True
     #: Expected failures (bad input, unknown model, limits): logged in one line, no trace.
     throws = (InferenceError,)
+    #: Needs the per-task runtime (class caps, engine cache): a worker of plain tasks
+    #: only leaves it for another (``workers/request.py``).
+    runs_inference = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return run_inference(runtime.for_app(self.app), self, args, kwargs)

@@ -11,6 +11,10 @@ behind it instead, while every other worker may take it at once. The task never 
 for want of memory it did not yet try to use, and it does not block the tasks behind it
 on a worker that cannot run it.
 
+A worker for plain tasks only (``plain_tasks_only``, with a pool that runs several
+tasks in one process) leaves every inference task the same way: one process cannot give
+each its class's VRAM cap and CPU cores, and its engine cache would be shared.
+
 Everything here runs in the parent process: NVML only, never CUDA.
 
 Why a wrapper rather than an override: Celery builds, per task type, a subclass of
@@ -73,6 +77,17 @@ class Verdict:
                 f"(minus {HEADROOM_BYTES / BYTES_PER_GIB:.2f} GiB headroom)")
 
 
+@dataclass(frozen=True)
+class SharedProcess:
+    """Why an inference task does not start on a worker of plain tasks only."""
+
+    pool: str
+
+    def reason(self) -> str:
+        return (f"is an inference task, and this worker runs plain tasks only (its "
+                f"{self.pool!r} pool runs several tasks in one process)")
+
+
 def declared_vram_gib(headers: Mapping[str, Any]) -> float | None:
     """The ``vram_gib`` a message declares; None when absent or unreadable (run it)."""
     header = headers.get(HEADER)
@@ -125,6 +140,15 @@ class NvmlProbe:
 
 
 _probe: FreeMemoryProbe | None = None
+#: Set when this worker's pool runs several tasks in one process (plain tasks only).
+_shared: SharedProcess | None = None
+
+
+def leave_inference(pool: str | None) -> None:
+    """``pool`` (its name) runs several tasks in one process: leave every inference task
+    for another worker; None: run them (the runtime does, from its plan step)."""
+    global _shared
+    _shared = SharedProcess(pool) if pool is not None else None
 
 
 def configure(probe: FreeMemoryProbe | None) -> None:
@@ -160,7 +184,7 @@ def _give_back(request: Request, hold: bool = False) -> float:
     return held
 
 
-def release(request: Request, verdict: Verdict) -> float:
+def release(request: Request, verdict: Verdict | SharedProcess) -> float:
     """Give the message back without a redelivery, held off from this worker; hold s."""
     hold = _give_back(request, hold=True)
     logger.info("task %s[%s] not started here: %s; released to its queue, not taken "
@@ -170,9 +194,13 @@ def release(request: Request, verdict: Verdict) -> float:
 
 def refused(request: Request) -> bool:
     """Give the message back (:func:`release`) when the VRAM it declares does not fit the
-    roomiest device now; True when it was given back."""
-    needed = declared_vram_gib(request.request_dict)
-    verdict = None if needed is None else admit(needed, probe().max_free_bytes())
+    roomiest device now, or it is an inference task on a worker of plain tasks only;
+    True when it was given back."""
+    verdict: Verdict | SharedProcess | None = None
+    if _shared is not None and getattr(request.task, "runs_inference", False):
+        verdict = _shared
+    elif (needed := declared_vram_gib(request.request_dict)) is not None:
+        verdict = admit(needed, probe().max_free_bytes())
     if verdict is None:
         return False
     release(request, verdict)

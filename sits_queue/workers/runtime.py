@@ -86,14 +86,15 @@ PROCESS_POOLS = ("celery.concurrency.prefork", "celery.concurrency.solo")
 
 def pool_problem(pool_module: str, concurrency: int) -> str | None:
     """Why a worker must not start with the pool class of ``pool_module`` at this
-    concurrency (None: it may)."""
+    concurrency unless it runs plain tasks only (None: it may)."""
     if pool_module in PROCESS_POOLS or concurrency <= 1:
         return None
     pool_name = pool_module.rsplit(".", 1)[-1]
     return (f"sits_queue: the {pool_name!r} pool would run {concurrency} tasks in one "
             "process, sharing one CUDA memory cap, one CPU confinement and one engine cache; "
             "per-class VRAM and CPU limits need a process per task. Use the prefork pool "
-            "(the default: one child per GPU), --pool=solo, or --concurrency=1.")
+            "(the default: one child per GPU), --pool=solo, or --concurrency=1; or, for a "
+            "worker of plain (non-inference) tasks only, set SITS_PLAIN_TASKS_ONLY=1.")
 
 
 def device_for_slot(discovery: Discovery, slot: int) -> Device:
@@ -545,10 +546,15 @@ class PlanStep(bootsteps.Step):  # type: ignore[misc]
 
     def __init__(self, w: Any, **kwargs: Any) -> None:
         super().__init__(w, **kwargs)
-        problem = pool_problem(getattr(w.pool_cls, "__module__", str(w.pool_cls)),
-                               int(w.concurrency))
-        if problem:  # raised here, the worker stops before it takes a task
-            raise ImproperlyConfigured(problem)
+        from sits_queue.app import sits_config
+
+        pool_module = getattr(w.pool_cls, "__module__", str(w.pool_cls))
+        problem = pool_problem(pool_module, int(w.concurrency))
+        if problem and not sits_config(w.app).plain_tasks_only:
+            raise ImproperlyConfigured(problem)  # here: the worker stops before any task
+        # Tasks share this process: none of them gets the per-task runtime, and an
+        # inference task is left for another worker (workers/request.py).
+        admission.leave_inference(pool_module.rsplit(".", 1)[-1] if problem else None)
         record_slots(int(w.concurrency))
 
 

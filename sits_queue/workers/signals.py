@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,8 @@ class _Buffer:
 
 
 _buffer: _Buffer | None = None
+#: A worker of plain tasks only may run them in threads of one process (runtime.py).
+_lock = threading.Lock()
 
 
 def _client(config: SitsConfig) -> redis.Redis:
@@ -62,21 +65,24 @@ def record_completion(config: SitsConfig, request: Any, failed: bool, now_s: flo
     submitted = getattr(request, "sits_submitted_at", None)
     latency_ms = (round(max(0.0, now_s - submitted) * 1000, 3)
                   if isinstance(submitted, (int, float)) else None)
-    if _buffer is None or _buffer.pid != os.getpid():
-        _buffer = _Buffer(pid=os.getpid())
-        atexit.register(flush, config)
-    _buffer.records.append((sla_class, header.get("model"), latency_ms, failed))
-    if (len(_buffer.records) >= FLUSH_EVERY_RECORDS
-            or time.monotonic() - _buffer.flushed_at >= FLUSH_EVERY_S):
+    with _lock:
+        if _buffer is None or _buffer.pid != os.getpid():
+            _buffer = _Buffer(pid=os.getpid())
+            atexit.register(flush, config)
+        _buffer.records.append((sla_class, header.get("model"), latency_ms, failed))
+        due = (len(_buffer.records) >= FLUSH_EVERY_RECORDS
+               or time.monotonic() - _buffer.flushed_at >= FLUSH_EVERY_S)
+    if due:
         flush(config)
 
 
 def flush(config: SitsConfig) -> None:
     """Write buffered records in one pipeline; Redis errors are logged, never raised."""
-    if _buffer is None or _buffer.pid != os.getpid() or not _buffer.records:
-        return
-    records, _buffer.records = _buffer.records, []
-    _buffer.flushed_at = time.monotonic()
+    with _lock:
+        if _buffer is None or _buffer.pid != os.getpid() or not _buffer.records:
+            return
+        records, _buffer.records = _buffer.records, []
+        _buffer.flushed_at = time.monotonic()
     pipe = _client(config).pipeline(transaction=False)
     demand = demand_key(config, bucket_of(config, time.time())) \
         if config.prewarm_interval_s > 0 else ""

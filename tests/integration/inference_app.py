@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -221,6 +222,14 @@ def register(app: Celery) -> dict[str, Any]:
     @app.task(name="t.ping", shared=False)
     def ping(tag: str) -> str:
         return tag
+
+    @app.task(name="t.wait", shared=False)
+    def wait(hold_s: float) -> dict[str, Any]:
+        """A plain task that waits (I/O-like): where and when it ran."""
+        began = time.time()
+        time.sleep(hold_s)
+        return {"pid": os.getpid(), "thread": threading.get_ident(), "began": began,
+                "ended": time.time()}
 
     @app.inference_task(name="t.alloc", model="gpt", shared=False)
     def alloc(engine: Any, gib: float, hold_s: float = 0.0) -> dict[str, Any]:

@@ -5,21 +5,26 @@ runtime (pinning, class caps, warm engines) holds there, and a soft time limit s
 stops a generation between decode steps (checked by the loop itself: the solo pool has
 no timer to raise it). A pool that runs several tasks side by side in one process
 (threads, gevent, eventlet) would share one memory cap and one confinement between
-them: the worker refuses to start with one at a concurrency above 1, naming the fix.
+them: the worker refuses to start with one at a concurrency above 1, naming the fix,
+unless it runs plain tasks only (``SITS_PLAIN_TASKS_ONLY``): then its tasks run side
+by side and an inference task sent to it stays in its queue for another worker.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.utils import worker_direct
 
+from sits_queue.broker.keys import QueueKeys
 from sits_queue.procs import CeleryProcess
-from tests.integration.inference_app import FIRST_CALL_S, call, serving, spawn_worker
+from tests.integration.inference_app import CALL_S, FIRST_CALL_S, call, serving, spawn_worker
 from tests.waiting import wait_for
 
 
@@ -80,3 +85,32 @@ def test_the_same_pool_at_concurrency_1_serves(tmp_path: Path, redis_url: str,
         out = call(app, "t.describe", "threaded", timeout=FIRST_CALL_S,
                    queue=worker_direct(proc.hostname))
     assert out["output"]["pid"] == proc.pid and out["sits"]["device"] == "cpu"
+
+
+def test_a_worker_of_plain_tasks_only_runs_them_side_by_side_and_leaves_inference(
+        tmp_path: Path, redis_url: str, config_path: Path, models_dir: Path,
+        app: Celery, r: redis.Redis) -> None:
+    with serving(redis_url, config_path, models_dir, tmp_path, app, concurrency=4,
+                 name="plain", pool="threads", env={"SITS_PLAIN_TASKS_ONLY": "1"}) as proc:
+        queue = worker_direct(proc.hostname)
+        waits = [app.tasks["t.wait"].apply_async((1.0,), queue=queue) for _ in range(4)]
+        outs = [w.get(timeout=FIRST_CALL_S) for w in waits]
+        # four threads of the worker process, all four waiting at the same time
+        assert {o["pid"] for o in outs} == {proc.pid} and len({o["thread"] for o in outs}) == 4
+        assert max(o["began"] for o in outs) < min(o["ended"] for o in outs)
+        # An inference task is not started here and not failed: it stays in its queue
+        left = app.tasks["t.describe"].apply_async(("left",), queue=queue.name)
+        wait_for(lambda: "this worker runs plain tasks only" in proc.log(), 30,
+                 "the worker to leave the inference task")
+        keys = QueueKeys.for_queue(queue.name)
+
+        def waiting() -> list[str]:  # the task ids of the queue's waiting messages
+            return [json.loads(r.hget(keys.payloads, m) or "{}").get("headers", {}).get("id")
+                    for m in r.zrange(keys.waiting, 0, -1)]
+
+        wait_for(lambda: waiting() == [left.id], 10, "the inference task back in its queue")
+        assert left.state == "PENDING" and not r.hlen(keys.redelivered)
+        # and plain tasks go on meanwhile
+        assert app.tasks["t.wait"].apply_async((0.0,), queue=queue).get(
+            timeout=CALL_S)["pid"] == proc.pid
+    assert waiting() == [left.id]  # still there for another worker

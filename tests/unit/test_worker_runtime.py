@@ -272,6 +272,43 @@ def test_generated_request_classes_are_guarded(monkeypatch: pytest.MonkeyPatch) 
     assert big.message._state == "REQUEUED" and big.acknowledged
 
 
+def test_a_worker_of_plain_tasks_only_leaves_inference_tasks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(request, "_probe", FakeProbe(40 * GIB))
+    monkeypatch.setattr(request, "_shared", None)
+    CeleryGenerated.ran.clear()
+    request.leave_inference("threads")
+    # an inference task is released (held off from this worker, no redelivery)...
+    inference_task, qos = fake_request(None)
+    inference_task._task = SimpleNamespace(runs_inference=True)
+    with pytest.raises(request.NotStartedHere):
+        inference_task.execute_using_pool(None)
+    assert qos.released == [("tag-1", request.HOLD_FIRST_S, request.HOLD_LONGEST_S)]
+    assert request.SharedProcess("threads").reason().endswith(
+        "this worker runs plain tasks only (its 'threads' pool runs several tasks in one "
+        "process)")
+    # ...a plain one runs, whatever it declares (no class caps in a shared process)
+    plain, qos = fake_request(None)
+    plain._task = SimpleNamespace()
+    assert plain.execute_using_pool(None) == "sent to the pool" and qos.released == []
+    # a worker whose tasks each have a process runs inference tasks again
+    request.leave_inference(None)
+    inference_task, qos = fake_request(None)
+    inference_task._task = SimpleNamespace(runs_inference=True)
+    assert inference_task.execute_using_pool(None) == "sent to the pool"
+    assert CeleryGenerated.ran == ["task-1", "task-1"]
+
+
+def test_a_pool_sharing_a_process_names_both_ways_out() -> None:
+    assert rt.pool_problem("celery.concurrency.prefork", 8) is None
+    assert rt.pool_problem("celery.concurrency.threads", 1) is None
+    problem = rt.pool_problem("celery.concurrency.threads", 4)
+    assert problem is not None and "'threads' pool would run 4 tasks in one process" in problem
+    assert "--pool=solo" in problem and "SITS_PLAIN_TASKS_ONLY=1" in problem
+    assert SitsConfig.from_env({"SITS_PLAIN_TASKS_ONLY": "1"}).plain_tasks_only is True
+    assert SitsConfig().plain_tasks_only is False
+
+
 def test_sits_request_is_a_celery_request() -> None:
     assert issubclass(request.SitsRequest, Request)
     app = make_app(SitsConfig(), main="req-test")
