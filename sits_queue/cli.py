@@ -137,6 +137,9 @@ def _format_status(report: dict[str, Any]) -> str:
                      f"{w.get('warm', [])}, cold starts {cold.get('cold', 0)}/"
                      f"{cold.get('tasks', 0)} tasks, {cold.get('affinity_picks', 0)} taken "
                      "ahead by affinity")
+        if w.get("plain_tasks_only"):
+            lines.append(f"    plain tasks only ({w['plain_tasks_only']} pool): inference "
+                         "tasks are left for other workers")
         phases = ", ".join(f"{k} {v:,.1f}" for k, v in cold.get("phases_ms", {}).items())
         if phases:
             lines.append(f"    cold-start ms: {phases}")

@@ -344,8 +344,13 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
         config, hostname, concurrency = self._args(c)
         devices = list(discover(visible=os.environ.get("CUDA_VISIBLE_DEVICES")).devices)
         from sits_queue.workers import profile
+        from sits_queue.workers import request as admission
 
-        extra = {"profile": profile.current[0].report()} if profile.current else None
+        extra: dict[str, Any] = {}
+        if profile.current:
+            extra["profile"] = profile.current[0].report()
+        if (pool := admission.plain_only_pool()) is not None:
+            extra["plain_tasks_only"] = pool  # `sitsq status`: inference goes elsewhere
         try:
             refresh(client_for(config), config.global_keyprefix, hostname, os.getpid(),
                     concurrency, devices, time.time(), extra)

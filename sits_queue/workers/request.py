@@ -151,6 +151,11 @@ def leave_inference(pool: str | None) -> None:
     _shared = SharedProcess(pool) if pool is not None else None
 
 
+def plain_only_pool() -> str | None:
+    """The pool of a worker that leaves inference tasks to others (its advert says so)."""
+    return _shared.pool if _shared is not None else None
+
+
 def configure(probe: FreeMemoryProbe | None) -> None:
     """Install the parent's probe (runtime does, from its NVML discovery)."""
     global _probe

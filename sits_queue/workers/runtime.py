@@ -84,13 +84,18 @@ class WorkerPlan:
 PROCESS_POOLS = ("celery.concurrency.prefork", "celery.concurrency.solo")
 
 
+def pool_name(pool_module: str) -> str:
+    """The ``--pool`` value that selects the pool class of ``pool_module``."""
+    name = pool_module.rsplit(".", 1)[-1]
+    return "threads" if name == "thread" else name  # celery.concurrency.thread
+
+
 def pool_problem(pool_module: str, concurrency: int) -> str | None:
     """Why a worker must not start with the pool class of ``pool_module`` at this
     concurrency unless it runs plain tasks only (None: it may)."""
     if pool_module in PROCESS_POOLS or concurrency <= 1:
         return None
-    pool_name = pool_module.rsplit(".", 1)[-1]
-    return (f"sits_queue: the {pool_name!r} pool would run {concurrency} tasks in one "
+    return (f"sits_queue: the {pool_name(pool_module)!r} pool would run {concurrency} tasks in one "
             "process, sharing one CUDA memory cap, one CPU confinement and one engine cache; "
             "per-class VRAM and CPU limits need a process per task. Use the prefork pool "
             "(the default: one child per GPU), --pool=solo, or --concurrency=1; or, for a "
@@ -554,7 +559,7 @@ class PlanStep(bootsteps.Step):  # type: ignore[misc]
             raise ImproperlyConfigured(problem)  # here: the worker stops before any task
         # Tasks share this process: none of them gets the per-task runtime, and an
         # inference task is left for another worker (workers/request.py).
-        admission.leave_inference(pool_module.rsplit(".", 1)[-1] if problem else None)
+        admission.leave_inference(pool_name(pool_module) if problem else None)
         record_slots(int(w.concurrency))
 
 

@@ -301,8 +301,9 @@ def test_a_worker_of_plain_tasks_only_leaves_inference_tasks(
 
 def test_a_pool_sharing_a_process_names_both_ways_out() -> None:
     assert rt.pool_problem("celery.concurrency.prefork", 8) is None
-    assert rt.pool_problem("celery.concurrency.threads", 1) is None
-    problem = rt.pool_problem("celery.concurrency.threads", 4)
+    assert rt.pool_problem("celery.concurrency.thread", 1) is None
+    assert rt.pool_problem("celery.concurrency.solo", 4) is None
+    problem = rt.pool_problem("celery.concurrency.thread", 4)
     assert problem is not None and "'threads' pool would run 4 tasks in one process" in problem
     assert "--pool=solo" in problem and "SITS_PLAIN_TASKS_ONLY=1" in problem
     assert SitsConfig.from_env({"SITS_PLAIN_TASKS_ONLY": "1"}).plain_tasks_only is True
