@@ -167,18 +167,16 @@ def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], st
     longest = max(row.most for row in rows)
     active = runtime.active()
     eos = getattr(tokenizer, "eos_token_id", None)
-    if len(rows) == 1:
-        if active is not None:
-            active.check_vram(inference.kv_cache_bytes(module, len(rows[0].ids) + longest))
-        return [_generate_alone(module, tokenizer, model, rows[0], eos if stop else None,
-                                active)]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
-    device = next(module.parameters()).device
-    groups = _plan([row.ids for row in rows]) if share else []
+    groups = _plan([row.ids for row in rows]) if share and len(rows) > 1 else []
     shared = _shares(groups, len(rows))
     if active is not None:
         active.check_vram(inference.kv_cache_bytes(module, (_width(rows, shared) + longest)
                                                    * len(rows)))
+    if len(rows) == 1:
+        return [_generate_alone(module, tokenizer, model, rows[0], eos if stop else None,
+                                active)]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+    device = next(module.parameters()).device
     past, cached = None, [0] * len(rows)
     if groups:
         past, cached = _prefix_cache(module, model, rows, groups, active)
