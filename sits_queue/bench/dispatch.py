@@ -10,7 +10,8 @@ everything measured is the queue's:
   from the first result to the last (the ``date_done`` Celery stores with each result, so
   the measurement adds no Redis call per task, and reads each result about once), and
   the worker's CPU time per task
-  (parent and pool child, psutil, over the same span as far as a 50 ms poll sees it);
+  (parent and pool child, psutil, over the same span as far as a 50 ms poll sees it;
+  null in a round whose burst ended too soon after the first poll to time);
 * ``idle``: then, with the queue empty, single tasks one after another: ``delay()`` to
   ``get()``, p50/p99 ms (waking an idle worker, dispatch, result).
 
@@ -54,6 +55,10 @@ POLL_S = 0.05
 #: poll would cost this process a share of the 2 cores the measured worker runs on.
 POLL_WINDOW = 256
 BURST_TIMEOUT_S = 300.0
+#: Tasks that must finish after the first poll that saw one done for CPU time per task
+#: to mean anything: a burst over before a poll comes round leaves none, and psutil's
+#: CPU times move in clock ticks (10 ms), so a handful of 1 ms tasks reads as nothing.
+MIN_CPU_TASKS = 20
 
 
 @dataclass(frozen=True)
@@ -77,13 +82,32 @@ def burst_rate(done_at: Sequence[float]) -> float:
     return round((len(done_at) - 1) / span, 1) if span > 0 else 0.0
 
 
+def _median(values: Sequence[float | None]) -> float | None:
+    measured = [v for v in values if v is not None]
+    return round(statistics.median(measured), 3) if measured else None
+
+
 def summarise(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """One system's figures: the median over its rounds of each."""
+    """One system's figures: the median over its rounds of each (of the rounds that
+    measured it: CPU time is None in a round whose burst was too short to time)."""
     keys = ("tasks_per_s", "cpu_ms_per_task", "parent_cpu_ms_per_task",
             "child_cpu_ms_per_task", "idle_p50_ms", "idle_p99_ms")
-    out: dict[str, Any] = {k: round(statistics.median(r[k] for r in rounds), 3) for k in keys}
+    out: dict[str, Any] = {k: _median([r[k] for r in rounds]) for k in keys}
     out["rounds"] = [dict(r) for r in rounds]
     return out
+
+
+def cpu_per_task(first: tuple[float, float], last: tuple[float, float],
+                 tasks: int) -> tuple[float, float] | None:
+    """(parent, child) CPU ms per task between two readings ``tasks`` apart; None when
+    too few tasks ran between them to measure (see ``MIN_CPU_TASKS``)."""
+    if tasks < MIN_CPU_TASKS:
+        return None
+    return ((last[0] - first[0]) * 1000 / tasks, (last[1] - first[1]) * 1000 / tasks)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else ratio(a, b)
 
 
 def ratios(systems: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
@@ -91,7 +115,8 @@ def ratios(systems: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
     return {
         "throughput_vs_same_guarantees": ratio(s["tasks_per_s"], g["tasks_per_s"]),
         "throughput_vs_stock_defaults": ratio(s["tasks_per_s"], d["tasks_per_s"]),
-        "cpu_per_task_vs_same_guarantees": ratio(s["cpu_ms_per_task"], g["cpu_ms_per_task"]),
+        "cpu_per_task_vs_same_guarantees": _ratio(s["cpu_ms_per_task"],
+                                                  g["cpu_ms_per_task"]),
         "idle_p50_vs_stock_defaults": ratio(s["idle_p50_ms"], d["idle_p50_ms"]),
     }
 
@@ -176,9 +201,7 @@ def one_round(system: str, url: str, shape: Shape, log_dir: Path) -> dict[str, A
             time.sleep(POLL_S)
         last_cpu = _cpu_s(worker)
         assert first_cpu is not None
-        measured = max(1, len(ids) - first_count)
-        parent_ms = (last_cpu[0] - first_cpu[0]) * 1000 / measured
-        child_ms = (last_cpu[1] - first_cpu[1]) * 1000 / measured
+        cpu = cpu_per_task(first_cpu, last_cpu, len(ids) - first_count)
         wait_ready(app, [worker])
         task.delay(-1).get(timeout=30)  # the client's result subscription, not timed
         latencies = []
@@ -187,9 +210,9 @@ def one_round(system: str, url: str, shape: Shape, log_dir: Path) -> dict[str, A
             task.delay(i).get(timeout=30)
             latencies.append((time.perf_counter() - start) * 1000)
         return {"tasks_per_s": burst_rate(done),
-                "cpu_ms_per_task": round(parent_ms + child_ms, 3),
-                "parent_cpu_ms_per_task": round(parent_ms, 3),
-                "child_cpu_ms_per_task": round(child_ms, 3),
+                "cpu_ms_per_task": None if cpu is None else round(cpu[0] + cpu[1], 3),
+                "parent_cpu_ms_per_task": None if cpu is None else round(cpu[0], 3),
+                "child_cpu_ms_per_task": None if cpu is None else round(cpu[1], 3),
                 "idle_p50_ms": round(percentile(latencies, 50), 2),
                 "idle_p99_ms": round(percentile(latencies, 99), 2)}
     finally:
@@ -229,9 +252,12 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
 def table(result: Mapping[str, Any]) -> str:
     lines = [f"{'system':<20}{'tasks/s':>9}{'cpu ms/task':>13}{'parent':>8}{'child':>8}"
              f"{'idle p50 ms':>13}{'idle p99 ms':>13}"]
+    def ms(value: float | None, width: int) -> str:
+        return f"{'-':>{width}}" if value is None else f"{value:>{width}.3f}"
+
     for name, s in result["systems"].items():
-        lines.append(f"{name:<20}{s['tasks_per_s']:>9.1f}{s['cpu_ms_per_task']:>13.3f}"
-                     f"{s['parent_cpu_ms_per_task']:>8.3f}{s['child_cpu_ms_per_task']:>8.3f}"
+        lines.append(f"{name:<20}{s['tasks_per_s']:>9.1f}{ms(s['cpu_ms_per_task'], 13)}"
+                     f"{ms(s['parent_cpu_ms_per_task'], 8)}{ms(s['child_cpu_ms_per_task'], 8)}"
                      f"{s['idle_p50_ms']:>13.2f}{s['idle_p99_ms']:>13.2f}")
     lines.append("ratios: " + ", ".join(f"{k} {v}" for k, v in result["ratios"].items()))
     lines.append(targets_line(result["targets"]))

@@ -13,7 +13,10 @@ from sits_queue.bench import dispatch
 from sits_queue.bench.dispatch import Shape
 from sits_queue.bench.dispatch_apps import SYSTEMS, build
 
-TINY = Shape(burst=40, idle=3, rounds=1)
+# Big enough that stock Celery's ~1 ms tasks outlast the benchmark's 50 ms poll by far
+# more than ``MIN_CPU_TASKS``: a 40-task burst could be over before the first poll saw
+# a result, leaving no span to time CPU over.
+TINY = Shape(burst=300, idle=3, rounds=1)
 
 
 def test_every_system_runs_its_burst_and_idle_probe(
@@ -30,7 +33,7 @@ def test_every_system_runs_its_burst_and_idle_probe(
         assert s["tasks_per_s"] > 0 and s["cpu_ms_per_task"] > 0, (name, s)
         assert s["idle_p99_ms"] >= s["idle_p50_ms"] > 0, (name, s)
     assert all(v is not None for v in result["ratios"].values())
-    assert result["meta"]["shape"] == {"burst": 40, "idle": 3, "rounds": 1}
+    assert result["meta"]["shape"] == {"burst": 300, "idle": 3, "rounds": 1}
     # Every system's database is left empty
     for db in dispatch.DATABASES.values():
         assert redis.Redis.from_url(redis_url.rsplit("/", 1)[0] + f"/{db}").dbsize() == 0

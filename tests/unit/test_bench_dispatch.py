@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from sits_queue.bench.dispatch import burst_rate, ratios, summarise, targets
+from sits_queue.bench.dispatch import (
+    MIN_CPU_TASKS,
+    burst_rate,
+    cpu_per_task,
+    ratios,
+    summarise,
+    table,
+    targets,
+)
 
 
 def test_burst_rate_counts_intervals_between_first_and_last_result() -> None:
@@ -39,3 +47,29 @@ def test_ratios_and_targets() -> None:
     nothing = ratios({**systems, "celery_guarantees": figures(0, 0, 0)})
     assert nothing["throughput_vs_same_guarantees"] is None
     assert targets(nothing)["throughput_vs_same_guarantees"] is False
+
+
+def test_cpu_per_task_needs_enough_tasks_between_readings() -> None:
+    parent, child = cpu_per_task((1.0, 2.0), (1.5, 2.25), 50)  # type: ignore[misc]
+    assert parent == pytest.approx(10.0) and child == pytest.approx(5.0)
+    # A burst over before the first poll: nothing ran between the readings, and a few
+    # tasks are under psutil's clock tick; neither is reported as a figure (least of
+    # all as 0 ms).
+    assert cpu_per_task((1.0, 2.0), (1.0, 2.0), 0) is None
+    assert cpu_per_task((1.0, 2.0), (1.01, 2.0), MIN_CPU_TASKS - 1) is None
+
+
+def test_rounds_without_cpu_figures_are_left_out_of_the_median() -> None:
+    unmeasured = {**figures(400, 0, 5), "cpu_ms_per_task": None,
+                  "parent_cpu_ms_per_task": None, "child_cpu_ms_per_task": None}
+    s = summarise([figures(100, 4, 8), unmeasured, figures(200, 2, 7)])
+    assert s["cpu_ms_per_task"] == 3 and s["tasks_per_s"] == 200
+    none = summarise([unmeasured])
+    assert none["cpu_ms_per_task"] is None and none["tasks_per_s"] == 400
+    systems = {"sits": none, "celery_guarantees": figures(250, 4, 8),
+               "celery_default": figures(540, 3.5, 5)}
+    r = ratios(systems)
+    assert r["cpu_per_task_vs_same_guarantees"] is None
+    assert r["throughput_vs_same_guarantees"] == 1.6
+    text = table({"systems": systems, "ratios": r, "targets": targets(r)})
+    assert text.splitlines()[1].split()[:3] == ["sits", "400.0", "-"]
