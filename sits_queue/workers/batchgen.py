@@ -200,11 +200,10 @@ def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], st
         new = out[r, width:].tolist()[:row.most]
         if stop and eos is not None and eos in new:
             new = new[:new.index(eos) + 1]
-        results.append({"text": tokenizer.decode(new, skip_special_tokens=True),
-                        "tokens": len(new), "prompt_tokens": len(row.ids),
-                        "cached_tokens": cached[r], "shared_tokens": shared[r],
-                        "stopped": "eos" if stop and new and new[-1] == eos else "length",
-                        "runs": 1})
+        results.append({**inference.generated(tokenizer, new, eos if stop else None,
+                                              prompt_tokens=len(row.ids),
+                                              cached_tokens=cached[r], runs=1),
+                        "shared_tokens": shared[r]})
     return results
 
 
@@ -322,13 +321,10 @@ def _generate_alone(module: Any, tokenizer: Any, model: str, row: _Row, eos: int
     prefix = inference.PromptPrefix.looked_up(unsliced, model, row.ids)
     progress: dict[str, Any] = {"new": [], "runs": 1}
     inference.decode_steps(module, torch.tensor([row.ids], device=device), row.most, eos,
-                           row.temperature, row.seed, progress, unsliced, prefix)
-    new: list[int] = progress["new"]
-    return {"text": tokenizer.decode(new, skip_special_tokens=True), "tokens": len(new),
-            "prompt_tokens": len(row.ids), "cached_tokens": prefix.tokens,
-            "shared_tokens": 0,
-            "stopped": "eos" if eos is not None and new and new[-1] == eos else "length",
-            "runs": 1}
+                           row.temperature, row.seed, progress, unsliced, prefix, model=model)
+    return {**inference.generated(tokenizer, progress["new"], eos, prompt_tokens=len(row.ids),
+                                  cached_tokens=prefix.tokens, runs=1),
+            "shared_tokens": 0}
 
 
 def _row_sampler(width: int, rows: list[_Row]) -> Any:

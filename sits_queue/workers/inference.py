@@ -296,18 +296,20 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
         input_ids = torch.cat([input_ids, torch.tensor([new], device=device)], dim=1)
     prefix = PromptPrefix.looked_up(active, model, input_ids[0].tolist())
     progress["cached_tokens"] = prefix.tokens
-    try:
-        decode_steps(module, input_ids, max_new_tokens, eos, float(temperature), int(seed),
-                     progress, active, prefix)
-    except SoftTimeLimitExceeded:
-        raise SoftTimeLimitExceeded(
-            f"soft time limit hit while generating with model {model!r}: stopped after "
-            f"{len(new)} of {max_new_tokens} new tokens") from None
-    text = tokenizer.decode(new, skip_special_tokens=True)
-    stopped = "eos" if eos is not None and new and new[-1] == eos else "length"
-    return {"text": text, "tokens": len(new), "prompt_tokens": prompt_tokens,
-            "cached_tokens": progress["cached_tokens"], "stopped": stopped,
-            "runs": progress["runs"]}
+    decode_steps(module, input_ids, max_new_tokens, eos, float(temperature), int(seed),
+                 progress, active, prefix, model=model)
+    return generated(tokenizer, new, eos, prompt_tokens=prompt_tokens,
+                     cached_tokens=progress["cached_tokens"], runs=progress["runs"])
+
+
+def generated(tokenizer: Any, new: list[int], eos: int | None, *, prompt_tokens: int,
+              cached_tokens: int, runs: int) -> dict[str, Any]:
+    """A generation's result, the same fields for a lone call and for a batch's row
+    (which adds ``shared_tokens``); ``eos`` None when it was not to stop there."""
+    return {"text": tokenizer.decode(new, skip_special_tokens=True), "tokens": len(new),
+            "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens,
+            "stopped": "eos" if eos is not None and new and new[-1] == eos else "length",
+            "runs": runs}
 
 
 class PromptPrefix:
@@ -371,11 +373,25 @@ def seeded(generator: Any, seed: int, position: int) -> Any:
 
 def decode_steps(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
                  temperature: float, seed: int, progress: dict[str, Any],
-                 active: runtime.ActiveTask | None, prefix: PromptPrefix) -> None:
+                 active: runtime.ActiveTask | None, prefix: PromptPrefix, *,
+                 model: str) -> None:
     """The decode loop of one prompt; appends token ids to ``progress["new"]`` so a
     caller sees how far it got on a timeout, and so a yield keeps them for the next run
     (``active``'s yielder; None never yields). The prefill starts after the cached
-    prefix, if any."""
+    prefix, if any. A soft time limit hit between steps says, for ``model``, how many of
+    the new tokens it got."""
+    try:
+        _decode(module, input_ids, max_new_tokens, eos, temperature, seed, progress, active,
+                prefix)
+    except SoftTimeLimitExceeded:
+        raise SoftTimeLimitExceeded(
+            f"soft time limit hit while generating with model {model!r}: stopped after "
+            f"{len(progress['new'])} of {max_new_tokens} new tokens") from None
+
+
+def _decode(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
+            temperature: float, seed: int, progress: dict[str, Any],
+            active: runtime.ActiveTask | None, prefix: PromptPrefix) -> None:
     import torch
 
     new: list[int] = progress["new"]

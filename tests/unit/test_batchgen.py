@@ -218,8 +218,15 @@ def test_a_batch_of_one_decodes_alone_from_the_store_and_never_yields(lm: Any) -
     one = inference.generate(lm, SHARED + "one more line", max_new_tokens=6,
                              stop_at_eos=False, temperature=1.3, seed=3)
     assert out == {**one, "cached_tokens": out["cached_tokens"], "shared_tokens": 0}
-    # Its soft time limit is checked between decode steps, as a plain generation's
+    # Its soft time limit is checked between decode steps, as a plain generation's, and
+    # says the same: which model, how far it got
     late = rt.ActiveTask("lm", SitsConfig().quota("high"), lm.size_bytes(), "cpu",
                          soft_deadline=time.monotonic() - 1.0)
-    with rt.activated(late), pytest.raises(SoftTimeLimitExceeded, match="0 of 6 steps"):
-        generate_calls(lm, [call])
+    said = []
+    for run in (lambda: generate_calls(lm, [call]),
+                lambda: inference.generate(lm, SHARED + "one more line", max_new_tokens=6)):
+        with rt.activated(late), pytest.raises(SoftTimeLimitExceeded) as hit:
+            run()
+        said.append(hit.value.args[0])
+    assert said[0] == said[1] == (f"soft time limit hit while generating with model "
+                                  f"{lm.key!r}: stopped after 0 of 6 new tokens")
