@@ -73,16 +73,19 @@ else
 fi
 
 # run_bench NAME LOG BOX: `python -m sits_queue.bench.NAME --quick` into $WORK/NAME.json
-# and $WORK/LOG, at most BOX seconds; prints its exit status, or nothing when the module
-# is not there (then the summary says it did not run).
+# and $WORK/LOG, at most BOX seconds; prints its exit status and the seconds it took
+# (the box it got: a run near its box is one to watch), or nothing when the module is
+# not there (then the summary says it did not run).
 run_bench() {
     if [ -n "$deps_missing" ] || ! "$PY" -c "import sits_queue.bench.$1" 2>/dev/null; then
         return
     fi
     echo "gpu_check: $1 benchmark (at most $3s)" >&2
+    local began=$SECONDS rc
     timeout --kill-after=10 "$3" "$PY" -m "sits_queue.bench.$1" --quick \
         --json "$WORK/$1.json" >"$WORK/$2" 2>&1
-    echo $?
+    rc=$?
+    echo "$rc $((SECONDS - began)) $3"
 }
 bench_rc="$(run_bench coldstart bench.log "$BENCH_TIMEOUT_S")"
 affinity_rc="$(run_bench affinity affinity.log "$AFFINITY_TIMEOUT_S")"
@@ -163,9 +166,10 @@ def tests():
     return result
 
 
-def bench(rc, name, log):
-    if rc == "":
+def bench(ran, name, log):
+    if ran == "":
         return {"ran": False, "reason": f"sits_queue.bench.{name} not present"}
+    rc, elapsed, box = ran.split()
     data = None
     path = work / f"{name}.json"
     if path.exists():
@@ -173,7 +177,8 @@ def bench(rc, name, log):
             data = json.loads(path.read_text())
         except ValueError as exc:
             data = {"error": f"unreadable JSON: {exc}"}
-    return {"ran": True, "rc": int(rc), "result": data, "log_tail": tail(log)}
+    return {"ran": True, "rc": int(rc), "elapsed_s": int(elapsed), "box_s": int(box),
+            "result": data, "log_tail": tail(log)}
 
 
 t = tests()
