@@ -82,6 +82,20 @@ class DeferredCommands:
         finally:
             self._report(failed)
 
+    def send_or_run(self, pool: Any, command: tuple[Any, ...], run: Callable[[], object],
+                    on_error: OnError | None = None) -> None:
+        """``command`` sent as :meth:`send` sends it; ``run``, the same command awaited on
+        a pooled connection, instead when it cannot be sent, and later when its reply is
+        an error or lost (``on_error`` then, when given). Idempotent commands only: one
+        lost with its connection may have run."""
+        def again(_exc: redis.RedisError) -> None:
+            run()
+
+        try:
+            self.send(pool, [command], on_error or again)
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            run()
+
     def poll(self) -> None:
         """Read the replies that have arrived (an idle worker's owed errors surface)."""
         failed: _Failed = []

@@ -25,7 +25,6 @@ from datetime import timedelta
 from importlib import resources
 from typing import Any
 
-import redis
 from celery import states
 from celery.backends.redis import RedisBackend
 from celery.exceptions import BackendStoreError
@@ -96,11 +95,6 @@ class SitsRedisBackend(RedisBackend):  # type: ignore[misc]
         return self._script()(keys=[key], args=[value, ttl_ms])
 
     def _store_later(self, key: Any, value: Any, ttl_ms: int) -> None:
-        def again(_exc: redis.RedisError) -> None:
-            self.ensure(self._store, (key, value, ttl_ms))
-
-        command = ("EVALSHA", self._script().sha, 1, key, value, ttl_ms)
-        try:
-            self._deferred.send(self.client.connection_pool, [command], again)
-        except (redis.ConnectionError, redis.TimeoutError, OSError):
-            self.ensure(self._store, (key, value, ttl_ms))
+        self._deferred.send_or_run(self.client.connection_pool,
+                                   ("EVALSHA", self._script().sha, 1, key, value, ttl_ms),
+                                   lambda: self.ensure(self._store, (key, value, ttl_ms)))

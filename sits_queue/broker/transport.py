@@ -148,11 +148,9 @@ class Channel(kredis.Channel):
                 logger.exception("could not ack %s of queue %r (%s); it stays unacked "
                                  "and is restored if this worker stops", tags, queue, exc)
 
-        command = ("EVALSHA", self.scripts.shas["ack"], len(names), *names, *tags)
-        try:
-            self._deferred.send(self.pool, [command], again)
-        except (redis.ConnectionError, redis.TimeoutError, OSError):
-            self._run("ack", queue, tags)  # on a fresh pooled connection, or raise
+        self._deferred.send_or_run(
+            self.pool, ("EVALSHA", self.scripts.shas["ack"], len(names), *names, *tags),
+            lambda: self._run("ack", queue, tags), again)  # unsent: awaited, or it raises
 
     # -- publishing ------------------------------------------------------------------------
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,

@@ -5,6 +5,7 @@ plain consumer's ack is still awaited, and a real worker acks every task."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -103,6 +104,32 @@ def test_an_error_reply_goes_to_its_commands_handler(redis_url: str,
     assert len(errors) == 1 and isinstance(errors[0], redis.ResponseError)
     assert redis_client.get("counter") == b"1"
     deferred.close()
+    pool.disconnect()
+
+
+def test_send_or_run_runs_the_awaited_form_when_it_cannot_send_or_is_refused(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    deferred = DeferredCommands()
+    ran: list[str] = []
+    # Nothing listens there: the command cannot be sent, so it runs awaited at once
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        dead = redis.ConnectionPool(host="127.0.0.1", port=free.getsockname()[1])
+    deferred.send_or_run(dead, ("INCR", "never"), lambda: ran.append("unsent"))
+    assert ran == ["unsent"] and deferred.pending == 0
+    # Sent, refused (an error reply): it runs awaited when the reply is read
+    pool = redis.ConnectionPool.from_url(redis_url)
+    redis_client.set("not-a-counter", "text")
+    deferred.send_or_run(pool, ("INCR", "not-a-counter"), lambda: ran.append("refused"))
+    deferred.send_or_run(pool, ("INCR", "counter"), lambda: ran.append("wrong"))
+    deferred.settle()
+    assert ran == ["unsent", "refused"] and redis_client.get("counter") == b"1"
+    # ... or its own handler is told instead, when it has one
+    told: list[redis.RedisError] = []
+    deferred.send_or_run(pool, ("INCR", "not-a-counter"), lambda: ran.append("not me"),
+                         told.append)
+    deferred.close()
+    assert ran == ["unsent", "refused"] and isinstance(told[0], redis.ResponseError)
     pool.disconnect()
 
 
