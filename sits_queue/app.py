@@ -215,6 +215,10 @@ def celery_settings(config: SitsConfig) -> dict[str, Any]:
         "worker_prefetch_multiplier": 1,
         "worker_disable_prefetch": True,
         "task_track_started": True,
+        # Celery kills a new pool child that has not reported in within 4 s; a GPU host's
+        # children may import a CUDA build of torch in their init handlers (the user's own
+        # worker_process_init ones too), which alone can take that long.
+        "worker_proc_alive_timeout": 30.0,
         "task_send_sent_event": config.send_sent_events,
         "worker_send_task_events": True,
         # Each worker also consumes its own queue (<hostname>.dq2): pre-warm tasks go to

@@ -52,6 +52,12 @@ def cuda_available() -> bool:
     return _available
 
 
+def cuda_known() -> bool | None:
+    """:func:`cuda_available`'s answer if some call has asked already, else None; never
+    imports torch nor starts the driver (for a child's start-up, which Celery times)."""
+    return _available
+
+
 def create_context() -> float:
     """Create this process's CUDA context on device 0, ms; 0.0 if it exists or on CPU.
 

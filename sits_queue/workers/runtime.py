@@ -360,7 +360,13 @@ class ChildRuntime:
 
     @property
     def device_label(self) -> str:
-        return f"cuda:{self.device.index}" if self.on_cuda else "cpu"
+        """The device the child's tasks run on, for results and its advert. Until torch
+        has been asked (the first task does), NVML's word: a child's start-up publishes
+        this, and importing a CUDA build of torch and starting the driver there could
+        outlast the seconds Celery gives a new child to report in before it kills it."""
+        known = gpu.cuda_known()
+        on_cuda = self.device.kind == "cuda" and known is not False
+        return f"cuda:{self.device.index}" if on_cuda else "cpu"
 
     def _budgets(self) -> tuple[int, int]:
         slots = max(1, self.plan.slots)

@@ -59,17 +59,32 @@ def test_pin_env_names_the_gpu_by_uuid_and_leaves_cpu_alone() -> None:
 
 def test_a_replaced_child_gets_the_same_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     # billiard gives a replacement the free index of the child it replaces.
-    monkeypatch.setattr(advertise, "publish_child", lambda *_: None)  # no Redis in unit tests
+    adverts: list[dict[str, Any]] = []
+    monkeypatch.setattr(advertise, "publish_child",  # no Redis in unit tests
+                        lambda _config, _host, _slot, record, _counts: adverts.append(record))
+
+    def asked() -> bool:
+        raise AssertionError("a child's start-up asked torch about CUDA")
+
+    # Start-up never imports torch nor starts the driver: Celery kills a child that does
+    # not report in within its alive timeout, and a CUDA torch's import can take that long
+    monkeypatch.setattr(gpu, "cuda_available", asked)
+    monkeypatch.setattr(gpu, "_available", None)
     env: dict[str, str] = {}
     app = make_app(SitsConfig(), main="pin-test")
+    assert app.conf.worker_proc_alive_timeout >= 30
     saved_plan, saved_child = rt._plan, rt._child
     try:
         rt._plan = rt.WorkerPlan("w@h", FOUR_GPUS, (0, 1, 2, 3), slots=4)
         first = rt.init_child(app, 2, env)
         assert env == {"CUDA_VISIBLE_DEVICES": "GPU-0002-uuid"} and first.pool_child
+        assert adverts[-1]["device"] == "cuda:2"  # NVML's word until torch is asked
         env.clear()
         rt.init_child(app, 2, env)
         assert env == {"CUDA_VISIBLE_DEVICES": "GPU-0002-uuid"}
+        # Once torch has said it has no CUDA (a CPU build on a GPU host), the label says so
+        monkeypatch.setattr(gpu, "_available", False)
+        assert first.device_label == "cpu"
     finally:
         rt._plan, rt._child = saved_plan, saved_child
 
