@@ -27,6 +27,8 @@ _context_created = False
 
 
 _available: bool | None = None
+#: The fraction :func:`cap_memory` last set (None: uncapped), for :func:`free_bytes`.
+_fraction: float | None = None
 
 
 def _torch() -> Any:
@@ -102,8 +104,10 @@ def cap_memory(fraction: float) -> bool:
         raise ValueError(f"memory fraction must be in (0, 1], got {fraction!r}")
     if not cuda_available():
         return False
+    global _fraction
     create_context()
     _torch().cuda.set_per_process_memory_fraction(fraction, 0)
+    _fraction = fraction
     return True
 
 
@@ -151,10 +155,27 @@ def reset_peak() -> None:
 
 
 def free_bytes() -> int | None:
-    """Device memory this child could still allocate: the driver's free memory, capped
-    by the allocator's fraction; None without a context (a CPU child: not the limit)."""
+    """Device memory this child could still allocate; None without a context (a CPU
+    child: not the limit).
+
+    The driver's free memory plus the allocator's cached blocks, and under the class's
+    cap (:func:`cap_memory`) no more than the cap less what is allocated: the allocator
+    refuses to reserve past ``fraction x total``, cache reuse included, so on a large
+    device the driver's figure alone would size a batch for memory the task may not take.
+    """
     if not _context_created:
         return None
     cuda = _torch().cuda
-    free, _total = cuda.mem_get_info(0)
-    return int(free)
+    free, total = cuda.mem_get_info(0)
+    allocated = int(cuda.memory_allocated(0))
+    return allocatable(int(free), int(total), int(cuda.memory_reserved(0)), allocated,
+                       _fraction)
+
+
+def allocatable(free: int, total: int, reserved: int, allocated: int,
+                fraction: float | None) -> int:
+    """Bytes a caching allocator can still hand out (pure: :func:`free_bytes`'s sum)."""
+    room = free + max(0, reserved - allocated)
+    if fraction is not None:
+        room = min(room, int(fraction * total) - allocated)
+    return max(0, room)

@@ -14,6 +14,10 @@ import pytest
 pytest.importorskip("torch", reason="the inference extra (torch) is not installed")
 pytest.importorskip("tensorrt", reason="TensorRT is not installed: `pip install tensorrt` "
                                        "on a host with an NVIDIA GPU and driver")
+# The plan is built from torch.onnx.export(dynamo=True), which needs both.
+pytest.importorskip("onnx", reason="onnx is not installed (the inference extra has it)")
+pytest.importorskip("onnxscript", reason="onnxscript is not installed (the inference extra "
+                                         "has it)")
 import torch
 
 from sits_queue.cache.engines import (

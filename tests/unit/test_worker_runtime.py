@@ -473,6 +473,18 @@ def test_gpu_helpers_are_no_ops_without_cuda() -> None:
         gpu.cap_memory(0.0)
 
 
+def test_allocatable_memory_is_capped_by_the_class_fraction() -> None:
+    # An 80 GiB device, 70 GiB free to the driver; the allocator holds 6 GiB, 4 in use
+    free, total, reserved, used = 70 * GIB, 80 * GIB, 6 * GIB, 4 * GIB
+    assert gpu.allocatable(free, total, reserved, used, None) == 72 * GIB  # + its cache
+    # Under a class capped at 10% (8 GiB): 4 more, whatever the driver has free
+    assert gpu.allocatable(free, total, reserved, used, 0.1) == 4 * GIB
+    # The driver is the limit when others took the device
+    assert gpu.allocatable(GIB, total, reserved, used, 0.5) == 3 * GIB
+    # Past the cap (a fraction lowered under live tensors): nothing, never negative
+    assert gpu.allocatable(free, total, reserved, used, 0.04) == 0
+
+
 def test_discovery_mapping_is_frozen() -> None:
     # The plan a parent hands its children must not change under them.
     plan = rt.WorkerPlan("w", FOUR_GPUS, (0, 1), 2)
