@@ -339,6 +339,11 @@ def _row_sampler(width: int, rows: list[_Row]) -> Any:
 
     class RowSampler(LogitsProcessor):
         def __call__(self, input_ids: Any, scores: Any) -> Any:
+            if firsttoken.waiting() and scores.is_cuda:
+                # A GPU runs the step's kernels after Python queued them: wait for the
+                # logits, or the first token would be marked before it exists (the
+                # lone decode loop's int(argmax) waits for them anyway).
+                torch.cuda.synchronize(scores.device)
             firsttoken.mark()
             position = int(input_ids.shape[1]) - width
             for r, row in sampled:

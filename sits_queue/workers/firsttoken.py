@@ -64,6 +64,12 @@ def mark() -> float | None:
     return _clock.mark() if _clock is not None else None
 
 
+def waiting() -> bool:
+    """A clock is running and no first token has been marked yet (a GPU caller syncs
+    then, so that the mark is when the token exists, not when its kernels were queued)."""
+    return _clock is not None and _clock.ms is None
+
+
 def carry(ms: object) -> float | None:
     """Report ``ms`` from a saved checkpoint as this run's first-token time, if it is a
     finite non-negative number (a checkpoint is data from Redis: anything else is

@@ -199,8 +199,11 @@ def test_estimates_grow_with_tokens(lm: Any) -> None:
 
 def test_generate_marks_its_first_token_on_a_running_clock(lm: Any) -> None:
     assert firsttoken.mark() is None  # no clock: nothing to mark, nothing breaks
+    assert not firsttoken.waiting()
     with firsttoken.first_token_clock() as clock:
+        assert firsttoken.waiting()
         inference.generate(lm, "the clock runs", max_new_tokens=5, stop_at_eos=False)
+        assert not firsttoken.waiting()
     assert clock.ms is not None and clock.ms > 0
     assert clock.mark() == clock.ms  # marked once: later tokens do not move it
 
