@@ -64,7 +64,10 @@ EOF
 tests_rc=125
 if [ -z "$deps_missing" ]; then
     echo "gpu_check: pytest -m gpu tests/gpu (at most ${TESTS_TIMEOUT_S}s)" >&2
-    timeout --kill-after=10 "$TESTS_TIMEOUT_S" "$PY" -m pytest -m gpu tests/gpu -q \
+    # SIGINT, not TERM: pytest stops as after ^C and still writes the junit of the tests
+    # that ran, so a run past its box says how far it got and what each test did.
+    timeout --signal=INT --kill-after=15 "$TESTS_TIMEOUT_S" \
+        "$PY" -m pytest -m gpu tests/gpu -q \
         -p no:cacheprovider -o addopts="" --timeout=200 \
         --junitxml="$WORK/junit.xml" >"$WORK/pytest.log" 2>&1
     tests_rc=$?

@@ -109,3 +109,22 @@ def test_the_summary_carries_the_benchmark_and_the_host(
     assert summary["versions"]["cuda_available"] is False
     assert summary["gpus"] == [] or "error" in summary["gpus"]
     assert summary["elapsed_s"] < SCRIPT_TIMEOUT_S
+
+
+@pytest.mark.slow
+def test_a_step_past_its_box_is_stopped_and_the_summary_says_so(
+        tmp_path: Path) -> None:
+    if _nvml_device_count() > 0:
+        pytest.skip("a GPU is visible: run `bash ops/gpu_check.sh` itself, it runs tests/gpu")
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path),
+           "TMPDIR": str(tmp_path), "WHEELS": str(tmp_path / "no-wheels"),
+           "XDG_CACHE_HOME": str(tmp_path / "cache"), **dict.fromkeys(BOXES_S, "1")}
+    proc = subprocess.run(["bash", str(ROOT / "ops" / "gpu_check.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert proc.returncode == 1 and summary["ok"] is False
+    # pytest, stopped at its box (or, on a fast host, done within it), is interrupted
+    # as by ^C rather than killed: its junit is written either way
+    assert summary["tests"]["rc"] in (0, 124) and "counts" in summary["tests"]
+    for name in ("bench", "bench_affinity", "bench_batch", "bench_precision"):
+        assert summary[name]["rc"] == 124 and summary[name]["box_s"] == 1, name
