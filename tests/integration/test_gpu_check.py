@@ -124,7 +124,10 @@ def test_a_step_past_its_box_is_stopped_and_the_summary_says_so(
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert proc.returncode == 1 and summary["ok"] is False
     # pytest, stopped at its box (or, on a fast host, done within it), is interrupted
-    # as by ^C rather than killed: its junit is written either way
-    assert summary["tests"]["rc"] in (0, 124) and "counts" in summary["tests"]
+    # as by ^C rather than killed: once its session has begun it still writes the junit
+    # of what ran; stopped while still importing (this box is that short), it says so
+    tests = summary["tests"]
+    assert tests["rc"] in (0, 124)
+    assert "counts" in tests or "KeyboardInterrupt" in tests["log_tail"], tests["log_tail"]
     for name in ("bench", "bench_affinity", "bench_batch", "bench_precision"):
         assert summary[name]["rc"] == 124 and summary[name]["box_s"] == 1, name
