@@ -106,17 +106,12 @@ def cpu_per_task(first: tuple[float, float], last: tuple[float, float],
     return ((last[0] - first[0]) * 1000 / tasks, (last[1] - first[1]) * 1000 / tasks)
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else ratio(a, b)
-
-
 def ratios(systems: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
     s, g, d = systems["sits"], systems["celery_guarantees"], systems["celery_default"]
     return {
         "throughput_vs_same_guarantees": ratio(s["tasks_per_s"], g["tasks_per_s"]),
         "throughput_vs_stock_defaults": ratio(s["tasks_per_s"], d["tasks_per_s"]),
-        "cpu_per_task_vs_same_guarantees": _ratio(s["cpu_ms_per_task"],
-                                                  g["cpu_ms_per_task"]),
+        "cpu_per_task_vs_same_guarantees": ratio(s["cpu_ms_per_task"], g["cpu_ms_per_task"]),
         "idle_p50_vs_stock_defaults": ratio(s["idle_p50_ms"], d["idle_p50_ms"]),
     }
 

@@ -35,9 +35,10 @@ def parser(prog: str, description: str | None = None) -> argparse.ArgumentParser
     return p
 
 
-def ratio(a: float, b: float) -> float | None:
-    """``a / b`` to three places; None when ``b`` is 0 (nothing to compare against)."""
-    return round(a / b, 3) if b else None
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b`` to three places; None when ``b`` is 0 (nothing to compare against) or
+    either was not measured (None)."""
+    return round(a / b, 3) if a is not None and b else None
 
 
 def database_url(base_url: str, database: int) -> str:
