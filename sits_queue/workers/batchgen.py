@@ -167,8 +167,8 @@ def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], st
     longest = max(row.most for row in rows)
     active = runtime.active()
     eos = getattr(tokenizer, "eos_token_id", None)
-    groups = _plan([row.ids for row in rows]) if share and len(rows) > 1 else []
-    shared = _shares(groups, len(rows))
+    groups, shared = _plan([row.ids for row in rows]) if share and len(rows) > 1 \
+        else ([], [0] * len(rows))
     if active is not None:
         active.check_vram(inference.kv_cache_bytes(module, (_width(rows, shared) + longest)
                                                    * len(rows)))
@@ -207,17 +207,21 @@ def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], st
     return results
 
 
-def _plan(prompts: list[list[int]]) -> list[tuple[tuple[int, ...], int]]:
-    """The groups worth prefilling once, or none when the padded layout would cost more
-    prefill than it saves (rows with no shared start are padded to the longest start's
-    width: prefilled tokens, all rows' own parts padded alike, against every row in full)."""
+def _plan(prompts: list[list[int]]
+          ) -> tuple[list[tuple[tuple[int, ...], int]], list[int]]:
+    """The groups worth prefilling once and each row's shared tokens, or none (all 0)
+    when the padded layout would cost more prefill than it saves (rows with no shared
+    start are padded to the longest start's width: prefilled tokens, all rows' own parts
+    padded alike, against every row in full)."""
+    nothing: tuple[list[tuple[tuple[int, ...], int]], list[int]] = ([], [0] * len(prompts))
     groups = [(rows, n) for rows, n in prefix_groups(prompts) if n > 0]
     if not groups:
-        return []
+        return nothing
     shares = _shares(groups, len(prompts))
     own = max(len(p) - s for p, s in zip(prompts, shares, strict=True))
     grouped = sum(n for _, n in groups) + len(prompts) * own
-    return groups if grouped < len(prompts) * max(len(p) for p in prompts) else []
+    worth = grouped < len(prompts) * max(len(p) for p in prompts)
+    return (groups, shares) if worth else nothing
 
 
 def _shares(groups: list[tuple[tuple[int, ...], int]], n_rows: int) -> list[int]:
