@@ -39,23 +39,30 @@ def test_the_boxes_here_are_the_scripts() -> None:
         assert f'{name}="${{{name}:-{seconds}}}"' in script, name
 
 
-@pytest.fixture(scope="module")
-def check(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, dict[str, Any]]:
+def run_check(out: Path, boxes_s: dict[str, int], timeout_s: float
+              ) -> tuple[int, str, dict[str, Any]]:
+    """``ops/gpu_check.sh`` in a fresh process, its time boxes ``boxes_s``, writing to
+    ``out``: (exit status, stdout, summary)."""
     if _nvml_device_count() > 0:
         pytest.skip("a GPU is visible: run `bash ops/gpu_check.sh` itself, it runs tests/gpu")
-    out = tmp_path_factory.mktemp("gpu_check")
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), "TMPDIR": str(out),
            # no carried wheels: this interpreter has the packages already
            "WHEELS": str(out / "no-wheels"),
            # the benchmark's model zoo goes to the user cache dir: keep it in the test's
            "XDG_CACHE_HOME": str(out / "cache"),
-           **{name: str(WIDER * seconds) for name, seconds in BOXES_S.items()}}
+           **{name: str(seconds) for name, seconds in boxes_s.items()}}
     proc = subprocess.run(["bash", str(ROOT / "ops" / "gpu_check.sh")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S,
-                          check=False)
+                          capture_output=True, text=True, timeout=timeout_s, check=False)
     summary = out / "gpu_check.json"
     assert summary.exists(), proc.stderr[-3000:]
     return proc.returncode, proc.stdout, json.loads(summary.read_text())
+
+
+@pytest.fixture(scope="module")
+def check(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, dict[str, Any]]:
+    return run_check(tmp_path_factory.mktemp("gpu_check"),
+                     {name: WIDER * seconds for name, seconds in BOXES_S.items()},
+                     SCRIPT_TIMEOUT_S)
 
 
 @pytest.mark.slow
@@ -114,15 +121,8 @@ def test_the_summary_carries_the_benchmark_and_the_host(
 @pytest.mark.slow
 def test_a_step_past_its_box_is_stopped_and_the_summary_says_so(
         tmp_path: Path) -> None:
-    if _nvml_device_count() > 0:
-        pytest.skip("a GPU is visible: run `bash ops/gpu_check.sh` itself, it runs tests/gpu")
-    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path),
-           "TMPDIR": str(tmp_path), "WHEELS": str(tmp_path / "no-wheels"),
-           "XDG_CACHE_HOME": str(tmp_path / "cache"), **dict.fromkeys(BOXES_S, "1")}
-    proc = subprocess.run(["bash", str(ROOT / "ops" / "gpu_check.sh")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120, check=False)
-    summary = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert proc.returncode == 1 and summary["ok"] is False
+    rc, _, summary = run_check(tmp_path, dict.fromkeys(BOXES_S, 1), 120)
+    assert rc == 1 and summary["ok"] is False
     # pytest, stopped at its box (or, on a fast host, done within it), is interrupted
     # as by ^C rather than killed: once its session has begun it still writes the junit
     # of what ran; stopped while still importing (this box is that short), it says so
