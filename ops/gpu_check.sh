@@ -4,6 +4,7 @@
 # (time boxes below).
 #
 #   bash ops/gpu_check.sh [SUMMARY.json]      # default: $OUT/gpu_check.json, else ./
+#   GPU_TESTS=tests/gpu/test_tensorrt.py bash ops/gpu_check.sh   # a rerun of some only
 #
 # Installs nothing heavy: torch, transformers, onnxruntime, nvidia-ml-py, psutil and
 # pytest must already be there (a CUDA PyTorch image has them). Celery's stack, the Redis
@@ -27,6 +28,7 @@ OUT_DIR="${OUT:-$ROOT}"
 SUMMARY="${1:-$OUT_DIR/gpu_check.json}"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
 WHEELS="${WHEELS:-$ROOT/.whl}"
+GPU_TESTS="${GPU_TESTS:-tests/gpu}"
 # Time boxes, s: tests, then the benchmarks; with install and summary under 6 minutes.
 TESTS_TIMEOUT_S="${TESTS_TIMEOUT_S:-150}"
 BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-85}"
@@ -63,11 +65,11 @@ EOF
 
 tests_rc=125
 if [ -z "$deps_missing" ]; then
-    echo "gpu_check: pytest -m gpu tests/gpu (at most ${TESTS_TIMEOUT_S}s)" >&2
+    echo "gpu_check: pytest -m gpu $GPU_TESTS (at most ${TESTS_TIMEOUT_S}s)" >&2
     # SIGINT, not TERM: pytest stops as after ^C and still writes the junit of the tests
     # that ran, so a run past its box says how far it got and what each test did.
     timeout --signal=INT --kill-after=15 "$TESTS_TIMEOUT_S" \
-        "$PY" -m pytest -m gpu tests/gpu -q \
+        "$PY" -m pytest -m gpu "$GPU_TESTS" -q \
         -p no:cacheprovider -o addopts="" --timeout=200 \
         --junitxml="$WORK/junit.xml" >"$WORK/pytest.log" 2>&1
     tests_rc=$?
