@@ -1,9 +1,10 @@
 """``sits.generate_batched``: the continuations of a batch of prompts in one run.
 
 The calls of a batch (``workers/batched.py`` gathers them) decode as one left-padded
-batch through Hugging Face ``generate`` (its KV cache, attention mask and positions),
-each row cut to its own ``max_new_tokens`` and end-of-sequence token, greedy or sampled
-per row exactly as ``inference.generate`` samples it alone.
+batch with one KV cache, each row greedy or sampled exactly as ``inference.generate``
+decodes it alone. A row leaves the batch at its own ``max_new_tokens`` or
+end-of-sequence token, its KV rows dropped, so the steps after it cost only the rows
+still going (Hugging Face ``generate`` runs every row until the longest one is done).
 
 Offline prompts mostly start with one of a few instruction templates. Prefilling a
 template once per batch instead of once per row is most of a short generation's work,
@@ -18,8 +19,8 @@ later batches; every row then goes on from its group's KV in one batch::
 
 Padding is masked out and positions count real tokens only, so each row decodes what it
 would alone (tested token for token, greedy and sampled). A batch of one runs
-``inference.generate``'s own decode loop: the same tokens without ``generate``'s per-call
-set-up.
+``inference.generate``'s own decode loop (which also yields between steps for a plain
+``sits.generate``; a batch never does).
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+
+from celery.exceptions import SoftTimeLimitExceeded
 
 from sits_queue.cache import kvwarm
 from sits_queue.errors import InferenceError, InvalidInput
@@ -161,50 +163,95 @@ def prefix_groups(prompts: Sequence[Sequence[int]], least: int = SHARE_MIN_TOKEN
 
 def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], stop: bool,
                    share: bool = True) -> list[dict[str, Any]]:
-    import torch
-    from transformers import LogitsProcessorList
-
     longest = max(row.most for row in rows)
     active = runtime.active()
     eos = getattr(tokenizer, "eos_token_id", None)
+    end = eos if stop else None  # the token a row stops at
     groups, shared = _plan([row.ids for row in rows]) if share and len(rows) > 1 \
         else ([], [0] * len(rows))
     if active is not None:
         active.check_vram(inference.kv_cache_bytes(module, (_width(rows, shared) + longest)
                                                    * len(rows)))
     if len(rows) == 1:
-        return [_generate_alone(module, tokenizer, model, rows[0], eos if stop else None,
-                                active)]
+        return [_generate_alone(module, tokenizer, model, rows[0], end, active)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
-    device = next(module.parameters()).device
     past, cached = None, [0] * len(rows)
     if groups:
         past, cached = _prefix_cache(module, model, rows, groups, active)
         if past is None:
             shared = [0] * len(rows)
     input_ids, mask = _layout(rows, shared, pad)
-    width = int(input_ids.shape[1])
-    config = copy.deepcopy(module.generation_config)
-    # Greedy for ``generate``: the sampled rows' tokens are chosen by _RowSampler, which
-    # leaves generate's argmax no other choice.
-    config.update(max_new_tokens=longest, do_sample=False, pad_token_id=pad,
-                  eos_token_id=eos if stop else None)
-    extra = {kvwarm.cache_kwarg(module): past} if past is not None else {}
-    with torch.inference_mode():
-        out = module.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                              generation_config=config,
-                              logits_processor=LogitsProcessorList([_row_sampler(width, rows)]),
-                              **extra)
-    results = []
-    for r, row in enumerate(rows):
-        new = out[r, width:].tolist()[:row.most]
-        if stop and eos is not None and eos in new:
-            new = new[:new.index(eos) + 1]
-        results.append({**inference.generated(tokenizer, new, eos if stop else None,
-                                              prompt_tokens=len(row.ids),
-                                              cached_tokens=cached[r], runs=1),
-                        "shared_tokens": shared[r]})
-    return results
+    news = _decode_rows(module, model, rows, input_ids, mask, past,
+                        max(shared) if past is not None else 0, end, active)
+    return [{**inference.generated(tokenizer, new, end,
+                                   prompt_tokens=len(row.ids), cached_tokens=cached[r], runs=1),
+             "shared_tokens": shared[r]}
+            for r, (row, new) in enumerate(zip(rows, news, strict=True))]
+
+
+def _decode_rows(module: Any, model: str, rows: list[_Row], input_ids: Any, mask: Any,
+                 past: Any, cached: int, eos: int | None, active: runtime.ActiveTask | None
+                 ) -> list[list[int]]:
+    """Each row's new tokens, decoded together from the batch's layout (its first
+    ``cached`` positions already in ``past``). A row leaves the batch, its KV cache rows
+    dropped, as soon as it has its ``max_new_tokens`` or its end-of-sequence token, so a
+    step costs only the rows still going (Hugging Face ``generate`` would run every row
+    to the longest one's length). Positions count each row's real tokens (its padding is
+    masked out), and each row's token is chosen as :func:`inference.generate` chooses it
+    alone: greedy, or sampled with the row's seed at that position."""
+    import torch
+
+    device = next(module.parameters()).device
+    kwarg = kvwarm.cache_kwarg(module)
+    # Models that take no positions (ALiBi) place tokens by the attention mask alone.
+    by_position = "position_ids" in inspect.signature(module.forward).parameters
+    mask = mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, cached:]
+    ids = input_ids[:, cached:].to(device)
+    generator = torch.Generator(device="cpu")
+    new: list[list[int]] = [[] for _ in rows]
+    live = list(range(len(rows)))  # the rows still decoding, in batch order
+    steps, longest = 0, max(row.most for row in rows)
+    out = logits = None
+    try:
+        with torch.inference_mode():
+            while True:
+                if active is not None:
+                    active.check_time(steps, longest)
+                extra = {"position_ids": positions} if by_position else {}
+                out = module(input_ids=ids, attention_mask=mask, use_cache=True,
+                             **{kwarg: past}, **extra)
+                past = kvwarm.cache_of(out)
+                logits = out.logits[:, -1, :].float()
+                tokens = torch.argmax(logits, dim=-1).tolist()  # waits for a GPU's step
+                firsttoken.mark()
+                steps += 1
+                for b, r in enumerate(live):
+                    row = rows[r]
+                    if row.temperature > 0:
+                        probs = torch.softmax(logits[b:b + 1] / row.temperature, dim=-1).cpu()
+                        tokens[b] = int(torch.multinomial(probs, 1, generator=inference.seeded(
+                            generator, row.seed, len(new[r]))))
+                    new[r].append(tokens[b])
+                going = [b for b, r in enumerate(live)
+                         if len(new[r]) < rows[r].most and new[r][-1] != eos]
+                if not going:
+                    return new
+                if len(going) < len(live):
+                    keep = torch.tensor(going, device=device)
+                    past.batch_select_indices(keep)
+                    mask, positions = mask[keep], positions[keep]
+                    live, tokens = [live[b] for b in going], [tokens[b] for b in going]
+                ids = torch.tensor(tokens, device=device).unsqueeze(1)
+                positions = positions[:, -1:] + 1
+                mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
+    except SoftTimeLimitExceeded:
+        raise SoftTimeLimitExceeded(
+            f"soft time limit hit while generating a batch of {len(rows)} with model "
+            f"{model!r}: stopped after {steps} of {longest} decode steps") from None
+    finally:
+        # A traceback keeps this frame alive: drop the KV cache now, not with the frame.
+        past = out = logits = None
 
 
 def _plan(prompts: list[list[int]]
@@ -313,11 +360,10 @@ def _group_cache(module: Any, model: str, tokens: list[int],
 
 def _generate_alone(module: Any, tokenizer: Any, model: str, row: _Row, eos: int | None,
                     active: runtime.ActiveTask | None) -> dict[str, Any]:
-    """A batch of one: ``inference.generate``'s own decode loop, which is what the row
-    would get from ``generate`` (the same tokens, tested) without its per-call set-up
-    (generation config, logits processors, stopping criteria: a quarter of a short
-    generation's time with a small model), and with its soft-limit check between steps.
-    Never yields: a batch task does not resume from a checkpoint."""
+    """A batch of one: ``inference.generate``'s own decode loop, from the longest start
+    of its prompt the child's KV-prefix store holds (a batch of one has no group to
+    prefill once), with its soft-limit check between steps. Never yields: a batch task
+    does not resume from a checkpoint."""
     import torch
 
     device = next(module.parameters()).device
@@ -329,33 +375,3 @@ def _generate_alone(module: Any, tokenizer: Any, model: str, row: _Row, eos: int
     return {**inference.generated(tokenizer, progress["new"], eos, prompt_tokens=len(row.ids),
                                   cached_tokens=prefix.tokens, runs=1),
             "shared_tokens": 0}
-
-
-def _row_sampler(width: int, rows: list[_Row]) -> Any:
-    """A ``LogitsProcessor`` that marks the first token (``firsttoken.py``) and, for each
-    sampled row, draws that row's token as ``inference.generate`` would at that position
-    and leaves it the only possible one."""
-    import torch
-    from transformers import LogitsProcessor
-
-    sampled = [(r, row) for r, row in enumerate(rows) if row.temperature > 0]
-    generator = torch.Generator(device="cpu")
-
-    class RowSampler(LogitsProcessor):
-        def __call__(self, input_ids: Any, scores: Any) -> Any:
-            if firsttoken.waiting() and scores.is_cuda:
-                # A GPU runs the step's kernels after Python queued them: wait for the
-                # logits, or the first token would be marked before it exists (the
-                # lone decode loop's int(argmax) waits for them anyway).
-                torch.cuda.synchronize(scores.device)
-            firsttoken.mark()
-            position = int(input_ids.shape[1]) - width
-            for r, row in sampled:
-                probs = torch.softmax(scores[r:r + 1].float() / row.temperature, dim=-1).cpu()
-                token = int(torch.multinomial(probs, 1, generator=inference.seeded(
-                    generator, row.seed, position)))
-                scores[r] = -math.inf
-                scores[r, token] = 0.0
-            return scores
-
-    return RowSampler()

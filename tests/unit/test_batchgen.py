@@ -230,3 +230,70 @@ def test_a_batch_of_one_decodes_alone_from_the_store_and_never_yields(lm: Any) -
         said.append(hit.value.args[0])
     assert said[0] == said[1] == (f"soft time limit hit while generating with model "
                                   f"{lm.key!r}: stopped after 0 of 6 new tokens")
+
+
+# -- rows leave the batch when they are done ----------------------------------------------------
+
+ROWS = [("the cache warms", 2, 1.5, 1), ("a queue of work", 7, 1.5, 2),
+        ("the worker loads a model and", 4, 0.0, 3), ("once more", 7, 1.5, 4)]
+
+
+def rows_batch(lm: Any, stop_at_eos: bool) -> tuple[list[Any], list[Any], list[int]]:
+    """The ``ROWS`` batched (with each forward's batch size) and each alone."""
+    calls = [Call(str(i), (p, n), {"temperature": t, "seed": s, "stop_at_eos": stop_at_eos})
+             for i, (p, n, t, s) in enumerate(ROWS)]
+    got, forwards = forwards_of(lm, lambda: generate_calls(lm, calls))
+    each = [inference.generate(lm, p, max_new_tokens=n, temperature=t, seed=s,
+                               stop_at_eos=stop_at_eos) for p, n, t, s in ROWS]
+    return got, each, [batch for batch, _ in forwards]
+
+
+def still_going(outputs: list[Any]) -> list[int]:
+    """The rows a batch decodes at each step: those with more tokens to come."""
+    return [sum(o["tokens"] > step for o in outputs)
+            for step in range(max(o["tokens"] for o in outputs))]
+
+
+def test_a_row_leaves_the_batch_at_its_own_max_new_tokens(lm: Any) -> None:
+    got, each, sizes = rows_batch(lm, stop_at_eos=False)
+    assert [g["tokens"] for g in got] == [n for _, n, _, _ in ROWS]
+    for out, one in zip(got, each, strict=True):
+        assert out == {**one, "shared_tokens": 0}
+    # one forward per step, over the rows still going: 4, 4, then 3 once the 2-token
+    # row is done, then 2 (generate would run all 4 rows for all 7 steps)
+    assert sizes == still_going(got) == [4, 4, 3, 3, 2, 2, 2]
+
+
+def test_a_row_leaves_the_batch_at_its_end_of_sequence_token(lm: Any) -> None:
+    import torch
+
+    tokenizer = inference.tokenizer_of(lm, lm.key)
+    prompt = tokenizer(ROWS[1][0])["input_ids"]
+    progress: dict[str, Any] = {"new": [], "runs": 1}
+    inference.decode_steps(lm.module, torch.tensor([prompt]), 7, None, 1.5, ROWS[1][3],
+                           progress, None, inference.PromptPrefix.looked_up(None, lm.key, prompt),
+                           model=lm.key)
+    ids = progress["new"]
+    # the second row's third token is made the end-of-sequence token: it stops there
+    end = next(t for i, t in enumerate(ids) if i >= 2 and t not in ids[:i])
+    was = tokenizer.eos_token
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(end)
+    try:
+        got, each, sizes = rows_batch(lm, stop_at_eos=True)
+    finally:
+        tokenizer.eos_token = was
+    assert got[1]["stopped"] == "eos" and got[1]["tokens"] == ids.index(end) + 1 < 7
+    for out, one in zip(got, each, strict=True):
+        assert out == {**one, "shared_tokens": 0}
+    assert sizes == still_going(got) and sizes[-1] < sizes[0]
+
+
+def test_a_batch_hitting_its_soft_time_limit_says_how_far_it_got(lm: Any) -> None:
+    calls = [Call(str(i), (p, n), {"temperature": t, "seed": s})
+             for i, (p, n, t, s) in enumerate(ROWS)]
+    late = rt.ActiveTask("lm", SitsConfig().quota("high"), lm.size_bytes(), "cpu",
+                         soft_deadline=time.monotonic() - 1.0)
+    with rt.activated(late), pytest.raises(SoftTimeLimitExceeded) as hit:
+        generate_calls(lm, calls)
+    assert hit.value.args[0] == (f"soft time limit hit while generating a batch of 4 with "
+                                 f"model {lm.key!r}: stopped after 0 of 7 decode steps")
