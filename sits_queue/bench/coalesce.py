@@ -31,7 +31,9 @@ How it runs (the same for all three, in one process run):
   full, then the same with the prompts over four templates, interleaved (each
   template's rows prefilled from one shared start: ``meta.template_batch``): what the
   sharing saves a batch, which the streams cannot show apart from the per-task costs
-  around it.
+  around it; and the one-template batch with each row asking for its own number of
+  tokens (1 to :data:`RAGGED_MOST`, seeded), against all asking for the longest
+  (``meta.ragged_batch``): what a row leaving the batch when it is done saves.
 
 ``batch``: mean tasks per run (1 for one at a time). ``p50/p99``: submit -> finish, ms;
 throughput: tasks over first submission -> last finish.
@@ -172,6 +174,8 @@ def targets(r: Mapping[str, float | None]) -> dict[str, bool]:
 #: Rows of the in-process template batch: a full batch (``batch_max_tasks``).
 BATCH_ROWS = 32
 BATCH_REPEATS = 5
+#: Most new tokens a row of the in-process ragged batch asks for.
+RAGGED_MOST = 64
 #: The mixed batch's other instructions (with :data:`TEMPLATE`: a batch of several jobs'
 #: prompts, one template each, as a queue fed by several jobs delivers them).
 OTHER_TEMPLATES = (
@@ -189,13 +193,26 @@ def mixed_prompts(texts: Sequence[str]) -> list[str]:
     return [templates[i % len(templates)] + t for i, t in enumerate(texts)]
 
 
-def template_batch_ms(lm_dir: Path, batches: Mapping[str, Sequence[str]]
-                      ) -> dict[str, Any]:
-    """What sharing template prefills saves one batch, measured in this process: per
-    batch of prompts (``one``: one template; ``mixed``: four, interleaved), the median ms
-    of ``generate_calls`` with shared starts prefilled once per group and with every row
-    prefilled in full (the same outputs; the worker streams cannot show it alone, since
-    their per-task costs are the same either way)."""
+def ragged_lengths(n: int, seed: int) -> list[int]:
+    """``max_new_tokens`` of the in-process ragged batch's rows: seeded, 1 to
+    :data:`RAGGED_MOST`."""
+    rng = random.Random(seed)
+    return [rng.randint(1, RAGGED_MOST) for _ in range(n)]
+
+
+def in_process_batches(lm_dir: Path, batches: Mapping[str, Sequence[str]],
+                       lengths: Sequence[int]) -> dict[str, Any]:
+    """What one batch's generation saves, measured in this process (the worker streams
+    cannot show it apart from the per-task costs around it), as median ms of
+    ``generate_calls``:
+
+    * ``template_batch``, per batch of prompts (``one``: one template; ``mixed``: four,
+      interleaved): shared starts prefilled once per group, and every row prefilled in
+      full (the same outputs);
+    * ``ragged_batch``: the ``one`` prompts, each asking for its own number of tokens
+      (``lengths``), every row leaving the batch when it is done; and the same rows all
+      asking for the longest, which is what decoding every row until the longest is done
+      costs (Hugging Face ``generate``'s way)."""
     import torch
 
     from sits_queue.cache.engines import engine_from_path
@@ -207,27 +224,36 @@ def template_batch_ms(lm_dir: Path, batches: Mapping[str, Sequence[str]]
     engine = engine_from_path(LM_MODEL, lm_dir, "cpu")
     engine.to_device("cpu")
     tokenizer = tokenizer_of(engine, LM_MODEL)
-    out: dict[str, Any] = {}
+
+    def median_ms(calls: list[Call], share: bool) -> tuple[float, list[Any]]:
+        times, got = [], []
+        for _ in range(BATCH_REPEATS + 1):  # the first run warms up
+            start = time.perf_counter()
+            got = generate_calls(engine, calls, share_prefix=share)
+            times.append((time.perf_counter() - start) * 1000)
+        return round(statistics.median(times[1:]), 1), got
+
+    def asking(prompts: Sequence[str], most: Sequence[int]) -> list[Call]:
+        return [Call(str(i), (p,), {"max_new_tokens": n, "stop_at_eos": False})
+                for i, (p, n) in enumerate(zip(prompts, most, strict=True))]
+
+    templates: dict[str, Any] = {}
     for batch, prompts in batches.items():
-        calls = [Call(str(i), (p,), {"max_new_tokens": GEN_TOKENS, "stop_at_eos": False})
-                 for i, p in enumerate(prompts)]
-        got_batch: dict[str, Any] = {"rows": len(calls)}
-        for name, share in (("shared_ms", True), ("unshared_ms", False)):
-            times = []
-            for _ in range(BATCH_REPEATS + 1):  # the first run warms up
-                start = time.perf_counter()
-                got = generate_calls(engine, calls, share_prefix=share)
-                times.append((time.perf_counter() - start) * 1000)
-            got_batch[name] = round(statistics.median(times[1:]), 1)
-            if share:
-                shared = [g["shared_tokens"] for g in got]
-                got_batch["shared_tokens"] = max(shared)
-                got_batch["groups"] = len({tuple(tokenizer(p)["input_ids"][:n])
-                                           for n, p in zip(shared, prompts, strict=True)
-                                           if n})
-        out[batch] = got_batch
+        calls = asking(prompts, [GEN_TOKENS] * len(prompts))
+        shared_ms, got = median_ms(calls, True)
+        shared = [g["shared_tokens"] for g in got]
+        templates[batch] = {
+            "rows": len(calls), "shared_ms": shared_ms,
+            "unshared_ms": median_ms(calls, False)[0], "shared_tokens": max(shared),
+            "groups": len({tuple(tokenizer(p)["input_ids"][:n])
+                           for n, p in zip(shared, prompts, strict=True) if n})}
+    prompts = batches["one"]
+    ragged_ms, got = median_ms(asking(prompts, lengths), True)
+    longest_ms = median_ms(asking(prompts, [max(lengths)] * len(prompts)), True)[0]
     engine.release()
-    return out
+    return {"template_batch": templates, "ragged_batch": {
+        "rows": len(prompts), "tokens": sum(g["tokens"] for g in got),
+        "longest": max(lengths), "ragged_ms": ragged_ms, "longest_ms": longest_ms}}
 
 
 # -- running one system --------------------------------------------------------------------
@@ -332,15 +358,19 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
                 f"{out[name][system]['p50_ms']} ms" for system in runners))
     result = {name: {s: v[s] for s in SYSTEMS} for name, v in out.items()}
     inputs = make_texts(BATCH_ROWS, shape.seed + 10)
-    batch_ms = template_batch_ms(lm_dir, {"one": [TEMPLATE + t for t in inputs],
-                                          "mixed": mixed_prompts(inputs)})
+    batch_ms = in_process_batches(lm_dir, {"one": [TEMPLATE + t for t in inputs],
+                                           "mixed": mixed_prompts(inputs)},
+                                  ragged_lengths(BATCH_ROWS, shape.seed + 11))
+    ragged = batch_ms["ragged_batch"]
     r = {**ratios(result), **{
         f"{'template' if name == 'one' else 'mixed'}_batch_shared_vs_unshared":
-        ratio(b["shared_ms"], b["unshared_ms"]) for name, b in batch_ms.items()}}
+        ratio(b["shared_ms"], b["unshared_ms"])
+        for name, b in batch_ms["template_batch"].items()},
+        "ragged_batch_vs_longest": ratio(ragged["ragged_ms"], ragged["longest_ms"])}
     return {**result, "ratios": r, "meta": {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "quick": quick,
         "shape": asdict(shape), "encoder": ENCODER_SHAPE, "lm": LM_SHAPE,
-        "gen_tokens": GEN_TOKENS, "template_batch": batch_ms,
+        "gen_tokens": GEN_TOKENS, **batch_ms,
         "rates_per_s": {n: round(load * (base or 0.0), 1) for n, load in LOADS.items()},
         "concurrency": 1, "cpus": available_cpus(), "python": platform.python_version(),
         "host_cpus": os.cpu_count(), "torch": coldstart._version("torch"),
@@ -371,6 +401,10 @@ def table(result: Mapping[str, Any]) -> str:
                  f"over 4 templates: {mixed['shared_ms']} ms prefilling each of its "
                  f"{mixed['groups']} groups' template once, {mixed['unshared_ms']} ms "
                  "every row")
+    rb = result["meta"]["ragged_batch"]
+    lines.append(f"the {rb['rows']} template prompts asking 1-{rb['longest']} tokens each "
+                 f"({rb['tokens']} in all), in-process: {rb['ragged_ms']} ms, each row "
+                 f"leaving when done; {rb['longest_ms']} ms all asking {rb['longest']}")
     lines.append("ratios: " + ", ".join(f"{k}={v}" for k, v in result["ratios"].items()))
     lines.append(targets_line(result["meta"]["targets"]))
     return "\n".join(lines)

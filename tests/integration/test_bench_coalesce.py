@@ -43,3 +43,8 @@ def test_three_systems_every_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     for batch in batches.values():
         assert batch["rows"] == coalesce.BATCH_ROWS and batch["shared_tokens"] >= 16
         assert batch["shared_ms"] > 0 and batch["unshared_ms"] > 0
+    # The ragged batch: every row got what it asked for, no more
+    ragged = result["meta"]["ragged_batch"]
+    lengths = coalesce.ragged_lengths(coalesce.BATCH_ROWS, TINY.seed + 11)
+    assert ragged["tokens"] == sum(lengths) and ragged["longest"] == max(lengths)
+    assert ragged["rows"] == coalesce.BATCH_ROWS and ragged["ragged_ms"] > 0
