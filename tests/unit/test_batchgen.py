@@ -297,3 +297,22 @@ def test_a_batch_hitting_its_soft_time_limit_says_how_far_it_got(lm: Any) -> Non
         generate_calls(lm, calls)
     assert hit.value.args[0] == (f"soft time limit hit while generating a batch of 4 with "
                                  f"model {lm.key!r}: stopped after 0 of 7 decode steps")
+
+
+def test_template_rows_leave_a_shared_prefill_batch_and_decode_as_each_alone(
+        lm: Any) -> None:
+    # Rows placed on their groups' shared KV (two templates and a row of its own) leave
+    # at their own lengths: the shared cache loses their rows, not the others'
+    prompts = [SHARED + ITEMS[0], OTHER + ITEMS[1], SHARED + ITEMS[2], "a short one",
+               OTHER + ITEMS[3]]
+    most = [3, 8, 1, 5, 2]
+    calls = [Call(str(i), (p, n), {"temperature": 1.3 if i % 2 else 0.0, "seed": i,
+                                   "stop_at_eos": False})
+             for i, (p, n) in enumerate(zip(prompts, most, strict=True))]
+    got, forwards = forwards_of(lm, lambda: generate_calls(lm, calls))
+    assert [g["shared_tokens"] > 0 for g in got] == [True, True, True, False, True]
+    assert [batch for batch, _ in forwards[2:]] == still_going(got)  # after 2 prefills
+    for i, (prompt, out) in enumerate(zip(prompts, got, strict=True)):
+        one = inference.generate(lm, prompt, max_new_tokens=most[i], stop_at_eos=False,
+                                 temperature=1.3 if i % 2 else 0.0, seed=i)
+        assert out == {**one, "shared_tokens": out["shared_tokens"]}, prompt
