@@ -80,9 +80,12 @@ def split_outputs(outputs: Any, calls: list[Call], meta: dict[str, Any]) -> dict
         error = InferenceError(f"batch function returned {got} for {len(calls)} calls; "
                                "it must return one output per call, in order")
         return {c.id: error for c in calls}
-    return {c.id: out if isinstance(out, BaseException)
-            else {"output": out, "sits": {**meta, "batch": {"size": len(calls), "index": i}}}
+    return {c.id: out if isinstance(out, BaseException) else _result(out, meta, i, len(calls))
             for i, (c, out) in enumerate(zip(calls, outputs, strict=True))}
+
+
+def _result(output: Any, meta: dict[str, Any], index: int, size: int) -> dict[str, Any]:
+    return {"output": output, "sits": {**meta, "batch": {"size": size, "index": index}}}
 
 
 # -- the pool child ------------------------------------------------------------------------
@@ -106,10 +109,25 @@ def run_batch(jobs: list[tuple[Any, ...]]) -> list[tuple[Any, Any, float]]:
         args, kwargs, _embed = loads(body, content_type, encoding,  # type: ignore[no-untyped-call]
                                      accept={content_type})
         calls.append(Call(task_id, tuple(args), dict(kwargs)))
-    _outcomes.update(_run(task, calls, jobs[0][2]))
     trace = fast_trace_task if app.use_fast_trace_task else trace_task_ret
+    traced: dict[int, Any] = {}  # calls done before the batch: what their trace returned
+
+    def early(index: int, output: Any, meta: dict[str, Any]) -> bool:
+        # Celery's tracer, as for any task (result, signals, chord), run now: the
+        # caller's get() returns while the batch goes on. Events and the ack follow
+        # with the batch's, from the main process. A call is traced once.
+        if index in traced or not 0 <= index < len(calls):
+            return False
+        _outcomes[calls[index].id] = output if isinstance(output, BaseException) \
+            else _result(output, meta, index, len(calls))
+        traced[index] = trace(*jobs[index])
+        return True
+
     try:
-        results = [trace(*job) for job in jobs]
+        outcomes = _run(task, calls, jobs[0][2], early)
+        _outcomes.update({c.id: outcomes[c.id] for i, c in enumerate(calls)
+                          if i not in traced})
+        results = [traced[i] if i in traced else trace(*job) for i, job in enumerate(jobs)]
     finally:
         for call in calls:
             _outcomes.pop(call.id, None)
@@ -117,14 +135,16 @@ def run_batch(jobs: list[tuple[Any, ...]]) -> list[tuple[Any, Any, float]]:
     return [(failed, retval, elapsed) for failed, retval, _ in results]
 
 
-def _run(task: Any, calls: list[Call], request: dict[str, Any]) -> dict[str, Any]:
+def _run(task: Any, calls: list[Call], request: dict[str, Any],
+         early: Callable[[int, Any, dict[str, Any]], bool] | None = None) -> dict[str, Any]:
     """The batch through ``run_inference`` (engine, limits, accounting) under the first
-    task's request; every call's outcome (the error of a failed run fails them all)."""
+    task's request; every call's outcome (the error of a failed run fails them all but
+    those ``early`` took before it failed)."""
     task.push_request(**{**request, "id": calls[0].id, "args": calls[0].args,
                          "kwargs": calls[0].kwargs, "is_eager": False})
     try:
         result = inference.run_inference(runtime.for_app(task.app), task, (calls,), {},
-                                         tasks=len(calls))
+                                         tasks=len(calls), early=early)
     except Exception as exc:  # SoftTimeLimitExceeded too: each call fails with it
         return {c.id: exc for c in calls}
     finally:

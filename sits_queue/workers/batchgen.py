@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -88,6 +88,7 @@ def generate_calls(engine: Any, calls: list[Call], *, share_prefix: bool = True
     model = getattr(engine, "key", "?")
     module, tokenizer = inference.module_of(engine, model), inference.tokenizer_of(engine, model)
     limit = kvwarm.max_positions(module, tokenizer)
+    active = runtime.active()
     outputs: list[Any] = [None] * len(calls)
     groups: dict[bool, list[_Row]] = {}
     for i, call in enumerate(calls):
@@ -105,10 +106,25 @@ def generate_calls(engine: Any, calls: list[Call], *, share_prefix: bool = True
             continue
         row = _Row(i, ids, most, float(args["temperature"]), int(args["seed"]))
         groups.setdefault(bool(args["stop_at_eos"]), []).append(row)
-    for stop, rows in groups.items():
+    sent: set[int] = set()
+
+    def send(i: int, out: Any) -> None:
+        """Call ``i`` is done: in a worker its result is stored now (once), while the
+        rest of the batch goes on."""
+        if active is not None and i not in sent:
+            sent.add(i)
+            active.deliver(i, out)
+
+    if groups:  # the failed calls fail now, not after the rest
+        for i, out in enumerate(outputs):
+            if out is not None:
+                send(i, out)
+    for n, (stop, rows) in enumerate(groups.items(), 1):
         for row, out in zip(rows, _generate_rows(module, tokenizer, model, rows, stop,
-                                                 share_prefix), strict=True):
+                                                 share_prefix, send), strict=True):
             outputs[row.index] = out
+            if n < len(groups):  # the other group runs next
+                send(row.index, out)
     return outputs
 
 
@@ -162,7 +178,7 @@ def prefix_groups(prompts: Sequence[Sequence[int]], least: int = SHARE_MIN_TOKEN
 # -- the batch ---------------------------------------------------------------------------------
 
 def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], stop: bool,
-                   share: bool = True) -> list[dict[str, Any]]:
+                   share: bool, send: Callable[[int, Any], None]) -> list[dict[str, Any]]:
     longest = max(row.most for row in rows)
     active = runtime.active()
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -181,24 +197,34 @@ def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], st
         if past is None:
             shared = [0] * len(rows)
     input_ids, mask = _layout(rows, shared, pad)
+
+    def result(r: int, new: list[int]) -> dict[str, Any]:
+        return {**inference.generated(tokenizer, new, end, prompt_tokens=len(rows[r].ids),
+                                      cached_tokens=cached[r], runs=1),
+                "shared_tokens": shared[r]}
+
+    left: dict[int, dict[str, Any]] = {}  # the rows that left before the last ones
+
+    def leave(r: int, new: list[int]) -> None:
+        left[r] = result(r, new)
+        send(rows[r].index, left[r])
+
     news = _decode_rows(module, model, rows, input_ids, mask, past,
-                        max(shared) if past is not None else 0, end, active)
-    return [{**inference.generated(tokenizer, new, end,
-                                   prompt_tokens=len(row.ids), cached_tokens=cached[r], runs=1),
-             "shared_tokens": shared[r]}
-            for r, (row, new) in enumerate(zip(rows, news, strict=True))]
+                        max(shared) if past is not None else 0, end, active, leave)
+    return [left[r] if r in left else result(r, new) for r, new in enumerate(news)]
 
 
 def _decode_rows(module: Any, model: str, rows: list[_Row], input_ids: Any, mask: Any,
-                 past: Any, cached: int, eos: int | None, active: runtime.ActiveTask | None
-                 ) -> list[list[int]]:
+                 past: Any, cached: int, eos: int | None, active: runtime.ActiveTask | None,
+                 leave: Callable[[int, list[int]], None]) -> list[list[int]]:
     """Each row's new tokens, decoded together from the batch's layout (its first
     ``cached`` positions already in ``past``). A row leaves the batch, its KV cache rows
     dropped, as soon as it has its ``max_new_tokens`` or its end-of-sequence token, so a
     step costs only the rows still going (Hugging Face ``generate`` would run every row
-    to the longest one's length). Positions count each row's real tokens (its padding is
-    masked out), and each row's token is chosen as :func:`inference.generate` chooses it
-    alone: greedy, or sampled with the row's seed at that position."""
+    to the longest one's length); ``leave(row, tokens)`` is told of each row that leaves
+    before the last ones. Positions count each row's real tokens (its padding is masked
+    out), and each row's token is chosen as :func:`inference.generate` chooses it alone:
+    greedy, or sampled with the row's seed at that position."""
     import torch
 
     device = next(module.parameters()).device
@@ -238,6 +264,8 @@ def _decode_rows(module: Any, model: str, rows: list[_Row], input_ids: Any, mask
                 if not going:
                     return new
                 if len(going) < len(live):
+                    for b in sorted(set(range(len(live))) - set(going)):
+                        leave(live[b], new[live[b]])
                     keep = torch.tensor(going, device=device)
                     past.batch_select_indices(keep)
                     mask, positions = mask[keep], positions[keep]

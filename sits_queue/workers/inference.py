@@ -110,24 +110,37 @@ def _acquire(rt: runtime.ChildRuntime, model: str, precision: str | None = None
 
 
 def run_inference(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
-                  kwargs: dict[str, Any], tasks: int = 1) -> dict[str, Any]:
+                  kwargs: dict[str, Any], tasks: int = 1,
+                  early: Callable[[int, Any, dict[str, Any]], bool] | None = None
+                  ) -> dict[str, Any]:
     """Engine from the warm cache, limits, the user's function, accounting; a failure is
     counted by reason, and the child's record and counts go out once per run. ``tasks``:
-    how many tasks the run serves (a batch, ``batched.py``)."""
+    how many tasks the run serves (a batch, ``batched.py``); ``early(i, output, meta)``
+    takes a batch's call ``i`` done before the run ends, with the run's result metadata
+    as of then (``ActiveTask.deliver``), True if it took it."""
+    delivered = 0
+
+    def counted(index: int, output: Any, meta: dict[str, Any]) -> bool:
+        nonlocal delivered
+        taken = early is not None and early(index, output, meta)
+        delivered += taken
+        return taken
+
     try:
         with firsttoken.first_token_clock() as clock:
-            return _run(rt, task, args, kwargs, clock, tasks)
+            return _run(rt, task, args, kwargs, clock, tasks, counted if early else None)
     except BaseException as exc:
         reason = metrics.failure_reason(exc)
-        if reason is not None:
-            rt.count(metrics.failure_fields(reason, tasks))
+        if reason is not None:  # the calls a batch delivered before it failed did not
+            rt.count(metrics.failure_fields(reason, tasks - delivered))
         raise
     finally:
         rt.publish()
 
 
 def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
-         kwargs: dict[str, Any], clock: firsttoken.FirstToken, tasks: int = 1
+         kwargs: dict[str, Any], clock: firsttoken.FirstToken, tasks: int = 1,
+         early: Callable[[int, Any, dict[str, Any]], bool] | None = None
          ) -> dict[str, Any]:
     request = task.request
     model = runtime.task_model(request, getattr(task, "model", None))
@@ -155,6 +168,16 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     timelimit = getattr(request, "timelimit", None) or (None, None)
     hard, soft = (*tuple(timelimit), None, None)[:2]
     soft = soft or getattr(task, "soft_time_limit", None)
+
+    def so_far() -> dict[str, Any]:
+        """The run's result metadata as of now."""
+        return {**meta, "run_ms": round((time.perf_counter() - start) * _MS_PER_S, 3),
+                "first_token_ms": clock.ms, "device": rt.device_label, "slot": rt.slot,
+                "sla_class": quota.name,
+                "limits": {"soft_time_limit_s": soft, "time_limit_s": hard,
+                           "vram_gib": quota.vram_gib, "memory_fraction": fraction,
+                           "cpus": list(cpus)}}
+
     active = runtime.ActiveTask(model=model, quota=quota, engine_bytes=engine_bytes,
                                 device=rt.torch_device, on_cuda=rt.on_cuda,
                                 soft_deadline=time.monotonic() + soft if soft else None,
@@ -162,7 +185,9 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
                                 checkpoint=getattr(task, "checkpoint", None),
                                 prefixes=rt.prefixes(), count=rt.count,
                                 prefix_key=runtime.task_prefix_key(request),
-                                embeddings=rt.embeddings(), batcher=rt.batcher(model))
+                                embeddings=rt.embeddings(), batcher=rt.batcher(model),
+                                early=(lambda i, out: bool(early(i, out, so_far())))
+                                if early else None)
     oom: str | None = None
     start = time.perf_counter()
     try:
@@ -176,11 +201,7 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
         gpu.release_memory()
         raise VramLimitExceeded(f"task exceeded the {quota.vram_gib:g} GiB VRAM limit of "
                                 f"class {quota.name!r} running model {model!r}: {oom}")
-    meta.update(run_ms=round((time.perf_counter() - start) * _MS_PER_S, 3),
-                first_token_ms=clock.ms, device=rt.device_label, slot=rt.slot, sla_class=quota.name,
-                limits={"soft_time_limit_s": soft, "time_limit_s": hard,
-                        "vram_gib": quota.vram_gib, "memory_fraction": fraction,
-                        "cpus": list(cpus)})
+    meta = so_far()
     rt.count(metrics.run_fields(model, meta["run_ms"], tasks))
     if clock.ms is not None:
         rt.count(metrics.first_token_fields(clock.ms, tasks))

@@ -281,6 +281,15 @@ class ActiveTask:
     #: size controller of the task's model (``batching.py``).
     embeddings: Any = None
     batcher: Any = None
+    #: In a batch run (``batched.py``), what stores call ``i``'s result at once while the
+    #: batch's other calls go on; None elsewhere.
+    early: Callable[[int, Any], bool] | None = None
+
+    def deliver(self, index: int, output: Any) -> bool:
+        """Call ``index`` of the running batch is done: its result is stored now, not
+        when the batch ends; False where nothing took it (outside a batch; a call
+        delivered already), and the batch returns it with the others as always."""
+        return self.early is not None and self.early(index, output)
 
     def yield_point(self, state: Any, remaining_s: float | None = None) -> None:
         """Let the slot go to more urgent work if it is time to (raises ``Preempted``)."""
@@ -441,6 +450,10 @@ class ChildRuntime:
             gpu.cap_memory(1.0)
 
     def before_task(self, request: Any, declared_class: str | None = None) -> None:
+        if _active is not None:
+            # A batch's call traced while the batch runs on (its result stored early,
+            # ``batched.py``): the batch's confinement and cap stay as they are.
+            return
         quota = task_class(self.config, request, declared_class)
         self.confine(quota)
         # A plain task gets its class cap too, but only once the child has a context:

@@ -8,6 +8,7 @@ child (the CPU default) serves the module; tests run in file order.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -156,6 +157,14 @@ def test_generations_batch_and_match_a_lone_run_greedy_or_sampled(
             g["sits"][f"{p}_ms"] for p in ("cuda_ctx", "load", "promote", "warmup")) + 200
     firsts = {g["sits"]["first_token_ms"] for g in got if not isinstance(g, Exception)}
     assert len(firsts) == 1
+    # Each row's result was stored when the row was done, not with the batch's end: the
+    # shorter a row, the sooner (its run_ms, and when the worker stored it)
+    done = sorted((n, g["sits"]["run_ms"], one.date_done) for (_, n, _, _), g, one
+                  in zip(PROMPTS, got, waiting["gens"], strict=True)
+                  if not isinstance(g, Exception))
+    assert [n for n, _, _ in done] == [4, 6, 9, 12]
+    for (_, ms, at), (_, later_ms, later_at) in itertools.pairwise(done):
+        assert ms < later_ms and at < later_at
 
 
 def test_a_batch_mixing_templates_prefills_each_once_and_keeps_them_for_the_next(

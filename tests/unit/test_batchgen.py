@@ -13,6 +13,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from sits_queue.cache.prefix import PrefixStore
 from sits_queue.config import SitsConfig
+from sits_queue.errors import InvalidInput
 from sits_queue.workers import inference, kvreuse, metrics
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.batched import Call
@@ -316,3 +317,72 @@ def test_template_rows_leave_a_shared_prefill_batch_and_decode_as_each_alone(
         one = inference.generate(lm, prompt, max_new_tokens=most[i], stop_at_eos=False,
                                  temperature=1.3 if i % 2 else 0.0, seed=i)
         assert out == {**one, "shared_tokens": out["shared_tokens"]}, prompt
+
+
+# -- a row's result goes out when the row is done ---------------------------------------------
+
+def delivering(lm: Any, calls: list[Call]) -> tuple[list[Any], list[tuple[int, Any, int]]]:
+    """The batch's outputs, and what it delivered early: (call, output, forwards run by
+    then)."""
+    delivered: list[tuple[int, Any, int]] = []
+    seen: list[int] = []
+    handle = lm.module.register_forward_pre_hook(lambda *_: seen.append(1))
+    active = rt.ActiveTask("lm", SitsConfig().quota("high"), lm.size_bytes(), "cpu",
+                           early=lambda i, out: delivered.append((i, out, len(seen))) or True)
+    try:
+        with rt.activated(active):
+            return generate_calls(lm, calls), delivered
+    finally:
+        handle.remove()
+
+
+def test_a_row_done_before_the_last_is_delivered_then(lm: Any) -> None:
+    calls = [Call(str(i), (p, n), {"temperature": t, "seed": s, "stop_at_eos": False})
+             for i, (p, n, t, s) in enumerate(ROWS)]
+    calls.insert(2, Call("bad", ("",), {}))  # fails on its arguments: delivered at once
+    got, delivered = delivering(lm, calls)
+    # the bad call before any forward; the 2-token row after 2 steps, the 4-token one
+    # after 4; the two 7-token rows end the batch and go back with it
+    assert [(i, n) for i, _, n in delivered] == [(2, 0), (0, 2), (3, 4)]
+    assert isinstance(delivered[0][1], InvalidInput) and delivered[0][1] is got[2]
+    for i, out, _ in delivered[1:]:
+        assert out == got[i] and out["tokens"] == calls[i].args[1]
+
+
+def test_a_batch_with_two_kinds_of_stop_delivers_the_first_kinds_rows_when_done(
+        lm: Any) -> None:
+    calls = [Call("0", (ROWS[0][0], 3), {"stop_at_eos": False}),
+             Call("1", (ROWS[1][0], 3), {"stop_at_eos": True}),
+             Call("2", (ROWS[2][0], 2), {"stop_at_eos": False})]
+    got, delivered = delivering(lm, calls)
+    # stop_at_eos False runs first (rows 0 and 2): row 2 leaves it after 2 steps, row 0
+    # ends it and is delivered before row 1's batch (of one) starts
+    assert [(i, n) for i, _, n in delivered] == [(2, 2), (0, 3)]
+    assert all(out == got[i] for i, out, _ in delivered)
+
+
+def test_outside_a_worker_nothing_is_delivered_early(lm: Any) -> None:
+    calls = [Call(str(i), (p, n), {"stop_at_eos": False}) for i, (p, n, _, _) in enumerate(ROWS)]
+    active = rt.ActiveTask("lm", SitsConfig().quota("high"), lm.size_bytes(), "cpu")
+    with rt.activated(active):
+        assert not active.deliver(0, "x")
+        assert [g["tokens"] for g in generate_calls(lm, calls)] == [2, 7, 4, 7]
+
+
+def test_a_soft_time_limit_after_a_delivery_fails_only_the_rows_still_going(
+        lm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = [Call(str(i), (p, n), {"stop_at_eos": False}) for i, (p, n, _, _) in enumerate(ROWS)]
+    delivered: list[int] = []
+
+    def early(i: int, _out: Any) -> bool:
+        delivered.append(i)
+        monkeypatch.setattr(rt.time, "monotonic", lambda: 1e12)  # the deadline passes now
+        return True
+
+    active = rt.ActiveTask("lm", SitsConfig().quota("high"), lm.size_bytes(), "cpu",
+                           soft_deadline=time.monotonic() + 3600, early=early)
+    with rt.activated(active), pytest.raises(SoftTimeLimitExceeded) as hit:
+        generate_calls(lm, calls)
+    # the 2-token row was done and delivered; the limit stopped the other three next step
+    assert delivered == [0]
+    assert hit.value.args[0].endswith("stopped after 2 of 7 decode steps")

@@ -205,6 +205,23 @@ def test_confine_applies_the_class_share_once(monkeypatch: pytest.MonkeyPatch) -
     assert calls == [(8, 9, 10, 11), tuple(range(8, 16))]  # unchanged sets are not re-applied
 
 
+def test_a_task_traced_inside_a_running_batch_leaves_its_limits_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A batch call's result stored early is traced while the batch runs on: its
+    # task_prerun must not re-pin the child or re-cap the device under the batch
+    calls: list[tuple[int, ...]] = []
+    monkeypatch.setattr(rt.os, "sched_setaffinity", lambda pid, cpus: calls.append(cpus))
+    app = make_app(SitsConfig(), main="confine-test-3")
+    plan = rt.WorkerPlan("w@h", FOUR_GPUS, tuple(range(32)), slots=4)
+    child = rt.ChildRuntime(app=app, plan=plan, slot=1, device=gpu_device(1), pool_child=True)
+    task = SimpleNamespace(headers={"sits": {"sla_class": "low"}})
+    with rt.activated(rt.ActiveTask("m", HIGH, 0, "cpu")):
+        child.before_task(task, "low")
+    assert calls == []
+    child.before_task(task, "low")  # a task of its own: pinned to its class's share
+    assert calls == [(8, 9, 10, 11)]
+
+
 def test_confine_outside_a_pool_child_leaves_the_process_alone(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rt.os, "sched_setaffinity", lambda *_: pytest.fail("re-pinned"))
