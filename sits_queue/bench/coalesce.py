@@ -24,7 +24,10 @@ How it runs (the same for all three, in one process run):
   ``sits.generate_batched``); then ``gen_template``: the same, each prompt one
   instruction template (:data:`TEMPLATE`, 84 tokens) followed by its own short input, as
   offline jobs mostly are (a batch prefills the template once; one at a time, SITS takes
-  it from the worker's KV-prefix store; stock Celery prefills it every time);
+  it from the worker's KV-prefix store; stock Celery prefills it every time); then
+  ``gen_ragged``: short prompts each asking for its own number of tokens, 1 to
+  :data:`RAGGED_MOST` (seeded), as generations that end where their text does (a batch's
+  row leaves it, its result stored, when it has its tokens);
 * every worker first embeds one text (its cold start is not measured);
 * last, in this process, one batch of :data:`BATCH_ROWS` template prompts through the
   batch function with the template's prefill shared and with every row prefilled in
@@ -81,9 +84,9 @@ ENCODER_SHAPE = {"n_layer": 4, "hidden": 256, "n_head": 4, "n_positions": 128}
 LM_SHAPE = {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 256}
 #: The paced streams' rates, as shares of what one-at-a-time SITS sustained in its burst.
 LOADS = {"light": 0.5, "heavy": 1.5}
-#: Embedding streams, then generations submitted at once: short prompts, then prompts
-#: that share one instruction template.
-STREAMS = ("burst", *LOADS, "gen_burst", "gen_template")
+#: Embedding streams, then generations submitted at once: short prompts, prompts that
+#: share one instruction template, and short prompts each asking for its own length.
+STREAMS = ("burst", *LOADS, "gen_burst", "gen_template", "gen_ragged")
 #: The instruction every ``gen_template`` prompt starts with.
 TEMPLATE = ("You summarise operations logs for the on-call engineer. Keep every number, "
             "name the host, say what changed and what to do next, in one short line. Log: ")
@@ -153,7 +156,11 @@ def ratios(result: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str, f
             "gen_throughput_vs_celery": of("gen_burst", "throughput_tps", "celery_per_task"),
             "template_throughput_vs_one_by_one": of("gen_template", "throughput_tps"),
             "template_throughput_vs_celery": of("gen_template", "throughput_tps",
-                                                "celery_per_task")}
+                                                "celery_per_task"),
+            "ragged_throughput_vs_one_by_one": of("gen_ragged", "throughput_tps"),
+            "ragged_throughput_vs_celery": of("gen_ragged", "throughput_tps",
+                                              "celery_per_task"),
+            "ragged_p50_vs_celery": of("gen_ragged", "p50_ms", "celery_per_task")}
 
 
 def targets(r: Mapping[str, float | None]) -> dict[str, bool]:
@@ -278,7 +285,7 @@ class Runner:
         wait_ready(self.app, [self.worker])
         # their cold starts are not measured
         self.stream(["warm up"], rate_per_s=None)
-        self.stream(["warm up"], rate_per_s=None, generate=True)
+        self.stream(["warm up"], rate_per_s=None, tokens=[GEN_TOKENS])
         return self
 
     def __exit__(self, *_: Any) -> None:
@@ -287,15 +294,17 @@ class Runner:
         self.client.flushdb()  # leave nothing behind
         self.client.close()
 
-    def stream(self, texts: Sequence[str], rate_per_s: float | None, generate: bool = False
+    def stream(self, texts: Sequence[str], rate_per_s: float | None,
+               tokens: Sequence[int] | None = None
                ) -> tuple[list[dict[str, Any]], dict[str, float]]:
-        """Submit ``texts`` (all at once, or at ``rate_per_s``) to embed, or as prompts to
-        continue by :data:`GEN_TOKENS` tokens; the records once done."""
+        """Submit ``texts`` (all at once, or at ``rate_per_s``) to embed, or with
+        ``tokens`` as prompts, each to continue by its number of tokens; the records once
+        done."""
         self.client.delete(DONE_KEY)
         submitted: dict[str, float] = {}
         plain = self.system == "celery_per_task"
-        task = self.gen_task if generate else self.task
-        options: dict[str, Any] = {} if plain else {"model": LM_MODEL if generate else MODEL}
+        task = self.gen_task if tokens else self.task
+        options: dict[str, Any] = {} if plain else {"model": LM_MODEL if tokens else MODEL}
         start = time.monotonic()
         with self.app.producer_or_acquire() as producer:
             for i, text in enumerate(texts):
@@ -304,12 +313,12 @@ class Runner:
                     if delay > 0:
                         time.sleep(delay)
                 now = time.time()
-                if not generate:
+                if not tokens:
                     args: tuple[Any, ...] = (text,)
                     kwargs: dict[str, Any] = {}
-                else:  # the same greedy work: fixed length, no stop at EOS
-                    args, kwargs = ((text, GEN_TOKENS), {}) if plain else \
-                        ((text,), {"max_new_tokens": GEN_TOKENS, "stop_at_eos": False})
+                else:  # the same greedy work: its length, no stop at EOS
+                    args, kwargs = ((text, tokens[i]), {}) if plain else \
+                        ((text,), {"max_new_tokens": tokens[i], "stop_at_eos": False})
                 result = task.apply_async(args, kwargs, producer=producer, **options)
                 submitted[result.id] = now
         timeout = max(coldstart.DRAIN_MIN_S, DRAIN_S_PER_TASK * len(texts))
@@ -333,7 +342,11 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
                 for i, name in enumerate(LOADS)},
              "gen_burst": make_texts(shape.generations, shape.seed + 9),
              "gen_template": [TEMPLATE + t for t in make_texts(shape.generations,
-                                                               shape.seed + 10)]}
+                                                               shape.seed + 10)],
+             "gen_ragged": make_texts(shape.generations, shape.seed + 12)}
+    lengths = {"gen_burst": [GEN_TOKENS] * shape.generations,
+               "gen_template": [GEN_TOKENS] * shape.generations,
+               "gen_ragged": ragged_lengths(shape.generations, shape.seed + 12)}
     on_progress(f"coalesce: {shape.burst} texts at once, then {shape.paced} at each of "
                 f"{len(LOADS)} rates, one text per task")
     out: dict[str, dict[str, Any]] = {name: {} for name in STREAMS}
@@ -350,7 +363,7 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
             for system, runner in runners.items():
                 rate = LOADS[name] * base if name in LOADS else None
                 out[name][system] = summarise(*runner.stream(
-                    texts[name], rate, generate=name.startswith("gen_")))
+                    texts[name], rate, lengths.get(name)))
                 if name == "burst" and not base:
                     base = out[name][system]["throughput_tps"]
             on_progress(f"  {name}: " + ", ".join(
@@ -388,7 +401,8 @@ def table(result: Mapping[str, Any]) -> str:
     lines.append(f"(p50/p99: submit -> finish; batch: mean tasks per run; paced: {rates}, "
                  "shares of one-by-one's burst throughput; gen_burst: greedy generations "
                  f"of {GEN_TOKENS} tokens, submitted at once; gen_template: the same from "
-                 "prompts sharing one instruction template)")
+                 "prompts sharing one instruction template; gen_ragged: short prompts "
+                 f"asking 1-{RAGGED_MOST} tokens each)")
     failed = {f"{k}/{n}": s["failed"] for k in STREAMS
               for n, s in result[k].items() if s["failed"]}
     if failed:

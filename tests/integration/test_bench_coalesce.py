@@ -25,7 +25,8 @@ def test_three_systems_every_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert set(result[stream]) == set(SYSTEMS)
         for system, s in result[stream].items():
             want = {"burst": TINY.burst, "gen_burst": TINY.generations,
-                    "gen_template": TINY.generations}.get(stream, TINY.paced)
+                    "gen_template": TINY.generations,
+                    "gen_ragged": TINY.generations}.get(stream, TINY.paced)
             assert s["n"] == want and s["failed"] == 0, (stream, system, s)
             assert s["throughput_tps"] > 0 and s["p99_ms"] >= s["p50_ms"] > 0
     # One at a time means one task per run; 40 texts waiting at once run in batches
@@ -34,6 +35,7 @@ def test_three_systems_every_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert result["burst"]["sits_batched"]["mean_batch"] > 4
     assert result["gen_burst"]["sits_batched"]["mean_batch"] > 2
     assert result["gen_template"]["sits_batched"]["mean_batch"] > 2
+    assert result["gen_ragged"]["sits_batched"]["mean_batch"] > 2
     assert set(result["meta"]["rates_per_s"]) == {"light", "heavy"}
     assert all(v is not None for v in result["ratios"].values())
     # The in-process batches: one template is what the first shares; the mixed one
