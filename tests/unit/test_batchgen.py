@@ -327,8 +327,15 @@ def delivering(lm: Any, calls: list[Call]) -> tuple[list[Any], list[tuple[int, A
     delivered: list[tuple[int, Any, int]] = []
     seen: list[int] = []
     handle = lm.module.register_forward_pre_hook(lambda *_: seen.append(1))
+
+    def early(i: int, out: Any) -> bool:  # takes each call once, as run_batch does
+        if i in (d[0] for d in delivered):
+            return False
+        delivered.append((i, out, len(seen)))
+        return True
+
     active = rt.ActiveTask("lm", SitsConfig().quota("high"), lm.size_bytes(), "cpu",
-                           early=lambda i, out: delivered.append((i, out, len(seen))) or True)
+                           early=early)
     try:
         with rt.activated(active):
             return generate_calls(lm, calls), delivered
