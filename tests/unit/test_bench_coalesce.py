@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from sits_queue.bench.coalesce import make_texts, ratios, summarise, targets
+from sits_queue.bench.coalesce import (
+    RAGGED_MOST,
+    make_texts,
+    ragged_lengths,
+    ratios,
+    summarise,
+    targets,
+)
 
 
 def test_summary_counts_latency_from_submission_and_batch_sizes() -> None:
@@ -41,6 +48,8 @@ def test_ratios_and_targets() -> None:
                       "sits_batched": row(100, 1, 2)},
         "gen_template": {"celery_per_task": row(10, 1, 2), "sits_one_by_one": row(20, 1, 2),
                          "sits_batched": row(120, 1, 2)},
+        "gen_ragged": {"celery_per_task": row(8, 400, 800), "sits_one_by_one": row(7, 500, 900),
+                       "sits_batched": row(56, 100, 200)},
     }
     r = ratios(result)
     assert r["burst_throughput_vs_one_by_one"] == 3.0
@@ -50,8 +59,16 @@ def test_ratios_and_targets() -> None:
     assert r["gen_throughput_vs_one_by_one"] == 4.0 and r["gen_throughput_vs_celery"] == 5.0
     assert r["template_throughput_vs_one_by_one"] == 6.0
     assert r["template_throughput_vs_celery"] == 12.0
+    assert r["ragged_throughput_vs_one_by_one"] == 8.0
+    assert r["ragged_throughput_vs_celery"] == 7.0 and r["ragged_p50_vs_celery"] == 0.25
     met = targets(r)
     assert list(met.values()) == [True, True, False]  # light p50 1.5 > 1.25
+
+
+def test_ragged_lengths_are_seeded_and_within_bounds() -> None:
+    lengths = ragged_lengths(500, 3)
+    assert lengths == ragged_lengths(500, 3) != ragged_lengths(500, 4)
+    assert min(lengths) == 1 and max(lengths) == RAGGED_MOST
 
 
 def test_texts_are_seeded() -> None:
