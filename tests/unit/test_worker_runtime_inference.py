@@ -406,6 +406,38 @@ def test_first_token_time_counts_from_before_the_engine_is_got(
     assert plain["sits"]["first_token_ms"] is None and "ftt" not in published[-1][1]
 
 
+def test_a_batch_delivers_a_call_early_with_its_metadata_as_of_then(
+        app: Celery, published: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(inference.time, "perf_counter", clock)
+    taken: list[tuple[int, Any, dict[str, Any]]] = []
+
+    def run(engine: Any) -> Any:
+        active = rt.active()
+        assert active is not None
+        clock.now += 0.1
+        assert active.deliver(1, "early")  # call 1 is done: stored now
+        assert not active.deliver(1, "again")  # once
+        clock.now += 0.4
+        raise KeyError("the rest failed")
+
+    def early(i: int, out: Any, meta: dict[str, Any]) -> bool:
+        if any(i == t[0] for t in taken):
+            return False
+        taken.append((i, out, meta))
+        return True
+
+    with pytest.raises(KeyError):
+        inference.run_inference(child(app, lambda: (FakeEngine(), COLD)), fake_task(run),
+                                (), {}, tasks=3, early=early)
+    [(index, output, meta)] = taken
+    assert (index, output) == (1, "early")
+    assert meta["run_ms"] == 100.0 and meta["cold"] is True and meta["sla_class"] == "low"
+    # the failure counts the two calls it failed, not the one delivered before it
+    _, counts = published[-1]
+    assert counts["tasks"] == 3 and counts["failed"] == 2
+
+
 def test_oom_while_running_is_a_vram_limit_failure_and_memory_is_released(
         app: Celery, published: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
