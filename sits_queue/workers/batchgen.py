@@ -252,9 +252,8 @@ def _decode_rows(module: Any, model: str, rows: list[_Row], input_ids: Any, mask
                 for b, r in enumerate(live):
                     row = rows[r]
                     if row.temperature > 0:
-                        probs = torch.softmax(logits[b:b + 1] / row.temperature, dim=-1).cpu()
-                        tokens[b] = int(torch.multinomial(probs, 1, generator=inference.seeded(
-                            generator, row.seed, len(new[r]))))
+                        tokens[b] = inference.sampled(logits[b:b + 1], row.temperature,
+                                                      row.seed, len(new[r]), generator)
                     new[r].append(tokens[b])
                 going = [b for b, r in enumerate(live)
                          if len(new[r]) < rows[r].most and new[r][-1] != eos]

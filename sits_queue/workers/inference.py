@@ -392,6 +392,16 @@ def seeded(generator: Any, seed: int, position: int) -> Any:
     return generator.manual_seed((seed * 1_000_003 + position) % 2**63)
 
 
+def sampled(logits: Any, temperature: float, seed: int, position: int, generator: Any
+            ) -> int:
+    """The token drawn from one row's ``logits`` (shape ``(1, vocab)``) at
+    ``temperature``: the same draw wherever that row decodes, alone or in a batch."""
+    import torch
+
+    probs = torch.softmax(logits / temperature, dim=-1).cpu()
+    return int(torch.multinomial(probs, 1, generator=seeded(generator, seed, position)))
+
+
 def decode_steps(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
                  temperature: float, seed: int, progress: dict[str, Any],
                  active: runtime.ActiveTask | None, prefix: PromptPrefix, *,
@@ -439,9 +449,7 @@ def _decode(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
                     prefilled = True
                 logits = out.logits[:, -1, :].float()
                 if temperature > 0:
-                    probs = torch.softmax(logits / temperature, dim=-1).cpu()
-                    token = int(torch.multinomial(probs, 1,
-                                                  generator=seeded(generator, seed, len(new))))
+                    token = sampled(logits, temperature, seed, len(new), generator)
                 else:
                     token = int(torch.argmax(logits, dim=-1))
                 new.append(token)
