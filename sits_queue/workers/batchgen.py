@@ -106,6 +106,7 @@ def generate_calls(engine: Any, calls: list[Call], *, share_prefix: bool = True
             continue
         row = _Row(i, ids, most, float(args["temperature"]), int(args["seed"]))
         groups.setdefault(bool(args["stop_at_eos"]), []).append(row)
+
     def send(i: int, out: Any) -> None:
         """Call ``i`` is done: in a worker its result is stored now (once: a call
         delivered already is not again), while the rest of the batch goes on."""
