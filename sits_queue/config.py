@@ -215,6 +215,9 @@ class SitsConfig:
     #: ...and ``max_batch`` of the built-in ``sits.embed`` and of batch tasks that do
     #: not set one (1: no batching).
     batch_max_tasks: int = 32
+    #: Continuous batching (``workers/joins.py``): a generation batch takes waiting tasks
+    #: of its key into its freed rows during the first this many s of its run (0: off).
+    batch_join_s: float = 10.0
     #: Sites (§2.3, ``priority/sites.py``): this site's name ("" = one site, no sync)...
     site: str = ""
     #: ...its peers, ``name=redis://...`` separated by spaces (``?hops=N&rtt_ms=X`` in a
@@ -279,6 +282,9 @@ class SitsConfig:
         _integer("prefix_key_chars", self.prefix_key_chars, 1_000_000)
         _integer("batch_window", self.batch_window, 100_000, " (0: no batching)")
         _integer("batch_max_tasks", self.batch_max_tasks, MAX_BATCH_TASKS)
+        if not _is_number(self.batch_join_s) or not 0 <= self.batch_join_s < 86_400:
+            raise ConfigError(f"batch_join_s must be in [0, 86400) s (0: off), got "
+                              f"{self.batch_join_s!r}")
         _positive("int8_max_kl", self.int8_max_kl)
         self._check_sites()
         if self.batch_max_tasks < 1:

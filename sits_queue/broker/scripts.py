@@ -19,7 +19,7 @@ from redis.exceptions import ConnectionError, NoScriptError
 
 from sits_queue.broker.keys import QueueKeys
 
-SCRIPT_NAMES = ("put", "pick", "ack", "dead", "restore", "release", "purge", "preempt")
+SCRIPT_NAMES = ("put", "pick", "ack", "dead", "restore", "release", "purge", "preempt", "join")
 
 
 def _source(name: str) -> str:
@@ -50,6 +50,14 @@ class Scripts:
         except NoScriptError:
             self.load_all(client)
             return client.evalsha(self.shas[name], len(names), *names, *args)
+
+    def run_on(self, name: str, keys: list[str], args: list[Any], client: Any) -> Any:
+        """:meth:`run` for a script with keys of its own (``join.lua``: a running batch's)."""
+        try:
+            return client.evalsha(self.shas[name], len(keys), *keys, *args)
+        except NoScriptError:
+            self.load_all(client)
+            return client.evalsha(self.shas[name], len(keys), *keys, *args)
 
     def start(self, name: str, keys: QueueKeys, args: list[Any], client: Any
               ) -> Callable[[], Any]:

@@ -286,11 +286,7 @@ class Channel(kredis.Channel):
                 if kin is not None:
                     batch.append(kin)
             if len(batch) > 1:
-                group = batch[0]["properties"]["delivery_tag"]
-                for index, message in enumerate(batch):
-                    mark = [group, index, len(batch)]
-                    message["properties"]["delivery_info"][BATCH_INFO] = mark
-                    message["headers"][BATCH_INFO] = mark
+                _mark(batch, batch[0]["properties"]["delivery_tag"])
             if batch:
                 return batch
         raise Empty()
@@ -300,13 +296,28 @@ class Channel(kredis.Channel):
         if len(batch) == 1:
             self.connection._deliver(batch[0], queue)
             return
-        group = batch[0]["properties"]["delivery_tag"]
+        self._deliver_group(queue, batch, batch[0]["properties"]["delivery_tag"])
+
+    def _deliver_group(self, queue: str, batch: list[dict[str, Any]], group: str) -> None:
         intake.batch_delivery(group, done=False)
         try:
             for message in batch:
                 self.connection._deliver(message, queue)
         finally:
             intake.batch_delivery(group, done=True)
+
+    def join_pick(self, queue: str, key: str, most: int, group: str) -> int:
+        """Up to ``most`` waiting tasks of batch key ``key`` for a running batch's free
+        rows (``pick.lua``'s join mode, ``workers/joins.py``), delivered to the consumer
+        as batch ``group``; how many came."""
+        picked = self._run("pick", queue, [time.time(), self.config.max_redeliveries,
+                                           self.consumer_id, self.config.batch_window,
+                                           "join", key, most])
+        batch = [m for i in range(0, len(picked) - 2, 3)
+                 if (m := self._decode(queue, picked[i:i + 3])) is not None]
+        if batch:
+            self._deliver_group(queue, _mark(batch, group), group)
+        return len(batch)
 
     def _decode(self, queue: str, picked: list[Any]) -> dict[str, Any] | None:
         """The kombu message, or None after dead-lettering a malformed payload."""
@@ -499,6 +510,15 @@ class Transport(kredis.Transport):
         waker = getattr(self._hub, "_waker", None)
         if waker is not None:
             waker.wake()
+
+
+def _mark(batch: list[dict[str, Any]], group: str) -> list[dict[str, Any]]:
+    """Each message of a batch marked ``[group, index, size]`` (``keys.batch_mark``)."""
+    for index, message in enumerate(batch):
+        mark = [group, index, len(batch)]
+        message["properties"]["delivery_info"][BATCH_INFO] = mark
+        message["headers"][BATCH_INFO] = mark
+    return batch
 
 
 def _text(value: bytes | str) -> str:

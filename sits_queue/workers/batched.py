@@ -53,9 +53,10 @@ from celery.worker import state
 from kombu.serialization import loads
 
 from sits_queue.broker import intake
-from sits_queue.broker.keys import batch_mark, batch_units
+from sits_queue.broker.keys import DELIVERY_HEADER, batch_mark, batch_units
 from sits_queue.errors import InferenceError, InvalidInput
-from sits_queue.workers import inference, metrics, runtime
+from sits_queue.options import HEADER
+from sits_queue.workers import advertise, inference, joins, metrics, runtime
 from sits_queue.workers import request as admission
 from sits_queue.workers.request import SitsRequest
 
@@ -84,8 +85,12 @@ def split_outputs(outputs: Any, calls: list[Call], meta: dict[str, Any]) -> dict
             for i, (c, out) in enumerate(zip(calls, outputs, strict=True))}
 
 
-def _result(output: Any, meta: dict[str, Any], index: int, size: int) -> dict[str, Any]:
-    return {"output": output, "sits": {**meta, "batch": {"size": size, "index": index}}}
+def _result(output: Any, meta: dict[str, Any], index: int, size: int,
+            joined: bool = False) -> dict[str, Any]:
+    batch: dict[str, Any] = {"size": size, "index": index}
+    if joined:  # it joined the batch while it decoded (joins.py)
+        batch["joined"] = True
+    return {"output": output, "sits": {**meta, "batch": batch}}
 
 
 # -- the pool child ------------------------------------------------------------------------
@@ -94,21 +99,32 @@ def _result(output: Any, meta: dict[str, Any], index: int, size: int) -> dict[st
 _outcomes: dict[str, Any] = {}
 
 
-def run_batch(jobs: list[tuple[Any, ...]]) -> list[tuple[Any, Any, float]]:
+def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
+              ) -> list[tuple[Any, Any, float] | None]:
     """Pool job: the batch's calls in one run, then Celery's tracer per task.
 
-    ``jobs`` are the arguments Celery's own job would have had per task (name, id,
+    ``given`` are the arguments Celery's own job would have had per task (name, id,
     request, body, content type, encoding). Returns what that job returns, per task,
-    each with the batch's run time.
+    each with the batch's run time. ``join`` (a batch that takes joins, ``joins.py``):
+    its join list's keys, its capacity in rows and for how long it takes joins, s; the
+    jobs that joined are returned after the batch's own, None for each it declined.
     """
     began = time.monotonic()
     app = current_app._get_current_object()
-    task = app.tasks[jobs[0][0]]
+    task = app.tasks[given[0][0]]
+    jobs: list[tuple[Any, ...]] = []
     calls: list[Call] = []
-    for _name, task_id, _request, body, content_type, encoding in jobs:
+
+    def add(job: tuple[Any, ...]) -> tuple[int, Call]:
+        _name, task_id, _request, body, content_type, encoding = job
         args, kwargs, _embed = loads(body, content_type, encoding,  # type: ignore[no-untyped-call]
                                      accept={content_type})
+        jobs.append(job)
         calls.append(Call(task_id, tuple(args), dict(kwargs)))
+        return len(calls) - 1, calls[-1]
+
+    for job in given:
+        add(job)
     trace = fast_trace_task if app.use_fast_trace_task else trace_task_ret
     traced: dict[int, Any] = {}  # calls done before the batch: what their trace returned
 
@@ -119,37 +135,62 @@ def run_batch(jobs: list[tuple[Any, ...]]) -> list[tuple[Any, Any, float]]:
         if index in traced or not 0 <= index < len(calls):
             return False
         _outcomes[calls[index].id] = output if isinstance(output, BaseException) \
-            else _result(output, meta, index, len(calls))
+            else _result(output, meta, index, len(calls), joined=index >= len(given))
         traced[index] = trace(*jobs[index])
         return True
 
+    feed = _feed(app, join, add) if join is not None else None
     try:
-        outcomes = _run(task, calls, jobs[0][2], early)
+        outcomes = _run(task, calls, jobs[0][2], early, feed)
+        if feed is not None:
+            feed.close()  # before the tracing below: what is pushed now runs apart
+        declined = feed.declined if feed is not None else set()
         _outcomes.update({c.id: outcomes[c.id] for i, c in enumerate(calls)
-                          if i not in traced})
-        results = [traced[i] if i in traced else trace(*job) for i, job in enumerate(jobs)]
+                          if i not in traced and i not in declined})
+        results = [None if i in declined else traced[i] if i in traced else trace(*job)
+                   for i, job in enumerate(jobs)]
     finally:
+        if feed is not None:
+            feed.close()
         for call in calls:
             _outcomes.pop(call.id, None)
     elapsed = time.monotonic() - began
-    return [(failed, retval, elapsed) for failed, retval, _ in results]
+    return [None if r is None else (r[0], r[1], elapsed) for r in results]
+
+
+def _feed(app: Any, join: dict[str, Any], add: Callable[[tuple[Any, ...]], tuple[int, Call]]
+          ) -> joins.Feed:
+    """The child's end of a batch's joins (``joins.py``)."""
+    def deadline() -> float | None:
+        current = runtime.active()
+        return current.soft_deadline if current is not None else None
+
+    return joins.Feed(advertise.client_for(runtime.for_app(app).config), list(join["keys"]),
+                      int(join["capacity"]), time.monotonic() + float(join["for_s"]), add,
+                      deadline)
 
 
 def _run(task: Any, calls: list[Call], request: dict[str, Any],
-         early: Callable[[int, Any, dict[str, Any]], bool] | None = None) -> dict[str, Any]:
+         early: Callable[[int, Any, dict[str, Any]], bool] | None = None,
+         feed: joins.Feed | None = None) -> dict[str, Any]:
     """The batch through ``run_inference`` (engine, limits, accounting) under the first
     task's request; every call's outcome (the error of a failed run fails them all but
-    those ``early`` took before it failed)."""
+    those ``early`` took before it failed, and those ``feed`` declined). Calls that join
+    on the way (``feed``) are appended to ``calls``; their outcomes go through ``early``."""
+    own = list(calls)
     task.push_request(**{**request, "id": calls[0].id, "args": calls[0].args,
                          "kwargs": calls[0].kwargs, "is_eager": False})
     try:
         result = inference.run_inference(runtime.for_app(task.app), task, (calls,), {},
-                                         tasks=len(calls), early=early)
+                                         tasks=len(calls), early=early, joins=feed)
     except Exception as exc:  # SoftTimeLimitExceeded too: each call fails with it
         return {c.id: exc for c in calls}
     finally:
         task.pop_request()
-    outcomes = split_outputs(result["output"], calls, result["sits"])
+    outcomes = split_outputs(result["output"], own, result["sits"])
+    for call in calls[len(own):]:  # a joined call's outcome went through early
+        outcomes[call.id] = InferenceError(f"call {call.id} joined the batch but got no "
+                                           "result")
     failed = [reason for out in outcomes.values() if isinstance(out, BaseException)
               and (reason := metrics.failure_reason(out)) is not None]
     child = runtime.child()
@@ -230,6 +271,10 @@ class BatchInferenceTask(inference.InferenceTask):
     Request = "sits_queue.workers.batched:BatchRequest"
     #: Callers pass one call's arguments, not the function's (engine, calls).
     typing = False
+    #: Whether a running batch takes waiting tasks of its key into rows it freed
+    #: (``joins.py``): only a function that reads joining calls does (the built-in
+    #: generation batch, ``batchgen.py``).
+    joins = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         task_id = self.request.id
@@ -266,14 +311,25 @@ def gather(request: Any, run: Callable[[Any], Any]) -> Any:
 
 
 def delivery(batch: str, done: bool, run: Callable[[Any], Any]) -> None:
-    """The transport's marks around a batch's delivery; at the end, send what came."""
+    """The transport's marks around a batch's delivery; at the end, send what came (a
+    join delivery's to the running batch it joins, ``joins.py``)."""
     if not done:
         _open[batch] = []
         return
     members = _open.pop(batch, None)
-    if members:
-        _ready[members[0].id] = members
-        run(members[0])
+    if not members:
+        return
+    if joins.joining(batch) and _joins is not None:
+        joins.attach(batch, members, _admitted, lambda rest: run_apart(rest, run),
+                     _joins.client)
+        return
+    run_apart(members, run)
+
+
+def run_apart(members: list[Any], run: Callable[[Any], Any]) -> None:
+    """``members`` as one batch of their own, through Celery's pool semaphore."""
+    _ready[members[0].id] = members
+    run(members[0])
 
 
 def _execute_batched(self: Any, pool: Any, **kwargs: Any) -> Any:
@@ -292,30 +348,92 @@ def _admitted(request: Any) -> bool:
     return not request.revoked() and not admission.refused(request)
 
 
+@dataclass(frozen=True)
+class JoinSetup:
+    """What the main process needs to run batches that take joins (``joins.py``)."""
+
+    client: Any  # the transport's Redis client
+    prefix: str  # the transport's global key prefix
+    for_s: float  # SitsConfig.batch_join_s
+    run: Callable[[Any], Any]  # Celery's on_task_request
+
+
+#: Set by the :class:`Batches` step on a prefork worker whose transport can join.
+_joins: JoinSetup | None = None
+
+
+def _join_spec(requests: list[Any]) -> dict[str, Any] | None:
+    """The ``join`` argument of :func:`run_batch` for a batch that takes joins here."""
+    first = requests[0]
+    if _joins is None or not getattr(first.task, "joins", False):
+        return None
+    headers = first.request_dict or {}
+    delivery, header = headers.get(DELIVERY_HEADER), headers.get(HEADER)
+    queue = delivery[0] if isinstance(delivery, list) and delivery else None
+    key = header.get("batch") if isinstance(header, dict) else None
+    if not isinstance(queue, str) or not isinstance(key, str):
+        return None
+    return {"queue": queue, "key": key, "keys": joins.join_keys(queue, first.id, _joins.prefix),
+            "capacity": int(getattr(first.task, "max_batch", 1) or 1), "for_s": _joins.for_s}
+
+
 def submit(requests: list[Any], pool: Any) -> Any:
-    """One pool job for ``requests``; Celery's callbacks fan out to each of them."""
+    """One pool job for ``requests``; Celery's callbacks fan out to each of them (and to
+    the tasks that joined it on the way, ``joins.py``)."""
     first = requests[0]
     time_limit, soft_time_limit = first.time_limits
+    join = _join_spec(requests)
+    requests = list(requests)  # joins.attach appends to it
 
-    def each(method: str) -> Callable[..., None]:
+    own = len(requests)
+    ended: list[Any] = []  # once the run ended: the requests it served
+
+    def served(error: bool) -> list[Any]:
+        """The requests the run served; once it failed or its child died (``error``),
+        the attached ones it had not taken run again (once)."""
+        if join is None or not error:
+            return requests
+        if not ended:
+            assert _joins is not None
+            count, rest = joins.finish(first.id, _joins.client)
+            ended.append(requests[:max(count, own)])
+            if rest:
+                run_apart(rest, _joins.run)
+        return list(ended[0])
+
+    def each(method: str, error: bool = True) -> Callable[..., None]:
         def call(*args: Any) -> None:
-            for request in requests:
+            hard = method != "on_timeout" or not args or not args[0]  # (soft, timeout)
+            for request in served(error and hard):
                 getattr(request, method)(*args)
         return call
 
     def done(results: Any) -> None:
+        rest: list[Any] = []
+        if join is not None:
+            assert _joins is not None
+            _, rest = joins.finish(first.id, _joins.client, taken=len(results) - own)
         for request, outcome in zip(requests, results, strict=False):
-            request.on_success(outcome)
+            if outcome is None:  # a join the child declined
+                rest.append(request)
+            else:
+                request.on_success(outcome)
+        if rest and _joins is not None:
+            run_apart(rest, _joins.run)
 
     result = pool.apply_async(
         run_batch, args=([_job(r) for r in requests],),
-        accept_callback=each("on_accepted"), timeout_callback=each("on_timeout"),
+        kwargs={"join": {k: join[k] for k in ("keys", "capacity", "for_s")}} if join else {},
+        accept_callback=each("on_accepted", error=False), timeout_callback=each("on_timeout"),
         callback=done, error_callback=each("on_failure"),
         soft_timeout=soft_time_limit or first.task.soft_time_limit,
         timeout=time_limit or first.task.time_limit, correlation_id=first.id)
     if result is not None:
         for request in requests:
             request._apply_result = ref(result)
+        if join is not None:
+            joins.start(first.id, join["queue"], join["key"], join["keys"], requests,
+                        lambda: getattr(result, "_worker_pid", None))
     if len(requests) > 1:
         logger.debug("batch of %d %s tasks sent to the pool", len(requests), first.name)
     return result
@@ -342,9 +460,10 @@ BatchRequest.execute_using_pool = _execute_batched
 
 
 def reserved_units() -> int:
-    """Reserved requests, a batch counting as one (it takes one pool slot)."""
+    """Reserved requests, a batch counting as one (it takes one pool slot; so do the tasks
+    that joined it)."""
     return batch_units((id(r), getattr(r, "request_dict", None))
-                       for r in list(state.reserved_requests))
+                       for r in list(state.reserved_requests) if not joins.attached(r))
 
 
 class Batches(bootsteps.StartStopStep):  # type: ignore[misc]
@@ -365,6 +484,7 @@ class Batches(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def start(self, c: Any) -> None:
         intake.on_batch(lambda batch, done: delivery(batch, done, self.run))
+        self._start_joins(c)
         if not c.app.conf.worker_disable_prefetch or c.task_consumer is None:
             return
         qos = c.task_consumer.channel.qos
@@ -376,8 +496,26 @@ class Batches(bootsteps.StartStopStep):  # type: ignore[misc]
 
         qos.can_consume = can_consume.__get__(qos)
 
+    def _start_joins(self, c: Any) -> None:
+        """Continuous batching (``joins.py``) on a prefork worker of our transport: the
+        main process must go on polling while a child runs the batch."""
+        global _joins
+        channel: Any = getattr(c.task_consumer, "channel", None)
+        for_s = getattr(getattr(c.app, "sits", None), "batch_join_s", 0.0)
+        if (type(c.pool).__module__ != "celery.concurrency.prefork" or for_s <= 0
+                or not hasattr(channel, "join_pick") or c.timer is None):
+            return
+        _joins = JoinSetup(channel.raw, channel.global_keyprefix or "", for_s, self.run)
+        self._poll = c.timer.call_repeatedly(
+            joins.POLL_S, joins.poll, (channel.raw, channel.join_pick))
+
     def stop(self, c: Any) -> None:
+        global _joins
         intake.on_batch(None)
+        poll, self._poll = getattr(self, "_poll", None), None
+        if poll is not None:
+            poll.cancel()
+        _joins = None
         # A batch cut short by a reconnect or shutdown: its messages go back to the queue
         # with the channel's unacked ones (or by the visibility timeout).
         _open.clear()

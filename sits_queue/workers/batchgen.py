@@ -29,14 +29,14 @@ import copy
 import inspect
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from celery.exceptions import SoftTimeLimitExceeded
 
 from sits_queue.cache import kvwarm
 from sits_queue.errors import InferenceError, InvalidInput
-from sits_queue.workers import firsttoken, inference, kvreuse, runtime
+from sits_queue.workers import firsttoken, gpu, inference, kvreuse, runtime
 from sits_queue.workers.batched import Call, arguments
 
 #: Shortest token prefix the prompts of a group must share for it to be prefilled once
@@ -73,6 +73,19 @@ class _Row:
     seed: int
 
 
+@dataclass
+class Joining:
+    """Rows that join a running batch (continuous batching, ``workers/joins.py``):
+    ``take(room, step_s)`` gives up to ``room`` rows that fit before the run's limits at
+    ``step_s`` seconds a decode step, ``decline(row)`` hands back one that cannot join
+    after all (it runs after this batch), and ``cached`` records each joined call's
+    tokens that came from the KV-prefix store."""
+
+    take: Callable[[int, float], list[_Row]]
+    decline: Callable[[_Row], None]
+    cached: dict[int, int] = field(default_factory=dict)
+
+
 def generate_calls(engine: Any, calls: list[Call], *, share_prefix: bool = True
                    ) -> list[Any]:
     """Continuations of every call's prompt as one batch (the module's docstring): what
@@ -92,20 +105,11 @@ def generate_calls(engine: Any, calls: list[Call], *, share_prefix: bool = True
     outputs: list[Any] = [None] * len(calls)
     groups: dict[bool, list[_Row]] = {}
     for i, call in enumerate(calls):
-        args = arguments(_GENERATE, "sits.generate_batched", engine, call)
-        if isinstance(args, InvalidInput):
-            outputs[i] = args
-            continue
-        prompt, most = args["prompt"], args["max_new_tokens"]
-        try:
-            inference.check_prompt(prompt, most, args["temperature"], args["seed"])
-            ids = tokenizer(prompt)["input_ids"]
-            inference.check_context(model, len(ids), most, limit)
-        except InferenceError as exc:
-            outputs[i] = exc
-            continue
-        row = _Row(i, ids, most, float(args["temperature"]), int(args["seed"]))
-        groups.setdefault(bool(args["stop_at_eos"]), []).append(row)
+        parsed = _parse(engine, tokenizer, model, limit, i, call)
+        if isinstance(parsed, InferenceError):
+            outputs[i] = parsed
+        else:
+            groups.setdefault(parsed[0], []).append(parsed[1])
 
     def send(i: int, out: Any) -> None:
         """Call ``i`` is done: in a worker its result is stored now (once: a call
@@ -118,12 +122,59 @@ def generate_calls(engine: Any, calls: list[Call], *, share_prefix: bool = True
             if out is not None:
                 send(i, out)
     for n, (stop, rows) in enumerate(groups.items(), 1):
+        # Only the last group takes joining rows: the other group waits for this one.
+        joining = _joining(engine, tokenizer, model, limit, stop, send) \
+            if n == len(groups) else None
         for row, out in zip(rows, _generate_rows(module, tokenizer, model, rows, stop,
-                                                 share_prefix, send), strict=True):
+                                                 share_prefix, send, joining), strict=True):
             outputs[row.index] = out
             if n < len(groups):  # the other group runs next
                 send(row.index, out)
     return outputs
+
+
+def _parse(engine: Any, tokenizer: Any, model: str, limit: int | None, index: int,
+           call: Call) -> tuple[bool, _Row] | InferenceError:
+    """Call ``index`` as a row of the batch, with whether it stops at end-of-sequence;
+    or the error that fails it alone (bad arguments, a prompt the model cannot take)."""
+    args = arguments(_GENERATE, "sits.generate_batched", engine, call)
+    if isinstance(args, InvalidInput):
+        return args
+    prompt, most = args["prompt"], args["max_new_tokens"]
+    try:
+        inference.check_prompt(prompt, most, args["temperature"], args["seed"])
+        ids = tokenizer(prompt)["input_ids"]
+        inference.check_context(model, len(ids), most, limit)
+    except InferenceError as exc:
+        return exc
+    return bool(args["stop_at_eos"]), _Row(index, ids, most, float(args["temperature"]),
+                                           int(args["seed"]))
+
+
+def _joining(engine: Any, tokenizer: Any, model: str, limit: int | None, stop: bool,
+             send: Callable[[int, Any], None]) -> Joining | None:
+    """What a batch takes joining rows from: the running task's feed (``workers/joins.py``,
+    in a worker that runs continuous batches), or None. A joining call with bad arguments
+    fails at once; one that stops otherwise than the batch (``stop_at_eos``) or would not
+    finish before the run's limits is declined (it runs after this batch)."""
+    active = runtime.active()
+    feed = active.joins if active is not None else None
+    if feed is None:
+        return None
+
+    def take(live: int, step_s: float) -> list[_Row]:
+        rows = []
+        for index, call in feed.take(live):
+            parsed = _parse(engine, tokenizer, model, limit, index, call)
+            if isinstance(parsed, InferenceError):
+                send(index, parsed)
+            elif parsed[0] != stop or not feed.fits(parsed[1].most, step_s):
+                feed.decline(index)
+            else:
+                rows.append(parsed[1])
+        return rows
+
+    return Joining(take, lambda row: feed.decline(row.index))
 
 
 # -- which rows share what (pure) ------------------------------------------------------------
@@ -176,7 +227,13 @@ def prefix_groups(prompts: Sequence[Sequence[int]], least: int = SHARE_MIN_TOKEN
 # -- the batch ---------------------------------------------------------------------------------
 
 def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], stop: bool,
-                   share: bool, send: Callable[[int, Any], None]) -> list[dict[str, Any]]:
+                   share: bool, send: Callable[[int, Any], None],
+                   joining: Joining | None = None) -> list[dict[str, Any]]:
+    """The batch's rows decoded (the module's description); rows that join it on the
+    way (``joining``) are sent as they finish, the batch's own are returned. A lone row
+    decodes through ``inference.generate``'s loop unless rows may join it."""
+    import torch
+
     longest = max(row.most for row in rows)
     active = runtime.active()
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -186,17 +243,39 @@ def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], st
     if active is not None:
         active.check_vram(inference.kv_cache_bytes(module, (_width(rows, shared) + longest)
                                                    * len(rows)))
-    if len(rows) == 1:
+    lone = len(rows) == 1
+    if lone and joining is None:
         return [_generate_alone(module, tokenizer, model, rows[0], end, active)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
-    past, cached = None, [0] * len(rows)
-    if groups:
+    past, cached, first = None, [0] * len(rows), None
+    if lone:  # one row that others may join: prefilled as a joining row is
+        prefilled = _prefill_row(module, model, rows[0], None, active)
+        if prefilled is None:
+            return [_generate_alone(module, tokenizer, model, rows[0], end, active)]
+        past, first, cached[0] = prefilled
+        input_ids = torch.tensor([[*rows[0].ids, first]], dtype=torch.long)
+        mask = torch.ones_like(input_ids)
+        if rows[0].most <= 1 or first == end:  # done at its first token
+            return [{**inference.generated(tokenizer, [first], end,
+                                           prompt_tokens=len(rows[0].ids),
+                                           cached_tokens=cached[0], runs=1),
+                     "shared_tokens": 0}]
+    elif groups:
         past, cached = _prefix_cache(module, model, rows, groups, active)
         if past is None:
             shared = [0] * len(rows)
-    input_ids, mask = _layout(rows, shared, pad)
+    if not lone:
+        input_ids, mask = _layout(rows, shared, pad)
+
+    own = len(rows)  # the batch's own rows; any after them joined it on the way
+    rows = list(rows)
 
     def result(r: int, new: list[int]) -> dict[str, Any]:
+        if r >= own:
+            assert joining is not None
+            return {**inference.generated(tokenizer, new, end, prompt_tokens=len(rows[r].ids),
+                                          cached_tokens=joining.cached[rows[r].index],
+                                          runs=1), "shared_tokens": 0}
         return {**inference.generated(tokenizer, new, end, prompt_tokens=len(rows[r].ids),
                                       cached_tokens=cached[r], runs=1),
                 "shared_tokens": shared[r]}
@@ -208,13 +287,18 @@ def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], st
         send(rows[r].index, left[r])
 
     news = _decode_rows(module, model, rows, input_ids, mask, past,
-                        max(shared) if past is not None else 0, end, active, leave)
-    return [left[r] if r in left else result(r, new) for r, new in enumerate(news)]
+                        (len(rows[0].ids) if lone else max(shared)) if past is not None else 0,
+                        end, active, leave, joining, first)
+    for r in range(own, len(rows)):  # joined rows still going at the end
+        if r not in left:
+            leave(r, news[r])
+    return [left[r] if r in left else result(r, new) for r, new in enumerate(news[:own])]
 
 
 def _decode_rows(module: Any, model: str, rows: list[_Row], input_ids: Any, mask: Any,
                  past: Any, cached: int, eos: int | None, active: runtime.ActiveTask | None,
-                 leave: Callable[[int, list[int]], None]) -> list[list[int]]:
+                 leave: Callable[[int, list[int]], None], joining: Joining | None = None,
+                 first: int | None = None) -> list[list[int]]:
     """Each row's new tokens, decoded together from the batch's layout (its first
     ``cached`` positions already in ``past``). A row leaves the batch, its KV cache rows
     dropped, as soon as it has its ``max_new_tokens`` or its end-of-sequence token, so a
@@ -222,7 +306,14 @@ def _decode_rows(module: Any, model: str, rows: list[_Row], input_ids: Any, mask
     to the longest one's length); ``leave(row, tokens)`` is told of each row that leaves
     before the last ones. Positions count each row's real tokens (its padding is masked
     out), and each row's token is chosen as :func:`inference.generate` chooses it alone:
-    greedy, or sampled with the row's seed at that position."""
+    greedy, or sampled with the row's seed at that position.
+
+    Continuous batching: between steps, ``joining`` may give rows to join the batch
+    (``rows`` grows; :func:`_prefill_row`, :func:`_merge`); they leave like the others.
+    ``first``: a lone row prefilled that way already, its first token the layout's last.
+    """
+    import time
+
     import torch
 
     device = next(module.parameters()).device
@@ -234,9 +325,12 @@ def _decode_rows(module: Any, model: str, rows: list[_Row], input_ids: Any, mask
     ids = input_ids[:, cached:].to(device)
     generator = torch.Generator(device="cpu")
     new: list[list[int]] = [[] for _ in rows]
+    if first is not None:
+        new[0].append(first)
     live = list(range(len(rows)))  # the rows still decoding, in batch order
     steps, longest = 0, max(row.most for row in rows)
     out = logits = None
+    began = time.monotonic()
     try:
         with torch.inference_mode():
             while True:
@@ -267,8 +361,27 @@ def _decode_rows(module: Any, model: str, rows: list[_Row], input_ids: Any, mask
                     past.batch_select_indices(keep)
                     mask, positions = mask[keep], positions[keep]
                     live, tokens = [live[b] for b in going], [tokens[b] for b in going]
+                positions = positions[:, -1:]
+                if joining is not None and kvreuse.reusable(past):
+                    step_s = (time.monotonic() - began) / steps
+                    for row in joining.take(len(live), step_s):
+                        prefilled = _prefill_row(module, model, row, generator, active)
+                        if prefilled is None:
+                            joining.decline(row)
+                            continue
+                        cache, first, joining.cached[row.index] = prefilled
+                        rows.append(row)
+                        new.append([first])
+                        if row.most <= 1 or first == eos:  # done at its first token
+                            leave(len(rows) - 1, new[-1])
+                            continue
+                        past, mask, positions = _merge(past, mask, positions, cache,
+                                                       len(row.ids))
+                        live.append(len(rows) - 1)
+                        tokens.append(first)
+                        longest = max(longest, steps + row.most)
                 ids = torch.tensor(tokens, device=device).unsqueeze(1)
-                positions = positions[:, -1:] + 1
+                positions = positions + 1
                 mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
     except SoftTimeLimitExceeded:
         raise SoftTimeLimitExceeded(
@@ -277,6 +390,71 @@ def _decode_rows(module: Any, model: str, rows: list[_Row], input_ids: Any, mask
     finally:
         # A traceback keeps this frame alive: drop the KV cache now, not with the frame.
         past = out = logits = None
+
+
+def _prefill_row(module: Any, model: str, row: _Row, generator: Any,
+                 active: runtime.ActiveTask | None) -> tuple[Any, int, int] | None:
+    """A joining row's prompt prefilled alone, after the part of it the child's KV-prefix
+    store holds: its one-row KV cache, its first token (chosen as the batch chooses) and
+    the tokens that came from the store. None when it cannot join: a cache that is not a
+    plain one per layer, or no device memory left for it (freed again)."""
+    import torch
+
+    device = next(module.parameters()).device
+    prefix = inference.PromptPrefix.looked_up(active, model, row.ids)
+    try:
+        with torch.inference_mode():
+            out = module(input_ids=torch.tensor([row.ids[prefix.tokens:]], device=device),
+                         attention_mask=torch.ones((1, len(row.ids)), dtype=torch.long,
+                                                   device=device),
+                         use_cache=True, **{kvwarm.cache_kwarg(module): prefix.start})
+    except Exception as exc:
+        if not gpu.is_oom(exc):
+            raise
+        gpu.release_memory()
+        return None
+    cache = kvwarm.cache_of(out)
+    if not kvreuse.reusable(cache):
+        return None
+    prefix.after_prefill(cache)
+    logits = out.logits[:, -1, :].float()
+    if generator is None:
+        generator = torch.Generator(device="cpu")
+    first = (inference.sampled(logits, row.temperature, row.seed, 0, generator)
+             if row.temperature > 0 else int(torch.argmax(logits, dim=-1).item()))
+    firsttoken.mark()  # a lone row's first token (the batch's came before a joining one's)
+    return cache, first, prefix.tokens
+
+
+def _merge(past: Any, mask: Any, positions: Any, cache: Any, length: int
+           ) -> tuple[Any, Any, Any]:
+    """The batch's KV cache ``past`` (as wide as ``mask``) with a prefilled row's one-row
+    ``cache`` of ``length`` tokens appended as its last row, both right-aligned: the
+    shorter side gets masked-out zeros on the left (positions count real tokens, so no
+    row attends to anything new). With the grown mask and last positions."""
+    import torch
+
+    width = mask.shape[1]
+    if length > width:  # the joining prompt is longer: every row gets more padding
+        grow = length - width
+        for layer in past.layers:
+            for name in ("keys", "values"):
+                old = getattr(layer, name)
+                setattr(layer, name, torch.cat(
+                    [old.new_zeros((old.shape[0], old.shape[1], grow, old.shape[3])), old],
+                    dim=2))
+        mask = torch.cat([mask.new_zeros((mask.shape[0], grow)), mask], dim=1)
+        width = length
+    for layer, part in zip(past.layers, cache.layers, strict=True):
+        for name in ("keys", "values"):
+            own = getattr(part, name)
+            pad = own.new_zeros((1, own.shape[1], width - length, own.shape[3]))
+            setattr(layer, name, torch.cat([getattr(layer, name), torch.cat([pad, own], dim=2)],
+                                           dim=0))
+    row_mask = torch.cat([mask.new_zeros((1, width - length)), mask.new_ones((1, length))],
+                         dim=1)
+    return (past, torch.cat([mask, row_mask], dim=0),
+            torch.cat([positions, positions.new_full((1, 1), length - 1)], dim=0))
 
 
 def _plan(prompts: list[list[int]]

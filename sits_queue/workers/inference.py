@@ -111,13 +111,14 @@ def _acquire(rt: runtime.ChildRuntime, model: str, precision: str | None = None
 
 def run_inference(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
                   kwargs: dict[str, Any], tasks: int = 1,
-                  early: Callable[[int, Any, dict[str, Any]], bool] | None = None
-                  ) -> dict[str, Any]:
+                  early: Callable[[int, Any, dict[str, Any]], bool] | None = None,
+                  joins: Any = None) -> dict[str, Any]:
     """Engine from the warm cache, limits, the user's function, accounting; a failure is
     counted by reason, and the child's record and counts go out once per run. ``tasks``:
     how many tasks the run serves (a batch, ``batched.py``); ``early(i, output, meta)``
     takes a batch's call ``i`` done before the run ends, with the run's result metadata
-    as of then (``ActiveTask.deliver``), True if it took it."""
+    as of then (``ActiveTask.deliver``), True if it took it; ``joins``: where calls
+    that join the batch on the way come from (``ActiveTask.joins``)."""
     delivered = 0
 
     def counted(index: int, output: Any, meta: dict[str, Any]) -> bool:
@@ -128,11 +129,13 @@ def run_inference(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
 
     try:
         with firsttoken.first_token_clock() as clock:
-            return _run(rt, task, args, kwargs, clock, tasks, counted if early else None)
+            return _run(rt, task, args, kwargs, clock, tasks, counted if early else None,
+                        joins)
     except BaseException as exc:
         reason = metrics.failure_reason(exc)
         if reason is not None:  # the calls a batch delivered before it failed did not
-            rt.count(metrics.failure_fields(reason, tasks - delivered))
+            joined = joins.joined if joins is not None else 0
+            rt.count(metrics.failure_fields(reason, tasks + joined - delivered))
         raise
     finally:
         rt.publish()
@@ -140,8 +143,8 @@ def run_inference(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
 
 def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
          kwargs: dict[str, Any], clock: firsttoken.FirstToken, tasks: int = 1,
-         early: Callable[[int, Any, dict[str, Any]], bool] | None = None
-         ) -> dict[str, Any]:
+         early: Callable[[int, Any, dict[str, Any]], bool] | None = None,
+         joins: Any = None) -> dict[str, Any]:
     request = task.request
     model = runtime.task_model(request, getattr(task, "model", None))
     quota = runtime.task_class(rt.config, request, getattr(task, "sla_class", None))
@@ -187,7 +190,7 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
                                 prefix_key=runtime.task_prefix_key(request),
                                 embeddings=rt.embeddings(), batcher=rt.batcher(model),
                                 early=(lambda i, out: bool(early(i, out, so_far())))
-                                if early else None)
+                                if early else None, joins=joins)
     oom: str | None = None
     start = time.perf_counter()
     try:
@@ -202,7 +205,10 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
         raise VramLimitExceeded(f"task exceeded the {quota.vram_gib:g} GiB VRAM limit of "
                                 f"class {quota.name!r} running model {model!r}: {oom}")
     meta = so_far()
-    rt.count(metrics.run_fields(model, meta["run_ms"], tasks))
+    joined = joins.joined if joins is not None else 0  # calls that joined the batch
+    rt.count(metrics.run_fields(model, meta["run_ms"], tasks + joined))
+    if joined:
+        rt.count(metrics.joined_fields(quota.name, joined))
     if clock.ms is not None:
         rt.count(metrics.first_token_fields(clock.ms, tasks))
         tracing.annotate({"sits.first_token_ms": clock.ms})
@@ -576,7 +582,7 @@ def register(app: Any) -> dict[str, Any]:
         "generate": app.inference_task(name="sits.generate", shared=False)(generate),
         "embed": app.batch_inference_task(name="sits.embed", shared=False)(batched.embed_calls),
         "generate_batched": app.batch_inference_task(
-            name="sits.generate_batched", shared=False)(batchgen.generate_calls),
+            name="sits.generate_batched", shared=False, joins=True)(batchgen.generate_calls),
         "prewarm": app.inference_task(name="sits.prewarm", shared=False)(prewarm),
     }
     return tasks

@@ -100,6 +100,12 @@ def run_fields(model: str, run_ms: float, tasks: int = 1) -> dict[str, float]:
     return {f"model_runs:{model}": tasks, f"model_run_ms:{model}": run_ms}
 
 
+def joined_fields(sla_class: str, joined: int) -> dict[str, float]:
+    """Counter increments for tasks that joined a running batch (``joins.py``): served
+    with the engine the batch held (never a cold start)."""
+    return {"tasks": joined, f"tasks:{sla_class}": joined, "joined": joined}
+
+
 def first_token_fields(ms: float, tasks: int = 1) -> dict[str, float]:
     """Counter increments for a run whose first new token came ``ms`` after it began;
     every task of a batch waited that long for its own."""
@@ -155,6 +161,9 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
     ahead = CounterMetricFamily("sits_affinity_picks", "Inference tasks taken ahead of "
                                 "their queue's head because the worker held their model "
                                 "warm.", labels=["worker"])
+    joined = CounterMetricFamily("sits_batch_joined", "Generation tasks that joined a "
+                                 "running batch's freed rows (continuous batching).",
+                                 labels=["worker"])
     kv = CounterMetricFamily("sits_kv_prefix", "KV-prefix cache of generations: lookups, "
                              "hits, and prompt tokens whose prefill a hit skipped.",
                              labels=["worker", "kind"])
@@ -192,6 +201,7 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
         for source in sorted(set(SOURCES) | set(by_source)):
             cold.add_metric([name, source], by_source.get(source, 0.0))
         ahead.add_metric([name], values.get("affinity", 0.0))
+        joined.add_metric([name], values.get("joined", 0.0))
         for kind in ("lookups", "hits", "tokens"):
             kv.add_metric([name, kind], values.get(f"kv_{kind}", 0.0))
         for kind in ("texts", "cached"):
@@ -222,7 +232,7 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
                 warm.add_metric([name, str(slot), tier], tiers.get(tier, 0))
             memory = child.get("memory") or {}
             allocated.add_metric([name, str(slot)], float(memory.get("allocated_bytes", 0)))
-    return [info, slots, tasks, cold, ahead, kv, emb, share, phase, hist, first, failed,
+    return [info, slots, tasks, cold, ahead, joined, kv, emb, share, phase, hist, first, failed,
             vram, util, warm, allocated]
 
 

@@ -284,6 +284,8 @@ class ActiveTask:
     #: In a batch run (``batched.py``), what stores call ``i``'s result at once while the
     #: batch's other calls go on; None elsewhere.
     early: Callable[[int, Any], bool] | None = None
+    #: ...and where calls that join it on the way come from (``joins.Feed``), if any.
+    joins: Any = None
 
     def deliver(self, index: int, output: Any) -> bool:
         """Call ``index`` of the running batch is done: its result is stored now, not

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 import redis
 
 from sits_queue.broker.keys import QueueKeys, score_base
@@ -104,3 +105,55 @@ def test_a_batch_of_a_key_that_only_matches_as_a_substring_is_not_kin(
     # "t.embed|enc|medium" is a substring of this key: the plain find must not decide
     put(redis_client, scripts, [("a1", KEY_A, 8), ("long", "x" + KEY_A, 8)])
     assert taken(pick(redis_client, scripts, window=256)) == ["a1"]
+
+
+# -- join mode and join.lua: a running batch's freed rows (workers/joins.py) --------------------
+
+def join_pick(client: redis.Redis, scripts: Scripts, key: str, most: int,
+              window: int = 256) -> list[str]:
+    got = scripts.run("pick", KEYS, [NOW, 5, "A", window, "join", key, most], client)
+    return [got[i].decode() for i in range(0, len(got), 3)]
+
+
+def test_join_mode_takes_only_the_key_nearest_first_and_never_the_head(
+        redis_client: redis.Redis) -> None:
+    scripts = Scripts.register()
+    put(redis_client, scripts, [("b1", KEY_B, 8), ("a1", KEY_A, 8), ("x", None, None),
+                                ("a2", KEY_A, 8), ("held", KEY_A, 8), ("crashed", KEY_A, 8),
+                                ("a3", KEY_A, 8)])
+    redis_client.hset(KEYS.held, "held", f"A {NOW + 5} 1")
+    redis_client.hset(KEYS.redelivered, "crashed", 1)
+    # up to the count asked, whatever the tasks' own max batch; unacked like any pick
+    assert join_pick(redis_client, scripts, KEY_A, 2) == ["a1", "a2"]
+    assert redis_client.zcard(KEYS.unacked) == 2 and redis_client.hlen(KEYS.saved) == 2
+    # held and restored messages are not taken; the window bounds the search
+    assert join_pick(redis_client, scripts, KEY_A, 8, window=4) == []
+    assert join_pick(redis_client, scripts, KEY_A, 8) == ["a3"]
+    assert join_pick(redis_client, scripts, KEY_A, 8) == []
+    assert join_pick(redis_client, scripts, KEY_B, 0) == []
+    assert [x.decode() for x in redis_client.zrange(KEYS.waiting, 0, -1)] == [
+        "b1", "x", "held", "crashed"]
+
+
+def test_join_lua_pushes_until_closed_and_counts_what_the_child_took(
+        redis_client: redis.Redis) -> None:
+    from sits_queue.workers import joins
+
+    scripts = Scripts.register()
+    keys = joins.join_keys("batch-pick", "job-1")
+
+    def join(*args: Any) -> Any:
+        return scripts.run_on("join", keys, list(args), redis_client)
+
+    assert join("room", 60, 3) == 1 and redis_client.hget(keys[1], "room") == b"3"
+    assert join("push", 60, "j1", "j2", "j3") == 1
+    assert join("take", 2) == [b"j1", b"j2"] and join("take", 0) == []
+    assert 0 < redis_client.ttl(keys[0]) <= 60 and 0 < redis_client.ttl(keys[1]) <= 60
+    # closed: the state says how many the child took and the list is dropped (the
+    # main process runs "j3" again); nothing more is pushed or offered
+    assert join("close") == [2, 1]
+    assert not redis_client.exists(keys[0])
+    assert join("push", 60, "j4") == 0 and join("room", 60, 5) == 0
+    assert join("take", 5) == [] and redis_client.hget(keys[1], "room") == b"0"
+    with pytest.raises(redis.ResponseError, match="unknown op"):
+        join("nonsense")

@@ -12,7 +12,8 @@
 --   optional affinity (broker/affinity.py, whose choose() this mirrors): window,
 --   priority ratio, max skip s, then name, weight pairs of what the consumer holds warm:
 --   'm:<engine key>' (engines: '<model>' or '<model>@<precision>'), 'p:<prefix key>' (KV
---   of prompt prefixes) and 'q:<precision>' (the device's advantage at a precision)
+--   of prompt prefixes) and 'q:<precision>' (the device's advantage at a precision);
+--   or, instead of affinity, 'join', a batch key, a count: join mode (below)
 -- Returns {id, payload, times redelivered, checkpoint or false, 1 if taken ahead of the
 -- head by affinity else 0, then id, payload, times of each task taken with it as one
 -- batch}; else the number of messages passed over because this consumer released them
@@ -22,6 +23,8 @@
 -- Batch kin: waiting tasks whose scoring metadata has the picked task's batch key 'b'
 -- (task, model, class), nearest the head first, up to its 'bn' in all; none for (and
 -- none that is) a message restored after a crash.
+-- Join mode returns only such kin of the given key, up to the count: {id, payload,
+-- times, ...}, empty when none waits (a running batch's free rows, workers/joins.py).
 local now, max_redeliveries = ARGV[1], tonumber(ARGV[2])
 local consumer = ARGV[3] or ''
 local passed = {}  -- score, id pairs of held messages, put back as they were
@@ -108,30 +111,26 @@ local function take(id, score)
   redis.call('HSET', KEYS[7], id, score)
 end
 
--- The picked task's batch kin, taken (appended to reply as id, payload, times).
--- A message restored after a crash runs alone and is never taken as kin: a batch that
--- kills its worker must not carry innocent tasks towards the poison-message limit.
-local function gather(id, times, reply)
+-- Waiting tasks with batch key 'key' (task, model, class), nearest the head first
+-- among the first ARGV[4], taken until 'taken' reaches 'most' (appended to reply as id,
+-- payload, times). A message restored after a crash runs alone and is never taken as
+-- kin: a batch that kills its worker must not carry innocent tasks towards the
+-- poison-message limit.
+local function kin(key, most, taken, reply)
   local window = tonumber(ARGV[4] or '') or 0
-  if window < 1 or times > 0 then return end
-  local raw = redis.call('HGET', KEYS[3], id)
-  local ok, record = pcall(cjson.decode, raw or '')
-  if not ok or type(record) ~= 'table' then return end
-  local key, most = record['b'], tonumber(record['bn'])
-  if type(key) ~= 'string' or most == nil or most < 2 then return end
+  if window < 1 or taken >= most then return end
   local near = redis.call('ZRANGE', KEYS[1], 0, window - 1, 'WITHSCORES')
-  local taken = 1
   for i = 1, #near - 1, 2 do
     if taken >= most then break end
     local other = near[i]
     local meta = redis.call('HGET', KEYS[3], other)
     -- The plain find skips decoding the records that cannot match (most of them).
     if meta and string.find(meta, key, 1, true) and not held_by_me(other) then
-      local good, kin = pcall(cjson.decode, meta)
+      local good, record = pcall(cjson.decode, meta)
       local payload = redis.call('HGET', KEYS[2], other)
       local times = tonumber(redis.call('HGET', KEYS[8], other) or '0')
       -- A message restored too often is left for the plain pick, which parks it.
-      if good and type(kin) == 'table' and kin['b'] == key and payload and times == 0 then
+      if good and type(record) == 'table' and record['b'] == key and payload and times == 0 then
         redis.call('ZREM', KEYS[1], other)
         take(other, near[i + 1])
         reply[#reply + 1] = other
@@ -143,9 +142,28 @@ local function gather(id, times, reply)
   end
 end
 
+-- The picked task's batch kin (none for a restored message), up to its 'bn' in all.
+local function gather(id, times, reply)
+  if times > 0 then return end
+  local raw = redis.call('HGET', KEYS[3], id)
+  local ok, record = pcall(cjson.decode, raw or '')
+  if not ok or type(record) ~= 'table' then return end
+  local key, most = record['b'], tonumber(record['bn'])
+  if type(key) ~= 'string' or most == nil or most < 2 then return end
+  kin(key, most, 1, reply)
+end
+
 local function restore_passed()
   if #passed > 0 then redis.call('ZADD', KEYS[1], unpack(passed)) end
   if redis.call('ZCARD', KEYS[1]) > 0 then redis.call('ZADD', KEYS[4], 0, 'ready') end
+end
+
+-- Join mode: a running generation batch has room for more rows (workers/joins.py):
+-- only waiting tasks of its batch key, no head pick.
+if ARGV[5] == 'join' then
+  local reply = {}
+  kin(ARGV[6], tonumber(ARGV[7]) or 0, 0, reply)
+  return reply
 end
 
 local chosen = affinity_pick()

@@ -1,0 +1,295 @@
+"""Continuous batching: waiting tasks join a generation batch while it decodes.
+
+A generation batch (``sits.generate_batched``, ``batchgen.py``) loses rows as they
+finish; without joins its freed rows stay empty until the longest row is done, and the
+tasks waiting behind it wait for that. Here the batch takes them on the way:
+
+1. The worker's main process sends a batch of a task that takes joins (``joins = True``
+   on the task: the built-in generation batch) as usual, and keeps it as a
+   :class:`Running` batch. Every :data:`POLL_S` while it runs, it reads the room the
+   child offers (``join.lua``'s state); when there is room, ``pick.lua`` in join mode takes
+   waiting tasks of the batch's key (task, model, class) from the first ``batch_window``
+   of its queue, atomically, unacked like any pick. They reach Celery's consumer as any
+   delivery does (received events, revokes, expiry: Flower sees them), then
+   :func:`attach` pushes their pool jobs to the batch's list (``join.lua``) and marks
+   them started.
+2. The pool child (:class:`Feed`), between decode steps, offers its free rows (up to the
+   task's ``max_batch`` rows in all) and takes jobs from the list, oldest first. A row
+   joins only if it would finish, at the batch's measured step time, well before the
+   run's soft time limit, and only during the first ``batch_join_s`` of the run (a run's
+   events and acks go at its end: it must end). A joined row leaves like the others; its
+   result is stored when it does.
+3. When the batch ends the child closes the list (``join.lua``: nothing is pushed after).
+   The main process acks each task the run served and sends its events; a task it did
+   not take (pushed too late, declined, or still in the list when a child died) runs
+   again as usual, as a batch of its own.
+
+Redis errors in the child end the joining, not the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import redis
+from kombu.utils.json import dumps, loads
+
+from sits_queue.broker.keys import QueueKeys
+from sits_queue.broker.scripts import Scripts
+
+if TYPE_CHECKING:
+    from sits_queue.workers.batched import Call
+
+logger = logging.getLogger(__name__)
+
+#: How often the main process reads a running batch's room, s: a decode step of a
+#: small model takes about this long, so a freed row is refilled within a step or two.
+POLL_S = 0.02
+#: A joining row must be expected to finish in this fraction of the time left before
+#: the run's soft time limit (steps slow down as the batch grows).
+DEADLINE_SHARE = 0.5
+#: How long a batch's join keys outlive a worker that died holding them, s.
+KEY_TTL_S = 3600
+
+
+# -- pure -----------------------------------------------------------------------------------
+
+def fits(now: float, deadline: float | None, most: int, step_s: float) -> bool:
+    """Whether a row of ``most`` new tokens, at ``step_s`` a decode step, finishes within
+    :data:`DEADLINE_SHARE` of the time left before the soft ``deadline`` (monotonic s)."""
+    return deadline is None or most * step_s < DEADLINE_SHARE * (deadline - now)
+
+
+def room(capacity: int, live: int) -> int:
+    """Rows a batch of ``live`` rows can take, of ``capacity`` in all."""
+    return max(0, capacity - live)
+
+
+def join_keys(queue: str, job: str, prefix: str = "") -> list[str]:
+    """``join.lua``'s KEYS for the batch whose first task is ``job``: its jobs LIST and
+    state HASH, hash-tagged like the queue's own keys."""
+    base = QueueKeys.for_queue(queue, prefix).waiting.removesuffix("z") + f"join:{job}"
+    return [base, base + ":state"]
+
+
+def encode_job(job: tuple[Any, ...]) -> str:
+    """A pool job (name, id, request dict, body, content type, encoding) as JSON: only
+    data crosses Redis (bytes as base64), never pickle."""
+    return str(dumps(list(job)))  # type: ignore[no-untyped-call]
+
+
+def decode_job(raw: bytes | str) -> tuple[Any, ...]:
+    job = loads(raw)  # type: ignore[no-untyped-call]
+    if not isinstance(job, list) or len(job) != 6 or not isinstance(job[1], str):
+        raise ValueError(f"not a pool job: {str(raw)[:200]!r}")
+    return tuple(job)
+
+
+_scripts = Scripts.register()
+
+
+def _join_script(client: redis.Redis, keys: list[str], *args: Any) -> Any:
+    return _scripts.run_on("join", keys, list(args), client)
+
+
+# -- the pool child ---------------------------------------------------------------------------
+
+@dataclass
+class Feed:
+    """The child's end of a running batch's joins (``ActiveTask.joins``): offers room,
+    takes jobs, says which rows may join. ``add(job)`` appends a job to the batch's own
+    lists and returns its call index."""
+
+    client: redis.Redis
+    keys: list[str]
+    capacity: int
+    until: float  # monotonic s: no joins after
+    add: Callable[[tuple[Any, ...]], tuple[int, Call]]
+    deadline: Callable[[], float | None] = lambda: None
+    declined: set[int] = field(default_factory=set)
+    taken: int = 0
+    offered: int = -1
+    open: bool = True
+
+    @property
+    def joined(self) -> int:
+        """Calls that joined the batch (taken and not declined)."""
+        return self.taken - len(self.declined)
+
+    def take(self, live: int) -> list[tuple[int, Call]]:
+        """Jobs for the batch's free rows (``live`` rows are decoding), as calls with
+        their index; offers the room first."""
+        if not self.open:
+            return []
+        if time.monotonic() >= self.until:
+            self.close()
+            return []
+        free = room(self.capacity, live)
+        try:
+            if free != self.offered:
+                self.offered = free
+                if not _join_script(self.client, self.keys, "room", KEY_TTL_S, free):
+                    self.open = False  # the main process closed it (it gave up on us)
+                    return []
+            raw = _join_script(self.client, self.keys, "take", free) if free else []
+        except redis.RedisError as exc:
+            logger.warning("continuous batching stopped for this batch: %s", exc)
+            self.open = False
+            return []
+        taken = []
+        self.taken += len(raw)
+        for item in raw:
+            try:
+                taken.append(self.add(decode_job(item)))
+            except ValueError as exc:  # only our main process writes here: a bug
+                # Stop here: the main process runs this job and those after it again
+                # (it counts the jobs the batch returns, in order).
+                logger.error("join list of %s: %s", self.keys[0], exc)
+                self.close()
+                break
+        return taken
+
+    def fits(self, most: int, step_s: float) -> bool:
+        return fits(time.monotonic(), self.deadline(), most, step_s)
+
+    def decline(self, index: int) -> None:
+        """The job at call ``index`` is not run here: the main process runs it again."""
+        self.declined.add(index)
+
+    def close(self) -> None:
+        """No more joins (the main process runs what it pushes after as a batch of its own)."""
+        if not self.open:
+            return
+        self.open = False
+        try:
+            _join_script(self.client, self.keys, "close")
+        except redis.RedisError as exc:
+            logger.warning("could not close the join list %s: %s", self.keys[0], exc)
+
+
+# -- the main process -----------------------------------------------------------------------
+
+@dataclass
+class Running:
+    """A batch that takes joins, from its send until its end: its requests (its own
+    first, then those attached, in push order: the child takes them in that order)."""
+
+    queue: str
+    key: str
+    keys: list[str]
+    requests: list[Any]
+    own: int
+    pid: Callable[[], int | None]
+    pushed: int = 0
+
+
+#: Batches that take joins now, by their first task's id.
+_running: dict[str, Running] = {}
+#: Join deliveries under way (their batch mark's group) -> the batch they join.
+_groups: dict[str, str] = {}
+#: ids of the requests attached to a running batch (not reserved units of their own).
+_attached: set[str] = set()
+
+
+def start(job: str, queue: str, key: str, keys: list[str], requests: list[Any],
+          pid: Callable[[], int | None]) -> None:
+    _running[job] = Running(queue, key, keys, requests, len(requests), pid)
+
+
+def running() -> bool:
+    return bool(_running)
+
+
+def attached(request: Any) -> bool:
+    return getattr(request, "id", None) in _attached
+
+
+def poll(client: redis.Redis, pick: Callable[[str, str, int, str], None]) -> None:
+    """Main process, every :data:`POLL_S`: for each running batch with room the child
+    offered beyond the jobs waiting in its list, ``pick(queue, key, n, group)`` delivers
+    up to ``n`` waiting tasks of its key as join group ``group`` (then :func:`attach`)."""
+    if not _running:
+        return
+    jobs = list(_running.items())
+    try:
+        with client.pipeline(transaction=False) as pipe:
+            for _, batch in jobs:
+                pipe.hget(batch.keys[1], "room")
+                pipe.llen(batch.keys[0])
+            replies = pipe.execute()
+    except redis.RedisError as exc:
+        logger.warning("continuous batching: could not read the running batches: %s", exc)
+        return
+    for n, (job, batch) in enumerate(jobs):
+        free, waiting = int(replies[2 * n] or 0), int(replies[2 * n + 1] or 0)
+        if free > waiting and job in _running:
+            group = f"{job}:join:{batch.pushed}"
+            _groups[group] = job
+            try:
+                pick(batch.queue, batch.key, free - waiting, group)
+            finally:
+                _groups.pop(group, None)
+
+
+def joining(group: str) -> bool:
+    return group in _groups
+
+
+def attach(group: str, members: list[Any], admitted: Callable[[Any], bool],
+           run_apart: Callable[[list[Any]], None], client: redis.Redis) -> None:
+    """The requests a join delivery brought (each checked: revoked, declared VRAM): their
+    jobs pushed to the running batch, marked started. If the batch has ended meanwhile
+    (its list is closed), they run as a batch of their own."""
+    job = _groups.get(group)
+    batch = _running.get(job) if job is not None else None
+    members = [m for m in members if admitted(m)]
+    if not members:
+        return
+    if batch is None:
+        run_apart(members)
+        return
+    from sits_queue.workers.batched import _job
+
+    try:
+        pushed = _join_script(client, batch.keys, "push", KEY_TTL_S,
+                              *(encode_job(_job(m)) for m in members))
+    except redis.RedisError as exc:
+        logger.warning("continuous batching: could not push joins: %s", exc)
+        pushed = 0
+    if not pushed:
+        run_apart(members)
+        return
+    batch.pushed += len(members)
+    accepted = time.monotonic()
+    for member in members:
+        batch.requests.append(member)
+        _attached.add(member.id)
+        member.on_accepted(batch.pid(), accepted)
+
+
+def finish(job: str, client: redis.Redis, taken: int | None = None
+           ) -> tuple[int, list[Any]]:
+    """The batch ``job`` ended (``taken``: the joins its child reported it took) or its
+    child died (None: the list's own count says): how many of its requests the run
+    served (its own first), and the attached ones it did not take, to run again. Closes
+    the list first, so nothing more is pushed to it."""
+    batch = _running.pop(job, None)
+    if batch is None:
+        return -1, []
+    for member in batch.requests[batch.own:]:
+        _attached.discard(member.id)
+    try:
+        closed = _join_script(client, batch.keys, "close")
+        client.delete(*batch.keys)
+        if taken is None:
+            taken = int(closed[0])
+    except redis.RedisError as exc:
+        logger.warning("continuous batching: could not close %s: %s", batch.keys[0], exc)
+        if taken is None:  # unknown: those pushed run again (a result stored is kept)
+            taken = 0
+    served = batch.own + taken
+    return served, batch.requests[served:]

@@ -1,0 +1,106 @@
+"""Continuous batching in a real ``celery worker``: tasks submitted while a generation
+batch decodes join its freed rows, decode exactly what they would alone, and are stored
+when they are done; a task that would not finish before the batch's soft time limit is
+declined and runs after it; nothing is left behind in Redis.
+
+The batch runs on the "slow" model (the tiny GPT with a pause per forward), so it is
+still decoding when the later tasks arrive, however slow the machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.result import AsyncResult
+
+from sits_queue.procs import CeleryProcess
+from sits_queue.workers import metrics
+from tests.integration.inference_app import CALL_S, FIRST_CALL_S, serving
+
+#: The long row (tokens) and its soft limit, s: it runs ~120 x 20 ms = 2.4 s, well inside.
+LONG, SOFT_S = 120, 6
+#: Rows submitted while it decodes: prompt, max_new_tokens, temperature, seed. The last
+#: would take ~220 x 20 ms = 4.4 s, more than half of what is left before the long
+#: row's soft limit: declined, it runs after the batch.
+LATER = [("the worker keeps", 4, 0.0, 0), ("a queue of work", 6, 1.3, 5),
+         ("one long continuation", 220, 0.0, 0)]
+
+
+def gen(app: Celery, prompt: str, n: int, temperature: float = 0.0, seed: int = 0,
+        **options: Any) -> AsyncResult:
+    return app.tasks["sits.generate_batched"].apply_async(
+        (prompt,), {"max_new_tokens": n, "temperature": temperature, "seed": seed,
+                    "stop_at_eos": False}, model="slow", **options)
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory, redis_url: str, config_path: Path,
+           models_dir: Path, app: Celery) -> Iterator[CeleryProcess]:
+    """One worker, one child, the slow model loaded (a cold start must not eat the long
+    row's time limit)."""
+    with serving(redis_url, config_path, models_dir, tmp_path_factory.mktemp("joins-logs"),
+                 app, name="joins") as proc:
+        gen(app, "warm up", 1).get(timeout=FIRST_CALL_S)
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def first(app: Celery, worker: CeleryProcess) -> dict[str, AsyncResult]:
+    """A long row running alone (a batch of one: nothing else waits), and a short one
+    submitted after it: stored early (joined, or batched with it if the worker had not
+    picked the long one yet), it shows the long one is decoding."""
+    long = gen(app, "once upon a time", LONG, soft_time_limit=SOFT_S, time_limit=60)
+    short = gen(app, "the cat", 2)
+    short.get(timeout=CALL_S)
+    assert long.state != "SUCCESS"
+    return {"long": long, "short": short}
+
+
+@pytest.fixture(scope="module")
+def later(app: Celery, first: dict[str, AsyncResult]) -> list[AsyncResult]:
+    """Submitted while the long row decodes."""
+    return [gen(app, p, n, t, s) for p, n, t, s in LATER]
+
+
+def test_tasks_join_a_running_batch_and_decode_as_alone(
+        first: dict[str, AsyncResult], later: list[AsyncResult], models_dir: Path) -> None:
+    from sits_queue.cache.engines import engine_from_path
+    from sits_queue.workers.inference import generate
+
+    joined = [r.get(timeout=CALL_S) for r in later[:2]]
+    long = first["long"].get(timeout=CALL_S)
+    engine = engine_from_path("gpt", models_dir / "gpt", "cpu")  # the slow model's weights
+    engine.to_device("cpu")
+    for (prompt, n, t, s), got, result in zip(LATER[:2], joined, later[:2], strict=True):
+        assert got["sits"]["batch"]["joined"] is True
+        alone = generate(engine, prompt, max_new_tokens=n, temperature=t, seed=s,
+                         stop_at_eos=False)
+        assert got["output"] == {**alone, "shared_tokens": 0}
+        # stored when done, while the long row went on
+        assert result.date_done < first["long"].date_done
+        assert got["sits"]["run_ms"] < long["sits"]["run_ms"]
+    assert long["output"]["tokens"] == LONG and "joined" not in long["sits"]["batch"]
+
+
+def test_a_row_that_would_not_finish_before_the_soft_limit_runs_after_the_batch(
+        first: dict[str, AsyncResult], later: list[AsyncResult]) -> None:
+    got = later[2].get(timeout=CALL_S)
+    assert got["output"]["tokens"] == LATER[2][1]
+    assert "joined" not in got["sits"]["batch"]
+    assert later[2].date_done > first["long"].date_done
+
+
+def test_joined_tasks_are_counted_and_no_join_keys_are_left(
+        r: redis.Redis, worker: CeleryProcess, later: list[AsyncResult]) -> None:
+    for result in later:
+        result.get(timeout=CALL_S)
+    record = metrics.read(r, "", worker.hostname)[0]
+    counters = {k.decode(): float(v) for k, v in record["counters"].items()}
+    assert counters["joined"] >= 2  # the later two (and the short one, if it joined)
+    assert counters["model_runs:slow"] == 3 + len(LATER)  # every task once
+    assert list(r.scan_iter(match="*:join:*")) == []

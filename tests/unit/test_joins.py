@@ -1,0 +1,203 @@
+"""Continuous batching (``workers/joins.py``, ``batchgen.py``): the pure rules, and rows
+joining a running generation batch on a tiny real model, each decoding exactly what it
+would alone. (The Redis list and the worker around it: tests/integration/test_joins.py.)"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from sits_queue.broker.keys import QueueKeys
+from sits_queue.config import SitsConfig
+from sits_queue.errors import ConfigError, InvalidInput
+from sits_queue.workers import inference, joins
+from sits_queue.workers import runtime as rt
+from sits_queue.workers.batched import Call
+from sits_queue.workers.batchgen import generate_calls
+
+# -- pure -------------------------------------------------------------------------------------
+
+
+def test_a_row_joins_only_if_it_ends_well_before_the_soft_limit() -> None:
+    # 10 tokens at 0.1 s a step = 1 s: within half of the 3 s left, not of the 1.5 s left
+    assert joins.fits(100.0, 103.0, 10, 0.1)
+    assert not joins.fits(100.0, 101.5, 10, 0.1)
+    assert not joins.fits(100.0, 99.0, 1, 0.001)  # the limit has passed
+    assert joins.fits(100.0, None, 10_000, 1.0)  # no soft limit: only batch_join_s bounds
+
+
+def test_room_is_the_capacity_left() -> None:
+    assert joins.room(8, 3) == 5
+    assert joins.room(8, 8) == joins.room(8, 9) == 0
+
+
+def test_join_keys_share_the_queue_hash_tag() -> None:
+    keys = joins.join_keys("gen", "task-1", "p:")
+    assert keys == ["p:sits:{gen}:join:task-1", "p:sits:{gen}:join:task-1:state"]
+    assert all(k.startswith(QueueKeys.for_queue("gen", "p:").waiting[:-1]) for k in keys)
+    with pytest.raises(ValueError, match="braces"):
+        joins.join_keys("a{b}", "x")
+
+
+def test_a_pool_job_crosses_redis_as_json_and_back() -> None:
+    job = ("sits.generate_batched", "id-1", {"sits": {"batch": "k"}, "n": [1, 2]},
+           b'[["a"], {}, {}]\xff', "application/json", "utf-8")
+    raw = joins.encode_job(job)
+    assert "__type__" in raw and b"\xff" not in raw.encode()  # bytes as base64, not pickle
+    assert joins.decode_job(raw) == (job[0], job[1], {"sits": {"batch": "k"}, "n": [1, 2]},
+                                     job[3], job[4], job[5])
+    for bad in ("[1, 2]", '{"a": 1}', "[1, 2, 3, 4, 5, 6]"):
+        with pytest.raises(ValueError, match="not a pool job"):
+            joins.decode_job(bad)
+
+
+def test_batch_join_s_is_checked() -> None:
+    assert SitsConfig().batch_join_s == 10.0
+    assert SitsConfig.from_env({"SITS_BATCH_JOIN_S": "0"}).batch_join_s == 0
+    for bad in (-1.0, float("nan"), 1e9):
+        with pytest.raises(ConfigError, match="batch_join_s"):
+            SitsConfig(batch_join_s=bad)
+
+
+# -- rows joining a running batch, on a tiny real model ---------------------------------------
+
+@dataclass
+class ListFeed:
+    """``joins.Feed``'s contract over a list: what joins, when the batch has room."""
+
+    waiting: list[Call]
+    capacity: int
+    first: int  # the call index of the first joining one
+    taken: list[int] = field(default_factory=list)
+    rooms: list[int] = field(default_factory=list)
+    declined: set[int] = field(default_factory=set)
+    fit: bool = True
+
+    def take(self, live: int) -> list[tuple[int, Call]]:
+        free = joins.room(self.capacity, live)
+        self.rooms.append(free)
+        out = []
+        while free and self.waiting:
+            index = self.first + len(self.taken)
+            self.taken.append(index)
+            out.append((index, self.waiting.pop(0)))
+            free -= 1
+        return out
+
+    def fits(self, most: int, step_s: float) -> bool:
+        assert step_s > 0
+        return self.fit
+
+    def decline(self, index: int) -> None:
+        self.declined.add(index)
+
+
+def run_with(lm: Any, own: list[Call], feed: ListFeed
+             ) -> tuple[list[Any], dict[int, Any], list[int]]:
+    """The batch's own outputs, what was delivered by call index, and each forward's
+    batch size."""
+    delivered: dict[int, Any] = {}
+    sizes: list[int] = []
+    handle = lm.module.register_forward_pre_hook(
+        lambda _m, _a, kw: sizes.append(kw["input_ids"].shape[0]), with_kwargs=True)
+
+    def early(i: int, out: Any) -> bool:
+        assert i not in delivered
+        delivered[i] = out
+        return True
+
+    active = rt.ActiveTask("lm", SitsConfig().quota("high"), lm.size_bytes(), "cpu",
+                           early=early, joins=feed)
+    try:
+        with rt.activated(active):
+            return generate_calls(lm, own), delivered, sizes
+    finally:
+        handle.remove()
+
+
+def alone(lm: Any, call: Call) -> dict[str, Any]:
+    return {**inference.generate(lm, *call.args, **call.kwargs), "shared_tokens": 0}
+
+
+LONG = "a much longer prompt than any row of the batch has, " * 3
+
+
+def test_rows_join_freed_slots_and_decode_exactly_as_alone(lm: Any) -> None:
+    own = [Call("a", ("the cache warms", 2), {"stop_at_eos": False}),
+           Call("b", ("a queue of work", 9), {"stop_at_eos": False, "temperature": 1.5,
+                                               "seed": 2})]
+    joining = [Call("c", ("the worker loads", 5), {"stop_at_eos": False, "seed": 3,
+                                                   "temperature": 1.2}),
+               Call("d", (LONG, 4), {"stop_at_eos": False}),  # wider than the batch
+               Call("e", ("one token only", 1), {"stop_at_eos": False}),
+               Call("f", ("", 3), {"stop_at_eos": False}),  # bad: fails at once
+               Call("g", ("stops otherwise", 3), {"stop_at_eos": True}),  # declined
+               Call("h", ("last of them", 3), {"stop_at_eos": False})]
+    feed = ListFeed(list(joining), capacity=3, first=len(own))
+    got, delivered, sizes = run_with(lm, own, feed)
+    # the batch's own rows decode as alone; "a" left after 2 steps and was delivered then
+    assert got == [alone(lm, c) for c in own] and delivered[0] == got[0]
+    calls = {i: c for i, c in enumerate(own + joining)}
+    assert feed.declined == {6}  # "g" stops at end-of-sequence, the batch does not
+    assert isinstance(delivered[5], InvalidInput)
+    for i in (2, 3, 4, 7):  # each joined row: exactly its tokens alone
+        assert delivered[i] == alone(lm, calls[i]), calls[i].id
+    assert set(delivered) == {0, 2, 3, 4, 5, 7}  # "b" ends the batch: returned, not sent
+    # forwards: a one-row prefill per joining row (P) between the batch's steps. Step 1
+    # runs a, b; c joins (P); step 2 runs 3 and a leaves; d joins (P); steps 3-5 run 3
+    # rows, then c and d leave; e joins (P) and is done at its first token, f fails; step
+    # 6 runs b alone; h joins (P) (g was declined); steps 7-8 run b, h; step 9 b alone.
+    assert sizes == [2, 1, 3, 1, 3, 3, 3, 1, 1, 1, 2, 2, 1]
+    assert feed.taken == [2, 3, 4, 5, 6, 7]
+
+
+def test_no_room_no_joins_and_joins_end_with_the_batch(lm: Any) -> None:
+    own = [Call(str(i), ("a queue of work", 4), {"stop_at_eos": False}) for i in range(3)]
+    feed = ListFeed([Call("x", ("late", 2), {"stop_at_eos": False})], capacity=3, first=3)
+    got, delivered, sizes = run_with(lm, own, feed)
+    # a full batch offers no room; when all its rows end together, nothing joins
+    assert feed.taken == [] and set(feed.rooms) == {0} and sizes == [3, 3, 3, 3]
+    assert len(got) == 3 and delivered == {}
+
+
+def test_a_row_that_would_not_finish_in_time_is_declined(lm: Any) -> None:
+    own = [Call("a", ("the cache warms", 1), {"stop_at_eos": False}),
+           Call("b", ("a queue of work", 4), {"stop_at_eos": False})]
+    feed = ListFeed([Call("c", ("late", 3), {"stop_at_eos": False})], capacity=2, first=2,
+                    fit=False)
+    got, delivered, _ = run_with(lm, own, feed)
+    assert feed.taken == [2] and feed.declined == {2} and 2 not in delivered
+    assert got == [alone(lm, c) for c in own]
+
+
+def test_outside_a_worker_feed_nothing_joins(lm: Any) -> None:
+    own = [Call("a", ("the cache warms", 2), {"stop_at_eos": False}),
+           Call("b", ("a queue of work", 3), {"stop_at_eos": False})]
+    active = rt.ActiveTask("lm", SitsConfig().quota("high"), lm.size_bytes(), "cpu")
+    with rt.activated(active):
+        assert [g["tokens"] for g in generate_calls(lm, own)] == [2, 3]
+
+
+def test_rows_join_a_lone_row_which_decodes_as_alone(lm: Any) -> None:
+    own = [Call("a", ("the cache warms", 7), {"stop_at_eos": False, "temperature": 1.4,
+                                              "seed": 9})]
+    joining = [Call("b", ("a queue of work", 3), {"stop_at_eos": False}),
+               Call("c", ("one token only", 1), {"stop_at_eos": False})]
+    feed = ListFeed(list(joining), capacity=4, first=1)
+    got, delivered, sizes = run_with(lm, own, feed)
+    assert got == [alone(lm, own[0])]
+    assert delivered == {1: alone(lm, joining[0]), 2: alone(lm, joining[1])}
+    # a's prefill (its first token) and first step; b's and c's prefills (c is done at
+    # its first token); two steps of a and b (b's last two tokens); a's last three alone
+    assert sizes == [1, 1, 1, 1, 2, 2, 1, 1, 1]
+
+
+def test_a_lone_row_with_nothing_to_join_it_decodes_as_alone(lm: Any) -> None:
+    own = [Call("a", ("one token only", 1), {"stop_at_eos": False})]
+    feed = ListFeed([Call("b", ("a queue of work", 3), {"stop_at_eos": False})],
+                    capacity=4, first=1)
+    got, delivered, sizes = run_with(lm, own, feed)
+    # done at its first token: nothing had a step to join
+    assert got == [alone(lm, own[0])] and delivered == {} and sizes == [1]
