@@ -2,11 +2,13 @@
 through (a) a stock Celery worker that keeps the encoder warm in a module global,
 (b) a SITS worker running tasks one at a time (``batch_window`` 0), and (c) a SITS
 worker batching same-model tasks (``sits.embed`` is a batch task: the tasks waiting
-together run as one forward pass, ``workers/batched.py``).
+together run as one forward pass, ``workers/batched.py``); the generation streams also
+through (d) ``sits_static``: (c) with no continuous batching (``batch_join_s`` 0: a
+generation batch's freed rows stay empty until it ends, ``workers/joins.py``).
 
 A program, not a test: it prints a table and JSON, and asserts nothing about timings.
 
-How it runs (the same for all three, in one process run):
+How it runs (the same for all systems, in one process run):
 
 * one Redis server (embedded unless ``--redis-url``), one database per system;
 * one ``celery worker`` per system (prefork, concurrency 1, on every core this process
@@ -67,6 +69,7 @@ from sits_queue.bench.coalesce_apps import (
     GEN_TOKENS,
     LM_MODEL,
     MODEL,
+    GEN_ONLY,
     SYSTEMS,
     build,
     settings_of,
@@ -77,9 +80,10 @@ from sits_queue.bench.report import database_url, ratio, redis_server, targets_l
 from sits_queue.bench.workload import percentile
 from sits_queue.procs import start_worker, wait_ready
 
-DATABASES = {"celery_per_task": 12, "sits_one_by_one": 13, "sits_batched": 14}
+DATABASES = {"celery_per_task": 12, "sits_one_by_one": 13, "sits_batched": 14,
+             "sits_static": 15}
 #: One-at-a-time SITS first: its burst throughput sets the paced streams' rates.
-RUN_ORDER = ("sits_one_by_one", "celery_per_task", "sits_batched")
+RUN_ORDER = ("sits_one_by_one", "celery_per_task", "sits_static", "sits_batched")
 ENCODER_SHAPE = {"n_layer": 4, "hidden": 256, "n_head": 4, "n_positions": 128}
 LM_SHAPE = {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 256}
 #: The paced streams' rates, as shares of what one-at-a-time SITS sustained in its burst.
@@ -160,7 +164,11 @@ def ratios(result: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str, f
             "ragged_throughput_vs_one_by_one": of("gen_ragged", "throughput_tps"),
             "ragged_throughput_vs_celery": of("gen_ragged", "throughput_tps",
                                               "celery_per_task"),
-            "ragged_p50_vs_celery": of("gen_ragged", "p50_ms", "celery_per_task")}
+            "ragged_p50_vs_celery": of("gen_ragged", "p50_ms", "celery_per_task"),
+            # continuous batching: the same batches, with and without joins
+            "ragged_throughput_vs_static": of("gen_ragged", "throughput_tps", "sits_static"),
+            "ragged_p50_vs_static": of("gen_ragged", "p50_ms", "sits_static"),
+            "gen_throughput_vs_static": of("gen_burst", "throughput_tps", "sits_static")}
 
 
 def targets(r: Mapping[str, float | None]) -> dict[str, bool]:
@@ -330,7 +338,8 @@ class Runner:
 def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | None = None,
         zoo_root: Path | None = None, on_progress: Callable[[str], None] = print
         ) -> dict[str, Any]:
-    """The three systems on every stream; the result the JSON holds."""
+    """Every system on every stream (``sits_static`` on the generation streams only);
+    the result the JSON holds."""
     from sits_queue.models.tiny import build_tiny_causal_lm, build_tiny_encoder
 
     shape = shape or (QUICK if quick else FULL)
@@ -361,6 +370,8 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
             Path(tmp) / system)) for system in RUN_ORDER}
         for name in STREAMS:
             for system, runner in runners.items():
+                if system in GEN_ONLY and not name.startswith("gen_"):
+                    continue
                 rate = LOADS[name] * base if name in LOADS else None
                 out[name][system] = summarise(*runner.stream(
                     texts[name], rate, lengths.get(name)))
@@ -368,8 +379,8 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
                     base = out[name][system]["throughput_tps"]
             on_progress(f"  {name}: " + ", ".join(
                 f"{system} {out[name][system]['throughput_tps']}/s p50 "
-                f"{out[name][system]['p50_ms']} ms" for system in runners))
-    result = {name: {s: v[s] for s in SYSTEMS} for name, v in out.items()}
+                f"{out[name][system]['p50_ms']} ms" for system in out[name]))
+    result = {name: {s: v[s] for s in SYSTEMS if s in v} for name, v in out.items()}
     inputs = make_texts(BATCH_ROWS, shape.seed + 10)
     batch_ms = in_process_batches(lm_dir, {"one": [TEMPLATE + t for t in inputs],
                                            "mixed": mixed_prompts(inputs)},
