@@ -216,7 +216,10 @@ class SitsConfig:
     #: not set one (1: no batching).
     batch_max_tasks: int = 32
     #: Continuous batching (``workers/joins.py``): a generation batch takes waiting tasks
-    #: of its key into its freed rows during the first this many s of its run (0: off).
+    #: of its key into its freed rows: ``auto`` on a worker with GPUs (a decode step
+    #: costs about as much for a few rows as for a full batch there), ``on``, ``off``...
+    batch_join: str = "auto"
+    #: ...during the first this many s of its run.
     batch_join_s: float = 10.0
     #: Sites (§2.3, ``priority/sites.py``): this site's name ("" = one site, no sync)...
     site: str = ""
@@ -282,8 +285,10 @@ class SitsConfig:
         _integer("prefix_key_chars", self.prefix_key_chars, 1_000_000)
         _integer("batch_window", self.batch_window, 100_000, " (0: no batching)")
         _integer("batch_max_tasks", self.batch_max_tasks, MAX_BATCH_TASKS)
-        if not _is_number(self.batch_join_s) or not 0 <= self.batch_join_s < 86_400:
-            raise ConfigError(f"batch_join_s must be in [0, 86400) s (0: off), got "
+        if self.batch_join not in ("auto", "on", "off"):
+            raise ConfigError(f"batch_join must be auto, on or off, got {self.batch_join!r}")
+        if not _is_number(self.batch_join_s) or not 0 < self.batch_join_s < 86_400:
+            raise ConfigError(f"batch_join_s must be in (0, 86400) s, got "
                               f"{self.batch_join_s!r}")
         _positive("int8_max_kl", self.int8_max_kl)
         self._check_sites()

@@ -3,8 +3,12 @@ through (a) a stock Celery worker that keeps the encoder warm in a module global
 (b) a SITS worker running tasks one at a time (``batch_window`` 0), and (c) a SITS
 worker batching same-model tasks (``sits.embed`` is a batch task: the tasks waiting
 together run as one forward pass, ``workers/batched.py``); the generation streams also
-through (d) ``sits_static``: (c) with no continuous batching (``batch_join_s`` 0: a
-generation batch's freed rows stay empty until it ends, ``workers/joins.py``).
+through (d) ``sits_joins``: (c) with continuous batching on (``batch_join`` on: waiting
+tasks join a generation batch's freed rows, ``workers/joins.py``; ``auto``, the
+default, leaves it off on a CPU host), and last ``gen_paced``, through (c) and (d) only:
+the ragged prompts arriving at :data:`PACED_GEN_SHARE` of what (c) sustained on
+``gen_ragged``, where a task arriving while a batch decodes waits for its end in (c) and
+joins it in (d).
 
 A program, not a test: it prints a table and JSON, and asserts nothing about timings.
 
@@ -66,10 +70,10 @@ from sits_queue.bench import coldstart
 from sits_queue.bench.affinity import available_cpus
 from sits_queue.bench.coalesce_apps import (
     DONE_KEY,
+    GEN_ONLY,
     GEN_TOKENS,
     LM_MODEL,
     MODEL,
-    GEN_ONLY,
     SYSTEMS,
     build,
     settings_of,
@@ -81,16 +85,20 @@ from sits_queue.bench.workload import percentile
 from sits_queue.procs import start_worker, wait_ready
 
 DATABASES = {"celery_per_task": 12, "sits_one_by_one": 13, "sits_batched": 14,
-             "sits_static": 15}
+             "sits_joins": 15}
 #: One-at-a-time SITS first: its burst throughput sets the paced streams' rates.
-RUN_ORDER = ("sits_one_by_one", "celery_per_task", "sits_static", "sits_batched")
+RUN_ORDER = ("sits_one_by_one", "celery_per_task", "sits_batched", "sits_joins")
 ENCODER_SHAPE = {"n_layer": 4, "hidden": 256, "n_head": 4, "n_positions": 128}
 LM_SHAPE = {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 256}
 #: The paced streams' rates, as shares of what one-at-a-time SITS sustained in its burst.
 LOADS = {"light": 0.5, "heavy": 1.5}
 #: Embedding streams, then generations submitted at once: short prompts, prompts that
 #: share one instruction template, and short prompts each asking for its own length.
-STREAMS = ("burst", *LOADS, "gen_burst", "gen_template", "gen_ragged")
+STREAMS = ("burst", *LOADS, "gen_burst", "gen_template", "gen_ragged", "gen_paced")
+#: ``gen_paced``'s rate: this share of what batching sustained on ``gen_ragged``.
+PACED_GEN_SHARE = 0.5
+#: The systems ``gen_paced`` runs through: batches running to their end, and joined.
+PACED_GEN_SYSTEMS = ("sits_batched", "sits_joins")
 #: The instruction every ``gen_template`` prompt starts with.
 TEMPLATE = ("You summarise operations logs for the on-call engineer. Keep every number, "
             "name the host, say what changed and what to do next, in one short line. Log: ")
@@ -150,6 +158,9 @@ def ratios(result: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str, f
     def of(stream: str, field: str, other: str = "sits_one_by_one") -> float | None:
         return ratio(result[stream]["sits_batched"][field], result[stream][other][field])
 
+    def joined(stream: str, field: str) -> float | None:
+        return ratio(result[stream]["sits_joins"][field], result[stream]["sits_batched"][field])
+
     return {"burst_throughput_vs_one_by_one": of("burst", "throughput_tps"),
             "burst_throughput_vs_celery": of("burst", "throughput_tps", "celery_per_task"),
             "heavy_p99_vs_one_by_one": of("heavy", "p99_ms"),
@@ -165,10 +176,11 @@ def ratios(result: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str, f
             "ragged_throughput_vs_celery": of("gen_ragged", "throughput_tps",
                                               "celery_per_task"),
             "ragged_p50_vs_celery": of("gen_ragged", "p50_ms", "celery_per_task"),
-            # continuous batching: the same batches, with and without joins
-            "ragged_throughput_vs_static": of("gen_ragged", "throughput_tps", "sits_static"),
-            "ragged_p50_vs_static": of("gen_ragged", "p50_ms", "sits_static"),
-            "gen_throughput_vs_static": of("gen_burst", "throughput_tps", "sits_static")}
+            # continuous batching: the same batches, joined (sits_joins) and not
+            "joins_gen_throughput": joined("gen_burst", "throughput_tps"),
+            "joins_ragged_throughput": joined("gen_ragged", "throughput_tps"),
+            "joins_paced_p50": joined("gen_paced", "p50_ms"),
+            "joins_paced_p99": joined("gen_paced", "p99_ms")}
 
 
 def targets(r: Mapping[str, float | None]) -> dict[str, bool]:
@@ -338,8 +350,8 @@ class Runner:
 def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | None = None,
         zoo_root: Path | None = None, on_progress: Callable[[str], None] = print
         ) -> dict[str, Any]:
-    """Every system on every stream (``sits_static`` on the generation streams only);
-    the result the JSON holds."""
+    """Every system on every stream (``sits_joins`` on the generation streams only,
+    ``gen_paced`` through the two batching systems only); the result the JSON holds."""
     from sits_queue.models.tiny import build_tiny_causal_lm, build_tiny_encoder
 
     shape = shape or (QUICK if quick else FULL)
@@ -352,10 +364,12 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
              "gen_burst": make_texts(shape.generations, shape.seed + 9),
              "gen_template": [TEMPLATE + t for t in make_texts(shape.generations,
                                                                shape.seed + 10)],
-             "gen_ragged": make_texts(shape.generations, shape.seed + 12)}
+             "gen_ragged": make_texts(shape.generations, shape.seed + 12),
+             "gen_paced": make_texts(shape.generations, shape.seed + 13)}
     lengths = {"gen_burst": [GEN_TOKENS] * shape.generations,
                "gen_template": [GEN_TOKENS] * shape.generations,
-               "gen_ragged": ragged_lengths(shape.generations, shape.seed + 12)}
+               "gen_ragged": ragged_lengths(shape.generations, shape.seed + 12),
+               "gen_paced": ragged_lengths(shape.generations, shape.seed + 13)}
     on_progress(f"coalesce: {shape.burst} texts at once, then {shape.paced} at each of "
                 f"{len(LOADS)} rates, one text per task")
     out: dict[str, dict[str, Any]] = {name: {} for name in STREAMS}
@@ -370,9 +384,12 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
             Path(tmp) / system)) for system in RUN_ORDER}
         for name in STREAMS:
             for system, runner in runners.items():
-                if system in GEN_ONLY and not name.startswith("gen_"):
+                if (system in GEN_ONLY and not name.startswith("gen_")) or (
+                        name == "gen_paced" and system not in PACED_GEN_SYSTEMS):
                     continue
-                rate = LOADS[name] * base if name in LOADS else None
+                rate = LOADS[name] * base if name in LOADS else PACED_GEN_SHARE * out[
+                    "gen_ragged"]["sits_batched"]["throughput_tps"] if name == "gen_paced" \
+                    else None
                 out[name][system] = summarise(*runner.stream(
                     texts[name], rate, lengths.get(name)))
                 if name == "burst" and not base:
@@ -396,6 +413,8 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
         "shape": asdict(shape), "encoder": ENCODER_SHAPE, "lm": LM_SHAPE,
         "gen_tokens": GEN_TOKENS, **batch_ms,
         "rates_per_s": {n: round(load * (base or 0.0), 1) for n, load in LOADS.items()},
+        "gen_paced_per_s": round(PACED_GEN_SHARE * result["gen_ragged"]["sits_batched"][
+            "throughput_tps"], 1),
         "concurrency": 1, "cpus": available_cpus(), "python": platform.python_version(),
         "host_cpus": os.cpu_count(), "torch": coldstart._version("torch"),
         "targets": targets(r)}}
@@ -409,11 +428,13 @@ def table(result: Mapping[str, Any]) -> str:
             lines.append(f"{stream:<13}{name:<18}{s['n']:>6}{s['throughput_tps']:>9.1f}"
                          f"{s['p50_ms']:>9.1f}{s['p99_ms']:>9.1f}{s['mean_batch']:>7.2f}")
     rates = ", ".join(f"{n} {r}/s" for n, r in result["meta"]["rates_per_s"].items())
+    rates += f", gen_paced {result['meta']['gen_paced_per_s']}/s"
     lines.append(f"(p50/p99: submit -> finish; batch: mean tasks per run; paced: {rates}, "
                  "shares of one-by-one's burst throughput; gen_burst: greedy generations "
                  f"of {GEN_TOKENS} tokens, submitted at once; gen_template: the same from "
                  "prompts sharing one instruction template; gen_ragged: short prompts "
-                 f"asking 1-{RAGGED_MOST} tokens each)")
+                 f"asking 1-{RAGGED_MOST} tokens each; gen_paced: such prompts arriving "
+                 f"at {PACED_GEN_SHARE:g}x batching's gen_ragged rate)")
     failed = {f"{k}/{n}": s["failed"] for k in STREAMS
               for n, s in result[k].items() if s["failed"]}
     if failed:

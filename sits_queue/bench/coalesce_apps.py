@@ -7,8 +7,8 @@ Selected by environment (the worker imports this module with ``-A``):
   user writes it) and embeds its one text;
 * ``sits``: the built-in ``sits.embed`` of a SITS app, the encoder registered as a
   model; ``SITS_COALESCE_SETTINGS`` (JSON) holds ``SitsConfig`` settings (the
-  one-at-a-time run sets ``batch_window`` 0; ``sits_static``, batches that take no
-  joins, sets ``batch_join_s`` 0).
+  one-at-a-time run sets ``batch_window`` 0; ``sits_joins`` sets ``batch_join`` on:
+  continuous batching, which ``auto`` leaves off on a CPU host).
 
 Both embed with the same function (:func:`sits_queue.workers.inference.embed`), so what
 differs is how tasks reach the model; likewise they generate (a small causal LM, greedy,
@@ -33,9 +33,10 @@ from celery import Celery, signals
 from sits_queue.app import make_app
 from sits_queue.config import SitsConfig
 
-SYSTEMS = ("celery_per_task", "sits_one_by_one", "sits_static", "sits_batched")
-#: Systems that run the generation streams only: batches that take no joins.
-GEN_ONLY = ("sits_static",)
+SYSTEMS = ("celery_per_task", "sits_one_by_one", "sits_batched", "sits_joins")
+#: Systems that run the generation streams only: batching with continuous batching on
+#: (on a CPU host the default, ``auto``, leaves it off).
+GEN_ONLY = ("sits_joins",)
 PLAIN_TASK = "bench.coalesce.embed"
 SITS_TASK = "sits.embed"
 MODEL = "enc"
@@ -56,7 +57,7 @@ def settings_of(system: str) -> dict[str, Any]:
     """``SitsConfig`` settings of a SITS system."""
     if system == "sits_one_by_one":
         return {"batch_window": 0}
-    return {"batch_join_s": 0.0} if system == "sits_static" else {}
+    return {"batch_join": "on"} if system == "sits_joins" else {}
 
 
 def worker_env(system: str, url: str, model_dir: Path, lm_dir: Path) -> dict[str, str]:
@@ -136,7 +137,7 @@ def build(system: str, url: str, model_dir: Path, lm_dir: Path,
         # Stock settings, on purpose, with the results kept (the caller wants its vector).
         app = Celery("bench_coalesce_celery", broker=url, backend=url)
         _register_plain(app, model_dir, lm_dir)
-    elif system in ("sits_one_by_one", "sits_static", "sits_batched"):
+    elif system in ("sits_one_by_one", "sits_batched", "sits_joins"):
         config = replace(SitsConfig(redis_url=url), **(settings or {}))
         app = make_app(config, main=f"bench_coalesce_{system}")
         app.register_model(MODEL, model_dir)

@@ -160,14 +160,14 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
 
 def _feed(app: Any, join: dict[str, Any], add: Callable[[tuple[Any, ...]], tuple[int, Call]]
           ) -> joins.Feed:
-    """The child's end of a batch's joins (``joins.py``)."""
-    def deadline() -> float | None:
-        current = runtime.active()
-        return current.soft_deadline if current is not None else None
-
+    """The child's end of a batch's joins (``joins.py``), from the job's start: its soft
+    time limit counts from there, the engine's load included."""
+    now = time.monotonic()
+    soft = join.get("soft_s")
+    deadline = now + float(soft) if soft else None
     return joins.Feed(advertise.client_for(runtime.for_app(app).config), list(join["keys"]),
-                      int(join["capacity"]), time.monotonic() + float(join["for_s"]), add,
-                      deadline)
+                      int(join["capacity"]), now + float(join["for_s"]), add,
+                      lambda: deadline)
 
 
 def _run(task: Any, calls: list[Call], request: dict[str, Any],
@@ -362,7 +362,7 @@ class JoinSetup:
 _joins: JoinSetup | None = None
 
 
-def _join_spec(requests: list[Any]) -> dict[str, Any] | None:
+def _join_spec(requests: list[Any], soft: float | None) -> dict[str, Any] | None:
     """The ``join`` argument of :func:`run_batch` for a batch that takes joins here."""
     first = requests[0]
     if _joins is None or not getattr(first.task, "joins", False):
@@ -374,7 +374,8 @@ def _join_spec(requests: list[Any]) -> dict[str, Any] | None:
     if not isinstance(queue, str) or not isinstance(key, str):
         return None
     return {"queue": queue, "key": key, "keys": joins.join_keys(queue, first.id, _joins.prefix),
-            "capacity": int(getattr(first.task, "max_batch", 1) or 1), "for_s": _joins.for_s}
+            "capacity": int(getattr(first.task, "max_batch", 1) or 1), "for_s": _joins.for_s,
+            "soft_s": soft}
 
 
 def submit(requests: list[Any], pool: Any) -> Any:
@@ -382,23 +383,27 @@ def submit(requests: list[Any], pool: Any) -> Any:
     the tasks that joined it on the way, ``joins.py``)."""
     first = requests[0]
     time_limit, soft_time_limit = first.time_limits
-    join = _join_spec(requests)
+    soft = soft_time_limit or first.task.soft_time_limit
+    setup, join = _joins, _join_spec(requests, soft)
     requests = list(requests)  # joins.attach appends to it
-
     own = len(requests)
-    ended: list[Any] = []  # once the run ended: the requests it served
+    ended: list[Any] = []  # once the run failed: the requests it served
+
+    def rerun(rest: list[Any]) -> None:
+        # A worker shutting down (the step stopped) leaves them unacked: they go back
+        # to the queue with the channel's unacked messages.
+        if rest and setup is not None and _joins is setup:
+            run_apart(rest, setup.run)
 
     def served(error: bool) -> list[Any]:
         """The requests the run served; once it failed or its child died (``error``),
         the attached ones it had not taken run again (once)."""
-        if join is None or not error:
+        if join is None or setup is None or not error:
             return requests
         if not ended:
-            assert _joins is not None
-            count, rest = joins.finish(first.id, _joins.client)
+            count, rest = joins.finish(first.id, setup.client)
             ended.append(requests[:max(count, own)])
-            if rest:
-                run_apart(rest, _joins.run)
+            rerun(rest)
         return list(ended[0])
 
     def each(method: str, error: bool = True) -> Callable[..., None]:
@@ -410,23 +415,21 @@ def submit(requests: list[Any], pool: Any) -> Any:
 
     def done(results: Any) -> None:
         rest: list[Any] = []
-        if join is not None:
-            assert _joins is not None
-            _, rest = joins.finish(first.id, _joins.client, taken=len(results) - own)
+        if join is not None and setup is not None:
+            _, rest = joins.finish(first.id, setup.client, taken=len(results) - own)
         for request, outcome in zip(requests, results, strict=False):
             if outcome is None:  # a join the child declined
                 rest.append(request)
             else:
                 request.on_success(outcome)
-        if rest and _joins is not None:
-            run_apart(rest, _joins.run)
+        rerun(rest)
 
     result = pool.apply_async(
         run_batch, args=([_job(r) for r in requests],),
-        kwargs={"join": {k: join[k] for k in ("keys", "capacity", "for_s")}} if join else {},
+        kwargs={"join": {k: join[k] for k in ("keys", "capacity", "for_s", "soft_s")}}
+        if join else {},
         accept_callback=each("on_accepted", error=False), timeout_callback=each("on_timeout"),
-        callback=done, error_callback=each("on_failure"),
-        soft_timeout=soft_time_limit or first.task.soft_time_limit,
+        callback=done, error_callback=each("on_failure"), soft_timeout=soft,
         timeout=time_limit or first.task.time_limit, correlation_id=first.id)
     if result is not None:
         for request in requests:
@@ -466,6 +469,11 @@ def reserved_units() -> int:
                        for r in list(state.reserved_requests) if not joins.attached(r))
 
 
+def _has_gpus() -> bool:
+    """Whether this worker's children run on GPUs (NVML's discovery in the parent)."""
+    return bool(runtime.plan().discovery.cuda_devices)
+
+
 class Batches(bootsteps.StartStopStep):  # type: ignore[misc]
     """Consumer step: requests of a delivered batch are gathered before Celery's pool
     semaphore (one slot for the batch), and a batch counts as one task where the worker
@@ -501,11 +509,13 @@ class Batches(bootsteps.StartStopStep):  # type: ignore[misc]
         main process must go on polling while a child runs the batch."""
         global _joins
         channel: Any = getattr(c.task_consumer, "channel", None)
-        for_s = getattr(getattr(c.app, "sits", None), "batch_join_s", 0.0)
-        if (type(c.pool).__module__ != "celery.concurrency.prefork" or for_s <= 0
+        config = getattr(c.app, "sits", None)
+        if (config is None or not joins.wanted(config.batch_join, _has_gpus())
+                or type(c.pool).__module__ != "celery.concurrency.prefork"
                 or not hasattr(channel, "join_pick") or c.timer is None):
             return
-        _joins = JoinSetup(channel.raw, channel.global_keyprefix or "", for_s, self.run)
+        _joins = JoinSetup(channel.raw, channel.global_keyprefix or "", config.batch_join_s,
+                           self.run)
         self._poll = c.timer.call_repeatedly(
             joins.POLL_S, joins.poll, (channel.raw, channel.join_pick))
 

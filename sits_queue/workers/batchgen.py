@@ -78,12 +78,14 @@ class Joining:
     """Rows that join a running batch (continuous batching, ``workers/joins.py``):
     ``take(room, step_s)`` gives up to ``room`` rows that fit before the run's limits at
     ``step_s`` seconds a decode step, ``decline(row)`` hands back one that cannot join
-    after all (it runs after this batch), and ``cached`` records each joined call's
-    tokens that came from the KV-prefix store."""
+    after all (it runs after this batch), and ``starts`` records how each joined call's
+    prompt start was prefilled."""
 
     take: Callable[[int, float], list[_Row]]
     decline: Callable[[_Row], None]
-    cached: dict[int, int] = field(default_factory=dict)
+    pad: int = 0  # the tokenizer's padding token (joining rows prefill as a batch)
+    #: Each joined call's (shared tokens, tokens from the KV-prefix store).
+    starts: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 def generate_calls(engine: Any, calls: list[Call], *, share_prefix: bool = True
@@ -174,7 +176,9 @@ def _joining(engine: Any, tokenizer: Any, model: str, limit: int | None, stop: b
                 rows.append(parsed[1])
         return rows
 
-    return Joining(take, lambda row: feed.decline(row.index))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
+        getattr(tokenizer, "eos_token_id", None) or 0)
+    return Joining(take, lambda row: feed.decline(row.index), pad)
 
 
 # -- which rows share what (pure) ------------------------------------------------------------
@@ -273,9 +277,10 @@ def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], st
     def result(r: int, new: list[int]) -> dict[str, Any]:
         if r >= own:
             assert joining is not None
+            row_shared, row_cached = joining.starts[rows[r].index]
             return {**inference.generated(tokenizer, new, end, prompt_tokens=len(rows[r].ids),
-                                          cached_tokens=joining.cached[rows[r].index],
-                                          runs=1), "shared_tokens": 0}
+                                          cached_tokens=row_cached, runs=1),
+                    "shared_tokens": row_shared}
         return {**inference.generated(tokenizer, new, end, prompt_tokens=len(rows[r].ids),
                                       cached_tokens=cached[r], runs=1),
                 "shared_tokens": shared[r]}
@@ -309,7 +314,9 @@ def _decode_rows(module: Any, model: str, rows: list[_Row], input_ids: Any, mask
     greedy, or sampled with the row's seed at that position.
 
     Continuous batching: between steps, ``joining`` may give rows to join the batch
-    (``rows`` grows; :func:`_prefill_row`, :func:`_merge`); they leave like the others.
+    (``rows`` grows): prefilled together (:func:`_prefill_rows`), their KV rows merged
+    into the batch's (``kvreuse.merge_rows``); they leave like the others. Leading
+    positions no row attends to any more are dropped (``kvreuse.trim_padding``).
     ``first``: a lone row prefilled that way already, its first token the layout's last.
     """
     import time
@@ -362,24 +369,35 @@ def _decode_rows(module: Any, model: str, rows: list[_Row], input_ids: Any, mask
                     mask, positions = mask[keep], positions[keep]
                     live, tokens = [live[b] for b in going], [tokens[b] for b in going]
                 positions = positions[:, -1:]
-                if joining is not None and kvreuse.reusable(past):
-                    step_s = (time.monotonic() - began) / steps
-                    for row in joining.take(len(live), step_s):
-                        prefilled = _prefill_row(module, model, row, generator, active)
-                        if prefilled is None:
-                            joining.decline(row)
-                            continue
-                        cache, first, joining.cached[row.index] = prefilled
+                fresh = joining.take(len(live), (time.monotonic() - began) / steps) \
+                    if joining is not None and kvreuse.reusable(past) else []
+                prefilled = _prefill_rows(module, model, fresh, generator, active,
+                                          joining.pad) if joining and fresh else None
+                if joining is not None and fresh and prefilled is None:
+                    for row in fresh:  # no memory for them now: they run after this batch
+                        joining.decline(row)
+                elif joining is not None and prefilled is not None:
+                    cache, rows_mask, firsts, starts = prefilled
+                    kept = []
+                    for b, row in enumerate(fresh):
+                        joining.starts[row.index] = starts[b]
                         rows.append(row)
-                        new.append([first])
-                        if row.most <= 1 or first == eos:  # done at its first token
+                        new.append([firsts[b]])
+                        if row.most <= 1 or firsts[b] == eos:  # done at its first token
                             leave(len(rows) - 1, new[-1])
                             continue
-                        past, mask, positions = _merge(past, mask, positions, cache,
-                                                       len(row.ids))
+                        kept.append(b)
                         live.append(len(rows) - 1)
-                        tokens.append(first)
+                        tokens.append(firsts[b])
                         longest = max(longest, steps + row.most)
+                    if kept:
+                        if len(kept) < len(fresh):
+                            cache.batch_select_indices(torch.tensor(kept, device=device))
+                            rows_mask = rows_mask[kept]
+                        positions = torch.cat([positions, rows_mask.sum(-1, keepdim=True) - 1])
+                        past, mask = kvreuse.merge_rows(past, mask, cache, rows_mask)
+                if kvreuse.reusable(past):
+                    mask = kvreuse.trim_padding(past, mask)
                 ids = torch.tensor(tokens, device=device).unsqueeze(1)
                 positions = positions + 1
                 mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
@@ -426,35 +444,54 @@ def _prefill_row(module: Any, model: str, row: _Row, generator: Any,
     return cache, first, prefix.tokens
 
 
-def _merge(past: Any, mask: Any, positions: Any, cache: Any, length: int
-           ) -> tuple[Any, Any, Any]:
-    """The batch's KV cache ``past`` (as wide as ``mask``) with a prefilled row's one-row
-    ``cache`` of ``length`` tokens appended as its last row, both right-aligned: the
-    shorter side gets masked-out zeros on the left (positions count real tokens, so no
-    row attends to anything new). With the grown mask and last positions."""
+def _prefill_rows(module: Any, model: str, rows: list[_Row], generator: Any,
+                  active: runtime.ActiveTask | None, pad: int
+                  ) -> tuple[Any, Any, list[int], list[tuple[int, int]]] | None:
+    """Rows joining a batch, prefilled together as a batch of their own (the shared
+    starts of those that share one prefilled once, as a batch's are; one row alone from
+    the KV-prefix store): their KV cache, its attention mask, each row's first token and
+    (shared tokens, tokens from the store). None when they cannot join (a cache that is
+    not a plain one per layer, or no device memory for them: freed again)."""
     import torch
 
-    width = mask.shape[1]
-    if length > width:  # the joining prompt is longer: every row gets more padding
-        grow = length - width
-        for layer in past.layers:
-            for name in ("keys", "values"):
-                old = getattr(layer, name)
-                setattr(layer, name, torch.cat(
-                    [old.new_zeros((old.shape[0], old.shape[1], grow, old.shape[3])), old],
-                    dim=2))
-        mask = torch.cat([mask.new_zeros((mask.shape[0], grow)), mask], dim=1)
-        width = length
-    for layer, part in zip(past.layers, cache.layers, strict=True):
-        for name in ("keys", "values"):
-            own = getattr(part, name)
-            pad = own.new_zeros((1, own.shape[1], width - length, own.shape[3]))
-            setattr(layer, name, torch.cat([getattr(layer, name), torch.cat([pad, own], dim=2)],
-                                           dim=0))
-    row_mask = torch.cat([mask.new_zeros((1, width - length)), mask.new_ones((1, length))],
-                         dim=1)
-    return (past, torch.cat([mask, row_mask], dim=0),
-            torch.cat([positions, positions.new_full((1, 1), length - 1)], dim=0))
+    device = next(module.parameters()).device
+    if len(rows) == 1:
+        one = _prefill_row(module, model, rows[0], generator, active)
+        if one is None:
+            return None
+        return (one[0], torch.ones((1, len(rows[0].ids)), dtype=torch.long, device=device),
+                [one[1]], [(0, one[2])])
+    groups, shared = _plan([row.ids for row in rows])
+    past, cached = None, [0] * len(rows)
+    if groups:
+        past, cached = _prefix_cache(module, model, rows, groups, active)
+        if past is None:
+            shared = [0] * len(rows)
+    input_ids, mask = _layout(rows, shared, pad)
+    start = max(shared) if past is not None else 0
+    mask = mask.to(device)
+    by_position = "position_ids" in inspect.signature(module.forward).parameters
+    extra = {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)[:, start:]} \
+        if by_position else {}
+    try:
+        with torch.inference_mode():
+            out = module(input_ids=input_ids[:, start:].to(device), attention_mask=mask,
+                         use_cache=True, **{kvwarm.cache_kwarg(module): past}, **extra)
+    except Exception as exc:
+        if not gpu.is_oom(exc):
+            raise
+        gpu.release_memory()
+        return None
+    cache = kvwarm.cache_of(out)
+    if not kvreuse.reusable(cache):
+        return None
+    logits = out.logits[:, -1, :].float()
+    firsts = torch.argmax(logits, dim=-1).tolist()
+    for b, row in enumerate(rows):
+        if row.temperature > 0:
+            firsts[b] = inference.sampled(logits[b:b + 1], row.temperature, row.seed, 0,
+                                          generator)
+    return cache, mask, firsts, list(zip(shared, cached, strict=True))
 
 
 def _plan(prompts: list[list[int]]

@@ -52,6 +52,9 @@ POLL_S = 0.02
 #: A joining row must be expected to finish in this fraction of the time left before
 #: the run's soft time limit (steps slow down as the batch grows).
 DEADLINE_SHARE = 0.5
+#: A batch takes joining rows once this share of its capacity is free: rows join as a
+#: batch of their own (one prefill for all, one merge of KV), not one by one.
+JOIN_AT_SHARE = 0.25
 #: How long a batch's join keys outlive a worker that died holding them, s.
 KEY_TTL_S = 3600
 
@@ -62,6 +65,15 @@ def fits(now: float, deadline: float | None, most: int, step_s: float) -> bool:
     """Whether a row of ``most`` new tokens, at ``step_s`` a decode step, finishes within
     :data:`DEADLINE_SHARE` of the time left before the soft ``deadline`` (monotonic s)."""
     return deadline is None or most * step_s < DEADLINE_SHARE * (deadline - now)
+
+
+def wanted(mode: str, gpus: bool) -> bool:
+    """Whether a worker takes joins (``SitsConfig.batch_join``): ``auto`` only where its
+    children decode on GPUs. A decode step there is bound by reading the weights and
+    costs about as much for 4 rows as for 32, so a refilled row is throughput almost for
+    free; on a CPU a step costs in proportion to its rows, and joining measured a few
+    per cent slower than batches that run to their end (README, ``bench coalesce``)."""
+    return mode == "on" or (mode == "auto" and gpus)
 
 
 def room(capacity: int, live: int) -> int:
@@ -116,6 +128,11 @@ class Feed:
     open: bool = True
 
     @property
+    def least(self) -> int:
+        """Free rows before the batch takes any (:data:`JOIN_AT_SHARE` of its capacity)."""
+        return max(1, int(self.capacity * JOIN_AT_SHARE))
+
+    @property
     def joined(self) -> int:
         """Calls that joined the batch (taken and not declined)."""
         return self.taken - len(self.declined)
@@ -130,12 +147,13 @@ class Feed:
             return []
         free = room(self.capacity, live)
         try:
-            if free != self.offered:
+            if free != self.offered:  # the main process picks as soon as rows are free
                 self.offered = free
                 if not _join_script(self.client, self.keys, "room", KEY_TTL_S, free):
                     self.open = False  # the main process closed it (it gave up on us)
                     return []
-            raw = _join_script(self.client, self.keys, "take", free) if free else []
+            raw = _join_script(self.client, self.keys, "take", free) \
+                if free and free >= self.least else []
         except redis.RedisError as exc:
             logger.warning("continuous batching stopped for this batch: %s", exc)
             self.open = False

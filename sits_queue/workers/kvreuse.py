@@ -1,5 +1,6 @@
 """The torch side of the KV-prefix cache (``cache/prefix.py`` keeps and finds them):
-which caches can be reused, and independent copies cut to a prefix.
+which caches can be reused, and independent copies cut to a prefix; and the rows of a
+left-padded batch cache joined and trimmed (continuous batching, ``batchgen.py``).
 
 Only transformers' ``DynamicCache`` made of plain ``DynamicLayer`` s (full attention, a
 ``[batch, heads, positions, head_dim]`` key and value tensor per layer) is reused: a
@@ -55,3 +56,48 @@ def prefix_copy(cache: Any, tokens: int) -> Any:
             # deepcopy consults the memo first: the cut clone stands in for the tensor
             memo[id(tensor)] = tensor[..., :tokens, :].clone()
     return copy.deepcopy(cache, memo)
+
+
+def merge_rows(past: Any, mask: Any, cache: Any, rows_mask: Any) -> tuple[Any, Any]:
+    """A batch's KV cache ``past`` (as wide as its attention ``mask``) with the rows of
+    another ``cache`` (its own ``rows_mask``) appended, both right-aligned: the narrower
+    side gets masked-out zeros on the left. Positions count real tokens, so padding
+    changes nothing any row attends to. Returns the cache and the grown mask."""
+    import torch
+
+    width, other = mask.shape[1], rows_mask.shape[1]
+    if other > width:  # the new rows are wider: every row of the batch gets more padding
+        _pad_left(past, other - width)
+        mask = torch.cat([mask.new_zeros((mask.shape[0], other - width)), mask], dim=1)
+    elif width > other:
+        _pad_left(cache, width - other)
+        rows_mask = torch.cat([rows_mask.new_zeros((rows_mask.shape[0], width - other)),
+                               rows_mask], dim=1)
+    for layer, part in zip(past.layers, cache.layers, strict=True):
+        layer.keys = torch.cat([layer.keys, part.keys], dim=0)
+        layer.values = torch.cat([layer.values, part.values], dim=0)
+    return past, torch.cat([mask, rows_mask], dim=0)
+
+
+def trim_padding(past: Any, mask: Any) -> Any:
+    """Drop the leading positions no row attends to (padding left behind by rows that
+    left the batch): a batch that rows keep joining would otherwise grow wider with
+    every step. Returns the mask; ``past`` is cut in place."""
+    used = mask.sum(dim=0) > 0
+    lead = int(used.long().argmax()) if bool(used.any()) else 0
+    if lead == 0:
+        return mask
+    for layer in past.layers:
+        layer.keys = layer.keys[:, :, lead:, :]
+        layer.values = layer.values[:, :, lead:, :]
+    return mask[:, lead:]
+
+
+def _pad_left(cache: Any, n: int) -> None:
+    import torch
+
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            old = getattr(layer, name)
+            setattr(layer, name, torch.cat(
+                [old.new_zeros((old.shape[0], old.shape[1], n, old.shape[3])), old], dim=2))

@@ -291,3 +291,23 @@ def test_a_batch_mixing_templates_prefills_each_once_on_the_gpu(
     by_template = {i % 2: r["output"]["shared_tokens"] for i, r in together}
     if len(by_template) == 2:  # each its own template's: the longer one shares more
         assert by_template[1] > by_template[0]
+
+
+def test_generations_join_a_running_batch_on_the_gpu(app: Celery,
+                                                     worker: CeleryProcess) -> None:
+    # batch_join "auto": a worker with GPUs takes joins. The "slow" model (the tiny GPT,
+    # 20 ms a forward) keeps the long row decoding while the later ones arrive.
+    def gen(prompt: str, n: int, **options: Any) -> Any:
+        return app.tasks["sits.generate_batched"].apply_async(
+            (prompt,), {"max_new_tokens": n, "stop_at_eos": False}, model="slow", **options)
+
+    gen("warm", 1).get(timeout=FIRST_CALL_S)
+    long = gen("once upon a time", 150)
+    gen("the cat", 2).get(timeout=60)  # stored early: the long row is decoding
+    later = [gen(f"later prompt {i}", 3 + i) for i in range(4)]
+    got = [r.get(timeout=60) for r in later]
+    done = long.get(timeout=60)
+    assert [g["output"]["tokens"] for g in got] == [3, 4, 5, 6]
+    assert all(g["sits"]["batch"].get("joined") for g in got)
+    assert all(r.date_done < long.date_done for r in later)
+    assert done["output"]["tokens"] == 150

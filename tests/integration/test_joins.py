@@ -18,9 +18,11 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult
 
+from sits_queue.broker.keys import QueueKeys
 from sits_queue.procs import CeleryProcess
 from sits_queue.workers import metrics
 from tests.integration.inference_app import CALL_S, FIRST_CALL_S, serving
+from tests.waiting import wait_for
 
 #: The long row (tokens) and its soft limit, s: it runs ~120 x 20 ms = 2.4 s, well inside.
 LONG, SOFT_S = 120, 6
@@ -41,22 +43,26 @@ def gen(app: Celery, prompt: str, n: int, temperature: float = 0.0, seed: int = 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory, redis_url: str, config_path: Path,
            models_dir: Path, app: Celery) -> Iterator[CeleryProcess]:
-    """One worker, one child, the slow model loaded (a cold start must not eat the long
-    row's time limit)."""
+    """One worker, one child, joins on (``auto`` takes them only on GPUs), the slow model
+    loaded (a cold start must not eat the long row's time limit)."""
     with serving(redis_url, config_path, models_dir, tmp_path_factory.mktemp("joins-logs"),
-                 app, name="joins") as proc:
+                 app, env={"SITS_BATCH_JOIN": "on"}, name="joins") as proc:
         gen(app, "warm up", 1).get(timeout=FIRST_CALL_S)
         yield proc
 
 
 @pytest.fixture(scope="module")
-def first(app: Celery, worker: CeleryProcess) -> dict[str, AsyncResult]:
+def first(app: Celery, r: redis.Redis, worker: CeleryProcess) -> dict[str, AsyncResult]:
     """A long row running alone (a batch of one: nothing else waits), and a short one
-    submitted after it: stored early (joined, or batched with it if the worker had not
-    picked the long one yet), it shows the long one is decoding."""
+    submitted once it runs: joined and stored early, it shows the long one decoding."""
     long = gen(app, "once upon a time", LONG, soft_time_limit=SOFT_S, time_limit=60)
+    # taken by the idle worker (its own batch, with its own time limits) before the
+    # short one is sent: once it is in, the full worker takes more only as joins
+    waiting = QueueKeys.for_queue("celery").waiting
+    wait_for(lambda: r.zcard(waiting) == 0, timeout_s=CALL_S,
+             what="the worker to take the long row")
     short = gen(app, "the cat", 2)
-    short.get(timeout=CALL_S)
+    assert short.get(timeout=CALL_S)["sits"]["batch"]["joined"] is True
     assert long.state != "SUCCESS"
     return {"long": long, "short": short}
 
@@ -101,6 +107,6 @@ def test_joined_tasks_are_counted_and_no_join_keys_are_left(
         result.get(timeout=CALL_S)
     record = metrics.read(r, "", worker.hostname)[0]
     counters = {k.decode(): float(v) for k, v in record["counters"].items()}
-    assert counters["joined"] >= 2  # the later two (and the short one, if it joined)
+    assert counters["joined"] == 3  # the short one and the later two (the last declined)
     assert counters["model_runs:slow"] == 3 + len(LATER)  # every task once
     assert list(r.scan_iter(match="*:join:*")) == []

@@ -45,11 +45,12 @@ def test_ratios_and_targets() -> None:
         "heavy": {"celery_per_task": row(90, 900, 1000), "sits_one_by_one": row(80, 50, 400),
                   "sits_batched": row(150, 10, 100)},
         "gen_burst": {"celery_per_task": row(20, 1, 2), "sits_one_by_one": row(25, 1, 2),
-                      "sits_static": row(80, 1, 2), "sits_batched": row(100, 1, 2)},
+                      "sits_batched": row(100, 1, 2), "sits_joins": row(120, 1, 2)},
         "gen_template": {"celery_per_task": row(10, 1, 2), "sits_one_by_one": row(20, 1, 2),
-                         "sits_static": row(110, 1, 2), "sits_batched": row(120, 1, 2)},
+                         "sits_batched": row(120, 1, 2), "sits_joins": row(110, 1, 2)},
         "gen_ragged": {"celery_per_task": row(8, 400, 800), "sits_one_by_one": row(7, 500, 900),
-                       "sits_static": row(40, 200, 300), "sits_batched": row(56, 100, 200)},
+                       "sits_batched": row(56, 100, 200), "sits_joins": row(70, 90, 220)},
+        "gen_paced": {"sits_batched": row(28, 300, 500), "sits_joins": row(28, 240, 600)},
     }
     r = ratios(result)
     assert r["burst_throughput_vs_one_by_one"] == 3.0
@@ -61,8 +62,8 @@ def test_ratios_and_targets() -> None:
     assert r["template_throughput_vs_celery"] == 12.0
     assert r["ragged_throughput_vs_one_by_one"] == 8.0
     assert r["ragged_throughput_vs_celery"] == 7.0 and r["ragged_p50_vs_celery"] == 0.25
-    assert r["ragged_throughput_vs_static"] == 1.4 and r["ragged_p50_vs_static"] == 0.5
-    assert r["gen_throughput_vs_static"] == 1.25
+    assert r["joins_gen_throughput"] == 1.2 and r["joins_ragged_throughput"] == 1.25
+    assert r["joins_paced_p50"] == 0.8 and r["joins_paced_p99"] == 1.2
     met = targets(r)
     assert list(met.values()) == [True, True, False]  # light p50 1.5 > 1.25
 

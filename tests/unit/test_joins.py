@@ -53,10 +53,14 @@ def test_a_pool_job_crosses_redis_as_json_and_back() -> None:
             joins.decode_job(bad)
 
 
-def test_batch_join_s_is_checked() -> None:
-    assert SitsConfig().batch_join_s == 10.0
-    assert SitsConfig.from_env({"SITS_BATCH_JOIN_S": "0"}).batch_join_s == 0
-    for bad in (-1.0, float("nan"), 1e9):
+def test_joins_are_on_by_default_where_children_decode_on_gpus() -> None:
+    assert SitsConfig().batch_join == "auto" and SitsConfig().batch_join_s == 10.0
+    assert joins.wanted("auto", gpus=True) and not joins.wanted("auto", gpus=False)
+    assert joins.wanted("on", gpus=False) and not joins.wanted("off", gpus=True)
+    assert SitsConfig.from_env({"SITS_BATCH_JOIN": "on"}).batch_join == "on"
+    with pytest.raises(ConfigError, match="batch_join must be auto, on or off"):
+        SitsConfig(batch_join="yes")
+    for bad in (0.0, -1.0, float("nan"), 1e9):
         with pytest.raises(ConfigError, match="batch_join_s"):
             SitsConfig(batch_join_s=bad)
 
@@ -189,9 +193,10 @@ def test_rows_join_a_lone_row_which_decodes_as_alone(lm: Any) -> None:
     got, delivered, sizes = run_with(lm, own, feed)
     assert got == [alone(lm, own[0])]
     assert delivered == {1: alone(lm, joining[0]), 2: alone(lm, joining[1])}
-    # a's prefill (its first token) and first step; b's and c's prefills (c is done at
-    # its first token); two steps of a and b (b's last two tokens); a's last three alone
-    assert sizes == [1, 1, 1, 1, 2, 2, 1, 1, 1]
+    # a's prefill (its first token) and first step; b and c prefilled together as a
+    # batch of two (c is done at its first token); two steps of a and b (b's last two
+    # tokens); a's last three alone
+    assert sizes == [1, 1, 2, 2, 2, 1, 1, 1]
 
 
 def test_a_lone_row_with_nothing_to_join_it_decodes_as_alone(lm: Any) -> None:
@@ -201,3 +206,23 @@ def test_a_lone_row_with_nothing_to_join_it_decodes_as_alone(lm: Any) -> None:
     got, delivered, sizes = run_with(lm, own, feed)
     # done at its first token: nothing had a step to join
     assert got == [alone(lm, own[0])] and delivered == {} and sizes == [1]
+
+
+def test_a_row_joins_a_batch_sharing_a_template_prefill_and_decodes_as_alone(
+        lm: Any) -> None:
+    template = ("you are a careful summariser of operations logs. keep every number. "
+                "answer in one line. ") * 2
+    own = [Call("a", (template + "disk 3 is full", 2), {"stop_at_eos": False}),
+           Call("b", (template + "node 7 rebooted twice", 6), {"stop_at_eos": False}),
+           Call("c", (template + "ok", 5), {"stop_at_eos": False, "temperature": 1.1,
+                                            "seed": 4})]
+    joining = [Call("d", (template + "latency is up by a fifth", 3), {"stop_at_eos": False}),
+               Call("e", ("short and plain", 2), {"stop_at_eos": False})]
+    feed = ListFeed(list(joining), capacity=3, first=len(own))
+    got, delivered, _ = run_with(lm, own, feed)
+    shared = got[0]["shared_tokens"]
+    assert shared >= 16  # the batch shared its template's prefill
+    assert got[1:] == [{**alone(lm, c), "shared_tokens": shared} for c in own[1:]]
+    assert delivered[0] == {**alone(lm, own[0]), "shared_tokens": shared}
+    # joined rows prefill alone (nothing shared) and decode exactly as alone
+    assert delivered[3] == alone(lm, joining[0]) and delivered[4] == alone(lm, joining[1])
