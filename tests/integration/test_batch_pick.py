@@ -148,6 +148,7 @@ def test_join_lua_pushes_until_closed_and_counts_what_the_child_took(
     assert join("room", 60, 3) == 1 and redis_client.hget(keys[1], "room") == b"3"
     assert join("push", 60, "j1", "j2", "j3") == 1
     assert join("take", 2) == [b"j1", b"j2"] and join("take", 0) == []
+    assert redis_client.hget(keys[1], "room") == b"1"  # taken rows are not free
     assert 0 < redis_client.ttl(keys[0]) <= 60 and 0 < redis_client.ttl(keys[1]) <= 60
     # closed: the state says how many the child took and the list is dropped (the
     # main process runs "j3" again); nothing more is pushed or offered

@@ -90,6 +90,8 @@ def test_room_offered_is_picked_pushed_taken_and_served(redis_client: redis.Redi
     assert poll_and_attach(redis_client, members[3:], apart) == []
     got = child.take(live=2)  # room 2 now: the two oldest
     assert [c.id for _, c in got] == ["j1", "j2"] and added[0][1] == "j1"
+    # the rows they took are not free: nothing more is picked for them
+    assert poll_and_attach(redis_client, members[3:], apart) == []
     assert added[0][3] == members[0].body and child.joined == 2
     # the batch ends having taken two joins: own + 2 served, j3 runs again
     child.close()
@@ -158,3 +160,13 @@ def test_a_redis_error_in_the_child_ends_joining_not_the_batch(batch: list[Any])
                        lambda job: (0, Call(job[1])))
     assert child.take(live=1) == [] and not child.open
     child.close()  # closed already: no second error
+
+
+def test_a_batch_takes_joins_once_a_quarter_of_it_is_free(redis_client: redis.Redis,
+                                                          batch: list[Any]) -> None:
+    child, _ = feed(redis_client, capacity=32)
+    assert child.least == 8
+    assert child.take(live=30) == []  # offers 2 rows: the main process may push...
+    poll_and_attach(redis_client, [FakeRequest("j1"), FakeRequest("j2")], [])
+    assert child.take(live=30) == []  # ...but they wait until 8 rows are free
+    assert [c.id for _, c in child.take(live=24)] == ["j1", "j2"]

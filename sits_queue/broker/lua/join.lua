@@ -10,7 +10,8 @@
 -- ARGV: op, then
 --   'push', ttl s, job...: append the jobs unless closed; returns 1, else 0 (closed)
 --   'room', ttl s, n: the child has room for n more rows; returns 1, else 0 (closed)
---   'take', n: up to n jobs, oldest first (counted in 'taken'); returns them
+--   'take', n: up to n jobs, oldest first (counted in 'taken', out of 'room'); returns
+--     them
 --   'close': no more jobs; returns {taken, jobs left untaken}
 -- The ttl bounds how long a pair outlives a worker that died holding it.
 local op = ARGV[1]
@@ -30,6 +31,9 @@ elseif op == 'take' then
   local jobs = redis.call('LPOP', KEYS[1], n)
   if not jobs then return {} end
   redis.call('HINCRBY', KEYS[2], 'taken', #jobs)
+  -- the rows they take are not free any more: no second pick for them before the
+  -- child offers its room again
+  redis.call('HINCRBY', KEYS[2], 'room', -#jobs)
   return jobs
 elseif op == 'close' then
   redis.call('HSET', KEYS[2], 'closed', 1, 'room', 0)
