@@ -29,15 +29,18 @@ import copy
 import inspect
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import SoftTimeLimitExceeded
 
 from sits_queue.cache import kvwarm
 from sits_queue.errors import InferenceError, InvalidInput
-from sits_queue.workers import firsttoken, gpu, inference, kvreuse, runtime
+from sits_queue.workers import firsttoken, inference, kvreuse, runtime
 from sits_queue.workers.batched import Call, arguments
+
+if TYPE_CHECKING:
+    from sits_queue.workers.batchjoin import Joining
 
 #: Shortest token prefix the prompts of a group must share for it to be prefilled once
 #: for all of them: one KV-prefix block, the least the store keeps (a shorter common
@@ -73,21 +76,6 @@ class _Row:
     seed: int
 
 
-@dataclass
-class Joining:
-    """Rows that join a running batch (continuous batching, ``workers/joins.py``):
-    ``take(room, step_s)`` gives up to ``room`` rows that fit before the run's limits at
-    ``step_s`` seconds a decode step, ``decline(row)`` hands back one that cannot join
-    after all (it runs after this batch), and ``starts`` records how each joined call's
-    prompt start was prefilled."""
-
-    take: Callable[[int, float], list[_Row]]
-    decline: Callable[[_Row], None]
-    pad: int = 0  # the tokenizer's padding token (joining rows prefill as a batch)
-    #: Each joined call's (shared tokens, tokens from the KV-prefix store).
-    starts: dict[int, tuple[int, int]] = field(default_factory=dict)
-
-
 def generate_calls(engine: Any, calls: list[Call], *, share_prefix: bool = True
                    ) -> list[Any]:
     """Continuations of every call's prompt as one batch (the module's docstring): what
@@ -100,6 +88,8 @@ def generate_calls(engine: Any, calls: list[Call], *, share_prefix: bool = True
     No time slices (``sits.generate``'s); a call with bad arguments or a prompt the model
     cannot take fails alone. ``share_prefix`` False prefills every row in full (what
     ``sitsq bench coalesce`` compares with)."""
+    from sits_queue.workers import batchjoin
+
     model = getattr(engine, "key", "?")
     module, tokenizer = inference.module_of(engine, model), inference.tokenizer_of(engine, model)
     limit = kvwarm.max_positions(module, tokenizer)
@@ -125,7 +115,7 @@ def generate_calls(engine: Any, calls: list[Call], *, share_prefix: bool = True
                 send(i, out)
     for n, (stop, rows) in enumerate(groups.items(), 1):
         # Only the last group takes joining rows: the other group waits for this one.
-        joining = _joining(engine, tokenizer, model, limit, stop, send) \
+        joining = batchjoin.joining_for(engine, tokenizer, model, limit, stop, send) \
             if n == len(groups) else None
         for row, out in zip(rows, _generate_rows(module, tokenizer, model, rows, stop,
                                                  share_prefix, send, joining), strict=True):
@@ -151,34 +141,6 @@ def _parse(engine: Any, tokenizer: Any, model: str, limit: int | None, index: in
         return exc
     return bool(args["stop_at_eos"]), _Row(index, ids, most, float(args["temperature"]),
                                            int(args["seed"]))
-
-
-def _joining(engine: Any, tokenizer: Any, model: str, limit: int | None, stop: bool,
-             send: Callable[[int, Any], None]) -> Joining | None:
-    """What a batch takes joining rows from: the running task's feed (``workers/joins.py``,
-    in a worker that runs continuous batches), or None. A joining call with bad arguments
-    fails at once; one that stops otherwise than the batch (``stop_at_eos``) or would not
-    finish before the run's limits is declined (it runs after this batch)."""
-    active = runtime.active()
-    feed = active.joins if active is not None else None
-    if feed is None:
-        return None
-
-    def take(live: int, step_s: float) -> list[_Row]:
-        rows = []
-        for index, call in feed.take(live):
-            parsed = _parse(engine, tokenizer, model, limit, index, call)
-            if isinstance(parsed, InferenceError):
-                send(index, parsed)
-            elif parsed[0] != stop or not feed.fits(parsed[1].most, step_s):
-                feed.decline(index)
-            else:
-                rows.append(parsed[1])
-        return rows
-
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
-        getattr(tokenizer, "eos_token_id", None) or 0)
-    return Joining(take, lambda row: feed.decline(row.index), pad)
 
 
 # -- which rows share what (pure) ------------------------------------------------------------
@@ -252,11 +214,11 @@ def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], st
         return [_generate_alone(module, tokenizer, model, rows[0], end, active)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
     past, cached, first = None, [0] * len(rows), None
-    if lone:  # one row that others may join: prefilled as a joining row is
-        prefilled = _prefill_row(module, model, rows[0], None, active)
+    if lone and joining is not None:  # one row others may join: prefilled as theirs are
+        prefilled = joining.prefill([rows[0]], None)
         if prefilled is None:
             return [_generate_alone(module, tokenizer, model, rows[0], end, active)]
-        past, first, cached[0] = prefilled
+        past, _, (first,), ((_, cached[0]),) = prefilled
         input_ids = torch.tensor([[*rows[0].ids, first]], dtype=torch.long)
         mask = torch.ones_like(input_ids)
         if rows[0].most <= 1 or first == end:  # done at its first token
@@ -314,7 +276,7 @@ def _decode_rows(module: Any, model: str, rows: list[_Row], input_ids: Any, mask
     greedy, or sampled with the row's seed at that position.
 
     Continuous batching: between steps, ``joining`` may give rows to join the batch
-    (``rows`` grows): prefilled together (:func:`_prefill_rows`), their KV rows merged
+    (``rows`` grows): prefilled together (``batchjoin.prefill_rows``), their KV rows merged
     into the batch's (``kvreuse.merge_rows``); they leave like the others. Leading
     positions no row attends to any more are dropped (``kvreuse.trim_padding``).
     ``first``: a lone row prefilled that way already, its first token the layout's last.
@@ -371,8 +333,7 @@ def _decode_rows(module: Any, model: str, rows: list[_Row], input_ids: Any, mask
                 positions = positions[:, -1:]
                 fresh = joining.take(len(live), (time.monotonic() - began) / steps) \
                     if joining is not None and kvreuse.reusable(past) else []
-                prefilled = _prefill_rows(module, model, fresh, generator, active,
-                                          joining.pad) if joining and fresh else None
+                prefilled = joining.prefill(fresh, generator) if joining and fresh else None
                 if joining is not None and fresh and prefilled is None:
                     for row in fresh:  # no memory for them now: they run after this batch
                         joining.decline(row)
@@ -408,90 +369,6 @@ def _decode_rows(module: Any, model: str, rows: list[_Row], input_ids: Any, mask
     finally:
         # A traceback keeps this frame alive: drop the KV cache now, not with the frame.
         past = out = logits = None
-
-
-def _prefill_row(module: Any, model: str, row: _Row, generator: Any,
-                 active: runtime.ActiveTask | None) -> tuple[Any, int, int] | None:
-    """A joining row's prompt prefilled alone, after the part of it the child's KV-prefix
-    store holds: its one-row KV cache, its first token (chosen as the batch chooses) and
-    the tokens that came from the store. None when it cannot join: a cache that is not a
-    plain one per layer, or no device memory left for it (freed again)."""
-    import torch
-
-    device = next(module.parameters()).device
-    prefix = inference.PromptPrefix.looked_up(active, model, row.ids)
-    try:
-        with torch.inference_mode():
-            out = module(input_ids=torch.tensor([row.ids[prefix.tokens:]], device=device),
-                         attention_mask=torch.ones((1, len(row.ids)), dtype=torch.long,
-                                                   device=device),
-                         use_cache=True, **{kvwarm.cache_kwarg(module): prefix.start})
-    except Exception as exc:
-        if not gpu.is_oom(exc):
-            raise
-        gpu.release_memory()
-        return None
-    cache = kvwarm.cache_of(out)
-    if not kvreuse.reusable(cache):
-        return None
-    prefix.after_prefill(cache)
-    logits = out.logits[:, -1, :].float()
-    if generator is None:
-        generator = torch.Generator(device="cpu")
-    first = (inference.sampled(logits, row.temperature, row.seed, 0, generator)
-             if row.temperature > 0 else int(torch.argmax(logits, dim=-1).item()))
-    firsttoken.mark()  # a lone row's first token (the batch's came before a joining one's)
-    return cache, first, prefix.tokens
-
-
-def _prefill_rows(module: Any, model: str, rows: list[_Row], generator: Any,
-                  active: runtime.ActiveTask | None, pad: int
-                  ) -> tuple[Any, Any, list[int], list[tuple[int, int]]] | None:
-    """Rows joining a batch, prefilled together as a batch of their own (the shared
-    starts of those that share one prefilled once, as a batch's are; one row alone from
-    the KV-prefix store): their KV cache, its attention mask, each row's first token and
-    (shared tokens, tokens from the store). None when they cannot join (a cache that is
-    not a plain one per layer, or no device memory for them: freed again)."""
-    import torch
-
-    device = next(module.parameters()).device
-    if len(rows) == 1:
-        one = _prefill_row(module, model, rows[0], generator, active)
-        if one is None:
-            return None
-        return (one[0], torch.ones((1, len(rows[0].ids)), dtype=torch.long, device=device),
-                [one[1]], [(0, one[2])])
-    groups, shared = _plan([row.ids for row in rows])
-    past, cached = None, [0] * len(rows)
-    if groups:
-        past, cached = _prefix_cache(module, model, rows, groups, active)
-        if past is None:
-            shared = [0] * len(rows)
-    input_ids, mask = _layout(rows, shared, pad)
-    start = max(shared) if past is not None else 0
-    mask = mask.to(device)
-    by_position = "position_ids" in inspect.signature(module.forward).parameters
-    extra = {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)[:, start:]} \
-        if by_position else {}
-    try:
-        with torch.inference_mode():
-            out = module(input_ids=input_ids[:, start:].to(device), attention_mask=mask,
-                         use_cache=True, **{kvwarm.cache_kwarg(module): past}, **extra)
-    except Exception as exc:
-        if not gpu.is_oom(exc):
-            raise
-        gpu.release_memory()
-        return None
-    cache = kvwarm.cache_of(out)
-    if not kvreuse.reusable(cache):
-        return None
-    logits = out.logits[:, -1, :].float()
-    firsts = torch.argmax(logits, dim=-1).tolist()
-    for b, row in enumerate(rows):
-        if row.temperature > 0:
-            firsts[b] = inference.sampled(logits[b:b + 1], row.temperature, row.seed, 0,
-                                          generator)
-    return cache, mask, firsts, list(zip(shared, cached, strict=True))
 
 
 def _plan(prompts: list[list[int]]

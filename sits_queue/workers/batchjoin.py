@@ -1,0 +1,154 @@
+"""Rows that join a running generation batch (continuous batching; the Redis side and
+the rules are ``joins.py``, the batch's decode loop ``batchgen.py``): which waiting calls
+join, and their prefill, together, as a batch of their own."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sits_queue.cache import kvwarm
+from sits_queue.errors import InferenceError
+from sits_queue.workers import batchgen, firsttoken, gpu, inference, kvreuse, runtime
+from sits_queue.workers.batchgen import _Row
+
+#: Joining rows prefilled: their KV cache, its attention mask, each row's first token and
+#: (shared tokens, tokens from the KV-prefix store).
+Prefilled = tuple[Any, Any, list[int], list[tuple[int, int]]]
+
+
+@dataclass
+class Joining:
+    """Rows that join a running batch (continuous batching, ``workers/joins.py``):
+    ``take(room, step_s)`` gives up to ``room`` rows that fit before the run's limits at
+    ``step_s`` seconds a decode step, ``decline(row)`` hands back one that cannot join
+    after all (it runs after this batch), ``prefill`` prefills rows that join, and
+    ``starts`` records how each joined call's prompt start was prefilled."""
+
+    take: Callable[[int, float], list[_Row]]
+    decline: Callable[[_Row], None]
+    #: ``prefill(rows, generator)``: :func:`prefill_rows` on the batch's model.
+    prefill: Callable[[list[_Row], Any], Prefilled | None]
+    #: Each joined call's (shared tokens, tokens from the KV-prefix store).
+    starts: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+
+def joining_for(engine: Any, tokenizer: Any, model: str, limit: int | None, stop: bool,
+             send: Callable[[int, Any], None]) -> Joining | None:
+    """What a batch takes joining rows from: the running task's feed (``workers/joins.py``,
+    in a worker that runs continuous batches), or None. A joining call with bad arguments
+    fails at once; one that stops otherwise than the batch (``stop_at_eos``) or would not
+    finish before the run's limits is declined (it runs after this batch)."""
+    active = runtime.active()
+    feed = active.joins if active is not None else None
+    if feed is None:
+        return None
+
+    def take(live: int, step_s: float) -> list[_Row]:
+        rows = []
+        for index, call in feed.take(live):
+            parsed = batchgen._parse(engine, tokenizer, model, limit, index, call)
+            if isinstance(parsed, InferenceError):
+                send(index, parsed)
+            elif parsed[0] != stop or not feed.fits(parsed[1].most, step_s):
+                feed.decline(index)
+            else:
+                rows.append(parsed[1])
+        return rows
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
+        getattr(tokenizer, "eos_token_id", None) or 0)
+    module = inference.module_of(engine, model)
+    return Joining(take, lambda row: feed.decline(row.index),
+                   lambda rows, generator: prefill_rows(module, model, rows, generator,
+                                                        active, pad))
+
+
+def _prefill_row(module: Any, model: str, row: _Row, generator: Any,
+                 active: runtime.ActiveTask | None) -> tuple[Any, int, int] | None:
+    """A joining row's prompt prefilled alone, after the part of it the child's KV-prefix
+    store holds: its one-row KV cache, its first token (chosen as the batch chooses) and
+    the tokens that came from the store. None when it cannot join: a cache that is not a
+    plain one per layer, or no device memory left for it (freed again)."""
+    import torch
+
+    device = next(module.parameters()).device
+    prefix = inference.PromptPrefix.looked_up(active, model, row.ids)
+    prefilled = _prefill(module, input_ids=torch.tensor([row.ids[prefix.tokens:]],
+                                                        device=device),
+                         attention_mask=torch.ones((1, len(row.ids)), dtype=torch.long,
+                                                   device=device),
+                         **{kvwarm.cache_kwarg(module): prefix.start})
+    if prefilled is None:
+        return None
+    cache, logits = prefilled
+    prefix.after_prefill(cache)
+    if generator is None:
+        generator = torch.Generator(device="cpu")
+    first = (inference.sampled(logits, row.temperature, row.seed, 0, generator)
+             if row.temperature > 0 else int(torch.argmax(logits, dim=-1).item()))
+    firsttoken.mark()  # a lone row's first token (the batch's came before a joining one's)
+    return cache, first, prefix.tokens
+
+
+def prefill_rows(module: Any, model: str, rows: list[_Row], generator: Any,
+                  active: runtime.ActiveTask | None, pad: int
+                  ) -> Prefilled | None:
+    """Rows joining a batch, prefilled together as a batch of their own (the shared
+    starts of those that share one prefilled once, as a batch's are; one row alone from
+    the KV-prefix store): their KV cache, its attention mask, each row's first token and
+    (shared tokens, tokens from the store). None when they cannot join (a cache that is
+    not a plain one per layer, or no device memory for them: freed again)."""
+    import torch
+
+    device = next(module.parameters()).device
+    if len(rows) == 1:
+        one = _prefill_row(module, model, rows[0], generator, active)
+        if one is None:
+            return None
+        return (one[0], torch.ones((1, len(rows[0].ids)), dtype=torch.long, device=device),
+                [one[1]], [(0, one[2])])
+    groups, shared = batchgen._plan([row.ids for row in rows])
+    past, cached = None, [0] * len(rows)
+    if groups:
+        past, cached = batchgen._prefix_cache(module, model, rows, groups, active)
+        if past is None:
+            shared = [0] * len(rows)
+    input_ids, mask = batchgen._layout(rows, shared, pad)
+    start = max(shared) if past is not None else 0
+    mask = mask.to(device)
+    by_position = "position_ids" in inspect.signature(module.forward).parameters
+    extra = {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)[:, start:]} \
+        if by_position else {}
+    prefilled = _prefill(module, input_ids=input_ids[:, start:].to(device), attention_mask=mask,
+                         **{kvwarm.cache_kwarg(module): past}, **extra)
+    if prefilled is None:
+        return None
+    cache, logits = prefilled
+    firsts = torch.argmax(logits, dim=-1).tolist()
+    for b, row in enumerate(rows):
+        if row.temperature > 0:
+            firsts[b] = inference.sampled(logits[b:b + 1], row.temperature, row.seed, 0,
+                                          generator)
+    return cache, mask, firsts, list(zip(shared, cached, strict=True))
+
+
+def _prefill(module: Any, **inputs: Any) -> tuple[Any, Any] | None:
+    """One prefill forward of joining rows: their KV cache and last logits; None when the
+    cache is not a plain one per layer, or the device ran out of memory (freed again)."""
+    import torch
+
+    try:
+        with torch.inference_mode():
+            out = module(use_cache=True, **inputs)
+    except Exception as exc:
+        if not gpu.is_oom(exc):
+            raise
+        gpu.release_memory()
+        return None
+    cache = kvwarm.cache_of(out)
+    if not kvreuse.reusable(cache):
+        return None
+    return cache, out.logits[:, -1, :].float()
