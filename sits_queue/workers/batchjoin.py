@@ -39,28 +39,36 @@ def joining_for(engine: Any, tokenizer: Any, model: str, limit: int | None, stop
              send: Callable[[int, Any], None]) -> Joining | None:
     """What a batch takes joining rows from: the running task's feed (``workers/joins.py``,
     in a worker that runs continuous batches), or None. A joining call with bad arguments
-    fails at once; one that stops otherwise than the batch (``stop_at_eos``) or would not
-    finish before the run's limits is declined (it runs after this batch)."""
+    fails at once; one that stops otherwise than the batch (``stop_at_eos``), would not
+    finish before the run's limits, or whose KV cache (twice over: the merge copies) the
+    device's memory under the class cap cannot take now is declined (it runs after this
+    batch, which must not run out of memory for it)."""
     active = runtime.active()
     feed = active.joins if active is not None else None
     if feed is None:
         return None
+    module = inference.module_of(engine, model)
 
     def take(live: int, step_s: float) -> list[_Row]:
         rows = []
+        budget = gpu.free_bytes()  # None on a CPU
         for index, call in feed.take(live):
             parsed = batchgen._parse(engine, tokenizer, model, limit, index, call)
             if isinstance(parsed, InferenceError):
                 send(index, parsed)
-            elif parsed[0] != stop or not feed.fits(parsed[1].most, step_s):
+                continue
+            row = parsed[1]
+            cost = 2 * inference.kv_cache_bytes(module, len(row.ids) + row.most)
+            if parsed[0] != stop or not feed.fits(row.most, step_s) or (
+                    budget is not None and cost > budget):
                 feed.decline(index)
-            else:
-                rows.append(parsed[1])
+                continue
+            budget = budget - cost if budget is not None else None
+            rows.append(row)
         return rows
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
         getattr(tokenizer, "eos_token_id", None) or 0)
-    module = inference.module_of(engine, model)
     return Joining(take, lambda row: feed.decline(row.index),
                    lambda rows, generator: prefill_rows(module, model, rows, generator,
                                                         active, pad))

@@ -226,3 +226,21 @@ def test_a_row_joins_a_batch_sharing_a_template_prefill_and_decodes_as_alone(
     assert delivered[0] == {**alone(lm, own[0]), "shared_tokens": shared}
     # joined rows prefill alone (nothing shared) and decode exactly as alone
     assert delivered[3] == alone(lm, joining[0]) and delivered[4] == alone(lm, joining[1])
+
+
+def test_rows_the_device_memory_cannot_take_now_are_declined(
+        lm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sits_queue.workers import gpu
+
+    prompt = len(inference.tokenizer_of(lm, lm.key)("abc")["input_ids"])
+    one_row = 2 * inference.kv_cache_bytes(lm.module, prompt + 3)  # its KV, twice over
+    monkeypatch.setattr(gpu, "free_bytes", lambda: int(2.5 * one_row))  # room for 2
+    own = [Call("a", ("the cache warms", 1), {"stop_at_eos": False}),
+           Call("b", ("a queue of work", 4), {"stop_at_eos": False})]
+    joining = [Call(str(i), ("abc", 3), {"stop_at_eos": False}) for i in range(4)]
+    feed = ListFeed(list(joining), capacity=8, first=2)
+    got, delivered, _ = run_with(lm, own, feed)
+    assert got == [alone(lm, c) for c in own]
+    # the four come in one take: the first two fit, the other two are declined
+    assert feed.taken == [2, 3, 4, 5] and feed.declined == {4, 5}
+    assert delivered == {0: got[0], 2: alone(lm, joining[0]), 3: alone(lm, joining[1])}
