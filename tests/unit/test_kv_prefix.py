@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from sits_queue.app import make_app
+from sits_queue.cache import budgets as cache_budgets
 from sits_queue.cache.pool import ColdStart
 from sits_queue.cache.prefix import Hit, PrefixStore, Slot, block_keys, plan_evictions
 from sits_queue.config import SitsConfig
@@ -230,13 +231,13 @@ def test_a_demoted_or_evicted_engine_takes_its_prefixes_along(
 def test_prefix_budget_is_an_eighth_of_the_device_tier_unless_set() -> None:
     from sits_queue.errors import ConfigError
 
-    assert rt.CacheBudgets().prefix_budget(800) == 100
-    budgets = rt.CacheBudgets.from_env({"SITS_KV_PREFIX_CACHE_BYTES": "0"})
+    assert cache_budgets.CacheBudgets().prefix_budget(800) == 100
+    budgets = cache_budgets.CacheBudgets.from_env({"SITS_KV_PREFIX_CACHE_BYTES": "0"})
     assert budgets.prefix_budget(800) == 0  # off
     with pytest.raises(ConfigError, match="SITS_KV_PREFIX_CACHE_BYTES"):
-        rt.CacheBudgets.from_env({"SITS_KV_PREFIX_CACHE_BYTES": "lots"})
+        cache_budgets.CacheBudgets.from_env({"SITS_KV_PREFIX_CACHE_BYTES": "lots"})
     with pytest.raises(ConfigError, match="prefix_bytes"):
-        rt.CacheBudgets(prefix_bytes=-1)
+        cache_budgets.CacheBudgets(prefix_bytes=-1)
 
 
 def test_tags_are_the_prefix_keys_of_held_prefixes_most_recent_first() -> None:

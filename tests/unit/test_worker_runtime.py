@@ -11,6 +11,7 @@ import pytest
 from celery.worker.request import Request
 
 from sits_queue.app import ENGINE_ARG, make_app
+from sits_queue.cache import budgets as cache_budgets
 from sits_queue.config import DEFAULT_CLASSES, ClassQuota, SitsConfig
 from sits_queue.errors import ConfigError, ModelLoadError, UnknownModel, VramLimitExceeded
 from sits_queue.registry import ModelRegistry, load_engine
@@ -93,34 +94,35 @@ def test_a_replaced_child_gets_the_same_gpu(monkeypatch: pytest.MonkeyPatch) -> 
     (FOUR_GPUS, 4, 1), (FOUR_GPUS, 8, 2), (FOUR_GPUS, 5, 2), (CPU_ONLY, 3, 3),
 ])
 def test_children_per_device(discovery: Discovery, slots: int, sharing: int) -> None:
-    assert rt.children_per_device(discovery, slots) == sharing
+    assert cache_budgets.children_per_device(discovery, slots) == sharing
 
 
 # -- cache budgets ------------------------------------------------------------------------------
 
 def test_budgets_default_to_the_4_3_shares() -> None:
-    dev, host = rt.CacheBudgets().resolve(gpu_device(0, total_gib=80), 512 * GIB, slots=4)
+    dev, host = cache_budgets.CacheBudgets().resolve(gpu_device(0, total_gib=80), 512 * GIB,
+                                                     slots=4)
     assert dev == int(80 * GIB * 0.30)
     assert host == int(512 * GIB * 0.5 / 4 * 0.70)
 
 
 def test_budgets_split_a_shared_gpu_and_use_host_ram_on_cpu() -> None:
-    dev, _ = rt.CacheBudgets().resolve(gpu_device(0, total_gib=80), 64 * GIB, slots=2,
+    dev, _ = cache_budgets.CacheBudgets().resolve(gpu_device(0, total_gib=80), 64 * GIB, slots=2,
                                        sharing=2)
     assert dev == int(80 * GIB * 0.30 / 2)
-    cpu_dev, cpu_host = rt.CacheBudgets().resolve(CPU, 64 * GIB, slots=1)
+    cpu_dev, cpu_host = cache_budgets.CacheBudgets().resolve(CPU, 64 * GIB, slots=1)
     assert cpu_dev + cpu_host <= 64 * GIB * 0.5  # both tiers are host RAM on a CPU host
 
 
 def test_budgets_from_env_override() -> None:
-    budgets = rt.CacheBudgets.from_env({"SITS_DEVICE_CACHE_BYTES": "1e6",
+    budgets = cache_budgets.CacheBudgets.from_env({"SITS_DEVICE_CACHE_BYTES": "1e6",
                                         "SITS_HOST_CACHE_BYTES": "2000"})
     assert budgets.resolve(CPU, 64 * GIB, slots=1) == (1_000_000, 2000)
-    assert rt.CacheBudgets.from_env({}).device_bytes is None
+    assert cache_budgets.CacheBudgets.from_env({}).device_bytes is None
     with pytest.raises(ConfigError, match="SITS_HOST_CACHE_BYTES"):
-        rt.CacheBudgets.from_env({"SITS_HOST_CACHE_BYTES": "lots"})
+        cache_budgets.CacheBudgets.from_env({"SITS_HOST_CACHE_BYTES": "lots"})
     with pytest.raises(ConfigError):
-        rt.CacheBudgets(device_bytes=-1)
+        cache_budgets.CacheBudgets(device_bytes=-1)
 
 
 # -- VRAM caps ----------------------------------------------------------------------------------
