@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check: run tests/gpu and the cold-start, affinity, batch and precision benchmarks on a host
+# GPU check: run tests/gpu and the cold-start, affinity, batch, precision and joins (continuous
+# batching) benchmarks on a host
 # with an NVIDIA GPU, and write ONE JSON summary. Finishes within 6 minutes on one GPU
 # (time boxes below).
 #
@@ -30,11 +31,12 @@ WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
 WHEELS="${WHEELS:-$ROOT/.whl}"
 GPU_TESTS="${GPU_TESTS:-tests/gpu}"
 # Time boxes, s: tests, then the benchmarks; with install and summary under 6 minutes.
-TESTS_TIMEOUT_S="${TESTS_TIMEOUT_S:-150}"
-BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-85}"
+TESTS_TIMEOUT_S="${TESTS_TIMEOUT_S:-140}"
+BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-75}"
 AFFINITY_TIMEOUT_S="${AFFINITY_TIMEOUT_S:-50}"
 BATCH_TIMEOUT_S="${BATCH_TIMEOUT_S:-40}"
 PRECISION_TIMEOUT_S="${PRECISION_TIMEOUT_S:-25}"
+JOINS_TIMEOUT_S="${JOINS_TIMEOUT_S:-20}"
 START_S=$(date +%s)
 mkdir -p "$(dirname "$SUMMARY")"
 
@@ -96,16 +98,17 @@ bench_rc="$(run_bench coldstart bench.log "$BENCH_TIMEOUT_S")"
 affinity_rc="$(run_bench affinity affinity.log "$AFFINITY_TIMEOUT_S")"
 batch_rc="$(run_bench batch batch.log "$BATCH_TIMEOUT_S")"
 precision_rc="$(run_bench precision precision.log "$PRECISION_TIMEOUT_S")"
+joins_rc="$(run_bench joins joins.log "$JOINS_TIMEOUT_S")"
 
 "$PY" - "$SUMMARY" "$WORK" "$tests_rc" "${bench_rc:-}" "$install_rc" "$deps_missing" \
-    "$START_S" "${affinity_rc:-}" "${batch_rc:-}" "${precision_rc:-}" <<'EOF'
+    "$START_S" "${affinity_rc:-}" "${batch_rc:-}" "${precision_rc:-}" "${joins_rc:-}" <<'EOF'
 """Fold the logs and results into one JSON summary (standard library only)."""
 import datetime, json, os, platform, socket, subprocess, sys, time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 (summary, work, tests_rc, bench_rc, install_rc, missing, start, affinity_rc,
- batch_rc, precision_rc) = sys.argv[1:11]
+ batch_rc, precision_rc, joins_rc) = sys.argv[1:12]
 work = Path(work)
 
 
@@ -200,13 +203,14 @@ report = {
     "bench_affinity": bench(affinity_rc, "affinity", "affinity.log"),
     "bench_batch": bench(batch_rc, "batch", "batch.log"),
     "bench_precision": bench(precision_rc, "precision", "precision.log"),
+    "bench_joins": bench(joins_rc, "joins", "joins.log"),
     "elapsed_s": round(time.time() - int(start), 1),
 }
 counts = t.get("counts", {})
 # On a GPU host every test skipped means NVML saw nothing: worth flagging, not failing.
 report["tests_all_skipped"] = bool(counts) and counts.get("skipped") == sum(counts.values())
 benches = (report["bench"], report["bench_affinity"], report["bench_batch"],
-           report["bench_precision"])
+           report["bench_precision"], report["bench_joins"])
 # pytest's 5 ("no tests collected") is a failure: the check exists to run them.
 report["ok"] = (t["rc"] == 0 and not counts.get("failure") and not counts.get("error")
                 and not report["install"]["missing"] and int(install_rc) == 0

@@ -218,6 +218,8 @@ _BENCHES = {
               "and the batch-size controller."),
     "dispatch": ("sits_queue.bench.dispatch", "Per-task cost through a worker: stock "
                  "Celery's defaults vs Celery with SITS's guarantees vs SITS."),
+    "joins": ("sits_queue.bench.joins", "Continuous batching in-process (GPU if any): "
+              "batches run to their end vs rows joining as rows free."),
 }
 
 

@@ -26,8 +26,8 @@ from tests.conftest import GPU_SKIP_REASON, _nvml_device_count
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The script's time boxes (``ops/gpu_check.sh``), s, and how much wider they are here.
-BOXES_S = {"TESTS_TIMEOUT_S": 150, "BENCH_TIMEOUT_S": 85, "AFFINITY_TIMEOUT_S": 50,
-           "BATCH_TIMEOUT_S": 40, "PRECISION_TIMEOUT_S": 25}
+BOXES_S = {"TESTS_TIMEOUT_S": 140, "BENCH_TIMEOUT_S": 75, "AFFINITY_TIMEOUT_S": 50,
+           "BATCH_TIMEOUT_S": 40, "PRECISION_TIMEOUT_S": 25, "JOINS_TIMEOUT_S": 20}
 WIDER = 3
 #: The whole script, widened boxes and all; past that it is broken, not slow.
 SCRIPT_TIMEOUT_S = WIDER * sum(BOXES_S.values()) + 120
@@ -91,7 +91,8 @@ def test_the_summary_carries_the_benchmark_and_the_host(
     bench = summary["bench"]
     assert bench["ran"] is True and bench["rc"] == 0
     for name, box in (("bench", "BENCH"), ("bench_affinity", "AFFINITY"),
-                      ("bench_batch", "BATCH"), ("bench_precision", "PRECISION")):
+                      ("bench_batch", "BATCH"), ("bench_precision", "PRECISION"),
+                      ("bench_joins", "JOINS")):
         timed = summary[name]
         assert timed["box_s"] == WIDER * BOXES_S[f"{box}_TIMEOUT_S"], name
         assert 0 <= timed["elapsed_s"] <= timed["box_s"] + 10, name
@@ -112,6 +113,10 @@ def test_the_summary_carries_the_benchmark_and_the_host(
     precisions = summary["bench_precision"]
     assert precisions["ran"] is True and precisions["rc"] == 0, precisions["log_tail"]
     assert set(precisions["result"]["encoder"]) == {"fp32", "fp16", "bf16", "int8"}
+    joined = summary["bench_joins"]
+    assert joined["ran"] is True and joined["rc"] == 0, joined["log_tail"]
+    assert joined["result"]["joined"]["done"] == joined["result"]["meta"]["shape"]["prompts"]
+    assert joined["result"]["ratios"]["joined_throughput_vs_static"] is not None
     assert summary["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
     assert summary["versions"]["cuda_available"] is False
     assert summary["gpus"] == [] or "error" in summary["gpus"]
@@ -159,5 +164,5 @@ def test_a_step_past_its_box_is_stopped_and_the_summary_says_so(
     # pytest writes one, has no failure: the step's rc is what says it was cut)
     first = tests["cases"][0]
     assert first["test"].endswith("::test_passes") and first["status"] == "passed", tests
-    for name in ("bench", "bench_affinity", "bench_batch", "bench_precision"):
+    for name in ("bench", "bench_affinity", "bench_batch", "bench_precision", "bench_joins"):
         assert summary[name]["rc"] == 124 and summary[name]["box_s"] == 1, name
