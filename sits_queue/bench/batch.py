@@ -128,15 +128,11 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
     ``redis_url`` is accepted for the common command line and unused)."""
     import torch
 
-    from sits_queue.cache.engines import engine_from_path
     from sits_queue.models.tiny import build_tiny_encoder
 
     shape = shape or (QUICK if quick else FULL)
-    device = "cuda:0" if torch.cuda.is_available() else "cpu"
-    path = build_tiny_encoder((zoo_root or coldstart.default_zoo()) / "batch-encoder",
-                              seed=shape.seed, **ENCODER)
-    engine = engine_from_path("encoder", path, device)
-    engine.to_device(device)
+    engine, device = coldstart.on_device("encoder", build_tiny_encoder(
+        (zoo_root or coldstart.default_zoo()) / "batch-encoder", seed=shape.seed, **ENCODER))
     target = SitsConfig().batch_target_p95_ms
     on_progress(f"batch: encoder {ENCODER} on {device}, sizes {SIZES}")
     points = frontier(engine, shape, device)

@@ -405,6 +405,19 @@ def footer(result: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def on_device(name: str, path: Path) -> tuple[Any, str]:
+    """A model built locally, loaded through the engine loader onto the GPU when there is
+    one, else the CPU: the engine and its device (the in-process benchmarks')."""
+    import torch
+
+    from sits_queue.cache.engines import engine_from_path
+
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    engine = engine_from_path(name, path, device)
+    engine.to_device(device)
+    return engine, device
+
+
 def zoo_main(prog: str, doc: str | None, run_fn: Callable[..., dict[str, Any]],
              table_fn: Callable[[Mapping[str, Any]], str], argv: list[str] | None) -> int:
     """The command line of a benchmark over the tiny-model zoo (``--zoo`` besides the

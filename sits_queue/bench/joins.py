@@ -154,15 +154,11 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
     ``redis_url`` is accepted for the common command line and unused)."""
     import torch
 
-    from sits_queue.cache.engines import engine_from_path
     from sits_queue.models.tiny import build_tiny_causal_lm
 
     shape = shape or (QUICK if quick else FULL)
-    device = "cuda:0" if torch.cuda.is_available() else "cpu"
-    path = build_tiny_causal_lm((zoo_root or coldstart.default_zoo()) / "joins-lm",
-                                seed=shape.seed, **LM_SHAPE)
-    engine = engine_from_path("lm", path, device)
-    engine.to_device(device)
+    engine, device = coldstart.on_device("lm", build_tiny_causal_lm(
+        (zoo_root or coldstart.default_zoo()) / "joins-lm", seed=shape.seed, **LM_SHAPE))
     lengths = ragged_lengths(shape.prompts, shape.seed)
     calls = [Call(str(i), (text,), {"max_new_tokens": n, "stop_at_eos": False})
              for i, (text, n) in enumerate(zip(make_texts(shape.prompts, shape.seed),
