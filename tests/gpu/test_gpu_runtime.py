@@ -9,7 +9,8 @@ allocation into an OOM that ``gpu.is_oom`` recognises, and memory coming back af
 ``release_memory``; then, in a real worker: one child per GPU, each pinned by UUID; the
 class VRAM cap failing a task with ``VramLimitExceeded`` while the child keeps serving;
 and a hard time-limit kill whose replacement child lands on the same GPU while the
-killed child's memory is returned to the device.
+killed child's memory is returned to the device; batches, template prefills, and
+generations joining a running batch (continuous batching, on by default with GPUs).
 """
 
 from __future__ import annotations
