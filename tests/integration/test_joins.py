@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
 from celery.result import AsyncResult
 
 from sits_queue.broker.keys import QueueKeys
@@ -110,3 +111,24 @@ def test_joined_tasks_are_counted_and_no_join_keys_are_left(
     assert counters["joined"] == 3  # the short one and the later two (the last declined)
     assert counters["model_runs:slow"] == 3 + len(LATER)  # every task once
     assert list(r.scan_iter(match="*:join:*")) == []
+
+
+def test_a_soft_limit_fails_the_rows_still_going_and_keeps_the_joined_ones_done(
+        app: Celery, r: redis.Redis, worker: CeleryProcess,
+        later: list[AsyncResult]) -> None:
+    for result in later:  # the module's first batch and its rerun are over
+        result.get(timeout=CALL_S)
+    # ~200 x 20 ms = 4 s asked for, a 1.5 s soft limit: it stops mid-way
+    doomed = gen(app, "a row that runs out of time", 200, soft_time_limit=1.5,
+                 time_limit=30)
+    waiting = QueueKeys.for_queue("celery").waiting
+    wait_for(lambda: r.zcard(waiting) == 0, timeout_s=CALL_S,
+             what="the worker to take the doomed row")
+    quick = gen(app, "in and out", 3)  # joins (3 x 20 ms fits) and is done well before
+    got = quick.get(timeout=CALL_S)
+    assert got["sits"]["batch"]["joined"] is True and got["output"]["tokens"] == 3
+    with pytest.raises(SoftTimeLimitExceeded, match="decode steps"):
+        doomed.get(timeout=CALL_S)
+    assert quick.state == "SUCCESS"  # stored when done: the batch's failure leaves it
+    # the child serves on
+    assert gen(app, "after", 2).get(timeout=CALL_S)["output"]["tokens"] == 2
