@@ -127,7 +127,9 @@ def test_a_soft_limit_fails_the_rows_still_going_and_keeps_the_joined_ones_done(
     quick = gen(app, "in and out", 3)  # joins (3 x 20 ms fits) and is done well before
     got = quick.get(timeout=CALL_S)
     assert got["sits"]["batch"]["joined"] is True and got["output"]["tokens"] == 3
-    with pytest.raises(SoftTimeLimitExceeded, match="decode steps"):
+    # (the loop's own check says how far it got; Celery's signal, due at the same
+    # moment, may land first and say nothing: either is the soft limit)
+    with pytest.raises(SoftTimeLimitExceeded):
         doomed.get(timeout=CALL_S)
     assert quick.state == "SUCCESS"  # stored when done: the batch's failure leaves it
     # the child serves on
