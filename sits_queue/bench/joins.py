@@ -72,7 +72,7 @@ class LocalFeed:
 
     def take(self, live: int) -> list[tuple[int, Call]]:
         free = joins.room(BATCH, live)
-        if free < max(1, int(BATCH * joins.JOIN_AT_SHARE)):
+        if free < joins.least(BATCH):
             return []
         out = []
         while free and self.waiting:

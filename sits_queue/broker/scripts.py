@@ -44,12 +44,7 @@ class Scripts:
 
     def run(self, name: str, keys: QueueKeys, args: list[Any], client: Any) -> Any:
         """One script call (EVALSHA, reloading every script once after NOSCRIPT)."""
-        names = keys.all()
-        try:
-            return client.evalsha(self.shas[name], len(names), *names, *args)
-        except NoScriptError:
-            self.load_all(client)
-            return client.evalsha(self.shas[name], len(names), *names, *args)
+        return self.run_on(name, keys.all(), args, client)
 
     def run_on(self, name: str, keys: list[str], args: list[Any], client: Any) -> Any:
         """:meth:`run` for a script with keys of its own (``join.lua``: a running batch's)."""

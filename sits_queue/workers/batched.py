@@ -142,16 +142,12 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
     feed = _feed(app, join, add) if join is not None else None
     try:
         outcomes = _run(task, calls, jobs[0][2], early, feed)
-        if feed is not None:
-            feed.close()  # before the tracing below: what is pushed now runs apart
         declined = feed.declined if feed is not None else set()
         _outcomes.update({c.id: outcomes[c.id] for i, c in enumerate(calls)
                           if i not in traced and i not in declined})
         results = [None if i in declined else traced[i] if i in traced else trace(*job)
                    for i, job in enumerate(jobs)]
     finally:
-        if feed is not None:
-            feed.close()
         for call in calls:
             _outcomes.pop(call.id, None)
     elapsed = time.monotonic() - began
@@ -187,6 +183,8 @@ def _run(task: Any, calls: list[Call], request: dict[str, Any],
         return {c.id: exc for c in calls}
     finally:
         task.pop_request()
+        if feed is not None:  # before the tracing: what is pushed from now runs apart
+            feed.close()
     outcomes = split_outputs(result["output"], own, result["sits"])
     for call in calls[len(own):]:  # a joined call's outcome went through early
         outcomes[call.id] = InferenceError(f"call {call.id} joined the batch but got no "

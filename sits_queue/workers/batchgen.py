@@ -237,15 +237,12 @@ def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], st
     rows = list(rows)
 
     def result(r: int, new: list[int]) -> dict[str, Any]:
-        if r >= own:
-            assert joining is not None
-            row_shared, row_cached = joining.starts[rows[r].index]
-            return {**inference.generated(tokenizer, new, end, prompt_tokens=len(rows[r].ids),
-                                          cached_tokens=row_cached, runs=1),
-                    "shared_tokens": row_shared}
+        # (shared tokens, tokens from the KV-prefix store): a joined row's, as it joined
+        row_shared, row_cached = (shared[r], cached[r]) if r < own \
+            else joining.starts[rows[r].index] if joining is not None else (0, 0)
         return {**inference.generated(tokenizer, new, end, prompt_tokens=len(rows[r].ids),
-                                      cached_tokens=cached[r], runs=1),
-                "shared_tokens": shared[r]}
+                                      cached_tokens=row_cached, runs=1),
+                "shared_tokens": row_shared}
 
     left: dict[int, dict[str, Any]] = {}  # the rows that left before the last ones
 
@@ -287,10 +284,9 @@ def _decode_rows(module: Any, model: str, rows: list[_Row], input_ids: Any, mask
 
     device = next(module.parameters()).device
     kwarg = kvwarm.cache_kwarg(module)
-    # Models that take no positions (ALiBi) place tokens by the attention mask alone.
-    by_position = "position_ids" in inspect.signature(module.forward).parameters
+    by_position = takes_positions(module)
     mask = mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, cached:]
+    positions = positions_of(mask)[:, cached:]
     ids = input_ids[:, cached:].to(device)
     generator = torch.Generator(device="cpu")
     new: list[list[int]] = [[] for _ in rows]
@@ -299,6 +295,7 @@ def _decode_rows(module: Any, model: str, rows: list[_Row], input_ids: Any, mask
     live = list(range(len(rows)))  # the rows still decoding, in batch order
     steps, longest = 0, max(row.most for row in rows)
     out = logits = None
+    plain: bool | None = None  # whether the batch's cache can take rows and be trimmed
     began = time.monotonic()
     try:
         with torch.inference_mode():
@@ -309,6 +306,8 @@ def _decode_rows(module: Any, model: str, rows: list[_Row], input_ids: Any, mask
                 out = module(input_ids=ids, attention_mask=mask, use_cache=True,
                              **{kwarg: past}, **extra)
                 past = kvwarm.cache_of(out)
+                if plain is None:  # the cache's kind does not change while it decodes
+                    plain = kvreuse.reusable(past)
                 logits = out.logits[:, -1, :].float()
                 tokens = torch.argmax(logits, dim=-1).tolist()  # waits for a GPU's step
                 firsttoken.mark()
@@ -332,7 +331,7 @@ def _decode_rows(module: Any, model: str, rows: list[_Row], input_ids: Any, mask
                     live, tokens = [live[b] for b in going], [tokens[b] for b in going]
                 positions = positions[:, -1:]
                 fresh = joining.take(len(live), (time.monotonic() - began) / steps) \
-                    if joining is not None and kvreuse.reusable(past) else []
+                    if joining is not None and plain else []
                 prefilled = joining.prefill(fresh, generator) if joining and fresh else None
                 if joining is not None and fresh and prefilled is None:
                     for row in fresh:  # no memory for them now: they run after this batch
@@ -357,7 +356,7 @@ def _decode_rows(module: Any, model: str, rows: list[_Row], input_ids: Any, mask
                             rows_mask = rows_mask[kept]
                         positions = torch.cat([positions, rows_mask.sum(-1, keepdim=True) - 1])
                         past, mask = kvreuse.merge_rows(past, mask, cache, rows_mask)
-                if kvreuse.reusable(past):
+                if plain:
                     mask = kvreuse.trim_padding(past, mask)
                 ids = torch.tensor(tokens, device=device).unsqueeze(1)
                 positions = positions + 1
@@ -369,6 +368,18 @@ def _decode_rows(module: Any, model: str, rows: list[_Row], input_ids: Any, mask
     finally:
         # A traceback keeps this frame alive: drop the KV cache now, not with the frame.
         past = out = logits = None
+
+
+def takes_positions(module: Any) -> bool:
+    """Whether the model's forward takes positions; models that do not (ALiBi) place
+    tokens by the attention mask alone."""
+    return "position_ids" in inspect.signature(module.forward).parameters
+
+
+def positions_of(mask: Any) -> Any:
+    """Each position's place among its row's real tokens (padding, masked out, counts
+    none): what a row alone would have there."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 def _plan(prompts: list[list[int]]

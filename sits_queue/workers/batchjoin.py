@@ -4,7 +4,6 @@ join, and their prefill, together, as a batch of their own."""
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,8 +92,6 @@ def _prefill_row(module: Any, model: str, row: _Row, generator: Any,
         return None
     cache, logits = prefilled
     prefix.after_prefill(cache)
-    if generator is None:
-        generator = torch.Generator(device="cpu")
     first = (inference.sampled(logits, row.temperature, row.seed, 0, generator)
              if row.temperature > 0 else int(torch.argmax(logits, dim=-1).item()))
     firsttoken.mark()  # a lone row's first token (the batch's came before a joining one's)
@@ -112,6 +109,8 @@ def prefill_rows(module: Any, model: str, rows: list[_Row], generator: Any,
     import torch
 
     device = next(module.parameters()).device
+    if generator is None:  # a lone row's, before its batch loop made one
+        generator = torch.Generator(device="cpu")
     if len(rows) == 1:
         one = _prefill_row(module, model, rows[0], generator, active)
         if one is None:
@@ -127,9 +126,8 @@ def prefill_rows(module: Any, model: str, rows: list[_Row], generator: Any,
     input_ids, mask = batchgen._layout(rows, shared, pad)
     start = max(shared) if past is not None else 0
     mask = mask.to(device)
-    by_position = "position_ids" in inspect.signature(module.forward).parameters
-    extra = {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)[:, start:]} \
-        if by_position else {}
+    extra = {"position_ids": batchgen.positions_of(mask)[:, start:]} \
+        if batchgen.takes_positions(module) else {}
     prefilled = _prefill(module, input_ids=input_ids[:, start:].to(device), attention_mask=mask,
                          **{kvwarm.cache_kwarg(module): past}, **extra)
     if prefilled is None:

@@ -82,6 +82,11 @@ def room(capacity: int, live: int) -> int:
     return max(0, capacity - live)
 
 
+def least(capacity: int) -> int:
+    """Free rows before a batch of ``capacity`` takes any (:data:`JOIN_AT_SHARE`)."""
+    return max(1, int(capacity * JOIN_AT_SHARE))
+
+
 def join_keys(queue: str, job: str, prefix: str = "") -> list[str]:
     """``join.lua``'s KEYS for the batch whose first task is ``job``: its jobs LIST and
     state HASH, hash-tagged like the queue's own keys."""
@@ -130,8 +135,8 @@ class Feed:
 
     @property
     def least(self) -> int:
-        """Free rows before the batch takes any (:data:`JOIN_AT_SHARE` of its capacity)."""
-        return max(1, int(self.capacity * JOIN_AT_SHARE))
+        """Free rows before the batch takes any."""
+        return least(self.capacity)
 
     @property
     def joined(self) -> int:
@@ -218,10 +223,6 @@ _attached: set[str] = set()
 def start(job: str, queue: str, key: str, keys: list[str], requests: list[Any],
           pid: Callable[[], int | None]) -> None:
     _running[job] = Running(queue, key, keys, requests, len(requests), pid)
-
-
-def running() -> bool:
-    return bool(_running)
 
 
 def attached(request: Any) -> bool:

@@ -83,8 +83,8 @@ def trim_padding(past: Any, mask: Any) -> Any:
     """Drop the leading positions no row attends to (padding left behind by rows that
     left the batch): a batch that rows keep joining would otherwise grow wider with
     every step. Returns the mask; ``past`` is cut in place."""
-    used = mask.sum(dim=0) > 0
-    lead = int(used.long().argmax()) if bool(used.any()) else 0
+    # the first column some row attends to (0 when none does: nothing is cut)
+    lead = int((mask.sum(dim=0) > 0).long().argmax())
     if lead == 0:
         return mask
     for layer in past.layers:

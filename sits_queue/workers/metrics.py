@@ -103,7 +103,7 @@ def run_fields(model: str, run_ms: float, tasks: int = 1) -> dict[str, float]:
 def joined_fields(sla_class: str, joined: int) -> dict[str, float]:
     """Counter increments for tasks that joined a running batch (``joins.py``): served
     with the engine the batch held (never a cold start)."""
-    return {"tasks": joined, f"tasks:{sla_class}": joined, "joined": joined}
+    return {**task_fields({}, sla_class, tasks=joined), "joined": joined}
 
 
 def first_token_fields(ms: float, tasks: int = 1) -> dict[str, float]:
