@@ -87,7 +87,14 @@ def update(f: Forecaster, start_s: float, demand: float,
     """The state after the interval that started at ``start_s`` had ``demand`` tasks."""
     error = demand - f.predict(start_s)
     mean = demand if f.updates == 0 else forgetting * f.mean + (1 - forgetting) * demand
-    mse = error ** 2 if f.updates == 0 else forgetting * f.mse + (1 - forgetting) * error ** 2
+    # The first interval had no forecast to miss (its "error" is the whole demand, which
+    # would keep confidence under the bar for ~170 intervals, 14 h at 5 min). From the
+    # second on, a recency-weighted mean of the squared one-step errors, bias-corrected
+    # (weights (1-l) l^i normalised over the errors seen) so early intervals count as
+    # much as the forgetting factor says and no more.
+    seen = f.updates  # real one-step errors, this one included
+    mse = 0.0 if seen == 0 else \
+        f.mse + (error ** 2 - f.mse) * (1 - forgetting) / (1 - forgetting ** seen)
     # the regression runs on demand scaled by its mean, so models of any volume learn alike
     scale = f.mean if f.mean > 0 else (demand if demand > 0 else 1.0)
     x = features(start_s, f.history, scale)

@@ -51,6 +51,21 @@ def test_confidence_needs_history_and_a_forecast_that_was_right() -> None:
     assert noisy.confidence < fc.MIN_CONFIDENCE
 
 
+def test_a_steady_demand_is_trusted_within_a_few_intervals_not_hours() -> None:
+    # the first interval has no forecast to miss: its demand is not an error that the
+    # forgetting factor then takes ~170 intervals (14 h) to wash out
+    f, trusted_at = Forecaster(), None
+    for k in range(200):
+        f = fc.update(f, T0 + k * STEP, 100.0)
+        if trusted_at is None and f.confidence >= fc.MIN_CONFIDENCE:
+            trusted_at = k + 1
+    assert trusted_at is not None and trusted_at <= 5
+    # a forecast that then goes badly wrong loses that trust as fast
+    for k in range(200, 206):
+        f = fc.update(f, T0 + k * STEP, 0.0 if k % 2 else 300.0)
+    assert f.confidence < fc.MIN_CONFIDENCE
+
+
 def test_forgetting_follows_a_change_of_level() -> None:
     f = Forecaster()
     for k in range(200):
