@@ -114,6 +114,29 @@ def test_aging_lets_an_old_low_task_overtake_fresh_high_ones(app: Celery,
     assert drain(app) == ["old-low", "high"]
 
 
+def test_the_beats_own_tasks_are_not_top_class_backlog_or_arrivals(
+        app: Celery, redis_client: redis.Redis) -> None:
+    rescorer = Rescorer(app.sits, redis_client)
+    rescorer.gather_snapshot(time.time())  # the baseline the next pass diffs against
+    # Given only low-class work waiting, and a beat period's maintenance tasks queued
+    # (they are sent as the top class, to the control queue, and never counted done)
+    app.tasks["t.echo"].delay("low work")
+    for _ in range(5):
+        app.tasks["sits.check_triggers"].apply_async()
+    app.tasks["sits.rescore"].apply_async()
+    later = time.time() + 5.0
+    # Then no top-class backlog is seen, the 200 ms trigger does not fire ...
+    assert rescorer.oldest_top_class_wait_ms(later) is None
+    assert "backlog" not in rescorer.check_triggers(later)
+    # ... and the top class is not read as falling behind its arrivals
+    top = app.sits.top_class
+    assert rescorer.gather_snapshot(later).classes[top].bandwidth_compliance == 1.0
+    # while a real top-class task waiting is seen
+    app.tasks["t.echo"].apply_async(("urgent",), sla_class=top)
+    wait = rescorer.oldest_top_class_wait_ms(time.time() + 1.0)
+    assert wait is not None and wait >= 900
+
+
 def test_invalid_options_enqueue_nothing(app: Celery, redis_client: redis.Redis) -> None:
     echo = app.tasks["t.echo"]
     bad: list[dict[str, Any]] = [{"sla_class": "urgent"}, {"context_tokens": -5},
