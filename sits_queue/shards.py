@@ -121,7 +121,8 @@ def apply_sharded(task: Any, items: Sequence[Any], *args: Any,
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
         raise TypeError("items must be a list (or another sequence) of inputs, "
                         f"got {type(items).__name__}")
-    entropy = options.get("input_entropy")
+    options = dict(options)
+    entropy = options.pop("input_entropy", None)  # the caller's, else measured; sent once
     if entropy is None:
         entropy = input_entropy((list(items),), {})
     shard_plan = plan(len(items), entropy, shard_items)

@@ -47,6 +47,17 @@ def test_prose_goes_as_one_task(app: Celery, worker: CeleryProcess) -> None:
     assert job.get(timeout=CALL_S) == [len(t) for t in PROSE]
 
 
+def test_the_callers_entropy_decides_and_is_sent_once(app: Celery,
+                                                      worker: CeleryProcess) -> None:
+    # prose, which measures low, split because the caller says it is high-entropy
+    job = apply_sharded(app.tasks["t.lengths"], PROSE, shard_items=4, input_entropy=0.99)
+    assert len(job) == 5 and job.plan.sharded and job.plan.entropy == 0.99
+    assert job.get(timeout=CALL_S) == [len(t) for t in PROSE]
+    # and dense text kept whole when the caller says it is low
+    whole = apply_sharded(app.tasks["t.lengths"], DENSE, shard_items=4, input_entropy=0.01)
+    assert len(whole) == 1 and whole.get(timeout=CALL_S) == [len(t) for t in DENSE]
+
+
 def test_an_early_stop_revokes_the_shards_not_yet_run(app: Celery,
                                                       worker: CeleryProcess) -> None:
     job = apply_sharded(app.tasks["t.lengths"], DENSE, shard_items=2)  # 10 shards
