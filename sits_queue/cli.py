@@ -32,7 +32,7 @@ HEAD_ROWS = 5
 def _redis_url() -> str:
     url, embedded = resolve_redis_url(os.environ)
     if embedded:
-        click.echo(f"sitsq: no SITS_REDIS_URL set; using the embedded Redis at "
+        click.echo(f"sitsq: no SITS_REDIS_URL (nor redis_url in SITS_CONFIG) set; using the embedded Redis at "
                    f"{_redact(url)}", err=True)
     return url
 
@@ -95,7 +95,7 @@ def workers_status(client: redis.Redis, config: SitsConfig) -> list[dict[str, An
 def status(as_json: bool) -> None:
     """Queues (depth, head tasks with score and class) and the workers seen."""
     config = SitsConfig.from_env()
-    url = os.environ.get("SITS_REDIS_URL") or _redis_url()
+    url = _redis_url()
     client = redis.Redis.from_url(url, socket_timeout=5)
     try:
         report = {"queues": queue_status(client, config, time.time()),
@@ -248,7 +248,7 @@ def _run_module(module: str, quick: bool, json_path: Path | None) -> None:
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def celery(command: str, args: tuple[str, ...]) -> None:
     """Run `celery -A sits_queue COMMAND ...` against the configured or embedded Redis."""
-    env = {**os.environ, "SITS_REDIS_URL": os.environ.get("SITS_REDIS_URL") or _redis_url()}
+    env = {**os.environ, "SITS_REDIS_URL": _redis_url()}
     argv = [sys.executable, "-m", "celery", "-A", "sits_queue", command, *args]
     os.execvpe(argv[0], argv, env)
 
@@ -264,7 +264,7 @@ def metrics_command(port: int, addr: str) -> None:
     """
     from sits_queue.workers import metrics
 
-    url = os.environ.get("SITS_REDIS_URL") or _redis_url()
+    url = _redis_url()
     config = replace(SitsConfig.from_env(), redis_url=url, metrics_port=port,
                      metrics_addr=addr)
     server = metrics.serve(config, None, queues=lambda c: queue_status(c, config, time.time()))

@@ -384,14 +384,7 @@ class SitsConfig:
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> SitsConfig:
         """Build from a TOML file: top-level scalars, ``[weights]``, ``[[classes]]``."""
-        p = Path(path)
-        try:
-            data = tomllib.loads(p.read_text())
-        except FileNotFoundError as exc:
-            raise ConfigError(f"config file {p} does not exist") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
-        return cls.from_mapping(data, source=str(p))
+        return cls.from_mapping(_read_toml(path), source=str(path))
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "mapping") -> SitsConfig:
@@ -408,3 +401,25 @@ class SitsConfig:
             return cls(**kwargs)
         except TypeError as exc:
             raise ConfigError(f"{source}: {exc}") from exc
+
+
+def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        return tomllib.loads(p.read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {p} does not exist") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
+
+
+def configured_redis_url(env: Mapping[str, str]) -> str | None:
+    """The Redis the user configured: ``SITS_REDIS_URL``, else ``redis_url`` in the
+    ``SITS_CONFIG`` file; None when neither says (then ``sitsq`` uses its embedded one)."""
+    url = env.get("SITS_REDIS_URL", "").strip()
+    if url:
+        return url
+    path = env.get("SITS_CONFIG")
+    if path and "redis_url" in _read_toml(path):
+        return SitsConfig.from_file(path).redis_url
+    return None

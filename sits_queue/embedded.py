@@ -490,8 +490,11 @@ def stop_server(data_dir: Path | None = None) -> bool:
 
 
 def resolve_redis_url(env: Mapping[str, str], data_dir: Path | None = None) -> tuple[str, bool]:
-    """``SITS_REDIS_URL`` if set, else the embedded server's URL; the bool says embedded."""
-    configured = env.get("SITS_REDIS_URL", "").strip()
+    """The configured Redis (``SITS_REDIS_URL``, else ``redis_url`` in the ``SITS_CONFIG``
+    file) if any, else the embedded server's URL; the bool says embedded."""
+    from sits_queue.config import configured_redis_url  # config imports broker modules
+
+    configured = configured_redis_url(env)
     if configured:
         return configured, False
     url, _started = ensure_server(data_dir)

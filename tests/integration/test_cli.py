@@ -46,6 +46,26 @@ def test_status_shows_depth_and_head_tasks_with_class(client_app: Celery, redis_
     assert "1 resuming from a yield, 1 held off by a worker" in text
 
 
+def test_status_uses_the_redis_of_the_config_file(client_app: Celery, redis_url: str,
+                                                  tmp_path: Path) -> None:
+    client_app.tasks["w.add"].apply_async((1, 2), sla_class="low")
+    site = tmp_path / "site.toml"
+    site.write_text(f'redis_url = "{redis_url}"\n')
+    env = {k: v for k, v in os.environ.items() if k != "SITS_REDIS_URL"}
+    env.update(SITS_CONFIG=str(site), XDG_DATA_HOME=str(tmp_path / "data"))
+    out = sitsq("status", "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    assert "embedded" not in out.stderr  # no private server started beside the user's
+    (queue,) = [q for q in json.loads(out.stdout)["queues"] if q["queue"] == "celery"]
+    assert queue["waiting"] == 1
+    assert not (tmp_path / "data").exists()
+    # a config file that cannot be read is named, not replaced by the embedded server
+    env["SITS_CONFIG"] = str(tmp_path / "missing.toml")
+    bad = sitsq("status", env=env)
+    assert bad.returncode != 0 and "missing.toml" in bad.stderr
+    assert not (tmp_path / "data").exists()
+
+
 def test_status_reports_an_unreachable_redis_clearly() -> None:
     out = sitsq("status", env={**os.environ, "SITS_REDIS_URL": "redis://127.0.0.1:1/0"})
     assert out.returncode != 0
