@@ -32,8 +32,8 @@ HEAD_ROWS = 5
 def _redis_url() -> str:
     url, embedded = resolve_redis_url(os.environ)
     if embedded:
-        click.echo(f"sitsq: no SITS_REDIS_URL (nor redis_url in SITS_CONFIG) set; using the embedded Redis at "
-                   f"{_redact(url)}", err=True)
+        click.echo("sitsq: no SITS_REDIS_URL (nor redis_url in SITS_CONFIG) set; using the "
+                   f"embedded Redis at {_redact(url)}", err=True)
     return url
 
 

@@ -47,6 +47,7 @@ def test_status_shows_depth_and_head_tasks_with_class(client_app: Celery, redis_
 
 
 def test_status_uses_the_redis_of_the_config_file(client_app: Celery, redis_url: str,
+                                                  redis_client: redis.Redis,
                                                   tmp_path: Path) -> None:
     client_app.tasks["w.add"].apply_async((1, 2), sla_class="low")
     site = tmp_path / "site.toml"
