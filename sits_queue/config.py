@@ -26,13 +26,47 @@ from sits_queue.errors import ConfigError
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+#: A scalar setting's declared type (annotations are strings here) -> what it must hold.
+_KINDS: dict[str, tuple[type, str]] = {
+    "bool": (bool, "true or false"), "int": (int, "an integer"),
+    "float": (float, "a finite number"), "str": (str, "a string")}
+
+
 def _coerce(name: str, raw: str, kind: type) -> Any:
+    if kind is bool:
+        word = raw.strip().lower()
+        if word in _TRUE or word in _FALSE:
+            return word in _TRUE
+        # a typo must not silently mean "off"
+        raise ConfigError(f"SITS_{name.upper()}={raw!r} is not a boolean (one of "
+                          f"{', '.join(_TRUE)} / {', '.join(w for w in _FALSE if w)})")
     try:
-        if kind is bool:
-            return raw.strip().lower() in ("1", "true", "yes", "on")
         return kind(raw)
     except ValueError as exc:
         raise ConfigError(f"SITS_{name.upper()}={raw!r} is not a valid {kind.__name__}") from exc
+
+
+def _check_types(obj: Any, where: str = "") -> None:
+    """Each scalar field holds its declared type: a TOML ``send_sent_events = "no"``
+    (a truthy string), ``rescore_chunk = 2.5`` (Redis refuses it at every pass) or a NaN
+    timeout is refused here, naming the setting, not later and elsewhere."""
+    for f in fields(obj):
+        kind, what = _KINDS.get(str(f.type), (None, ""))
+        value = getattr(obj, f.name)
+        if kind is None:
+            continue
+        if kind is bool:
+            ok = isinstance(value, bool)
+        elif kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif kind is float:
+            ok = _is_number(value) and math.isfinite(value)
+        else:
+            ok = isinstance(value, str)
+        if not ok:
+            raise ConfigError(f"{where}{f.name} must be {what}, got {value!r}")
 
 
 #: Most tasks one batch may take: bounds one pick's Lua work and one pool job's inputs.
@@ -78,6 +112,7 @@ class ClassQuota:
     loss_sensitivity: float
 
     def __post_init__(self) -> None:
+        _check_types(self, f"class {self.name!r}: ")
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
             raise ConfigError(f"class name {self.name!r} must be a non-empty identifier")
         _positive(f"class {self.name}: cpu_cores", self.cpu_cores)
@@ -124,6 +159,7 @@ class PriorityWeights:
     aging_bound_s: float = 60.0
 
     def __post_init__(self) -> None:
+        _check_types(self, "priority weight ")
         total = self.qos_jitter + self.qos_bandwidth + self.qos_loss
         if not math.isclose(total, 1.0, abs_tol=1e-6):
             raise ConfigError(f"QoS weights must sum to 1, got {total:.4f}")
@@ -256,6 +292,12 @@ class SitsConfig:
     weights: PriorityWeights = field(default_factory=PriorityWeights)
 
     def __post_init__(self) -> None:
+        _check_types(self)
+        if not isinstance(self.classes, tuple) or not all(
+                isinstance(c, ClassQuota) for c in self.classes):
+            raise ConfigError(f"classes must be a list of class tables, got {self.classes!r}")
+        if not isinstance(self.weights, PriorityWeights):
+            raise ConfigError(f"weights must be a table, got {self.weights!r}")
         names = [c.name for c in self.classes]
         if not names:
             raise ConfigError("at least one SLA class is required")
@@ -378,7 +420,10 @@ class SitsConfig:
         for f in fields(cls):
             key = "SITS_" + f.name.upper()
             if key in env and f.name not in ("classes", "weights"):
-                overrides[f.name] = _coerce(f.name, env[key], type(getattr(base, f.name)))
+                # the field's declared type, not the loaded value's: a file's
+                # ``visibility_timeout_s = 60`` must not make "90.5" an invalid int
+                kind = _KINDS.get(str(f.type), (str, ""))[0]
+                overrides[f.name] = _coerce(f.name, env[key], kind)
         return replace(base, **overrides)
 
     @classmethod

@@ -76,6 +76,12 @@ def resolve(config: SitsConfig, declared: Mapping[str, Any], per_call: Mapping[s
     prefix = merged.get("prefix_key")
     if prefix is None and model is not None:
         prefix = derive_prefix_key(args or (), kwargs or {}, config.prefix_key_chars)
+    vram = None if merged.get("vram_gib") is None \
+        else _number("vram_gib", merged["vram_gib"], 0.0, MAX_VRAM_GIB)
+    if vram is not None and vram > quota.vram_gib:
+        # the worker caps a task at its class's VRAM: this one could never run within it
+        raise InvalidTaskOptions(f"vram_gib {vram:g} exceeds the {sla_class!r} class's limit "
+                                 f"of {quota.vram_gib:g} GiB; ask less or use a larger class")
     return TaskOptions(
         sla_class=sla_class,
         model=model,
@@ -88,8 +94,7 @@ def resolve(config: SitsConfig, declared: Mapping[str, Any], per_call: Mapping[s
                                                                 quota.loss_sensitivity),
                                  0.1, 0.9),
         input_entropy=None if entropy is None else _number("input_entropy", entropy, 0.0, 1.0),
-        vram_gib=None if merged.get("vram_gib") is None
-        else _number("vram_gib", merged["vram_gib"], 0.0, MAX_VRAM_GIB),
+        vram_gib=vram,
         prefix_key=_name("prefix_key", prefix),
         batch=_name("batch", merged.get("batch"), longest=MAX_BATCH_KEY),
         batch_max=None if merged.get("batch_max") is None

@@ -2,7 +2,7 @@
 
 Workers record each finished task (``sits_queue.workers.signals``); this module turns
 those records into a :class:`PrioritySnapshot`, stores it for producers, and rewrites
-the score of every waiting message in bounded, atomic chunks (``rescore.lua``).
+the score of every waiting message in bounded chunks (ZSCAN, then ``ZADD XX``).
 """
 
 from __future__ import annotations

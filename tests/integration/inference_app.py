@@ -44,7 +44,8 @@ CALL_S = 60
 BATCH_ECHO_MAX = 8
 #: The default classes plus ones that make limits observable on a small machine: "one"
 #: (a single core), "tiny" / "small" (VRAM limits below / just above a tiny model's
-#: weights, enforced on CPU against the estimate), "gpu2" (2 GiB: a real cap on a GPU).
+#: weights, enforced on CPU against the estimate), "gpu2" (2 GiB: a real cap on a GPU),
+#: "vast" (a cap above any device, so a task may declare more than a host has).
 CLASSES_TOML = """
 default_class = "medium"
 [[classes]]
@@ -103,6 +104,14 @@ max_run_s = 30
 weight = 5.0
 latency_sla_ms = 2000
 loss_sensitivity = 0.5
+[[classes]]
+name = "vast"
+cpu_cores = 2
+vram_gib = 1024
+max_run_s = 10
+weight = 1.0
+latency_sla_ms = 5000
+loss_sensitivity = 0.2
 """
 
 

@@ -226,7 +226,7 @@ def delivery_tag(r: redis.Redis, task_id: str) -> str | None:
 def test_task_that_does_not_fit_is_released_not_failed(app: Celery, worker: CeleryProcess,
                                                         r: redis.Redis) -> None:
     # Given a task declaring more memory than the host has free
-    big = app.tasks["t.ping"].apply_async(("big",), vram_gib=1000, sla_class="low")
+    big = app.tasks["t.ping"].apply_async(("big",), vram_gib=1000, sla_class="vast")
     tag = delivery_tag(r, big.id)
     assert tag is not None
     wait_for(lambda: worker.log().count(f"[{big.id}] not started here") >= 2, 30,
@@ -238,7 +238,7 @@ def test_task_that_does_not_fit_is_released_not_failed(app: Celery, worker: Cele
     # And the worker keeps serving: the higher class ahead of it, and (no head-of-line
     # blocking) a task of its own class queued behind it, well within the 4 s longest hold
     assert call(app, "t.ping", "after", sla_class="high", timeout=30) == "after"
-    behind = app.tasks["t.ping"].apply_async(("behind",), sla_class="low")
+    behind = app.tasks["t.ping"].apply_async(("behind",), sla_class="vast")
     assert behind.get(timeout=3) == "behind"
     assert r.hget(WAITING.redelivered, tag) is None and big.state == "PENDING"
     r.hdel(WAITING.payloads, tag)  # gone for good: a pick skips an id without payload

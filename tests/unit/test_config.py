@@ -1,0 +1,86 @@
+"""Configuration: every setting holds its declared type, from a file or the environment;
+a bad value is refused naming the setting, never taken silently."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sits_queue.config import SitsConfig, configured_redis_url
+from sits_queue.errors import ConfigError, InvalidTaskOptions
+from sits_queue.options import resolve
+
+CLASS = {"name": "a", "cpu_cores": 1, "vram_gib": 1, "max_run_s": 1, "weight": 1,
+         "latency_sla_ms": 1, "loss_sensitivity": 0.5}
+
+
+@pytest.mark.parametrize(("variable", "raw", "named"), [
+    ("SITS_VISIBILITY_TIMEOUT_S", "nan", "visibility_timeout_s"),
+    ("SITS_VISIBILITY_TIMEOUT_S", "inf", "visibility_timeout_s"),
+    ("SITS_SOFT_LIMIT_FRACTION", "nan", "soft_limit_fraction"),
+    ("SITS_AFFINITY_HOST_WEIGHT", "nan", "affinity_host_weight"),
+    ("SITS_SEND_SENT_EVENTS", "ture", "SITS_SEND_SENT_EVENTS"),  # a typo is not "off"
+    ("SITS_PLAIN_TASKS_ONLY", "enabled", "SITS_PLAIN_TASKS_ONLY"),
+    ("SITS_RESCORE_CHUNK", "2.5", "SITS_RESCORE_CHUNK"),
+])
+def test_bad_environment_values_are_refused_by_name(variable: str, raw: str,
+                                                    named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        SitsConfig.from_env({variable: raw})
+
+
+@pytest.mark.parametrize("word", ["1", "true", "Yes", "on", "0", "false", "no", "OFF", ""])
+def test_boolean_words(word: str) -> None:
+    value = SitsConfig.from_env({"SITS_SEND_SENT_EVENTS": word}).send_sent_events
+    assert value is (word.lower() in ("1", "true", "yes", "on"))
+
+
+@pytest.mark.parametrize(("settings", "named"), [
+    ({"rescore_chunk": 2.5}, "rescore_chunk must be an integer"),  # Redis refuses it later
+    ({"stats_window": 100.5}, "stats_window must be an integer"),
+    ({"max_redeliveries": 1.5}, "max_redeliveries"),
+    ({"rescore_chunk": True}, "rescore_chunk"),
+    ({"send_sent_events": "no"}, "send_sent_events must be true or false"),  # truthy str
+    ({"visibility_timeout_s": "90"}, "visibility_timeout_s must be a finite number"),
+    ({"redis_url": 5}, "redis_url must be a string"),
+    ({"classes": [{**CLASS, "cpu_cores": 2.5}], "default_class": "a"}, "class 'a': cpu_cores"),
+    ({"classes": [{**CLASS, "cpu_cores": True}], "default_class": "a"}, "cpu_cores"),
+    ({"weights": {"risk_cap": True}}, "risk_cap"),
+    ({"weights": {"qos_gain": "x"}}, "qos_gain"),
+])
+def test_bad_file_values_are_refused_by_name(settings: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        SitsConfig.from_mapping(settings)
+
+
+def test_a_file_integer_does_not_narrow_what_the_environment_may_set(tmp_path: Path) -> None:
+    site = tmp_path / "site.toml"
+    site.write_text("visibility_timeout_s = 60\nrescore_interval_s = 5\n")
+    config = SitsConfig.from_env({"SITS_CONFIG": str(site), "SITS_VISIBILITY_TIMEOUT_S": "90.5",
+                                  "SITS_RESCORE_INTERVAL_S": "2.5"})
+    assert (config.visibility_timeout_s, config.rescore_interval_s) == (90.5, 2.5)
+    assert SitsConfig.from_file(site).visibility_timeout_s == 60  # an int is a number
+
+
+def test_the_configured_redis_is_the_environments_then_the_files(tmp_path: Path) -> None:
+    site = tmp_path / "site.toml"
+    site.write_text('redis_url = "redis://db:6380/1"\n')
+    assert configured_redis_url({}) is None
+    assert configured_redis_url({"SITS_CONFIG": str(site)}) == "redis://db:6380/1"
+    assert configured_redis_url({"SITS_CONFIG": str(site),
+                                 "SITS_REDIS_URL": "redis://other:1/0"}) == "redis://other:1/0"
+    plain = tmp_path / "plain.toml"
+    plain.write_text("rescore_chunk = 64\n")
+    assert configured_redis_url({"SITS_CONFIG": str(plain)}) is None
+    with pytest.raises(ConfigError, match=r"missing\.toml"):
+        configured_redis_url({"SITS_CONFIG": str(tmp_path / "missing.toml")})
+
+
+def test_a_task_may_not_declare_more_vram_than_its_class_allows() -> None:
+    config = SitsConfig()
+    low = config.quota("low").vram_gib
+    assert resolve(config, {}, {"sla_class": "low", "vram_gib": low}).vram_gib == low
+    with pytest.raises(InvalidTaskOptions, match="exceeds the 'low' class's limit"):
+        resolve(config, {}, {"sla_class": "low", "vram_gib": low + 1})
