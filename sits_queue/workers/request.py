@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -94,9 +95,15 @@ def declared_vram_gib(headers: Mapping[str, Any]) -> float | None:
     if not isinstance(header, Mapping):
         return None
     value = header.get("vram_gib")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value)
+    try:
+        gib = float(value)
+    except OverflowError:  # an int beyond floats: no device holds it
+        return None
+    # NaN / inf from a foreign producer: unreadable, like any other bad value (fits()
+    # would raise in the main process, where nothing catches it and the slot is lost)
+    return gib if math.isfinite(gib) and gib >= 0 else None
 
 
 def admit(needed_gib: float | None, free_bytes: int,
@@ -205,7 +212,13 @@ def refused(request: Request) -> bool:
     if _shared is not None and getattr(request.task, "runs_inference", False):
         verdict = _shared
     elif (needed := declared_vram_gib(request.request_dict)) is not None:
-        verdict = admit(needed, probe().max_free_bytes())
+        try:
+            free = probe().max_free_bytes()
+        except Exception as exc:  # NVML gone away: run it; its class cap still holds
+            logger.warning("task %s[%s]: could not read free device memory (%s); "
+                           "started without the vram_gib check", request.name, request.id, exc)
+            return False
+        verdict = admit(needed, free)
     if verdict is None:
         return False
     release(request, verdict)

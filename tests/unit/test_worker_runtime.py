@@ -239,6 +239,9 @@ def test_confine_outside_a_pool_child_leaves_the_process_alone(
     ({"sits": {"vram_gib": 12}}, 12.0), ({"sits": {"vram_gib": None}}, None),
     ({"sits": {}}, None), ({}, None), ({"sits": "junk"}, None),
     ({"sits": {"vram_gib": True}}, None), ({"sits": {"vram_gib": -1}}, None),
+    # from a foreign producer: unreadable, so run it (fits() would raise on these)
+    ({"sits": {"vram_gib": float("nan")}}, None), ({"sits": {"vram_gib": float("inf")}}, None),
+    ({"sits": {"vram_gib": 10 ** 400}}, None),
 ])
 def test_declared_vram(headers: dict[str, Any], needed: float | None) -> None:
     assert request.declared_vram_gib(headers) == needed
@@ -304,6 +307,24 @@ def test_generated_request_classes_are_guarded(monkeypatch: pytest.MonkeyPatch) 
     assert CeleryGenerated.ran == ["task-1"]
     assert qos.released == [("tag-1", request.HOLD_FIRST_S, request.HOLD_LONGEST_S)]
     assert big.message._state == "REQUEUED" and big.acknowledged
+
+
+class BrokenProbe:
+    def max_free_bytes(self) -> int:
+        raise RuntimeError("NVML: the driver went away")
+
+
+def test_an_unreadable_declaration_or_device_starts_the_task(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # nothing here may raise in the main process: Celery would lose the pool slot
+    CeleryGenerated.ran.clear()
+    monkeypatch.setattr(request, "_probe", FakeProbe(40 * GIB))
+    nan, qos = fake_request(float("nan"))
+    assert nan.execute_using_pool(None) == "sent to the pool" and qos.released == []
+    monkeypatch.setattr(request, "_probe", BrokenProbe())
+    declared, qos = fake_request(8)
+    assert declared.execute_using_pool(None) == "sent to the pool" and qos.released == []
+    assert CeleryGenerated.ran == ["task-1", "task-1"]
 
 
 def test_a_worker_of_plain_tasks_only_leaves_inference_tasks(
