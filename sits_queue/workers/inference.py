@@ -404,7 +404,13 @@ def sampled(logits: Any, temperature: float, seed: int, position: int, generator
     ``temperature``: the same draw wherever that row decodes, alone or in a batch."""
     import torch
 
-    probs = torch.softmax(logits / temperature, dim=-1).cpu()
+    # In float64, shifted by the row's max before scaling: at a tiny temperature float32
+    # logits / temperature overflow to inf (and the temperature itself rounds to 0), so
+    # softmax gave NaN and multinomial raised for the whole batch; this way the others go
+    # to -inf and the draw tends to greedy, as the temperature does.
+    wide = logits.double()
+    probs = torch.softmax((wide - wide.max(dim=-1, keepdim=True).values) / temperature,
+                          dim=-1).cpu()
     return int(torch.multinomial(probs, 1, generator=seeded(generator, seed, position)))
 
 

@@ -80,6 +80,21 @@ def test_sampling_is_seeded(lm: Any) -> None:
     assert a == b
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 1e-40, 1e-8])
+def test_a_tiny_temperature_tends_to_greedy_alone_and_in_a_batch(lm: Any,
+                                                                  temperature: float) -> None:
+    # (float32 logits / 1e-40 overflowed: NaN probabilities, the whole batch failed)
+    greedy = inference.generate(lm, "the cache", max_new_tokens=6)
+    cold = inference.generate(lm, "the cache", max_new_tokens=6, temperature=temperature)
+    assert cold["text"] == greedy["text"]
+    got = batchgen.generate_calls(lm, [
+        batched.Call("a", ("the cache", 6), {"temperature": temperature}),
+        batched.Call("b", ("a queue", 5), {"temperature": 1.5, "seed": 3})])
+    assert got[0]["text"] == greedy["text"]
+    assert got[1] == {**inference.generate(lm, "a queue", max_new_tokens=5, temperature=1.5,
+                                           seed=3), "cached_tokens": 0, "shared_tokens": 0}
+
+
 class YieldAt(Exception):
     """Stands in for Preempted: carries the state a yield point was given, as JSON."""
 
