@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from celery.exceptions import SoftTimeLimitExceeded
 
 from sits_queue.cache import kvwarm
-from sits_queue.errors import InferenceError, InvalidInput
+from sits_queue.errors import InferenceError, InvalidInput, VramLimitExceeded
 from sits_queue.workers import firsttoken, inference, kvreuse, runtime
 from sits_queue.workers.batched import Call, arguments
 
@@ -113,16 +113,58 @@ def generate_calls(engine: Any, calls: list[Call], *, share_prefix: bool = True
         for i, out in enumerate(outputs):
             if out is not None:
                 send(i, out)
-    for n, (stop, rows) in enumerate(groups.items(), 1):
-        # Only the last group takes joining rows: the other group waits for this one.
+    runs: list[tuple[bool, list[_Row], bool]] = []
+    for stop, rows in groups.items():
+        fitted, too_big = _fitted(module, rows, active)
+        for index, error in too_big.items():
+            outputs[index] = error
+            send(index, error)
+        # a group split to fit its class runs unshared: the narrowest layouts
+        runs += [(stop, part, share_prefix and len(fitted) == 1) for part in fitted]
+    for n, (stop, rows, share) in enumerate(runs, 1):
+        # Only the last run takes joining rows: the others wait for it.
         joining = batchjoin.joining_for(engine, tokenizer, model, limit, stop, send) \
-            if n == len(groups) else None
+            if n == len(runs) else None
         for row, out in zip(rows, _generate_rows(module, tokenizer, model, rows, stop,
-                                                 share_prefix, send, joining), strict=True):
+                                                 share, send, joining), strict=True):
             outputs[row.index] = out
-            if n < len(groups):  # the other group runs next
+            if n < len(runs):  # another run goes next
                 send(row.index, out)
     return outputs
+
+
+def _fitted(module: Any, rows: list[_Row], active: runtime.ActiveTask | None
+            ) -> tuple[list[list[_Row]], dict[int, InferenceError]]:
+    """The group as runs whose estimated working memory fits the class (where the class
+    is enforced by estimate: off CUDA; there the allocator's cap decides): one run when
+    the rows fit together, as they almost always do. Else rows run in as few runs as
+    fit (shortest first), and a row too big even alone fails alone, with its
+    ``VramLimitExceeded`` — not every call of the batch for one long ``max_new_tokens``."""
+    if active is None or len(rows) == 1:
+        return [rows], {}
+
+    def fits(part: list[_Row]) -> VramLimitExceeded | None:
+        width = max(len(r.ids) for r in part) + max(r.most for r in part)
+        try:
+            active.check_vram(inference.kv_cache_bytes(module, width * len(part)))
+        except VramLimitExceeded as exc:
+            return exc
+        return None
+
+    if fits(rows) is None:
+        return [rows], {}
+    runs: list[list[_Row]] = []
+    failed: dict[int, InferenceError] = {}
+    part: list[_Row] = []
+    for row in sorted(rows, key=lambda r: (len(r.ids) + r.most, r.index)):
+        if (alone := fits([row])) is not None:
+            failed[row.index] = alone
+            continue
+        if part and fits([*part, row]) is not None:
+            runs.append(part)
+            part = []
+        part.append(row)
+    return [*runs, part] if part else runs, failed
 
 
 def _parse(engine: Any, tokenizer: Any, model: str, limit: int | None, index: int,

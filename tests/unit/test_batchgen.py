@@ -393,3 +393,42 @@ def test_a_soft_time_limit_after_a_delivery_fails_only_the_rows_still_going(
     # the 2-token row was done and delivered; the limit stopped the other three next step
     assert delivered == [0]
     assert hit.value.args[0].endswith("stopped after 2 of 7 decode steps")
+
+
+def test_a_batch_over_its_class_runs_in_parts_that_fit_and_fails_only_a_row_too_big(
+        lm: Any) -> None:
+    from dataclasses import replace
+
+    from sits_queue.errors import VramLimitExceeded
+
+    def ids(prompt: str) -> int:
+        return len(inference.tokenizer_of(lm, "lm")(prompt)["input_ids"])
+
+    short = ["the worker loads", "a queue waits", "once more"]
+    long_prompt, huge_prompt = "every task keeps", "the cache warms"
+    # a class that holds the long row alone (and the short ones together), not both
+    module = inference.module_of(lm, "lm")
+    kv = inference.kv_cache_bytes(module, int(1.5 * (ids(long_prompt) + 40)))
+    quota = replace(SitsConfig().quota("low"),
+                    vram_gib=(lm.size_bytes() + kv) / rt.BYTES_PER_GIB)
+    calls = [*(Call(f"s{i}", (p, 2), {"stop_at_eos": False}) for i, p in enumerate(short)),
+             Call("long", (long_prompt, 40), {"stop_at_eos": False}),
+             Call("huge", (huge_prompt, 200), {"stop_at_eos": False})]
+    delivered: dict[int, Any] = {}
+    active = rt.ActiveTask("lm", quota, lm.size_bytes(), "cpu",
+                           early=lambda i, out: delivered.setdefault(i, out) is out)
+    with rt.activated(active):
+        got = generate_calls(lm, calls)
+    # every call that fits alone gets what it would alone...
+    for call, out in zip(calls[:4], got, strict=False):
+        prompt, most = call.args
+        assert out == {**inference.generate(lm, prompt, max_new_tokens=most,
+                                            stop_at_eos=False),
+                       "cached_tokens": 0, "shared_tokens": 0}, call.id
+    # ...and the one too big for the class even alone fails alone, at once
+    assert isinstance(got[4], VramLimitExceeded) and "class 'low'" in str(got[4])
+    assert delivered[4] is got[4]
+    # (the whole batch at once would not have fitted)
+    with rt.activated(active), pytest.raises(VramLimitExceeded):
+        active.check_vram(inference.kv_cache_bytes(
+            module, (max(map(ids, [*short, long_prompt])) + 40) * 4))
