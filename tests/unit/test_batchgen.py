@@ -6,6 +6,7 @@ it would alone."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from sits_queue.cache.prefix import PrefixStore
 from sits_queue.config import SitsConfig
-from sits_queue.errors import InvalidInput
+from sits_queue.errors import InvalidInput, VramLimitExceeded
 from sits_queue.workers import inference, kvreuse, metrics
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.batched import Call
@@ -397,10 +398,6 @@ def test_a_soft_time_limit_after_a_delivery_fails_only_the_rows_still_going(
 
 def test_a_batch_over_its_class_runs_in_parts_that_fit_and_fails_only_a_row_too_big(
         lm: Any) -> None:
-    from dataclasses import replace
-
-    from sits_queue.errors import VramLimitExceeded
-
     def ids(prompt: str) -> int:
         return len(inference.tokenizer_of(lm, "lm")(prompt)["input_ids"])
 
