@@ -174,29 +174,54 @@ def _run(task: Any, calls: list[Call], request: dict[str, Any],
     those ``early`` took before it failed, and those ``feed`` declined). Calls that join
     on the way (``feed``) are appended to ``calls``; their outcomes go through ``early``."""
     own = list(calls)
+    delivered: set[int] = set()
+    failed: list[str] = []  # reasons, one per failed call, counted once each
+
+    def fail(out: Any) -> None:
+        if isinstance(out, BaseException) and (reason := metrics.failure_reason(out)):
+            failed.append(reason)
+
+    def taking(index: int, output: Any, meta: dict[str, Any]) -> bool:
+        # a call delivered early is counted then (run_inference leaves it out of a
+        # failure of the rest), whether it joined or was the batch's own
+        taken = early is not None and early(index, output, meta)
+        if taken:
+            delivered.add(index)
+            fail(output)
+        return taken
+
     task.push_request(**{**request, "id": calls[0].id, "args": calls[0].args,
                          "kwargs": calls[0].kwargs, "is_eager": False})
     try:
         result = inference.run_inference(runtime.for_app(task.app), task, (calls,), {},
-                                         tasks=len(calls), early=early, joins=feed)
+                                         tasks=len(calls), early=taking if early else None,
+                                         joins=feed)
     except Exception as exc:  # SoftTimeLimitExceeded too: each call fails with it
+        # (run_inference counted it for the calls not delivered)
+        _count(failed)
         return {c.id: exc for c in calls}
     finally:
         task.pop_request()
         if feed is not None:  # before the tracing: what is pushed from now runs apart
             feed.close()
     outcomes = split_outputs(result["output"], own, result["sits"])
-    for call in calls[len(own):]:  # a joined call's outcome went through early
-        outcomes[call.id] = InferenceError(f"call {call.id} joined the batch but got no "
-                                           "result")
-    failed = [reason for out in outcomes.values() if isinstance(out, BaseException)
-              and (reason := metrics.failure_reason(out)) is not None]
+    declined = feed.declined if feed is not None else set()
+    for i, call in enumerate(calls):
+        if i >= len(own):  # a joined call's outcome went through early, if it had one
+            outcomes[call.id] = InferenceError(f"call {call.id} joined the batch but got "
+                                               "no result")
+        if i not in delivered and i not in declined:
+            fail(outcomes[call.id])
+    _count(failed)
+    return outcomes
+
+
+def _count(failed: list[str]) -> None:
     child = runtime.child()
     if failed and child is not None:
         for reason in failed:
             child.count(metrics.failure_fields(reason))
         child.publish()
-    return outcomes
 
 
 # -- the built-in batch function -----------------------------------------------------------

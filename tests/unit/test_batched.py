@@ -146,3 +146,75 @@ def test_prefetch_counts_a_batch_as_one_job() -> None:
     assert held_units(delivered) == 2
     assert held_units(delivered, {"d"}) == 1
     assert held_units(delivered, {"a", "b", "c"}) == 1
+
+
+class Counted:
+    """The child runtime's counters, as ``batched._run`` reaches them."""
+
+    def __init__(self) -> None:
+        self.fields: dict[str, float] = {}
+
+    def count(self, fields: dict[str, float]) -> None:
+        for key, value in fields.items():
+            self.fields[key] = self.fields.get(key, 0.0) + value
+
+    def publish(self) -> None:
+        pass
+
+
+class Feed:
+    def __init__(self, declined: set[int]) -> None:
+        self.declined, self.joined = declined, 0
+
+    def close(self) -> None:
+        pass
+
+
+class Task:
+    app = None
+
+    def push_request(self, **_: Any) -> None:
+        pass
+
+    def pop_request(self) -> None:
+        pass
+
+
+def run_counted(monkeypatch: pytest.MonkeyPatch, run: Any, declined: set[int] = frozenset()
+                ) -> dict[str, float]:
+    counted = Counted()
+    monkeypatch.setattr(batched.runtime, "child", lambda: counted)
+    monkeypatch.setattr(batched.runtime, "for_app", lambda app: None)
+    monkeypatch.setattr(batched.inference, "run_inference", run)
+    batched._run(Task(), [Call("own-0", ("a",)), Call("own-1", ("",))], {},
+                 early=lambda i, out, meta: True, feed=Feed(set(declined)))
+    return counted.fields
+
+
+def test_each_failed_call_is_counted_once_and_no_joined_success_is(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def succeeds(rt: Any, task: Any, args: Any, kwargs: Any, tasks: int = 1,
+                 early: Any = None, joins: Any = None) -> dict[str, Any]:
+        (calls,) = args
+        early(1, InvalidInput("prompt must not be empty"), {})  # an own call fails early
+        calls += [Call("joined-2", ("b",)), Call("joined-3", ("c",)),
+                  Call("joined-4", ("d",))]
+        early(2, {"text": "ok"}, {})  # a joined call done: no failure
+        early(3, InvalidInput("bad seed"), {})  # a joined call failed on its input
+        return {"output": [{"text": "x"}, InvalidInput("prompt must not be empty")],
+                "sits": {}}
+
+    # joined-4 was declined (it runs after the batch): not this run's to count
+    assert run_counted(monkeypatch, succeeds, declined={4}) == {
+        "failed": 2.0, "failed:InvalidInput": 2.0}
+
+
+def test_a_batch_failing_after_an_early_failure_counts_that_one_too(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def fails(rt: Any, task: Any, args: Any, kwargs: Any, tasks: int = 1,
+              early: Any = None, joins: Any = None) -> dict[str, Any]:
+        early(1, InvalidInput("prompt must not be empty"), {})
+        # run_inference counts its own failure for the calls not delivered
+        raise RuntimeError("the rest failed")
+
+    assert run_counted(monkeypatch, fails) == {"failed": 1.0, "failed:InvalidInput": 1.0}
