@@ -145,16 +145,18 @@ def worker_record(hostname: str, pid: int, concurrency: int, devices: list[Devic
 # -- writing -----------------------------------------------------------------------------
 
 def publish_child(config: SitsConfig, hostname: str, slot: int, record: Mapping[str, Any],
-                  increments: Mapping[str, float] | None = None) -> None:
-    """Child side, one round trip: this child's record, and its new counts in the counters.
+                  increments: Mapping[str, float] | None = None) -> bool:
+    """Child side, one round trip: this child's record, and its new counts in the counters;
+    False when Redis could not take them (the caller keeps the counts for next time).
 
     The counters live in the worker's hash (not the child record) so they survive a
     child that is replaced after a hard time limit. Field names: :mod:`.metrics`.
+    All or nothing (MULTI/EXEC), so counts kept after a failure are never added twice.
     """
     prefix = config.global_keyprefix
     counters = counters_key(prefix, hostname)
     try:
-        pipe = client_for(config).pipeline(transaction=False)
+        pipe = client_for(config).pipeline(transaction=True)
         pipe.set(child_key(prefix, hostname, slot),
                  json.dumps({**record, "updated_at": time.time()}, default=str), ex=TTL_S)
         for name, value in (increments or {}).items():
@@ -166,7 +168,10 @@ def publish_child(config: SitsConfig, hostname: str, slot: int, record: Mapping[
             pipe.expire(counters, TTL_S * 4)
         pipe.execute()
     except redis.RedisError as exc:
-        logger.warning("could not publish the child's warm set and counters: %s", exc)
+        logger.warning("could not publish the child's warm set and counters (kept for "
+                       "the next try): %s", exc)
+        return False
+    return True
 
 
 def refresh(client: redis.Redis, prefix: str, hostname: str, pid: int, concurrency: int,

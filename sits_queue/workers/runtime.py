@@ -399,7 +399,7 @@ class ChildRuntime:
         """Write this child's warm set and memory, and its new counts, for the advert."""
         warm = self._cache.warm() if self._cache is not None else {}
         unsent, self._unsent = self._unsent, {}
-        advertise.publish_child(self.config, self.plan.hostname, self.slot, {
+        sent = advertise.publish_child(self.config, self.plan.hostname, self.slot, {
             "slot": self.slot, "slots": self.plan.slots, "pid": os.getpid(),
             "device": self.device_label, "warm": dict(warm), "cpus": list(self._cpus),
             "kv_prefixes": self._prefixes.models() if self._prefixes is not None else {},
@@ -407,6 +407,8 @@ class ChildRuntime:
             "tasks": int(self.counters.get("tasks", 0)),
             "cold": int(self.counters.get("cold", 0)),
             "memory": gpu.memory_stats()}, unsent)
+        if not sent:  # Redis away for now: the counts go with the next publish
+            metrics.merge(self._unsent, unsent)
 
 
 def _engine_cache(device: str, device_bytes: int, host_bytes: int, *,

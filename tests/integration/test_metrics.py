@@ -14,6 +14,7 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -22,10 +23,14 @@ import redis
 from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
 
+from sits_queue.app import make_app
 from sits_queue.cli import _format_status, workers_status
 from sits_queue.config import SitsConfig
 from sits_queue.errors import InvalidInput, UnknownModel
 from sits_queue.procs import CeleryProcess, wait_ready
+from sits_queue.workers import advertise, metrics
+from sits_queue.workers import runtime as rt
+from sits_queue.workers.devices import Discovery, cpu_device
 from tests.integration.inference_app import (
     FIRST_CALL_S,
     ROOT,
@@ -237,3 +242,25 @@ def test_sitsq_metrics_on_a_taken_port_exits_with_the_reason(
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
+
+
+def test_counts_a_child_could_not_publish_go_with_its_next_publish(
+        redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as s:  # a port nothing listens on: Redis away
+        s.bind(("127.0.0.1", 0))
+        away = s.getsockname()[1]
+    app = make_app(SitsConfig(redis_url=f"redis://127.0.0.1:{away}/0"), main="away")
+    device = cpu_device()
+    child = rt.ChildRuntime(app=app, plan=rt.WorkerPlan("w@h", Discovery((device,)), (0,), 1),
+                            slot=0, device=device)
+    monkeypatch.setattr(advertise, "_clients", {})
+    child.count(metrics.failure_fields("InvalidInput"))
+    child.publish()  # logged, not raised; the counts are kept
+    child.count(metrics.failure_fields("InvalidInput"))
+    # When Redis is back, both counts arrive, once
+    app.sits = replace(app.sits, redis_url=redis_url)
+    monkeypatch.setattr(advertise, "_clients", {})
+    child.publish()
+    child.publish()
+    counters = redis_client.hgetall(advertise.counters_key("", "w@h"))
+    assert counters[b"failed"] == b"2" and counters[b"failed:InvalidInput"] == b"2"

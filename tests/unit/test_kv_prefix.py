@@ -208,7 +208,7 @@ def test_a_demoted_or_evicted_engine_takes_its_prefixes_along(
     from sits_queue.workers import advertise
     from sits_queue.workers.devices import Device, Discovery
 
-    monkeypatch.setattr(advertise, "publish_child", lambda *a: None)
+    monkeypatch.setattr(advertise, "publish_child", lambda *a: True)
     app = make_app(SitsConfig(), main="kv-unit")
     app.register_model("m", lambda: None)
     cpu = Device(index=0, kind="cpu", name="cpu", uuid="cpu", total_vram_bytes=2**36,

@@ -62,7 +62,7 @@ def test_a_replaced_child_gets_the_same_gpu(monkeypatch: pytest.MonkeyPatch) -> 
     # billiard gives a replacement the free index of the child it replaces.
     adverts: list[dict[str, Any]] = []
     monkeypatch.setattr(advertise, "publish_child",  # no Redis in unit tests
-                        lambda _config, _host, _slot, record, _counts: adverts.append(record))
+                        lambda _config, _host, _slot, record, _counts: not adverts.append(record))
 
     def asked() -> bool:
         raise AssertionError("a child's start-up asked torch about CUDA")

@@ -346,7 +346,7 @@ def app() -> Iterator[Celery]:
 def published(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Advertisement writes, captured instead of sent to Redis."""
     seen: list[Any] = []
-    monkeypatch.setattr(advertise, "publish_child", lambda *a: seen.append(a[3:]))
+    monkeypatch.setattr(advertise, "publish_child", lambda *a: not seen.append(a[3:]))
     return seen
 
 
