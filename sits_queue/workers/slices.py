@@ -89,7 +89,13 @@ def checkpoint_of(request: Any) -> Any:
     """The state saved at the task's last yield (``pick.lua`` hands it over in a header),
     or None on a first run."""
     raw = getattr(request, CHECKPOINT_HEADER, None)
-    return json.loads(raw) if isinstance(raw, (str, bytes)) else None
+    if not isinstance(raw, (str, bytes)):
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:  # not ours (a foreign producer's header): a first run, not a crash
+        logger.warning("checkpoint header is not JSON, starting over: %.200r", raw)
+        return None
 
 
 def slim_yields(tracer: Callable[..., Any]) -> Callable[..., Any]:
@@ -152,7 +158,11 @@ class Slicer:
         resumption, and ``preempt.lua`` lets no one yield for it (else one urgent arrival
         would cascade: high displaces medium, medium displaces low).
         """
-        outranking = self.config.outranking(running.sla_class)
+        # a class this worker does not know (a foreign header) runs as the default one,
+        # as runtime.task_class runs it; outranking() would raise at every yield point
+        known = running.sla_class in self.config.class_names
+        outranking = self.config.outranking(running.sla_class if known
+                                            else self.config.default_class)
         if not outranking or not past_slice(running, now, self.config):
             return False
         keys = self.keys(running.queue)

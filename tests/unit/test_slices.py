@@ -94,6 +94,32 @@ def test_a_yield_point_with_redis_unreachable_lets_the_task_run_on(
         app.close()
 
 
+def test_a_foreign_header_never_fails_a_yield_point(caplog: pytest.LogCaptureFixture) -> None:
+    from sits_queue.app import make_app
+    from sits_queue.workers import slices
+
+    app = make_app(SitsConfig(redis_url="redis://127.0.0.1:1/0"), main="slices_foreign")
+
+    @app.task(bind=True, shared=False)
+    def step(self: object) -> None: ...
+
+    task = app.tasks[step.name]
+    # a class this worker does not know runs as the default one; a checkpoint that is
+    # not JSON is a first run
+    task.push_request(id="t-2", sits_delivery=["celery", "m-2"], sits={"sla_class": "bogus"},
+                      sits_checkpoint=b"{not json")
+    slices._starts["t-2"] = -1e9
+    try:
+        with caplog.at_level("WARNING"):
+            assert task.checkpoint is None
+            task.yield_point({"done": 1})  # no ConfigError: it asks Redis (away here)
+        assert "not JSON" in caplog.text and "yield point skipped" in caplog.text
+    finally:
+        slices._starts.pop("t-2", None)
+        task.pop_request()
+        app.close()
+
+
 def test_the_state_kept_at_a_yield_must_be_json_data() -> None:
     assert json.loads(state_json({"done": 3, "ids": [1, 2]})) == {"done": 3, "ids": [1, 2]}
     assert state_json(None) == "null"
