@@ -137,6 +137,17 @@ def test_the_beats_own_tasks_are_not_top_class_backlog_or_arrivals(
     assert wait is not None and wait >= 900
 
 
+def test_a_corrupt_stored_snapshot_never_stops_submissions(
+        app: Celery, redis_client: redis.Redis) -> None:
+    # (a newer beat's extra field, a NaN: every enqueue raised while they stood)
+    redis_client.set("sits:stats", b'{"classes": {"high": {"p95_ms": 10, "p99_ms": 20}},'
+                                   b' "hotness": {"m": NaN}}')
+    app.tasks["t.echo"].apply_async(("kept",), sla_class="high", model="m")
+    redis_client.set("sits:stats", b"not json")
+    app.tasks["t.echo"].apply_async(("also",), sla_class="low")
+    assert drain(app) == ["kept", "also"]
+
+
 def test_invalid_options_enqueue_nothing(app: Celery, redis_client: redis.Redis) -> None:
     echo = app.tasks["t.echo"]
     bad: list[dict[str, Any]] = [{"sla_class": "urgent"}, {"context_tokens": -5},

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from sits_queue.broker.snapshot import snapshot_from_json
 from sits_queue.config import ClassQuota, PriorityWeights, SitsConfig
 from sits_queue.errors import ConfigError, InvalidTaskOptions
 from sits_queue.priority.model import (
@@ -353,3 +354,21 @@ def test_extreme_config_stays_finite_and_positive() -> None:
     score = priority(features, EMPTY, config)
     assert math.isfinite(score) and score > 0
     assert math.isfinite(starvation_bound_s(config))
+
+
+@pytest.mark.parametrize("raw", [
+    b"garbage", b"[1, 2]", b'"a string"',
+    b'{"classes": {"high": {"p95_ms": NaN}}, "hotness": {"m": NaN}}',
+    b'{"classes": {"high": [1, 2], "low": 5}, "hotness": [1]}',
+])
+def test_an_unreadable_stored_snapshot_scores_as_no_data(raw: bytes) -> None:
+    got = snapshot_from_json(raw, 100.0)
+    assert got.now_s == 100.0 and dict(got.classes) == {} and dict(got.hotness) == {}
+
+
+def test_a_stored_snapshot_keeps_what_reads_and_ignores_a_newer_beats_fields() -> None:
+    got = snapshot_from_json(
+        b'{"classes": {"high": {"p95_ms": 900, "jitter_ms": 3, "bandwidth_compliance": 1,'
+        b' "p99_ms": 2000}, "low": {"p95_ms": -1}}, "hotness": {"a": 0.5, "b": 7}}', 1.0)
+    assert got.classes["high"] == ClassStats(p95_ms=900, jitter_ms=3, bandwidth_compliance=1)
+    assert "low" not in got.classes and dict(got.hotness) == {"a": 0.5}
