@@ -253,10 +253,12 @@ def embed_calls(engine: Any, calls: list[Call]) -> list[Any]:
     groups: dict[bool, list[tuple[int, Any]]] = {}
     for i, call in enumerate(calls):
         args = arguments(_EMBED, "sits.embed", engine, call)
+        if not isinstance(args, InvalidInput) and not isinstance(args["normalize"], bool):
+            args = InvalidInput(f"normalize must be true or false, got {args['normalize']!r}")
         if isinstance(args, InvalidInput):
             outputs[i] = args
             continue
-        groups.setdefault(bool(args["normalize"]), []).append((i, args["texts"]))
+        groups.setdefault(args["normalize"], []).append((i, args["texts"]))
     for normalize, members in groups.items():
         valid: list[tuple[int, Any, list[str]]] = []
         for i, texts in members:

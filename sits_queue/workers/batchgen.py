@@ -176,12 +176,13 @@ def _parse(engine: Any, tokenizer: Any, model: str, limit: int | None, index: in
         return args
     prompt, most = args["prompt"], args["max_new_tokens"]
     try:
-        inference.check_prompt(prompt, most, args["temperature"], args["seed"])
+        inference.check_prompt(prompt, most, args["temperature"], args["seed"],
+                               args["stop_at_eos"])
         ids = tokenizer(prompt)["input_ids"]
         inference.check_context(model, len(ids), most, limit)
     except InferenceError as exc:
         return exc
-    return bool(args["stop_at_eos"]), _Row(index, ids, most, float(args["temperature"]),
+    return args["stop_at_eos"], _Row(index, ids, most, float(args["temperature"]),
                                            int(args["seed"]))
 
 

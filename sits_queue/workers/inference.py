@@ -268,7 +268,15 @@ def check_context(model: str, prompt_tokens: int, max_new_tokens: int,
                              f"{max_new_tokens} exceeds model {model!r}'s {limit} positions")
 
 
-def check_prompt(prompt: Any, max_new_tokens: Any, temperature: Any, seed: Any = 0) -> None:
+def check_flag(name: str, value: Any) -> None:
+    """A yes/no argument must be a bool: the string "false" is truthy, so bool() of it
+    would silently do the opposite of what the caller asked."""
+    if not isinstance(value, bool):
+        raise InvalidInput(f"{name} must be true or false, got {value!r}")
+
+
+def check_prompt(prompt: Any, max_new_tokens: Any, temperature: Any, seed: Any = 0,
+                 stop_at_eos: Any = True) -> None:
     if not isinstance(prompt, str) or not prompt:
         raise InvalidInput(f"prompt must be a non-empty string, got {type(prompt).__name__}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
@@ -280,6 +288,7 @@ def check_prompt(prompt: Any, max_new_tokens: Any, temperature: Any, seed: Any =
         raise InvalidInput(f"temperature must be a number in [0, 100], got {temperature!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise InvalidInput(f"seed must be an integer, got {seed!r}")
+    check_flag("stop_at_eos", stop_at_eos)
 
 
 def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0,
@@ -302,7 +311,7 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
     """
     import torch
 
-    check_prompt(prompt, max_new_tokens, temperature, seed)
+    check_prompt(prompt, max_new_tokens, temperature, seed, stop_at_eos)
     model = getattr(engine, "key", "?")
     module, tokenizer = module_of(engine, model), tokenizer_of(engine, model)
     device = next(module.parameters()).device
@@ -504,6 +513,7 @@ def embed(engine: Any, texts: str | Sequence[str], normalize: bool = True) -> An
     padding).
     """
     batch = check_texts(texts)
+    check_flag("normalize", normalize)
     model = getattr(engine, "key", "?")
     active = runtime.active()
     cache = active.embeddings if active is not None else None
@@ -562,8 +572,11 @@ def _embed_batch(engine: Any, model: str, batch: list[str], normalize: bool,
     if active is not None:
         active.check_vram(kv_cache_bytes(module, length * len(batch)))
     enc = {k: v.to(device) for k, v in enc.items()}
+    # A causal LM's head gives logits, not states: its body (base_model) gives the last
+    # hidden states, as an encoder does (base_model is the module itself there).
+    body = getattr(module, "base_model", None) or module
     with torch.inference_mode():
-        out = module(**enc)
+        out = body(**enc)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)

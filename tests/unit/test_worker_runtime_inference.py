@@ -162,6 +162,7 @@ def test_a_checkpoint_that_is_not_ours_starts_over(lm: Any, checkpoint: Any,
     (("hi", 4, -1.0), "temperature"),
     (("hi", 4, 1.0, "7"), "seed must be an integer"),
     (("hi", 4, 1.0, False), "seed must be an integer"),
+    (("hi", 4, 1.0, 0, "false"), "stop_at_eos must be true or false"),  # "false" is truthy
 ])
 def test_generate_rejects_malformed_input(lm: Any, args: tuple[Any, ...], match: str) -> None:
     with pytest.raises(InvalidInput, match=match):
@@ -295,6 +296,23 @@ def test_embed_mean_pools_and_normalises(encoder: Any) -> None:
 def test_embed_rejects_malformed_input(encoder: Any, texts: Any) -> None:
     with pytest.raises(InvalidInput):
         inference.embed(encoder, texts)
+
+
+def test_embed_takes_normalize_as_a_bool_only(encoder: Any) -> None:
+    with pytest.raises(InvalidInput, match="normalize must be true or false"):
+        inference.embed(encoder, "the beat", normalize="false")
+    calls = [batched.Call("a", (["the beat"],), {"normalize": "no"}),
+             batched.Call("b", (["the beat"],), {"normalize": False})]
+    got = batched.embed_calls(encoder, calls)
+    assert isinstance(got[0], InvalidInput) and "normalize" in str(got[0])
+    assert got[1] == [inference.embed(encoder, "the beat", normalize=False)]
+
+
+def test_a_causal_lm_embeds_its_last_hidden_states_not_its_logits(lm: Any) -> None:
+    module = inference.module_of(lm, "lm")
+    vector = inference.embed(lm, "the cache warms")
+    assert len(vector) == module.config.hidden_size != module.config.vocab_size
+    assert sum(x * x for x in vector) == pytest.approx(1.0, abs=1e-5)
 
 
 def test_embed_refuses_too_long_texts(encoder: Any) -> None:
