@@ -1,6 +1,28 @@
 """Ack emulation for the sorted-set transport: kombu's Redis QoS, re-pointed at the
 per-queue unacked sets that ``pick.lua`` fills (ack, reject, release, restore and the
-heartbeat of held messages each run on the message's own queue)."""
+heartbeat of held messages each run on the message's own queue).
+
+What counts as a redelivery (``restore.lua``; more than ``max_redeliveries`` of them
+dead-letter a message as poison) and what does not (``release.lua``):
+
+* counts: the visibility sweep's restore (the holder went silent: it died), a reject
+  with requeue (Celery's ``task_reject_on_worker_lost``: the pool child running it
+  died), and a give-back at channel close of a task that had *started* (a cold
+  shutdown cancels it: the task may be what kept its worker from stopping; a lost
+  connection);
+* does not: a give-back at channel close of a message the worker held but had not
+  started (a warm shutdown or a reconnect while it was reserved, an ETA task in
+  Celery's timer), and a release (a task the worker chose not to start, or that
+  yielded its slot). Nothing crashed; restarts alone must never make a task poison.
+
+"Started" is Celery's own: the worker's accepted requests
+(``celery.worker.state.active_requests``), read at the give-back and remembered at each
+sweep tick (kombu's restore interval, a sixth of the visibility timeout: ``app.py``)
+while held, because a cold shutdown cancels the running requests, and Celery forgets
+them, before the channel closes: a task that started less than a tick before a cold
+shutdown does not count. A plain kombu consumer has no requests, so its clean close
+never counts; if it dies instead, the sweep restores what it held, and counts.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +31,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from celery.worker import state as worker_state
 from kombu.transport import redis as kredis
 from kombu.transport import virtual
 
@@ -34,6 +57,10 @@ class QoS(kredis.QoS):
         super().__init__(*args, **kwargs)
         self._last_sweep = 0.0
         self._last_heartbeat = time.monotonic()
+        #: Held tags the worker has started (see the module docstring), and Celery's
+        #: count of accepted tasks when they were last read.
+        self._started: set[str] = set()
+        self._accepted_seen = -1
 
     def _queue_of(self, delivery_tag: str) -> str | None:
         message = self._delivered.get(delivery_tag)
@@ -61,7 +88,7 @@ class QoS(kredis.QoS):
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         queue = self._queue_of(delivery_tag)
         if queue is not None:
-            if requeue:
+            if requeue:  # counts: Celery requeues a task whose pool child died
                 self.channel._run("restore", queue, ["-", 0, delivery_tag])
             else:
                 # Rejected for good (unknown task, Reject(requeue=False)): keep it inspectable.
@@ -85,12 +112,16 @@ class QoS(kredis.QoS):
         queue = self._queue_of(delivery_tag)
         hold = 0.0
         if queue is not None:
-            _, hold_text = self.channel._run("release", queue, [
-                self.channel.consumer_id, time.time(), first_hold_s,
-                max(first_hold_s, longest_hold_s), delivery_tag])
-            hold = float(hold_text)
+            hold = self._release(queue, [delivery_tag], first_hold_s, longest_hold_s)
         virtual.QoS.ack(self, delivery_tag)  # forget it locally; Redis already has it back
         return hold
+
+    def _release(self, queue: str, tags: list[str], first_hold_s: float = 0.0,
+                 longest_hold_s: float = 0.0) -> float:
+        _, hold_text = self.channel._run("release", queue, [
+            self.channel.consumer_id, time.time(), first_hold_s,
+            max(first_hold_s, longest_hold_s), *tags])
+        return float(hold_text)
 
     def _held_by_queue(self) -> dict[str, list[str]]:
         """Delivery tags this channel holds (running or reserved), grouped by queue."""
@@ -102,14 +133,35 @@ class QoS(kredis.QoS):
         return by_queue
 
     def restore_unacked(self, client: Any = None) -> None:
-        by_queue = self._held_by_queue()
-        for queue, tags in by_queue.items():
-            self.channel._run("restore", queue, ["-", 0, *tags])
+        """Give back everything held (channel close, a reconnect, ``basic_recover``):
+        a task that had started counts as a redelivery, one that had not does not (see
+        the module docstring)."""
+        self.note_started()
+        started = self._started
+        for queue, tags in self._held_by_queue().items():
+            ran = [tag for tag in tags if tag in started]
+            if ran:
+                self.channel._run("restore", queue, ["-", 0, *ran])
+            if idle := [tag for tag in tags if tag not in started]:
+                self._release(queue, idle)
         self._delivered.clear()
+        self._started = set()
+
+    def note_started(self) -> None:
+        """Remember which held messages the worker has started (event-loop thread: Celery
+        changes its request sets there)."""
+        accepted = worker_state.all_total_count[0]  # a task started since the last look?
+        held = self._delivered
+        if accepted != self._accepted_seen:
+            self._accepted_seen = accepted
+            self._started |= started_tags()
+        self._started = {tag for tag in self._started
+                         if tag in held and tag not in self._dirty}
 
     def restore_visible(self, start: int = 0, num: int | None = 10, interval: int = 10) -> None:
         """Heartbeat held messages, then restore messages whose holder went silent."""
         self.channel._deferred.poll()  # an idle worker's owed ack replies, errors too
+        self.note_started()
         now_mono = time.monotonic()
         period = self.channel.visibility_timeout / 3
         if now_mono - self._last_heartbeat >= period:
@@ -139,6 +191,17 @@ class QoS(kredis.QoS):
             for queue, tags in by_queue.items():
                 pipe.zadd(self.channel.keys(queue).unacked, dict.fromkeys(tags, now), xx=True)
             pipe.execute()
+
+
+def started_tags() -> set[str]:
+    """Delivery tags of the tasks this process's Celery worker has started and not
+    finished (none outside a worker)."""
+    tags: set[str] = set()
+    for request in list(worker_state.active_requests):
+        tag = getattr(getattr(request, "message", None), "delivery_tag", None)
+        if tag is not None:
+            tags.add(tag)
+    return tags
 
 
 def held_units(delivered: dict[str, Any], done: Any = ()) -> int:

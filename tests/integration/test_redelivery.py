@@ -1,0 +1,86 @@
+"""What counts as a redelivery, with real ``celery worker`` subprocesses.
+
+A message's redelivery count is for crashes (more than ``max_redeliveries`` dead-letter
+it as poison): a warm shutdown that gives back a task it never started must not add
+to it; a cold shutdown that cancels a running one does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from celery import Celery
+
+from sits_queue.broker.keys import QueueKeys
+from sits_queue.procs import CeleryProcess, start_worker, wait_ready
+from tests.integration.conftest import APP_MODULE, ROOT, worker_env
+from tests.waiting import wait_for
+
+KEYS = QueueKeys.for_queue("celery")
+Start = Callable[..., CeleryProcess]
+
+
+@pytest.fixture
+def start(tmp_path: Path, redis_url: str, client_app: Celery,
+          redis_client: redis.Redis) -> Iterator[Start]:
+    """start(pool=..., **settings): a ready worker of one slot; all stopped at teardown."""
+    started: list[CeleryProcess] = []
+
+    def _start(pool: str = "prefork", **settings: str) -> CeleryProcess:
+        proc = start_worker(APP_MODULE, worker_env(redis_url, **settings), tmp_path,
+                            concurrency=1, pool=pool, cwd=ROOT)
+        started.append(proc)
+        wait_ready(client_app, [proc])
+        return proc
+
+    yield _start
+    for proc in started:
+        proc.stop(timeout_s=10)
+
+
+def test_a_held_task_survives_more_warm_restarts_than_max_redeliveries(
+        start: Start, client_app: Celery, redis_client: redis.Redis) -> None:
+    restarts = 3  # more than max_redeliveries=1 below: two would dead-letter it
+    # Given a task that each worker takes and holds without starting it (an ETA ahead:
+    # Celery keeps such a task, unacked, in its timer)
+    result = client_app.tasks["w.slow"].apply_async(("held", 0.0), countdown=restarts * 7)
+    sent = time.monotonic()
+    for i in range(restarts):
+        worker = start(max_redeliveries="1")
+        wait_for(lambda: redis_client.zcard(KEYS.unacked) == 1, 30, "the worker to take it")
+        # When the worker shuts down warm (SIGTERM), giving back what it holds
+        worker.stop()
+        assert not worker.alive()
+        assert redis_client.get("test:started:held") is None, \
+            f"the ETA passed during restart {i + 1}: this machine restarts too slowly"
+        # Then the task is waiting again, not counted as redelivered
+        assert redis_client.zcard(KEYS.waiting) == 1, worker.log()[-2000:]
+        assert redis_client.hlen(KEYS.redelivered) == 0
+    assert time.monotonic() - sent < restarts * 7
+    # And the next worker runs it when it is due, once; nothing was dead-lettered
+    start(max_redeliveries="1")
+    assert result.get(timeout=restarts * 7 + 30) == "held"
+    assert redis_client.get("test:started:held") == b"1"
+    assert redis_client.hlen(KEYS.dead) == 0
+
+
+def test_a_task_running_at_a_cold_shutdown_counts(start: Start, client_app: Celery,
+                                                   redis_client: redis.Redis) -> None:
+    worker = start(visibility_timeout_s="4")  # the loop's sweep tick: every second
+    client_app.tasks["w.slow"].delay("hung", 60.0)
+    wait_for(lambda: redis_client.get("test:started:hung") == b"1", 30, "the task to start")
+    time.sleep(2.0)  # a sweep tick or two see it started
+    # When the worker is stopped cold (SIGQUIT): Celery cancels the running task
+    os.killpg(worker.pid, signal.SIGQUIT)
+    worker.popen.wait(20)
+    # Then its message went back counted: a task that keeps a worker from stopping
+    # (or brings it down) is a poison candidate
+    assert redis_client.zcard(KEYS.waiting) == 1, worker.log()[-2000:]
+    assert list(redis_client.hvals(KEYS.redelivered)) == [b"1"]
+
