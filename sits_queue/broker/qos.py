@@ -22,12 +22,20 @@ while held, because a cold shutdown cancels the running requests, and Celery for
 them, before the channel closes: a task that started less than a tick before a cold
 shutdown does not count. A plain kombu consumer has no requests, so its clean close
 never counts; if it dies instead, the sweep restores what it held, and counts.
+
+The held messages' deadlines are pushed from a thread (``heartbeat.py``), beside the
+event loop. One lock orders its beats against every give-back (release, reject,
+restore): a message this channel gave back, which another consumer may hold by now,
+is never extended by a beat that had already read it as held. Acked messages are not
+beaten either: an ack that failed for good leaves its message to the sweep.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import weakref
 from collections import defaultdict
 from typing import Any
 
@@ -36,6 +44,7 @@ from kombu.transport import redis as kredis
 from kombu.transport import virtual
 
 from sits_queue.broker import affinity
+from sits_queue.broker.heartbeat import Heartbeat
 from sits_queue.broker.keys import batch_units, queues_registry
 
 logger = logging.getLogger(__name__)
@@ -56,7 +65,11 @@ class QoS(kredis.QoS):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._last_sweep = 0.0
-        self._last_heartbeat = time.monotonic()
+        #: Held while a beat reads and extends what is held, and while a message is
+        #: given back or forgotten (see the module docstring). Re-entrant: a signal
+        #: handler that closes the channel may run while this thread holds it.
+        self._lock = threading.RLock()
+        self._heartbeat: Heartbeat | None = None
         #: Held tags the worker has started (see the module docstring), and Celery's
         #: count of accepted tasks when they were last read.
         self._started: set[str] = set()
@@ -70,7 +83,14 @@ class QoS(kredis.QoS):
         return queue
 
     def append(self, message: Any, delivery_tag: str) -> None:
-        virtual.QoS.append(self, message, delivery_tag)
+        with self._lock:  # it forgets given-back tags (kombu's _flush) too
+            virtual.QoS.append(self, message, delivery_tag)
+        if self._heartbeat is None:  # a channel that never holds anything needs no thread
+            self._heartbeat = Heartbeat(weakref.WeakMethod(self.heartbeat),
+                                        self.channel._connparams(),
+                                        self.channel.visibility_timeout / 3,
+                                        name=f"sits-heartbeat-{self.channel.consumer_id[:8]}")
+            self._heartbeat.start()
 
     def can_consume(self) -> bool:
         """Prefetch counts pool jobs: a batch (one pick, one job) counts once."""
@@ -78,6 +98,8 @@ class QoS(kredis.QoS):
         return not pcount or held_units(self._delivered, self._dirty) < pcount
 
     def ack(self, delivery_tag: str) -> None:
+        # Not under the lock: a beat's ZADD XX cannot re-add an acked message, and its id
+        # never comes back (ack.lua drops the payload).
         queue = self._queue_of(delivery_tag)
         if queue is not None:
             self.channel._ack(queue, [delivery_tag])
@@ -86,16 +108,18 @@ class QoS(kredis.QoS):
         affinity.invalidate()  # its child has published what it holds now
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        queue = self._queue_of(delivery_tag)
-        if queue is not None:
-            if requeue:  # counts: Celery requeues a task whose pool child died
-                self.channel._run("restore", queue, ["-", 0, delivery_tag])
-            else:
-                # Rejected for good (unknown task, Reject(requeue=False)): keep it inspectable.
-                self.channel._run("dead", queue, [time.time(), "rejected by consumer",
-                                                  delivery_tag])
-                self.channel._replicas_gone(queue, [delivery_tag])
-        virtual.QoS.ack(self, delivery_tag)
+        with self._lock:
+            queue = self._queue_of(delivery_tag)
+            if queue is not None:
+                if requeue:  # counts: Celery requeues a task whose pool child died
+                    self.channel._run("restore", queue, ["-", 0, delivery_tag])
+                else:
+                    # Rejected for good (unknown task, Reject(requeue=False)): keep it
+                    # inspectable.
+                    self.channel._run("dead", queue, [time.time(), "rejected by consumer",
+                                                      delivery_tag])
+                    self.channel._replicas_gone(queue, [delivery_tag])
+            virtual.QoS.ack(self, delivery_tag)
 
     def release(self, delivery_tag: str, first_hold_s: float = 0.0,
                 longest_hold_s: float = 0.0) -> float:
@@ -109,11 +133,12 @@ class QoS(kredis.QoS):
         nothing crashed, it must not creep towards the poison-message limit. See
         ``lua/release.lua``.
         """
-        queue = self._queue_of(delivery_tag)
-        hold = 0.0
-        if queue is not None:
-            hold = self._release(queue, [delivery_tag], first_hold_s, longest_hold_s)
-        virtual.QoS.ack(self, delivery_tag)  # forget it locally; Redis already has it back
+        with self._lock:
+            queue = self._queue_of(delivery_tag)
+            hold = 0.0
+            if queue is not None:
+                hold = self._release(queue, [delivery_tag], first_hold_s, longest_hold_s)
+            virtual.QoS.ack(self, delivery_tag)  # forget it locally; Redis has it back
         return hold
 
     def _release(self, queue: str, tags: list[str], first_hold_s: float = 0.0,
@@ -124,11 +149,12 @@ class QoS(kredis.QoS):
         return float(hold_text)
 
     def _held_by_queue(self) -> dict[str, list[str]]:
-        """Delivery tags this channel holds (running or reserved), grouped by queue."""
+        """Delivery tags this channel holds (running or reserved) and has not acked or
+        given back yet, grouped by queue."""
         by_queue: dict[str, list[str]] = defaultdict(list)
         for tag in list(self._delivered):
             queue = self._queue_of(tag)
-            if queue is not None:
+            if queue is not None and tag not in self._dirty:
                 by_queue[queue].append(tag)
         return by_queue
 
@@ -138,14 +164,15 @@ class QoS(kredis.QoS):
         the module docstring)."""
         self.note_started()
         started = self._started
-        for queue, tags in self._held_by_queue().items():
-            ran = [tag for tag in tags if tag in started]
-            if ran:
-                self.channel._run("restore", queue, ["-", 0, *ran])
-            if idle := [tag for tag in tags if tag not in started]:
-                self._release(queue, idle)
-        self._delivered.clear()
-        self._started = set()
+        with self._lock:
+            for queue, tags in self._held_by_queue().items():
+                ran = [tag for tag in tags if tag in started]
+                if ran:
+                    self.channel._run("restore", queue, ["-", 0, *ran])
+                if idle := [tag for tag in tags if tag not in started]:
+                    self._release(queue, idle)
+            self._delivered.clear()
+            self._started = set()
 
     def note_started(self) -> None:
         """Remember which held messages the worker has started (event-loop thread: Celery
@@ -158,14 +185,23 @@ class QoS(kredis.QoS):
         self._started = {tag for tag in self._started
                          if tag in held and tag not in self._dirty}
 
+    def restore_unacked_once(self, stderr: Any = None) -> None:
+        """At channel close (and at exit): the heartbeat stops first; what is given back
+        after that is beaten by no one here."""
+        self.stop_heartbeat()
+        super().restore_unacked_once(stderr)
+
+    def stop_heartbeat(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+
     def restore_visible(self, start: int = 0, num: int | None = 10, interval: int = 10) -> None:
-        """Heartbeat held messages, then restore messages whose holder went silent."""
+        """Restore messages whose holder went silent (this channel's own are kept fresh
+        by its heartbeat thread)."""
         self.channel._deferred.poll()  # an idle worker's owed ack replies, errors too
         self.note_started()
         now_mono = time.monotonic()
         period = self.channel.visibility_timeout / 3
-        if now_mono - self._last_heartbeat >= period:
-            self.heartbeat()
         if now_mono - self._last_sweep < period:
             return
         self._last_sweep = now_mono
@@ -180,17 +216,20 @@ class QoS(kredis.QoS):
                                "heartbeating for %.0f s", restored, queue,
                                self.channel.visibility_timeout)
 
-    def heartbeat(self) -> None:
-        """Push the deadline of every message this channel holds (running or reserved)."""
-        self._last_heartbeat = time.monotonic()
-        now = time.time()
-        by_queue = self._held_by_queue()
-        if not by_queue:
-            return
-        with self.channel.raw.pipeline(transaction=False) as pipe:
-            for queue, tags in by_queue.items():
-                pipe.zadd(self.channel.keys(queue).unacked, dict.fromkeys(tags, now), xx=True)
-            pipe.execute()
+    def heartbeat(self, client: Any = None) -> None:
+        """Push the deadline of every message this channel holds (running or reserved),
+        on ``client`` (the heartbeat thread's own) or the channel's."""
+        with self._lock:
+            by_queue = self._held_by_queue()
+            if not by_queue:
+                return
+            now = time.time()
+            # XX: only ids still unacked; an id acked meanwhile is not brought back.
+            with (client or self.channel.raw).pipeline(transaction=False) as pipe:
+                for queue, tags in by_queue.items():
+                    pipe.zadd(self.channel.keys(queue).unacked, dict.fromkeys(tags, now),
+                              xx=True)
+                pipe.execute()
 
 
 def started_tags() -> set[str]:

@@ -1,9 +1,10 @@
 """The QoS in-process against a real Redis: which give-backs count as a redelivery
-(more than ``max_redeliveries`` dead-letter a message as poison). Real workers:
-``test_redelivery.py``."""
+(more than ``max_redeliveries`` dead-letter a message as poison), and what the heartbeat
+thread extends. Real workers: ``test_redelivery.py``."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -16,6 +17,7 @@ from celery.worker import state as worker_state
 from sits_queue.app import make_app
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.config import SitsConfig
+from tests.waiting import wait_for
 
 KEYS = QueueKeys.for_queue("celery")
 
@@ -138,3 +140,51 @@ def test_a_requeue_counts(app: Celery, redis_client: redis.Redis) -> None:
     close(conn, channel)
     assert redis_client.hget(KEYS.redelivered, message.delivery_tag) == b"1"
 
+
+def test_the_heartbeat_thread_keeps_a_held_message_while_the_consumer_is_busy(
+        app: Celery, redis_client: redis.Redis) -> None:
+    app.tasks["t.echo"].delay("long")
+    conn, channel, message = hold(app)
+    # Given a deadline about to run out, and a consumer whose own thread is busy (as a
+    # solo pool's task blocks the event loop: nothing here turns it)
+    redis_client.zadd(KEYS.unacked, {message.delivery_tag: time.time() - 3.5})
+    # Then the heartbeat thread pushes it within a third of the visibility timeout (4 s)
+    wait_for(lambda: (redis_client.zscore(KEYS.unacked, message.delivery_tag) or 0)
+             > time.time() - 2, 3, "the heartbeat thread")
+    message.ack()
+    close(conn, channel)
+
+
+def test_the_heartbeat_never_extends_a_message_it_gave_back(
+        app: Celery, redis_client: redis.Redis) -> None:
+    app.tasks["t.echo"].delay("a")
+    app.tasks["t.echo"].delay("b")
+    conn, channel, message = hold(app)
+    requeued = channel.basic_get("celery")
+    # Given messages this consumer gave back (released, or requeued after a crash)...
+    channel.qos.release(message.delivery_tag)
+    requeued.requeue()
+    # ...that other consumers hold now, past their deadlines
+    other_conn, other, first = hold(app)
+    second = other.basic_get("celery")
+    old = time.time() - 60
+    redis_client.zadd(KEYS.unacked, {first.delivery_tag: old, second.delivery_tag: old})
+    # When this consumer beats
+    channel.qos.heartbeat()
+    # Then their deadlines are untouched: it does not hold them any more
+    assert redis_client.zscore(KEYS.unacked, first.delivery_tag) == pytest.approx(old, abs=1.0)
+    assert redis_client.zscore(KEYS.unacked, second.delivery_tag) == pytest.approx(old, abs=1.0)
+    first.ack()
+    second.ack()
+    close(other_conn, other)
+    close(conn, channel)
+
+
+def test_the_heartbeat_thread_stops_when_its_channel_closes(app: Celery) -> None:
+    app.tasks["t.echo"].delay("x")
+    conn, channel, message = hold(app)
+    heartbeat = channel.qos._heartbeat
+    assert heartbeat is not None and heartbeat.alive()
+    message.ack()
+    close(conn, channel)
+    assert not heartbeat.alive()

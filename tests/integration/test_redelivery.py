@@ -2,7 +2,9 @@
 
 A message's redelivery count is for crashes (more than ``max_redeliveries`` dead-letter
 it as poison): a warm shutdown that gives back a task it never started must not add
-to it; a cold shutdown that cancels a running one does.
+to it, and a worker busy in a long task (``--pool=solo``, where the task blocks the
+event loop) must keep its message's deadline fresh, so that no other worker restores
+and runs it a second time.
 """
 
 from __future__ import annotations
@@ -84,3 +86,20 @@ def test_a_task_running_at_a_cold_shutdown_counts(start: Start, client_app: Cele
     assert redis_client.zcard(KEYS.waiting) == 1, worker.log()[-2000:]
     assert list(redis_client.hvals(KEYS.redelivered)) == [b"1"]
 
+
+def test_a_solo_worker_keeps_a_task_longer_than_the_visibility_timeout(
+        start: Start, client_app: Celery, redis_client: redis.Redis) -> None:
+    # Given a solo worker running a task 2.5x the visibility timeout (the task blocks
+    # its event loop)...
+    solo = start(pool="solo", visibility_timeout_s="4")
+    result = client_app.tasks["w.slow"].delay("long", 10.0)
+    wait_for(lambda: redis_client.get("test:started:long") == b"1", 30, "the task to start")
+    # ...and another worker sweeping the queue for silent holders meanwhile
+    sweeper = start(visibility_timeout_s="4")
+    # Then the task runs once: its holder's heartbeat kept it
+    assert result.get(timeout=30) == "long"
+    time.sleep(1.0)  # a second run would have started by now
+    assert redis_client.get("test:started:long") == b"1"
+    assert redis_client.lrange("test:finished", 0, -1) == [b"long"]
+    assert "whose worker stopped heartbeating" not in sweeper.log() + solo.log()
+    assert redis_client.hlen(KEYS.redelivered) == 0
