@@ -183,6 +183,7 @@ def test_unacked_messages_are_restored_never_lost(redis_url: str,
     picked = [q.get(block=False) for _ in range(5)]
     for m in picked[:2]:
         m.ack()
+    q.consumer.channel.qos.stop_heartbeat()  # as silent as a dead one (no thread beats)
     assert redis_client.zcard(keys.unacked) == 3
     assert redis_client.zcard(keys.waiting) == 15
     # When the visibility timeout passes and another consumer sweeps
