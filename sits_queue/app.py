@@ -358,6 +358,7 @@ def make_app(config: SitsConfig | None = None, main: str = "sits_queue") -> Sits
     app.sits = config
     app.conf.update(celery_settings(config))
     from sits_queue import tracing
+    from sits_queue.broker import control
     from sits_queue.priority import tasks as maintenance
     from sits_queue.workers import inference, runtime, signals
 
@@ -365,5 +366,6 @@ def make_app(config: SitsConfig | None = None, main: str = "sits_queue") -> Sits
     inference.register(app)
     signals.connect(app)
     runtime.connect(app)
+    control.register()
     tracing.configure(config.otel_traces)
     return app

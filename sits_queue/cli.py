@@ -20,7 +20,7 @@ import click
 import redis
 
 from sits_queue.broker import sites
-from sits_queue.broker.keys import QueueKeys, decode_score, queues_registry
+from sits_queue.broker.keys import QueueKeys, decode_score, queues_registry, registered_queues
 from sits_queue.broker.meta import WaitingMeta
 from sits_queue.config import SitsConfig
 from sits_queue.embedded import resolve_redis_url
@@ -55,8 +55,7 @@ def queue_status(client: redis.Redis, config: SitsConfig, now_s: float) -> list[
     out = []
     members: set[bytes] = client.smembers(  # type: ignore[assignment]
         queues_registry(config.global_keyprefix))
-    names = sorted(n.decode() for n in members)
-    for name in names:
+    for name in registered_queues(members):
         keys = QueueKeys.for_queue(name, config.global_keyprefix)
         head: list[tuple[bytes, float]] = client.zrange(  # type: ignore[assignment]
             keys.waiting, 0, HEAD_ROWS - 1, withscores=True)

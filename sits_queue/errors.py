@@ -15,6 +15,11 @@ class InvalidTaskOptions(SitsError, ValueError):
     """A submission named an unknown class or an invalid option; nothing was enqueued."""
 
 
+class InvalidQueueName(SitsError, ValueError):
+    """A queue name the broker cannot use: empty, or with a brace (either would spread
+    the queue's keys over Redis Cluster slots, which its scripts cannot span)."""
+
+
 class InferenceError(SitsError):
     """An inference task failed for a reason the submitter can act on.
 

@@ -9,9 +9,14 @@ layout, with a log-scaled priority so that both 0.5 and 50,000 keep fine resolut
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
+
+from sits_queue.errors import InvalidQueueName
+
+logger = logging.getLogger(__name__)
 
 #: Arrival counter bits in the score; it wraps after 4.29e9 messages per queue.
 SEQ_BITS = 32
@@ -99,9 +104,9 @@ class QueueKeys:
 
     @classmethod
     def for_queue(cls, queue: str, prefix: str = "") -> QueueKeys:
-        if "{" in queue or "}" in queue:
-            # A brace would move the hash tag and scatter the queue over cluster slots.
-            raise ValueError(f"queue name {queue!r} must not contain braces")
+        """The keys of ``queue``; raises :class:`InvalidQueueName` for a name that would
+        not make one hash tag."""
+        check_queue_name(queue)
         base = f"{prefix}sits:{{{queue}}}:"
         return cls(*(base + suffix for suffix in ("z", "p", "i", "mk", "seq", "u", "s", "rd", "dl",
                                                          "arr", "ck", "yc", "hd", "af")))
@@ -116,6 +121,35 @@ class QueueKeys:
         """Pub/sub channel ``put.lua`` announces each put's classes on (running tasks
         listen to know when to look for a reason to yield their slot)."""
         return self.waiting + ":put"
+
+
+def check_queue_name(queue: str) -> str:
+    """``queue``, if it can name a queue; else raises :class:`InvalidQueueName`.
+
+    Redis Cluster hashes only what is inside a key's first ``{...}``: an empty ``{}``
+    counts as no tag at all (each key hashes whole, to its own slot), and a brace in the
+    name would move the tag. Either way one queue's keys would land in several slots,
+    which no script can touch together.
+    """
+    if not isinstance(queue, str) or not queue:
+        raise InvalidQueueName(f"a queue name must be a non-empty string, got {queue!r}")
+    if "{" in queue or "}" in queue:
+        raise InvalidQueueName(f"queue name {queue!r} must not contain braces")
+    return queue
+
+
+def registered_queues(names: Iterable[bytes | str]) -> list[str]:
+    """The queue registry's members (:func:`queues_registry`) that name a usable queue,
+    sorted. One that does not (listed by an older version, or by hand) is skipped with a
+    warning: the passes that walk every queue must not stop at it."""
+    out = []
+    for raw in names:
+        name = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+        try:
+            out.append(check_queue_name(name))
+        except InvalidQueueName as exc:
+            logger.warning("queue registry: skipping %r (%s)", name, exc)
+    return sorted(out)
 
 
 def queues_registry(prefix: str = "") -> str:

@@ -36,7 +36,7 @@ from typing import Any
 
 import redis
 
-from sits_queue.broker.keys import SEQ_SPAN, QueueKeys, queues_registry
+from sits_queue.broker.keys import SEQ_SPAN, QueueKeys, queues_registry, registered_queues
 from sits_queue.broker.meta import sla_class_of
 from sits_queue.broker.scripts import Scripts
 from sits_queue.config import SitsConfig
@@ -353,8 +353,7 @@ class SiteSync:
         if not checked:
             return
         client = self.clients[peer]
-        for raw in self.local.smembers(queues_registry(self.prefix)):
-            queue = raw.decode() if isinstance(raw, bytes) else str(raw)
+        for queue in registered_queues(self.local.smembers(queues_registry(self.prefix))):
             mine = self._held_ids(queue, checked)
             m = replica_keys(self.prefix, self.site, queue)[2]
             theirs = {i.decode(): sla_class_of(v) for i, v in client.hscan_iter(m)}

@@ -16,7 +16,14 @@ from typing import Any
 import redis
 
 from sits_queue.app import CONTROL_QUEUE, MAINTENANCE_TASKS
-from sits_queue.broker.keys import SEQ_SPAN, QueueKeys, queues_registry, score_base, stats_key
+from sits_queue.broker.keys import (
+    SEQ_SPAN,
+    QueueKeys,
+    queues_registry,
+    registered_queues,
+    score_base,
+    stats_key,
+)
 from sits_queue.broker.meta import WaitingMeta, score_inputs
 from sits_queue.broker.snapshot import snapshot_to_json
 from sits_queue.config import SitsConfig
@@ -66,8 +73,8 @@ class Rescorer:
         self.client = client or redis.Redis.from_url(config.redis_url)
 
     def queues(self) -> list[str]:
-        names = self.client.smembers(queues_registry(self.config.global_keyprefix))
-        return sorted(n.decode() if isinstance(n, bytes) else str(n) for n in names)
+        return registered_queues(self.client.smembers(
+            queues_registry(self.config.global_keyprefix)))
 
     def keys(self, queue: str) -> QueueKeys:
         return QueueKeys.for_queue(queue, self.config.global_keyprefix)
