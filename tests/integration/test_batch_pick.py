@@ -107,6 +107,27 @@ def test_a_batch_of_a_key_that_only_matches_as_a_substring_is_not_kin(
     assert taken(pick(redis_client, scripts, window=256)) == ["a1"]
 
 
+def test_a_no_ack_pick_forgets_what_it_takes_kin_and_checkpoint_included(
+        redis_client: redis.Redis) -> None:
+    scripts = Scripts.register()
+    put(redis_client, scripts, [("a1", KEY_A, 3), ("b1", KEY_B, 3), ("a2", KEY_A, 3)])
+    # Given a task that yielded its slot before (a checkpoint) and one restored once
+    redis_client.hset(KEYS.checkpoints, "a1", '{"step": 4}')
+    redis_client.hset(KEYS.redelivered, "b1", 1)
+    # When a consumer that does not ack picks ('noack' instead of affinity arguments)
+    picked = scripts.run("pick", KEYS, [NOW, 5, "A", 256, "noack"], redis_client)
+    # Then it gets what an acking pick gets: the task, its checkpoint, its kin
+    assert taken(picked) == ["a1", "a2"] and picked[3] == b'{"step": 4}'
+    # but nothing of them stays behind to be acked, heartbeated or restored
+    assert redis_client.zcard(KEYS.unacked) == 0 and redis_client.hlen(KEYS.saved) == 0
+    assert not redis_client.hexists(KEYS.checkpoints, "a1")
+    assert redis_client.hkeys(KEYS.payloads) == redis_client.hkeys(KEYS.meta) == [b"b1"]
+    # and the restored one is still a restored one
+    again = scripts.run("pick", KEYS, [NOW, 5, "A", 256, "noack"], redis_client)
+    assert taken(again) == ["b1"] and again[2] == 1
+    assert not redis_client.exists(KEYS.payloads, KEYS.meta, KEYS.redelivered)
+
+
 # -- join mode and join.lua: a running batch's freed rows (workers/joins.py) --------------------
 
 def join_pick(client: redis.Redis, scripts: Scripts, key: str, most: int,

@@ -13,7 +13,9 @@
 --   priority ratio, max skip s, then name, weight pairs of what the consumer holds warm:
 --   'm:<engine key>' (engines: '<model>' or '<model>@<precision>'), 'p:<prefix key>' (KV
 --   of prompt prefixes) and 'q:<precision>' (the device's advantage at a precision);
---   or, instead of affinity, 'join', a batch key, a count: join mode (below)
+--   or, instead of affinity, 'join', a batch key, a count: join mode (below);
+--   or, instead of affinity, 'noack': the consumer does not ack (kombu's no_ack), so what
+--   it takes is forgotten at once, as ack.lua would, instead of recorded as unacked
 -- Returns {id, payload, times redelivered, checkpoint or false, 1 if taken ahead of the
 -- head by affinity else 0, then id, payload, times of each task taken with it as one
 -- batch}; else the number of messages passed over because this consumer released them
@@ -103,11 +105,23 @@ local function affinity_pick()
   return {near[best], near[best + 1]}
 end
 
--- Marks one message as delivered: unacked from now, its score kept for a restore.
+local forget = ARGV[5] == 'noack'
+
+-- Marks one message as delivered: unacked from now, its score kept for a restore; for a
+-- consumer that does not ack, gone for good instead (nothing would ever ack it, and a
+-- restore would deliver it again). Read what the reply needs before.
 local function take(id, score)
-  redis.call('ZADD', KEYS[6], now, id)
   redis.call('HDEL', KEYS[12], id)
   redis.call('HDEL', KEYS[14], id)
+  if forget then
+    redis.call('HDEL', KEYS[2], id)
+    redis.call('HDEL', KEYS[3], id)
+    redis.call('HDEL', KEYS[8], id)
+    redis.call('HDEL', KEYS[11], id)
+    redis.call('HDEL', KEYS[13], id)
+    return
+  end
+  redis.call('ZADD', KEYS[6], now, id)
   redis.call('HSET', KEYS[7], id, score)
 end
 
@@ -194,9 +208,9 @@ for _ = 1, 64 do
       redis.call('HDEL', KEYS[13], id)
       redis.call('HDEL', KEYS[14], id)
     else
-      take(id, score)
       local reply = {id, payload, times, redis.call('HGET', KEYS[11], id), by_affinity}
       gather(id, times, reply)
+      take(id, score)
       restore_passed()
       return reply
     end
