@@ -19,26 +19,17 @@ from uuid import uuid4
 import redis
 from kombu.transport import redis as kredis
 from kombu.transport import virtual
-from kombu.utils.json import dumps, loads
+from kombu.utils.json import dumps
 
-from sits_queue.broker import affinity, intake, sites
+from sits_queue.broker import affinity, intake, payload, sites
 from sits_queue.broker.fanout import DeferredCommands
-from sits_queue.broker.keys import (
-    AFFINITY_HEADER,
-    BATCH_INFO,
-    CHECKPOINT_HEADER,
-    DELIVERY_HEADER,
-    MARKER_MEMBER,
-    QueueKeys,
-    queues_registry,
-    score_base,
-)
-from sits_queue.broker.meta import WaitingMeta, compact_json
+from sits_queue.broker.keys import MARKER_MEMBER, QueueKeys, queues_registry, score_base
+from sits_queue.broker.meta import WaitingMeta
+from sits_queue.broker.payload import MalformedPayload, text
 from sits_queue.broker.qos import QoS
 from sits_queue.broker.scripts import Scripts
 from sits_queue.broker.snapshot import SnapshotCache
 from sits_queue.config import SitsConfig
-from sits_queue.errors import InvalidTaskOptions
 from sits_queue.options import HEADER, TaskOptions, from_header
 from sits_queue.priority.model import Scorer
 
@@ -57,7 +48,27 @@ INTAKE_RECHECK_S = 1.0
 MAX_BAD_IN_A_ROW = 100
 
 
+class SitsMessage(virtual.Message):
+    """kombu's message; one a pick built already passes through kombu's ``Message(raw)``
+    calls as it is.
+
+    The pick builds each message where a failure is caught (``Channel._decode``: a body
+    that does not decode is dead-lettered there); kombu then calls ``Message(raw)`` again
+    on delivery (``basic_consume``'s callback), which would decode the body a second time.
+    """
+
+    def __new__(cls, payload: Any = None, *args: Any, **kwargs: Any) -> SitsMessage:
+        if isinstance(payload, cls):
+            return payload
+        return super().__new__(cls)
+
+    def __init__(self, payload: Any = None, *args: Any, **kwargs: Any) -> None:
+        if payload is not self:
+            super().__init__(payload, *args, **kwargs)
+
+
 class Channel(kredis.Channel):
+    Message = SitsMessage
     QoS = QoS
     sits_config: dict[str, Any] | None = None
     from_transport_options = (*kredis.Channel.from_transport_options,  # type: ignore[assignment]
@@ -74,6 +85,8 @@ class Channel(kredis.Channel):
         self.scripts = Scripts.register()
         self._keys: dict[str, QueueKeys] = {}
         self._marker_queue: dict[bytes, str] = {}
+        #: Queues consumed without acks (kombu's no_ack): their picks forget what they take.
+        self._no_ack: set[str] = set()
         self._registry_refreshed: dict[str, float] = {}
         #: Who this channel is to pick.lua/release.lua: a message it released with a
         #: hold is not offered back to it until the hold runs out.
@@ -189,8 +202,7 @@ class Channel(kredis.Channel):
         o = meta.options
         prio = scorer.score(o.sla_class, now, o.context_tokens, o.latency_sla_ms,
                             o.loss_sensitivity, o.input_entropy or 0.0, o.model)
-        # A kombu message is plain JSON types already (the body is encoded).
-        return [message["properties"]["delivery_tag"], compact_json(message), meta.to_json(),
+        return [message["properties"]["delivery_tag"], payload.encode(message), meta.to_json(),
                 score_base(prio), o.sla_class]
 
     def _put_records_start(self, queue: str, args: list[Any]) -> Callable[[], int]:
@@ -240,35 +252,58 @@ class Channel(kredis.Channel):
             self._registry_refreshed[queue] = time.monotonic()
 
     def _meta_for(self, message: dict[str, Any], now: float) -> WaitingMeta:
-        headers = message.get("headers") or {}
+        headers = message.get("headers")
+        if not isinstance(headers, dict):
+            headers = {}
         try:
             options = from_header(self.config, headers.get(HEADER))
-        except InvalidTaskOptions as exc:
+        except (ValueError, TypeError, ArithmeticError) as exc:
             # A foreign producer wrote a bad header: enqueue with defaults, never drop.
+            # InvalidTaskOptions (a ValueError) names the option; a TypeError or an
+            # ArithmeticError would mean a check it slipped past: no reason to refuse either.
             logger.warning("message %s: %s; scheduling it with default options",
                            message.get("properties", {}).get("delivery_tag"), exc)
             options = from_header(self.config, None)
         return WaitingMeta(options=options, enqueued_at_s=now, task=str(headers.get("task", "")))
 
     def _new_queue(self, queue: str, auto_delete: bool = False, **kwargs: Any) -> None:
+        self.keys(queue)  # validates the name, before kombu records the queue
         super()._new_queue(queue, auto_delete=auto_delete, **kwargs)
-        self.keys(queue)  # validates the name
         if queue not in self._expires:  # reply queues come and go; do not list them
             self.raw.sadd(queues_registry(self.global_keyprefix), queue)
 
     # -- consuming -------------------------------------------------------------------------
-    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
-        """One message (kombu's ``basic_get`` and tests): never a batch."""
-        return self._pick(queue, batch_window=0)[0]
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> SitsMessage | None:
+        """kombu's, with the pick told whether the message will be acked: a ``no_ack``
+        consumer's message is gone once taken, as with stock kombu, instead of waiting
+        unacked for the restore that would deliver it again."""
+        try:
+            (message,) = self._pick(queue, batch_window=0, no_ack=no_ack)
+        except Empty:
+            return None
+        if not no_ack:
+            self.qos.append(message, message.delivery_tag)
+        return message
 
-    def _pick(self, queue: str, batch_window: int) -> list[dict[str, Any]]:
+    def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
+        self.keys(queue)  # validates the name here, not in the event loop's next wait
+        # kombu keeps one callback per queue, so the latest consumer's no_ack holds.
+        (self._no_ack.add if no_ack else self._no_ack.discard)(queue)
+        return super().basic_consume(queue, no_ack, *args, **kwargs)
+
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        """One message's payload (tests and benchmarks): never a batch."""
+        raw: dict[str, Any] = self._pick(queue, batch_window=0)[0]._raw
+        return raw
+
+    def _pick(self, queue: str, batch_window: int, no_ack: bool = False) -> list[SitsMessage]:
         """The best message for this consumer, with its batch kin when ``batch_window``
-        allows (``pick.lua``); raises Empty when there is none."""
+        allows (``pick.lua``), as kombu messages; raises Empty when there is none."""
         warm = affinity.warm_now() if self.affinity_policy.enabled else affinity.NOTHING_WARM
         if warm is not self._warm_seen:  # the warm set is re-read rarely; picks are many
             self._warm_seen, self._warm_args = warm, affinity.lua_args(self.affinity_policy,
                                                                        warm)
-        extra = self._warm_args
+        extra = ["noack"] if no_ack else self._warm_args
         for _ in range(MAX_BAD_IN_A_ROW):
             picked = self._run("pick", queue, [time.time(), self.config.max_redeliveries,
                                                self.consumer_id, batch_window, *extra])
@@ -279,26 +314,33 @@ class Channel(kredis.Channel):
                 raise Empty()
             if not picked:
                 raise Empty()
-            first = self._decode(queue, picked)
-            batch = [first] if first is not None else []
+            if no_ack:  # acked by the pick itself: the replicas go as an ack's would
+                self._replicas_gone(queue, [text(i, "replace")
+                                            for i in [picked[0], *picked[5::3]]])
+            first = self._decode(queue, picked, no_ack)
+            batch: list[SitsMessage] = [first] if first is not None else []
             for i in range(5, len(picked) - 2, 3):  # the kin pick.lua took with it
-                kin = self._decode(queue, picked[i:i + 3])
+                kin = self._decode(queue, picked[i:i + 3], no_ack)
                 if kin is not None:
                     batch.append(kin)
             if len(batch) > 1:
-                _mark(batch, batch[0]["properties"]["delivery_tag"])
+                payload.mark(batch, batch[0].delivery_tag)
             if batch:
                 return batch
         raise Empty()
 
-    def _deliver(self, queue: str, batch: list[dict[str, Any]]) -> None:
+    def _consumer_pick(self, queue: str) -> list[SitsMessage]:
+        """:meth:`_pick` for the consumer of ``queue`` (``basic_consume``)."""
+        return self._pick(queue, self.config.batch_window, no_ack=queue in self._no_ack)
+
+    def _deliver(self, queue: str, batch: list[SitsMessage]) -> None:
         """Hand a pick's messages to the consumer, a batch between its two marks."""
         if len(batch) == 1:
             self.connection._deliver(batch[0], queue)
             return
-        self._deliver_group(queue, batch, batch[0]["properties"]["delivery_tag"])
+        self._deliver_group(queue, batch, batch[0].delivery_tag)
 
-    def _deliver_group(self, queue: str, batch: list[dict[str, Any]], group: str) -> None:
+    def _deliver_group(self, queue: str, batch: list[SitsMessage], group: str) -> None:
         intake.batch_delivery(group, done=False)
         try:
             for message in batch:
@@ -316,41 +358,46 @@ class Channel(kredis.Channel):
         batch = [m for i in range(0, len(picked) - 2, 3)
                  if (m := self._decode(queue, picked[i:i + 3])) is not None]
         if batch:
-            self._deliver_group(queue, _mark(batch, group), group)
+            self._deliver_group(queue, payload.mark(batch, group), group)
         return len(batch)
 
-    def _decode(self, queue: str, picked: list[Any]) -> dict[str, Any] | None:
-        """The kombu message, or None after dead-lettering a malformed payload."""
-        tag = _text(picked[0])
+    def _decode(self, queue: str, picked: list[Any], no_ack: bool = False) -> SitsMessage | None:
+        """One picked message ([id, payload, times, checkpoint, by affinity], the last two
+        optional) as kombu's message; None after dead-lettering it as malformed.
+
+        Everything that could fail on the way to the consumer runs here, the building of
+        kombu's message (which decodes the body) included: outside, the error would stop
+        the worker's event loop with the message unacked but held by no one, and so
+        neither heartbeated nor dead-lettered, crashing a worker again after each
+        visibility timeout.
+        """
         try:
-            message = loads(picked[1])
-            if not isinstance(message, dict) or not isinstance(message.get("properties"), dict):
-                raise ValueError("not a kombu message (no 'properties' object)")
-        except ValueError as exc:
-            reason = f"malformed payload: {exc}"
-            logger.error("queue %r message %s: %s; moved to dead letters", queue, tag, reason)
-            self._run("dead", queue, [time.time(), reason, tag])
+            tag = text(picked[0])
+            by_affinity = len(picked) > 4 and bool(int(picked[4]))
+            checkpoint = picked[3] if len(picked) > 3 else None
+            message = payload.decode(picked[1], self.codecs)
+            payload.prepare(message, queue, tag, int(picked[2]), checkpoint, by_affinity)
+            built = self.Message(message, channel=self)
+        except Exception as exc:
+            self._dead_letter(queue, picked, exc, no_ack)
             return None
-        props = message["properties"]
-        props["delivery_tag"] = tag
-        info = props.setdefault("delivery_info", {})
-        info["sits_queue"] = queue
-        headers = message.get("headers")
-        if not isinstance(headers, dict):
-            headers = message["headers"] = {}
-        # Where the running task's message lives, for the task itself: Celery hands the
-        # headers (not the delivery info) to the pool child, which needs both to yield
-        # its slot (workers/slices.py).
-        headers[DELIVERY_HEADER] = [queue, tag]
-        if len(picked) > 3 and picked[3]:  # it yielded its slot before: where it got to
-            headers[CHECKPOINT_HEADER] = _text(picked[3])
-        if len(picked) > 4 and int(picked[4]):
-            self.affinity_picks += 1
-            headers[AFFINITY_HEADER] = True
-        if int(picked[2]):
-            info["redelivered"] = True
-            headers["redelivered"] = True
-        return message
+        self.affinity_picks += by_affinity
+        return built
+
+    def _dead_letter(self, queue: str, picked: list[Any], exc: Exception, no_ack: bool) -> None:
+        """Park a picked message that no consumer could take, with the reason."""
+        problem = str(exc) if isinstance(exc, MalformedPayload) else f"{type(exc).__name__}: {exc}"
+        reason = f"malformed payload: {problem}"
+        tag = picked[0]  # as stored: it may not even be text
+        logger.error("queue %r message %s: %s; moved to dead letters", queue,
+                     text(tag, "replace"), reason)
+        if no_ack:  # the pick forgot it already: the record dead.lua would write
+            record = {"reason": reason, "at": time.time(), "meta": None,
+                      "payload": text(picked[1], "replace")}
+            self.raw.hset(self.keys(queue).dead, tag, json.dumps(record))
+            return  # and its replicas went with the pick
+        self._run("dead", queue, [time.time(), reason, tag])
+        self._replicas_gone(queue, [text(tag, "replace")])
 
     def _brpop_start(self, timeout: float | None = None) -> None:
         if timeout is None:
@@ -401,7 +448,7 @@ class Channel(kredis.Channel):
             while self.qos.can_consume():
                 for queue in self._queue_cycle.consume(len(self.active_queues)):
                     try:
-                        batch = self._pick(queue, self.config.batch_window)
+                        batch = self._consumer_pick(queue)
                     except Empty:
                         continue
                     self._queue_cycle.rotate(queue)
@@ -433,7 +480,7 @@ class Channel(kredis.Channel):
                 raise Empty()
             queue = self._marker_queue[key]
             self._queue_cycle.rotate(queue)
-            self._deliver(queue, self._pick(queue, self.config.batch_window))
+            self._deliver(queue, self._consumer_pick(queue))
             return True
         finally:
             self._in_poll = None  # type: ignore[assignment]
@@ -473,7 +520,7 @@ class Channel(kredis.Channel):
     # -- inspection ------------------------------------------------------------------------
     def dead_letters(self, queue: str) -> dict[str, Any]:
         raw = self.raw.hgetall(self.keys(queue).dead)
-        return {_text(k): json.loads(v) for k, v in raw.items()}
+        return {text(k): json.loads(v) for k, v in raw.items()}
 
 
 class Transport(kredis.Transport):
@@ -510,16 +557,3 @@ class Transport(kredis.Transport):
         waker = getattr(self._hub, "_waker", None)
         if waker is not None:
             waker.wake()
-
-
-def _mark(batch: list[dict[str, Any]], group: str) -> list[dict[str, Any]]:
-    """Each message of a batch marked ``[group, index, size]`` (``keys.batch_mark``)."""
-    for index, message in enumerate(batch):
-        mark = [group, index, len(batch)]
-        message["properties"]["delivery_info"][BATCH_INFO] = mark
-        message["headers"][BATCH_INFO] = mark
-    return batch
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

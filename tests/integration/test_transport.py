@@ -153,7 +153,10 @@ def test_invalid_options_enqueue_nothing(app: Celery, redis_client: redis.Redis)
     bad: list[dict[str, Any]] = [{"sla_class": "urgent"}, {"context_tokens": -5},
                                  {"latency_sla_ms": float("nan")}, {"loss_sensitivity": 3},
                                  {"input_entropy": 1.5}, {"vram_gib": -1},
-                                 {"context_tokens": 1.5}, {"model": ""}]
+                                 {"context_tokens": 1.5}, {"model": ""},
+                                 # past a float's range: float() of them overflows
+                                 {"context_tokens": 10**400}, {"vram_gib": 10**400},
+                                 {"latency_sla_ms": 10**400}, {"loss_sensitivity": -10**400}]
     for options in bad:
         with pytest.raises(InvalidTaskOptions) as info:
             echo.apply_async(("x",), **options)
@@ -241,7 +244,28 @@ def test_requeue_and_reject(app: Celery, redis_client: redis.Redis) -> None:
     assert json.loads(next(iter(dead.values())))["reason"] == "rejected by consumer"
 
 
-@pytest.mark.parametrize("garbage", [b"not json at all", b"[1, 2, 3]", b'{"body": "x"}'])
+def kombu_message(**changes: Any) -> bytes:
+    """A stored payload shaped like kombu's, with ``changes`` at its top level."""
+    message: dict[str, Any] = {"body": "", "content-type": "application/json",
+                               "content-encoding": "utf-8", "properties": {}, "headers": {}}
+    return json.dumps({**message, **changes}).encode()
+
+
+@pytest.mark.parametrize("garbage", [
+    b"not json at all", b"[1, 2, 3]", b'{"body": "x"}',
+    kombu_message(properties={"delivery_info": 5}),
+    kombu_message(headers=["not", "an", "object"]),
+    kombu_message(body={"not": "a string"}),
+    kombu_message(headers={"task": ["unhashable"]}),
+    # kombu's typed values that do not decode (TypeError, InvalidOperation, ValueError)
+    kombu_message(headers={"x": {"__type__": "uuid", "__value__": 5}}),
+    kombu_message(headers={"x": {"__type__": "decimal", "__value__": "abc"}}),
+    kombu_message(headers={"x": {"__type__": "nosuchtype", "__value__": 1}}),
+    # bodies kombu's Message() cannot decode: an unknown codec, bad base64
+    kombu_message(body="eA==", properties={"body_encoding": "rot13"}),
+    kombu_message(body="x", properties={"body_encoding": "base64"}),
+    b'{"body": "", "properties": {}, "headers": {"x": NaN}, "content-type": 5}',
+])
 def test_malformed_payload_is_dead_lettered_and_the_queue_keeps_flowing(
         app: Celery, redis_client: redis.Redis, garbage: bytes) -> None:
     keys = QueueKeys.for_queue("celery")

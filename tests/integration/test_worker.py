@@ -19,6 +19,7 @@ from celery.exceptions import NotRegistered
 from sits_queue.broker.keys import QueueKeys, stats_key
 from sits_queue.procs import CeleryProcess
 from tests.integration.conftest import APP_MODULE, ROOT, worker_env
+from tests.integration.test_transport import kombu_message
 from tests.waiting import wait_for
 
 Spawn = Callable[..., CeleryProcess]
@@ -106,18 +107,39 @@ def test_unknown_task_fails_clearly_and_the_worker_keeps_serving(
 def test_malformed_messages_do_not_kill_the_worker(spawn: Spawn, client_app: Celery,
                                                    redis_client: redis.Redis) -> None:
     worker = spawn()
-    # A foreign writer drops garbage straight into the queue while the worker waits
-    redis_client.hset(WAITING.payloads, "junk", "{{{ not json")
-    redis_client.zadd(WAITING.waiting, {"junk": 0})
+    # A foreign writer drops garbage straight into the queue while the worker waits: not
+    # JSON, a body that is not a string, and messages that decode as JSON but not as
+    # kombu messages (each one stopped the worker, and the next one after the
+    # visibility timeout)
+    bad = {"junk": "{{{ not json",
+           "nobody": json.dumps({"body": {"no": "headers"}, "properties": {}, "headers": {}}),
+           "info": kombu_message(properties={"delivery_info": 5}).decode(),
+           "uuid": kombu_message(headers={"x": {"__type__": "uuid", "__value__": 5}}).decode(),
+           "codec": kombu_message(body="eA==", properties={"body_encoding": "rot13"}).decode(),
+           "task": kombu_message(headers={"task": ["unhashable"]}).decode()}
+    for tag, payload in bad.items():
+        redis_client.hset(WAITING.payloads, tag, payload)
+        redis_client.zadd(WAITING.waiting, {tag: 0})
     redis_client.zadd(WAITING.marker, {"ready": 0})
-    body = {"no": "headers"}
-    redis_client.hset(WAITING.payloads, "nobody", json.dumps({"body": body,
-                      "properties": {"delivery_tag": "nobody"}, "headers": {}}))
-    redis_client.zadd(WAITING.waiting, {"nobody": 0})
+    # Then it dead-letters each one and serves the next task
     assert client_app.tasks["w.add"].delay(2, 2).get(timeout=30) == 4
     assert worker.alive()
-    assert redis_client.hexists(WAITING.dead, "junk")
+    assert sorted(k.decode() for k in redis_client.hkeys(WAITING.dead)) == sorted(bad)
     assert redis_client.zcard(WAITING.waiting) == 0
+    wait_for(lambda: redis_client.zcard(WAITING.unacked) == 0, 10, "the last ack")
+
+
+@pytest.mark.parametrize("name", ["", "a{b}"])
+def test_a_queue_name_the_broker_refuses_does_not_stop_the_worker(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis, name: str) -> None:
+    worker = spawn()
+    # When a client asks the worker to consume from a queue it cannot have
+    (reply,) = client_app.control.add_consumer(name, reply=True, timeout=5)
+    # Then the reply says why, and the worker serves on (the declare raised in its event
+    # loop after an "ok" reply, which stopped it)
+    assert "error" in reply[worker.hostname]
+    assert client_app.tasks["w.add"].delay(1, 2).get(timeout=30) == 3
+    assert worker.alive()
 
 
 def test_beat_runs_the_rescoring_pass(spawn: Spawn, redis_client: redis.Redis) -> None:
