@@ -159,7 +159,8 @@ class Channel(kredis.Channel):
                 self._run("ack", queue, tags)
             except Exception:
                 logger.exception("could not ack %s of queue %r (%s); it stays unacked "
-                                 "and is restored if this worker stops", tags, queue, exc)
+                                 "and is redelivered once its visibility timeout passes",
+                                 tags, queue, exc)
 
         self._deferred.send_or_run(
             self.pool, ("EVALSHA", self.scripts.shas["ack"], len(names), *names, *tags),

@@ -178,7 +178,9 @@ class Rescorer:
                     continue  # picked between ZSCAN and HMGET: nothing to rewrite
                 try:
                     prio = scorer.score(*score_inputs(raw))
-                except (ValueError, KeyError, TypeError) as exc:
+                except (ValueError, KeyError, TypeError, ArithmeticError) as exc:
+                    # (a record with an SLA of 0 divides by it): one bad record must not
+                    # stop the pass over every other message
                     logger.warning("queue %r message %r: unreadable scheduling record (%s); "
                                    "keeping its score", queue, msg_id, exc)
                     continue

@@ -17,7 +17,7 @@ from sits_queue.broker.keys import QueueKeys
 from sits_queue.config import SitsConfig
 from sits_queue.errors import InvalidTaskOptions
 from sits_queue.priority.model import starvation_bound_s
-from sits_queue.priority.rescore import Rescorer, hot_key
+from sits_queue.priority.rescore import Rescorer, hot_key, latency_key
 
 
 def build_app(redis_url: str, **overrides: Any) -> Celery:
@@ -93,6 +93,25 @@ def test_rescoring_moves_a_waiting_task_ahead(app: Celery, redis_client: redis.R
     # (the cold task's score may change too: the class's bandwidth compliance moved)
     assert report is not None and report.seen == 2 and report.rewritten >= 1
     assert drain(app) == ["hot", "cold"]
+
+
+def test_a_record_that_cannot_be_scored_keeps_its_score_and_the_pass_goes_on(
+        app: Celery, redis_client: redis.Redis) -> None:
+    echo = app.tasks["t.echo"]
+    echo.apply_async(("bad",), sla_class="low")
+    echo.apply_async(("good",), sla_class="low", model="hot-model")
+    keys = QueueKeys.for_queue("celery")
+    (bad_id,) = [i for i, raw in redis_client.hgetall(keys.meta).items() if b"hot" not in raw]
+    record = json.loads(redis_client.hget(keys.meta, bad_id))
+    record["sla"] = 0  # a latency SLA of 0 (a foreign writer): the score divides by it
+    redis_client.hset(keys.meta, bad_id, json.dumps(record))
+    before = redis_client.zscore(keys.waiting, bad_id)
+    redis_client.hincrbyfloat(hot_key(app.sits), "hot-model", 50.0)
+    redis_client.lpush(latency_key(app.sits, "low"), 900.0)  # a p95 for the risk term
+    report = Rescorer(app.sits, redis_client).rescore_all()
+    assert report is not None and report.seen == 2 and report.rewritten == 1
+    assert redis_client.zscore(keys.waiting, bad_id) == before
+    assert drain(app) == ["good", "bad"]
 
 
 def test_aging_lets_an_old_low_task_overtake_fresh_high_ones(app: Celery,
