@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import threading
 import time
@@ -99,7 +100,8 @@ def flush(config: SitsConfig) -> None:
     for sla_class in {r[0] for r in records}:
         pipe.ltrim(latency_key(config, sla_class), 0, config.stats_window - 1)
     if demand:  # after the increments: EXPIRE on a missing key does nothing
-        pipe.expire(demand, int(config.prewarm_interval_s * (MAX_CATCH_UP + 2)))
+        # at least a second: a short interval rounded to EXPIRE 0 would delete the key
+        pipe.expire(demand, max(1, math.ceil(config.prewarm_interval_s * (MAX_CATCH_UP + 2))))
     try:
         pipe.execute()
     except redis.RedisError as exc:

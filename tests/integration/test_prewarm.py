@@ -9,6 +9,7 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -19,7 +20,7 @@ from sits_queue.priority import forecast as fc
 from sits_queue.priority import prewarm
 from sits_queue.priority.tasks import prewarmer
 from sits_queue.procs import CeleryProcess
-from sits_queue.workers import advertise
+from sits_queue.workers import advertise, signals
 from tests.integration.inference_app import (
     build_models,
     client_app,
@@ -134,3 +135,14 @@ def test_the_prewarm_task_went_through_the_workers_own_queue(
     queues = {q.decode() for q in r.smembers("sits:queues")}
     assert f"{worker.hostname}.dq2" in queues
     assert worker.alive(), worker.log()[-2000:]
+
+
+def test_a_short_interval_still_keeps_its_demand(redis_url: str, r: redis.Redis) -> None:
+    # (an interval this short made EXPIRE 0, which deletes the key it should keep)
+    config = replace(SitsConfig(redis_url=redis_url), prewarm_interval_s=0.05)
+    request = SimpleNamespace(task="t.any", sits={"sla_class": "low", "model": "m"})
+    signals.record_completion(config, request, False, time.time())
+    signals.flush(config)
+    keys = list(r.scan_iter(match=prewarm.demand_key(config, 0)[:-1] + "*"))
+    assert keys and all(r.ttl(k) >= 1 for k in keys)
+    assert sum(int(r.hget(k, "m") or 0) for k in keys) == 1
