@@ -19,7 +19,8 @@ from redis.exceptions import ConnectionError, NoScriptError
 
 from sits_queue.broker.keys import QueueKeys
 
-SCRIPT_NAMES = ("put", "pick", "ack", "dead", "restore", "release", "purge", "preempt", "join")
+SCRIPT_NAMES = ("put", "pick", "ack", "dead", "restore", "release", "purge", "preempt", "join",
+                "prune_hot")
 
 
 def _source(name: str) -> str:

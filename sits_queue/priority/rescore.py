@@ -25,6 +25,7 @@ from sits_queue.broker.keys import (
     stats_key,
 )
 from sits_queue.broker.meta import WaitingMeta, score_inputs
+from sits_queue.broker.scripts import Scripts
 from sits_queue.broker.snapshot import snapshot_to_json
 from sits_queue.config import SitsConfig
 from sits_queue.priority import stats
@@ -71,6 +72,7 @@ class Rescorer:
     def __init__(self, config: SitsConfig, client: redis.Redis | None = None) -> None:
         self.config = config
         self.client = client or redis.Redis.from_url(config.redis_url)
+        self.scripts = Scripts.register()
 
     def queues(self) -> list[str]:
         return registered_queues(self.client.smembers(
@@ -124,6 +126,9 @@ class Rescorer:
             for model, count in hot_counts.items():
                 pipe.hincrbyfloat(hot_key(cfg), model, count * (HOTNESS_DECAY - 1))
             pipe.execute()
+        faded = [m for m, count in hot_counts.items() if count * HOTNESS_DECAY < stats.MIN_COUNT]
+        if faded:  # a model not called for ~50 passes: out of the hash (and the snapshot)
+            self.scripts.run_on("prune_hot", [hot_key(cfg)], [stats.MIN_COUNT, *faded], c)
         return snapshot
 
     # -- the pass ----------------------------------------------------------------------------

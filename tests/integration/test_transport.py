@@ -114,6 +114,23 @@ def test_a_record_that_cannot_be_scored_keeps_its_score_and_the_pass_goes_on(
     assert drain(app) == ["good", "bad"]
 
 
+def test_a_model_no_longer_called_fades_out_of_the_hotness_hash(
+        app: Celery, redis_client: redis.Redis) -> None:
+    rescorer = Rescorer(app.sits, redis_client)
+    key = hot_key(app.sits)
+    redis_client.hset(key, mapping={"old-model": 0.0105, "busy-model": 40.0})
+    rescorer.gather_snapshot(time.time())
+    # the faded one is gone (not kept at ~0 for ever); the busy one decays
+    assert redis_client.hget(key, "old-model") is None
+    assert float(redis_client.hget(key, "busy-model")) == pytest.approx(36.0)
+    # a model called between the pass's read and its prune is kept
+    redis_client.hset(key, "again-model", 0.0105)
+    redis_client.hincrbyfloat(key, "again-model", 1.0)
+    assert rescorer.scripts.run_on("prune_hot", [key], [0.01, "again-model"],
+                                   redis_client) == 0
+    assert redis_client.hget(key, "again-model") is not None
+
+
 def test_aging_lets_an_old_low_task_overtake_fresh_high_ones(app: Celery,
                                                              redis_client: redis.Redis) -> None:
     echo = app.tasks["t.echo"]
