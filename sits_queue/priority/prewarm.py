@@ -28,7 +28,8 @@ from sits_queue.workers import advertise, metrics
 
 logger = logging.getLogger(__name__)
 
-#: Intervals a beat that was down catches up on (older ones are folded in as unknown).
+#: Intervals a beat that was down catches up on (older ones are skipped: their demand keys
+#: have expired; the forecast resumes from the state it had).
 MAX_CATCH_UP = 12
 PREWARM_TASK = "sits.prewarm"
 
