@@ -241,12 +241,13 @@ def _run_module(module: str, quick: bool, json_path: Path | None) -> None:
 
 
 # -- celery passthrough ----------------------------------------------------------------------
-@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.argument("command", type=click.Choice(["worker", "beat", "flower", "inspect", "purge",
-                                              "events", "call", "result"]))
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+              add_help_option=False)  # `sitsq celery worker --help` is Celery's help
+@click.argument("command")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def celery(command: str, args: tuple[str, ...]) -> None:
-    """Run `celery -A sits_queue COMMAND ...` against the configured or embedded Redis."""
+    """Run `celery -A sits_queue COMMAND ...` (any Celery command: worker, beat, flower,
+    inspect, control, purge, ...) against the configured or embedded Redis."""
     env = {**os.environ, "SITS_REDIS_URL": _redis_url()}
     argv = [sys.executable, "-m", "celery", "-A", "sits_queue", command, *args]
     os.execvpe(argv[0], argv, env)

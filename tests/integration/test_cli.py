@@ -111,3 +111,13 @@ def test_status_lists_live_workers_with_their_devices(
     assert record["devices"] and record["devices"][0]["kind"] in ("cpu", "cuda")
     text = sitsq("status", env=env).stdout
     assert worker.hostname in text and "cold starts" in text
+
+
+def test_sitsq_celery_passes_any_command_and_its_help_to_celery(redis_url: str) -> None:
+    env = {**os.environ, "SITS_REDIS_URL": redis_url}
+    helped = sitsq("celery", "worker", "--help", env=env)
+    assert helped.returncode == 0 and "--concurrency" in helped.stdout  # Celery's own help
+    pinged = sitsq("celery", "inspect", "ping", "--timeout", "0.5", env=env)
+    assert "No nodes replied" in pinged.stdout + pinged.stderr  # ran, on our Redis
+    status = sitsq("celery", "status", env=env)  # not a command sitsq names itself
+    assert "No nodes replied" in status.stdout + status.stderr
