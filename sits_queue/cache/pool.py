@@ -289,6 +289,13 @@ class EngineCache:
                 self._drop(target, now)
                 if new is not None and target != key:
                     new.release()
+                if target != key and key is not None and isinstance(exc, Exception) \
+                        and not isinstance(exc, self._passthrough):
+                    # another engine's move failed while making room: say so, not that
+                    # this model's load did
+                    raise ModelLoadError(key, f"making room for it failed: {kind} of "
+                                              f"{target!r}: {type(exc).__name__}: {exc}"
+                                         ) from exc
                 self._fail(key, exc)
             self._state = apply(self._state, Plan(actions=(action,),
                                                   size_bytes=plan.size_bytes), now)

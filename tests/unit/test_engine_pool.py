@@ -261,6 +261,22 @@ def test_promotion_or_warmup_failure_on_load_leaves_nothing_behind(fail: str) ->
     assert again.source == "disk"
 
 
+def test_a_failure_making_room_names_the_engine_that_failed() -> None:
+    cache, _ = make_cache(device_budget=100, host_budget=100)
+    loaders = Loaders({"a": 100, "b": 100})
+    a, _ = cache.get("a", loaders("a"))
+    assert isinstance(a, FakeEngine)
+    a.fail = "demote"
+    with pytest.raises(ModelLoadError, match="making room for it failed: demote of 'a': "
+                                             "RuntimeError: demote broke") as info:
+        cache.get("b", loaders("b"))
+    assert info.value.key == "b"
+    assert "a" not in cache and "b" not in cache and loaders.built[-1].released
+    assert_consistent(cache, loaders)
+    _, again = cache.get("b", loaders("b"))  # the cache serves on
+    assert again.source == "disk"
+
+
 def test_failed_promotion_from_host_drops_the_engine() -> None:
     cache, _ = make_cache(device_budget=100, host_budget=100)
     loaders = Loaders({"a": 100, "b": 100})
