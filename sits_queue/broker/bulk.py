@@ -27,6 +27,7 @@ from datetime import datetime
 from typing import Any
 
 import orjson
+import redis
 from celery import Celery, signals
 from celery.app.task import Task
 from celery.utils.nodenames import anon_nodename
@@ -64,15 +65,21 @@ SUPPORTED_OPTIONS = frozenset({
 
 
 class BulkEnqueueError(SitsError):
-    """Sending a chunk failed after earlier chunks were enqueued.
+    """Sending a chunk failed after earlier chunks were enqueued, or with a chunk's fate
+    unknown.
 
-    ``task_ids`` lists the tasks that are in the queue; the others were not sent. A chunk
-    is one atomic Lua call, so no chunk is ever half-enqueued.
+    ``task_ids`` lists the tasks that are in the queue. ``uncertain_ids``: a chunk whose
+    reply was lost with its connection (Redis may or may not have run it; none of its
+    messages is still waiting, so if it ran they were all taken already): check them
+    (``AsyncResult``) before sending them again. The items after both were not sent. A
+    chunk is one atomic Lua call, so no chunk is ever half-enqueued.
     """
 
-    def __init__(self, message: str, task_ids: list[str]) -> None:
+    def __init__(self, message: str, task_ids: list[str],
+                 uncertain_ids: Sequence[str] = ()) -> None:
         super().__init__(message)
         self.task_ids = task_ids
+        self.uncertain_ids = list(uncertain_ids)
 
 
 # -- the SITS part of apply_async, as reusable steps -------------------------------------------
@@ -390,8 +397,10 @@ def enqueue_many(task: Task, arg_list: Sequence[Sequence[Any]], *,
 
     Raises :class:`~sits_queue.errors.InvalidTaskOptions` for invalid options and
     ``TypeError`` for a malformed item before anything is sent. If a chunk fails after
-    earlier chunks were enqueued, raises :class:`BulkEnqueueError` with their ids;
-    if the first chunk fails, the original error (nothing was enqueued).
+    earlier chunks were enqueued, or its reply was lost with its connection, raises
+    :class:`BulkEnqueueError` with their ids (and the lost chunk's, as enqueued or as
+    uncertain); if the first chunk fails otherwise, the original error (nothing was
+    enqueued).
     """
     if not 1 <= chunk <= MAX_CHUNK:
         raise ValueError(f"chunk must be in [1, {MAX_CHUNK}], got {chunk}")
@@ -428,14 +437,23 @@ def _pipeline(app: Celery, task: Task, plan: _Plan, channel: Any, dispatcher: An
     One chunk is in flight at a time, so chunks reach Redis in order, and ``ids`` grows
     only once a chunk is confirmed: it always names exactly what is enqueued.
     """
-    in_flight: tuple[Callable[[], int], list[_Sent]] | None = None
+    in_flight: tuple[Callable[[], int], list[_Sent], list[Any]] | None = None
+    uncertain: list[str] = []
 
     def settle() -> None:
         nonlocal in_flight
         if in_flight is not None:
-            reply, sent = in_flight
+            reply, sent, tags = in_flight
             in_flight = None
-            reply()
+            try:
+                reply()
+            except (redis.ConnectionError, redis.TimeoutError):
+                # The reply is lost, not necessarily the chunk: Redis may have run it.
+                if not _landed(channel, plan.qname, tags):
+                    uncertain.extend(b.task_id for b in sent)
+                    raise
+                ids.extend(b.task_id for b in sent)
+                raise
             ids.extend(b.task_id for b in sent)
             _announce(plan, sent, dispatcher)
 
@@ -445,22 +463,38 @@ def _pipeline(app: Celery, task: Task, plan: _Plan, channel: Any, dispatcher: An
                                          arg_list[start:start + chunk],
                                          kwargs_all[start:start + chunk])
             settle()
-            in_flight = (channel._put_records_start(plan.qname, records), sent)
+            in_flight = (channel._put_records_start(plan.qname, records), sent, records[::5])
         settle()
     except Exception as exc:
         if in_flight is not None:  # building a chunk failed: count the one in flight
             with contextlib.suppress(Exception):  # the first error is the one to report
                 settle()
-        if not ids:
+        if not ids and not uncertain:
             raise
-        # Confirmed chunks are a prefix of the items, so the first missing one is len(ids).
-        raise BulkEnqueueError(f"items from {len(ids)} on were not enqueued "
-                               f"({len(ids)} were): {exc}", ids) from exc
+        # Confirmed chunks are a prefix of the items, then the uncertain one if any.
+        sure = f"items from {len(ids) + len(uncertain)} on were not enqueued " \
+               f"({len(ids)} were"
+        raise BulkEnqueueError(
+            f"{sure}, {len(uncertain)} may have been: the reply to their chunk was lost): "
+            f"{exc}" if uncertain else f"{sure}): {exc}", ids, uncertain) from exc
     except BaseException:
         if in_flight is not None:  # interrupted: still hand the connection back
             with contextlib.suppress(BaseException):
                 in_flight[0]()
         raise
+
+
+def _landed(channel: Any, queue: str, tags: list[Any]) -> bool:
+    """Whether a chunk whose reply was lost is in the queue: one of its messages is still
+    stored (put.lua is atomic: one is all). False when none is, or Redis cannot say."""
+    payloads = channel.keys(queue).payloads
+    try:
+        with channel.raw.pipeline(transaction=False) as pipe:
+            for tag in tags:
+                pipe.hexists(payloads, tag)
+            return any(pipe.execute())
+    except redis.RedisError:
+        return False
 
 
 def _build_chunk(app: Celery, task: Task, plan: _Plan, channel: Any,

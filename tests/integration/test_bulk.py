@@ -16,6 +16,7 @@ from kombu.exceptions import EncodeError
 from sits_queue.app import make_app
 from sits_queue.broker.bulk import BulkEnqueueError, enqueue_many
 from sits_queue.broker.keys import SEQ_BITS, QueueKeys
+from sits_queue.broker.scripts import Scripts
 from sits_queue.config import SitsConfig
 from sits_queue.errors import InvalidTaskOptions
 from sits_queue.procs import CeleryProcess
@@ -138,6 +139,35 @@ def test_a_failing_later_chunk_reports_what_was_enqueued(app: Celery,
     with pytest.raises(EncodeError):
         enqueue_many(echo, [(object(),)], chunk=10)
     assert redis_client.zcard(KEYS.waiting) == 0
+
+
+@pytest.mark.parametrize("ran", [True, False])
+def test_a_chunk_whose_reply_is_lost_is_reported_as_enqueued_or_uncertain(
+        app: Celery, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+        ran: bool) -> None:
+    start, calls = Scripts.start, []
+
+    def losing(self: Scripts, name: str, keys: Any, args: Any, client: Any) -> Any:
+        calls.append(name)
+        if len(calls) != 2:
+            return start(self, name, keys, args, client)
+        reply = start(self, name, keys, args, client) if ran else None
+
+        def lost() -> Any:  # the connection drops before the reply is read
+            if reply is not None:
+                reply()  # (Redis ran the chunk)
+            raise redis.ConnectionError("Connection closed by server.")
+        return lost
+
+    monkeypatch.setattr(Scripts, "start", losing)
+    with pytest.raises(BulkEnqueueError) as info:
+        enqueue_many(app.tasks["t.echo"], [(f"t{i}",) for i in range(6)], chunk=2)
+    waiting = redis_client.zcard(KEYS.waiting)
+    if ran:  # it is in the queue, and said so: a retry of the rest will not duplicate it
+        assert len(info.value.task_ids) == waiting == 4 and info.value.uncertain_ids == []
+    else:  # nothing says it ran: the caller is told to check those two
+        assert len(info.value.task_ids) == waiting == 2
+        assert len(info.value.uncertain_ids) == 2 and "2 may have been" in str(info.value)
 
 
 def test_chunks_larger_than_a_put_slice_keep_arrival_order(app: Celery,
