@@ -261,6 +261,20 @@ def test_heartbeat_keeps_held_messages_from_being_restored(redis_url: str,
     assert redis_client.zcard(keys.unacked) == 0
 
 
+def test_a_late_ack_after_a_restore_leaves_nothing_waiting(app: Celery,
+                                                           redis_client: redis.Redis) -> None:
+    app.tasks["t.echo"].delay("slow heartbeat")
+    keys = QueueKeys.for_queue("celery")
+    with app.connection_for_read() as conn:
+        channel = conn.default_channel
+        message = channel.basic_get("celery")  # its holder then looks silent to the sweep
+        assert channel._run("restore", "celery", [time.time() + 1, 100]) == 1
+        message.ack()  # the task had finished: its ack comes late
+        assert redis_client.zcard(keys.waiting) == 0 and channel._size("celery") == 0
+        assert channel._purge("celery") == 0
+        assert not redis_client.hexists(keys.payloads, message.delivery_tag)
+
+
 def test_requeue_and_reject(app: Celery, redis_client: redis.Redis) -> None:
     keys = QueueKeys.for_queue("celery")
     app.tasks["t.echo"].delay("a")

@@ -7,10 +7,14 @@
 --   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
 -- ARGV: ids
 -- Returns how many were still unacked.
+-- An ack that comes after the sweep restored its message (the holder's heartbeat was
+-- late) takes it out of the waiting set too: the task ran, and an id left waiting
+-- without its payload would be counted as waiting until a pick skipped it.
 local n = 0
 for i = 1, #ARGV do
   local id = ARGV[i]
   n = n + redis.call('ZREM', KEYS[6], id)
+  redis.call('ZREM', KEYS[1], id)
   redis.call('HDEL', KEYS[2], id)
   redis.call('HDEL', KEYS[3], id)
   redis.call('HDEL', KEYS[7], id)
