@@ -14,6 +14,7 @@ torch, onnxruntime and tensorrt are imported inside functions only (STYLE habit 
 
 from __future__ import annotations
 
+import copy
 import functools
 import io
 import json
@@ -173,7 +174,10 @@ class ExportedEngine(Engine):
 
         assert self._program is not None
         # The pass also rewrites device constants baked into the graph, which .to() misses.
-        self._module = move_to_device_pass(self._program, device).module()
+        # It moves the program it is given, in place: given the host copy itself, the
+        # weights would stay on the device after a demotion (which drops only _module),
+        # while the pool counts them freed. A copy goes; the host program stays put.
+        self._module = move_to_device_pass(copy.deepcopy(self._program), device).module()
 
     def _demote(self) -> None:
         self._module = None

@@ -174,6 +174,20 @@ def test_exported_program_keeps_its_sample_inputs(artefacts: Callable[[str], Pat
     assert engine.warmup() > 0
 
 
+def test_an_exported_program_keeps_its_host_copy_on_the_host(
+        artefacts: Callable[[str], Path]) -> None:
+    # "meta" stands in for a GPU here: promotion moves a copy there, demotion drops it,
+    # and the host tier still has its weights on the host (the next promotion copies them)
+    engine = ExportedEngine.load("scorer", artefacts("torch_export"))
+    program = engine._program
+    assert program is not None
+    engine.to_device("meta")
+    assert {t.device.type for t in program.state_dict.values()} == {"cpu"}
+    engine.to_host()
+    engine.to_device(DEVICE)
+    assert engine.warmup() > 0
+
+
 @pytest.mark.slow
 def test_aoti_package_for_cpu_is_refused_on_cuda(artefacts: Callable[[str], Path]) -> None:
     with pytest.raises(EngineFormatError, match="compiled for cpu"):
