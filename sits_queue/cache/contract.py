@@ -125,6 +125,9 @@ class Engine(ABC):
     #: A promotion rebuilds runtime state (a session, an execution context, a loaded
     #: library) whose first run pays one-off setup, so the cache warms it up again.
     rewarm_on_promote: ClassVar[bool] = False
+    #: Its device memory comes from torch's caching allocator (False: the backend's own,
+    #: which cannot reuse blocks torch keeps cached).
+    torch_allocated: ClassVar[bool] = True
 
     def __init__(self, key: str, sample_inputs: Inputs | None = None,
                  artifacts: Mapping[str, Any] | None = None) -> None:
@@ -168,6 +171,11 @@ class Engine(ABC):
         if self._device != device:
             if self._device is not None:
                 self._demote()
+            if not self.torch_allocated and is_cuda(device):
+                # The pool counts a demoted torch engine's bytes free, but torch's
+                # allocator keeps them cached for torch alone (with any KV memory held
+                # in reserve): hand them back to the driver, for this backend to use.
+                _release_torch_cache()
             self._promote(device)
             _synchronize(device)
         self._device = device
@@ -250,3 +258,9 @@ class Engine(ABC):
             raise EngineNotResident(f"engine {self.key!r} is in the host tier: "
                                     "promote it with to_device() before running it")
         return self._device
+
+
+def _release_torch_cache() -> None:
+    torch = sys.modules.get("torch")  # not imported: nothing cached
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -5,7 +5,7 @@
 * :class:`ExportedEngine`: a ``torch.export`` program (.pt2);
 * :class:`AotiEngine`: an AOTInductor package (.pt2), built by :func:`compile_aoti`;
 * :class:`OnnxEngine`: an ONNX Runtime session, from :func:`export_onnx`;
-* :class:`TensorRTEngine`: a TensorRT plan, from :func:`build_trt_plan`.
+* :class:`TensorRTEngine`: a TensorRT plan, from :func:`build_trt_plan` (``trt.py``).
 
 Every engine starts in the host tier, its weights or artefact read from disk once into
 host memory; promotion builds the device side from that copy and never reads the disk.
@@ -15,9 +15,9 @@ torch, onnxruntime and tensorrt are imported inside functions only (STYLE habit 
 from __future__ import annotations
 
 import copy
-import functools
 import io
 import json
+import logging
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -32,27 +32,43 @@ from sits_queue.cache.contract import (
     EngineNotResident,
     EngineReleased,
     Inputs,
-    InputSpec,
     device_index,
     input_spec,
     is_cuda,
     synthesize,
 )
+from sits_queue.cache.trt import TRT_WORKSPACE_BYTES, TensorRTEngine, build_trt_plan
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["AOTI_SPEC_KEY", "AotiEngine", "Backend", "Engine", "EngineError",
-           "EngineFormatError", "EngineNotResident", "EngineReleased", "ExportedEngine",
-           "Inputs", "OnnxEngine", "TensorRTEngine", "TorchEngine", "build_trt_plan",
-           "compile_aoti", "engine_from_path", "export_onnx"]
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AOTI_SPEC_KEY",
+    "TRT_WORKSPACE_BYTES",
+    "AotiEngine",
+    "Backend",
+    "Engine",
+    "EngineError",
+    "EngineFormatError",
+    "EngineNotResident",
+    "EngineReleased",
+    "ExportedEngine",
+    "Inputs",
+    "OnnxEngine",
+    "TensorRTEngine",
+    "TorchEngine",
+    "build_trt_plan",
+    "compile_aoti",
+    "engine_from_path",
+    "export_onnx",
+]
 
 #: Key under which :func:`compile_aoti` stores the sample input spec in the package metadata.
 AOTI_SPEC_KEY = "sits.sample_inputs"
 #: A prompt long enough to exercise attention and the KV cache, short enough to cost little.
 HF_WARMUP_PROMPT = "Warm-up: a short representative prompt for the engine cache."
-#: TensorRT builder scratch space; 1 GiB covers small and medium models without tuning.
-TRT_WORKSPACE_BYTES = 1 << 30
 _ONNX_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16",
                 "tensor(double)": "float64", "tensor(int64)": "int64",
                 "tensor(int32)": "int32", "tensor(bool)": "bool", "tensor(uint8)": "uint8",
@@ -279,6 +295,7 @@ class OnnxEngine(Engine):
     """
 
     backend = "onnxruntime"
+    torch_allocated = False
     rewarm_on_promote = True
 
     def __init__(self, key: str, model_bytes: bytes, sample_inputs: Inputs | None = None,
@@ -313,6 +330,10 @@ class OnnxEngine(Engine):
             providers.insert(0, ("CUDAExecutionProvider",
                                  {"device_id": max(0, device_index(device))}))
         self._session = ort.InferenceSession(self._bytes, providers=providers)
+        if is_cuda(device) and "CUDAExecutionProvider" not in self._session.get_providers():
+            # (no CUDA build of onnxruntime, or its provider failed to load: cuDNN missing)
+            logger.warning("ONNX engine %r asked for %s runs on the CPU: onnxruntime's CUDA "
+                           "provider is not available here", self.key, device)
 
     def _demote(self) -> None:
         self._session = None
@@ -329,12 +350,15 @@ class OnnxEngine(Engine):
                 for o in self._session.run(None, arrays)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def _warmup_inputs(self, device: str) -> Inputs:
+    def _warmup_inputs(self, device: str) -> Inputs | None:
         if self._sample is not None:
             return self._sample
+        inputs = self._session.get_inputs()
+        if any(i.type not in _ONNX_DTYPES for i in inputs):
+            return None  # (strings, int16, float8...): no warm-up rather than a failed load
         # Symbolic dimensions (batch, sequence) become 1: the smallest valid call.
         spec = [([d if isinstance(d, int) and d > 0 else 1 for d in i.shape],
-                 _ONNX_DTYPES[i.type]) for i in self._session.get_inputs()]
+                 _ONNX_DTYPES[i.type]) for i in inputs]
         return synthesize(spec, device)
 
     def _release(self) -> None:
@@ -350,174 +374,6 @@ def export_onnx(module: torch.nn.Module, sample_inputs: Sequence[Any], path: str
     torch.onnx.export(module.eval(), tuple(sample_inputs), str(path), dynamo=True,
                       external_data=False, dynamic_shapes=dynamic_shapes, verbose=False)
     return Path(path)
-
-
-# -- TensorRT -------------------------------------------------------------------------------------
-
-@functools.cache
-def _trt_logger() -> Any:
-    """One logger per process: TensorRT objects keep a pointer to it, so it must outlive them."""
-    import tensorrt as trt
-
-    return trt.Logger(trt.Logger.WARNING)
-
-
-def _trt_to_torch(dtype: Any) -> torch.dtype:
-    import tensorrt as trt
-    import torch
-
-    table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.int32: torch.int32,
-             trt.int8: torch.int8, trt.bool: torch.bool, trt.uint8: torch.uint8}
-    for name in ("bfloat16", "int64"):  # TensorRT >= 9 only
-        if hasattr(trt, name):
-            table[getattr(trt, name)] = getattr(torch, name)
-    return table[dtype]
-
-
-class TensorRTEngine(Engine):
-    """A serialized TensorRT plan. Host tier: the plan bytes. Device tier: the deserialised
-    engine and one execution context. Runs with torch CUDA tensors as the I/O buffers on
-    torch's current stream, so it orders with the surrounding torch work without syncs.
-    """
-
-    backend = "tensorrt"
-    rewarm_on_promote = True
-
-    def __init__(self, key: str, plan: bytes, sample_inputs: Inputs | None = None,
-                 artifacts: Mapping[str, Any] | None = None) -> None:
-        super().__init__(key, sample_inputs, artifacts)
-        self._plan = plan
-        self._runtime: Any = None
-        self._engine: Any = None
-        self._context: Any = None
-
-    @classmethod
-    def load(cls, key: str, path: str | Path,
-             artifacts: Mapping[str, Any] | None = None) -> TensorRTEngine:
-        return cls(key, Path(path).read_bytes(), artifacts=artifacts)
-
-    def size_bytes(self) -> int:
-        # The plan holds the weights; activation memory comes per context on top of it
-        # (``engine.device_memory_size_v2`` once deserialised) and is not counted here.
-        return len(self._plan)
-
-    def _promote(self, device: str) -> None:
-        import tensorrt as trt
-        import torch
-
-        if not is_cuda(device):
-            raise EngineFormatError(f"TensorRT engine {self.key!r} needs a CUDA device, "
-                                    f"not {device}")
-        with torch.cuda.device(device):
-            self._runtime = trt.Runtime(_trt_logger())
-            self._engine = self._runtime.deserialize_cuda_engine(self._plan)
-            if self._engine is None:
-                raise EngineFormatError(f"TensorRT could not deserialise {self.key!r} "
-                                        "(built by another TensorRT version or GPU?)")
-            self._context = self._engine.create_execution_context()
-
-    def _demote(self) -> None:
-        # Context before engine before runtime: each depends on the next.
-        self._context = None
-        self._engine = None
-        self._runtime = None
-
-    def _io(self, mode: Any) -> list[str]:
-        names = (self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors))
-        return [n for n in names if self._engine.get_tensor_mode(n) == mode]
-
-    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        import tensorrt as trt
-        import torch
-
-        device = self._device or "cuda"
-        feed = dict(zip(self._io(trt.TensorIOMode.INPUT), args, strict=False)) | kwargs
-        # Held until enqueued; after that torch's allocator reuses their blocks only in
-        # this stream's order, so later work cannot overwrite them before TensorRT reads.
-        keep = []
-        for name, value in feed.items():
-            t = torch.as_tensor(value).to(device, _trt_to_torch(
-                self._engine.get_tensor_dtype(name))).contiguous()
-            self._context.set_input_shape(name, tuple(t.shape))
-            self._context.set_tensor_address(name, t.data_ptr())
-            keep.append(t)
-        outs = []
-        for name in self._io(trt.TensorIOMode.OUTPUT):
-            shape = tuple(self._context.get_tensor_shape(name))
-            if any(d < 0 for d in shape):
-                raise EngineError(f"{self.key!r}: output {name} has a data-dependent shape; "
-                                  "this runner needs shapes known from the inputs")
-            out = torch.empty(shape, dtype=_trt_to_torch(self._engine.get_tensor_dtype(name)),
-                              device=device)
-            self._context.set_tensor_address(name, out.data_ptr())
-            outs.append(out)
-        stream = torch.cuda.current_stream(device)
-        if not self._context.execute_async_v3(stream.cuda_stream):
-            raise EngineError(f"TensorRT execution of {self.key!r} failed")
-        return outs[0] if len(outs) == 1 else tuple(outs)
-
-    def _warmup_inputs(self, device: str) -> Inputs:
-        import tensorrt as trt
-
-        if self._sample is not None:
-            return self._sample
-        spec: InputSpec = []
-        for name in self._io(trt.TensorIOMode.INPUT):
-            shape = list(self._engine.get_tensor_shape(name))
-            if any(d < 0 for d in shape):  # dynamic: the optimisation profile's "opt" shape
-                shape = list(self._engine.get_tensor_profile_shape(name, 0)[1])
-            dtype = _trt_to_torch(self._engine.get_tensor_dtype(name))
-            spec.append((shape, str(dtype).removeprefix("torch.")))
-        return synthesize(spec, device)
-
-    def _release(self) -> None:
-        self._demote()
-        self._plan = b""
-
-
-def build_trt_plan(onnx_bytes: bytes, fp16: bool = True,
-                   profile_shapes: Mapping[str, tuple[Sequence[int], Sequence[int],
-                                                      Sequence[int]]] | None = None,
-                   workspace_bytes: int = TRT_WORKSPACE_BYTES) -> bytes:
-    """Build a serialized TensorRT plan from an ONNX model (on the current CUDA device),
-    fp16 where TensorRT finds it faster, else strict fp32 (no TF32).
-
-    ``profile_shapes`` gives ``(min, opt, max)`` per dynamic input; static inputs need none.
-    """
-    import tensorrt as trt
-
-    logger = _trt_logger()
-    builder = trt.Builder(logger)
-    # TensorRT 10 networks are always explicit-batch; earlier versions need the flag.
-    major = int(trt.__version__.split(".")[0])
-    flags = 0 if major >= 10 else 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)
-    network = builder.create_network(flags)
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse(onnx_bytes):
-        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise EngineFormatError(f"TensorRT could not parse the ONNX model: {errors}")
-    config = builder.create_builder_config()
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
-    if fp16:
-        config.set_flag(trt.BuilderFlag.FP16)
-    else:
-        # fp32 means fp32: TensorRT allows TF32 (10-bit mantissas) in fp32 matmuls by
-        # default, off by ~1e-3 from the model it was built from.
-        config.clear_flag(trt.BuilderFlag.TF32)
-    dynamic = [network.get_input(i) for i in range(network.num_inputs)
-               if any(d < 0 for d in network.get_input(i).shape)]
-    if dynamic:
-        profile = builder.create_optimization_profile()
-        for tensor in dynamic:
-            if not profile_shapes or tensor.name not in profile_shapes:
-                raise EngineFormatError(f"input {tensor.name} has dynamic shape "
-                                        f"{tuple(tensor.shape)}: pass profile_shapes for it")
-            profile.set_shape(tensor.name, *profile_shapes[tensor.name])
-        config.add_optimization_profile(profile)
-    plan = builder.build_serialized_network(network, config)
-    if plan is None:
-        raise EngineFormatError("TensorRT failed to build the engine (see its log above)")
-    return bytes(plan)
 
 
 # -- choosing a backend by file type ------------------------------------------------------------

@@ -104,6 +104,28 @@ def test_a_causal_lms_warm_up_reserves_its_kv_memory_on_the_gpu(tmp_path: Path) 
     assert got["grew"] >= got["reserved"]
 
 
+def test_an_onnx_promotion_gets_the_memory_a_demoted_torch_engine_left_cached(
+        tmp_path: Path) -> None:
+    import onnxruntime
+
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        pytest.skip("onnxruntime here has no CUDA provider")
+    from sits_queue.models import tiny
+
+    path = tiny.build_tiny_causal_lm(tmp_path / "lm", seed=0)
+    got = in_fresh_process(
+        "import json, torch; from sits_queue.cache.engines import OnnxEngine, "
+        "engine_from_path, export_onnx\n"
+        f"e = engine_from_path('lm', {str(path)!r}, 'cuda:0'); e.to_device('cuda:0')\n"
+        "e.warmup(); e.to_host(); cached = torch.cuda.memory_reserved()\n"
+        f"onnx = export_onnx(torch.nn.Linear(8, 8), (torch.randn(2, 8),), "
+        f"{str(tmp_path / 'l.onnx')!r})\n"
+        "o = OnnxEngine.load('lin', onnx); o.to_device('cuda:0')\n"
+        "print(json.dumps({'cached': cached, 'after': torch.cuda.memory_reserved()}))")
+    # the demoted LM's blocks (and its KV reserve) went back to the driver for ONNX Runtime
+    assert got["cached"] > 0 and got["after"] < got["cached"]
+
+
 def test_memory_fraction_turns_overuse_into_a_recognised_oom() -> None:
     result = in_fresh_process(
         "import json, torch; from sits_queue.workers import gpu\n"

@@ -188,6 +188,23 @@ def test_an_exported_program_keeps_its_host_copy_on_the_host(
     assert engine.warmup() > 0
 
 
+def test_an_onnx_model_with_inputs_it_cannot_synthesise_loads_without_warm_up() -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT)], "int16-in",
+        [helper.make_tensor_value_info("x", TensorProto.INT16, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    engine = OnnxEngine("int16", model.SerializeToString())
+    onnx.checker.check_model(model)
+    engine.to_device(DEVICE)
+    assert engine.warmup() == 0.0  # (a KeyError on tensor(int16) failed the load)
+    assert engine(torch.tensor([3, 4], dtype=torch.int16)).tolist() == [3.0, 4.0]
+
+
 @pytest.mark.slow
 def test_aoti_package_for_cpu_is_refused_on_cuda(artefacts: Callable[[str], Path]) -> None:
     with pytest.raises(EngineFormatError, match="compiled for cpu"):
