@@ -198,15 +198,21 @@ class Profiler:
                 **(asdict(self.latest) if self.latest is not None else {})}
 
 
+#: Samples failing in a row after which a throttled worker takes work again.
+FAILED_SAMPLES_RESUME = 3
+
 #: This worker's profiler (one worker per process), for the advertisement.
 current: list[Profiler] = []
 
 
 def policy_of(config: Any) -> ProfilePolicy:
-    """The policy from the configured throttle levels (resume 0.10 / 2x below them)."""
+    """The policy from the configured throttle levels: resume 0.10 below the descriptor
+    share (half of it, for a share under 0.20) and at twice the memory share (half-way to
+    all memory free, for a share over a third): always a level a healthy host reaches,
+    never 0 descriptors open nor 100% of memory free, which would pause intake for good."""
     fd, mem = config.throttle_fd_share, config.throttle_mem_share
-    return ProfilePolicy(fd_throttle=fd, fd_resume=max(0.0, fd - 0.10),
-                         mem_throttle=mem, mem_resume=min(1.0, 2 * mem))
+    return ProfilePolicy(fd_throttle=fd, fd_resume=fd - min(0.10, fd / 2),
+                         mem_throttle=mem, mem_resume=min(2 * mem, (1 + mem) / 2))
 
 
 class ProfileStep(bootsteps.StartStopStep):  # type: ignore[misc]
@@ -218,6 +224,7 @@ class ProfileStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def __init__(self, c: Any, **kwargs: Any) -> None:
         super().__init__(c, **kwargs)
         self.tref: Any = None
+        self.failures = 0
 
     def tick(self, c: Any) -> None:
         policy = policy_of(c.app.sits)
@@ -231,8 +238,14 @@ class ProfileStep(bootsteps.StartStopStep):  # type: ignore[misc]
             state = current[0].add(sample([os.getpid(), *children],
                                           len(os.sched_getaffinity(0))))
         except Exception as exc:  # a failed sample must never stop the worker
+            self.failures += 1
             logger.warning("could not sample the worker's resources: %s", exc)
+            if self.failures >= FAILED_SAMPLES_RESUME and intake.paused() is not None:
+                # a throttle nothing can confirm any more must not pause it for good
+                logger.warning("resuming intake: %d samples failed in a row", self.failures)
+                intake.pause(None)
             return
+        self.failures = 0
         intake.pause(current[0].why if state == THROTTLED else None)
 
     def start(self, c: Any) -> None:

@@ -108,3 +108,40 @@ def test_policy_from_the_config_and_intake() -> None:
     finally:
         intake.pause(None)
     assert intake.paused() is None
+
+
+@pytest.mark.parametrize(("fd", "mem"), [(0.85, 0.05), (0.05, 0.6), (0.1, 1.0), (1.0, 0.34)])
+def test_every_accepted_throttle_level_has_a_resume_level_a_healthy_host_reaches(
+        fd: float, mem: float) -> None:
+    policy = prof.policy_of(SitsConfig(throttle_fd_share=fd, throttle_mem_share=mem))
+    assert 0 < policy.fd_resume < policy.fd_throttle
+    assert policy.mem_throttle <= policy.mem_resume and (mem == 1.0 or policy.mem_resume < 1)
+    if mem < 1.0:  # (a share of 1 throttles always, by its own definition)
+        healthy = profile_of(fd_pressure=policy.fd_resume / 2,
+                             mem_available=(policy.mem_resume + 1) / 2)
+        assert prof.decide(healthy, THROTTLED, policy)[0] != THROTTLED
+
+
+class Failing:
+    """A consumer whose sampling fails (the step reads only ``app.sits``)."""
+
+    def __init__(self) -> None:
+        self.app = type("App", (), {"sits": SitsConfig()})()
+
+
+def test_samples_failing_in_a_row_lift_a_throttle(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*_: Any) -> Any:
+        raise OSError("/proc is gone")
+
+    monkeypatch.setattr(prof, "sample", broken)
+    step = prof.ProfileStep.__new__(prof.ProfileStep)
+    step.tref, step.failures = None, 0
+    try:
+        intake.pause("host memory 3% available")
+        for _ in range(prof.FAILED_SAMPLES_RESUME - 1):
+            step.tick(Failing())
+        assert intake.paused() is not None  # a failed sample or two change nothing
+        step.tick(Failing())
+        assert intake.paused() is None
+    finally:
+        intake.pause(None)
