@@ -21,7 +21,7 @@ from kombu.transport import redis as kredis
 from kombu.transport import virtual
 from kombu.utils.json import dumps
 
-from sits_queue.broker import affinity, intake, payload, sites
+from sits_queue.broker import affinity, intake, payload, sites, wait
 from sits_queue.broker.fanout import DeferredCommands
 from sits_queue.broker.keys import MARKER_MEMBER, QueueKeys, queues_registry, score_base
 from sits_queue.broker.meta import WaitingMeta
@@ -85,6 +85,8 @@ class Channel(kredis.Channel):
         self.scripts = Scripts.register()
         self._keys: dict[str, QueueKeys] = {}
         self._marker_queue: dict[bytes, str] = {}
+        #: The queues the blocking wait in flight watches; () once it is answered.
+        self._watched: tuple[str, ...] = ()
         #: Queues consumed without acks (kombu's no_ack): their picks forget what they take.
         self._no_ack: set[str] = set()
         self._registry_refreshed: dict[str, float] = {}
@@ -181,6 +183,10 @@ class Channel(kredis.Channel):
     def close(self) -> None:
         if not self.closed:
             self._deferred.close()
+            if self._in_poll and self._watched:
+                # kombu would read the wait's answer first: up to brpop_timeout, then a
+                # pick for a closing consumer. A wait holds no message: give it up.
+                self._give_up_wait()
         super().close()
 
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
@@ -290,7 +296,16 @@ class Channel(kredis.Channel):
         self.keys(queue)  # validates the name here, not in the event loop's next wait
         # kombu keeps one callback per queue, so the latest consumer's no_ack holds.
         (self._no_ack.add if no_ack else self._no_ack.discard)(queue)
-        return super().basic_consume(queue, no_ack, *args, **kwargs)
+        tag = super().basic_consume(queue, no_ack, *args, **kwargs)
+        if self._in_poll and wait.misses(self._watched, queue, self.active_queues):
+            self._give_up_wait()  # the next wait watches this queue too (broker/wait.py)
+        return tag
+
+    def _give_up_wait(self) -> None:
+        connection, watched = self._in_poll, self._watched
+        self._in_poll, self._watched = None, ()  # type: ignore[assignment]
+        wait.give_up(connection, watched, lambda queue: self._run("arm", queue, []),
+                     self.connection_errors)
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         """One message's payload (tests and benchmarks): never a batch."""
@@ -414,6 +429,7 @@ class Channel(kredis.Channel):
             return
         markers = [self.keys(q).marker for q in queues]
         self._in_poll = self.client.connection
+        self._watched = tuple(queues)
         self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
         # Wait on the markers, not the queues: the pick itself must be the atomic script.
         self.client.connection.send_command("BZPOPMIN", *markers, timeout or 0)
@@ -471,6 +487,8 @@ class Channel(kredis.Channel):
             except self.connection_errors:
                 self.client.connection.disconnect()
                 raise
+            finally:
+                self._watched = ()
             if not woke:
                 raise Empty()
             key = woke[0] if isinstance(woke[0], bytes) else str(woke[0]).encode()
@@ -480,6 +498,11 @@ class Channel(kredis.Channel):
                 self.raw.zadd(key, {MARKER_MEMBER: 0})
                 raise Empty()
             queue = self._marker_queue[key]
+            if queue not in self._active_queues:
+                # Sent before this queue's consumer was cancelled: the message is not
+                # ours to take. Leave it, and its wake-up, to the queue's consumers.
+                self._run("arm", queue, [])
+                raise Empty()
             self._queue_cycle.rotate(queue)
             self._deliver(queue, self._consumer_pick(queue))
             return True

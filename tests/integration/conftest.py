@@ -77,16 +77,18 @@ def client_app(redis_url: str) -> Iterator[Celery]:
 @pytest.fixture
 def spawn(tmp_path: Path, redis_url: str, client_app: Celery
           ) -> Iterator[Callable[..., CeleryProcess]]:
-    """spawn("worker"|"beat", **settings) starts a process; all are stopped at teardown."""
+    """spawn("worker"|"beat", **settings) starts a process (a worker of ``pool``, prefork
+    unless told); all are stopped at teardown."""
     started: list[CeleryProcess] = []
 
     def _spawn(kind: str = "worker", wait: bool = True, concurrency: int = 2,
-               **settings: str) -> CeleryProcess:
+               pool: str = "prefork", **settings: str) -> CeleryProcess:
         env = worker_env(redis_url, **settings)
         if kind == "beat":
             proc = start_beat(APP_MODULE, env, tmp_path, cwd=ROOT)
         else:
-            proc = start_worker(APP_MODULE, env, tmp_path, concurrency=concurrency, cwd=ROOT)
+            proc = start_worker(APP_MODULE, env, tmp_path, concurrency=concurrency, pool=pool,
+                                cwd=ROOT)
         started.append(proc)
         if kind == "worker" and wait:
             wait_ready(client_app, [proc])

@@ -1,0 +1,148 @@
+"""Remote control over the sorted-set transport: replies to calls made one after another.
+
+kombu collects a call's replies until its timeout, so every call ends with the blocking
+wait of its reply consumer still in flight; each call consumes a reply queue of its own
+name (kombu names it after the mailbox object). These tests make calls back to back,
+each with a short timeout, as ``wait_ready``, Flower and monitoring scripts do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+from celery import Celery
+from kombu import Connection, Consumer, Exchange, Message, Queue
+
+from sits_queue.broker.keys import QueueKeys
+from sits_queue.procs import CeleryProcess
+from tests.waiting import wait_for
+
+Spawn = Callable[..., CeleryProcess]
+#: Short enough that each call ends with the previous wait (1 s) still in flight.
+SHORT_TIMEOUT_S = 0.5
+CALLS = 8
+
+
+@pytest.mark.parametrize("pool", ["prefork", "solo"])
+def test_consecutive_short_pings_each_get_the_reply(spawn: Spawn, client_app: Celery,
+                                                    pool: str) -> None:
+    worker = spawn(pool=pool)
+    # When a client pings the live worker again and again, each call with a short timeout
+    answered = [[name for reply in client_app.control.ping(timeout=SHORT_TIMEOUT_S)
+                 for name in reply] for _ in range(CALLS)]
+    # Then every call gets the worker's reply (every other one came back empty: the wait
+    # the previous call left in flight watched that call's reply queue, not this one's)
+    assert answered == [[worker.hostname]] * CALLS
+
+
+def test_inspect_with_short_timeouts_answers_every_call(spawn: Spawn,
+                                                        client_app: Celery) -> None:
+    worker = spawn()
+    inspect = client_app.control.inspect(timeout=SHORT_TIMEOUT_S)
+    for round_ in range(3):
+        # When stats, active and ping are asked one after the other
+        stats, active, ping = inspect.stats(), inspect.active(), inspect.ping()
+        # Then each comes back with the worker's answer
+        assert stats is not None and worker.hostname in stats, round_
+        assert active == {worker.hostname: []}, round_
+        assert ping == {worker.hostname: {"ok": "pong"}}, round_
+
+
+@pytest.mark.parametrize("pool", ["prefork", "solo"])
+def test_a_queue_added_to_a_running_worker_is_served(spawn: Spawn, client_app: Celery,
+                                                     pool: str) -> None:
+    worker = spawn(pool=pool)
+    add = client_app.tasks["w.add"]
+    # Given an idle worker, its wait on its queues in flight
+    assert add.delay(1, 1).get(timeout=30) == 2
+    # When it is told to consume one more queue (its wait is given up for one that
+    # watches that queue too) and tasks arrive there and on its first queue
+    (reply,) = client_app.control.add_consumer("ctl-added", reply=True, timeout=5)
+    assert "ok" in reply[worker.hostname]
+    added, first = add.apply_async((2, 3), queue="ctl-added"), add.delay(4, 5)
+    # Then both run, and the worker serves on
+    assert (added.get(timeout=30), first.get(timeout=30)) == (5, 9)
+    assert worker.alive()
+
+
+@pytest.fixture
+def conn(redis_url: str) -> Iterator[Connection]:
+    with Connection(redis_url, transport="sits_queue.broker.transport:Transport") as c:
+        yield c
+
+
+def consume(conn: Connection, names: list[str], got: list[str],
+            no_ack: bool = True) -> Consumer:
+    exchange = Exchange("ctl-test", type="direct", durable=False)
+    queues = [Queue(name, exchange, routing_key=name, durable=False) for name in names]
+
+    def on_message(body: str, message: Message) -> None:
+        got.append(body)
+
+    return Consumer(conn.default_channel, queues, callbacks=[on_message], no_ack=no_ack)
+
+
+def publish(conn: Connection, name: str, body: str) -> None:
+    with conn.Producer() as producer:
+        producer.publish(body, exchange="ctl-test", routing_key=name)
+
+
+def test_a_queue_consumed_while_a_wait_is_in_flight_is_watched_at_once(
+        conn: Connection, redis_client: redis.Redis) -> None:
+    got: list[str] = []
+    # Given a consumer whose drain ended by its timeout, its wait on queue a in flight
+    with consume(conn, ["ctl-a"], got), pytest.raises(TimeoutError):
+        conn.drain_events(timeout=0.1)
+    # When the channel then consumes queue b and a message arrives there
+    with consume(conn, ["ctl-b"], got):
+        publish(conn, "ctl-b", "to b")
+        started = time.monotonic()
+        conn.drain_events(timeout=SHORT_TIMEOUT_S)
+        # Then the drain returns it, without waiting out the old wait
+        assert got == ["to b"]
+        assert time.monotonic() - started < SHORT_TIMEOUT_S
+
+
+def test_a_wait_that_outlived_its_consumer_leaves_the_message_waiting(
+        conn: Connection, redis_client: redis.Redis) -> None:
+    got: list[str] = []
+    keys = QueueKeys.for_queue("ctl-c")
+    with consume(conn, ["ctl-c", "ctl-e"], got, no_ack=False) as consumer:
+        # Given a wait on queues c and e in flight, then c's consumer cancelled
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=0.1)
+        consumer.cancel_by_queue("ctl-c")
+        # When a message for c arrives and wakes that wait, and the channel reads its reply
+        publish(conn, "ctl-c", "to c")
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=0.2)
+    # Then nobody took it: it still waits in c, whose marker is set for the next consumer
+    assert got == []
+    assert redis_client.zcard(keys.waiting) == 1
+    assert redis_client.zcard(keys.unacked) == 0
+    assert redis_client.zcard(keys.marker) == 1
+
+
+def test_closing_gives_up_the_wait_and_leaves_its_wake_up(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    got: list[str] = []
+    keys = QueueKeys.for_queue("ctl-f")
+    conn = Connection(redis_url, transport="sits_queue.broker.transport:Transport")
+    consumer = consume(conn, ["ctl-f"], got, no_ack=False)
+    consumer.consume()
+    # Given a wait on queue f in flight that a message's arrival wakes
+    with pytest.raises(TimeoutError):
+        conn.drain_events(timeout=0.1)
+    publish(conn, "ctl-f", "to f")
+    wait_for(lambda: redis_client.zcard(keys.marker) == 0, 5, "the wait to take the marker")
+    # When the connection closes before reading the wait's answer
+    conn.close()
+    # Then nothing was picked for the closing consumer (kombu would read the answer and
+    # pick), and the message waits with its marker set for the queue's other consumers
+    assert got == [] and consumer.channel.closed
+    assert redis_client.zcard(keys.waiting) == 1
+    assert redis_client.zcard(keys.unacked) == 0
+    assert redis_client.zcard(keys.marker) == 1
