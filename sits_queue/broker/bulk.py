@@ -19,6 +19,7 @@ workers use for their own task events; Flower's receiver unpacks it).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -116,6 +117,8 @@ class _Built:
     body: Any  # (args, kwargs, embed) for the publish signals
     sent_event: dict[str, Any] | None
     options: TaskOptions
+    #: Where its ``before_task_publish`` ran (see :func:`_build`); None without receivers.
+    context: contextvars.Context | None = None
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,7 @@ class _Sent:
     headers: dict[str, Any] | None  # only when after_task_publish has receivers
     body: Any
     sent_event: dict[str, Any] | None
+    context: contextvars.Context | None  # its after_task_publish runs there
 
 
 def _check_items(task: Task, arg_list: Sequence[Any],
@@ -342,10 +346,17 @@ def _build(app: Celery, task: Task, plan: _Plan, channel: Any, args: Sequence[An
                               o.batch_max, o.precision)
     headers[SUBMITTED_AT] = time.time()
     before = signals.before_task_publish
+    context = None
     if before.receivers:
-        before.send(sender=plan.name, body=body, exchange="", routing_key=plan.qname,
-                    declare=[plan.queue], headers=headers, properties=properties,
-                    retry_policy={})
+        # Each item's publish signals run in a context of their own (its after_task_publish
+        # too, once its chunk is in Redis): a receiver that makes something current until
+        # the matching "after" (OpenTelemetry's Celery instrumentation: the publish span)
+        # must not parent the next item's span under this one, nor leave an ended span
+        # current for the caller, as the chunk's "befores" all come before its "afters".
+        context = contextvars.copy_context()
+        context.run(before.send, sender=plan.name, body=body, exchange="",
+                    routing_key=plan.qname, declare=[plan.queue], headers=headers,
+                    properties=properties, retry_policy={})
     # What Producer.publish does between Celery and the channel.
     if (plan.plain_json and argsrepr is not None and kwargsrepr is not None
             and not before.receivers):
@@ -365,7 +376,11 @@ def _build(app: Celery, task: Task, plan: _Plan, channel: Any, args: Sequence[An
     channel._inplace_augment_message(message, "", plan.qname)
     if sent_event is not None:
         sent_event.update(queue=plan.qname, exchange="", routing_key=plan.qname)
-    return _Built(task_id, message, body, sent_event, options)
+    return _Built(task_id, message, body, sent_event, options, context)
+
+
+def _call(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return f(*args, **kwargs)
 
 
 def _announce(plan: _Plan, built: list[_Sent], dispatcher: Any) -> None:
@@ -374,8 +389,9 @@ def _announce(plan: _Plan, built: list[_Sent], dispatcher: Any) -> None:
     after = signals.after_task_publish
     if after.receivers:
         for b in built:
-            after.send(sender=plan.name, body=b.body, headers=b.headers,
-                       exchange="", routing_key=plan.qname)
+            (b.context.run if b.context is not None else _call)(
+                after.send, sender=plan.name, body=b.body, headers=b.headers, exchange="",
+                routing_key=plan.qname)
     if dispatcher is not None:
         for b in built:
             if b.sent_event is not None:
@@ -515,5 +531,6 @@ def _build_chunk(app: Celery, task: Task, plan: _Plan, channel: Any,
         b = _build(app, task, plan, channel, args, kwargs)
         records += channel._put_record(b.message, b.options, now, scorer)
         sent.append(_Sent(b.task_id, b.message["headers"] if keep else None,
-                          b.body if keep else None, b.sent_event))
+                          b.body if keep else None, b.sent_event,
+                          b.context if keep else None))
     return records, sent

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
     OTLPSpanExporter,
 )
@@ -23,8 +24,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from sits_queue import tracing
+from sits_queue.app import make_app
+from sits_queue.broker.bulk import enqueue_many
 from sits_queue.config import SitsConfig
 from sits_queue.errors import ConfigError
 from sits_queue.procs import wait_ready
@@ -165,3 +169,32 @@ def test_modes() -> None:
         tracing.resolve_mode("jaeger", {})
     with pytest.raises(ConfigError, match="otel_traces"):
         SitsConfig(otel_traces="jaeger")
+
+
+def test_bulk_publish_spans_each_hang_from_the_caller_and_leave_it_current(
+        redis_url: str, redis_client: Any) -> None:
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    instrumentor = CeleryInstrumentor()  # type: ignore[no-untyped-call]
+    instrumentor.instrument(tracer_provider=provider)
+    app = make_app(SitsConfig(redis_url=redis_url), main="bulk-traced")
+
+    @app.task(name="t.bulk_echo", shared=False)
+    def echo(tag: str) -> str:
+        return tag
+
+    tracer = provider.get_tracer("caller")
+    try:
+        with tracer.start_as_current_span("caller") as caller:
+            enqueue_many(echo, [("a",), ("b",), ("c",)], chunk=2)  # 2 chunks
+            # the caller's span is current again, not a publish span that has ended
+            assert trace.get_current_span() is caller
+    finally:
+        instrumentor.uninstrument()
+        app.close()
+    publishes = [s for s in spans.get_finished_spans() if s.name == "apply_async/t.bulk_echo"]
+    root = next(s for s in spans.get_finished_spans() if s.name == "caller")
+    assert len(publishes) == 3
+    # each publish is the caller's child, not the previous message's
+    assert {s.parent.span_id for s in publishes if s.parent} == {root.context.span_id}
