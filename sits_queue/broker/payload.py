@@ -136,3 +136,12 @@ def mark(batch: list[Any], group: str) -> list[Any]:
 def text(value: bytes | str, errors: str = "strict") -> str:
     """A Redis reply as text; ``errors`` as for ``bytes.decode``."""
     return value.decode(errors=errors) if isinstance(value, bytes) else value
+
+
+def poison_split(picked: Any) -> tuple[Any, list[str]]:
+    """``pick.lua``'s reply without the ids it dead-lettered as poison on its way (its
+    last element, a list, when there were any), and those ids."""
+    if not isinstance(picked, list) or not picked or not isinstance(picked[-1], list):
+        return picked, []
+    rest = picked[:-1]
+    return (rest[0] if len(rest) == 1 else rest), [text(i, "replace") for i in picked[-1]]

@@ -25,7 +25,7 @@ from sits_queue.broker import affinity, intake, payload, sites, wait
 from sits_queue.broker.fanout import DeferredCommands
 from sits_queue.broker.keys import MARKER_MEMBER, QueueKeys, queues_registry, score_base
 from sits_queue.broker.meta import WaitingMeta
-from sits_queue.broker.payload import MalformedPayload, text
+from sits_queue.broker.payload import MalformedPayload, poison_split, text
 from sits_queue.broker.qos import QoS
 from sits_queue.broker.scripts import Scripts
 from sits_queue.broker.snapshot import SnapshotCache
@@ -321,8 +321,11 @@ class Channel(kredis.Channel):
                                                                        warm)
         extra = ["noack"] if no_ack else self._warm_args
         for _ in range(MAX_BAD_IN_A_ROW):
-            picked = self._run("pick", queue, [time.time(), self.config.max_redeliveries,
-                                               self.consumer_id, batch_window, *extra])
+            picked, poisoned = poison_split(self._run("pick", queue, [
+                time.time(), self.config.max_redeliveries, self.consumer_id, batch_window,
+                *extra]))
+            if poisoned:  # dead-lettered by the pick: their replicas go as an ack's would
+                self._replicas_gone(queue, poisoned)
             if isinstance(picked, int) and picked > 0:
                 # Only messages this consumer released (and still holds off) wait at the
                 # head: pause briefly, or the marker they keep set would wake us at once.
@@ -515,13 +518,18 @@ class Channel(kredis.Channel):
 
     def _purge(self, queue: str) -> int:
         total = 0
-        while n := self._run("purge", queue, [PURGE_CHUNK]):
-            total += int(n)
+        while ids := self._run("purge", queue, [PURGE_CHUNK]):
+            total += len(ids)
+            self._replicas_gone(queue, [text(i, "replace") for i in ids])
         return total
 
     def _delete(self, queue: str, exchange: str, routing_key: str, pattern: str, *args: Any,
                 **kwargs: Any) -> None:
         self.auto_delete_queues.discard(queue)
+        if self._site_sync(queue) is not None:  # its tasks' replicas at the peer go too
+            ids = [text(i, "replace") for i in self.raw.hkeys(self.keys(queue).payloads)]
+            for at in range(0, len(ids), PURGE_CHUNK):
+                self._replicas_gone(queue, ids[at:at + PURGE_CHUNK])
         member = self.sep.join([routing_key or "", pattern or "", queue or ""])
         with self.raw.pipeline(transaction=False) as pipe:
             pipe.srem(self.global_keyprefix + self.keyprefix_queue % (exchange,), member)

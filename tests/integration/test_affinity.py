@@ -133,6 +133,7 @@ def test_a_poison_message_chosen_by_affinity_is_parked_and_the_pick_goes_on(
     # Then "b" is dead-lettered and the pick delivers the queue's head, not by affinity
     assert r.hexists(KEYS.dead, "b@100")
     assert (got[0], got[4]) == (b"a@100", 0)
+    assert got[5:] == [[b"b@100"]]  # named last, for its replicas at a peer site
     assert r.zrange(KEYS.waiting, 0, -1) == [b"c@100"]
 
 

@@ -114,3 +114,15 @@ def test_a_message_no_consumer_could_take_is_refused_with_the_reason(raw: bytes,
 def test_typed_values_that_do_not_decode_raise(value: Any, error: type[Exception]) -> None:
     with pytest.raises(error):
         payload.decode(stored(lambda m: m["headers"].update(x=value)), {"base64"})
+
+
+@pytest.mark.parametrize(("reply", "rest", "poisoned"), [
+    ([b"t1", b"{}", 0, None, 0], [b"t1", b"{}", 0, None, 0], []),
+    ([b"t1", b"{}", 0, None, 0, b"k", b"{}", 0, [b"p1", b"p2"]],
+     [b"t1", b"{}", 0, None, 0, b"k", b"{}", 0], ["p1", "p2"]),
+    ([0, [b"p1"]], 0, ["p1"]),  # it met only poison: the number, as without any
+    (3, 3, []), ([], [], []),
+])
+def test_a_picks_reply_gives_up_the_poison_it_parked(reply: Any, rest: Any,
+                                                      poisoned: list[str]) -> None:
+    assert payload.poison_split(reply) == (rest, poisoned)

@@ -21,6 +21,9 @@
 -- batch}; else the number of messages passed over because this consumer released them
 -- and their hold has not run out (0 when nothing is waiting at all: the caller waits
 -- for a put instead).
+-- When the pick dead-lettered poison messages on its way (below), the table of their ids
+-- comes last: the reply's one more element, or {number, ids} instead of the number (the
+-- caller deletes their replicas at a peer site, broker/sites.py).
 -- The checkpoint is what the task saved when it last yielded its slot.
 -- Batch kin: waiting tasks whose scoring metadata has the picked task's batch key 'b'
 -- (task, model, class), nearest the head first, up to its 'bn' in all; none for (and
@@ -30,6 +33,7 @@
 local now, max_redeliveries = ARGV[1], tonumber(ARGV[2])
 local consumer = ARGV[3] or ''
 local passed = {}  -- score, id pairs of held messages, put back as they were
+local poisoned = {}  -- ids dead-lettered as poison messages by this call
 local SEQ_SPAN, LEVELS, LEVELS_PER_E = 4294967296, 2097151, 131072
 
 local function held_by_me(id)
@@ -207,11 +211,13 @@ for _ = 1, 64 do
       redis.call('HDEL', KEYS[12], id)
       redis.call('HDEL', KEYS[13], id)
       redis.call('HDEL', KEYS[14], id)
+      poisoned[#poisoned + 1] = id
     else
       local reply = {id, payload, times, redis.call('HGET', KEYS[11], id), by_affinity}
       gather(id, times, reply)
       take(id, score)
       restore_passed()
+      if #poisoned > 0 then reply[#reply + 1] = poisoned end
       return reply
     end
   end
@@ -219,4 +225,5 @@ for _ = 1, 64 do
   by_affinity = 0
 end
 restore_passed()
+if #poisoned > 0 then return {#passed / 2, poisoned} end
 return #passed / 2

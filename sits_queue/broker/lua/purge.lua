@@ -7,7 +7,7 @@
 --   12 yield claims HASH  13 held HASH (released by a consumer, not offered back to it)
 --   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
 -- ARGV: chunk size
--- Returns the number removed.
+-- Returns the ids removed (their replicas at a peer site go too, broker/sites.py).
 local ids = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
 for _, id in ipairs(ids) do
   redis.call('ZREM', KEYS[1], id)
@@ -20,4 +20,4 @@ for _, id in ipairs(ids) do
   redis.call('HDEL', KEYS[14], id)
 end
 if redis.call('ZCARD', KEYS[1]) == 0 then redis.call('DEL', KEYS[4]) end
-return #ids
+return ids
