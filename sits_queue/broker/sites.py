@@ -13,14 +13,20 @@ The policy (tiers, the decision table, link weights) is ``priority/sites.py``. H
 * **digests**: every :data:`DIGEST_EVERY_S` the pass compares, per queue, the ids this
   site holds (waiting or running) in digest-checked classes with the replica's, and
   repairs a difference (a lost outbox entry, a peer restarted empty);
-* **heartbeats**: each pass sets ``sits:site:{<origin>}:alive`` at the peer, expiring after
-  ``site_dead_after_s``; the peer's pass **takes over** the replicas of an origin from
+* **one replica peer**: the pass measures the links and publishes its choice
+  (``sits:site:link``); producers re-read it every :func:`link_max_age_s` and write their
+  strong replicas there, so that they go where the pass drains and deletes. Live peers
+  that are not (or no longer) the replica peer get their replicas of this site handed
+  over to it and deleted: acks' deletes go to the replica peer only;
+* **heartbeats**: each pass sets ``sits:site:{<origin>}:alive`` at every live peer (any may
+  still hold replicas), expiring after ``site_dead_after_s``; a peer's pass **takes over**
+  the replicas of an origin from
   which it has itself heard nothing for that long (an expired heartbeat alone is not
   enough: the peer may just be back from an outage of its own): each goes into the
   peer's own queue of the same name (``put.lua``) and its id into
   ``sits:site:{<origin>}:takenover`` there. When the origin is back, its
-  pass reads that set and dead-letters its own copies that still wait (reason: taken
-  over), so the work runs once where it can.
+  pass reads that set first and dead-letters its own copies that still wait (reason:
+  taken over), deleting their replicas, so the work runs once where it can.
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -47,7 +54,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between digest checks of one site's replica (a digest reads every id).
 DIGEST_EVERY_S = 10.0
-#: Seconds a measured link is reused before it is measured again.
+#: Seconds a measured link is reused before it is measured again (at most a third of
+#: site_dead_after_s: a peer back from an outage must hear heartbeats before it could
+#: count this site as dead), and a producer re-reads the pass's choice.
 LINK_MAX_AGE_S = 10.0
 #: Outbox entries one pass drains (the rest wait for the next).
 DRAIN_BATCH = 5000
@@ -55,6 +64,12 @@ DRAIN_BATCH = 5000
 PINGS = 3
 #: Seconds a peer may take to answer before it counts as down for this pass.
 PEER_TIMEOUT_S = 1.0
+#: Seconds a peer whose strong (synchronous) write failed or timed out is written
+#: asynchronously instead: a hung peer costs a producer one PEER_TIMEOUT_S per period, not
+#: one per put.
+STRONG_BACKOFF_S = 30.0
+#: Replicas one pass moves off the live peers that no longer keep them (more next pass).
+HANDOVER_BATCH = 5000
 #: Outbox entries beyond which eventual-mode puts are no longer queued (a long peer
 #: outage must not fill this site's memory; digest-checked classes are still queued, and
 #: repaired by the digest anyway), and for how long, s, before looking again.
@@ -100,6 +115,15 @@ def last_pass_key(prefix: str) -> str:
     return f"{prefix}sits:site:last-pass"
 
 
+def link_key(prefix: str) -> str:
+    """The pass's choice of replica peer, for this site's producers."""
+    return f"{prefix}sits:site:link"
+
+
+def link_max_age_s(config: SitsConfig) -> float:
+    return min(LINK_MAX_AGE_S, config.site_dead_after_s / 3)
+
+
 def status(client: redis.Redis, config: SitsConfig) -> dict[str, Any] | None:
     """This site for ``sitsq status``: the last pass, the outbox, replicas held here."""
     if not config.site:
@@ -130,6 +154,7 @@ class PassReport:
     repaired: int = 0
     taken_over: int = 0
     dropped: int = 0
+    handed_over: int = 0
     errors: list[str] = field(default_factory=list)
 
 
@@ -151,7 +176,11 @@ class SiteSync:
         self.scripts = Scripts.register()
         self.clock = clock
         self._links: list[Link] = []
-        self._links_at = -LINK_MAX_AGE_S
+        self._links_at = -math.inf
+        self._measured = False  # whether _links are this process's own measurement
+        self._max_age_s = link_max_age_s(config)
+        self._replica_peer: str | None = None
+        self._strong_off_until: dict[str, float] = {}
         self._digest_at = -DIGEST_EVERY_S
         self._weights = {c.name: c.weight for c in config.classes}
         self._registered: dict[tuple[str, str], float] = {}
@@ -160,14 +189,26 @@ class SiteSync:
 
     # -- links and the plan ------------------------------------------------------------------
     def links(self, refresh: bool = False) -> list[Link]:
-        """The peers as last measured; measured again when ``refresh`` and older than
-        :data:`LINK_MAX_AGE_S` (the sync pass), or when never measured. The enqueue
-        path never waits on a peer that stopped answering beyond that first time."""
+        """The links as of at most :func:`link_max_age_s` ago. The pass (``refresh``)
+        measures them itself; the enqueue path takes the pass's published choice (one
+        local GET), so that every process of the site writes to the peer the pass
+        heartbeats and drains, and measures by itself only while no pass publishes
+        (bounded: one PEER_TIMEOUT_S per unreachable peer per period)."""
         now = time.monotonic()
-        if not self._links or (refresh and now - self._links_at >= LINK_MAX_AGE_S):
-            self._links = [self._measure(p) for p in self.peers]
-            self._links_at = now
+        if now - self._links_at < self._max_age_s and (self._measured or not refresh):
+            return self._links
+        links = None if refresh else self._published()
+        if links is None:
+            # A peer a strong write just timed out on is not waited on again by a put.
+            off = set() if refresh else {n for n, t in self._strong_off_until.items() if t > now}
+            links = [Link(p, math.inf, False) if p.name in off else self._measure(p)
+                     for p in self.peers]
+        self._links, self._links_at, self._measured = links, now, refresh
         return self._links
+
+    def _published(self) -> list[Link] | None:
+        raw = self.local.get(link_key(self.prefix))
+        return None if raw is None else sites.decode_choice(raw, self.peers)
 
     def _measure(self, peer: sites.Peer) -> Link:
         client = self.clients[peer.name]
@@ -184,7 +225,9 @@ class SiteSync:
         return Link(peer, rtt, True)
 
     def plan(self, refresh: bool = False) -> SyncPlan:
-        links = self.links(refresh)
+        return self._plan_of(self.links(refresh))
+
+    def _plan_of(self, links: list[Link]) -> SyncPlan:
         if self._plan is None or self._plan[0] is not links:  # once per measurement
             self._plan = (links, sites.plan(self._weights, links,
                                             self.config.site_strong_rtt_ms))
@@ -199,16 +242,21 @@ class SiteSync:
             later = list(records)
             strong = []
         else:
+            if self._strong_off_until.get(plan.link.peer.name, 0.0) > time.monotonic():
+                plan = sites.without_strong(plan)
             strong = [r for r in records if plan.mode(str(r[4])) is SyncMode.STRONG]
             later = [r for r in records if plan.mode(str(r[4])) in
                      (SyncMode.ASYNC_DIGEST, SyncMode.EVENTUAL)]
         if strong and plan.link is not None:
+            peer = plan.link.peer.name
             try:
-                self._write_replicas(plan.link.peer.name, queue,
+                self._write_replicas(peer, queue,
                                      [(str(r[0]), r[1], r[2], float(r[3])) for r in strong])
-            except redis.RedisError as exc:  # the put stands; the pass retries it
-                logger.warning("site %s: strong replica to %s failed, queued: %s",
-                               self.site, plan.link.peer.name, exc)
+            except redis.RedisError as exc:  # the put stands; the pass writes it
+                self._strong_off_until[peer] = time.monotonic() + STRONG_BACKOFF_S
+                logger.warning("site %s: strong replica to %s failed, queued; the next "
+                               "%.0f s of strong replicas to it are asynchronous: %s",
+                               self.site, peer, STRONG_BACKOFF_S, exc)
                 later += strong
         if later and time.monotonic() < self._outbox_full_until:
             later = [r for r in later if plan.mode(str(r[4])) is not SyncMode.EVENTUAL]
@@ -243,38 +291,70 @@ class SiteSync:
                 lock.release()
 
     def sync_pass(self) -> PassReport:
-        """Heartbeat, drain the outbox, check digests, honour take-overs, take over dead
-        origins' replicas held here."""
-        plan = self.plan(refresh=True)
+        """Honour take-overs, heartbeat, drain the outbox, check digests, hand over the
+        replicas other peers hold, take over dead origins' replicas held here."""
+        links = self.links(refresh=True)
+        plan = self._plan_of(links)
+        self.local.set(link_key(self.prefix), sites.encode_choice(plan.link),
+                       px=int(3 * self._max_age_s * 1000))  # gone with the beat
         report = PassReport(modes={c: m.value for c, m in plan.modes.items()})
+        # Every live peer: any may hold replicas (an earlier replica peer, one a producer
+        # chose by an older measurement), and would take them over on hearing nothing.
+        live = [x.peer.name for x in links if x.alive]
+        self._guarded(report, live, self._heartbeat)
+        # Before the drain or the digest: a task a peer took over leaves here, and its
+        # replicas, or they would be replicated again.
+        self._guarded(report, live, self._drop_taken_over)
         link = plan.link
         if link is not None:
             report.peer, report.rtt_ms = link.peer.name, round(link.rtt_ms, 3)
-            peer = self.clients[link.peer.name]
-            try:
-                peer.set(alive_key(self.prefix, self.site), self.clock(),
-                         px=int(self.config.site_dead_after_s * 1000))
-                self._drain(link.peer.name, plan, report)
-                if time.monotonic() - self._digest_at >= DIGEST_EVERY_S:
-                    self._digest_at = time.monotonic()
-                    self._repair(link.peer.name, plan, report)
-            except redis.RedisError as exc:
-                report.errors.append(f"{link.peer.name}: {exc}")
-        for other in self.peers:
-            try:
-                self._drop_taken_over(other.name, report)
-            except redis.RedisError as exc:
-                report.errors.append(f"{other.name}: {exc}")
+            if link.peer.name != self._replica_peer:  # a new replica: fill it at once
+                self._replica_peer, self._digest_at = link.peer.name, -math.inf
+            self._guarded(report, [link.peer.name], lambda peer, rep: self._sync_to(
+                peer, plan, rep))
+            self._guarded(report, sites.other_live_peers(links, plan),
+                          lambda peer, rep: self._hand_over(peer, plan, rep))
         self._take_over(report)
         self.local.set(last_pass_key(self.prefix),
                        json.dumps({**asdict(report), "at": self.clock()}))
         return report
 
+    def _guarded(self, report: PassReport, peers: Sequence[str],
+                 step: Callable[[str, PassReport], None]) -> None:
+        """``step`` for each of ``peers``; one that fails is reported, the pass goes on."""
+        for peer in peers:
+            try:
+                step(peer, report)
+            except redis.RedisError as exc:
+                report.errors.append(f"{peer}: {exc}")
+
+    def _heartbeat(self, peer: str, report: PassReport) -> None:
+        self.clients[peer].set(alive_key(self.prefix, self.site), self.clock(),
+                               px=int(self.config.site_dead_after_s * 1000))
+
+    def _sync_to(self, peer: str, plan: SyncPlan, report: PassReport) -> None:
+        self._drain(peer, plan, report)
+        if time.monotonic() - self._digest_at >= DIGEST_EVERY_S:
+            self._digest_at = time.monotonic()
+            self._repair(peer, plan, report)
+
     def _drain(self, peer: str, plan: SyncPlan, report: PassReport) -> None:
         key = outbox_key(self.prefix)
-        raw = self.local.lrange(key, 0, DRAIN_BATCH - 1)
+        # Taken, not read and trimmed after: a pass that outlived its lock would trim
+        # entries the pass that took the lock over had added or read (LPOP count: 6.2).
+        raw: list[bytes] | None = self.local.lpop(key, DRAIN_BATCH)  # type: ignore[assignment]
         if not raw:
             return
+        try:
+            self._apply(peer, plan, report, raw)
+        except redis.RedisError:
+            # Not (all) at the peer: back at the head, in their order, for the next pass
+            # (writes and deletes are idempotent).
+            self.local.lpush(key, *reversed(raw))
+            raise
+
+    def _apply(self, peer: str, plan: SyncPlan, report: PassReport,
+               raw: Sequence[bytes]) -> None:
         puts: dict[str, list[str]] = {}
         dels: dict[str, list[str]] = {}
         for entry in raw:
@@ -292,7 +372,6 @@ class SiteSync:
             report.replicated += self._write_replicas(peer, queue, records)
         for queue, ids in dels.items():
             report.deleted += self._delete_replicas(peer, queue, ids)
-        self.local.ltrim(key, len(raw), -1)  # only after the peer has them
 
     def _local_records(self, queue: str, ids: Sequence[str]
                        ) -> list[tuple[str, Any, Any, float]]:
@@ -377,6 +456,39 @@ class SiteSync:
                 out.add(raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id))
         return out
 
+    def _hand_over(self, old: str, plan: SyncPlan, report: PassReport) -> None:
+        """This site's replicas at ``old``, a live peer that does not keep the replica
+        (any more): those of tasks still here go to the replica peer, and all leave
+        ``old`` (which would otherwise hold replicas of finished tasks for good, acks'
+        deletes going to the replica peer only, and take them over once this site is
+        lost). Up to :data:`HANDOVER_BATCH` a pass."""
+        assert plan.link is not None
+        client = self.clients[old]
+        # Its list of this site's queues may lag (a producer registers a queue with a
+        # peer once in REGISTER_EVERY_S): this site's own list as well. The lists stay
+        # there: a producer's late strong write, until the next hand-over, must remain
+        # one that ``old`` would take over.
+        queues = sorted(set(registered_queues(client.smembers(replica_queues_key(
+            self.prefix, self.site)))) | set(registered_queues(
+                self.local.smembers(queues_registry(self.prefix)))))
+        with client.pipeline(transaction=False) as pipe:
+            for queue in queues:
+                pipe.zrange(replica_keys(self.prefix, self.site, queue)[0], 0,
+                            HANDOVER_BATCH - 1)
+            held = dict(zip(queues, pipe.execute(), strict=True))
+        budget = HANDOVER_BATCH
+        for queue, raw_ids in held.items():
+            ids = [i.decode() for i in raw_ids][:budget]
+            if not ids:
+                continue
+            records = [r for r in self._local_records(queue, ids)
+                       if plan.mode(sla_class_of(r[2]) or "").replicated]
+            self._write_replicas(plan.link.peer.name, queue, records)  # first: never lost
+            report.handed_over += self._delete_replicas(old, queue, ids)
+            budget -= len(ids)
+            if budget <= 0:
+                return
+
     # -- take-overs ----------------------------------------------------------------------------
     def _take_over(self, report: PassReport) -> None:
         """Replicas held here of origins whose heartbeat here expired: into this site's
@@ -448,6 +560,8 @@ class SiteSync:
                 report.dropped += int(self.scripts.run("dead", k, [
                     now, f"taken over by site {peer} while site {self.site} was "
                          "unreachable; it runs there", task_id], self.local))
+                # A replica of it anywhere would be taken over again: it runs at peer.
+                self.on_ack(queue, [task_id])
             client.srem(marker, raw)
 
 

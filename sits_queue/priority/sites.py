@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -136,6 +137,47 @@ def plan(class_weights: Mapping[str, float], links: Sequence[Link],
     rtt = link.rtt_ms if link is not None else math.inf
     return SyncPlan(link, {name: decide(tier, rtt, strong_rtt_ms)
                            for name, tier in tiers(class_weights).items()})
+
+
+def without_strong(plan: SyncPlan) -> SyncPlan:
+    """``plan`` with its strong classes asynchronous and digest-checked instead: toward a
+    peer whose last synchronous write failed or timed out, so that the enqueue does not
+    wait on it again for a while (the digest still checks those classes)."""
+    return SyncPlan(plan.link, {c: SyncMode.ASYNC_DIGEST if m is SyncMode.STRONG else m
+                                for c, m in plan.modes.items()})
+
+
+def other_live_peers(links: Iterable[Link], plan: SyncPlan) -> tuple[str, ...]:
+    """Live peers that do not keep the replica now, but may still hold some of it: an
+    earlier replica peer (before a new measurement chose another), or one a producer
+    chose by an older measurement. They are heartbeated all the same (or they would take
+    over a site that is alive) and their replicas handed over to the replica peer."""
+    keeper = plan.link.peer.name if plan.link is not None else None
+    return tuple(sorted(link.peer.name for link in links
+                        if link.alive and link.peer.name != keeper))
+
+
+def encode_choice(link: Link | None) -> str:
+    """The sync pass's choice of replica peer as it publishes it for producers."""
+    return json.dumps(None if link is None else {"peer": link.peer.name,
+                                                 "rtt_ms": link.rtt_ms})
+
+
+def decode_choice(raw: bytes | str, peers: Sequence[Peer]) -> list[Link] | None:
+    """A published choice as the links a producer plans with: the chosen peer alone, or
+    none when the pass found no live peer; None when it cannot be used (malformed, or a
+    peer this process does not know): the producer then measures by itself."""
+    try:
+        record = json.loads(raw)
+        if record is None:
+            return []
+        name, rtt = str(record["peer"]), float(record["rtt_ms"])
+    except (ValueError, TypeError, KeyError):
+        return None
+    known = {p.name: p for p in peers}
+    if name not in known or not rtt >= 0:
+        return None
+    return [Link(known[name], rtt, True)]
 
 
 def digest(ids: Iterable[str]) -> str:

@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from sits_queue.app import make_app
+from sits_queue.broker import sites
 from sits_queue.broker.keys import QueueKeys
+from sits_queue.config import SitsConfig
 from sits_queue.embedded import EmbeddedRedis, _bundled_redis_server
 from sits_queue.priority.rescore import Rescorer, hot_key
 from tests.integration.test_transport import build_app, drain
@@ -59,4 +62,24 @@ def test_order_rescore_restore_purge_on_redis_6_2(redis62: str) -> None:
         echo.delay(str(i))
     with app.connection_for_write() as conn:
         assert conn.default_channel.queue_purge("celery") == 10
+    app.close()
+
+
+def test_a_site_drains_its_outbox_on_redis_6_2(redis62: str, redis_url: str) -> None:
+    """The sync pass takes outbox entries with LPOP's count (a 6.2 command)."""
+    redis.Redis.from_url(redis62).flushall()
+    peer = redis.Redis.from_url(redis_url)
+    peer.flushall()
+    sites._syncs.clear()
+    app = make_app(SitsConfig(redis_url=redis62, site="a",
+                              site_peers=f"b={redis_url}?rtt_ms=1"), main="site-62")
+    sync = sites.for_config(app.sits)
+    assert sync is not None
+    with app.connection_for_write() as conn:
+        conn.SimpleQueue("celery").put({"x": 1})  # no site class given: the default
+    assert redis.Redis.from_url(redis62).llen(sites.outbox_key("")) == 1
+    report = sync.sync_pass()
+    assert not report.errors and report.replicated == 1
+    assert peer.zcard(sites.replica_keys("", "a", "celery")[0]) == 1
+    sites._syncs.clear()
     app.close()

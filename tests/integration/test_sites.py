@@ -5,6 +5,9 @@ peers' URLs (``?rtt_ms=``) so each test chooses its side of the 5 ms threshold."
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +15,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from kombu import Exchange, Queue
 
 from sits_queue.app import make_app
 from sits_queue.broker import sites
@@ -19,6 +23,7 @@ from sits_queue.broker.keys import SEQ_BITS, QueueKeys
 from sits_queue.cli import _format_status
 from sits_queue.config import SitsConfig
 from sits_queue.embedded import EmbeddedRedis
+from sits_queue.priority.sites import Link, Peer, encode_choice
 
 QUEUE = QueueKeys.for_queue("celery")
 
@@ -49,6 +54,42 @@ def site_app(url: str, name: str, peer: str, peer_url: str, rtt_ms: float) -> Ce
         return x
 
     return app
+
+
+@pytest.fixture(scope="module")
+def site_c(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    server = EmbeddedRedis(Path(tmp_path_factory.mktemp("site-c")))
+    server.start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def hung_peer() -> Iterator[tuple[str, list[socket.socket]]]:
+    """A peer that accepts connections and never answers, as a hung Redis does; and the
+    connections it was offered (one per attempt: redis-py drops one that timed out)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    server.settimeout(0.05)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept()[0])
+            except OSError:  # the accept timed out: look at stop again
+                continue
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"redis://127.0.0.1:{server.getsockname()[1]}/0", accepted
+    stop.set()
+    thread.join()
+    for conn in accepted:
+        conn.close()
+    server.close()
 
 
 def replica_ids(b: redis.Redis, origin: str = "a") -> set[str]:
@@ -172,11 +213,20 @@ def test_a_silent_site_is_taken_over_and_drops_its_copies_when_back(
     assert {i.decode() for i in b.zrange(QUEUE.waiting, 0, -1)} == {urgent, bulk}
     assert b.zscore(QUEUE.waiting, urgent) < b.zscore(QUEUE.waiting, bulk)  # priority kept
     assert replica_ids(b) == set()
+    # Given a replica of the bulk task back at b meanwhile (an outbox entry drained
+    # late): eventual, so no digest would ever remove it
+    z, p, m = sites.replica_keys("", "a", "celery")
+    b.zadd(z, {bulk: 1.0})
+    b.hset(p, bulk, a.hget(QUEUE.payloads, bulk) or b"")
+    b.hset(m, bulk, a.hget(QUEUE.meta, bulk) or b"")
     # When a is back, its pass dead-letters its own copies that still wait: they run at b
+    sync_of(app_a)._digest_at = float("-inf")  # a digest due too: it must not re-add them
     back = sync_of(app_a).sync_pass()
-    assert back.dropped == 2
+    assert back.dropped == 2 and back.repaired == 0
     assert a.zcard(QUEUE.waiting) == 0
     assert b"taken over by site b" in (a.hget(QUEUE.dead, urgent) or b"")
+    # and no replica of either is left for a later take-over to run again
+    assert replica_ids(b) == set()
     app_a.close()
     app_b.close()
 
@@ -207,4 +257,198 @@ def test_a_full_outbox_stops_queueing_eventual_replicas_only(
     submit(app, "low")  # eventual: not queued while the outbox is full
     submit(app, "medium")  # digest-checked: still queued
     assert a.llen(sites.outbox_key("")) == 4
+    app.close()
+
+
+def three_sites(redis_url: str, site_b: str, site_c: str, monkeypatch: pytest.MonkeyPatch,
+                rtt: dict[str, float]) -> tuple[Celery, sites.SiteSync]:
+    """Site a with peers b and c, whose links "measure" as ``rtt`` says at the time."""
+    app = make_app(SitsConfig(redis_url=redis_url, site="a",
+                              site_peers=f"b={site_b} c={site_c}"), main="site-a3")
+
+    @app.task(name="t.site", shared=False)
+    def work(x: Any) -> Any:
+        return x
+
+    sync = sync_of(app)
+    monkeypatch.setattr(sync, "_measure", lambda peer: Link(peer, rtt[peer.name], True))
+    return app, sync
+
+
+def test_a_new_replica_peer_gets_the_replicas_and_the_old_one_still_hears_from_us(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str, site_c: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _, b = clients
+    c = redis.Redis.from_url(site_c)
+    c.flushall()
+    rtt = {"b": 1.0, "c": 2.0}
+    app, sync = three_sites(redis_url, site_b, site_c, monkeypatch, rtt)
+    done, waits = submit(app, "high"), submit(app, "high")
+    assert sync.sync_pass().peer == "b" and replica_ids(b) == {done, waits}
+    # When a route change makes c the nearer peer
+    rtt.update(b=3.0, c=1.0)
+    sync._links_at = float("-inf")  # measured again now
+    report = sync.sync_pass()
+    # Then c keeps the replicas and b none: b hears of no ack any more
+    assert report.peer == "c" and report.handed_over == 2
+    assert replica_ids(c) == {done, waits} and replica_ids(b) == set()
+    held = sites.status(b, SitsConfig(redis_url="redis://unused", site="b"))
+    assert held is not None and held["replicas_held"] == {"a": 0}
+    # and both hear a's heartbeat: a live peer may hold replicas (below), and one that
+    # stops hearing from a site takes over what it holds
+    assert b.exists(sites.alive_key("", "a")) and c.exists(sites.alive_key("", "a"))
+    with app.connection_for_read() as conn:
+        message = conn.default_channel.basic_get("celery")
+        assert message.delivery_tag == done
+        message.ack()
+    sync.sync_pass()
+    assert replica_ids(c) == {waits}
+    # Given a producer still on the old choice, writing its strong replica at b
+    sync._links = [Link(Peer("b", site_b), 1.0), Link(Peer("c", site_c), 3.0)]
+    sync._links_at, sync._measured = time.monotonic(), False
+    late = submit(app, "high")
+    assert replica_ids(b) == {late}
+    # the next pass moves it to c
+    sync._links_at = float("-inf")
+    assert sync.sync_pass().handed_over == 1
+    assert replica_ids(c) == {waits, late} and replica_ids(b) == set()
+    c.close()
+    app.close()
+
+
+def test_a_producer_follows_the_passs_choice_and_reads_it_again_in_time(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str, site_c: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    a, _ = clients
+    app, sync = three_sites(redis_url, site_b, site_c, monkeypatch, {"b": 2.0, "c": 1.0})
+    assert sync.sync_pass().peer == "c"
+    # A producer process: it plans with the pass's choice, without measuring
+    producer = sites.SiteSync(app.sits)
+
+    def measured(peer: Peer) -> Link:
+        raise AssertionError(f"the producer measured {peer.name}")
+
+    monkeypatch.setattr(producer, "_measure", measured)
+    link = producer.plan().link
+    assert link is not None and link.peer.name == "c" and link.rtt_ms == 1.0
+    # and once the choice is older than link_max_age_s, it reads the new one
+    a.set(sites.link_key(""), encode_choice(None))
+    assert producer.plan().link is not None  # not yet
+    producer._links_at -= sites.link_max_age_s(app.sits)
+    assert producer.plan().link is None
+    app.close()
+
+
+def test_a_hung_peer_holds_up_one_strong_put_not_each(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str,
+        hung_peer: tuple[str, list[socket.socket]], monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = clients
+    hung_url, attempts = hung_peer
+    app = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)
+    first = submit(app, "high")
+    assert replica_ids(b) == {first}
+    # When the peer hangs (its socket accepts, nothing answers)
+    sync = sync_of(app)
+    sync.clients["b"] = redis.Redis.from_url(hung_url, socket_timeout=0.2,
+                                             socket_connect_timeout=0.2)
+    stuck = [submit(app, "high") for _ in range(3)]
+    # Then the first strong put timed out; the next ones did not try: all queued
+    assert len(attempts) == 1
+    assert a.llen(sites.outbox_key("")) == 3
+    assert all(a.zscore(QUEUE.waiting, t) is not None for t in stuck)
+    # Nor does the put path measure it again while it is backed off
+    sync._links_at = float("-inf")
+    submit(app, "high")
+    assert len(attempts) == 1 and sync.plan().link is None
+    app.close()
+
+
+def test_purged_deleted_and_poison_tasks_leave_the_replica(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str) -> None:
+    a, b = clients
+    app = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)
+    sync = sync_of(app)
+    purged = {submit(app, "low"), submit(app, "medium")}
+    sync.sync_pass()
+    assert replica_ids(b) == purged
+    # A purge: eventual replicas included, which no digest checks
+    assert app.control.purge() == 2
+    sync.sync_pass()
+    assert replica_ids(b) == set()
+    # A poison message, dead-lettered by the pick that meets it
+    poison = submit(app, "low")
+    sync.sync_pass()
+    a.hset(QUEUE.redelivered, poison, 99)
+    with app.connection_for_read() as conn:
+        assert conn.default_channel.basic_get("celery") is None
+    assert a.hexists(QUEUE.dead, poison)
+    sync.sync_pass()
+    assert replica_ids(b) == set()
+    # A deleted queue: waiting and running tasks alike
+    gone = {submit(app, "low"), submit(app, "medium")}
+    sync.sync_pass()
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        assert channel.basic_get("celery") is not None  # one is running
+        queue = Queue("celery", Exchange("celery"), routing_key="celery")(channel)
+        queue.declare()
+        queue.delete()
+    assert replica_ids(b) == gone
+    sync.sync_pass()
+    assert replica_ids(b) == set()
+    app.close()
+
+
+def test_overlapping_passes_drain_each_entry_once_and_lose_none(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = clients
+    app = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)
+    slow, other = sites.SiteSync(app.sits), sites.SiteSync(app.sits)
+    first = [submit(app, "low") for _ in range(3)]
+    # Given a pass stalled while writing (it outlived its lock)...
+    stalled, go_on = threading.Event(), threading.Event()
+    write = slow._write_replicas
+
+    def stalling(*args: Any) -> int:
+        stalled.set()
+        go_on.wait(10)
+        return write(*args)
+
+    monkeypatch.setattr(slow, "_write_replicas", stalling)
+    thread = threading.Thread(target=slow.sync_pass)
+    thread.start()
+    assert stalled.wait(10)
+    # ...and another that ran meanwhile
+    mid = [submit(app, "low") for _ in range(2)]
+    other.sync_pass()
+    late = [submit(app, "low") for _ in range(3)]
+    go_on.set()
+    thread.join()
+    # Then the entries queued after both began are still there for the next pass
+    assert a.llen(sites.outbox_key("")) == 3
+    other.sync_pass()
+    assert replica_ids(b) == {*first, *mid, *late}
+    app.close()
+
+
+def test_entries_the_peer_did_not_take_go_back_to_the_outbox(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = clients
+    app = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)
+    tasks = [submit(app, "low") for _ in range(3)]
+    outbox = sites.outbox_key("")
+    before = a.lrange(outbox, 0, -1)
+    sync = sync_of(app)
+
+    def refused(*args: Any) -> int:
+        raise redis.ConnectionError("peer gone mid-pass")
+
+    monkeypatch.setattr(sync, "_write_replicas", refused)
+    assert sync.sync_pass().errors
+    assert a.lrange(outbox, 0, -1) == before  # all back, in their order
+    monkeypatch.undo()
+    sync.sync_pass()
+    assert replica_ids(b) == set(tasks)
     app.close()

@@ -14,12 +14,16 @@ from sits_queue.priority.sites import (
     SyncMode,
     Tier,
     decide,
+    decode_choice,
     digest,
+    encode_choice,
     link_weight,
+    other_live_peers,
     parse_peers,
     plan,
     replica_link,
     tiers,
+    without_strong,
 )
 
 WEIGHTS = {"high": 100.0, "medium": 10.0, "low": 1.0}
@@ -65,6 +69,43 @@ def test_a_plan_gives_each_class_its_mode_toward_the_replica() -> None:
     assert far.classes(SyncMode.ASYNC_DIGEST) == ("high", "medium")
     alone = plan(WEIGHTS, [])
     assert alone.link is None and alone.mode("high") is SyncMode.SKIP
+
+
+def test_a_peer_whose_strong_write_failed_gets_the_top_class_asynchronously() -> None:
+    near = plan(WEIGHTS, [Link(Peer("b", "redis://b"), 1.0)])
+    backed_off = without_strong(near)
+    assert backed_off.link == near.link
+    assert dict(backed_off.modes) == {"high": SyncMode.ASYNC_DIGEST,
+                                      "medium": SyncMode.ASYNC_DIGEST,
+                                      "low": SyncMode.EVENTUAL}
+    # still digest-checked: the pass repairs what the outbox would miss
+    assert "high" in backed_off.classes(SyncMode.ASYNC_DIGEST)
+
+
+def test_live_peers_other_than_the_replica_peer_are_the_ones_to_clean_up() -> None:
+    b, c, d = (Link(Peer(n, f"redis://{n}"), rtt, alive) for n, rtt, alive in
+               (("b", 1.0, True), ("c", 2.0, True), ("d", 0.5, False)))
+    # b keeps the replica; c may still hold some (an earlier choice); d is down
+    assert other_live_peers([c, d, b], plan(WEIGHTS, [b, c, d])) == ("c",)
+    assert other_live_peers([d], plan(WEIGHTS, [d])) == ()
+
+
+@pytest.mark.parametrize(("raw", "expected"), [
+    (encode_choice(Link(Peer("b", "redis://b", 2), 1.5)), [("b", 1.5)]),
+    (encode_choice(None), []),  # the pass found no live peer
+    ('{"peer": "zz", "rtt_ms": 1}', None),  # unknown here: measure instead
+    ('{"peer": "b", "rtt_ms": "nan"}', None), ("not json", None), ('{"peer": "b"}', None),
+])
+def test_a_published_choice_is_read_back_or_refused(
+        raw: str, expected: list[tuple[str, float]] | None) -> None:
+    peers = (Peer("b", "redis://b", 2), Peer("c", "redis://c"))
+    links = decode_choice(raw, peers)
+    if expected is None:
+        assert links is None
+    else:
+        assert links is not None
+        assert [(x.peer.name, x.rtt_ms) for x in links] == expected
+        assert all(x.alive and x.peer is peers[0] for x in links)
 
 
 def test_digest_is_order_independent_and_sees_any_change() -> None:
