@@ -86,6 +86,9 @@ class _Entry:
             if key in self.tags:
                 self.tags.remove(key)
             self.tags.append(key)
+            # a shared template reused by task after task: only the newest can be
+            # advertised (MAX_TAGS), so only they are kept (the list grew without bound)
+            del self.tags[:-MAX_TAGS]
 
 
 @dataclass(frozen=True)

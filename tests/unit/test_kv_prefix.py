@@ -12,7 +12,7 @@ import pytest
 from sits_queue.app import make_app
 from sits_queue.cache import budgets as cache_budgets
 from sits_queue.cache.pool import ColdStart
-from sits_queue.cache.prefix import Hit, PrefixStore, Slot, block_keys, plan_evictions
+from sits_queue.cache.prefix import MAX_TAGS, Hit, PrefixStore, Slot, block_keys, plan_evictions
 from sits_queue.config import SitsConfig
 from sits_queue.workers import inference, kvreuse, metrics
 from sits_queue.workers import runtime as rt
@@ -251,6 +251,16 @@ def test_tags_are_the_prefix_keys_of_held_prefixes_most_recent_first() -> None:
     # evicting an entry takes its keys off the list
     store.store("m", [9, 9, 9, 9], "kv-c", 10)  # evicts kv-b, the least recent
     assert store.tags() == ["kc", "ka"]
+
+
+def test_a_prefix_reused_by_many_tasks_keeps_only_the_newest_tags() -> None:
+    store = PrefixStore(20, block=4, clock=ticking())
+    store.store("m", [1, 2, 3, 4], "kv-a", 10, tag="k0")
+    for i in range(1, 3 * MAX_TAGS):
+        store.lookup("m", [1, 2, 3, 4, 9], tag=f"k{i}")
+    tags = store.tags()
+    assert len(tags) == MAX_TAGS and tags[0] == f"k{3 * MAX_TAGS - 1}"
+    assert max(len(e.tags) for e in store._entries.values()) == MAX_TAGS
 
 
 def test_generate_tags_what_it_stores_with_the_tasks_prefix_key(lm: Any) -> None:
