@@ -28,12 +28,17 @@ from sits_queue.priority.sites import Link, Peer, encode_choice
 QUEUE = QueueKeys.for_queue("celery")
 
 
-@pytest.fixture(scope="module")
-def site_b(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = EmbeddedRedis(Path(tmp_path_factory.mktemp("site-b")))
+def embedded_site(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[str]:
+    """Another site's Redis: a private server of its own."""
+    server = EmbeddedRedis(Path(tmp_path_factory.mktemp(name)))
     server.start()
     yield server.url
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def site_b(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    yield from embedded_site(tmp_path_factory, "site-b")
 
 
 @pytest.fixture
@@ -58,10 +63,7 @@ def site_app(url: str, name: str, peer: str, peer_url: str, rtt_ms: float) -> Ce
 
 @pytest.fixture(scope="module")
 def site_c(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = EmbeddedRedis(Path(tmp_path_factory.mktemp("site-c")))
-    server.start()
-    yield server.url
-    server.stop()
+    yield from embedded_site(tmp_path_factory, "site-c")
 
 
 @pytest.fixture
