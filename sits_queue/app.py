@@ -14,6 +14,7 @@ from celery import Celery, Task
 from kombu.entity import Queue
 
 from sits_queue.broker import results
+from sits_queue.broker.keys import DELIVERY_ONLY
 from sits_queue.config import SitsConfig
 from sits_queue.options import HEADER, OPTION_NAMES, TaskOptions, batch_key, resolve
 from sits_queue.registry import Loader, ModelRegistry
@@ -113,6 +114,13 @@ class SitsTask(Task):  # type: ignore[misc]
         ours, so a retried task would come back in the default class, without its model.
         Options given to ``retry`` itself still win."""
         sig = super().signature_from_request(request, args, kwargs, queue, **extra_options)
+        # Celery copies the delivered message's headers into the retry: what the broker
+        # added for that delivery (a time-slice checkpoint, the affinity mark, the queue
+        # and id it came from, the redelivery flag) would make the retry resume mid-way.
+        headers = sig.options.get("headers")
+        if isinstance(headers, Mapping) and any(k in headers for k in DELIVERY_ONLY):
+            sig.options["headers"] = {k: v for k, v in headers.items()
+                                      if k not in DELIVERY_ONLY}
         header = getattr(self.request if request is None else request, HEADER, None)
         if isinstance(header, Mapping):
             for name in OPTION_NAMES:

@@ -40,6 +40,9 @@ AFFINITY_HEADER = "sits_affinity"
 #: Delivery info (and header) on each message of a batch one pick took (pick.lua's batch
 #: kin): [batch id, index, size]; the batch id is its first message's id.
 BATCH_INFO = "sits_batch"
+#: Headers a pick adds for one delivery: never carried into a new message (a retry).
+DELIVERY_ONLY = frozenset({DELIVERY_HEADER, CHECKPOINT_HEADER, AFFINITY_HEADER, BATCH_INFO,
+                           "redelivered"})
 
 def batch_mark(info: object) -> tuple[str, int, int] | None:
     """``(batch, index, size)`` from a message's delivery info or headers (a request's

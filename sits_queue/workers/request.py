@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 import psutil
 from billiard.einfo import ExceptionWithTraceback
-from celery.exceptions import TaskRevokedError
+from celery.exceptions import Reject, TaskRevokedError
 from celery.worker.request import Request
 from celery.worker.state import task_ready
 
@@ -252,6 +252,14 @@ class SitsRequest(Request):  # type: ignore[misc]
             # from the place in the queue it had (release.lua restores its score).
             _give_back(self)
             logger.info("task %s[%s] yielded its slot: %s", self.name, self.id, exc.reason)
+            return None
+        if isinstance(exc, Reject) and exc.requeue:
+            # The task asked to run again (raise Reject(requeue=True)): nothing crashed,
+            # so no redelivery is counted (it would dead-letter the task as poison after
+            # max_redeliveries); stock Celery requeues it as often as it asks, too.
+            _give_back(self)
+            logger.info("task %s[%s] rejected itself and is requeued: %s", self.name,
+                        self.id, exc.reason)
             return None
         return super().on_failure(exc_info, send_failed_event, return_ok)
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import redis
 from celery import signals
-from celery.exceptions import Reject
+from celery.exceptions import Ignore, Reject
 
 from sits_queue.broker.keys import CHECKPOINT_HEADER, DELIVERY_HEADER, QueueKeys
 from sits_queue.broker.scripts import Scripts
@@ -51,8 +51,13 @@ RETRY_S = 0.002
 CLAIM_S = 1.0
 
 
-class Preempted(Reject):  # type: ignore[misc]
-    """Raised by ``yield_point``: the worker puts the message back, to run again later."""
+class Preempted(Reject, Ignore):  # type: ignore[misc]
+    """Raised by ``yield_point``: the worker puts the message back, to run again later.
+
+    Also an ``Ignore``, which Celery's ``autoretry_for`` wrapper re-raises before it looks
+    at the task's exception list: with ``autoretry_for=(Exception,)`` a yield would turn
+    into a retry (progress lost, a retry used up). The tracer takes it as a ``Reject``
+    (it checks that first). User code must not catch it (``except Exception``)."""
 
     def __init__(self, reason: str, requeue: bool = True) -> None:
         # (reason, requeue): the signature Exception pickling replays in the parent.

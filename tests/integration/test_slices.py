@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import redis
 from celery import Celery
@@ -68,3 +69,43 @@ def test_yield_point_outside_a_worker_never_yields(client_app: Celery,
     result = client_app.tasks["w.steps"].apply(("eager", 3, 0.0))
     assert result.get() == 1
     assert steps_log(redis_client) == ["eager:start:0", "eager:end:1"]
+
+
+def yield_once(spawn: Spawn, client_app: Celery, redis_client: redis.Redis, task: str,
+               **options: Any) -> Any:
+    """Start ``task`` (40 steps of 50 ms) on a one-slot worker and make it yield once to
+    an urgent task; its result."""
+    spawn(concurrency=1)
+    low = client_app.tasks[task].apply_async(("low", 40, 0.05), options or None)
+    wait_for(lambda: "low:start:0" in steps_log(redis_client), 20, "the low task to start")
+    high = client_app.tasks["w.slow"].apply_async(("urgent", 0.0), sla_class="high")
+    assert high.get(timeout=30) == "urgent"
+    return low
+
+
+def test_a_retry_after_a_yield_starts_from_the_beginning(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    low = yield_once(spawn, client_app, redis_client, "w.steps", retry_once=True)
+    assert low.get(timeout=60) == 1  # the retry's own run: one run, no checkpoint
+    starts = [x for x in steps_log(redis_client) if ":start:" in x]
+    # first run, its resumption after the yield, then the retry from step 0 (it carried
+    # the delivery's checkpoint header and skipped the steps the first run had done)
+    assert len(starts) == 3 and starts[1] != "low:start:0" and starts[2] == "low:start:0"
+
+
+def test_a_yield_is_not_an_error_to_autoretry_for(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    low = yield_once(spawn, client_app, redis_client, "w.auto_steps")
+    # it resumed from its checkpoint (a second run of the same execution); turned into
+    # a retry, it started over with its progress lost (one run, one retry used)
+    assert low.get(timeout=60) == 2 and low.state == "SUCCESS"
+    assert any(":yield:" in x for x in steps_log(redis_client))
+
+
+def test_a_task_that_rejects_itself_with_requeue_is_never_poison(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    spawn(concurrency=1)
+    # more self-requeues than max_redeliveries (5): nothing crashed, it is no poison
+    got = client_app.tasks["w.requeue"].delay("again", 8)
+    assert got.get(timeout=60) == 8
+    assert redis_client.hlen(KEYS.dead) == 0

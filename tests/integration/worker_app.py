@@ -15,6 +15,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from celery.exceptions import Reject
 
 from sits_queue import app
 
@@ -52,22 +53,43 @@ def register(app: Celery) -> dict[str, Any]:
         (Path(directory) / tag).touch()
         return tag
 
-    @app.task(name="w.steps", bind=True, sla_class="low", shared=False)
-    def steps(self: Any, tag: str, n: int, step_s: float) -> int:
-        """n steps of step_s seconds, yielding its slot between steps when asked to."""
-        state = self.checkpoint or {"done": 0, "runs": 0}
+    def run_steps(task: Any, tag: str, n: int, step_s: float) -> int:
+        state = task.checkpoint or {"done": 0, "runs": 0}
         state["runs"] += 1
         r().rpush("test:steps", f"{tag}:start:{state['done']}")
         for i in range(state["done"], n):
             time.sleep(step_s)
             state["done"] = i + 1
             try:
-                self.yield_point(state)
+                task.yield_point(state)
             except Exception:
                 r().rpush("test:steps", f"{tag}:yield:{state['done']}")
                 raise
         r().rpush("test:steps", f"{tag}:end:{state['runs']}")
         return int(state["runs"])
+
+    @app.task(name="w.steps", bind=True, sla_class="low", shared=False)
+    def steps(self: Any, tag: str, n: int, step_s: float, retry_once: bool = False) -> int:
+        """n steps of step_s seconds, yielding its slot between steps when asked to;
+        ``retry_once``: then retries itself once, after its first full run."""
+        runs = run_steps(self, tag, n, step_s)
+        if retry_once and not self.request.retries:
+            raise self.retry(countdown=0.1)
+        return runs
+
+    @app.task(name="w.auto_steps", bind=True, sla_class="low", autoretry_for=(Exception,),
+              max_retries=3, retry_backoff=False, default_retry_delay=0, shared=False)
+    def auto_steps(self: Any, tag: str, n: int, step_s: float) -> int:
+        """``w.steps`` under Celery's autoretry_for=(Exception,): a yield is no error."""
+        return run_steps(self, tag, n, step_s)
+
+    @app.task(name="w.requeue", bind=True, shared=False)
+    def requeue(self: Any, tag: str, until: int) -> int:
+        """Rejects itself with requeue=True until its ``until``-th run."""
+        runs = int(r().incr(f"test:requeue:{tag}"))
+        if runs < until:
+            raise Reject(f"run {runs}: not yet", requeue=True)
+        return runs
 
     @app.task(name="w.total", shared=False)
     def total(values: list[int]) -> int:
