@@ -294,6 +294,32 @@ class SitsCelery(Celery):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
         self.models = ModelRegistry()
 
+    def send_task(self, name: str, args: Any = None, kwargs: Any = None,
+                  **options: Any) -> Any:
+        """Celery's, with the SITS options validated and attached on every path that
+        publishes: ``send_task`` by name, ``celery call``, a task whose base is a plain
+        ``celery.Task``. (``SitsTask.apply_async`` attaches them before it gets here.)
+        A task registered in this app lends its declared options and time limits."""
+        headers = options.get("headers")
+        if isinstance(headers, Mapping) and isinstance(headers.get(HEADER), Mapping):
+            return super().send_task(name, args, kwargs, **options)
+        config = sits_config(self)
+        per_call = pop_sits_options(options)
+        for limit in ("soft_time_limit", "time_limit"):  # None: unset (Task.apply_async
+            if options.get(limit) is None:                # passes the task's None)
+                options.pop(limit, None)
+        task = self.tasks.get(name)
+        if task is not None:
+            opts = resolve_task_options(task, config, per_call, args, kwargs)
+            apply_class_limits(task, config, opts.sla_class, options)
+        else:
+            opts = resolve(config, {}, per_call, args, kwargs)
+            soft, hard = config.time_limits(opts.sla_class)
+            options.setdefault("soft_time_limit", soft)
+            options.setdefault("time_limit", hard)
+        options["headers"] = sits_headers(opts, options.pop("headers", None), time.time())
+        return super().send_task(name, args, kwargs, **options)
+
     def model(self, name: str, *, sample_inputs: tuple[Any, ...] | None = None,
               replace: bool = False) -> Callable[[Loader], Loader]:
         """Decorator registering a zero-argument loader for model ``name``."""

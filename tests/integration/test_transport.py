@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, Task
 
 from sits_queue.app import make_app
 from sits_queue.broker.keys import QueueKeys
@@ -208,6 +208,41 @@ def test_class_sets_time_limits_and_header(app: Celery, redis_client: redis.Redi
     assert message["headers"]["timelimit"] == [45, 36]
     assert message["headers"]["sits"]["sla_class"] == "high"
     assert message["headers"]["sits"]["context_tokens"] == 7
+
+
+def stored_headers(redis_client: redis.Redis) -> list[dict[str, Any]]:
+    keys = QueueKeys.for_queue("celery")
+    return [json.loads(redis_client.hget(keys.payloads, i))["headers"]
+            for i in redis_client.zrange(keys.waiting, 0, -1)]
+
+
+def test_every_publish_path_carries_and_checks_the_sits_options(
+        app: Celery, redis_client: redis.Redis) -> None:
+    # send_task by name, a registered task's defaults or not, as `celery call` does
+    app.send_task("t.echo", ("named",), sla_class="high", model="m")
+    app.send_task("t.elsewhere", ("unknown here",))
+    with pytest.raises(InvalidTaskOptions, match="unknown sla_class"):
+        app.send_task("t.echo", ("x",), sla_class="nonexistent")
+
+    # a task on a plain celery.Task base (the Celery docs' DatabaseTask pattern)
+    class PlainBase(Task):  # type: ignore[misc]
+        pass
+
+    @app.task(name="t.plain_base", base=PlainBase, sla_class="low", shared=False)
+    def plain(x: str) -> str:
+        return x
+
+    plain.delay("plain base")
+    with pytest.raises(InvalidTaskOptions):
+        plain.apply_async(("x",), sla_class="bogus-class")
+    got = {h["argsrepr"]: h for h in stored_headers(redis_client)}
+    assert got["('named',)"]["sits"]["sla_class"] == "high"
+    assert got["('named',)"]["sits"]["model"] == "m"
+    assert got["('named',)"]["timelimit"] == [45, 36]
+    assert got["('unknown here',)"]["sits"]["sla_class"] == "medium"  # the default class
+    assert got["('plain base',)"]["sits"]["sla_class"] == "low"
+    assert got["('plain base',)"]["timelimit"] == [10, 8]
+    assert len(got) == 3
 
 
 def test_unacked_messages_are_restored_never_lost(redis_url: str,
