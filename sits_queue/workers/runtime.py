@@ -40,6 +40,7 @@ from billiard.process import current_process
 from celery import Celery, bootsteps, current_app, signals
 from celery.exceptions import ImproperlyConfigured, SoftTimeLimitExceeded
 
+from sits_queue.app import CONTROL_QUEUE
 from sits_queue.cache.budgets import CacheBudgets, children_per_device
 from sits_queue.config import ClassQuota, SitsConfig
 from sits_queue.errors import UnknownModel, VramLimitExceeded
@@ -525,7 +526,15 @@ def connect(app: Celery) -> None:
         if rt is not None and getattr(task, "app", None) is app and rt.app is app:
             rt.before_task(task.request, getattr(task, "sla_class", None))
 
+    def on_after_setup(sender: Any = None, instance: Any = None, **_: Any) -> None:
+        # The beat's maintenance tasks go to the control queue: a worker started with
+        # -Q for its own queues must consume it too, or rescoring and triggers pile up
+        # unserved (Celery's documented way to always consume a queue despite -Q).
+        if getattr(instance, "app", None) is app:
+            instance.app.amqp.queues.select_add(CONTROL_QUEUE)
+
     signals.celeryd_init.connect(on_celeryd_init, weak=False)
+    signals.celeryd_after_setup.connect(on_after_setup, weak=False)
     signals.worker_process_init.connect(on_process_init, weak=False)
     signals.task_prerun.connect(on_prerun, weak=False)
     app.steps["worker"].add(PlanStep)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import psutil
 import pytest
@@ -17,7 +18,7 @@ from celery import Celery
 from celery.exceptions import NotRegistered
 
 from sits_queue.broker.keys import QueueKeys, stats_key
-from sits_queue.procs import CeleryProcess
+from sits_queue.procs import CeleryProcess, start_worker, wait_ready
 from tests.integration.conftest import APP_MODULE, ROOT, worker_env
 from tests.integration.test_transport import kombu_message
 from tests.waiting import wait_for
@@ -170,3 +171,24 @@ def test_celery_purge(client_app: Celery, redis_client: redis.Redis, redis_url: 
     assert out.returncode == 0, out.stderr
     assert "5 messages" in out.stdout
     assert redis_client.zcard(WAITING.waiting) == 0
+
+
+def test_a_worker_for_its_own_queues_still_serves_the_control_queue(
+        redis_url: str, client_app: Celery, redis_client: redis.Redis, tmp_path: Any) -> None:
+    r = redis_client
+    worker = start_worker(APP_MODULE, worker_env(redis_url), tmp_path, concurrency=1,
+                          queues="custom", cwd=ROOT)
+    try:
+        wait_ready(client_app, [worker])
+        queues = client_app.control.inspect(destination=[worker.hostname],
+                                            timeout=5).active_queues()
+        names = {q["name"] for q in (queues or {}).get(worker.hostname, [])}
+        # -Q custom, and the beat's maintenance queue (else rescoring would pile up),
+        # besides its own direct queue (pre-warms); not the default queue
+        assert {"custom", "sits.control"} <= names and "celery" not in names
+        control = QueueKeys.for_queue("sits.control")
+        client_app.tasks["sits.rescore"].apply_async()
+        wait_for(lambda: r.zcard(control.waiting) == r.zcard(control.unacked) == 0, 30,
+                 "the worker to run the rescoring pass")
+    finally:
+        worker.stop(timeout_s=10)
