@@ -20,6 +20,13 @@ class InvalidQueueName(SitsError, ValueError):
     the queue's keys over Redis Cluster slots, which its scripts cannot span)."""
 
 
+class DeadLettered(SitsError, RuntimeError):
+    """The broker parked the task's message in its queue's dead letters without running it
+    (a poison message: it was redelivered more than ``max_redeliveries`` times, each
+    after a worker running it died); the message stays there, inspectable. Pickles and
+    JSON-serialises by its message alone."""
+
+
 class InferenceError(SitsError):
     """An inference task failed for a reason the submitter can act on.
 

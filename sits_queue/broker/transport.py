@@ -21,7 +21,7 @@ from kombu.transport import redis as kredis
 from kombu.transport import virtual
 from kombu.utils.json import dumps
 
-from sits_queue.broker import affinity, intake, payload, sites, wait
+from sits_queue.broker import affinity, deadletters, intake, payload, sites, wait
 from sits_queue.broker.fanout import DeferredCommands
 from sits_queue.broker.keys import MARKER_MEMBER, QueueKeys, queues_registry, score_base
 from sits_queue.broker.meta import WaitingMeta
@@ -324,8 +324,9 @@ class Channel(kredis.Channel):
             picked, poisoned = poison_split(self._run("pick", queue, [
                 time.time(), self.config.max_redeliveries, self.consumer_id, batch_window,
                 *extra]))
-            if poisoned:  # dead-lettered by the pick: their replicas go as an ack's would
-                self._replicas_gone(queue, poisoned)
+            if poisoned:  # dead-lettered by the pick: their replicas go as an ack's would,
+                self._replicas_gone(queue, poisoned)  # and their callers learn why
+                deadletters.fail_tasks(self.raw, self.keys(queue).dead, poisoned)
             if isinstance(picked, int) and picked > 0:
                 # Only messages this consumer released (and still holds off) wait at the
                 # head: pause briefly, or the marker they keep set would wake us at once.

@@ -15,7 +15,7 @@ from celery import Celery, Task
 from sits_queue.app import make_app
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.config import SitsConfig
-from sits_queue.errors import InvalidTaskOptions
+from sits_queue.errors import DeadLettered, InvalidTaskOptions
 from sits_queue.priority.model import starvation_bound_s
 from sits_queue.priority.rescore import Rescorer, hot_key, latency_key
 
@@ -375,7 +375,7 @@ def test_poison_message_is_dead_lettered_after_max_redeliveries(
         redis_url: str, redis_client: redis.Redis) -> None:
     app = build_app(redis_url, max_redeliveries=2)
     keys = QueueKeys.for_queue("celery")
-    app.tasks["t.echo"].delay("poison")
+    result = app.tasks["t.echo"].delay("poison")
     with app.connection_for_write() as conn:
         q = conn.SimpleQueue("celery")
         for _ in range(3):  # delivered, then restored twice (as if it killed two workers)
@@ -384,6 +384,10 @@ def test_poison_message_is_dead_lettered_after_max_redeliveries(
             q.get(block=False)
     record = json.loads(redis_client.hget(keys.dead, next(iter(redis_client.hkeys(keys.dead)))))
     assert "poison" in record["reason"]
+    # and its caller learns why instead of waiting for ever
+    with pytest.raises(DeadLettered, match=r"redelivered 3 times \(poison message\)"):
+        result.get(timeout=10)
+    assert result.state == "FAILURE"
 
 
 def test_size_purge_delete(app: Celery, redis_client: redis.Redis) -> None:
