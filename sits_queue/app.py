@@ -38,27 +38,30 @@ def pop_sits_options(options: dict[str, Any]) -> dict[str, Any]:
     return {name: options.pop(name) for name in OPTION_NAMES if name in options}
 
 
-def resolve_task_options(task: Task, config: SitsConfig, per_call: Mapping[str, Any],
+def resolve_task_options(task: Task | None, config: SitsConfig, per_call: Mapping[str, Any],
                          args: Any = (), kwargs: Any = None) -> TaskOptions:
-    """Decorator defaults + per-call options, validated (``SitsTask.apply_async``'s rule).
+    """Decorator defaults + per-call options, validated (``SitsTask.apply_async``'s rule);
+    a task not registered here (None) declares nothing.
 
     Raises :class:`~sits_queue.errors.InvalidTaskOptions`; nothing has been sent then.
     """
     declared = {name: getattr(task, name, None) for name in OPTION_NAMES}
     opts = resolve(config, declared, per_call, args, kwargs)
     most = getattr(task, "max_batch", None)
-    if isinstance(most, int) and most > 1:  # a batch task: the broker may gather its kin
+    # a batch task: the broker may gather its kin
+    if task is not None and isinstance(most, int) and most > 1:
         opts = replace(opts, batch=batch_key(task.name, opts), batch_max=most)
     return opts
 
 
-def apply_class_limits(task: Task, config: SitsConfig, sla_class: str,
+def apply_class_limits(task: Task | None, config: SitsConfig, sla_class: str,
                        options: dict[str, Any]) -> None:
-    """Default the Celery time limits from the class; a task or call setting wins."""
+    """Default the Celery time limits from the class; a task (None: not registered here,
+    none) or call setting wins."""
     soft, hard = config.time_limits(sla_class)
-    if task.soft_time_limit is None:
+    if getattr(task, "soft_time_limit", None) is None:
         options.setdefault("soft_time_limit", soft)
-    if task.time_limit is None:
+    if getattr(task, "time_limit", None) is None:
         options.setdefault("time_limit", hard)
 
 
@@ -309,14 +312,8 @@ class SitsCelery(Celery):  # type: ignore[misc]
             if options.get(limit) is None:                # passes the task's None)
                 options.pop(limit, None)
         task = self.tasks.get(name)
-        if task is not None:
-            opts = resolve_task_options(task, config, per_call, args, kwargs)
-            apply_class_limits(task, config, opts.sla_class, options)
-        else:
-            opts = resolve(config, {}, per_call, args, kwargs)
-            soft, hard = config.time_limits(opts.sla_class)
-            options.setdefault("soft_time_limit", soft)
-            options.setdefault("time_limit", hard)
+        opts = resolve_task_options(task, config, per_call, args, kwargs)
+        apply_class_limits(task, config, opts.sla_class, options)
         options["headers"] = sits_headers(opts, options.pop("headers", None), time.time())
         return super().send_task(name, args, kwargs, **options)
 

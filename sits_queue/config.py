@@ -465,6 +465,8 @@ def configured_redis_url(env: Mapping[str, str]) -> str | None:
     if url:
         return url
     path = env.get("SITS_CONFIG")
-    if path and "redis_url" in _read_toml(path):
-        return SitsConfig.from_file(path).redis_url
-    return None
+    if not path:
+        return None
+    data = _read_toml(path)
+    return SitsConfig.from_mapping(data, source=path).redis_url if "redis_url" in data \
+        else None

@@ -24,15 +24,17 @@ from sits_queue.errors import DeadLettered
 logger = logging.getLogger(__name__)
 
 
-def task_of(record: bytes | str) -> tuple[str, str] | None:
-    """(task id, task name) of a dead-letter record's message; None if it has none."""
+def task_of(record: bytes | str) -> tuple[str, str, str] | None:
+    """(task id, task name, reason) of a dead-letter record; None if its message has no
+    task id."""
     try:
-        message = json.loads(json.loads(record)["payload"])
-        headers = message["headers"]
+        parsed = json.loads(record)
+        headers = json.loads(parsed["payload"])["headers"]
         task_id, name = headers["id"], headers.get("task", "?")
-    except (ValueError, KeyError, TypeError):
+        reason = str(parsed.get("reason", "dead-lettered"))
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
-    return (task_id, str(name)) if isinstance(task_id, str) and task_id else None
+    return (task_id, str(name), reason) if isinstance(task_id, str) and task_id else None
 
 
 def fail_tasks(client: Any, dead_key: str, ids: Sequence[str], backend: Any = None) -> int:
@@ -46,8 +48,7 @@ def fail_tasks(client: Any, dead_key: str, ids: Sequence[str], backend: Any = No
         task = task_of(record) if record is not None else None
         if task is None:
             continue
-        task_id, name = task
-        reason = json.loads(record).get("reason", "dead-lettered")
+        task_id, name, reason = task
         try:
             backend.mark_as_failure(task_id, DeadLettered(
                 f"task {name}[{task_id}] was not run: its message was dead-lettered "

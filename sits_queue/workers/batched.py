@@ -253,8 +253,11 @@ def embed_calls(engine: Any, calls: list[Call]) -> list[Any]:
     groups: dict[bool, list[tuple[int, Any]]] = {}
     for i, call in enumerate(calls):
         args = arguments(_EMBED, "sits.embed", engine, call)
-        if not isinstance(args, InvalidInput) and not isinstance(args["normalize"], bool):
-            args = InvalidInput(f"normalize must be true or false, got {args['normalize']!r}")
+        if not isinstance(args, InvalidInput):
+            try:
+                inference.check_flag("normalize", args["normalize"])
+            except InvalidInput as exc:
+                args = exc
         if isinstance(args, InvalidInput):
             outputs[i] = args
             continue

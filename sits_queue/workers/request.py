@@ -247,19 +247,16 @@ class SitsRequest(Request):  # type: ignore[misc]
         exc = getattr(exc_info, "exception", None)
         if isinstance(exc, ExceptionWithTraceback):  # as Request.on_failure unwraps it
             exc = exc.exc
-        if isinstance(exc, Preempted):
-            # Not a failure, not a redelivery: the task runs again from its checkpoint,
-            # from the place in the queue it had (release.lua restores its score).
-            _give_back(self)
-            logger.info("task %s[%s] yielded its slot: %s", self.name, self.id, exc.reason)
-            return None
         if isinstance(exc, Reject) and exc.requeue:
-            # The task asked to run again (raise Reject(requeue=True)): nothing crashed,
-            # so no redelivery is counted (it would dead-letter the task as poison after
-            # max_redeliveries); stock Celery requeues it as often as it asks, too.
+            # Not a failure, not a redelivery: the task yielded its slot (Preempted: it
+            # runs again from its checkpoint) or asked to run again (Reject(requeue=True),
+            # which stock Celery requeues as often as asked; counted, it would dead-letter
+            # the task as poison after max_redeliveries). It goes back to the place in
+            # the queue it had (release.lua restores its score).
             _give_back(self)
-            logger.info("task %s[%s] rejected itself and is requeued: %s", self.name,
-                        self.id, exc.reason)
+            logger.info("task %s[%s] %s: %s", self.name, self.id,
+                        "yielded its slot" if isinstance(exc, Preempted)
+                        else "rejected itself and is requeued", exc.reason)
             return None
         return super().on_failure(exc_info, send_failed_event, return_ok)
 
