@@ -129,7 +129,27 @@ class SitsTask(Task):  # type: ignore[misc]
             for name in OPTION_NAMES:
                 if header.get(name) is not None:
                     sig.options.setdefault(name, header[name])
+            old = header.get("sla_class")
+            if isinstance(old, str) and sig.options.get("sla_class") != old:
+                self._forget_class_defaults(sig.options, old, extra_options)
         return sig
+
+    def _forget_class_defaults(self, options: dict[str, Any], old: str,
+                               given: Mapping[str, Any]) -> None:
+        """A retry into another class: drop what the first send filled in from ``old``
+        (its SLA, loss preset and time limits), so the new class's own apply. The header
+        does not say which values were defaults: one equal to ``old``'s default is taken
+        for it (a caller who chose exactly that value gets the new class's instead)."""
+        config = sits_config(self.app)
+        if old not in config.class_names:
+            return
+        quota = config.quota(old)
+        soft, hard = config.time_limits(old)
+        for name, default in (("latency_sla_ms", quota.latency_sla_ms),
+                              ("loss_sensitivity", quota.loss_sensitivity),
+                              ("soft_time_limit", soft), ("time_limit", hard)):
+            if name not in given and options.get(name) == default:
+                options.pop(name)
 
     # -- time slices (sits_queue.workers.slices) ------------------------------------------
     # Celery's worker stores the task's tracer here (``task.__trace__ = build_tracer(...)``

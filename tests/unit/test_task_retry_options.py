@@ -47,3 +47,44 @@ def test_options_given_to_the_retry_win(task: Any) -> None:
 def test_a_request_without_a_readable_header_carries_nothing(task: Any, header: Any) -> None:
     sig = task.signature_from_request(request(header))
     assert "sla_class" not in sig.options and "model" not in sig.options
+
+
+def timed_request(header: Any, timelimit: Any) -> Context:
+    return Context(id="t-1", args=(1,), kwargs={}, retries=0, delivery_info={},
+                   timelimit=timelimit, **{HEADER: header})
+
+
+def test_a_retry_into_another_class_takes_that_classs_defaults(task: Any) -> None:
+    """What the first send filled in from the old class (its SLA, loss preset, time
+    limits) is not carried into the new class: the new class's own apply."""
+    config = SitsConfig()
+    high = config.quota("high")
+    header = {"sla_class": "high", "model": "m-x", "latency_sla_ms": high.latency_sla_ms,
+              "loss_sensitivity": high.loss_sensitivity}
+    sig = task.signature_from_request(timed_request(header, config.time_limits("high")[::-1]),
+                                      sla_class="low")
+    assert sig.options["sla_class"] == "low" and sig.options["model"] == "m-x"
+    assert "latency_sla_ms" not in sig.options and "loss_sensitivity" not in sig.options
+    assert sig.options.get("soft_time_limit") is None and sig.options.get("time_limit") is None
+    options: dict[str, Any] = dict(sig.options)
+    from sits_queue.app import apply_class_limits
+    apply_class_limits(task, config, "low", options)
+    assert (options["soft_time_limit"], options["time_limit"]) == config.time_limits("low")
+
+
+def test_a_retry_into_another_class_keeps_what_the_caller_chose(task: Any) -> None:
+    """Values that are not the old class's defaults were the caller's: they ride on."""
+    config = SitsConfig()
+    header = {"sla_class": "high", "latency_sla_ms": 1234.0, "loss_sensitivity": 0.3}
+    sig = task.signature_from_request(timed_request(header, (99.0, 70.0)), sla_class="low")
+    assert sig.options["latency_sla_ms"] == 1234.0 and sig.options["loss_sensitivity"] == 0.3
+    assert (sig.options["soft_time_limit"], sig.options["time_limit"]) == (70.0, 99.0)
+    assert config.time_limits("high") != (70.0, 99.0)
+
+
+def test_a_retry_in_the_same_class_keeps_its_limits(task: Any) -> None:
+    config = SitsConfig()
+    limits = config.time_limits("high")
+    sig = task.signature_from_request(timed_request({"sla_class": "high"}, limits[::-1]),
+                                      sla_class="high")
+    assert (sig.options["soft_time_limit"], sig.options["time_limit"]) == limits
