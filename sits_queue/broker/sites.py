@@ -7,9 +7,10 @@ The policy (tiers, the decision table, link weights) is ``priority/sites.py``. H
   ``:m`` (scoring metadata), and the set of such queues ``sits:replica:{<origin>}:queues``;
 * **strong** classes are written there by the producer's enqueue itself (the put returns
   once the peer has them); the others go through this site's **outbox** (``sits:site:
-  outbox``, ``put``/``del`` entries), drained by the sync pass, which also deletes the
-  replicas of acked tasks (so a replica may outlive its task by one pass: a take-over in
-  that window runs the task again: at least once, never lost);
+  {outbox}``, ``put``/``del`` entries), drained by the sync pass a batch at a time (kept
+  aside in ``...:taken`` until the peer has it, so a pass that dies loses nothing),
+  which also deletes the replicas of acked tasks (so a replica may outlive its task by
+  one pass: a take-over in that window runs the task again: at least once, never lost);
 * **digests**: every :data:`DIGEST_EVERY_S` the pass compares, per queue, the ids this
   site holds (waiting or running) in digest-checked classes with the replica's, and
   repairs a difference (a lost outbox entry, a peer restarted empty);
@@ -37,6 +38,7 @@ import logging
 import math
 import statistics
 import time
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -108,7 +110,13 @@ def takenover_key(prefix: str, site: str) -> str:
 
 
 def outbox_key(prefix: str) -> str:
-    return f"{prefix}sits:site:outbox"
+    # one hash tag with the taken batch's key: take_outbox.lua moves entries between them
+    return f"{prefix}sits:site:{{outbox}}"
+
+
+def taken_key(prefix: str) -> str:
+    """The outbox batch a pass is sending: its token, then its entries."""
+    return f"{prefix}sits:site:{{outbox}}:taken"
 
 
 def last_pass_key(prefix: str) -> str:
@@ -138,7 +146,9 @@ def status(client: redis.Redis, config: SitsConfig) -> dict[str, Any] | None:
             queue = q.decode() if isinstance(q, bytes) else str(q)
             count += int(client.zcard(replica_keys(prefix, origin, queue)[0]))
         held[origin] = count
-    return {"site": config.site, "outbox": int(client.llen(outbox_key(prefix))),
+    # a batch being sent is still the outbox's until the peer has it (less its token)
+    outbox = int(client.llen(outbox_key(prefix))) + max(0, client.llen(taken_key(prefix)) - 1)
+    return {"site": config.site, "outbox": outbox,
             "replicas_held": held, "last_pass": json.loads(raw) if raw else None}
 
 
@@ -339,19 +349,21 @@ class SiteSync:
             self._repair(peer, plan, report)
 
     def _drain(self, peer: str, plan: SyncPlan, report: PassReport) -> None:
-        key = outbox_key(self.prefix)
-        # Taken, not read and trimmed after: a pass that outlived its lock would trim
-        # entries the pass that took the lock over had added or read (LPOP count: 6.2).
-        raw: list[bytes] | None = self.local.lpop(key, DRAIN_BATCH)  # type: ignore[assignment]
-        if not raw:
-            return
-        try:
+        """Send the batch an earlier pass left taken, if any, then one new batch. A batch
+        stays taken (take_outbox.lua) until the peer has it: a pass that fails or dies
+        midway leaves it to the next, which sends it again (writes and deletes are
+        idempotent) before anything newer, so nothing is lost or reordered."""
+        keys = [outbox_key(self.prefix), taken_key(self.prefix)]
+        for _ in range(2):
+            taken: list[bytes] = self.scripts.run_on(
+                "take_outbox", keys, [DRAIN_BATCH, uuid.uuid4().hex], self.local)
+            if not taken:
+                return
+            kind, token, raw = taken[0], taken[1], taken[2:]
             self._apply(peer, plan, report, raw)
-        except redis.RedisError:
-            # Not (all) at the peer: back at the head, in their order, for the next pass
-            # (writes and deletes are idempotent).
-            self.local.lpush(key, *reversed(raw))
-            raise
+            self.scripts.run_on("done_outbox", keys[1:], [token], self.local)
+            if kind == b"new":
+                return
 
     def _apply(self, peer: str, plan: SyncPlan, report: PassReport,
                raw: Sequence[bytes]) -> None:

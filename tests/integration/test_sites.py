@@ -449,8 +449,41 @@ def test_entries_the_peer_did_not_take_go_back_to_the_outbox(
 
     monkeypatch.setattr(sync, "_write_replicas", refused)
     assert sync.sync_pass().errors
-    assert a.lrange(outbox, 0, -1) == before  # all back, in their order
+    # all still to send, in their order: aside for the next pass
+    assert a.lrange(sites.taken_key(""), 1, -1) + a.lrange(outbox, 0, -1) == before
+    assert sites.status(a, app.sits)["outbox"] == 3  # type: ignore[index]
     monkeypatch.undo()
     sync.sync_pass()
     assert replica_ids(b) == set(tasks)
+    assert a.llen(outbox) == 0 and not a.exists(sites.taken_key(""))
+    app.close()
+
+
+def test_a_pass_that_dies_midway_leaves_its_batch_to_the_next(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process running a pass dies after taking a batch, before the peer has it: the
+    next pass (another process) sends that batch, then the newer entries, in order."""
+    a, b = clients
+    app = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)
+    first = [submit(app, "low") for _ in range(3)]
+    dying = sites.SiteSync(app.sits)
+
+    class Died(BaseException):
+        pass
+
+    def die(*args: Any) -> int:
+        raise Died
+
+    monkeypatch.setattr(dying, "_write_replicas", die)
+    with pytest.raises(Died):
+        dying.sync_pass()
+    assert replica_ids(b) == set()
+    later = [submit(app, "low") for _ in range(2)]
+    acked = first[0]
+    sites.SiteSync(app.sits).on_ack("celery", [acked])  # a del queued after the batch
+    sites.SiteSync(app.sits).sync_pass()
+    # the left batch went first, the newer entries (the del included) after it
+    assert replica_ids(b) == {*first[1:], *later}
+    assert a.llen(sites.outbox_key("")) == 0 and not a.exists(sites.taken_key(""))
     app.close()
