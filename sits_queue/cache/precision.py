@@ -6,18 +6,24 @@ worker's cache holds each precision of a model as its own engine (``<model>@<pre
 made from the model as loaded:
 
 * fp16 / bf16: a copy of the module cast to that type;
-* int8: a copy whose linear layers (and GPT-2's ``Conv1D``, turned into the equivalent
-  ``Linear`` first) are dynamically quantised to int8 weights
-  (``torch.ao.quantization.quantize_dynamic``: fbgemm / oneDNN kernels, CPU only), kept
-  only if the **quantisation gate** passes: over calibration inputs (the engine's warm-up
+* int8: a copy whose linear layers (and GPT-2's ``Conv1D``, read as the equivalent
+  linear map) are :class:`Int8Linear`: int8 weights with one scale per output channel,
+  activations quantised to int8 on the fly with one scale **per token**, products summed
+  exactly in int32 (``torch._int_mm``). Per token, not per tensor as
+  ``torch.ao.quantization.quantize_dynamic`` does: a token's output then depends on its
+  own activations only, so a prompt decodes the same alone, in a padded batch, or after
+  a reused KV prefix (a per-tensor scale is set by the largest activation of the whole
+  batch, padding included, and flipped greedy tokens). Kept only if the **quantisation
+  gate** passes: over calibration inputs (the engine's warm-up
   sample and :data:`CALIBRATION_TEXTS` through its tokenizer), the mean KL divergence
   between the softmax of the original's and the quantised model's output activations
   (logits, else the last hidden state) must stay under ``int8_max_kl`` (0.05, the
   source's figure). Otherwise the model is served at full precision and the result says
   why, with the KL it measured.
 
-torch has no int8 GEMM for CUDA tensors through this path: on a GPU an int8 request is
-served at fp16 (the reason says so); a real int8 GPU engine is a TensorRT plan built
+On a GPU an int8 request is served at fp16 (the reason says so): ``torch._int_mm`` has
+CUDA kernels, but with shape rules (more than 16 rows, sizes in multiples of 8) this
+module has not been checked against on a GPU yet; a real int8 GPU engine is a TensorRT plan built
 with int8 calibration, registered as its own model. Only torch modules can be cast or
 quantised here; an exported, ONNX or TensorRT engine is served as it was built.
 """
@@ -25,7 +31,6 @@ quantised here; an exported, ONNX or TensorRT engine is served as it was built.
 from __future__ import annotations
 
 import copy
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,9 +79,8 @@ def first_choice(requested: str, device: str) -> tuple[str, str | None]:
     if requested not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {requested!r}")
     if requested == "int8" and device.startswith("cuda"):
-        return "fp16", ("torch has no CUDA int8 kernels for dynamically quantised "
-                        "layers; served at fp16 (build an int8 TensorRT plan for int8 "
-                        "on a GPU)")
+        return "fp16", ("int8 layers are served on the CPU only; served at fp16 (build "
+                        "an int8 TensorRT plan for int8 on a GPU)")
     return requested, None
 
 
@@ -131,44 +135,22 @@ def calibration_inputs(engine: Any) -> list[dict[str, Any]]:
     return inputs
 
 
-def _linearize(module: Any) -> Any:
-    """GPT-2 style ``Conv1D`` layers (x @ W + b, W stored in x out) as ``nn.Linear``, so
-    quantisation reaches them; the same function, weights transposed."""
-    import torch
-
-    for name, child in list(module.named_children()):
-        if type(child).__name__ == "Conv1D" and hasattr(child, "nf"):
-            weight = child.weight.detach()
-            linear = torch.nn.Linear(weight.shape[0], weight.shape[1])
-            with torch.no_grad():
-                linear.weight.copy_(weight.t())
-                linear.bias.copy_(child.bias.detach())
-            setattr(module, name, linear)
-        else:
-            _linearize(child)
-    return module
-
-
 def quantize_int8(module: Any) -> Any:
-    """A dynamically quantised int8 copy of ``module`` (CPU).
+    """An int8 copy of ``module`` (CPU): its linear layers as
+    :class:`~sits_queue.cache.int8.Int8Linear`."""
+    from sits_queue.cache.int8 import int8_layers
 
-    torch marks ``torch.ao.quantization`` deprecated in favour of torchao, but it is the
-    path with fused fbgemm/oneDNN int8 kernels in eager mode in the torch we pin; the
-    warnings it raises on every call are silenced here (the gate and the cache keys do
-    not depend on which library quantises)."""
-    import torch
+    return int8_layers(copy.deepcopy(module).cpu()).eval()
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.simplefilter("ignore", UserWarning)
-        quantized = torch.ao.quantization.quantize_dynamic(  # type: ignore[no-untyped-call]
-            _linearize(copy.deepcopy(module)).cpu(), {torch.nn.Linear}, dtype=torch.qint8)
-    return quantized.eval()
+
+def is_int8_layer(module: Any) -> bool:
+    """Whether ``module`` is one of :func:`quantize_int8`'s layers."""
+    return type(module).__name__ == "Int8Linear" and hasattr(module, "weight_int8")
 
 
 def module_bytes(module: Any) -> int:
-    """Bytes of a module's distinct tensors, packed quantised weights included (they are
-    in its state dict, not among its parameters)."""
+    """Bytes of a module's distinct tensors, int8 weights and their scales included (they
+    are buffers in its state dict, not parameters)."""
     import torch
 
     seen: dict[int, int] = {}

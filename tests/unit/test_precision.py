@@ -145,9 +145,8 @@ def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def quantized(module: Any) -> bool:
-    import torch
 
-    return isinstance(module, torch.ao.nn.quantized.dynamic.Linear)
+    return precision.is_int8_layer(module)
 
 
 def lm(path: Path) -> Any:
@@ -202,3 +201,106 @@ def test_only_torch_engines_take_a_precision(tmp_path: Path) -> None:
     path = export_onnx(module, (torch.zeros(1, 4),), tmp_path / "m.onnx")
     with pytest.raises(ModelLoadError, match="onnxruntime engine; a precision can only be"):
         precision.convert(OnnxEngine.load("m", path), "int8", "cpu")
+
+
+# -- int8 is row-invariant: a prompt decodes the same alone, batched, or after reused KV -----
+
+def test_an_int8_layer_gives_each_row_what_it_gives_that_row_alone() -> None:
+    """Per-token activation scales and exact int32 sums: a row's output does not depend
+    on the other rows (a per-tensor scale, as torch.ao's dynamic quantisation uses, is set
+    by the batch's largest activation, here the loud row's)."""
+    import torch
+
+    from sits_queue.cache.int8 import Int8Linear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 24)
+    layer = Int8Linear(linear.weight, linear.bias)
+    quiet, loud, padding = torch.randn(1, 48) * 0.01, torch.randn(1, 48) * 50, torch.zeros(1, 48)
+    batch = torch.cat([quiet, loud, padding, quiet])
+    out = layer(batch)
+    for row in range(4):
+        assert torch.equal(out[row], layer(batch[row:row + 1])[0]), row
+    assert torch.equal(out[2], layer(padding)[0]) and torch.isfinite(out).all()
+    # still the linear map, to int8's accuracy
+    want = linear(batch).detach()
+    for row in range(4):
+        assert (out[row] - want[row]).abs().max() <= 0.02 * want[row].abs().max() + 1e-6
+
+
+def test_an_int8_layer_keeps_the_input_shape_and_dtype() -> None:
+    import torch
+
+    from sits_queue.cache.int8 import Int8Linear, int8_matmul
+
+    layer = Int8Linear(torch.randn(5, 7), None)
+    assert layer(torch.randn(2, 3, 7)).shape == (2, 3, 5)
+    assert layer(torch.randn(0, 7)).shape == (0, 5)
+    assert layer(torch.randn(4, 7, dtype=torch.float64)).dtype == torch.float64
+    a = torch.randint(-127, 128, (3, 7), dtype=torch.int8)
+    b = torch.randint(-127, 128, (7, 5), dtype=torch.int8)
+    assert torch.equal(int8_matmul(a, b), (a.long() @ b.long()).int())
+
+
+def test_an_int8_model_decodes_each_prompt_in_a_batch_as_alone(lm_dir: Path) -> None:
+    import torch
+
+    from sits_queue.workers import inference
+    from sits_queue.workers.batched import Call
+    from sits_queue.workers.batchgen import generate_calls
+
+    served = precision.convert(lm(lm_dir), "int8", "cpu")
+    served.to_device("cpu")
+    assert served.artifacts["precision"]["served"] == "int8"
+    tokenizer = served.artifacts["tokenizer"]
+    short, long = "the cache warms", "a queue of work that runs long and longer every day"
+    # the short prompt's last logits, alone and left-padded beside a longer one
+    with torch.inference_mode():
+        one = served(**tokenizer(short, return_tensors="pt")).logits[0, -1]
+        tokenizer.padding_side = "left"
+        both = tokenizer([short, long], return_tensors="pt", padding=True)
+        positions = (both["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        padded = served(**both, position_ids=positions).logits[0, -1]
+    assert (padded - one).abs().max() < 1e-4  # per-tensor int8: ~1e-2
+    prompts = [short, long, "ok", "Every task loads the prompt quickly.", "the beat"]
+    calls = [Call(str(i), (p,), {"max_new_tokens": 8 + i, "stop_at_eos": False})
+             for i, p in enumerate(prompts)]
+    with rt_active(served):
+        got = generate_calls(served, calls)
+    for i, (prompt, out) in enumerate(zip(prompts, got, strict=True)):
+        assert out["text"] == inference.generate(served, prompt, max_new_tokens=8 + i,
+                                                 stop_at_eos=False)["text"], prompt
+
+
+def test_an_int8_model_decodes_the_same_after_a_reused_kv_prefix(lm_dir: Path) -> None:
+    import torch
+
+    from sits_queue.cache.prefix import PrefixStore
+    from sits_queue.workers import inference
+
+    served = precision.convert(lm(lm_dir), "int8", "cpu")
+    served.to_device("cpu")
+    base = "the worker loads the prompt a batch of tokens warm engines kv cache " * 2
+    # the last logits after a prefix's KV and the rest, against one full prefill
+    ids = served.artifacts["tokenizer"](base + "evicts", return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        start = served(input_ids=ids[:, :-4], use_cache=True)
+        rest = served(input_ids=ids[:, -4:], past_key_values=start.past_key_values)
+        full_logits = served(input_ids=ids).logits
+    assert (rest.logits[0, -1] - full_logits[0, -1]).abs().max() < 1e-4  # per-tensor: ~1e-2
+    store = PrefixStore(2**26)
+    with rt_active(served, store):
+        inference.generate(served, base + "quickly under load", max_new_tokens=1,
+                           stop_at_eos=False)
+        got = inference.generate(served, base + "evicts", max_new_tokens=16,
+                                 stop_at_eos=False)
+    assert got["cached_tokens"] > 0
+    full = inference.generate(served, base + "evicts", max_new_tokens=16, stop_at_eos=False)
+    assert got["text"] == full["text"]
+
+
+def rt_active(engine: Any, store: Any = None) -> Any:
+    from sits_queue.workers import runtime as rt
+
+    return rt.activated(rt.ActiveTask(engine.key, CONFIG.quota("high"), engine.size_bytes(),
+                                      "cpu", prefixes=store))
