@@ -126,6 +126,26 @@ def test_an_onnx_promotion_gets_the_memory_a_demoted_torch_engine_left_cached(
     assert got["cached"] > 0 and got["after"] < got["cached"]
 
 
+def test_int8_layers_on_cuda_give_what_they_give_on_the_cpu() -> None:
+    """Int8Linear on the GPU (``torch._int_mm``, or its float64 fallback where the CUDA
+    kernel refuses a shape): the same int32 sums as on the CPU. Tasks' int8 is still
+    served at fp16 on a GPU; this is what would let it run there."""
+    got = in_fresh_process(
+        "import json, torch; from sits_queue.cache.int8 import Int8Linear, int8_matmul\n"
+        "torch.manual_seed(0); out = {}\n"
+        "for m, k, n in ((1, 64, 64), (32, 64, 128), (40, 36, 20)):\n"
+        "    a = torch.randint(-127, 128, (m, k), dtype=torch.int8)\n"
+        "    b = torch.randint(-127, 128, (k, n), dtype=torch.int8)\n"
+        "    out[f'{m}x{k}x{n}'] = torch.equal(int8_matmul(a.cuda(), b.cuda()).cpu(),\n"
+        "                                      int8_matmul(a, b))\n"
+        "layer = Int8Linear(torch.randn(96, 64), torch.randn(96)); x = torch.randn(3, 24, 64)\n"
+        "cpu = layer(x); gpu = layer.cuda()(x.cuda()).cpu()\n"
+        "out['layer_max_diff'] = float((cpu - gpu).abs().max())\n"
+        "print(json.dumps(out))")
+    assert got.pop("layer_max_diff") < 1e-5
+    assert all(got.values()), got
+
+
 def test_memory_fraction_turns_overuse_into_a_recognised_oom() -> None:
     result = in_fresh_process(
         "import json, torch; from sits_queue.workers import gpu\n"
@@ -251,7 +271,7 @@ def test_more_children_than_gpus_share_round_robin(
 
 
 def test_precisions_on_a_gpu(app: Celery, worker: CeleryProcess) -> None:
-    # int8 through torch has no CUDA kernels: served at fp16, and the result says why
+    # int8 layers are served on the CPU only: fp16 on a GPU, and the result says why
     got = call(app, "sits.generate", "Once upon a time", model="gpt", precision="int8",
                timeout=FIRST_CALL_S)
     meta = got["sits"]["precision"]
