@@ -24,6 +24,7 @@ from sits_queue.broker.keys import QueueKeys, decode_score, queues_registry, reg
 from sits_queue.broker.meta import WaitingMeta
 from sits_queue.config import SitsConfig
 from sits_queue.embedded import resolve_redis_url
+from sits_queue.errors import SitsError
 
 #: Waiting tasks shown per queue by ``sitsq status``.
 HEAD_ROWS = 5
@@ -44,7 +45,18 @@ def _redact(url: str) -> str:
     return f"{scheme}://***@{rest.split('@', 1)[1]}"
 
 
-@click.group()
+class _Sitsq(click.Group):
+    """Our own errors (a bad setting, a missing config file) are the user's to fix: one
+    line naming the problem, not a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except SitsError as exc:
+            raise click.ClickException(str(exc)) from exc
+
+
+@click.group(cls=_Sitsq)
 def main() -> None:
     """SITS queue: priority task queue for offline AI inference on GPU fleets."""
 
@@ -179,26 +191,20 @@ def bench() -> None:
 
 
 def _bench_options(fn: Any) -> Any:
+    fn = click.option("--redis-url", help="Run on this Redis server: the benchmark FLUSHES "
+                      "the databases it uses there. Default: a private redis-server, "
+                      "started and stopped for the run (SITS_REDIS_URL is not used).")(fn)
     fn = click.option("--json", "json_path", type=click.Path(path_type=Path),
                       help="Also write the JSON result here.")(fn)
-    fn = click.option("--quick", is_flag=True, help="A smaller run (about a minute).")(fn)
+    fn = click.option("--quick", is_flag=True,
+                      help="A smaller run (seconds to a few minutes).")(fn)
     return fn
-
-
-@bench.command("ab")
-@_bench_options
-def bench_ab(quick: bool, json_path: Path | None) -> None:
-    """Stock Celery FIFO vs stock Celery priority vs SITS on one seeded workload."""
-    from sits_queue.bench import ab
-    from sits_queue.bench.report import emit
-
-    result = ab.run(quick=quick, redis_url=os.environ.get("SITS_REDIS_URL"),
-                    on_progress=click.echo)
-    emit(ab.table(result), result, json_path, echo=click.echo)
 
 
 #: ``sitsq bench <name>``: the program's module, and its line in ``--help``.
 _BENCHES = {
+    "ab": ("sits_queue.bench.ab",
+           "Stock Celery FIFO vs stock Celery priority vs SITS on one seeded workload."),
     "broker": ("sits_queue.bench.broker",
                "delay() rate, bulk enqueue, pick latency and a rescoring pass at depth."),
     "coldstart": ("sits_queue.bench.coldstart",
@@ -225,16 +231,18 @@ _BENCHES = {
 def _bench_command(name: str, module: str, summary: str) -> None:
     @bench.command(name, help=summary)
     @_bench_options
-    def command(quick: bool, json_path: Path | None) -> None:
-        _run_module(module, quick, json_path)
+    def command(quick: bool, json_path: Path | None, redis_url: str | None) -> None:
+        _run_module(module, quick, json_path, redis_url)
 
 
 for _name, (_module, _summary) in _BENCHES.items():
     _bench_command(_name, _module, _summary)
 
 
-def _run_module(module: str, quick: bool, json_path: Path | None) -> None:
+def _run_module(module: str, quick: bool, json_path: Path | None,
+                redis_url: str | None = None) -> None:
     argv = (["--quick"] if quick else []) + (["--json", str(json_path)] if json_path else [])
+    argv += ["--redis-url", redis_url] if redis_url else []
     rc = import_module(module).main(argv)
     if rc:
         sys.exit(rc)

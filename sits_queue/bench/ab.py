@@ -196,7 +196,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main("python -m sits_queue.bench.ab", __doc__, run, table, argv)
+    return run_main("python -m sits_queue.bench.ab", __doc__, run, table, argv, progress=True)
 
 
 if __name__ == "__main__":
