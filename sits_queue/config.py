@@ -10,7 +10,7 @@ import math
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -304,7 +304,8 @@ class SitsConfig:
         if len(set(names)) != len(names):
             raise ConfigError(f"duplicate SLA class names in {names}")
         if self.default_class not in names:
-            raise ConfigError(f"default_class {self.default_class!r} is not one of {names}")
+            raise ConfigError(f"default_class {self.default_class!r} is not one of {names} "
+                              "(a [[classes]] list is the whole set of classes)")
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"redis_url must be redis://, rediss:// or unix://, got "
                               f"{self.redis_url!r}")
@@ -419,7 +420,8 @@ class SitsConfig:
         overrides: dict[str, Any] = {}
         for f in fields(cls):
             key = "SITS_" + f.name.upper()
-            if key in env and f.name not in ("classes", "weights"):
+            if key in env and f.name not in ("classes", "weights") and not (
+                    f.name == "redis_url" and not env[key]):  # empty: unset, as sitsq reads it
                 # the field's declared type, not the loaded value's: a file's
                 # ``visibility_timeout_s = 60`` must not make "90.5" an invalid int
                 kind = _KINDS.get(str(f.type), (str, ""))[0]
@@ -440,12 +442,27 @@ class SitsConfig:
         kwargs = dict(data)
         try:
             if "classes" in kwargs:
-                kwargs["classes"] = tuple(ClassQuota(**c) for c in kwargs["classes"])
+                kwargs["classes"] = tuple(_class_from(c) for c in kwargs["classes"])
             if "weights" in kwargs:
                 kwargs["weights"] = PriorityWeights(**kwargs["weights"])
             return cls(**kwargs)
-        except TypeError as exc:
+        except (TypeError, ConfigError) as exc:
             raise ConfigError(f"{source}: {exc}") from exc
+
+
+def _class_from(entry: Any) -> ClassQuota:
+    """A ``[[classes]]`` entry: one named like a default class (high, medium, low) may
+    give only the fields it changes; any other gives them all."""
+    if not isinstance(entry, Mapping):
+        raise ConfigError(f"each [[classes]] entry must be a table, got {entry!r}")
+    base = next((c for c in DEFAULT_CLASSES if c.name == entry.get("name")), None)
+    if base is None:
+        missing = [f.name for f in fields(ClassQuota) if f.name not in entry]
+        if missing:
+            raise ConfigError(f"class {entry.get('name')!r} is not a default class, so it "
+                              f"must give every field; missing {missing}")
+        return ClassQuota(**entry)
+    return ClassQuota(**{**asdict(base), **entry})
 
 
 def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:

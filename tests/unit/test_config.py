@@ -84,3 +84,57 @@ def test_a_task_may_not_declare_more_vram_than_its_class_allows() -> None:
     assert resolve(config, {}, {"sla_class": "low", "vram_gib": low}).vram_gib == low
     with pytest.raises(InvalidTaskOptions, match="exceeds the 'low' class's limit"):
         resolve(config, {}, {"sla_class": "low", "vram_gib": low + 1})
+
+
+README_TOML = '''
+default_class = "medium"
+[weights]
+aging_start_s = 20
+[[classes]]          # a default class: only what changes
+name = "high"
+vram_gib = 40
+[[classes]]
+name = "medium"
+[[classes]]          # a new class: every field
+name = "batch"
+cpu_cores = 2
+vram_gib = 4
+max_run_s = 600
+weight = 0.5
+latency_sla_ms = 60000
+loss_sensitivity = 0.1
+'''
+
+
+def test_a_class_named_like_a_default_gives_only_what_it_changes(tmp_path: Path) -> None:
+    site = tmp_path / "site.toml"
+    site.write_text(README_TOML)
+    config = SitsConfig.from_file(site)
+    assert config.class_names == ("high", "medium", "batch")  # the list is the set
+    high, default_high = config.quota("high"), SitsConfig().quota("high")
+    assert high.vram_gib == 40 and high.max_run_s == default_high.max_run_s
+    assert config.quota("medium") == SitsConfig().quota("medium")
+    assert config.quota("batch").max_run_s == 600
+
+
+def test_a_new_class_must_give_every_field_and_errors_name_the_file(tmp_path: Path) -> None:
+    site = tmp_path / "site.toml"
+    site.write_text('default_class = "a"\n[[classes]]\nname = "a"\nweight = 1\n')
+    with pytest.raises(ConfigError, match=r"site\.toml: class 'a' is not a default class.*"
+                                          r"missing \['cpu_cores'"):
+        SitsConfig.from_file(site)
+    site.write_text('slice_ms = "ten"\n')
+    with pytest.raises(ConfigError, match=r"site\.toml: slice_ms"):
+        SitsConfig.from_file(site)
+    site.write_text('[[classes]]\nname = "high"\n')
+    with pytest.raises(ConfigError, match=r"default_class 'medium' is not one of \['high'\] "
+                                          r"\(a \[\[classes\]\] list is the whole set"):
+        SitsConfig.from_file(site)
+    site.write_text('default_class = "high"\nclasses = ["high"]\n')
+    with pytest.raises(ConfigError, match="must be a table"):
+        SitsConfig.from_file(site)
+
+
+def test_an_empty_redis_url_is_unset_as_sitsq_reads_it() -> None:
+    assert SitsConfig.from_env({"SITS_REDIS_URL": ""}).redis_url == SitsConfig().redis_url
+    assert configured_redis_url({"SITS_REDIS_URL": ""}) is None
