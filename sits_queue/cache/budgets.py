@@ -4,6 +4,7 @@ size, or from ``SITS_*_CACHE_BYTES`` overrides. Pure; the worker runtime applies
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -80,11 +81,29 @@ class CacheBudgets:
                 else self.host_bytes)
 
 
+#: Units a ``SITS_*_CACHE_BYTES`` value may carry ("8GiB", "512 MB"; none: bytes).
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(key: str, raw: str) -> int:
+    """``raw`` as a whole number of bytes: a number, optionally with a unit (``8GiB``,
+    ``1.5 GB``, ``65536``). Raises :class:`ConfigError` naming ``key``."""
+    text = raw.strip().lower()
+    number = text.rstrip("kmgtib ")
+    unit = text[len(number):].strip()
+    try:
+        value = float(number) * _UNITS[unit]
+    except (KeyError, ValueError):
+        raise ConfigError(f"{key}={raw!r} is not a number of bytes (say 8GiB, 512MB or "
+                          "65536)") from None
+    if not math.isfinite(value) or value < 0 or value >= 2**63:
+        raise ConfigError(f"{key}={raw!r} must be a finite number of bytes >= 0")
+    return int(value)
+
+
 def _env_bytes(env: Mapping[str, str], key: str) -> int | None:
     raw = env.get(key)
     if raw is None or raw.strip() == "":
         return None
-    try:
-        return int(float(raw))
-    except ValueError as exc:
-        raise ConfigError(f"{key}={raw!r} is not a number of bytes") from exc
+    return parse_bytes(key, raw)

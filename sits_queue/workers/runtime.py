@@ -43,7 +43,7 @@ from celery.exceptions import ImproperlyConfigured, SoftTimeLimitExceeded
 from sits_queue.app import CONTROL_QUEUE
 from sits_queue.cache.budgets import CacheBudgets, children_per_device
 from sits_queue.config import ClassQuota, SitsConfig
-from sits_queue.errors import UnknownModel, VramLimitExceeded
+from sits_queue.errors import ConfigError, UnknownModel, VramLimitExceeded
 from sits_queue.options import HEADER, PRECISIONS
 from sits_queue.workers import advertise, gpu, metrics, profile
 from sits_queue.workers import request as admission
@@ -503,6 +503,10 @@ class PlanStep(bootsteps.Step):  # type: ignore[misc]
         problem = pool_problem(pool_module, int(w.concurrency))
         if problem and not sits_config(w.app).plain_tasks_only:
             raise ImproperlyConfigured(problem)  # here: the worker stops before any task
+        try:  # read again by each pool child: a bad value must stop the worker here
+            CacheBudgets.from_env()
+        except ConfigError as exc:
+            raise ImproperlyConfigured(str(exc)) from exc
         # Tasks share this process: none of them gets the per-task runtime, and an
         # inference task is left for another worker (workers/request.py).
         admission.leave_inference(pool_name(pool_module) if problem else None)

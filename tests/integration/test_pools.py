@@ -78,6 +78,23 @@ def test_a_pool_sharing_one_process_between_tasks_is_refused_at_start(
         proc.stop(timeout_s=10)
 
 
+def test_a_bad_cache_size_stops_the_worker_at_start_naming_it(
+        tmp_path: Path, redis_url: str, config_path: Path, models_dir: Path) -> None:
+    """Read again by each pool child at fork: refused in the parent, before any child
+    (which would log the error and serve with no cache)."""
+    proc = spawn_worker(redis_url, config_path, models_dir, tmp_path, concurrency=1,
+                        name="badcache", env={"SITS_DEVICE_CACHE_BYTES": "inf"})
+    try:
+        wait_for(lambda: not proc.alive(), 60, "the worker to refuse its cache size and exit")
+        assert proc.popen.returncode != 0
+        log = proc.log()
+        assert "SITS_DEVICE_CACHE_BYTES='inf' must be a finite number of bytes" in log, \
+            log[-2000:]
+        assert "OverflowError" not in log and "pool child" not in log
+    finally:
+        proc.stop(timeout_s=10)
+
+
 def test_the_same_pool_at_concurrency_1_serves(tmp_path: Path, redis_url: str,
                                                config_path: Path, models_dir: Path,
                                                app: Celery) -> None:

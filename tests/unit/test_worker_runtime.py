@@ -125,6 +125,19 @@ def test_budgets_from_env_override() -> None:
         cache_budgets.CacheBudgets(device_bytes=-1)
 
 
+@pytest.mark.parametrize(("raw", "want"), [
+    ("65536", 65536), ("1e6", 1_000_000), ("8GiB", 8 * GIB), ("8 gib", 8 * GIB),
+    ("512MB", 512_000_000), ("1.5 KiB", 1536), ("0", 0), (" 2kb ", 2000), ("3b", 3)])
+def test_cache_bytes_take_units(raw: str, want: int) -> None:
+    assert cache_budgets.parse_bytes("SITS_HOST_CACHE_BYTES", raw) == want
+
+
+@pytest.mark.parametrize("raw", ["inf", "nan", "-1GiB", "1e30", "8 parsecs", "GiB", "1GiBs"])
+def test_bad_cache_bytes_are_named_not_raised_as_overflow(raw: str) -> None:
+    with pytest.raises(ConfigError, match="SITS_DEVICE_CACHE_BYTES"):
+        cache_budgets.CacheBudgets.from_env({"SITS_DEVICE_CACHE_BYTES": raw})
+
+
 # -- VRAM caps ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("q", "allocated", "engine", "total", "fraction"), [
