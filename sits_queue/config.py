@@ -77,10 +77,11 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _integer(name: str, value: object, most: int, note: str = "") -> None:
-    """An integer (not a bool) in [0, most]; ``note`` says what 0 means."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
-        raise ConfigError(f"{name} must be an integer in [0, {most}]{note}, got {value!r}")
+def _integer(name: str, value: object, most: int, note: str = "", least: int = 0) -> None:
+    """An integer (not a bool) in [least, most]; ``note`` says what 0 means."""
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+        raise ConfigError(f"{name} must be an integer in [{least}, {most}]{note}, "
+                          f"got {value!r}")
 
 
 def _positive(name: str, value: float) -> None:
@@ -327,7 +328,8 @@ class SitsConfig:
                               f"{self.affinity_max_skip_ms!r}")
         _integer("prefix_key_chars", self.prefix_key_chars, 1_000_000)
         _integer("batch_window", self.batch_window, 100_000, " (0: no batching)")
-        _integer("batch_max_tasks", self.batch_max_tasks, MAX_BATCH_TASKS)
+        _integer("batch_max_tasks", self.batch_max_tasks, MAX_BATCH_TASKS, " (1: no batching)",
+                 least=1)
         if self.batch_join not in ("auto", "on", "off"):
             raise ConfigError(f"batch_join must be auto, on or off, got {self.batch_join!r}")
         if not _is_number(self.batch_join_s) or not 0 < self.batch_join_s < 86_400:
@@ -335,8 +337,6 @@ class SitsConfig:
                               f"{self.batch_join_s!r}")
         _positive("int8_max_kl", self.int8_max_kl)
         self._check_sites()
-        if self.batch_max_tasks < 1:
-            raise ConfigError(f"batch_max_tasks must be >= 1, got {self.batch_max_tasks!r}")
         _integer("embed_cache_entries", self.embed_cache_entries, 10_000_000, " (0: off)")
         _positive("embed_cache_ttl_s", self.embed_cache_ttl_s)
         _positive("batch_target_p95_ms", self.batch_target_p95_ms)

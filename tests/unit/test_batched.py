@@ -66,8 +66,8 @@ def test_a_bad_batch_header_is_refused_by_name(header: dict[str, Any], message: 
 
 
 @pytest.mark.parametrize(("settings", "message"), [
-    ({"batch_max_tasks": 0}, "batch_max_tasks must be >= 1"),
-    ({"batch_max_tasks": 5000}, r"batch_max_tasks must be an integer in \[0, 1024\]"),
+    ({"batch_max_tasks": 0}, r"batch_max_tasks must be an integer in \[1, 1024\]"),
+    ({"batch_max_tasks": 5000}, r"batch_max_tasks must be an integer in \[1, 1024\]"),
     ({"batch_window": -1}, "batch_window must be an integer"),
 ])
 def test_bad_batch_settings_are_refused(settings: dict[str, Any], message: str) -> None:
