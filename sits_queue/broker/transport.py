@@ -301,6 +301,14 @@ class Channel(kredis.Channel):
             self._give_up_wait()  # the next wait watches this queue too (broker/wait.py)
         return tag
 
+    def _connparams(self, asynchronous: bool = False) -> Any:
+        params = super()._connparams(asynchronous)
+        if asynchronous:  # the wait's connection: polled by the event loop (wait.py)
+            params["connection_class"] = wait.unpolled_on_disconnect(
+                params["connection_class"], lambda: getattr(self.connection.cycle, "poller",
+                                                            None))
+        return params
+
     def _give_up_wait(self) -> None:
         connection, watched = self._in_poll, self._watched
         self._in_poll, self._watched = None, ()  # type: ignore[assignment]
@@ -485,6 +493,8 @@ class Channel(kredis.Channel):
 
     def _brpop_read(self, **options: Any) -> bool:
         try:
+            if not self._in_poll:  # no wait in flight: a read would block for ever
+                raise Empty()
             try:
                 woke = self.client.parse_response(self.client.connection, "BZPOPMIN",
                                                   **options)

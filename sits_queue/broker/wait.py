@@ -21,11 +21,19 @@ taken already: ``arm.lua`` sets each watched queue's marker again where messages
 Redis sees the close before our next command, sent afterwards on another connection,
 in practice; were a put to slip in between, its wake-up would go to the closed wait and
 the queue's other consumers would find the message at their next wake-up.
+
+A socket is taken out of the event loop's poller before it is closed
+(:func:`unpolled_on_disconnect`): epoll keeps a registration while any process holds the
+socket, and a pool child forked while the wait was open holds it. Closed first, the dead
+socket (shut down: readable for ever) went on being reported under its fd number, which
+the reconnect reuses, and the worker blocked reading its new connection.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,3 +62,19 @@ def give_up(connection: Any, watched: Sequence[str], arm: Callable[[str], object
             logger.debug("queue %r: marker not re-armed after giving up a wait: %s",
                          queue, exc)
             return
+
+
+def unpolled_on_disconnect(connection_class: type, poller: Callable[[], Any]) -> type:
+    """``connection_class`` whose ``disconnect`` first unregisters its socket from
+    ``poller()`` (the event loop's; None: not polled), while its fd still names it. Only
+    in the process that opened it: a forked child shares the parent's epoll instance."""
+
+    class UnpolledOnDisconnect(connection_class):  # type: ignore[misc]
+        def disconnect(self, *args: Any, **kwargs: Any) -> None:
+            sock, polling = getattr(self, "_sock", None), poller()
+            if sock is not None and polling is not None and os.getpid() == self.pid:
+                with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                    polling.unregister(sock)
+            super().disconnect(*args, **kwargs)
+
+    return UnpolledOnDisconnect

@@ -82,13 +82,14 @@ def spawn(tmp_path: Path, redis_url: str, client_app: Celery
     started: list[CeleryProcess] = []
 
     def _spawn(kind: str = "worker", wait: bool = True, concurrency: int = 2,
-               pool: str = "prefork", **settings: str) -> CeleryProcess:
+               pool: str = "prefork", extra_args: tuple[str, ...] = (),
+               **settings: str) -> CeleryProcess:
         env = worker_env(redis_url, **settings)
         if kind == "beat":
             proc = start_beat(APP_MODULE, env, tmp_path, cwd=ROOT)
         else:
             proc = start_worker(APP_MODULE, env, tmp_path, concurrency=concurrency, pool=pool,
-                                cwd=ROOT)
+                                cwd=ROOT, extra_args=extra_args)
         started.append(proc)
         if kind == "worker" and wait:
             wait_ready(client_app, [proc])

@@ -68,6 +68,30 @@ def test_a_queue_added_to_a_running_worker_is_served(spawn: Spawn, client_app: C
     assert worker.alive()
 
 
+def test_a_queue_added_after_a_pool_child_was_replaced_is_served(
+        spawn: Spawn, client_app: Celery) -> None:
+    """A child forked while the parent's wait was open holds that socket too: giving the
+    wait up must take it out of the event loop before closing it, or the loop keeps
+    hearing the dead socket (shut down, readable for ever) under the fd number the new
+    connection gets, and the worker blocks reading the new one (a worker that stops
+    serving and answering pings)."""
+    worker = spawn(concurrency=2, extra_args=("--max-tasks-per-child=1",))
+    add = client_app.tasks["w.add"]
+    for round_ in range(3):  # the old dead socket is heard only by chance: several rounds
+        # Given children replaced after each task, each forked with the parent's wait open
+        assert [add.delay(n, n).get(timeout=60) for n in range(4)] == [0, 2, 4, 6]
+        assert client_app.control.ping([worker.hostname], timeout=2), round_
+        # When a queue is added and a task arrives on it
+        (reply,) = client_app.control.add_consumer(
+            f"ctl-after-fork-{round_}", reply=True, timeout=5, destination=[worker.hostname])
+        assert "ok" in reply[worker.hostname]
+        assert add.apply_async((2, 3), queue=f"ctl-after-fork-{round_}").get(timeout=60) == 5
+        # Then the worker goes on answering and serving its first queue
+        assert client_app.control.ping([worker.hostname], timeout=2), round_
+        assert add.delay(round_, 10).get(timeout=30) == round_ + 10
+    assert worker.alive()
+
+
 @pytest.fixture
 def conn(redis_url: str) -> Iterator[Connection]:
     with Connection(redis_url, transport="sits_queue.broker.transport:Transport") as c:
