@@ -57,12 +57,19 @@ def resolve_task_options(task: Task | None, config: SitsConfig, per_call: Mappin
 def apply_class_limits(task: Task | None, config: SitsConfig, sla_class: str,
                        options: dict[str, Any]) -> None:
     """Default the Celery time limits from the class; a task (None: not registered here,
-    none) or call setting wins."""
+    none) or call setting wins. A hard limit set below the class's soft one brings the
+    default soft limit down with it (``soft_limit_fraction`` of it): Celery's prefork pool
+    enforces a hard limit only after the soft one has fired, so the class's soft limit
+    would have held the task past its own hard limit."""
     soft, hard = config.time_limits(sla_class)
-    if getattr(task, "soft_time_limit", None) is None:
-        options.setdefault("soft_time_limit", soft)
-    if getattr(task, "time_limit", None) is None:
+    task_hard = getattr(task, "time_limit", None)
+    if task_hard is None:
         options.setdefault("time_limit", hard)
+    if getattr(task, "soft_time_limit", None) is None \
+            and options.get("soft_time_limit") is None:
+        own_hard = options.get("time_limit") or task_hard
+        options["soft_time_limit"] = soft if not own_hard \
+            else min(soft, config.soft_limit_fraction * float(own_hard))
 
 
 def sits_headers(opts: TaskOptions, headers: Mapping[str, Any] | None,

@@ -4,12 +4,14 @@ scheduling options riding along the way (a retried or chained task keeps its cla
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import pytest
 import redis
 from celery import Celery, chain, chord, group
+from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
 from sits_queue.procs import CeleryProcess
 
@@ -61,3 +63,16 @@ def test_a_retried_task_runs_again_and_keeps_its_class(spawn: Spawn, client_app:
     with pytest.raises(RuntimeError, match="gone: run 4 failed"):
         gone.get(timeout=RESULT_S)
     assert int(redis_client.get("test:flaky:gone") or 0) == 4
+
+
+def test_a_calls_hard_time_limit_below_the_classs_soft_limit_holds(
+        spawn: Spawn, client_app: Celery) -> None:
+    """``time_limit=1`` on a call of a class whose soft limit is 36 s: the task is stopped
+    at about 1 s (its soft limit, 0.8 s, fires first), not run past it."""
+    spawn()
+    slow = client_app.tasks["w.slow"]
+    started = time.monotonic()
+    result = slow.apply_async(("limited", 30), time_limit=1)
+    with pytest.raises((SoftTimeLimitExceeded, TimeLimitExceeded)):
+        result.get(timeout=60)
+    assert time.monotonic() - started < 15  # not the class's 36 s soft limit

@@ -88,3 +88,30 @@ def test_a_retry_in_the_same_class_keeps_its_limits(task: Any) -> None:
     sig = task.signature_from_request(timed_request({"sla_class": "high"}, limits[::-1]),
                                       sla_class="high")
     assert (sig.options["soft_time_limit"], sig.options["time_limit"]) == limits
+
+
+@pytest.mark.parametrize(("task_limits", "call", "want"), [
+    # the class's: low = (8, 10)
+    ({}, {}, (8.0, 10)),
+    # a call's hard limit under the class's soft one brings the soft one down with it
+    ({}, {"time_limit": 1}, (0.8, 1)),
+    ({}, {"time_limit": 100}, (8.0, 100)),  # above: the class's soft limit stays
+    ({}, {"time_limit": 1, "soft_time_limit": 0.5}, (0.5, 1)),  # both given: as given
+    # a task's own hard limit likewise (Celery sends the task's time_limit itself)
+    ({"time_limit": 2}, {}, (1.6, None)),
+    ({"time_limit": 2, "soft_time_limit": 1.9}, {}, (None, None)),
+])
+def test_a_hard_limit_below_the_classs_soft_limit_brings_the_soft_one_down(
+        task_limits: dict[str, float], call: dict[str, float],
+        want: tuple[float | None, float | None]) -> None:
+    from sits_queue.app import apply_class_limits
+
+    app = make_app(SitsConfig(), main="limits-unit")
+
+    @app.task(name="u.limited", shared=False, sla_class="low", **task_limits)
+    def limited() -> None:
+        return None
+
+    options: dict[str, Any] = dict(call)
+    apply_class_limits(limited, SitsConfig(), "low", options)
+    assert (options.get("soft_time_limit"), options.get("time_limit")) == pytest.approx(want)
