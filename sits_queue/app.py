@@ -266,7 +266,9 @@ def celery_settings(config: SitsConfig) -> dict[str, Any]:
         "task_queues": (Queue(DEFAULT_QUEUE), Queue(CONTROL_QUEUE)),  # type: ignore[no-untyped-call]
         # By name: the built-in inference tasks (sits.generate, sits.embed) are work.
         "task_routes": {name: {"queue": CONTROL_QUEUE} for name in MAINTENANCE_TASKS},
-        "beat_scheduler": "redbeat.RedBeatScheduler",
+        "beat_scheduler": "sits_queue.priority.beat:SitsScheduler",
+        # its own (none): not the broker transport options, which redbeat would fall back on
+        "redbeat_redis_options": {},
         "redbeat_redis_url": config.redis_url,
         "redbeat_key_prefix": f"{prefix}sits:redbeat:",
         "redbeat_lock_timeout": int(max(30, 6 * config.rescore_interval_s)),

@@ -1,0 +1,75 @@
+"""The beat's scheduler: redbeat (entries and a lock in Redis: one beat per deployment)
+that keeps SITS's maintenance passes scheduled and lives through Redis outages.
+
+* **Our entries stay.** An app module that assigns ``app.conf.beat_schedule = {...}``, as
+  Celery's docs show, replaces the rescoring, trigger and pre-warm entries with its own:
+  redbeat would then delete them from Redis, and the queues would stop being rescored with
+  no word said. Missing ones are put back, with a warning.
+* **Outages are waited out.** redbeat's tick extends its lock first; a connection error
+  there, or a lock that Redis lost (restarted without persistence, flushed), ended the
+  beat process for good (redbeat #218, #230), and with it rescoring and aging. Here a tick
+  that cannot reach Redis is retried after :data:`RETRY_S`, and a lost lock is taken
+  again when free (while another beat holds it, this one stands by, as at start).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import redis
+from redbeat.schedulers import LUA_EXTEND_TO_SCRIPT, RedBeatScheduler, get_redis
+
+logger = logging.getLogger(__name__)
+
+#: Seconds before a tick that met an unreachable Redis, or a lock held elsewhere, is tried
+#: again.
+RETRY_S = 1.0
+
+
+class SitsScheduler(RedBeatScheduler):  # type: ignore[misc]
+    """``beat_scheduler`` of a SITS app (see the module docstring)."""
+
+    def setup_schedule(self) -> None:
+        from sits_queue.app import beat_schedule, sits_config
+
+        current = dict(self.app.conf.beat_schedule or {})
+        missing = {name: entry for name, entry in beat_schedule(sits_config(self.app)).items()
+                   if name not in current}
+        if missing:
+            logger.warning("beat: beat_schedule was replaced; SITS's maintenance entries %s "
+                           "added back (update beat_schedule rather than assign it)",
+                           sorted(missing))
+            self.app.conf.beat_schedule = {**current, **missing}
+        super().setup_schedule()
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        try:
+            if self.lock_key and not self._holds_lock():
+                return max(RETRY_S, float(self.lock_timeout) / 5)
+            return float(super().tick(*args, **kwargs))
+        except redis.exceptions.LockError as exc:  # LockNotOwnedError: Redis lost it
+            logger.warning("beat: lost its lock (%s); taking it again when free", exc)
+            self.lock = None
+            return RETRY_S
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            logger.warning("beat: Redis unreachable (%s); trying again in %g s", exc, RETRY_S)
+            return RETRY_S
+
+    def _holds_lock(self) -> bool:
+        """Whether this beat holds the lock, taking it if it is free (redbeat takes it at
+        start, blocking; here without blocking, so the beat loop goes on)."""
+        if self.lock is not None:
+            return True
+        client = get_redis(self.app)
+        lock = client.lock(self.lock_key, timeout=self.lock_timeout, sleep=self.max_interval)
+        lock.lua_extend = client.register_script(LUA_EXTEND_TO_SCRIPT)  # as redbeat's
+        if not lock.acquire(blocking=False):
+            return False
+        logger.info("beat: acquired lock")
+        self.lock = lock
+        # The lock was lost with Redis's data (a restart without persistence, a flush):
+        # the schedule entries went with it. Installing them again keeps the last runs
+        # of any that are still there.
+        self.setup_schedule()
+        return True

@@ -1,0 +1,74 @@
+"""The beat (``priority/beat.py``'s scheduler over redbeat): a real ``celery beat`` that
+lives through Redis outages, and an app's own schedule that cannot drop SITS's passes."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from sits_queue.app import CONTROL_QUEUE, make_app
+from sits_queue.broker.keys import QueueKeys
+from sits_queue.config import SitsConfig
+from sits_queue.embedded import EmbeddedRedis
+from sits_queue.priority.beat import SitsScheduler
+from sits_queue.procs import start_beat
+from tests.integration.conftest import APP_MODULE, ROOT, worker_env
+from tests.waiting import wait_for
+
+CONTROL = QueueKeys.for_queue(CONTROL_QUEUE)
+
+
+def sent(url: str) -> int:
+    """Maintenance tasks the beat has sent that wait in the control queue (no worker)."""
+    try:
+        return int(redis.Redis.from_url(url).zcard(CONTROL.waiting))
+    except redis.ConnectionError:
+        return 0
+
+
+@pytest.mark.parametrize("outage", ["stopped", "restarted empty"])
+def test_the_beat_lives_through_a_redis_outage(tmp_path: Path, outage: str) -> None:
+    server = EmbeddedRedis(tmp_path / "redis")
+    url = server.start()
+    port = server.port
+    env = worker_env(url, rescore_interval_s="1", trigger_check_interval_s="1",
+                     prewarm_interval_s="0")
+    beat = start_beat(APP_MODULE, env, tmp_path / "logs", cwd=ROOT)
+    try:
+        wait_for(lambda: sent(url) >= 2, 60, "the beat's first passes")
+        # When Redis goes away for a few ticks and comes back on the same port: with its
+        # data ("stopped": its lock and entries stay), or without (the lock is lost)
+        if outage == "stopped":
+            redis.Redis.from_url(url).save()
+        server.stop()
+        time.sleep(3)
+        server = EmbeddedRedis(tmp_path / ("redis" if outage == "stopped" else "fresh"),
+                               port=port, password=server.password)
+        server.start()
+        before = sent(url)
+        # Then the beat is still there, sending the passes again
+        wait_for(lambda: sent(url) >= before + 2, 60, "passes sent after the outage")
+        assert beat.alive(), beat.log()[-3000:]
+        assert "unreachable" in beat.log()
+        if outage == "restarted empty":
+            assert "lost its lock" in beat.log()
+    finally:
+        beat.stop(timeout_s=10)
+        server.stop()
+
+
+def test_an_assigned_beat_schedule_keeps_the_sits_passes(redis_url: str,
+                                                        redis_client: redis.Redis) -> None:
+    """Celery's docs assign ``beat_schedule``: that must not unschedule rescoring."""
+    app = make_app(SitsConfig(redis_url=redis_url), main="beat-assigned")
+    app.conf.beat_schedule = {"tick": {"task": "app.tick", "schedule": 5.0}}
+    try:
+        SitsScheduler(app=app)
+        assert {"tick", "sits-rescore", "sits-check-triggers"} <= set(app.conf.beat_schedule)
+        for name in ("tick", "sits-rescore", "sits-check-triggers"):
+            assert redis_client.exists(f"sits:redbeat:{name}"), name
+    finally:
+        app.close()
