@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 #: Socket timeout of the thread's connections when the channel sets none, s: a beat
 #: that waits longer than this on Redis is given up and retried next period.
 SOCKET_TIMEOUT_S = 5.0
+#: After a failed beat, the next is tried this soon (at most a period): a Redis back from
+#: an outage hears from the holder before any sweep counts it silent.
+RETRY_S = 1.0
 #: How long closing the channel waits for a beat in flight, s (it is one pipeline).
 STOP_WAIT_S = SOCKET_TIMEOUT_S + 1.0
 
@@ -71,7 +74,8 @@ class Heartbeat:
         client = redis.Redis(connection_pool=pool)
         failing = False
         try:
-            while not self._stopping.wait(self.period_s):
+            while not self._stopping.wait(min(RETRY_S, self.period_s) if failing
+                                          else self.period_s):
                 beat = self._beat()
                 if beat is None:
                     return

@@ -74,6 +74,9 @@ class QoS(kredis.QoS):
         #: count of accepted tasks when they were last read.
         self._started: set[str] = set()
         self._accepted_seen = -1
+        #: The channel closed while Redis was away: the beat gives back what had not
+        #: started (see _outlive_close).
+        self._give_back_pending = False
 
     def _queue_of(self, delivery_tag: str) -> str | None:
         message = self._delivered.get(delivery_tag)
@@ -86,11 +89,14 @@ class QoS(kredis.QoS):
         with self._lock:  # it forgets given-back tags (kombu's _flush) too
             virtual.QoS.append(self, message, delivery_tag)
         if self._heartbeat is None:  # a channel that never holds anything needs no thread
-            self._heartbeat = Heartbeat(weakref.WeakMethod(self.heartbeat),
-                                        self.channel._connparams(),
-                                        self.channel.visibility_timeout / 3,
-                                        name=f"sits-heartbeat-{self.channel.consumer_id[:8]}")
-            self._heartbeat.start()
+            self._start_heartbeat()
+
+    def _start_heartbeat(self) -> None:
+        self._heartbeat = Heartbeat(weakref.WeakMethod(self.heartbeat),
+                                    self.channel._connparams(),
+                                    self.channel.visibility_timeout / 3,
+                                    name=f"sits-heartbeat-{self.channel.consumer_id[:8]}")
+        self._heartbeat.start()
 
     def can_consume(self) -> bool:
         """Prefetch counts pool jobs: a batch (one pick, one job) counts once."""
@@ -187,9 +193,29 @@ class QoS(kredis.QoS):
 
     def restore_unacked_once(self, stderr: Any = None) -> None:
         """At channel close (and at exit): the heartbeat stops first; what is given back
-        after that is beaten by no one here."""
+        after that is beaten by no one here. A give-back that cannot reach Redis (the
+        close of a lost connection) is finished later instead (:meth:`_outlive_close`)."""
+        if getattr(self._delivered, "restored", False):
+            return  # kombu's own check asserts that nothing is held by then: we may hold
         self.stop_heartbeat()
-        super().restore_unacked_once(stderr)
+        try:
+            super().restore_unacked_once(stderr)
+        except self.channel.connection_errors as exc:
+            self._outlive_close(exc)
+
+    def _outlive_close(self, exc: BaseException) -> None:
+        """Redis was away when the channel closed: nothing was given back. Left so, the
+        visibility sweep would restore it all, counting a redelivery each time (tasks
+        never started would turn poison after a few restarts), and a task still running
+        here, beaten by no one, would be restored and run again beside itself. So a
+        heartbeat goes on: once Redis answers it gives back what had not started
+        (uncounted), and keeps the running tasks' messages until their acks come
+        (Celery acks them through this channel's QoS, when they end)."""
+        self._give_back_pending = True
+        logger.warning("Redis unreachable at channel close (%s): %d held message(s) kept "
+                       "and given back once it answers", exc, len(self._delivered))
+        self._heartbeat = None
+        self._start_heartbeat()
 
     def stop_heartbeat(self) -> None:
         if self._heartbeat is not None:
@@ -205,6 +231,10 @@ class QoS(kredis.QoS):
         if now_mono - self._last_sweep < period:
             return
         self._last_sweep = now_mono
+        # Our own held messages first: after a Redis stall as long as the timeout, the
+        # beats the thread missed would otherwise let this very sweep restore the tasks
+        # this worker is running.
+        self.heartbeat()
         ceiling = time.time() - self.channel.visibility_timeout
         durable = [q for q in self.channel.active_queues if q not in self.channel._expires]
         if durable:  # consumers keep the registry whole too (the rescoring pass reads it)
@@ -220,6 +250,8 @@ class QoS(kredis.QoS):
         """Push the deadline of every message this channel holds (running or reserved),
         on ``client`` (the heartbeat thread's own) or the channel's."""
         with self._lock:
+            if self._give_back_pending:
+                self._give_back_idle(client or self.channel.raw)
             by_queue = self._held_by_queue()
             if not by_queue:
                 return
@@ -230,6 +262,22 @@ class QoS(kredis.QoS):
                     pipe.zadd(self.channel.keys(queue).unacked, dict.fromkeys(tags, now),
                               xx=True)
                 pipe.execute()
+
+
+    def _give_back_idle(self, client: Any) -> None:
+        """After a close that could not reach Redis: release the held messages that had
+        not started (``release.lua``, uncounted; it moves only ids still unacked, so a
+        sweep that restored one first is not undone) and forget them here."""
+        started = self._started
+        for queue, tags in self._held_by_queue().items():
+            if idle := [tag for tag in tags if tag not in started]:
+                self.channel.scripts.run("release", self.channel.keys(queue), [
+                    self.channel.consumer_id, time.time(), 0, 0, *idle], client)
+                for tag in idle:
+                    virtual.QoS.ack(self, tag)
+        self._give_back_pending = False
+        logger.info("held messages given back after Redis came back; %d still running",
+                    len(self._held_by_queue()))
 
 
 def started_tags() -> set[str]:

@@ -150,8 +150,9 @@ class Channel(kredis.Channel):
         again here (``ack.lua`` is idempotent: after NOSCRIPT or a lost connection);
         failing that, it is logged and the message stays unacked, as when kombu's ack
         fails. Outside a worker's event loop (a plain consumer) the ack is awaited, so
-        that other clients see it as soon as ``ack()`` returns."""
-        if self.connection._hub is None:
+        that other clients see it as soon as ``ack()`` returns, and so is a late ack
+        through a channel closed meanwhile (a task that ran across a lost connection)."""
+        if self.connection is None or self.connection._hub is None:
             self._run("ack", queue, tags)
             return
         names = self.keys(queue).all()
@@ -305,8 +306,8 @@ class Channel(kredis.Channel):
         params = super()._connparams(asynchronous)
         if asynchronous:  # the wait's connection: polled by the event loop (wait.py)
             params["connection_class"] = wait.unpolled_on_disconnect(
-                params["connection_class"], lambda: getattr(self.connection.cycle, "poller",
-                                                            None))
+                params["connection_class"],
+                lambda: getattr(getattr(self.connection, "cycle", None), "poller", None))
         return params
 
     def _give_up_wait(self) -> None:

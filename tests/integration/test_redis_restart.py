@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
 import redis
 
 from sits_queue.app import make_app
+from sits_queue.broker.keys import QueueKeys
 from sits_queue.config import SitsConfig
 from sits_queue.embedded import EmbeddedRedis
 from sits_queue.procs import start_worker, wait_ready
@@ -46,6 +49,98 @@ def test_restart_mid_run_loses_nothing(tmp_path: Path) -> None:
             assert worker.alive(), worker.log()[-3000:]
             time.sleep(0.2)
         assert {p.name for p in marks.iterdir()} == {f"t{i}" for i in range(n)}
+        assert worker.alive()
+    finally:
+        worker.stop()
+        app.close()
+        server.stop()
+
+
+def restart(server: EmbeddedRedis, tmp_path: Path) -> EmbeddedRedis:
+    """Redis away for a moment, back on the same port with its data (AOF)."""
+    port = server.port
+    server.stop()
+    time.sleep(1.0)  # the outage
+    again = EmbeddedRedis(tmp_path / "redis", port=port, appendonly=True)
+    again.start()
+    redis.Redis.from_url(again.url).config_set("appendfsync", "always")
+    return again
+
+
+def test_restarts_neither_poison_held_tasks_nor_rerun_a_running_one(tmp_path: Path) -> None:
+    """A worker holding ETA tasks (never started) and running a long one while Redis
+    restarts twice, with its data: the channel closes while Redis is away, so nothing
+    can be given back then. The held tasks must not be counted as redelivered (twice,
+    over a limit of one, made them poison: dead-lettered unrun) and the running task's
+    message must stay its own (unbeaten, the sweep restored it and it ran again beside
+    itself)."""
+    server = EmbeddedRedis(tmp_path / "redis", appendonly=True)
+    url = server.start()
+    client = redis.Redis.from_url(url)
+    client.config_set("appendfsync", "always")
+    settings = {"visibility_timeout_s": "5", "max_redeliveries": "1"}
+    app = make_app(SitsConfig(redis_url=url, visibility_timeout_s=5, max_redeliveries=1),
+                   main="restart-held")
+    tasks = register(app)
+    worker = start_worker(APP_MODULE, worker_env(url, **settings), tmp_path / "logs",
+                          concurrency=2, cwd=ROOT)
+    try:
+        wait_ready(app, [worker])
+        long = tasks["slow"].delay("long", 16)
+        deadline = time.monotonic() + 30
+        while client.get("test:started:long") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        held = [tasks["record"].apply_async((f"eta{i}",), countdown=35) for i in range(2)]
+        keys = QueueKeys.for_queue("celery")
+        while client.zcard(keys.unacked) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the worker holds all three
+        # When Redis restarts twice, further apart than the visibility timeout
+        server = restart(server, tmp_path)
+        time.sleep(5 + 3)  # a sweep's worth past the timeout, before the second
+        server = restart(server, tmp_path)
+        client = redis.Redis.from_url(server.url)
+        # Then the long task ran once, and each held task runs, once
+        assert long.get(timeout=60) == "long"
+        assert [r.get(timeout=90) for r in held] == ["eta0", "eta1"]
+        assert int(client.get("test:started:long") or 0) == 1
+        assert int(client.get("test:runs") or 0) == 2
+        assert client.hlen(keys.dead) == 0
+        assert worker.alive()
+    finally:
+        worker.stop()
+        app.close()
+        server.stop()
+
+
+def test_a_redis_stall_past_the_timeout_does_not_rerun_what_the_worker_runs(
+        tmp_path: Path) -> None:
+    """Redis frozen (SIGSTOP) longer than the visibility timeout while two tasks run: the
+    worker's heartbeats are missed meanwhile, and its own first sweep after the stall
+    restored (and ran again, beside themselves) the very tasks it was running."""
+    server = EmbeddedRedis(tmp_path / "redis")
+    url = server.start()
+    client = redis.Redis.from_url(url)
+    app = make_app(SitsConfig(redis_url=url, visibility_timeout_s=5), main="stall")
+    tasks = register(app)
+    # a free slot: a restored message would run again at once, beside its original
+    worker = start_worker(APP_MODULE, worker_env(url, visibility_timeout_s="5"),
+                          tmp_path / "logs", concurrency=3, cwd=ROOT)
+    try:
+        wait_ready(app, [worker])
+        running = [tasks["slow"].delay(f"st{i}", 14) for i in range(2)]
+        deadline = time.monotonic() + 30
+        while (client.get("test:started:st0") is None or client.get("test:started:st1")
+               is None) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # When Redis stalls for longer than the timeout
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGSTOP)
+        time.sleep(7)  # the stall: 5 s visibility timeout + 2
+        os.kill(server.pid, signal.SIGCONT)
+        # Then each task ran once
+        assert [r.get(timeout=60) for r in running] == ["st0", "st1"]
+        assert [int(client.get(f"test:started:st{i}") or 0) for i in range(2)] == [1, 1]
+        assert "restored" not in worker.log()
         assert worker.alive()
     finally:
         worker.stop()
