@@ -33,6 +33,9 @@ from sits_queue.priority.model import ClassStats, PrioritySnapshot, Scorer
 
 logger = logging.getLogger(__name__)
 
+#: Celery names each worker's own queue ``<hostname>.dq2`` (``worker_direct``).
+DIRECT_SUFFIX = ".dq2"
+
 #: Per-pass decay of model call counts: hotness halves in ~6.6 passes (~33 s at 5 s).
 HOTNESS_DECAY = 0.9
 #: Waiting messages read per queue when looking for the oldest top-class task.
@@ -151,6 +154,8 @@ class Rescorer:
         started = time.perf_counter()
         snapshot = self.gather_snapshot(now_s)
         queues = self.queues()
+        if gone := self.prune_departed(queues):
+            queues = [q for q in queues if q not in gone]
         seen = rewritten = calls = 0
         max_call = 0.0
         for queue in queues:
@@ -158,6 +163,32 @@ class Rescorer:
             seen, rewritten, calls, max_call = seen + s, rewritten + r, calls + k, max(max_call, m)
         return PassReport(len(queues), seen, rewritten, calls, max_call * 1000,
                           (time.perf_counter() - started) * 1000)
+
+    def prune_departed(self, queues: list[str]) -> list[str]:
+        """Take out of the registry the worker-direct queues (``<hostname>.dq2``, one per
+        worker ever started: with containers, per deploy) of workers no longer
+        advertised, once nothing is left in them (dead letters included): ``sitsq
+        status``, the metrics and this pass would list them for ever. A put to one, or a
+        consumer of it, registers it again."""
+        direct = [q for q in queues if q.endswith(DIRECT_SUFFIX)]
+        if not direct:
+            return []
+        from sits_queue.workers.advertise import live_hostnames
+
+        live = set(live_hostnames(self.client, self.config.global_keyprefix))
+        candidates = [q for q in direct if q[:-len(DIRECT_SUFFIX)] not in live]
+        if not candidates:
+            return []
+        with self.client.pipeline(transaction=False) as pipe:
+            for queue in candidates:
+                k = self.keys(queue)
+                pipe.exists(k.waiting, k.unacked, k.dead, k.checkpoints, k.payloads)
+            held = pipe.execute()
+        gone = [q for q, n in zip(candidates, held, strict=True) if not n]
+        if gone:
+            self.client.srem(queues_registry(self.config.global_keyprefix), *gone)
+            logger.info("forgot the direct queues of departed workers: %s", gone)
+        return gone
 
     def rescore_queue(self, queue: str, snapshot: PrioritySnapshot) -> tuple[int, int, int, float]:
         """Rewrite one queue's scores chunk by chunk; returns (seen, rewritten, calls, max s).

@@ -95,6 +95,28 @@ def test_rescoring_moves_a_waiting_task_ahead(app: Celery, redis_client: redis.R
     assert drain(app) == ["hot", "cold"]
 
 
+def test_the_pass_forgets_empty_direct_queues_of_departed_workers(
+        app: Celery, redis_client: redis.Redis) -> None:
+    """One ``<hostname>.dq2`` per worker ever started (per deploy, with containers):
+    once its worker's advertisement is gone and it is empty, it leaves the registry."""
+    from sits_queue.broker.keys import queues_registry
+    from sits_queue.workers.advertise import worker_key
+
+    echo = app.tasks["t.echo"]
+    registry = queues_registry("")
+    names = ("live@h.dq2", "gone@h.dq2", "gone-busy@h.dq2")
+    redis_client.sadd(registry, *names)
+    redis_client.set(worker_key("", "live@h"), "{}", ex=60)  # advertised
+    echo.apply_async(("left",), queue="gone-busy@h.dq2")      # a departed one's task
+    report = Rescorer(app.sits, redis_client).rescore_all()
+    assert report is not None
+    members = {m.decode() for m in redis_client.smembers(registry)}
+    assert {"live@h.dq2", "gone-busy@h.dq2"} <= members and "gone@h.dq2" not in members
+    # a put to it registers it again
+    echo.apply_async(("again",), queue="gone@h.dq2")
+    assert redis_client.sismember(registry, "gone@h.dq2")
+
+
 def test_a_record_that_cannot_be_scored_keeps_its_score_and_the_pass_goes_on(
         app: Celery, redis_client: redis.Redis) -> None:
     echo = app.tasks["t.echo"]
