@@ -261,6 +261,105 @@ def celery(command: str, args: tuple[str, ...]) -> None:
     os.execvpe(argv[0], argv, env)
 
 
+# -- dead letters ----------------------------------------------------------------------------
+@main.group()
+def dead() -> None:
+    """A queue's dead letters (poison, malformed or rejected messages): list them, put
+    them back once fixed, or drop them."""
+
+
+def _dead_queue(client: redis.Redis, config: SitsConfig, queue: str | None) -> list[str]:
+    members: set[bytes] = client.smembers(  # type: ignore[assignment]
+        queues_registry(config.global_keyprefix))
+    names = registered_queues(members)
+    if queue is None:
+        return names
+    if queue not in names:
+        raise click.ClickException(f"no queue {queue!r}; queues: {', '.join(names) or 'none'}")
+    return [queue]
+
+
+@dead.command("list")
+@click.argument("queue", required=False)
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(1),
+              help="Records shown per queue, oldest first.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def dead_list(queue: str | None, limit: int, as_json: bool) -> None:
+    """Dead letters of QUEUE (default: every queue that has any)."""
+    from sits_queue.broker import deadletters
+
+    config = SitsConfig.from_env()
+    client = redis.Redis.from_url(_redis_url(), socket_timeout=5)
+    now = time.time()
+    report: dict[str, dict[str, Any]] = {}
+    for name in _dead_queue(client, config, queue):
+        key = QueueKeys.for_queue(name, config.global_keyprefix).dead
+        if total := int(client.hlen(key)):
+            rows = [d.row(now) for d in deadletters.read(client, key, limit)]
+            report[name] = {"total": total, "oldest": rows}
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    if not report:
+        click.echo("no dead letters")
+    for name, entry in report.items():
+        click.echo(f"{name}: {entry['total']} dead letter(s), oldest first")
+        for row in entry["oldest"]:
+            click.echo(f"  {row['id']}  {row['task']}[{row['task_id']}]  {row['age_s']} s ago"
+                       f"  {row['reason']}")
+
+
+def _chosen(client: redis.Redis, key: str, ids: tuple[str, ...], every: bool) -> list[str]:
+    if every == bool(ids):
+        raise click.UsageError("name the dead letters' ids, or give --all")
+    if every:
+        return [i.decode() for i in client.hkeys(key)]  # type: ignore[union-attr]
+    return list(ids)
+
+
+@dead.command("requeue")
+@click.argument("queue")
+@click.argument("ids", nargs=-1)
+@click.option("--all", "every", is_flag=True, help="Every dead letter of QUEUE.")
+def dead_requeue(queue: str, ids: tuple[str, ...], every: bool) -> None:
+    """Put dead letters of QUEUE back to run (scored afresh, redelivery count reset)."""
+    from sits_queue.app import make_app
+    from sits_queue.broker import deadletters
+
+    config = replace(SitsConfig.from_env(), redis_url=_redis_url())
+    client = redis.Redis.from_url(config.redis_url, socket_timeout=5)
+    _dead_queue(client, config, queue)
+    chosen = _chosen(client, QueueKeys.for_queue(queue, config.global_keyprefix).dead,
+                     ids, every)
+    app = make_app(config, main="sitsq-dead")
+    try:
+        with app.connection_for_write() as conn:
+            done, refused = deadletters.requeue(conn.default_channel, queue, chosen)
+    finally:
+        app.close()
+    click.echo(f"requeued {len(done)} of {len(chosen)}")
+    for message_id, why in refused.items():
+        click.echo(f"  {message_id}: {why}", err=True)
+    if refused:
+        sys.exit(1)
+
+
+@dead.command("drop")
+@click.argument("queue")
+@click.argument("ids", nargs=-1)
+@click.option("--all", "every", is_flag=True, help="Every dead letter of QUEUE.")
+def dead_drop(queue: str, ids: tuple[str, ...], every: bool) -> None:
+    """Delete dead letters of QUEUE for good."""
+    from sits_queue.broker import deadletters
+
+    config = SitsConfig.from_env()
+    client = redis.Redis.from_url(_redis_url(), socket_timeout=5)
+    _dead_queue(client, config, queue)
+    key = QueueKeys.for_queue(queue, config.global_keyprefix).dead
+    chosen = _chosen(client, key, ids, every)
+    click.echo(f"dropped {deadletters.drop(client, key, chosen)} of {len(chosen)}")
+
+
 @main.command("metrics")
 @click.option("--port", default=9808, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")

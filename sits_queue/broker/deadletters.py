@@ -10,6 +10,9 @@ never overwrites a stored SUCCESS (``store_result.lua``).
 
 Best effort, as the dead-lettering itself is what matters: a record that does not read,
 or a backend that cannot store, is logged and left.
+
+``sitsq dead`` lists a queue's dead letters, puts chosen ones back (once the bug that
+made them poison is fixed) or drops them: :func:`read`, :func:`requeue`, :func:`drop`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sits_queue.errors import DeadLettered
@@ -59,3 +63,72 @@ def fail_tasks(client: Any, dead_key: str, ids: Sequence[str], backend: Any = No
             continue
         failed += 1
     return failed
+
+
+# -- inspecting, requeueing and dropping (``sitsq dead``) -------------------------------------
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """One record of a queue's dead letters, as ``sitsq dead`` shows it."""
+
+    id: str
+    task: str
+    task_id: str | None
+    reason: str
+    at: float | None
+
+    def row(self, now_s: float) -> dict[str, Any]:
+        return {"id": self.id, "task": self.task, "task_id": self.task_id,
+                "reason": self.reason,
+                "age_s": None if self.at is None else round(now_s - self.at, 1)}
+
+
+def read(client: Any, dead_key: str, limit: int | None = None) -> list[DeadLetter]:
+    """The queue's dead letters, oldest first (at most ``limit``). A record that does not
+    parse is shown with what could be read of it."""
+    out = []
+    for raw_id, record in client.hscan_iter(dead_key, count=500):
+        message_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
+        try:
+            parsed = json.loads(record)
+            reason = str(parsed.get("reason", "?"))
+            at = float(parsed["at"]) if parsed.get("at") is not None else None
+        except (ValueError, TypeError, AttributeError, KeyError):
+            reason, at = "(unreadable record)", None
+        task = task_of(record)
+        out.append(DeadLetter(message_id, task[1] if task else "?",
+                              task[0] if task else None, reason, at))
+    out.sort(key=lambda d: (d.at is None, d.at or 0.0))
+    return out if limit is None else out[:limit]
+
+
+def requeue(channel: Any, queue: str, ids: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """Put dead-lettered messages back into ``queue`` as their producer would (scored
+    afresh, redelivery count reset), then drop their records. Returns (requeued ids,
+    {id: why not} for the others: gone, or a payload that never was a message)."""
+    from sits_queue.broker.payload import decode
+
+    keys = channel.keys(queue)
+    done: list[str] = []
+    refused: dict[str, str] = {}
+    for message_id, record in zip(ids, channel.raw.hmget(keys.dead, list(ids)), strict=True):
+        if record is None:
+            refused[message_id] = "no such dead letter"
+            continue
+        try:
+            message = decode(json.loads(record)["payload"], tuple(channel.codecs))
+        except (ValueError, TypeError, KeyError, ArithmeticError) as exc:
+            refused[message_id] = f"its payload is not a message ({exc}); drop it instead"
+            continue
+        channel._put(queue, message)  # first: a failure here leaves the dead letter
+        with channel.raw.pipeline(transaction=False) as pipe:
+            pipe.hdel(keys.dead, message_id)
+            pipe.hdel(keys.redelivered, message_id)
+            pipe.execute()
+        done.append(message_id)
+    return done, refused
+
+
+def drop(client: Any, dead_key: str, ids: Sequence[str]) -> int:
+    """Delete dead-letter records for good; how many there were."""
+    return int(client.hdel(dead_key, *ids)) if ids else 0
