@@ -3,6 +3,10 @@
 #   make demo   - the main job on the embedded default (no Redis to install)
 #   make test   - the whole test suite (unit, integration with real Redis and workers)
 PYTHON ?= python3
+# Where the CPU build of torch comes from: pip's configured sources unless set (on Linux,
+# plain PyPI serves the multi-GB CUDA build; TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# gets the CPU one).
+TORCH_INDEX ?=
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.sits-installed
@@ -12,7 +16,7 @@ STAMP  := $(VENV)/.sits-installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned: the CPU build; the inference extra must not pull a CUDA one.
-	$(BIN)/pip install --quiet "torch==2.13.0"
+	$(BIN)/pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "torch==2.13.0"
 	$(BIN)/pip install --quiet -e ".[dev,inference,otel]"
 	touch $(STAMP)
 

@@ -77,7 +77,9 @@ def run_system(system: str, workload: Workload, url: str, log_dir: Path,
         _replay(app, system, workload)
         _await_drain(client, len(workload.jobs), procs[0])
     finally:
-        for proc in procs:
+        # the beat first: a pass it sends after the worker stopped would wait in the
+        # control queue (and in `sitsq status`) until the next worker
+        for proc in reversed(procs):
             proc.stop()
         app.close()
     done = [json.loads(raw) for raw in client.lrange(DONE_KEY, 0, -1)]
