@@ -473,6 +473,8 @@ def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"config file {p} does not exist") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
+    except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not UTF-8
+        raise ConfigError(f"config file {p} cannot be read: {exc}") from exc
 
 
 def configured_redis_url(env: Mapping[str, str]) -> str | None:

@@ -51,6 +51,10 @@ logger = logging.getLogger(__name__)
 
 #: Restored per sweep per queue: a crashed worker's backlog comes back over a few sweeps.
 RESTORE_LIMIT = 1000
+#: QoS objects of channels closed while Redis was away, held until they owe nothing: once
+#: closed, a channel and its messages are a cycle nothing else holds (Celery has dropped
+#: the unstarted ones), and the heartbeat thread only holds it weakly.
+_OUTLIVING: set[Any] = set()
 
 
 class QoS(kredis.QoS):
@@ -212,8 +216,11 @@ class QoS(kredis.QoS):
         (uncounted), and keeps the running tasks' messages until their acks come
         (Celery acks them through this channel's QoS, when they end)."""
         self._give_back_pending = True
+        _OUTLIVING.add(self)
         logger.warning("Redis unreachable at channel close (%s): %d held message(s) kept "
-                       "and given back once it answers", exc, len(self._delivered))
+                       "and given back once it answers", str(exc), len(self._delivered))
+        # (the text, not the exception: a kept log record would keep its traceback's
+        # frames, and this channel with them)
         self._heartbeat = None
         self._start_heartbeat()
 
@@ -254,6 +261,7 @@ class QoS(kredis.QoS):
                 self._give_back_idle(client or self.channel.raw)
             by_queue = self._held_by_queue()
             if not by_queue:
+                _OUTLIVING.discard(self)  # owes nothing more (a live channel: not there)
                 return
             now = time.time()
             # XX: only ids still unacked; an id acked meanwhile is not brought back.

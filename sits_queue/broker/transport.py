@@ -495,7 +495,7 @@ class Channel(kredis.Channel):
     def _brpop_read(self, **options: Any) -> bool:
         try:
             if not self._in_poll:  # no wait in flight: a read would block for ever
-                raise Empty()
+                self._stray_readable()
             try:
                 woke = self.client.parse_response(self.client.connection, "BZPOPMIN",
                                                   **options)
@@ -524,6 +524,20 @@ class Channel(kredis.Channel):
         finally:
             self._in_poll = None  # type: ignore[assignment]
             self._flush_brpop_reauth()
+
+    def _stray_readable(self) -> None:
+        """The wait's socket fired with no wait in flight (intake paused, say): Redis
+        closed it (a restart, ``CLIENT KILL``, an idle timeout), or sent nothing. Closed:
+        the connection error, as a read would raise, so the worker reconnects (ignored,
+        the closed socket would fire at every turn of the loop); else nothing to read."""
+        connection = self.client.connection
+        if connection is not None and connection._sock is not None:
+            try:
+                connection.can_read(timeout=0)
+            except self.connection_errors:
+                connection.disconnect()
+                raise
+        raise Empty()
 
     def _size(self, queue: str) -> int:
         return int(self.raw.zcard(self.keys(queue).waiting))

@@ -138,3 +138,12 @@ def test_a_new_class_must_give_every_field_and_errors_name_the_file(tmp_path: Pa
 def test_an_empty_redis_url_is_unset_as_sitsq_reads_it() -> None:
     assert SitsConfig.from_env({"SITS_REDIS_URL": ""}).redis_url == SitsConfig().redis_url
     assert configured_redis_url({"SITS_REDIS_URL": ""}) is None
+
+
+def test_a_config_file_that_cannot_be_read_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"config file .* cannot be read"):
+        SitsConfig.from_file(tmp_path)  # a directory
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes('site = "caf\xe9"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin\.toml cannot be read"):
+        SitsConfig.from_file(latin)
