@@ -238,11 +238,12 @@ class QoS(kredis.QoS):
         if now_mono - self._last_sweep < period:
             return
         self._last_sweep = now_mono
-        # Our own held messages first: after a Redis stall as long as the timeout, the
-        # beats the thread missed would otherwise let this very sweep restore the tasks
-        # this worker is running.
-        self.heartbeat()
+        # The ceiling first, then our own held messages' beat: after a Redis stall as long
+        # as the timeout, the beats the thread missed would otherwise let this very sweep
+        # restore the tasks this worker is running. The beat's deadline is read after the
+        # ceiling, so it is above it however long the beat waits on a stalled Redis.
         ceiling = time.time() - self.channel.visibility_timeout
+        self.heartbeat()
         durable = [q for q in self.channel.active_queues if q not in self.channel._expires]
         if durable:  # consumers keep the registry whole too (the rescoring pass reads it)
             self.channel.raw.sadd(queues_registry(self.channel.global_keyprefix), *durable)
