@@ -152,10 +152,12 @@ class QoS(kredis.QoS):
         return hold
 
     def _release(self, queue: str, tags: list[str], first_hold_s: float = 0.0,
-                 longest_hold_s: float = 0.0) -> float:
-        _, hold_text = self.channel._run("release", queue, [
+                 longest_hold_s: float = 0.0, client: Any = None) -> float:
+        """``release.lua`` for ``tags``, on ``client`` (the heartbeat thread's) or the
+        channel's; the hold given to the last of them, s."""
+        _, hold_text = self.channel.scripts.run("release", self.channel.keys(queue), [
             self.channel.consumer_id, time.time(), first_hold_s,
-            max(first_hold_s, longest_hold_s), *tags])
+            max(first_hold_s, longest_hold_s), *tags], client or self.channel.raw)
         return float(hold_text)
 
     def _held_by_queue(self) -> dict[str, list[str]]:
@@ -272,7 +274,6 @@ class QoS(kredis.QoS):
                               xx=True)
                 pipe.execute()
 
-
     def _give_back_idle(self, client: Any) -> None:
         """After a close that could not reach Redis: release the held messages that had
         not started (``release.lua``, uncounted; it moves only ids still unacked, so a
@@ -280,8 +281,7 @@ class QoS(kredis.QoS):
         started = self._started
         for queue, tags in self._held_by_queue().items():
             if idle := [tag for tag in tags if tag not in started]:
-                self.channel.scripts.run("release", self.channel.keys(queue), [
-                    self.channel.consumer_id, time.time(), 0, 0, *idle], client)
+                self._release(queue, idle, client=client)
                 for tag in idle:
                     virtual.QoS.ack(self, tag)
         self._give_back_pending = False

@@ -143,11 +143,6 @@ def quantize_int8(module: Any) -> Any:
     return int8_layers(copy.deepcopy(module).cpu()).eval()
 
 
-def is_int8_layer(module: Any) -> bool:
-    """Whether ``module`` is one of :func:`quantize_int8`'s layers."""
-    return type(module).__name__ == "Int8Linear" and hasattr(module, "weight_int8")
-
-
 def module_bytes(module: Any) -> int:
     """Bytes of a module's distinct tensors, int8 weights and their scales included (they
     are buffers in its state dict, not parameters)."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from celery.utils.nodenames import WORKER_DIRECT_QUEUE_FORMAT
 
 from sits_queue.app import CONTROL_QUEUE, MAINTENANCE_TASKS
 from sits_queue.broker.keys import (
@@ -33,8 +34,8 @@ from sits_queue.priority.model import ClassStats, PrioritySnapshot, Scorer
 
 logger = logging.getLogger(__name__)
 
-#: Celery names each worker's own queue ``<hostname>.dq2`` (``worker_direct``).
-DIRECT_SUFFIX = ".dq2"
+#: What ends each worker's own queue's name: Celery's ``<hostname>.dq2`` (``worker_direct``).
+DIRECT_SUFFIX = WORKER_DIRECT_QUEUE_FORMAT.format(hostname="")
 
 #: Per-pass decay of model call counts: hotness halves in ~6.6 passes (~33 s at 5 s).
 HOTNESS_DECAY = 0.9

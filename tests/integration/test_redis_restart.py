@@ -5,66 +5,83 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import redis
+from celery import Celery
 
 from sits_queue.app import make_app
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.config import SitsConfig
 from sits_queue.embedded import EmbeddedRedis
-from sits_queue.procs import start_worker, wait_ready
+from sits_queue.procs import CeleryProcess, start_worker, wait_ready
 from tests.integration.conftest import APP_MODULE, ROOT, worker_env
 from tests.integration.worker_app import register
 
 
-def test_restart_mid_run_loses_nothing(tmp_path: Path) -> None:
-    server = EmbeddedRedis(tmp_path / "redis", appendonly=True)
-    url = server.start()
-    port = server.port
-    client = redis.Redis.from_url(url)
-    client.config_set("appendfsync", "always")  # the test must not depend on fsync timing
-    app = make_app(SitsConfig(redis_url=url, visibility_timeout_s=5), main="restart")
-    tasks = register(app)
-    worker = start_worker(APP_MODULE, worker_env(url, visibility_timeout_s="5"),
-                          tmp_path / "logs", concurrency=2, cwd=ROOT)
-    try:
-        wait_ready(app, [worker])
-        n = 60
-        marks = tmp_path / "marks"
-        marks.mkdir()
-        for i in range(n):
-            tasks["mark"].delay(f"t{i}", 0.1, str(marks))
-        deadline = time.monotonic() + 30
-        while len(list(marks.iterdir())) < 10 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        # When Redis goes away mid-run and comes back on the same port with its AOF
-        server.stop()
-        time.sleep(1.0)  # the outage: the worker sees connection errors meanwhile
-        server = EmbeddedRedis(tmp_path / "redis", port=port, appendonly=True)
-        server.start()
-        # Then every task still completes (at least once) and the worker lives on
-        deadline = time.monotonic() + 120
-        while len(list(marks.iterdir())) < n and time.monotonic() < deadline:
-            assert worker.alive(), worker.log()[-3000:]
-            time.sleep(0.2)
-        assert {p.name for p in marks.iterdir()} == {f"t{i}" for i in range(n)}
-        assert worker.alive()
-    finally:
-        worker.stop()
-        app.close()
-        server.stop()
+def start_server(tmp_path: Path, appendonly: bool = True,
+                 port: int | None = None) -> EmbeddedRedis:
+    """The test's own Redis; with its AOF written at every command (the test must not
+    depend on fsync timing)."""
+    server = EmbeddedRedis(tmp_path / "redis", port=port, appendonly=appendonly)
+    server.start()
+    if appendonly:
+        redis.Redis.from_url(server.url).config_set("appendfsync", "always")
+    return server
 
 
 def restart(server: EmbeddedRedis, tmp_path: Path) -> EmbeddedRedis:
     """Redis away for a moment, back on the same port with its data (AOF)."""
     port = server.port
     server.stop()
-    time.sleep(1.0)  # the outage
-    again = EmbeddedRedis(tmp_path / "redis", port=port, appendonly=True)
-    again.start()
-    redis.Redis.from_url(again.url).config_set("appendfsync", "always")
-    return again
+    time.sleep(1.0)  # the outage: the worker sees connection errors meanwhile
+    return start_server(tmp_path, port=port)
+
+
+@contextmanager
+def worker_on(url: str, tmp_path: Path, name: str, concurrency: int,
+              **settings: int) -> Iterator[tuple[Celery, dict[str, Any], CeleryProcess]]:
+    """A client app with the worker tasks, and a ready worker, both with ``settings``."""
+    app = make_app(SitsConfig(redis_url=url, **settings), main=name)
+    tasks = register(app)
+    env = worker_env(url, **{key: str(value) for key, value in settings.items()})
+    worker = start_worker(APP_MODULE, env, tmp_path / "logs", concurrency=concurrency,
+                          cwd=ROOT)
+    try:
+        wait_ready(app, [worker])
+        yield app, tasks, worker
+    finally:
+        worker.stop()
+        app.close()
+
+
+def test_restart_mid_run_loses_nothing(tmp_path: Path) -> None:
+    server = start_server(tmp_path)
+    try:
+        with worker_on(server.url, tmp_path, "restart", 2,
+                       visibility_timeout_s=5) as (_, tasks, worker):
+            n = 60
+            marks = tmp_path / "marks"
+            marks.mkdir()
+            for i in range(n):
+                tasks["mark"].delay(f"t{i}", 0.1, str(marks))
+            deadline = time.monotonic() + 30
+            while len(list(marks.iterdir())) < 10 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            # When Redis goes away mid-run and comes back on the same port with its AOF
+            server = restart(server, tmp_path)
+            # Then every task still completes (at least once) and the worker lives on
+            deadline = time.monotonic() + 120
+            while len(list(marks.iterdir())) < n and time.monotonic() < deadline:
+                assert worker.alive(), worker.log()[-3000:]
+                time.sleep(0.2)
+            assert {p.name for p in marks.iterdir()} == {f"t{i}" for i in range(n)}
+            assert worker.alive()
+    finally:
+        server.stop()
 
 
 def test_restarts_neither_poison_held_tasks_nor_rerun_a_running_one(tmp_path: Path) -> None:
@@ -74,41 +91,33 @@ def test_restarts_neither_poison_held_tasks_nor_rerun_a_running_one(tmp_path: Pa
     over a limit of one, made them poison: dead-lettered unrun) and the running task's
     message must stay its own (unbeaten, the sweep restored it and it ran again beside
     itself)."""
-    server = EmbeddedRedis(tmp_path / "redis", appendonly=True)
-    url = server.start()
-    client = redis.Redis.from_url(url)
-    client.config_set("appendfsync", "always")
-    settings = {"visibility_timeout_s": "5", "max_redeliveries": "1"}
-    app = make_app(SitsConfig(redis_url=url, visibility_timeout_s=5, max_redeliveries=1),
-                   main="restart-held")
-    tasks = register(app)
-    worker = start_worker(APP_MODULE, worker_env(url, **settings), tmp_path / "logs",
-                          concurrency=2, cwd=ROOT)
+    server = start_server(tmp_path)
+    client = redis.Redis.from_url(server.url)
     try:
-        wait_ready(app, [worker])
-        long = tasks["slow"].delay("long", 16)
-        deadline = time.monotonic() + 30
-        while client.get("test:started:long") is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        held = [tasks["record"].apply_async((f"eta{i}",), countdown=35) for i in range(2)]
-        keys = QueueKeys.for_queue("celery")
-        while client.zcard(keys.unacked) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)  # the worker holds all three
-        # When Redis restarts twice, further apart than the visibility timeout
-        server = restart(server, tmp_path)
-        time.sleep(5 + 3)  # a sweep's worth past the timeout, before the second
-        server = restart(server, tmp_path)
-        client = redis.Redis.from_url(server.url)
-        # Then the long task ran once, and each held task runs, once
-        assert long.get(timeout=60) == "long"
-        assert [r.get(timeout=90) for r in held] == ["eta0", "eta1"]
-        assert int(client.get("test:started:long") or 0) == 1
-        assert int(client.get("test:runs") or 0) == 2
-        assert client.hlen(keys.dead) == 0
-        assert worker.alive()
+        with worker_on(server.url, tmp_path, "restart-held", 2, visibility_timeout_s=5,
+                       max_redeliveries=1) as (_, tasks, worker):
+            long = tasks["slow"].delay("long", 16)
+            deadline = time.monotonic() + 30
+            while client.get("test:started:long") is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            held = [tasks["record"].apply_async((f"eta{i}",), countdown=35)
+                    for i in range(2)]
+            keys = QueueKeys.for_queue("celery")
+            while client.zcard(keys.unacked) < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)  # the worker holds all three
+            # When Redis restarts twice, further apart than the visibility timeout
+            server = restart(server, tmp_path)
+            time.sleep(5 + 3)  # a sweep's worth past the timeout, before the second
+            server = restart(server, tmp_path)
+            client = redis.Redis.from_url(server.url)
+            # Then the long task ran once, and each held task runs, once
+            assert long.get(timeout=60) == "long"
+            assert [r.get(timeout=90) for r in held] == ["eta0", "eta1"]
+            assert int(client.get("test:started:long") or 0) == 1
+            assert int(client.get("test:runs") or 0) == 2
+            assert client.hlen(keys.dead) == 0
+            assert worker.alive()
     finally:
-        worker.stop()
-        app.close()
         server.stop()
 
 
@@ -117,32 +126,28 @@ def test_a_redis_stall_past_the_timeout_does_not_rerun_what_the_worker_runs(
     """Redis frozen (SIGSTOP) longer than the visibility timeout while two tasks run: the
     worker's heartbeats are missed meanwhile, and its own first sweep after the stall
     restored (and ran again, beside themselves) the very tasks it was running."""
-    server = EmbeddedRedis(tmp_path / "redis")
-    url = server.start()
-    client = redis.Redis.from_url(url)
-    app = make_app(SitsConfig(redis_url=url, visibility_timeout_s=5), main="stall")
-    tasks = register(app)
-    # a free slot: a restored message would run again at once, beside its original
-    worker = start_worker(APP_MODULE, worker_env(url, visibility_timeout_s="5"),
-                          tmp_path / "logs", concurrency=3, cwd=ROOT)
+    server = start_server(tmp_path, appendonly=False)
+    client = redis.Redis.from_url(server.url)
     try:
-        wait_ready(app, [worker])
-        running = [tasks["slow"].delay(f"st{i}", 14) for i in range(2)]
-        deadline = time.monotonic() + 30
-        while (client.get("test:started:st0") is None or client.get("test:started:st1")
-               is None) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        # When Redis stalls for longer than the timeout
-        assert server.pid is not None
-        os.kill(server.pid, signal.SIGSTOP)
-        time.sleep(7)  # the stall: 5 s visibility timeout + 2
-        os.kill(server.pid, signal.SIGCONT)
-        # Then each task ran once
-        assert [r.get(timeout=60) for r in running] == ["st0", "st1"]
-        assert [int(client.get(f"test:started:st{i}") or 0) for i in range(2)] == [1, 1]
-        assert "restored" not in worker.log()
-        assert worker.alive()
+        # a free slot: a restored message would run again at once, beside its original
+        with worker_on(server.url, tmp_path, "stall", 3,
+                       visibility_timeout_s=5) as (_, tasks, worker):
+            running = [tasks["slow"].delay(f"st{i}", 14) for i in range(2)]
+            deadline = time.monotonic() + 30
+            while (client.get("test:started:st0") is None
+                   or client.get("test:started:st1") is None) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
+            # When Redis stalls for longer than the timeout
+            assert server.pid is not None
+            os.kill(server.pid, signal.SIGSTOP)
+            time.sleep(7)  # the stall: 5 s visibility timeout + 2
+            os.kill(server.pid, signal.SIGCONT)
+            # Then each task ran once
+            assert [r.get(timeout=60) for r in running] == ["st0", "st1"]
+            assert [int(client.get(f"test:started:st{i}") or 0)
+                    for i in range(2)] == [1, 1]
+            assert "restored" not in worker.log()
+            assert worker.alive()
     finally:
-        worker.stop()
-        app.close()
         server.stop()
