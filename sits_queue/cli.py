@@ -46,14 +46,17 @@ def _redact(url: str) -> str:
 
 
 class _Sitsq(click.Group):
-    """Our own errors (a bad setting, a missing config file) are the user's to fix: one
-    line naming the problem, not a traceback."""
+    """Our own errors (a bad setting, a missing config file) and a Redis that does not
+    answer are the user's to fix: one line naming the problem, not a traceback."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except SitsError as exc:
             raise click.ClickException(str(exc)) from exc
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # redis-py's message names the host and port (or the auth failure).
+            raise click.ClickException(f"cannot reach Redis: {exc}") from exc
 
 
 @click.group(cls=_Sitsq)

@@ -60,3 +60,14 @@ def test_a_bad_setting_is_one_line_naming_it(env: dict[str, str], line: str) -> 
         capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert out.stderr.strip() == line
+
+
+@pytest.mark.parametrize("args", [["dead", "list"], ["dead", "drop", "q", "--all"],
+                                  ["dead", "requeue", "q", "--all"]])
+def test_a_redis_that_does_not_answer_is_one_line(args: list[str]) -> None:
+    # Port 1 refuses at once: nothing listens there.
+    out = CliRunner().invoke(cli.main, args, env={"SITS_REDIS_URL": "redis://127.0.0.1:1/0"})
+    assert out.exit_code == 1
+    assert out.output.startswith("Error: cannot reach Redis: Error 111 connecting to "
+                                 "127.0.0.1:1"), out.output
+    assert "Traceback" not in out.output
