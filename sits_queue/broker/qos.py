@@ -7,9 +7,10 @@ dead-letter a message as poison) and what does not (``release.lua``):
 
 * counts: the visibility sweep's restore (the holder went silent: it died), a reject
   with requeue (Celery's ``task_reject_on_worker_lost``: the pool child running it
-  died), and a give-back at channel close of a task that had *started* (a cold
-  shutdown cancels it: the task may be what kept its worker from stopping; a lost
-  connection);
+  died), and a give-back at channel close of a task that had *started* and no longer
+  runs (a cold shutdown cancels it: the task may be what kept its worker from
+  stopping). One still running at the close (a lost connection: Celery reconnects and
+  lets it run) is not given back at all: it is beaten until it acks;
 * does not: a give-back at channel close of a message the worker held but had not
   started (a warm shutdown or a reconnect while it was reserved, an ETA task in
   Celery's timer), and a release (a task the worker chose not to start, or that
@@ -171,20 +172,30 @@ class QoS(kredis.QoS):
         return by_queue
 
     def restore_unacked(self, client: Any = None) -> None:
-        """Give back everything held (channel close, a reconnect, ``basic_recover``):
-        a task that had started counts as a redelivery, one that had not does not (see
-        the module docstring)."""
+        """Give back what is held (channel close, a reconnect, ``basic_recover``): a
+        task that had started counts as a redelivery, one that had not does not (see
+        the module docstring). A task still running here is kept instead: the close of
+        a lost connection (Redis up) leaves Celery's running tasks going, to ack through
+        this QoS when they end; given back, the message ran again beside itself. The
+        heartbeat goes on beating it until then (:meth:`_keep_beating`)."""
         self.note_started()
         started = self._started
+        running = started_tags()
         with self._lock:
             for queue, tags in self._held_by_queue().items():
-                ran = [tag for tag in tags if tag in started]
+                ran = [tag for tag in tags if tag in started and tag not in running]
                 if ran:
                     self.channel._run("restore", queue, ["-", 0, *ran])
                 if idle := [tag for tag in tags if tag not in started]:
                     self._release(queue, idle)
-            self._delivered.clear()
-            self._started = set()
+                for tag in (*ran, *idle):
+                    virtual.QoS.ack(self, tag)
+            self._started &= running
+            kept = len(self._delivered)
+        if kept:  # (not under the lock: a beat that waits on it would stall the stop)
+            logger.warning("channel closed with %d task(s) still running: their messages "
+                           "are kept until they end", kept)
+            self._keep_beating()
 
     def note_started(self) -> None:
         """Remember which held messages the worker has started (event-loop thread: Celery
@@ -218,11 +229,17 @@ class QoS(kredis.QoS):
         (uncounted), and keeps the running tasks' messages until their acks come
         (Celery acks them through this channel's QoS, when they end)."""
         self._give_back_pending = True
-        _OUTLIVING.add(self)
         logger.warning("Redis unreachable at channel close (%s): %d held message(s) kept "
                        "and given back once it answers", str(exc), len(self._delivered))
         # (the text, not the exception: a kept log record would keep its traceback's
         # frames, and this channel with them)
+        self._keep_beating()
+
+    def _keep_beating(self) -> None:
+        """A closed channel still owes acks or give-backs: held here (the heartbeat
+        thread only holds it weakly) and beaten until it owes nothing."""
+        _OUTLIVING.add(self)
+        self.stop_heartbeat()
         self._heartbeat = None
         self._start_heartbeat()
 

@@ -20,6 +20,7 @@ from sits_queue.embedded import EmbeddedRedis
 from sits_queue.procs import CeleryProcess, start_worker, wait_ready
 from tests.integration.conftest import APP_MODULE, ROOT, worker_env
 from tests.integration.worker_app import register
+from tests.waiting import wait_for
 
 
 def start_server(tmp_path: Path, appendonly: bool = True,
@@ -148,6 +149,38 @@ def test_a_redis_stall_past_the_timeout_does_not_rerun_what_the_worker_runs(
             assert [int(client.get(f"test:started:st{i}") or 0)
                     for i in range(2)] == [1, 1]
             assert "restored" not in worker.log()
+            assert worker.alive()
+    finally:
+        server.stop()
+
+
+def test_a_lost_connection_does_not_rerun_what_the_worker_runs(tmp_path: Path) -> None:
+    """The worker's connections killed while Redis stays up (``CLIENT KILL``: a proxy or
+    a server ``timeout`` dropping them, a network blip): Celery reconnects and its running
+    task goes on, to ack through the closed channel. The close gave that task's message
+    back, counted, and a free slot ran it again beside itself."""
+    server = start_server(tmp_path, appendonly=False)
+    client = redis.Redis.from_url(server.url)
+    try:
+        with worker_on(server.url, tmp_path, "killed", 3,
+                       visibility_timeout_s=5) as (_, tasks, worker):
+            running = tasks["slow"].delay("ck", 8)
+            held = tasks["record"].apply_async(("eta",), countdown=6)
+            deadline = time.monotonic() + 30
+            keys = QueueKeys.for_queue("celery")
+            while (client.get("test:started:ck") is None or client.zcard(keys.unacked) < 2) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
+            # When every connection but ours is killed
+            assert client.client_kill_filter(_type="normal", skipme=True) > 0
+            # Then the running task ran once, the held one ran, and nothing was counted
+            assert running.get(timeout=60) == "ck"
+            assert held.get(timeout=60) == "eta"
+            assert int(client.get("test:started:ck") or 0) == 1
+            assert int(client.get("test:runs") or 0) == 1
+            assert client.hlen(keys.dead) == 0
+            wait_for(lambda: client.zcard(keys.unacked) == 0, 10, "the acks")
+            assert "still running" in worker.log()
             assert worker.alive()
     finally:
         server.stop()
