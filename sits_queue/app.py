@@ -16,7 +16,14 @@ from kombu.entity import Queue
 from sits_queue.broker import results
 from sits_queue.broker.keys import DELIVERY_ONLY
 from sits_queue.config import SitsConfig
-from sits_queue.options import HEADER, OPTION_NAMES, TaskOptions, batch_key, resolve
+from sits_queue.options import (
+    HEADER,
+    MAINTENANCE_TASKS,
+    OPTION_NAMES,
+    TaskOptions,
+    batch_key,
+    resolve,
+)
 from sits_queue.registry import Loader, ModelRegistry
 
 TRANSPORT = "sits_queue.broker.transport:Transport"
@@ -24,9 +31,6 @@ TRANSPORT = "sits_queue.broker.transport:Transport"
 #: delays the pass that is supposed to reorder it. Every worker consumes it.
 CONTROL_QUEUE = "sits.control"
 DEFAULT_QUEUE = "celery"
-#: The beat's maintenance tasks: routed to CONTROL_QUEUE, left out of the task statistics.
-MAINTENANCE_TASKS = ("sits.rescore", "sits.check_triggers", "sits.prewarm_plan",
-                     "sits.site_sync")
 #: Marks a function whose first argument the worker supplies (the warm engine).
 ENGINE_ARG = "__sits_engine_arg__"
 #: Header with the producer's wall clock at submission, for end-to-end latency stats.

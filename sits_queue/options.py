@@ -16,6 +16,18 @@ from sits_queue.config import MAX_BATCH_TASKS, SitsConfig
 from sits_queue.errors import InvalidTaskOptions
 from sits_queue.priority.entropy import input_entropy
 
+#: The beat's maintenance tasks: routed to the control queue (``app.py``), left out of
+#: the task statistics.
+MAINTENANCE_TASKS = ("sits.rescore", "sits.check_triggers", "sits.prewarm_plan",
+                     "sits.site_sync")
+#: The pre-warm planner's task (§4.2), sent to a chosen worker's own queue.
+PREWARM_TASK = "sits.prewarm"
+#: Not work the statistics count (arrivals, latency, done, hotness, demand, the top
+#: class's backlog): the beat's tasks, and pre-warms (counted as demand, the forecaster
+#: would learn its own pre-warms; as arrivals never done, the top class would read as
+#: falling behind).
+UNCOUNTED_TASKS = (*MAINTENANCE_TASKS, PREWARM_TASK)
+
 #: The message header that carries these options.
 HEADER = "sits"
 #: Option names accepted on ``@app.task(...)`` and ``apply_async(...)``.

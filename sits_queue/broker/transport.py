@@ -30,7 +30,7 @@ from sits_queue.broker.qos import QoS
 from sits_queue.broker.scripts import Scripts
 from sits_queue.broker.snapshot import SnapshotCache
 from sits_queue.config import SitsConfig
-from sits_queue.options import HEADER, TaskOptions, from_header
+from sits_queue.options import HEADER, UNCOUNTED_TASKS, TaskOptions, from_header
 from sits_queue.priority.model import Scorer
 
 logger = logging.getLogger(__name__)
@@ -210,8 +210,10 @@ class Channel(kredis.Channel):
         o = meta.options
         prio = scorer.score(o.sla_class, now, o.context_tokens, o.latency_sla_ms,
                             o.loss_sensitivity, o.input_entropy or 0.0, o.model)
+        # "~": announce the class to running tasks, but count no arrival (put.lua)
+        counted = "~" if meta.task in UNCOUNTED_TASKS else ""
         return [message["properties"]["delivery_tag"], payload.encode(message), meta.to_json(),
-                score_base(prio), o.sla_class]
+                score_base(prio), counted + o.sla_class]
 
     def _put_records_start(self, queue: str, args: list[Any]) -> Callable[[], int]:
         """Send one ``put.lua`` call of records made by :meth:`_put_record` now; the

@@ -31,7 +31,6 @@ logger = logging.getLogger(__name__)
 #: Intervals a beat that was down catches up on (older ones are skipped: their demand keys
 #: have expired; the forecast resumes from the state it had).
 MAX_CATCH_UP = 12
-PREWARM_TASK = "sits.prewarm"
 
 
 def demand_key(config: SitsConfig, bucket: int) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 import redis
 from celery.utils.nodenames import WORKER_DIRECT_QUEUE_FORMAT
 
-from sits_queue.app import CONTROL_QUEUE, MAINTENANCE_TASKS
+from sits_queue.app import CONTROL_QUEUE
 from sits_queue.broker.keys import (
     SEQ_SPAN,
     QueueKeys,
@@ -29,6 +29,7 @@ from sits_queue.broker.meta import WaitingMeta, score_inputs
 from sits_queue.broker.scripts import Scripts
 from sits_queue.broker.snapshot import snapshot_to_json
 from sits_queue.config import SitsConfig
+from sits_queue.options import UNCOUNTED_TASKS
 from sits_queue.priority import stats
 from sits_queue.priority.model import ClassStats, PrioritySnapshot, Scorer
 
@@ -268,9 +269,11 @@ class Rescorer:
                 if raw is None:
                     continue
                 meta = WaitingMeta.from_json(raw)
-                # a queued rescoring pass is not the top-class backlog §2.2 watches
-                if meta.options.sla_class == top and meta.task not in MAINTENANCE_TASKS:
-                    wait = (now_s - meta.enqueued_at_s) * 1000
+                # a queued rescoring pass or pre-warm is not the top-class backlog §2.2
+                # watches; a task put after now_s was read (or by a producer whose clock
+                # runs ahead) has waited nothing yet
+                if meta.options.sla_class == top and meta.task not in UNCOUNTED_TASKS:
+                    wait = max(0.0, (now_s - meta.enqueued_at_s) * 1000)
                     oldest = wait if oldest is None else max(oldest, wait)
         return oldest
 

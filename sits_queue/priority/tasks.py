@@ -10,6 +10,7 @@ from typing import Any
 from celery import Celery
 from celery.utils.nodenames import worker_direct
 
+from sits_queue.options import PREWARM_TASK
 from sits_queue.priority.prewarm import Prewarmer
 from sits_queue.priority.rescore import Rescorer
 from sits_queue.workers import advertise
@@ -57,7 +58,7 @@ def prewarmer(app: Celery) -> Prewarmer:
     """The planner of ``app``: sends ``sits.prewarm`` to the chosen worker's own queue,
     in the top class (whose VRAM limit admits the largest engines)."""
     def send(model: str, hostname: str) -> None:
-        app.tasks["sits.prewarm"].apply_async((), model=model, queue=worker_direct(hostname),
+        app.tasks[PREWARM_TASK].apply_async((), model=model, queue=worker_direct(hostname),
                                                sla_class=top)
 
     top = app.sits.top_class

@@ -35,6 +35,7 @@ from sits_queue.errors import (
     ModelLoadError,
     VramLimitExceeded,
 )
+from sits_queue.options import PREWARM_TASK
 from sits_queue.workers import batching, firsttoken, gpu, kvreuse, metrics, runtime
 
 logger = logging.getLogger(__name__)
@@ -166,7 +167,8 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     meta["affinity"] = bool(getattr(request, AFFINITY_HEADER, False))
     # What a precision request got (§3.2): served, the int8 gate's KL, why not if not.
     meta["precision"] = engine.artifacts.get("precision") if precision else None
-    rt.count(metrics.task_fields(meta, quota.name, model, tasks))
+    prewarm = getattr(task, "name", None) == PREWARM_TASK
+    rt.count(metrics.task_fields(meta, quota.name, model, tasks, prewarm))
     _trace(meta, model, quota.name, acquire_ns, acquired_ns)
     timelimit = getattr(request, "timelimit", None) or (None, None)
     hard, soft = (*tuple(timelimit), None, None)[:2]
@@ -206,7 +208,8 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
                                 f"class {quota.name!r} running model {model!r}: {oom}")
     meta = so_far()
     joined = joins.joined if joins is not None else 0  # calls that joined the batch
-    rt.count(metrics.run_fields(model, meta["run_ms"], tasks + joined))
+    if not prewarm:  # (its run is no service time of the model's)
+        rt.count(metrics.run_fields(model, meta["run_ms"], tasks + joined))
     if joined:
         rt.count(metrics.joined_fields(quota.name, joined))
     if clock.ms is not None:
@@ -602,6 +605,6 @@ def register(app: Any) -> dict[str, Any]:
         "embed": app.batch_inference_task(name="sits.embed", shared=False)(batched.embed_calls),
         "generate_batched": app.batch_inference_task(
             name="sits.generate_batched", shared=False, joins=True)(batchgen.generate_calls),
-        "prewarm": app.inference_task(name="sits.prewarm", shared=False)(prewarm),
+        "prewarm": app.inference_task(name=PREWARM_TASK, shared=False)(prewarm),
     }
     return tasks

@@ -10,7 +10,12 @@ count what it ran itself.
 Counter fields (``HINCRBY``/``HINCRBYFLOAT``; plain numbers, so the hash stays readable
 with ``redis-cli``):
 
-* ``tasks`` / ``tasks:<class>``: inference tasks that got their engine;
+* ``tasks`` / ``tasks:<class>``: inference tasks that got their engine (a pre-warm,
+  ``sits.prewarm``, is not one: it counts in ``prewarms``, so it neither inflates the
+  cold-start share nor the model's service time);
+* ``model_cold:<model>`` / ``model_cold_ms:<model>``: the model's loads from disk and
+  their cost, pre-warms' too (the pre-warm planner's predicted cold start, §4.2: what a
+  worker without the model pays; a promotion from the shadow pool is not that);
 * ``cold`` / ``cold:<source>`` / ``cold_ms``: those that paid a cold start, by where the
   engine came from (``host``: promoted from the shadow pool; ``disk``: loaded);
 * ``phase_ms:<phase>``: ms spent per cold-start phase (``cuda_ctx``, ``load``,
@@ -73,25 +78,29 @@ def _bucket(ms: float) -> str:
 
 
 def task_fields(meta: Mapping[str, Any], sla_class: str, model: str | None = None,
-                tasks: int = 1) -> dict[str, float]:
+                tasks: int = 1, prewarm: bool = False) -> dict[str, float]:
     """Counter increments for one inference run of ``tasks`` tasks (a batch: more than
     one) that got its engine; ``meta`` is the result's ``sits`` block (``cold``,
-    ``source``, ``<phase>_ms``, ``affinity``). With the ``model``, its cold starts and
-    their cost per model too (the pre-warm planner's). A batch's cold start counts once:
-    it is one load, however many tasks waited for it."""
-    fields: dict[str, float] = {"tasks": tasks, f"tasks:{sla_class}": tasks}
+    ``source``, ``<phase>_ms``, ``affinity``). With the ``model``, its loads from disk
+    and their cost per model too (the pre-warm planner's). A batch's cold start counts
+    once: it is one load, however many tasks waited for it. A ``prewarm`` counts as one
+    pre-warm, not a task: it is cold by design (its load cost still counts)."""
+    phases = {p: float(meta.get(f"{p}_ms") or 0.0) for p in PHASES}
+    total = sum(phases.values())
+    source = meta.get("source")
+    fields: dict[str, float] = {}
+    if meta.get("cold") and source == "disk" and model is not None:
+        fields.update({f"model_cold:{model}": 1, f"model_cold_ms:{model}": total})
+    if prewarm:
+        return {**fields, "prewarms": 1}
+    fields.update({"tasks": tasks, f"tasks:{sla_class}": tasks})
     if meta.get("affinity"):
         fields["affinity"] = 1
     if not meta.get("cold"):
         return fields
-    phases = {p: float(meta.get(f"{p}_ms") or 0.0) for p in PHASES}
-    total = sum(phases.values())
-    source = meta.get("source")
     fields.update({"cold": 1, "cold_ms": total, f"cold_le:{_bucket(total)}": 1,
                    f"cold:{source if source in SOURCES else 'other'}": 1})
     fields.update({f"phase_ms:{p}": ms for p, ms in phases.items() if ms})
-    if model is not None:
-        fields.update({f"model_cold:{model}": 1, f"model_cold_ms:{model}": total})
     return fields
 
 
@@ -159,6 +168,9 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
                                 "engine, by SLA class.", labels=["worker", "sla_class"])
     cold = CounterMetricFamily("sits_cold_starts", "Inference tasks that paid a cold start, "
                                "by where the engine came from.", labels=["worker", "source"])
+    prewarms = CounterMetricFamily("sits_prewarms", "Pre-warms (sits.prewarm, MISSION 4.2) "
+                                   "the worker ran; not counted as inference tasks or cold "
+                                   "starts.", labels=["worker"])
     ahead = CounterMetricFamily("sits_affinity_picks", "Inference tasks taken ahead of "
                                 "their queue's head because the worker held their model "
                                 "warm.", labels=["worker"])
@@ -201,6 +213,7 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
         by_source = advertise.counter_group(values, "cold:")
         for source in sorted(set(SOURCES) | set(by_source)):
             cold.add_metric([name, source], by_source.get(source, 0.0))
+        prewarms.add_metric([name], values.get("prewarms", 0.0))
         ahead.add_metric([name], values.get("affinity", 0.0))
         joined.add_metric([name], values.get("joined", 0.0))
         for kind in ("lookups", "hits", "tokens"):
@@ -233,8 +246,8 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
                 warm.add_metric([name, str(slot), tier], tiers.get(tier, 0))
             memory = child.get("memory") or {}
             allocated.add_metric([name, str(slot)], float(memory.get("allocated_bytes", 0)))
-    return [info, slots, tasks, cold, ahead, joined, kv, emb, share, phase, hist, first, failed,
-            vram, util, warm, allocated]
+    return [info, slots, tasks, cold, prewarms, ahead, joined, kv, emb, share, phase, hist,
+            first, failed, vram, util, warm, allocated]
 
 
 def _buckets(values: Mapping[str, float], prefix: str) -> list[tuple[str, float]]:

@@ -18,9 +18,9 @@ import redis
 from celery import Celery, signals
 
 from sits_queue import tracing
-from sits_queue.app import MAINTENANCE_TASKS, sits_config
+from sits_queue.app import sits_config
 from sits_queue.config import SitsConfig
-from sits_queue.options import HEADER
+from sits_queue.options import HEADER, UNCOUNTED_TASKS
 from sits_queue.priority.prewarm import MAX_CATCH_UP, bucket_of, demand_key
 from sits_queue.priority.rescore import counter_key, hot_key, latency_key
 
@@ -58,7 +58,7 @@ def record_completion(config: SitsConfig, request: Any, failed: bool, now_s: flo
     """Buffer one finished task's statistics; flush every 32 records or 0.5 s."""
     global _buffer
     header = getattr(request, HEADER, None)
-    if not isinstance(header, dict) or request.task is None or request.task in MAINTENANCE_TASKS:
+    if not isinstance(header, dict) or request.task is None or request.task in UNCOUNTED_TASKS:
         return
     sla_class = header.get("sla_class")
     if sla_class not in config.class_names:

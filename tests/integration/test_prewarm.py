@@ -137,6 +137,22 @@ def test_the_prewarm_task_went_through_the_workers_own_queue(
     assert worker.alive(), worker.log()[-2000:]
 
 
+def test_a_prewarm_is_not_demand_nor_work_in_the_statistics(redis_url: str,
+                                                            r: redis.Redis) -> None:
+    # (counted, the forecaster learned its own pre-warms as demand, and they made hot
+    # models hotter and the top class's latency and done counts)
+    config = replace(SitsConfig(redis_url=redis_url), prewarm_interval_s=60.0,
+                     global_keyprefix="own:")  # (the module's worker counts its tasks)
+    for task in ("sits.prewarm", "t.real"):
+        request = SimpleNamespace(task=task, sits={"sla_class": "high", "model": "pm"})
+        signals.record_completion(config, request, False, time.time())
+    signals.flush(config)
+    demand = [r.hget(k, "pm") for k in r.scan_iter(match=prewarm.demand_key(config, 0)[:-1]
+                                                   + "*")]
+    assert sum(int(d or 0) for d in demand) == 1
+    assert int(r.hget(signals.counter_key(config, "done"), "high") or 0) == 1
+
+
 def test_a_short_interval_still_keeps_its_demand(redis_url: str, r: redis.Redis) -> None:
     # (an interval this short made EXPIRE 0, which deletes the key it should keep)
     config = replace(SitsConfig(redis_url=redis_url), prewarm_interval_s=0.05)

@@ -182,6 +182,9 @@ def test_the_beats_own_tasks_are_not_top_class_backlog_or_arrivals(
     for _ in range(5):
         app.tasks["sits.check_triggers"].apply_async()
     app.tasks["sits.rescore"].apply_async()
+    # nor a pre-warm the planner sent (in the top class, to a worker's own queue)
+    app.tasks["sits.prewarm"].apply_async((), model="m", sla_class=app.sits.top_class,
+                                          queue="w1.dq2")
     later = time.time() + 5.0
     # Then no top-class backlog is seen, the 200 ms trigger does not fire ...
     assert rescorer.oldest_top_class_wait_ms(later) is None
@@ -193,6 +196,17 @@ def test_the_beats_own_tasks_are_not_top_class_backlog_or_arrivals(
     app.tasks["t.echo"].apply_async(("urgent",), sla_class=top)
     wait = rescorer.oldest_top_class_wait_ms(time.time() + 1.0)
     assert wait is not None and wait >= 900
+
+
+def test_a_task_put_after_the_trigger_check_read_its_clock_has_waited_nothing(
+        app: Celery, redis_client: redis.Redis) -> None:
+    # (a producer's clock ahead of the beat's, or a put racing the check: the negative
+    # wait raised, and the check, its state with it, was lost at every tick)
+    rescorer = Rescorer(app.sits, redis_client)
+    before = time.time() - 5.0
+    app.tasks["t.echo"].apply_async(("urgent",), sla_class=app.sits.top_class)
+    assert rescorer.oldest_top_class_wait_ms(before) == 0.0
+    assert "backlog" not in rescorer.check_triggers(before)
 
 
 def test_a_corrupt_stored_snapshot_never_stops_submissions(

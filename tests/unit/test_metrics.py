@@ -43,6 +43,21 @@ def test_buckets_are_upper_bounds(ms: float, bucket: str) -> None:
     assert f"cold_le:{bucket}" in metrics.task_fields(cold_meta(load=ms), "low")
 
 
+def test_the_planners_cold_start_cost_is_of_loads_from_disk() -> None:
+    # (a promotion from the shadow pool is no cold start a worker without the model
+    # pays: averaged in, a 2 s load and two 50 ms promotions read as 700 ms, under the
+    # 850 ms bar, and pre-warming that worked well turned itself off)
+    host = metrics.task_fields(cold_meta("host", promote=50.0), "low", "m")
+    disk = metrics.task_fields(cold_meta("disk", load=2000.0), "low", "m")
+    assert not any(k.startswith("model_cold") for k in host)
+    assert disk["model_cold:m"] == 1 and disk["model_cold_ms:m"] == 2000.0
+
+
+def test_a_prewarm_is_no_task_and_no_cold_start_but_its_load_cost_counts() -> None:
+    fields = metrics.task_fields(cold_meta("disk", load=900.0), "high", "m", prewarm=True)
+    assert fields == {"prewarms": 1, "model_cold:m": 1, "model_cold_ms:m": 900.0}
+
+
 def test_an_unknown_source_is_bounded() -> None:
     assert "cold:other" in metrics.task_fields(cold_meta("somewhere"), "low")
 
@@ -99,6 +114,7 @@ WORKER = {
                  b"phase_ms:load": b"1200", b"phase_ms:cuda_ctx": b"150",
                  b"phase_ms:promote": b"3.5", b"phase_ms:warmup": b"150",
                  b"failed": b"2", b"failed:VramLimitExceeded": b"2", b"affinity": b"4",
+                 b"prewarms": b"6",
                  b"emb_texts": b"9", b"emb_cached": b"5", b"kv_hits": b"2",
                  b"ftt": b"4", b"ftt_ms": b"260", b"ftt_le:25": b"3", b"ftt_le:250": b"1"},
 }
@@ -112,6 +128,7 @@ def test_families_from_a_worker_record() -> None:
     assert m[("sits_cold_starts_total", (("source", "host"), w))] == 2
     assert m[("sits_cold_start_share", (w,))] == pytest.approx(0.3)
     assert m[("sits_affinity_picks_total", (w,))] == 4
+    assert m[("sits_prewarms_total", (w,))] == 6
     assert m[("sits_embedding_texts_total", (("kind", "cached"), w))] == 5
     assert m[("sits_kv_prefix_total", (("kind", "hits"), w))] == 2
     assert m[("sits_kv_prefix_total", (("kind", "tokens"), w))] == 0
@@ -142,6 +159,7 @@ def test_a_worker_without_counts_reports_zeros_not_gaps() -> None:
     assert m[("sits_inference_tasks_total", (("sla_class", "low"), w))] == 0
     assert m[("sits_cold_start_share", (w,))] == 0
     assert m[("sits_affinity_picks_total", (w,))] == 0
+    assert m[("sits_prewarms_total", (w,))] == 0
     assert m[("sits_cold_start_seconds_count", (w,))] == 0
 
 

@@ -6,7 +6,8 @@
 --   12 yield claims HASH  13 held HASH (released by a consumer, not offered back to it)
 --   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
 -- ARGV (per message): id, payload JSON, meta JSON, score base ((levels - level) * 2^32),
---                      SLA class
+--                      SLA class ("~class": a task the statistics do not count, such as
+--                      a pre-warm: announced, but no arrival counted)
 -- Returns {messages enqueued, waiting after}: equal when the queue was empty before, so
 -- the caller (re-)registers the queue exactly when it appears.
 --
@@ -19,7 +20,7 @@ if n == 0 then return {0, redis.call('ZCARD', KEYS[1])} end
 -- The arrival counter wraps at 2^32 so it never carries into the priority bits; one
 -- INCRBY reserves the chunk's n consecutive values, kept in ARGV order.
 local first = redis.call('INCRBY', KEYS[5], n) - n
-local arrivals = {}
+local arrivals, announced = {}, {}
 for s = 0, n - 1, SLICE do
   local payloads, metas, scores = {}, {}, {}
   for m = s, math.min(n, s + SLICE) - 1 do
@@ -34,7 +35,12 @@ for s = 0, n - 1, SLICE do
     scores[#scores + 1] = string.format('%.0f', tonumber(ARGV[i + 3]) + seq)
     scores[#scores + 1] = id
     local cls = ARGV[i + 4]
-    arrivals[cls] = (arrivals[cls] or 0) + 1
+    if string.sub(cls, 1, 1) == '~' then
+      announced[string.sub(cls, 2)] = true
+    else
+      arrivals[cls] = (arrivals[cls] or 0) + 1
+      announced[cls] = true
+    end
   end
   redis.call('HSET', KEYS[2], unpack(payloads))
   redis.call('HSET', KEYS[3], unpack(metas))
@@ -44,5 +50,5 @@ for cls, count in pairs(arrivals) do redis.call('HINCRBY', KEYS[10], cls, count)
 redis.call('ZADD', KEYS[4], 0, 'ready')
 -- Running tasks of lower classes listen here (workers/slices.py): a put of a class
 -- that outranks them is their cue to check whether to yield their slot.
-for cls, _ in pairs(arrivals) do redis.call('PUBLISH', KEYS[1] .. ':put', cls) end
+for cls, _ in pairs(announced) do redis.call('PUBLISH', KEYS[1] .. ':put', cls) end
 return {n, redis.call('ZCARD', KEYS[1])}
