@@ -7,7 +7,8 @@ baseline it names, and what this is. Over the last minute of samples:
 * **CPU burstiness**: coefficient of variation of the worker's CPU use (main process
   and pool children) per interval: steady work is near 0, bursts are above 1;
 * **I/O latency skew**: the host's disks' mean latency per I/O in each interval, its
-  p95 over its median (a skewed tail means some reads wait far longer than others);
+  p95 over its median (a skewed tail means some reads wait far longer than others; the
+  median floored at :data:`IO_FLOOR_MS`: sub-millisecond disks read as 0 ms);
 * **file-descriptor pressure**: the most open descriptors of any of its processes over
   its soft limit (``RLIMIT_NOFILE``);
 * **memory**: the host's available share, and how much the worker's resident memory grew
@@ -15,10 +16,13 @@ baseline it names, and what this is. Over the last minute of samples:
   grows).
 
 The feedback: the worker stops picking new tasks ("throttled") while descriptors or host
-memory run short or disk latency is skewed and slow, and picks again once all are back
-under their resume levels (hysteresis, so it does not flap). Running tasks are never
-touched. It reports "headroom" when it is idle enough to take more (for a scheduler or a
-person reading ``sitsq status``; the pool's size is the devices', so nothing grows it).
+memory run short or the disk is slow now (the last interval's latency) and skewed over
+the window, and picks again once all are back under their resume levels (hysteresis, so
+it does not flap; for the disk, the last interval under half the slow level: one slow
+interval in the window, kept in its p95 for a minute, must not pause intake that long).
+Running tasks are never touched. It reports "headroom" when it is idle enough to take
+more (for a scheduler or a person reading ``sitsq status``; the pool's size is the
+devices', so nothing grows it).
 Pure functions here; ``ProfileStep`` at the bottom is the Celery edge.
 """
 
@@ -45,6 +49,8 @@ logger = logging.getLogger(__name__)
 SAMPLE_S = 5.0
 #: Samples kept: one minute.
 WINDOW = 12
+#: Least median disk latency the skew divides by, ms (the kernel counts whole ms).
+IO_FLOOR_MS = 0.5
 
 NORMAL, THROTTLED, HEADROOM = "normal", "throttled", "headroom"
 
@@ -73,9 +79,11 @@ class ProfilePolicy:
     fd_resume: float = 0.75
     mem_throttle: float = 0.05
     mem_resume: float = 0.10
-    #: Skewed *and* slow disks throttle: both the p95/median ratio and the p95 latency.
+    #: Skewed *and* slow disks throttle: the window's p95/median ratio and the last
+    #: interval's latency; intake resumes once that latency is under ``io_resume_ms``.
     io_skew_throttle: float = 5.0
     io_slow_ms: float = 50.0
+    io_resume_ms: float = 25.0
     #: Idle enough to take more: CPU use under this share of its cores, nothing short.
     headroom_cpu: float = 0.25
 
@@ -86,6 +94,7 @@ class Profile:
     cpu_burstiness: float  # CV of per-interval CPU use
     io_latency_p95_ms: float
     io_skew: float  # p95 / median of per-interval disk latency
+    io_latency_last_ms: float  # the last interval's (0: it did no I/O)
     fd_pressure: float
     mem_available: float
     rss_growth: float  # relative growth of resident memory over the window
@@ -97,13 +106,15 @@ def profile(samples: Sequence[Sample]) -> Profile | None:
     if len(samples) < 2:
         return None
     utils, latencies = [], []
+    last_latency = 0.0
     for a, b in itertools.pairwise(samples):
         dt = b.t_s - a.t_s
         if dt > 0:
             utils.append(max(0.0, b.cpu_s - a.cpu_s) / (dt * max(1, b.cpus)))
         ops = b.io_ops - a.io_ops
+        last_latency = max(0.0, b.io_ms - a.io_ms) / ops if ops > 0 else 0.0
         if ops > 0:
-            latencies.append(max(0.0, b.io_ms - a.io_ms) / ops)
+            latencies.append(last_latency)
     mean_util = statistics.fmean(utils) if utils else 0.0
     burst = statistics.pstdev(utils) / mean_util if len(utils) > 1 and mean_util > 0 else 0.0
     p95 = _p95(latencies)
@@ -112,7 +123,8 @@ def profile(samples: Sequence[Sample]) -> Profile | None:
     return Profile(
         cpu_util=round(utils[-1] if utils else 0.0, 4), cpu_burstiness=round(burst, 4),
         io_latency_p95_ms=round(p95, 3),
-        io_skew=round(p95 / median, 3) if median > 0 else (0.0 if p95 == 0 else math.inf),
+        io_skew=round(p95 / max(median, IO_FLOOR_MS), 3) if latencies else 0.0,
+        io_latency_last_ms=round(last_latency, 3),
         fd_pressure=round(last.fds / last.fd_limit, 4) if last.fd_limit > 0 else 0.0,
         mem_available=round(last.mem_available, 4),
         rss_growth=round((last.rss_bytes - first.rss_bytes) / first.rss_bytes, 4)
@@ -129,16 +141,17 @@ def _p95(values: Sequence[float]) -> float:
 
 def decide(p: Profile, state: str, policy: ProfilePolicy) -> tuple[str, str]:
     """(next state, why) from the profile and the current state (hysteresis)."""
-    slow_io = p.io_skew >= policy.io_skew_throttle and p.io_latency_p95_ms >= policy.io_slow_ms
+    slow_io = p.io_skew >= policy.io_skew_throttle and p.io_latency_last_ms >= policy.io_slow_ms
     if p.fd_pressure >= policy.fd_throttle:
         return THROTTLED, f"file descriptors at {p.fd_pressure:.0%} of the limit"
     if p.mem_available <= policy.mem_throttle:
         return THROTTLED, f"host memory {p.mem_available:.0%} available"
     if slow_io:
-        return THROTTLED, (f"disk latency skewed {p.io_skew:.1f}x, p95 "
-                           f"{p.io_latency_p95_ms:.0f} ms")
+        return THROTTLED, (f"disk latency {p.io_latency_last_ms:.0f} ms, skewed "
+                           f"{p.io_skew:.1f}x")
     if state == THROTTLED and (p.fd_pressure > policy.fd_resume
-                               or p.mem_available < policy.mem_resume):
+                               or p.mem_available < policy.mem_resume
+                               or p.io_latency_last_ms > policy.io_resume_ms):
         return THROTTLED, "not yet back under the resume levels"
     if p.cpu_util < policy.headroom_cpu and p.fd_pressure < policy.fd_resume \
             and p.mem_available >= policy.mem_resume:

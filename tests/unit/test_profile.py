@@ -43,14 +43,18 @@ def test_disk_latency_skew_memory_and_descriptors() -> None:
     p = prof.profile(window([1.0] * 10, io=[(10.0, 10)] * 9 + [(200.0, 10)], fds=900,
                             rss=(100, 150)))
     assert p is not None
-    assert (p.io_latency_p95_ms, p.io_skew) == (20.0, 20.0)
+    assert (p.io_latency_p95_ms, p.io_skew, p.io_latency_last_ms) == (20.0, 20.0, 20.0)
     assert p.fd_pressure == 0.9 and p.rss_growth == 0.5 and p.mem_available == 0.5
     quiet = prof.profile(window([1.0, 1.0], io=[(0.0, 0), (0.0, 0)]))
     assert quiet is not None and quiet.io_skew == 0.0  # no I/O: nothing to skew
+    # a sub-millisecond disk reads as 0 ms per I/O: the median is floored, not divided by
+    fast = prof.profile(window([1.0] * 4, io=[(0.0, 10)] * 3 + [(30.0, 10)]))
+    assert fast is not None and fast.io_skew == 3.0 / prof.IO_FLOOR_MS
 
 
 def profile_of(**kw: Any) -> Profile:
     base = {"cpu_util": 0.5, "cpu_burstiness": 0.1, "io_latency_p95_ms": 2.0, "io_skew": 1.5,
+            "io_latency_last_ms": 1.0,
             "fd_pressure": 0.1, "mem_available": 0.5, "rss_growth": 0.0, "samples": 12}
     return Profile(**{**base, **kw})
 
@@ -60,10 +64,14 @@ def profile_of(**kw: Any) -> Profile:
     (profile_of(cpu_util=0.1), NORMAL, HEADROOM, "CPU"),
     (profile_of(fd_pressure=0.9), NORMAL, THROTTLED, "file descriptors"),
     (profile_of(mem_available=0.04), NORMAL, THROTTLED, "host memory"),
-    (profile_of(io_skew=8.0, io_latency_p95_ms=80.0), NORMAL, THROTTLED, "disk latency"),
-    # skewed but fast, or slow but even: not a reason to stop
-    (profile_of(io_skew=8.0, io_latency_p95_ms=5.0), NORMAL, NORMAL, ""),
-    (profile_of(io_skew=1.2, io_latency_p95_ms=80.0), NORMAL, NORMAL, ""),
+    (profile_of(io_skew=8.0, io_latency_last_ms=80.0), NORMAL, THROTTLED, "disk latency"),
+    # skewed but fast now, or slow but even: not a reason to stop
+    (profile_of(io_skew=8.0, io_latency_p95_ms=80.0, io_latency_last_ms=5.0), NORMAL, NORMAL,
+     ""),
+    (profile_of(io_skew=1.2, io_latency_last_ms=80.0), NORMAL, NORMAL, ""),
+    # a slow disk resumes once under half the slow level, not at once below it
+    (profile_of(io_skew=8.0, io_latency_last_ms=40.0), THROTTLED, THROTTLED, "resume"),
+    (profile_of(io_skew=8.0, io_latency_last_ms=20.0), THROTTLED, NORMAL, ""),
     # hysteresis: throttled until back under the resume levels
     (profile_of(fd_pressure=0.8), THROTTLED, THROTTLED, "resume"),
     (profile_of(mem_available=0.08), THROTTLED, THROTTLED, "resume"),
@@ -73,6 +81,17 @@ def profile_of(**kw: Any) -> Profile:
 def test_decide(p: Profile, state: str, expected: str, why: str) -> None:
     got, reason = prof.decide(p, state, POLICY)
     assert got == expected and why in reason
+
+
+def test_one_slow_disk_interval_pauses_intake_for_that_interval_only() -> None:
+    # (its 60 ms was the window's p95 for a minute: intake paused for 55 s)
+    p = prof.Profiler(POLICY)
+    io_ms, ops, states = 0.0, 0, []
+    for k in range(16):
+        per_op = 60.0 if k in (3, 10, 11, 12) else 1.0  # one slow interval, then three
+        io_ms, ops = io_ms + 10 * per_op, ops + 10
+        states.append(p.add(Sample(5.0 * k, 0.5 * k, 4, 10, 1024, 100, 0.6, io_ms, ops)))
+    assert [k for k, s in enumerate(states) if s == THROTTLED] == [3, 10, 11, 12]
 
 
 def test_profiler_keeps_a_minute_and_reports(caplog: pytest.LogCaptureFixture) -> None:
