@@ -14,10 +14,12 @@ batch (past a size the working set falls out of cache and each item gets slower)
   latency and its throughput (items over weighted mean latency);
 * runs the size with the most throughput among those whose p95 meets the target and
   whose items fit in ``free memory - reserved`` (bytes per item measured);
-* explores one size up from there when that size is not in the window and could meet
-  the target if latency grew in proportion (a probe costs one batch; the window forgets,
-  so sizes are re-probed as conditions change), and steps down when even the chosen
-  size no longer meets it.
+* explores one size up from there when that size is not in the window and would stay
+  within 1.5x the target if latency grew in proportion (latency grows less than the
+  batch while the device has spare parallelism, so "within the target" would never
+  probe the sizes that pay; a probe costs one batch, the window forgets, so sizes are
+  re-probed as conditions change), and steps down when even the chosen size no longer
+  meets it.
 
 Pure functions over frozen dataclasses; the caller measures and applies.
 """
@@ -162,7 +164,9 @@ class Point:
 
 def pareto(points: Sequence[Point]) -> list[Point]:
     """The points, each marked Pareto-optimal when no other point has at least its
-    throughput and at most its p99 with one of them strictly better."""
+    throughput and at most its p99 with one of them strictly better: the brief's "no
+    other point has both higher throughput and lower latency", with ties decided as
+    Pareto dominance decides them (equal throughput at a higher p99 is dominated)."""
     out = []
     for p in points:
         dominated = any(q.throughput >= p.throughput and q.p99_ms <= p.p99_ms
