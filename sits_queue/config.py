@@ -287,6 +287,11 @@ class SitsConfig:
     #: Embedding cache of each pool child (§4.4): entries (0: off) and their TTL, s.
     embed_cache_entries: int = 10_000
     embed_cache_ttl_s: float = 1800.0
+    #: Host shadow pool aging (§4.3): an engine unused this long leaves it, s (0: never),
+    #: and while the host has less than this share of its memory available the children
+    #: give back their coldest host-tier engines (0: never).
+    host_pool_ttl_s: float = 1800.0
+    host_pool_pressure_share: float = 0.10
     #: OpenTelemetry traces (``sits_queue/tracing.py``): auto (on when an OTLP endpoint
     #: is set in ``OTEL_EXPORTER_OTLP_ENDPOINT``), otlp, console or off.
     otel_traces: str = "auto"
@@ -339,6 +344,14 @@ class SitsConfig:
         self._check_sites()
         _integer("embed_cache_entries", self.embed_cache_entries, 10_000_000, " (0: off)")
         _positive("embed_cache_ttl_s", self.embed_cache_ttl_s)
+        if not _is_number(self.host_pool_ttl_s) or not math.isfinite(self.host_pool_ttl_s) \
+                or self.host_pool_ttl_s < 0:
+            raise ConfigError(f"host_pool_ttl_s must be >= 0 s (0: never), got "
+                              f"{self.host_pool_ttl_s!r}")
+        if not _is_number(self.host_pool_pressure_share) \
+                or not 0 <= self.host_pool_pressure_share < 1:
+            raise ConfigError(f"host_pool_pressure_share must be in [0, 1) (0: never), got "
+                              f"{self.host_pool_pressure_share!r}")
         _positive("batch_target_p95_ms", self.batch_target_p95_ms)
         for name in ("throttle_fd_share", "throttle_mem_share"):
             share = getattr(self, name)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -278,6 +279,9 @@ class ChildRuntime:
     _unsent: dict[str, float] = field(default_factory=dict)
     _cpus: tuple[int, ...] = ()
     _pending_ctx_ms: float = 0.0
+    _ager: Any = None
+    #: The host pool's ager publishes from its thread too (counts, the warm set).
+    _publishing: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def config(self) -> SitsConfig:
@@ -312,7 +316,26 @@ class ChildRuntime:
             factory = self.cache_factory or _engine_cache
             dev, host = self._budgets()
             self._cache = factory(self.torch_device, dev, host, context=gpu.create_context)
+            self._start_ager()
         return self._cache
+
+    def _start_ager(self) -> None:
+        """Age the host tier by time and memory pressure (``cache/aging.py``): in a pool
+        child, whose cache lives as long as it does."""
+        config = self.config
+        if not self.pool_child or not (config.host_pool_ttl_s > 0
+                                       or config.host_pool_pressure_share > 0):
+            return
+        from sits_queue.cache.aging import HostPoolAger, period_for
+
+        def memory() -> tuple[int, int]:
+            vm = psutil.virtual_memory()
+            return int(vm.available), int(vm.total)
+
+        self._ager = HostPoolAger(self._cache, config.host_pool_ttl_s,
+                                  config.host_pool_pressure_share, max(1, self.plan.slots),
+                                  memory, self.publish,
+                                  period_for(config.host_pool_ttl_s)).start()
 
     def embeddings(self) -> Any:
         """This child's embedding cache; None when ``embed_cache_entries`` is 0."""
@@ -393,11 +416,16 @@ class ChildRuntime:
     # -- accounting ------------------------------------------------------------------------
     def count(self, fields: Mapping[str, float]) -> None:
         """Add counts (``metrics.task_fields`` / ``failure_fields``); sent by :meth:`publish`."""
-        metrics.merge(self.counters, fields)
-        metrics.merge(self._unsent, fields)
+        with self._publishing:
+            metrics.merge(self.counters, fields)
+            metrics.merge(self._unsent, fields)
 
     def publish(self) -> None:
         """Write this child's warm set and memory, and its new counts, for the advert."""
+        with self._publishing:
+            self._publish()
+
+    def _publish(self) -> None:
         warm = self._cache.warm() if self._cache is not None else {}
         unsent, self._unsent = self._unsent, {}
         sent = advertise.publish_child(self.config, self.plan.hostname, self.slot, {

@@ -24,6 +24,10 @@ CLASS = {"name": "a", "cpu_cores": 1, "vram_gib": 1, "max_run_s": 1, "weight": 1
     ("SITS_SEND_SENT_EVENTS", "ture", "SITS_SEND_SENT_EVENTS"),  # a typo is not "off"
     ("SITS_PLAIN_TASKS_ONLY", "enabled", "SITS_PLAIN_TASKS_ONLY"),
     ("SITS_RESCORE_CHUNK", "2.5", "SITS_RESCORE_CHUNK"),
+    ("SITS_HOST_POOL_TTL_S", "-1", "host_pool_ttl_s must be >= 0"),
+    ("SITS_HOST_POOL_TTL_S", "inf", "host_pool_ttl_s"),
+    ("SITS_HOST_POOL_PRESSURE_SHARE", "1", r"host_pool_pressure_share must be in \[0, 1\)"),
+    ("SITS_HOST_POOL_PRESSURE_SHARE", "nan", "host_pool_pressure_share"),
 ])
 def test_bad_environment_values_are_refused_by_name(variable: str, raw: str,
                                                     named: str) -> None:
