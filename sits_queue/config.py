@@ -10,7 +10,7 @@ import math
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +111,9 @@ class ClassQuota:
     latency_sla_ms: float
     #: Default loss sensitivity for the class, in [0.1, 0.9] (§2.2).
     loss_sensitivity: float
+    #: The class's time-slice quota (§1.4), ms: a task of it runs at least this long
+    #: before it yields to a heavier class at a yield point; 0: the global ``slice_ms``.
+    slice_ms: float = 0.0
 
     def __post_init__(self) -> None:
         _check_types(self, f"class {self.name!r}: ")
@@ -122,6 +125,9 @@ class ClassQuota:
         _positive(f"class {self.name}: weight", self.weight)
         _positive(f"class {self.name}: latency_sla_ms", self.latency_sla_ms)
         _in_range(f"class {self.name}: loss_sensitivity", self.loss_sensitivity, 0.1, 0.9)
+        if self.slice_ms < 0:
+            raise ConfigError(f"class {self.name}: slice_ms must be >= 0 (0: the global "
+                              f"slice_ms), got {self.slice_ms!r}")
 
 
 #: MISSION §1.4 defaults for an A100-80G node. Weights and SLAs are ours: the source gives
@@ -419,6 +425,12 @@ class SitsConfig:
                 return c
         raise ConfigError(f"unknown SLA class {name!r}; known classes: {list(self.class_names)}")
 
+    def slice_s(self, name: str) -> float:
+        """The time-slice quota of class ``name``, s (its own, else ``slice_ms``; a class
+        this configuration does not know, from a producer's other table: ``slice_ms``)."""
+        own = next((c.slice_ms for c in self.classes if c.name == name), 0.0)
+        return (own or self.slice_ms) / 1000
+
     def time_limits(self, name: str) -> tuple[float, float]:
         """(soft, hard) Celery time limits for a class, seconds."""
         hard = self.quota(name).max_run_s
@@ -470,7 +482,8 @@ def _class_from(entry: Any) -> ClassQuota:
         raise ConfigError(f"each [[classes]] entry must be a table, got {entry!r}")
     base = next((c for c in DEFAULT_CLASSES if c.name == entry.get("name")), None)
     if base is None:
-        missing = [f.name for f in fields(ClassQuota) if f.name not in entry]
+        missing = [f.name for f in fields(ClassQuota)
+                   if f.name not in entry and f.default is MISSING]
         if missing:
             raise ConfigError(f"class {entry.get('name')!r} is not a default class, so it "
                               f"must give every field; missing {missing}")

@@ -139,7 +139,7 @@ def state_json(state: Any) -> str:
 
 
 def past_slice(running: Running, now: float, config: SitsConfig) -> bool:
-    return now - running.started >= config.slice_ms / 1000
+    return now - running.started >= config.slice_s(running.sla_class)
 
 
 class Slicer:

@@ -52,6 +52,10 @@ def test_boolean_words(word: str) -> None:
     ({"classes": [{**CLASS, "cpu_cores": 2.5}], "default_class": "a"}, "class 'a': cpu_cores"),
     ({"classes": [{**CLASS, "cpu_cores": True}], "default_class": "a"}, "cpu_cores"),
     ({"weights": {"risk_cap": True}}, "risk_cap"),
+    ({"classes": [{"name": "low", "slice_ms": -1.0}], "default_class": "low"},
+     "class low: slice_ms must be >= 0"),
+    ({"classes": [{"name": "low", "slice_ms": "5"}], "default_class": "low"},
+     "class 'low': slice_ms must be a finite number"),
     ({"weights": {"qos_gain": "x"}}, "qos_gain"),
 ])
 def test_bad_file_values_are_refused_by_name(settings: dict[str, Any], named: str) -> None:
