@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
@@ -139,6 +140,24 @@ def check_queue_name(queue: str) -> str:
     if "{" in queue or "}" in queue:
         raise InvalidQueueName(f"queue name {queue!r} must not contain braces")
     return queue
+
+
+#: Reply queues of Celery's remote control (kombu's pidbox: ``<oid>.reply.<namespace>
+#: .pidbox``): one per control client, declared expiring by the client. A worker that
+#: replies to one did not declare it, so it knows it only by its name.
+_REPLY_QUEUE = re.compile(r".+\.reply\..+\.pidbox")
+
+
+#: Life of a control reply queue its client did not declare here, after its latest put,
+#: ms: well past any client's wait for replies (``inspect``'s default is 1 s; Celery
+#: declares them expiring after 10 s unused).
+REPLY_QUEUE_EXPIRES_MS = 60_000
+#: kombu's separator of a binding's parts (routing key, pattern, queue) in its sets.
+BINDING_SEP = "\x06\x16"
+
+
+def is_reply_queue(queue: str) -> bool:
+    return _REPLY_QUEUE.fullmatch(queue) is not None
 
 
 def registered_queues(names: Iterable[bytes | str]) -> list[str]:

@@ -23,7 +23,14 @@ from kombu.utils.json import dumps
 
 from sits_queue.broker import affinity, deadletters, intake, payload, sites, wait
 from sits_queue.broker.fanout import DeferredCommands
-from sits_queue.broker.keys import MARKER_MEMBER, QueueKeys, queues_registry, score_base
+from sits_queue.broker.keys import (
+    MARKER_MEMBER,
+    REPLY_QUEUE_EXPIRES_MS,
+    QueueKeys,
+    is_reply_queue,
+    queues_registry,
+    score_base,
+)
 from sits_queue.broker.meta import WaitingMeta
 from sits_queue.broker.payload import MalformedPayload, poison_split, text
 from sits_queue.broker.qos import QoS
@@ -235,7 +242,7 @@ class Channel(kredis.Channel):
     def _site_sync(self, queue: str) -> sites.SiteSync | None:
         """Multi-site deployments (``broker/sites.py``): who keeps ``queue``'s replica in
         step; None for one site, and for reply queues (they are not work)."""
-        return None if queue in self._expires else sites.for_config(self.config)
+        return None if self._expiry_ms(queue) is not None else sites.for_config(self.config)
 
     def _replicate(self, queue: str, records: list[Any]) -> None:
         """A put's records to the peer's replica, now or by the sync pass, as their
@@ -247,13 +254,24 @@ class Channel(kredis.Channel):
         if (sync := self._site_sync(queue)) is not None:
             sync.on_ack(queue, ids)
 
-    def _after_put(self, queue: str, n: int, waiting: int) -> None:
+    def _expiry_ms(self, queue: str) -> int | None:
+        """How long an unused ``queue`` lives, ms (kombu's ``x-expires``): as declared on
+        this channel, or, for a control reply queue another process declared (a worker
+        replying to ``celery inspect``), :data:`REPLY_QUEUE_EXPIRES_MS`; None: for good."""
         if queue in self._expires:
-            # Reply queues come and go: keep them expiring and out of the registry.
+            return int(self._expires[queue])
+        return REPLY_QUEUE_EXPIRES_MS if is_reply_queue(queue) else None
+
+    def _after_put(self, queue: str, n: int, waiting: int) -> None:
+        if (expires := self._expiry_ms(queue)) is not None:
+            # Reply queues come and go: keep them expiring and out of the registry (a
+            # reply that comes after its client stopped waiting would stay for good).
             with self.raw.pipeline(transaction=False) as pipe:
                 for key in self.keys(queue).all():
-                    pipe.pexpire(key, self._expires[queue])
+                    pipe.pexpire(key, expires)
                 pipe.execute()
+            if queue not in self._expires and queue not in self.active_queues:
+                self._forget_keys(queue)  # a replier meets a new one per client
         elif waiting == n or time.monotonic() - self._registry_refreshed.get(
                 queue, -REGISTRY_REFRESH_S) >= REGISTRY_REFRESH_S:
             # When this put made the queue appear (new, or Redis was flushed), and
@@ -276,10 +294,15 @@ class Channel(kredis.Channel):
             options = from_header(self.config, None)
         return WaitingMeta(options=options, enqueued_at_s=now, task=str(headers.get("task", "")))
 
+    def _forget_keys(self, queue: str) -> None:
+        k = self._keys.pop(queue, None)
+        if k is not None:
+            self._marker_queue.pop(k.marker.encode(), None)
+
     def _new_queue(self, queue: str, auto_delete: bool = False, **kwargs: Any) -> None:
         self.keys(queue)  # validates the name, before kombu records the queue
         super()._new_queue(queue, auto_delete=auto_delete, **kwargs)
-        if queue not in self._expires:  # reply queues come and go; do not list them
+        if self._expiry_ms(queue) is None:  # reply queues come and go; do not list them
             self.raw.sadd(queues_registry(self.global_keyprefix), queue)
 
     # -- consuming -------------------------------------------------------------------------

@@ -14,12 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from celery.utils.nodenames import WORKER_DIRECT_QUEUE_FORMAT
+from celery.utils.nodenames import WORKER_DIRECT_EXCHANGE, WORKER_DIRECT_QUEUE_FORMAT
 
 from sits_queue.app import CONTROL_QUEUE
 from sits_queue.broker.keys import (
+    BINDING_SEP,
+    REPLY_QUEUE_EXPIRES_MS,
     SEQ_SPAN,
     QueueKeys,
+    is_reply_queue,
     queues_registry,
     registered_queues,
     score_base,
@@ -167,30 +170,45 @@ class Rescorer:
                           (time.perf_counter() - started) * 1000)
 
     def prune_departed(self, queues: list[str]) -> list[str]:
-        """Take out of the registry the worker-direct queues (``<hostname>.dq2``, one per
-        worker ever started: with containers, per deploy) of workers no longer
-        advertised, once nothing is left in them (dead letters included): ``sitsq
-        status``, the metrics and this pass would list them for ever. A put to one, or a
-        consumer of it, registers it again."""
-        direct = [q for q in queues if q.endswith(DIRECT_SUFFIX)]
-        if not direct:
-            return []
+        """Take out of the registry, and out of Redis, queues that only ever fill it:
+
+        * the worker-direct queues (``<hostname>.dq2``, one per worker ever started:
+          with containers, per deploy) of workers no longer advertised, once nothing is
+          left in them (dead letters included), with their binding to Celery's ``C.dq2``
+          exchange; ``sitsq status``, the metrics and this pass would list them for ever,
+          and every publish to the exchange reads its bindings. A put to one, or a
+          consumer of it, registers it again;
+        * control reply queues an older version listed (their keys are left to expire).
+        """
         from sits_queue.workers.advertise import live_hostnames
 
-        live = set(live_hostnames(self.client, self.config.global_keyprefix))
-        candidates = [q for q in direct if q[:-len(DIRECT_SUFFIX)] not in live]
-        if not candidates:
+        replies = [q for q in queues if is_reply_queue(q)]
+        direct = [q for q in queues if q.endswith(DIRECT_SUFFIX) and q not in replies]
+        candidates: list[str] = []
+        if direct:
+            live = set(live_hostnames(self.client, self.config.global_keyprefix))
+            candidates = [q for q in direct if q[:-len(DIRECT_SUFFIX)] not in live]
+        gone = [q for q in candidates
+                if self.scripts.run("forget", self.keys(q), [], self.client)]
+        if not gone and not replies:
             return []
+        prefix = self.config.global_keyprefix
+        exchange = WORKER_DIRECT_EXCHANGE.name
         with self.client.pipeline(transaction=False) as pipe:
-            for queue in candidates:
-                k = self.keys(queue)
-                pipe.exists(k.waiting, k.unacked, k.dead, k.checkpoints, k.payloads)
-            held = pipe.execute()
-        gone = [q for q, n in zip(candidates, held, strict=True) if not n]
+            pipe.srem(queues_registry(prefix), *gone, *replies)
+            for queue in gone:  # kombu's binding: routing key (the hostname), "", queue
+                member = BINDING_SEP.join([queue[:-len(DIRECT_SUFFIX)], "", queue])
+                pipe.srem(f"{prefix}_kombu.binding.{exchange}", member)
+                pipe.srem(f"{prefix}_kombu.binding_permanent.{exchange}", member)
+            for queue in replies:
+                for key in self.keys(queue).all():
+                    pipe.pexpire(key, REPLY_QUEUE_EXPIRES_MS)
+            pipe.execute()
         if gone:
-            self.client.srem(queues_registry(self.config.global_keyprefix), *gone)
             logger.info("forgot the direct queues of departed workers: %s", gone)
-        return gone
+        if replies:
+            logger.info("took %d control reply queue(s) out of the registry", len(replies))
+        return [*gone, *replies]
 
     def rescore_queue(self, queue: str, snapshot: PrioritySnapshot) -> tuple[int, int, int, float]:
         """Rewrite one queue's scores chunk by chunk; returns (seen, rewritten, calls, max s).

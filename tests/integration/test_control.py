@@ -170,3 +170,31 @@ def test_closing_gives_up_the_wait_and_leaves_its_wake_up(
     assert redis_client.zcard(keys.waiting) == 1
     assert redis_client.zcard(keys.unacked) == 0
     assert redis_client.zcard(keys.marker) == 1
+
+
+def test_control_clients_leave_nothing_behind(spawn: Spawn, redis_url: str,
+                                              redis_client: redis.Redis) -> None:
+    """Each control client has a reply queue of its own; the worker that replies to it
+    did not declare it. Its put listed the queue in the registry for good (the rescoring
+    pass, ``sitsq status`` and the metrics walk every entry: a liveness probe running
+    ``celery inspect ping`` grew it by one per run), and a reply that came after the
+    client stopped waiting left the queue's keys with no expiry."""
+    from sits_queue.app import make_app
+    from sits_queue.broker.keys import queues_registry
+    from sits_queue.config import SitsConfig
+
+    worker = spawn()
+    registry = queues_registry("")
+    for i in range(6):  # one client each, as probes are; the last ones too hasty to wait
+        client = make_app(SitsConfig(redis_url=redis_url), main=f"probe-{i}")
+        try:
+            replies = client.control.ping(timeout=1.0 if i < 3 else 0.001)
+            assert i >= 3 or replies == [{worker.hostname: {"ok": "pong"}}]
+        finally:
+            client.close()
+    time.sleep(1.0)  # the hasty clients' replies land after they left
+    listed = [m.decode() for m in redis_client.smembers(registry)]
+    assert not [q for q in listed if "pidbox" in q], listed
+    left = [k for k in redis_client.scan_iter(match="*pidbox*")
+            if redis_client.type(k) != b"set" and redis_client.ttl(k) == -1]
+    assert left == [], left

@@ -108,13 +108,42 @@ def test_the_pass_forgets_empty_direct_queues_of_departed_workers(
     redis_client.sadd(registry, *names)
     redis_client.set(worker_key("", "live@h"), "{}", ex=60)  # advertised
     echo.apply_async(("left",), queue="gone-busy@h.dq2")      # a departed one's task
+    # the departed one got a task once (its counters stay) and is bound to Celery's C.dq2
+    echo.apply_async(("ran",), queue="gone@h.dq2")
+    gone = QueueKeys.for_queue("gone@h.dq2")
+    drain(app, queue="gone@h.dq2")
+    bindings = ("_kombu.binding.C.dq2", "_kombu.binding_permanent.C.dq2")
+    for key in bindings:
+        redis_client.sadd(key, "gone@h\x06\x16\x06\x16gone@h.dq2",
+                          "live@h\x06\x16\x06\x16live@h.dq2")
+    assert redis_client.exists(gone.seq, gone.arrivals) == 2
     report = Rescorer(app.sits, redis_client).rescore_all()
     assert report is not None
     members = {m.decode() for m in redis_client.smembers(registry)}
     assert {"live@h.dq2", "gone-busy@h.dq2"} <= members and "gone@h.dq2" not in members
+    # with its keys and its bindings (kept: the live worker's, and the busy queue)
+    assert redis_client.exists(*gone.all()) == 0
+    for key in bindings:
+        assert redis_client.smembers(key) == {b"live@h\x06\x16\x06\x16live@h.dq2"}
+    assert redis_client.zcard(QueueKeys.for_queue("gone-busy@h.dq2").waiting) == 1
     # a put to it registers it again
     echo.apply_async(("again",), queue="gone@h.dq2")
     assert redis_client.sismember(registry, "gone@h.dq2")
+
+
+def test_the_pass_takes_control_reply_queues_out_of_the_registry(
+        app: Celery, redis_client: redis.Redis) -> None:
+    # (an older version listed those a worker replied to; a stray reply had no expiry)
+    from sits_queue.broker.keys import queues_registry
+
+    reply = "0b5e-42.reply.celery.pidbox"
+    keys = QueueKeys.for_queue(reply)
+    redis_client.sadd(queues_registry(""), reply, "celery")
+    redis_client.zadd(keys.waiting, {"late-reply": 1.0})
+    redis_client.hset(keys.payloads, "late-reply", "{}")
+    assert Rescorer(app.sits, redis_client).rescore_all() is not None
+    assert redis_client.smembers(queues_registry("")) == {b"celery"}
+    assert 0 < redis_client.ttl(keys.waiting) <= 60 and redis_client.ttl(keys.payloads) > 0
 
 
 def test_a_record_that_cannot_be_scored_keeps_its_score_and_the_pass_goes_on(
