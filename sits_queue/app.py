@@ -22,6 +22,7 @@ from sits_queue.options import (
     OPTION_NAMES,
     TaskOptions,
     batch_key,
+    from_header,
     resolve,
 )
 from sits_queue.registry import Loader, ModelRegistry
@@ -338,6 +339,10 @@ class SitsCelery(Celery):  # type: ignore[misc]
         A task registered in this app lends its declared options and time limits."""
         headers = options.get("headers")
         if isinstance(headers, Mapping) and isinstance(headers.get(HEADER), Mapping):
+            # Attached already (apply_async, a retry) or by hand: checked either way, so
+            # a hand-made one with an unknown class or an impossible vram_gib is refused
+            # here, not met by every worker
+            from_header(sits_config(self), headers[HEADER])
             return super().send_task(name, args, kwargs, **options)
         config = sits_config(self)
         per_call = pop_sits_options(options)

@@ -78,10 +78,10 @@ def queue_status(client: redis.Redis, config: SitsConfig, now_s: float) -> list[
         rows = []
         for (msg_id, score), raw in zip(head, metas, strict=True):
             prio, seq = decode_score(score)
-            row: dict[str, Any] = {"id": msg_id.decode(), "priority": round(prio, 2),
+            row: dict[str, Any] = {"id": msg_id.decode(errors="backslashreplace"),
+                                   "priority": round(prio, 2),
                                    "seq": seq}
-            if raw is not None:
-                meta = WaitingMeta.from_json(raw)
+            if (meta := WaitingMeta.read(raw)) is not None:
                 row.update(task=meta.task, sla_class=meta.options.sla_class,
                            model=meta.options.model,
                            wait_s=round(now_s - meta.enqueued_at_s, 2))
@@ -176,7 +176,8 @@ def _format_status(report: dict[str, Any]) -> str:
 
 # -- demo ------------------------------------------------------------------------------------
 @main.command()
-@click.option("--jobs", default=400, show_default=True, help="Jobs in the mixed workload.")
+@click.option("--jobs", default=400, show_default=True, type=click.IntRange(1),
+              help="Jobs in the mixed workload.")
 @click.option("--concurrency", default=4, show_default=True)
 @click.option("--seed", default=7, show_default=True)
 def demo(jobs: int, concurrency: int, seed: int) -> None:
@@ -312,11 +313,12 @@ def dead_list(queue: str | None, limit: int, as_json: bool) -> None:
                        f"  {row['reason']}")
 
 
-def _chosen(client: redis.Redis, key: str, ids: tuple[str, ...], every: bool) -> list[str]:
+def _chosen(client: redis.Redis, key: str, ids: tuple[str, ...], every: bool
+            ) -> list[bytes | str]:
     if every == bool(ids):
         raise click.UsageError("name the dead letters' ids, or give --all")
-    if every:
-        return [i.decode() for i in client.hkeys(key)]  # type: ignore[union-attr]
+    if every:  # as stored: an id that is not UTF-8 is still one to drop or requeue
+        return list(client.hkeys(key))
     return list(ids)
 
 

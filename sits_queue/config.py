@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -318,9 +319,7 @@ class SitsConfig:
         if self.default_class not in names:
             raise ConfigError(f"default_class {self.default_class!r} is not one of {names} "
                               "(a [[classes]] list is the whole set of classes)")
-        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"redis_url must be redis://, rediss:// or unix://, got "
-                              f"{self.redis_url!r}")
+        check_redis_url(self.redis_url)
         if not 0 < self.soft_limit_fraction < 1:
             raise ConfigError("soft_limit_fraction must be in (0, 1)")
         _positive("rescore_interval_s", self.rescore_interval_s)
@@ -467,6 +466,9 @@ class SitsConfig:
         kwargs = dict(data)
         try:
             if "classes" in kwargs:
+                if not isinstance(kwargs["classes"], list):
+                    raise ConfigError(f"classes must be a list of [[classes]] tables, got "
+                                      f"{kwargs['classes']!r}")
                 kwargs["classes"] = tuple(_class_from(c) for c in kwargs["classes"])
             if "weights" in kwargs:
                 kwargs["weights"] = PriorityWeights(**kwargs["weights"])
@@ -503,12 +505,29 @@ def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"config file {p} cannot be read: {exc}") from exc
 
 
+def check_redis_url(url: str) -> str:
+    """``url``, if redis-py can take it as meant; else a ConfigError naming what is wrong
+    (redis-py raises a bare ValueError for a port out of range, and reads a database
+    that is not a number as database 0)."""
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(f"redis_url must be redis://, rediss:// or unix://, got {url!r}")
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018  (parsed on access: raises for a bad port)
+    except ValueError as exc:
+        raise ConfigError(f"redis_url {url!r}: {exc}") from None
+    db = parts.path.strip("/") if parts.scheme != "unix" else ""
+    if db and not db.isdigit():
+        raise ConfigError(f"redis_url {url!r}: database {db!r} is not a number")
+    return url
+
+
 def configured_redis_url(env: Mapping[str, str]) -> str | None:
     """The Redis the user configured: ``SITS_REDIS_URL``, else ``redis_url`` in the
     ``SITS_CONFIG`` file; None when neither says (then ``sitsq`` uses its embedded one)."""
     url = env.get("SITS_REDIS_URL", "").strip()
     if url:
-        return url
+        return check_redis_url(url)
     path = env.get("SITS_CONFIG")
     if not path:
         return None

@@ -138,7 +138,10 @@ def derive_prefix_key(args: Any, kwargs: Mapping[str, Any], chars: int) -> str |
     text = args[0] if args and isinstance(args[0], str) else kwargs.get("prompt")
     if chars <= 0 or not isinstance(text, str) or len(text) < chars:
         return None
-    return hashlib.blake2b(text[:chars].encode(), digest_size=8).hexdigest()
+    # surrogatepass: a lone surrogate (a str Python holds, JSON carries) is the worker's
+    # to refuse, naming it; the submission must not fail on the hash
+    return hashlib.blake2b(text[:chars].encode(errors="surrogatepass"),
+                           digest_size=8).hexdigest()
 
 
 def from_header(config: SitsConfig, header: Any) -> TaskOptions:

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sits_queue.broker.payload import MalformedPayload, text
 from sits_queue.errors import DeadLettered
 
 logger = logging.getLogger(__name__)
@@ -65,6 +67,28 @@ def fail_tasks(client: Any, dead_key: str, ids: Sequence[str], backend: Any = No
     return failed
 
 
+def park(channel: Any, queue: str, picked: list[Any], exc: Exception, no_ack: bool,
+         why: str) -> None:
+    """Park a picked message (``[id, payload, ...]``) that no consumer could take, with
+    the reason (``why``: the error), and fail its task's result if it names one."""
+    problem = str(exc) if isinstance(exc, MalformedPayload) else f"{type(exc).__name__}: {exc}"
+    reason = f"{why}: {problem}"
+    tag = picked[0]  # as stored: it may not even be text
+    logger.error("queue %r message %s: %s; moved to dead letters", queue,
+                 text(tag, "replace"), reason)
+    dead = channel.keys(queue).dead
+    if no_ack:  # the pick forgot it already: the record dead.lua would write
+        record = {"reason": reason, "at": time.time(), "meta": None,
+                  "payload": text(picked[1], "replace")}
+        channel.raw.hset(dead, tag, json.dumps(record))
+        # (its replicas went with the pick)
+    else:
+        channel._run("dead", queue, [time.time(), reason, tag])
+        channel._replicas_gone(queue, [text(tag, "replace")])
+    # its caller's get() raises instead of waiting for ever (when it has a task id)
+    fail_tasks(channel.raw, dead, [text(tag, "replace")])
+
+
 # -- inspecting, requeueing and dropping (``sitsq dead``) -------------------------------------
 
 @dataclass(frozen=True)
@@ -88,7 +112,7 @@ def read(client: Any, dead_key: str, limit: int | None = None) -> list[DeadLette
     parse is shown with what could be read of it."""
     out = []
     for raw_id, record in client.hscan_iter(dead_key, count=500):
-        message_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
+        message_id = shown(raw_id)
         try:
             parsed = json.loads(record)
             reason = str(parsed.get("reason", "?"))
@@ -102,7 +126,14 @@ def read(client: Any, dead_key: str, limit: int | None = None) -> list[DeadLette
     return out if limit is None else out[:limit]
 
 
-def requeue(channel: Any, queue: str, ids: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+def shown(message_id: bytes | str) -> str:
+    """An id as text to show: one that is not UTF-8 (written by another program) with its
+    odd bytes escaped; ``sitsq dead ... --all`` passes such ids on as they are stored."""
+    return text(message_id, "backslashreplace")
+
+
+def requeue(channel: Any, queue: str, ids: Sequence[bytes | str]
+            ) -> tuple[list[str], dict[str, str]]:
     """Put dead-lettered messages back into ``queue`` as their producer would (scored
     afresh, redelivery count reset), then drop their records. Returns (requeued ids,
     {id: why not} for the others: gone, or a payload that never was a message)."""
@@ -113,22 +144,23 @@ def requeue(channel: Any, queue: str, ids: Sequence[str]) -> tuple[list[str], di
     refused: dict[str, str] = {}
     for message_id, record in zip(ids, channel.raw.hmget(keys.dead, list(ids)), strict=True):
         if record is None:
-            refused[message_id] = "no such dead letter"
+            refused[shown(message_id)] = "no such dead letter"
             continue
         try:
             message = decode(json.loads(record)["payload"], tuple(channel.codecs))
         except (ValueError, TypeError, KeyError, ArithmeticError) as exc:
-            refused[message_id] = f"its payload is not a message ({exc}); drop it instead"
+            refused[shown(message_id)] = f"its payload is not a message ({exc}); drop it " \
+                                         "instead"
             continue
         channel._put(queue, message)  # first: a failure here leaves the dead letter
         with channel.raw.pipeline(transaction=False) as pipe:
             pipe.hdel(keys.dead, message_id)
             pipe.hdel(keys.redelivered, message_id)
             pipe.execute()
-        done.append(message_id)
+        done.append(shown(message_id))
     return done, refused
 
 
-def drop(client: Any, dead_key: str, ids: Sequence[str]) -> int:
+def drop(client: Any, dead_key: str, ids: Sequence[bytes | str]) -> int:
     """Delete dead-letter records for good; how many there were."""
     return int(client.hdel(dead_key, *ids)) if ids else 0

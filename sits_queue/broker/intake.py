@@ -37,3 +37,19 @@ def batch_delivery(group: str, done: bool) -> None:
     or rejected on the way)."""
     for hook in _batch_hooks:
         hook(group, done)
+
+
+# -- deliveries the consumer raises on ----------------------------------------------------
+
+_in_worker: list[bool] = []
+
+
+def in_worker(yes: bool = True) -> None:
+    """This process runs a Celery worker of a SITS app (``workers/runtime.py``): a message
+    its consumer raises on is dead-lettered instead of stopping the worker's event loop.
+    A plain kombu consumer's callback errors reach its caller, as with any transport."""
+    _in_worker[:] = [True] if yes else []
+
+
+def guards_deliveries() -> bool:
+    return bool(_in_worker)

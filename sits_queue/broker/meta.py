@@ -46,6 +46,17 @@ class WaitingMeta:
         return cls(options=options, enqueued_at_s=float(record["t"]),
                    task=str(record.get("task", "")))
 
+    @classmethod
+    def read(cls, raw: str | bytes | None) -> WaitingMeta | None:
+        """:meth:`from_json`, or None for a record that is absent or not one (written by
+        hand or by another program: whatever walks every record must walk past it)."""
+        if raw is None:
+            return None
+        try:
+            return cls.from_json(raw)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None
+
 
 
 def score_inputs(raw: str | bytes) -> tuple[str, float, int, float, float, float, str | None]:

@@ -8,6 +8,7 @@ take, and the transport dead-letters such a message rather than handing it on.
 
 from __future__ import annotations
 
+import base64
 import math
 from collections.abc import Collection
 from typing import Any
@@ -87,7 +88,42 @@ def decode(raw: bytes | str, codecs: Collection[str] = ()) -> dict[str, Any]:
     headers = message.get("headers") or {}
     # Celery looks its task up by this name: an unhashable one would raise in its consumer.
     _expect(headers.get("task"), str, "headers.task", "a string")
+    if headers.get("task") is not None:
+        _check_task_message(message, headers)
     return message
+
+
+def _check_task_message(message: dict[str, Any], headers: dict[str, Any]) -> None:
+    """What Celery's consumer takes for granted in a task message (protocol 2) and fails
+    on in the worker's main process (which stops it), or after acking it: the task id,
+    the time limits, and a JSON body's ``[args, kwargs, embed]``."""
+    task_id = headers.get("id")
+    if not isinstance(task_id, str) or not task_id:
+        raise MalformedPayload(f"headers.id is not a task id (a non-empty string): "
+                               f"{task_id!r}")
+    limits = headers.get("timelimit")
+    if limits is not None and not (
+            isinstance(limits, (list, tuple)) and len(limits) == 2
+            and all(x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
+                    for x in limits)):
+        raise MalformedPayload(f"headers.timelimit is not [soft, hard] seconds or nulls: "
+                               f"{limits!r}")
+    if message.get("content-type") != "application/json" or headers.get("compression"):
+        return  # another serializer's body: Celery checks it (and refuses what it must)
+    body = message.get("body")
+    try:
+        raw: bytes | str = (body or b"") if message["properties"].get("body_encoding") \
+            != "base64" else base64.b64decode(body or b"", validate=True)
+        try:
+            decoded = orjson.loads(raw)
+        except orjson.JSONDecodeError:  # strict: a lone surrogate kombu's json reads
+            decoded = loads(raw)  # type: ignore[no-untyped-call]
+    except (ValueError, TypeError) as exc:  # binascii.Error and JSONDecodeError included
+        raise MalformedPayload(f"body is not JSON: {exc}") from exc
+    if not (isinstance(decoded, list) and len(decoded) == 3 and isinstance(decoded[0], list)
+            and isinstance(decoded[1], dict) and isinstance(decoded[2], (dict, type(None)))):
+        raise MalformedPayload("body is not a task's [args (a list), kwargs (an object), "
+                               "embed (an object)]")
 
 
 def _expect(value: Any, kind: type | tuple[type, ...], name: str, what: str) -> None:

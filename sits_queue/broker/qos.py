@@ -191,7 +191,7 @@ class QoS(kredis.QoS):
                 for tag in (*ran, *idle):
                     virtual.QoS.ack(self, tag)
             self._started &= running
-            kept = len(self._delivered)
+            kept = sum(len(tags) for tags in self._held_by_queue().values())
         if kept:  # (not under the lock: a beat that waits on it would stall the stop)
             logger.warning("channel closed with %d task(s) still running: their messages "
                            "are kept until they end", kept)

@@ -32,7 +32,7 @@ from sits_queue.broker.keys import (
     score_base,
 )
 from sits_queue.broker.meta import WaitingMeta
-from sits_queue.broker.payload import MalformedPayload, poison_split, text
+from sits_queue.broker.payload import poison_split, text
 from sits_queue.broker.qos import QoS
 from sits_queue.broker.scripts import Scripts
 from sits_queue.broker.snapshot import SnapshotCache
@@ -390,7 +390,7 @@ class Channel(kredis.Channel):
     def _deliver(self, queue: str, batch: list[SitsMessage]) -> None:
         """Hand a pick's messages to the consumer, a batch between its two marks."""
         if len(batch) == 1:
-            self.connection._deliver(batch[0], queue)
+            self._hand_over(queue, batch[0])
             return
         self._deliver_group(queue, batch, batch[0].delivery_tag)
 
@@ -398,9 +398,29 @@ class Channel(kredis.Channel):
         intake.batch_delivery(group, done=False)
         try:
             for message in batch:
-                self.connection._deliver(message, queue)
+                self._hand_over(queue, message)
         finally:
             intake.batch_delivery(group, done=True)
+
+    def _hand_over(self, queue: str, message: SitsMessage) -> None:
+        """One message to its consumer. In a worker, one the consumer raises on (a message
+        no check here foresaw that Celery cannot take) is dead-lettered with the error:
+        raised on, it would stop the worker's event loop, and every worker's after it,
+        held by no one and never counted (a KeyError would even pass for a lost
+        connection)."""
+        try:
+            self.connection._deliver(message, queue)
+        except Exception as exc:
+            if not intake.guards_deliveries() or (
+                    isinstance(exc, self.connection_errors) and not isinstance(exc, KeyError)):
+                raise
+            tag = message.delivery_tag
+            logger.exception("queue %r message %s: its consumer raised; moved to dead "
+                             "letters", queue, tag)
+            self._dead_letter(queue, [tag, dumps(message.serializable())], exc,
+                              queue in self._no_ack, "consumer refused it")
+            if tag in self.qos._delivered:
+                virtual.QoS.ack(self.qos, tag)  # forget it here: Redis has it parked
 
     def join_pick(self, queue: str, key: str, most: int, group: str) -> int:
         """Up to ``most`` waiting tasks of batch key ``key`` for a running batch's free
@@ -438,20 +458,9 @@ class Channel(kredis.Channel):
         self.affinity_picks += by_affinity
         return built
 
-    def _dead_letter(self, queue: str, picked: list[Any], exc: Exception, no_ack: bool) -> None:
-        """Park a picked message that no consumer could take, with the reason."""
-        problem = str(exc) if isinstance(exc, MalformedPayload) else f"{type(exc).__name__}: {exc}"
-        reason = f"malformed payload: {problem}"
-        tag = picked[0]  # as stored: it may not even be text
-        logger.error("queue %r message %s: %s; moved to dead letters", queue,
-                     text(tag, "replace"), reason)
-        if no_ack:  # the pick forgot it already: the record dead.lua would write
-            record = {"reason": reason, "at": time.time(), "meta": None,
-                      "payload": text(picked[1], "replace")}
-            self.raw.hset(self.keys(queue).dead, tag, json.dumps(record))
-            return  # and its replicas went with the pick
-        self._run("dead", queue, [time.time(), reason, tag])
-        self._replicas_gone(queue, [text(tag, "replace")])
+    def _dead_letter(self, queue: str, picked: list[Any], exc: Exception, no_ack: bool,
+                     why: str = "malformed payload") -> None:
+        deadletters.park(self, queue, picked, exc, no_ack, why)
 
     def _brpop_start(self, timeout: float | None = None) -> None:
         if timeout is None:

@@ -284,9 +284,9 @@ class Rescorer:
             keys = self.keys(queue)
             ids: list[Any] = list(self.client.zrange(keys.waiting, 0, HEAD_PEEK - 1))
             for raw in self.client.hmget(keys.meta, ids) if ids else []:
-                if raw is None:
+                meta = WaitingMeta.read(raw)
+                if meta is None:  # gone meanwhile, or not a record: not the backlog
                     continue
-                meta = WaitingMeta.from_json(raw)
                 # a queued rescoring pass or pre-warm is not the top-class backlog §2.2
                 # watches; a task put after now_s was read (or by a producer whose clock
                 # runs ahead) has waited nothing yet

@@ -56,7 +56,7 @@ from sits_queue.broker import intake
 from sits_queue.broker.keys import DELIVERY_HEADER, batch_mark, batch_units
 from sits_queue.errors import InferenceError, InvalidInput
 from sits_queue.options import HEADER
-from sits_queue.workers import advertise, inference, joins, metrics, runtime
+from sits_queue.workers import advertise, inference, inputs, joins, metrics, runtime
 from sits_queue.workers import request as admission
 from sits_queue.workers.request import SitsRequest
 
@@ -255,7 +255,7 @@ def embed_calls(engine: Any, calls: list[Call]) -> list[Any]:
         args = arguments(_EMBED, "sits.embed", engine, call)
         if not isinstance(args, InvalidInput):
             try:
-                inference.check_flag("normalize", args["normalize"])
+                inputs.check_flag("normalize", args["normalize"])
             except InvalidInput as exc:
                 args = exc
         if isinstance(args, InvalidInput):
@@ -266,7 +266,7 @@ def embed_calls(engine: Any, calls: list[Call]) -> list[Any]:
         valid: list[tuple[int, Any, list[str]]] = []
         for i, texts in members:
             try:
-                valid.append((i, texts, inference.check_texts(texts)))
+                valid.append((i, texts, inputs.check_texts(texts)))
             except InferenceError as exc:
                 outputs[i] = exc
         if not valid:

@@ -36,7 +36,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from sits_queue.cache import kvwarm
 from sits_queue.errors import InferenceError, InvalidInput, VramLimitExceeded
-from sits_queue.workers import firsttoken, inference, kvreuse, runtime
+from sits_queue.workers import firsttoken, inference, inputs, kvreuse, runtime
 from sits_queue.workers.batched import Call, arguments
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ def generate_calls(engine: Any, calls: list[Call], *, share_prefix: bool = True
     from sits_queue.workers import batchjoin
 
     model = getattr(engine, "key", "?")
-    module, tokenizer = inference.module_of(engine, model), inference.tokenizer_of(engine, model)
+    module, tokenizer = inference.lm_of(engine, model), inference.tokenizer_of(engine, model)
     limit = kvwarm.max_positions(module, tokenizer)
     active = runtime.active()
     outputs: list[Any] = [None] * len(calls)
@@ -176,7 +176,7 @@ def _parse(engine: Any, tokenizer: Any, model: str, limit: int | None, index: in
         return args
     prompt, most = args["prompt"], args["max_new_tokens"]
     try:
-        inference.check_prompt(prompt, most, args["temperature"], args["seed"],
+        inputs.check_prompt(prompt, most, args["temperature"], args["seed"],
                                args["stop_at_eos"])
         ids = tokenizer(prompt)["input_ids"]
         inference.check_context(model, len(ids), most, limit)

@@ -31,19 +31,19 @@ from sits_queue.cache.kvwarm import cache_kwarg, cache_of, kv_bytes_per_token, m
 from sits_queue.errors import (
     ContextTooLong,
     InferenceError,
-    InvalidInput,
     ModelLoadError,
     VramLimitExceeded,
 )
 from sits_queue.options import PREWARM_TASK
 from sits_queue.workers import batching, firsttoken, gpu, kvreuse, metrics, runtime
+from sits_queue.workers.inputs import (
+    check_flag,
+    check_prompt,
+    check_texts,
+)
 
 logger = logging.getLogger(__name__)
 
-#: Upper bound on ``max_new_tokens``: a typo guard, not a model limit (that is checked too).
-MAX_NEW_TOKENS = 8192
-#: Texts per ``sits.embed`` call: bounds one task's activation memory.
-MAX_EMBED_BATCH = 1024
 #: Activations live per layer alongside the KV cache; a few hidden-size vectors per token
 #: per layer is what a forward pass keeps at once (the estimate used without CUDA).
 _ACTIVATION_VECTORS = 4
@@ -251,6 +251,17 @@ def module_of(engine: Any, model: str) -> Any:
     return module
 
 
+def lm_of(engine: Any, model: str) -> Any:
+    """:func:`module_of` for generation: a causal LM (one with an output head), else a
+    clear error (an encoder's forward has no logits: an AttributeError mid-decode)."""
+    module = module_of(engine, model)
+    head = getattr(module, "get_output_embeddings", None)
+    if head is None or head() is None:
+        raise ModelLoadError(f"model {model!r} ({type(module).__name__}) is not a causal "
+                             "language model: it has no output head to generate with")
+    return module
+
+
 def kv_cache_bytes(module: Any, tokens: int) -> int:
     """Upper estimate of the KV cache plus live activations for ``tokens`` positions."""
     config = getattr(module, "config", None)
@@ -269,29 +280,6 @@ def check_context(model: str, prompt_tokens: int, max_new_tokens: int,
     if limit is not None and prompt_tokens + max_new_tokens > limit:
         raise ContextTooLong(f"prompt of {prompt_tokens} tokens + max_new_tokens "
                              f"{max_new_tokens} exceeds model {model!r}'s {limit} positions")
-
-
-def check_flag(name: str, value: Any) -> None:
-    """A yes/no argument must be a bool: the string "false" is truthy, so bool() of it
-    would silently do the opposite of what the caller asked."""
-    if not isinstance(value, bool):
-        raise InvalidInput(f"{name} must be true or false, got {value!r}")
-
-
-def check_prompt(prompt: Any, max_new_tokens: Any, temperature: Any, seed: Any = 0,
-                 stop_at_eos: Any = True) -> None:
-    if not isinstance(prompt, str) or not prompt:
-        raise InvalidInput(f"prompt must be a non-empty string, got {type(prompt).__name__}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
-            or not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
-        raise InvalidInput(f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS}], "
-                           f"got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not 0 <= temperature <= 100:
-        raise InvalidInput(f"temperature must be a number in [0, 100], got {temperature!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise InvalidInput(f"seed must be an integer, got {seed!r}")
-    check_flag("stop_at_eos", stop_at_eos)
 
 
 def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0,
@@ -316,7 +304,8 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
 
     check_prompt(prompt, max_new_tokens, temperature, seed, stop_at_eos)
     model = getattr(engine, "key", "?")
-    module, tokenizer = module_of(engine, model), tokenizer_of(engine, model)
+    tokenizer = tokenizer_of(engine, model)
+    module = lm_of(engine, model)
     device = next(module.parameters()).device
     input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
     prompt_tokens = int(input_ids.shape[1])
@@ -491,19 +480,6 @@ def _decode(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
     finally:
         # A traceback keeps this frame alive: drop the KV cache now, not with the frame.
         past = out = ids = mask = logits = prefix.start = None
-
-
-def check_texts(texts: Any) -> list[str]:
-    batch = [texts] if isinstance(texts, str) else texts
-    if not isinstance(batch, (list, tuple)) or not batch:
-        raise InvalidInput("texts must be a non-empty string or a non-empty list of strings")
-    if len(batch) > MAX_EMBED_BATCH:
-        raise InvalidInput(f"at most {MAX_EMBED_BATCH} texts per call, got {len(batch)}")
-    bad = [i for i, t in enumerate(batch) if not isinstance(t, str) or not t]
-    if bad:
-        raise InvalidInput(f"texts must be non-empty strings; item {bad[0]} is "
-                           f"{type(batch[bad[0]]).__name__}")
-    return list(batch)
 
 
 def embed(engine: Any, texts: str | Sequence[str], normalize: bool = True) -> Any:

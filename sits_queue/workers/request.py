@@ -106,6 +106,21 @@ def declared_vram_gib(headers: Mapping[str, Any]) -> float | None:
     return gib if math.isfinite(gib) and gib >= 0 else None
 
 
+def class_vram_gib(request: Request) -> float | None:
+    """The VRAM limit of the task's class, GiB (None: no class this worker knows)."""
+    from sits_queue.app import sits_config
+
+    header = request.request_dict.get(HEADER)
+    name = header.get("sla_class") if isinstance(header, Mapping) else None
+    if not isinstance(name, str):
+        return None
+    try:  # (nothing here may raise in the main process: the pool slot would be lost)
+        config = sits_config(request.task.app)
+    except Exception:
+        return None
+    return next((c.vram_gib for c in config.classes if c.name == name), None)
+
+
 def admit(needed_gib: float | None, free_bytes: int,
           headroom_bytes: int = HEADROOM_BYTES) -> Verdict | None:
     """None if a task declaring ``needed_gib`` may start now, else the reason it may not."""
@@ -212,6 +227,14 @@ def refused(request: Request) -> bool:
     if _shared is not None and getattr(request.task, "runs_inference", False):
         verdict = _shared
     elif (needed := declared_vram_gib(request.request_dict)) is not None:
+        limit = class_vram_gib(request)
+        if limit is not None and needed > limit:
+            # No worker may start it (a producer that skipped the check at submission):
+            # released, it would come back for ever. It runs under its class's cap.
+            logger.warning("task %s[%s] declares vram_gib=%g, over its class's limit of "
+                           "%g GiB: started under the class's cap", request.name,
+                           request.id, needed, limit)
+            return False
         try:
             free = probe().max_free_bytes()
         except Exception as exc:  # NVML gone away: run it; its class cap still holds

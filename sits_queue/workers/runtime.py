@@ -42,6 +42,7 @@ from celery import Celery, bootsteps, current_app, signals
 from celery.exceptions import ImproperlyConfigured, SoftTimeLimitExceeded
 
 from sits_queue.app import CONTROL_QUEUE
+from sits_queue.broker import intake
 from sits_queue.cache.budgets import CacheBudgets, children_per_device
 from sits_queue.config import ClassQuota, SitsConfig
 from sits_queue.errors import ConfigError, UnknownModel, VramLimitExceeded
@@ -484,6 +485,7 @@ def init_parent(app: Celery, hostname: str, conf: Any, options: Mapping[str, Any
         logger.warning("%s", discovery.notice)
     if not options.get("concurrency") and not conf.worker_concurrency:
         conf.worker_concurrency = default_concurrency(discovery)
+    intake.in_worker()
     _plan = WorkerPlan(hostname=hostname, discovery=discovery,
                        available_cpus=tuple(sorted(os.sched_getaffinity(0))))
     gpus = discovery.cuda_devices

@@ -288,6 +288,14 @@ def test_every_publish_path_carries_and_checks_the_sits_options(
     app.send_task("t.elsewhere", ("unknown here",))
     with pytest.raises(InvalidTaskOptions, match="unknown sla_class"):
         app.send_task("t.echo", ("x",), sla_class="nonexistent")
+    # a header made by hand is checked too (it was trusted, and every worker met a
+    # vram_gib no class admits, releasing the task for ever)
+    for header, why in [({"sla_class": "bogus"}, "unknown sla_class"),
+                        ({"vram_gib": "lots"}, "vram_gib must be a number"),
+                        ({"vram_gib": 1e6}, "vram_gib must be in"),
+                        ({"sla_class": "low", "vram_gib": 60}, "exceeds the 'low' class")]:
+        with pytest.raises(InvalidTaskOptions, match=why):
+            app.send_task("t.echo", ("x",), headers={"sits": header})
 
     # a task on a plain celery.Task base (the Celery docs' DatabaseTask pattern)
     class PlainBase(Task):  # type: ignore[misc]

@@ -149,6 +149,48 @@ def test_a_consumer_passes_over_a_malformed_payload(app: Celery, redis_client: r
     assert forgotten(redis_client)
 
 
+@pytest.mark.parametrize("error", [ValueError, KeyError])
+def test_in_a_worker_a_message_its_consumer_raises_on_is_dead_lettered(
+        app: Celery, redis_client: redis.Redis, error: type[Exception]) -> None:
+    from sits_queue.broker import intake
+
+    echo = app.tasks["t.echo"]
+    for text in ("bad", "good"):  # (no result kept: one alive past Redis retries at GC)
+        echo.apply_async((text,), ignore_result=True)
+    got: list[str] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        if body[0][0] == "bad":  # Celery's consumer failing on a message it cannot take
+            raise error("cannot take it")
+        got.append(body[0][0])
+        message.ack()
+
+    def drain() -> None:
+        with app.connection_for_write() as conn, Consumer(
+                conn, [Queue("celery")], callbacks=[on_message], accept=["json"]):
+            try:
+                while True:
+                    conn.drain_events(timeout=0.5)
+            except TimeoutError:
+                pass
+
+    # A plain kombu consumer's callback error reaches its caller, as on any transport
+    with pytest.raises(error):
+        drain()
+    sweep_after_the_visibility_timeout(app, redis_client)
+    # In a worker it would stop the event loop (a KeyError: read as a lost connection):
+    # the message is dead-lettered with the error instead, and the rest is served
+    intake.in_worker()
+    try:
+        drain()
+    finally:
+        intake.in_worker(False)
+    assert got == ["good"]
+    (record,) = [json.loads(v) for v in redis_client.hvals(KEYS.dead)]
+    assert record["reason"].startswith(f"consumer refused it: {error.__name__}: ")
+    assert forgotten(redis_client)
+
+
 # -- headers ----------------------------------------------------------------------------------
 
 

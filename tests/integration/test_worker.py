@@ -18,6 +18,7 @@ from celery import Celery
 from celery.exceptions import NotRegistered
 
 from sits_queue.broker.keys import QueueKeys, stats_key
+from sits_queue.errors import DeadLettered
 from sits_queue.procs import CeleryProcess, start_worker, wait_ready
 from tests.integration.conftest import APP_MODULE, ROOT, worker_env
 from tests.integration.test_transport import kombu_message
@@ -127,6 +128,65 @@ def test_malformed_messages_do_not_kill_the_worker(spawn: Spawn, client_app: Cel
     assert worker.alive()
     assert sorted(k.decode() for k in redis_client.hkeys(WAITING.dead)) == sorted(bad)
     assert redis_client.zcard(WAITING.waiting) == 0
+    wait_for(lambda: redis_client.zcard(WAITING.unacked) == 0, 10, "the last ack")
+
+
+def celery_message(task_id: Any = "poison-id", body: Any = None, drop: tuple[str, ...] = (),
+                   **headers: Any) -> str:
+    """A task message as Celery's producer writes it (protocol 2), with ``headers``
+    changed and ``drop`` left out, and ``body`` (JSON text) instead of its own."""
+    h: dict[str, Any] = {"lang": "py", "task": "w.add", "id": task_id, "eta": None,
+                         "expires": None, "retries": 0, "timelimit": [None, None],
+                         "root_id": task_id, "parent_id": None, "group": None,
+                         "origin": "elsewhere", "ignore_result": False, **headers}
+    for name in drop:
+        h.pop(name)
+    embed = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+    return json.dumps({"body": json.dumps([[1, 2], {}, embed]) if body is None else body,
+                       "content-encoding": "utf-8", "content-type": "application/json",
+                       "headers": h, "properties": {"correlation_id": task_id,
+                                                    "delivery_info": {}, "priority": 0,
+                                                    "body_encoding": "utf-8"}})
+
+
+def test_messages_celery_cannot_take_do_not_kill_the_worker(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    """Kombu-shaped messages that break Celery's own protocol: each one stopped the
+    worker's main process ("Unrecoverable error", the next worker too after the
+    visibility timeout, never counted, never dead-lettered), sent it into a reconnect
+    loop (a KeyError reads as a lost connection), or was acked and lost with its caller
+    waiting for ever."""
+    bad = {"body-str": celery_message(body=json.dumps("hello")),
+           "body-num": celery_message(body="5"),
+           "body-pair": celery_message(body=json.dumps([[1, 2], {}])),
+           "body-not-json": celery_message(task_id="not-json-id", body="{{{"),
+           "kwargs-list": celery_message(task_id="kwargs-id",
+                                         body=json.dumps([[1], [2], {}])),
+           "id-list": celery_message(task_id=["a"]),
+           "id-int": celery_message(task_id=5),
+           "no-id": celery_message(drop=("id",)),
+           "limits-str": celery_message(task_id="limits-id", timelimit="abc"),
+           "limits-strs": celery_message(timelimit=["a", "b"])}
+    worker = spawn(concurrency=1)
+    for tag, payload in bad.items():
+        redis_client.hset(WAITING.payloads, tag, payload)
+        redis_client.zadd(WAITING.waiting, {tag: 0})
+    redis_client.zadd(WAITING.marker, {"ready": 0})
+    # Then each is dead-lettered with what is wrong, and the worker serves on
+    assert client_app.tasks["w.add"].delay(2, 2).get(timeout=30) == 4
+    assert worker.alive(), worker.log()[-3000:]
+    dead = {k.decode(): json.loads(v)["reason"]
+            for k, v in redis_client.hgetall(WAITING.dead).items()}
+    assert sorted(dead) == sorted(bad)
+    assert "body is not a task's [args" in dead["body-pair"]
+    assert "body is not JSON" in dead["body-not-json"]
+    assert "headers.id is not a task id" in dead["no-id"]
+    assert "headers.timelimit" in dead["limits-str"]
+    assert "Connection to broker lost" not in worker.log()
+    # and a message with a task id fails its task's result, so its caller does not wait
+    for task_id in ("not-json-id", "kwargs-id", "limits-id"):
+        with pytest.raises(DeadLettered, match="malformed payload"):
+            client_app.AsyncResult(task_id).get(timeout=10)
     wait_for(lambda: redis_client.zcard(WAITING.unacked) == 0, 10, "the last ack")
 
 

@@ -24,6 +24,8 @@ CLASS = {"name": "a", "cpu_cores": 1, "vram_gib": 1, "max_run_s": 1, "weight": 1
     ("SITS_SEND_SENT_EVENTS", "ture", "SITS_SEND_SENT_EVENTS"),  # a typo is not "off"
     ("SITS_PLAIN_TASKS_ONLY", "enabled", "SITS_PLAIN_TASKS_ONLY"),
     ("SITS_RESCORE_CHUNK", "2.5", "SITS_RESCORE_CHUNK"),
+    ("SITS_REDIS_URL", "redis://127.0.0.1:99999/0", "Port out of range"),
+    ("SITS_REDIS_URL", "redis://127.0.0.1:6379/abc", "database 'abc' is not a number"),
     ("SITS_HOST_POOL_TTL_S", "-1", "host_pool_ttl_s must be >= 0"),
     ("SITS_HOST_POOL_TTL_S", "inf", "host_pool_ttl_s"),
     ("SITS_HOST_POOL_PRESSURE_SHARE", "1", r"host_pool_pressure_share must be in \[0, 1\)"),
@@ -52,6 +54,7 @@ def test_boolean_words(word: str) -> None:
     ({"classes": [{**CLASS, "cpu_cores": 2.5}], "default_class": "a"}, "class 'a': cpu_cores"),
     ({"classes": [{**CLASS, "cpu_cores": True}], "default_class": "a"}, "cpu_cores"),
     ({"weights": {"risk_cap": True}}, "risk_cap"),
+    ({"classes": 5}, "classes must be a list of"),
     ({"classes": [{"name": "low", "slice_ms": -1.0}], "default_class": "low"},
      "class low: slice_ms must be >= 0"),
     ({"classes": [{"name": "low", "slice_ms": "5"}], "default_class": "low"},

@@ -57,3 +57,9 @@ def test_derivation_length_is_configuration() -> None:
     assert resolve(config, {"model": "lm"}, {}, (TEMPLATE,)).prefix_key is None
     with pytest.raises(ConfigError, match="prefix_key_chars"):
         SitsConfig(prefix_key_chars=-1)
+
+
+def test_a_prompt_with_a_lone_surrogate_still_gets_a_key() -> None:
+    # (a raw UnicodeEncodeError from apply_async; the worker refuses the prompt, naming it)
+    key = derive_prefix_key(("\ud800" + "x" * 300,), {}, 256)
+    assert key is not None and key != derive_prefix_key(("y" * 301,), {}, 256)

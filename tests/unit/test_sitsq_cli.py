@@ -51,6 +51,8 @@ def test_every_bench_offers_the_same_options() -> None:
     ({"SITS_SLICE_MS": "abc"}, "Error: SITS_SLICE_MS='abc' is not a valid float"),
     ({"SITS_CONFIG": "/nonexistent/sits.toml"},
      "Error: config file /nonexistent/sits.toml does not exist"),
+    ({"SITS_REDIS_URL": "redis://127.0.0.1:99999/0"},
+     "Error: redis_url 'redis://127.0.0.1:99999/0': Port out of range 0-65535"),
 ])
 def test_a_bad_setting_is_one_line_naming_it(env: dict[str, str], line: str) -> None:
     import os

@@ -340,6 +340,20 @@ def test_an_unreadable_declaration_or_device_starts_the_task(
     assert CeleryGenerated.ran == ["task-1", "task-1"]
 
 
+def test_a_declaration_over_its_class_limit_runs_under_the_cap_not_released_for_ever(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # (a producer that skipped the check: no worker could ever start it, and each one
+    # released it again, every few seconds, for ever)
+    CeleryGenerated.ran.clear()
+    monkeypatch.setattr(request, "_probe", FakeProbe(40 * GIB))
+    over, qos = fake_request(60)
+    over._request_dict["sits"]["sla_class"] = "low"  # 8 GiB in the default table
+    over._task = SimpleNamespace(app=SimpleNamespace(sits=SitsConfig()))
+    with caplog.at_level("WARNING"):
+        assert over.execute_using_pool(None) == "sent to the pool"
+    assert qos.released == [] and "over its class's limit of 8 GiB" in caplog.text
+
+
 def test_a_worker_of_plain_tasks_only_leaves_inference_tasks(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(request, "_probe", FakeProbe(40 * GIB))

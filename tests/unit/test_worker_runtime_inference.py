@@ -163,10 +163,20 @@ def test_a_checkpoint_that_is_not_ours_starts_over(lm: Any, checkpoint: Any,
     (("hi", 4, 1.0, "7"), "seed must be an integer"),
     (("hi", 4, 1.0, False), "seed must be an integer"),
     (("hi", 4, 1.0, 0, "false"), "stop_at_eos must be true or false"),  # "false" is truthy
+    (("hi \ud800",), "prompt is not valid Unicode text: surrogates not allowed at "
+                     "character 3"),  # (the tokenizer's TypeError did not say)
 ])
 def test_generate_rejects_malformed_input(lm: Any, args: tuple[Any, ...], match: str) -> None:
     with pytest.raises(InvalidInput, match=match):
         inference.generate(lm, *args)
+
+
+def test_generating_with_an_encoder_says_it_is_not_a_language_model(encoder: Any) -> None:
+    # (an AttributeError about 'logits' from deep in the decode loop)
+    with pytest.raises(ModelLoadError, match="is not a causal language model"):
+        inference.generate(encoder, "the beat")
+    with pytest.raises(ModelLoadError, match="is not a causal language model"):
+        batchgen.generate_calls(encoder, [batched.Call("a", ("the beat", 2), {})])
 
 
 def test_generate_refuses_a_context_longer_than_the_model(lm: Any) -> None:
@@ -296,6 +306,18 @@ def test_embed_mean_pools_and_normalises(encoder: Any) -> None:
 def test_embed_rejects_malformed_input(encoder: Any, texts: Any) -> None:
     with pytest.raises(InvalidInput):
         inference.embed(encoder, texts)
+
+
+def test_a_lone_surrogate_fails_its_call_alone(lm: Any, encoder: Any) -> None:
+    # (the tokenizer's TypeError failed every call of the batch, naming nothing)
+    got = batched.embed_calls(encoder, [batched.Call("a", (["ok", "bad \udc80"],), {}),
+                                        batched.Call("b", (["the beat"],), {})])
+    assert isinstance(got[0], InvalidInput) and "texts item 1 is not valid Unicode" \
+        in str(got[0])
+    assert got[1] == [inference.embed(encoder, "the beat")]
+    gen = batchgen.generate_calls(lm, [batched.Call("a", ("bad \ud800", 3), {}),
+                                       batched.Call("b", ("the cache", 3), {})])
+    assert isinstance(gen[0], InvalidInput) and gen[1]["tokens"] >= 1
 
 
 def test_embed_takes_normalize_as_a_bool_only(encoder: Any) -> None:

@@ -1,0 +1,62 @@
+"""What the built-in inference tasks accept: each argument checked before any work, so a
+bad one fails its task (its call alone, in a batch) with an ``InvalidInput`` naming it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sits_queue.errors import InvalidInput
+
+#: Upper bound on ``max_new_tokens``: a typo guard, not a model limit (that is checked too).
+MAX_NEW_TOKENS = 8192
+#: Texts per ``sits.embed`` call: bounds one task's activation memory.
+MAX_EMBED_BATCH = 1024
+
+
+def check_flag(name: str, value: Any) -> None:
+    """A yes/no argument must be a bool: the string "false" is truthy, so bool() of it
+    would silently do the opposite of what the caller asked."""
+    if not isinstance(value, bool):
+        raise InvalidInput(f"{name} must be true or false, got {value!r}")
+
+
+def check_text(name: str, text: str) -> None:
+    """A str Python holds but no tokenizer takes: a lone surrogate (JSON carries one as
+    ``"\\ud800"``; the tokenizer's TypeError would not name it)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidInput(f"{name} is not valid Unicode text: {exc.reason} at character "
+                           f"{exc.start}") from None
+
+
+def check_prompt(prompt: Any, max_new_tokens: Any, temperature: Any, seed: Any = 0,
+                 stop_at_eos: Any = True) -> None:
+    if not isinstance(prompt, str) or not prompt:
+        raise InvalidInput(f"prompt must be a non-empty string, got {type(prompt).__name__}")
+    check_text("prompt", prompt)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+            or not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
+        raise InvalidInput(f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS}], "
+                           f"got {max_new_tokens!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not 0 <= temperature <= 100:
+        raise InvalidInput(f"temperature must be a number in [0, 100], got {temperature!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise InvalidInput(f"seed must be an integer, got {seed!r}")
+    check_flag("stop_at_eos", stop_at_eos)
+
+
+def check_texts(texts: Any) -> list[str]:
+    batch = [texts] if isinstance(texts, str) else texts
+    if not isinstance(batch, (list, tuple)) or not batch:
+        raise InvalidInput("texts must be a non-empty string or a non-empty list of strings")
+    if len(batch) > MAX_EMBED_BATCH:
+        raise InvalidInput(f"at most {MAX_EMBED_BATCH} texts per call, got {len(batch)}")
+    bad = [i for i, t in enumerate(batch) if not isinstance(t, str) or not t]
+    if bad:
+        raise InvalidInput(f"texts must be non-empty strings; item {bad[0]} is "
+                           f"{type(batch[bad[0]]).__name__}")
+    for i, text in enumerate(batch):
+        check_text(f"texts item {i}", text)
+    return list(batch)
