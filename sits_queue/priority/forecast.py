@@ -36,6 +36,8 @@ FORGETTING = 0.98
 COLD_THRESHOLD_MS = 850.0
 MIN_CONFIDENCE = 0.82
 HEADROOM = 1.3
+#: A model without demand this long leaves the forecasts, s (a day).
+FORGET_AFTER_S = 86_400.0
 #: Initial diagonal of the RLS covariance: large, so the first intervals move the
 #: weights quickly.
 P0 = 100.0
@@ -66,6 +68,8 @@ class Forecaster:
     mean: float = 0.0
     mse: float = 0.0
     updates: int = 0
+    #: Start of the latest interval with demand, s (of the first one seen, before any).
+    last_demand_s: float | None = None
 
     def predict(self, now_s: float) -> float:
         """Demand (tasks) expected in the interval starting at ``now_s``, >= 0."""
@@ -107,7 +111,16 @@ def update(f: Forecaster, start_s: float, demand: float,
     weights = tuple(w + g * residual for w, g in zip(f.weights, gain, strict=True))
     covariance = tuple(tuple((p[i][j] - gain[i] * px[j]) / forgetting
                              for j in range(N_FEATURES)) for i in range(N_FEATURES))
-    return Forecaster(weights, covariance, (demand, *f.history)[:2], mean, mse, f.updates + 1)
+    last = start_s if demand > 0 or f.last_demand_s is None else f.last_demand_s
+    return Forecaster(weights, covariance, (demand, *f.history)[:2], mean, mse, f.updates + 1,
+                      last)
+
+
+def forgotten(f: Forecaster, now_s: float) -> bool:
+    """A model with no demand for :data:`FORGET_AFTER_S`: its forecast is ~0 by then
+    (the forgetting factor keeps ~50 intervals), and kept, the state would list every
+    model ever named."""
+    return f.last_demand_s is not None and now_s - f.last_demand_s > FORGET_AFTER_S
 
 
 # -- the plan -----------------------------------------------------------------------------
@@ -177,7 +190,8 @@ def plan(outlooks: Sequence[ModelOutlook], workers: Sequence[WorkerView]) -> lis
 
 def to_json(f: Forecaster) -> dict[str, Any]:
     return {"w": list(f.weights), "p": [list(r) for r in f.covariance],
-            "h": list(f.history), "m": f.mean, "e": f.mse, "n": f.updates}
+            "h": list(f.history), "m": f.mean, "e": f.mse, "n": f.updates,
+            "l": f.last_demand_s}
 
 
 def from_json(raw: Mapping[str, Any]) -> Forecaster:
@@ -188,7 +202,9 @@ def from_json(raw: Mapping[str, Any]) -> Forecaster:
         if len(weights) != N_FEATURES or len(cov) != N_FEATURES \
                 or any(len(row) != N_FEATURES for row in cov):
             return Forecaster()
+        last = raw.get("l")  # (an older record has none: the clock starts now)
         return Forecaster(weights, cov, tuple(float(v) for v in raw["h"])[:2],
-                          float(raw["m"]), float(raw["e"]), int(raw["n"]))
+                          float(raw["m"]), float(raw["e"]), int(raw["n"]),
+                          None if last is None else float(last))
     except (KeyError, TypeError, ValueError):
         return Forecaster()

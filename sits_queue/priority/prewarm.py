@@ -102,7 +102,13 @@ class Prewarmer:
                 states[model] = forecast.update(states.get(model, forecast.Forecaster()),
                                                 bucket * interval, demand.get(model, 0.0))
         if first <= last_done or meta is None:
+            now = (last_done + 1) * interval
+            gone = [m for m, f in states.items() if forecast.forgotten(f, now)]
             pipe = self.client.pipeline(transaction=False)
+            for model in gone:
+                del states[model]
+            if gone:
+                pipe.hdel(key, *gone)
             for model, f in states.items():
                 pipe.hset(key, model, json.dumps(forecast.to_json(f)))
             pipe.hset(key, "__bucket__", json.dumps(last_done))

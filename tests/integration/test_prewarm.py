@@ -18,6 +18,7 @@ from celery import Celery
 from sits_queue.config import SitsConfig
 from sits_queue.priority import forecast as fc
 from sits_queue.priority import prewarm
+from sits_queue.priority.forecast import Forecaster
 from sits_queue.priority.tasks import prewarmer
 from sits_queue.procs import CeleryProcess
 from sits_queue.workers import advertise, signals
@@ -135,6 +136,22 @@ def test_the_prewarm_task_went_through_the_workers_own_queue(
     queues = {q.decode() for q in r.smembers("sits:queues")}
     assert f"{worker.hostname}.dq2" in queues
     assert worker.alive(), worker.log()[-2000:]
+
+
+def test_a_model_without_demand_for_a_day_leaves_the_stored_forecasts(
+        redis_url: str, r: redis.Redis) -> None:
+    config = replace(SitsConfig(redis_url=redis_url), prewarm_interval_s=300.0,
+                     global_keyprefix="forget:")
+    key = prewarm.state_key(config)
+    stale = fc.update(Forecaster(), 0.0, 3.0)  # demand last seen at t=0
+    r.hset(key, mapping={"stale": json.dumps(fc.to_json(stale)),
+                         "busy": json.dumps(fc.to_json(fc.update(Forecaster(), 0.0, 3.0))),
+                         "__bucket__": json.dumps(int(fc.FORGET_AFTER_S / 300.0))})
+    now = fc.FORGET_AFTER_S + 2 * 300.0
+    r.hset(prewarm.demand_key(config, prewarm.bucket_of(config, now) - 1), "busy", 4)
+    report = prewarm.Prewarmer(config, r, lambda model, host: None).run(now)
+    assert set(r.hkeys(key)) == {b"busy", b"__bucket__"}
+    assert [o["model"] for o in report["outlooks"]] == ["busy"]
 
 
 def test_a_prewarm_is_not_demand_nor_work_in_the_statistics(redis_url: str,

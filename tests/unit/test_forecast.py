@@ -108,6 +108,22 @@ def test_state_round_trips_and_foreign_records_start_over() -> None:
     assert fc.from_json({"w": "x", "p": [], "h": [], "m": 0, "e": 0, "n": 0}) == Forecaster()
 
 
+def test_a_model_without_demand_for_a_day_is_forgotten() -> None:
+    # (the planner kept a forecast, and an outlook per pass, for every model ever named)
+    f = fc.update(Forecaster(), 0.0, 5.0)
+    assert f.last_demand_s == 0.0
+    for k in range(1, 300):  # a day of 5-minute intervals without demand, and more
+        f = fc.update(f, k * 300.0, 0.0)
+    assert f.last_demand_s == 0.0
+    assert not fc.forgotten(f, fc.FORGET_AFTER_S) and fc.forgotten(f, fc.FORGET_AFTER_S + 1)
+    assert not fc.forgotten(fc.update(f, 299 * 300.0, 1.0), 300 * 300.0)
+    # a model first seen idle starts its clock then; an older record without one too
+    assert fc.update(Forecaster(), 600.0, 0.0).last_demand_s == 600.0
+    assert not fc.forgotten(Forecaster(), 10 ** 9)
+    old = {k: v for k, v in fc.to_json(f).items() if k != "l"}
+    assert fc.from_json(old).last_demand_s is None
+
+
 def test_config_interval() -> None:
     assert SitsConfig().prewarm_interval_s == 300.0
     assert SitsConfig(prewarm_interval_s=0).prewarm_interval_s == 0
