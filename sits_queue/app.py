@@ -17,6 +17,7 @@ from sits_queue.broker import results
 from sits_queue.broker.keys import DELIVERY_ONLY
 from sits_queue.config import SitsConfig
 from sits_queue.options import (
+    CONTROL_QUEUE,
     HEADER,
     MAINTENANCE_TASKS,
     OPTION_NAMES,
@@ -28,9 +29,6 @@ from sits_queue.options import (
 from sits_queue.registry import Loader, ModelRegistry
 
 TRANSPORT = "sits_queue.broker.transport:Transport"
-#: Maintenance tasks (rescoring, trigger checks) go here so a deep task backlog never
-#: delays the pass that is supposed to reorder it. Every worker consumes it.
-CONTROL_QUEUE = "sits.control"
 DEFAULT_QUEUE = "celery"
 #: Marks a function whose first argument the worker supplies (the warm engine).
 ENGINE_ARG = "__sits_engine_arg__"

@@ -16,6 +16,9 @@ from sits_queue.config import MAX_BATCH_TASKS, SitsConfig
 from sits_queue.errors import InvalidTaskOptions
 from sits_queue.priority.entropy import input_entropy
 
+#: Maintenance tasks (rescoring, trigger checks) go here so a deep task backlog never
+#: delays the pass that is supposed to reorder it. Every worker consumes it.
+CONTROL_QUEUE = "sits.control"
 #: The beat's maintenance tasks: routed to the control queue (``app.py``), left out of
 #: the task statistics.
 MAINTENANCE_TASKS = ("sits.rescore", "sits.check_triggers", "sits.prewarm_plan",

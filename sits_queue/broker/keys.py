@@ -15,6 +15,8 @@ import re
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
+from celery.utils.nodenames import WORKER_DIRECT_QUEUE_FORMAT
+
 from sits_queue.errors import InvalidQueueName
 
 logger = logging.getLogger(__name__)
@@ -154,6 +156,10 @@ _REPLY_QUEUE = re.compile(r".+\.reply\..+\.pidbox")
 REPLY_QUEUE_EXPIRES_MS = 60_000
 #: kombu's separator of a binding's parts (routing key, pattern, queue) in its sets.
 BINDING_SEP = "\x06\x16"
+
+
+#: Celery's worker-direct queues (``<hostname>.dq2``): one per worker, for it alone.
+DIRECT_QUEUE_SUFFIX = WORKER_DIRECT_QUEUE_FORMAT.format(hostname="")
 
 
 def is_reply_queue(queue: str) -> bool:

@@ -24,6 +24,7 @@ from kombu.utils.json import dumps
 from sits_queue.broker import affinity, deadletters, intake, payload, sites, wait
 from sits_queue.broker.fanout import DeferredCommands
 from sits_queue.broker.keys import (
+    DIRECT_QUEUE_SUFFIX,
     MARKER_MEMBER,
     REPLY_QUEUE_EXPIRES_MS,
     QueueKeys,
@@ -37,7 +38,13 @@ from sits_queue.broker.qos import QoS
 from sits_queue.broker.scripts import Scripts
 from sits_queue.broker.snapshot import SnapshotCache
 from sits_queue.config import SitsConfig
-from sits_queue.options import HEADER, UNCOUNTED_TASKS, TaskOptions, from_header
+from sits_queue.options import (
+    CONTROL_QUEUE,
+    HEADER,
+    UNCOUNTED_TASKS,
+    TaskOptions,
+    from_header,
+)
 from sits_queue.priority.model import Scorer
 
 logger = logging.getLogger(__name__)
@@ -242,7 +249,12 @@ class Channel(kredis.Channel):
     def _site_sync(self, queue: str) -> sites.SiteSync | None:
         """Multi-site deployments (``broker/sites.py``): who keeps ``queue``'s replica in
         step; None for one site, and for reply queues (they are not work)."""
-        return None if self._expiry_ms(queue) is not None else sites.for_config(self.config)
+        # (nor for the beat's control queue and workers' own queues: their tasks are
+        # this site's, and replicated they filled the outbox while no peer was up)
+        if self._expiry_ms(queue) is not None or queue == CONTROL_QUEUE \
+                or queue.endswith(DIRECT_QUEUE_SUFFIX):
+            return None
+        return sites.for_config(self.config)
 
     def _replicate(self, queue: str, records: list[Any]) -> None:
         """A put's records to the peer's replica, now or by the sync pass, as their

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from celery.utils.nodenames import WORKER_DIRECT_EXCHANGE, WORKER_DIRECT_QUEUE_FORMAT
+from celery.utils.nodenames import WORKER_DIRECT_EXCHANGE
 
-from sits_queue.app import CONTROL_QUEUE
 from sits_queue.broker.keys import (
     BINDING_SEP,
+    DIRECT_QUEUE_SUFFIX,
     REPLY_QUEUE_EXPIRES_MS,
     SEQ_SPAN,
     QueueKeys,
@@ -32,14 +32,13 @@ from sits_queue.broker.meta import WaitingMeta, score_inputs
 from sits_queue.broker.scripts import Scripts
 from sits_queue.broker.snapshot import snapshot_to_json
 from sits_queue.config import SitsConfig
-from sits_queue.options import UNCOUNTED_TASKS
+from sits_queue.options import CONTROL_QUEUE, UNCOUNTED_TASKS
 from sits_queue.priority import stats
 from sits_queue.priority.model import ClassStats, PrioritySnapshot, Scorer
 
 logger = logging.getLogger(__name__)
 
 #: What ends each worker's own queue's name: Celery's ``<hostname>.dq2`` (``worker_direct``).
-DIRECT_SUFFIX = WORKER_DIRECT_QUEUE_FORMAT.format(hostname="")
 
 #: Per-pass decay of model call counts: hotness halves in ~6.6 passes (~33 s at 5 s).
 HOTNESS_DECAY = 0.9
@@ -183,11 +182,11 @@ class Rescorer:
         from sits_queue.workers.advertise import live_hostnames
 
         replies = [q for q in queues if is_reply_queue(q)]
-        direct = [q for q in queues if q.endswith(DIRECT_SUFFIX) and q not in replies]
+        direct = [q for q in queues if q.endswith(DIRECT_QUEUE_SUFFIX) and q not in replies]
         candidates: list[str] = []
         if direct:
             live = set(live_hostnames(self.client, self.config.global_keyprefix))
-            candidates = [q for q in direct if q[:-len(DIRECT_SUFFIX)] not in live]
+            candidates = [q for q in direct if q[:-len(DIRECT_QUEUE_SUFFIX)] not in live]
         gone = [q for q in candidates
                 if self.scripts.run("forget", self.keys(q), [], self.client)]
         if not gone and not replies:
@@ -197,7 +196,7 @@ class Rescorer:
         with self.client.pipeline(transaction=False) as pipe:
             pipe.srem(queues_registry(prefix), *gone, *replies)
             for queue in gone:  # kombu's binding: routing key (the hostname), "", queue
-                member = BINDING_SEP.join([queue[:-len(DIRECT_SUFFIX)], "", queue])
+                member = BINDING_SEP.join([queue[:-len(DIRECT_QUEUE_SUFFIX)], "", queue])
                 pipe.srem(f"{prefix}_kombu.binding.{exchange}", member)
                 pipe.srem(f"{prefix}_kombu.binding_permanent.{exchange}", member)
             for queue in replies:

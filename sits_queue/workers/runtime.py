@@ -41,12 +41,11 @@ from billiard.process import current_process
 from celery import Celery, bootsteps, current_app, signals
 from celery.exceptions import ImproperlyConfigured, SoftTimeLimitExceeded
 
-from sits_queue.app import CONTROL_QUEUE
 from sits_queue.broker import intake
 from sits_queue.cache.budgets import CacheBudgets, children_per_device
 from sits_queue.config import ClassQuota, SitsConfig
 from sits_queue.errors import ConfigError, UnknownModel, VramLimitExceeded
-from sits_queue.options import HEADER, PRECISIONS
+from sits_queue.options import CONTROL_QUEUE, HEADER, PRECISIONS
 from sits_queue.workers import advertise, gpu, metrics, profile
 from sits_queue.workers import request as admission
 from sits_queue.workers.devices import Device, Discovery, default_concurrency, discover

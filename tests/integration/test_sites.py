@@ -247,6 +247,21 @@ def test_an_unreachable_peer_never_fails_a_put(clients: tuple[redis.Redis, redis
     app.close()
 
 
+def test_this_sites_own_queues_are_not_replicated(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str) -> None:
+    # (the beat's tasks on the control queue and a worker's own queue's are this site's
+    # alone; replicated, they filled the outbox, ~5 entries a second with no traffic,
+    # while the peer was away)
+    a, _ = clients
+    app = site_app(redis_url, "a", "b", "redis://127.0.0.1:1/0", rtt_ms=1.0)
+    app.tasks["sits.check_triggers"].apply_async()
+    app.tasks["t.site"].apply_async(("high",), sla_class="high", queue="w1@h.dq2")
+    assert a.llen(sites.outbox_key("")) == 0
+    submit(app, "high")  # a task of a shared queue still is
+    assert a.llen(sites.outbox_key("")) == 1
+    app.close()
+
+
 def test_a_full_outbox_stops_queueing_eventual_replicas_only(
         clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
