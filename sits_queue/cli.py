@@ -95,6 +95,19 @@ def queue_status(client: redis.Redis, config: SitsConfig, now_s: float) -> list[
     return out
 
 
+def stray_lists(client: redis.Redis, config: SitsConfig, queues: list[str]) -> dict[str, int]:
+    """Messages in plain Redis lists named like queues: what a producer without the SITS
+    transport (a stock ``broker_url = redis://...`` app) sends. No SITS worker reads them;
+    said here, not left to wait unseen."""
+    names = sorted({*queues, "celery"})
+    with client.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.type(config.global_keyprefix + name)
+        kinds = pipe.execute()
+    lists = [n for n, kind in zip(names, kinds, strict=True) if kind in (b"list", "list")]
+    return {n: int(client.llen(config.global_keyprefix + n)) for n in lists}
+
+
 def workers_status(client: redis.Redis, config: SitsConfig) -> list[dict[str, Any]]:
     try:
         advertise = import_module("sits_queue.workers.advertise")
@@ -112,9 +125,10 @@ def status(as_json: bool) -> None:
     url = _redis_url()
     client = redis.Redis.from_url(url, socket_timeout=5)
     try:
-        report = {"queues": queue_status(client, config, time.time()),
-                  "workers": workers_status(client, config),
-                  "site": sites.status(client, config)}
+        queues = queue_status(client, config, time.time())
+        report = {"queues": queues, "workers": workers_status(client, config),
+                  "site": sites.status(client, config),
+                  "stray": stray_lists(client, config, [q["queue"] for q in queues])}
     except redis.ConnectionError as exc:
         raise click.ClickException(f"cannot reach Redis at {_redact(url)}: {exc}") from exc
     if as_json:
@@ -142,6 +156,11 @@ def _format_status(report: dict[str, Any]) -> str:
         for row in q["head"]:
             lines.append(f"  {row['priority']:>12.2f}  {row.get('sla_class', '?'):<8}"
                          f"{row.get('task', '?'):<32}waited {row.get('wait_s', '?')} s")
+    for name, n in (report.get("stray") or {}).items():
+        lines.append(f"warning: {n} message(s) in the plain Redis list {name!r}: sent by a "
+                     "producer without the SITS transport (a stock redis:// broker_url); "
+                     "no SITS worker reads them. Send with the SITS app (its "
+                     "broker_transport) instead.")
     lines.append(f"workers: {len(report['workers'])}")
     for w in report["workers"]:
         devices = ", ".join(str(d.get("name", "?")) for d in w.get("devices", []))

@@ -46,6 +46,21 @@ def test_status_shows_depth_and_head_tasks_with_class(client_app: Celery, redis_
     assert "1 resuming from a yield, 1 held off by a worker" in text
 
 
+def test_status_says_when_a_stock_producer_sent_to_a_plain_list(
+        redis_url: str) -> None:
+    # a stock Celery app pointed at the same Redis (no SITS transport) pushes to a list
+    from celery import Celery as StockCelery
+
+    stock = StockCelery("stock", broker=redis_url, set_as_current=False)
+    try:
+        stock.send_task("w.add", (1, 2))
+    finally:
+        stock.close()
+    out = sitsq("status", env={**os.environ, "SITS_REDIS_URL": redis_url})
+    assert out.returncode == 0, out.stderr
+    assert "warning: 1 message(s) in the plain Redis list 'celery'" in out.stdout
+
+
 def test_status_uses_the_redis_of_the_config_file(client_app: Celery, redis_url: str,
                                                   redis_client: redis.Redis,
                                                   tmp_path: Path) -> None:
