@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from sits_queue.options import TaskOptions
+from sits_queue.config import SitsConfig
+from sits_queue.options import HEADER, TaskOptions, from_header
+
+logger = logging.getLogger(__name__)
 
 
 def compact_json(value: Any) -> bytes:
@@ -38,6 +42,25 @@ class WaitingMeta:
         record["t"] = self.enqueued_at_s
         record["task"] = self.task
         return compact_json(record)
+
+    @classmethod
+    def of_message(cls, config: SitsConfig, message: dict[str, Any], now: float
+                   ) -> WaitingMeta:
+        """The record of a message to put, its options read from its header (checked;
+        a foreign producer's bad header gets the defaults, never a refusal)."""
+        headers = message.get("headers")
+        if not isinstance(headers, dict):
+            headers = {}
+        try:
+            options = from_header(config, headers.get(HEADER))
+        except (ValueError, TypeError, ArithmeticError) as exc:
+            # A foreign producer wrote a bad header: enqueue with defaults, never drop.
+            # InvalidTaskOptions (a ValueError) names the option; a TypeError or an
+            # ArithmeticError would mean a check it slipped past: no reason to refuse either.
+            logger.warning("message %s: %s; scheduling it with default options",
+                           message.get("properties", {}).get("delivery_tag"), exc)
+            options = from_header(config, None)
+        return cls(options=options, enqueued_at_s=now, task=str(headers.get("task", "")))
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> WaitingMeta:

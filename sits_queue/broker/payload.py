@@ -14,6 +14,7 @@ from collections.abc import Collection
 from typing import Any
 
 import orjson
+from kombu.transport import virtual
 from kombu.utils.json import dumps, loads
 
 from sits_queue.broker.keys import AFFINITY_HEADER, BATCH_INFO, CHECKPOINT_HEADER, DELIVERY_HEADER
@@ -181,3 +182,22 @@ def poison_split(picked: Any) -> tuple[Any, list[str]]:
         return picked, []
     rest = picked[:-1]
     return (rest[0] if len(rest) == 1 else rest), [text(i, "replace") for i in picked[-1]]
+
+
+class SitsMessage(virtual.Message):
+    """kombu's message; one a pick built already passes through kombu's ``Message(raw)``
+    calls as it is.
+
+    The pick builds each message where a failure is caught (``Channel._decode``: a body
+    that does not decode is dead-lettered there); kombu then calls ``Message(raw)`` again
+    on delivery (``basic_consume``'s callback), which would decode the body a second time.
+    """
+
+    def __new__(cls, payload: Any = None, *args: Any, **kwargs: Any) -> SitsMessage:
+        if isinstance(payload, cls):
+            return payload
+        return super().__new__(cls)
+
+    def __init__(self, payload: Any = None, *args: Any, **kwargs: Any) -> None:
+        if payload is not self:
+            super().__init__(payload, *args, **kwargs)  # type: ignore[no-untyped-call]

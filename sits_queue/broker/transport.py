@@ -33,17 +33,15 @@ from sits_queue.broker.keys import (
     score_base,
 )
 from sits_queue.broker.meta import WaitingMeta
-from sits_queue.broker.payload import poison_split, text
+from sits_queue.broker.payload import SitsMessage, poison_split, text
 from sits_queue.broker.qos import QoS
 from sits_queue.broker.scripts import Scripts
 from sits_queue.broker.snapshot import SnapshotCache
 from sits_queue.config import SitsConfig
 from sits_queue.options import (
     CONTROL_QUEUE,
-    HEADER,
     UNCOUNTED_TASKS,
     TaskOptions,
-    from_header,
 )
 from sits_queue.priority.model import Scorer
 
@@ -60,25 +58,6 @@ HELD_PAUSE_S = 0.25
 INTAKE_RECHECK_S = 1.0
 #: Malformed messages skipped in one get before yielding to the event loop.
 MAX_BAD_IN_A_ROW = 100
-
-
-class SitsMessage(virtual.Message):
-    """kombu's message; one a pick built already passes through kombu's ``Message(raw)``
-    calls as it is.
-
-    The pick builds each message where a failure is caught (``Channel._decode``: a body
-    that does not decode is dead-lettered there); kombu then calls ``Message(raw)`` again
-    on delivery (``basic_consume``'s callback), which would decode the body a second time.
-    """
-
-    def __new__(cls, payload: Any = None, *args: Any, **kwargs: Any) -> SitsMessage:
-        if isinstance(payload, cls):
-            return payload
-        return super().__new__(cls)
-
-    def __init__(self, payload: Any = None, *args: Any, **kwargs: Any) -> None:
-        if payload is not self:
-            super().__init__(payload, *args, **kwargs)
 
 
 class Channel(kredis.Channel):
@@ -219,7 +198,7 @@ class Channel(kredis.Channel):
                     scorer: Scorer) -> list[Any]:
         """One message's five ``put.lua`` arguments. ``options``: already validated ones
         (bulk submission), else they are read from the message's header."""
-        meta = (self._meta_for(message, now) if options is None else
+        meta = (WaitingMeta.of_message(self.config, message, now) if options is None else
                 WaitingMeta(options, now, str(message["headers"].get("task", ""))))
         o = meta.options
         prio = scorer.score(o.sla_class, now, o.context_tokens, o.latency_sla_ms,
@@ -290,21 +269,6 @@ class Channel(kredis.Channel):
             # periodically: idempotent, so a lost registry heals at once or within the period.
             self.raw.sadd(queues_registry(self.global_keyprefix), queue)
             self._registry_refreshed[queue] = time.monotonic()
-
-    def _meta_for(self, message: dict[str, Any], now: float) -> WaitingMeta:
-        headers = message.get("headers")
-        if not isinstance(headers, dict):
-            headers = {}
-        try:
-            options = from_header(self.config, headers.get(HEADER))
-        except (ValueError, TypeError, ArithmeticError) as exc:
-            # A foreign producer wrote a bad header: enqueue with defaults, never drop.
-            # InvalidTaskOptions (a ValueError) names the option; a TypeError or an
-            # ArithmeticError would mean a check it slipped past: no reason to refuse either.
-            logger.warning("message %s: %s; scheduling it with default options",
-                           message.get("properties", {}).get("delivery_tag"), exc)
-            options = from_header(self.config, None)
-        return WaitingMeta(options=options, enqueued_at_s=now, task=str(headers.get("task", "")))
 
     def _forget_keys(self, queue: str) -> None:
         k = self._keys.pop(queue, None)
@@ -541,7 +505,7 @@ class Channel(kredis.Channel):
     def _brpop_read(self, **options: Any) -> bool:
         try:
             if not self._in_poll:  # no wait in flight: a read would block for ever
-                self._stray_readable()
+                wait.stray_readable(self.client.connection, self.connection_errors)
             try:
                 woke = self.client.parse_response(self.client.connection, "BZPOPMIN",
                                                   **options)
@@ -570,20 +534,6 @@ class Channel(kredis.Channel):
         finally:
             self._in_poll = None  # type: ignore[assignment]
             self._flush_brpop_reauth()
-
-    def _stray_readable(self) -> None:
-        """The wait's socket fired with no wait in flight (intake paused, say): Redis
-        closed it (a restart, ``CLIENT KILL``, an idle timeout), or sent nothing. Closed:
-        the connection error, as a read would raise, so the worker reconnects (ignored,
-        the closed socket would fire at every turn of the loop); else nothing to read."""
-        connection = self.client.connection
-        if connection is not None and connection._sock is not None:
-            try:
-                connection.can_read(timeout=0)
-            except self.connection_errors:
-                connection.disconnect()
-                raise
-        raise Empty()
 
     def _size(self, queue: str) -> int:
         return int(self.raw.zcard(self.keys(queue).waiting))

@@ -78,3 +78,20 @@ def unpolled_on_disconnect(connection_class: type, poller: Callable[[], Any]) ->
             super().disconnect(*args, **kwargs)
 
     return UnpolledOnDisconnect
+
+
+def stray_readable(connection: Any, connection_errors: tuple[type[BaseException], ...]
+                   ) -> None:
+    """The wait's socket fired with no wait in flight (intake paused, say): Redis closed
+    it (a restart, ``CLIENT KILL``, an idle timeout), or sent nothing. Closed: the
+    connection error, as a read would raise, so the worker reconnects (ignored, the
+    closed socket would fire at every turn of the loop); else nothing to read (Empty)."""
+    from kombu.transport.virtual import Empty
+
+    if connection is not None and connection._sock is not None:
+        try:
+            connection.can_read(timeout=0)
+        except connection_errors:
+            connection.disconnect()
+            raise
+    raise Empty()
