@@ -9,6 +9,7 @@ for the atomic steps.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -74,6 +75,7 @@ class Channel(kredis.Channel):
         self.unacked_restore_throttle = 1  # our QoS throttles by time itself
         self._raw_client: redis.Redis | None = None
         self._raw_pool: Any = None
+        self._closed_params: dict[str, Any] | None = None
         self._sync_client: tuple[Any, Any] | None = None
         self.scripts = Scripts.register()
         self._keys: dict[str, QueueKeys] = {}
@@ -116,7 +118,15 @@ class Channel(kredis.Channel):
 
     @property
     def raw(self) -> redis.Redis:
-        """A client on kombu's pool that does not re-prefix keys (we prefix them ourselves)."""
+        """A client on kombu's pool that does not re-prefix keys (we prefix them ourselves);
+        once the channel is closed, one of its own on the same server."""
+        if self.connection is None and self._closed_params is not None:
+            if self._raw_pool is not self._closed_params:
+                self._raw_client = redis.Redis(
+                    connection_pool=redis.ConnectionPool(**self._closed_params))
+                self._raw_pool = self._closed_params
+            assert self._raw_client is not None
+            return self._raw_client
         pool = self.pool
         if self._raw_client is None or self._raw_pool is not pool:
             self._raw_client = redis.Redis(connection_pool=pool)
@@ -176,6 +186,10 @@ class Channel(kredis.Channel):
 
     def close(self) -> None:
         if not self.closed:
+            # for late acks through it: a task still running at the close of a lost
+            # connection acks here when it ends (qos.py), after kombu dropped the pool
+            with contextlib.suppress(Exception):
+                self._closed_params = self._connparams()
             self._deferred.close()
             if self._in_poll and self._watched:
                 # kombu would read the wait's answer first: up to brpop_timeout, then a

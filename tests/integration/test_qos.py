@@ -101,9 +101,10 @@ def test_a_started_task_given_back_at_close_counts(
         request = StartedRequest(message)
         started.add(request)
         worker_state.active_requests.add(request)
-        # When its channel closes before the task ends (a reconnect, a stop)
-        close(conn, channel)
+        channel.qos.note_started()
+        # When it stops before it ends (a cold shutdown cancels it) and its channel closes
         worker_state.active_requests.discard(request)
+        close(conn, channel)
         # Then the give-back counts: this task may be what brought its worker down
         assert redis_client.hget(KEYS.redelivered, message.delivery_tag) == str(times).encode()
     # And one more than max_redeliveries (2) dead-letters it as poison at the next pick
@@ -112,6 +113,32 @@ def test_a_started_task_given_back_at_close_counts(
     assert channel.basic_get("celery") is None
     close(conn, channel)
     assert "poison" in redis_client.hget(KEYS.dead, message.delivery_tag).decode()
+
+
+def test_a_task_still_running_at_close_is_kept_and_acked_through_the_closed_channel(
+        app: Celery, redis_client: redis.Redis, started: set[StartedRequest]) -> None:
+    """A lost connection with Redis up: Celery reconnects and lets its running task
+    go on; it acks through the channel closed meanwhile (after kombu dropped its pool,
+    which crashed the worker)."""
+    app.tasks["t.echo"].delay("running")
+    conn, channel, message = hold(app)
+    request = StartedRequest(message)
+    started.add(request)
+    worker_state.active_requests.add(request)
+    try:
+        # When its channel closes while the task runs
+        close(conn, channel)
+        # Then its message stays held, uncounted, and is beaten on
+        assert redis_client.zscore(KEYS.unacked, message.delivery_tag) is not None
+        assert redis_client.hget(KEYS.redelivered, message.delivery_tag) is None
+        redis_client.zadd(KEYS.unacked, {message.delivery_tag: time.time() - 3.5})
+        wait_for(lambda: (redis_client.zscore(KEYS.unacked, message.delivery_tag) or 0)
+                 > time.time() - 2, 3, "the beat of the closed channel")
+    finally:
+        worker_state.active_requests.discard(request)
+    # And its ack, when it ends, goes through
+    message.ack()
+    assert redis_client.zcard(KEYS.unacked) == 0 and redis_client.hlen(KEYS.payloads) == 0
 
 
 def test_a_task_cancelled_at_a_cold_shutdown_counts(
