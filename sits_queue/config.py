@@ -90,6 +90,12 @@ def _positive(name: str, value: float) -> None:
         raise ConfigError(f"{name} must be a positive number, got {value!r}")
 
 
+def _non_negative(name: str, value: float, note: str = "") -> None:
+    """A finite number >= 0; ``note`` says its unit and what 0 means."""
+    if not _is_number(value) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{name} must be >= 0{note}, got {value!r}")
+
+
 def _in_range(name: str, value: float, lo: float, hi: float) -> None:
     if not isinstance(value, (int, float)) or not lo <= value <= hi:
         raise ConfigError(f"{name} must be in [{lo}, {hi}], got {value!r}")
@@ -349,10 +355,7 @@ class SitsConfig:
         self._check_sites()
         _integer("embed_cache_entries", self.embed_cache_entries, 10_000_000, " (0: off)")
         _positive("embed_cache_ttl_s", self.embed_cache_ttl_s)
-        if not _is_number(self.host_pool_ttl_s) or not math.isfinite(self.host_pool_ttl_s) \
-                or self.host_pool_ttl_s < 0:
-            raise ConfigError(f"host_pool_ttl_s must be >= 0 s (0: never), got "
-                              f"{self.host_pool_ttl_s!r}")
+        _non_negative("host_pool_ttl_s", self.host_pool_ttl_s, " s (0: never)")
         if not _is_number(self.host_pool_pressure_share) \
                 or not 0 <= self.host_pool_pressure_share < 1:
             raise ConfigError(f"host_pool_pressure_share must be in [0, 1) (0: never), got "
@@ -362,10 +365,7 @@ class SitsConfig:
             share = getattr(self, name)
             if not _is_number(share) or not 0 < share <= 1:
                 raise ConfigError(f"{name} must be in (0, 1], got {share!r}")
-        if not _is_number(self.prewarm_interval_s) or not math.isfinite(self.prewarm_interval_s) \
-                or self.prewarm_interval_s < 0:
-            raise ConfigError(f"prewarm_interval_s must be >= 0 (0: off), got "
-                              f"{self.prewarm_interval_s!r}")
+        _non_negative("prewarm_interval_s", self.prewarm_interval_s, " (0: off)")
         if self.otel_traces not in ("auto", "otlp", "console", "off"):
             raise ConfigError(f"otel_traces must be auto, otlp, console or off, got "
                               f"{self.otel_traces!r}")
@@ -418,17 +418,20 @@ class SitsConfig:
         weight = self.quota(name).weight
         return tuple(c.name for c in self.classes if c.weight > weight)
 
+    def find_class(self, name: str) -> ClassQuota | None:
+        """Class ``name``, or None when this table has none of that name."""
+        return next((c for c in self.classes if c.name == name), None)
+
     def quota(self, name: str) -> ClassQuota:
-        for c in self.classes:
-            if c.name == name:
-                return c
+        if (c := self.find_class(name)) is not None:
+            return c
         raise ConfigError(f"unknown SLA class {name!r}; known classes: {list(self.class_names)}")
 
     def slice_s(self, name: str) -> float:
         """The time-slice quota of class ``name``, s (its own, else ``slice_ms``; a class
         this configuration does not know, from a producer's other table: ``slice_ms``)."""
-        own = next((c.slice_ms for c in self.classes if c.name == name), 0.0)
-        return (own or self.slice_ms) / 1000
+        own = self.find_class(name)
+        return ((own.slice_ms if own is not None else 0.0) or self.slice_ms) / 1000
 
     def time_limits(self, name: str) -> tuple[float, float]:
         """(soft, hard) Celery time limits for a class, seconds."""

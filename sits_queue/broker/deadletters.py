@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sits_queue.broker.payload import MalformedPayload, text
+from sits_queue.broker.payload import MalformedPayload, decode, text
 from sits_queue.errors import DeadLettered
 
 logger = logging.getLogger(__name__)
@@ -137,8 +137,6 @@ def requeue(channel: Any, queue: str, ids: Sequence[bytes | str]
     """Put dead-lettered messages back into ``queue`` as their producer would (scored
     afresh, redelivery count reset), then drop their records. Returns (requeued ids,
     {id: why not} for the others: gone, or a payload that never was a message)."""
-    from sits_queue.broker.payload import decode
-
     keys = channel.keys(queue)
     done: list[str] = []
     refused: dict[str, str] = {}

@@ -148,16 +148,12 @@ def check_queue_name(queue: str) -> str:
 #: .pidbox``): one per control client, declared expiring by the client. A worker that
 #: replies to one did not declare it, so it knows it only by its name.
 _REPLY_QUEUE = re.compile(r".+\.reply\..+\.pidbox")
-
-
 #: Life of a control reply queue its client did not declare here, after its latest put,
 #: ms: well past any client's wait for replies (``inspect``'s default is 1 s; Celery
 #: declares them expiring after 10 s unused).
 REPLY_QUEUE_EXPIRES_MS = 60_000
 #: kombu's separator of a binding's parts (routing key, pattern, queue) in its sets.
 BINDING_SEP = "\x06\x16"
-
-
 #: Celery's worker-direct queues (``<hostname>.dq2``): one per worker, for it alone.
 DIRECT_QUEUE_SUFFIX = WORKER_DIRECT_QUEUE_FORMAT.format(hostname="")
 

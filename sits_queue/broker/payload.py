@@ -8,7 +8,6 @@ take, and the transport dead-letters such a message rather than handing it on.
 
 from __future__ import annotations
 
-import base64
 import math
 from collections.abc import Collection
 from typing import Any
@@ -90,14 +89,14 @@ def decode(raw: bytes | str, codecs: Collection[str] = ()) -> dict[str, Any]:
     # Celery looks its task up by this name: an unhashable one would raise in its consumer.
     _expect(headers.get("task"), str, "headers.task", "a string")
     if headers.get("task") is not None:
-        _check_task_message(message, headers)
+        _check_task_message(headers)
     return message
 
 
-def _check_task_message(message: dict[str, Any], headers: dict[str, Any]) -> None:
-    """What Celery's consumer takes for granted in a task message (protocol 2) and fails
-    on in the worker's main process (which stops it), or after acking it: the task id,
-    the time limits, and a JSON body's ``[args, kwargs, embed]``."""
+def _check_task_message(headers: dict[str, Any]) -> None:
+    """What Celery's consumer takes for granted in a task message's headers (protocol 2)
+    and fails on in the worker's main process (which stops it): the task id and the time
+    limits. Its body is checked once kombu has decoded it (:func:`check_task_body`)."""
     task_id = headers.get("id")
     if not isinstance(task_id, str) or not task_id:
         raise MalformedPayload(f"headers.id is not a task id (a non-empty string): "
@@ -109,17 +108,24 @@ def _check_task_message(message: dict[str, Any], headers: dict[str, Any]) -> Non
                     for x in limits)):
         raise MalformedPayload(f"headers.timelimit is not [soft, hard] seconds or nulls: "
                                f"{limits!r}")
-    if message.get("content-type") != "application/json" or headers.get("compression"):
-        return  # another serializer's body: Celery checks it (and refuses what it must)
-    body = message.get("body")
+
+
+def check_task_body(message: Any) -> None:
+    """A task message's JSON body (as kombu's message holds it, its body encoding undone)
+    is ``[args, kwargs, embed]``: Celery unpacks it in the worker's main process (another
+    shape stops it) or acks and loses what does not parse. Another serializer's body is
+    Celery's to check (and to refuse what it must)."""
+    headers = message.headers or {}
+    if headers.get("task") is None or message.content_type != "application/json" \
+            or headers.get("compression"):
+        return
+    body = message.body or b""
     try:
-        raw: bytes | str = (body or b"") if message["properties"].get("body_encoding") \
-            != "base64" else base64.b64decode(body or b"", validate=True)
         try:
-            decoded = orjson.loads(raw)
+            decoded = orjson.loads(body)
         except orjson.JSONDecodeError:  # strict: a lone surrogate kombu's json reads
-            decoded = loads(raw)  # type: ignore[no-untyped-call]
-    except (ValueError, TypeError) as exc:  # binascii.Error and JSONDecodeError included
+            decoded = loads(body)  # type: ignore[no-untyped-call]
+    except (ValueError, TypeError) as exc:  # JSONDecodeError included
         raise MalformedPayload(f"body is not JSON: {exc}") from exc
     if not (isinstance(decoded, list) and len(decoded) == 3 and isinstance(decoded[0], list)
             and isinstance(decoded[1], dict) and isinstance(decoded[2], (dict, type(None)))):

@@ -442,6 +442,7 @@ class Channel(kredis.Channel):
             message = payload.decode(picked[1], self.codecs)
             payload.prepare(message, queue, tag, int(picked[2]), checkpoint, by_affinity)
             built = self.Message(message, channel=self)
+            payload.check_task_body(built)
         except Exception as exc:
             self._dead_letter(queue, picked, exc, no_ack)
             return None

@@ -37,6 +37,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kombu.transport.virtual import Empty
+
 logger = logging.getLogger(__name__)
 
 
@@ -86,8 +88,6 @@ def stray_readable(connection: Any, connection_errors: tuple[type[BaseException]
     it (a restart, ``CLIENT KILL``, an idle timeout), or sent nothing. Closed: the
     connection error, as a read would raise, so the worker reconnects (ignored, the
     closed socket would fire at every turn of the loop); else nothing to read (Empty)."""
-    from kombu.transport.virtual import Empty
-
     if connection is not None and connection._sock is not None:
         try:
             connection.can_read(timeout=0)

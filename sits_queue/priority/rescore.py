@@ -38,8 +38,6 @@ from sits_queue.priority.model import ClassStats, PrioritySnapshot, Scorer
 
 logger = logging.getLogger(__name__)
 
-#: What ends each worker's own queue's name: Celery's ``<hostname>.dq2`` (``worker_direct``).
-
 #: Per-pass decay of model call counts: hotness halves in ~6.6 passes (~33 s at 5 s).
 HOTNESS_DECAY = 0.9
 #: Waiting messages read per queue when looking for the oldest top-class task.

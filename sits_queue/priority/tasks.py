@@ -59,7 +59,7 @@ def prewarmer(app: Celery) -> Prewarmer:
     in the top class (whose VRAM limit admits the largest engines)."""
     def send(model: str, hostname: str) -> None:
         app.tasks[PREWARM_TASK].apply_async((), model=model, queue=worker_direct(hostname),
-                                               sla_class=top)
+                                            sla_class=top)
 
     top = app.sits.top_class
     return Prewarmer(app.sits, advertise.client_for(app.sits), send)

@@ -177,7 +177,7 @@ def _parse(engine: Any, tokenizer: Any, model: str, limit: int | None, index: in
     prompt, most = args["prompt"], args["max_new_tokens"]
     try:
         inputs.check_prompt(prompt, most, args["temperature"], args["seed"],
-                               args["stop_at_eos"])
+                            args["stop_at_eos"])
         ids = tokenizer(prompt)["input_ids"]
         inference.check_context(model, len(ids), most, limit)
     except InferenceError as exc:

@@ -118,7 +118,8 @@ def class_vram_gib(request: Request) -> float | None:
         config = sits_config(request.task.app)
     except Exception:
         return None
-    return next((c.vram_gib for c in config.classes if c.name == name), None)
+    quota = config.find_class(name)
+    return quota.vram_gib if quota is not None else None
 
 
 def admit(needed_gib: float | None, free_bytes: int,
