@@ -23,8 +23,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/sitsq demo
 
+# Two pytest processes by default (CI has 2 cores): the integration tests spend most of
+# their time waiting on worker subprocesses and Redis, so a second process nearly halves
+# the wall time. Whole files go to one process (loadfile): a module's costly fixtures (a
+# benchmark run, a worker) run once. Each process starts its own private redis-server.
+# PYTEST_WORKERS=0 runs everything in this process.
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
