@@ -215,6 +215,11 @@ class SitsConfig:
     visibility_timeout_s: float = 60.0
     #: A message redelivered more often than this is dead-lettered (it keeps killing workers).
     max_redeliveries: int = 5
+    #: A dead letter is deleted this long after it was dead-lettered, s (0: kept until
+    #: ``sitsq dead drop``). Its task's result says FAILURE already; the record keeps the
+    #: whole payload (a prompt, a batch of texts) for a person to look at, and a producer
+    #: of poison messages left alone would fill Redis. 14 days, as SQS keeps them at most.
+    dead_letter_ttl_s: float = 1_209_600.0
     #: Publish a task-sent event per submission (Flower's SENT state). Off, as in stock
     #: Celery: it is one more PUBLISH on every ``delay()``; Flower still sees every task
     #: from the worker's received/started/succeeded events.
@@ -333,6 +338,7 @@ class SitsConfig:
         _positive("rescore_chunk", self.rescore_chunk)
         _positive("stats_window", self.stats_window)
         _positive("max_redeliveries", self.max_redeliveries)
+        _non_negative("dead_letter_ttl_s", self.dead_letter_ttl_s, " s (0: kept)")
         for name in ("slice_ms", "yield_wait_ms", "yield_min_remaining_ms"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 <= value < 3_600_000:

@@ -12,7 +12,8 @@ Best effort, as the dead-lettering itself is what matters: a record that does no
 or a backend that cannot store, is logged and left.
 
 ``sitsq dead`` lists a queue's dead letters, puts chosen ones back (once the bug that
-made them poison is fixed) or drops them: :func:`read`, :func:`requeue`, :func:`drop`.
+made them poison is fixed) or drops them: :func:`read`, :func:`requeue`, :func:`drop`;
+the rescoring pass deletes those older than ``dead_letter_ttl_s``: :func:`expire`.
 """
 
 from __future__ import annotations
@@ -162,3 +163,23 @@ def requeue(channel: Any, queue: str, ids: Sequence[bytes | str]
 def drop(client: Any, dead_key: str, ids: Sequence[bytes | str]) -> int:
     """Delete dead-letter records for good; how many there were."""
     return int(client.hdel(dead_key, *ids)) if ids else 0
+
+
+def expire(client: Any, dead_key: str, before_s: float, chunk: int = 500) -> int:
+    """Delete the records dead-lettered before ``before_s`` (unix s); how many there
+    were. A record without a readable time is left: ``sitsq dead`` shows it, a person
+    drops it. Scanned and deleted a chunk at a time, so a large hash never holds Redis
+    in one call."""
+    expired = 0
+    old: list[bytes] = []
+    for message_id, record in client.hscan_iter(dead_key, count=chunk):
+        try:
+            at = float(json.loads(record)["at"])
+        except (ValueError, TypeError, KeyError, AttributeError):
+            continue
+        if at < before_s:
+            old.append(message_id)
+        if len(old) >= chunk:
+            expired += drop(client, dead_key, old)
+            old = []
+    return expired + drop(client, dead_key, old)

@@ -16,6 +16,7 @@ from typing import Any
 import redis
 from celery.utils.nodenames import WORKER_DIRECT_EXCHANGE
 
+from sits_queue.broker import deadletters
 from sits_queue.broker.keys import (
     BINDING_SEP,
     DIRECT_QUEUE_SUFFIX,
@@ -55,6 +56,12 @@ def counter_key(config: SitsConfig, name: str) -> str:
 
 def hot_key(config: SitsConfig) -> str:
     return f"{config.global_keyprefix}sits:hot"
+
+
+def sweep_period_s(dead_letter_ttl_s: float) -> float:
+    """How often dead letters are swept: a 24th of their TTL (a letter outlives it by
+    at most ~4%), between a second and an hour."""
+    return min(3600.0, max(1.0, dead_letter_ttl_s / 24))
 
 
 def _state_key(config: SitsConfig, name: str) -> str:
@@ -158,6 +165,7 @@ class Rescorer:
         queues = self.queues()
         if gone := self.prune_departed(queues):
             queues = [q for q in queues if q not in gone]
+        self.expire_dead_letters(queues, now_s)
         seen = rewritten = calls = 0
         max_call = 0.0
         for queue in queues:
@@ -206,6 +214,26 @@ class Rescorer:
         if replies:
             logger.info("took %d control reply queue(s) out of the registry", len(replies))
         return [*gone, *replies]
+
+    def expire_dead_letters(self, queues: list[str], now_s: float) -> int:
+        """Delete dead letters older than ``dead_letter_ttl_s``, once per
+        :func:`sweep_period_s` across every beat (a Redis key says when it last ran):
+        between sweeps a pass reads nothing of them. How many went."""
+        ttl = self.config.dead_letter_ttl_s
+        if ttl <= 0 or not queues or not self.client.set(
+                _state_key(self.config, "dead-sweep"), 1, nx=True,
+                px=max(1, int(sweep_period_s(ttl) * 1000))):
+            return 0
+        with self.client.pipeline(transaction=False) as pipe:
+            for queue in queues:
+                pipe.hlen(self.keys(queue).dead)
+            held = pipe.execute()
+        expired = {q: deadletters.expire(self.client, self.keys(q).dead, now_s - ttl)
+                   for q, n in zip(queues, held, strict=True) if n}
+        if total := sum(expired.values()):
+            logger.info("deleted %d dead letter(s) older than %.0f s: %s", total, ttl,
+                        {q: n for q, n in expired.items() if n})
+        return total
 
     def rescore_queue(self, queue: str, snapshot: PrioritySnapshot) -> tuple[int, int, int, float]:
         """Rewrite one queue's scores chunk by chunk; returns (seen, rewritten, calls, max s).

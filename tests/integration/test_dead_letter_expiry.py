@@ -1,0 +1,122 @@
+"""Dead letters are deleted ``dead_letter_ttl_s`` after they were dead-lettered, by the
+rescoring pass, at most once per sweep period across every beat; never with a TTL of 0."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+import redis
+from celery import Celery
+
+from sits_queue.app import make_app
+from sits_queue.broker import deadletters
+from sits_queue.broker.keys import QueueKeys
+from sits_queue.config import SitsConfig
+from sits_queue.priority.rescore import Rescorer, sweep_period_s
+
+TTL_S = 600.0
+
+
+def build_app(redis_url: str, ttl_s: float) -> Celery:
+    app = make_app(replace(SitsConfig(redis_url=redis_url), dead_letter_ttl_s=ttl_s),
+                   main="dead_expiry_test")
+
+    @app.task(name="t.echo", shared=False)
+    def echo(tag: str) -> str:
+        return tag
+
+    return app
+
+
+@pytest.fixture
+def app(redis_url: str, redis_client: redis.Redis) -> Iterator[Celery]:
+    app = build_app(redis_url, TTL_S)
+    yield app
+    app.close()
+
+
+def reject(app: Celery, queue: str, *tags: str) -> dict[str, str]:
+    """Send a task per tag to ``queue``, pick each and reject it (a dead letter, as a
+    consumer's ``reject()`` makes one): {tag: its dead letter's id}."""
+    for tag in tags:
+        app.tasks["t.echo"].apply_async((tag,), queue=queue)
+    ids = {}
+    with app.connection_for_write() as conn:
+        q = conn.SimpleQueue(queue)
+        for _ in tags:
+            message = q.get(block=False)
+            ids[message.payload[0][0]] = message.delivery_tag
+            message.reject()
+        q.close()
+    return ids
+
+
+def backdate(client: redis.Redis, queue: str, message_id: str, age_s: float) -> None:
+    """Make a dead letter ``age_s`` old, as if the pass ran that much later."""
+    dead = QueueKeys.for_queue(queue).dead
+    record = json.loads(client.hget(dead, message_id))
+    client.hset(dead, message_id, json.dumps({**record, "at": time.time() - age_s}))
+
+
+def test_letters_past_their_ttl_go_and_the_others_stay(
+        app: Celery, redis_client: redis.Redis) -> None:
+    ids = reject(app, "celery", "old", "young", "junk")
+    ids.update(reject(app, "other", "old2"))
+    backdate(redis_client, "celery", ids["old"], TTL_S + 5)
+    backdate(redis_client, "celery", ids["young"], TTL_S - 60)
+    backdate(redis_client, "other", ids["old2"], 3 * TTL_S)
+    # a record another program wrote, without a time: left for a person to drop
+    redis_client.hset(QueueKeys.for_queue("celery").dead, ids["junk"], b"{not json")
+    assert Rescorer(app.sits, redis_client).rescore_all() is not None
+    assert set(redis_client.hkeys(QueueKeys.for_queue("celery").dead)) == {
+        ids["young"].encode(), ids["junk"].encode()}
+    assert redis_client.hlen(QueueKeys.for_queue("other").dead) == 0
+
+
+def test_between_sweeps_a_pass_reads_no_dead_letter(
+        app: Celery, redis_client: redis.Redis) -> None:
+    rescorer = Rescorer(app.sits, redis_client)
+    (message_id,) = reject(app, "celery", "later").values()
+    assert rescorer.expire_dead_letters(rescorer.queues(), time.time()) == 0  # young
+    backdate(redis_client, "celery", message_id, TTL_S + 5)
+    # Another beat's pass within the period leaves it...
+    assert Rescorer(app.sits, redis_client).rescore_all() is not None
+    assert redis_client.hexists(QueueKeys.for_queue("celery").dead, message_id)
+    # ...and the first pass after the period takes it
+    pttl = redis_client.pttl("sits:state:dead-sweep")
+    assert 0 < pttl <= sweep_period_s(TTL_S) * 1000
+    redis_client.delete("sits:state:dead-sweep")  # the period, elapsed
+    assert rescorer.expire_dead_letters(rescorer.queues(), time.time()) == 1
+    assert not redis_client.hexists(QueueKeys.for_queue("celery").dead, message_id)
+
+
+def test_a_ttl_of_zero_keeps_every_letter(redis_url: str, redis_client: redis.Redis) -> None:
+    app = build_app(redis_url, 0)
+    try:
+        (message_id,) = reject(app, "celery", "kept").values()
+        backdate(redis_client, "celery", message_id, 10 * 365 * 86400)
+        assert Rescorer(app.sits, redis_client).rescore_all() is not None
+        assert redis_client.hexists(QueueKeys.for_queue("celery").dead, message_id)
+        assert not redis_client.exists("sits:state:dead-sweep")
+    finally:
+        app.close()
+
+
+def test_a_large_hash_is_expired_a_chunk_at_a_time(redis_client: redis.Redis) -> None:
+    dead = QueueKeys.for_queue("big").dead
+    now = time.time()
+    records = {f"m{i}": json.dumps({"reason": "r", "at": now - (100 if i % 3 else 1),
+                                    "payload": "{}"}) for i in range(1200)}
+    redis_client.hset(dead, mapping=records)
+    assert deadletters.expire(redis_client, dead, now - 50, chunk=100) == 800
+    assert redis_client.hlen(dead) == 400
+
+
+def test_the_sweep_period_is_a_24th_of_the_ttl_within_a_second_and_an_hour() -> None:
+    assert sweep_period_s(TTL_S) == 25.0
+    assert sweep_period_s(1.0) == 1.0
+    assert sweep_period_s(1_209_600.0) == 3600.0
