@@ -184,3 +184,50 @@ def queues_registry(prefix: str = "") -> str:
 def stats_key(prefix: str = "") -> str:
     """STRING with the latest priority snapshot JSON, written by the rescoring beat task."""
     return f"{prefix}sits:stats"
+
+
+# -- sites (§2.3, ``broker/sites.py``) ------------------------------------------------------
+
+def replica_keys(prefix: str, origin: str, queue: str) -> tuple[str, str, str]:
+    tag = f"{{{origin}:{queue}}}"
+    return (f"{prefix}sits:replica:{tag}:z", f"{prefix}sits:replica:{tag}:p",
+            f"{prefix}sits:replica:{tag}:m")
+
+
+def replica_queues_key(prefix: str, origin: str) -> str:
+    return f"{prefix}sits:replica:{{{origin}}}:queues"
+
+
+def origins_key(prefix: str) -> str:
+    return f"{prefix}sits:replica:origins"
+
+
+def alive_key(prefix: str, site: str) -> str:
+    return f"{prefix}sits:site:{{{site}}}:alive"
+
+
+def missing_since_key(prefix: str, site: str) -> str:
+    return f"{prefix}sits:site:{{{site}}}:missing-since"
+
+
+def takenover_key(prefix: str, site: str) -> str:
+    return f"{prefix}sits:site:{{{site}}}:takenover"
+
+
+def outbox_key(prefix: str) -> str:
+    # one hash tag with the taken batch's key: take_outbox.lua moves entries between them
+    return f"{prefix}sits:site:{{outbox}}"
+
+
+def taken_key(prefix: str) -> str:
+    """The outbox batch a pass is sending: its token, then its entries."""
+    return f"{prefix}sits:site:{{outbox}}:taken"
+
+
+def last_pass_key(prefix: str) -> str:
+    return f"{prefix}sits:site:last-pass"
+
+
+def link_key(prefix: str) -> str:
+    """The pass's choice of replica peer, for this site's producers."""
+    return f"{prefix}sits:site:link"

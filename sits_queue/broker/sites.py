@@ -45,7 +45,22 @@ from typing import Any
 
 import redis
 
-from sits_queue.broker.keys import SEQ_SPAN, QueueKeys, queues_registry, registered_queues
+from sits_queue.broker.keys import (
+    SEQ_SPAN,
+    QueueKeys,
+    alive_key,
+    last_pass_key,
+    link_key,
+    missing_since_key,
+    origins_key,
+    outbox_key,
+    queues_registry,
+    registered_queues,
+    replica_keys,
+    replica_queues_key,
+    taken_key,
+    takenover_key,
+)
 from sits_queue.broker.meta import sla_class_of
 from sits_queue.broker.scripts import Scripts
 from sits_queue.config import SitsConfig
@@ -77,55 +92,14 @@ HANDOVER_BATCH = 5000
 #: repaired by the digest anyway), and for how long, s, before looking again.
 OUTBOX_MAX = 1_000_000
 OUTBOX_FULL_BACKOFF_S = 10.0
+#: Outbox entries from which a pass compacts it (``priority.sites.compact_outbox``), and
+#: again each time it has doubled since: a peer away for long leaves it bounded by the
+#: tasks still here, not by every task done meanwhile.
+COMPACT_AT = 2 * DRAIN_BATCH
 #: How often a peer is told again which of this site's queues it holds replicas of, s.
 REGISTER_EVERY_S = 10.0
 #: How long a take-over record is kept for its origin to read, s.
 TAKEOVER_TTL_S = 7 * 86400
-
-
-def replica_keys(prefix: str, origin: str, queue: str) -> tuple[str, str, str]:
-    tag = f"{{{origin}:{queue}}}"
-    return (f"{prefix}sits:replica:{tag}:z", f"{prefix}sits:replica:{tag}:p",
-            f"{prefix}sits:replica:{tag}:m")
-
-
-def replica_queues_key(prefix: str, origin: str) -> str:
-    return f"{prefix}sits:replica:{{{origin}}}:queues"
-
-
-def origins_key(prefix: str) -> str:
-    return f"{prefix}sits:replica:origins"
-
-
-def alive_key(prefix: str, site: str) -> str:
-    return f"{prefix}sits:site:{{{site}}}:alive"
-
-
-def missing_since_key(prefix: str, site: str) -> str:
-    return f"{prefix}sits:site:{{{site}}}:missing-since"
-
-
-def takenover_key(prefix: str, site: str) -> str:
-    return f"{prefix}sits:site:{{{site}}}:takenover"
-
-
-def outbox_key(prefix: str) -> str:
-    # one hash tag with the taken batch's key: take_outbox.lua moves entries between them
-    return f"{prefix}sits:site:{{outbox}}"
-
-
-def taken_key(prefix: str) -> str:
-    """The outbox batch a pass is sending: its token, then its entries."""
-    return f"{prefix}sits:site:{{outbox}}:taken"
-
-
-def last_pass_key(prefix: str) -> str:
-    return f"{prefix}sits:site:last-pass"
-
-
-def link_key(prefix: str) -> str:
-    """The pass's choice of replica peer, for this site's producers."""
-    return f"{prefix}sits:site:link"
 
 
 def link_max_age_s(config: SitsConfig) -> float:
@@ -165,6 +139,7 @@ class PassReport:
     taken_over: int = 0
     dropped: int = 0
     handed_over: int = 0
+    compacted: int = 0
     errors: list[str] = field(default_factory=list)
 
 
@@ -196,6 +171,7 @@ class SiteSync:
         self._registered: dict[tuple[str, str], float] = {}
         self._plan: tuple[list[Link], SyncPlan] | None = None
         self._outbox_full_until = 0.0
+        self._compacted_len = 0
 
     # -- links and the plan ------------------------------------------------------------------
     def links(self, refresh: bool = False) -> list[Link]:
@@ -315,6 +291,7 @@ class SiteSync:
         # Before the drain or the digest: a task a peer took over leaves here, and its
         # replicas, or they would be replicated again.
         self._guarded(report, live, self._drop_taken_over)
+        self._compact(report)
         link = plan.link
         if link is not None:
             report.peer, report.rtt_ms = link.peer.name, round(link.rtt_ms, 3)
@@ -347,6 +324,29 @@ class SiteSync:
         if time.monotonic() - self._digest_at >= DIGEST_EVERY_S:
             self._digest_at = time.monotonic()
             self._repair(peer, plan, report)
+
+    def _compact(self, report: PassReport) -> None:
+        """Compact the outbox once it is long (:data:`COMPACT_AT`, then twice its length
+        after the last compaction). Under the pass's lock nothing else takes from its
+        head, and producers only append: its first entries are replaced, atomically, by
+        what is kept of them."""
+        key = outbox_key(self.prefix)
+        length = int(self.local.llen(key))
+        if length < max(COMPACT_AT, 2 * self._compacted_len):
+            self._compacted_len = min(self._compacted_len, length)  # drained meanwhile
+            return
+        entries = self.local.lrange(key, 0, length - 1)
+        kept = sites.compact_outbox(entries)
+        with self.local.pipeline(transaction=True) as pipe:
+            pipe.ltrim(key, len(entries), -1)
+            for end in range(len(kept), 0, -DRAIN_BATCH):  # the last chunk first
+                pipe.lpush(key, *reversed(kept[max(0, end - DRAIN_BATCH):end]))
+            pipe.execute()
+        self._compacted_len = len(kept)
+        report.compacted = len(entries) - len(kept)
+        if report.compacted:
+            logger.info("site %s: outbox compacted from %d to %d entries", self.site,
+                        len(entries), len(kept))
 
     def _drain(self, peer: str, plan: SyncPlan, report: PassReport) -> None:
         """Send the batch an earlier pass left taken, if any, then one new batch. A batch
