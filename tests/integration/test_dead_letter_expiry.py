@@ -6,35 +6,22 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 
 import pytest
 import redis
 from celery import Celery
 
-from sits_queue.app import make_app
 from sits_queue.broker import deadletters
 from sits_queue.broker.keys import QueueKeys
-from sits_queue.config import SitsConfig
 from sits_queue.priority.rescore import Rescorer, sweep_period_s
+from tests.integration.test_transport import build_app
 
 TTL_S = 600.0
 
 
-def build_app(redis_url: str, ttl_s: float) -> Celery:
-    app = make_app(replace(SitsConfig(redis_url=redis_url), dead_letter_ttl_s=ttl_s),
-                   main="dead_expiry_test")
-
-    @app.task(name="t.echo", shared=False)
-    def echo(tag: str) -> str:
-        return tag
-
-    return app
-
-
 @pytest.fixture
 def app(redis_url: str, redis_client: redis.Redis) -> Iterator[Celery]:
-    app = build_app(redis_url, TTL_S)
+    app = build_app(redis_url, dead_letter_ttl_s=TTL_S)
     yield app
     app.close()
 
@@ -95,7 +82,7 @@ def test_between_sweeps_a_pass_reads_no_dead_letter(
 
 
 def test_a_ttl_of_zero_keeps_every_letter(redis_url: str, redis_client: redis.Redis) -> None:
-    app = build_app(redis_url, 0)
+    app = build_app(redis_url, dead_letter_ttl_s=0)
     try:
         (message_id,) = reject(app, "celery", "kept").values()
         backdate(redis_client, "celery", message_id, 10 * 365 * 86400)
