@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -16,6 +17,7 @@ from kombu.entity import Queue
 from sits_queue.broker import results
 from sits_queue.broker.keys import DELIVERY_ONLY
 from sits_queue.config import SitsConfig
+from sits_queue.errors import InvalidTaskOptions
 from sits_queue.options import (
     CONTROL_QUEUE,
     HEADER,
@@ -58,21 +60,42 @@ def resolve_task_options(task: Task | None, config: SitsConfig, per_call: Mappin
 
 
 def apply_class_limits(task: Task | None, config: SitsConfig, sla_class: str,
-                       options: dict[str, Any]) -> None:
-    """Default the Celery time limits from the class; a task (None: not registered here,
-    none) or call setting wins. A hard limit set below the class's soft one brings the
-    default soft limit down with it (``soft_limit_fraction`` of it): Celery's prefork pool
-    enforces a hard limit only after the soft one has fired, so the class's soft limit
-    would have held the task past its own hard limit."""
+                       options: dict[str, Any], conf: Mapping[str, Any] | None = None
+                       ) -> None:
+    """Set the Celery time limits the message carries. A call's setting wins, then the
+    task's (None: not registered here, none), then the app's ``task_time_limit`` /
+    ``task_soft_time_limit`` (``conf``; Celery also binds them to each task), then the
+    class's: those are the defaults for what the caller did not set.
+
+    A hard limit set and no soft one: the soft limit is ``soft_limit_fraction`` of it,
+    above or below the class's (the class's soft limit would cut a task whose hard limit
+    was raised short of it; and Celery's prefork pool enforces a hard limit only after
+    the soft one has fired, so it would hold a task whose hard limit was lowered past
+    it), and so is a soft limit set at or past it. A soft limit set and no hard one, at or
+    past the class's hard limit: the hard limit moves up so that the soft one fires
+    first."""
     soft, hard = config.time_limits(sla_class)
-    task_hard = getattr(task, "time_limit", None)
-    if task_hard is None:
-        options.setdefault("time_limit", hard)
-    if getattr(task, "soft_time_limit", None) is None \
-            and options.get("soft_time_limit") is None:
-        own_hard = options.get("time_limit") or task_hard
-        options["soft_time_limit"] = soft if not own_hard \
-            else min(soft, config.soft_limit_fraction * float(own_hard))
+    conf = conf or {}
+    own_hard = options.get("time_limit") or getattr(task, "time_limit", None) \
+        or conf.get("task_time_limit")
+    own_soft = options.get("soft_time_limit") or getattr(task, "soft_time_limit", None) \
+        or conf.get("task_soft_time_limit")
+    for name, value in (("time_limit", own_hard), ("soft_time_limit", own_soft)):
+        if value and (isinstance(value, bool) or not isinstance(value, (int, float))
+                      or not 0 < value < math.inf):
+            raise InvalidTaskOptions(f"{name} must be a positive number of seconds, got "
+                                     f"{value!r}")
+    fraction = config.soft_limit_fraction
+    if own_hard:
+        hard = float(own_hard)
+        if own_soft and float(own_soft) >= hard:  # (an app's soft limit, a call's hard)
+            own_soft = None
+    elif own_soft and float(own_soft) >= hard:
+        hard = float(own_soft) / fraction
+    # set on the call: they win over the task's own, which Celery would send otherwise
+    options["time_limit"] = hard
+    options["soft_time_limit"] = float(own_soft) if own_soft \
+        else fraction * hard if own_hard else soft
 
 
 def sits_headers(opts: TaskOptions, headers: Mapping[str, Any] | None,
@@ -114,7 +137,7 @@ class SitsTask(Task):  # type: ignore[misc]
                     shadow: str | None = None, **options: Any) -> Any:
         config = sits_config(self.app)
         opts = resolve_task_options(self, config, pop_sits_options(options), args, kwargs)
-        apply_class_limits(self, config, opts.sla_class, options)
+        apply_class_limits(self, config, opts.sla_class, options, self.app.conf)
         options["headers"] = sits_headers(opts, options.pop("headers", None), time.time())
         return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow,
                                    **options)
@@ -349,7 +372,7 @@ class SitsCelery(Celery):  # type: ignore[misc]
                 options.pop(limit, None)
         task = self.tasks.get(name)
         opts = resolve_task_options(task, config, per_call, args, kwargs)
-        apply_class_limits(task, config, opts.sla_class, options)
+        apply_class_limits(task, config, opts.sla_class, options, self.conf)
         options["headers"] = sits_headers(opts, options.pop("headers", None), time.time())
         return super().send_task(name, args, kwargs, **options)
 

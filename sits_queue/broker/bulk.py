@@ -174,7 +174,7 @@ def _plan(task: Task, options: dict[str, Any]) -> _Plan:
                         f"{sorted(SUPPORTED_OPTIONS | set(OPTION_NAMES))}")
     config = sits_config(app)
     opts = resolve_task_options(task, config, pop_sits_options(options))
-    apply_class_limits(task, config, opts.sla_class, options)
+    apply_class_limits(task, config, opts.sla_class, options, app.conf)
     if task.soft_time_limit and task.time_limit and task.soft_time_limit > task.time_limit:
         raise ValueError("soft_time_limit must be less than or equal to time_limit")
     options = {**task._get_exec_options(), **options}

@@ -10,6 +10,7 @@ from celery.app.task import Context
 
 from sits_queue.app import make_app
 from sits_queue.config import SitsConfig
+from sits_queue.errors import InvalidTaskOptions
 from sits_queue.options import HEADER
 
 
@@ -95,13 +96,17 @@ def test_a_retry_in_the_same_class_keeps_its_limits(task: Any) -> None:
     ({}, {}, (8.0, 10)),
     # a call's hard limit under the class's soft one brings the soft one down with it
     ({}, {"time_limit": 1}, (0.8, 1)),
-    ({}, {"time_limit": 100}, (8.0, 100)),  # above: the class's soft limit stays
+    # above it, the soft one goes up with it: the class's would cut the task short
+    ({}, {"time_limit": 100}, (80.0, 100)),
     ({}, {"time_limit": 1, "soft_time_limit": 0.5}, (0.5, 1)),  # both given: as given
     # a task's own hard limit likewise (Celery sends the task's time_limit itself)
-    ({"time_limit": 2}, {}, (1.6, None)),
-    ({"time_limit": 2, "soft_time_limit": 1.9}, {}, (None, None)),
+    ({"time_limit": 2}, {}, (1.6, 2)),
+    ({"time_limit": 2, "soft_time_limit": 1.9}, {}, (1.9, 2)),
+    ({"time_limit": 2, "soft_time_limit": 1.9}, {"time_limit": 5}, (1.9, 5)),
+    # a soft limit past the class's hard one (10) moves the hard one up: it fires first
+    ({}, {"soft_time_limit": 12}, (12, 15)),
 ])
-def test_a_hard_limit_below_the_classs_soft_limit_brings_the_soft_one_down(
+def test_a_hard_limit_of_the_call_or_task_brings_the_soft_one_with_it(
         task_limits: dict[str, float], call: dict[str, float],
         want: tuple[float | None, float | None]) -> None:
     from sits_queue.app import apply_class_limits
@@ -115,3 +120,40 @@ def test_a_hard_limit_below_the_classs_soft_limit_brings_the_soft_one_down(
     options: dict[str, Any] = dict(call)
     apply_class_limits(limited, SitsConfig(), "low", options)
     assert (options.get("soft_time_limit"), options.get("time_limit")) == pytest.approx(want)
+
+
+@pytest.mark.parametrize(("conf", "call", "want"), [
+    # the app's task_time_limit / task_soft_time_limit rank above the class's (8, 10)
+    ({"task_time_limit": 50}, {}, (40.0, 50)),
+    ({"task_soft_time_limit": 3}, {}, (3.0, 10)),
+    ({"task_time_limit": 50, "task_soft_time_limit": 45}, {}, (45.0, 50)),
+    ({"task_soft_time_limit": 12}, {}, (12.0, 15)),
+    # and below a call's
+    ({"task_time_limit": 50, "task_soft_time_limit": 45}, {"time_limit": 5}, (4.0, 5)),
+    ({"task_time_limit": 50}, {"soft_time_limit": 7}, (7.0, 50)),
+])
+def test_the_apps_time_limit_settings_rank_above_the_class(
+        conf: dict[str, float], call: dict[str, float],
+        want: tuple[float | None, float | None]) -> None:
+    from sits_queue.app import apply_class_limits
+
+    app = make_app(SitsConfig(), main="limits-conf")
+    app.conf.update(conf)
+
+    @app.task(name="u.plain", shared=False, sla_class="low")
+    def plain() -> None:
+        return None
+
+    options: dict[str, Any] = dict(call)
+    apply_class_limits(plain, SitsConfig(), "low", options, app.conf)
+    assert (options.get("soft_time_limit"), options.get("time_limit")) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("call", [{"time_limit": "ten"}, {"soft_time_limit": -1},
+                                  {"time_limit": float("nan")}, {"time_limit": True}])
+def test_a_time_limit_that_is_not_a_positive_number_is_refused_by_name(
+        call: dict[str, Any]) -> None:
+    from sits_queue.app import apply_class_limits
+
+    with pytest.raises(InvalidTaskOptions, match=next(iter(call))):
+        apply_class_limits(None, SitsConfig(), "low", dict(call))
