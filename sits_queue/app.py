@@ -17,7 +17,7 @@ from kombu.entity import Queue
 from sits_queue.broker import results
 from sits_queue.broker.keys import DELIVERY_ONLY
 from sits_queue.config import SitsConfig
-from sits_queue.errors import InvalidTaskOptions
+from sits_queue.errors import ConfigError, InvalidTaskOptions
 from sits_queue.options import (
     CONTROL_QUEUE,
     HEADER,
@@ -245,19 +245,41 @@ def sits_config(app: Celery) -> SitsConfig:
     return config
 
 
+#: Transport options the SITS config decides (what it holds, and the keys it names), and
+#: the setting a user changes instead.
+OWN_TRANSPORT_OPTIONS = {"global_keyprefix": "SITS_GLOBAL_KEYPREFIX",
+                         "visibility_timeout": "SITS_VISIBILITY_TIMEOUT_S"}
+
+
+def sits_transport_options(config: SitsConfig, *given: Mapping[str, Any] | None
+                      ) -> dict[str, Any]:
+    """The broker transport options: those ``given`` (the app's
+    ``broker_transport_options``, a connection's own), with the SITS config's on top. A
+    user who replaces ``broker_transport_options`` the usual Celery way keeps them; one
+    who sets an option the SITS config decides to another value is told which setting
+    to change (a producer and a worker would otherwise use different keys)."""
+    ours = {"visibility_timeout": config.visibility_timeout_s,
+            "global_keyprefix": config.global_keyprefix,
+            "sits_config": _plain(asdict(config))}
+    merged: dict[str, Any] = {
+        # The sweep restores messages of silent workers; ours throttles by time.
+        "unacked_restore_interval": max(1.0, config.visibility_timeout_s / 6)}
+    for options in given:
+        merged.update(options or {})
+    for name, setting in OWN_TRANSPORT_OPTIONS.items():
+        if name in merged and merged[name] != ours[name]:
+            raise ConfigError(f"broker_transport_options {name}={merged[name]!r} differs from "
+                              f"the SITS config's {ours[name]!r}: set {setting} instead")
+    return {**merged, **ours}
+
+
 def celery_settings(config: SitsConfig) -> dict[str, Any]:
     """Celery configuration derived from a SitsConfig: the production defaults."""
     prefix = config.global_keyprefix
     return {
         "broker_url": config.redis_url,
         "broker_transport": TRANSPORT,
-        "broker_transport_options": {
-            "visibility_timeout": config.visibility_timeout_s,
-            "global_keyprefix": prefix,
-            "sits_config": _plain(asdict(config)),
-            # The sweep restores messages of silent workers; ours throttles by time.
-            "unacked_restore_interval": max(1.0, config.visibility_timeout_s / 6),
-        },
+        "broker_transport_options": sits_transport_options(config),
         "broker_connection_retry_on_startup": True,
         # Celery's Redis backend, storing each state in one atomic round trip.
         "result_backend": results.backend_url(config.redis_url),
@@ -351,6 +373,14 @@ class SitsCelery(Celery):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.models = ModelRegistry()
+
+    def _connection(self, url: Any, *args: Any, transport_options: Any = None,
+                    **kwargs: Any) -> Any:
+        """Celery's, with the SITS transport options whatever became of the app's
+        ``broker_transport_options`` (a plain assignment replaces the whole dict)."""
+        options = sits_transport_options(sits_config(self), self.conf.broker_transport_options,
+                                         transport_options)
+        return super()._connection(url, *args, transport_options=options, **kwargs)
 
     def send_task(self, name: str, args: Any = None, kwargs: Any = None,
                   **options: Any) -> Any:
