@@ -152,6 +152,13 @@ _REPLY_QUEUE = re.compile(r".+\.reply\..+\.pidbox")
 #: ms: well past any client's wait for replies (``inspect``'s default is 1 s; Celery
 #: declares them expiring after 10 s unused).
 REPLY_QUEUE_EXPIRES_MS = 60_000
+#: Result queues of Celery's ``rpc://`` backend: named by the client's ``thread_oid``, a
+#: UUID, declared by the client (expiring after ``result_expires``) and put to by the
+#: workers, which know them only by that name...
+_RESULT_QUEUE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+#: ...and keep them this long after their latest put, ms: the results wait there until
+#: the client reads them (Celery's default ``result_expires``, which SITS keeps).
+RESULT_QUEUE_EXPIRES_MS = 86_400_000
 #: kombu's separator of a binding's parts (routing key, pattern, queue) in its sets.
 BINDING_SEP = "\x06\x16"
 #: Celery's worker-direct queues (``<hostname>.dq2``): one per worker, for it alone.
@@ -159,7 +166,19 @@ DIRECT_QUEUE_SUFFIX = WORKER_DIRECT_QUEUE_FORMAT.format(hostname="")
 
 
 def is_reply_queue(queue: str) -> bool:
-    return _REPLY_QUEUE.fullmatch(queue) is not None
+    """A queue one client reads replies from (remote control, ``rpc://`` results): never
+    in the registry, its keys expiring (:func:`reply_expiry_ms`)."""
+    return reply_expiry_ms(queue) is not None
+
+
+def reply_expiry_ms(queue: str) -> int | None:
+    """How long a reply queue's keys live after its latest put, ms, known by its name
+    alone (a worker that replies did not declare it); None: not a reply queue."""
+    if _REPLY_QUEUE.fullmatch(queue) is not None:
+        return REPLY_QUEUE_EXPIRES_MS
+    if _RESULT_QUEUE.fullmatch(queue) is not None:
+        return RESULT_QUEUE_EXPIRES_MS
+    return None
 
 
 def registered_queues(names: Iterable[bytes | str]) -> list[str]:

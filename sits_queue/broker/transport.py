@@ -27,10 +27,9 @@ from sits_queue.broker.fanout import DeferredCommands
 from sits_queue.broker.keys import (
     DIRECT_QUEUE_SUFFIX,
     MARKER_MEMBER,
-    REPLY_QUEUE_EXPIRES_MS,
     QueueKeys,
-    is_reply_queue,
     queues_registry,
+    reply_expiry_ms,
     score_base,
 )
 from sits_queue.broker.meta import WaitingMeta
@@ -261,11 +260,12 @@ class Channel(kredis.Channel):
 
     def _expiry_ms(self, queue: str) -> int | None:
         """How long an unused ``queue`` lives, ms (kombu's ``x-expires``): as declared on
-        this channel, or, for a control reply queue another process declared (a worker
-        replying to ``celery inspect``), :data:`REPLY_QUEUE_EXPIRES_MS`; None: for good."""
+        this channel, or, for a reply queue another process declared (a worker replying
+        to ``celery inspect``, or storing an ``rpc://`` result), as its name says
+        (:func:`~sits_queue.broker.keys.reply_expiry_ms`); None: for good."""
         if queue in self._expires:
             return int(self._expires[queue])
-        return REPLY_QUEUE_EXPIRES_MS if is_reply_queue(queue) else None
+        return reply_expiry_ms(queue)
 
     def _after_put(self, queue: str, n: int, waiting: int) -> None:
         if (expires := self._expiry_ms(queue)) is not None:

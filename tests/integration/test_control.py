@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -198,3 +199,40 @@ def test_control_clients_leave_nothing_behind(spawn: Spawn, redis_url: str,
     left = [k for k in redis_client.scan_iter(match="*pidbox*")
             if redis_client.type(k) != b"set" and redis_client.ttl(k) == -1]
     assert left == [], left
+
+
+def test_rpc_result_queues_leave_nothing_behind(tmp_path: Path, redis_url: str,
+                                                redis_client: redis.Redis) -> None:
+    """With Celery's ``rpc://`` result backend each client reads its results from a
+    queue named by its oid (a UUID), which the worker that puts results to it did not
+    declare: that put listed the queue in the registry for good and left its keys with
+    no expiry, one client process after another."""
+    from sits_queue.app import make_app
+    from sits_queue.broker.keys import RESULT_QUEUE_EXPIRES_MS, queues_registry
+    from sits_queue.config import SitsConfig
+    from sits_queue.procs import start_worker, wait_ready
+    from tests.integration.conftest import APP_MODULE, ROOT, worker_env
+    from tests.integration.worker_app import register
+
+    env = {**worker_env(redis_url), "RESULT_BACKEND": "rpc://"}
+    worker = start_worker(APP_MODULE, env, tmp_path, concurrency=1, cwd=ROOT)
+    try:
+        for i in range(3):  # one client process each
+            client = make_app(SitsConfig(redis_url=redis_url), main=f"rpc-{i}")
+            client.conf.result_backend = "rpc://"
+            register(client)
+            try:
+                if i == 0:
+                    wait_ready(client, [worker])
+                assert client.tasks["w.add"].delay(i, 1).get(timeout=30) == i + 1
+                oid = client.backend.oid
+            finally:
+                client.close()
+            keys = QueueKeys.for_queue(oid).all()
+            assert any(redis_client.exists(k) for k in keys)  # the worker's put was there
+            ttls = [redis_client.pttl(k) for k in keys if redis_client.exists(k)]
+            assert all(0 < ttl <= RESULT_QUEUE_EXPIRES_MS for ttl in ttls), ttls
+        listed = {m.decode() for m in redis_client.smembers(queues_registry(""))}
+        assert listed <= {"celery", "sits.control", f"{worker.hostname}.dq2"}, listed
+    finally:
+        worker.stop(timeout_s=10)
