@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -29,6 +30,8 @@ from sits_queue.options import (
     resolve,
 )
 from sits_queue.registry import Loader, ModelRegistry
+
+logger = logging.getLogger(__name__)
 
 TRANSPORT = "sits_queue.broker.transport:Transport"
 DEFAULT_QUEUE = "celery"
@@ -373,6 +376,7 @@ class SitsCelery(Celery):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.models = ModelRegistry()
+        self._priority_noted = False
 
     def _connection(self, url: Any, *args: Any, transport_options: Any = None,
                     **kwargs: Any) -> Any:
@@ -388,6 +392,13 @@ class SitsCelery(Celery):  # type: ignore[misc]
         publishes: ``send_task`` by name, ``celery call``, a task whose base is a plain
         ``celery.Task``. (``SitsTask.apply_async`` attaches them before it gets here.)
         A task registered in this app lends its declared options and time limits."""
+        if options.get("priority") and not self._priority_noted:  # (a retry passes 0 on)
+            # Stock Celery orders by it; here the class and the live score do. Said once
+            # per process: a producer may pass it on every call.
+            self._priority_noted = True
+            logger.warning("task %s: Celery's priority=%r does not order SITS queues; "
+                           "give sla_class= (and the SITS options) instead", name,
+                           options["priority"])
         headers = options.get("headers")
         if isinstance(headers, Mapping) and isinstance(headers.get(HEADER), Mapping):
             # Attached already (apply_async, a retry) or by hand: checked either way, so

@@ -157,3 +157,26 @@ def test_a_time_limit_that_is_not_a_positive_number_is_refused_by_name(
 
     with pytest.raises(InvalidTaskOptions, match=next(iter(call))):
         apply_class_limits(None, SitsConfig(), "low", dict(call))
+
+
+def test_celerys_priority_is_said_once_not_to_order_sits_queues(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from kombu import Connection
+
+    app = make_app(SitsConfig(), main="priority-note")
+
+    @app.task(name="u.ranked", shared=False)
+    def ranked() -> None:
+        return None
+
+    sent: list[dict[str, Any]] = []
+    with Connection("memory://") as conn, caplog.at_level("WARNING", logger="sits_queue.app"):
+        producer = conn.Producer()
+        producer.publish = lambda *a, **kw: sent.append(kw)  # no broker: what is sent
+        ranked.apply_async(priority=0, producer=producer)  # a retry's: none said
+        assert not caplog.records
+        ranked.apply_async(priority=9, producer=producer)
+        ranked.apply_async(priority=9, producer=producer)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "priority=9 does not order SITS queues" in said[0]
+    assert len(sent) == 3
