@@ -92,10 +92,6 @@ HANDOVER_BATCH = 5000
 #: repaired by the digest anyway), and for how long, s, before looking again.
 OUTBOX_MAX = 1_000_000
 OUTBOX_FULL_BACKOFF_S = 10.0
-#: Outbox entries from which a pass compacts it (``priority.sites.compact_outbox``), and
-#: again each time it has doubled since: a peer away for long leaves it bounded by the
-#: tasks still here, not by every task done meanwhile.
-COMPACT_AT = 2 * DRAIN_BATCH
 #: How often a peer is told again which of this site's queues it holds replicas of, s.
 REGISTER_EVERY_S = 10.0
 #: How long a take-over record is kept for its origin to read, s.
@@ -139,7 +135,6 @@ class PassReport:
     taken_over: int = 0
     dropped: int = 0
     handed_over: int = 0
-    compacted: int = 0
     errors: list[str] = field(default_factory=list)
 
 
@@ -171,7 +166,6 @@ class SiteSync:
         self._registered: dict[tuple[str, str], float] = {}
         self._plan: tuple[list[Link], SyncPlan] | None = None
         self._outbox_full_until = 0.0
-        self._compacted_len = 0
 
     # -- links and the plan ------------------------------------------------------------------
     def links(self, refresh: bool = False) -> list[Link]:
@@ -291,7 +285,6 @@ class SiteSync:
         # Before the drain or the digest: a task a peer took over leaves here, and its
         # replicas, or they would be replicated again.
         self._guarded(report, live, self._drop_taken_over)
-        self._compact(report)
         link = plan.link
         if link is not None:
             report.peer, report.rtt_ms = link.peer.name, round(link.rtt_ms, 3)
@@ -325,29 +318,6 @@ class SiteSync:
             self._digest_at = time.monotonic()
             self._repair(peer, plan, report)
 
-    def _compact(self, report: PassReport) -> None:
-        """Compact the outbox once it is long (:data:`COMPACT_AT`, then twice its length
-        after the last compaction). Under the pass's lock nothing else takes from its
-        head, and producers only append: its first entries are replaced, atomically, by
-        what is kept of them."""
-        key = outbox_key(self.prefix)
-        length = int(self.local.llen(key))
-        if length < max(COMPACT_AT, 2 * self._compacted_len):
-            self._compacted_len = min(self._compacted_len, length)  # drained meanwhile
-            return
-        entries = self.local.lrange(key, 0, length - 1)
-        kept = sites.compact_outbox(entries)
-        with self.local.pipeline(transaction=True) as pipe:
-            pipe.ltrim(key, len(entries), -1)
-            for end in range(len(kept), 0, -DRAIN_BATCH):  # the last chunk first
-                pipe.lpush(key, *reversed(kept[max(0, end - DRAIN_BATCH):end]))
-            pipe.execute()
-        self._compacted_len = len(kept)
-        report.compacted = len(entries) - len(kept)
-        if report.compacted:
-            logger.info("site %s: outbox compacted from %d to %d entries", self.site,
-                        len(entries), len(kept))
-
     def _drain(self, peer: str, plan: SyncPlan, report: PassReport) -> None:
         """Send the batch an earlier pass left taken, if any, then one new batch. A batch
         stays taken (take_outbox.lua) until the peer has it: a pass that fails or dies
@@ -367,8 +337,10 @@ class SiteSync:
 
     def _apply(self, peer: str, plan: SyncPlan, report: PassReport,
                raw: Sequence[bytes]) -> None:
-        puts: dict[str, list[str]] = {}
-        dels: dict[str, list[str]] = {}
+        # A task's last entry in the batch is what holds: a put then a delete (done
+        # meanwhile) deletes; a delete then a put (a dead letter requeued with its id)
+        # writes the replica again.
+        last: dict[tuple[str, str], str] = {}
         for entry in raw:
             try:
                 op, queue, task_id = json.loads(entry)
@@ -376,10 +348,14 @@ class SiteSync:
                 logger.error("site %s: outbox entry not understood, dropped: %.200r",
                              self.site, entry)
                 continue
+            last.pop((queue, task_id), None)  # (re-inserted: the order is the last entry's)
+            last[(queue, task_id)] = op
+        puts: dict[str, list[str]] = {}
+        dels: dict[str, list[str]] = {}
+        for (queue, task_id), op in last.items():
             (puts if op == "put" else dels).setdefault(queue, []).append(task_id)
         for queue, ids in puts.items():
-            gone = set(dels.get(queue, ()))
-            records = [r for r in self._local_records(queue, [i for i in ids if i not in gone])
+            records = [r for r in self._local_records(queue, ids)
                        if plan.mode(sla_class_of(r[2]) or "").replicated]
             report.replicated += self._write_replicas(peer, queue, records)
         for queue, ids in dels.items():

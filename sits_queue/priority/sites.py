@@ -191,33 +191,6 @@ def digest(ids: Iterable[str]) -> str:
     return f"{n}:{acc:032x}"
 
 
-def compact_outbox(entries: Sequence[bytes | str]) -> list[bytes | str]:
-    """The outbox less what a peer that has none of it yet needs not hear: a ``put`` of
-    a task and the later ``del`` of the same task (done, or dead-lettered, before the
-    peer heard of it) go together. While a peer is away every task adds both, so the
-    outbox then holds what still waits or runs here, and the deletes of replicas the
-    peer already had, instead of growing by two entries per task.
-
-    The peer may have a task's replica by another way than this put: a strong write (its
-    put is in the outbox only if the write failed), or the digest repair, which deletes
-    the replica again at its next check (a replica that outlives its task, as a delete
-    one pass late does: at least once, never lost). Entries that do not parse are kept
-    (the drain reports and drops them)."""
-    drop: set[int] = set()
-    put_at: dict[tuple[str, str], int] = {}  # task -> index of its latest unmatched put
-    for index, entry in enumerate(entries):
-        try:
-            op, queue, task_id = json.loads(entry)
-        except (ValueError, TypeError):
-            continue
-        task = (str(queue), str(task_id))
-        if op == "put":
-            put_at[task] = index
-        elif op == "del" and (put := put_at.pop(task, None)) is not None:
-            drop.update((put, index))
-    return [entry for index, entry in enumerate(entries) if index not in drop]
-
-
 def parse_peers(text: str) -> tuple[Peer, ...]:
     """``site_peers``: whitespace-separated ``name=redis://...`` entries; ``hops`` and a
     pinned ``rtt_ms`` may ride in the URL's query (``?hops=3&rtt_ms=12``) and are taken

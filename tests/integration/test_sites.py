@@ -18,7 +18,7 @@ from celery import Celery
 from kombu import Exchange, Queue
 
 from sits_queue.app import make_app
-from sits_queue.broker import sites
+from sits_queue.broker import deadletters, sites
 from sits_queue.broker.keys import SEQ_BITS, QueueKeys
 from sits_queue.cli import _format_status
 from sits_queue.config import SitsConfig
@@ -277,62 +277,20 @@ def test_a_full_outbox_stops_queueing_eventual_replicas_only(
     app.close()
 
 
-def ack_some(app: Celery, count: int) -> list[str]:
-    """Pick and ack ``count`` tasks of site "a"'s queue: their ids."""
-    done = []
-    with app.connection_for_read() as conn:
-        for _ in range(count):
-            message = conn.default_channel.basic_get("celery")
-            message.ack()
-            done.append(message.delivery_tag)
-    return done
-
-
-def outbox(a: redis.Redis) -> list[list[str]]:
-    return [json.loads(e) for e in a.lrange(sites.outbox_key(""), 0, -1)]
-
-
-def test_with_the_peer_away_the_outbox_holds_what_still_waits_not_every_task(
-        clients: tuple[redis.Redis, redis.Redis], redis_url: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    a, _ = clients
-    monkeypatch.setattr(sites, "COMPACT_AT", 8)
-    app = site_app(redis_url, "a", "b", "redis://127.0.0.1:1/0", rtt_ms=1.0)
-    sync = sync_of(app)
-    waiting: list[str] = []
-    for _ in range(5):  # rounds of work done while the peer is away
-        tasks = [submit(app, "low") for _ in range(6)]
-        done = set(ack_some(app, 4))
-        waiting = [t for t in [*waiting, *tasks] if t not in done]
-        assert sync.sync_pass().peer is None
-    # Then only the puts of the tasks still waiting are left, in their order...
-    assert outbox(a) == [["put", "celery", t] for t in waiting]
-    assert len(outbox(a)) == a.zcard(QUEUE.waiting) == 10  # (not 5 * (6 + 4) = 50)
-    # ...and a pass compacts again only once the outbox has doubled since
-    submit(app, "low")
-    assert sync.sync_pass().compacted == 0 and len(outbox(a)) == 11
-    app.close()
-
-
-def test_a_compacted_outbox_leaves_the_peer_the_replicas_of_what_waits(
-        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    a, b = clients
-    monkeypatch.setattr(sites, "COMPACT_AT", 4)
+def test_a_dead_letter_requeued_with_its_id_gets_its_replica_back(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str) -> None:
+    # (its delete and its new put, of one id, reach the outbox one after the other)
+    _, b = clients
     app = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)
-    sync = sync_of(app)
-    assert sync.sync_pass().peer == "b"
-    sent = submit(app, "low")
-    sync.sync_pass()  # its replica is at b: its later delete must reach b
-    assert replica_ids(b) == {sent}
-    tasks = [submit(app, "low") for _ in range(6)]
-    done = ack_some(app, 5)
-    assert sent in done  # oldest first among equals
-    report = sync.sync_pass()
-    assert report.compacted == 8  # 4 puts and their deletes; sent's delete stays
-    held = {t for t in tasks if t not in done}
-    assert replica_ids(b) == held and len(held) == 2
-    assert outbox(a) == []
+    task = submit(app, "low")  # eventual: no digest would ever repair it
+    sync_of(app).sync_pass()
+    assert replica_ids(b) == {task}
+    with app.connection_for_read() as conn:
+        channel = conn.default_channel
+        channel.basic_get("celery").reject(requeue=False)  # a dead letter: its delete
+        assert deadletters.requeue(channel, "celery", [task]) == ([task], {})  # its put
+    sync_of(app).sync_pass()
+    assert replica_ids(b) == {task}
     app.close()
 
 

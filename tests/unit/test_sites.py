@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import replace
 
@@ -14,7 +13,6 @@ from sits_queue.priority.sites import (
     Peer,
     SyncMode,
     Tier,
-    compact_outbox,
     decide,
     decode_choice,
     digest,
@@ -165,33 +163,3 @@ def test_a_records_class_is_read_or_none() -> None:
     for bad in (None, b"not json", b"[1]", b'{"c": 3}', b"{}"):
         assert sla_class_of(bad) is None
 
-
-def entry(op: str, task: str, queue: str = "celery") -> bytes:
-    return json.dumps([op, queue, task]).encode()
-
-
-def test_a_put_and_the_later_del_of_its_task_leave_the_outbox_together() -> None:
-    entries = [entry("put", "a"), entry("put", "b"), entry("del", "a"), entry("put", "c")]
-    assert compact_outbox(entries) == [entry("put", "b"), entry("put", "c")]
-
-
-def test_a_del_of_a_replica_sent_before_stays() -> None:
-    # b's put went to the peer in an earlier batch; a's was never in this outbox
-    entries = [entry("del", "b"), entry("del", "a", queue="other")]
-    assert compact_outbox(entries) == entries
-
-
-def test_a_task_requeued_from_the_dead_letters_keeps_what_the_peer_needs() -> None:
-    # put (sent), dead-lettered (del), requeued (put), done (del): the first del stays
-    entries = [entry("del", "x"), entry("put", "x"), entry("del", "x"), entry("put", "x")]
-    assert compact_outbox(entries) == [entry("del", "x"), entry("put", "x")]
-
-
-def test_a_del_before_its_put_or_in_another_queue_does_not_pair() -> None:
-    entries = [entry("del", "x"), entry("put", "x"), entry("del", "x", queue="other")]
-    assert compact_outbox(entries) == entries
-
-
-def test_entries_that_do_not_parse_are_kept_for_the_drain_to_report() -> None:
-    entries = [b"junk", entry("put", "a"), b'["del"]', entry("del", "a")]
-    assert compact_outbox(entries) == [b"junk", b'["del"]']
