@@ -166,19 +166,15 @@ DIRECT_QUEUE_SUFFIX = WORKER_DIRECT_QUEUE_FORMAT.format(hostname="")
 
 
 def is_reply_queue(queue: str) -> bool:
-    """A queue one client reads replies from (remote control, ``rpc://`` results): never
-    in the registry, its keys expiring (:func:`reply_expiry_ms`)."""
-    return reply_expiry_ms(queue) is not None
+    """A remote-control reply queue, known by its name alone (a worker that replies did
+    not declare it): never in the registry, its keys expiring."""
+    return _REPLY_QUEUE.fullmatch(queue) is not None
 
 
-def reply_expiry_ms(queue: str) -> int | None:
-    """How long a reply queue's keys live after its latest put, ms, known by its name
-    alone (a worker that replies did not declare it); None: not a reply queue."""
-    if _REPLY_QUEUE.fullmatch(queue) is not None:
-        return REPLY_QUEUE_EXPIRES_MS
-    if _RESULT_QUEUE.fullmatch(queue) is not None:
-        return RESULT_QUEUE_EXPIRES_MS
-    return None
+def is_result_queue_name(queue: str) -> bool:
+    """Named as an ``rpc://`` result queue is (a UUID). Only a put of a message that is
+    not a task makes it one: a work queue may be named so too."""
+    return _RESULT_QUEUE.fullmatch(queue) is not None
 
 
 def registered_queues(names: Iterable[bytes | str]) -> list[str]:

@@ -27,9 +27,12 @@ from sits_queue.broker.fanout import DeferredCommands
 from sits_queue.broker.keys import (
     DIRECT_QUEUE_SUFFIX,
     MARKER_MEMBER,
+    REPLY_QUEUE_EXPIRES_MS,
+    RESULT_QUEUE_EXPIRES_MS,
     QueueKeys,
+    is_reply_queue,
+    is_result_queue_name,
     queues_registry,
-    reply_expiry_ms,
     score_base,
 )
 from sits_queue.broker.meta import WaitingMeta
@@ -204,6 +207,9 @@ class Channel(kredis.Channel):
         record = self._put_record(message, None, now, self.snapshots.scorer(self.raw, now))
         n, waiting = (int(x) for x in self.scripts.run("put", self.keys(queue), record,
                                                         self.raw))
+        if self._result_put(queue, message):  # a result, kept until its client reads it
+            self._after_put(queue, n, waiting, RESULT_QUEUE_EXPIRES_MS)
+            return
         self._after_put(queue, n, waiting)
         self._replicate(queue, [record])
 
@@ -260,15 +266,23 @@ class Channel(kredis.Channel):
 
     def _expiry_ms(self, queue: str) -> int | None:
         """How long an unused ``queue`` lives, ms (kombu's ``x-expires``): as declared on
-        this channel, or, for a reply queue another process declared (a worker replying
-        to ``celery inspect``, or storing an ``rpc://`` result), as its name says
-        (:func:`~sits_queue.broker.keys.reply_expiry_ms`); None: for good."""
+        this channel, or, for a control reply queue another process declared (a worker
+        replying to ``celery inspect``), :data:`REPLY_QUEUE_EXPIRES_MS`; None: for good."""
         if queue in self._expires:
             return int(self._expires[queue])
-        return reply_expiry_ms(queue)
+        return REPLY_QUEUE_EXPIRES_MS if is_reply_queue(queue) else None
 
-    def _after_put(self, queue: str, n: int, waiting: int) -> None:
-        if (expires := self._expiry_ms(queue)) is not None:
+    def _result_put(self, queue: str, message: dict[str, Any]) -> bool:
+        """Whether ``message`` is an ``rpc://`` result put by a worker to its client's
+        result queue, which the worker did not declare: a queue named by a UUID, and a
+        message that is no task (task protocol 2 names its task in the headers)."""
+        headers = message.get("headers")
+        return (queue not in self._expires and is_result_queue_name(queue)
+                and not (isinstance(headers, dict) and "task" in headers))
+
+    def _after_put(self, queue: str, n: int, waiting: int,
+                   expires: int | None = None) -> None:
+        if (expires := expires or self._expiry_ms(queue)) is not None:
             # Reply queues come and go: keep them expiring and out of the registry (a
             # reply that comes after its client stopped waiting would stay for good).
             with self.raw.pipeline(transaction=False) as pipe:

@@ -26,7 +26,6 @@ from sits_queue.broker.keys import (
     is_reply_queue,
     queues_registry,
     registered_queues,
-    reply_expiry_ms,
     score_base,
     stats_key,
 )
@@ -208,7 +207,7 @@ class Rescorer:
                 pipe.srem(f"{prefix}_kombu.binding_permanent.{exchange}", member)
             for queue in replies:
                 for key in self.keys(queue).all():
-                    pipe.pexpire(key, reply_expiry_ms(queue) or REPLY_QUEUE_EXPIRES_MS)
+                    pipe.pexpire(key, REPLY_QUEUE_EXPIRES_MS)
             pipe.execute()
         if gone:
             logger.info("forgot the direct queues of departed workers: %s", gone)

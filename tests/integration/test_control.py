@@ -9,6 +9,7 @@ each with a short timeout, as ``wait_ready``, Flower and monitoring scripts do.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -234,5 +235,15 @@ def test_rpc_result_queues_leave_nothing_behind(tmp_path: Path, redis_url: str,
             assert all(0 < ttl <= RESULT_QUEUE_EXPIRES_MS for ttl in ttls), ttls
         listed = {m.decode() for m in redis_client.smembers(queues_registry(""))}
         assert listed <= {"celery", "sits.control", f"{worker.hostname}.dq2"}, listed
+        # A work queue may be named by a UUID too: its tasks are no results
+        work = str(uuid.uuid4())
+        client = make_app(SitsConfig(redis_url=redis_url), main="uuid-work")
+        try:
+            register(client)
+            client.tasks["w.add"].apply_async((1, 1), queue=work)
+        finally:
+            client.close()
+        assert redis_client.sismember(queues_registry(""), work)
+        assert redis_client.pttl(QueueKeys.for_queue(work).waiting) == -1
     finally:
         worker.stop(timeout_s=10)

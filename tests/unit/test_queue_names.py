@@ -8,13 +8,11 @@ from typing import Any
 import pytest
 
 from sits_queue.broker.keys import (
-    REPLY_QUEUE_EXPIRES_MS,
-    RESULT_QUEUE_EXPIRES_MS,
     QueueKeys,
     check_queue_name,
     is_reply_queue,
+    is_result_queue_name,
     registered_queues,
-    reply_expiry_ms,
 )
 from sits_queue.errors import InvalidQueueName
 
@@ -53,13 +51,14 @@ def test_the_workers_add_consumer_command_refuses_such_a_name_in_its_reply() -> 
     assert "error" in command(NoConsumer(), "a{b}")
 
 
-@pytest.mark.parametrize(("queue", "expiry_ms"), [
-    ("6b1ac3f4-19d2-3a8e-8f0c-3f2f0d2b1a77.reply.celery.pidbox", REPLY_QUEUE_EXPIRES_MS),
-    ("6b1ac3f4-19d2-3a8e-8f0c-3f2f0d2b1a77", RESULT_QUEUE_EXPIRES_MS),  # rpc:// results
-    ("celery", None), ("w1@host.dq2", None), ("sits.control", None),
-    ("6b1ac3f4-19d2-3a8e-8f0c-3f2f0d2b1a77-batch", None),  # a UUID inside a name: work
-    ("6B1AC3F4-19D2-3A8E-8F0C-3F2F0D2B1A77", None),  # Python writes UUIDs in lower case
+@pytest.mark.parametrize(("queue", "reply", "result_name"), [
+    ("6b1ac3f4-19d2-3a8e-8f0c-3f2f0d2b1a77.reply.celery.pidbox", True, False),
+    ("6b1ac3f4-19d2-3a8e-8f0c-3f2f0d2b1a77", False, True),  # rpc:// results (or work)
+    ("celery", False, False), ("w1@host.dq2", False, False),
+    ("6b1ac3f4-19d2-3a8e-8f0c-3f2f0d2b1a77-batch", False, False),
+    ("6B1AC3F4-19D2-3A8E-8F0C-3F2F0D2B1A77", False, False),  # Python writes lower case
 ])
-def test_reply_queues_are_known_by_name(queue: str, expiry_ms: int | None) -> None:
-    assert reply_expiry_ms(queue) == expiry_ms
-    assert is_reply_queue(queue) is (expiry_ms is not None)
+def test_reply_and_result_queues_are_known_by_name(queue: str, reply: bool,
+                                                   result_name: bool) -> None:
+    assert is_reply_queue(queue) is reply
+    assert is_result_queue_name(queue) is result_name
