@@ -65,40 +65,68 @@ def resolve_task_options(task: Task | None, config: SitsConfig, per_call: Mappin
 def apply_class_limits(task: Task | None, config: SitsConfig, sla_class: str,
                        options: dict[str, Any], conf: Mapping[str, Any] | None = None
                        ) -> None:
-    """Set the Celery time limits the message carries. A call's setting wins, then the
-    task's (None: not registered here, none), then the app's ``task_time_limit`` /
-    ``task_soft_time_limit`` (``conf``; Celery also binds them to each task), then the
-    class's: those are the defaults for what the caller did not set.
+    """Set the Celery time limits the message carries. For each limit a call's setting
+    wins, then the task's (None: not registered here, none), then the app's
+    ``task_time_limit`` / ``task_soft_time_limit`` (``conf``; Celery also binds them to
+    each task), then the class's: those are the defaults for what the caller did not set.
 
     A hard limit set and no soft one: the soft limit is ``soft_limit_fraction`` of it,
     above or below the class's (the class's soft limit would cut a task whose hard limit
     was raised short of it; and Celery's prefork pool enforces a hard limit only after
     the soft one has fired, so it would hold a task whose hard limit was lowered past
-    it), and so is a soft limit set at or past it. A soft limit set and no hard one, at or
-    past the class's hard limit: the hard limit moves up so that the soft one fires
-    first."""
+    it). A soft limit at or past the hard one: the limit set by the higher-ranked
+    source moves the other (a soft limit raises the hard one so that it fires first; a
+    hard limit brings the soft one to its fraction); both from one source is refused."""
     soft, hard = config.time_limits(sla_class)
-    conf = conf or {}
-    own_hard = options.get("time_limit") or getattr(task, "time_limit", None) \
-        or conf.get("task_time_limit")
-    own_soft = options.get("soft_time_limit") or getattr(task, "soft_time_limit", None) \
-        or conf.get("task_soft_time_limit")
-    for name, value in (("time_limit", own_hard), ("soft_time_limit", own_soft)):
-        if value and (isinstance(value, bool) or not isinstance(value, (int, float))
-                      or not 0 < value < math.inf):
-            raise InvalidTaskOptions(f"{name} must be a positive number of seconds, got "
-                                     f"{value!r}")
     fraction = config.soft_limit_fraction
+    own_hard = _ranked_limit(task, options, conf or {}, "time_limit")
+    own_soft = _ranked_limit(task, options, conf or {}, "soft_time_limit")
+    hard_rank = own_hard[0] if own_hard else len(_SOURCES)
     if own_hard:
-        hard = float(own_hard)
-        if own_soft and float(own_soft) >= hard:  # (an app's soft limit, a call's hard)
-            own_soft = None
-    elif own_soft and float(own_soft) >= hard:
-        hard = float(own_soft) / fraction
+        hard = own_hard[2]
+    if not own_soft:
+        soft = fraction * hard if own_hard else soft
+    elif own_soft[2] < hard:
+        soft = own_soft[2]
+    elif own_soft[0] < hard_rank:
+        soft, hard = own_soft[2], own_soft[2] / fraction
+    elif own_soft[0] > hard_rank:
+        soft = fraction * hard
+    elif own_soft[2] > hard:
+        raise InvalidTaskOptions(f"{own_soft[1]} {own_soft[2]:g} s must not exceed "
+                                 f"{own_hard[1] if own_hard else 'time_limit'} {hard:g} s")
+    else:
+        soft = own_soft[2]
     # set on the call: they win over the task's own, which Celery would send otherwise
     options["time_limit"] = hard
-    options["soft_time_limit"] = float(own_soft) if own_soft \
-        else fraction * hard if own_hard else soft
+    options["soft_time_limit"] = soft
+
+
+#: Where a time limit may come from, highest rank first.
+_SOURCES = ("call", "task", "app")
+
+
+def _ranked_limit(task: Task | None, options: Mapping[str, Any], conf: Mapping[str, Any],
+                  name: str) -> tuple[int, str, float] | None:
+    """The ``name`` limit that applies: (its source's rank, how the user set it, s), or
+    None when none is set (0 and None: unset, as in Celery). A value that is not a
+    positive number is refused naming where it was set."""
+    app_value = conf.get(f"task_{name}")
+    task_value = getattr(task, name, None)
+    found = ((0, name, options.get(name)),
+             # Celery binds the app's setting to a task that sets none: that is the app's
+             (1, f"{getattr(task, 'name', 'the task')}'s {name}",
+              None if task_value == app_value else task_value),
+             (2, f"task_{name}", app_value))
+    for rank, where, value in found:
+        if not value:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not 0 < value < math.inf:
+            raise InvalidTaskOptions(f"{where} must be a positive number of seconds, got "
+                                     f"{value!r}")
+        return rank, where, float(value)
+    return None
 
 
 def sits_headers(opts: TaskOptions, headers: Mapping[str, Any] | None,

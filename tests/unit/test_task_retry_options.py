@@ -131,6 +131,8 @@ def test_a_hard_limit_of_the_call_or_task_brings_the_soft_one_with_it(
     # and below a call's
     ({"task_time_limit": 50, "task_soft_time_limit": 45}, {"time_limit": 5}, (4.0, 5)),
     ({"task_time_limit": 50}, {"soft_time_limit": 7}, (7.0, 50)),
+    # a call's soft limit past the app's hard one: the call's wins, the hard one moves up
+    ({"task_time_limit": 300}, {"soft_time_limit": 600}, (600.0, 750)),
 ])
 def test_the_apps_time_limit_settings_rank_above_the_class(
         conf: dict[str, float], call: dict[str, float],
@@ -180,3 +182,26 @@ def test_celerys_priority_is_said_once_not_to_order_sits_queues(
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "priority=9 does not order SITS queues" in said[0]
     assert len(sent) == 3
+
+
+def test_both_limits_from_one_source_the_soft_past_the_hard_are_refused() -> None:
+    from sits_queue.app import apply_class_limits
+
+    with pytest.raises(InvalidTaskOptions, match="soft_time_limit 12 s must not exceed "
+                                                 "time_limit 10 s"):
+        apply_class_limits(None, SitsConfig(), "low",
+                           {"soft_time_limit": 12, "time_limit": 10})
+
+
+def test_a_bad_app_setting_is_refused_naming_the_setting() -> None:
+    from sits_queue.app import apply_class_limits
+
+    app = make_app(SitsConfig(), main="limits-bad-conf")
+    app.conf.task_time_limit = "300"
+
+    @app.task(name="u.any", shared=False)
+    def any_task() -> None:
+        return None
+
+    with pytest.raises(InvalidTaskOptions, match="task_time_limit must be a positive"):
+        apply_class_limits(any_task, SitsConfig(), "low", {}, app.conf)
