@@ -436,9 +436,6 @@ class SitsCelery(Celery):  # type: ignore[misc]
             return super().send_task(name, args, kwargs, **options)
         config = sits_config(self)
         per_call = pop_sits_options(options)
-        for limit in ("soft_time_limit", "time_limit"):  # None: unset (Task.apply_async
-            if options.get(limit) is None:                # passes the task's None)
-                options.pop(limit, None)
         task = self.tasks.get(name)
         opts = resolve_task_options(task, config, per_call, args, kwargs)
         apply_class_limits(task, config, opts.sla_class, options, self.conf)

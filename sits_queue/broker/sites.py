@@ -348,7 +348,6 @@ class SiteSync:
                 logger.error("site %s: outbox entry not understood, dropped: %.200r",
                              self.site, entry)
                 continue
-            last.pop((queue, task_id), None)  # (re-inserted: the order is the last entry's)
             last[(queue, task_id)] = op
         puts: dict[str, list[str]] = {}
         dels: dict[str, list[str]] = {}

@@ -224,12 +224,13 @@ class Rescorer:
                 _state_key(self.config, "dead-sweep"), 1, nx=True,
                 px=max(1, int(sweep_period_s(ttl) * 1000))):
             return 0
+        dead = {queue: self.keys(queue).dead for queue in queues}
         with self.client.pipeline(transaction=False) as pipe:
-            for queue in queues:
-                pipe.hlen(self.keys(queue).dead)
+            for key in dead.values():
+                pipe.hlen(key)
             held = pipe.execute()
-        expired = {q: deadletters.expire(self.client, self.keys(q).dead, now_s - ttl)
-                   for q, n in zip(queues, held, strict=True) if n}
+        expired = {q: deadletters.expire(self.client, key, now_s - ttl)
+                   for (q, key), n in zip(dead.items(), held, strict=True) if n}
         if total := sum(expired.values()):
             logger.info("deleted %d dead letter(s) older than %.0f s: %s", total, ttl,
                         {q: n for q, n in expired.items() if n})
