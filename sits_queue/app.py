@@ -15,6 +15,7 @@ import redis
 from celery import Celery, Task
 from kombu.entity import Queue
 
+from sits_queue import flower
 from sits_queue.broker import results
 from sits_queue.broker.keys import DELIVERY_ONLY
 from sits_queue.config import SitsConfig
@@ -405,6 +406,9 @@ class SitsCelery(Celery):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
         self.models = ModelRegistry()
         self._priority_noted = False
+        # Flower's Broker page reads Redis lists; under `celery flower` Flower is loaded
+        # before the app, and is shown the sorted sets instead (sits_queue/flower.py).
+        flower.install()
 
     def _connection(self, url: Any, *args: Any, transport_options: Any = None,
                     **kwargs: Any) -> Any:

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import redis
 from celery import Celery
 
+from sits_queue.broker.keys import QueueKeys
 from sits_queue.procs import CeleryProcess
 from tests.integration.conftest import APP_MODULE, ROOT, worker_env
 
@@ -30,10 +34,7 @@ def _get(url: str) -> Any:
         return json.loads(resp.read())
 
 
-def test_flower_sees_the_worker_and_the_task_events(
-        spawn: Callable[..., CeleryProcess], client_app: Celery, redis_url: str,
-        tmp_path: Path) -> None:
-    worker = spawn()
+def _start_flower(redis_url: str, tmp_path: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     env = {**os.environ, **worker_env(redis_url), "FLOWER_UNAUTHENTICATED_API": "true"}
     with open(tmp_path / "flower.log", "wb") as log:
@@ -41,8 +42,15 @@ def test_flower_sees_the_worker_and_the_task_events(
             [sys.executable, "-m", "celery", "-A", APP_MODULE, "flower", f"--port={port}",
              "--address=127.0.0.1"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
+    return flower, f"http://127.0.0.1:{port}"
+
+
+def test_flower_sees_the_worker_and_the_task_events(
+        spawn: Callable[..., CeleryProcess], client_app: Celery, redis_url: str,
+        tmp_path: Path) -> None:
+    worker = spawn()
+    flower, base = _start_flower(redis_url, tmp_path)
     try:
-        base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         workers: dict[str, Any] = {}
         while worker.hostname not in workers and time.monotonic() < deadline:
@@ -77,3 +85,44 @@ def test_flower_sees_the_worker_and_the_task_events(
     finally:
         flower.terminate()
         flower.wait(10)
+
+
+def test_flower_broker_api_counts_the_sorted_set_queues(
+        client_app: Celery, r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
+    """Flower's own Redis reader LLENs lists named like queues and saw every SITS queue
+    empty; it now reads the sorted sets: waiting tasks are ready, held ones unacked."""
+    client_app.control.purge()
+    for n in range(3):
+        client_app.tasks["w.add"].apply_async((n, n), sla_class="low")
+    # One held as a worker holds it (picked: out of the waiting set, into the unacked one).
+    keys = QueueKeys.for_queue("celery", client_app.sits.global_keyprefix)
+    head, _ = r.zpopmin(keys.waiting)[0]
+    r.zadd(keys.unacked, {head: time.time()})
+    flower, base = _start_flower(redis_url, tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        rows: dict[str, Any] | None = None
+        while rows is None and time.monotonic() < deadline:
+            assert flower.poll() is None, (tmp_path / "flower.log").read_text()[-3000:]
+            try:
+                rows = {q["name"]: q for q in
+                        _get(f"{base}/api/queues/length")["active_queues"]}
+            except urllib.error.HTTPError:
+                raise  # Flower is up and answered: no retrying an error
+            except OSError:
+                time.sleep(0.5)
+        assert rows is not None, (tmp_path / "flower.log").read_text()[-3000:]
+        # No worker is up: Flower lists the app's declared queues.
+        assert rows["celery"] == {"name": "celery", "messages": 3, "messages_ready": 2,
+                                  "messages_unacknowledged": 1}
+        assert rows["sits.control"]["messages"] == 0
+        with urllib.request.urlopen(f"{base}/broker", timeout=5) as resp:
+            page = resp.read().decode()
+        row = page.split('<tr id="celery">', 1)[1].split("</tr>", 1)[0]
+        cells = re.findall(r"<td[^>]*>\s*([^<]*?)\s*</td>", row)
+        assert cells[:4] == ["celery", "3", "1", "2"]  # name, messages, unacked, ready
+    finally:
+        flower.terminate()
+        flower.wait(10)
+        r.zrem(keys.unacked, head)
+        client_app.control.purge()
