@@ -276,6 +276,7 @@ def test_an_int8_model_decodes_each_prompt_in_a_batch_as_alone(lm_dir: Path) -> 
 def test_an_int8_model_decodes_the_same_after_a_reused_kv_prefix(lm_dir: Path) -> None:
     import torch
 
+    from sits_queue.cache import kvwarm
     from sits_queue.cache.prefix import PrefixStore
     from sits_queue.workers import inference
 
@@ -286,7 +287,8 @@ def test_an_int8_model_decodes_the_same_after_a_reused_kv_prefix(lm_dir: Path) -
     ids = served.artifacts["tokenizer"](base + "evicts", return_tensors="pt")["input_ids"]
     with torch.inference_mode():
         start = served(input_ids=ids[:, :-4], use_cache=True)
-        rest = served(input_ids=ids[:, -4:], past_key_values=start.past_key_values)
+        rest = served(input_ids=ids[:, -4:],
+                      **{kvwarm.cache_kwarg(served.module): kvwarm.cache_of(start)})
         full_logits = served(input_ids=ids).logits
     assert (rest.logits[0, -1] - full_logits[0, -1]).abs().max() < 1e-4  # per-tensor: ~1e-2
     store = PrefixStore(2**26)
