@@ -162,12 +162,15 @@ def _is_gone(pid: int) -> bool:
         return True
 
 
-def _is_redis_process(pid: int) -> bool:
-    """Guards signals sent on the word of a pid file: the pid may have been reused."""
+def _is_our_server(pid: int, data_dir: Path) -> bool:
+    """Guards signals sent on the word of a pid file: the pid may have been reused, by any
+    process or by another redis-server (after a reboot, say). Ours runs in its data dir
+    (its ``dir`` setting moves it there); a process we cannot inspect is not ours."""
     try:
         proc = psutil.Process(pid)
-        return "redis-server" in proc.name() or "redis-server" in " ".join(proc.cmdline())
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        named = "redis-server" in proc.name() or "redis-server" in " ".join(proc.cmdline())
+        return named and Path(proc.cwd()) == data_dir.resolve()
+    except (psutil.Error, OSError):
         return False
 
 
@@ -385,7 +388,7 @@ class EmbeddedRedis:
         proc.wait()
         if self.daemon:
             pid = self._expected_pid(proc)
-            if pid is not None and _is_redis_process(pid):
+            if pid is not None and _is_our_server(pid, self.data_dir):
                 _terminate(pid, None, None)
 
 
@@ -414,6 +417,12 @@ def _read_int(path: Path) -> int | None:
         return None
 
 
+def _read_port(data_dir: Path) -> int | None:
+    """The port recorded for this data dir, if it is one a server can listen on."""
+    port = _read_int(data_dir / _PORT_FILE)
+    return port if port is not None and 0 < port < 65536 else None
+
+
 def _password(data_dir: Path) -> str:
     """The server's password, created once: other local users must not reach user data."""
     path = data_dir / _PASSWORD_FILE
@@ -427,11 +436,24 @@ def _password(data_dir: Path) -> str:
 
 
 def _live_server(data_dir: Path, password: str) -> tuple[int, int] | None:
-    """(port, pid) of the recorded server if it still answers as itself, else None."""
-    port, pid = _read_int(data_dir / _PORT_FILE), _read_int(data_dir / _PID_FILE)
-    if port is None or pid is None:
+    """(port, pid) of the recorded server if it still answers as itself, else None.
+
+    A server whose pid file is gone (deleted by hand, a tmp cleaner) but that answers on
+    the recorded port with this dir's password and runs in this dir is still the one: its
+    pid file is written again. Starting a second server would put two writers on one AOF
+    and leave the first running for good."""
+    port, pid = _read_port(data_dir), _read_int(data_dir / _PID_FILE)
+    if port is None:
         return None
-    return (port, pid) if _server_pid(port, password) == pid else None
+    answering = _server_pid(port, password)
+    if answering is None:
+        return None
+    if answering == pid:
+        return port, pid
+    if pid is None and _is_our_server(answering, data_dir):
+        (data_dir / _PID_FILE).write_text(f"{answering}\n")
+        return port, answering
+    return None
 
 
 def _kill_stale(data_dir: Path) -> bool:
@@ -440,7 +462,7 @@ def _kill_stale(data_dir: Path) -> bool:
     Returns whether there was such a process.
     """
     pid = _read_int(data_dir / _PID_FILE)
-    if pid is None or _is_gone(pid) or not _is_redis_process(pid):
+    if pid is None or _is_gone(pid) or not _is_our_server(pid, data_dir):
         return False
     _terminate(pid, None, None)
     return True
@@ -452,6 +474,14 @@ def ensure_server(data_dir: Path | None = None) -> tuple[str, bool]:
     Returns ``(url, started)``; ``started`` is False when a live server was reused.
     """
     data_dir = default_data_dir() if data_dir is None else Path(data_dir)
+    try:
+        return _ensure(data_dir)
+    except OSError as exc:  # a data dir that is a file, unwritable, on a gone mount...
+        raise SitsError(f"cannot use the embedded Redis's data dir {data_dir}: {exc}; "
+                        "set SITS_REDIS_URL to use a Redis of your own") from exc
+
+
+def _ensure(data_dir: Path) -> tuple[str, bool]:
     with _locked(data_dir):
         password = _password(data_dir)
         live = _live_server(data_dir, password)
@@ -459,7 +489,7 @@ def ensure_server(data_dir: Path | None = None) -> tuple[str, bool]:
             return _url(live[0], password), False
         _kill_stale(data_dir)
         # Reuse the old port when free so workers holding the old URL reconnect.
-        previous = _read_int(data_dir / _PORT_FILE)
+        previous = _read_port(data_dir)
         server: EmbeddedRedis | None = None
         if previous is not None and previous != _RESERVED_PORT:
             server = EmbeddedRedis(data_dir, port=previous, password=password,
@@ -478,8 +508,13 @@ def ensure_server(data_dir: Path | None = None) -> tuple[str, bool]:
 def stop_server(data_dir: Path | None = None) -> bool:
     """Stop this data dir's embedded server; returns whether one was running."""
     data_dir = default_data_dir() if data_dir is None else Path(data_dir)
-    if not data_dir.exists():
-        return False
+    try:
+        return _stop(data_dir) if data_dir.is_dir() else False
+    except OSError as exc:
+        raise SitsError(f"cannot use the embedded Redis's data dir {data_dir}: {exc}") from exc
+
+
+def _stop(data_dir: Path) -> bool:
     with _locked(data_dir):
         password_file = data_dir / _PASSWORD_FILE
         password = password_file.read_text().strip() if password_file.exists() else ""

@@ -294,3 +294,57 @@ def test_ensure_server_moves_off_a_taken_port(shared_dir: Path) -> None:
         assert started
         assert int((shared_dir / "port").read_text()) != old_port
         assert redis.Redis.from_url(url).ping()
+
+
+# -- a data dir's records gone wrong ----------------------------------------------------------
+def test_a_reused_pid_of_another_redis_is_never_signalled(shared_dir: Path,
+                                                          tmp_path: Path) -> None:
+    # Given our server killed outright and its pid file naming another redis-server (pid
+    # reuse after a reboot): a process named redis-server that is not ours
+    ensure_server(shared_dir)
+    os.kill(_pid_of(shared_dir), signal.SIGKILL)
+    with EmbeddedRedis(tmp_path / "bystander") as bystander:
+        assert bystander.pid is not None
+        (shared_dir / "redis.pid").write_text(f"{bystander.pid}\n")
+        # When the CLI needs its server, and when it is told to stop it
+        url, started = ensure_server(shared_dir)
+        assert started and redis.Redis.from_url(url).ping()
+        os.kill(_pid_of(shared_dir), signal.SIGKILL)
+        (shared_dir / "redis.pid").write_text(f"{bystander.pid}\n")
+        assert not stop_server(shared_dir)
+        # Then the bystander still serves
+        assert not _gone(bystander.pid)
+        assert redis.Redis.from_url(bystander.url).ping()
+
+
+def test_a_lost_pid_file_does_not_start_a_second_server(shared_dir: Path) -> None:
+    # Given a live server whose pid file was deleted (by hand, by a tmp cleaner)
+    url, _ = ensure_server(shared_dir)
+    pid = _pid_of(shared_dir)
+    (shared_dir / "redis.pid").unlink()
+    # When the CLI asks again, then it reuses that server and records its pid again
+    again, started = ensure_server(shared_dir)
+    assert (again, started) == (url, False)
+    assert _pid_of(shared_dir) == pid
+    # and stopping stops it
+    assert stop_server(shared_dir)
+    assert _gone(pid)
+
+
+@pytest.mark.parametrize("recorded", ["99999", "-5", "0"])
+def test_a_port_file_out_of_range_is_ignored(shared_dir: Path, recorded: str) -> None:
+    shared_dir.mkdir(parents=True)
+    (shared_dir / "port").write_text(recorded + "\n")
+    url, started = ensure_server(shared_dir)
+    assert started and redis.Redis.from_url(url).ping()
+    assert 0 < int((shared_dir / "port").read_text()) < 65536
+
+
+def test_a_data_dir_that_cannot_be_one_is_a_clear_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a dir")
+    with pytest.raises(SitsError, match=r"data dir .*a-file.*SITS_REDIS_URL"):
+        ensure_server(blocker / "redis")
+    with pytest.raises(SitsError, match=r"data dir .*a-file"):
+        ensure_server(blocker)
+    assert not stop_server(blocker)  # no dir: nothing was running
