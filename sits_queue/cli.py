@@ -19,12 +19,13 @@ from typing import Any
 import click
 import redis
 
+from sits_queue.bench.report import check_json_path
 from sits_queue.broker import sites
 from sits_queue.broker.keys import QueueKeys, decode_score, queues_registry, registered_queues
 from sits_queue.broker.meta import WaitingMeta
-from sits_queue.config import SitsConfig
+from sits_queue.config import SitsConfig, check_redis_url
 from sits_queue.embedded import resolve_redis_url
-from sits_queue.errors import SitsError
+from sits_queue.errors import ConfigError, SitsError
 
 #: Waiting tasks shown per queue by ``sitsq status``.
 HEAD_ROWS = 5
@@ -56,7 +57,17 @@ class _Sitsq(click.Group):
             raise click.ClickException(str(exc)) from exc
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             # redis-py's message names the host and port (or the auth failure).
-            raise click.ClickException(f"cannot reach Redis: {exc}") from exc
+            raise click.ClickException(f"cannot reach Redis: {exc}{_auth_hint(exc)}") from exc
+        except redis.RedisError as exc:  # the server refused: a database out of range, an
+            # ACL user without the commands, a key of another type
+            raise click.ClickException(f"Redis refused: {exc}{_auth_hint(exc)}") from exc
+
+
+def _auth_hint(exc: Exception) -> str:
+    said = str(exc).lower()
+    if isinstance(exc, redis.AuthenticationError) or "auth" in said:
+        return " (does the URL carry the right password: redis://:PASSWORD@host:port/db?)"
+    return ""
 
 
 @click.group(cls=_Sitsq)
@@ -197,7 +208,8 @@ def _format_status(report: dict[str, Any]) -> str:
 @main.command()
 @click.option("--jobs", default=400, show_default=True, type=click.IntRange(1),
               help="Jobs in the mixed workload.")
-@click.option("--concurrency", default=4, show_default=True)
+@click.option("--concurrency", default=4, show_default=True, type=click.IntRange(1),
+              help="Worker pool processes.")
 @click.option("--seed", default=7, show_default=True)
 def demo(jobs: int, concurrency: int, seed: int) -> None:
     """The main job: a worker and beat on the embedded Redis, a mixed workload across
@@ -213,12 +225,30 @@ def bench() -> None:
     """Benchmark programs: they print a table and JSON; they assert nothing."""
 
 
+def _checked_url(_ctx: click.Context, _param: click.Parameter, url: str | None
+                 ) -> str | None:
+    try:
+        return None if url is None else check_redis_url(url)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+def _checked_json(_ctx: click.Context, _param: click.Parameter, path: Path | None
+                  ) -> Path | None:
+    """Refused before the run, not after it: a full benchmark takes minutes."""
+    try:
+        return None if path is None else check_json_path(path)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
 def _bench_options(fn: Any) -> Any:
-    fn = click.option("--redis-url", help="Run on this Redis server: the benchmark FLUSHES "
+    fn = click.option("--redis-url", callback=_checked_url,
+                      help="Run on this Redis server: the benchmark FLUSHES "
                       "the databases it uses there. Default: a private redis-server, "
                       "started and stopped for the run (SITS_REDIS_URL is not used).")(fn)
     fn = click.option("--json", "json_path", type=click.Path(path_type=Path),
-                      help="Also write the JSON result here.")(fn)
+                      callback=_checked_json, help="Also write the JSON result here.")(fn)
     fn = click.option("--quick", is_flag=True,
                       help="A smaller run (seconds to a few minutes).")(fn)
     return fn
@@ -353,8 +383,8 @@ def dead_requeue(queue: str, ids: tuple[str, ...], every: bool) -> None:
     config = replace(SitsConfig.from_env(), redis_url=_redis_url())
     client = redis.Redis.from_url(config.redis_url, socket_timeout=5)
     _dead_queue(client, config, queue)
-    chosen = _chosen(client, QueueKeys.for_queue(queue, config.global_keyprefix).dead,
-                     ids, every)
+    chosen = list(dict.fromkeys(_chosen(
+        client, QueueKeys.for_queue(queue, config.global_keyprefix).dead, ids, every)))
     app = make_app(config, main="sitsq-dead")
     try:
         with app.connection_for_write() as conn:
@@ -380,8 +410,13 @@ def dead_drop(queue: str, ids: tuple[str, ...], every: bool) -> None:
     client = redis.Redis.from_url(_redis_url(), socket_timeout=5)
     _dead_queue(client, config, queue)
     key = QueueKeys.for_queue(queue, config.global_keyprefix).dead
-    chosen = _chosen(client, key, ids, every)
-    click.echo(f"dropped {deadletters.drop(client, key, chosen)} of {len(chosen)}")
+    chosen = list(dict.fromkeys(_chosen(client, key, ids, every)))
+    missing = deadletters.drop_each(client, key, chosen)
+    click.echo(f"dropped {len(chosen) - len(missing)} of {len(chosen)}")
+    for message_id in missing:
+        click.echo(f"  {message_id}: no such dead letter", err=True)
+    if missing:
+        sys.exit(1)
 
 
 @main.command("metrics")

@@ -480,10 +480,21 @@ class SitsConfig:
                                       f"{kwargs['classes']!r}")
                 kwargs["classes"] = tuple(_class_from(c) for c in kwargs["classes"])
             if "weights" in kwargs:
+                if not isinstance(kwargs["weights"], Mapping):
+                    raise ConfigError(f"weights must be a [weights] table, got "
+                                      f"{kwargs['weights']!r}")
+                _no_unknown(kwargs["weights"], PriorityWeights, "weights")
                 kwargs["weights"] = PriorityWeights(**kwargs["weights"])
             return cls(**kwargs)
         except (TypeError, ConfigError) as exc:
             raise ConfigError(f"{source}: {exc}") from exc
+
+
+def _no_unknown(table: Mapping[str, Any], cls: type, where: str) -> None:
+    unknown = sorted(set(table) - {f.name for f in fields(cls)})
+    if unknown:
+        raise ConfigError(f"{where}: unknown settings {unknown}; known: "
+                          f"{sorted(f.name for f in fields(cls))}")
 
 
 def _class_from(entry: Any) -> ClassQuota:
@@ -491,6 +502,7 @@ def _class_from(entry: Any) -> ClassQuota:
     give only the fields it changes; any other gives them all."""
     if not isinstance(entry, Mapping):
         raise ConfigError(f"each [[classes]] entry must be a table, got {entry!r}")
+    _no_unknown(entry, ClassQuota, f"class {entry.get('name')!r}")
     base = next((c for c in DEFAULT_CLASSES if c.name == entry.get("name")), None)
     if base is None:
         missing = [f.name for f in fields(ClassQuota)

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from sits_queue.config import check_redis_url
 from sits_queue.embedded import EmbeddedRedis
+from sits_queue.errors import ConfigError
 
 
 @contextmanager
@@ -29,9 +33,10 @@ def parser(prog: str, description: str | None = None) -> argparse.ArgumentParser
     """--quick, --json PATH and --redis-url, the options all benchmarks take."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--quick", action="store_true", help="a smaller run")
-    p.add_argument("--json", type=Path, help="also write the JSON result here")
-    p.add_argument("--redis-url", help="use this server (the benchmark FLUSHES its "
-                                       "databases); default: a private redis-server")
+    p.add_argument("--json", type=_json_path, help="also write the JSON result here")
+    p.add_argument("--redis-url", type=_redis_url,
+                   help="use this server (the benchmark FLUSHES its databases); default: "
+                        "a private redis-server")
     return p
 
 
@@ -42,9 +47,41 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def database_url(base_url: str, database: int) -> str:
-    """``base_url`` with its database number replaced: one database per system."""
-    root = base_url.rsplit("/", 1)[0] if base_url.count("/") > 2 else base_url
-    return f"{root}/{database}"
+    """``base_url`` with its database number replaced: one database per system. A
+    ``unix://`` URL's path is the socket, so its database is the ``db`` query parameter;
+    other query parameters are kept."""
+    parts = urlsplit(base_url)
+    if parts.scheme == "unix":
+        query = [(k, v) for k, v in parse_qsl(parts.query) if k != "db"]
+        # (by hand: urlunsplit drops the empty host, writing unix:/path)
+        return f"unix://{parts.netloc}{parts.path}?{urlencode([*query, ('db', database)])}"
+    return urlunsplit(parts._replace(path=f"/{database}"))
+
+
+def check_json_path(path: Path) -> Path:
+    """``path``, if a result can be written there; else a ValueError saying why."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory")
+    if not parent.is_dir():
+        raise ValueError(f"directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"{path} is not writable")
+    return path
+
+
+def _redis_url(raw: str) -> str:
+    try:
+        return check_redis_url(raw)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _json_path(raw: str) -> Path:
+    try:
+        return check_json_path(Path(raw))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def targets_line(targets: Mapping[str, bool]) -> str:

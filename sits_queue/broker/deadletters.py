@@ -141,6 +141,9 @@ def requeue(channel: Any, queue: str, ids: Sequence[bytes | str]
     keys = channel.keys(queue)
     done: list[str] = []
     refused: dict[str, str] = {}
+    ids = list(dict.fromkeys(ids))  # an id named twice is one letter, requeued once
+    if not ids:
+        return done, refused
     for message_id, record in zip(ids, channel.raw.hmget(keys.dead, list(ids)), strict=True):
         if record is None:
             refused[shown(message_id)] = "no such dead letter"
@@ -163,6 +166,16 @@ def requeue(channel: Any, queue: str, ids: Sequence[bytes | str]
 def drop(client: Any, dead_key: str, ids: Sequence[bytes | str]) -> int:
     """Delete dead-letter records for good; how many there were."""
     return int(client.hdel(dead_key, *ids)) if ids else 0
+
+
+def drop_each(client: Any, dead_key: str, ids: Sequence[bytes | str]) -> list[str]:
+    """Delete dead-letter records for good; returns the ids (as shown) that had none."""
+    ids = list(dict.fromkeys(ids))
+    with client.pipeline(transaction=False) as pipe:
+        for message_id in ids:
+            pipe.hdel(dead_key, message_id)
+        deleted = pipe.execute()
+    return [shown(i) for i, n in zip(ids, deleted, strict=True) if not n]
 
 
 def expire(client: Any, dead_key: str, before_s: float, chunk: int = 500) -> int:

@@ -169,3 +169,28 @@ def test_dead_letters_are_listed_requeued_and_dropped(
     missing = sitsq("dead", "list", "nope", env=env)
     assert missing.returncode != 0 and "no queue 'nope'" in missing.stderr
     assert sitsq("dead", "drop", "celery", env=env).returncode != 0  # ids or --all
+
+
+def test_dead_letter_commands_name_what_is_not_there(
+        client_app: Celery, redis_url: str, redis_client: redis.Redis) -> None:
+    env = {**os.environ, "SITS_REDIS_URL": redis_url}
+    client_app.tasks["w.add"].apply_async((1, 1), sla_class="low")  # the queue exists
+    keys = QueueKeys.for_queue("celery")
+    # Nothing dead: --all does nothing, and says so
+    for command, said in (("requeue", "requeued 0 of 0"), ("drop", "dropped 0 of 0")):
+        out = sitsq("dead", command, "celery", "--all", env=env)
+        assert out.returncode == 0 and said in out.stdout, out.stderr
+    # An id that is not a dead letter is named, and the exit status says so
+    redis_client.hset(keys.dead, "junk", json.dumps({"reason": "malformed", "payload": "{"}))
+    out = sitsq("dead", "drop", "celery", "junk", "nope", "junk", env=env)
+    assert out.returncode == 1
+    assert "dropped 1 of 2" in out.stdout and "nope: no such dead letter" in out.stderr
+    assert redis_client.hlen(keys.dead) == 0
+
+
+def test_a_redis_that_refuses_a_command_is_one_line(redis_url: str) -> None:
+    out = sitsq("status", env={**os.environ, "SITS_REDIS_URL": redis_url.rsplit("/", 1)[0]
+                               + "/999"})
+    assert out.returncode == 1
+    assert out.stderr.strip().endswith("DB index is out of range"), out.stderr
+    assert "Traceback" not in out.stderr

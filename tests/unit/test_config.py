@@ -62,6 +62,10 @@ def test_boolean_words(word: str) -> None:
     ({"classes": [{"name": "low", "slice_ms": "5"}], "default_class": "low"},
      "class 'low': slice_ms must be a finite number"),
     ({"weights": {"qos_gain": "x"}}, "qos_gain"),
+    ({"classes": [{"name": "low", "bogus": 1}], "default_class": "low"},
+     r"class 'low': unknown settings \['bogus'\]; known: \[.*'slice_ms'"),
+    ({"weights": {"bogus": 1}}, r"weights: unknown settings \['bogus'\]"),
+    ({"weights": 3}, "weights must be a \\[weights\\] table"),
 ])
 def test_bad_file_values_are_refused_by_name(settings: dict[str, Any], named: str) -> None:
     with pytest.raises(ConfigError, match=named):

@@ -73,3 +73,43 @@ def test_a_redis_that_does_not_answer_is_one_line(args: list[str]) -> None:
     assert out.output.startswith("Error: cannot reach Redis: Error 111 connecting to "
                                  "127.0.0.1:1"), out.output
     assert "Traceback" not in out.output
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["bench", "ab", "--quick", "--redis-url", "http://h:1/0"],
+     "redis_url must be redis://, rediss:// or unix://"),
+    (["bench", "ab", "--quick", "--redis-url", "redis://h:1/db"], "is not a number"),
+    (["bench", "ab", "--quick", "--json", "/no/such/dir/x.json"],
+     "directory /no/such/dir does not exist"),
+    (["demo", "--concurrency", "0"], "0 is not in the range x>=1"),
+])
+def test_bad_options_are_refused_before_anything_runs(
+        ab_runs: list[dict[str, Any]], args: list[str], said: str) -> None:
+    out = CliRunner().invoke(cli.main, args)
+    assert out.exit_code == 2, out.output  # a usage error, before the run
+    assert said in out.output and "Traceback" not in out.output
+    assert ab_runs == []
+
+
+def test_a_bench_module_run_alone_refuses_an_unwritable_json_path(
+        capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    with pytest.raises(SystemExit) as exited:
+        ab.main(["--quick", "--json", str(tmp_path / "missing" / "x.json")])
+    assert exited.value.code == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab.main(["--quick", "--json", str(tmp_path)])  # a directory
+    assert "is a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("url", "expected"), [
+    ("redis://h:1/0", "redis://h:1/5"),
+    ("redis://:pw@h:1", "redis://:pw@h:1/5"),
+    ("rediss://h:1/2?socket_timeout=3", "rediss://h:1/5?socket_timeout=3"),
+    ("unix:///tmp/r.sock", "unix:///tmp/r.sock?db=5"),
+    ("unix://u:pw@/tmp/r.sock?db=2&socket_timeout=3", "unix://u:pw@/tmp/r.sock?socket_timeout=3&db=5"),
+])
+def test_a_benchmarks_database_is_set_in_any_redis_url(url: str, expected: str) -> None:
+    from sits_queue.bench.report import database_url
+
+    assert database_url(url, 5) == expected
