@@ -435,10 +435,12 @@ def submit(requests: list[Any], pool: Any) -> Any:
         return list(ended[0])
 
     def each(method: str, error: bool = True) -> Callable[..., None]:
-        def call(*args: Any) -> None:
-            hard = method != "on_timeout" or not args or not args[0]  # (soft, timeout)
+        def call(*args: Any, **kwargs: Any) -> None:
+            # billiard calls the timeout callback by keyword: (soft=, timeout=)
+            soft = kwargs.get("soft", args[0] if args else False)
+            hard = method != "on_timeout" or not soft
             for request in served(error and hard):
-                getattr(request, method)(*args)
+                getattr(request, method)(*args, **kwargs)
         return call
 
     def done(results: Any) -> None:

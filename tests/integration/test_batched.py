@@ -9,6 +9,7 @@ child (the CPU default) serves the module; tests run in file order.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -245,6 +246,8 @@ def test_soft_time_limit_fails_the_batch_and_the_child_lives(
     with pytest.raises(SoftTimeLimitExceeded):
         got.get(timeout=CALL_S)
     assert worker.alive()
+    # The pool's timeout callback reached the request (billiard calls it by keyword)
+    _logged(worker, f"Soft time limit (1.0s) exceeded for t.batch_echo[{got.id}]")
     assert app.tasks["t.batch_echo"].delay("later").get(timeout=CALL_S)["output"]["tag"] \
         == "later"
 
@@ -257,8 +260,17 @@ def test_a_hard_time_limit_fails_the_batch_and_the_child_is_replaced(
     with pytest.raises(TimeLimitExceeded):
         got.get(timeout=CALL_S)
     assert worker.alive()
+    _logged(worker, f"Hard time limit (3.0s) exceeded for t.batch_echo[{got.id}]")
     after = app.tasks["t.batch_echo"].delay("after-kill").get(timeout=FIRST_CALL_S)
     assert after["output"]["tag"] == "after-kill"
+
+
+def _logged(worker: CeleryProcess, line: str, within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
+    while line not in worker.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert line in worker.log(), worker.log()[-3000:]
+    assert "Pool callback raised" not in worker.log(), worker.log()[-3000:]
 
 
 def test_bad_max_batch_is_refused(app: Celery) -> None:
