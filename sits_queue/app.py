@@ -333,6 +333,10 @@ def celery_settings(config: SitsConfig) -> dict[str, Any]:
         "worker_prefetch_multiplier": 1,
         "worker_disable_prefetch": True,
         "task_track_started": True,
+        # Celery's consumer acks (loses) a message whose body does not decode and rejects
+        # an invalid one with its reason in the log only: dead-lettered with the reason,
+        # and the task's result failed, instead.
+        "worker_consumer": "sits_queue.workers.consumer:SitsConsumer",
         # Celery kills a new pool child that has not reported in within 4 s; a GPU host's
         # children may import a CUDA build of torch in their init handlers (the user's own
         # worker_process_init ones too), which alone can take that long.

@@ -114,10 +114,10 @@ def check_task_body(message: Any) -> None:
     """A task message's JSON body (as kombu's message holds it, its body encoding undone)
     is ``[args, kwargs, embed]``: Celery unpacks it in the worker's main process (another
     shape stops it) or acks and loses what does not parse. Another serializer's body is
-    Celery's to check (and to refuse what it must)."""
+    Celery's to check (and to refuse what it must). A compressed body is checked as kombu
+    decompressed it."""
     headers = message.headers or {}
-    if headers.get("task") is None or message.content_type != "application/json" \
-            or headers.get("compression"):
+    if headers.get("task") is None or message.content_type != "application/json":
         return
     body = message.body or b""
     try:

@@ -44,7 +44,7 @@ from celery.worker import state as worker_state
 from kombu.transport import redis as kredis
 from kombu.transport import virtual
 
-from sits_queue.broker import affinity
+from sits_queue.broker import affinity, deadletters
 from sits_queue.broker.heartbeat import Heartbeat
 from sits_queue.broker.keys import batch_units, queues_registry
 
@@ -126,10 +126,15 @@ class QoS(kredis.QoS):
                     self.channel._run("restore", queue, ["-", 0, delivery_tag])
                 else:
                     # Rejected for good (unknown task, Reject(requeue=False)): keep it
-                    # inspectable.
-                    self.channel._run("dead", queue, [time.time(), "rejected by consumer",
-                                                      delivery_tag])
+                    # inspectable, with the consumer's reason when it gave one.
+                    reason, fail = self.channel.reject_reasons.pop(
+                        delivery_tag, ("rejected by consumer", False))
+                    self.channel._run("dead", queue, [time.time(), reason, delivery_tag])
                     self.channel._replicas_gone(queue, [delivery_tag])
+                    if fail:  # its caller's get() raises instead of waiting for ever
+                        deadletters.fail_tasks(self.channel.raw, self.channel.keys(queue).dead,
+                                               [delivery_tag])
+            self.channel.reject_reasons.pop(delivery_tag, None)
             virtual.QoS.ack(self, delivery_tag)
 
     def release(self, delivery_tag: str, first_hold_s: float = 0.0,

@@ -91,6 +91,9 @@ class Channel(kredis.Channel):
         #: hold is not offered back to it until the hold runs out.
         self.consumer_id = uuid4().hex
         self._held_pause_until = 0.0
+        #: Why the consumer is about to reject a delivered message, and whether its task
+        #: fails with it (``workers/consumer.py``); read by ``QoS.reject``.
+        self.reject_reasons: dict[str, tuple[str, bool]] = {}
         self.snapshots = SnapshotCache(self.config)
         self.affinity_policy = self.config.affinity
         self._warm_seen: affinity.Warm | None = None
@@ -456,6 +459,10 @@ class Channel(kredis.Channel):
             message = payload.decode(picked[1], self.codecs)
             payload.prepare(message, queue, tag, int(picked[2]), checkpoint, by_affinity)
             built = self.Message(message, channel=self)
+            if built.errors:  # kombu keeps a body it could not decompress, raising later
+                raise payload.MalformedPayload(
+                    f"body does not decompress ({built.headers.get('compression')!r}): "
+                    f"{built.errors[0][1]!r}")
             payload.check_task_body(built)
         except Exception as exc:
             self._dead_letter(queue, picked, exc, no_ack)

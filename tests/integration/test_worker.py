@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -103,7 +106,8 @@ def test_unknown_task_fails_clearly_and_the_worker_keeps_serving(
     assert client_app.tasks["w.add"].delay(1, 1).get(timeout=30) == 2
     assert worker.alive()
     (record,) = [json.loads(v) for v in redis_client.hvals(WAITING.dead)]
-    assert record["reason"] == "rejected by consumer"
+    assert record["reason"] == ("unknown task 'no.such.task': not registered in this worker "
+                                "(NotRegistered)")
 
 
 def test_malformed_messages_do_not_kill_the_worker(spawn: Spawn, client_app: Celery,
@@ -187,6 +191,67 @@ def test_messages_celery_cannot_take_do_not_kill_the_worker(
     for task_id in ("not-json-id", "kwargs-id", "limits-id"):
         with pytest.raises(DeadLettered, match="malformed payload"):
             client_app.AsyncResult(task_id).get(timeout=10)
+    wait_for(lambda: redis_client.zcard(WAITING.unacked) == 0, 10, "the last ack")
+
+
+def test_messages_celery_would_drop_or_reject_unexplained_are_dead_lettered_with_why(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    """Stock Celery acks (loses) a message whose body does not decode, and rejects an
+    invalid task message with the reason in its log only; the callers wait for ever."""
+    gzip_garbage = base64.b64encode(b"not gzip at all").decode()
+    pickled = base64.b64encode(pickle.dumps([[1, 2], {}, {}])).decode()
+
+    def foreign(task_id: str, **changes: Any) -> str:
+        message = json.loads(celery_message(task_id=task_id))
+        for key, value in changes.items():
+            if key == "headers":
+                message["headers"].update(value)
+            elif key == "drop_task":
+                message["headers"].pop("task")
+            else:
+                message[key] = value
+        return json.dumps(message)
+
+    bad = {
+        # a body that does not decompress: corrupt, or a codec kombu does not have
+        "gzip": foreign("gzip-id", body=gzip_garbage,
+                        properties={"body_encoding": "base64", "delivery_info": {}},
+                        headers={"compression": "application/x-gzip"}),
+        "codec": foreign("codec-id", headers={"compression": "application/x-lz5"}),
+        # no task name in the headers (protocol 1) and a body that does not decode
+        "v1-junk": foreign("v1-id", drop_task=True, body="{{{"),
+        "v1-pickle": foreign("v1p-id", drop_task=True, body=pickled,
+                             properties={"body_encoding": "base64", "delivery_info": {}},
+                             **{"content-type": "application/x-python-serialize",
+                                "content-encoding": "binary"}),
+        # task messages Celery refuses: content it does not accept, an ETA it cannot read
+        "pickle": foreign("pickle-id", body=pickled,
+                          properties={"body_encoding": "base64", "delivery_info": {}},
+                          **{"content-type": "application/x-python-serialize",
+                             "content-encoding": "binary"}),
+        "eta": foreign("eta-id", headers={"eta": "tomorrow-ish"}),
+    }
+    worker = spawn(concurrency=1)
+    for tag, payload in bad.items():
+        redis_client.hset(WAITING.payloads, tag, payload)
+        redis_client.zadd(WAITING.waiting, {tag: 0})
+    redis_client.zadd(WAITING.marker, {"ready": 0})
+    assert client_app.tasks["w.add"].delay(2, 2).get(timeout=30) == 4
+    wait_for(lambda: redis_client.hlen(WAITING.dead) == len(bad), 10, "every dead letter")
+    assert worker.alive(), worker.log()[-3000:]
+    dead = {k.decode(): json.loads(v)["reason"]
+            for k, v in redis_client.hgetall(WAITING.dead).items()}
+    assert "body does not decompress ('application/x-gzip')" in dead["gzip"]
+    assert "body does not decompress ('application/x-lz5')" in dead["codec"]
+    assert dead["v1-junk"].startswith("body does not decode: ")
+    assert dead["v1-pickle"].startswith("body does not decode: ContentDisallowed: ")
+    assert dead["pickle"].startswith("invalid task message: ContentDisallowed: ")
+    assert dead["eta"].startswith("invalid task message: ") and "tomorrow-ish" in dead["eta"]
+    # and each task's caller learns why instead of waiting
+    for task_id, tag in (("gzip-id", "gzip"), ("pickle-id", "pickle"), ("eta-id", "eta")):
+        with pytest.raises(DeadLettered, match=re.escape(dead[tag][:40])):
+            client_app.AsyncResult(task_id).get(timeout=10)
+    assert redis_client.zcard(WAITING.waiting) == 0
     wait_for(lambda: redis_client.zcard(WAITING.unacked) == 0, 10, "the last ack")
 
 

@@ -1,0 +1,73 @@
+"""The worker's Celery consumer, losing no message Celery cannot run.
+
+Stock Celery *acks* a message whose body does not decode (a corrupt compressed body, a
+content type it has no decoder for): logged, then gone, and its caller's ``get()``
+waits for ever. It rejects a task message it finds invalid (a bad ETA, a content type
+it does not accept) or cannot place, and the reason is in the worker's log only. Here
+each is dead-lettered (``sitsq dead``) with the reason Celery found, and the task's
+result, when the message names a task, fails with it (``DeadLettered``). Celery's own
+handling (its log lines, the ``task_rejected`` signal, NotRegistered for an unknown
+task) is otherwise kept.
+
+The reason travels to ``QoS.reject`` through the channel (``reject_reasons``): Celery
+rejects through kombu's ``Message.reject``, which carries nothing but the tag.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery.worker.consumer import Consumer
+from celery.worker.consumer.consumer import MESSAGE_DECODE_ERROR, dump_body
+from kombu.utils.encoding import safe_repr
+
+logger = logging.getLogger("celery.worker.consumer.consumer")  # where Celery logs these
+
+#: Longest exception text kept in a dead letter's reason.
+REASON_CHARS = 500
+
+
+def _reason(what: str, exc: BaseException | None) -> str:
+    said = f"{what}: {type(exc).__name__}: {exc}" if exc is not None else what
+    return said if len(said) <= REASON_CHARS else said[:REASON_CHARS] + "..."
+
+
+def _note(message: Any, reason: str, fail: bool) -> bool:
+    """Give the SITS channel the reason for the reject to come; False for a message of
+    another transport (Celery's own handling applies)."""
+    reasons = getattr(message.channel, "reject_reasons", None)
+    if reasons is None or message.delivery_tag is None:
+        return False
+    reasons[message.delivery_tag] = (reason, fail)
+    return True
+
+
+class SitsConsumer(Consumer):  # type: ignore[misc]
+    """Celery's consumer, dead-lettering what it would drop or reject without a word."""
+
+    def on_decode_error(self, message: Any, exc: Exception) -> None:
+        if not _note(message, _reason("body does not decode", exc), fail=True):
+            super().on_decode_error(message, exc)
+            return
+        logger.critical(MESSAGE_DECODE_ERROR, exc, message.content_type,
+                        message.content_encoding, safe_repr(message.headers),  # type: ignore[no-untyped-call]
+                        dump_body(message, message.body), exc_info=True)
+        message.reject_log_error(logger, self.connection_errors)
+
+    def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
+        _note(message, _reason("invalid task message", exc), fail=True)
+        super().on_invalid_task(body, message, exc)
+
+    def on_unknown_message(self, body: Any, message: Any) -> None:
+        _note(message, "not a task message: no task name in its headers or body", fail=True)
+        super().on_unknown_message(body, message)
+
+    def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
+        # Celery stores NotRegistered as the result itself. (exc is its KeyError.)
+        name = (message.headers or {}).get("task")
+        if name is None and isinstance(body, dict):  # protocol 1
+            name = body.get("task")
+        _note(message, f"unknown task {name!r}: not registered in this worker (NotRegistered)",
+              fail=False)
+        super().on_unknown_task(body, message, exc)
