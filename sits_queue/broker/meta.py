@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
 
 from sits_queue.config import SitsConfig
-from sits_queue.options import HEADER, TaskOptions, from_header
+from sits_queue.options import HEADER, TaskOptions, batch_key, from_header
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,16 @@ class WaitingMeta:
             logger.warning("message %s: %s; scheduling it with default options",
                            message.get("properties", {}).get("delivery_tag"), exc)
             options = from_header(config, None)
-        return cls(options=options, enqueued_at_s=now, task=str(headers.get("task", "")))
+        task = str(headers.get("task", ""))
+        if options.batch is not None and options.batch != batch_key(task, options):
+            # A batch key is the producer's for a batch task: its task, model, class and
+            # precision. One that names another (a header made by hand) would gather
+            # tasks no batch can run together: the message is scheduled as a lone task.
+            logger.warning("message %s: batch key %r is not this task's (%r); scheduled "
+                           "alone", message.get("properties", {}).get("delivery_tag"),
+                           options.batch, batch_key(task, options))
+            options = replace(options, batch=None, batch_max=None)
+        return cls(options=options, enqueued_at_s=now, task=task)
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> WaitingMeta:

@@ -345,6 +345,11 @@ def delivery(batch: str, done: bool, run: Callable[[Any], Any]) -> None:
         _open[batch] = []
         return
     members = _open.pop(batch, None)
+    for lone in [m for m in members or () if not getattr(m, "batchable", False)]:
+        # a task that is no batch task under a batch key (a header made by hand, an app
+        # that changed): run as usual, or it would be held for ever
+        run(lone)
+    members = [m for m in members or () if getattr(m, "batchable", False)]
     if not members:
         return
     if joins.joining(batch) and _joins is not None:
@@ -483,6 +488,9 @@ class BatchRequest(SitsRequest):
     Celery generates a subclass per task type with its own ``execute_using_pool``;
     the batch one replaces it (it does SitsRequest's VRAM admission per member).
     """
+
+    #: Whether a delivered batch may carry it (any other request in one runs alone).
+    batchable = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -255,6 +255,24 @@ def test_messages_celery_would_drop_or_reject_unexplained_are_dead_lettered_with
     wait_for(lambda: redis_client.zcard(WAITING.unacked) == 0, 10, "the last ack")
 
 
+@pytest.mark.parametrize("pool", ["prefork", "solo"])
+def test_a_batch_key_made_by_hand_holds_no_task(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis, pool: str) -> None:
+    """A ``sits`` header with a batch key on a task that is no batch task gathered them
+    at the pick: the worker ran the first and held the others for ever (on solo it
+    also stopped consuming). A key naming another task is dropped at the put."""
+    own = {"sla_class": "medium", "batch": "w.add||medium", "batch_max": 4}
+    other = {"sla_class": "medium", "batch": "t.other|m|high", "batch_max": 4}
+    sent = [client_app.send_task("w.add", (n, n), headers={"sits": own}) for n in range(4)]
+    sent.append(client_app.send_task("w.add", (9, 9), headers={"sits": other}))
+    metas = [json.loads(v) for v in redis_client.hvals(WAITING.meta)]
+    assert sorted(m.get("b") or "" for m in metas) == ["", *["w.add||medium"] * 4]
+    spawn(pool=pool, concurrency=1)
+    assert [r.get(timeout=30) for r in sent] == [0, 2, 4, 6, 18]
+    assert client_app.tasks["w.add"].delay(1, 2).get(timeout=30) == 3
+    wait_for(lambda: redis_client.zcard(WAITING.unacked) == 0, 10, "the last ack")
+
+
 @pytest.mark.parametrize("name", ["", "a{b}"])
 def test_a_queue_name_the_broker_refuses_does_not_stop_the_worker(
         spawn: Spawn, client_app: Celery, redis_client: redis.Redis, name: str) -> None:

@@ -105,6 +105,7 @@ def test_an_output_list_of_the_wrong_shape_fails_every_call(outputs: Any) -> Non
 class FakeRequest:
     id: str
     request_dict: dict[str, Any] = field(default_factory=dict)
+    batchable: bool = True  # a batch task's (BatchRequest)
 
 
 def test_a_delivered_batch_runs_once_carrying_its_members() -> None:
@@ -119,6 +120,27 @@ def test_a_delivered_batch_runs_once_carrying_its_members() -> None:
     batched.delivery("t0", True, ran.append)
     assert ran == [members[0]]
     assert batched._ready.pop("t0") == [members[0], members[2]]
+
+
+def test_a_request_of_no_batch_task_in_a_delivered_batch_runs_alone() -> None:
+    """A batch key made by hand on a plain task: its requests are not held (the first
+    ran, carrying the others that never ran, nor were acked)."""
+    ran: list[FakeRequest] = []
+    members = [FakeRequest(f"u{i}", {BATCH_INFO: ["u0", i, 3]}, batchable=i != 1)
+               for i in range(3)]
+    batched.delivery("u0", False, ran.append)
+    for request in members:
+        assert batched.gather(request, ran.append) is None
+    batched.delivery("u0", True, ran.append)
+    assert ran == [members[1], members[0]]  # the plain one alone; the others as a batch
+    assert batched._ready.pop("u0") == [members[0], members[2]]
+    plain = [FakeRequest(f"v{i}", {BATCH_INFO: ["v0", i, 2]}, batchable=False)
+             for i in range(2)]
+    batched.delivery("v0", False, ran.append)
+    for request in plain:
+        batched.gather(request, ran.append)
+    batched.delivery("v0", True, ran.append)
+    assert ran[2:] == plain and "v0" not in batched._ready
 
 
 def test_requests_outside_an_open_batch_run_at_once() -> None:
