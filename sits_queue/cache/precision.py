@@ -201,6 +201,11 @@ def convert(engine: Any, requested: str, device: str, max_kl: float = DEFAULT_MA
     if target in ("fp16", "bf16"):
         dtype = torch.float16 if target == "fp16" else torch.bfloat16
         module = copy.deepcopy(module).to(dtype)
+    elif target == "fp32" and any(t.is_floating_point() and t.dtype != torch.float32
+                                  for t in (*module.parameters(), *module.buffers())):
+        # A checkpoint saved in fp16/bf16 loads as such: fp32 asked (or an int8 refused)
+        # is served in fp32, as the result says, not at the checkpoint's precision.
+        module = copy.deepcopy(module).to(torch.float32)
     served = Served(requested, target, kl, reason)
     sample = engine.sample_inputs
     converted = TorchEngine(cache_key(model, requested), module, sample,

@@ -193,6 +193,23 @@ def test_casts_halve_the_weights(lm_dir: Path, wanted: str, dtype: str) -> None:
                                              "kl": None, "reason": None}
 
 
+@pytest.mark.parametrize(("wanted", "max_kl"), [("fp32", 0.05), ("int8", 1e-12)])
+def test_full_precision_is_served_in_fp32_from_a_half_checkpoint(
+        lm_dir: Path, wanted: str, max_kl: float) -> None:
+    """A checkpoint saved in fp16 loads in fp16: fp32 asked, or an int8 the gate
+    refused, was served at fp16 while the result said fp32."""
+    import torch
+
+    engine = lm(lm_dir)
+    engine.module.half()  # as from_pretrained loads an fp16 checkpoint
+    served = precision.convert(engine, wanted, "cpu", max_kl=max_kl)
+    assert served.artifacts["precision"]["served"] == "fp32"
+    assert {p.dtype for p in served.module.parameters()} == {torch.float32}
+    served.to_device("cpu")
+    out = served(**served.artifacts["tokenizer"]("hello there", return_tensors="pt"))
+    assert out.logits.dtype == torch.float32 and torch.isfinite(out.logits).all()
+
+
 def test_only_torch_engines_take_a_precision(tmp_path: Path) -> None:
     import torch
 
