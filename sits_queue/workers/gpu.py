@@ -18,6 +18,8 @@ import sys
 import time
 from typing import Any
 
+from sits_queue.workers import softsignal
+
 #: Bytes of the allocation that forces the caching allocator (and cuBLAS-free parts of the
 #: context) to exist, so the first task's timing does not include them. One float32.
 _TOUCH_ELEMENTS = 1
@@ -32,6 +34,9 @@ _fraction: float | None = None
 
 
 def _torch() -> Any:
+    if "torch" not in sys.modules:  # its first import: not to be cut by a soft limit
+        with softsignal.held():
+            import torch
     import torch
 
     return torch

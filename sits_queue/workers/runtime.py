@@ -46,7 +46,7 @@ from sits_queue.cache.budgets import CacheBudgets, children_per_device
 from sits_queue.config import ClassQuota, SitsConfig
 from sits_queue.errors import ConfigError, UnknownModel, VramLimitExceeded
 from sits_queue.options import CONTROL_QUEUE, HEADER, PRECISIONS
-from sits_queue.workers import advertise, gpu, metrics, profile
+from sits_queue.workers import advertise, gpu, metrics, profile, softsignal
 from sits_queue.workers import request as admission
 from sits_queue.workers.devices import Device, Discovery, default_concurrency, discover
 from sits_queue.workers.limits import BYTES_PER_GIB, cpu_set
@@ -234,6 +234,7 @@ class ActiveTask:
     def check_time(self, done: int, total: int) -> None:
         """Cooperative soft-limit check between decode steps (the signal may come late)."""
         if self.soft_deadline is not None and time.monotonic() >= self.soft_deadline:
+            softsignal.mute()  # the pool's signal, due now, must not cut what follows
             raise SoftTimeLimitExceeded(f"soft time limit reached after {done} of {total} "
                                         "steps; stopped")
 
@@ -428,16 +429,19 @@ class ChildRuntime:
     def _publish(self) -> None:
         warm = self._cache.warm() if self._cache is not None else {}
         unsent, self._unsent = self._unsent, {}
-        sent = advertise.publish_child(self.config, self.plan.hostname, self.slot, {
-            "slot": self.slot, "slots": self.plan.slots, "pid": os.getpid(),
-            "device": self.device_label, "warm": dict(warm), "cpus": list(self._cpus),
-            "kv_prefixes": self._prefixes.models() if self._prefixes is not None else {},
-            "kv_keys": self._prefixes.tags() if self._prefixes is not None else [],
-            "tasks": int(self.counters.get("tasks", 0)),
-            "cold": int(self.counters.get("cold", 0)),
-            "memory": gpu.memory_stats()}, unsent)
-        if not sent:  # Redis away for now: the counts go with the next publish
-            metrics.merge(self._unsent, unsent)
+        sent = False
+        try:
+            sent = advertise.publish_child(self.config, self.plan.hostname, self.slot, {
+                "slot": self.slot, "slots": self.plan.slots, "pid": os.getpid(),
+                "device": self.device_label, "warm": dict(warm), "cpus": list(self._cpus),
+                "kv_prefixes": self._prefixes.models() if self._prefixes is not None else {},
+                "kv_keys": self._prefixes.tags() if self._prefixes is not None else [],
+                "tasks": int(self.counters.get("tasks", 0)),
+                "cold": int(self.counters.get("cold", 0)),
+                "memory": gpu.memory_stats()}, unsent)
+        finally:
+            if not sent:  # Redis away for now (or a signal cut it short): the counts go
+                metrics.merge(self._unsent, unsent)  # with the next publish
 
 
 def _engine_cache(device: str, device_bytes: int, host_bytes: int, *,
@@ -555,6 +559,7 @@ def connect(app: Celery) -> None:
             init_child(app, int(getattr(current_process(), "index", 0) or 0))
 
     def on_prerun(sender: Any = None, task: Any = None, **_: Any) -> None:
+        softsignal.restore()
         rt = _child
         if rt is not None and getattr(task, "app", None) is app and rt.app is app:
             rt.before_task(task.request, getattr(task, "sla_class", None))

@@ -1,0 +1,71 @@
+"""The pool's soft-time-limit signal, once a task has stopped itself at that limit.
+
+A task stops itself at its soft limit between steps (``ActiveTask.check_time``): the
+signal alone may come late. Billiard's timeout thread wakes once a second, so its
+``SIGUSR1`` arrives up to a second after the limit, and then interrupts whatever the
+child runs next: the task's accounting, or Celery's failure handling, which replaced the
+task's reason ("stopped after 35 of 200 new tokens") with a bare
+``SoftTimeLimitExceeded()``. Stock Celery has no second path to race with. So once a task
+stopped itself, the signal is ignored in that child until the next task starts (a
+signal between tasks would raise in the pool's own loop).
+
+And it is held off while torch imports (:func:`held`): a first task's soft limit that
+hit ``import torch`` midway (a cold child on a busy host) left torch's operator
+registrations half done, and every later import in that child failed ("duplicate
+registrations for aten...."): one signal made the child fail all its inference tasks.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from billiard import pool as billiard_pool
+from celery.exceptions import SoftTimeLimitExceeded
+
+_muted: Any = None
+
+
+def mute() -> None:
+    """Ignore the soft-limit signal until :func:`restore`: in a pool child only (where
+    billiard's handler is installed; a solo worker's SIGUSR1 is Celery's traceback dump)."""
+    global _muted
+    sig = billiard_pool.SIG_SOFT_TIMEOUT
+    if sig is None or threading.current_thread() is not threading.main_thread():
+        return
+    handler = signal.getsignal(sig)
+    if handler is billiard_pool.soft_timeout_sighandler:
+        signal.signal(sig, signal.SIG_IGN)
+        _muted = handler
+
+
+def restore() -> None:
+    """Billiard's handler back, if :func:`mute` took it (at each task's start)."""
+    global _muted
+    if _muted is not None and billiard_pool.SIG_SOFT_TIMEOUT is not None \
+            and threading.current_thread() is threading.main_thread():
+        signal.signal(billiard_pool.SIG_SOFT_TIMEOUT, _muted)
+        _muted = None
+
+
+@contextmanager
+def held() -> Iterator[None]:
+    """Run the block whole: a soft-limit signal that comes meanwhile raises once it ends.
+    (A handler swap, not a signal mask: the signal may land on another thread, and
+    Python runs its handler in the main thread wherever that is.)"""
+    sig = billiard_pool.SIG_SOFT_TIMEOUT
+    if sig is None or threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(sig) is not billiard_pool.soft_timeout_sighandler:
+        yield
+        return
+    came: list[int] = []
+    signal.signal(sig, lambda signum, _frame: came.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(sig, billiard_pool.soft_timeout_sighandler)
+    if came:
+        raise SoftTimeLimitExceeded()
