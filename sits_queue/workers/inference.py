@@ -35,7 +35,15 @@ from sits_queue.errors import (
     VramLimitExceeded,
 )
 from sits_queue.options import PREWARM_TASK
-from sits_queue.workers import batching, firsttoken, gpu, kvreuse, metrics, runtime
+from sits_queue.workers import (
+    batching,
+    firsttoken,
+    gpu,
+    kvreuse,
+    metrics,
+    runtime,
+    softsignal,
+)
 from sits_queue.workers.inputs import (
     check_flag,
     check_prompt,
@@ -92,7 +100,9 @@ def _acquire(rt: runtime.ChildRuntime, model: str, precision: str | None = None
     rt.lift_cap()
     oom: str | None = None
     try:
-        engine, cold = rt.cache().get(precisions.cache_key(model, precision), load)
+        # whole: imports cut midway leave the child unable to load anything (softsignal)
+        with softsignal.held(f"loading model {model!r} (it stays loaded)"):
+            engine, cold = rt.cache().get(precisions.cache_key(model, precision), load)
         return engine, cold
     except pool.EngineTooLarge as exc:
         raise VramLimitExceeded(f"model {model!r} does not fit this worker's engine cache: "

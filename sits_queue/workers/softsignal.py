@@ -9,10 +9,13 @@ task's reason ("stopped after 35 of 200 new tokens") with a bare
 stopped itself, the signal is ignored in that child until the next task starts (a
 signal between tasks would raise in the pool's own loop).
 
-And it is held off while torch imports (:func:`held`): a first task's soft limit that
-hit ``import torch`` midway (a cold child on a busy host) left torch's operator
-registrations half done, and every later import in that child failed ("duplicate
-registrations for aten...."): one signal made the child fail all its inference tasks.
+And it is held off while torch imports and while an engine loads (:func:`held`): a
+first task's soft limit that hit ``import torch`` midway (a cold child on a busy host)
+left torch's operator registrations half done, and every later import in that child
+failed ("duplicate registrations for aten....") or crashed; one that hit transformers'
+lazy import of a model class left it unimportable in that child. One signal made the
+child fail all its inference tasks. Held, the signal raises once the load is whole, and
+the engine stays warm for the next task; the hard limit still ends a load that hangs.
 """
 
 from __future__ import annotations
@@ -52,8 +55,9 @@ def restore() -> None:
 
 
 @contextmanager
-def held() -> Iterator[None]:
-    """Run the block whole: a soft-limit signal that comes meanwhile raises once it ends.
+def held(what: str | None = None) -> Iterator[None]:
+    """Run the block whole: a soft-limit signal that comes meanwhile raises once it ends
+    (saying it came while ``what``), unless the block raised its own error.
     (A handler swap, not a signal mask: the signal may land on another thread, and
     Python runs its handler in the main thread wherever that is.)"""
     sig = billiard_pool.SIG_SOFT_TIMEOUT
@@ -68,4 +72,4 @@ def held() -> Iterator[None]:
     finally:
         signal.signal(sig, billiard_pool.soft_timeout_sighandler)
     if came:
-        raise SoftTimeLimitExceeded()
+        raise SoftTimeLimitExceeded(*([f"soft time limit hit while {what}"] if what else []))

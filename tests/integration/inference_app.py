@@ -34,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LMS = ("gpt", "lm-a", "lm-b", "lm-c")
 #: Per forward pass of the "slow" model, s: makes a long generation outlast a soft limit.
 SLOW_FORWARD_S = 0.02
+#: Seconds the "slow-load" model's loader takes (past a 1 s soft limit).
+SLOW_LOAD_S = 2.0
 #: ``t.lengths``' pause per call, s: shards queue behind one another long enough to stop.
 SHARD_PAUSE_S = 0.3
 #: Result timeouts, s: a fresh child's first call imports torch and transformers (allow
@@ -135,6 +137,13 @@ def register_models(app: Celery, root: Path) -> None:
         engine = engine_from_path("slow", root / "gpt", "cpu")
         engine.module.register_forward_pre_hook(lambda *_: time.sleep(SLOW_FORWARD_S))
         return engine
+
+    @app.model("slow-load")
+    def slow_load() -> Any:
+        from sits_queue.cache.engines import engine_from_path
+
+        time.sleep(SLOW_LOAD_S)  # weights from a slow disk
+        return engine_from_path("slow-load", root / "gpt", "cpu")
 
 
 def build_models(root: Path) -> Path:

@@ -298,6 +298,23 @@ def test_soft_time_limit_mid_generation(app: Celery, worker: CeleryProcess) -> N
     assert_serving(app, worker)
 
 
+def test_a_soft_limit_hit_while_loading_keeps_the_engine_for_the_next_task(
+        app: Celery, worker: CeleryProcess) -> None:
+    # Given a model whose load takes past the task's soft limit
+    cut = app.tasks["sits.generate"].apply_async(
+        ("the gpu",), {"max_new_tokens": 2}, model="slow-load", soft_time_limit=1.0,
+        time_limit=30)
+    # Then the task fails at the end of the load, saying so (a load cut midway could
+    # leave the child unable to import what loading needs, failing every later task)
+    with pytest.raises(SoftTimeLimitExceeded, match="while loading model 'slow-load'"):
+        cut.get(timeout=FIRST_CALL_S)
+    # And the engine it loaded serves the next task warm
+    again = app.tasks["sits.generate"].apply_async(
+        ("the gpu",), {"max_new_tokens": 2}, model="slow-load").get(timeout=CALL_S)
+    assert again["sits"]["cold"] is False
+    assert_serving(app, worker)
+
+
 def test_hard_time_limit_replaces_the_child(app: Celery, worker: CeleryProcess) -> None:
     before = call(app, "t.describe", "before")
     # When a task ignores its soft limit and is killed at the hard one
