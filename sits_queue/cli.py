@@ -433,9 +433,12 @@ def metrics_command(port: int, addr: str) -> None:
     url = _redis_url()
     config = replace(SitsConfig.from_env(), redis_url=url, metrics_port=port,
                      metrics_addr=addr)
-    server = metrics.serve(config, None, queues=lambda c: queue_status(c, config, time.time()))
-    if server is None:
-        raise click.ClickException(f"cannot listen on {addr}:{port}")
+    try:
+        server = metrics.serve(config, None, strict=True,
+                               queues=lambda c: queue_status(c, config, time.time()))
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {addr}:{port}: {exc.strerror or exc} "
+                                   "(see --port and --addr)") from exc
     click.echo(f"sitsq: serving http://{addr}:{server.server_address[1]}/metrics "
                f"(Redis {_redact(url)})", err=True)
     try:

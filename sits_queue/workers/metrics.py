@@ -324,8 +324,10 @@ _server: Any = None
 
 
 def serve(config: SitsConfig, hostname: str | None,
-          queues: Callable[[redis.Redis], list[dict[str, Any]]] | None = None) -> Any:
-    """Start the ``/metrics`` endpoint (a daemon thread); None when the port is off or taken."""
+          queues: Callable[[redis.Redis], list[dict[str, Any]]] | None = None,
+          strict: bool = False) -> Any:
+    """Start the ``/metrics`` endpoint (a daemon thread); None when the port is off or
+    taken (``strict``: the OSError is raised, for a command whose only job this is)."""
     global _server
     if not config.metrics_port:
         return None
@@ -335,6 +337,8 @@ def serve(config: SitsConfig, hostname: str | None,
         _server, _ = start_http_server(config.metrics_port, addr=config.metrics_addr,
                                        registry=registry)
     except OSError as exc:
+        if strict:
+            raise
         # Serve tasks anyway, and say how to fix it: a port taken (most often by another
         # worker on this host) or an address this host does not have.
         hint = ("give each worker on a host its own SITS_METRICS_PORT"

@@ -242,6 +242,8 @@ def test_sitsq_metrics_on_a_taken_port_exits_with_the_reason(
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
+    assert "(see --port and --addr)" in out.stderr
+    assert "SITS_METRICS" not in out.stderr  # the flags set them, not the settings
 
 
 def test_counts_a_child_could_not_publish_go_with_its_next_publish(
