@@ -36,6 +36,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from redis.connection import parse_url
+
 from sits_queue.errors import ConfigError
 
 #: The source's threshold between strong and asynchronous sync, ms.
@@ -204,6 +206,20 @@ def parse_peers(text: str) -> tuple[Peer, ...]:
         parts = urlsplit(url)
         if parts.scheme not in ("redis", "rediss", "unix"):
             raise ConfigError(f"site_peers entry {name!r}: {url!r} is not a Redis URL")
+        if "," in url:  # entries are separated by spaces; a comma would hide a peer
+            raise ConfigError(f"site_peers entry {name!r}: {url!r} holds a comma; separate "
+                              "entries with spaces")
+        try:
+            parts.port  # noqa: B018  (parsed on access: raises for a bad port)
+        except ValueError as exc:
+            raise ConfigError(f"site_peers entry {name!r}: {exc}") from None
+        if parts.scheme != "unix" and not parts.hostname:
+            raise ConfigError(f"site_peers entry {name!r}: {url!r} names no host")
+        if parts.scheme == "unix" and not parts.path:
+            raise ConfigError(f"site_peers entry {name!r}: {url!r} names no socket path")
+        db = parts.path.strip("/") if parts.scheme != "unix" else ""
+        if db and not db.isdigit():
+            raise ConfigError(f"site_peers entry {name!r}: database {db!r} is not a number")
         query = dict(parse_qsl(parts.query))
         try:
             hops = int(query.pop("hops", "1"))
@@ -214,6 +230,10 @@ def parse_peers(text: str) -> tuple[Peer, ...]:
         if hops < 0 or (rtt is not None and not (math.isfinite(rtt) and rtt >= 0)):
             raise ConfigError(f"site_peers entry {name!r}: hops and rtt_ms must be >= 0")
         clean = urlunsplit(parts._replace(query=urlencode(query)))
+        try:  # what redis-py reads from it (options such as socket_timeout=abc)
+            parse_url(clean)  # type: ignore[no-untyped-call]
+        except ValueError as exc:
+            raise ConfigError(f"site_peers entry {name!r}: {exc}") from None
         peers.append(Peer(name, clean, hops, rtt))
     names = [p.name for p in peers]
     if len(set(names)) != len(names):

@@ -127,6 +127,12 @@ def test_peers_parse_with_hops_and_a_pinned_rtt() -> None:
     ("b=redis://x?hops=-1", "must be >= 0"), ("b=redis://x?rtt_ms=abc", "site_peers entry"),
     ("b=redis://x b=redis://y", "names a site twice"), ("b c=redis://x", "is not name"),
     ("b/x=redis://x", "site name"),
+    ("b=redis://127.0.0.1:99999/0", "'b': Port out of range"),
+    ("b=redis://h:abc/0", "'b': Port could not be cast"),
+    ("b=redis://h:1/0,c=redis://h:2/0", "holds a comma"),
+    ("b=redis://", "names no host"), ("b=unix://", "names no socket path"),
+    ("b=redis://h:1/zero", "database 'zero' is not a number"),
+    ("b=redis://h:1/0?socket_timeout=abc", "'b': Invalid value for 'socket_timeout'"),
 ])
 def test_bad_peers_are_refused_by_name(text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
