@@ -163,6 +163,7 @@ class SiteSync:
         self._strong_off_until: dict[str, float] = {}
         self._digest_at = -DIGEST_EVERY_S
         self._weights = {c.name: c.weight for c in config.classes}
+        self._tiers = sites.tiers(self._weights)
         self._registered: dict[tuple[str, str], float] = {}
         self._plan: tuple[list[Link], SyncPlan] | None = None
         self._outbox_full_until = 0.0
@@ -239,7 +240,9 @@ class SiteSync:
                                self.site, peer, STRONG_BACKOFF_S, exc)
                 later += strong
         if later and time.monotonic() < self._outbox_full_until:
-            later = [r for r in later if plan.mode(str(r[4])) is not SyncMode.EVENTUAL]
+            # By tier, not by the plan's mode: with no live peer every mode is SKIP, and
+            # that is when the outbox fills. The bottom tier is never digest-checked.
+            later = [r for r in later if self._tiers.get(str(r[4])) is not sites.Tier.P2]
         if later:
             length = self.local.rpush(outbox_key(self.prefix),
                                       *(json.dumps(["put", queue, str(r[0])]) for r in later))
@@ -262,6 +265,11 @@ class SiteSync:
         lock = self.local.lock(f"{self.prefix}sits:site:sync-lock",
                                timeout=max(30.0, 10 * self.config.site_sync_interval_s))
         if not lock.acquire(blocking=False):
+            # Another worker's pass, or one killed midway (its lock lives on until the
+            # timeout, which may be past site_dead_after_s): the heartbeats still go, or a
+            # live site would be taken over meanwhile. (Idempotent SETs.)
+            self._guarded(PassReport(), [x.peer.name for x in self.links() if x.alive],
+                          self._heartbeat)
             return None
         try:
             return self.sync_pass()
@@ -383,7 +391,8 @@ class SiteSync:
         return out
 
     def _write_replicas(self, peer: str, queue: str,
-                        records: Sequence[tuple[str, Any, Any, float]]) -> int:
+                        records: Sequence[tuple[str, Any, Any, float]],
+                        register: bool = False) -> int:
         if not records:
             return 0
         z, p, m = replica_keys(self.prefix, self.site, queue)
@@ -394,7 +403,8 @@ class SiteSync:
             pipe.hset(m, mapping={r[0]: r[2] for r in records})
             pipe.execute()
         now = time.monotonic()
-        if now - self._registered.get((peer, queue), -REGISTER_EVERY_S) >= REGISTER_EVERY_S:
+        if register or \
+                now - self._registered.get((peer, queue), -REGISTER_EVERY_S) >= REGISTER_EVERY_S:
             # Idempotent; once in a while, not per put (a flushed peer heals within it, and
             # the digest pass rewrites the replicas themselves).
             client.sadd(replica_queues_key(self.prefix, self.site), queue)
@@ -428,8 +438,11 @@ class SiteSync:
                 continue
             missing = sorted(mine - theirs_checked)
             gone = sorted(theirs_checked - mine)
+            # registered whatever the cache says: a peer restarted empty is why they
+            # were missing, and without the registration it never takes them over
             report.repaired += self._write_replicas(peer, queue,
-                                                    self._local_records(queue, missing))
+                                                    self._local_records(queue, missing),
+                                                    register=True)
             if gone:
                 report.repaired += self._delete_replicas(peer, queue, gone)
             logger.info("site %s: replica of %r at %s repaired (+%d, -%d)", self.site, queue,

@@ -194,6 +194,25 @@ def test_the_digest_repairs_a_replica_that_drifted(
     app.close()
 
 
+def test_a_peer_restarted_empty_gets_the_replicas_and_their_registration_back(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str) -> None:
+    """The digest rewrote the replicas, but the registration that take-over and `sitsq
+    status` find them by waited for a per-process 10 s cache: a peer flushed within it
+    held replicas it would never take over."""
+    _, b = clients
+    app = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)
+    held = {submit(app, "medium"), submit(app, "medium")}
+    sync = sync_of(app)
+    sync.sync_pass()
+    b.flushall()  # the peer restarts empty, inside the registration cache's period
+    sync._digest_at = float("-inf")
+    assert sync.sync_pass().repaired == 2
+    assert replica_ids(b) == held
+    assert b.smembers(sites.origins_key("")) == {b"a"}
+    assert b.smembers(sites.replica_queues_key("", "a")) == {b"celery"}
+    app.close()
+
+
 def test_a_silent_site_is_taken_over_and_drops_its_copies_when_back(
         clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str) -> None:
     a, b = clients
@@ -231,6 +250,23 @@ def test_a_silent_site_is_taken_over_and_drops_its_copies_when_back(
     assert replica_ids(b) == set()
     app_a.close()
     app_b.close()
+
+
+def test_a_pass_lock_left_by_a_killed_worker_stops_no_heartbeat(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str) -> None:
+    """A worker killed mid-pass leaves the pass lock for its timeout (30 s or more), past
+    a short site_dead_after_s: the other workers' beats skipped everything, heartbeats
+    too, and the peer took over a live site."""
+    a, b = clients
+    app = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)
+    sync = sync_of(app)
+    assert sync.local.lock("sits:site:sync-lock", timeout=60).acquire(blocking=False)
+    try:
+        assert sync.sync_pass_locked() is None  # the pass is skipped
+        assert b.exists(sites.alive_key("", "a"))  # the heartbeat is not
+    finally:
+        a.delete("sits:site:sync-lock")
+        app.close()
 
 
 def test_an_unreachable_peer_never_fails_a_put(clients: tuple[redis.Redis, redis.Redis],
@@ -272,6 +308,28 @@ def test_a_full_outbox_stops_queueing_eventual_replicas_only(
         submit(app, "low")  # the third push passes the cap
     assert a.llen(sites.outbox_key("")) == 3
     submit(app, "low")  # eventual: not queued while the outbox is full
+    submit(app, "medium")  # digest-checked: still queued
+    assert a.llen(sites.outbox_key("")) == 4
+    app.close()
+
+
+def test_a_full_outbox_caps_while_no_peer_answers(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cap is for a long outage: with no live peer every class's mode is SKIP, and
+    the filter by mode let every put through."""
+    a, _ = clients
+    monkeypatch.setattr(sites, "OUTBOX_MAX", 2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        gone = f"redis://127.0.0.1:{s.getsockname()[1]}/0"  # nothing listens there
+    app = site_app(redis_url, "a", "b", gone, rtt_ms=1.0)
+    assert sync_of(app).plan().link is None
+    for _ in range(3):
+        submit(app, "low")
+    assert a.llen(sites.outbox_key("")) == 3
+    for _ in range(5):
+        submit(app, "low")  # bottom tier: not queued while the outbox is full
     submit(app, "medium")  # digest-checked: still queued
     assert a.llen(sites.outbox_key("")) == 4
     app.close()
