@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from importlib import import_module
 from pathlib import Path
@@ -25,7 +26,7 @@ from sits_queue.broker.keys import QueueKeys, decode_score, queues_registry, reg
 from sits_queue.broker.meta import WaitingMeta
 from sits_queue.config import SitsConfig, check_redis_url
 from sits_queue.embedded import resolve_redis_url
-from sits_queue.errors import ConfigError, SitsError
+from sits_queue.errors import SitsError
 
 #: Waiting tasks shown per queue by ``sitsq status``.
 HEAD_ROWS = 5
@@ -225,30 +226,26 @@ def bench() -> None:
     """Benchmark programs: they print a table and JSON; they assert nothing."""
 
 
-def _checked_url(_ctx: click.Context, _param: click.Parameter, url: str | None
-                 ) -> str | None:
-    try:
-        return None if url is None else check_redis_url(url)
-    except ConfigError as exc:
-        raise click.BadParameter(str(exc)) from exc
-
-
-def _checked_json(_ctx: click.Context, _param: click.Parameter, path: Path | None
-                  ) -> Path | None:
-    """Refused before the run, not after it: a full benchmark takes minutes."""
-    try:
-        return None if path is None else check_json_path(path)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from exc
+def _checked(check: Callable[[Any], Any]) -> Callable[[click.Context, click.Parameter, Any],
+                                                      Any]:
+    """A click callback refusing, as a usage error before the run (a full benchmark
+    takes minutes), a value ``check`` raises a ValueError for (ConfigError is one)."""
+    def callback(_ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
+        try:
+            return None if value is None else check(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from exc
+    return callback
 
 
 def _bench_options(fn: Any) -> Any:
-    fn = click.option("--redis-url", callback=_checked_url,
+    fn = click.option("--redis-url", callback=_checked(check_redis_url),
                       help="Run on this Redis server: the benchmark FLUSHES "
                       "the databases it uses there. Default: a private redis-server, "
                       "started and stopped for the run (SITS_REDIS_URL is not used).")(fn)
     fn = click.option("--json", "json_path", type=click.Path(path_type=Path),
-                      callback=_checked_json, help="Also write the JSON result here.")(fn)
+                      callback=_checked(check_json_path),
+                      help="Also write the JSON result here.")(fn)
     fn = click.option("--quick", is_flag=True,
                       help="A smaller run (seconds to a few minutes).")(fn)
     return fn
@@ -368,7 +365,7 @@ def _chosen(client: redis.Redis, key: str, ids: tuple[str, ...], every: bool
         raise click.UsageError("name the dead letters' ids, or give --all")
     if every:  # as stored: an id that is not UTF-8 is still one to drop or requeue
         return list(client.hkeys(key))
-    return list(ids)
+    return list(dict.fromkeys(ids))  # an id named twice is one letter
 
 
 @dead.command("requeue")
@@ -383,8 +380,8 @@ def dead_requeue(queue: str, ids: tuple[str, ...], every: bool) -> None:
     config = replace(SitsConfig.from_env(), redis_url=_redis_url())
     client = redis.Redis.from_url(config.redis_url, socket_timeout=5)
     _dead_queue(client, config, queue)
-    chosen = list(dict.fromkeys(_chosen(
-        client, QueueKeys.for_queue(queue, config.global_keyprefix).dead, ids, every)))
+    chosen = _chosen(client, QueueKeys.for_queue(queue, config.global_keyprefix).dead,
+                     ids, every)
     app = make_app(config, main="sitsq-dead")
     try:
         with app.connection_for_write() as conn:
@@ -410,7 +407,7 @@ def dead_drop(queue: str, ids: tuple[str, ...], every: bool) -> None:
     client = redis.Redis.from_url(_redis_url(), socket_timeout=5)
     _dead_queue(client, config, queue)
     key = QueueKeys.for_queue(queue, config.global_keyprefix).dead
-    chosen = list(dict.fromkeys(_chosen(client, key, ids, every)))
+    chosen = _chosen(client, key, ids, every)
     missing = deadletters.drop_each(client, key, chosen)
     click.echo(f"dropped {len(chosen) - len(missing)} of {len(chosen)}")
     for message_id in missing:

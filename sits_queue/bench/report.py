@@ -15,7 +15,6 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from sits_queue.config import check_redis_url
 from sits_queue.embedded import EmbeddedRedis
-from sits_queue.errors import ConfigError
 
 
 @contextmanager
@@ -33,8 +32,9 @@ def parser(prog: str, description: str | None = None) -> argparse.ArgumentParser
     """--quick, --json PATH and --redis-url, the options all benchmarks take."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--quick", action="store_true", help="a smaller run")
-    p.add_argument("--json", type=_json_path, help="also write the JSON result here")
-    p.add_argument("--redis-url", type=_redis_url,
+    p.add_argument("--json", type=_argument(check_json_path, Path),
+                   help="also write the JSON result here")
+    p.add_argument("--redis-url", type=_argument(check_redis_url),
                    help="use this server (the benchmark FLUSHES its databases); default: "
                         "a private redis-server")
     return p
@@ -70,18 +70,16 @@ def check_json_path(path: Path) -> Path:
     return path
 
 
-def _redis_url(raw: str) -> str:
-    try:
-        return check_redis_url(raw)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
-def _json_path(raw: str) -> Path:
-    try:
-        return check_json_path(Path(raw))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
+def _argument(check: Callable[[Any], Any], convert: Callable[[str], Any] = str
+              ) -> Callable[[str], Any]:
+    """An argparse ``type`` refusing what ``check`` raises a ValueError for (ConfigError
+    is one), with its message."""
+    def parse(raw: str) -> Any:
+        try:
+            return check(convert(raw))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+    return parse
 
 
 def targets_line(targets: Mapping[str, bool]) -> str:

@@ -32,17 +32,24 @@ from celery.exceptions import SoftTimeLimitExceeded
 _muted: Any = None
 
 
+def _pool_child_signal() -> int | None:
+    """The soft-limit signal, where billiard's handler for it is in place and this is the
+    thread that may swap handlers; None elsewhere (a solo worker, a thread, no signal)."""
+    sig = billiard_pool.SIG_SOFT_TIMEOUT
+    if sig is None or threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(sig) is not billiard_pool.soft_timeout_sighandler:
+        return None
+    return int(sig)
+
+
 def mute() -> None:
     """Ignore the soft-limit signal until :func:`restore`: in a pool child only (where
     billiard's handler is installed; a solo worker's SIGUSR1 is Celery's traceback dump)."""
     global _muted
-    sig = billiard_pool.SIG_SOFT_TIMEOUT
-    if sig is None or threading.current_thread() is not threading.main_thread():
-        return
-    handler = signal.getsignal(sig)
-    if handler is billiard_pool.soft_timeout_sighandler:
+    sig = _pool_child_signal()
+    if sig is not None:
         signal.signal(sig, signal.SIG_IGN)
-        _muted = handler
+        _muted = billiard_pool.soft_timeout_sighandler
 
 
 def restore() -> None:
@@ -60,9 +67,8 @@ def held(what: str | None = None) -> Iterator[None]:
     (saying it came while ``what``), unless the block raised its own error.
     (A handler swap, not a signal mask: the signal may land on another thread, and
     Python runs its handler in the main thread wherever that is.)"""
-    sig = billiard_pool.SIG_SOFT_TIMEOUT
-    if sig is None or threading.current_thread() is not threading.main_thread() \
-            or signal.getsignal(sig) is not billiard_pool.soft_timeout_sighandler:
+    sig = _pool_child_signal()
+    if sig is None:
         yield
         return
     came: list[int] = []

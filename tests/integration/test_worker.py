@@ -110,6 +110,14 @@ def test_unknown_task_fails_clearly_and_the_worker_keeps_serving(
                                 "(NotRegistered)")
 
 
+def plant(redis_client: redis.Redis, payloads: dict[str, str]) -> None:
+    """Write ``payloads`` straight into the queue, as a foreign writer would, by tag."""
+    for tag, payload in payloads.items():
+        redis_client.hset(WAITING.payloads, tag, payload)
+        redis_client.zadd(WAITING.waiting, {tag: 0})
+    redis_client.zadd(WAITING.marker, {"ready": 0})
+
+
 def test_malformed_messages_do_not_kill_the_worker(spawn: Spawn, client_app: Celery,
                                                    redis_client: redis.Redis) -> None:
     worker = spawn()
@@ -123,10 +131,7 @@ def test_malformed_messages_do_not_kill_the_worker(spawn: Spawn, client_app: Cel
            "uuid": kombu_message(headers={"x": {"__type__": "uuid", "__value__": 5}}).decode(),
            "codec": kombu_message(body="eA==", properties={"body_encoding": "rot13"}).decode(),
            "task": kombu_message(headers={"task": ["unhashable"]}).decode()}
-    for tag, payload in bad.items():
-        redis_client.hset(WAITING.payloads, tag, payload)
-        redis_client.zadd(WAITING.waiting, {tag: 0})
-    redis_client.zadd(WAITING.marker, {"ready": 0})
+    plant(redis_client, bad)
     # Then it dead-letters each one and serves the next task
     assert client_app.tasks["w.add"].delay(2, 2).get(timeout=30) == 4
     assert worker.alive()
@@ -172,10 +177,7 @@ def test_messages_celery_cannot_take_do_not_kill_the_worker(
            "limits-str": celery_message(task_id="limits-id", timelimit="abc"),
            "limits-strs": celery_message(timelimit=["a", "b"])}
     worker = spawn(concurrency=1)
-    for tag, payload in bad.items():
-        redis_client.hset(WAITING.payloads, tag, payload)
-        redis_client.zadd(WAITING.waiting, {tag: 0})
-    redis_client.zadd(WAITING.marker, {"ready": 0})
+    plant(redis_client, bad)
     # Then each is dead-lettered with what is wrong, and the worker serves on
     assert client_app.tasks["w.add"].delay(2, 2).get(timeout=30) == 4
     assert worker.alive(), worker.log()[-3000:]
@@ -232,10 +234,7 @@ def test_messages_celery_would_drop_or_reject_unexplained_are_dead_lettered_with
         "eta": foreign("eta-id", headers={"eta": "tomorrow-ish"}),
     }
     worker = spawn(concurrency=1)
-    for tag, payload in bad.items():
-        redis_client.hset(WAITING.payloads, tag, payload)
-        redis_client.zadd(WAITING.waiting, {tag: 0})
-    redis_client.zadd(WAITING.marker, {"ready": 0})
+    plant(redis_client, bad)
     assert client_app.tasks["w.add"].delay(2, 2).get(timeout=30) == 4
     wait_for(lambda: redis_client.hlen(WAITING.dead) == len(bad), 10, "every dead letter")
     assert worker.alive(), worker.log()[-3000:]
