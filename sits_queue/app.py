@@ -63,6 +63,20 @@ def resolve_task_options(task: Task | None, config: SitsConfig, per_call: Mappin
     return opts
 
 
+def call_options(task: Task | None, config: SitsConfig, options: dict[str, Any],
+                 conf: Mapping[str, Any], args: Any = (), kwargs: Any = None
+                 ) -> TaskOptions:
+    """One call's SITS options, taken out of its apply_async-style ``options``, with the
+    time limits the message carries set there (:func:`apply_class_limits`); a batch
+    task's key names those limits (:func:`~sits_queue.options.batch_key`)."""
+    opts = resolve_task_options(task, config, pop_sits_options(options), args, kwargs)
+    apply_class_limits(task, config, opts.sla_class, options, conf)
+    if task is not None and opts.batch is not None:
+        opts = replace(opts, batch=batch_key(
+            task.name, opts, (options["time_limit"], options["soft_time_limit"])))
+    return opts
+
+
 def apply_class_limits(task: Task | None, config: SitsConfig, sla_class: str,
                        options: dict[str, Any], conf: Mapping[str, Any] | None = None
                        ) -> None:
@@ -167,9 +181,7 @@ class SitsTask(Task):  # type: ignore[misc]
     def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
                     producer: Any = None, link: Any = None, link_error: Any = None,
                     shadow: str | None = None, **options: Any) -> Any:
-        config = sits_config(self.app)
-        opts = resolve_task_options(self, config, pop_sits_options(options), args, kwargs)
-        apply_class_limits(self, config, opts.sla_class, options, self.app.conf)
+        opts = call_options(self, sits_config(self.app), options, self.app.conf, args, kwargs)
         options["headers"] = sits_headers(opts, options.pop("headers", None), time.time())
         return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow,
                                    **options)
@@ -442,11 +454,8 @@ class SitsCelery(Celery):  # type: ignore[misc]
             # here, not met by every worker
             from_header(sits_config(self), headers[HEADER])
             return super().send_task(name, args, kwargs, **options)
-        config = sits_config(self)
-        per_call = pop_sits_options(options)
-        task = self.tasks.get(name)
-        opts = resolve_task_options(task, config, per_call, args, kwargs)
-        apply_class_limits(task, config, opts.sla_class, options, self.conf)
+        opts = call_options(self.tasks.get(name), sits_config(self), options, self.conf,
+                            args, kwargs)
         options["headers"] = sits_headers(opts, options.pop("headers", None), time.time())
         return super().send_task(name, args, kwargs, **options)
 

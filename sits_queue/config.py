@@ -264,8 +264,9 @@ class SitsConfig:
     prefix_key_chars: int = 256
     #: Same-model batching (``workers/batched.py``): a pick that takes a batchable task
     #: (``sits.embed``, ``@app.batch_inference_task``) also takes the waiting tasks of the
-    #: same task, model and class among this many from the queue's head, up to the
-    #: task's ``max_batch``, and the worker runs them as one batch; 0: one at a time...
+    #: same batch key (task, model, class, precision, time limits) among this many from
+    #: the queue's head, up to the task's ``max_batch``, and the worker runs them as one
+    #: batch; 0: one at a time...
     batch_window: int = 256
     #: ...and ``max_batch`` of the built-in ``sits.embed`` and of batch tasks that do
     #: not set one (1: no batching).

@@ -118,11 +118,34 @@ def resolve(config: SitsConfig, declared: Mapping[str, Any], per_call: Mapping[s
     )
 
 
-def batch_key(task_name: str, options: TaskOptions) -> str:
-    """What tasks must share to run in one batch: the task, its model at its precision
-    and its class (one engine, one set of limits)."""
+def batch_key(task_name: str, options: TaskOptions, timelimit: Any = None) -> str:
+    """What tasks must share to run in one batch: the task, its model at its precision,
+    its class and its time limits (Celery's ``timelimit`` header: hard, soft; s). A batch
+    runs on one engine under its first task's limits: a task that set its own would
+    have run under another's (a soft limit of 1 s in a batch led by the class's 24 s
+    never fired), so it batches only with tasks that set the same.
+
+    Raises ValueError for a ``timelimit`` that is no Celery pair of limits.
+    """
     key = f"{task_name}|{options.model or ''}|{options.sla_class}"
-    return key if options.precision is None else f"{key}|{options.precision}"
+    if options.precision is not None:
+        key = f"{key}|{options.precision}"
+    limits = _limits(timelimit)
+    return key if limits is None else f"{key}|t={limits}"
+
+
+def _limits(timelimit: Any) -> str | None:
+    """``hard/soft`` as exact floats (either may be empty); None when neither is set."""
+    if timelimit is None:
+        return None
+    if not isinstance(timelimit, (list, tuple)) or len(timelimit) != 2 or not all(
+            v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                          and math.isfinite(v) and v > 0) for v in timelimit):
+        raise ValueError(f"timelimit must be [time_limit, soft_time_limit], seconds, "
+                         f"got {timelimit!r}")
+    if timelimit[0] is None and timelimit[1] is None:
+        return None
+    return "/".join("" if v is None else repr(float(v)) for v in timelimit)
 
 
 def _precision(value: Any) -> str | None:

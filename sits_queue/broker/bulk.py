@@ -40,9 +40,7 @@ from kombu.utils.uuid import uuid
 
 from sits_queue.app import (
     SUBMITTED_AT,
-    apply_class_limits,
-    pop_sits_options,
-    resolve_task_options,
+    call_options,
     sits_config,
     sits_headers,
 )
@@ -173,8 +171,7 @@ def _plan(task: Task, options: dict[str, Any]) -> _Plan:
         raise TypeError(f"enqueue_many does not support {sorted(unsupported)}; supported: "
                         f"{sorted(SUPPORTED_OPTIONS | set(OPTION_NAMES))}")
     config = sits_config(app)
-    opts = resolve_task_options(task, config, pop_sits_options(options))
-    apply_class_limits(task, config, opts.sla_class, options, app.conf)
+    opts = call_options(task, config, options, app.conf)
     if task.soft_time_limit and task.time_limit and task.soft_time_limit > task.time_limit:
         raise ValueError("soft_time_limit must be less than or equal to time_limit")
     options = {**task._get_exec_options(), **options}

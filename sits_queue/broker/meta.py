@@ -61,14 +61,21 @@ class WaitingMeta:
                            message.get("properties", {}).get("delivery_tag"), exc)
             options = from_header(config, None)
         task = str(headers.get("task", ""))
-        if options.batch is not None and options.batch != batch_key(task, options):
-            # A batch key is the producer's for a batch task: its task, model, class and
-            # precision. One that names another (a header made by hand) would gather
-            # tasks no batch can run together: the message is scheduled as a lone task.
-            logger.warning("message %s: batch key %r is not this task's (%r); scheduled "
-                           "alone", message.get("properties", {}).get("delivery_tag"),
-                           options.batch, batch_key(task, options))
-            options = replace(options, batch=None, batch_max=None)
+        if options.batch is not None:
+            # A batch key is the producer's for a batch task: its task, model, class,
+            # precision and time limits. One that names another (a header made by hand,
+            # limits changed on the way) would gather tasks no batch can run together:
+            # the message is scheduled as a lone task.
+            try:
+                own = batch_key(task, options, headers.get("timelimit"))
+            except ValueError as exc:
+                own = str(exc)  # Celery refuses the message at the worker, naming it
+            if options.batch != own:
+                logger.warning("message %s: batch key %r is not this task's (%r); "
+                               "scheduled alone",
+                               message.get("properties", {}).get("delivery_tag"),
+                               options.batch, own)
+                options = replace(options, batch=None, batch_max=None)
         return cls(options=options, enqueued_at_s=now, task=task)
 
     @classmethod

@@ -4,18 +4,18 @@ Offline inference submits work one item per task (``embed.delay(text)`` a millio
 times), while a model runs a batch of 32 in about the time it runs one. Here the
 broker gathers and the worker batches, without holding anything back in a buffer:
 
-1. The producer marks a batch task's message with its batch key (task, model, class)
-   and ``max_batch`` (``options.batch_key``). ``pick.lua``, when the task it picks has
-   one, also takes the waiting tasks with the same key among the first
-   ``batch_window`` of the queue, up to ``max_batch`` in all, atomically with the pick;
-   each is unacked like any picked message. Nothing waits for a batch to fill: a batch
-   is what was waiting, so a quiet queue runs tasks one by one at once.
+1. The producer marks a batch task's message with its batch key (task, model, class,
+   precision, time limits) and ``max_batch`` (``options.batch_key``). ``pick.lua``,
+   when the task it picks has one, also takes the waiting tasks with the same key among
+   the first ``batch_window`` of the queue, up to ``max_batch`` in all, atomically
+   with the pick; each is unacked like any picked message. Nothing waits for a batch
+   to fill: a batch is what was waiting, so a quiet queue runs tasks one by one at once.
 2. The transport delivers them one after another between two marks, each message
    marked ``[batch, index, size]``; Celery makes a request of each as usual (received
    events, revokes, expiry), and :func:`gather` holds them until the end mark, then
    passes the first on through Celery's pool semaphore carrying the others, and
    :class:`BatchRequest` sends the pool one job for all of them (each checked for
-   revokes and VRAM admission first), with the class's time limits.
+   revokes and VRAM admission first), with their time limits.
 3. In the pool child, :func:`run_batch` gets the engine once and calls the task's
    function once with every call (:class:`Call`); then each request goes through
    Celery's own tracer as if it had run alone, with the outcome the batch gave it:

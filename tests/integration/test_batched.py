@@ -53,6 +53,10 @@ def waiting(app: Celery) -> dict[str, Any]:
     echo = [app.tasks["t.batch_echo"].delay(tag) for tag in ECHO_TAGS]
     expired = app.tasks["t.batch_echo"].apply_async(
         ("expired",), expires=datetime.now(UTC) - timedelta(seconds=5))
+    # its own time limits: not the kin of the echo batches (it ran under their first
+    # task's limits, the class's, and its soft limit never fired)
+    limited = app.tasks["t.batch_echo"].apply_async(("sleep:3",), soft_time_limit=1,
+                                                    time_limit=20)
     embeds = [app.tasks["sits.embed"].apply_async((text,), model="enc") for text in TEXTS]
     raw = app.tasks["sits.embed"].apply_async((TEXTS[:2],), {"normalize": False},
                                               model="enc")
@@ -63,8 +67,8 @@ def waiting(app: Celery) -> dict[str, Any]:
     templated = [app.tasks["sits.generate_batched"].apply_async(
         (template + item,), {"max_new_tokens": 5, "stop_at_eos": False}, model="gpt",
         sla_class="low") for template, item in TEMPLATED]  # another class: a batch of their own
-    return {"echo": echo, "expired": expired, "embeds": embeds, "raw": raw, "empty": empty,
-            "gens": gens, "templated": templated}
+    return {"echo": echo, "expired": expired, "limited": limited, "embeds": embeds,
+            "raw": raw, "empty": empty, "gens": gens, "templated": templated}
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +113,17 @@ def test_a_bad_call_fails_alone(waiting: dict[str, Any], worker: CeleryProcess) 
     bad = got[ECHO_TAGS.index("bad")]
     assert isinstance(bad, InvalidInput) and "'bad' is bad" in str(bad)
     assert sum(isinstance(g, Exception) for g in got) == 1
+
+
+def test_a_task_with_its_own_time_limits_runs_under_them(
+        waiting: dict[str, Any], worker: CeleryProcess) -> None:
+    # Given a task that set a 1 s soft limit, waiting behind echo tasks of the class's
+    # limits, when the worker picks them, then it runs in a batch of its own and stops
+    with pytest.raises(SoftTimeLimitExceeded):
+        waiting["limited"].get(timeout=FIRST_CALL_S)
+    assert all(len(g["output"]["ids"]) <= BATCH_ECHO_MAX and waiting["limited"].id
+               not in g["output"]["ids"] for g in results(waiting["echo"])
+               if not isinstance(g, Exception))
 
 
 def test_an_expired_member_leaves_its_batch_to_run(waiting: dict[str, Any],

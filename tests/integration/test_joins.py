@@ -26,12 +26,16 @@ from tests.integration.inference_app import CALL_S, FIRST_CALL_S, serving
 from tests.waiting import wait_for
 
 #: The long row (tokens) and its soft limit, s: it runs ~120 x 20 ms = 2.4 s, well inside.
-LONG, SOFT_S = 120, 6
+LONG, SOFT_S = 120, 8
+#: The time limits of every row here: tasks join a batch of their own key, which names
+#: them (a task that set other limits would have run under the batch's).
+LIMITS = {"soft_time_limit": SOFT_S, "time_limit": 60}
 #: Rows submitted while it decodes: prompt, max_new_tokens, temperature, seed. The last
-#: would take ~220 x 20 ms = 4.4 s, more than half of what is left before the long
-#: row's soft limit: declined, it runs after the batch.
+#: would take ~230 x 20 ms = 4.6 s (or more on a busy host: the join measures the
+#: batch's steps), more than half of what is left before the long row's soft limit:
+#: declined, it runs after the batch, alone within its own 8 s.
 LATER = [("the worker keeps", 4, 0.0, 0), ("a queue of work", 6, 1.3, 5),
-         ("one long continuation", 220, 0.0, 0)]
+         ("one long continuation", 230, 0.0, 0)]
 
 
 def gen(app: Celery, prompt: str, n: int, temperature: float = 0.0, seed: int = 0,
@@ -56,13 +60,13 @@ def worker(tmp_path_factory: pytest.TempPathFactory, redis_url: str, config_path
 def first(app: Celery, r: redis.Redis, worker: CeleryProcess) -> dict[str, AsyncResult]:
     """A long row running alone (a batch of one: nothing else waits), and a short one
     submitted once it runs: joined and stored early, it shows the long one decoding."""
-    long = gen(app, "once upon a time", LONG, soft_time_limit=SOFT_S, time_limit=60)
+    long = gen(app, "once upon a time", LONG, **LIMITS)
     # taken by the idle worker (its own batch, with its own time limits) before the
     # short one is sent: once it is in, the full worker takes more only as joins
     waiting = QueueKeys.for_queue("celery").waiting
     wait_for(lambda: r.zcard(waiting) == 0, timeout_s=CALL_S,
              what="the worker to take the long row")
-    short = gen(app, "the cat", 2)
+    short = gen(app, "the cat", 2, **LIMITS)
     assert short.get(timeout=CALL_S)["sits"]["batch"]["joined"] is True
     assert long.state != "SUCCESS"
     return {"long": long, "short": short}
@@ -71,7 +75,7 @@ def first(app: Celery, r: redis.Redis, worker: CeleryProcess) -> dict[str, Async
 @pytest.fixture(scope="module")
 def later(app: Celery, first: dict[str, AsyncResult]) -> list[AsyncResult]:
     """Submitted while the long row decodes."""
-    return [gen(app, p, n, t, s) for p, n, t, s in LATER]
+    return [gen(app, p, n, t, s, **LIMITS) for p, n, t, s in LATER]
 
 
 def test_tasks_join_a_running_batch_and_decode_as_alone(
@@ -125,12 +129,13 @@ def test_a_soft_limit_fails_the_rows_still_going_and_keeps_the_joined_ones_done(
     for result in later:  # the module's first batch and its rerun are over
         result.get(timeout=CALL_S)
     # ~200 x 20 ms = 4 s asked for, a 1.5 s soft limit: it stops mid-way
-    doomed = gen(app, "a row that runs out of time", 200, soft_time_limit=1.5,
-                 time_limit=30)
+    doomed_limits = {"soft_time_limit": 1.5, "time_limit": 30}
+    doomed = gen(app, "a row that runs out of time", 200, **doomed_limits)
     waiting = QueueKeys.for_queue("celery").waiting
     wait_for(lambda: r.zcard(waiting) == 0, timeout_s=CALL_S,
              what="the worker to take the doomed row")
-    quick = gen(app, "in and out", 3)  # joins (3 x 20 ms fits) and is done well before
+    # joins (3 x 20 ms fits) and is done well before
+    quick = gen(app, "in and out", 3, **doomed_limits)
     got = quick.get(timeout=CALL_S)
     assert got["sits"]["batch"]["joined"] is True and got["output"]["tokens"] == 3
     # (the loop's own check says how far it got; Celery's signal, due at the same

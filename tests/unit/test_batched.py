@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
-from sits_queue.app import make_app, resolve_task_options
+from sits_queue.app import call_options, make_app, resolve_task_options
 from sits_queue.broker.keys import BATCH_INFO, batch_mark
 from sits_queue.broker.meta import WaitingMeta
 from sits_queue.broker.qos import held_units
 from sits_queue.config import ConfigError, SitsConfig
 from sits_queue.errors import InferenceError, InvalidInput, InvalidTaskOptions
-from sits_queue.options import from_header
+from sits_queue.options import HEADER, batch_key, from_header
 from sits_queue.workers import batched
 from sits_queue.workers.batched import Call, split_outputs
 
@@ -45,6 +45,48 @@ def test_a_batch_task_marks_its_messages_with_task_model_and_class(app: Any) -> 
     assert resolve_task_options(app.tasks["u.plain"], CONFIG, {}, ("x",)).batch is None
     embed = resolve_task_options(app.tasks["sits.embed"], CONFIG, {"model": "enc"}, ("x",))
     assert embed.batch_max == CONFIG.batch_max_tasks
+
+
+def test_a_batch_key_names_the_time_limits_the_message_carries(app: Any) -> None:
+    task = app.tasks["u.score"]
+    plain: dict[str, Any] = {}
+    opts = call_options(task, CONFIG, plain, app.conf, ("x",))
+    soft, hard = CONFIG.time_limits("medium")
+    assert (plain["soft_time_limit"], plain["time_limit"]) == (soft, hard)
+    assert opts.batch == f"u.score|enc|medium|t={float(hard)!r}/{float(soft)!r}"
+    # A call that sets its own limits batches only with calls that set the same
+    own: dict[str, Any] = {"soft_time_limit": 1, "time_limit": 20}
+    mine = call_options(task, CONFIG, own, app.conf, ("x",))
+    assert mine.batch == "u.score|enc|medium|t=20.0/1.0" != opts.batch
+    assert call_options(task, CONFIG, {"soft_time_limit": 1.0, "time_limit": 20.0},
+                        app.conf, ("y",)).batch == mine.batch
+
+
+def _message(opts: Any, timelimit: Any) -> dict[str, Any]:
+    return {"headers": {"task": "u.score", "timelimit": timelimit,
+                        HEADER: opts.to_header()}, "properties": {"delivery_tag": "d"}}
+
+
+def test_the_broker_keeps_a_batch_key_only_with_the_limits_it_names(app: Any) -> None:
+    options: dict[str, Any] = {"soft_time_limit": 1, "time_limit": 20}
+    opts = call_options(app.tasks["u.score"], CONFIG, options, app.conf, ("x",))
+    kept = WaitingMeta.of_message(CONFIG, _message(opts, [20, 1]), 1.0).options
+    assert kept.batch == opts.batch and kept.batch_max == 16
+    # Limits changed on the way (or a key made by hand): scheduled alone
+    for changed in ([20, 2], [None, None], None, [20], ["20", 1], [20, -1], "abc"):
+        alone = WaitingMeta.of_message(CONFIG, _message(opts, changed), 1.0).options
+        assert (alone.batch, alone.batch_max) == (None, None), changed
+    # A foreign producer's batch key with no limits at all is this task's
+    bare = replace(opts, batch=batch_key("u.score", opts))
+    assert WaitingMeta.of_message(CONFIG, _message(bare, [None, None]), 1.0).options == bare
+
+
+@pytest.mark.parametrize("bad", [[1], [1, 2, 3], [True, 1], [float("nan"), 1], [0, 1],
+                                 {"hard": 1}, "1/2"])
+def test_a_timelimit_that_is_no_pair_of_limits_is_refused_by_name(app: Any, bad: Any) -> None:
+    opts = resolve_task_options(app.tasks["u.score"], CONFIG, {}, ("x",))
+    with pytest.raises(ValueError, match=r"timelimit must be \[time_limit, soft_time_limit\]"):
+        batch_key("u.score", opts, bad)
 
 
 def test_batch_options_survive_the_header_and_the_broker_record(app: Any) -> None:
