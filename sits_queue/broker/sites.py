@@ -13,7 +13,8 @@ The policy (tiers, the decision table, link weights) is ``priority/sites.py``. H
   one pass: a take-over in that window runs the task again: at least once, never lost);
 * **digests**: every :data:`DIGEST_EVERY_S` the pass compares, per queue, the ids this
   site holds (waiting or running) in digest-checked classes with the replica's, and
-  repairs a difference (a lost outbox entry, a peer restarted empty);
+  repairs a difference (a lost outbox entry, a peer restarted empty); and deletes the
+  replicas, of any class, of tasks this site no longer holds (a delete sent elsewhere);
 * **one replica peer**: the pass measures the links and publishes its choice
   (``sits:site:link``); producers re-read it every :func:`link_max_age_s` and write their
   strong replicas there, so that they go where the pass drains and deletes. Live peers
@@ -422,22 +423,30 @@ class SiteSync:
         return int(removed)
 
     def _repair(self, peer: str, plan: SyncPlan, report: PassReport) -> None:
-        """Per queue: digest of the ids held here in digest-checked classes against the
-        replica's (which holds only those classes' and the strong ones'); on a
-        difference, write what is missing and delete what is gone."""
+        """Per queue: the replica's ids against those held here. Those of digest-checked
+        classes held here and missing there are written; replicas of tasks no longer here
+        are deleted whatever their class: an eventual one could outlive its task at a
+        peer that was replica peer before, missed the ack's delete (sent to the replica
+        peer of the time) and is replica peer again, and its take-over would run the
+        finished task again.
+
+        The replica is read first: a task put between the two reads is then one held
+        here (written again, idempotent), never one gone (its fresh strong replica
+        deleted, the task without one until the next digest)."""
         checked = set(plan.classes(SyncMode.ASYNC_DIGEST, SyncMode.STRONG))
-        if not checked:
-            return
         client = self.clients[peer]
         for queue in registered_queues(self.local.smembers(queues_registry(self.prefix))):
-            mine = self._held_ids(queue, checked)
             m = replica_keys(self.prefix, self.site, queue)[2]
             theirs = {i.decode(): sla_class_of(v) for i, v in client.hscan_iter(m)}
+            if not theirs and not checked:
+                continue  # nothing to delete there, nothing this site must write
+            held = self._held(queue)
+            mine = {i for i, c in held.items() if c in checked}
             theirs_checked = {i for i, c in theirs.items() if c in checked}
-            if sites.digest(mine) == sites.digest(theirs_checked):
+            gone = sorted(set(theirs) - set(held))
+            if not gone and sites.digest(mine) == sites.digest(theirs_checked):
                 continue
             missing = sorted(mine - theirs_checked)
-            gone = sorted(theirs_checked - mine)
             # registered whatever the cache says: a peer restarted empty is why they
             # were missing, and without the registration it never takes them over
             report.repaired += self._write_replicas(peer, queue,
@@ -448,13 +457,11 @@ class SiteSync:
             logger.info("site %s: replica of %r at %s repaired (+%d, -%d)", self.site, queue,
                         peer, len(missing), len(gone))
 
-    def _held_ids(self, queue: str, classes: set[str]) -> set[str]:
+    def _held(self, queue: str) -> dict[str, str | None]:
+        """The ids of the tasks held here (waiting or running), with their classes."""
         k = QueueKeys.for_queue(queue, self.prefix)
-        out = set()
-        for raw_id, raw_meta in self.local.hscan_iter(k.meta):
-            if sla_class_of(raw_meta) in classes:
-                out.add(raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id))
-        return out
+        return {(raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)):
+                sla_class_of(raw_meta) for raw_id, raw_meta in self.local.hscan_iter(k.meta)}
 
     def _hand_over(self, old: str, plan: SyncPlan, report: PassReport) -> None:
         """This site's replicas at ``old``, a live peer that does not keep the replica

@@ -577,3 +577,64 @@ def test_a_pass_that_dies_midway_leaves_its_batch_to_the_next(
     assert replica_ids(b) == {*first[1:], *later}
     assert a.llen(sites.outbox_key("")) == 0 and not a.exists(sites.taken_key(""))
     app.close()
+
+
+def test_a_peer_that_is_replica_peer_again_drops_replicas_of_tasks_finished_meanwhile(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str, site_c: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An eventual replica is not digest-checked: one left at b while b was down (the
+    ack's delete went to c) stayed there for good, and b's take-over of a would run the
+    finished task again."""
+    _, b = clients
+    c = redis.Redis.from_url(site_c)
+    c.flushall()
+    rtt = {"b": 1.0, "c": 2.0}
+    app, sync = three_sites(redis_url, site_b, site_c, monkeypatch, rtt)
+    done, waits = submit(app, "low"), submit(app, "low")
+    assert sync.sync_pass().peer == "b" and replica_ids(b) == {done, waits}
+    # Given b down: c is the replica peer, and done is acked meanwhile
+    rtt["b"] = float("inf")
+    monkeypatch.setattr(sync, "_measure", lambda peer: Link(peer, rtt[peer.name],
+                                                            rtt[peer.name] < float("inf")))
+    sync._links_at = float("-inf")
+    assert sync.sync_pass().peer == "c"
+    with app.connection_for_read() as conn:
+        message = conn.default_channel.basic_get("celery")
+        assert message.delivery_tag == done
+        message.ack()
+    sync.sync_pass()
+    # When b is back and the nearer peer again
+    rtt["b"] = 1.0
+    sync._links_at = float("-inf")
+    report = sync.sync_pass()
+    # Then its replica of done is gone; the one of the task still waiting stays
+    assert report.peer == "b" and report.repaired == 1
+    assert replica_ids(b) == {waits}
+    c.close()
+    app.close()
+
+
+def test_a_task_put_while_the_digest_reads_keeps_its_replica(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The digest read this site's ids, then the replica's: a strong task put between
+    the two was at the peer and not in this site's list, and its replica was deleted."""
+    _, b = clients
+    app = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)
+    sync = sync_of(app)
+    first = submit(app, "high")
+    sync.sync_pass()
+    late: list[str] = []
+    held = sync._held
+
+    def put_meanwhile(queue: str) -> dict[str, str | None]:
+        ids = held(queue)
+        if not late:  # a producer's put (strong: at b at once) lands just after this read
+            late.append(submit(app, "high"))
+        return ids
+
+    monkeypatch.setattr(sync, "_held", put_meanwhile)
+    sync._digest_at = float("-inf")
+    sync.sync_pass()
+    assert late and replica_ids(b) == {first, late[0]}
+    app.close()
