@@ -221,6 +221,11 @@ def alive_key(prefix: str, site: str) -> str:
     return f"{prefix}sits:site:{{{site}}}:alive"
 
 
+def epoch_key(prefix: str, site: str) -> str:
+    """At a peer: the server (``recovery.epoch``) ``site`` last wrote its replicas from."""
+    return f"{prefix}sits:site:{{{site}}}:epoch"
+
+
 def missing_since_key(prefix: str, site: str) -> str:
     return f"{prefix}sits:site:{{{site}}}:missing-since"
 

@@ -46,8 +46,8 @@ from typing import Any
 
 import redis
 
+from sits_queue.broker import recovery
 from sits_queue.broker.keys import (
-    SEQ_SPAN,
     QueueKeys,
     alive_key,
     last_pass_key,
@@ -136,6 +136,7 @@ class PassReport:
     taken_over: int = 0
     dropped: int = 0
     handed_over: int = 0
+    restored: int = 0
     errors: list[str] = field(default_factory=list)
 
 
@@ -294,14 +295,21 @@ class SiteSync:
         # Before the drain or the digest: a task a peer took over leaves here, and its
         # replicas, or they would be replicated again.
         self._guarded(report, live, self._drop_taken_over)
+        # And the tasks this site's Redis lost come back from the replicas (recovery.py)
+        # before anything there is deleted: a peer not reached for that does no more.
+        current = recovery.epoch(self.local, self.prefix)
+        confirmed: set[str] = set()
+        self._guarded(report, live, lambda peer, rep: self._recover(peer, current, rep,
+                                                                    confirmed))
         link = plan.link
         if link is not None:
             report.peer, report.rtt_ms = link.peer.name, round(link.rtt_ms, 3)
             if link.peer.name != self._replica_peer:  # a new replica: fill it at once
                 self._replica_peer, self._digest_at = link.peer.name, -math.inf
-            self._guarded(report, [link.peer.name], lambda peer, rep: self._sync_to(
-                peer, plan, rep))
-            self._guarded(report, sites.other_live_peers(links, plan),
+            self._guarded(report, [link.peer.name] if link.peer.name in confirmed else [],
+                          lambda peer, rep: self._sync_to(peer, plan, rep))
+            self._guarded(report, [p for p in sites.other_live_peers(links, plan)
+                                   if p in confirmed],
                           lambda peer, rep: self._hand_over(peer, plan, rep))
         self._take_over(report)
         self.local.set(last_pass_key(self.prefix),
@@ -316,6 +324,18 @@ class SiteSync:
                 step(peer, report)
             except redis.RedisError as exc:
                 report.errors.append(f"{peer}: {exc}")
+
+    def _recover(self, peer: str, current: str, report: PassReport, confirmed: set[str]
+                 ) -> None:
+        restored = recovery.restore(self.local, self.clients[peer], self.scripts,
+                                    self.prefix, self.site, current,
+                                    self.config.default_class)
+        if restored is not None:
+            report.restored += restored
+            # (the peer may be new, or back empty: register this site's queues there
+            # with the next writes, not up to REGISTER_EVERY_S later)
+            self._registered = {k: v for k, v in self._registered.items() if k[0] != peer}
+        confirmed.add(peer)
 
     def _heartbeat(self, peer: str, report: PassReport) -> None:
         self.clients[peer].set(alive_key(self.prefix, self.site), self.clock(),
@@ -528,27 +548,18 @@ class SiteSync:
         return now - since >= self.config.site_dead_after_s
 
     def _promote(self, origin: str, queue: str) -> int:
-        z, p, m = replica_keys(self.prefix, origin, queue)
-        entries: list[Any] = list(self.local.zrange(z, 0, -1, withscores=True))
+        entries = recovery.replicas(self.local, self.prefix, origin, queue)
         if not entries:
             return 0
-        ids = [e[0].decode() if isinstance(e[0], bytes) else str(e[0]) for e in entries]
-        scores = [float(e[1]) for e in entries]
-        payloads, metas = self.local.hmget(p, ids), self.local.hmget(m, ids)
-        args: list[Any] = []
-        for task_id, score, payload, meta in zip(ids, scores, payloads, metas, strict=True):
-            if payload is None or meta is None:
-                continue
-            sla_class = sla_class_of(meta) or self.config.default_class
-            base = int(score) - int(score) % SEQ_SPAN  # keep its priority, renumber arrival
-            args += [task_id, payload, meta, base, sla_class]
+        ids = [e[0] for e in entries]
+        args = recovery.put_back_args(entries, self.config.default_class)
         if args:
             self.scripts.run("put", QueueKeys.for_queue(queue, self.prefix), args, self.local)
             marker = takenover_key(self.prefix, origin)
             self.local.sadd(marker, *(json.dumps([queue, i]) for i in ids))
             self.local.expire(marker, TAKEOVER_TTL_S)
             self.local.sadd(queues_registry(self.prefix), queue)
-        self.local.delete(z, p, m)
+        self.local.delete(*replica_keys(self.prefix, origin, queue))
         return len(args) // 5
 
     def _drop_taken_over(self, peer: str, report: PassReport) -> None:

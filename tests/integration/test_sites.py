@@ -5,6 +5,7 @@ peers' URLs (``?rtt_ms=``) so each test chooses its side of the 5 ms threshold."
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import threading
 import time
@@ -638,3 +639,111 @@ def test_a_task_put_while_the_digest_reads_keeps_its_replica(
     sync.sync_pass()
     assert late and replica_ids(b) == {first, late[0]}
     app.close()
+
+
+@pytest.fixture
+def restartable(tmp_path: Path) -> Iterator[list[EmbeddedRedis]]:
+    """Site a's own Redis, to restart: the servers started, the last one running."""
+    servers = [EmbeddedRedis(tmp_path / "site-a", appendonly=True)]
+    servers[0].start()
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def restart(servers: list[EmbeddedRedis], empty: bool) -> None:
+    """Stop site a's Redis and start it again on its port, with its data or without."""
+    old = servers[-1]
+    port = old.port
+    old.stop()
+    if empty:
+        shutil.rmtree(old.data_dir / "appendonlydir", ignore_errors=True)
+    servers.append(EmbeddedRedis(old.data_dir, port=port, appendonly=not empty))
+    servers[-1].start()
+
+
+def test_tasks_an_origin_restarted_empty_lost_come_back_from_the_replica(
+        clients: tuple[redis.Redis, redis.Redis], site_b: str,
+        restartable: list[EmbeddedRedis]) -> None:
+    """Back within site_dead_after_s, nobody took a's replicas over, and a's digest
+    deleted them all as replicas of tasks it no longer held: the tasks were lost."""
+    _, b = clients
+    app = site_app(restartable[0].url, "a", "b", site_b, rtt_ms=1.0)
+    sync = sync_of(app)
+    high, medium, low = (submit(app, c) for c in ("high", "medium", "low"))
+    sync.sync_pass()
+    a = redis.Redis.from_url(restartable[0].url)
+    before = {i.decode(): s for i, s in a.zrange(QUEUE.waiting, 0, -1, withscores=True)}
+    assert replica_ids(b) == {high, medium, low}
+    # When a's Redis restarts empty, a producer puts a task, and a's next pass is a
+    # digest's
+    restart(restartable, empty=True)
+    assert a.zcard(QUEUE.waiting) == 0
+    new = submit(app, "low")
+    sync._digest_at = float("-inf")
+    report = sync.sync_pass()
+    # Then the three come back into a's queue, at their priorities, and stay replicated
+    assert report.restored == 3 and report.repaired == 0 and not report.errors
+    after = {i.decode(): s for i, s in a.zrange(QUEUE.waiting, 0, -1, withscores=True)}
+    assert set(after) == {high, medium, low, new}
+    assert [int(after[i]) >> SEQ_BITS for i in (high, medium, low)] == \
+        [int(before[i]) >> SEQ_BITS for i in (high, medium, low)]
+    assert replica_ids(b) == {high, medium, low, new}
+    # and they run from there, each once
+    with app.connection_for_read() as conn:
+        got = [conn.default_channel.basic_get("celery") for _ in range(5)]
+    assert [m.delivery_tag for m in got[:2]] == [high, medium] and got[4] is None
+    assert {m.delivery_tag for m in got[2:4]} == {low, new}  # one level: arrival renumbered
+    # The next pass restores nothing again
+    assert sync.sync_pass().restored == 0
+    a.close()
+    app.close()
+
+
+def test_a_restart_that_kept_the_data_puts_back_no_finished_task(
+        clients: tuple[redis.Redis, redis.Redis], site_b: str,
+        restartable: list[EmbeddedRedis]) -> None:
+    _, b = clients
+    app = site_app(restartable[0].url, "a", "b", site_b, rtt_ms=1.0)
+    sync = sync_of(app)
+    done, waits = submit(app, "medium"), submit(app, "medium")
+    sync.sync_pass()
+    assert replica_ids(b) == {done, waits}
+    with app.connection_for_read() as conn:  # done: its replica's delete waits in the outbox
+        message = conn.default_channel.basic_get("celery")
+        assert message.delivery_tag == done
+        message.ack()
+    # When a's Redis restarts with its data (AOF)
+    restart(restartable, empty=False)
+    report = sync.sync_pass()
+    # Then the finished task is not put back, and its replica goes as it would have
+    assert report.restored == 0 and not report.errors
+    a = redis.Redis.from_url(restartable[-1].url)
+    assert {i.decode() for i in a.zrange(QUEUE.waiting, 0, -1)} == {waits}
+    assert replica_ids(b) == {waits}
+    a.close()
+    app.close()
+
+
+def test_an_origin_whose_redis_forbids_info_keeps_an_epoch_of_its_own(
+        redis_client: redis.Redis, redis_url: str) -> None:
+    from sits_queue.broker import recovery
+
+    assert recovery.epoch(redis_client, "") == redis_client.info("server")["run_id"]
+    # A managed Redis that forbids INFO (here: an ACL user without it)
+    redis_client.execute_command("ACL", "SETUSER", "sits-noinfo", "on", ">pw", "~*", "&*",
+                                 "+@all", "-info")
+    try:
+        host_port = redis_url.split("@")[-1].split("//")[-1]
+        limited = redis.Redis.from_url(f"redis://sits-noinfo:pw@{host_port}")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            limited.info("server")
+        first = recovery.epoch(limited, "noinfo:")
+        assert first.startswith("key:") and recovery.epoch(limited, "noinfo:") == first
+        # it changes when the data is lost
+        redis_client.delete(f"noinfo:{recovery.FALLBACK_EPOCH}")
+        assert recovery.epoch(limited, "noinfo:") != first
+        limited.close()
+    finally:
+        redis_client.execute_command("ACL", "DELUSER", "sits-noinfo")
+        redis_client.delete(f"noinfo:{recovery.FALLBACK_EPOCH}")

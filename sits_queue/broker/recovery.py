@@ -1,0 +1,139 @@
+"""An origin site whose Redis lost data takes its replicated tasks back from its peers.
+
+A site's replicas at a peer are the copies of its tasks kept for the day the site is
+lost (``sites.py``). But a site whose Redis restarts empty, or from a snapshot older
+than its last writes, or fails over to a replica that had not caught up, is not lost:
+its pass carries on within ``site_dead_after_s``, so no peer takes its replicas over,
+and its digest found them to be of tasks it no longer holds and deleted them. The
+tasks the restart lost went with them.
+
+So each pass tells every live peer which server it writes from (:func:`epoch`: the
+local Redis's ``run_id``, new on every start and every failover), recorded at the peer
+next to the replicas. A peer whose record names another server holds replicas written
+before this site's Redis restarted: the pass first puts back into this site's queues,
+with their priorities, the replicated tasks this site no longer holds and has no
+delete queued for in its outbox (a task finished before the restart); then it records
+the new server there, and only then may the digest and hand-over delete anything.
+
+At least once, never lost: a task finished just before a restart that also lost its
+outbox entry runs again; so would one put after the restart and acked in the moment
+between :func:`restore`'s read of this site's ids and its put.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import redis
+
+from sits_queue.broker.keys import (
+    SEQ_SPAN,
+    QueueKeys,
+    epoch_key,
+    outbox_key,
+    queues_registry,
+    registered_queues,
+    replica_keys,
+    replica_queues_key,
+    taken_key,
+)
+from sits_queue.broker.meta import sla_class_of
+from sits_queue.broker.scripts import Scripts
+
+logger = logging.getLogger(__name__)
+
+#: The local key of this site's own epoch where INFO is not allowed (a managed Redis
+#: that renames or forbids it): set once, it changes only when the data is lost.
+FALLBACK_EPOCH = "sits:site:epoch"
+
+
+def epoch(local: redis.Redis, prefix: str) -> str:
+    """Which server, and which of its starts, this site's queues live on now."""
+    with contextlib.suppress(redis.exceptions.ResponseError):
+        run_id = local.info("server").get("run_id")
+        if run_id:
+            return str(run_id)
+    key = f"{prefix}{FALLBACK_EPOCH}"
+    local.set(key, f"key:{uuid.uuid4().hex}", nx=True)
+    raw = local.get(key)
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def pending_deletes(local: redis.Redis, prefix: str) -> set[tuple[str, str]]:
+    """(queue, id) of the replica deletes still queued here (the outbox and the batch a
+    pass is sending): tasks done, whose replicas are no work to take back."""
+    out: set[tuple[str, str]] = set()
+    for raw in [*local.lrange(outbox_key(prefix), 0, -1),
+                *local.lrange(taken_key(prefix), 1, -1)]:  # the taken list's token first
+        with contextlib.suppress(ValueError, TypeError):
+            op, queue, task_id = json.loads(raw)
+            if op == "del":
+                out.add((str(queue), str(task_id)))
+    return out
+
+
+def put_back_args(entries: Iterable[tuple[str, float, Any, Any]], default_class: str
+                  ) -> list[Any]:
+    """``put.lua`` arguments for replicas (id, score, payload, meta): each keeps its
+    priority level and gets a new arrival number; a replica missing its payload or
+    metadata is skipped."""
+    args: list[Any] = []
+    for task_id, score, payload, meta in entries:
+        if payload is None or meta is None:
+            continue
+        base = int(score) - int(score) % SEQ_SPAN
+        args += [task_id, payload, meta, base, sla_class_of(meta) or default_class]
+    return args
+
+
+def replicas(client: redis.Redis, prefix: str, origin: str, queue: str
+             ) -> list[tuple[str, float, Any, Any]]:
+    """The replicas ``client`` holds of ``origin``'s ``queue``: (id, score, payload, meta)."""
+    z, p, m = replica_keys(prefix, origin, queue)
+    entries: list[Any] = list(client.zrange(z, 0, -1, withscores=True))
+    if not entries:
+        return []
+    ids = [e[0].decode() if isinstance(e[0], bytes) else str(e[0]) for e in entries]
+    return list(zip(ids, (float(e[1]) for e in entries), client.hmget(p, ids),
+                    client.hmget(m, ids), strict=True))
+
+
+def restore(local: redis.Redis, peer: redis.Redis, scripts: Scripts, prefix: str, site: str,
+            current: str, default_class: str) -> int | None:
+    """When ``peer`` holds replicas written before this site's server changed to
+    ``current``: put back the tasks they are of that this site lost, and record
+    ``current`` there. Returns how many were put back; None when the peer's record was
+    already ``current`` (nothing to check)."""
+    key = epoch_key(prefix, site)
+    recorded = peer.get(key)
+    if recorded is not None and (recorded.decode() if isinstance(recorded, bytes)
+                                 else str(recorded)) == current:
+        return None
+    restored = 0
+    if recorded is not None:  # None: the first pass to reach this peer, or it is new
+        done = pending_deletes(local, prefix)
+        # (the peer's list may lag a first write by REGISTER_EVERY_S: this site's too)
+        queues = set(registered_queues(peer.smembers(replica_queues_key(prefix, site)))) | \
+            set(registered_queues(local.smembers(queues_registry(prefix))))
+        for queue in sorted(queues):
+            entries = [e for e in replicas(peer, prefix, site, queue)
+                       if (queue, e[0]) not in done]
+            if not entries:
+                continue
+            k = QueueKeys.for_queue(queue, prefix)
+            held = local.hmget(k.meta, [e[0] for e in entries])
+            args = put_back_args((e for e, h in zip(entries, held, strict=True) if h is None),
+                                 default_class)
+            if args:
+                scripts.run("put", k, args, local)
+                local.sadd(queues_registry(prefix), queue)
+                restored += len(args) // 5
+        logger.warning("site %s: its Redis changed (restarted or failed over) since its "
+                       "last pass; put back %d replicated tasks it had lost", site, restored)
+    peer.set(key, current)
+    return restored
