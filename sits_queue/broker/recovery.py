@@ -16,7 +16,9 @@ delete queued for in its outbox (a task finished before the restart); then it re
 the new server there, and only then may the digest and hand-over delete anything.
 
 At least once, never lost: a task finished just before a restart that also lost its
-outbox entry runs again; so would one put after the restart and acked in the moment
+outbox entry runs again; so does one finished after the restart whose replica sat at a
+peer that was unreachable then (its delete went to the replica peer of the time), once
+that peer is back; and so would one put after the restart and acked in the moment
 between :func:`restore`'s read of this site's ids and its put.
 """
 
