@@ -118,7 +118,8 @@ def read(client: Any, dead_key: str, limit: int | None = None) -> list[DeadLette
             parsed = json.loads(record)
             reason = str(parsed.get("reason", "?"))
             at = float(parsed["at"]) if parsed.get("at") is not None else None
-        except (ValueError, TypeError, AttributeError, KeyError):
+        except (ValueError, TypeError, AttributeError, KeyError, ArithmeticError):
+            # (ArithmeticError: a foreign writer's integer past float's range)
             reason, at = "(unreadable record)", None
         task = task_of(record)
         out.append(DeadLetter(message_id, task[1] if task else "?",
@@ -150,6 +151,10 @@ def requeue(channel: Any, queue: str, ids: Sequence[bytes | str]
             continue
         try:
             message = decode(json.loads(record)["payload"], tuple(channel.codecs))
+            # Back under its own id: a foreign producer's message may carry no tag (the
+            # pick gave it one in memory only), and the put needs one.
+            message["properties"]["delivery_tag"] = message_id.decode() \
+                if isinstance(message_id, bytes) else str(message_id)
         except (ValueError, TypeError, KeyError, ArithmeticError) as exc:
             refused[shown(message_id)] = f"its payload is not a message ({exc}); drop it " \
                                          "instead"
@@ -188,7 +193,7 @@ def expire(client: Any, dead_key: str, before_s: float, chunk: int = 500) -> int
     for message_id, record in client.hscan_iter(dead_key, count=chunk):
         try:
             at = float(json.loads(record)["at"])
-        except (ValueError, TypeError, KeyError, AttributeError):
+        except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError):
             continue
         if at < before_s:
             old.append(message_id)

@@ -93,7 +93,7 @@ class WaitingMeta:
             return None
         try:
             return cls.from_json(raw)
-        except (ValueError, TypeError, KeyError, AttributeError):
+        except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError):
             return None
 
 

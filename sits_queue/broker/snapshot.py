@@ -54,7 +54,7 @@ def snapshot_from_json(raw: str | bytes | None, now_s: float) -> PrioritySnapsho
     for name, fields in (stored.items() if isinstance(stored, dict) else ()):
         try:
             classes[name] = ClassStats(**{k: fields[k] for k in _STATS if k in fields})
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, ArithmeticError) as exc:  # a huge integer too
             logger.warning("priority snapshot: class %r stats unreadable (%s); left out",
                            name, exc)
     hotness: dict[str, float] = {}

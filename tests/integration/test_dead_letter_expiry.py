@@ -56,11 +56,16 @@ def test_letters_past_their_ttl_go_and_the_others_stay(
     backdate(redis_client, "celery", ids["old"], TTL_S + 5)
     backdate(redis_client, "celery", ids["young"], TTL_S - 60)
     backdate(redis_client, "other", ids["old2"], 3 * TTL_S)
-    # a record another program wrote, without a time: left for a person to drop
-    redis_client.hset(QueueKeys.for_queue("celery").dead, ids["junk"], b"{not json")
+    # records another program wrote, without a readable time: left for a person to drop
+    dead = QueueKeys.for_queue("celery").dead
+    redis_client.hset(dead, ids["junk"], b"{not json")
+    redis_client.hset(dead, "huge", '{"reason": "x", "at": 1' + "0" * 400 + "}")
     assert Rescorer(app.sits, redis_client).rescore_all() is not None
-    assert set(redis_client.hkeys(QueueKeys.for_queue("celery").dead)) == {
-        ids["young"].encode(), ids["junk"].encode()}
+    assert set(redis_client.hkeys(dead)) == {ids["young"].encode(), ids["junk"].encode(),
+                                             b"huge"}
+    # and listed as unreadable (an OverflowError stopped the sweep and `sitsq dead`)
+    listed = {d.id: d.reason for d in deadletters.read(redis_client, dead)}
+    assert listed["huge"] == listed[ids["junk"]] == "(unreadable record)"
     assert redis_client.hlen(QueueKeys.for_queue("other").dead) == 0
 
 

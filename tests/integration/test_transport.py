@@ -13,6 +13,7 @@ import redis
 from celery import Celery, Task
 
 from sits_queue.app import make_app
+from sits_queue.broker import deadletters
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.config import SitsConfig
 from sits_queue.errors import DeadLettered, InvalidTaskOptions
@@ -238,6 +239,19 @@ def test_a_task_put_after_the_trigger_check_read_its_clock_has_waited_nothing(
     assert "backlog" not in rescorer.check_triggers(before)
 
 
+def test_a_scheduling_record_with_an_unreadable_time_is_walked_past(
+        app: Celery, redis_client: redis.Redis) -> None:
+    # (a foreign writer's integer past float's range: OverflowError stopped the trigger
+    # check and `sitsq status`)
+    top = app.sits.top_class
+    app.tasks["t.echo"].apply_async(("urgent",), sla_class=top)
+    keys = QueueKeys.for_queue("celery")
+    redis_client.hset(keys.meta, "foreign", '{"c": "%s", "t": 1%s}' % (top, "0" * 400))
+    redis_client.zadd(keys.waiting, {"foreign": 0})
+    wait = Rescorer(app.sits, redis_client).oldest_top_class_wait_ms(time.time() + 1.0)
+    assert wait is not None and wait >= 900
+
+
 def test_a_corrupt_stored_snapshot_never_stops_submissions(
         app: Celery, redis_client: redis.Redis) -> None:
     # (a newer beat's extra field, a NaN: every enqueue raised while they stood)
@@ -400,6 +414,34 @@ def test_requeue_and_reject(app: Celery, redis_client: redis.Redis) -> None:
     dead = redis_client.hgetall(keys.dead)
     assert len(dead) == 1
     assert json.loads(next(iter(dead.values())))["reason"] == "rejected by consumer"
+
+
+def test_a_foreign_message_without_a_delivery_tag_is_requeued_from_the_dead_letters(
+        app: Celery, redis_client: redis.Redis) -> None:
+    """A producer that leaves properties.delivery_tag out: the pick tags the message in
+    memory only, and its requeue raised KeyError, stopping at it."""
+    keys = QueueKeys.for_queue("celery")
+    app.tasks["t.echo"].delay("ours")
+    with app.connection_for_write() as conn:
+        q = conn.SimpleQueue("celery")
+        ours = q.get(block=False)
+        # its payload as a producer that sets no tag would have written it
+        stored = json.loads(redis_client.hget(keys.payloads, ours.delivery_tag) or b"")
+        del stored["properties"]["delivery_tag"]
+        redis_client.hset(keys.payloads, ours.delivery_tag, json.dumps(stored))
+        ours.reject()
+        app.tasks["t.echo"].delay("second")
+        second = q.get(block=False)
+        second.reject()
+        done, refused = deadletters.requeue(conn.default_channel, "celery",
+                                            [ours.delivery_tag, second.delivery_tag])
+        assert done == [ours.delivery_tag, second.delivery_tag] and refused == {}
+        # back under their own ids, and they run
+        again = [q.get(block=False) for _ in range(2)]
+        assert {m.delivery_tag for m in again} == set(done)
+        assert sorted(m.payload[0][0] for m in again) == ["ours", "second"]
+        q.close()
+    assert redis_client.hlen(keys.dead) == 0
 
 
 def kombu_message(**changes: Any) -> bytes:

@@ -360,6 +360,9 @@ def test_extreme_config_stays_finite_and_positive() -> None:
     b"garbage", b"[1, 2]", b'"a string"',
     b'{"classes": {"high": {"p95_ms": NaN}}, "hotness": {"m": NaN}}',
     b'{"classes": {"high": [1, 2], "low": 5}, "hotness": [1]}',
+    # an integer past float's range: OverflowError stopped every put
+    b'{"classes": {"high": {"p95_ms": 1' + b"0" * 400 + b'}}, "hotness": {"m": 1'
+    + b"0" * 400 + b'}}',
 ])
 def test_an_unreadable_stored_snapshot_scores_as_no_data(raw: bytes) -> None:
     got = snapshot_from_json(raw, 100.0)
