@@ -246,7 +246,7 @@ def test_a_scheduling_record_with_an_unreadable_time_is_walked_past(
     top = app.sits.top_class
     app.tasks["t.echo"].apply_async(("urgent",), sla_class=top)
     keys = QueueKeys.for_queue("celery")
-    redis_client.hset(keys.meta, "foreign", '{"c": "%s", "t": 1%s}' % (top, "0" * 400))
+    redis_client.hset(keys.meta, "foreign", f'{{"c": "{top}", "t": 1{"0" * 400}}}')
     redis_client.zadd(keys.waiting, {"foreign": 0})
     wait = Rescorer(app.sits, redis_client).oldest_top_class_wait_ms(time.time() + 1.0)
     assert wait is not None and wait >= 900
