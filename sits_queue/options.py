@@ -88,6 +88,10 @@ def resolve(config: SitsConfig, declared: Mapping[str, Any], per_call: Mapping[s
     if entropy is None:
         entropy = input_entropy(args or (), kwargs or {})
     model = _name("model", merged.get("model"))
+    if model is not None and "@" in model:
+        # an engine's key is model@precision: "lm@fp16" would be lm's fp16 engine
+        raise InvalidTaskOptions(f"model must not contain '@' (ask for a precision with "
+                                 f"precision=), got {model!r}")
     prefix = merged.get("prefix_key")
     if prefix is None and model is not None:
         prefix = derive_prefix_key(args or (), kwargs or {}, config.prefix_key_chars)

@@ -25,7 +25,8 @@ from sits_queue.errors import ModelLoadError, UnknownModel
 #: What a loader may return: an Engine, an nn.Module, or a model directory.
 Loader = Callable[[], Any]
 #: Model names travel in message headers and Redis keys: keep them printable and short.
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$")
+#: No "@": it separates a model from its precision in engine keys ("lm@fp16").
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/+-]{0,199}$")
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,8 @@ class ModelSpec:
 
 def _check_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(f"model name must be 1-200 printable characters without spaces, "
-                         f"got {name!r}")
+        raise ValueError(f"model name must be 1-200 printable characters without spaces "
+                         f"or '@' (it names a precision: 'lm@fp16'), got {name!r}")
     return name
 
 

@@ -16,3 +16,15 @@ def test_a_huge_integer_option_is_an_invalid_option_naming_it(option: str, value
     with pytest.raises(InvalidTaskOptions) as info:
         resolve(SitsConfig(), {}, {option: value})
     assert option in str(info.value) and "bits" in str(info.value)
+
+
+def test_a_model_name_with_an_at_sign_is_refused_on_the_task_and_in_the_registry() -> None:
+    """``model@precision`` is an engine's cache key: a model named "lm@fp16" was served
+    lm's fp16 engine from a warm child's cache (and was unknown in a fresh one)."""
+    from sits_queue.registry import ModelRegistry
+
+    with pytest.raises(InvalidTaskOptions, match="model must not contain '@'"):
+        resolve(SitsConfig(), {}, {"model": "lm@fp16"})
+    with pytest.raises(ValueError, match="or '@'"):
+        ModelRegistry().register("lm@fp16", lambda: None)
+    assert resolve(SitsConfig(), {}, {"model": "org/lm-1.5+q:v2"}).model == "org/lm-1.5+q:v2"
