@@ -135,6 +135,10 @@ def as_engine(spec: ModelSpec, produced: Any, device: str) -> Any:
     from sits_queue.cache.contract import Engine
 
     if isinstance(produced, Engine):
+        # Served as the model it was registered as: the child's embedding cache, its
+        # KV-prefix store and its precision copies go by the engine's key, and two
+        # models whose loaders built engines under one name ("encoder") shared them.
+        produced.key = spec.name
         return produced
     if isinstance(produced, (str, os.PathLike)):
         path = Path(produced)

@@ -560,3 +560,26 @@ def test_inference_task_direct_call_uses_a_local_runtime(
 
     out = double(4)
     assert out["output"] == 8 and out["sits"]["sla_class"] == "low"
+
+
+def test_models_whose_loaders_name_their_engines_alike_get_their_own_vectors(
+        tmp_path: Any, published: list[Any]) -> None:
+    """Two models whose loaders built engines under one name: the child's embedding
+    cache is keyed by the engine's key, and the second model got the first's vectors."""
+    app = make_app(SitsConfig(), main="infer-keys")
+    for name, seed in (("enc-x", 0), ("enc-y", 5)):
+        path = tiny.build_tiny_encoder(tmp_path / name, seed=seed)
+        app.register_model(name, lambda path=path: engine_from_path("encoder", path, "cpu"))
+    plan = rt.WorkerPlan("w@h", Discovery(devices=(CPU,)), (0,), 1)
+    runtime = rt.ChildRuntime(app=app, plan=plan, slot=0, device=CPU)
+
+    def embed(model: str) -> Any:
+        task = SimpleNamespace(request=SimpleNamespace(sits={"model": model}, id=model,
+                                                       timelimit=(None, None)),
+                               model=None, sla_class=None, run=inference.embed)
+        return inference.run_inference(runtime, task, ("the worker loads",), {})["output"]
+
+    x, y = embed("enc-x"), embed("enc-y")
+    alone = engine_from_path("enc-y", tmp_path / "enc-y", "cpu")
+    alone.to_device("cpu")
+    assert x != y and y == pytest.approx(inference.embed(alone, "the worker loads"))
