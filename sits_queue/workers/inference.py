@@ -45,6 +45,7 @@ from sits_queue.workers import (
     softsignal,
 )
 from sits_queue.workers.inputs import (
+    check_arguments,
     check_flag,
     check_prompt,
     check_texts,
@@ -156,6 +157,7 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
          kwargs: dict[str, Any], clock: firsttoken.FirstToken, tasks: int = 1,
          early: Callable[[int, Any, dict[str, Any]], bool] | None = None,
          joins: Any = None) -> dict[str, Any]:
+    check_arguments(task, args, kwargs)
     request = task.request
     model = runtime.task_model(request, getattr(task, "model", None))
     quota = runtime.task_class(rt.config, request, getattr(task, "sla_class", None))

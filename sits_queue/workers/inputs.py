@@ -3,6 +3,7 @@ bad one fails its task (its call alone, in a batch) with an ``InvalidInput`` nam
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from sits_queue.errors import InvalidInput
@@ -60,3 +61,18 @@ def check_texts(texts: Any) -> list[str]:
     for i, text in enumerate(batch):
         check_text(f"texts item {i}", text)
     return list(batch)
+
+
+def check_arguments(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The call's arguments against the task function's (the engine first), before the
+    engine is got: a producer that sends by name (Celery checks no types then) gets
+    InvalidInput naming the argument, not a TypeError from inside the function, counted
+    as a crash and with the engine in its count."""
+    try:
+        signature = inspect.signature(task.run)
+    except (TypeError, ValueError):  # a builtin or C function: it says for itself
+        return
+    try:
+        signature.bind(None, *args, **kwargs)
+    except TypeError as exc:
+        raise InvalidInput(f"{getattr(task, 'name', 'the task')} arguments: {exc}") from None

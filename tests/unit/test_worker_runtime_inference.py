@@ -583,3 +583,26 @@ def test_models_whose_loaders_name_their_engines_alike_get_their_own_vectors(
     alone = engine_from_path("enc-y", tmp_path / "enc-y", "cpu")
     alone.to_device("cpu")
     assert x != y and y == pytest.approx(inference.embed(alone, "the worker loads"))
+
+
+@pytest.mark.parametrize(("args", "kwargs", "said"), [
+    ((), {}, "missing a required argument: 'x'"),
+    ((1, 2), {}, "too many positional arguments"),
+    ((1,), {"max_tokens": 3}, "got an unexpected keyword argument 'max_tokens'"),
+])
+def test_arguments_the_function_does_not_take_are_invalid_input_before_the_engine(
+        app: Celery, published: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+        said: str) -> None:
+    """(a producer sending by name, with no Celery type check: a TypeError from inside,
+    counted as a crash, its count including the engine, after the model loaded)"""
+    loads: list[int] = []
+
+    def acquire() -> tuple[Any, ColdStart]:
+        loads.append(1)
+        return FakeEngine(), COLD
+
+    task = fake_task(lambda engine, x: x)
+    task.name = "t.double"
+    with pytest.raises(InvalidInput, match=f"t.double arguments: {said}"):
+        inference.run_inference(child(app, acquire), task, args, kwargs)
+    assert loads == []
