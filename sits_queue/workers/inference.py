@@ -554,7 +554,13 @@ def _embed_batch(engine: Any, model: str, batch: list[str], normalize: bool,
     device = next(module.parameters()).device
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-    enc = tokenizer(batch, return_tensors="pt", padding=True)
+    # On the right whatever the checkpoint says: padded on the left, every position moved
+    # and a text's vector depended on the texts batched with it (cosine 0.47, tiny LM).
+    side, tokenizer.padding_side = tokenizer.padding_side, "right"
+    try:
+        enc = tokenizer(batch, return_tensors="pt", padding=True)
+    finally:
+        tokenizer.padding_side = side
     length = int(enc["input_ids"].shape[1])
     limit = max_positions(module, tokenizer)
     if limit is not None and length > limit:

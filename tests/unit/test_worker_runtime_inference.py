@@ -606,3 +606,19 @@ def test_arguments_the_function_does_not_take_are_invalid_input_before_the_engin
     with pytest.raises(InvalidInput, match=f"t.double arguments: {said}"):
         inference.run_inference(child(app, acquire), task, args, kwargs)
     assert loads == []
+
+
+def test_a_texts_vector_does_not_depend_on_its_batch_when_the_tokenizer_pads_left(
+        lm: Any) -> None:
+    """(many decoder-only checkpoints ship padding_side "left": each real token's position
+    moved by its padding, and the vector with it)"""
+    tokenizer = lm.artifacts["tokenizer"]
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
+        alone = inference.embed(lm, "the worker")
+        batched = inference.embed(lm, ["the worker", "the worker loads the prompt before "
+                                       "noon and the queue evicts warm engines"])[0]
+        assert batched == pytest.approx(alone, abs=1e-5)
+        assert tokenizer.padding_side == "left"  # the checkpoint's setting is left as is
+    finally:
+        tokenizer.padding_side = side
