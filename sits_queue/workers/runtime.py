@@ -144,10 +144,21 @@ def check_engine_fits_class(model: str, quota: ClassQuota, engine_bytes: int,
                                 f"{quota.vram_gib:g} GiB VRAM limit of class {quota.name!r}")
 
 
+def sits_header(request: Any) -> Mapping[str, Any] | None:
+    """The running task's SITS options header: a delivered message's headers are its
+    request's attributes; an eager call (``apply()``, ``task_always_eager``) keeps them
+    in ``request.headers`` (read there, or its model, class and precision were ignored)."""
+    header = getattr(request, HEADER, None)
+    if header is None:
+        headers = getattr(request, "headers", None)
+        header = headers.get(HEADER) if isinstance(headers, Mapping) else None
+    return header if isinstance(header, Mapping) else None
+
+
 def task_class(config: SitsConfig, request: Any, declared: str | None = None) -> ClassQuota:
     """The SLA class a running task was submitted with: the message header's, else the
     task's declared one (a direct call has no header), else the default class."""
-    header = getattr(request, HEADER, None)
+    header = sits_header(request)
     name = header.get("sla_class") if isinstance(header, Mapping) else None
     if not isinstance(name, str) or name not in config.class_names:
         name = declared if declared in config.class_names else config.default_class
@@ -156,7 +167,7 @@ def task_class(config: SitsConfig, request: Any, declared: str | None = None) ->
 
 
 def task_model(request: Any, declared: str | None) -> str:
-    header = getattr(request, HEADER, None)
+    header = sits_header(request)
     name = header.get("model") if isinstance(header, Mapping) else None
     name = name if isinstance(name, str) and name else declared
     if not name:
@@ -167,14 +178,14 @@ def task_model(request: Any, declared: str | None) -> str:
 
 def task_prefix_key(request: Any) -> str | None:
     """The ``prefix_key`` the producer set or derived (``options.derive_prefix_key``)."""
-    header = getattr(request, HEADER, None)
+    header = sits_header(request)
     key = header.get("prefix_key") if isinstance(header, Mapping) else None
     return key if isinstance(key, str) and key else None
 
 
 def task_precision(request: Any, declared: str | None = None) -> str | None:
     """The precision the task asked its model to be served at; None: as loaded."""
-    header = getattr(request, HEADER, None)
+    header = sits_header(request)
     value = header.get("precision") if isinstance(header, Mapping) else None
     value = value if isinstance(value, str) and value else declared
     return value if value in PRECISIONS else None

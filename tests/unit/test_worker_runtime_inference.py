@@ -622,3 +622,26 @@ def test_a_texts_vector_does_not_depend_on_its_batch_when_the_tokenizer_pads_lef
         assert tokenizer.padding_side == "left"  # the checkpoint's setting is left as is
     finally:
         tokenizer.padding_side = side
+
+
+def test_an_eager_call_runs_with_the_options_it_was_given(
+        tmp_path: Any, published: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """(``task_always_eager``/``apply()`` keep the headers in request.headers: the call's
+    model, class and precision were ignored, and sits.generate had no model at all)"""
+    app = make_app(SitsConfig(), main="infer-eager")
+    app.conf.task_always_eager = True
+    app.register_model("lm-a", str(tiny.build_tiny_causal_lm(tmp_path / "a", seed=0)))
+    app.register_model("lm-b", str(tiny.build_tiny_causal_lm(tmp_path / "b", seed=1)))
+    plan = rt.WorkerPlan("w@h", Discovery(devices=(CPU,)), (0,), 1)
+    monkeypatch.setattr(rt, "_child", rt.ChildRuntime(app=app, plan=plan, slot=0, device=CPU))
+
+    @app.inference_task(model="lm-a", shared=False)
+    def which(engine: Any, x: int) -> str:
+        return str(engine.key)
+
+    got = which.apply_async((1,), model="lm-b", sla_class="low", precision="fp16").get()
+    assert got["output"] == "lm-b@fp16" and got["sits"]["sla_class"] == "low"
+    assert which.apply((1,)).get()["output"] == "lm-a"  # no options: the task's own
+    gen = app.tasks["sits.generate"].apply_async(("the worker",), {"max_new_tokens": 2},
+                                                 model="lm-b").get()
+    assert gen["output"]["tokens"] == 2
