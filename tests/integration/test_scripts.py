@@ -179,6 +179,25 @@ def test_a_released_message_is_held_off_from_its_releaser_only(
     assert scripts.run("pick", KEYS, [t, 5, "A"], redis_client) == 0
 
 
+def test_a_releaser_reaches_the_task_behind_more_held_ones_than_a_page(
+        redis_client: redis.Redis) -> None:
+    """(a pick popped 64 at most: a worker that had released 70 big tasks at the head
+    was told "all held" for ever, the small one behind them never reached)"""
+    scripts = Scripts.register()
+    now = 1000.0
+    big = [f"big{i:03d}" for i in range(70)]
+    scripts.run("put", KEYS, put_args([*big, "small"]), redis_client)
+    for task_id in big:
+        assert scripts.run("pick", KEYS, [now, 5, "A"], redis_client)[0] == task_id.encode()
+    scripts.run("release", KEYS, ["A", now, 60, 600, *big], redis_client)
+    order = redis_client.zrange(KEYS.waiting, 0, -1, withscores=True)
+    assert scripts.run("pick", KEYS, [now + 1, 5, "A"], redis_client)[0] == b"small"
+    # the held ones stay where they were, with their scores; A is told how many it holds
+    assert redis_client.zrange(KEYS.waiting, 0, -1, withscores=True) == order[:-1]
+    assert scripts.run("pick", KEYS, [now + 1, 5, "A"], redis_client) == 70
+    assert scripts.run("pick", KEYS, [now + 1, 5, "B"], redis_client)[0] == b"big000"
+
+
 def test_a_crash_restore_keeps_the_checkpoint_for_the_next_run(
         redis_client: redis.Redis) -> None:
     scripts = Scripts.register()

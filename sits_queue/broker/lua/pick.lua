@@ -32,7 +32,8 @@
 -- times, ...}, empty when none waits (a running batch's free rows, workers/joins.py).
 local now, max_redeliveries = ARGV[1], tonumber(ARGV[2])
 local consumer = ARGV[3] or ''
-local passed = {}  -- score, id pairs of held messages, put back as they were
+-- Most waiting messages one pick looks at (those this consumer holds, poison ones).
+local MAX_SCAN = 4096
 local poisoned = {}  -- ids dead-lettered as poison messages by this call
 local SEQ_SPAN, LEVELS, LEVELS_PER_E = 4294967296, 2097151, 131072
 
@@ -171,8 +172,7 @@ local function gather(id, times, reply)
   kin(key, most, 1, reply)
 end
 
-local function restore_passed()
-  if #passed > 0 then redis.call('ZADD', KEYS[1], unpack(passed)) end
+local function mark_ready()
   if redis.call('ZCARD', KEYS[1]) > 0 then redis.call('ZADD', KEYS[4], 0, 'ready') end
 end
 
@@ -186,16 +186,20 @@ end
 
 local chosen = affinity_pick()
 local by_affinity = chosen and 1 or 0
-for _ = 1, 64 do
-  local head = chosen or redis.call('ZPOPMIN', KEYS[1])
+-- Messages this consumer holds are read past where they wait, never popped: a worker
+-- that released more than a page of them at the head (too big for its device) must
+-- still reach the work behind them. Bounded, so one pick never holds Redis long.
+local skip = 0
+for _ = 1, MAX_SCAN do
+  local head = chosen or redis.call('ZRANGE', KEYS[1], skip, skip, 'WITHSCORES')
   chosen = nil
   if #head == 0 then break end
   local id, score = head[1], head[2]
   local mine = held_by_me(id)
+  if not mine then redis.call('ZREM', KEYS[1], id) end
   local payload = (not mine) and redis.call('HGET', KEYS[2], id)
   if mine then
-    passed[#passed + 1] = score
-    passed[#passed + 1] = id
+    skip = skip + 1
   elseif payload then
     local times = tonumber(redis.call('HGET', KEYS[8], id) or '0')
     if times > max_redeliveries then
@@ -216,7 +220,7 @@ for _ = 1, 64 do
       local reply = {id, payload, times, redis.call('HGET', KEYS[11], id), by_affinity}
       gather(id, times, reply)
       take(id, score)
-      restore_passed()
+      mark_ready()
       if #poisoned > 0 then reply[#reply + 1] = poisoned end
       return reply
     end
@@ -224,6 +228,6 @@ for _ = 1, 64 do
   -- An id without a payload was acked or purged mid-flight: nothing to deliver, skip it.
   by_affinity = 0
 end
-restore_passed()
-if #poisoned > 0 then return {#passed / 2, poisoned} end
-return #passed / 2
+mark_ready()
+if #poisoned > 0 then return {skip, poisoned} end
+return skip
