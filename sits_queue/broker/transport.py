@@ -613,12 +613,33 @@ class Channel(kredis.Channel):
         return {text(k): json.loads(v) for k, v in raw.items()}
 
 
+class MultiChannelPoller(kredis.MultiChannelPoller):
+    def maybe_restore_messages(self) -> None:
+        """Every consuming channel's sweep, not the first one's: kombu keeps one unacked
+        index for all queues, where ours are per queue (a sweep covers its channel's
+        queues), and which channel came first was arbitrary (a worker's pidbox channel's
+        sweep left its task queues unswept)."""
+        for channel in list(self._channels):
+            if not channel.active_queues:
+                continue
+            try:
+                channel.qos.restore_visible(num=channel.unacked_restore_limit,
+                                            interval=channel.unacked_restore_throttle)
+            except channel.connection_errors:
+                # the polling loop reconnects; the next tick sweeps again
+                logger.debug("unacked sweep: connection error; next tick", exc_info=True)
+
+
 class Transport(kredis.Transport):
     Channel = Channel
     driver_type = "redis"
     driver_name = "redis"
     _hub: Any = None
     _wake_scheduled = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cycle = MultiChannelPoller()  # type: ignore[assignment]  # (kombu: FairCycle)
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         super().register_with_event_loop(connection, loop)

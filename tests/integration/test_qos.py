@@ -215,3 +215,34 @@ def test_the_heartbeat_thread_stops_when_its_channel_closes(app: Celery) -> None
     message.ack()
     close(conn, channel)
     assert not heartbeat.alive()
+
+
+def test_each_consuming_channel_sweeps_its_own_queues(
+        app: Celery, redis_client: redis.Redis) -> None:
+    """kombu's poller sweeps through its first consuming channel only (its unacked index
+    is global); ours are per queue: a dead worker's messages in the queues of any other
+    channel of the connection (which came first was arbitrary) were never restored."""
+    for queue in ("qa", "qb"):
+        app.tasks["t.echo"].apply_async((queue,), queue=queue)
+    with app.connection_for_write() as dead:  # a worker that took both, then died
+        channel = dead.channel()
+        taken = [channel.basic_get(queue) for queue in ("qa", "qb")]
+        assert all(taken)
+        channel.qos._delivered.clear()  # it gives nothing back: it died
+        channel.close()
+    stale = time.time() - 3600
+    for queue in ("qa", "qb"):
+        unacked = QueueKeys.for_queue(queue).unacked
+        redis_client.zadd(unacked, dict.fromkeys(redis_client.zrange(unacked, 0, -1), stale))
+    conn = app.connection_for_write()
+    conn.ensure_connection()
+    channels = [conn.channel(), conn.channel()]
+    for channel, queue in zip(channels, ("qa", "qb"), strict=True):
+        channel.basic_consume(queue, no_ack=False, callback=lambda m: None, consumer_tag=queue)
+    conn.transport.cycle.maybe_restore_messages()
+    for queue in ("qa", "qb"):
+        keys = QueueKeys.for_queue(queue)
+        assert redis_client.zcard(keys.waiting) == 1 and redis_client.zcard(keys.unacked) == 0
+    for channel in channels:
+        channel.close()
+    conn.release()
