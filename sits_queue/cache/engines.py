@@ -93,6 +93,20 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def _floats_as(obj: Any, dtype: Any) -> Any:
+    """``obj`` with every floating tensor in it (through tuples, lists, dicts) as
+    ``dtype``; token ids and masks (integers, booleans) as they are."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, tuple | list):
+        return type(obj)(_floats_as(o, dtype) for o in obj)
+    if isinstance(obj, Mapping):
+        return {k: _floats_as(v, dtype) for k, v in obj.items()}
+    return obj
+
+
 class TorchEngine(Engine):
     """An ``nn.Module`` (a Hugging Face model included); moves weights with ``.to()``."""
 
@@ -100,9 +114,13 @@ class TorchEngine(Engine):
 
     def __init__(self, key: str, module: torch.nn.Module, sample_inputs: Inputs | None,
                  artifacts: Mapping[str, Any] | None = None,
-                 size_bytes: int | None = None) -> None:
+                 size_bytes: int | None = None,
+                 input_dtype: torch.dtype | None = None) -> None:
         super().__init__(key, sample_inputs, artifacts)
         self._module: torch.nn.Module | None = module.eval()
+        #: The floating dtype its inputs are cast to (a module served at fp16/bf16,
+        #: ``cache/precision.py``): callers, and the warm-up sample, keep passing fp32.
+        self.input_dtype = input_dtype
         #: Bytes of KV memory the last warm-up reserved in the CUDA allocator (0 off CUDA).
         self.kv_reserved_bytes = 0
         # Given when parameters and buffers miss some weights (quantised packed params).
@@ -137,6 +155,9 @@ class TorchEngine(Engine):
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         import torch
 
+        if self.input_dtype is not None:
+            args, kwargs = _floats_as(args, self.input_dtype), _floats_as(kwargs,
+                                                                          self.input_dtype)
         with torch.inference_mode():
             return self.module(*args, **kwargs)
 

@@ -103,11 +103,17 @@ def kl_divergence(reference: Any, candidate: Any) -> float:
     return float((p.exp() * (p - q)).sum(dim=-1).mean())
 
 
-def _activations(module: Any, inputs: dict[str, Any]) -> Any:
+def module_dtype(module: Any) -> Any:
+    """The floating dtype of ``module``'s first floating parameter (None: it has none)."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+
+
+def _activations(module: Any, inputs: Any) -> Any:
     import torch
 
     with torch.inference_mode():
-        out = module(**inputs)
+        # an nn.Module's sample is positional (a tuple); a Hugging Face one's by name
+        out = module(**inputs) if isinstance(inputs, dict) else module(*inputs)
     for name in ("logits", "last_hidden_state"):
         value = getattr(out, name, None)
         if value is not None:
@@ -119,13 +125,15 @@ def _activations(module: Any, inputs: dict[str, Any]) -> Any:
     return first.float()
 
 
-def calibration_inputs(engine: Any) -> list[dict[str, Any]]:
-    """The gate's inputs: the warm-up sample, and each calibration text when the engine
-    has a tokenizer."""
-    inputs: list[dict[str, Any]] = []
+def calibration_inputs(engine: Any) -> list[Any]:
+    """The gate's inputs (keyword dicts or positional tuples): the warm-up sample, and
+    each calibration text when the engine has a tokenizer."""
+    inputs: list[Any] = []
     sample = engine.sample_inputs
     if isinstance(sample, dict):
         inputs.append(dict(sample))
+    elif isinstance(sample, (tuple, list)) and sample:
+        inputs.append(tuple(sample))
     tokenizer = engine.artifacts.get("tokenizer")
     if tokenizer is not None:
         inputs += [dict(tokenizer(text, return_tensors="pt")) for text in CALIBRATION_TEXTS]
@@ -162,6 +170,13 @@ def module_bytes(module: Any) -> int:
     return sum(seen.values())
 
 
+def _to(inputs: Any, device: Any) -> Any:
+    """Calibration inputs (a dict or a tuple of tensors) on ``device``."""
+    if isinstance(inputs, dict):
+        return {k: v.to(device) for k, v in inputs.items()}
+    return tuple(v.to(device) if hasattr(v, "to") else v for v in inputs)
+
+
 def mean_kl(reference: Any, candidate: Any) -> float:
     """The gate's measure: mean KL over ``reference``'s calibration inputs between its
     module's output activations and the ``candidate`` module's (on whichever device it
@@ -169,7 +184,7 @@ def mean_kl(reference: Any, candidate: Any) -> float:
     first = next(iter(candidate.parameters()), None)
     device = first.device if first is not None else "cpu"
     kls = [kl_divergence(_activations(reference.module, x),
-                         _activations(candidate, {k: v.to(device) for k, v in x.items()}).cpu())
+                         _activations(candidate, _to(x, device)).cpu())
            for x in calibration_inputs(reference)]
     return sum(kls) / len(kls)
 
@@ -210,6 +225,8 @@ def convert(engine: Any, requested: str, device: str, max_kl: float = DEFAULT_MA
     sample = engine.sample_inputs
     converted = TorchEngine(cache_key(model, requested), module, sample,
                             {**engine.artifacts, "precision": served.meta()},
-                            size_bytes=module_bytes(module) if target == "int8" else None)
+                            size_bytes=module_bytes(module) if target == "int8" else None,
+                            input_dtype=module_dtype(module) if target in ("fp16", "bf16")
+                            else None)
     engine.release()
     return converted

@@ -324,3 +324,23 @@ def rt_active(engine: Any, store: Any = None) -> Any:
 
     return rt.activated(rt.ActiveTask(engine.key, CONFIG.quota("high"), engine.size_bytes(),
                                       "cpu", prefixes=store))
+
+
+@pytest.mark.parametrize("wanted", ["fp16", "bf16", "int8"])
+def test_a_plain_module_with_positional_samples_is_served_at_a_precision(wanted: str) -> None:
+    """(its fp32 warm-up sample reached the cast module, "mat1 and mat2 must have the same
+    dtype", and the int8 gate said the model had no sample inputs)"""
+    import torch
+
+    from sits_queue.cache.engines import TorchEngine
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                 torch.nn.Linear(16, 4))
+    x = torch.randn(2, 8)
+    expected = module(x).detach()
+    served = precision.convert(TorchEngine("mlp", module, (x,)), wanted, "cpu")
+    served.to_device("cpu")  # the warm-up runs the sample through it
+    assert served.artifacts["precision"]["served"] == wanted
+    got = served(x)  # callers keep passing fp32
+    assert torch.allclose(got.float(), expected, atol=0.05)
