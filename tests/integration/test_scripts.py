@@ -198,6 +198,21 @@ def test_a_releaser_reaches_the_task_behind_more_held_ones_than_a_page(
     assert scripts.run("pick", KEYS, [now + 1, 5, "B"], redis_client)[0] == b"big000"
 
 
+def test_a_late_ack_of_a_restored_message_leaves_nothing_of_it(
+        redis_client: redis.Redis) -> None:
+    """(its yield claim and affinity skip stamp, set while it waited again, stayed)"""
+    scripts = Scripts.register()
+    scripts.run("put", KEYS, put_args(["late"]), redis_client)
+    assert scripts.run("pick", KEYS, [1000.0, 5, "A"], redis_client)[0] == b"late"
+    assert scripts.run("restore", KEYS, [2000.0, 10], redis_client) == 1  # A went silent
+    redis_client.hset(KEYS.yields, "late", 1.0)
+    redis_client.hset(KEYS.skipped, "late", 1500.0)
+    scripts.run("ack", KEYS, ["late"], redis_client)  # A was alive after all
+    for key in (KEYS.waiting, KEYS.unacked, KEYS.payloads, KEYS.meta, KEYS.yields,
+                KEYS.skipped, KEYS.redelivered, KEYS.saved):
+        assert not redis_client.exists(key), key
+
+
 def test_a_crash_restore_keeps_the_checkpoint_for_the_next_run(
         redis_client: redis.Redis) -> None:
     scripts = Scripts.register()

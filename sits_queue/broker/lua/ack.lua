@@ -20,6 +20,9 @@ for i = 1, #ARGV do
   redis.call('HDEL', KEYS[7], id)
   redis.call('HDEL', KEYS[8], id)
   redis.call('HDEL', KEYS[11], id)
+  -- (a yield claim or an affinity skip stamp it got while back in the waiting set)
+  redis.call('HDEL', KEYS[12], id)
   redis.call('HDEL', KEYS[13], id)
+  redis.call('HDEL', KEYS[14], id)
 end
 return n
