@@ -33,11 +33,16 @@ HEAD_ROWS = 5
 
 
 def _redis_url() -> str:
+    return _resolved()[0]
+
+
+def _resolved() -> tuple[str, bool]:
+    """The Redis to use, and whether it is the embedded one (then said on stderr)."""
     url, embedded = resolve_redis_url(os.environ)
     if embedded:
         click.echo("sitsq: no SITS_REDIS_URL (nor redis_url in SITS_CONFIG) set; using the "
                    f"embedded Redis at {_redact(url)}", err=True)
-    return url
+    return url, embedded
 
 
 def _redact(url: str) -> str:
@@ -214,10 +219,13 @@ def _format_status(report: dict[str, Any]) -> str:
 @click.option("--seed", default=7, show_default=True)
 def demo(jobs: int, concurrency: int, seed: int) -> None:
     """The main job: a worker and beat on the embedded Redis, a mixed workload across
-    the classes, then a per-class table of waits and throughput."""
-    from sits_queue.bench.demo import run_demo
+    the classes, then a per-class table of waits and throughput. On a Redis of yours
+    (SITS_REDIS_URL), under a key prefix of its own: your queues are not touched."""
+    from sits_queue.bench.demo import PREFIX, run_demo
 
-    run_demo(_redis_url(), jobs=jobs, concurrency=concurrency, seed=seed, echo=click.echo)
+    url, embedded = _resolved()
+    run_demo(url, jobs=jobs, concurrency=concurrency, seed=seed, echo=click.echo,
+             prefix="" if embedded else PREFIX)
 
 
 # -- benchmarks ------------------------------------------------------------------------------

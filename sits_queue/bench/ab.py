@@ -33,7 +33,7 @@ from typing import Any
 
 import redis
 
-from sits_queue.bench.ab_apps import DONE_KEY, SYSTEMS, build, submit, system_url
+from sits_queue.bench.ab_apps import SYSTEMS, build, done_key, submit, system_url
 from sits_queue.bench.report import ratio, redis_server, run_main, targets_line
 from sits_queue.bench.workload import (
     Completion,
@@ -56,16 +56,19 @@ FULL = {"n_jobs": 3000, "concurrency": 4}
 
 
 def run_system(system: str, workload: Workload, url: str, log_dir: Path,
-               on_progress: Callable[[str], None] = print, flush: bool = True
-               ) -> dict[str, Any]:
-    """Run one system on the Redis database ``url`` (flushed first when ``flush``)."""
+               on_progress: Callable[[str], None] = print, flush: bool = True,
+               prefix: str = "") -> dict[str, Any]:
+    """Run one system on the Redis database ``url`` (flushed first when ``flush``), its
+    keys under ``prefix``."""
     client = redis.Redis.from_url(url)
+    done = done_key(prefix)
     if flush:
         client.flushdb()
     else:
-        client.delete(DONE_KEY)
-    app = build(system, url)
-    env = {"SITS_BENCH_SYSTEM": system, "SITS_BENCH_REDIS_URL": url, "SITS_REDIS_URL": url}
+        client.delete(done)
+    app = build(system, url, prefix)
+    env = {"SITS_BENCH_SYSTEM": system, "SITS_BENCH_REDIS_URL": url, "SITS_REDIS_URL": url,
+           "SITS_BENCH_PREFIX": prefix}
     procs: list[CeleryProcess] = [start_worker("sits_queue.bench.ab_apps", env, log_dir,
                                                concurrency=workload.concurrency)]
     try:
@@ -75,15 +78,15 @@ def run_system(system: str, workload: Workload, url: str, log_dir: Path,
         on_progress(f"  {system}: submitting {len(workload.jobs)} jobs over "
                     f"{workload.duration_s:.1f} s")
         _replay(app, system, workload)
-        _await_drain(client, len(workload.jobs), procs[0])
+        _await_drain(client, done, len(workload.jobs), procs[0])
     finally:
         # the beat first: a pass it sends after the worker stopped would wait in the
         # control queue (and in `sitsq status`) until the next worker
         for proc in reversed(procs):
             proc.stop()
         app.close()
-    done = [json.loads(raw) for raw in client.lrange(DONE_KEY, 0, -1)]
-    completions = [Completion(d["c"], d["wait_ms"], d["sub"], d["fin"]) for d in done]
+    records = [json.loads(raw) for raw in client.lrange(done, 0, -1)]
+    completions = [Completion(d["c"], d["wait_ms"], d["sub"], d["fin"]) for d in records]
     summary = summarise(completions, CLASSES)
     summary["completed"] = len(completions)
     return summary
@@ -100,9 +103,9 @@ def _replay(app: Any, system: str, workload: Workload) -> None:
             submit(app, system, job.sla_class, job.service_ms, job.context_tokens, producer)
 
 
-def _await_drain(client: redis.Redis, n: int, worker: CeleryProcess) -> None:
+def _await_drain(client: redis.Redis, done: str, n: int, worker: CeleryProcess) -> None:
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
-    while client.llen(DONE_KEY) < n and time.monotonic() < deadline:
+    while client.llen(done) < n and time.monotonic() < deadline:
         if not worker.alive():
             raise RuntimeError(f"worker died:\n{worker.log()[-3000:]}")
         time.sleep(0.2)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import replace
 from typing import Any
 
 import redis
@@ -37,9 +36,17 @@ def system_url(base_url: str, system: str) -> str:
     return database_url(base_url, DATABASES[system])
 
 
-def build(system: str, url: str) -> Celery:
+def done_key(prefix: str = "") -> str:
+    """Where the tasks report, under the run's key prefix (``sitsq demo``'s on a server
+    of the user's)."""
+    return f"{prefix}{DONE_KEY}"
+
+
+def build(system: str, url: str, prefix: str = "") -> Celery:
+    """``system``'s app on ``url``; ``prefix``: on every key (SITS systems only)."""
     if system in SITS_SYSTEMS:
-        app = make_app(replace(SitsConfig(redis_url=url)), main=f"bench_{system}")
+        app = make_app(SitsConfig(redis_url=url, global_keyprefix=prefix),
+                       main=f"bench_{system}")
     elif system == "celery_fifo":
         app = Celery("bench_fifo", broker=url)  # stock defaults, on purpose
     elif system == "celery_priority":
@@ -52,14 +59,16 @@ def build(system: str, url: str) -> Celery:
     else:
         raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
     app.conf.task_ignore_result = True
+    if prefix and system not in SITS_SYSTEMS:
+        raise ValueError(f"a key prefix is for the SITS systems, not {system!r}")
     if system == "sits":
-        _register_sliced(app, url)
+        _register_sliced(app, url, done_key(prefix))
     else:
-        _register(app, url)
+        _register(app, url, done_key(prefix))
     return app
 
 
-def _register(app: Celery, url: str) -> None:
+def _register(app: Celery, url: str, done: str) -> None:
     clients: dict[int, redis.Redis] = {}
 
     @app.task(name=TASK_NAME, shared=False)  # type: ignore[untyped-decorator]
@@ -69,12 +78,12 @@ def _register(app: Celery, url: str) -> None:
         pid = os.getpid()
         if pid not in clients:
             clients[pid] = redis.Redis.from_url(url)
-        clients[pid].rpush(DONE_KEY, json.dumps({
+        clients[pid].rpush(done, json.dumps({
             "c": sla_class, "wait_ms": (started - submitted_s) * 1000, "sub": submitted_s,
             "fin": time.time()}))
 
 
-def _register_sliced(app: Celery, url: str) -> None:
+def _register_sliced(app: Celery, url: str, done: str) -> None:
     """The same simulated inference, in steps with yield points (SITS time slices)."""
     clients: dict[int, redis.Redis] = {}
 
@@ -93,7 +102,7 @@ def _register_sliced(app: Celery, url: str) -> None:
         pid = os.getpid()
         if pid not in clients:
             clients[pid] = redis.Redis.from_url(url)
-        clients[pid].rpush(DONE_KEY, json.dumps({
+        clients[pid].rpush(done, json.dumps({
             "c": sla_class, "wait_ms": (state["started"] - submitted_s) * 1000,
             "sub": submitted_s, "fin": time.time()}))
 
@@ -114,4 +123,5 @@ def submit(app: Celery, system: str, sla_class: str, service_ms: float,
 
 _system = os.environ.get("SITS_BENCH_SYSTEM")
 if _system:
-    app = build(_system, os.environ["SITS_BENCH_REDIS_URL"])
+    app = build(_system, os.environ["SITS_BENCH_REDIS_URL"],
+                os.environ.get("SITS_BENCH_PREFIX", ""))

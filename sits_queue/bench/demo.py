@@ -3,6 +3,10 @@
 A worker and beat run as real subprocesses; jobs simulate inference with a seeded
 service time, run in 5 ms steps with a yield point between them (time slices), as in
 the A/B benchmark's ``sits`` system; the table is the same per-class summary it prints.
+
+On a server of the user's (``SITS_REDIS_URL``) it runs under a key prefix of its own,
+:data:`PREFIX`: its worker consumed the ``celery`` queue there, and took the user's
+waiting tasks, dead-lettered as unknown to it.
 """
 
 from __future__ import annotations
@@ -14,15 +18,23 @@ from pathlib import Path
 from sits_queue.bench.ab import CLASSES, run_system
 from sits_queue.bench.workload import mixed_workload
 
+#: The key prefix of a demo on a server of the user's.
+PREFIX = "sits-demo:"
+
 
 def run_demo(redis_url: str, jobs: int, concurrency: int, seed: int,
-             echo: Callable[[str], None] = print) -> dict[str, object]:
+             echo: Callable[[str], None] = print, prefix: str = "") -> dict[str, object]:
+    """The demo on ``redis_url``, every key of it under ``prefix``."""
     workload = mixed_workload(seed, jobs, concurrency)
     echo(f"demo: {jobs} jobs (10% high, 20% medium, 70% low) arriving at 1.5x what "
          f"{concurrency} worker slots can serve, over {workload.duration_s:.1f} s")
+    if prefix:
+        echo(f"demo: its keys are under {prefix!r}, apart from any queue of yours there "
+             f"(watch it with SITS_GLOBAL_KEYPREFIX={prefix} sitsq status)")
     with tempfile.TemporaryDirectory(prefix="sits-demo-") as tmp:
-        # The user's database: keep what is there, so `sitsq status` sees the same queues.
-        summary = run_system("sits", workload, redis_url, Path(tmp), echo, flush=False)
+        # Nothing flushed: `sitsq status` sees the same queues while it runs.
+        summary = run_system("sits", workload, redis_url, Path(tmp), echo, flush=False,
+                             prefix=prefix)
     echo(f"{'class':<8}{'n':>6}{'wait p50 ms':>13}{'wait p99 ms':>13}{'max ms':>10}")
     for cls in CLASSES:
         c = summary[cls]

@@ -102,13 +102,23 @@ def test_embedded_default_starts_reuses_and_stops(tmp_path: Path) -> None:
     assert sitsq("stop-redis", env=env).stdout.strip() == "no embedded Redis was running"
 
 
-def test_demo_runs_the_mixed_workload_to_completion(redis_url: str,
-                                                    redis_client: redis.Redis) -> None:
+def test_demo_runs_the_mixed_workload_to_completion_apart_from_the_users_queues(
+        client_app: Celery, redis_url: str, redis_client: redis.Redis) -> None:
+    """(on a server of the user's, its worker took the user's waiting tasks off the
+    ``celery`` queue and dead-lettered them as unknown to it)"""
+    waiting = client_app.tasks["w.add"].delay(2, 3)
+    keys = QueueKeys.for_queue("celery")
+    before = redis_client.zrange(keys.waiting, 0, -1)
     out = sitsq("demo", "--jobs", "60", env={**os.environ, "SITS_REDIS_URL": redis_url})
     assert out.returncode == 0, out.stderr + out.stdout
-    assert "completed 60/60" in out.stdout
+    assert "completed 60/60" in out.stdout and "'sits-demo:'" in out.stdout
     for cls in ("high", "medium", "low"):
         assert any(line.startswith(cls) for line in out.stdout.splitlines())
+    # the user's task still waits, untouched; the demo's keys are all under its prefix
+    assert redis_client.zrange(keys.waiting, 0, -1) == before and before
+    assert redis_client.hlen(keys.dead) == 0 and waiting.state == "PENDING"
+    assert not [k for k in redis_client.scan_iter(match="bench:*")]
+    assert list(redis_client.scan_iter(match="sits-demo:*"))
 
 
 def test_status_lists_live_workers_with_their_devices(
