@@ -96,6 +96,10 @@ def _non_negative(name: str, value: float, note: str = "") -> None:
         raise ConfigError(f"{name} must be >= 0{note}, got {value!r}")
 
 
+#: An SLA longer than a day is not a latency SLA (a task's, or its class's), ms.
+MAX_LATENCY_SLA_MS = 86_400_000.0
+
+
 def _in_range(name: str, value: float, lo: float, hi: float) -> None:
     if not isinstance(value, (int, float)) or not lo <= value <= hi:
         raise ConfigError(f"{name} must be in [{lo}, {hi}], got {value!r}")
@@ -130,7 +134,10 @@ class ClassQuota:
         _positive(f"class {self.name}: vram_gib", self.vram_gib)
         _positive(f"class {self.name}: max_run_s", self.max_run_s)
         _positive(f"class {self.name}: weight", self.weight)
-        _positive(f"class {self.name}: latency_sla_ms", self.latency_sla_ms)
+        # the range a task's own latency_sla_ms must be in: a class past it made every
+        # task of the class (the default one: every foreign message) refused
+        _in_range(f"class {self.name}: latency_sla_ms", self.latency_sla_ms, 1e-3,
+                  MAX_LATENCY_SLA_MS)
         _in_range(f"class {self.name}: loss_sensitivity", self.loss_sensitivity, 0.1, 0.9)
         if self.slice_ms < 0:
             raise ConfigError(f"class {self.name}: slice_ms must be >= 0 (0: the global "
@@ -541,6 +548,12 @@ def check_redis_url(url: str) -> str:
     db = parts.path.strip("/") if parts.scheme != "unix" else ""
     if db and not db.isdigit():
         raise ConfigError(f"redis_url {url!r}: database {db!r} is not a number")
+    from redis.connection import parse_url  # (a light import; redis is loaded anyway)
+
+    try:  # its query options: ?socket_timeout=5s or ?db=abc raised at the first use
+        parse_url(url)
+    except ValueError as exc:
+        raise ConfigError(f"redis_url {url!r}: {exc}") from None
     return url
 
 

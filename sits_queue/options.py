@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from sits_queue.config import MAX_BATCH_TASKS, SitsConfig
+from sits_queue.config import MAX_BATCH_TASKS, MAX_LATENCY_SLA_MS, SitsConfig
 from sits_queue.errors import InvalidTaskOptions
 from sits_queue.priority.entropy import input_entropy
 
@@ -40,8 +40,6 @@ OPTION_NAMES = ("sla_class", "model", "context_tokens", "latency_sla_ms", "loss_
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 #: Larger contexts than this are typos, not prompts (10M tokens).
 MAX_CONTEXT_TOKENS = 10_000_000
-#: An SLA longer than a day is not a latency SLA.
-MAX_LATENCY_SLA_MS = 86_400_000.0
 #: No single device offers more (largest parts today: 192 GiB).
 MAX_VRAM_GIB = 1024.0
 #: A batch key names a task, a model and a class: room for long dotted task names.

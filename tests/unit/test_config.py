@@ -26,6 +26,9 @@ CLASS = {"name": "a", "cpu_cores": 1, "vram_gib": 1, "max_run_s": 1, "weight": 1
     ("SITS_RESCORE_CHUNK", "2.5", "SITS_RESCORE_CHUNK"),
     ("SITS_REDIS_URL", "redis://127.0.0.1:99999/0", "Port out of range"),
     ("SITS_REDIS_URL", "redis://127.0.0.1:6379/abc", "database 'abc' is not a number"),
+    # an option redis-py cannot read (raised at the first connection, a traceback)
+    ("SITS_REDIS_URL", "redis://127.0.0.1:6379/0?socket_timeout=5s", "'socket_timeout'"),
+    ("SITS_REDIS_URL", "redis://127.0.0.1:6379/0?db=abc", "Invalid value for 'db'"),
     ("SITS_HOST_POOL_TTL_S", "-1", "host_pool_ttl_s must be >= 0"),
     ("SITS_HOST_POOL_TTL_S", "inf", "host_pool_ttl_s"),
     ("SITS_DEAD_LETTER_TTL_S", "-5", r"dead_letter_ttl_s must be >= 0 s \(0: kept\)"),
@@ -164,3 +167,15 @@ def test_a_config_file_that_cannot_be_read_is_named(tmp_path: Path) -> None:
     latin.write_bytes('site = "caf\xe9"\n'.encode("latin-1"))
     with pytest.raises(ConfigError, match=r"latin\.toml cannot be read"):
         SitsConfig.from_file(latin)
+
+
+def test_a_class_sla_a_task_could_not_declare_is_refused_at_start(tmp_path: Path) -> None:
+    """(a two-day SLA loaded fine, then every task of the class was refused at submit)"""
+    site = tmp_path / "site.toml"
+    site.write_text('[[classes]]\nname = "high"\nlatency_sla_ms = 172800000\n')
+    with pytest.raises(ConfigError, match=r"class high: latency_sla_ms must be in "
+                                          r"\[0.001, 86400000.0\], got 172800000"):
+        SitsConfig.from_file(site)
+    day = SitsConfig.from_mapping({"classes": [{**CLASS, "latency_sla_ms": 86_400_000}],
+                                   "default_class": "a"})
+    assert resolve(day, {}, {}).latency_sla_ms == 86_400_000
