@@ -551,7 +551,7 @@ def check_redis_url(url: str) -> str:
     from redis.connection import parse_url  # (a light import; redis is loaded anyway)
 
     try:  # its query options: ?socket_timeout=5s or ?db=abc raised at the first use
-        parse_url(url)
+        parse_url(url)  # type: ignore[no-untyped-call]
     except ValueError as exc:
         raise ConfigError(f"redis_url {url!r}: {exc}") from None
     return url
