@@ -291,8 +291,9 @@ class Rescorer:
         failed = sum(_counts(self.client.hgetall(counter_key(self.config, "failed"))).values())
         d_done = done - saved.get("done", 0.0)
         d_failed = failed - saved.get("failed", 0.0)
-        loss = d_failed / d_done if d_done > 0 else 0.0
-        sample = stats.TriggerSample(rtt_ms=rtt_ms, loss_rate=min(1.0, max(0.0, loss)),
+        # none finished since the last check: no loss reading (not a loss of 0)
+        loss = min(1.0, max(0.0, d_failed / d_done)) if d_done > 0 else None
+        sample = stats.TriggerSample(rtt_ms=rtt_ms, loss_rate=loss,
                                      oldest_high_wait_ms=self.oldest_top_class_wait_ms(now_s))
         state = stats.TriggerState(**saved.get("state", {}))
         fired, state = stats.evaluate_triggers(state, sample)

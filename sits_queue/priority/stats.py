@@ -114,15 +114,16 @@ class TriggerSample:
 
     #: Round-trip time to Redis / peer site, ms.
     rtt_ms: float
-    #: Loss rate in [0, 1].
-    loss_rate: float
+    #: Loss rate in [0, 1]; None when no task finished since the last sample (no reading:
+    #: the loss streak and baseline stay as they were).
+    loss_rate: float | None
     #: Age of the oldest task in the high-priority queue, ms; None when it is empty.
     oldest_high_wait_ms: float | None
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.rtt_ms) or self.rtt_ms < 0:
             raise ValueError(f"rtt_ms must be finite and >= 0, got {self.rtt_ms!r}")
-        if not 0 <= self.loss_rate <= 1:  # also rejects NaN
+        if self.loss_rate is not None and not 0 <= self.loss_rate <= 1:  # NaN too
             raise ValueError(f"loss_rate must be in [0, 1], got {self.loss_rate!r}")
         wait = self.oldest_high_wait_ms
         if wait is not None and not (math.isfinite(wait) and wait >= 0):
@@ -160,17 +161,27 @@ def evaluate_triggers(
     wait = sample.oldest_high_wait_ms
     backlog = wait is not None and wait > backlog_ms
     rtt_base, loss_base = state.rtt_baseline_ms, state.loss_baseline
-    if rtt_base is None or loss_base is None:
+    if rtt_base is None:
         first = TriggerState(rtt_baseline_ms=sample.rtt_ms, loss_baseline=sample.loss_rate)
         return _names(backlog=backlog), first
     # Multiplied out, not divided: a zero baseline (loopback) must not divide by zero.
     rtt = abs(sample.rtt_ms - rtt_base) > max(rtt_tolerance * rtt_base, rtt_floor_ms)
+    rtt_next = _ewma(rtt_base, sample.rtt_ms, baseline_alpha)
+    if sample.loss_rate is None:
+        # No task finished since the last sample: no loss reading. (Read as "no loss",
+        # it reset the streak: a 100% failure rate at fewer than one completion a check
+        # never fired.)
+        return _names(rtt=rtt, backlog=backlog), TriggerState(
+            rtt_baseline_ms=rtt_next, loss_baseline=loss_base, loss_streak=state.loss_streak)
+    if loss_base is None:  # the first loss reading only sets its baseline
+        return _names(rtt=rtt, backlog=backlog), TriggerState(
+            rtt_baseline_ms=rtt_next, loss_baseline=sample.loss_rate)
     rising = sample.loss_rate - loss_base > loss_rise
     streak = state.loss_streak + 1 if rising else 0
     loss = streak >= loss_samples
     held = rising and not loss
     new_state = TriggerState(
-        rtt_baseline_ms=_ewma(rtt_base, sample.rtt_ms, baseline_alpha),
+        rtt_baseline_ms=rtt_next,
         loss_baseline=loss_base if held else _ewma(loss_base, sample.loss_rate, baseline_alpha),
         loss_streak=0 if loss else streak,
     )

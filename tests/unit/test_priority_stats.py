@@ -125,7 +125,8 @@ def test_decay_counts_rejects_bad_factor(factor: float) -> None:
 
 
 # -- §2.2 triggers ----------------------------------------------------------------------------
-def sample(rtt: float = 100.0, loss: float = 0.0, wait: float | None = None) -> TriggerSample:
+def sample(rtt: float = 100.0, loss: float | None = 0.0,
+           wait: float | None = None) -> TriggerSample:
     return TriggerSample(rtt_ms=rtt, loss_rate=loss, oldest_high_wait_ms=wait)
 
 
@@ -178,7 +179,7 @@ def test_backlog_fires_beyond_200_ms(wait: float | None, fires: bool) -> None:
     assert ("backlog" in fired) is fires
 
 
-def _run(state: TriggerState, losses: list[float]) -> list[tuple[str, ...]]:
+def _run(state: TriggerState, losses: list[float | None]) -> list[tuple[str, ...]]:
     fired_each = []
     for loss in losses:
         fired, state = evaluate_triggers(state, sample(loss=loss))
@@ -194,6 +195,19 @@ def test_loss_fires_on_the_third_consecutive_rise_then_restarts() -> None:
 def test_loss_streak_breaks_on_a_normal_sample() -> None:
     fired = _run(BASE, [0.1, 0.1, 0.0, 0.1, 0.1])
     assert not any("loss" in f for f in fired)
+
+
+def test_a_check_with_no_task_finished_is_no_reading_and_breaks_no_streak() -> None:
+    # Given every task failing, one finishing every other check (None: none finished;
+    # read as a loss of 0, it reset the streak and the trigger never fired)
+    fired = _run(BASE, [1.0, None, 1.0, None, 1.0])
+    assert [("loss" in f) for f in fired] == [False, False, False, False, True]
+    _, state = evaluate_triggers(BASE, sample(rtt=200.0, loss=None))
+    assert state.loss_baseline == 0.0 and state.rtt_baseline_ms > 100.0  # rtt still read
+    # A first sample without a loss reading leaves the loss baseline to the next one
+    _, state = evaluate_triggers(TriggerState(), sample(loss=None))
+    assert state.loss_baseline is None
+    assert evaluate_triggers(state, sample(loss=0.3))[1].loss_baseline == 0.3
 
 
 def test_loss_rise_of_exactly_5_points_does_not_count() -> None:
