@@ -91,10 +91,19 @@ class Prewarmer:
         decoded = {_text(k): v for k, v in self.client.hgetall(key).items()}
         meta = json.loads(decoded.pop("__bucket__", "null") or "null")
         states = {m: forecast.from_json(json.loads(v)) for m, v in decoded.items()}
-        # the first pass (or one after a long stop) reads what the demand keys still hold
-        first = last_done - MAX_CATCH_UP + 1 if meta is None \
-            else max(int(meta) + 1, last_done - MAX_CATCH_UP + 1)
         interval = self.config.prewarm_interval_s
+        # [last bucket folded, the interval it counts in]: a bucket index under another
+        # interval (the setting changed) is no time here: raised 60 -> 300 s, the next
+        # bucket to fold lay centuries ahead and the forecasts froze. Start afresh then.
+        if isinstance(meta, list) and len(meta) == 2 and meta[1] != interval:
+            logger.info("pre-warm interval changed from %s to %s s: forecasts start afresh",
+                        meta[1], interval)
+            meta, states = None, {}
+            self.client.delete(key)
+        done = meta[0] if isinstance(meta, list) and len(meta) == 2 else meta
+        # the first pass (or one after a long stop) reads what the demand keys still hold
+        first = last_done - MAX_CATCH_UP + 1 if done is None \
+            else max(int(done) + 1, last_done - MAX_CATCH_UP + 1)
         for bucket in range(first, last_done + 1):
             demand = {_text(k): float(v) for k, v in
                       self.client.hgetall(demand_key(self.config, bucket)).items()}
@@ -111,7 +120,7 @@ class Prewarmer:
                 pipe.hdel(key, *gone)
             for model, f in states.items():
                 pipe.hset(key, model, json.dumps(forecast.to_json(f)))
-            pipe.hset(key, "__bucket__", json.dumps(last_done))
+            pipe.hset(key, "__bucket__", json.dumps([last_done, interval]))
             pipe.execute()
         return states
 

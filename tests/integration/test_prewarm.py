@@ -179,3 +179,23 @@ def test_a_short_interval_still_keeps_its_demand(redis_url: str, r: redis.Redis)
     keys = list(r.scan_iter(match=prewarm.demand_key(config, 0)[:-1] + "*"))
     assert keys and all(r.ttl(k) >= 1 for k in keys)
     assert sum(int(r.hget(k, "m") or 0) for k in keys) == 1
+
+
+def test_a_changed_interval_starts_the_forecasts_afresh_and_they_update_again(
+        redis_url: str, r: redis.Redis) -> None:
+    """(the last folded bucket was kept as an index under the old interval: raised from
+    60 to 300 s, the next bucket to fold lay centuries ahead and the forecasts froze)"""
+    minute = replace(SitsConfig(redis_url=redis_url), prewarm_interval_s=60.0,
+                     global_keyprefix="interval:")
+    now = 1_800_000_000.0
+
+    def updates(config: SitsConfig, at: float) -> int:
+        r.hincrby(prewarm.demand_key(config, prewarm.bucket_of(config, at) - 1), "m1", 10)
+        prewarm.Prewarmer(config, r, lambda model, host: None).run(at)
+        return int(json.loads(r.hget(prewarm.state_key(config), "m1") or "{}").get("n", 0))
+
+    counts = [updates(minute, now + i * 60) for i in range(3)]
+    assert counts[-1] > counts[0]
+    five = replace(minute, prewarm_interval_s=300.0)
+    later = [updates(five, now + 180 + i * 300) for i in range(1, 4)]
+    assert later == sorted(later) and later[-1] > later[0]  # folding again, every pass
