@@ -86,7 +86,8 @@ def test_finished_tasks_count_as_demand_and_are_folded_into_the_forecast(
     report = prewarmer(app).run(time.time())
     # Then lm-b has a forecaster that saw each interval's demand, stored for the next pass
     stored = {k.decode(): v for k, v in r.hgetall(prewarm.state_key(config)).items()}
-    done = json.loads(stored["__bucket__"])
+    done, interval = json.loads(stored["__bucket__"])  # (the interval it counts in)
+    assert interval == config.prewarm_interval_s
     f = fc.from_json(json.loads(stored["lm-b"]))
     assert done >= last + 1 and f.updates >= 1  # from the first interval it was seen in
     assert list(f.history) == [demand(r, config, done, "lm-b"),
