@@ -338,6 +338,7 @@ class SitsConfig:
         if self.default_class not in names:
             raise ConfigError(f"default_class {self.default_class!r} is not one of {names} "
                               "(a [[classes]] list is the whole set of classes)")
+        self._check_priority_range()
         check_redis_url(self.redis_url)
         if not 0 < self.soft_limit_fraction < 1:
             raise ConfigError("soft_limit_fraction must be in (0, 1)")
@@ -390,6 +391,23 @@ class SitsConfig:
         # No bound against the longest run time: workers heartbeat the messages they hold.
         if self.visibility_timeout_s <= 3:
             raise ConfigError("visibility_timeout_s must be > 3 s (heartbeat every third)")
+
+    def _check_priority_range(self) -> None:
+        """Queue scores hold a priority up to ``PRIORITY_CEILING`` (~8.9e6): past it every
+        priority is one level, served first come first served. Class weights (and the
+        boosts' gains) whose fresh priorities, aged up to the starvation bound (as much
+        again), would pass it are refused: with weights of 200000 and 100000 a critical
+        task queued after a high one ran after it."""
+        from sits_queue.broker.keys import PRIORITY_CEILING
+        from sits_queue.priority.model import max_fresh_priority
+
+        highest = 2 * max_fresh_priority(self)
+        if highest >= PRIORITY_CEILING:
+            raise ConfigError(
+                f"class weights up to {max(c.weight for c in self.classes):g} make "
+                f"priorities up to {highest:.3g}, past what a queue score orders "
+                f"({PRIORITY_CEILING:.3g}): scale the weights down (only their ratios "
+                "matter), or the risk_cap / qos_gain / hotness_gain boosts")
 
     def _check_sites(self) -> None:
         from sits_queue.priority import sites

@@ -179,3 +179,17 @@ def test_a_class_sla_a_task_could_not_declare_is_refused_at_start(tmp_path: Path
     day = SitsConfig.from_mapping({"classes": [{**CLASS, "latency_sla_ms": 86_400_000}],
                                    "default_class": "a"})
     assert resolve(day, {}, {}).latency_sla_ms == 86_400_000
+
+
+def test_class_weights_past_what_a_queue_score_orders_are_refused() -> None:
+    """(priorities past the score's ceiling are one level, first come first served: with
+    weights of 200000 and 100000 a critical task queued after a high one ran after it)"""
+    big = ({**CLASS, "name": "critical", "weight": 200_000},
+           {**CLASS, "name": "high", "weight": 100_000})
+    with pytest.raises(ConfigError, match=r"class weights up to 200000 make priorities up "
+                                          r"to 3\.6e\+08, past what a queue score orders"):
+        SitsConfig.from_mapping({"classes": list(big), "default_class": "high"})
+    # the same ratio, scaled down, is the same order
+    scaled = SitsConfig.from_mapping({"classes": [{**c, "weight": c["weight"] / 1000}
+                                                  for c in big], "default_class": "high"})
+    assert [c.weight for c in scaled.classes] == [200, 100]
