@@ -68,7 +68,15 @@ def _check_types(obj: Any, where: str = "") -> None:
             ok = isinstance(value, str)
         if not ok:
             raise ConfigError(f"{where}{f.name} must be {what}, got {value!r}")
+        if f.name.endswith("_s") and _is_number(value) and value > MAX_DURATION_S:
+            # a duration past a year is a typo (ms for s), and past ~1e9 s it fails later,
+            # elsewhere: a beat schedule's timedelta, a wait's timeout, a Redis EXPIRE
+            raise ConfigError(f"{where}{f.name} must be at most {MAX_DURATION_S:g} s (a "
+                              f"year), got {value!r}")
 
+
+#: Longest duration setting (``*_s``), s: a year.
+MAX_DURATION_S = 365 * 86_400
 
 #: Most tasks one batch may take: bounds one pick's Lua work and one pool job's inputs.
 MAX_BATCH_TASKS = 1024

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from sits_queue.broker.snapshot import snapshot_from_json
-from sits_queue.config import ClassQuota, PriorityWeights, SitsConfig
+from sits_queue.config import MAX_DURATION_S, ClassQuota, PriorityWeights, SitsConfig
 from sits_queue.errors import ConfigError, InvalidTaskOptions
 from sits_queue.priority.model import (
     ClassStats,
@@ -348,7 +348,8 @@ def test_extreme_config_stays_finite_and_positive() -> None:
         classes=(ClassQuota("tiny", cpu_cores=1, vram_gib=1, max_run_s=1, weight=1e-9,
                             latency_sla_ms=1, loss_sensitivity=0.1),),
         default_class="tiny",
-        weights=PriorityWeights(entropy_gain=0.999, risk_cap=1e6, aging_bound_s=1e9),
+        weights=PriorityWeights(entropy_gain=0.999, risk_cap=1e6,
+                                aging_bound_s=MAX_DURATION_S),
     )
     features = task("tiny", context_tokens=2**40, input_entropy=1.0)
     score = priority(features, EMPTY, config)
