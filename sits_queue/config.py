@@ -484,6 +484,8 @@ class SitsConfig:
         """Build from ``SITS_*`` variables, on top of ``SITS_CONFIG`` (a TOML file) if set."""
         env = os.environ if env is None else env
         base = cls.from_file(env["SITS_CONFIG"]) if env.get("SITS_CONFIG") else cls()
+        _warn_near_misses(env, {"SITS_CONFIG", *("SITS_" + f.name.upper() for f in fields(cls)
+                                                 if f.name not in ("classes", "weights"))})
         overrides: dict[str, Any] = {}
         for f in fields(cls):
             key = "SITS_" + f.name.upper()
@@ -558,6 +560,27 @@ def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
     except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not UTF-8
         raise ConfigError(f"config file {p} cannot be read: {exc}") from exc
+
+
+def _warn_near_misses(env: Mapping[str, str], known: set[str]) -> None:
+    """A warning for each ``SITS_*`` variable that is no setting but nearly one (TOML
+    refuses an unknown key; a variable cannot be refused: other programs' share the
+    prefix): ``SITS_VISIBILITY_TIMEOUT`` was silently not ``SITS_VISIBILITY_TIMEOUT_S``."""
+    import difflib
+    import logging
+
+    for name in sorted(env):
+        if not name.startswith("SITS_") or name in known:
+            continue
+        near = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+        if near and (name, near[0]) not in _warned:
+            _warned.add((name, near[0]))
+            logging.getLogger(__name__).warning(
+                "%s is no SITS setting and is ignored; did you mean %s?", name, near[0])
+
+
+#: (variable, setting) pairs already warned about in this process.
+_warned: set[tuple[str, str]] = set()
 
 
 def check_redis_url(url: str) -> str:

@@ -196,3 +196,18 @@ def test_class_weights_past_what_a_queue_score_orders_are_refused() -> None:
     scaled = SitsConfig.from_mapping({"classes": [{**c, "weight": c["weight"] / 1000}
                                                   for c in big], "default_class": "high"})
     assert [c.weight for c in scaled.classes] == [200, 100]
+
+
+def test_a_variable_that_nearly_names_a_setting_is_warned_about(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(``SITS_VISIBILITY_TIMEOUT=90`` was silently not the 90 s timeout meant)"""
+    import sits_queue.config
+
+    monkeypatch.setattr(sits_queue.config, "_warned", set())  # (once per process)
+    with caplog.at_level("WARNING", logger="sits_queue.config"):
+        config = SitsConfig.from_env({"SITS_VISIBILITY_TIMEOUT": "90",
+                                      "SITS_BENCH_SYSTEM": "sits", "SITS_CONFIG": ""})
+    assert config.visibility_timeout_s == SitsConfig().visibility_timeout_s
+    assert [r.getMessage() for r in caplog.records] == [
+        "SITS_VISIBILITY_TIMEOUT is no SITS setting and is ignored; did you mean "
+        "SITS_VISIBILITY_TIMEOUT_S?"]
