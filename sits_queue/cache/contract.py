@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from sits_queue.cache.policy import Tier
@@ -80,18 +80,23 @@ def _split(inputs: Inputs) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return tuple(inputs), {}
 
 
-def _move(obj: Any, device: str) -> Any:
-    """``obj`` with every tensor in it (through tuples, lists, dicts) moved to ``device``."""
+def map_tensors(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it (through tuples, lists, dicts)."""
     torch = sys.modules.get("torch")
-    if torch is None:  # no tensor can exist before torch is imported: nothing to move
+    if torch is None:  # no tensor can exist before torch is imported: nothing to map
         return obj
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        return fn(obj)
     if isinstance(obj, tuple | list):
-        return type(obj)(_move(o, device) for o in obj)
+        return type(obj)(map_tensors(o, fn) for o in obj)
     if isinstance(obj, Mapping):
-        return {k: _move(v, device) for k, v in obj.items()}
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
     return obj
+
+
+def move(obj: Any, device: Any) -> Any:
+    """``obj`` with every tensor in it moved to ``device``."""
+    return map_tensors(obj, lambda t: t.to(device))
 
 
 def input_spec(args: Sequence[Any]) -> InputSpec:
@@ -246,7 +251,7 @@ class Engine(ABC):
     def _warm(self, device: str, sample: Inputs) -> None:
         """The warm-up itself: one inference on ``sample`` (a backend may do more)."""
         args, kwargs = _split(sample)
-        self._run(_move(args, device), _move(kwargs, device))
+        self._run(move(args, device), move(kwargs, device))
 
     def _live(self) -> None:
         if self._released:

@@ -35,6 +35,7 @@ from sits_queue.cache.contract import (
     device_index,
     input_spec,
     is_cuda,
+    map_tensors,
     synthesize,
 )
 from sits_queue.cache.trt import TRT_WORKSPACE_BYTES, TensorRTEngine, build_trt_plan
@@ -94,17 +95,9 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _floats_as(obj: Any, dtype: Any) -> Any:
-    """``obj`` with every floating tensor in it (through tuples, lists, dicts) as
-    ``dtype``; token ids and masks (integers, booleans) as they are."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, tuple | list):
-        return type(obj)(_floats_as(o, dtype) for o in obj)
-    if isinstance(obj, Mapping):
-        return {k: _floats_as(v, dtype) for k, v in obj.items()}
-    return obj
+    """``obj`` with every floating tensor in it as ``dtype``; token ids and masks
+    (integers, booleans) as they are."""
+    return map_tensors(obj, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 class TorchEngine(Engine):

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sits_queue.broker.affinity import engine_key
+from sits_queue.cache.contract import move
 from sits_queue.errors import ModelLoadError
 from sits_queue.options import PRECISIONS
 
@@ -170,13 +171,6 @@ def module_bytes(module: Any) -> int:
     return sum(seen.values())
 
 
-def _to(inputs: Any, device: Any) -> Any:
-    """Calibration inputs (a dict or a tuple of tensors) on ``device``."""
-    if isinstance(inputs, dict):
-        return {k: v.to(device) for k, v in inputs.items()}
-    return tuple(v.to(device) if hasattr(v, "to") else v for v in inputs)
-
-
 def mean_kl(reference: Any, candidate: Any) -> float:
     """The gate's measure: mean KL over ``reference``'s calibration inputs between its
     module's output activations and the ``candidate`` module's (on whichever device it
@@ -184,7 +178,7 @@ def mean_kl(reference: Any, candidate: Any) -> float:
     first = next(iter(candidate.parameters()), None)
     device = first.device if first is not None else "cpu"
     kls = [kl_divergence(_activations(reference.module, x),
-                         _activations(candidate, _to(x, device)).cpu())
+                         _activations(candidate, move(x, device)).cpu())
            for x in calibration_inputs(reference)]
     return sum(kls) / len(kls)
 
