@@ -153,8 +153,7 @@ def requeue(channel: Any, queue: str, ids: Sequence[bytes | str]
             message = decode(json.loads(record)["payload"], tuple(channel.codecs))
             # Back under its own id: a foreign producer's message may carry no tag (the
             # pick gave it one in memory only), and the put needs one.
-            message["properties"]["delivery_tag"] = message_id.decode() \
-                if isinstance(message_id, bytes) else str(message_id)
+            message["properties"]["delivery_tag"] = text(message_id)
         except (ValueError, TypeError, KeyError, ArithmeticError) as exc:
             refused[shown(message_id)] = f"its payload is not a message ({exc}); drop it " \
                                          "instead"

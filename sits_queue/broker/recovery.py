@@ -45,6 +45,7 @@ from sits_queue.broker.keys import (
     taken_key,
 )
 from sits_queue.broker.meta import sla_class_of
+from sits_queue.broker.payload import text
 from sits_queue.broker.scripts import Scripts
 
 logger = logging.getLogger(__name__)
@@ -62,8 +63,7 @@ def epoch(local: redis.Redis, prefix: str) -> str:
             return str(run_id)
     key = f"{prefix}{FALLBACK_EPOCH}"
     local.set(key, f"key:{uuid.uuid4().hex}", nx=True)
-    raw = local.get(key)
-    return raw.decode() if isinstance(raw, bytes) else str(raw)
+    return text(local.get(key) or b"")
 
 
 def pending_deletes(local: redis.Redis, prefix: str) -> set[tuple[str, str]]:
@@ -100,7 +100,7 @@ def replicas(client: redis.Redis, prefix: str, origin: str, queue: str
     entries: list[Any] = list(client.zrange(z, 0, -1, withscores=True))
     if not entries:
         return []
-    ids = [e[0].decode() if isinstance(e[0], bytes) else str(e[0]) for e in entries]
+    ids = [text(e[0]) for e in entries]
     return list(zip(ids, (float(e[1]) for e in entries), client.hmget(p, ids),
                     client.hmget(m, ids), strict=True))
 
@@ -113,8 +113,7 @@ def restore(local: redis.Redis, peer: redis.Redis, scripts: Scripts, prefix: str
     already ``current`` (nothing to check)."""
     key = epoch_key(prefix, site)
     recorded = peer.get(key)
-    if recorded is not None and (recorded.decode() if isinstance(recorded, bytes)
-                                 else str(recorded)) == current:
+    if recorded is not None and text(recorded) == current:
         return None
     restored = 0
     if recorded is not None:  # None: the first pass to reach this peer, or it is new

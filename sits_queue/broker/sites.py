@@ -298,9 +298,8 @@ class SiteSync:
         # And the tasks this site's Redis lost come back from the replicas (recovery.py)
         # before anything there is deleted: a peer not reached for that does no more.
         current = recovery.epoch(self.local, self.prefix)
-        confirmed: set[str] = set()
-        self._guarded(report, live, lambda peer, rep: self._recover(peer, current, rep,
-                                                                    confirmed))
+        confirmed = self._guarded(report, live,
+                                  lambda peer, rep: self._recover(peer, current, rep))
         link = plan.link
         if link is not None:
             report.peer, report.rtt_ms = link.peer.name, round(link.rtt_ms, 3)
@@ -317,16 +316,19 @@ class SiteSync:
         return report
 
     def _guarded(self, report: PassReport, peers: Sequence[str],
-                 step: Callable[[str, PassReport], None]) -> None:
-        """``step`` for each of ``peers``; one that fails is reported, the pass goes on."""
+                 step: Callable[[str, PassReport], None]) -> list[str]:
+        """``step`` for each of ``peers``; one that fails is reported, the pass goes on.
+        Returns the peers it went through for."""
+        done = []
         for peer in peers:
             try:
                 step(peer, report)
+                done.append(peer)
             except redis.RedisError as exc:
                 report.errors.append(f"{peer}: {exc}")
+        return done
 
-    def _recover(self, peer: str, current: str, report: PassReport, confirmed: set[str]
-                 ) -> None:
+    def _recover(self, peer: str, current: str, report: PassReport) -> None:
         restored = recovery.restore(self.local, self.clients[peer], self.scripts,
                                     self.prefix, self.site, current,
                                     self.config.default_class)
@@ -335,7 +337,6 @@ class SiteSync:
             # (the peer may be new, or back empty: register this site's queues there
             # with the next writes, not up to REGISTER_EVERY_S later)
             self._registered = {k: v for k, v in self._registered.items() if k[0] != peer}
-        confirmed.add(peer)
 
     def _heartbeat(self, peer: str, report: PassReport) -> None:
         self.clients[peer].set(alive_key(self.prefix, self.site), self.clock(),

@@ -5,6 +5,7 @@ peers' URLs (``?rtt_ms=``) so each test chooses its side of the 5 ms threshold."
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import socket
 import threading
@@ -65,6 +66,15 @@ def site_app(url: str, name: str, peer: str, peer_url: str, rtt_ms: float) -> Ce
 @pytest.fixture(scope="module")
 def site_c(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     yield from embedded_site(tmp_path_factory, "site-c")
+
+
+@pytest.fixture
+def c(site_c: str) -> Iterator[redis.Redis]:
+    """A client on site c's Redis, emptied first."""
+    client = redis.Redis.from_url(site_c)
+    client.flushall()
+    yield client
+    client.close()
 
 
 @pytest.fixture
@@ -355,7 +365,8 @@ def test_a_dead_letter_requeued_with_its_id_gets_its_replica_back(
 
 def three_sites(redis_url: str, site_b: str, site_c: str, monkeypatch: pytest.MonkeyPatch,
                 rtt: dict[str, float]) -> tuple[Celery, sites.SiteSync]:
-    """Site a with peers b and c, whose links "measure" as ``rtt`` says at the time."""
+    """Site a with peers b and c, whose links "measure" as ``rtt`` says at the time (an
+    infinite RTT: down)."""
     app = make_app(SitsConfig(redis_url=redis_url, site="a",
                               site_peers=f"b={site_b} c={site_c}"), main="site-a3")
 
@@ -364,16 +375,15 @@ def three_sites(redis_url: str, site_b: str, site_c: str, monkeypatch: pytest.Mo
         return x
 
     sync = sync_of(app)
-    monkeypatch.setattr(sync, "_measure", lambda peer: Link(peer, rtt[peer.name], True))
+    monkeypatch.setattr(sync, "_measure", lambda peer: Link(peer, rtt[peer.name],
+                                                            math.isfinite(rtt[peer.name])))
     return app, sync
 
 
 def test_a_new_replica_peer_gets_the_replicas_and_the_old_one_still_hears_from_us(
         clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str, site_c: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        c: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     _, b = clients
-    c = redis.Redis.from_url(site_c)
-    c.flushall()
     rtt = {"b": 1.0, "c": 2.0}
     app, sync = three_sites(redis_url, site_b, site_c, monkeypatch, rtt)
     done, waits = submit(app, "high"), submit(app, "high")
@@ -405,7 +415,6 @@ def test_a_new_replica_peer_gets_the_replicas_and_the_old_one_still_hears_from_u
     sync._links_at = float("-inf")
     assert sync.sync_pass().handed_over == 1
     assert replica_ids(c) == {waits, late} and replica_ids(b) == set()
-    c.close()
     app.close()
 
 
@@ -582,21 +591,17 @@ def test_a_pass_that_dies_midway_leaves_its_batch_to_the_next(
 
 def test_a_peer_that_is_replica_peer_again_drops_replicas_of_tasks_finished_meanwhile(
         clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str, site_c: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        c: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     """An eventual replica is not digest-checked: one left at b while b was down (the
     ack's delete went to c) stayed there for good, and b's take-over of a would run the
     finished task again."""
     _, b = clients
-    c = redis.Redis.from_url(site_c)
-    c.flushall()
     rtt = {"b": 1.0, "c": 2.0}
     app, sync = three_sites(redis_url, site_b, site_c, monkeypatch, rtt)
     done, waits = submit(app, "low"), submit(app, "low")
     assert sync.sync_pass().peer == "b" and replica_ids(b) == {done, waits}
     # Given b down: c is the replica peer, and done is acked meanwhile
-    rtt["b"] = float("inf")
-    monkeypatch.setattr(sync, "_measure", lambda peer: Link(peer, rtt[peer.name],
-                                                            rtt[peer.name] < float("inf")))
+    rtt["b"] = math.inf
     sync._links_at = float("-inf")
     assert sync.sync_pass().peer == "c"
     with app.connection_for_read() as conn:
@@ -611,7 +616,6 @@ def test_a_peer_that_is_replica_peer_again_drops_replicas_of_tasks_finished_mean
     # Then its replica of done is gone; the one of the task still waiting stays
     assert report.peer == "b" and report.repaired == 1
     assert replica_ids(b) == {waits}
-    c.close()
     app.close()
 
 
