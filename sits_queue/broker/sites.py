@@ -388,7 +388,20 @@ class SiteSync:
                        if plan.mode(sla_class_of(r[2]) or "").replicated]
             report.replicated += self._write_replicas(peer, queue, records)
         for queue, ids in dels.items():
-            report.deleted += self._delete_replicas(peer, queue, ids)
+            # A del queued by an ack that then failed for good (the task is still held
+            # here, redelivered later) would leave it without a replica: kept, and the
+            # digest deletes it once the task is gone after all.
+            gone = self._not_held(queue, ids)
+            report.deleted += self._delete_replicas(peer, queue, gone)
+
+    def _not_held(self, queue: str, ids: Sequence[str]) -> list[str]:
+        """Those of ``ids`` no longer held here (ack and dead-letter drop the meta)."""
+        k = QueueKeys.for_queue(queue, self.prefix)
+        with self.local.pipeline(transaction=False) as pipe:
+            for i in ids:
+                pipe.hexists(k.meta, i)
+            held = pipe.execute()
+        return [i for i, h in zip(ids, held, strict=True) if not h]
 
     def _local_records(self, queue: str, ids: Sequence[str]
                        ) -> list[tuple[str, Any, Any, float]]:

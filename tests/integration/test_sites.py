@@ -22,6 +22,7 @@ from kombu import Exchange, Queue
 from sits_queue.app import make_app
 from sits_queue.broker import deadletters, sites
 from sits_queue.broker.keys import SEQ_BITS, QueueKeys
+from sits_queue.broker.scripts import Scripts
 from sits_queue.cli import _format_status
 from sits_queue.config import SitsConfig
 from sits_queue.embedded import EmbeddedRedis
@@ -120,6 +121,11 @@ def submit(app: Celery, sla_class: str) -> str:
     raise AssertionError(f"task {task_id} is not in the queue")
 
 
+def forget_here(local: redis.Redis, task: str) -> None:
+    """``task`` acked at site "a" (ack.lua), and nothing more: no replica delete queued."""
+    Scripts.register().run("ack", QUEUE, [task], local)
+
+
 def sync_of(app: Celery) -> sites.SiteSync:
     sync = sites.for_config(app.sits)
     assert sync is not None
@@ -180,6 +186,28 @@ def test_an_acked_task_leaves_the_replica(clients: tuple[redis.Redis, redis.Redi
         assert message.delivery_tag == task
         message.ack()
     sync_of(app).sync_pass()
+    assert replica_ids(b) == set()
+    app.close()
+
+
+def test_a_task_whose_ack_failed_keeps_its_replica(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str) -> None:
+    """qos.ack queues the replica's delete with the deferred ack; an ack that then fails
+    for good leaves the task here (redelivered later): it keeps its replica, which goes
+    with the digest once the task is gone after all."""
+    a, b = clients
+    app = site_app(redis_url, "a", "b", site_b, rtt_ms=40.0)
+    sync = sync_of(app)
+    kept, done = submit(app, "high"), submit(app, "high")
+    sync.sync_pass()
+    assert replica_ids(b) == {kept, done}
+    forget_here(a, done)
+    sync.on_ack("celery", [kept, done])  # kept's ack never took effect
+    sync.sync_pass()
+    assert replica_ids(b) == {kept}
+    forget_here(a, kept)  # its redelivery ran and was acked, the del lost with a crash
+    sync._digest_at = float("-inf")
+    assert sync.sync_pass().repaired == 1
     assert replica_ids(b) == set()
     app.close()
 
@@ -581,7 +609,7 @@ def test_a_pass_that_dies_midway_leaves_its_batch_to_the_next(
     assert replica_ids(b) == set()
     later = [submit(app, "low") for _ in range(2)]
     acked = first[0]
-    sites.SiteSync(app.sits).on_ack("celery", [acked])  # a del queued after the batch
+    forget_here(a, acked)  # acked after the batch was taken: its del comes later
     sites.SiteSync(app.sits).sync_pass()
     # the left batch went first, the newer entries (the del included) after it
     assert replica_ids(b) == {*first[1:], *later}
