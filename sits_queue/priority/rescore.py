@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,8 @@ from sits_queue.priority.model import ClassStats, PrioritySnapshot, Scorer
 
 logger = logging.getLogger(__name__)
 
-#: Per-pass decay of model call counts: hotness halves in ~6.6 passes (~33 s at 5 s).
+#: Decay of model call counts per ``rescore_interval_s``, by time elapsed, not by
+#: pass: hotness halves in ~6.6 intervals (~33 s at 5 s).
 HOTNESS_DECAY = 0.9
 #: Waiting messages read per queue when looking for the oldest top-class task.
 HEAD_PEEK = 32
@@ -103,6 +105,7 @@ class Rescorer:
             pipe.hgetall(counter_key(cfg, "done"))
             pipe.hgetall(hot_key(cfg))
             pipe.get(_state_key(cfg, "totals"))
+            pipe.get(_state_key(cfg, "hot-at"))
             # the beat's own tasks arrive as top class but are never counted done (they
             # stay out of the statistics): counting them would read as top-class work
             # falling behind, a standing QoS boost (§2.2 bandwidth compliance)
@@ -111,8 +114,9 @@ class Rescorer:
                     pipe.hgetall(self.keys(queue).arrivals)
             replies = pipe.execute()
         n = len(cfg.class_names)
-        latencies, done, hot, prev_raw, arrivals = (replies[:n], replies[n], replies[n + 1],
-                                                     replies[n + 2], replies[n + 3:])
+        latencies, done, hot, prev_raw, hot_at, arrivals = (
+            replies[:n], replies[n], replies[n + 1], replies[n + 2], replies[n + 3],
+            replies[n + 4:])
         done_now = _counts(done)
         arrived_now: dict[str, float] = {}
         for table in arrivals:
@@ -128,6 +132,8 @@ class Rescorer:
                     done_now.get(name, 0.0) - prev["done"].get(name, 0.0),
                     arrived_now.get(name, 0.0) - prev["arrived"].get(name, 0.0)))
         hot_counts = _counts(hot)
+        factor = stats.decay_factor(now_s - _seconds(hot_at), cfg.rescore_interval_s,
+                                    HOTNESS_DECAY)
         snapshot = PrioritySnapshot(now_s=now_s, classes=classes,
                                     hotness=stats.hotness(hot_counts))
         with c.pipeline(transaction=False) as pipe:
@@ -136,10 +142,11 @@ class Rescorer:
                                                             "arrived": arrived_now}))
             # Decay by increment, so counts workers add meanwhile are never lost.
             for model, count in hot_counts.items():
-                pipe.hincrbyfloat(hot_key(cfg), model, count * (HOTNESS_DECAY - 1))
+                pipe.hincrbyfloat(hot_key(cfg), model, count * (factor - 1))
+            pipe.set(_state_key(cfg, "hot-at"), repr(now_s))
             pipe.execute()
-        faded = [m for m, count in hot_counts.items() if count * HOTNESS_DECAY < stats.MIN_COUNT]
-        if faded:  # a model not called for ~50 passes: out of the hash (and the snapshot)
+        faded = [m for m, count in hot_counts.items() if count * factor < stats.MIN_COUNT]
+        if faded:  # a model not called for ~50 intervals: out of the hash (and the snapshot)
             self.scripts.run_on("prune_hot", [hot_key(cfg)], [stats.MIN_COUNT, *faded], c)
         return snapshot
 
@@ -325,3 +332,11 @@ class Rescorer:
 
 def _counts(table: dict[Any, Any]) -> dict[str, float]:
     return {(k.decode() if isinstance(k, bytes) else str(k)): float(v) for k, v in table.items()}
+
+
+def _seconds(raw: Any) -> float:
+    """A stored time stamp; NaN when there is none or it is not a number."""
+    try:
+        return float(raw)
+    except (TypeError, ValueError):
+        return math.nan

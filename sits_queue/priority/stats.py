@@ -87,6 +87,19 @@ def hotness(counts: Mapping[str, float]) -> dict[str, float]:
     return {m: c / top for m, c in clean.items()}
 
 
+def decay_factor(elapsed_s: float, period_s: float, per_period: float) -> float:
+    """What ``per_period`` (the decay of one ``period_s``) comes to over ``elapsed_s``, in
+    [0, 1]: passes come at the beat's pace and also whenever a trigger fires (every
+    check, under a standing backlog), so counts age by time, not by passes. An elapsed
+    time that cannot be read (no earlier pass, a clock gone back) counts one period."""
+    if not (0 < per_period <= 1 and period_s > 0):
+        raise ValueError(f"need 0 < per_period <= 1 and period_s > 0, got "
+                         f"{per_period!r}, {period_s!r}")
+    if not math.isfinite(elapsed_s) or elapsed_s < 0:
+        elapsed_s = period_s
+    return float(per_period ** (elapsed_s / period_s))
+
+
 def decay_counts(counts: Mapping[str, float], factor: float) -> dict[str, float]:
     """Age call counts by ``factor`` in (0, 1]; drop those that fall below :data:`MIN_COUNT`."""
     if not 0 < factor <= 1:

@@ -183,6 +183,22 @@ def test_a_model_no_longer_called_fades_out_of_the_hotness_hash(
     assert redis_client.hget(key, "again-model") is not None
 
 
+def test_hotness_ages_by_time_not_by_pass(app: Celery, redis_client: redis.Redis) -> None:
+    """A standing top-class backlog fires the trigger every check (1 s), each a pass: by
+    pass, hotness would fade five times faster than at the beat's 5 s exactly when it
+    matters."""
+    rescorer = Rescorer(app.sits, redis_client)
+    key = hot_key(app.sits)
+    redis_client.hset(key, "m", 100.0)
+    rescorer.gather_snapshot(1000.0)  # no earlier pass: one interval's decay
+    assert float(redis_client.hget(key, "m")) == pytest.approx(90.0)
+    for k in range(1, 6):  # five triggered passes within one interval
+        rescorer.gather_snapshot(1000.0 + k)
+    assert float(redis_client.hget(key, "m")) == pytest.approx(81.0)
+    rescorer.gather_snapshot(900.0)  # a clock gone back: one interval, as if unknown
+    assert float(redis_client.hget(key, "m")) == pytest.approx(72.9)
+
+
 def test_aging_lets_an_old_low_task_overtake_fresh_high_ones(app: Celery,
                                                              redis_client: redis.Redis) -> None:
     echo = app.tasks["t.echo"]

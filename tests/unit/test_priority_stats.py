@@ -11,6 +11,7 @@ from sits_queue.priority.stats import (
     TriggerState,
     bandwidth_compliance,
     decay_counts,
+    decay_factor,
     evaluate_triggers,
     hotness,
     jitter_ms,
@@ -258,3 +259,27 @@ def test_trigger_sample_rejects_bad_numbers(rtt: float, loss: float, wait: float
 def test_evaluate_triggers_rejects_bad_alpha(alpha: float) -> None:
     with pytest.raises(ValueError):
         evaluate_triggers(BASE, sample(), baseline_alpha=alpha)
+
+
+@pytest.mark.parametrize(
+    ("elapsed_s", "expected"),
+    [
+        (5.0, 0.9),                 # one period: the per-period decay
+        (1.0, 0.9 ** 0.2),          # a triggered pass a second after the last
+        (0.0, 1.0),                 # two passes at one instant: no decay
+        (50.0, 0.9 ** 10),
+        (-3.0, 0.9),                # a clock gone back: one period
+        (NAN, 0.9),                 # no earlier pass
+        (math.inf, 0.9),
+        (1e12, 0.0),                # long idle: everything fades
+    ],
+)
+def test_decay_factor_is_by_time(elapsed_s: float, expected: float) -> None:
+    assert decay_factor(elapsed_s, 5.0, 0.9) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("period_s", "per_period"), [(0.0, 0.9), (5.0, 0.0), (5.0, 1.5),
+                                                      (5.0, NAN), (NAN, 0.9)])
+def test_decay_factor_rejects_bad_arguments(period_s: float, per_period: float) -> None:
+    with pytest.raises(ValueError):
+        decay_factor(1.0, period_s, per_period)
