@@ -22,7 +22,8 @@ def compact_json(value: Any) -> bytes:
     try:
         return orjson.dumps(value)
     except TypeError:
-        return json.dumps(value, separators=(",", ":")).encode()
+        # unescaped non-ASCII, as orjson writes it: pick.lua finds batch keys in the text
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
 
 # Short JSON keys: this record exists once per waiting message (100k+ in a deep queue).
 _KEYS = {"sla_class": "c", "model": "m", "context_tokens": "n", "latency_sla_ms": "sla",

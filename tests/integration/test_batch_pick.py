@@ -9,6 +9,7 @@ import pytest
 import redis
 
 from sits_queue.broker.keys import QueueKeys, score_base
+from sits_queue.broker.meta import compact_json
 from sits_queue.broker.scripts import Scripts
 
 KEYS = QueueKeys.for_queue("batch-pick")
@@ -56,6 +57,24 @@ def test_a_pick_takes_the_kin_up_to_max_batch_and_leaves_the_rest(
     # And the next pick of a batch task takes its own kin only
     assert taken(pick(redis_client, scripts, window=256)) == ["b1"]
     assert taken(pick(redis_client, scripts, window=256)) == ["x"]
+
+
+@pytest.mark.parametrize("key", ['t."quoted"|enc|medium', "t.back\\slash|enc|medium",
+                                 "t.tab\tname|enc|medium", "t.résumé|enc|medium"])
+def test_kin_are_found_whatever_the_key_json_escapes(redis_client: redis.Redis,
+                                                     key: str) -> None:
+    """The records are written as the producer writes them (compact_json): a key that
+    JSON escapes was never found in their text, and such tasks never batched."""
+    scripts = Scripts.register()
+    args: list[Any] = []
+    for task_id in ("a1", "a2", "a3"):
+        meta = {"c": "medium", "b": key, "bn": 8, "t": NOW, "task": "t"}
+        args += [task_id, json.dumps({"id": task_id}), compact_json(meta),
+                 score_base(1.0), "medium"]
+    put(redis_client, scripts, [("other", KEY_A, 8)])
+    scripts.run("put", KEYS, args, redis_client)
+    assert taken(pick(redis_client, scripts, window=256)) == ["other"]
+    assert taken(pick(redis_client, scripts, window=256)) == ["a1", "a2", "a3"]
 
 
 def test_window_zero_or_a_plain_task_takes_one(redis_client: redis.Redis) -> None:
