@@ -5,7 +5,8 @@ skips the disk. Left alone it keeps them for good: an engine used once a week ag
 its bytes as long as the child lives, and a host short of memory (tasks' own buffers,
 other processes) would rather have them back than swap. So, every :data:`PERIOD_S`:
 
-* **time**: an engine unused in the host tier for ``ttl_s`` is released
+* **time**: a host-tier engine not used for ``ttl_s`` (counted from its last use, which may
+  have been on the device before its demotion) is released
   (:func:`~sits_queue.cache.policy.plan_expire`);
 * **memory pressure**: while the host has less than ``pressure_share`` of its memory
   available, the child lowers its host budget to give back its share of the shortfall,

@@ -7,7 +7,11 @@ the disk). Each tier has a byte budget; an engine lives in exactly one tier.
 Decisions follow vLLM's "snapshot in, plan out": ``plan_*`` reads a :class:`PoolState`
 and returns a :class:`Plan` of ordered actions; :func:`apply` turns state and plan into
 the next state and checks the invariants after every action, so the engine cache that
-executes a plan one action at a time never holds more than either budget.
+executes a plan one action at a time never holds more than either budget, but for one
+bounded swap: a device engine demoted into the host room its successor's promotion frees
+(both tiers full, the two trade places) may hold the host over budget by at most that
+successor's size until its promotion, the next action but one. Otherwise a working set
+that fits both tiers went back to disk on every cycle.
 
 Actions, each ``(kind, key)``:
 
@@ -169,6 +173,9 @@ class Plan:
     reason: str | None = None
     #: New host budget set by ``plan_shrink_host`` once its evictions are done.
     host_budget_bytes: int | None = None
+    #: The host engine this plan promotes, whose room it lends to demotions before the
+    #: promotion: while it is on the host, the host may hold up to its size more.
+    swap: str | None = None
 
     @property
     def hit(self) -> bool:
@@ -183,14 +190,22 @@ class Plan:
 
 # -- applying ---------------------------------------------------------------------------------
 
-def check(state: PoolState) -> None:
-    """Raise :class:`InvariantViolation` unless both budgets hold and keys are consistent."""
+def check(state: PoolState, host_slack_bytes: int = 0) -> None:
+    """Raise :class:`InvariantViolation` unless both budgets hold (the host's give or take
+    ``host_slack_bytes``, a swap's) and keys are consistent."""
     for key, entry in state.entries.items():
         if key != entry.key:
             raise InvariantViolation(f"entry {entry.key!r} stored under key {key!r}")
     for tier in ("device", "host"):
-        if state.free(tier) < 0:
-            raise InvariantViolation(f"{tier} pool over budget by {-state.free(tier)} bytes")
+        over = -state.free(tier) - (host_slack_bytes if tier == "host" else 0)
+        if over > 0:
+            raise InvariantViolation(f"{tier} pool over budget by {over} bytes")
+
+
+def _slack(state: PoolState, plan: Plan) -> int:
+    """What ``plan``'s swap lends the host: its engine's size while that is still there."""
+    entry = state.entries.get(plan.swap) if plan.swap is not None else None
+    return entry.size_bytes if entry is not None and entry.tier == "host" else 0
 
 
 def _expect(state: PoolState, action: Action, tier: Tier | None) -> Entry:
@@ -229,7 +244,7 @@ def apply(state: PoolState, plan: Plan, now_s: float) -> PoolState:
         return state
     for action in plan.actions:
         state = _step(state, action, plan.size_bytes, now_s)
-        check(state)
+        check(state, _slack(state, plan))
     if plan.key is not None:
         entry = state.entries.get(plan.key)
         if entry is None or entry.tier != "device":
@@ -237,7 +252,7 @@ def apply(state: PoolState, plan: Plan, now_s: float) -> PoolState:
         state = state.with_entries({**state.entries, plan.key: entry.used_at(now_s)})
     if plan.host_budget_bytes is not None:
         state = replace(state, host_budget_bytes=plan.host_budget_bytes)
-    check(state)
+    check(state, _slack(state, plan))
     return state
 
 
@@ -255,10 +270,11 @@ def _drop(entry: Entry) -> list[Action]:
 
 
 def _displace(state: PoolState, victim: Entry, keep: str, now_s: float,
-              half_life_s: float) -> list[Action]:
+              half_life_s: float, lent: int) -> list[Action]:
     """Move ``victim`` off the device: demote it if the host can make room by evicting
-    only colder entries (never ``keep``, the engine being promoted), else drop it."""
-    free = state.free("host")
+    only colder entries (never ``keep``, the engine being promoted; ``lent``, the host
+    bytes its promotion frees, counts as room), else drop it."""
+    free = state.free("host") + lent
     colder: list[Entry] = []
     victim_rank = _rank(victim, now_s, half_life_s)
     for candidate in victim_order((e for e in state.on("host") if e.key != keep),
@@ -273,12 +289,12 @@ def _displace(state: PoolState, victim: Entry, keep: str, now_s: float,
 
 
 def _make_device_room(state: PoolState, size_bytes: int, keep: str, now_s: float,
-                      half_life_s: float) -> list[Action]:
+                      half_life_s: float, lent: int) -> list[Action]:
     actions: list[Action] = []
     for victim in victim_order(state.on("device"), now_s, half_life_s):
         if state.free("device") >= size_bytes:
             break
-        step = _displace(state, victim, keep, now_s, half_life_s)
+        step = _displace(state, victim, keep, now_s, half_life_s, lent)
         state = _run(state, step, now_s)
         actions += step
     return actions
@@ -289,9 +305,10 @@ def plan_admit(state: PoolState, key: str, size_bytes: int, now_s: float,
     """Plan to make ``key`` resident on the device.
 
     On the device already: a hit, no actions. On the host: demote (or drop) the coldest
-    device entries until it fits, then promote it, skipping the disk. Absent: the same,
-    then load it. A cached entry keeps its recorded size. An engine larger than the whole
-    device budget is refused (``fits=False``): the caller runs it uncached.
+    device entries until it fits, then promote it, skipping the disk; its host room counts
+    for those demotions (a swap, ``Plan.swap``). Absent: the same, then load it. A cached
+    entry keeps its recorded size. An engine larger than the whole device budget is
+    refused (``fits=False``): the caller runs it uncached.
     """
     if size_bytes < 0:
         raise ValueError(f"size_bytes must be >= 0, got {size_bytes}")
@@ -303,9 +320,11 @@ def plan_admit(state: PoolState, key: str, size_bytes: int, now_s: float,
         return Plan(key=key, size_bytes=size, fits=False,
                     reason=f"engine {key!r} needs {size} bytes; the device pool holds "
                            f"{state.device_budget_bytes}: it cannot be placed on the device")
-    actions = _make_device_room(state, size, key, now_s, half_life_s)
+    lent = size if entry is not None else 0
+    actions = _make_device_room(state, size, key, now_s, half_life_s, lent)
     actions.append(("promote" if entry is not None else "load", key))
-    return Plan(actions=tuple(actions), key=key, size_bytes=size)
+    return Plan(actions=tuple(actions), key=key, size_bytes=size,
+                swap=key if entry is not None else None)
 
 
 def plan_expire(state: PoolState, now_s: float, host_ttl_s: float) -> Plan:

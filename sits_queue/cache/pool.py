@@ -297,7 +297,7 @@ class EngineCache:
                                               f"{target!r}: {type(exc).__name__}: {exc}"
                                          ) from exc
                 self._fail(key, exc)
-            self._state = apply(self._state, Plan(actions=(action,),
+            self._state = apply(self._state, Plan(actions=(action,), swap=plan.swap,
                                                   size_bytes=plan.size_bytes), now)
             evicted += [target] if kind == "evict" else []
             demoted += [target] if kind == "demote" else []

@@ -178,11 +178,47 @@ def test_victim_too_big_for_the_host_pool_is_dropped() -> None:
 
 
 def test_promoted_engine_is_never_evicted_to_make_room_for_its_own_swap() -> None:
-    # Host holds only the engine being promoted; the device victim has nowhere to go.
-    s = state(10, 10, entry("dev", 10, "device", uses=(9.0,)), entry("h", 10, "host", uses=(1.0,)))
+    # Host holds only the engine being promoted, and the device victim is bigger than
+    # the room its promotion frees: the victim has nowhere to go.
+    s = state(20, 10, entry("dev", 20, "device", uses=(9.0,)), entry("h", 10, "host", uses=(1.0,)))
     plan, s = admit(s, "h", 10, now=10.0)
     assert plan.actions == (("evict", "dev"), ("promote", "h"))
     assert set(s.entries) == {"h"}
+
+
+def test_a_device_engine_trades_places_with_the_promoted_one() -> None:
+    # Both tiers full: the victim goes into the room the promotion frees, not to disk
+    s = state(10, 10, entry("dev", 10, "device", uses=(9.0,)), entry("h", 10, "host", uses=(1.0,)))
+    plan, s = admit(s, "h", 10, now=10.0)
+    assert plan.actions == (("demote", "dev"), ("promote", "h")) and plan.swap == "h"
+    assert (s.entries["dev"].tier, s.entries["h"].tier) == ("host", "device")
+    # The host held both for the moment between, never more than the promoted one's size
+    with pytest.raises(InvariantViolation, match="host pool over budget by 1 bytes"):
+        apply(state(10, 9, entry("dev", 10, "device"), entry("h", 10, "host")),
+              Plan(actions=(("demote", "dev"), ("promote", "h")), key="h", swap="h",
+                   size_bytes=10), 10.0)
+
+
+def test_a_working_set_that_fits_both_tiers_goes_to_disk_once_per_model() -> None:
+    s, loads = state(30, 70), 0
+    for i in range(12):  # A, B, C, A, B, ...: 90 bytes, the two tiers hold 100
+        key = "ABC"[i % 3]
+        plan, s = admit(s, key, 30, now=10.0 * i)
+        loads += plan.cold
+    assert loads == 3 and {e.tier for e in s.entries.values()} == {"device", "host"}
+
+
+def test_a_swap_lends_no_room_after_its_promotion() -> None:
+    s = state(10, 10, entry("dev", 10, "device"), entry("h", 10, "host"))
+    # the demoted engine may overfill the host only while the promoted one is still there
+    late = Plan(actions=(("promote", "h"), ("demote", "dev")), key="h", swap="h",
+                size_bytes=10)
+    with pytest.raises(InvariantViolation, match="device pool over budget"):
+        apply(s, late, 1.0)
+    lent = Plan(actions=(("demote", "dev"),), swap="h")
+    over = apply(s, lent, 1.0)  # mid-swap, as the engine cache applies it action by action
+    with pytest.raises(InvariantViolation, match="host pool over budget by 10"):
+        check(over)
 
 
 def test_dirty_entry_is_synced_before_it_is_dropped() -> None:
@@ -315,8 +351,13 @@ def replay_budgets_hold(s: PoolState, plan: Plan) -> None:
             del tiers[key]
         elif kind in ("demote", "promote"):
             tiers[key] = "host" if kind == "demote" else "device"
-        for tier, budget in (("device", s.device_budget_bytes), ("host", s.host_budget_bytes)):
+        # a swap's promoted engine lends its host room until it leaves
+        lent = sizes[plan.swap] if plan.swap is not None and tiers.get(plan.swap) == "host" else 0
+        for tier, budget in (("device", s.device_budget_bytes),
+                             ("host", s.host_budget_bytes + lent)):
             assert sum(sizes[k] for k, t in tiers.items() if t == tier) <= budget
+    used_host = sum(sizes[k] for k, t in tiers.items() if t == "host")
+    assert used_host <= s.host_budget_bytes  # and none after the plan
 
 
 def random_step(s: PoolState, rng: random.Random, now: float,

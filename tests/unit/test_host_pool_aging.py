@@ -56,12 +56,12 @@ def test_the_ager_releases_stale_engines_and_gives_memory_back_under_pressure() 
                         on_change=lambda: changes.append(1))
     # Nothing stale, plenty of memory: nothing happens
     assert ager.tick() == () and changes == []
-    # a used again at 40 (d goes to the host, b out of it for room); at 85 c is unused
-    # for over 60 s, d not yet
+    # a used again at 40 (d trades places with it); at 85 b and c are unused for over
+    # 60 s, d not yet
     cache.get("a", loaders("a"))
-    assert cache.warm() == {"a": "device", "c": "host", "d": "host"}
+    assert cache.warm() == {"a": "device", "b": "host", "c": "host", "d": "host"}
     clock.now = 85.0
-    assert ager.tick() == ("c",)
+    assert ager.tick() == ("b", "c")
     assert cache.warm() == {"a": "device", "d": "host"}
     # Under pressure (150 bytes short of 10%): the host tier gives back what it holds
     available[0] = 10 * GIB - 150
