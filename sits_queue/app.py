@@ -29,6 +29,7 @@ from sits_queue.options import (
     batch_key,
     from_header,
     resolve,
+    shown,
 )
 from sits_queue.registry import Loader, ModelRegistry
 
@@ -69,12 +70,32 @@ def call_options(task: Task | None, config: SitsConfig, options: dict[str, Any],
     """One call's SITS options, taken out of its apply_async-style ``options``, with the
     time limits the message carries set there (:func:`apply_class_limits`); a batch
     task's key names those limits (:func:`~sits_queue.options.batch_key`)."""
+    most = options.pop("max_batch", None)
     opts = resolve_task_options(task, config, pop_sits_options(options), args, kwargs)
+    if most is not None:
+        opts = _call_max_batch(task, opts, most)
     apply_class_limits(task, config, opts.sla_class, options, conf)
     if task is not None and opts.batch is not None:
         opts = replace(opts, batch=batch_key(
             task.name, opts, (options["time_limit"], options["soft_time_limit"])))
     return opts
+
+
+def _call_max_batch(task: Task | None, opts: TaskOptions, most: Any) -> TaskOptions:
+    """A batch task's call with ``max_batch=N``: it leads batches of at most N tasks, and
+    with 1 it runs alone (no batch key: no other batch takes it either; a shard of
+    :func:`~sits_queue.shards.apply_sharded` is a batch of items already)."""
+    declared = getattr(task, "max_batch", None)
+    if not isinstance(declared, int) or declared <= 1 or opts.batch is None:
+        raise InvalidTaskOptions(f"max_batch applies to batch tasks "
+                                 f"(app.batch_inference_task); {getattr(task, 'name', task)!r} "
+                                 "is not one")
+    if isinstance(most, bool) or not isinstance(most, int) or not 1 <= most <= declared:
+        raise InvalidTaskOptions(f"max_batch must be an integer in [1, {declared}] (the task's "
+                                 f"own), got {shown(most)}")
+    if most == 1:
+        return replace(opts, batch=None, batch_max=None)
+    return replace(opts, batch_max=most)
 
 
 def apply_class_limits(task: Task | None, config: SitsConfig, sla_class: str,

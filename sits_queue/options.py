@@ -197,16 +197,16 @@ def _name(option: str, value: Any, longest: int = 200) -> str | None:
 
 def _number(name: str, value: Any, lo: float, hi: float, integer: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidTaskOptions(f"{name} must be a number, got {_shown(value)}")
+        raise InvalidTaskOptions(f"{name} must be a number, got {shown(value)}")
     # The range first, compared exactly: float() of an int past ~1e308 raises OverflowError.
     if (isinstance(value, float) and not math.isfinite(value)) or not lo <= value <= hi:
-        raise InvalidTaskOptions(f"{name} must be in [{lo:g}, {hi:g}], got {_shown(value)}")
+        raise InvalidTaskOptions(f"{name} must be in [{lo:g}, {hi:g}], got {shown(value)}")
     if integer and not float(value).is_integer():
         raise InvalidTaskOptions(f"{name} must be a whole number, got {value!r}")
     return float(value)
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     """``value`` for an error message. A huge int's repr runs to thousands of digits (and
     past 4300 Python refuses to write it): its size says enough."""
     if isinstance(value, int) and value.bit_length() > 64:

@@ -1,6 +1,6 @@
 """High-entropy inputs split into early-stoppable shards (MISSION §1.3).
 
-A task over a long list of dense inputs (code, encoded data, mixed scripts: input
+A task over a long list of dense inputs (encoded data, non-Latin or mixed scripts: input
 entropy >= ``SHARD_ENTROPY``) is submitted as several shard tasks of at most
 ``shard_items`` items each, one Celery ``group``: each shard is a short task that waits
 and runs on its own merits, so one big dense job does not hold a slot for long while
@@ -130,6 +130,11 @@ def apply_sharded(task: Any, items: Sequence[Any], *args: Any,
     if not shard_plan.sharded:
         one = task.apply_async((list(items), *args), kwargs or {}, **extra, **options)
         return Sharded(task.app, [one], shard_plan)
+    most = getattr(task, "max_batch", None)
+    if isinstance(most, int) and most > 1 and "max_batch" not in options:
+        # A batch task's shards would go back into one batch (the same key): one run under
+        # one shard's time limit, nothing to stop early. Each shard is a batch already.
+        extra["max_batch"] = 1
     signatures = [task.signature((list(items[a:b]), *args), kwargs or {}, **extra, **options)
                   for a, b in shard_plan.bounds]
     outcome = group(signatures).apply_async()

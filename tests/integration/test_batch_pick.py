@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import random
 from typing import Any
 
 import pytest
 import redis
 
+from sits_queue.app import make_app
 from sits_queue.broker.keys import QueueKeys, score_base
 from sits_queue.broker.meta import compact_json
 from sits_queue.broker.scripts import Scripts
+from sits_queue.config import SitsConfig
+from sits_queue.errors import InvalidTaskOptions
+from sits_queue.shards import apply_sharded
 
 KEYS = QueueKeys.for_queue("batch-pick")
 NOW = 1000.0
@@ -210,3 +216,38 @@ def test_join_lua_pushes_until_closed_and_counts_what_the_child_took(
     assert join("take", 5) == [] and redis_client.hget(keys[1], "room") == b"0"
     with pytest.raises(redis.ResponseError, match="unknown op"):
         join("nonsense")
+
+
+def test_shards_of_a_batch_task_run_one_a_pick_and_a_call_may_cap_its_batch(
+        redis_client: redis.Redis, redis_url: str) -> None:
+    """A shard is a batch of items already: shards of one job put back into one batch
+    ran under one shard's time limit, and there was nothing left to stop early."""
+    app = make_app(SitsConfig(redis_url=redis_url), main="shard-pick")
+
+    @app.batch_inference_task(name="t.shard_embed", model="enc", max_batch=8, shared=False)
+    def embed(engine: Any, calls: list[Any]) -> list[Any]:
+        return calls
+
+    @app.task(name="t.shard_plain", shared=False)
+    def plain(items: list[Any]) -> list[Any]:
+        return items
+
+    keys, scripts = QueueKeys.for_queue("celery"), Scripts.register()
+    dense = [base64.b64encode(random.Random(i).randbytes(40)).decode() for i in range(20)]
+    job = apply_sharded(embed, dense, shard_items=4)
+    assert len(job) == 5
+    picks = [scripts.run("pick", keys, [NOW, 5, "A", 256], redis_client) for _ in range(5)]
+    assert [len(taken(p)) for p in picks] == [1] * 5
+    # a call capped at 2 leads a batch of 2; the task's own calls still gather up to 8
+    for _ in range(3):
+        embed.apply_async((["x"],), max_batch=2)
+    embed.apply_async((["y"],))
+    assert len(taken(scripts.run("pick", keys, [NOW, 5, "A", 256], redis_client))) == 2
+    assert len(taken(scripts.run("pick", keys, [NOW, 5, "A", 256], redis_client))) == 2
+    for bad in (0, 9, 2.0, True, "2", 10**400):
+        with pytest.raises(InvalidTaskOptions, match="max_batch must be an integer in"):
+            embed.apply_async((["z"],), max_batch=bad)
+    with pytest.raises(InvalidTaskOptions, match="max_batch applies to batch tasks"):
+        app.tasks["t.shard_plain"].apply_async((["z"],), max_batch=1)
+    assert redis_client.zcard(keys.waiting) == 0
+    app.close()
