@@ -19,7 +19,14 @@ batch (past a size the working set falls out of cache and each item gets slower)
   batch while the device has spare parallelism, so "within the target" would never
   probe the sizes that pay; a probe costs one batch, the window forgets, so sizes are
   re-probed as conditions change), and steps down when even the chosen size no longer
-  meets it.
+  meets it;
+* when even one item misses the target (a large model, long inputs, a CPU or a busy
+  device), the target cannot be met at any size: it then keeps within :data:`RELAX`
+  times one item's latency instead (the *floor*), which lets the batch grow while the
+  device has spare parallelism; at size 1 for good, an encoder whose one item takes
+  150 ms ran at 1/60 of its throughput. The floor is measured again (the controller
+  steps down to it) every :data:`FLOOR_TTL_BATCHES` batches, so a target that becomes
+  reachable is met again.
 
 Pure functions over frozen dataclasses; the caller measures and applies.
 """
@@ -34,6 +41,10 @@ MIN_BATCH = 1
 MAX_BATCH = 256
 #: The sizes the controller chooses among.
 SIZES = tuple(2 ** i for i in range(9))
+#: When one item alone misses the target: how much slower than one item a batch may be.
+RELAX = 1.5
+#: Batches a measured floor holds before it is measured again.
+FLOOR_TTL_BATCHES = 256
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,10 @@ class Sample:
 @dataclass(frozen=True)
 class BatchState:
     samples: tuple[Sample, ...] = ()
+    #: One item's p95 latency, ms, when it missed the target (None: it met it, or it is
+    #: not measured), and the batches run since it was.
+    floor_ms: float | None = None
+    floor_age: int = 0
 
 
 def recency_weights(n: int) -> list[float]:
@@ -85,7 +100,13 @@ def ewma_latency(samples: Sequence[Sample]) -> float:
 
 def observe(state: BatchState, sample: Sample, policy: BatchPolicy) -> BatchState:
     """The state after one measured batch."""
-    return BatchState((*state.samples, sample)[-policy.window:])
+    samples = (*state.samples, sample)[-policy.window:]
+    if sample.size <= MIN_BATCH:
+        one = size_stats(samples)[MIN_BATCH].p95_ms
+        return BatchState(samples, one if one > policy.target_p95_ms else None)
+    if state.floor_ms is None or state.floor_age + 1 >= FLOOR_TTL_BATCHES:
+        return BatchState(samples)
+    return BatchState(samples, state.floor_ms, state.floor_age + 1)
 
 
 @dataclass(frozen=True)
@@ -140,6 +161,8 @@ def next_batch(state: BatchState, free_bytes: int | None, policy: BatchPolicy) -
     if not stats:
         return min(cap, policy.start)
     target = policy.target_p95_ms
+    if state.floor_ms is not None:  # even one item misses it: within RELAX of one item
+        target = max(target, state.floor_ms * RELAX)
     feasible = [s for s in stats.values() if s.p95_ms <= target and s.size <= cap]
     if not feasible:  # step down from the smallest size measured
         return max(MIN_BATCH, min(cap, min(stats) // 2))

@@ -59,8 +59,41 @@ def test_a_tighter_target_settles_lower_and_nothing_exceeds_it_after_probing() -
 def test_it_steps_down_from_a_start_that_is_too_slow() -> None:
     sizes = run(BatchPolicy(target_p95_ms=8.0, start=64), 8)
     assert sizes[:4] == [64, 32, 16, 8] and set(sizes[3:]) == {8}  # 4 + 4 = 8 ms: fits
-    hopeless = run(BatchPolicy(target_p95_ms=1.0), 6)
-    assert hopeless[-1] == batching.MIN_BATCH
+    # one item takes 4.5 ms: a 1 ms target cannot be met, and it keeps within 1.5x that
+    hopeless = run(BatchPolicy(target_p95_ms=1.0), 12)
+    assert hopeless[:4] == [8, 4, 2, 1] and hopeless[-1] == 4  # 6 ms; 8 takes 8 ms
+
+
+def test_a_target_one_item_misses_keeps_batches_within_relax_of_one_item() -> None:
+    """An encoder whose one item takes 150 ms (a target no size meets) ran one item a
+    batch for good: 6.6 items/s where 16 give 88."""
+    def encoder(size: int) -> float:
+        return 150.0 + 2.0 * size
+
+    sizes = run(POLICY, 40, encoder)
+    assert sizes[:4] == [8, 4, 2, 1]
+    assert set(sizes[5:]) == {16}  # 182 ms <= 1.5 x 152; 32 would take 214
+    assert all(encoder(n) <= batching.RELAX * encoder(1) for n in sizes[4:])
+
+
+def test_the_floor_is_measured_again_and_a_reachable_target_met_again() -> None:
+    slow = {"on": True}
+
+    def device(size: int) -> float:
+        return (150.0 if slow["on"] else 40.0) + 2.0 * size
+
+    state = BatchState()
+    for _ in range(20):
+        state = batching.observe(state, Sample(n := batching.next_batch(state, None, POLICY),
+                                               device(n)), POLICY)
+    assert state.floor_ms == 152.0 and batching.next_batch(state, None, POLICY) == 16
+    slow["on"] = False  # now one item takes 42 ms: the target can be met
+    sizes = []
+    for _ in range(batching.FLOOR_TTL_BATCHES + 40):
+        sizes.append(n := batching.next_batch(state, None, POLICY))
+        state = batching.observe(state, Sample(n, device(n)), POLICY)
+    assert state.floor_ms is None and device(sizes[-1]) <= POLICY.target_p95_ms
+    assert sizes[-1] == 32  # 104 ms; 64 takes 168
 
 
 def test_memory_caps_the_choice() -> None:
