@@ -7,6 +7,14 @@ directly. Loaders run lazily, inside a pool child, the first time a task needs t
 and again whenever the warm cache dropped it, so they must be cheap to call twice and
 must not touch CUDA at import time.
 
+Each call must build a **new** model: the cache releases the engine it drops (and a
+precision conversion the engine it converted), so a loader memoised with
+``functools.cache`` would hand back a released engine. The cache refuses one that was
+released, or that it already holds for another model, with a ``ModelLoadError`` saying
+so, rather than serve it; a memoised ``nn.Module`` is not refused, but its weights then
+outlive the engine, in memory the cache counts as freed. Memoise what is costly to
+read (a state dict in host memory) and build the module from it in each call.
+
 Importing this module imports neither torch nor the engine backends.
 """
 

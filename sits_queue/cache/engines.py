@@ -36,6 +36,7 @@ from sits_queue.cache.contract import (
     input_spec,
     is_cuda,
     map_tensors,
+    move,
     synthesize,
 )
 from sits_queue.cache.trt import TRT_WORKSPACE_BYTES, TensorRTEngine, build_trt_plan
@@ -155,15 +156,20 @@ class TorchEngine(Engine):
             return self.module(*args, **kwargs)
 
     def _warm(self, device: str, sample: Inputs) -> None:
-        """The warm-up inference; for a causal LM the KV-cache warm-up too (§4.1): a few
-        decode steps through the cache after the prefill and, on CUDA, the KV memory of
-        a long generation reserved in the allocator (``kvwarm.py``)."""
+        """The warm-up inference; for a model that generates (a causal LM, or a seq2seq
+        model's decoder) the KV-cache warm-up too (§4.1): a few decode steps through the
+        cache after the prefill and, on CUDA, the KV memory of a long generation
+        reserved in the allocator (``kvwarm.py``)."""
         module = self.module
-        if not (kvwarm.generates(module) and isinstance(sample, Mapping)
+        if not (kvwarm.can_generate(module) and isinstance(sample, Mapping)
                 and "input_ids" in sample):
             super()._warm(device, sample)
             return
-        kvwarm.warm_decode(module, {k: v.to(device) for k, v in sample.items()})
+        on_device = {k: v.to(device) for k, v in sample.items()}
+        if kvwarm.encoder_decoder(module):
+            kvwarm.warm_decode_seq2seq(module, on_device)
+        else:
+            kvwarm.warm_decode(module, on_device)
         self.kv_reserved_bytes = kvwarm.reserve(
             device, kvwarm.kv_bytes_per_token(module) * kvwarm.reserve_tokens(module))
 
@@ -172,16 +178,26 @@ class TorchEngine(Engine):
 
 
 class ExportedEngine(Engine):
-    """A ``torch.export`` program (``torch.export.save`` .pt2); host tier keeps the program."""
+    """A ``torch.export`` program (``torch.export.save`` .pt2); host tier keeps the program.
+
+    Without a sample input of its own it warms up on the program's example inputs,
+    positional and keyword parts both (a program checks its call against the one it
+    was exported with).
+    """
 
     backend = "torch_export"
 
     def __init__(self, key: str, program: torch.export.ExportedProgram,
                  sample_inputs: Inputs | None = None,
                  artifacts: Mapping[str, Any] | None = None) -> None:
+        #: The keyword part of the example inputs, passed with a positional sample.
+        self._sample_kwargs: dict[str, Any] = {}
         if sample_inputs is None and program.example_inputs is not None:
             args, kwargs = program.example_inputs
-            sample_inputs = kwargs if kwargs and not args else tuple(args)
+            if kwargs and not args:
+                sample_inputs = dict(kwargs)
+            else:
+                sample_inputs, self._sample_kwargs = tuple(args), dict(kwargs or {})
         super().__init__(key, sample_inputs, artifacts)
         self._program: torch.export.ExportedProgram | None = program
         self._module: Callable[..., Any] | None = None
@@ -219,8 +235,15 @@ class ExportedEngine(Engine):
         with torch.inference_mode():
             return self._module(*args, **kwargs)
 
+    def _warm(self, device: str, sample: Inputs) -> None:
+        if self._sample_kwargs and isinstance(sample, tuple):
+            self._run(move(sample, device), move(self._sample_kwargs, device))
+        else:
+            super()._warm(device, sample)
+
     def _release(self) -> None:
         self._program = self._module = None
+        self._sample_kwargs = {}
 
 
 def _aoti_metadata(package: bytes) -> dict[str, str]:
@@ -392,26 +415,46 @@ def export_onnx(module: torch.nn.Module, sample_inputs: Sequence[Any], path: str
 
 # -- choosing a backend by file type ------------------------------------------------------------
 
+def _hf_class(transformers: Any, config: Any) -> tuple[Any, str]:
+    """The class a Hugging Face checkpoint loads with, and the task it serves: a causal LM
+    with its head, an encoder-decoder (BART, T5...) as the generation model it was saved
+    as (``AutoModel`` would drop its head: a bare ``BartModel``, a ``T5Model`` that cannot
+    even run on input ids alone), anything else as its bare model (an encoder)."""
+    archs = [a for a in (getattr(config, "architectures", None) or []) if isinstance(a, str)]
+    if getattr(config, "is_encoder_decoder", False) is True:
+        # The class it was saved as, where transformers has it (speech and vision
+        # encoder-decoders included), else the seq2seq LM Auto class.
+        saved = next((getattr(transformers, a) for a in archs if hasattr(transformers, a)),
+                     None)
+        return saved or transformers.AutoModelForSeq2SeqLM, "text2text-generation"
+    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return transformers.AutoModelForCausalLM, "text-generation"
+    return transformers.AutoModel, "feature-extraction"
+
+
 def _load_hf(key: str, path: Path) -> TorchEngine:
     """A Hugging Face model directory: Auto classes, tokenizer in ``artifacts``."""
+    import torch
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(path)
-    causal = any(a.endswith(("ForCausalLM", "LMHeadModel"))
-                 for a in (getattr(config, "architectures", None) or []))
-    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
-    model = auto.from_pretrained(path)
-    artifacts: dict[str, Any] = {"config": config,
-                                 "task": "text-generation" if causal else "feature-extraction"}
-    sample: Inputs
+    model_class, task = _hf_class(transformers, config)
+    model = model_class.from_pretrained(path)
+    if task == "text2text-generation" and not kvwarm.can_generate(model):
+        task = "feature-extraction"  # saved without its head (a bare BartModel): as it is
+    artifacts: dict[str, Any] = {"config": config, "task": task}
+    sample: dict[str, Any] | None
     if any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         artifacts["tokenizer"] = tokenizer
         sample = dict(tokenizer(HF_WARMUP_PROMPT, return_tensors="pt"))
     else:
-        import torch
-
         sample = {"input_ids": torch.zeros((1, 8), dtype=torch.long)}
+    if kvwarm.encoder_decoder(model):
+        if getattr(model, "main_input_name", "input_ids") != "input_ids":
+            sample = None  # (speech, images): no token ids to warm up on, no warm-up
+        else:  # its forward needs the decoder's inputs too: the decoder's start token
+            sample["decoder_input_ids"] = torch.tensor([[kvwarm.decoder_start(model)]])
     return TorchEngine(key, model, sample, artifacts)
 
 

@@ -53,6 +53,13 @@ class Int8Linear(torch.nn.Module):
             else torch.addcmul(self.bias, y, self.weight_scale)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The int8 weights (out, in), unscaled: for model code that reads its layers'
+        ``weight`` to choose a dtype (T5's feed-forward casts its input to it unless it
+        is int8, as in Hugging Face's own quantised layers)."""
+        return self.weight_int8
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 "int8 weights per channel, activations per token")

@@ -12,6 +12,12 @@ which keeps the segment), so the first generations take their KV from there inst
 ``cudaMalloc``. A reserved block is only cached, not held: under the class's memory
 fraction, the allocator frees cached blocks before it fails an allocation.
 
+An encoder-decoder (seq2seq: BART, T5) model gets the same warm-up through its decoder:
+:func:`warm_decode_seq2seq` runs the encoder once, prefills the decoder's start and
+decodes :data:`DECODE_STEPS` steps against the decoder's KV cache (self-attention grown
+per step, cross-attention computed once). The causal path would drop its decoder inputs:
+T5 refuses the call, BART decodes its own encoder input.
+
 Used by :class:`~sits_queue.cache.engines.TorchEngine` for modules that generate
 (Hugging Face ``can_generate()``); the decode loop of ``sits.generate`` uses the same
 cache argument helpers.
@@ -31,13 +37,36 @@ DECODE_STEPS = 2
 RESERVE_TOKENS = 2048
 
 
-def generates(module: Any) -> bool:
-    """A Hugging Face model that generates text (a causal LM, not an encoder)."""
+def can_generate(module: Any) -> bool:
+    """A Hugging Face model with a generation head (causal or seq2seq), not an encoder."""
     can = getattr(module, "can_generate", None)
     try:
         return bool(can()) if callable(can) else False
     except Exception:  # a custom module with its own notion of can_generate
         return False
+
+
+def encoder_decoder(module: Any) -> bool:
+    """An encoder-decoder (seq2seq) model, by its config: BART, T5, Marian..."""
+    return getattr(getattr(module, "config", None), "is_encoder_decoder", False) is True
+
+
+def generates(module: Any) -> bool:
+    """A causal LM: a Hugging Face model that generates text from its own input ids
+    (neither an encoder nor a seq2seq model, whose decoder has inputs of its own)."""
+    return can_generate(module) and not encoder_decoder(module)
+
+
+def decoder_start(module: Any) -> int:
+    """The token a seq2seq decoder starts from (its generation config's, else its
+    config's, else padding, else 0)."""
+    for source in (getattr(module, "generation_config", None),
+                   getattr(module, "config", None)):
+        for name in ("decoder_start_token_id", "pad_token_id"):
+            value = getattr(source, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                return value
+    return 0
 
 
 def cache_kwarg(module: Any) -> str:
@@ -64,19 +93,30 @@ def max_positions(module: Any, tokenizer: Any = None) -> int | None:
     return value if isinstance(value, int) and 0 < value < 10**7 else None
 
 
+def _first_int(config: Any, *names: str) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def kv_bytes_per_token(module: Any) -> int:
     """Bytes of keys and values one position adds across all layers (grouped-query
-    attention counted by its key/value heads)."""
+    attention counted by its key/value heads). For a seq2seq model: its decoder's
+    layers, each with a self- and a cross-attention cache (a source position adds to
+    the second what a decoded one adds to the first)."""
     config = getattr(module, "config", None)
-    layers = int(getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 1)
-                 or 1)
-    hidden = int(getattr(config, "hidden_size", None) or getattr(config, "n_embd", 1) or 1)
-    heads = int(getattr(config, "num_attention_heads", None) or getattr(config, "n_head", 1)
-                or 1)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(config, "head_dim", None) or hidden // heads or 1)
+    seq2seq = encoder_decoder(module)
+    layers = (seq2seq and _first_int(config, "decoder_layers", "num_decoder_layers")) or \
+        _first_int(config, "num_hidden_layers", "n_layer") or 1
+    hidden = _first_int(config, "hidden_size", "n_embd", "d_model") or 1
+    heads = (seq2seq and _first_int(config, "decoder_attention_heads")) or \
+        _first_int(config, "num_attention_heads", "n_head") or 1
+    kv_heads = _first_int(config, "num_key_value_heads") or heads
+    head_dim = _first_int(config, "head_dim") or hidden // heads or 1
     dtype_bytes = next((p.element_size() for p in module.parameters()), 4)
-    return 2 * layers * kv_heads * head_dim * dtype_bytes
+    return 2 * (2 if seq2seq else 1) * layers * kv_heads * head_dim * dtype_bytes
 
 
 def warm_decode(module: Any, inputs: Mapping[str, Any], steps: int = DECODE_STEPS) -> int:
@@ -99,6 +139,37 @@ def warm_decode(module: Any, inputs: Mapping[str, Any], steps: int = DECODE_STEP
             out = module(input_ids=token, attention_mask=mask, use_cache=True, **{kwarg: past})
             past = cache_of(out)
     return int(mask.shape[1])
+
+
+def warm_decode_seq2seq(module: Any, inputs: Mapping[str, Any],
+                        steps: int = DECODE_STEPS) -> int:
+    """Encode ``inputs`` (already on the module's device) once, prefill the decoder with
+    their ``decoder_input_ids`` (else the decoder's start token) and decode ``steps``
+    greedy tokens through the decoder's KV cache; returns the decoder positions the
+    cache ended with."""
+    import torch
+
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    kwarg = cache_kwarg(module)
+    ids = inputs["input_ids"]
+    mask = inputs.get("attention_mask")
+    mask = torch.ones_like(ids) if mask is None else mask
+    decoder_ids = inputs.get("decoder_input_ids")
+    if decoder_ids is None:
+        decoder_ids = torch.full((ids.shape[0], 1), decoder_start(module), dtype=ids.dtype,
+                                 device=ids.device)
+    positions = int(decoder_ids.shape[1])
+    with torch.inference_mode():
+        encoded = module.get_encoder()(input_ids=ids, attention_mask=mask)
+        out = module(encoder_outputs=encoded, attention_mask=mask,
+                     decoder_input_ids=decoder_ids, use_cache=True)
+        for _ in range(steps):
+            token = out.logits[:, -1:].argmax(dim=-1)
+            out = module(encoder_outputs=encoded, attention_mask=mask, decoder_input_ids=token,
+                         use_cache=True, **{kwarg: cache_of(out)})
+            positions += 1
+    return positions
 
 
 def reserve_tokens(module: Any) -> int:

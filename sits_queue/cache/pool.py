@@ -192,6 +192,11 @@ class EngineCache:
             ctx_ms = self._ensure_context()
             now = self._clock()
             entry = self._state.entries.get(key)
+            if entry is not None and self._engines[key].released:
+                # Released behind the cache's back (its loader handed the same engine to
+                # a precision conversion, which releases what it converts): load anew.
+                self._drop(key, now)
+                entry = None
             if entry is None:
                 return self._from_disk(key, loader, now, ctx_ms)
             plan = plan_admit(self._state, key, entry.size_bytes, now, self._half_life_s)
@@ -223,6 +228,10 @@ class EngineCache:
             engine = loader()
         except BaseException as exc:
             self._fail(key, exc)
+        refused = self._not_new(engine)
+        if refused is not None:
+            self._counts["load_failures"] += 1
+            raise ModelLoadError(key, refused)
         load_ms = (time.perf_counter() - start) * 1000.0
         self._times["load_ms_total"] += load_ms
         size = engine.size_bytes()
@@ -237,6 +246,20 @@ class EngineCache:
         self._counts["loads"] += 1
         return engine, ColdStart(True, "disk", ctx_ms, load_ms, promote_ms, warmup_ms,
                                  evicted, demoted)
+
+    def _not_new(self, engine: Engine) -> str | None:
+        """Why an engine a loader just returned cannot be admitted: it is not a new one
+        (None: it is). Admitting it would serve a released engine, or let dropping one
+        key release another key's engine while the budgets count its bytes twice."""
+        held = next((k for k, e in self._engines.items() if e is engine), None)
+        if engine.released:
+            what = "an engine that was already released (the cache releases what it drops)"
+        elif held is not None:
+            what = f"an engine the cache already holds as {held!r}"
+        else:
+            return None
+        return (f"the loader returned {what}: a loader must build a new engine on every "
+                "call (one memoised with functools.cache returns the same engine each time)")
 
     def _fail(self, key: str | None, exc: BaseException) -> NoReturn:
         """Re-raise ``exc`` from getting ``key``, as a :class:`ModelLoadError` when it is

@@ -18,8 +18,11 @@ made from the model as loaded:
   sample and :data:`CALIBRATION_TEXTS` through its tokenizer), the mean KL divergence
   between the softmax of the original's and the quantised model's output activations
   (logits, else the last hidden state) must stay under ``int8_max_kl`` (0.05, the
-  source's figure). Otherwise the model is served at full precision and the result says
-  why, with the KL it measured.
+  source's figure). A model with one output per row (a scorer or regressor: shape
+  ``(B, 1)``, ``(B,)`` or a scalar) has no distribution to compare (softmax over one
+  value is 1, KL 0 whatever the error): its outputs' relative mean squared error
+  (:func:`relative_mse`) must stay under :data:`DEFAULT_MAX_REL_MSE` instead. Otherwise
+  the model is served at full precision and the result says why, with what it measured.
 
 On a GPU an int8 request is served at fp16 (the reason says so): ``torch._int_mm`` has
 CUDA kernels, but with shape rules (more than 16 rows, sizes in multiples of 8) this
@@ -31,16 +34,21 @@ quantised here; an exported, ONNX or TensorRT engine is served as it was built.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from sits_queue.broker.affinity import engine_key
+from sits_queue.cache import kvwarm
 from sits_queue.cache.contract import move
 from sits_queue.errors import ModelLoadError
 from sits_queue.options import PRECISIONS
 
 #: §3.2: INT8 only when the KL divergence of activations stays below this.
 DEFAULT_MAX_KL = 0.05
+#: The gate for single-value outputs (no distribution for a KL): INT8 only when the
+#: relative MSE of the outputs stays below this, a relative RMS error of about 3%.
+DEFAULT_MAX_REL_MSE = 1e-3
 #: Varied text for the gate's calibration pass (the engine's warm-up sample comes too).
 CALIBRATION_TEXTS = (
     "The quarterly report shows revenue up four percent on the previous year.",
@@ -56,16 +64,21 @@ CALIBRATION_TEXTS = (
 
 @dataclass(frozen=True)
 class Served:
-    """What a precision request got: the precision served, the gate's KL (int8), why."""
+    """What a precision request got: the precision served, what the int8 gate measured
+    (the KL, or for single-value outputs the relative MSE), why."""
 
     requested: str
     served: str
     kl: float | None = None
     reason: str | None = None
+    rel_mse: float | None = None
 
     def meta(self) -> dict[str, Any]:
         return {"requested": self.requested, "served": self.served,
-                "kl": None if self.kl is None else round(self.kl, 6), "reason": self.reason}
+                "kl": None if self.kl is None else round(self.kl, 6),
+                # (significant digits: a relative MSE of 1e-7 must not read as 0)
+                "rel_mse": None if self.rel_mse is None else float(f"{self.rel_mse:.6g}"),
+                "reason": self.reason}
 
 
 def cache_key(model: str, precision: str | None) -> str:
@@ -93,15 +106,44 @@ def gate(kl: float, max_kl: float) -> str | None:
             f"{kl:.4f} >= {max_kl:g}; served at full precision")
 
 
+def gate_rel_mse(rel_mse: float, max_rel_mse: float) -> str | None:
+    """None if INT8 may serve a single-value output with this relative MSE, else why not
+    (pure; NaN refuses)."""
+    if rel_mse < max_rel_mse:
+        return None
+    return (f"int8 refused by the quantisation gate: relative MSE of the outputs "
+            f"{rel_mse:.4g} >= {max_rel_mse:g} (one value per row: judged by its error, "
+            f"not a KL); served at full precision")
+
+
 # -- the torch edge ------------------------------------------------------------------------
 
 def kl_divergence(reference: Any, candidate: Any) -> float:
-    """Mean over rows of KL(softmax(reference) || softmax(candidate)), last dimension."""
+    """Mean over rows of KL(softmax(reference) || softmax(candidate)), last dimension
+    (a 1-D tensor is one row, a scalar a row of one)."""
     import torch
 
-    p = torch.log_softmax(reference.double().flatten(0, -2), dim=-1)
-    q = torch.log_softmax(candidate.double().flatten(0, -2), dim=-1)
-    return float((p.exp() * (p - q)).sum(dim=-1).mean())
+    width = reference.shape[-1] if reference.dim() else 1
+    p = torch.log_softmax(reference.double().reshape(-1, width), dim=-1)
+    q = torch.log_softmax(candidate.double().reshape(-1, width), dim=-1)
+    return float((p.exp() * (p - q)).sum(dim=-1).mean()) if p.shape[0] else 0.0
+
+
+def single_valued(output: Any) -> bool:
+    """One value per row (``(..., 1)``, ``(B,)``, a scalar): nothing for a softmax."""
+    return bool(output.dim() < 2 or output.shape[-1] == 1)
+
+
+def relative_mse(reference: Any, candidate: Any) -> float:
+    """``mean((candidate - reference)^2) / mean(reference^2)`` over every value: 0 for
+    none, inf for any error against an all-zero reference."""
+    ref, got = reference.double().flatten(), candidate.double().flatten()
+    if ref.numel() == 0:
+        return 0.0
+    error, scale = float(((got - ref) ** 2).mean()), float((ref ** 2).mean())
+    if scale > 0:
+        return error / scale
+    return 0.0 if error == 0 else math.inf
 
 
 def module_dtype(module: Any) -> Any:
@@ -141,7 +183,22 @@ def calibration_inputs(engine: Any) -> list[Any]:
     if not inputs:
         raise ModelLoadError(f"model {engine.key!r} has no sample inputs or tokenizer to "
                              "calibrate the int8 gate with")
+    if kvwarm.encoder_decoder(engine.module):
+        inputs = [_with_decoder_start(engine.module, x) for x in inputs]
     return inputs
+
+
+def _with_decoder_start(module: Any, inputs: Any) -> Any:
+    """A seq2seq model's keyword inputs with its decoder's start token where they have
+    no decoder inputs (a text through the tokenizer): T5's forward refuses them without."""
+    import torch
+
+    if not isinstance(inputs, dict) or "input_ids" not in inputs or any(
+            k.startswith("decoder_") for k in inputs):
+        return inputs
+    start = torch.full((inputs["input_ids"].shape[0], 1), kvwarm.decoder_start(module),
+                       dtype=torch.long)
+    return {**inputs, "decoder_input_ids": start}
 
 
 def quantize_int8(module: Any) -> Any:
@@ -171,20 +228,52 @@ def module_bytes(module: Any) -> int:
     return sum(seen.values())
 
 
-def mean_kl(reference: Any, candidate: Any) -> float:
-    """The gate's measure: mean KL over ``reference``'s calibration inputs between its
-    module's output activations and the ``candidate`` module's (on whichever device it
-    is: the inputs follow it; the KL is taken on the CPU)."""
+class CandidateFailed(ModelLoadError):
+    """The converted module raised on a calibration input the original ran."""
+
+
+def _output_pairs(reference: Any, candidate: Any) -> list[tuple[Any, Any]]:
+    """(reference, candidate) output activations for each of ``reference``'s calibration
+    inputs; the candidate module runs on whichever device it is (the inputs follow it),
+    its outputs come back to the CPU. :class:`CandidateFailed` if the candidate raises
+    where the reference did not."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
     first = next(iter(candidate.parameters()), None)
     device = first.device if first is not None else "cpu"
-    kls = [kl_divergence(_activations(reference.module, x),
-                         _activations(candidate, move(x, device)).cpu())
-           for x in calibration_inputs(reference)]
+    inputs = calibration_inputs(reference)
+    outputs = [_activations(reference.module, x) for x in inputs]
+    try:
+        return [(out, _activations(candidate, move(x, device)).cpu())
+                for out, x in zip(outputs, inputs, strict=True)]
+    except (SoftTimeLimitExceeded, MemoryError):
+        raise  # the task's time or the host's memory ran out: not the conversion's fault
+    except Exception as exc:
+        raise CandidateFailed(f"{type(exc).__name__}: {exc}") from exc
+
+
+def mean_kl(reference: Any, candidate: Any) -> float:
+    """Mean KL over ``reference``'s calibration inputs between its module's output
+    activations and the ``candidate`` module's (see :func:`_output_pairs`)."""
+    kls = [kl_divergence(ref, got) for ref, got in _output_pairs(reference, candidate)]
     return sum(kls) / len(kls)
 
 
-def convert(engine: Any, requested: str, device: str, max_kl: float = DEFAULT_MAX_KL
-            ) -> Any:
+def int8_error(reference: Any, candidate: Any) -> tuple[str, float]:
+    """The gate's measure of ``candidate`` against ``reference`` over the calibration
+    inputs: ``("kl", mean KL)``, or for single-value outputs ``("rel_mse", relative MSE
+    of all their values together)``."""
+    import torch
+
+    pairs = _output_pairs(reference, candidate)
+    if any(single_valued(ref) for ref, _ in pairs):
+        return "rel_mse", relative_mse(torch.cat([ref.flatten() for ref, _ in pairs]),
+                                       torch.cat([got.flatten() for _, got in pairs]))
+    return "kl", sum(kl_divergence(ref, got) for ref, got in pairs) / len(pairs)
+
+
+def convert(engine: Any, requested: str, device: str, max_kl: float = DEFAULT_MAX_KL,
+            max_rel_mse: float = DEFAULT_MAX_REL_MSE) -> Any:
     """``engine`` (as loaded, in the host tier) served at ``requested``: a new engine
     keyed ``<model>@<requested>`` whose ``artifacts["precision"]`` says what it got."""
     import torch
@@ -197,12 +286,20 @@ def convert(engine: Any, requested: str, device: str, max_kl: float = DEFAULT_MA
                              "can only be chosen for torch models (build the engine at the "
                              "precision you want and register it as its own model)")
     target, reason = first_choice(requested, device)
-    kl = None
+    measured: dict[str, float] = {}
     module: Any = engine.module
     if target == "int8":
         quantized = quantize_int8(module)
-        kl = mean_kl(engine, quantized)
-        refused = gate(kl, max_kl)
+        try:
+            measure, error = int8_error(engine, quantized)
+        except CandidateFailed as exc:  # (model code that reads its layers' float weights)
+            refused: str | None = (f"int8 refused by the quantisation gate: the int8 model "
+                                   f"failed on its calibration inputs ({exc}); served at "
+                                   "full precision")
+        else:
+            measured[measure] = error
+            refused = gate(error, max_kl) if measure == "kl" else \
+                gate_rel_mse(error, max_rel_mse)
         if refused is None:
             module = quantized
         else:
@@ -215,7 +312,7 @@ def convert(engine: Any, requested: str, device: str, max_kl: float = DEFAULT_MA
         # A checkpoint saved in fp16/bf16 loads as such: fp32 asked (or an int8 refused)
         # is served in fp32, as the result says, not at the checkpoint's precision.
         module = copy.deepcopy(module).to(torch.float32)
-    served = Served(requested, target, kl, reason)
+    served = Served(requested, target, measured.get("kl"), reason, measured.get("rel_mse"))
     sample = engine.sample_inputs
     converted = TorchEngine(cache_key(model, requested), module, sample,
                             {**engine.artifacts, "precision": served.meta()},

@@ -27,7 +27,13 @@ from celery.exceptions import SoftTimeLimitExceeded
 from sits_queue import tracing
 from sits_queue.app import SitsTask
 from sits_queue.broker.keys import AFFINITY_HEADER
-from sits_queue.cache.kvwarm import cache_kwarg, cache_of, kv_bytes_per_token, max_positions
+from sits_queue.cache.kvwarm import (
+    cache_kwarg,
+    cache_of,
+    encoder_decoder,
+    kv_bytes_per_token,
+    max_positions,
+)
 from sits_queue.errors import (
     ContextTooLong,
     InferenceError,
@@ -271,6 +277,11 @@ def lm_of(engine: Any, model: str) -> Any:
     if head is None or head() is None:
         raise ModelLoadError(f"model {model!r} ({type(module).__name__}) is not a causal "
                              "language model: it has no output head to generate with")
+    if encoder_decoder(module):  # its decoder needs inputs of its own: T5 fails, BART babbles
+        raise ModelLoadError(f"model {model!r} ({type(module).__name__}) is an "
+                             "encoder-decoder (seq2seq) model; the built-in generation "
+                             "decodes causal language models only: call "
+                             "engine.module.generate(...) from an @app.inference_task")
     return module
 
 

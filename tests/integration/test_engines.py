@@ -174,6 +174,31 @@ def test_exported_program_keeps_its_sample_inputs(artefacts: Callable[[str], Pat
     assert engine.warmup() > 0
 
 
+class ScaledByKeyword(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: Any, scale: Any = None) -> Any:
+        return self.lin(x) * scale
+
+
+def test_a_program_exported_with_keyword_inputs_warms_up_with_them(tmp_path: Path) -> None:
+    # Given a program exported with a positional and a keyword example input
+    module = ScaledByKeyword().eval()
+    x, scale = torch.randn(2, 4), torch.full((2, 4), 2.0)
+    path = tmp_path / "scaled.pt2"
+    torch.export.save(torch.export.export(module, (x,), {"scale": scale}), path)
+    # When the cache loads it (the warm-up ran it without its keyword input: "Ran into a
+    # kwarg keyword mismatch", every load failed)
+    cache = EngineCache(DEVICE, 1 << 30, 1 << 30, context=lambda: 0.0)
+    engine, cold = cache.get("scaled", lambda: engine_from_path("scaled", path, DEVICE))
+    # Then it warmed up on both, and runs as the module does
+    assert cold.source == "disk" and cold.warmup_ms > 0
+    torch.testing.assert_close(engine(x, scale=scale), module(x, scale=scale), atol=ATOL,
+                               rtol=0)
+
+
 def test_an_exported_program_keeps_its_host_copy_on_the_host(
         artefacts: Callable[[str], Path]) -> None:
     # "meta" stands in for a GPU here: promotion moves a copy there, demotion drops it,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import pickle
 import random
@@ -319,6 +320,66 @@ def test_context_failure_propagates_and_is_retried() -> None:
         cache.get("a", loaders("a"))
     _, cold = cache.get("a", loaders("a"))
     assert cold.cuda_ctx_ms == 5.0 and len(attempts) == 2
+
+
+# -- loaders that hand back an engine the cache already had -------------------------------------
+
+def test_a_memoised_loader_is_refused_by_name_once_its_engine_was_released() -> None:
+    # Given a loader memoised with functools.cache, and room for one engine, no host tier
+    loaders = Loaders({"a": 100, "b": 100})
+    load_a = functools.cache(loaders("a"))
+    cache, _ = make_cache(device_budget=100, host_budget=0)
+    a, _ = cache.get("a", load_a)
+    cache.get("b", loaders("b"))  # a evicted: released
+    assert a.released
+    # When a is needed again, its loader hands back the engine the cache released: the
+    # load fails saying why and what to do (it said "EngineReleased: engine 'a' was
+    # released", and so on every load until the child restarted)
+    with pytest.raises(ModelLoadError, match=r"'a'.*the loader returned an engine that "
+                                             r"was already released.*new engine on every "
+                                             r"call.*functools\.cache") as info:
+        cache.get("a", load_a)
+    assert info.value.key == "a" and "a" not in cache
+    assert cache.stats()["load_failures"] == 1
+    # Then a loader that builds a new engine serves it again
+    again, cold = cache.get("a", loaders("a"))
+    assert cold.source == "disk" and again is not a and not again.released
+    assert_consistent(cache, loaders)
+
+
+def test_a_loader_returning_an_engine_the_cache_holds_is_refused() -> None:
+    # Given one engine object handed out by two models' loaders
+    cache, _ = make_cache()
+    loaders = Loaders({"a": 100})
+    load = loaders("a")
+    shared = load()
+    cache.get("a", lambda: shared)
+    # When the second model is loaded, it is refused: dropping either would release the
+    # other's engine (and the budgets would count its bytes twice)
+    with pytest.raises(ModelLoadError, match=r"'b'.*an engine the cache already holds "
+                                             r"as 'a'.*new engine on every call"):
+        cache.get("b", lambda: shared)
+    assert cache.warm() == {"a": "device"} and not shared.released
+    assert_consistent(cache, loaders)
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_an_engine_released_behind_the_caches_back_is_loaded_again(tier: str) -> None:
+    # Given a cached engine released by someone else (a loader shared with a precision
+    # conversion, which releases the engine it converted)
+    cache, _ = make_cache(device_budget=100, host_budget=100)
+    loaders = Loaders({"a": 100, "b": 100})
+    a, _ = cache.get("a", loaders("a"))
+    if tier == "host":
+        cache.get("b", loaders("b"))
+    assert cache.warm()["a"] == tier
+    a.release()
+    # When it is needed, it is loaded again rather than handed out released (or failing
+    # its promotion)
+    again, cold = cache.get("a", loaders("a"))
+    assert again is not a and not again.released and cold.source == "disk"
+    assert again(2, 3) == 5 and loaders.loads["a"] == 2
+    assert_consistent(cache, loaders)
 
 
 def test_errors_survive_result_backends() -> None:

@@ -137,6 +137,135 @@ def test_kl_divergence_matches_the_definition() -> None:
     assert precision.kl_divergence(p, q) > 0 and math.isfinite(precision.kl_divergence(p, q))
 
 
+def test_relative_mse_matches_the_definition() -> None:
+    import torch
+
+    ref, got = torch.tensor([1.0, -2.0, 3.0]), torch.tensor([1.5, -2.0, 2.0])
+    assert precision.relative_mse(ref, got) == pytest.approx((0.25 + 0 + 1) / (1 + 4 + 9))
+    assert precision.relative_mse(ref, ref) == 0.0
+    zeros = torch.zeros(3)
+    assert precision.relative_mse(zeros, zeros) == 0.0
+    assert precision.relative_mse(zeros, ref) == math.inf  # any error against nothing
+    assert precision.relative_mse(torch.zeros(0), torch.zeros(0)) == 0.0
+
+
+def test_the_regression_gate_passes_below_its_limit_only() -> None:
+    assert precision.gate_rel_mse(0.0009, 0.001) is None
+    refused = precision.gate_rel_mse(0.001, 0.001)
+    assert refused is not None and "relative MSE" in refused and ">= 0.001" in refused
+    assert precision.gate_rel_mse(math.nan, 0.001) is not None
+
+
+def shaped(scores: Any, shape: str) -> Any:
+    """``scores`` (B, 1) in the shape a single-output model returns them."""
+    return {"(B, 1)": scores, "(B,)": scores.squeeze(-1), "()": scores.sum()}[shape]
+
+
+def fragile_scorer(shape: str) -> Any:
+    """A score that is a tiny difference of two large activations: per-token int8
+    activations wipe it out (errors of hundreds of percent)."""
+    import torch
+
+    class Fragile(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1 = torch.nn.Linear(16, 2, bias=False)
+            with torch.no_grad():
+                self.l1.weight[0] = torch.randn(16) * 100
+                self.l1.weight[1] = self.l1.weight[0] + torch.randn(16) * 0.01
+
+        def forward(self, x: Any) -> Any:
+            h = self.l1(x)
+            return shaped((h[:, :1] - h[:, 1:2]) * 100, shape)
+
+    return Fragile()
+
+
+def robust_scorer(shape: str) -> Any:
+    """A small MLP scorer, which int8 barely moves."""
+    import torch
+
+    class Robust(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(),
+                                           torch.nn.Linear(64, 1))
+
+        def forward(self, x: Any) -> Any:
+            return shaped(self.mlp(x), shape)
+
+    return Robust()
+
+
+def scorer_engine(module: Any, x: Any) -> Any:
+    from sits_queue.cache.engines import TorchEngine
+
+    return TorchEngine("scorer", module, (x,))
+
+
+SCORE_SHAPES = ["(B, 1)", "(B,)", "()"]
+
+
+@pytest.mark.parametrize("shape", SCORE_SHAPES)
+def test_a_single_output_model_that_int8_breaks_is_refused_by_its_relative_error(
+        shape: str) -> None:
+    """(softmax over one value is 1 whatever it is: KL 0, and int8 passed with scores
+    off by 10x; a (B,) or () output made the gate raise IndexError: the task failed)"""
+    import torch
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    served = precision.convert(scorer_engine(fragile_scorer(shape), x), "int8", "cpu")
+    meta = served.artifacts["precision"]
+    assert meta["served"] == "fp32" and meta["kl"] is None
+    assert meta["rel_mse"] > precision.DEFAULT_MAX_REL_MSE
+    assert "relative MSE" in meta["reason"] and "full precision" in meta["reason"]
+    assert not any(quantized(m) for m in served.module.modules())
+
+
+@pytest.mark.parametrize("shape", SCORE_SHAPES)
+def test_a_single_output_model_int8_keeps_close_is_served_at_int8(shape: str) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    module, x = robust_scorer(shape), torch.randn(8, 16)
+    expected = module(x).detach()
+    served = precision.convert(scorer_engine(module, x), "int8", "cpu")
+    meta = served.artifacts["precision"]
+    assert meta["served"] == "int8" and meta["reason"] is None and meta["kl"] is None
+    assert 0 < meta["rel_mse"] < precision.DEFAULT_MAX_REL_MSE
+    served.to_device("cpu")
+    got = served(x)
+    assert got.shape == expected.shape
+    assert precision.relative_mse(expected, got) == pytest.approx(meta["rel_mse"])
+
+
+def test_a_model_the_int8_layers_break_is_served_at_full_precision() -> None:
+    """(the gate's calibration run raised from the int8 copy, and the task failed)"""
+    import torch
+
+    class ReadsWeight(torch.nn.Module):
+        """Uses its layer's weight directly, as tied heads do: int8 weights break it."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 4)
+
+        def forward(self, x: Any) -> Any:
+            return self.lin(x) + x @ self.lin.weight.t()
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    served = precision.convert(scorer_engine(ReadsWeight(), x), "int8", "cpu")
+    meta = served.artifacts["precision"]
+    assert meta["served"] == "fp32" and meta["kl"] is None and meta["rel_mse"] is None
+    assert meta["reason"].startswith("int8 refused by the quantisation gate: the int8 "
+                                     "model failed on its calibration inputs (RuntimeError")
+    assert "served at full precision" in meta["reason"]
+    served.to_device("cpu")
+    assert served(x).shape == (2, 4)
+
+
 @pytest.fixture(scope="module")
 def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from sits_queue.models.tiny import build_tiny_causal_lm
@@ -190,7 +319,7 @@ def test_casts_halve_the_weights(lm_dir: Path, wanted: str, dtype: str) -> None:
     assert str(next(served.module.parameters()).dtype) == f"torch.{dtype}"
     assert served.size_bytes() == size // 2
     assert served.artifacts["precision"] == {"requested": wanted, "served": wanted,
-                                             "kl": None, "reason": None}
+                                             "kl": None, "rel_mse": None, "reason": None}
 
 
 @pytest.mark.parametrize(("wanted", "max_kl"), [("fp32", 0.05), ("int8", 1e-12)])
