@@ -8,6 +8,10 @@ about a run: its class, model, whether it paid a cold start (and a child span wi
 phases), affinity, cached prompt tokens. Attribute values are bounded: classes and
 models come from configuration, never task ids or inputs.
 
+A batch (``workers/batched.py``) runs its inference before any member's run span
+begins: :func:`batch_span` gives it a span of its own for that (the cold start's parent),
+and each member's run span is annotated afterwards with what that span was.
+
 ``otel_traces`` (``SITS_OTEL_TRACES``): ``auto`` (on when ``OTEL_EXPORTER_OTLP_ENDPOINT``
 or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is set), ``otlp`` (OTLP over HTTP, configured
 by the standard ``OTEL_EXPORTER_OTLP_*`` variables), ``console``, or ``off``. A tracer
@@ -19,7 +23,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from sits_queue.errors import ConfigError
@@ -34,6 +39,8 @@ _INSTALL_HINT = "pip install 'sits-queue[otel]'"
 
 _lock = threading.Lock()
 _configured: list[Any] = []  # the provider, once configured in this process
+#: The batch spans open now (innermost last), each with the attributes annotated on it.
+_batches: list[tuple[Any, dict[str, Any]]] = []
 
 
 def resolve_mode(mode: str, env: Mapping[str, str]) -> str:
@@ -109,10 +116,41 @@ def flush(timeout_ms: int = 5000) -> None:
 
 
 def annotate(attributes: Mapping[str, Any]) -> None:
-    """Add bounded ``sits.*`` attributes to the current span (the task's run), if any."""
+    """Add bounded ``sits.*`` attributes to the current span (the task's run, or a
+    batch's: :func:`batch_span`), if any."""
     span = _current_span()
-    if span is not None:
-        span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+    if span is None:
+        return
+    given = {k: v for k, v in attributes.items() if v is not None}
+    span.set_attributes(given)
+    if _batches and _batches[-1][0] is span:
+        _batches[-1][1].update(given)
+
+
+@contextmanager
+def batch_span(name: str, carriers: Sequence[Mapping[str, Any]], said: dict[str, Any]
+               ) -> Iterator[None]:
+    """The current span while a batch's inference runs, before its members' own run
+    spans begin (so that :func:`annotate` and :func:`record_span` find one): in the
+    trace of the first member that has one, linked to every member's (``carriers``:
+    their message headers). What is annotated on it is also added to ``said``, for the
+    caller to annotate each member's run span with."""
+    if not _configured:
+        yield
+        return
+    from opentelemetry import propagate, trace
+
+    contexts = [propagate.extract(carrier) for carrier in carriers]
+    members = [trace.get_current_span(c).get_span_context() for c in contexts]
+    links = [trace.Link(member) for member in members if member.is_valid]
+    parent = next((c for c, m in zip(contexts, members, strict=True) if m.is_valid), None)
+    with trace.get_tracer(SCOPE).start_as_current_span(name, context=parent,
+                                                       links=links) as span:
+        _batches.append((span, said))
+        try:
+            yield
+        finally:
+            _batches.pop()
 
 
 def record_span(name: str, start_ns: int, end_ns: int, attributes: Mapping[str, Any]) -> None:

@@ -10,9 +10,13 @@ Keys (``prefix`` is the app's ``global_keyprefix``):
 * ``{prefix}sits:worker:<hostname>:counters``: HASH the children increment (tasks,
   cold, cold_ms), so the counts survive a replaced child.
 
-The main process re-arms the TTL of the child keys and the counters with its own, so a
-worker that dies disappears entirely within :data:`TTL_S`, while an idle child's warm set
-stays visible. Writing never fails a task or the worker: Redis errors are logged.
+The main process refreshes from a thread of its own (not the consumer's event loop, which
+a task of the solo pool holds for as long as it runs) and re-arms the TTL of the child
+keys with its own, so a worker that dies disappears from ``sitsq status`` within
+:data:`TTL_S`, while an idle child's warm set stays visible. The counters are Prometheus
+counters: they must not restart while the worker lives, so they expire only after
+:data:`COUNTERS_TTL_S` (re-armed by every refresh and child publish) and are deleted when
+the worker withdraws. Writing never fails a task or the worker: Redis errors are logged.
 """
 
 from __future__ import annotations
@@ -39,11 +43,26 @@ logger = logging.getLogger(__name__)
 TTL_S = 15
 #: Refresh period, s: a third of the TTL, so two lost refreshes are survivable.
 REFRESH_S = 5.0
+#: Expiry of a worker's counters, s: a day, far past any task or stalled refresh (a
+#: worker killed without withdrawing leaves them that long; one that stops deletes them).
+COUNTERS_TTL_S = 86_400
+#: Longest a stopping worker waits for a refresh in flight before it withdraws, s (Redis
+#: calls time out after 2 s): a refresh after the withdrawal would advertise it again.
+_STOP_WAIT_S = 10.0
 _CHILD = ":child:"
 _COUNTERS = ":counters"
 
 _clients: dict[int, redis.Redis] = {}
 _lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    # A fork copies the lock as the refresh (or scrape) thread held it, for ever.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def worker_key(prefix: str, hostname: str) -> str:
@@ -165,7 +184,7 @@ def publish_child(config: SitsConfig, hostname: str, slot: int, record: Mapping[
             else:
                 pipe.hincrby(counters, name, int(value))
         if increments:
-            pipe.expire(counters, TTL_S * 4)
+            pipe.expire(counters, COUNTERS_TTL_S)
         pipe.execute()
     except redis.RedisError as exc:
         logger.warning("could not publish the child's warm set and counters (kept for "
@@ -186,13 +205,13 @@ def refresh(client: redis.Redis, prefix: str, hostname: str, pid: int, concurren
     pipe.set(worker_key(prefix, hostname), json.dumps(record), ex=TTL_S)
     for slot in range(concurrency):
         pipe.expire(child_key(prefix, hostname, slot), TTL_S)
-    pipe.expire(counters_key(prefix, hostname), TTL_S * 4)
+    pipe.expire(counters_key(prefix, hostname), COUNTERS_TTL_S)
     pipe.execute()
     return record
 
 
 def withdraw(client: redis.Redis, prefix: str, hostname: str, concurrency: int) -> None:
-    keys = [worker_key(prefix, hostname)]
+    keys = [worker_key(prefix, hostname), counters_key(prefix, hostname)]
     keys += [child_key(prefix, hostname, slot) for slot in range(concurrency)]
     client.delete(*keys)
 
@@ -329,8 +348,10 @@ class WarmReader:
 class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
     """Consumer step: refresh this worker's advertisement every :data:`REFRESH_S`.
 
-    Runs on the consumer's timer (the event loop), like Celery's own heartbeat step.
-    Each refresh asks NVML afresh (free VRAM and utilisation change); never CUDA.
+    From a daemon thread, not the consumer's timer: with ``--pool=solo`` a task runs on
+    the event loop's thread, and a task longer than :data:`TTL_S` took the worker out of
+    ``sitsq status`` and its own ``/metrics``. Each refresh asks NVML afresh (free VRAM
+    and utilisation change); never CUDA.
     """
 
     requires = ("celery.worker.consumer.tasks:Tasks",)
@@ -338,7 +359,8 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def __init__(self, c: Any, **kwargs: Any) -> None:
         super().__init__(c, **kwargs)
-        self.tref: Any = None
+        self._stopping: threading.Event | None = None
+        self._thread: threading.Thread | None = None
 
     def _args(self, c: Any) -> tuple[SitsConfig, str, int]:
         config: SitsConfig = c.app.sits
@@ -367,12 +389,25 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
         if config.affinity.enabled:
             affinity.set_warm_source(WarmReader(config, hostname, concurrency))
         self.tick(c)
-        self.tref = c.timer.call_repeatedly(REFRESH_S, self.tick, (c,), priority=10)
+        stopping = self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._refresh, args=(c, stopping),
+                                        name="sits-advertise", daemon=True)
+        self._thread.start()
+
+    def _refresh(self, c: Any, stopping: threading.Event) -> None:
+        while not stopping.wait(REFRESH_S):
+            try:
+                self.tick(c)
+            except Exception:  # the thread must outlive anything one refresh meets
+                logger.exception("could not refresh the worker advertisement")
 
     def stop(self, c: Any) -> None:
-        if self.tref is not None:
-            self.tref.cancel()
-            self.tref = None
+        stopping, thread = self._stopping, self._thread
+        self._stopping = self._thread = None
+        if stopping is not None:
+            stopping.set()
+        if thread is not None:
+            thread.join(_STOP_WAIT_S)
 
     def shutdown(self, c: Any) -> None:
         self.stop(c)

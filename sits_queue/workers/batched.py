@@ -41,7 +41,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from weakref import ref
@@ -52,6 +52,7 @@ from celery.exceptions import TaskRevokedError
 from celery.worker import state
 from kombu.serialization import loads
 
+from sits_queue import tracing
 from sits_queue.broker import intake
 from sits_queue.broker.keys import DELIVERY_HEADER, batch_mark, batch_units
 from sits_queue.errors import InferenceError, InvalidInput
@@ -95,8 +96,9 @@ def _result(output: Any, meta: dict[str, Any], index: int, size: int,
 
 # -- the pool child ------------------------------------------------------------------------
 
-#: Outcomes :func:`run_batch` computed, by task id, until the tracer asks for them.
-_outcomes: dict[str, Any] = {}
+#: Outcomes :func:`run_batch` computed, by task id, until the tracer asks for them, each
+#: with the ``sits.*`` attributes of the batch's span (``tracing.batch_span``).
+_outcomes: dict[str, tuple[Any, Mapping[str, Any]]] = {}
 
 
 def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
@@ -127,6 +129,7 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
         add(job)
     trace = fast_trace_task if app.use_fast_trace_task else trace_task_ret
     traced: dict[int, Any] = {}  # calls done before the batch: what their trace returned
+    said: dict[str, Any] = {}  # what the batch's span says, for each member's own
 
     def early(index: int, output: Any, meta: dict[str, Any]) -> bool:
         # Celery's tracer, as for any task (result, signals, chord), run now: the
@@ -134,16 +137,19 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
         # with the batch's, from the main process. A call is traced once.
         if index in traced or not 0 <= index < len(calls):
             return False
-        _outcomes[calls[index].id] = output if isinstance(output, BaseException) \
-            else _result(output, meta, index, len(calls), joined=index >= len(given))
+        _outcomes[calls[index].id] = (output if isinstance(output, BaseException) else
+                                      _result(output, meta, index, len(calls),
+                                              joined=index >= len(given)), said)
         traced[index] = trace(*jobs[index])
         return True
 
     feed = _feed(app, join, add) if join is not None else None
     try:
-        outcomes = _run(task, calls, jobs[0][2], early, feed)
+        # its own span: the members' run spans begin only as each is traced, after it
+        with tracing.batch_span(f"run_batch/{task.name}", [job[2] for job in jobs], said):
+            outcomes = _run(task, calls, jobs[0][2], early, feed)
         declined = feed.declined if feed is not None else set()
-        _outcomes.update({c.id: outcomes[c.id] for i, c in enumerate(calls)
+        _outcomes.update({c.id: (outcomes[c.id], said) for i, c in enumerate(calls)
                           if i not in traced and i not in declined})
         results = [None if i in declined else traced[i] if i in traced else trace(*job)
                    for i, job in enumerate(jobs)]
@@ -307,7 +313,9 @@ class BatchInferenceTask(inference.InferenceTask):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         task_id = self.request.id
         if task_id in _outcomes:  # a batch computed it (run_batch)
-            outcome = _outcomes.pop(task_id)
+            outcome, said = _outcomes.pop(task_id)
+            # this task's run span began after the batch ran: it says what the batch did
+            tracing.annotate({**said, **_own_attributes(outcome)})
         else:  # alone: a batch of one (an eager call, or a worker without batches)
             call = Call(task_id or "", args, kwargs)
             result = inference.run_inference(runtime.for_app(self.app), self, ([call],), {})
@@ -315,6 +323,17 @@ class BatchInferenceTask(inference.InferenceTask):
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
+
+
+def _own_attributes(outcome: Any) -> dict[str, Any]:
+    """The span attributes a batch's call has of its own (a generation row's first
+    token and cached prompt tokens), from its outcome."""
+    if not isinstance(outcome, dict):
+        return {}
+    meta, output = outcome.get("sits") or {}, outcome.get("output")
+    cached = output.get("cached_tokens") if isinstance(output, dict) else None
+    return {"sits.first_token_ms": meta.get("first_token_ms"),
+            "sits.cached_tokens": cached if isinstance(cached, int) else None}
 
 
 # -- the main process ----------------------------------------------------------------------

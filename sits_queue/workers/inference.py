@@ -26,7 +26,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from sits_queue import tracing
 from sits_queue.app import SitsTask
-from sits_queue.broker.keys import AFFINITY_HEADER
+from sits_queue.broker.keys import AFFINITY_HEADER, CHECKPOINT_HEADER
 from sits_queue.cache.kvwarm import (
     cache_kwarg,
     cache_of,
@@ -186,7 +186,9 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     # What a precision request got (§3.2): served, the int8 gate's KL, why not if not.
     meta["precision"] = engine.artifacts.get("precision") if precision else None
     prewarm = getattr(task, "name", None) == PREWARM_TASK
-    rt.count(metrics.task_fields(meta, quota.name, model, tasks, prewarm))
+    # (a run after a yield has the checkpoint header: the task counted on its first run)
+    resumed = getattr(request, CHECKPOINT_HEADER, None) is not None
+    rt.count(metrics.task_fields(meta, quota.name, model, tasks, prewarm, resumed))
     _trace(meta, model, quota.name, acquire_ns, acquired_ns)
     timelimit = getattr(request, "timelimit", None) or (None, None)
     hard, soft = (*tuple(timelimit), None, None)[:2]

@@ -12,7 +12,8 @@ with ``redis-cli``):
 
 * ``tasks`` / ``tasks:<class>``: inference tasks that got their engine (a pre-warm,
   ``sits.prewarm``, is not one: it counts in ``prewarms``, so it neither inflates the
-  cold-start share nor the model's service time);
+  cold-start share nor the model's service time; a task that yielded its slot counts
+  once, on its first run, however many runs it takes);
 * ``model_cold:<model>`` / ``model_cold_ms:<model>``: the model's loads from disk and
   their cost, pre-warms' too (the pre-warm planner's predicted cold start, §4.2: what a
   worker without the model pays; a promotion from the shadow pool is not that);
@@ -78,13 +79,16 @@ def _bucket(ms: float) -> str:
 
 
 def task_fields(meta: Mapping[str, Any], sla_class: str, model: str | None = None,
-                tasks: int = 1, prewarm: bool = False) -> dict[str, float]:
+                tasks: int = 1, prewarm: bool = False, resumed: bool = False
+                ) -> dict[str, float]:
     """Counter increments for one inference run of ``tasks`` tasks (a batch: more than
     one) that got its engine; ``meta`` is the result's ``sits`` block (``cold``,
     ``source``, ``<phase>_ms``, ``affinity``). With the ``model``, its loads from disk
     and their cost per model too (the pre-warm planner's). A batch's cold start counts
     once: it is one load, however many tasks waited for it. A ``prewarm`` counts as one
-    pre-warm, not a task: it is cold by design (its load cost still counts)."""
+    pre-warm, not a task: it is cold by design (its load cost still counts). A
+    ``resumed`` run (of a task that yielded its slot, time slices) is the same task
+    again: no new task, but a cold start it pays is one (its engine left meanwhile)."""
     phases = {p: float(meta.get(f"{p}_ms") or 0.0) for p in PHASES}
     total = sum(phases.values())
     source = meta.get("source")
@@ -93,7 +97,8 @@ def task_fields(meta: Mapping[str, Any], sla_class: str, model: str | None = Non
         fields.update({f"model_cold:{model}": 1, f"model_cold_ms:{model}": total})
     if prewarm:
         return {**fields, "prewarms": 1}
-    fields.update({"tasks": tasks, f"tasks:{sla_class}": tasks})
+    if not resumed:
+        fields.update({"tasks": tasks, f"tasks:{sla_class}": tasks})
     if meta.get("affinity"):
         fields["affinity"] = 1
     if not meta.get("cold"):

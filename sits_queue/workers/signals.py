@@ -1,6 +1,12 @@
 """Worker signal handlers: record each finished task for the priority statistics.
 
 Recording must never fail a task: Redis errors are logged and dropped.
+
+Records are buffered per process and written in one pipeline: every
+:data:`FLUSH_EVERY_RECORDS` records, by a daemon thread of the process within
+:data:`FLUSH_EVERY_S` of the first record it buffers (an idle pool child's records
+arrive too), and when a pool child exits (``worker_process_shutdown``: billiard ends a
+child with ``os._exit``, so ``atexit`` runs only in a process that exits normally).
 """
 
 from __future__ import annotations
@@ -30,19 +36,49 @@ _clients: dict[int, redis.Redis] = {}
 #: Completion records are flushed in batches: one round trip per task would sit on the
 #: critical path between a task's end and the slot's next pick.
 FLUSH_EVERY_RECORDS = 32
+#: Longest a record waits in the buffer, s (the flusher thread's period while any wait).
 FLUSH_EVERY_S = 0.5
+
+
+@dataclass(frozen=True)
+class _Record:
+    #: The configuration it was recorded under (its keys' prefix, window, interval).
+    config: SitsConfig
+    sla_class: str
+    model: str | None
+    latency_ms: float | None
+    failed: bool
+    #: The pre-warm demand bucket the task finished in ("" with pre-warming off).
+    demand: str
 
 
 @dataclass
 class _Buffer:
     pid: int
-    records: list[tuple[str, str | None, float | None, bool]] = field(default_factory=list)
-    flushed_at: float = field(default_factory=time.monotonic)
+    #: Where the flusher thread writes (the first recorder's Redis).
+    config: SitsConfig
+    records: list[_Record] = field(default_factory=list)
+    #: Set while records wait: wakes the flusher thread.
+    waiting: threading.Event = field(default_factory=threading.Event)
+    flusher: threading.Thread | None = None
 
 
 _buffer: _Buffer | None = None
 #: A worker of plain tasks only may run them in threads of one process (runtime.py).
 _lock = threading.Lock()
+#: Held for a whole flush: a child's exit flush waits for the flusher's write in flight
+#: (else the process could end while that write is on the wire).
+_writing = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    # A fork copies a lock another thread held (the flusher's) as held for ever, and
+    # never the flusher itself: the child starts with fresh ones, and its own buffer.
+    global _buffer, _lock, _writing
+    _lock, _writing, _buffer = threading.Lock(), threading.Lock(), None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _client(config: SitsConfig) -> redis.Redis:
@@ -55,7 +91,8 @@ def _client(config: SitsConfig) -> redis.Redis:
 
 
 def record_completion(config: SitsConfig, request: Any, failed: bool, now_s: float) -> None:
-    """Buffer one finished task's statistics; flush every 32 records or 0.5 s."""
+    """Buffer one finished task's statistics (``now_s``: when it finished); flushed every
+    :data:`FLUSH_EVERY_RECORDS` records, else within :data:`FLUSH_EVERY_S`."""
     global _buffer
     header = getattr(request, HEADER, None)
     if not isinstance(header, dict) or request.task is None or request.task in UNCOUNTED_TASKS:
@@ -66,42 +103,73 @@ def record_completion(config: SitsConfig, request: Any, failed: bool, now_s: flo
     submitted = getattr(request, "sits_submitted_at", None)
     latency_ms = (round(max(0.0, now_s - submitted) * 1000, 3)
                   if isinstance(submitted, (int, float)) else None)
+    # The demand belongs to the interval the task finished in, whenever it is written.
+    demand = demand_key(config, bucket_of(config, now_s)) \
+        if config.prewarm_interval_s > 0 else ""
     with _lock:
         if _buffer is None or _buffer.pid != os.getpid():
-            _buffer = _Buffer(pid=os.getpid())
-            atexit.register(flush, config)
-        _buffer.records.append((sla_class, header.get("model"), latency_ms, failed))
-        due = (len(_buffer.records) >= FLUSH_EVERY_RECORDS
-               or time.monotonic() - _buffer.flushed_at >= FLUSH_EVERY_S)
+            _buffer = _Buffer(pid=os.getpid(), config=config)
+            atexit.register(flush, config)  # a solo or threads worker's own exit
+        buffer = _buffer
+        buffer.records.append(_Record(config, sla_class, header.get("model"), latency_ms,
+                                      failed, demand))
+        due = len(buffer.records) >= FLUSH_EVERY_RECORDS
+        buffer.waiting.set()
+        if buffer.flusher is None:  # started lazily: the first record after a fork
+            buffer.flusher = threading.Thread(target=_flush_loop, args=(buffer,),
+                                              name="sits-statistics", daemon=True)
+            buffer.flusher.start()
     if due:
         flush(config)
 
 
+def _flush_loop(buffer: _Buffer) -> None:
+    """The flusher thread: once records wait, let more gather for :data:`FLUSH_EVERY_S`
+    (one round trip for them all), then write them."""
+    while buffer is _buffer:  # a fork's child has a buffer (and a flusher) of its own
+        buffer.waiting.wait()
+        time.sleep(FLUSH_EVERY_S)
+        try:
+            flush(buffer.config)
+        except Exception:  # the thread must outlive anything one flush meets
+            logger.exception("could not record task statistics")
+
+
 def flush(config: SitsConfig) -> None:
-    """Write buffered records in one pipeline; Redis errors are logged, never raised."""
-    with _lock:
-        if _buffer is None or _buffer.pid != os.getpid() or not _buffer.records:
-            return
-        records, _buffer.records = _buffer.records, []
-        _buffer.flushed_at = time.monotonic()
+    """Write buffered records in one pipeline to ``config``'s Redis (each under the keys
+    of the configuration it was recorded with); Redis errors are logged, never raised."""
+    with _writing:
+        with _lock:
+            if _buffer is None or _buffer.pid != os.getpid() or not _buffer.records:
+                return
+            records, _buffer.records = _buffer.records, []
+            _buffer.waiting.clear()
+        _write(config, records)
+
+
+def _write(config: SitsConfig, records: list[_Record]) -> None:
     pipe = _client(config).pipeline(transaction=False)
-    demand = demand_key(config, bucket_of(config, time.time())) \
-        if config.prewarm_interval_s > 0 else ""
-    for sla_class, model, latency_ms, failed in records:
-        if latency_ms is not None:
-            pipe.lpush(latency_key(config, sla_class), latency_ms)
-        pipe.hincrby(counter_key(config, "done"), sla_class, 1)
-        if failed:
-            pipe.hincrby(counter_key(config, "failed"), sla_class, 1)
-        if model:
-            pipe.hincrbyfloat(hot_key(config), model, 1.0)
-            if config.prewarm_interval_s > 0:  # demand per interval, for the forecast
-                pipe.hincrby(demand, model, 1)
-    for sla_class in {r[0] for r in records}:
-        pipe.ltrim(latency_key(config, sla_class), 0, config.stats_window - 1)
-    if demand:  # after the increments: EXPIRE on a missing key does nothing
-        # at least a second: a short interval rounded to EXPIRE 0 would delete the key
-        pipe.expire(demand, max(1, math.ceil(config.prewarm_interval_s * (MAX_CATCH_UP + 2))))
+    trims: dict[str, int] = {}
+    expiries: dict[str, int] = {}
+    for r in records:
+        latencies = latency_key(r.config, r.sla_class)
+        if r.latency_ms is not None:
+            pipe.lpush(latencies, r.latency_ms)
+        trims[latencies] = r.config.stats_window
+        pipe.hincrby(counter_key(r.config, "done"), r.sla_class, 1)
+        if r.failed:
+            pipe.hincrby(counter_key(r.config, "failed"), r.sla_class, 1)
+        if r.model:
+            pipe.hincrbyfloat(hot_key(r.config), r.model, 1.0)
+            if r.demand:  # demand per interval, for the forecast
+                pipe.hincrby(r.demand, r.model, 1)
+                # at least a second: a short interval rounded to EXPIRE 0 would delete it
+                expiries[r.demand] = max(1, math.ceil(r.config.prewarm_interval_s
+                                                      * (MAX_CATCH_UP + 2)))
+    for key, window in trims.items():
+        pipe.ltrim(key, 0, window - 1)
+    for key, keep_s in expiries.items():  # after the increments: EXPIRE on a missing
+        pipe.expire(key, keep_s)         # key does nothing
     try:
         pipe.execute()
     except redis.RedisError as exc:
@@ -118,11 +186,12 @@ def connect(app: Celery) -> None:
         record_completion(sits_config(app), task.request, failed=state == "FAILURE",
                           now_s=time.time())
 
-    # weak=False: the closure would otherwise be collected at once.
+    def on_process_shutdown(**_: Any) -> None:
+        # A pool child's buffered records and spans would die with it (billiard ends it
+        # with os._exit, so atexit never runs there).
+        flush(sits_config(app))
+        tracing.flush()
+
+    # weak=False: the closures would otherwise be collected at once.
     signals.task_postrun.connect(on_postrun, weak=False)
-    # A pool child's buffered spans would die with it (billiard ends it with _exit).
-    signals.worker_process_shutdown.connect(_flush_traces, weak=False)
-
-
-def _flush_traces(**_: Any) -> None:
-    tracing.flush()
+    signals.worker_process_shutdown.connect(on_process_shutdown, weak=False)

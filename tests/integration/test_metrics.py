@@ -24,6 +24,7 @@ from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
 
 from sits_queue.app import make_app
+from sits_queue.broker.keys import QueueKeys
 from sits_queue.cli import _format_status, workers_status
 from sits_queue.config import SitsConfig
 from sits_queue.errors import InvalidInput, UnknownModel
@@ -172,6 +173,32 @@ def test_a_generation_counts_its_first_token(app: Celery, worker: CeleryProcess,
         {"queues": [], "workers": workers_status(client, SitsConfig())}), 20,
         "sitsq status to show the first-token mean")
     client.close()
+
+
+def test_a_generation_that_yields_its_slot_counts_as_one_task(
+        app: Celery, worker: CeleryProcess, port: int, redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    waiting = QueueKeys.for_queue("celery")
+    # (the model loaded first, in a class whose time limit a fresh child's imports fit)
+    call(app, "t.generate_slow", "warm", 1, sla_class="high", timeout=FIRST_CALL_S)
+    before = scrape(port)
+    # Given a low-class generation of 80 steps at >= 20 ms each on the worker's one slot
+    long = app.tasks["t.generate_slow"].apply_async(("the slices", 80), sla_class="low")
+    wait_for(lambda: client.zcard(waiting.waiting) == 0 and client.zcard(waiting.unacked) == 1,
+             30, "the generation to start")
+    # When a high task arrives while it decodes, it takes the slot the generation yields
+    call(app, "t.describe", "urgent", sla_class="high", timeout=FIRST_CALL_S)
+    out = long.get(timeout=FIRST_CALL_S)
+    assert out["output"]["runs"] >= 2
+    after = scrape(port)
+    client.close()
+    # Then the generation counts as one task, however many runs it took: in the tasks,
+    # the cold-start share's denominator, and its first token
+    for cls in ("low", "high"):
+        key = ("sits_inference_tasks_total", (("sla_class", cls),))
+        assert after[key] == before[key] + 1, cls
+    first = ("sits_first_token_seconds_count", ())
+    assert after[first] == before[first] + 1
 
 
 def test_only_the_main_process_listens(worker: CeleryProcess, port: int) -> None:

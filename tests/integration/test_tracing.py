@@ -33,6 +33,7 @@ from sits_queue.config import SitsConfig
 from sits_queue.errors import ConfigError
 from sits_queue.procs import wait_ready
 from tests.integration.inference_app import (
+    FIRST_CALL_S,
     build_models,
     client_app,
     spawn_worker,
@@ -76,6 +77,8 @@ class _Handler(BaseHTTPRequestHandler):
                             "name": span.name, "service": service,
                             "trace_id": span.trace_id.hex(), "span_id": span.span_id.hex(),
                             "parent_id": span.parent_span_id.hex(),
+                            "links": {(link.trace_id.hex(), link.span_id.hex())
+                                      for link in span.links},
                             "attributes": {a.key: _value(a.value) for a in span.attributes}})
         reply = ExportTraceServiceResponse().SerializeToString()
         self.send_response(200)
@@ -156,6 +159,46 @@ def test_a_task_run_on_a_worker_continues_the_producers_trace(
     # a plain task is traced too, without sits.* attributes
     (ping,) = receiver.named("run/t.ping")
     assert not any(k.startswith("sits.") for k in ping["attributes"])
+
+
+def test_a_batchs_members_carry_its_attributes_and_it_records_its_cold_start(
+        tmp_path: Path, redis_url: str, receiver: Receiver,
+        producer_tracing: TracerProvider) -> None:
+    models = build_models(tmp_path / "models")
+    config_path = write_config(tmp_path / "sits.toml")
+    app = client_app(redis_url, config_path, "batch-tracing-client")
+    # Given six embeddings waiting before any worker exists: its first pick takes them as
+    # one batch, which loads the encoder (cold) before any member's own run span begins
+    sent = [app.tasks["sits.embed"].apply_async((f"text {i}",), model="enc", sla_class="high")
+            for i in range(6)]
+    worker = spawn_worker(redis_url, config_path, models, tmp_path, {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "100"},
+        concurrency=1, name="batch-traced")
+    try:
+        wait_ready(app, [worker])
+        results = [s.get(timeout=FIRST_CALL_S) for s in sent]
+        wait_for(lambda: len(receiver.named("run/sits.embed")) == 6, 30, "the run spans")
+    finally:
+        worker.stop(timeout_s=20)  # (its child flushes what spans it still holds)
+        app.close()
+    assert {r["sits"]["batch"]["size"] for r in results} == {6}
+    assert all(r["sits"]["cold"] for r in results)
+    # Then each member's run span says what the batch's run was, as a lone run's does
+    runs = receiver.named("run/sits.embed")
+    for run in runs:
+        attrs = run["attributes"]
+        assert attrs["sits.model"] == "enc" and attrs["sits.sla_class"] == "high"
+        assert attrs["sits.cold"] is True and attrs["sits.affinity"] is False
+    # and the batch's inference is a span of its own, in the first member's trace and
+    # linked to every member's publish, with the one cold start as its child
+    publishes = receiver.named("apply_async/sits.embed")
+    (batch,) = receiver.named("run_batch/sits.embed")
+    assert batch["links"] == {(p["trace_id"], p["span_id"]) for p in publishes}
+    assert batch["trace_id"] in {p["trace_id"] for p in publishes}
+    (cold,) = receiver.named("sits.cold_start")
+    assert cold["parent_id"] == batch["span_id"] and cold["trace_id"] == batch["trace_id"]
+    assert cold["attributes"]["sits.model"] == "enc"
+    assert cold["attributes"]["sits.load_ms"] == results[0]["sits"]["load_ms"]
 
 
 def test_modes() -> None:

@@ -53,6 +53,16 @@ def test_the_planners_cold_start_cost_is_of_loads_from_disk() -> None:
     assert disk["model_cold:m"] == 1 and disk["model_cold_ms:m"] == 2000.0
 
 
+def test_a_resumed_run_is_no_new_task_but_a_cold_start_it_pays_counts() -> None:
+    # (a generation that yielded its slot N times counted N + 1 tasks, and as many in
+    # the cold-start share's denominator)
+    warm = {"cold": False, "source": "device", "affinity": True}
+    assert metrics.task_fields(warm, "low", resumed=True) == {"affinity": 1}
+    cold = metrics.task_fields(cold_meta("host", promote=0.5), "low", resumed=True)
+    assert cold == {"cold": 1, "cold:host": 1, "cold_ms": 0.5, "cold_le:1": 1,
+                    "phase_ms:promote": 0.5}
+
+
 def test_a_prewarm_is_no_task_and_no_cold_start_but_its_load_cost_counts() -> None:
     fields = metrics.task_fields(cold_meta("disk", load=900.0), "high", "m", prewarm=True)
     assert fields == {"prewarms": 1, "model_cold:m": 1, "model_cold_ms:m": 900.0}

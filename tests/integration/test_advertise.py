@@ -1,0 +1,62 @@
+"""A worker's advertisement and counters (``workers/advertise.py``) live as long as the
+worker, on every pool: with ``--pool=solo`` a task runs on the thread of the consumer's
+event loop, which cannot refresh anything until the task ends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import redis
+from celery import Celery
+
+from sits_queue.config import SitsConfig
+from sits_queue.procs import start_worker, wait_ready
+from sits_queue.workers import advertise, metrics
+from tests.integration import short_ttl_app
+from tests.integration.conftest import ROOT, worker_env
+from tests.waiting import wait_for
+
+#: The task outlasts four of the worker's TTLs (the counters' expiry used to be four).
+TASK_S = 5 * short_ttl_app.TTL_S
+
+
+def test_a_solo_worker_stays_advertised_with_its_counts_through_a_long_task(
+        tmp_path: Path, redis_url: str, client_app: Celery, redis_client: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a solo worker whose advertisement lives a second unless refreshed
+    proc = start_worker("tests.integration.short_ttl_app", worker_env(redis_url), tmp_path,
+                        concurrency=1, pool="solo", cwd=ROOT)
+    try:
+        wait_ready(client_app, [proc])
+        # and what its earlier inference tasks counted, as a child of it publishes it
+        monkeypatch.setattr(advertise, "TTL_S", short_ttl_app.TTL_S)
+        assert advertise.publish_child(SitsConfig(redis_url=redis_url), proc.hostname, 0,
+                                       {}, {"tasks": 120, "tasks:medium": 120, "cold": 7})
+        counters = advertise.counters_key("", proc.hostname)
+        counted = redis_client.hgetall(counters)
+        # When it runs one task for five of those TTLs
+        result = client_app.tasks["w.slow"].delay("long", TASK_S)
+        wait_for(lambda: redis_client.llen("test:started") == 1, 30, "the task to start")
+        missing: list[str] = []
+
+        def finished() -> bool:
+            # (what `sitsq status` lists, and what its own /metrics endpoint reads)
+            if proc.hostname not in advertise.live_hostnames(redis_client):
+                missing.append("advertisement")
+            if not metrics.read(redis_client, "", proc.hostname):
+                missing.append("metrics record")
+            if redis_client.hgetall(counters) != counted:
+                missing.append("counters")
+            return result.ready()
+
+        wait_for(finished, TASK_S + 30, "the long task to finish")
+        assert result.get(timeout=1) == "long"
+        # Then nobody saw it gone, nor its counts restart, while the task ran
+        assert not missing, sorted(set(missing))
+        assert redis_client.hgetall(counters) == counted
+    finally:
+        proc.stop(timeout_s=15)
+    # and a worker that stops takes its advertisement and its counters with it
+    assert proc.hostname not in advertise.live_hostnames(redis_client)
+    assert not redis_client.exists(counters)

@@ -1,0 +1,72 @@
+"""Finished tasks' statistics (``workers/signals.py``) reach Redis from a real prefork
+worker's pool child, whether the child idles after its last task or exits right after
+it (billiard ends a child with ``os._exit``: no ``atexit`` handler runs there)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from types import SimpleNamespace
+
+import redis
+from celery import Celery
+
+from sits_queue.config import SitsConfig
+from sits_queue.priority import prewarm
+from sits_queue.procs import CeleryProcess
+from sits_queue.workers import signals
+from tests.waiting import wait_for
+
+Spawn = Callable[..., CeleryProcess]
+#: Longest a finished task's record may take to reach Redis here, s: the flush period
+#: (0.5 s) plus a slow CI box's scheduling.
+ARRIVES_S = 10
+
+
+def done(r: redis.Redis) -> int:
+    return sum(int(v) for v in r.hgetall(signals.counter_key(SitsConfig(), "done")).values())
+
+
+def latencies(r: redis.Redis) -> int:
+    return sum(int(r.llen(k)) for k in r.scan_iter(match="sits:lat:*"))
+
+
+def test_an_idle_childs_statistics_reach_redis(spawn: Spawn, client_app: Celery,
+                                               redis_client: redis.Redis) -> None:
+    # Given a prefork worker whose one child runs three tasks, then has nothing to do
+    spawn(concurrency=1)
+    results = [client_app.tasks["w.add"].delay(i, i) for i in range(3)]
+    assert [x.get(timeout=30) for x in results] == [0, 2, 4]
+    # Then their records reach Redis while the worker idles (they used to wait in the
+    # child's buffer until 29 more tasks finished there)
+    wait_for(lambda: done(redis_client) == 3, ARRIVES_S, "the idle child's 3 records")
+    assert latencies(redis_client) == 3
+
+
+def test_a_child_that_exits_after_its_task_flushes_its_statistics(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    # Given children replaced after every task: each exits right after its one task
+    spawn(concurrency=1, extra_args=("--max-tasks-per-child=1",))
+    results = [client_app.tasks["w.add"].delay(i, 1) for i in range(2)]
+    assert [x.get(timeout=30) for x in results] == [1, 2]
+    # Then neither record died with its child
+    wait_for(lambda: done(redis_client) == 2, ARRIVES_S, "the exited children's 2 records")
+    assert latencies(redis_client) == 2
+
+
+def test_demand_counts_in_the_interval_its_task_finished_in(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    # Given a task that finished three pre-warm intervals before its record is flushed
+    config = replace(SitsConfig(redis_url=redis_url), prewarm_interval_s=60.0,
+                     global_keyprefix="stamp:")
+    finished = time.time() - 3 * config.prewarm_interval_s
+    request = SimpleNamespace(task="t.any", sits={"sla_class": "low", "model": "m"})
+    signals.record_completion(config, request, False, finished)
+    signals.flush(config)
+    # Then the forecaster sees its demand in that interval, not in the flush's
+    then = prewarm.demand_key(config, prewarm.bucket_of(config, finished))
+    now = prewarm.demand_key(config, prewarm.bucket_of(config, time.time()))
+    assert redis_client.hget(then, "m") == b"1"
+    assert redis_client.hget(now, "m") is None
+    assert redis_client.ttl(then) >= 1
