@@ -23,19 +23,23 @@ interval in the window, kept in its p95 for a minute, must not pause intake that
 Running tasks are never touched. It reports "headroom" when it is idle enough to take
 more (for a scheduler or a person reading ``sitsq status``; the pool's size is the
 devices', so nothing grows it).
-Pure functions here; ``ProfileStep`` at the bottom is the Celery edge.
+Pure functions here; ``ProfileStep`` at the bottom is the Celery edge: it samples from a
+thread of its own (a ``--pool=solo`` task holds the consumer's event loop for as long as
+it runs) and hands the intake decision back to the event loop, whose transport reads it.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
 import os
 import resource
 import statistics
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -187,32 +191,42 @@ def sample(pids: Sequence[int], cpus: int, now_s: float | None = None) -> Sample
 
 
 class Profiler:
-    """The window and the state of one worker (its main process)."""
+    """The window and the state of one worker (its main process).
+
+    The sampler thread adds, the advertisement's thread reports: the lock keeps a report
+    of one sample's state, why and profile, never a mix of two."""
 
     def __init__(self, policy: ProfilePolicy | None = None) -> None:
         self.policy = policy or ProfilePolicy()
         self.samples: list[Sample] = []
         self.state, self.why = NORMAL, ""
         self.latest: Profile | None = None
+        self._lock = threading.Lock()
 
     def add(self, s: Sample) -> str:
-        self.samples = [*self.samples, s][-WINDOW:]
-        self.latest = profile(self.samples)
-        if self.latest is not None:
-            state, why = decide(self.latest, self.state, self.policy)
-            if state != self.state and THROTTLED in (state, self.state):
-                logger.warning("intake %s: %s", "paused" if state == THROTTLED else "resumed",
-                               why or "resources back under the resume levels")
-            self.state, self.why = state, why
-        return self.state
+        with self._lock:
+            self.samples = [*self.samples, s][-WINDOW:]
+            self.latest = profile(self.samples)
+            if self.latest is not None:
+                state, why = decide(self.latest, self.state, self.policy)
+                if state != self.state and THROTTLED in (state, self.state):
+                    logger.warning("intake %s: %s",
+                                   "paused" if state == THROTTLED else "resumed",
+                                   why or "resources back under the resume levels")
+                self.state, self.why = state, why
+            return self.state
 
     def report(self) -> dict[str, Any]:
-        return {"state": self.state, "why": self.why,
-                **(asdict(self.latest) if self.latest is not None else {})}
+        with self._lock:
+            return {"state": self.state, "why": self.why,
+                    **(asdict(self.latest) if self.latest is not None else {})}
 
 
 #: Samples failing in a row after which a throttled worker takes work again.
 FAILED_SAMPLES_RESUME = 3
+#: Longest a stopping worker waits for a sample in flight, s (psutil reads of /proc: far
+#: less); one that finishes later changes nothing (its hand-back is dropped).
+_STOP_WAIT_S = 5.0
 
 #: This worker's profiler (one worker per process), for the advertisement.
 current: list[Profiler] = []
@@ -228,45 +242,85 @@ def policy_of(config: Any) -> ProfilePolicy:
                          mem_throttle=mem, mem_resume=min(2 * mem, (1 + mem) / 2))
 
 
+def _resume_unconfirmed(failures: int) -> None:
+    # a throttle nothing can confirm any more must not pause intake for good
+    if intake.paused() is not None:
+        logger.warning("resuming intake: %d samples failed in a row", failures)
+        intake.pause(None)
+
+
 class ProfileStep(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Consumer step: sample every :data:`SAMPLE_S` on the consumer's timer."""
+    """Consumer step: sample every :data:`SAMPLE_S`.
+
+    From a daemon thread, not the consumer's timer: with ``--pool=solo`` a task runs on
+    the event loop's thread, and a long task stopped the sampling (the profile, its
+    throttle and what the advertisement publishes of it froze). The thread only reads
+    ``/proc`` and updates the :class:`Profiler`; pausing or resuming intake, which the
+    transport reads on the event loop, is handed back there (``Consumer.call_soon``: the
+    hub's thread-safe ready queue, or the plain loop's pending operations).
+    """
 
     requires = ("celery.worker.consumer.tasks:Tasks",)
     name = "SITS runtime profile"
 
     def __init__(self, c: Any, **kwargs: Any) -> None:
         super().__init__(c, **kwargs)
-        self.tref: Any = None
         self.failures = 0
+        self._stopping: threading.Event | None = None
+        self._thread: threading.Thread | None = None
 
-    def tick(self, c: Any) -> None:
+    def tick(self, c: Any) -> Callable[[], None] | None:
+        """Take one sample (on any thread); what it asks of intake, for the event loop's
+        thread to run (None: nothing)."""
         policy = policy_of(c.app.sits)
         if not current or current[0].policy != policy:
             current[:] = [Profiler(policy)]
         try:
             import psutil
 
-            # the pool's children are this process's children
+            # the pool's children are this process's children; the affinity is the main
+            # thread's (what the event loop's thread read when it sampled)
             children = [p.pid for p in psutil.Process().children()]
             state = current[0].add(sample([os.getpid(), *children],
-                                          len(os.sched_getaffinity(0))))
+                                          len(os.sched_getaffinity(os.getpid()))))
         except Exception as exc:  # a failed sample must never stop the worker
             self.failures += 1
             logger.warning("could not sample the worker's resources: %s", exc)
-            if self.failures >= FAILED_SAMPLES_RESUME and intake.paused() is not None:
-                # a throttle nothing can confirm any more must not pause it for good
-                logger.warning("resuming intake: %d samples failed in a row", self.failures)
-                intake.pause(None)
-            return
+            if self.failures >= FAILED_SAMPLES_RESUME:
+                return functools.partial(_resume_unconfirmed, self.failures)
+            return None
         self.failures = 0
-        intake.pause(current[0].why if state == THROTTLED else None)
+        # (only this thread changes the profiler's why: it is this sample's)
+        return functools.partial(intake.pause, current[0].why if state == THROTTLED else None)
 
     def start(self, c: Any) -> None:
-        self.tick(c)
-        self.tref = c.timer.call_repeatedly(SAMPLE_S, self.tick, (c,), priority=10)
+        if (apply := self.tick(c)) is not None:  # (on the event loop's thread)
+            apply()
+        stopping = self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(c, stopping),
+                                        name="sits-profile", daemon=True)
+        self._thread.start()
+
+    def _sample(self, c: Any, stopping: threading.Event) -> None:
+        while not stopping.wait(SAMPLE_S):
+            try:
+                if (apply := self.tick(c)) is not None:
+                    c.call_soon(_unless_stopped, stopping, apply)
+            except Exception:  # the thread must outlive anything one sample meets
+                logger.exception("could not sample the worker's resources")
 
     def stop(self, c: Any) -> None:
-        if self.tref is not None:
-            self.tref.cancel()
-            self.tref = None
+        stopping, thread = self._stopping, self._thread
+        self._stopping = self._thread = None
+        if stopping is not None:
+            stopping.set()
+        if thread is not None:
+            thread.join(_STOP_WAIT_S)
         intake.pause(None)
+
+
+def _unless_stopped(stopping: threading.Event, apply: Callable[[], None]) -> None:
+    # On the event loop: a decision that arrives after the step stopped (and resumed
+    # intake) is dropped, or it would pause a stopped or restarted consumer.
+    if not stopping.is_set():
+        apply()

@@ -1,11 +1,13 @@
 """The runtime profile's feedback against a real Redis and a real worker: a paused
-intake picks nothing (and picks again when resumed), and a worker whose descriptor
-threshold is crossed advertises it and leaves new tasks waiting."""
+intake picks nothing (and picks again when resumed), a worker whose descriptor
+threshold is crossed advertises it and leaves new tasks waiting, and a ``--pool=solo``
+worker (whose tasks run on the consumer's event loop) goes on sampling through a task."""
 
 from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,8 +17,9 @@ from kombu import Consumer, Queue
 
 from sits_queue.broker import intake
 from sits_queue.broker.keys import QueueKeys
-from sits_queue.procs import CeleryProcess
+from sits_queue.procs import CeleryProcess, start_worker, wait_ready
 from sits_queue.workers import advertise
+from tests.integration.conftest import ROOT, worker_env
 from tests.waiting import wait_for
 
 CELERY = QueueKeys.for_queue("celery")
@@ -97,3 +100,40 @@ def test_a_worker_short_of_descriptors_leaves_new_tasks_waiting(
     assert redis_client.zcard(CELERY.waiting) == 1 and redis_client.zcard(CELERY.unacked) == 0
     assert "intake paused" in worker.log()
     assert worker.alive()
+
+
+#: ``short_sample_app.SAMPLE_S``, s; not imported: that module patches the profile
+#: module of whichever process imports it, this one's too.
+SAMPLE_S = 0.2
+#: The task outlasts fifteen of the worker's sampling periods.
+TASK_S = 15 * SAMPLE_S
+
+
+def test_a_solo_worker_samples_its_resources_through_a_long_task(
+        tmp_path: Path, redis_url: str, redis_client: redis.Redis, client_app: Celery
+        ) -> None:
+    # Given a solo worker sampling every fifth of a second
+    proc = start_worker("tests.integration.short_sample_app", worker_env(redis_url),
+                        tmp_path, concurrency=1, pool="solo", cwd=ROOT)
+    try:
+        wait_ready(client_app, [proc])
+        # When it runs one task for fifteen of those periods
+        result = client_app.tasks["w.slow"].delay("long", TASK_S)
+        wait_for(lambda: redis_client.llen("test:started") == 1, 30, "the task to start")
+        before = profile_of(redis_client, proc).get("samples", 0)
+        during: list[int] = []
+
+        def finished() -> bool:
+            samples = profile_of(redis_client, proc).get("samples", 0)
+            # (the task marks its end before it returns to the event loop)
+            if not redis_client.llen("test:finished"):
+                during.append(samples)
+            return result.ready()
+
+        wait_for(finished, TASK_S + 30, "the long task to finish")
+        assert result.get(timeout=1) == "long"
+        # Then its profile went on counting samples while the task held the event loop
+        # (about fifteen; a third of them is plenty to tell from none)
+        assert max(during, default=before) - before >= 5, (before, during)
+    finally:
+        proc.stop(timeout_s=15)

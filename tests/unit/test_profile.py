@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from sits_queue.config import SitsConfig
 from sits_queue.errors import ConfigError
 from sits_queue.workers import profile as prof
 from sits_queue.workers.profile import HEADROOM, NORMAL, THROTTLED, Profile, ProfilePolicy, Sample
+from tests.waiting import wait_for
 
 POLICY = ProfilePolicy()
 
@@ -154,13 +156,58 @@ def test_samples_failing_in_a_row_lift_a_throttle(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(prof, "sample", broken)
     step = prof.ProfileStep.__new__(prof.ProfileStep)
-    step.tref, step.failures = None, 0
+    step.failures = 0
+
+    def tick() -> None:  # (and what it hands the event loop, run there)
+        if (apply := step.tick(Failing())) is not None:
+            apply()
+
     try:
         intake.pause("host memory 3% available")
         for _ in range(prof.FAILED_SAMPLES_RESUME - 1):
-            step.tick(Failing())
+            tick()
         assert intake.paused() is not None  # a failed sample or two change nothing
-        step.tick(Failing())
+        tick()
         assert intake.paused() is None
     finally:
+        intake.pause(None)
+
+
+class Loop:
+    """A consumer whose event loop runs only what the test runs (``call_soon`` queues)."""
+
+    def __init__(self, config: SitsConfig) -> None:
+        self.app = type("App", (), {"sits": config})()
+        self.ready: list[Callable[[], None]] = []
+
+    def call_soon(self, fn: Callable[..., None], *args: Any) -> None:
+        self.ready.append(lambda: fn(*args))
+
+
+def test_the_sampler_thread_hands_its_intake_decision_to_the_event_loop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a step whose policy throttles on any open descriptor, sampling 20 times a second
+    monkeypatch.setattr(prof, "SAMPLE_S", 0.05)
+    monkeypatch.setattr(prof, "current", [])
+    loop = Loop(SitsConfig(throttle_fd_share=0.000001))
+    step = prof.ProfileStep.__new__(prof.ProfileStep)
+    step.failures, step._stopping, step._thread = 0, None, None
+    try:
+        # When it starts (one sample: no profile yet) and its thread samples again
+        step.start(loop)
+        wait_for(lambda: bool(loop.ready), 10, "a decision handed to the event loop")
+        # Then the thread did not pause intake itself (the transport reads it on the loop)
+        assert intake.paused() is None
+        # the loop does, when it runs what was handed to it
+        for apply in list(loop.ready):
+            apply()
+        assert "file descriptors" in (intake.paused() or "")
+        # and a decision still queued when the step stops is dropped
+        step.stop(loop)
+        assert intake.paused() is None
+        for apply in list(loop.ready):
+            apply()
+        assert intake.paused() is None
+    finally:
+        step.stop(loop)
         intake.pause(None)
