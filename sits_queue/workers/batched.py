@@ -71,6 +71,9 @@ class Call:
     id: str
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
+    #: Its task's ``prefix_key`` (what the KV of its prompt's start is advertised as):
+    #: a batch's calls may start with different templates.
+    prefix_key: str | None = None
 
 
 def split_outputs(outputs: Any, calls: list[Call], meta: dict[str, Any]) -> dict[str, Any]:
@@ -118,11 +121,12 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
     calls: list[Call] = []
 
     def add(job: tuple[Any, ...]) -> tuple[int, Call]:
-        _name, task_id, _request, body, content_type, encoding = job
+        _name, task_id, request, body, content_type, encoding = job
         args, kwargs, _embed = loads(body, content_type, encoding,  # type: ignore[no-untyped-call]
                                      accept={content_type})
         jobs.append(job)
-        calls.append(Call(task_id, tuple(args), dict(kwargs)))
+        calls.append(Call(task_id, tuple(args), dict(kwargs),
+                          runtime.task_prefix_key(request)))
         return len(calls) - 1, calls[-1]
 
     for job in given:

@@ -74,6 +74,8 @@ class _Row:
     most: int
     temperature: float
     seed: int
+    #: Its call's ``prefix_key``: what the KV its prompt's start stores is tagged with.
+    tag: str | None = None
 
 
 def generate_calls(engine: Any, calls: list[Call], *, share_prefix: bool = True
@@ -183,7 +185,7 @@ def _parse(engine: Any, tokenizer: Any, model: str, limit: int | None, index: in
     except InferenceError as exc:
         return exc
     return args["stop_at_eos"], _Row(index, ids, most, float(args["temperature"]),
-                                           int(args["seed"]))
+                                     int(args["seed"]), call.prefix_key)
 
 
 # -- which rows share what (pure) ------------------------------------------------------------
@@ -485,7 +487,8 @@ def _prefix_cache(module: Any, model: str, rows: list[_Row],
     cached = [0] * len(rows)
     prefilled = []
     for members, n in groups:
-        cache, from_store = _group_cache(module, model, rows[members[0]].ids[:n], active)
+        first = rows[members[0]]
+        cache, from_store = _group_cache(module, model, first.ids[:n], active, first.tag)
         if cache is None:
             return None, [0] * len(rows)
         prefilled.append((cache, list(members)))
@@ -508,14 +511,14 @@ def _prefix_cache(module: Any, model: str, rows: list[_Row],
 
 
 def _group_cache(module: Any, model: str, tokens: list[int],
-                 active: runtime.ActiveTask | None) -> tuple[Any, int]:
+                 active: runtime.ActiveTask | None, tag: str | None) -> tuple[Any, int]:
     """One group's shared start as a one-row KV cache, prefilled after the longest part
     the child's KV-prefix store holds (which then keeps it for later batches and
     generations); with the tokens that came from the store. (None, 0) when the model's
     cache cannot be reused."""
     import torch
 
-    prefix = inference.PromptPrefix.looked_up(active, model, tokens)
+    prefix = kvreuse.PromptPrefix.looked_up(active, model, tokens, tag)
     device = next(module.parameters()).device
     with torch.inference_mode():
         out = module(input_ids=torch.tensor([tokens[prefix.tokens:]], device=device),
@@ -539,7 +542,7 @@ def _generate_alone(module: Any, tokenizer: Any, model: str, row: _Row, eos: int
 
     device = next(module.parameters()).device
     unsliced = replace(active, yielder=None) if active is not None else None
-    prefix = inference.PromptPrefix.looked_up(unsliced, model, row.ids)
+    prefix = kvreuse.PromptPrefix.looked_up(unsliced, model, row.ids, row.tag)
     progress: dict[str, Any] = {"new": [], "runs": 1}
     inference.decode_steps(module, torch.tensor([row.ids], device=device), row.most, eos,
                            row.temperature, row.seed, progress, unsliced, prefix, model=model)

@@ -82,7 +82,7 @@ def _prefill_row(module: Any, model: str, row: _Row, generator: Any,
     import torch
 
     device = next(module.parameters()).device
-    prefix = inference.PromptPrefix.looked_up(active, model, row.ids)
+    prefix = kvreuse.PromptPrefix.looked_up(active, model, row.ids, row.tag)
     prefilled = _prefill(module, input_ids=torch.tensor([row.ids[prefix.tokens:]],
                                                         device=device),
                          attention_mask=torch.ones((1, len(row.ids)), dtype=torch.long,

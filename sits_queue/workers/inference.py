@@ -347,7 +347,7 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
     new: list[int] = progress["new"]
     if new:  # the tokens of earlier runs go in with the prompt: one pass rebuilds the cache
         input_ids = torch.cat([input_ids, torch.tensor([new], device=device)], dim=1)
-    prefix = PromptPrefix.looked_up(active, model, input_ids[0].tolist())
+    prefix = kvreuse.PromptPrefix.looked_up(active, model, input_ids[0].tolist())
     progress["cached_tokens"] = prefix.tokens
     decode_steps(module, input_ids, max_new_tokens, eos, float(temperature), int(seed),
                  progress, active, prefix, model=model)
@@ -363,39 +363,6 @@ def generated(tokenizer: Any, new: list[int], eos: int | None, *, prompt_tokens:
             "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens,
             "stopped": "eos" if eos is not None and new and new[-1] == eos else "length",
             "runs": runs}
-
-
-class PromptPrefix:
-    """The KV-prefix cache as one generation uses it: the start it found (a private
-    copy, cut to the shared prefix) and, after the prefill, its own prompt stored."""
-
-    def __init__(self, store: Any, model: str, tokens: list[int], tag: str | None) -> None:
-        self.store, self.model, self.tokens_in, self.tag = store, model, tokens, tag
-        hit = store.lookup(model, tokens, tag) if store is not None else None
-        self.start = kvreuse.prefix_copy(hit.value, hit.tokens) if hit is not None else None
-        self.tokens = hit.tokens if hit is not None else 0
-
-    @classmethod
-    def looked_up(cls, active: runtime.ActiveTask | None, model: str, tokens: list[int]
-                  ) -> PromptPrefix:
-        """The running task's lookup of ``tokens`` in its child's store (none outside a
-        worker), counted in the worker's KV-prefix metrics."""
-        prefix = cls(active.prefixes if active is not None else None, model, tokens,
-                     active.prefix_key if active is not None else None)
-        if active is not None and active.count is not None and prefix.store is not None:
-            active.count(metrics.prefix_fields(prefix.tokens))
-        return prefix
-
-    def after_prefill(self, cache: Any) -> None:
-        """Keep this prompt's whole blocks unless the store holds them already."""
-        if self.store is None or not kvreuse.reusable(cache):
-            return
-        block = self.store.block
-        aligned = (len(self.tokens_in) // block) * block
-        if aligned and self.store.covered(self.model, self.tokens_in[:aligned]) < aligned:
-            kept = kvreuse.prefix_copy(cache, aligned)
-            self.store.store(self.model, self.tokens_in[:aligned], kept, kvreuse.nbytes(kept),
-                             self.tag)
 
 
 def _resumed(checkpoint: Any, max_new_tokens: int, vocab_size: int) -> dict[str, Any]:
@@ -442,7 +409,7 @@ def sampled(logits: Any, temperature: float, seed: int, position: int, generator
 
 def decode_steps(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
                  temperature: float, seed: int, progress: dict[str, Any],
-                 active: runtime.ActiveTask | None, prefix: PromptPrefix, *,
+                 active: runtime.ActiveTask | None, prefix: kvreuse.PromptPrefix, *,
                  model: str) -> None:
     """The decode loop of one prompt; appends token ids to ``progress["new"]`` so a
     caller sees how far it got on a timeout, and so a yield keeps them for the next run
@@ -460,7 +427,7 @@ def decode_steps(module: Any, input_ids: Any, max_new_tokens: int, eos: int | No
 
 def _decode(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
             temperature: float, seed: int, progress: dict[str, Any],
-            active: runtime.ActiveTask | None, prefix: PromptPrefix) -> None:
+            active: runtime.ActiveTask | None, prefix: kvreuse.PromptPrefix) -> None:
     import torch
 
     new: list[int] = progress["new"]

@@ -1,6 +1,8 @@
 """The torch side of the KV-prefix cache (``cache/prefix.py`` keeps and finds them):
 which caches can be reused, and independent copies cut to a prefix; and the rows of a
-left-padded batch cache joined and trimmed (continuous batching, ``batchgen.py``).
+left-padded batch cache joined and trimmed (continuous batching, ``batchgen.py``); and
+:class:`PromptPrefix`, one generation's lookup and store, tagged with its task's (or its
+batch row's) ``prefix_key`` for affinity.
 
 Only transformers' ``DynamicCache`` made of plain ``DynamicLayer`` s (full attention, a
 ``[batch, heads, positions, head_dim]`` key and value tensor per layer) is reused: a
@@ -11,7 +13,12 @@ simply prefill in full.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from sits_queue.workers import metrics
+
+if TYPE_CHECKING:
+    from sits_queue.workers import runtime
 
 #: Positions are the second-to-last dimension of a layer's key and value tensors.
 _POSITIONS_DIM = -2
@@ -101,3 +108,47 @@ def _pad_left(cache: Any, n: int) -> None:
             old = getattr(layer, name)
             setattr(layer, name, torch.cat(
                 [old.new_zeros((old.shape[0], old.shape[1], n, old.shape[3])), old], dim=2))
+
+
+# -- one generation's use of the KV-prefix store ---------------------------------------------
+
+class _Own:
+    """The running task's own ``prefix_key`` (:meth:`PromptPrefix.looked_up`)."""
+
+
+OWN = _Own()
+
+
+class PromptPrefix:
+    """The KV-prefix cache as one generation uses it: the start it found (a private
+    copy, cut to the shared prefix) and, after the prefill, its own prompt stored."""
+
+    def __init__(self, store: Any, model: str, tokens: list[int], tag: str | None) -> None:
+        self.store, self.model, self.tokens_in, self.tag = store, model, tokens, tag
+        hit = store.lookup(model, tokens, tag) if store is not None else None
+        self.start = prefix_copy(hit.value, hit.tokens) if hit is not None else None
+        self.tokens = hit.tokens if hit is not None else 0
+
+    @classmethod
+    def looked_up(cls, active: runtime.ActiveTask | None, model: str, tokens: list[int],
+                  tag: str | _Own | None = OWN) -> PromptPrefix:
+        """The running task's lookup of ``tokens`` in its child's store (none outside a
+        worker), counted in the worker's KV-prefix metrics; tagged with the task's
+        ``prefix_key``, or a batch row's own ``tag`` (a batch runs as its first task)."""
+        if isinstance(tag, _Own):
+            tag = active.prefix_key if active is not None else None
+        prefix = cls(active.prefixes if active is not None else None, model, tokens, tag)
+        if active is not None and active.count is not None and prefix.store is not None:
+            active.count(metrics.prefix_fields(prefix.tokens))
+        return prefix
+
+    def after_prefill(self, cache: Any) -> None:
+        """Keep this prompt's whole blocks unless the store holds them already."""
+        if self.store is None or not reusable(cache):
+            return
+        block = self.store.block
+        aligned = (len(self.tokens_in) // block) * block
+        if aligned and self.store.covered(self.model, self.tokens_in[:aligned]) < aligned:
+            kept = prefix_copy(cache, aligned)
+            self.store.store(self.model, self.tokens_in[:aligned], kept, nbytes(kept),
+                             self.tag)

@@ -147,10 +147,13 @@ def check_engine_fits_class(model: str, quota: ClassQuota, engine_bytes: int,
 def sits_header(request: Any) -> Mapping[str, Any] | None:
     """The running task's SITS options header: a delivered message's headers are its
     request's attributes; an eager call (``apply()``, ``task_always_eager``) keeps them
-    in ``request.headers`` (read there, or its model, class and precision were ignored)."""
-    header = getattr(request, HEADER, None)
+    in ``request.headers`` (read there, or its model, class and precision were ignored);
+    a batch's jobs carry a request dict (``workers/batched.py``)."""
+    header = request.get(HEADER) if isinstance(request, Mapping) \
+        else getattr(request, HEADER, None)
     if header is None:
-        headers = getattr(request, "headers", None)
+        headers = request.get("headers") if isinstance(request, Mapping) \
+            else getattr(request, "headers", None)
         header = headers.get(HEADER) if isinstance(headers, Mapping) else None
     return header if isinstance(header, Mapping) else None
 

@@ -196,6 +196,26 @@ def test_a_row_far_longer_than_the_shared_ones_is_batched_without_sharing(lm: An
         assert out == {**one, "shared_tokens": 0}, prompt
 
 
+def test_each_template_is_advertised_under_its_own_tasks_prefix_key(lm: Any) -> None:
+    """A batch runs as its first task: every prefix it stored was tagged with that task's
+    key, so workers holding template B's KV never drew B's tasks by affinity."""
+    store = PrefixStore(2**26)
+    prompts = [SHARED + ITEMS[0], OTHER + ITEMS[1], OTHER + ITEMS[2], SHARED + ITEMS[3]]
+    tags = ["key-shared", "key-other", "key-other", "key-shared"]
+    calls = [Call(str(i), (p,), {"max_new_tokens": 2}, tag)
+             for i, (p, tag) in enumerate(zip(prompts, tags, strict=True))]
+    active = rt.ActiveTask("lm", SitsConfig().quota("high"), lm.size_bytes(), "cpu",
+                           prefixes=store, prefix_key="key-shared")  # the first task's
+    with rt.activated(active):
+        generate_calls(lm, calls)
+    assert len(store) == 2 and set(store.tags()) == {"key-shared", "key-other"}
+    # and a batch of one, alone, tags with its own call's key too
+    with rt.activated(active):
+        generate_calls(lm, [Call("9", ("entirely new words " * 8,), {"max_new_tokens": 2},
+                                 "key-lone")])
+    assert "key-lone" in store.tags()
+
+
 def test_a_batch_of_one_decodes_alone_from_the_store_and_never_yields(lm: Any) -> None:
     store = PrefixStore(2**26)
     generate_batch(lm, [SHARED + item for item in ITEMS[:2]], store)  # stores the template
@@ -273,7 +293,7 @@ def test_a_row_leaves_the_batch_at_its_end_of_sequence_token(lm: Any) -> None:
     prompt = tokenizer(ROWS[1][0])["input_ids"]
     progress: dict[str, Any] = {"new": [], "runs": 1}
     inference.decode_steps(lm.module, torch.tensor([prompt]), 7, None, 1.5, ROWS[1][3],
-                           progress, None, inference.PromptPrefix.looked_up(None, lm.key, prompt),
+                           progress, None, kvreuse.PromptPrefix.looked_up(None, lm.key, prompt),
                            model=lm.key)
     ids = progress["new"]
     # the second row's third token is made the end-of-sequence token: it stops there

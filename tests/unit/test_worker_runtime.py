@@ -14,6 +14,7 @@ from sits_queue.app import ENGINE_ARG, make_app
 from sits_queue.cache import budgets as cache_budgets
 from sits_queue.config import DEFAULT_CLASSES, ClassQuota, SitsConfig
 from sits_queue.errors import ConfigError, ModelLoadError, UnknownModel, VramLimitExceeded
+from sits_queue.options import HEADER
 from sits_queue.registry import ModelRegistry, load_engine
 from sits_queue.workers import advertise, gpu, request
 from sits_queue.workers import runtime as rt
@@ -575,3 +576,17 @@ def test_tasks_side_by_side_in_one_process_are_refused_with_the_fix(module: str)
     problem = rt.pool_problem(module, 4)
     assert problem is not None and "would run 4 tasks in one process" in problem
     assert "--pool=solo" in problem and "--concurrency=1" in problem
+
+
+@pytest.mark.parametrize(("request_", "key"), [
+    ({HEADER: {"prefix_key": "tpl-a"}}, "tpl-a"),               # a batch job's request dict
+    ({"headers": {HEADER: {"prefix_key": "tpl-b"}}}, "tpl-b"),  # an eager call's, as a dict
+    (SimpleNamespace(**{HEADER: {"prefix_key": "tpl-c"}}), "tpl-c"),  # a delivered request
+    ({HEADER: {"prefix_key": ""}}, None),
+    ({HEADER: "not a header"}, None),
+    ({}, None),
+])
+def test_a_tasks_prefix_key_is_read_from_a_request_or_a_request_dict(
+        request_: Any, key: str | None) -> None:
+    """A batch's calls are made from request dicts: read as objects, every call had none."""
+    assert rt.task_prefix_key(request_) == key
