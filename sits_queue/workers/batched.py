@@ -457,8 +457,9 @@ def submit(requests: list[Any], pool: Any) -> Any:
         if join is None or setup is None or not error:
             return requests
         if not ended:
-            count, rest = joins.finish(first.id, setup.client)
-            ended.append(requests[:max(count, own)])
+            done_by_run, rest = joins.finish(first.id, setup.client)
+            # (a batch joins no longer knows: its own requests at least)
+            ended.append(done_by_run or requests[:own])
             rerun(rest)
         return list(ended[0])
 

@@ -182,8 +182,13 @@ class Feed:
         return fits(time.monotonic(), self.deadline(), most, step_s)
 
     def decline(self, index: int) -> None:
-        """The job at call ``index`` is not run here: the main process runs it again."""
+        """The job at call ``index`` is not run here: the main process runs it again (told
+        through the list too: should this child die, it learns it there)."""
         self.declined.add(index)
+        try:
+            _join_script(self.client, self.keys, "decline", index)
+        except redis.RedisError as exc:
+            logger.warning("could not record a declined join in %s: %s", self.keys[0], exc)
 
     def close(self) -> None:
         """No more joins (the main process runs what it pushes after as a batch of its own)."""
@@ -293,24 +298,28 @@ def attach(group: str, members: list[Any], admitted: Callable[[Any], bool],
 
 
 def finish(job: str, client: redis.Redis, taken: int | None = None
-           ) -> tuple[int, list[Any]]:
-    """The batch ``job`` ended (``taken``: the joins its child reported it took) or its
-    child died (None: the list's own count says): how many of its requests the run
-    served (its own first), and the attached ones it did not take, to run again. Closes
-    the list first, so nothing more is pushed to it."""
+           ) -> tuple[list[Any], list[Any]]:
+    """The batch ``job`` ended (``taken``: the joins its child reported it took; it says
+    which it declined) or its child died (None: the list's own counts say): the requests
+    the run served (its own first), and the attached ones it did not take or declined,
+    to run again. Closes the list first, so nothing more is pushed to it. An unknown
+    batch: (None-like) two empty lists."""
     batch = _running.pop(job, None)
     if batch is None:
-        return -1, []
+        return [], []
     for member in batch.requests[batch.own:]:
         _attached.discard(member.id)
+    declined: set[int] = set()
     try:
         closed = _join_script(client, batch.keys, "close")
         client.delete(*batch.keys)
         if taken is None:
-            taken = int(closed[0])
+            taken, declined = int(closed[0]), {int(i) for i in closed[2:]}
     except redis.RedisError as exc:
         logger.warning("continuous batching: could not close %s: %s", batch.keys[0], exc)
         if taken is None:  # unknown: those pushed run again (a result stored is kept)
             taken = 0
-    served = batch.own + taken
-    return served, batch.requests[served:]
+    end = batch.own + taken
+    served = [r for i, r in enumerate(batch.requests[:end]) if i not in declined]
+    return served, [*(batch.requests[i] for i in sorted(declined) if i < end),
+                    *batch.requests[end:]]

@@ -96,7 +96,7 @@ def test_room_offered_is_picked_pushed_taken_and_served(redis_client: redis.Redi
     # the batch ends having taken two joins: own + 2 served, j3 runs again
     child.close()
     served, rest = joins.finish("own", redis_client, taken=2)
-    assert served == 3 and rest == [members[2]]
+    assert [r.id for r in served] == ["own", "j1", "j2"] and rest == [members[2]]
     assert not any(joins.attached(m) for m in members)
     assert list(redis_client.scan_iter(match="*join*")) == []
 
@@ -125,8 +125,23 @@ def test_a_child_that_died_leaves_its_untaken_joins_to_run_again(
     poll_and_attach(redis_client, members, [])
     assert len(child.take(live=3)) == 1  # room 1: took j1, then died
     served, rest = joins.finish("own", redis_client)  # no results: the list's count
-    assert served == 2 and rest == [members[1]]
-    assert joins.finish("own", redis_client) == (-1, [])  # once
+    assert [r.id for r in served] == ["own", "j1"] and rest == [members[1]]
+    assert joins.finish("own", redis_client) == ([], [])  # once
+
+
+def test_a_child_that_died_after_declining_a_join_leaves_it_to_run_again(
+        redis_client: redis.Redis, batch: list[Any]) -> None:
+    """The list's count of what the child took includes what it declined: those were
+    failed with the dead child's error (a hard time limit) though they never ran."""
+    child, _ = feed(redis_client)
+    child.take(live=1)
+    members = [FakeRequest("j1"), FakeRequest("j2"), FakeRequest("j3")]
+    poll_and_attach(redis_client, members, [])
+    taken = child.take(live=1)
+    assert [(i, c.id) for i, c in taken] == [(1, "j1"), (2, "j2"), (3, "j3")]
+    child.decline(2)  # j2 would not finish in time; then the child died
+    served, rest = joins.finish("own", redis_client)
+    assert [r.id for r in served] == ["own", "j1", "j3"] and rest == [members[1]]
 
 
 def test_revoked_or_refused_members_are_not_attached(redis_client: redis.Redis,
@@ -147,7 +162,7 @@ def test_the_feed_stops_joining_after_its_time_and_declines_late_rows(
         redis_client: redis.Redis, batch: list[Any]) -> None:
     late, _ = feed(redis_client, for_s=-1.0)
     assert late.take(live=1) == [] and not late.open  # closed: the main process stops
-    assert joins.finish("own", redis_client)[0] == 1
+    assert [r.id for r in joins.finish("own", redis_client)[0]] == ["own"]
     near, _ = feed(redis_client, deadline=time.monotonic() + 1.0)
     assert near.fits(10, 0.01) and not near.fits(100, 0.01)
     near.decline(3)
