@@ -57,7 +57,7 @@ from sits_queue.broker import intake
 from sits_queue.broker.keys import DELIVERY_HEADER, batch_mark, batch_units
 from sits_queue.errors import InferenceError, InvalidInput
 from sits_queue.options import HEADER
-from sits_queue.workers import advertise, inference, inputs, joins, metrics, runtime
+from sits_queue.workers import advertise, inference, joins, metrics, runtime
 from sits_queue.workers import request as admission
 from sits_queue.workers.request import SitsRequest
 
@@ -234,10 +234,7 @@ def _count(failed: list[str]) -> None:
         child.publish()
 
 
-# -- the built-in batch function -----------------------------------------------------------
-
-_EMBED = inspect.signature(inference.embed)
-
+# -- the built-in batch functions' arguments (batchembed.py, batchgen.py) -----------------
 
 def arguments(signature: inspect.Signature, task: str, engine: Any, call: Call
                ) -> dict[str, Any] | InvalidInput:
@@ -249,57 +246,6 @@ def arguments(signature: inspect.Signature, task: str, engine: Any, call: Call
         return InvalidInput(f"{task} arguments: {exc}")
     bound.apply_defaults()
     return dict(bound.arguments)
-
-
-def embed_calls(engine: Any, calls: list[Call]) -> list[Any]:
-    """``sits.embed`` over a batch: the texts of every call that asks for the same
-    normalisation go through :func:`~sits_queue.workers.inference.embed` together (its
-    cache and batch-size controller see them as one list), then back to their calls.
-
-    A call with bad arguments fails alone; so does one whose texts the model refuses
-    (too long): when the joint run fails on input, each call runs alone.
-    """
-    outputs: list[Any] = [None] * len(calls)
-    groups: dict[bool, list[tuple[int, Any]]] = {}
-    for i, call in enumerate(calls):
-        args = arguments(_EMBED, "sits.embed", engine, call)
-        if not isinstance(args, InvalidInput):
-            try:
-                inputs.check_flag("normalize", args["normalize"])
-            except InvalidInput as exc:
-                args = exc
-        if isinstance(args, InvalidInput):
-            outputs[i] = args
-            continue
-        groups.setdefault(args["normalize"], []).append((i, args["texts"]))
-    for normalize, members in groups.items():
-        valid: list[tuple[int, Any, list[str]]] = []
-        for i, texts in members:
-            try:
-                valid.append((i, texts, inputs.check_texts(texts)))
-            except InferenceError as exc:
-                outputs[i] = exc
-        if not valid:
-            continue
-        try:
-            vectors = inference.embed(engine, [t for *_, own in valid for t in own], normalize)
-        except InferenceError:  # the model refused one (too long): the culprit fails alone
-            for i, texts, _ in valid:
-                outputs[i] = _alone(engine, texts, normalize)
-            continue
-        start = 0
-        for i, texts, own in valid:
-            part = vectors[start:start + len(own)]
-            outputs[i] = part[0] if isinstance(texts, str) else part
-            start += len(own)
-    return outputs
-
-
-def _alone(engine: Any, texts: Any, normalize: bool) -> Any:
-    try:
-        return inference.embed(engine, texts, normalize)
-    except InferenceError as exc:
-        return exc
 
 
 class BatchInferenceTask(inference.InferenceTask):

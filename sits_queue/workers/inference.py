@@ -572,11 +572,11 @@ def prewarm(engine: Any) -> dict[str, Any]:
 def register(app: Any) -> dict[str, Any]:
     """``sits.generate``, ``sits.embed`` (a batch task: calls waiting together run as
     one batch) and ``sits.prewarm`` on ``app`` (model per call)."""
-    from sits_queue.workers import batched, batchgen
+    from sits_queue.workers import batchembed, batchgen
 
     tasks: dict[str, Callable[..., Any]] = {
         "generate": app.inference_task(name="sits.generate", shared=False)(generate),
-        "embed": app.batch_inference_task(name="sits.embed", shared=False)(batched.embed_calls),
+        "embed": app.batch_inference_task(name="sits.embed", shared=False)(batchembed.embed_calls),
         "generate_batched": app.batch_inference_task(
             name="sits.generate_batched", shared=False, joins=True)(batchgen.generate_calls),
         "prewarm": app.inference_task(name=PREWARM_TASK, shared=False)(prewarm),

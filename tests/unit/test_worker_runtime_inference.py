@@ -26,7 +26,7 @@ from sits_queue.errors import (
     VramLimitExceeded,
 )
 from sits_queue.models import tiny
-from sits_queue.workers import advertise, batched, batchgen, firsttoken, gpu, inference
+from sits_queue.workers import advertise, batched, batchembed, batchgen, firsttoken, gpu, inference
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.devices import Device, Discovery
 
@@ -310,7 +310,7 @@ def test_embed_rejects_malformed_input(encoder: Any, texts: Any) -> None:
 
 def test_a_lone_surrogate_fails_its_call_alone(lm: Any, encoder: Any) -> None:
     # (the tokenizer's TypeError failed every call of the batch, naming nothing)
-    got = batched.embed_calls(encoder, [batched.Call("a", (["ok", "bad \udc80"],), {}),
+    got = batchembed.embed_calls(encoder, [batched.Call("a", (["ok", "bad \udc80"],), {}),
                                         batched.Call("b", (["the beat"],), {})])
     assert isinstance(got[0], InvalidInput) and "texts item 1 is not valid Unicode" \
         in str(got[0])
@@ -320,12 +320,31 @@ def test_a_lone_surrogate_fails_its_call_alone(lm: Any, encoder: Any) -> None:
     assert isinstance(gen[0], InvalidInput) and gen[1]["tokens"] >= 1
 
 
+def test_calls_over_the_per_run_text_limit_embed_in_runs_not_one_by_one(
+        encoder: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each call may bring up to 1,024 texts, a batch of them more: the joint run was
+    refused on its size and every call ran alone."""
+    runs: list[int] = []
+    real = inference.embed
+
+    def counted(engine: Any, texts: Any, normalize: bool = True) -> Any:
+        runs.append(len(texts) if isinstance(texts, list) else 1)
+        return real(engine, texts, normalize)
+
+    monkeypatch.setattr(inference, "embed", counted)
+    texts = [f"line {n}" for n in range(400)]
+    calls = [batched.Call(str(i), (texts,), {}) for i in range(6)]  # 2,400 texts
+    got = batchembed.embed_calls(encoder, calls)
+    assert runs == [800, 800, 800]  # whole calls, at most 1,024 texts a run
+    assert all(len(g) == 400 for g in got) and got[5][7] == pytest.approx(got[0][7])
+
+
 def test_embed_takes_normalize_as_a_bool_only(encoder: Any) -> None:
     with pytest.raises(InvalidInput, match="normalize must be true or false"):
         inference.embed(encoder, "the beat", normalize="false")
     calls = [batched.Call("a", (["the beat"],), {"normalize": "no"}),
              batched.Call("b", (["the beat"],), {"normalize": False})]
-    got = batched.embed_calls(encoder, calls)
+    got = batchembed.embed_calls(encoder, calls)
     assert isinstance(got[0], InvalidInput) and "normalize" in str(got[0])
     assert got[1] == [inference.embed(encoder, "the beat", normalize=False)]
 
