@@ -76,13 +76,19 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def int8_layers(module: torch.nn.Module) -> torch.nn.Module:
     """Every ``nn.Linear`` and GPT-2 style ``Conv1D`` (x @ W + b, W stored in x out) of
-    ``module`` replaced by an :class:`Int8Linear`, in place; ``module`` returned."""
+    ``module`` replaced by an :class:`Int8Linear`, in place; ``module`` returned, or its
+    replacement when it is such a layer itself (a model that is one ``nn.Linear``)."""
+    if (own := _int8_of(module)) is not None:
+        return own
     for name, child in list(module.named_children()):
-        if type(child) is torch.nn.Linear:
-            setattr(module, name, Int8Linear(child.weight, child.bias))
-        elif type(child).__name__ == "Conv1D" and hasattr(child, "nf"):
-            conv: Any = child
-            setattr(module, name, Int8Linear(conv.weight.detach().t(), conv.bias))
-        else:
-            int8_layers(child)
+        setattr(module, name, int8_layers(child))
     return module
+
+
+def _int8_of(layer: torch.nn.Module) -> Int8Linear | None:
+    if type(layer) is torch.nn.Linear:
+        return Int8Linear(layer.weight, layer.bias)
+    if type(layer).__name__ == "Conv1D" and hasattr(layer, "nf"):
+        conv: Any = layer
+        return Int8Linear(conv.weight.detach().t(), conv.bias)
+    return None

@@ -272,6 +272,19 @@ def int8_error(reference: Any, candidate: Any) -> tuple[str, float]:
     return "kl", sum(kl_divergence(ref, got) for ref, got in pairs) / len(pairs)
 
 
+def _gate_int8(engine: Any, quantized: Any, measured: dict[str, float], max_kl: float,
+               max_rel_mse: float) -> str | None:
+    """The int8 gate on ``quantized`` (what it measured goes to ``measured``): None when
+    it may serve, else why not."""
+    try:
+        measure, error = int8_error(engine, quantized)
+    except CandidateFailed as exc:  # (model code that reads its layers' float weights)
+        return (f"int8 refused by the quantisation gate: the int8 model failed on its "
+                f"calibration inputs ({exc}); served at full precision")
+    measured[measure] = error
+    return gate(error, max_kl) if measure == "kl" else gate_rel_mse(error, max_rel_mse)
+
+
 def convert(engine: Any, requested: str, device: str, max_kl: float = DEFAULT_MAX_KL,
             max_rel_mse: float = DEFAULT_MAX_REL_MSE) -> Any:
     """``engine`` (as loaded, in the host tier) served at ``requested``: a new engine
@@ -289,17 +302,15 @@ def convert(engine: Any, requested: str, device: str, max_kl: float = DEFAULT_MA
     measured: dict[str, float] = {}
     module: Any = engine.module
     if target == "int8":
+        from sits_queue.cache.int8 import Int8Linear
+
         quantized = quantize_int8(module)
-        try:
-            measure, error = int8_error(engine, quantized)
-        except CandidateFailed as exc:  # (model code that reads its layers' float weights)
-            refused: str | None = (f"int8 refused by the quantisation gate: the int8 model "
-                                   f"failed on its calibration inputs ({exc}); served at "
+        if not any(isinstance(m, Int8Linear) for m in quantized.modules()):
+            refused: str | None = ("int8 refused: the model has no linear layers to "
+                                   "quantise (only nn.Linear and Conv1D are); served at "
                                    "full precision")
         else:
-            measured[measure] = error
-            refused = gate(error, max_kl) if measure == "kl" else \
-                gate_rel_mse(error, max_rel_mse)
+            refused = _gate_int8(engine, quantized, measured, max_kl, max_rel_mse)
         if refused is None:
             module = quantized
         else:

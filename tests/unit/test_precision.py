@@ -240,6 +240,22 @@ def test_a_single_output_model_int8_keeps_close_is_served_at_int8(shape: str) ->
     assert precision.relative_mse(expected, got) == pytest.approx(meta["rel_mse"])
 
 
+def test_a_model_that_is_one_linear_layer_is_quantised_and_one_with_none_refused() -> None:
+    """(a bare nn.Linear was walked for children only: nothing quantised, yet the result
+    said int8; a model with no linear layer said int8 too)"""
+    import torch
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    bare = precision.convert(scorer_engine(torch.nn.Linear(16, 32), x), "int8", "cpu")
+    assert bare.artifacts["precision"]["served"] == "int8"
+    assert quantized(bare.module)
+    convs = torch.nn.Sequential(torch.nn.Conv1d(4, 4, 3), torch.nn.ReLU())
+    none = precision.convert(scorer_engine(convs, torch.randn(2, 4, 16)), "int8", "cpu")
+    meta = none.artifacts["precision"]
+    assert meta["served"] == "fp32" and "no linear layers" in meta["reason"]
+
+
 def test_a_model_the_int8_layers_break_is_served_at_full_precision() -> None:
     """(the gate's calibration run raised from the int8 copy, and the task failed)"""
     import torch
