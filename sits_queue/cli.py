@@ -218,14 +218,24 @@ def _format_status(report: dict[str, Any]) -> str:
               help="Worker pool processes.")
 @click.option("--seed", default=7, show_default=True)
 def demo(jobs: int, concurrency: int, seed: int) -> None:
-    """The main job: a worker and beat on the embedded Redis, a mixed workload across
-    the classes, then a per-class table of waits and throughput. On a Redis of yours
-    (SITS_REDIS_URL), under a key prefix of its own: your queues are not touched."""
+    """The main job: a worker and beat on the embedded Redis (or yours: SITS_REDIS_URL),
+    a mixed workload across the classes, then a per-class table of waits and
+    throughput. Under a key prefix of its own: your queues are not touched."""
     from sits_queue.bench.demo import PREFIX, run_demo
 
-    url, embedded = _resolved()
-    run_demo(url, jobs=jobs, concurrency=concurrency, seed=seed, echo=click.echo,
-             prefix="" if embedded else PREFIX)
+    # Under its prefix on the embedded server too: `sitsq celery ...` keeps the user's
+    # own work there, and the demo's worker took their waiting tasks (dead-lettered).
+    try:
+        run_demo(_redis_url(), jobs=jobs, concurrency=concurrency, seed=seed,
+                 echo=click.echo, prefix=PREFIX)
+    except (RuntimeError, TimeoutError) as exc:
+        # Its worker died or never came up (a bad worker setting: SITS_DEVICE_CACHE_BYTES
+        # and the like are read there): what happened and the log's last line, which
+        # names the cause, not the log's last 3,000 characters as a traceback.
+        said = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        head = said[0].rstrip(":") if said else type(exc).__name__
+        raise click.ClickException(f"the demo's {head}" + (
+            f": {said[-1]}" if len(said) > 1 else "")) from exc
 
 
 # -- benchmarks ------------------------------------------------------------------------------

@@ -59,13 +59,16 @@ def run_system(system: str, workload: Workload, url: str, log_dir: Path,
                on_progress: Callable[[str], None] = print, flush: bool = True,
                prefix: str = "") -> dict[str, Any]:
     """Run one system on the Redis database ``url`` (flushed first when ``flush``), its
-    keys under ``prefix``."""
+    keys under ``prefix`` (without ``flush``, what an earlier run left under a non-empty
+    prefix is deleted first: queued jobs of an interrupted run would count as this one's)."""
     client = redis.Redis.from_url(url)
     done = done_key(prefix)
     if flush:
         client.flushdb()
     else:
         client.delete(done)
+        if prefix:
+            _delete_under(client, prefix)
     app = build(system, url, prefix)
     env = {"SITS_BENCH_SYSTEM": system, "SITS_BENCH_REDIS_URL": url, "SITS_REDIS_URL": url,
            "SITS_BENCH_PREFIX": prefix}
@@ -90,6 +93,19 @@ def run_system(system: str, workload: Workload, url: str, log_dir: Path,
     summary = summarise(completions, CLASSES)
     summary["completed"] = len(completions)
     return summary
+
+
+def _delete_under(client: redis.Redis, prefix: str) -> None:
+    """Every key under ``prefix`` (glob characters in it taken literally)."""
+    pattern = "".join(f"[{c}]" if c in "*?[]\\" else c for c in prefix) + "*"
+    batch: list[Any] = []
+    for key in client.scan_iter(match=pattern, count=1000):
+        batch.append(key)
+        if len(batch) >= 1000:
+            client.delete(*batch)
+            batch = []
+    if batch:
+        client.delete(*batch)
 
 
 def _replay(app: Any, system: str, workload: Workload) -> None:

@@ -4,9 +4,11 @@ A worker and beat run as real subprocesses; jobs simulate inference with a seede
 service time, run in 5 ms steps with a yield point between them (time slices), as in
 the A/B benchmark's ``sits`` system; the table is the same per-class summary it prints.
 
-On a server of the user's (``SITS_REDIS_URL``) it runs under a key prefix of its own,
-:data:`PREFIX`: its worker consumed the ``celery`` queue there, and took the user's
-waiting tasks, dead-lettered as unknown to it.
+It runs under a key prefix of its own, :data:`PREFIX`, on the embedded server too (the
+user's ``sitsq celery ...`` work lives there): its worker consumed the ``celery`` queue,
+and took the user's waiting tasks, dead-lettered as unknown to it. Each run starts by
+deleting what an earlier one left under that prefix (one interrupted left its jobs
+queued: the next run counted their completions as its own, and served them late).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 from sits_queue.bench.ab import CLASSES, run_system
 from sits_queue.bench.workload import mixed_workload
 
-#: The key prefix of a demo on a server of the user's.
+#: The key prefix of the demo's keys, whichever server it runs on.
 PREFIX = "sits-demo:"
 
 
@@ -30,7 +32,8 @@ def run_demo(redis_url: str, jobs: int, concurrency: int, seed: int,
          f"{concurrency} worker slots can serve, over {workload.duration_s:.1f} s")
     if prefix:
         echo(f"demo: its keys are under {prefix!r}, apart from any queue of yours there "
-             f"(watch it with SITS_GLOBAL_KEYPREFIX={prefix} sitsq status)")
+             f"(watch it with SITS_GLOBAL_KEYPREFIX={prefix} sitsq status); what an "
+             "earlier demo left there is deleted")
     with tempfile.TemporaryDirectory(prefix="sits-demo-") as tmp:
         # Nothing flushed: `sitsq status` sees the same queues while it runs.
         summary = run_system("sits", workload, redis_url, Path(tmp), echo, flush=False,

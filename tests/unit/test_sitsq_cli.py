@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from sits_queue import cli
-from sits_queue.bench import ab
+from sits_queue.bench import ab, demo
 
 
 @pytest.fixture
@@ -37,6 +37,36 @@ def test_bench_ab_never_runs_on_the_configured_redis(ab_runs: list[dict[str, Any
     out = CliRunner().invoke(cli.main, ["bench", "ab", "--redis-url", "redis://h:1/0"])
     assert out.exit_code == 0, out.output
     assert ab_runs[1]["redis_url"] == "redis://h:1/0"
+
+
+@pytest.mark.parametrize("embedded", [True, False])
+def test_the_demo_keeps_to_its_prefix_on_any_server(monkeypatch: pytest.MonkeyPatch,
+                                                    embedded: bool) -> None:
+    """(on the embedded server it ran without one: `sitsq celery ...` keeps the user's
+    work there, and the demo's worker dead-lettered their waiting tasks)"""
+    seen: list[dict[str, Any]] = []
+    monkeypatch.setattr(cli, "_resolved", lambda: ("redis://h:1/0", embedded))
+    monkeypatch.setattr(demo, "run_demo", lambda url, **kwargs: seen.append(kwargs))
+    out = CliRunner().invoke(cli.main, ["demo", "--jobs", "5"])
+    assert out.exit_code == 0, out.output
+    assert [k["prefix"] for k in seen] == [demo.PREFIX] and demo.PREFIX
+
+
+def test_a_demo_whose_worker_dies_says_why_in_one_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(a bad worker setting gave an 86-line traceback)"""
+    def died(url: str, **kwargs: Any) -> None:
+        raise RuntimeError("worker demo@h exited with 1:\nTraceback (most recent call "
+                           "last):\n  File ...\nsits_queue.errors.ConfigError: "
+                           "SITS_DEVICE_CACHE_BYTES='lots' is not a size\n")
+
+    monkeypatch.setattr(cli, "_resolved", lambda: ("redis://h:1/0", True))
+    monkeypatch.setattr(demo, "run_demo", died)
+    out = CliRunner().invoke(cli.main, ["demo"])
+    assert out.exit_code == 1 and "Traceback" not in out.output
+    assert out.output.strip().splitlines() == [
+        "Error: the demo's worker demo@h exited with 1: sits_queue.errors.ConfigError: "
+        "SITS_DEVICE_CACHE_BYTES='lots' is not a size"]
 
 
 def test_every_bench_offers_the_same_options() -> None:
