@@ -35,6 +35,7 @@ from celery import bootsteps
 
 from sits_queue.broker import affinity
 from sits_queue.config import SitsConfig
+from sits_queue.periodic import Periodic
 from sits_queue.workers.devices import Device, discover
 
 logger = logging.getLogger(__name__)
@@ -359,8 +360,7 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def __init__(self, c: Any, **kwargs: Any) -> None:
         super().__init__(c, **kwargs)
-        self._stopping: threading.Event | None = None
-        self._thread: threading.Thread | None = None
+        self._refresher: Periodic | None = None
 
     def _args(self, c: Any) -> tuple[SitsConfig, str, int]:
         config: SitsConfig = c.app.sits
@@ -389,25 +389,13 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
         if config.affinity.enabled:
             affinity.set_warm_source(WarmReader(config, hostname, concurrency))
         self.tick(c)
-        stopping = self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._refresh, args=(c, stopping),
-                                        name="sits-advertise", daemon=True)
-        self._thread.start()
-
-    def _refresh(self, c: Any, stopping: threading.Event) -> None:
-        while not stopping.wait(REFRESH_S):
-            try:
-                self.tick(c)
-            except Exception:  # the thread must outlive anything one refresh meets
-                logger.exception("could not refresh the worker advertisement")
+        self._refresher = Periodic("sits-advertise", REFRESH_S, lambda _: self.tick(c),
+                                   "could not refresh the worker advertisement").start()
 
     def stop(self, c: Any) -> None:
-        stopping, thread = self._stopping, self._thread
-        self._stopping = self._thread = None
-        if stopping is not None:
-            stopping.set()
-        if thread is not None:
-            thread.join(_STOP_WAIT_S)
+        refresher, self._refresher = self._refresher, None
+        if refresher is not None:
+            refresher.stop(_STOP_WAIT_S)
 
     def shutdown(self, c: Any) -> None:
         self.stop(c)

@@ -46,6 +46,7 @@ from typing import Any
 from celery import bootsteps
 
 from sits_queue.broker import intake
+from sits_queue.periodic import Periodic
 
 logger = logging.getLogger(__name__)
 
@@ -266,8 +267,7 @@ class ProfileStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def __init__(self, c: Any, **kwargs: Any) -> None:
         super().__init__(c, **kwargs)
         self.failures = 0
-        self._stopping: threading.Event | None = None
-        self._thread: threading.Thread | None = None
+        self._sampler: Periodic | None = None
 
     def tick(self, c: Any) -> Callable[[], None] | None:
         """Take one sample (on any thread); what it asks of intake, for the event loop's
@@ -296,26 +296,18 @@ class ProfileStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def start(self, c: Any) -> None:
         if (apply := self.tick(c)) is not None:  # (on the event loop's thread)
             apply()
-        stopping = self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._sample, args=(c, stopping),
-                                        name="sits-profile", daemon=True)
-        self._thread.start()
+        self._sampler = Periodic("sits-profile", SAMPLE_S,
+                                 lambda stopping: self._sample(c, stopping),
+                                 "could not sample the worker's resources").start()
 
     def _sample(self, c: Any, stopping: threading.Event) -> None:
-        while not stopping.wait(SAMPLE_S):
-            try:
-                if (apply := self.tick(c)) is not None:
-                    c.call_soon(_unless_stopped, stopping, apply)
-            except Exception:  # the thread must outlive anything one sample meets
-                logger.exception("could not sample the worker's resources")
+        if (apply := self.tick(c)) is not None:
+            c.call_soon(_unless_stopped, stopping, apply)
 
     def stop(self, c: Any) -> None:
-        stopping, thread = self._stopping, self._thread
-        self._stopping = self._thread = None
-        if stopping is not None:
-            stopping.set()
-        if thread is not None:
-            thread.join(_STOP_WAIT_S)
+        sampler, self._sampler = self._sampler, None
+        if sampler is not None:
+            sampler.stop(_STOP_WAIT_S)
         intake.pause(None)
 
 

@@ -191,7 +191,7 @@ def test_the_sampler_thread_hands_its_intake_decision_to_the_event_loop(
     monkeypatch.setattr(prof, "current", [])
     loop = Loop(SitsConfig(throttle_fd_share=0.000001))
     step = prof.ProfileStep.__new__(prof.ProfileStep)
-    step.failures, step._stopping, step._thread = 0, None, None
+    step.failures, step._sampler = 0, None
     try:
         # When it starts (one sample: no profile yet) and its thread samples again
         step.start(loop)
