@@ -119,17 +119,24 @@ def kv_bytes_per_token(module: Any) -> int:
     return 2 * (2 if seq2seq else 1) * layers * kv_heads * head_dim * dtype_bytes
 
 
+def _decode_inputs(module: Any, inputs: Mapping[str, Any], steps: int
+                   ) -> tuple[str, Any, Any]:
+    """A warm-up's cache keyword, input ids and attention mask (all ones when none)."""
+    import torch
+
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    ids = inputs["input_ids"]
+    mask = inputs.get("attention_mask")
+    return cache_kwarg(module), ids, torch.ones_like(ids) if mask is None else mask
+
+
 def warm_decode(module: Any, inputs: Mapping[str, Any], steps: int = DECODE_STEPS) -> int:
     """Prefill ``inputs`` (already on the module's device) and decode ``steps`` greedy
     tokens through the KV cache; returns the positions the cache ended with."""
     import torch
 
-    if steps < 0:
-        raise ValueError(f"steps must be >= 0, got {steps}")
-    kwarg = cache_kwarg(module)
-    ids = inputs["input_ids"]
-    mask = inputs.get("attention_mask")
-    mask = torch.ones_like(ids) if mask is None else mask
+    kwarg, ids, mask = _decode_inputs(module, inputs, steps)
     with torch.inference_mode():
         out = module(input_ids=ids, attention_mask=mask, use_cache=True)
         past = cache_of(out)
@@ -149,12 +156,7 @@ def warm_decode_seq2seq(module: Any, inputs: Mapping[str, Any],
     cache ended with."""
     import torch
 
-    if steps < 0:
-        raise ValueError(f"steps must be >= 0, got {steps}")
-    kwarg = cache_kwarg(module)
-    ids = inputs["input_ids"]
-    mask = inputs.get("attention_mask")
-    mask = torch.ones_like(ids) if mask is None else mask
+    kwarg, ids, mask = _decode_inputs(module, inputs, steps)
     decoder_ids = inputs.get("decoder_input_ids")
     if decoder_ids is None:
         decoder_ids = torch.full((ids.shape[0], 1), decoder_start(module), dtype=ids.dtype,
