@@ -48,6 +48,7 @@ from sits_queue.workers import (
     kvreuse,
     metrics,
     runtime,
+    slices,
     softsignal,
 )
 from sits_queue.workers.inputs import (
@@ -218,6 +219,13 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     try:
         with runtime.activated(active):
             output = task.run(engine, *args, **kwargs)
+    except slices.Preempted:
+        # A slice that yielded served the model as much as the last one will: its time
+        # is service time too (the task itself counts once, on the run that finishes).
+        if not prewarm:
+            rt.count(metrics.run_fields(
+                model, round((time.perf_counter() - start) * _MS_PER_S, 3), 0))
+        raise
     except Exception as exc:
         if not gpu.is_oom(exc):
             raise

@@ -111,8 +111,12 @@ def task_fields(meta: Mapping[str, Any], sla_class: str, model: str | None = Non
 
 def run_fields(model: str, run_ms: float, tasks: int = 1) -> dict[str, float]:
     """Counter increments for one finished run of ``tasks`` tasks: the model's service
-    time (per task: a batch's run time is shared by its tasks)."""
-    return {f"model_runs:{model}": tasks, f"model_run_ms:{model}": run_ms}
+    time (per task: a batch's run time is shared by its tasks). A run that yielded its
+    slot (``tasks`` 0) adds its time to the task that finishes later."""
+    fields = {f"model_run_ms:{model}": run_ms}
+    if tasks:
+        fields[f"model_runs:{model}"] = tasks
+    return fields
 
 
 def joined_fields(sla_class: str, joined: int) -> dict[str, float]:

@@ -480,6 +480,34 @@ def test_first_token_time_counts_from_before_the_engine_is_got(
     assert plain["sits"]["first_token_ms"] is None and "ftt" not in published[-1][1]
 
 
+def test_a_sliced_tasks_every_run_is_the_models_service_time(
+        app: Celery, published: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from sits_queue.workers.slices import Preempted
+
+    clock = FakeClock()
+    monkeypatch.setattr(inference.time, "perf_counter", clock)
+
+    def sliced(engine: Any) -> str:
+        clock.now += 0.3
+        raise Preempted("yielded its slot after 'low' time slice")
+
+    with pytest.raises(Preempted):
+        inference.run_inference(child(app, lambda: (FakeEngine(), COLD)), fake_task(sliced),
+                                (), {})
+    # The slice that yielded served the model for 300 ms, and is no task served yet
+    _, counts = published[-1]
+    assert counts["model_run_ms:m"] == 300.0 and "model_runs:m" not in counts
+
+    def rest(engine: Any) -> str:
+        clock.now += 0.1
+        return "done"
+
+    inference.run_inference(child(app, lambda: (FakeEngine(), COLD)), fake_task(rest), (), {})
+    # The run that finished counts the task: the model served it for 300 + 100 ms
+    _, counts = published[-1]
+    assert counts["model_run_ms:m"] == 100.0 and counts["model_runs:m"] == 1
+
+
 def test_a_batch_delivers_a_call_early_with_its_metadata_as_of_then(
         app: Celery, published: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock()
