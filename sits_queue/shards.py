@@ -21,6 +21,7 @@ inference result) with one entry per item, which :meth:`Sharded.get` concatenate
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,9 @@ from sits_queue.priority.entropy import input_entropy, is_shardable
 
 #: Items per shard by default: a short task on the ladder the batch controller climbs.
 DEFAULT_SHARD_ITEMS = 64
+#: The least wait passed to a shard's ``get`` once the deadline has passed: a result
+#: already in is still taken, and some backends read a timeout of 0 as "no timeout".
+LAST_LOOK_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -82,18 +86,23 @@ class Sharded:
         return len(self.results)
 
     def iter_outputs(self, timeout: float | None = None) -> Iterator[list[Any]]:
-        """Each shard's items, in input order, as each is done."""
+        """Each shard's items, in input order, as each is done. ``timeout`` (s) bounds the
+        whole wait, as it does for one result: past it, Celery's ``TimeoutError``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for result in self.results:
-            yield _items_of(result.get(timeout=timeout))
+            left = None if deadline is None \
+                else max(deadline - time.monotonic(), LAST_LOOK_S)
+            yield _items_of(result.get(timeout=left))
 
     def get(self, timeout: float | None = None) -> list[Any]:
-        """Every item's output, in input order."""
+        """Every item's output, in input order (``timeout``: for all of it)."""
         return [item for shard in self.iter_outputs(timeout) for item in shard]
 
     def take(self, until: Callable[[list[Any]], bool], timeout: float | None = None
              ) -> list[Any]:
         """Items in input order, shard by shard, until ``until(items so far)`` holds;
-        then the shards not yet started are revoked (:meth:`stop`)."""
+        then the shards not yet started are revoked (:meth:`stop`). ``timeout`` as
+        :meth:`iter_outputs`."""
         found: list[Any] = []
         for shard in self.iter_outputs(timeout):
             found += shard

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 from celery import Celery
+from celery.exceptions import TimeoutError as CeleryTimeout
 
 from sits_queue.procs import CeleryProcess
 from sits_queue.shards import apply_sharded
 from tests.integration.inference_app import (
+    SHARD_PAUSE_S,
     build_models,
     serving,
 )
@@ -70,6 +72,20 @@ def test_an_early_stop_revokes_the_shards_not_yet_run(app: Celery,
     assert states[:2] == ["SUCCESS", "SUCCESS"]
     assert states.count("REVOKED") >= 5, states  # one may have started meanwhile
     assert states[-1] == "REVOKED"
+
+
+def test_a_timeout_bounds_the_whole_job_not_each_shard(app: Celery,
+                                                      worker: CeleryProcess) -> None:
+    # (the model warm first: a cold start alone would outlast the timeout below)
+    assert app.tasks["t.lengths"].delay(["warm"]).get(timeout=CALL_S)["output"] == [4]
+    job = apply_sharded(app.tasks["t.lengths"], DENSE, shard_items=2)  # 10 shards
+    # One worker slot runs them one after another: the job takes 10 pauses at least,
+    # each shard about one. A timeout of 4 pauses is the job's, so it runs out.
+    whole_s = len(job) * SHARD_PAUSE_S
+    with pytest.raises(CeleryTimeout):
+        job.get(timeout=whole_s * 0.4)
+    # Then the job is still there to wait for, in full
+    assert job.get(timeout=CALL_S) == [len(t) for t in DENSE]
 
 
 def test_a_bad_items_argument_is_refused(app: Celery) -> None:
