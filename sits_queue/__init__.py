@@ -19,13 +19,23 @@ from sits_queue.errors import (
     VramLimitExceeded,
 )
 
+
+def _on_a_command_line() -> bool:
+    """Whether this process is ``sitsq`` or Celery's command line (``celery -A
+    sits_queue ...``, ``python -m celery``), not a program that imports the package."""
+    program = Path(sys.argv[0])
+    return program.name in ("sitsq", "celery", "cli.py", "-m") or (
+        program.name == "__main__.py" and program.parent.name == "celery")
+
+
 try:
     app = make_app()
 except ConfigError as exc:
-    # ``sitsq`` imports this package before its own error handling can run: a bad setting
-    # is the user's to fix, so one line naming it, as for sitsq's other errors (anyone
-    # else importing the package gets the exception).
-    if Path(sys.argv[0]).name in ("sitsq", "cli.py", "-m"):
+    # ``sitsq`` imports this package before its own error handling can run, and
+    # ``celery -A`` while it loads the app (it would print its 80-line import traceback):
+    # a bad setting is the user's to fix, so one line naming it, as for sitsq's other
+    # errors (a program importing the package gets the exception).
+    if _on_a_command_line():
         raise SystemExit(f"Error: {exc}") from None
     raise
 celery = app  # `celery -A sits_queue` also looks for this name

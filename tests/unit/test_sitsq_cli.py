@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -92,6 +93,32 @@ def test_a_bad_setting_is_one_line_naming_it(env: dict[str, str], line: str) -> 
         capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert out.stderr.strip() == line
+
+
+@pytest.mark.parametrize("command", [
+    [str(Path(sys.executable).with_name("celery")), "-A", "sits_queue", "worker"],
+    [sys.executable, "-m", "celery", "-A", "sits_queue", "inspect", "ping"],
+])
+def test_celerys_command_line_says_a_bad_setting_in_one_line(command: list[str],
+                                                             tmp_path: Path) -> None:
+    import os
+
+    # (from another directory: the package as installed, as a user's shell finds it)
+    out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**{k: v for k, v in os.environ.items()
+                                 if not k.startswith("SITS_")}, "SITS_SLICE_MS": "abc"})
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.strip() == "Error: SITS_SLICE_MS='abc' is not a valid float"
+
+
+def test_a_program_importing_the_package_gets_the_exception() -> None:
+    import os
+
+    out = subprocess.run([sys.executable, "-c", "import sits_queue"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "SITS_SLICE_MS": "abc"})
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == (
+        "sits_queue.errors.ConfigError: SITS_SLICE_MS='abc' is not a valid float")
 
 
 @pytest.mark.parametrize("args", [["dead", "list"], ["dead", "drop", "q", "--all"],
