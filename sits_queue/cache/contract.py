@@ -215,6 +215,12 @@ class Engine(ABC):
         self._resident()
         return self._run(args, kwargs)
 
+    def holds(self) -> object:
+        """What owns the engine's memory (the engine itself; a torch engine's module):
+        two engines that hold one thing are one model's memory, which moves, and is
+        freed, for both."""
+        return self
+
     def release(self) -> None:
         """Free device and host memory; the engine cannot be used afterwards."""
         if self._released:

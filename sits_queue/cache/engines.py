@@ -131,6 +131,10 @@ class TorchEngine(Engine):
     def size_bytes(self) -> int:
         return self._size
 
+    def holds(self) -> object:
+        # A loader that keeps its model in a global wraps the same module each call.
+        return self if self._module is None else self._module
+
     def _promote(self, device: str) -> None:
         # non_blocking pays off from pinned host memory (see _demote); to_device syncs.
         self.module.to(device, non_blocking=True)

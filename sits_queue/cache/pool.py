@@ -252,14 +252,22 @@ class EngineCache:
         (None: it is). Admitting it would serve a released engine, or let dropping one
         key release another key's engine while the budgets count its bytes twice."""
         held = next((k for k, e in self._engines.items() if e is engine), None)
+        # The same module under two keys (a loader that returns a model kept in a
+        # global, wrapped anew each call; "m" and "m@fp32", which needs no conversion):
+        # demoting one would move the other's weights off the device beneath it.
+        shared = next((k for k, e in self._engines.items()
+                       if e is not engine and e.holds() is engine.holds()), None)
         if engine.released:
             what = "an engine that was already released (the cache releases what it drops)"
         elif held is not None:
             what = f"an engine the cache already holds as {held!r}"
+        elif shared is not None:
+            what = f"the model the cache already holds as {shared!r}"
         else:
             return None
         return (f"the loader returned {what}: a loader must build a new engine on every "
-                "call (one memoised with functools.cache returns the same engine each time)")
+                "call (one memoised with functools.cache, or returning a model kept in a "
+                "global, returns the same one each time)")
 
     def _fail(self, key: str | None, exc: BaseException) -> NoReturn:
         """Re-raise ``exc`` from getting ``key``, as a :class:`ModelLoadError` when it is

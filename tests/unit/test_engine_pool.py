@@ -363,6 +363,34 @@ def test_a_loader_returning_an_engine_the_cache_holds_is_refused() -> None:
     assert_consistent(cache, loaders)
 
 
+def test_a_loader_returning_a_global_model_is_refused_for_a_second_key() -> None:
+    import torch
+
+    from sits_queue.cache import precision
+    from sits_queue.cache.engines import TorchEngine
+
+    # Given a loader that returns a model kept in a global, wrapped anew each call
+    model = torch.nn.Linear(4, 4)
+
+    def load() -> TorchEngine:
+        return TorchEngine("m", model, None)
+
+    cache = EngineCache("cpu", 10**6, 10**6, context=lambda: 0.0)
+    served, _ = cache.get("m", load)
+    # When the model is asked for at fp32, which it is already (nothing to convert), the
+    # conversion wraps the same module under "m@fp32": the two would move as one, so
+    # demoting either took the other's weights off the device beneath it. It is refused,
+    # saying why and what to do
+    with pytest.raises(ModelLoadError, match=r"'m@fp32'.*the model the cache already "
+                                             r"holds as 'm'.*a model kept in a global"):
+        cache.get("m@fp32", lambda: precision.convert(load(), "fp32", "cpu"))
+    assert cache.warm() == {"m": "device"} and served.module is model
+    # A conversion that copies the module (bf16) is a model of its own
+    half, _ = cache.get("m@bf16", lambda: precision.convert(load(), "bf16", "cpu"))
+    assert half.module is not model and half.module.weight.dtype == torch.bfloat16
+    assert cache.warm() == {"m": "device", "m@bf16": "device"}
+
+
 @pytest.mark.parametrize("tier", ["device", "host"])
 def test_an_engine_released_behind_the_caches_back_is_loaded_again(tier: str) -> None:
     # Given a cached engine released by someone else (a loader shared with a precision
