@@ -1,8 +1,10 @@
 """The TensorRT backend: a serialized plan in the host tier, the deserialised engine and
 one execution context on the device (``engines.py`` holds the others and re-exports this).
 
-Written against TensorRT's Python API (8.6-10.x); it runs only where TensorRT and an
-NVIDIA GPU exist (``tests/gpu/test_tensorrt.py``).
+Written against TensorRT's Python API (8.6-11.x); it runs only where TensorRT and an
+NVIDIA GPU exist (``tests/gpu/test_tensorrt.py``). What can be checked without them (how
+a call's arguments bind to the engine's inputs, buffer alignment) is in pure functions
+here, tested anywhere.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
 
 #: TensorRT builder scratch space; 1 GiB covers small and medium models without tuning.
 TRT_WORKSPACE_BYTES = 1 << 30
+#: ``setTensorAddress``: "The pointer must have at least 256-byte alignment."
+TRT_ALIGNMENT = 256
 
 
 @functools.cache
@@ -37,22 +41,75 @@ def _trt_logger() -> Any:
     return trt.Logger(trt.Logger.WARNING)
 
 
-def _trt_to_torch(dtype: Any) -> torch.dtype:
+def _trt_to_torch(dtype: Any, key: str, tensor: str) -> torch.dtype:
+    """The torch dtype of TensorRT ``dtype`` (engine ``key``'s ``tensor``), or an error
+    naming both (int4, fp4: no torch dtype holds them as TensorRT lays them out)."""
     import tensorrt as trt
     import torch
 
     table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.int32: torch.int32,
              trt.int8: torch.int8, trt.bool: torch.bool, trt.uint8: torch.uint8}
-    for name in ("bfloat16", "int64"):  # TensorRT >= 9 only
-        if hasattr(trt, name):
-            table[getattr(trt, name)] = getattr(torch, name)
+    # TensorRT >= 9 (bfloat16, int64) and >= 8.6 on Hopper (fp8, as e4m3)
+    for trt_name, torch_name in (("bfloat16", "bfloat16"), ("int64", "int64"),
+                                 ("fp8", "float8_e4m3fn")):
+        if hasattr(trt, trt_name) and hasattr(torch, torch_name):
+            table[getattr(trt, trt_name)] = getattr(torch, torch_name)
+    if dtype not in table:
+        raise EngineFormatError(f"TensorRT engine {key!r}: tensor {tensor} is of type "
+                                f"{dtype}, which has no torch dtype to hold it")
     return table[dtype]
+
+
+def bind_inputs(key: str, names: Sequence[str], args: Sequence[Any],
+                kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """A call's arguments as the engine's inputs, by name: positional ones in the
+    engine's input order, then keywords. Every input given exactly once, no other: an
+    input left out would keep the previous call's address (a freed buffer: garbage),
+    and TensorRT drops inputs the network does not use, so they need not be
+    ``forward``'s arguments (pure)."""
+    if len(args) > len(names):
+        raise EngineError(f"TensorRT engine {key!r} takes {len(names)} inputs {list(names)}, "
+                          f"got {len(args)} positional arguments")
+    feed = dict(zip(names, args, strict=False))
+    twice = sorted(set(feed) & set(kwargs))
+    unknown = sorted(set(kwargs) - set(names))
+    if twice or unknown:
+        raise EngineError(f"TensorRT engine {key!r}: " + "; ".join(
+            ([f"inputs {twice} given by position and by name"] if twice else [])
+            + ([f"no inputs named {unknown} (its inputs: {list(names)})"] if unknown else [])))
+    feed.update(kwargs)
+    missing = [n for n in names if n not in feed]
+    if missing:
+        raise EngineError(f"TensorRT engine {key!r}: inputs {missing} not given (its "
+                          f"inputs: {list(names)})")
+    return feed
+
+
+def aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` contiguous at an address TensorRT accepts: a view into a larger block
+    (``x[1:]``) is contiguous yet may start off the alignment, so it is copied."""
+    import torch
+
+    tensor = tensor.contiguous()
+    if tensor.data_ptr() % TRT_ALIGNMENT == 0:
+        return tensor
+    # Copied into a block with room to start on the alignment (CUDA's caching allocator
+    # aligns its blocks to 512 bytes, but not every allocator does).
+    size = tensor.element_size()  # 1, 2, 4 or 8: divides the alignment
+    block = torch.empty(tensor.numel() + TRT_ALIGNMENT // size, dtype=tensor.dtype,
+                        device=tensor.device)
+    start = (-block.data_ptr() % TRT_ALIGNMENT) // size
+    out = block[start:start + tensor.numel()].view(tensor.shape)
+    out.copy_(tensor)
+    return out
 
 
 class TensorRTEngine(Engine):
     """A serialized TensorRT plan. Host tier: the plan bytes. Device tier: the deserialised
     engine and one execution context. Runs with torch CUDA tensors as the I/O buffers on
-    torch's current stream, so it orders with the surrounding torch work without syncs.
+    torch's current stream, so it orders with the surrounding torch work without syncs
+    (on a side stream when that is the legacy default stream, where TensorRT would
+    synchronise the device around each run).
     """
 
     backend = "tensorrt"
@@ -66,6 +123,7 @@ class TensorRTEngine(Engine):
         self._runtime: Any = None
         self._engine: Any = None
         self._context: Any = None
+        self._stream: Any = None
 
     @classmethod
     def load(cls, key: str, path: str | Path,
@@ -84,19 +142,45 @@ class TensorRTEngine(Engine):
         if not is_cuda(device):
             raise EngineFormatError(f"TensorRT engine {self.key!r} needs a CUDA device, "
                                     f"not {device}")
-        with torch.cuda.device(device):
-            self._runtime = trt.Runtime(_trt_logger())
-            self._engine = self._runtime.deserialize_cuda_engine(self._plan)
-            if self._engine is None:
-                raise EngineFormatError(f"TensorRT could not deserialise {self.key!r} "
-                                        "(built by another TensorRT version or GPU?)")
-            self._context = self._engine.create_execution_context()
+        try:
+            with torch.cuda.device(device):
+                self._runtime = trt.Runtime(_trt_logger())
+                self._engine = self._runtime.deserialize_cuda_engine(self._plan)
+                if self._engine is None:
+                    raise EngineFormatError(f"TensorRT could not deserialise {self.key!r} "
+                                            "(built by another TensorRT version or GPU?)")
+                self._check_io(trt)
+                self._context = self._engine.create_execution_context()
+                if self._context is None:  # None, not an exception, when it fails
+                    raise EngineError(f"TensorRT could not create an execution context for "
+                                      f"{self.key!r} (out of device memory for its "
+                                      "activations?)")
+                self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        except BaseException:
+            self._demote()  # nothing half-built is kept
+            raise
+
+    def _check_io(self, trt: Any) -> None:
+        """Refuse I/O this runner would misread: shape tensors and host-side inputs need
+        host buffers, and non-linear formats are not the dense layout torch holds."""
+        for name in (self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)):
+            host = (getattr(self._engine, "is_shape_inference_io", lambda _: False)(name)
+                    or self._engine.get_tensor_location(name) == trt.TensorLocation.HOST)
+            linear = self._engine.get_tensor_format(name) == trt.TensorFormat.LINEAR
+            if host or not linear:
+                raise EngineFormatError(
+                    f"TensorRT engine {self.key!r}: tensor {name} is "
+                    + ("a shape tensor or host-side input" if host else
+                       f"in format {self._engine.get_tensor_format(name)}")
+                    + "; this runner feeds dense device buffers only")
+            _trt_to_torch(self._engine.get_tensor_dtype(name), self.key, name)
 
     def _demote(self) -> None:
         # Context before engine before runtime: each depends on the next.
         self._context = None
         self._engine = None
         self._runtime = None
+        self._stream = None
 
     def _io(self, mode: Any) -> list[str]:
         names = (self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors))
@@ -107,32 +191,57 @@ class TensorRTEngine(Engine):
         import torch
 
         device = self._device or "cuda"
-        feed = dict(zip(self._io(trt.TensorIOMode.INPUT), args, strict=False)) | kwargs
-        # Held until enqueued; after that torch's allocator reuses their blocks only in
-        # this stream's order, so later work cannot overwrite them before TensorRT reads.
-        keep = []
-        for name, value in feed.items():
-            t = torch.as_tensor(value).to(device, _trt_to_torch(
-                self._engine.get_tensor_dtype(name))).contiguous()
-            if not self._context.set_input_shape(name, tuple(t.shape)):  # False: refused
-                raise EngineError(f"{self.key!r}: input {name} of shape {tuple(t.shape)} is "
-                                  "outside the engine's optimization profile")
-            self._context.set_tensor_address(name, t.data_ptr())
-            keep.append(t)
-        outs = []
-        for name in self._io(trt.TensorIOMode.OUTPUT):
-            shape = tuple(self._context.get_tensor_shape(name))
-            if any(d < 0 for d in shape):
-                raise EngineError(f"{self.key!r}: output {name} has a data-dependent shape; "
-                                  "this runner needs shapes known from the inputs")
-            out = torch.empty(shape, dtype=_trt_to_torch(self._engine.get_tensor_dtype(name)),
-                              device=device)
-            self._context.set_tensor_address(name, out.data_ptr())
-            outs.append(out)
-        stream = torch.cuda.current_stream(device)
-        if not self._context.execute_async_v3(stream.cuda_stream):
-            raise EngineError(f"TensorRT execution of {self.key!r} failed")
+        feed = bind_inputs(self.key, self._io(trt.TensorIOMode.INPUT), args, kwargs)
+        with torch.cuda.device(device):
+            # Held until enqueued; after that torch's allocator reuses their blocks only
+            # in the stream's order, so later work cannot overwrite them before TensorRT
+            # reads them.
+            keep = []
+            for name, value in feed.items():
+                t = aligned(torch.as_tensor(value).to(device, _trt_to_torch(
+                    self._engine.get_tensor_dtype(name), self.key, name)))
+                if not self._context.set_input_shape(name, tuple(t.shape)):  # refused
+                    raise EngineError(f"{self.key!r}: input {name} of shape {tuple(t.shape)} "
+                                      "is outside the engine's optimization profile")
+                self._address(name, t)
+                keep.append(t)
+            unset = self._context.infer_shapes()
+            if unset:
+                raise EngineError(f"{self.key!r}: inputs {list(unset)} are not specified "
+                                  "enough to infer the outputs' shapes")
+            outs = []
+            for name in self._io(trt.TensorIOMode.OUTPUT):
+                shape = tuple(self._context.get_tensor_shape(name))
+                if any(d < 0 for d in shape):
+                    raise EngineError(f"{self.key!r}: output {name} has a data-dependent "
+                                      "shape; this runner needs shapes known from the inputs")
+                out = torch.empty(shape, dtype=_trt_to_torch(
+                    self._engine.get_tensor_dtype(name), self.key, name), device=device)
+                self._address(name, out)
+                outs.append(out)
+            self._execute(torch.cuda.current_stream(device), [*keep, *outs])
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _address(self, name: str, tensor: torch.Tensor) -> None:
+        if self._context.set_tensor_address(name, tensor.data_ptr()) is False:
+            raise EngineError(f"{self.key!r}: TensorRT refused the buffer of {name} "
+                              f"({tuple(tensor.shape)} {tensor.dtype})")
+
+    def _execute(self, caller: Any, buffers: list[torch.Tensor]) -> None:
+        """Enqueue on the caller's stream; from the legacy default stream, on a side
+        stream ordered after it and before whatever the caller does next."""
+        import torch
+
+        stream = caller
+        if caller == torch.cuda.default_stream(caller.device):
+            stream = self._stream
+            stream.wait_stream(caller)
+        if not self._context.execute_async_v3(stream.cuda_stream):
+            raise EngineError(f"TensorRT execution of {self.key!r} failed (see its log)")
+        if stream is not caller:
+            caller.wait_stream(stream)
+            for t in buffers:  # used on the side stream: not reused before it is done
+                t.record_stream(stream)
 
     def _warmup_inputs(self, device: str) -> Inputs:
         import tensorrt as trt
@@ -144,7 +253,7 @@ class TensorRTEngine(Engine):
             shape = list(self._engine.get_tensor_shape(name))
             if any(d < 0 for d in shape):  # dynamic: the optimisation profile's "opt" shape
                 shape = list(self._engine.get_tensor_profile_shape(name, 0)[1])
-            dtype = _trt_to_torch(self._engine.get_tensor_dtype(name))
+            dtype = _trt_to_torch(self._engine.get_tensor_dtype(name), self.key, name)
             spec.append((shape, str(dtype).removeprefix("torch.")))
         return synthesize(spec, device)
 
@@ -177,7 +286,13 @@ def build_trt_plan(onnx_bytes: bytes, fp16: bool = True,
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
     if fp16:
-        config.set_flag(trt.BuilderFlag.FP16)
+        fp16_flag = getattr(trt.BuilderFlag, "FP16", None)
+        if fp16_flag is None:  # removed in TensorRT 11 with weak typing
+            raise EngineFormatError(
+                f"TensorRT {trt.__version__} builds strongly typed networks only: convert "
+                "the ONNX model to fp16 first (e.g. ModelOpt AutoCast), then build with "
+                "fp16=False")
+        config.set_flag(fp16_flag)
     else:
         # fp32 means fp32: TensorRT allows TF32 (10-bit mantissas) in fp32 matmuls by
         # default, off by ~1e-3 from the model it was built from.

@@ -20,6 +20,7 @@ pytest.importorskip("onnxscript", reason="onnxscript is not installed (the infer
                                          "has it)")
 import torch
 
+from sits_queue.cache.contract import EngineError, EngineFormatError
 from sits_queue.cache.engines import (
     TensorRTEngine,
     build_trt_plan,
@@ -58,6 +59,12 @@ def onnx_bytes(scorer: Scorer, tmp_path_factory: pytest.TempPathFactory) -> byte
 @pytest.mark.parametrize(("fp16", "atol"), [(False, 1e-4), (True, 3e-2)])
 def test_plan_matches_torch(scorer: Scorer, onnx_bytes: bytes, fp16: bool,
                             atol: float) -> None:
+    import tensorrt as trt
+
+    if fp16 and not hasattr(trt.BuilderFlag, "FP16"):  # TensorRT >= 11: strong typing
+        with pytest.raises(EngineFormatError, match="strongly typed networks only"):
+            build_trt_plan(onnx_bytes, fp16=True)
+        return
     engine = TensorRTEngine("scorer", build_trt_plan(onnx_bytes, fp16=fp16))
     assert engine.tier == "host" and engine.size_bytes() > 0
     assert engine.to_device(DEVICE) > 0
@@ -86,3 +93,31 @@ def test_round_trip_and_release_through_the_cache(scorer: Scorer, onnx_bytes: by
     torch.testing.assert_close(engine(*inputs(3)), before, atol=0, rtol=0)
     cache.clear()
     assert engine.released
+
+
+def test_inputs_bind_by_name_views_are_aligned_and_the_default_stream_is_ordered(
+        scorer: Scorer, onnx_bytes: bytes) -> None:
+    import tensorrt as trt
+
+    engine = TensorRTEngine("scorer", build_trt_plan(onnx_bytes, fp16=False))
+    engine.to_device(DEVICE)
+    ids, scale = inputs(4)
+    want = scorer(ids, scale)
+    names = engine._io(trt.TensorIOMode.INPUT)
+    with torch.inference_mode():
+        # by name, and from views that start off TensorRT's 256-byte alignment
+        wide_ids, wide_scale = torch.cat([ids[:1], ids]), torch.cat([scale[:1], scale])
+        got = engine(**{names[0]: wide_ids[1:], names[1]: wide_scale[1:]})
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        # on the legacy default stream (run on a side stream, ordered both ways) and on
+        # a stream of the caller's own
+        with torch.cuda.stream(torch.cuda.default_stream(DEVICE)):
+            torch.testing.assert_close(engine(ids, scale) * 1, want, atol=1e-4, rtol=0)
+        side = torch.cuda.Stream(DEVICE)
+        with torch.cuda.stream(side):
+            out = engine(ids, scale) * 1
+        side.synchronize()
+        torch.testing.assert_close(out, want, atol=1e-4, rtol=0)
+        # an input left out is refused by name (it ran on the last call's freed buffer)
+        with pytest.raises(EngineError, match=rf"inputs \['{names[1]}'\] not given"):
+            engine(ids)

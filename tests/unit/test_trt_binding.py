@@ -1,0 +1,52 @@
+"""The TensorRT backend's checks that need neither TensorRT nor a GPU: how a call's
+arguments bind to an engine's inputs, and buffer alignment (``cache/trt.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sits_queue.cache.contract import EngineError
+from sits_queue.cache.trt import TRT_ALIGNMENT, aligned, bind_inputs
+
+# As TensorRT lists them: not forward's arguments (it drops inputs the network ignores)
+NAMES = ("desc0", "desc1")
+
+
+def test_positional_then_keyword_arguments_bind_by_the_engines_order() -> None:
+    assert bind_inputs("m", NAMES, ("a",), {"desc1": "b"}) == {"desc0": "a", "desc1": "b"}
+    assert bind_inputs("m", NAMES, (), {"desc1": "b", "desc0": "a"}) == {
+        "desc0": "a", "desc1": "b"}
+
+
+@pytest.mark.parametrize(("args", "kwargs", "said"), [
+    # an input left out kept the previous call's buffer address: a freed block read
+    (("a",), {}, r"'m': inputs \['desc1'\] not given \(its inputs: \['desc0', 'desc1'\]\)"),
+    # a third argument was dropped without a word
+    (("a", "b", "c"), {}, r"'m' takes 2 inputs \['desc0', 'desc1'\], got 3 positional"),
+    # an unknown name was blamed on the optimisation profile
+    (("a", "b"), {"kpts0": "c"}, r"no inputs named \['kpts0'\]"),
+    (("a",), {"desc0": "c", "desc1": "b"}, r"inputs \['desc0'\] given by position and "
+                                           r"by name"),
+])
+def test_a_call_that_does_not_give_every_input_once_is_refused_by_name(
+        args: tuple[Any, ...], kwargs: dict[str, Any], said: str) -> None:
+    with pytest.raises(EngineError, match=said):
+        bind_inputs("m", NAMES, args, kwargs)
+
+
+def test_a_view_off_the_alignment_is_copied_and_an_aligned_one_is_not() -> None:
+    torch = pytest.importorskip("torch")
+    block = aligned(torch.arange(1025, dtype=torch.float32)[1:])
+    assert block.data_ptr() % TRT_ALIGNMENT == 0
+    assert aligned(block).data_ptr() == block.data_ptr()  # no copy
+    # x[1:] is contiguous, 4 bytes into its block: TensorRT requires 256-byte alignment
+    view = block[1:]
+    assert view.is_contiguous() and view.data_ptr() % TRT_ALIGNMENT
+    fixed = aligned(view)
+    assert fixed.data_ptr() % TRT_ALIGNMENT == 0 and torch.equal(fixed, view)
+    # a transposed view becomes contiguous (it always did), and aligned; any dtype
+    assert aligned(torch.ones(9, dtype=torch.int8)[3:]).data_ptr() % TRT_ALIGNMENT == 0
+    grid = block[:1024].reshape(32, 32).t()
+    assert aligned(grid).is_contiguous() and torch.equal(aligned(grid), grid)
