@@ -492,7 +492,8 @@ class SitsCelery(Celery):  # type: ignore[misc]
     def register_model(self, name: str, source: Loader | str | os.PathLike[str], *,
                        sample_inputs: tuple[Any, ...] | None = None,
                        replace: bool = False) -> None:
-        """Register a loader, or a model directory loaded with ``from_pretrained``."""
+        """Register a loader, or a path: a model directory (``from_pretrained``) or an
+        engine file (``.onnx``, ``.pt2``, ``.plan``/``.engine``)."""
         self.models.register(name, source, sample_inputs=sample_inputs, replace=replace)
 
     def inference_task(self, *, model: str | None = None, **options: Any) -> Callable[[F], Any]:

@@ -1,8 +1,9 @@
 """The model registry: names users give models, and how each one is loaded.
 
 ``@app.model("name")`` registers a zero-argument loader that returns an engine
-(:class:`sits_queue.cache.engines.Engine`), a ``torch.nn.Module``, or the path of a
-Hugging Face model directory; ``app.register_model("name", path)`` registers a directory
+(:class:`sits_queue.cache.engines.Engine`), a ``torch.nn.Module``, or a path: a Hugging
+Face model directory, or an engine file (``.onnx``, ``.pt2``, ``.plan``/``.engine``:
+``engines.engine_from_path``); ``app.register_model("name", path)`` registers a path
 directly. Loaders run lazily, inside a pool child, the first time a task needs the model
 and again whenever the warm cache dropped it, so they must be cheap to call twice and
 must not touch CUDA at import time.
@@ -11,8 +12,9 @@ Each call must build a **new** model: the cache releases the engine it drops (an
 precision conversion the engine it converted), so a loader memoised with
 ``functools.cache`` would hand back a released engine. The cache refuses one that was
 released, or that it already holds for another model, with a ``ModelLoadError`` saying
-so, rather than serve it; a memoised ``nn.Module`` is not refused, but its weights then
-outlive the engine, in memory the cache counts as freed. Memoise what is costly to
+so, rather than serve it, and a memoised ``nn.Module`` once it holds it under another
+key ("m" and "m@fp32" would share its weights); alone, it is served, but its weights
+then outlive the engine, in memory the cache counts as freed. Memoise what is costly to
 read (a state dict in host memory) and build the module from it in each call.
 
 Importing this module imports neither torch nor the engine backends.
@@ -30,8 +32,10 @@ from typing import Any
 
 from sits_queue.errors import ModelLoadError, UnknownModel
 
-#: What a loader may return: an Engine, an nn.Module, or a model directory.
+#: What a loader may return: an Engine, an nn.Module, or a path (directory or engine file).
 Loader = Callable[[], Any]
+#: Engine files a path may name (``engines.engine_from_path`` reads them by suffix).
+ENGINE_FILES = (".onnx", ".pt2", ".plan", ".engine")
 #: Model names travel in message headers and Redis keys: keep them printable and short.
 #: No "@": it separates a model from its precision in engine keys ("lm@fp16").
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/+-]{0,199}$")
@@ -64,7 +68,8 @@ class ModelRegistry:
     def register(self, name: str, loader: Loader | str | os.PathLike[str], *,
                  sample_inputs: tuple[Any, ...] | None = None,
                  replace: bool = False) -> ModelSpec:
-        """Register ``loader`` (or a model directory) under ``name``.
+        """Register ``loader`` (or a path: a model directory or an engine file) under
+        ``name``.
 
         Registering a name twice raises unless ``replace``: two modules silently
         fighting over one name would serve one of them to every task.
@@ -108,7 +113,7 @@ def _directory_loader(path: Path) -> Loader:
     def load() -> Path:
         return path
 
-    load.__qualname__ = f"directory({path})"
+    load.__qualname__ = f"path({path})"
     return load
 
 
@@ -150,8 +155,11 @@ def as_engine(spec: ModelSpec, produced: Any, device: str) -> Any:
         return produced
     if isinstance(produced, (str, os.PathLike)):
         path = Path(produced)
-        if not path.is_dir():
-            raise ModelLoadError(f"model {spec.name!r}: {path} is not a model directory")
+        if not path.exists():
+            raise ModelLoadError(f"model {spec.name!r}: nothing at {path}")
+        if not path.is_dir() and path.suffix.lower() not in ENGINE_FILES:
+            raise ModelLoadError(f"model {spec.name!r}: {path} is neither a model directory "
+                                 f"nor an engine file ({', '.join(ENGINE_FILES)})")
         return engines.engine_from_path(spec.name, path, device)
     import torch
 

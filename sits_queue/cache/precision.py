@@ -168,6 +168,10 @@ def _activations(module: Any, inputs: Any) -> Any:
     return first.float()
 
 
+class NothingToCalibrate(ModelLoadError):
+    """The model has no input to measure a conversion's error on."""
+
+
 def calibration_inputs(engine: Any) -> list[Any]:
     """The gate's inputs (keyword dicts or positional tuples): the warm-up sample, and
     each calibration text when the engine has a tokenizer."""
@@ -181,8 +185,8 @@ def calibration_inputs(engine: Any) -> list[Any]:
     if tokenizer is not None:
         inputs += [dict(tokenizer(text, return_tensors="pt")) for text in CALIBRATION_TEXTS]
     if not inputs:
-        raise ModelLoadError(f"model {engine.key!r} has no sample inputs or tokenizer to "
-                             "calibrate the int8 gate with")
+        raise NothingToCalibrate(f"model {engine.key!r} has no sample inputs (app.model(..., "
+                                 "sample_inputs=...)) or tokenizer to measure int8 on")
     if kvwarm.encoder_decoder(engine.module):
         inputs = [_with_decoder_start(engine.module, x) for x in inputs]
     return inputs
@@ -281,6 +285,8 @@ def _gate_int8(engine: Any, quantized: Any, measured: dict[str, float], max_kl: 
     except CandidateFailed as exc:  # (model code that reads its layers' float weights)
         return (f"int8 refused by the quantisation gate: the int8 model failed on its "
                 f"calibration inputs ({exc}); served at full precision")
+    except NothingToCalibrate as exc:  # an int8 error nobody measured is not served
+        return f"int8 refused: {exc}; served at full precision"
     measured[measure] = error
     return gate(error, max_kl) if measure == "kl" else gate_rel_mse(error, max_rel_mse)
 

@@ -489,3 +489,23 @@ def test_a_plain_module_with_positional_samples_is_served_at_a_precision(wanted:
     assert served.artifacts["precision"]["served"] == wanted
     got = served(x)  # callers keep passing fp32
     assert torch.allclose(got.float(), expected, atol=0.05)
+
+
+def test_int8_of_a_model_with_nothing_to_measure_it_on_is_served_at_full_precision() -> None:
+    import torch
+
+    from sits_queue.cache.engines import TorchEngine
+
+    # Given a module registered without sample inputs, and no tokenizer
+    module = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    served = precision.convert(TorchEngine("mlp", module, None), "int8", "cpu")
+    # Then int8 is refused, saying why and how to give the gate an input, and the model
+    # is served at full precision (the task failed with ModelLoadError, though the
+    # README promises full precision whenever int8 is not served)
+    said = served.artifacts["precision"]
+    assert said["served"] == "fp32" and said["kl"] is None
+    assert "no sample inputs (app.model(..., sample_inputs=...)) or tokenizer" in \
+        said["reason"] and said["reason"].endswith("served at full precision")
+    served.to_device("cpu")
+    x = torch.randn(2, 8)
+    assert torch.equal(served(x), module(x))

@@ -4,6 +4,7 @@ caps, admission, the request guard, the registry and the advertisement records."
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
@@ -427,8 +428,32 @@ def test_a_raising_or_odd_loader_is_a_model_load_error() -> None:
         load_engine(registry.register("x", broken), "cpu")
     with pytest.raises(ModelLoadError, match="returned int"):
         load_engine(registry.register("y", lambda: 3), "cpu")
-    with pytest.raises(ModelLoadError, match="not a model directory"):
+    with pytest.raises(ModelLoadError, match="model 'z': nothing at /no/such/dir"):
         load_engine(registry.register("z", "/no/such/dir"), "cpu")
+
+
+def test_an_engine_file_registers_by_its_path(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("onnxscript", reason="onnxscript (the inference extra) exports ONNX")
+    from sits_queue.cache.engines import OnnxEngine, export_onnx
+
+    # Given an ONNX file on disk, registered as the model by its path
+    module = torch.nn.Linear(4, 2)
+    path = export_onnx(module, (torch.ones(1, 4),), tmp_path / "head.onnx")
+    registry = ModelRegistry()
+    engine = load_engine(registry.register("head", path), "cpu")
+    # Then it loads as the engine its suffix names (it was refused: "not a model
+    # directory", though the backends behind the cache read it)
+    assert isinstance(engine, OnnxEngine) and engine.key == "head"
+    engine.to_device("cpu")
+    x = torch.randn(1, 4)
+    got = torch.as_tensor(engine(x))
+    torch.testing.assert_close(got, module(x).detach(), atol=1e-5, rtol=0)
+    # A file of no engine format is refused naming the formats
+    (other := tmp_path / "weights.bin").write_bytes(b"\0" * 8)
+    with pytest.raises(ModelLoadError, match=r"'w': .*weights\.bin is neither a model "
+                                             r"directory nor an engine file \(\.onnx, "):
+        load_engine(registry.register("w", other), "cpu")
 
 
 def test_a_soft_time_limit_while_loading_is_the_tasks_not_the_models() -> None:
