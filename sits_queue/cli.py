@@ -462,6 +462,17 @@ def metrics_command(port: int, addr: str) -> None:
         metrics.stop()
 
 
+@main.command("redis-url")
+def redis_url_command() -> None:
+    """Print the Redis URL sitsq uses (the embedded one, started if need be), password
+    included, for a program that submits tasks: ``export SITS_REDIS_URL=$(sitsq
+    redis-url)``. Without it such a program reads SITS_REDIS_URL like a worker does, and
+    unset, uses redis://localhost:6379/0, not the embedded server."""
+    url, embedded = resolve_redis_url(os.environ)
+    check_redis_url(url)
+    click.echo(url)
+
+
 @main.command("stop-redis")
 def stop_redis() -> None:
     """Stop the embedded Redis started by earlier sitsq commands (its data is kept)."""

@@ -97,6 +97,16 @@ def test_embedded_default_starts_reuses_and_stops(tmp_path: Path) -> None:
     second = sitsq("status", env=env)
     url = first.stderr.split(" at ")[-1].strip()
     assert url in second.stderr  # the same server, reused
+    # Its whole URL, password and all, for a program that submits tasks to it (sitsq
+    # said it redacted, and the app's own default is localhost:6379)
+    printed = sitsq("redis-url", env=env)
+    assert printed.returncode == 0, printed.stderr
+    full = printed.stdout.strip()
+    assert full.split("@")[-1] == url.split("@")[-1] and full != url
+    assert redis.Redis.from_url(full, socket_timeout=5).ping()
+    # and a configured one as it is, nothing started
+    mine = "redis://:pw@10.1.2.3:6380/2"
+    assert sitsq("redis-url", env={**env, "SITS_REDIS_URL": mine}).stdout.strip() == mine
     stopped = sitsq("stop-redis", env=env)
     assert stopped.stdout.strip() == "stopped"
     assert sitsq("stop-redis", env=env).stdout.strip() == "no embedded Redis was running"
