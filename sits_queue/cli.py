@@ -468,7 +468,7 @@ def redis_url_command() -> None:
     included, for a program that submits tasks: ``export SITS_REDIS_URL=$(sitsq
     redis-url)``. Without it such a program reads SITS_REDIS_URL like a worker does, and
     unset, uses redis://localhost:6379/0, not the embedded server."""
-    url, embedded = resolve_redis_url(os.environ)
+    url, _ = resolve_redis_url(os.environ)
     check_redis_url(url)
     click.echo(url)
 
