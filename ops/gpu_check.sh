@@ -76,7 +76,7 @@ if [ -z "$deps_missing" ]; then
         --junitxml="$WORK/junit.xml" >"$WORK/pytest.log" 2>&1
     tests_rc=$?
 else
-    echo "gpu_check: missing python packages: $deps_missing (carry them in ./wheels)" >&2
+    echo "gpu_check: missing python packages: $deps_missing (carry them as wheels in ./.whl: ops/gpu_wheels.sh)" >&2
 fi
 
 # run_bench NAME LOG BOX: `python -m sits_queue.bench.NAME --quick` into $WORK/NAME.json

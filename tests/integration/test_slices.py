@@ -51,6 +51,23 @@ def test_an_urgent_task_takes_the_slot_of_a_long_low_one(spawn: Spawn, client_ap
     assert redis_client.hlen(KEYS.yields) == 0
 
 
+def test_an_inference_task_yields_through_current_task(spawn: Spawn, client_app: Celery,
+                                                       redis_client: redis.Redis) -> None:
+    spawn(concurrency=1)
+    # Given the only slot busy with a low inference task of 40 steps of 50 ms
+    low = client_app.tasks["w.infer_steps"].delay("infer", 40, 0.05)
+    wait_for(lambda: "infer:start:0" in steps_log(redis_client), 30, "the task to start")
+    # When a high task arrives, it takes the slot at the next yield point
+    high = client_app.tasks["w.slow"].apply_async(("urgent", 0.0), sla_class="high")
+    assert high.get(timeout=30) == "urgent"
+    # And the inference task resumes from the checkpoint current_task gave it
+    result = low.get(timeout=60)
+    assert result["output"] == 2
+    log = steps_log(redis_client)
+    assert [x for x in log if ":yield:" in x] == [log[1]]
+    assert log[2] == f"infer:start:{log[1].rsplit(':', 1)[1]}" and log[-1] == "infer:end:2"
+
+
 def test_a_task_of_the_same_class_does_not_preempt(spawn: Spawn, client_app: Celery,
                                                    redis_client: redis.Redis) -> None:
     spawn(concurrency=1)

@@ -121,8 +121,18 @@ def register(app: Celery) -> dict[str, Any]:
         """A batch task: each call's text length."""
         return [len(c.args[0]) for c in calls]
 
+    @app.inference_task(name="w.infer_steps", model="w.identity", sla_class="low",
+                        shared=False)
+    def infer_steps(engine: Any, tag: str, n: int, step_s: float) -> int:
+        """``w.steps`` as an inference task: it cannot bind, so it yields through
+        ``celery.current_task`` (the README's way)."""
+        from celery import current_task
+
+        return run_steps(current_task, tag, n, step_s)
+
     return {"add": add, "record": record, "slow": slow, "mark": mark, "pid": pid,
-            "steps": steps, "lengths": lengths, "total": total, "flaky": flaky}
+            "steps": steps, "lengths": lengths, "total": total, "flaky": flaky,
+            "infer_steps": infer_steps}
 
 
 tasks = register(app)
