@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, replace
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import redis
 from celery import Celery, Task
@@ -58,6 +58,12 @@ def resolve_task_options(task: Task | None, config: SitsConfig, per_call: Mappin
     declared = {name: getattr(task, name, None) for name in OPTION_NAMES}
     opts = resolve(config, declared, per_call, args, kwargs)
     most = getattr(task, "max_batch", None)
+    if task is not None and most is not None and not getattr(task, "batches", False):
+        # (a plain task's calls were gathered as batch kin, ahead of their turn, for a
+        # run that takes them one at a time)
+        raise InvalidTaskOptions(f"max_batch applies to batch tasks "
+                                 f"(app.batch_inference_task); {task.name!r} declares "
+                                 f"max_batch={shown(most)} but is not one")
     # a batch task: the broker may gather its kin
     if task is not None and isinstance(most, int) and most > 1:
         opts = replace(opts, batch=batch_key(task.name, opts), batch_max=most)
@@ -198,6 +204,8 @@ class SitsTask(Task):  # type: ignore[misc]
     precision: str | None = None
     #: Batch tasks (``app.batch_inference_task``): most tasks one batch may take.
     max_batch: int | None = None
+    #: Whether its calls run as batches (only ``BatchInferenceTask``'s do).
+    batches: ClassVar[bool] = False
 
     def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
                     producer: Any = None, link: Any = None, link_error: Any = None,

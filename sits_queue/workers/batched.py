@@ -253,6 +253,7 @@ class BatchInferenceTask(inference.InferenceTask):
 
     abstract = True
     Request = "sits_queue.workers.batched:BatchRequest"
+    batches = True
     #: Callers pass one call's arguments, not the function's (engine, calls).
     typing = False
     #: Whether a running batch takes waiting tasks of its key into rows it freed

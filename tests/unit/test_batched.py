@@ -47,6 +47,23 @@ def test_a_batch_task_marks_its_messages_with_task_model_and_class(app: Any) -> 
     assert embed.batch_max == CONFIG.batch_max_tasks
 
 
+@pytest.mark.parametrize("decorator", ["task", "inference_task"])
+def test_max_batch_on_a_task_that_is_not_a_batch_task_is_refused(decorator: str) -> None:
+    app = make_app(CONFIG, main="batched-unit-plain")
+    options = {"model": "enc"} if decorator == "inference_task" else {}
+
+    @getattr(app, decorator)(name="u.not_batch", max_batch=8, shared=False, **options)
+    def not_batch(*args: Any) -> int:
+        return 1
+
+    # (its calls carried a batch key: picks gathered them as kin, ahead of their turn,
+    # for a run that takes them one at a time)
+    with pytest.raises(InvalidTaskOptions, match=r"max_batch applies to batch tasks "
+                                                 r"\(app.batch_inference_task\); "
+                                                 r"'u.not_batch' declares max_batch=8"):
+        call_options(app.tasks["u.not_batch"], CONFIG, {}, app.conf, ("x",))
+
+
 def test_a_batch_key_names_the_time_limits_the_message_carries(app: Any) -> None:
     task = app.tasks["u.score"]
     plain: dict[str, Any] = {}
