@@ -42,6 +42,8 @@ FORGET_AFTER_S = 86_400.0
 #: weights quickly.
 P0 = 100.0
 N_FEATURES = 7
+#: Bound on the trace of the RLS covariance (P0 * N_FEATURES = 700 at start).
+MAX_TRACE = 1e4
 
 
 def features(now_s: float, previous: Sequence[float], mean: float) -> list[float]:
@@ -109,8 +111,19 @@ def update(f: Forecaster, start_s: float, demand: float,
     gain = [v / denom for v in px]
     residual = y - sum(w * xi for w, xi in zip(f.weights, x, strict=True))
     weights = tuple(w + g * residual for w, g in zip(f.weights, gain, strict=True))
-    covariance = tuple(tuple((p[i][j] - gain[i] * px[j]) / forgetting
-                             for j in range(N_FEATURES)) for i in range(N_FEATURES))
+    raw = [[(p[i][j] - gain[i] * px[j]) / forgetting for j in range(N_FEATURES)]
+           for i in range(N_FEATURES)]
+    # Symmetrised: rounding leaves P - P^T, which dividing by the forgetting factor grows
+    # 2% an interval (e-fold every 50): unchecked, the forecast diverged within a week.
+    covariance = tuple(tuple((raw[i][j] + raw[j][i]) / 2 for j in range(N_FEATURES))
+                       for i in range(N_FEATURES))
+    # Forgetting also inflates P along what the features never vary (steady demand: the
+    # bias and both lags are one direction): bounded, it cannot overflow to NaN.
+    trace = sum(covariance[i][i] for i in range(N_FEATURES))
+    if not math.isfinite(trace):
+        covariance = Forecaster().covariance
+    elif trace > MAX_TRACE:
+        covariance = tuple(tuple(v * MAX_TRACE / trace for v in row) for row in covariance)
     last = start_s if demand > 0 or f.last_demand_s is None else f.last_demand_s
     return Forecaster(weights, covariance, (demand, *f.history)[:2], mean, mse, f.updates + 1,
                       last)
@@ -203,8 +216,13 @@ def from_json(raw: Mapping[str, Any]) -> Forecaster:
                 or any(len(row) != N_FEATURES for row in cov):
             return Forecaster()
         last = raw.get("l")  # (an older record has none: the clock starts now)
-        return Forecaster(weights, cov, tuple(float(v) for v in raw["h"])[:2],
-                          float(raw["m"]), float(raw["e"]), int(raw["n"]),
-                          None if last is None else float(last))
+        state = Forecaster(weights, cov, tuple(float(v) for v in raw["h"])[:2],
+                           float(raw["m"]), float(raw["e"]), int(raw["n"]),
+                           None if last is None else float(last))
     except (KeyError, TypeError, ValueError):
         return Forecaster()
+    numbers = (*state.weights, *(v for row in state.covariance for v in row), *state.history,
+               state.mean, state.mse)
+    # A state that diverged (stored before the covariance was kept bounded) predicted 0
+    # for good: max(0, nan) is 0. It starts over instead.
+    return state if all(math.isfinite(v) for v in numbers) else Forecaster()
