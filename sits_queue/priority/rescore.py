@@ -252,6 +252,7 @@ class Rescorer:
         """
         keys, chunk = self.keys(queue), self.config.rescore_chunk
         scorer = Scorer(snapshot, self.config)
+        known = set(self.config.class_names)
         seen = rewritten = calls = 0
         max_call = 0.0
         cursor = 0
@@ -266,14 +267,19 @@ class Rescorer:
                 if raw is None:
                     continue  # picked between ZSCAN and HMGET: nothing to rewrite
                 try:
-                    prio = scorer.score(*score_inputs(raw))
+                    inputs = score_inputs(raw)
+                    if inputs[0] not in known:
+                        # a class this table lacks (renamed; a peer site's replica taken
+                        # over): scored as the worker runs it, in the default class, so
+                        # that it still ages
+                        inputs = (self.config.default_class, *inputs[1:])
+                    new = score_base(scorer.score(*inputs)) + (int(old) & (SEQ_SPAN - 1))
                 except (ValueError, KeyError, TypeError, ArithmeticError) as exc:
                     # (a record with an SLA of 0 divides by it): one bad record must not
                     # stop the pass over every other message
                     logger.warning("queue %r message %r: unreadable scheduling record (%s); "
                                    "keeping its score", queue, msg_id, exc)
                     continue
-                new = score_base(prio) + (int(old) & (SEQ_SPAN - 1))
                 if new != int(old):
                     updates[msg_id] = new
             seen += len(members)

@@ -166,6 +166,35 @@ def test_a_record_that_cannot_be_scored_keeps_its_score_and_the_pass_goes_on(
     assert drain(app) == ["good", "bad"]
 
 
+def test_a_task_of_a_class_the_table_lacks_ages_as_the_default_class(
+        app: Celery, redis_client: redis.Redis) -> None:
+    from sits_queue.broker.keys import decode_score
+
+    echo = app.tasks["t.echo"]
+    echo.apply_async(("known",), sla_class="low")
+    echo.apply_async(("renamed",), sla_class="low")
+    keys = QueueKeys.for_queue("celery")
+    # Given both waiting an hour, one of a class the table no longer has (renamed while
+    # it waited; a peer site's replica taken over, whose table differs)
+    ids = {}
+    for msg_id, raw in redis_client.hgetall(keys.meta).items():
+        record = json.loads(raw)
+        record["t"] -= 3600
+        name = "renamed" if not ids else "known"
+        if name == "renamed":
+            record["c"] = "bulk"
+        ids[name] = msg_id
+        redis_client.hset(keys.meta, msg_id, json.dumps(record))
+    # When a pass runs, both age (the unknown one kept its score for good: never aged,
+    # it could wait forever behind newer work)
+    report = Rescorer(app.sits, redis_client).rescore_all()
+    assert report is not None and report.rewritten == 2
+    known, _ = decode_score(redis_client.zscore(keys.waiting, ids["known"]))
+    renamed, _ = decode_score(redis_client.zscore(keys.waiting, ids["renamed"]))
+    # (scored in the default class, medium, which outranks low at the same wait)
+    assert known > 800_000 and renamed >= known
+
+
 def test_a_model_no_longer_called_fades_out_of_the_hotness_hash(
         app: Celery, redis_client: redis.Redis) -> None:
     rescorer = Rescorer(app.sits, redis_client)
