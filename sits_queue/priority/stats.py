@@ -1,8 +1,8 @@
 """Pure statistics behind the priority snapshot and the §2.2 recompute triggers.
 
 Inputs are plain sequences and mappings read from Redis by a thin adapter. Samples that
-are not finite numbers (NaN, inf) are dropped rather than raised on: one corrupt sample
-written by a dying worker must not stop every rescoring pass.
+are not finite numbers (NaN, inf), or past a year, are dropped rather than raised on:
+one corrupt sample written by a dying worker must not stop every rescoring pass.
 """
 
 from __future__ import annotations
@@ -12,8 +12,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-#: Counts below this are dropped by :func:`decay_counts`, calls: keeps the table small.
+#: Counts below this are dropped (``prune_hot.lua``; :func:`decay_counts` in tests):
+#: keeps the table small.
 MIN_COUNT = 0.01
+#: Samples beyond this, ms (a year), are dropped as corrupt, like non-finite ones.
+MAX_SAMPLE_MS = 365 * 86_400_000.0
 
 #: §2.2: RTT off its baseline by more than this fraction fires "rtt".
 RTT_TOLERANCE = 0.15
@@ -36,7 +39,11 @@ TRIGGER_BACKLOG = "backlog"
 
 
 def _finite(values: Iterable[float]) -> list[float]:
-    return [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    # A sample past a year is no latency (a foreign producer's submission time of -1e305
+    # gives one of 1e308 ms: finite, but the jitter's sum of two overflowed to inf and
+    # every pass failed until 512 newer samples pushed it out).
+    return [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)
+            and abs(v) <= MAX_SAMPLE_MS]
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

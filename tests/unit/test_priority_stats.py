@@ -283,3 +283,13 @@ def test_decay_factor_is_by_time(elapsed_s: float, expected: float) -> None:
 def test_decay_factor_rejects_bad_arguments(period_s: float, per_period: float) -> None:
     with pytest.raises(ValueError):
         decay_factor(1.0, period_s, per_period)
+
+
+def test_a_latency_past_a_year_is_dropped_as_corrupt() -> None:
+    from sits_queue.priority.model import ClassStats
+
+    # (a foreign producer's sits_submitted_at of -1e305: a finite latency of 1e308 ms, and
+    # the jitter's sum of two such overflowed to inf, so every rescoring pass raised)
+    samples = [1e308, 0.0, 1e308, 250.0, 150.0]
+    assert jitter_ms(samples) == 175.0 and p95(samples) == 250.0  # of 0, 250, 150
+    ClassStats(p95_ms=p95(samples), jitter_ms=jitter_ms(samples))
