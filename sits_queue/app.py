@@ -410,7 +410,7 @@ def beat_schedule(config: SitsConfig) -> dict[str, Any]:
                                 "schedule": config.trigger_check_interval_s,
                                 "options": {"expires": config.trigger_check_interval_s}},
         **({"sits-prewarm-plan": {"task": "sits.prewarm_plan",
-                                  "schedule": config.prewarm_interval_s,
+                                  "schedule": prewarm_schedule(config.prewarm_interval_s),
                                   "options": {"expires": config.prewarm_interval_s}}}
            if config.prewarm_interval_s > 0 else {}),
         **({"sits-site-sync": {"task": "sits.site_sync",
@@ -418,6 +418,25 @@ def beat_schedule(config: SitsConfig) -> dict[str, Any]:
                                "options": {"expires": config.site_sync_interval_s}}}
            if config.site else {}),
     }
+
+
+def prewarm_schedule(interval_s: float) -> Any:
+    """When the pre-warm plan runs: as each demand interval begins (UTC multiples of
+    ``interval_s``), where a crontab can say so (intervals that divide an hour in whole
+    minutes, or a day in whole hours), since the plan forecasts the interval it runs in;
+    an interval from the beat's start otherwise, where a plan may land late in its own
+    (the 300 s default, run from the beat's start, forecast an interval half gone on
+    average, all of it at worst)."""
+    from celery.schedules import crontab
+
+    seconds = int(interval_s)
+    if seconds == interval_s and seconds > 0:
+        if seconds % 60 == 0 and 3600 % seconds == 0:
+            return crontab(minute=f"*/{seconds // 60}")
+        # (in the app's timezone: aligned to UTC's hours where its offset is whole hours)
+        if seconds % 3600 == 0 and 86_400 % seconds == 0:
+            return crontab(minute=0, hour=f"*/{seconds // 3600}")
+    return interval_s
 
 
 def _plain(value: Any) -> Any:

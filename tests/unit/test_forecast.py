@@ -161,3 +161,30 @@ def test_config_interval() -> None:
     assert SitsConfig(prewarm_interval_s=0).prewarm_interval_s == 0
     with pytest.raises(ConfigError, match="prewarm_interval_s"):
         SitsConfig(prewarm_interval_s=-1)
+
+
+@pytest.mark.parametrize(("interval_s", "runs_at"), [
+    (300.0, [(14, 10)]), (60.0, [(14, 8)]), (1800.0, [(14, 30)]), (7200.0, [(16, 0)]),
+])
+def test_the_plan_runs_as_each_demand_interval_begins(interval_s: float,
+                                                      runs_at: list[tuple[int, int]]) -> None:
+    from datetime import UTC, datetime
+
+    from sits_queue.app import beat_schedule
+
+    # (run every 300 s from the beat's start, a plan forecast the interval it ran in,
+    # half gone on average, and pre-warmed for what was ending)
+    schedule = beat_schedule(SitsConfig(prewarm_interval_s=interval_s))[
+        "sits-prewarm-plan"]["schedule"]
+    last = datetime(2026, 12, 3, 14, 7, 31, tzinfo=UTC)
+    start, delta, _ = schedule.remaining_delta(last)
+    due = start + delta
+    assert [(due.hour, due.minute)] == runs_at and due.second == 0
+    assert due.timestamp() % interval_s == 0  # a bucket's start (bucket_of)
+
+
+def test_an_interval_no_crontab_can_say_runs_every_interval() -> None:
+    from sits_queue.app import beat_schedule
+
+    entry = beat_schedule(SitsConfig(prewarm_interval_s=420.0))["sits-prewarm-plan"]
+    assert entry["schedule"] == 420.0 and entry["options"] == {"expires": 420.0}
