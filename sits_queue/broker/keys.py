@@ -23,8 +23,8 @@ logger = logging.getLogger(__name__)
 
 #: Arrival counter bits in the score; it wraps after 4.29e9 messages per queue (days at
 #: ten thousand a second). At the wrap, tasks of equal priority put just after it leave
-#: before those put just before it, until aging tells them apart (20 s at most): the one
-#: place FIFO among equal priority gives way, the price of 21 bits of priority levels.
+#: before those put just before it, until aging (from 20 s of waiting) tells them apart: the
+#: one place FIFO among equal priority gives way, the price of 21 bits of priority levels.
 SEQ_BITS = 32
 SEQ_SPAN = 1 << SEQ_BITS
 #: Priority levels: 21 bits, so (levels << 32) stays below 2**53.
