@@ -70,6 +70,23 @@ def jitter_ms(latencies: Sequence[float]) -> float:
     return sum(abs(b - a) for a, b in pairwise(samples)) / (len(samples) - 1)
 
 
+def smoothed_counts(previous: Mapping[str, float], deltas: Mapping[str, float],
+                    factor: float) -> dict[str, float]:
+    """Recency-weighted counts: ``previous`` faded by ``factor``, plus this window's
+    ``deltas`` (a negative or non-finite one, a counter reset or misread, adds nothing);
+    those under :data:`MIN_COUNT` are dropped."""
+    def ok(value: float) -> float:
+        return value if isinstance(value, (int, float)) and math.isfinite(value) \
+            and value > 0 else 0.0
+
+    out = {}
+    for name in set(previous) | set(deltas):
+        value = ok(previous.get(name, 0.0)) * factor + ok(deltas.get(name, 0.0))
+        if value >= MIN_COUNT:
+            out[name] = value
+    return out
+
+
 def bandwidth_compliance(completed: float, submitted: float) -> float:
     """Share of submitted work completed, ``min(1, completed / submitted)``; 1.0 if idle.
 

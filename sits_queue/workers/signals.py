@@ -50,6 +50,8 @@ class _Record:
     failed: bool
     #: The pre-warm demand bucket the task finished in ("" with pre-warming off).
     demand: str
+    #: It ended in a retry: its message was handled, and the retry is a new arrival.
+    retried: bool = False
 
 
 @dataclass
@@ -90,9 +92,12 @@ def _client(config: SitsConfig) -> redis.Redis:
     return client
 
 
-def record_completion(config: SitsConfig, request: Any, failed: bool, now_s: float) -> None:
+def record_completion(config: SitsConfig, request: Any, failed: bool, now_s: float,
+                      retried: bool = False) -> None:
     """Buffer one finished task's statistics (``now_s``: when it finished); flushed every
-    :data:`FLUSH_EVERY_RECORDS` records, else within :data:`FLUSH_EVERY_S`."""
+    :data:`FLUSH_EVERY_RECORDS` records, else within :data:`FLUSH_EVERY_S`. A run that
+    ended in a retry (``retried``) counts only as a handled message: each retry arrives
+    again, and the task finishes once."""
     global _buffer
     header = getattr(request, HEADER, None)
     if not isinstance(header, dict) or request.task is None or request.task in UNCOUNTED_TASKS:
@@ -112,7 +117,7 @@ def record_completion(config: SitsConfig, request: Any, failed: bool, now_s: flo
             atexit.register(flush, config)  # a solo or threads worker's own exit
         buffer = _buffer
         buffer.records.append(_Record(config, sla_class, header.get("model"), latency_ms,
-                                      failed, demand))
+                                      failed, demand, retried))
         due = len(buffer.records) >= FLUSH_EVERY_RECORDS
         buffer.waiting.set()
         if buffer.flusher is None:  # started lazily: the first record after a fork
@@ -152,6 +157,9 @@ def _write(config: SitsConfig, records: list[_Record]) -> None:
     trims: dict[str, int] = {}
     expiries: dict[str, int] = {}
     for r in records:
+        if r.retried:  # for the bandwidth compliance only (rescore.py)
+            pipe.hincrby(counter_key(r.config, "retried"), r.sla_class, 1)
+            continue
         latencies = latency_key(r.config, r.sla_class)
         if r.latency_ms is not None:
             pipe.lpush(latencies, r.latency_ms)
@@ -181,10 +189,10 @@ def connect(app: Celery) -> None:
                    **_: Any) -> None:
         if task is None or getattr(task, "app", None) is not app:
             return
-        if state not in ("SUCCESS", "FAILURE"):
-            return  # a retry, or a slot yielded (REJECTED): the task has not finished
+        if state not in ("SUCCESS", "FAILURE", "RETRY"):
+            return  # a slot yielded (REJECTED): the same message runs on later
         record_completion(sits_config(app), task.request, failed=state == "FAILURE",
-                          now_s=time.time())
+                          now_s=time.time(), retried=state == "RETRY")
 
     def on_process_shutdown(**_: Any) -> None:
         # A pool child's buffered records and spans would die with it (billiard ends it

@@ -55,6 +55,26 @@ def test_a_child_that_exits_after_its_task_flushes_its_statistics(
     assert latencies(redis_client) == 2
 
 
+def test_a_retried_task_arrives_twice_finishes_once_and_its_class_keeps_up(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    from sits_queue.priority.rescore import Rescorer
+
+    config = SitsConfig()
+    spawn(concurrency=1)
+    # Given a task that fails its first run and retries itself: two arrivals, one finish
+    result = client_app.tasks["w.flaky"].apply_async(("once", 1), sla_class="low")
+    assert result.get(timeout=30)["retries"] == 1
+    wait_for(lambda: done(redis_client) == 1, ARRIVES_S, "the finished run's record")
+    retried = signals.counter_key(config, "retried")
+    wait_for(lambda: redis_client.hget(retried, "low") == b"1", ARRIVES_S,
+             "the retried run's record")
+    # Then its class is not read as falling behind its arrivals: the run that retried
+    # handled its message (it read 1 of 2: a standing QoS boost for retrying classes)
+    snapshot = Rescorer(config, redis_client).gather_snapshot(time.time())
+    assert snapshot.classes["low"].bandwidth_compliance == 1.0
+    assert latencies(redis_client) == 1  # the retried run is no latency sample
+
+
 def test_demand_counts_in_the_interval_its_task_finished_in(
         redis_url: str, redis_client: redis.Redis) -> None:
     # Given a task that finished three pre-warm intervals before its record is flushed

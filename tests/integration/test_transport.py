@@ -247,6 +247,29 @@ def test_aging_lets_an_old_low_task_overtake_fresh_high_ones(app: Celery,
     assert drain(app) == ["old-low", "high"]
 
 
+def test_a_class_keeping_up_lumpily_is_not_read_as_falling_behind(
+        app: Celery, redis_client: redis.Redis) -> None:
+    from sits_queue.priority.rescore import counter_key
+
+    rescorer = Rescorer(app.sits, redis_client)
+    echo = app.tasks["t.echo"]
+    now = time.time()
+    rescorer.gather_snapshot(now)  # the baseline
+    readings = []
+    # Given passes a second apart (a standing backlog's triggers), in which a low class
+    # finishes exactly what arrives, lumpily: 2 arrive and 1 finishes, then 0 and 1
+    for second in range(1, 21):
+        if second % 2:
+            echo.apply_async(("a",), sla_class="low")
+            echo.apply_async(("b",), sla_class="low")
+        redis_client.hincrby(counter_key(app.sits, "done"), "low", 1)
+        readings.append(rescorer.gather_snapshot(now + second).classes["low"]
+                        .bandwidth_compliance)
+    # Then it reads as keeping up once its counts have some history (pass by pass it
+    # read 0.5 every other second)
+    assert min(readings[10:]) > 0.9, readings
+
+
 def test_the_beats_own_tasks_are_not_top_class_backlog_or_arrivals(
         app: Celery, redis_client: redis.Redis) -> None:
     rescorer = Rescorer(app.sits, redis_client)

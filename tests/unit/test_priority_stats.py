@@ -293,3 +293,29 @@ def test_a_latency_past_a_year_is_dropped_as_corrupt() -> None:
     samples = [1e308, 0.0, 1e308, 250.0, 150.0]
     assert jitter_ms(samples) == 175.0 and p95(samples) == 250.0  # of 0, 250, 150
     ClassStats(p95_ms=p95(samples), jitter_ms=jitter_ms(samples))
+
+
+def test_smoothed_counts_fade_by_the_factor_add_the_window_and_skip_resets() -> None:
+    from sits_queue.priority.stats import smoothed_counts
+
+    assert smoothed_counts({}, {"low": 3.0}, 0.5) == {"low": 3.0}
+    assert smoothed_counts({"low": 4.0, "gone": 0.015}, {"low": 1.0, "high": -5.0},
+                           0.5) == {"low": 3.0}  # -5: a counter reset; 0.0075: dropped
+    assert smoothed_counts({"low": math.inf}, {"low": math.nan}, 0.5) == {}
+
+
+def test_a_class_keeping_up_unevenly_reads_as_keeping_up() -> None:
+    from sits_queue.priority.stats import smoothed_counts
+
+    # A class that finishes exactly what arrives, but lumpily: 2 arrive and 1 finishes in
+    # one second, 0 arrive and 1 finishes in the next. Compared second by second it read
+    # 0.5 every other pass (a 17% jump of its whole class's score each time).
+    fade = decay_factor(1.0, 30.0, 0.5)
+    done: dict[str, float] = {}
+    arrived: dict[str, float] = {}
+    readings = []
+    for second in range(120):
+        arrived = smoothed_counts(arrived, {"low": 2.0 if second % 2 == 0 else 0.0}, fade)
+        done = smoothed_counts(done, {"low": 1.0}, fade)
+        readings.append(bandwidth_compliance(done["low"], arrived["low"]))
+    assert min(readings[20:]) > 0.95
