@@ -104,10 +104,25 @@ def _check_task_message(headers: dict[str, Any]) -> None:
     limits = headers.get("timelimit")
     if limits is not None and not (
             isinstance(limits, (list, tuple)) and len(limits) == 2
-            and all(x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
-                    for x in limits)):
+            and all(_seconds(x) for x in limits)):
         raise MalformedPayload(f"headers.timelimit is not [soft, hard] seconds or nulls: "
                                f"{limits!r}")
+
+
+def _seconds(value: Any) -> bool:
+    """None, or a number of seconds Celery's pool can arm a timer with: an integer past a
+    float's range (JSON has them) raised OverflowError in the worker's main process once
+    the child took the job, stopping the worker; redelivered uncounted, the message
+    then stopped every worker that took it, one after another."""
+    if value is None:
+        return True
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 def check_task_body(message: Any) -> None:

@@ -175,7 +175,11 @@ def test_messages_celery_cannot_take_do_not_kill_the_worker(
            "id-int": celery_message(task_id=5),
            "no-id": celery_message(drop=("id",)),
            "limits-str": celery_message(task_id="limits-id", timelimit="abc"),
-           "limits-strs": celery_message(timelimit=["a", "b"])}
+           "limits-strs": celery_message(timelimit=["a", "b"]),
+           # JSON integers past a float's range: the pool's timer raised OverflowError
+           # in the main process once the child took the job, and every worker after
+           "limits-huge-soft": celery_message(timelimit=[None, 10**400]),
+           "limits-huge-hard": celery_message(timelimit=[10**400, None])}
     worker = spawn(concurrency=1)
     plant(redis_client, bad)
     # Then each is dead-lettered with what is wrong, and the worker serves on
@@ -188,6 +192,8 @@ def test_messages_celery_cannot_take_do_not_kill_the_worker(
     assert "body is not JSON" in dead["body-not-json"]
     assert "headers.id is not a task id" in dead["no-id"]
     assert "headers.timelimit" in dead["limits-str"]
+    assert "headers.timelimit" in dead["limits-huge-soft"]
+    assert "headers.timelimit" in dead["limits-huge-hard"]
     assert "Connection to broker lost" not in worker.log()
     # and a message with a task id fails its task's result, so its caller does not wait
     for task_id in ("not-json-id", "kwargs-id", "limits-id"):
