@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sits_queue.broker.payload import MalformedPayload, decode, text
+from sits_queue.broker.payload import MalformedPayload, check_task_body, decode, text
 from sits_queue.errors import DeadLettered
 
 logger = logging.getLogger(__name__)
@@ -154,17 +154,30 @@ def requeue(channel: Any, queue: str, ids: Sequence[bytes | str]
             # Back under its own id: a foreign producer's message may carry no tag (the
             # pick gave it one in memory only), and the put needs one.
             message["properties"]["delivery_tag"] = text(message_id)
+            _check_body(channel, message)
         except (ValueError, TypeError, KeyError, ArithmeticError) as exc:
             refused[shown(message_id)] = f"its payload is not a message ({exc}); drop it " \
                                          "instead"
             continue
-        channel._put(queue, message)  # first: a failure here leaves the dead letter
-        with channel.raw.pipeline(transaction=False) as pipe:
-            pipe.hdel(keys.dead, message_id)
-            pipe.hdel(keys.redelivered, message_id)
-            pipe.execute()
+        # The redelivery count first: a poison message put back with its count would be
+        # parked again by the first pick.
+        channel.raw.hdel(keys.redelivered, message_id)
+        channel._put(queue, message)  # then: a failure here leaves the dead letter
+        # Then the record requeued, not whatever is there now: a pick may have met the
+        # message and dead-lettered it again since the put (and that record must stay).
+        channel._run("undead", queue, [message_id, record])
         done.append(shown(message_id))
     return done, refused
+
+
+def _check_body(channel: Any, message: dict[str, Any]) -> None:
+    """Raise :class:`MalformedPayload` (a ValueError) for a body no worker can take: put
+    back, it would only be dead-lettered again by the first worker to meet it."""
+    built = channel.Message({**message, "properties": {
+        "delivery_info": {}, **message["properties"]}}, channel=channel)
+    if built.errors:
+        raise MalformedPayload(f"body does not decompress: {built.errors[0][1]!r}")
+    check_task_body(built)
 
 
 def drop(client: Any, dead_key: str, ids: Sequence[bytes | str]) -> int:

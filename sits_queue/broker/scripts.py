@@ -20,7 +20,7 @@ from redis.exceptions import ConnectionError, NoScriptError
 from sits_queue.broker.keys import QueueKeys
 
 SCRIPT_NAMES = ("put", "pick", "ack", "dead", "restore", "release", "purge", "preempt", "join",
-                "prune_hot", "arm", "take_outbox", "done_outbox", "forget")
+                "prune_hot", "arm", "take_outbox", "done_outbox", "forget", "undead")
 
 
 def _source(name: str) -> str:

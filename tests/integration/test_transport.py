@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from collections.abc import Iterator
@@ -510,6 +511,51 @@ def test_a_foreign_message_without_a_delivery_tag_is_requeued_from_the_dead_lett
         assert sorted(m.payload[0][0] for m in again) == ["ours", "second"]
         q.close()
     assert redis_client.hlen(keys.dead) == 0
+
+
+def test_a_requeued_letter_dead_lettered_again_before_the_requeue_ends_is_kept(
+        app: Celery, redis_client: redis.Redis) -> None:
+    """``sitsq dead requeue`` puts the message back, then drops its record: a worker that
+    met it in between and rejected it again (still an unknown task there) wrote a record
+    the requeue then deleted, leaving the message nowhere."""
+    keys = QueueKeys.for_queue("celery")
+    app.tasks["t.echo"].delay("x")
+    with app.connection_for_write() as worker, app.connection_for_write() as cli:
+        got = worker.default_channel.basic_get("celery")
+        got.reject()  # as a worker that does not know the task rejects it: dead
+        tag = got.delivery_tag
+        first = redis_client.hget(keys.dead, tag)
+        channel = cli.default_channel
+        put = channel._put
+
+        def put_then_a_worker_meets_it(queue: str, message: Any, **kwargs: Any) -> None:
+            put(queue, message, **kwargs)
+            redis_client.hset(keys.dead, tag, "{}")  # (no record alike by chance)
+            redis_client.hdel(keys.dead, tag)
+            worker.default_channel.basic_get(queue).reject()  # dead again, anew
+
+        channel._put = put_then_a_worker_meets_it
+        assert deadletters.requeue(channel, "celery", [tag]) == ([tag], {})
+    # Then the second dead letter stands: the message is still somewhere
+    again = redis_client.hget(keys.dead, tag)
+    assert again is not None and again != first
+
+
+def test_a_letter_whose_body_is_no_task_is_not_requeued(app: Celery,
+                                                        redis_client: redis.Redis) -> None:
+    keys = QueueKeys.for_queue("celery")
+    app.tasks["t.echo"].delay("x")
+    (tag,) = redis_client.hkeys(keys.payloads)
+    stored = json.loads(redis_client.hget(keys.payloads, tag) or b"")
+    stored["body"] = base64.b64encode(json.dumps("hello").encode()).decode()  # no [args..]
+    redis_client.hset(keys.payloads, tag, json.dumps(stored))
+    with app.connection_for_write() as conn:
+        assert conn.default_channel.basic_get("celery") is None  # dead-lettered
+        done, refused = deadletters.requeue(conn.default_channel, "celery", [tag])
+    # (it was put back, to be dead-lettered again by the first worker to meet it)
+    assert done == [] and "body is not a task's [args" in refused[tag.decode()]
+    assert "drop it instead" in refused[tag.decode()]
+    assert redis_client.hexists(keys.dead, tag) and redis_client.zcard(keys.waiting) == 0
 
 
 def kombu_message(**changes: Any) -> bytes:
