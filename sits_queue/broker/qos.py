@@ -112,30 +112,39 @@ class QoS(kredis.QoS):
         # Not under the lock: a beat's ZADD XX cannot re-add an acked message, and its id
         # never comes back (ack.lua drops the payload).
         queue = self._queue_of(delivery_tag)
-        if queue is not None:
-            self.channel._ack(queue, [delivery_tag])
-            self.channel._replicas_gone(queue, [delivery_tag])
-        virtual.QoS.ack(self, delivery_tag)
+        try:
+            if queue is not None:
+                self.channel._ack(queue, [delivery_tag])
+                self.channel._replicas_gone(queue, [delivery_tag])
+        finally:
+            # Forgotten here even when the ack failed (Celery logs it and never acks
+            # again): held, it was heartbeated for good and filled a prefetch slot; now
+            # the sweep restores it once the visibility timeout passes.
+            virtual.QoS.ack(self, delivery_tag)
         affinity.invalidate()  # its child has published what it holds now
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         with self._lock:
-            queue = self._queue_of(delivery_tag)
-            if queue is not None:
-                if requeue:  # counts: Celery requeues a task whose pool child died
-                    self.channel._run("restore", queue, ["-", 0, delivery_tag])
-                else:
-                    # Rejected for good (unknown task, Reject(requeue=False)): keep it
-                    # inspectable, with the consumer's reason when it gave one.
-                    reason, fail = self.channel.reject_reasons.pop(
-                        delivery_tag, ("rejected by consumer", False))
-                    self.channel._run("dead", queue, [time.time(), reason, delivery_tag])
-                    self.channel._replicas_gone(queue, [delivery_tag])
-                    if fail:  # its caller's get() raises instead of waiting for ever
-                        deadletters.fail_tasks(self.channel.raw, self.channel.keys(queue).dead,
-                                               [delivery_tag])
-            self.channel.reject_reasons.pop(delivery_tag, None)
-            virtual.QoS.ack(self, delivery_tag)
+            try:
+                queue = self._queue_of(delivery_tag)
+                if queue is not None:
+                    if requeue:  # counts: Celery requeues a task whose pool child died
+                        self.channel._run("restore", queue, ["-", 0, delivery_tag])
+                    else:
+                        # Rejected for good (unknown task, Reject(requeue=False)): keep it
+                        # inspectable, with the consumer's reason when it gave one.
+                        reason, fail = self.channel.reject_reasons.pop(
+                            delivery_tag, ("rejected by consumer", False))
+                        self.channel._run("dead", queue,
+                                          [time.time(), reason, delivery_tag])
+                        self.channel._replicas_gone(queue, [delivery_tag])
+                        if fail:  # its caller's get() raises instead of waiting for ever
+                            deadletters.fail_tasks(self.channel.raw,
+                                                   self.channel.keys(queue).dead,
+                                                   [delivery_tag])
+            finally:  # (as ack: a failed call leaves it to the sweep, not held for good)
+                self.channel.reject_reasons.pop(delivery_tag, None)
+                virtual.QoS.ack(self, delivery_tag)
 
     def release(self, delivery_tag: str, first_hold_s: float = 0.0,
                 longest_hold_s: float = 0.0) -> float:
@@ -152,9 +161,12 @@ class QoS(kredis.QoS):
         with self._lock:
             queue = self._queue_of(delivery_tag)
             hold = 0.0
-            if queue is not None:
-                hold = self._release(queue, [delivery_tag], first_hold_s, longest_hold_s)
-            virtual.QoS.ack(self, delivery_tag)  # forget it locally; Redis has it back
+            try:
+                if queue is not None:
+                    hold = self._release(queue, [delivery_tag], first_hold_s,
+                                         longest_hold_s)
+            finally:  # forget it locally: Redis has it back (or, failing, the sweep will)
+                virtual.QoS.ack(self, delivery_tag)
         return hold
 
     def _release(self, queue: str, tags: list[str], first_hold_s: float = 0.0,

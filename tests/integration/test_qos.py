@@ -207,6 +207,32 @@ def test_the_heartbeat_never_extends_a_message_it_gave_back(
     close(conn, channel)
 
 
+def test_a_message_whose_ack_failed_is_not_beaten_for_good(
+        app: Celery, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    app.tasks["t.echo"].delay("ran")
+    conn, channel, message = hold(app)
+    # Given an ack that fails (Redis away: Celery logs it and never acks again)
+
+    def lost(queue: str, tags: list[str]) -> None:
+        raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:1")
+
+    monkeypatch.setattr(channel, "_ack", lost)
+    with pytest.raises(redis.ConnectionError):
+        channel.qos.ack(message.delivery_tag)
+    # Then the consumer does not hold it any more: its slot is free, no beat keeps it
+    # (it stayed held, beaten as long as the process lived, never restored)
+    held = [t for tags in channel.qos._held_by_queue().values() for t in tags]
+    assert message.delivery_tag not in held and channel.qos.can_consume()
+    old = time.time() - 60
+    redis_client.zadd(KEYS.unacked, {message.delivery_tag: old})
+    channel.qos.heartbeat()
+    assert redis_client.zscore(KEYS.unacked, message.delivery_tag) == pytest.approx(old, abs=1)
+    # and the sweep restores it, past its visibility timeout, to run again
+    channel.qos.restore_visible()
+    assert redis_client.zscore(KEYS.waiting, message.delivery_tag) is not None
+    close(conn, channel)
+
+
 def test_the_heartbeat_thread_stops_when_its_channel_closes(app: Celery) -> None:
     app.tasks["t.echo"].delay("x")
     conn, channel, message = hold(app)
