@@ -403,9 +403,19 @@ class Channel(kredis.Channel):
 
     def _deliver_group(self, queue: str, batch: list[SitsMessage], group: str) -> None:
         intake.batch_delivery(group, done=False)
+        handed = 0
         try:
             for message in batch:
+                handed += 1
                 self._hand_over(queue, message)
+        except BaseException:
+            # The pick took the whole batch off the queue: those not handed over are
+            # unacked in Redis but held by no one (neither heartbeated nor given back at
+            # close). Back uncounted: they never ran.
+            if rest := [m.delivery_tag for m in batch[handed:]]:
+                with contextlib.suppress(Exception):
+                    self.qos._release(queue, rest)
+            raise
         finally:
             intake.batch_delivery(group, done=True)
 

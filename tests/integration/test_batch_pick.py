@@ -251,3 +251,43 @@ def test_shards_of_a_batch_task_run_one_a_pick_and_a_call_may_cap_its_batch(
         app.tasks["t.shard_plain"].apply_async((["z"],), max_batch=1)
     assert redis_client.zcard(keys.waiting) == 0
     app.close()
+
+
+def test_batch_kin_a_delivery_failed_before_are_given_back_uncounted(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    from kombu import Consumer, Queue
+
+    from sits_queue.broker import intake
+
+    app = make_app(SitsConfig(redis_url=redis_url), main="kin-handover")
+
+    @app.batch_inference_task(name="t.kin_embed", model="m", max_batch=4, shared=False)
+    def embed(engine: Any, calls: list[Any]) -> list[Any]:
+        return calls
+
+    keys = QueueKeys.for_queue("celery")
+    for i in range(3):
+        embed.delay(f"call{i}")
+    handed: list[str] = []
+
+    def lost(body: Any, message: Any) -> None:
+        handed.append(message.delivery_tag)
+        raise redis.ConnectionError("socket write failed")  # the connection went
+
+    # Given a pick that took the three as one batch, and a hand-over that fails on the
+    # first (in a worker, only a connection error gets through the delivery guard)
+    intake.in_worker(True)
+    try:
+        with app.connection_for_write() as conn, \
+                Consumer(conn, [Queue("celery")], callbacks=[lost]), \
+                pytest.raises(redis.ConnectionError):
+            conn.drain_events(timeout=5)
+    finally:
+        intake.in_worker(False)
+    # Then the two never handed over are waiting again, not counted as crashes: they
+    # stayed unacked, held by no one, and the sweep brought them back counted as
+    # redelivered after the visibility timeout
+    assert len(handed) == 1
+    assert redis_client.zcard(keys.unacked) == 0 and redis_client.zcard(keys.waiting) == 3
+    assert redis_client.hlen(keys.redelivered) == 0
+    app.close()
