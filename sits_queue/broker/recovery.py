@@ -9,17 +9,24 @@ tasks the restart lost went with them.
 
 So each pass tells every live peer which server it writes from (:func:`epoch`: the
 local Redis's ``run_id``, new on every start and every failover), recorded at the peer
-next to the replicas. A peer whose record names another server holds replicas written
-before this site's Redis restarted: the pass first puts back into this site's queues,
+next to the replicas, with the number of the pass. A peer whose record names another
+server of this site holds replicas written before this site's Redis restarted. If,
+besides, the record was written at or after this site's last pass as this site counts
+them now (a count kept in its own Redis: it goes back with the data), the data went
+back, and the pass first puts back into this site's queues,
 with their priorities, the replicated tasks this site no longer holds and has no
 delete queued for in its outbox (a task finished before the restart); then it records
-the new server there, and only then may the digest and hand-over delete anything.
+the new server there, and only then may the digest and hand-over delete anything. A
+record of an earlier pass is the peer's own data gone back (restarted from an older
+snapshot: its replicas include tasks finished since, no loss of this site's): nothing
+is put back.
 
 At least once, never lost: a task finished just before a restart that also lost its
 outbox entry runs again; so does one finished after the restart whose replica sat at a
 peer that was unreachable then (its delete went to the replica peer of the time), once
-that peer is back; and so would one put after the restart and acked in the moment
-between :func:`restore`'s read of this site's ids and its put.
+that peer is back; so would one put after the restart and acked in the moment
+between :func:`restore`'s read of this site's ids and its put; and one finished in the
+pass before a peer's snapshot that the peer restarts from while this site restarts too.
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ from sits_queue.broker.scripts import Scripts
 
 logger = logging.getLogger(__name__)
 
+#: This site's count of its sync passes (:func:`next_pass`), in its own Redis.
+PASS_COUNT = "sits:site:passes"
 #: The local key of this site's own epoch where INFO is not allowed (a managed Redis
 #: that renames or forbids it): set once, it changes only when the data is lost.
 FALLBACK_EPOCH = "sits:site:epoch"
@@ -105,18 +114,41 @@ def replicas(client: redis.Redis, prefix: str, origin: str, queue: str
                     client.hmget(m, ids), strict=True))
 
 
+def next_pass(local: redis.Redis, prefix: str) -> int:
+    """Count this site's sync passes in its own Redis: the count goes back when its data
+    does (an empty restart, a failover to a replica that had not caught up)."""
+    return int(local.incr(f"{prefix}{PASS_COUNT}"))
+
+
+def _not_before(recorded_pass: str, last_pass: int) -> bool:
+    """Whether a peer's record was written at or after this site's last pass as this
+    site counts them now: its data went back (True), rather than the peer's (a peer
+    back from an older snapshot holds a record of an earlier pass, and replicas of tasks
+    finished since, which are no loss of this site's). A record of an older version,
+    with no count, is trusted as before."""
+    try:
+        return int(recorded_pass) >= last_pass
+    except ValueError:
+        return True
+
+
 def restore(local: redis.Redis, peer: redis.Redis, scripts: Scripts, prefix: str, site: str,
-            current: str, default_class: str) -> int | None:
+            current: str, pass_no: int, default_class: str) -> int | None:
     """When ``peer`` holds replicas written before this site's server changed to
-    ``current``: put back the tasks they are of that this site lost, and record
-    ``current`` there. Returns how many were put back; None when the peer's record was
-    already ``current`` (nothing to check)."""
+    ``current`` and this site's data went back: put back the tasks they are of that this
+    site lost. Records ``current`` and this pass (``pass_no``, :func:`next_pass`) there.
+    Returns how many were put back; None when the peer's record named ``current``
+    already (nothing to check)."""
     key = epoch_key(prefix, site)
     recorded = peer.get(key)
-    if recorded is not None and text(recorded) == current:
+    was, _, at = text(recorded or b"").partition(" ")
+    record = f"{current} {pass_no}"
+    if recorded is not None and was == current:
+        peer.set(key, record)
         return None
     restored = 0
-    if recorded is not None:  # None: the first pass to reach this peer, or it is new
+    # None: the first pass to reach this peer, or it is new
+    if recorded is not None and _not_before(at, pass_no - 1):
         done = pending_deletes(local, prefix)
         # (the peer's list may lag a first write by REGISTER_EVERY_S: this site's too)
         queues = set(registered_queues(peer.smembers(replica_queues_key(prefix, site)))) | \
@@ -136,5 +168,5 @@ def restore(local: redis.Redis, peer: redis.Redis, scripts: Scripts, prefix: str
                 restored += len(args) // 5
         logger.warning("site %s: its Redis changed (restarted or failed over) since its "
                        "last pass; put back %d replicated tasks it had lost", site, restored)
-    peer.set(key, current)
+    peer.set(key, record)
     return restored

@@ -46,13 +46,12 @@ from typing import Any
 
 import redis
 
-from sits_queue.broker import recovery
+from sits_queue.broker import recovery, takeover
 from sits_queue.broker.keys import (
     QueueKeys,
     alive_key,
     last_pass_key,
     link_key,
-    missing_since_key,
     origins_key,
     outbox_key,
     queues_registry,
@@ -60,7 +59,6 @@ from sits_queue.broker.keys import (
     replica_keys,
     replica_queues_key,
     taken_key,
-    takenover_key,
 )
 from sits_queue.broker.meta import sla_class_of
 from sits_queue.broker.scripts import Scripts
@@ -95,8 +93,8 @@ OUTBOX_MAX = 1_000_000
 OUTBOX_FULL_BACKOFF_S = 10.0
 #: How often a peer is told again which of this site's queues it holds replicas of, s.
 REGISTER_EVERY_S = 10.0
-#: How long a take-over record is kept for its origin to read, s.
-TAKEOVER_TTL_S = 7 * 86400
+#: Ids per HSCAN round trip of a digest.
+SCAN_COUNT = 1000
 
 
 def link_max_age_s(config: SitsConfig) -> float:
@@ -246,19 +244,22 @@ class SiteSync:
             # that is when the outbox fills. The bottom tier is never digest-checked.
             later = [r for r in later if self._tiers.get(str(r[4])) is not sites.Tier.P2]
         if later:
-            length = self.local.rpush(outbox_key(self.prefix),
-                                      *(json.dumps(["put", queue, str(r[0])]) for r in later))
-            if int(length) > OUTBOX_MAX and time.monotonic() >= self._outbox_full_until:
-                self._outbox_full_until = time.monotonic() + OUTBOX_FULL_BACKOFF_S
-                logger.warning("site %s: outbox holds %d entries (peer unreachable?); "
-                               "eventual-mode replicas are not queued for %.0f s", self.site,
-                               length, OUTBOX_FULL_BACKOFF_S)
+            self._queue([json.dumps(["put", queue, str(r[0])]) for r in later])
+
+    def _queue(self, entries: list[str]) -> None:
+        length = self.local.rpush(outbox_key(self.prefix), *entries)
+        if int(length) > OUTBOX_MAX and time.monotonic() >= self._outbox_full_until:
+            self._outbox_full_until = time.monotonic() + OUTBOX_FULL_BACKOFF_S
+            logger.warning("site %s: outbox holds %d entries (peer unreachable?); "
+                           "eventual-mode replicas and deletes are not queued for %.0f s",
+                           self.site, length, OUTBOX_FULL_BACKOFF_S)
 
     def on_ack(self, queue: str, ids: Iterable[str]) -> None:
         """Acked (done or dead-lettered) tasks: their replicas go with the next pass."""
         entries = [json.dumps(["del", queue, i]) for i in ids]
-        if entries:
-            self.local.rpush(outbox_key(self.prefix), *entries)
+        # past OUTBOX_MAX not queued: the digest deletes the replicas of tasks gone
+        if entries and time.monotonic() >= self._outbox_full_until:
+            self._queue(entries)
 
     # -- the pass ------------------------------------------------------------------------------
     def sync_pass_locked(self) -> PassReport | None:
@@ -298,8 +299,9 @@ class SiteSync:
         # And the tasks this site's Redis lost come back from the replicas (recovery.py)
         # before anything there is deleted: a peer not reached for that does no more.
         current = recovery.epoch(self.local, self.prefix)
-        confirmed = self._guarded(report, live,
-                                  lambda peer, rep: self._recover(peer, current, rep))
+        pass_no = recovery.next_pass(self.local, self.prefix)
+        confirmed = self._guarded(report, live, lambda peer, rep: self._recover(
+            peer, current, pass_no, rep))
         link = plan.link
         if link is not None:
             report.peer, report.rtt_ms = link.peer.name, round(link.rtt_ms, 3)
@@ -328,9 +330,9 @@ class SiteSync:
                 report.errors.append(f"{peer}: {exc}")
         return done
 
-    def _recover(self, peer: str, current: str, report: PassReport) -> None:
+    def _recover(self, peer: str, current: str, pass_no: int, report: PassReport) -> None:
         restored = recovery.restore(self.local, self.clients[peer], self.scripts,
-                                    self.prefix, self.site, current,
+                                    self.prefix, self.site, current, pass_no,
                                     self.config.default_class)
         if restored is not None:
             report.restored += restored
@@ -339,8 +341,11 @@ class SiteSync:
             self._registered = {k: v for k, v in self._registered.items() if k[0] != peer}
 
     def _heartbeat(self, peer: str, report: PassReport) -> None:
+        # Short-lived: a peer starts counting a few intervals after the last one, so it
+        # takes over site_dead_after_s (plus those intervals) after it, not twice that.
+        ttl_s = min(self.config.site_dead_after_s, 3 * self.config.site_sync_interval_s)
         self.clients[peer].set(alive_key(self.prefix, self.site), self.clock(),
-                               px=int(self.config.site_dead_after_s * 1000))
+                               px=int(ttl_s * 1000))
 
     def _sync_to(self, peer: str, plan: SyncPlan, report: PassReport) -> None:
         self._drain(peer, plan, report)
@@ -471,7 +476,8 @@ class SiteSync:
         client = self.clients[peer]
         for queue in registered_queues(self.local.smembers(queues_registry(self.prefix))):
             m = replica_keys(self.prefix, self.site, queue)[2]
-            theirs = {i.decode(): sla_class_of(v) for i, v in client.hscan_iter(m)}
+            theirs = {i.decode(): sla_class_of(v) for i, v in client.hscan_iter(
+                m, count=SCAN_COUNT)}
             if not theirs and not checked:
                 continue  # nothing to delete there, nothing this site must write
             held = self._held(queue)
@@ -495,7 +501,8 @@ class SiteSync:
         """The ids of the tasks held here (waiting or running), with their classes."""
         k = QueueKeys.for_queue(queue, self.prefix)
         return {(raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)):
-                sla_class_of(raw_meta) for raw_id, raw_meta in self.local.hscan_iter(k.meta)}
+                sla_class_of(raw_meta)
+                for raw_id, raw_meta in self.local.hscan_iter(k.meta, count=SCAN_COUNT)}
 
     def _hand_over(self, old: str, plan: SyncPlan, report: PassReport) -> None:
         """This site's replicas at ``old``, a live peer that does not keep the replica
@@ -530,71 +537,12 @@ class SiteSync:
             if budget <= 0:
                 return
 
-    # -- take-overs ----------------------------------------------------------------------------
+    # -- take-overs (takeover.py) -------------------------------------------------------------
     def _take_over(self, report: PassReport) -> None:
-        """Replicas held here of origins whose heartbeat here expired: into this site's
-        own queues, their ids recorded for the origin."""
-        now = self.clock()
-        for raw in self.local.smembers(origins_key(self.prefix)):
-            origin = raw.decode() if isinstance(raw, bytes) else str(raw)
-            if origin == self.site or not self._silent(origin, now):
-                continue
-            for qraw in self.local.smembers(replica_queues_key(self.prefix, origin)):
-                queue = qraw.decode() if isinstance(qraw, bytes) else str(qraw)
-                report.taken_over += self._promote(origin, queue)
-            self.local.delete(replica_queues_key(self.prefix, origin),
-                              missing_since_key(self.prefix, origin))
-            self.local.srem(origins_key(self.prefix), origin)
-            logger.warning("site %s: site %s missed its heartbeats for %.0f s; took over "
-                           "its replicated tasks", self.site, origin,
-                           self.config.site_dead_after_s)
-
-    def _silent(self, origin: str, now: float) -> bool:
-        """True once this site has itself seen no heartbeat from ``origin`` for
-        ``site_dead_after_s``: an expired heartbeat alone is not enough (this site may
-        just have come back from its own outage, before the origin's next pass)."""
-        since_key = missing_since_key(self.prefix, origin)
-        if self.local.exists(alive_key(self.prefix, origin)):
-            self.local.delete(since_key)
-            return False
-        self.local.set(since_key, now, nx=True)
-        since = float(self.local.get(since_key) or now)
-        return now - since >= self.config.site_dead_after_s
-
-    def _promote(self, origin: str, queue: str) -> int:
-        entries = recovery.replicas(self.local, self.prefix, origin, queue)
-        if not entries:
-            return 0
-        ids = [e[0] for e in entries]
-        args = recovery.put_back_args(entries, self.config.default_class)
-        if args:
-            self.scripts.run("put", QueueKeys.for_queue(queue, self.prefix), args, self.local)
-            marker = takenover_key(self.prefix, origin)
-            self.local.sadd(marker, *(json.dumps([queue, i]) for i in ids))
-            self.local.expire(marker, TAKEOVER_TTL_S)
-            self.local.sadd(queues_registry(self.prefix), queue)
-        self.local.delete(*replica_keys(self.prefix, origin, queue))
-        return len(args) // 5
+        takeover.take_over(self, report)
 
     def _drop_taken_over(self, peer: str, report: PassReport) -> None:
-        """This site's tasks a peer took over while this site was unreachable: the copies
-        still waiting here go to the dead letters (they run at the peer)."""
-        client = self.clients[peer]
-        marker = takenover_key(self.prefix, self.site)
-        entries = client.smembers(marker)
-        if not entries:
-            return
-        now = self.clock()
-        for raw in entries:
-            queue, task_id = json.loads(raw)
-            k = QueueKeys.for_queue(queue, self.prefix)
-            if self.local.zscore(k.waiting, task_id) is not None:
-                report.dropped += int(self.scripts.run("dead", k, [
-                    now, f"taken over by site {peer} while site {self.site} was "
-                         "unreachable; it runs there", task_id], self.local))
-                # A replica of it anywhere would be taken over again: it runs at peer.
-                self.on_ack(queue, [task_id])
-            client.srem(marker, raw)
+        takeover.drop_taken_over(self, peer, report)
 
 
 _syncs: dict[tuple[str, str, str, str], SiteSync] = {}
@@ -602,8 +550,8 @@ _syncs: dict[tuple[str, str, str, str], SiteSync] = {}
 
 def for_config(config: SitsConfig) -> SiteSync | None:
     """The process's :class:`SiteSync` for ``config``; None for a single site."""
-    if not config.site:
-        return None
+    if not config.site or not config.site_peers.split():
+        return None  # no peer: nothing would ever drain an outbox
     key = (config.site, config.site_peers, config.redis_url, config.global_keyprefix)
     sync = _syncs.get(key)
     if sync is None:

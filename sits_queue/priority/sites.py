@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from redis.connection import parse_url
+from redis.connection import ConnectionPool
 
 from sits_queue.errors import ConfigError
 
@@ -230,9 +230,10 @@ def parse_peers(text: str) -> tuple[Peer, ...]:
         if hops < 0 or (rtt is not None and not (math.isfinite(rtt) and rtt >= 0)):
             raise ConfigError(f"site_peers entry {name!r}: hops and rtt_ms must be >= 0")
         clean = urlunsplit(parts._replace(query=urlencode(query)))
-        try:  # what redis-py reads from it (options such as socket_timeout=abc)
-            parse_url(clean)  # type: ignore[no-untyped-call]
-        except ValueError as exc:
+        try:  # what redis-py makes of it: a bad value (socket_timeout=abc) or an option it
+            # does not know (a misspelt rtt_ms) fails here, not in every later enqueue
+            ConnectionPool.from_url(clean).make_connection()  # builds, never connects
+        except (ValueError, TypeError) as exc:
             raise ConfigError(f"site_peers entry {name!r}: {exc}") from None
         peers.append(Peer(name, clean, hops, rtt))
     names = [p.name for p in peers]

@@ -20,8 +20,8 @@ from celery import Celery
 from kombu import Exchange, Queue
 
 from sits_queue.app import make_app
-from sits_queue.broker import deadletters, sites
-from sits_queue.broker.keys import SEQ_BITS, QueueKeys
+from sits_queue.broker import deadletters, sites, takeover
+from sits_queue.broker.keys import SEQ_BITS, QueueKeys, missing_since_key, takenover_key
 from sits_queue.broker.scripts import Scripts
 from sits_queue.cli import _format_status
 from sits_queue.config import SitsConfig
@@ -266,8 +266,8 @@ def test_a_silent_site_is_taken_over_and_drops_its_copies_when_back(
     b.delete(sites.alive_key("", "a"))
     assert sync_of(app_b).sync_pass().taken_over == 0
     # ...and once it has itself heard nothing for site_dead_after_s, takes a's work over
-    since = float(b.get(sites.missing_since_key("", "a")) or 0)
-    b.set(sites.missing_since_key("", "a"), since - app_b.sits.site_dead_after_s)
+    since = float(b.get(missing_since_key("", "a")) or 0)
+    b.set(missing_since_key("", "a"), since - app_b.sits.site_dead_after_s)
     report = sync_of(app_b).sync_pass()
     assert report.taken_over == 2
     assert {i.decode() for i in b.zrange(QUEUE.waiting, 0, -1)} == {urgent, bulk}
@@ -779,3 +779,225 @@ def test_an_origin_whose_redis_forbids_info_keeps_an_epoch_of_its_own(
     finally:
         redis_client.execute_command("ACL", "DELUSER", "sits-noinfo")
         redis_client.delete(f"noinfo:{recovery.FALLBACK_EPOCH}")
+
+
+def take_over(app_b: Celery, b: redis.Redis) -> sites.PassReport:
+    """Site b's passes once site a's heartbeat is gone and b has heard nothing for
+    site_dead_after_s (its count moved back rather than waited for)."""
+    b.delete(sites.alive_key("", "a"))
+    assert sync_of(app_b).sync_pass().taken_over == 0  # it starts counting
+    since = float(b.get(missing_since_key("", "a")) or 0)
+    b.set(missing_since_key("", "a"), since - app_b.sits.site_dead_after_s)
+    return sync_of(app_b).sync_pass()
+
+
+def test_a_copy_running_at_the_origin_during_a_take_over_does_not_run_again_there(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str) -> None:
+    """The origin, back, dead-lettered only its copies still waiting and forgot the rest
+    of the take-over: a copy that was running (or prefetched) when the site went silent,
+    given back later (its worker died, a requeue), ran at the origin too, after it had
+    heard of the take-over."""
+    a, b = clients
+    app_a = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)
+    app_b = site_app(site_b, "b", "a", redis_url, rtt_ms=1.0)
+    x = submit(app_a, "high")
+    sync_of(app_a).sync_pass()
+    with app_a.connection_for_read() as conn:  # a worker of a holds it, unacked
+        held = conn.default_channel.basic_get("celery")
+        assert held.delivery_tag == x
+        # Given b took a's work over while a was silent
+        assert take_over(app_b, b).taken_over == 1
+        # When a is back while its copy still runs, then gives it back (its worker died)
+        assert sync_of(app_a).sync_pass().dropped == 0
+        held.requeue()
+    assert a.zscore(QUEUE.waiting, x) is not None
+    # Then a's next pass dead-letters it: it runs at b
+    assert sync_of(app_a).sync_pass().dropped == 1
+    assert a.zscore(QUEUE.waiting, x) is None and b"taken over by site b" in (
+        a.hget(QUEUE.dead, x) or b"")
+    assert b.zscore(QUEUE.waiting, x) is not None
+    assert b.scard(takenover_key("", "a")) == 0  # settled
+    app_a.close()
+    app_b.close()
+
+
+def test_a_copy_acked_at_the_origin_settles_its_take_over_record(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str) -> None:
+    _, b = clients
+    app_a = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)
+    app_b = site_app(site_b, "b", "a", redis_url, rtt_ms=1.0)
+    submit(app_a, "high")
+    sync_of(app_a).sync_pass()
+    with app_a.connection_for_read() as conn:
+        held = conn.default_channel.basic_get("celery")
+        assert take_over(app_b, b).taken_over == 1
+        sync_of(app_a).sync_pass()
+        assert b.scard(takenover_key("", "a")) == 1  # kept while it runs
+        held.ack()  # it finished at a (the documented at-least-once gap: and at b)
+    sync_of(app_a).sync_pass()
+    assert b.scard(takenover_key("", "a")) == 0
+    app_a.close()
+    app_b.close()
+
+
+def test_a_peer_back_from_an_older_snapshot_makes_the_origin_rerun_nothing(
+        clients: tuple[redis.Redis, redis.Redis], restartable: list[EmbeddedRedis],
+        tmp_path: Path) -> None:
+    """A rolling restart: b snapshots, a's tasks finish, a restarts keeping its data, b
+    restarts from its snapshot. b's old record of a's server and its replicas of the
+    finished tasks came back together, and a put them all back to run again."""
+    peer = EmbeddedRedis(tmp_path / "b-snapshot")  # RDB only: restarts from its last SAVE
+    peer.start()
+    try:
+        b = redis.Redis.from_url(peer.url)
+        app = site_app(restartable[0].url, "a", "b", peer.url, rtt_ms=1.0)
+        sync = sync_of(app)
+        tasks = {submit(app, "high") for _ in range(3)}
+        sync.sync_pass()
+        assert replica_ids(b) == tasks
+        b.save()  # b's periodic snapshot
+        with app.connection_for_read() as conn:  # a's workers run them all
+            for _ in tasks:
+                conn.default_channel.basic_get("celery").ack()
+        sync.sync_pass()
+        assert replica_ids(b) == set()
+        restart(restartable, empty=False)  # a restarts with its data: a new server
+        assert sync.sync_pass().restored == 0
+        port = peer.port
+        peer.stop()
+        peer = EmbeddedRedis(tmp_path / "b-snapshot", port=port)  # b, from the snapshot
+        peer.start()
+        assert replica_ids(b) == tasks  # the finished tasks' replicas are back
+        report = sync.sync_pass()
+        # Then a puts none of them back: they are no work it lost
+        assert report.restored == 0, report
+        a = redis.Redis.from_url(restartable[-1].url)
+        assert a.zcard(QUEUE.waiting) == 0
+        a.close()
+        b.close()
+        app.close()
+    finally:
+        peer.stop()
+
+
+def test_a_site_without_peers_keeps_no_outbox(redis_url: str,
+                                              redis_client: redis.Redis) -> None:
+    """(nothing drains an outbox without a peer: it grew by a put and a delete per task)"""
+    sites._syncs.clear()
+    app = make_app(SitsConfig(redis_url=redis_url, site="a"), main="site-alone")
+
+    @app.task(name="t.alone", shared=False)
+    def alone() -> None:
+        return None
+
+    assert sites.for_config(app.sits) is None
+    for _ in range(3):
+        alone.apply_async(sla_class="high")
+    with app.connection_for_read() as conn:
+        for _ in range(3):
+            conn.default_channel.basic_get("celery").ack()
+    assert redis_client.llen(sites.outbox_key("")) == 0
+    app.close()
+
+
+def test_a_full_outbox_stops_queueing_deletes_the_digest_makes_anyway(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    a, _ = clients
+    monkeypatch.setattr(sites, "OUTBOX_MAX", 2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        gone = f"redis://127.0.0.1:{s.getsockname()[1]}/0"  # the peer is away
+    app = site_app(redis_url, "a", "b", gone, rtt_ms=1.0)
+    for _ in range(3):
+        submit(app, "medium")  # the third passes the cap
+    with app.connection_for_read() as conn:
+        for _ in range(3):
+            conn.default_channel.basic_get("celery").ack()
+    # Then the deletes are not queued past the cap: the digest deletes the replicas of
+    # tasks gone once the peer answers (each was queued, for as long as it was away)
+    assert a.llen(sites.outbox_key("")) == 3
+    app.close()
+
+
+def test_a_silent_site_is_taken_over_about_site_dead_after_s_after_its_last_heartbeat(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str) -> None:
+    """Its heartbeat lived site_dead_after_s, and only then did the peer start its own
+    count of as long: the take-over came after twice that. And a count the peer stopped
+    keeping (its own outage) never expired: its first pass after took the site over."""
+    _, b = clients
+    app_a = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)
+    app_b = site_app(site_b, "b", "a", redis_url, rtt_ms=1.0)
+    config = app_a.sits
+    submit(app_a, "high")  # (a site with replicas at b: one b watches)
+    sync_of(app_a).sync_pass()
+    # The heartbeat lives a few pass intervals, not the whole site_dead_after_s
+    beat_ms = b.pttl(sites.alive_key("", "a"))
+    assert 0 < beat_ms <= 3 * config.site_sync_interval_s * 1000 < \
+        config.site_dead_after_s * 1000
+    # The peer's count of the silence expires unless its passes renew it
+    b.delete(sites.alive_key("", "a"))
+    sync_of(app_b).sync_pass()
+    count_ms = b.pttl(missing_since_key("", "a"))
+    assert 0 < count_ms <= config.site_dead_after_s * 1000
+    app_a.close()
+    app_b.close()
+
+
+def test_a_take_over_and_its_settling_go_in_chunks(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(one put.lua of a whole replica held the peer's Redis for 0.9 s at 100k tasks,
+    and the origin settled the take-over with a round trip per task: 45 s for 2,000
+    over a 20 ms link, past the pass lock)"""
+    monkeypatch.setattr(takeover, "PROMOTE_CHUNK", 2)
+    monkeypatch.setattr(takeover, "TAKEOVER_CHUNK", 2)
+    a, b = clients
+    app_a = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)
+    app_b = site_app(site_b, "b", "a", redis_url, rtt_ms=1.0)
+    tasks = [submit(app_a, c) for c in ("high", "medium", "low", "high", "medium")]
+    sync_of(app_a).sync_pass()
+    assert replica_ids(b) == set(tasks)
+    assert take_over(app_b, b).taken_over == 5
+    assert {i.decode() for i in b.zrange(QUEUE.waiting, 0, -1)} == set(tasks)
+    assert replica_ids(b) == set() and not any(
+        b.exists(k) for k in sites.replica_keys("", "a", "celery"))
+    # the classes keep their order at b
+    order = [i.decode() for i in b.zrange(QUEUE.waiting, 0, -1)]
+    assert set(order[:2]) == {tasks[0], tasks[3]} and order[-1] == tasks[2]
+    back = sync_of(app_a).sync_pass()
+    assert back.dropped == 5 and a.zcard(QUEUE.waiting) == 0
+    assert b.scard(takenover_key("", "a")) == 0
+    app_a.close()
+    app_b.close()
+
+
+def test_an_origin_that_lost_its_data_while_its_peer_restarted_too_gets_its_tasks_back(
+        clients: tuple[redis.Redis, redis.Redis], restartable: list[EmbeddedRedis],
+        tmp_path: Path) -> None:
+    """Both restarted between two passes (a deploy of both): the peer kept its data
+    (AOF), the origin lost its own. The peer's new server must not read as the peer's
+    data gone back: the origin's tasks come back."""
+    peer = EmbeddedRedis(tmp_path / "b-aof", appendonly=True)
+    peer.start()
+    try:
+        b = redis.Redis.from_url(peer.url)
+        app = site_app(restartable[0].url, "a", "b", peer.url, rtt_ms=1.0)
+        sync = sync_of(app)
+        tasks = {submit(app, "high") for _ in range(3)}
+        sync.sync_pass()
+        assert replica_ids(b) == tasks
+        port = peer.port
+        peer.stop()
+        peer = EmbeddedRedis(tmp_path / "b-aof", port=port, appendonly=True)
+        peer.start()
+        restart(restartable, empty=True)
+        report = sync.sync_pass()
+        assert report.restored == 3, report
+        a = redis.Redis.from_url(restartable[-1].url)
+        assert {i.decode() for i in a.zrange(QUEUE.waiting, 0, -1)} == tasks
+        a.close()
+        b.close()
+        app.close()
+    finally:
+        peer.stop()

@@ -133,6 +133,9 @@ def test_peers_parse_with_hops_and_a_pinned_rtt() -> None:
     ("b=redis://", "names no host"), ("b=unix://", "names no socket path"),
     ("b=redis://h:1/zero", "database 'zero' is not a number"),
     ("b=redis://h:1/0?socket_timeout=abc", "'b': Invalid value for 'socket_timeout'"),
+    # an option redis-py does not know (rtt_ms misspelt) passed, and every enqueue then
+    # raised TypeError after its task was queued (a retrying caller queued it twice)
+    ("b=redis://h:1/0?rtt=1", "'b': .*unexpected keyword argument 'rtt'"),
 ])
 def test_bad_peers_are_refused_by_name(text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

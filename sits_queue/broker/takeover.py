@@ -1,0 +1,141 @@
+"""Take-overs between sites (``sites.py``'s pass): a peer that has itself heard nothing
+from an origin for ``site_dead_after_s`` puts the origin's replicas into its own queues
+and records their ids; the origin, back, dead-letters its copies of them.
+
+Both sides go in chunks: one ``put.lua`` of a whole replica held the peer's Redis for
+most of a second at 100k tasks, and a round trip per task to settle a take-over is
+minutes over a WAN link (past the pass lock, so passes overlapped).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING, Any, cast
+
+from sits_queue.broker import recovery
+from sits_queue.broker.keys import (
+    QueueKeys,
+    alive_key,
+    missing_since_key,
+    origins_key,
+    queues_registry,
+    replica_keys,
+    replica_queues_key,
+    takenover_key,
+)
+from sits_queue.broker.payload import text
+
+if TYPE_CHECKING:
+    from sits_queue.broker.sites import PassReport, SiteSync
+
+logger = logging.getLogger(__name__)
+
+#: How long a take-over record is kept for its origin to read, s.
+TAKEOVER_TTL_S = 7 * 86400
+#: Take-over records read and settled per round trip.
+TAKEOVER_CHUNK = 1000
+#: Replicas one put.lua call takes over.
+PROMOTE_CHUNK = 5000
+
+
+def take_over(sync: SiteSync, report: PassReport) -> None:
+    """Replicas held here of origins whose heartbeat here expired: into this site's
+    own queues, their ids recorded for the origin."""
+    for raw in sync.local.smembers(origins_key(sync.prefix)):
+        origin = raw.decode() if isinstance(raw, bytes) else str(raw)
+        if origin == sync.site or not silent(sync, origin):
+            continue
+        for qraw in sync.local.smembers(replica_queues_key(sync.prefix, origin)):
+            queue = qraw.decode() if isinstance(qraw, bytes) else str(qraw)
+            report.taken_over += promote(sync, origin, queue)
+        sync.local.delete(replica_queues_key(sync.prefix, origin),
+                          missing_since_key(sync.prefix, origin))
+        sync.local.srem(origins_key(sync.prefix), origin)
+        logger.warning("site %s: site %s missed its heartbeats for %.0f s; took over "
+                       "its replicated tasks", sync.site, origin,
+                       sync.config.site_dead_after_s)
+
+
+def silent(sync: SiteSync, origin: str) -> bool:
+    """True once this site has itself seen no heartbeat from ``origin`` for
+    ``site_dead_after_s``: an expired heartbeat alone is not enough (this site may
+    just have come back from its own outage, before the origin's next pass)."""
+    since_key = missing_since_key(sync.prefix, origin)
+    if sync.local.exists(alive_key(sync.prefix, origin)):
+        sync.local.delete(since_key)
+        return False
+    # This Redis's clock: the pass runs on any of this site's hosts. The count expires
+    # unless renewed: a gap in this site's own watching (its outage) starts it again.
+    sec, usec = sync.local.time()
+    now = sec + usec / 1e6
+    ttl_ms = int(sync.config.site_dead_after_s * 1000)
+    sync.local.set(since_key, now, nx=True, px=ttl_ms)
+    since = float(sync.local.get(since_key) or now)
+    sync.local.pexpire(since_key, ttl_ms)
+    return now - since >= sync.config.site_dead_after_s
+
+
+def promote(sync: SiteSync, origin: str, queue: str) -> int:
+    """In chunks: one put.lua of a whole replica blocks this Redis for seconds. A
+    chunk leaves the replica once it is in the queue: a pass that dies midway leaves
+    the rest to the next."""
+    z, p, m = replica_keys(sync.prefix, origin, queue)
+    marker = takenover_key(sync.prefix, origin)
+    total = 0
+    while raw := cast(list[Any], sync.local.zrange(z, 0, PROMOTE_CHUNK - 1,
+                                                      withscores=True)):
+        ids = [text(e[0]) for e in raw]
+        entries = list(zip(ids, (float(e[1]) for e in raw), sync.local.hmget(p, ids),
+                           sync.local.hmget(m, ids), strict=True))
+        args = recovery.put_back_args(entries, sync.config.default_class)
+        if args:
+            sync.scripts.run("put", QueueKeys.for_queue(queue, sync.prefix), args,
+                             sync.local)
+            sync.local.sadd(queues_registry(sync.prefix), queue)
+        sync.local.sadd(marker, *(json.dumps([queue, i]) for i in ids))
+        sync.local.expire(marker, TAKEOVER_TTL_S)
+        with sync.local.pipeline(transaction=True) as pipe:
+            pipe.zrem(z, *ids)
+            pipe.hdel(p, *ids)
+            pipe.hdel(m, *ids)
+            pipe.execute()
+        total += len(args) // 5
+    sync.local.unlink(z, p, m)
+    return total
+
+
+def drop_taken_over(sync: SiteSync, peer: str, report: PassReport) -> None:
+    """This site's tasks a peer took over while this site was unreachable: the copies
+    still waiting here go to the dead letters (they run at the peer). A copy picked
+    here keeps its record until it is acked or back in the waiting set (a worker
+    that died, a requeue), which a later pass then dead-letters. In chunks: a
+    round trip per id is minutes over a WAN."""
+    client = sync.clients[peer]
+    marker = takenover_key(sync.prefix, sync.site)
+    now = sync.clock()
+    entries = list(client.sscan_iter(marker, count=TAKEOVER_CHUNK))
+    for at in range(0, len(entries), TAKEOVER_CHUNK):
+        by_queue: dict[str, list[tuple[bytes, str]]] = {}
+        for raw in entries[at:at + TAKEOVER_CHUNK]:
+            queue, task_id = json.loads(raw)
+            by_queue.setdefault(queue, []).append((raw, task_id))
+        settled: list[bytes] = []
+        for queue, items in by_queue.items():
+            k = QueueKeys.for_queue(queue, sync.prefix)
+            with sync.local.pipeline(transaction=False) as pipe:
+                for _, task_id in items:
+                    pipe.zscore(k.waiting, task_id)
+                    pipe.zscore(k.unacked, task_id)
+                found = pipe.execute()
+            waiting = [i for n, (_, i) in enumerate(items) if found[2 * n] is not None]
+            if waiting:
+                report.dropped += int(sync.scripts.run("dead", k, [
+                    now, f"taken over by site {peer} while site {sync.site} was "
+                         "unreachable; it runs there", *waiting], sync.local))
+                # A replica of it anywhere would be taken over again: it runs at peer.
+                sync.on_ack(queue, waiting)
+            settled += [raw for n, (raw, _) in enumerate(items)
+                        if found[2 * n] is not None or found[2 * n + 1] is None]
+        if settled:
+            client.srem(marker, *settled)
