@@ -27,6 +27,8 @@ peer that was unreachable then (its delete went to the replica peer of the time)
 that peer is back; so would one put after the restart and acked in the moment
 between :func:`restore`'s read of this site's ids and its put; and one finished in the
 pass before a peer's snapshot that the peer restarts from while this site restarts too.
+A task running when the data was lost is put back while it runs (its unacked record
+went with the data), and runs again.
 """
 
 from __future__ import annotations
