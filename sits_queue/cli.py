@@ -162,8 +162,12 @@ def _format_status(report: dict[str, Any]) -> str:
         peer = (f"replica at {last['peer']} ({last['rtt_ms']} ms; "
                 + ", ".join(f"{c} {m}" for c, m in last.get("modes", {}).items()) + ")"
                 if last.get("peer") else "no live peer")
+        age = site.get("last_pass_age_s")
+        passed = (f"last sync pass {age} s ago" if age is not None else
+                  "no sync pass yet (is a beat running? without one, peers take this "
+                  "site over)")
         lines.append(f"site {site['site']}: {peer}, outbox {site['outbox']}, holding "
-                     f"replicas of {site['replicas_held'] or 'no site'}")
+                     f"replicas of {site['replicas_held'] or 'no site'}; {passed}")
     if not report["queues"]:
         lines.append("no queues yet (submit a task first)")
     for q in report["queues"]:

@@ -117,8 +117,12 @@ def status(client: redis.Redis, config: SitsConfig) -> dict[str, Any] | None:
         held[origin] = count
     # a batch being sent is still the outbox's until the peer has it (less its token)
     outbox = int(client.llen(outbox_key(prefix))) + max(0, client.llen(taken_key(prefix)) - 1)
+    last = json.loads(raw) if raw else None
+    at = last.get("at") if isinstance(last, dict) else None
+    # (passes heartbeat: a site whose beat stopped reads as lost to its peers)
+    age = round(time.time() - at, 1) if isinstance(at, (int, float)) else None
     return {"site": config.site, "outbox": outbox,
-            "replicas_held": held, "last_pass": json.loads(raw) if raw else None}
+            "replicas_held": held, "last_pass": last, "last_pass_age_s": age}
 
 
 @dataclass

@@ -158,8 +158,12 @@ def test_near_peer_top_class_is_replicated_in_the_enqueue(
     assert mine["last_pass"]["peer"] == "b" and mine["last_pass"]["replicated"] == 2
     theirs = sites.status(b, SitsConfig(redis_url="redis://unused", site="b"))
     assert theirs is not None and theirs["replicas_held"] == {"a": 3}
-    assert "replica at b (1.0 ms; high strong" in _format_status(
-        {"queues": [], "workers": [], "site": mine})
+    shown = _format_status({"queues": [], "workers": [], "site": mine})
+    assert "replica at b (1.0 ms; high strong" in shown
+    assert 0 <= mine["last_pass_age_s"] < 60 and "last sync pass " in shown
+    # a site whose beat never ran says so (its peers would take it over)
+    assert "no sync pass yet (is a beat running?" in _format_status(
+        {"queues": [], "workers": [], "site": theirs})
     app.close()
 
 
