@@ -420,19 +420,38 @@ def _read_int(path: Path) -> int | None:
 def _read_port(data_dir: Path) -> int | None:
     """The port recorded for this data dir, if it is one a server can listen on."""
     port = _read_int(data_dir / _PORT_FILE)
+    if port is None:  # lost: the port the last start wrote into its config
+        with contextlib.suppress(OSError):
+            for line in (data_dir / _CONF_FILE).read_text().splitlines():
+                if line.startswith("port ") and line[5:].strip().isdigit():
+                    port = int(line[5:])
     return port if port is not None and 0 < port < 65536 else None
 
 
 def _password(data_dir: Path) -> str:
     """The server's password, created once: other local users must not reach user data."""
     path = data_dir / _PASSWORD_FILE
-    if path.exists():
-        return path.read_text().strip()
+    with contextlib.suppress(FileNotFoundError):
+        secret = path.read_text().strip()
+        if secret:  # an empty file (a failed or cut write) is no password: make one
+            return secret
     secret = secrets.token_urlsafe(24)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(secret + "\n")
+    _write_private(path, secret + "\n")
     return secret
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` whole or not at all (0600; a temporary file renamed over ``path``)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _live_server(data_dir: Path, password: str) -> tuple[int, int] | None:
@@ -501,7 +520,7 @@ def _ensure(data_dir: Path) -> tuple[str, bool]:
         if server is None:
             server = EmbeddedRedis(data_dir, password=password, appendonly=True, daemon=True)
             server.start()
-        (data_dir / _PORT_FILE).write_text(f"{server.port}\n")
+        _write_private(data_dir / _PORT_FILE, f"{server.port}\n")
         return server.url, True
 
 

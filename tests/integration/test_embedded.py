@@ -348,3 +348,58 @@ def test_a_data_dir_that_cannot_be_one_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(SitsError, match=r"data dir .*a-file"):
         ensure_server(blocker)
     assert not stop_server(blocker)  # no dir: nothing was running
+
+
+def _refuses_anonymous(url: str) -> bool:
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    try:
+        _anonymous_ping(port)
+    except redis.AuthenticationError:
+        return True
+    except redis.ResponseError as exc:  # NOAUTH on older servers
+        return "NOAUTH" in str(exc)
+    return False
+
+
+def test_a_password_write_that_failed_leaves_no_server_without_one(
+        shared_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file was created, then written: a write that failed (a full disk, a kill in
+    between) left it empty, and every start after ran with no password, open to every
+    local user, for good."""
+    real_fdopen = os.fdopen
+
+    class DiskFull:
+        def __init__(self, fd: int, mode: str) -> None:
+            self.file = real_fdopen(fd, mode)
+
+        def __enter__(self) -> DiskFull:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.file.close()
+
+        def write(self, text: str) -> int:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(embedded.os, "fdopen", DiskFull)
+    with pytest.raises((OSError, SitsError)):
+        ensure_server(shared_dir)
+    monkeypatch.setattr(embedded.os, "fdopen", real_fdopen)
+    url, _ = ensure_server(shared_dir)  # space again
+    assert "@" in url and _refuses_anonymous(url)
+    # and a password file left empty earlier is no password either
+    stop_server(shared_dir)
+    (shared_dir / "password").write_text("")
+    url, _ = ensure_server(shared_dir)
+    assert "@" in url and _refuses_anonymous(url)
+
+
+def test_a_lost_port_file_does_not_replace_the_live_server(shared_dir: Path) -> None:
+    """(the port file is rewritten in place: a crash between its truncation and its
+    write made the next sitsq kill the healthy server and start one on another port,
+    cutting off every worker holding the old URL)"""
+    url, _ = ensure_server(shared_dir)
+    pid = _pid_of(shared_dir)
+    (shared_dir / "port").write_text("")
+    again, started = ensure_server(shared_dir)
+    assert again == url and not started and _pid_of(shared_dir) == pid
