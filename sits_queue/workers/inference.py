@@ -166,6 +166,8 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
          joins: Any = None) -> dict[str, Any]:
     check_arguments(task, args, kwargs)
     request = task.request
+    # the pool's soft limit counts from the run's start, engine load included
+    run_started = slices.started_at(getattr(request, "id", None))
     model = runtime.task_model(request, getattr(task, "model", None))
     quota = runtime.task_class(rt.config, request, getattr(task, "sla_class", None))
     cpus = rt.confine(quota)
@@ -206,7 +208,7 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
 
     active = runtime.ActiveTask(model=model, quota=quota, engine_bytes=engine_bytes,
                                 device=rt.torch_device, on_cuda=rt.on_cuda,
-                                soft_deadline=time.monotonic() + soft if soft else None,
+                                soft_deadline=run_started + soft if soft else None,
                                 yielder=getattr(task, "yield_point", None),
                                 checkpoint=getattr(task, "checkpoint", None),
                                 prefixes=rt.prefixes(), count=rt.count,

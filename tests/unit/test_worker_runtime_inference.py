@@ -480,6 +480,25 @@ def test_first_token_time_counts_from_before_the_engine_is_got(
     assert plain["sits"]["first_token_ms"] is None and "ftt" not in published[-1][1]
 
 
+def test_the_cooperative_soft_deadline_counts_from_the_runs_start_load_included(
+        app: Celery, published: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from sits_queue.workers import slices
+
+    # Given a run that began 5 s ago (task_prerun's record), its engine loaded meanwhile
+    task = fake_task(lambda engine: rt.active().soft_deadline)
+    task.request.id = "run-1"
+    began = time.monotonic() - 5.0
+    monkeypatch.setitem(slices._starts, "run-1", began)
+    deadline = inference.run_inference(child(app, lambda: (FakeEngine(), COLD)), task, (),
+                                       {})["output"]
+    # Then its between-steps check stops it where the pool's soft limit (8 s) would: it
+    # counted from after the load, so after a cold start the pool's signal always came
+    # first, load time ahead of it
+    assert deadline == began + 8
+
+
 def test_a_sliced_tasks_every_run_is_the_models_service_time(
         app: Celery, published: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
     from sits_queue.workers.slices import Preempted
