@@ -26,6 +26,7 @@ the I/O (``os``, torch via :mod:`gpu`, Redis via :mod:`advertise`) is below them
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -389,7 +390,11 @@ class ChildRuntime:
         cpus = cpu_set(quota, self.plan.available_cpus, self.slot % max(1, self.plan.slots),
                        max(1, self.plan.slots))
         if cpus != self._cpus:
-            os.sched_setaffinity(0, cpus)
+            # sched_setaffinity(0) pins the calling thread only: torch's OpenMP workers,
+            # started under an earlier class's cores, would keep those
+            for tid in _threads():
+                with contextlib.suppress(ProcessLookupError):  # a thread that ended
+                    os.sched_setaffinity(tid, cpus)
             self._cpus = cpus
         torch = sys.modules.get("torch")
         if torch is not None and torch.get_num_threads() != len(cpus):
@@ -456,6 +461,14 @@ class ChildRuntime:
         finally:
             if not sent:  # Redis away for now (or a signal cut it short): the counts go
                 metrics.merge(self._unsent, unsent)  # with the next publish
+
+
+def _threads() -> list[int]:
+    """This process's thread ids (Linux); just the calling thread where /proc is missing."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
 
 
 def _engine_cache(device: str, device_bytes: int, host_bytes: int, *,

@@ -3,6 +3,7 @@ caps, admission, the request guard, the registry and the advertisement records."
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType, SimpleNamespace
@@ -237,6 +238,47 @@ def test_a_task_traced_inside_a_running_batch_leaves_its_limits_alone(
     assert calls == []
     child.before_task(task, "low")  # a task of its own: pinned to its class's share
     assert calls == [(8, 9, 10, 11)]
+
+
+PINS_EVERY_THREAD = """
+import json, os, threading
+from sits_queue.app import make_app
+from sits_queue.config import ClassQuota, SitsConfig
+from sits_queue.workers import runtime as rt
+from sits_queue.workers.devices import Discovery, cpu_device
+
+cores = tuple(sorted(os.sched_getaffinity(0)))
+wide = ClassQuota("wide", cpu_cores=len(cores), vram_gib=1, max_run_s=10, weight=10,
+                  latency_sla_ms=800, loss_sensitivity=0.5)
+narrow = ClassQuota("narrow", cpu_cores=1, vram_gib=1, max_run_s=10, weight=1,
+                    latency_sla_ms=800, loss_sensitivity=0.5)
+app = make_app(SitsConfig(classes=(wide, narrow), default_class="narrow"), main="pin")
+plan = rt.WorkerPlan("w@h", Discovery(devices=(cpu_device(),)), cores, 1)
+child = rt.ChildRuntime(app=app, plan=plan, slot=0, device=plan.discovery.devices[0],
+                        pool_child=True)
+child.confine(wide)
+started, done = threading.Event(), threading.Event()
+worker = threading.Thread(target=lambda: (started.set(), done.wait()))  # as torch's OpenMP
+worker.start()
+started.wait()
+narrowed = child.confine(narrow)
+print(json.dumps([sorted(narrowed), sorted(os.sched_getaffinity(worker.native_id))]))
+done.set()
+"""
+
+
+def test_confine_pins_every_thread_of_the_child_not_only_the_callers(tmp_path: Path) -> None:
+    """(sched_setaffinity(0) pins the calling thread only: torch's OpenMP workers, started
+    under an earlier class's cores, kept running there)"""
+    import subprocess
+    import sys
+
+    if len(rt.os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores to tell two classes' core sets apart")
+    out = subprocess.run([sys.executable, "-c", PINS_EVERY_THREAD], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path, check=True)
+    narrowed, worker = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(narrowed) == 1 and worker == narrowed
 
 
 def test_confine_outside_a_pool_child_leaves_the_process_alone(
