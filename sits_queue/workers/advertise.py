@@ -122,8 +122,11 @@ def counter_values(raw: Mapping[Any, Any]) -> dict[str, float]:
     """The counters hash, as ``HGETALL`` returns it (bytes), as names to numbers."""
     values: dict[str, float] = {}
     for key, value in raw.items():
-        name = key.decode() if isinstance(key, bytes) else str(key)
-        values[name] = float(value.decode() if isinstance(value, bytes) else value)
+        name = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
+        try:
+            values[name] = float(value.decode() if isinstance(value, bytes) else value)
+        except (ValueError, TypeError):  # another program's field: left out, not fatal
+            continue
     return values
 
 
@@ -233,7 +236,10 @@ def json_object(raw: Any) -> dict[str, Any] | None:
 def read_worker(client: redis.Redis, prefix: str, hostname: str) -> dict[str, Any] | None:
     """One live worker's record with ``children`` (slot -> record) and ``warm``; None if
     it is gone (or its record is unreadable)."""
-    record = json_object(client.get(worker_key(prefix, hostname)))
+    try:
+        record = json_object(client.get(worker_key(prefix, hostname)))
+    except redis.ResponseError:  # a key of another type there (another program's)
+        return None
     if record is None:
         return None
     concurrency = record.get("concurrency")

@@ -215,7 +215,7 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
         name = str(w.get("hostname", "?"))
         values = advertise.counter_values(w.get("counters") or {})
         info.add_metric([name, str(w.get("host", "")), str(w.get("pid", ""))], 1)
-        slots.add_metric([name], float(w.get("concurrency") or 0))
+        slots.add_metric([name], _number(w.get("concurrency")) or 0.0)
         by_class = advertise.counter_group(values, "tasks:")
         for cls in sorted(set(classes) | set(by_class)):
             tasks.add_metric([name, cls], by_class.get(cls, 0.0))
@@ -240,23 +240,39 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
                          sum_value=values.get("ftt_ms", 0.0) / _MS_PER_S)
         for reason, count in advertise.counter_group(values, "failed:").items():
             failed.add_metric([name, reason], count)
-        for d in w.get("devices") or []:
+        devices = w.get("devices")
+        for d in map(_mapping, devices if isinstance(devices, list) else []):
             label = f"{d.get('kind', '?')}:{d.get('index', 0)}"
             for state, key in (("total", "total_vram_bytes"), ("free", "free_vram_bytes")):
-                if d.get(key) is not None:
-                    vram.add_metric([name, label, state], float(d[key]))
-            if d.get("utilisation_pct") is not None:
-                util.add_metric([name, label], float(d["utilisation_pct"]) / 100.0)
-        for slot, child in sorted((w.get("children") or {}).items()):
+                if (v := _number(d.get(key))) is not None:
+                    vram.add_metric([name, label, state], v)
+            if (v := _number(d.get("utilisation_pct"))) is not None:
+                util.add_metric([name, label], v / 100.0)
+        for slot, child in sorted(_mapping(w.get("children")).items()):
             tiers: dict[str, int] = {}
-            for tier in (child.get("warm") or {}).values():
+            for tier in _mapping(_mapping(child).get("warm")).values():
                 tiers[str(tier)] = tiers.get(str(tier), 0) + 1
             for tier in sorted(set(tiers) | {"device", "host"}):
                 warm.add_metric([name, str(slot), tier], tiers.get(tier, 0))
-            memory = child.get("memory") or {}
-            allocated.add_metric([name, str(slot)], float(memory.get("allocated_bytes", 0)))
+            memory = _mapping(_mapping(child).get("memory"))
+            allocated.add_metric([name, str(slot)],
+                                 _number(memory.get("allocated_bytes")) or 0.0)
     return [info, slots, tasks, cold, prewarms, ahead, joined, kv, emb, share, phase, hist,
             first, failed, vram, util, warm, allocated]
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _number(value: Any) -> float | None:
+    """A record's number; None for what is not one (an older or foreign writer's)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return None
 
 
 def _buckets(values: Mapping[str, float], prefix: str) -> list[tuple[str, float]]:
@@ -315,13 +331,18 @@ class WorkerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         client = advertise.client_for(self.config)
+        up = GaugeMetricFamily("sits_redis_up", "1 when this scrape could read Redis; 0: "
+                               "workers and queues unknown (not absent).")
         try:
             workers = read(client, self.config.global_keyprefix, self.hostname)
             queues = self.queues(client) if self.queues is not None else None
+            up.add_metric([], 1)
         except (redis.RedisError, ValueError) as exc:
             # A scrape answers with what it can: Prometheus shows the gap, the worker lives.
             logger.warning("metrics scrape could not read Redis: %s", exc)
             workers, queues = [], None
+            up.add_metric([], 0)
+        yield up
         yield from families(workers, self.config.class_names)
         if queues is not None:
             yield from queue_families(queues)

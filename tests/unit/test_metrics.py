@@ -187,3 +187,34 @@ def test_metrics_port_from_the_environment() -> None:
 
 def test_no_port_no_endpoint() -> None:
     assert metrics.serve(SitsConfig(), "w@h") is None
+
+
+@pytest.mark.parametrize("odd", [
+    {"devices": "cuda:0"}, {"devices": ["cuda:0"]}, {"concurrency": "four"},
+    {"children": {"0": {"warm": ["a"]}}}, {"children": {"0": {"memory": {
+        "allocated_bytes": None}}}}, {"children": ["0"]},
+    {"devices": [{"kind": "cuda", "index": 0, "free_vram_bytes": "lots",
+                  "utilisation_pct": {"x": 1}}]},
+    {"counters": {b"tasks": b"x", b"tasks:high": b"2"}},
+])
+def test_one_odd_worker_record_spoils_none_of_the_scrape(odd: dict[str, Any]) -> None:
+    """(an older, newer or foreign writer's record raised in families(): the scrape was
+    an HTTP 500, every worker and queue gauge lost)"""
+    m = scrape([WORKER, {"hostname": "odd@h", **odd}])
+    assert m[("sits_inference_tasks_total", (("sla_class", "high"), ("worker", "w1@gpu-a")))] \
+        == 7
+    assert m[("sits_worker_info", (("host", ""), ("pid", ""), ("worker", "odd@h")))] == 1
+
+
+def test_a_scrape_says_when_it_could_not_read_redis() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from sits_queue.config import SitsConfig
+
+    # (it answered 200 with no samples: a healthy target with an empty fleet)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(metrics.WorkerCollector(SitsConfig(redis_url="redis://127.0.0.1:1/0")))
+    text = generate_latest(registry).decode()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text)
+               for s in f.samples}
+    assert samples["sits_redis_up"] == 0
