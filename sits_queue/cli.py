@@ -175,8 +175,8 @@ def _format_status(report: dict[str, Any]) -> str:
                      f"reserved, {q['dead']} dead-lettered, {q['checkpointed']} resuming "
                      f"from a yield, {q['held']} held off by a worker")
         for row in q["head"]:
-            lines.append(f"  {row['priority']:>12.2f}  {row.get('sla_class', '?'):<8}"
-                         f"{row.get('task', '?'):<32}waited {row.get('wait_s', '?')} s")
+            lines.append(f"  {row['priority']:>12.2f}  {row.get('sla_class') or '?'!s:<8}"
+                         f"{row.get('task') or '?'!s:<32}waited {row.get('wait_s', '?')} s")
     for name, n in (report.get("stray") or {}).items():
         lines.append(f"warning: {n} message(s) in the plain Redis list {name!r}: sent by a "
                      "producer without the SITS transport (a stock redis:// broker_url); "
@@ -184,34 +184,45 @@ def _format_status(report: dict[str, Any]) -> str:
                      "broker_transport) instead.")
     lines.append(f"workers: {len(report['workers'])}")
     for w in report["workers"]:
-        devices = ", ".join(str(d.get("name", "?")) for d in w.get("devices", []))
-        cold = w.get("cold_start", {})
-        lines.append(f"  {w.get('hostname', '?')}: pid {w.get('pid', '?')}, concurrency "
-                     f"{w.get('concurrency', '?')}, devices [{devices}], warm engines "
-                     f"{w.get('warm', [])}, cold starts {cold.get('cold', 0)}/"
-                     f"{cold.get('tasks', 0)} tasks, {cold.get('affinity_picks', 0)} taken "
-                     "ahead by affinity")
-        if w.get("plain_tasks_only"):
-            lines.append(f"    plain tasks only ({w['plain_tasks_only']} pool): inference "
-                         "tasks are left for other workers")
-        phases = ", ".join(f"{k} {v:,.1f}" for k, v in cold.get("phases_ms", {}).items())
-        if phases:
-            lines.append(f"    cold-start ms: {phases}")
-        if cold.get("first_tokens"):
-            lines.append(f"    first token: {cold['first_token_ms_mean']:,.1f} ms mean over "
-                         f"{cold['first_tokens']} generations")
-        failed = ", ".join(f"{k} {v}" for k, v in cold.get("failed", {}).items())
-        if failed:
-            lines.append(f"    failed: {failed}")
-        prof = w.get("profile") or {}
-        if prof.get("samples"):
-            why = f": {prof['why']}" if prof.get("why") else ""
-            lines.append(f"    intake {prof['state']}{why}; CPU {prof['cpu_util']:.0%} "
-                         f"(burstiness {prof['cpu_burstiness']}), fds "
-                         f"{prof['fd_pressure']:.1%} of limit, host memory "
-                         f"{prof['mem_available']:.0%} free, disk p95 "
-                         f"{prof['io_latency_p95_ms']} ms (skew {prof['io_skew']})")
+        try:
+            lines.extend(_worker_lines(w))
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            # an advertisement of an older, newer or foreign writer: said, not fatal
+            lines.append(f"  {w.get('hostname', '?')}: advertisement not readable here "
+                         f"({type(exc).__name__}: {exc}); see sitsq status --json")
     return "\n".join(lines)
+
+
+def _worker_lines(w: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    devices = ", ".join(str(d.get("name", "?")) for d in w.get("devices", []))
+    cold = w.get("cold_start", {})
+    lines.append(f"  {w.get('hostname', '?')}: pid {w.get('pid', '?')}, concurrency "
+                 f"{w.get('concurrency', '?')}, devices [{devices}], warm engines "
+                 f"{w.get('warm', [])}, cold starts {cold.get('cold', 0)}/"
+                 f"{cold.get('tasks', 0)} tasks, {cold.get('affinity_picks', 0)} taken "
+                 "ahead by affinity")
+    if w.get("plain_tasks_only"):
+        lines.append(f"    plain tasks only ({w['plain_tasks_only']} pool): inference "
+                     "tasks are left for other workers")
+    phases = ", ".join(f"{k} {v:,.1f}" for k, v in cold.get("phases_ms", {}).items())
+    if phases:
+        lines.append(f"    cold-start ms: {phases}")
+    if cold.get("first_tokens"):
+        lines.append(f"    first token: {cold['first_token_ms_mean']:,.1f} ms mean over "
+                     f"{cold['first_tokens']} generations")
+    failed = ", ".join(f"{k} {v}" for k, v in cold.get("failed", {}).items())
+    if failed:
+        lines.append(f"    failed: {failed}")
+    prof = w.get("profile") or {}
+    if prof.get("samples"):
+        why = f": {prof['why']}" if prof.get("why") else ""
+        lines.append(f"    intake {prof['state']}{why}; CPU {prof['cpu_util']:.0%} "
+                     f"(burstiness {prof['cpu_burstiness']}), fds "
+                     f"{prof['fd_pressure']:.1%} of limit, host memory "
+                     f"{prof['mem_available']:.0%} free, disk p95 "
+                     f"{prof['io_latency_p95_ms']} ms (skew {prof['io_skew']})")
+    return lines
 
 
 # -- demo ------------------------------------------------------------------------------------
@@ -328,7 +339,9 @@ def _run_module(module: str, quick: bool, json_path: Path | None,
 def celery(command: str, args: tuple[str, ...]) -> None:
     """Run `celery -A sits_queue COMMAND ...` (any Celery command: worker, beat, flower,
     inspect, control, purge, ...) against the configured or embedded Redis."""
-    env = {**os.environ, "SITS_REDIS_URL": _redis_url()}
+    # Celery's help needs no Redis: the embedded one is not started for it
+    env = dict(os.environ) if "--help" in (command, *args) else \
+        {**os.environ, "SITS_REDIS_URL": _redis_url()}
     argv = [sys.executable, "-m", "celery", "-A", "sits_queue", command, *args]
     os.execvpe(argv[0], argv, env)
 
@@ -387,7 +400,9 @@ def _chosen(client: redis.Redis, key: str, ids: tuple[str, ...], every: bool
         raise click.UsageError("name the dead letters' ids, or give --all")
     if every:  # as stored: an id that is not UTF-8 is still one to drop or requeue
         return list(client.hkeys(key))
-    return list(dict.fromkeys(ids))  # an id named twice is one letter
+    # an id named twice is one letter; bytes a shell passed that are not UTF-8 (argv's
+    # surrogate escapes) are the stored id's bytes, which redis-py cannot encode as text
+    return list(dict.fromkeys(os.fsencode(i) for i in ids))
 
 
 @dead.command("requeue")

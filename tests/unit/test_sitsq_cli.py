@@ -170,3 +170,22 @@ def test_a_benchmarks_database_is_set_in_any_redis_url(url: str, expected: str) 
     from sits_queue.bench.report import database_url
 
     assert database_url(url, 5) == expected
+
+
+@pytest.mark.parametrize("odd", [
+    {"devices": "cuda:0"}, {"devices": None}, {"devices": ["cuda:0"]},
+    {"cold_start": "none"}, {"cold_start": {"first_tokens": 3}},
+    {"cold_start": {"phases_ms": {"load": "slow"}}}, {"profile": {"samples": 4}},
+])
+def test_status_says_a_worker_record_it_cannot_read_and_shows_the_rest(
+        odd: dict[str, Any]) -> None:
+    """(an older, newer or foreign writer's record made `sitsq status` a traceback)"""
+    report = {"queues": [{"queue": "celery", "waiting": 1, "unacked": 0, "dead": 0,
+                          "checkpointed": 0, "held": 0,
+                          "head": [{"id": "x", "priority": 1.0, "seq": 1,
+                                    "sla_class": None, "task": None}]}],
+              "workers": [{"hostname": "odd@h", **odd},
+                          {"hostname": "good@h", "pid": 1, "concurrency": 1}]}
+    shown = cli._format_status(report)
+    assert "odd@h: advertisement not readable here" in shown
+    assert "good@h: pid 1, concurrency 1" in shown and "queue celery: 1 waiting" in shown
