@@ -134,39 +134,55 @@ def shown(message_id: bytes | str) -> str:
     return text(message_id, "backslashreplace")
 
 
+#: Dead letters requeued per round of Redis calls (one HMGET, HDEL, put.lua, undead.lua).
+REQUEUE_CHUNK = 200
+
+
 def requeue(channel: Any, queue: str, ids: Sequence[bytes | str]
             ) -> tuple[list[str], dict[str, str]]:
     """Put dead-lettered messages back into ``queue`` as their producer would (scored
     afresh, redelivery count reset), then drop their records. Returns (requeued ids,
-    {id: why not} for the others: gone, or a payload that never was a message)."""
+    {id: why not} for the others: gone, or a payload that never was a message).
+    A chunk of :data:`REQUEUE_CHUNK` at a time: a few round trips per chunk, and never
+    every record in memory (or in one Redis reply) at once."""
     keys = channel.keys(queue)
     done: list[str] = []
     refused: dict[str, str] = {}
     ids = list(dict.fromkeys(ids))  # an id named twice is one letter, requeued once
-    if not ids:
-        return done, refused
-    for message_id, record in zip(ids, channel.raw.hmget(keys.dead, list(ids)), strict=True):
-        if record is None:
-            refused[shown(message_id)] = "no such dead letter"
+    for start in range(0, len(ids), REQUEUE_CHUNK):
+        chunk = ids[start:start + REQUEUE_CHUNK]
+        ready: list[tuple[bytes | str, bytes, dict[str, Any]]] = []
+        for message_id, record in zip(chunk, channel.raw.hmget(keys.dead, chunk), strict=True):
+            if record is None:
+                refused[shown(message_id)] = "no such dead letter"
+                continue
+            try:
+                tag = text(message_id)
+            except UnicodeDecodeError:
+                refused[shown(message_id)] = "its id is not UTF-8 (another program's); " \
+                                             "drop it instead"
+                continue
+            try:
+                message = decode(json.loads(record)["payload"], tuple(channel.codecs))
+                message["properties"]["delivery_tag"] = tag
+                _check_body(channel, message)
+            except (ValueError, TypeError, KeyError, ArithmeticError) as exc:
+                refused[shown(message_id)] = f"its payload is not a message ({exc}); drop " \
+                                             "it instead"
+                continue
+            ready.append((message_id, record, message))
+        if not ready:
             continue
-        try:
-            message = decode(json.loads(record)["payload"], tuple(channel.codecs))
-            # Back under its own id: a foreign producer's message may carry no tag (the
-            # pick gave it one in memory only), and the put needs one.
-            message["properties"]["delivery_tag"] = text(message_id)
-            _check_body(channel, message)
-        except (ValueError, TypeError, KeyError, ArithmeticError) as exc:
-            refused[shown(message_id)] = f"its payload is not a message ({exc}); drop it " \
-                                         "instead"
-            continue
-        # The redelivery count first: a poison message put back with its count would be
-        # parked again by the first pick.
-        channel.raw.hdel(keys.redelivered, message_id)
-        channel._put(queue, message)  # then: a failure here leaves the dead letter
-        # Then the record requeued, not whatever is there now: a pick may have met the
-        # message and dead-lettered it again since the put (and that record must stay).
-        channel._run("undead", queue, [message_id, record])
-        done.append(shown(message_id))
+        now = time.time()
+        scorer = channel.snapshots.scorer(channel.raw, now)
+        # The redelivery counts first (a poison message put back with its count would be
+        # parked again by the first pick), then one put.lua for the chunk, then the
+        # records requeued, not whatever is there now (undead.lua).
+        channel.raw.hdel(keys.redelivered, *[i for i, _, _ in ready])
+        channel._put_records_start(queue, [a for _, _, m in ready
+                                           for a in channel._put_record(m, None, now, scorer)])()
+        channel._run("undead", queue, [x for i, r, _ in ready for x in (i, r)])
+        done.extend(shown(i) for i, _, _ in ready)
     return done, refused
 
 

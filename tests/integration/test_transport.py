@@ -526,15 +526,19 @@ def test_a_requeued_letter_dead_lettered_again_before_the_requeue_ends_is_kept(
         tag = got.delivery_tag
         first = redis_client.hget(keys.dead, tag)
         channel = cli.default_channel
-        put = channel._put
+        put = channel._put_records_start
 
-        def put_then_a_worker_meets_it(queue: str, message: Any, **kwargs: Any) -> None:
-            put(queue, message, **kwargs)
-            redis_client.hset(keys.dead, tag, "{}")  # (no record alike by chance)
-            redis_client.hdel(keys.dead, tag)
-            worker.default_channel.basic_get(queue).reject()  # dead again, anew
+        def put_then_a_worker_meets_it(queue: str, args: list[Any]) -> Any:
+            sent = put(queue, args)
 
-        channel._put = put_then_a_worker_meets_it
+            def finish() -> int:
+                n = int(sent())
+                worker.default_channel.basic_get(queue).reject()  # dead again, anew
+                return n
+
+            return finish
+
+        channel._put_records_start = put_then_a_worker_meets_it
         assert deadletters.requeue(channel, "celery", [tag]) == ([tag], {})
     # Then the second dead letter stands: the message is still somewhere
     again = redis_client.hget(keys.dead, tag)
