@@ -51,11 +51,12 @@ def database_url(base_url: str, database: int) -> str:
     ``unix://`` URL's path is the socket, so its database is the ``db`` query parameter;
     other query parameters are kept."""
     parts = urlsplit(base_url)
+    # A db query parameter wins over the path in redis-py: every system shared it.
+    query = [(k, v) for k, v in parse_qsl(parts.query) if k != "db"]
     if parts.scheme == "unix":
-        query = [(k, v) for k, v in parse_qsl(parts.query) if k != "db"]
         # (by hand: urlunsplit drops the empty host, writing unix:/path)
         return f"unix://{parts.netloc}{parts.path}?{urlencode([*query, ('db', database)])}"
-    return urlunsplit(parts._replace(path=f"/{database}"))
+    return urlunsplit(parts._replace(path=f"/{database}", query=urlencode(query)))
 
 
 def check_json_path(path: Path) -> Path:

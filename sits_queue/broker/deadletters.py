@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -118,6 +119,8 @@ def read(client: Any, dead_key: str, limit: int | None = None) -> list[DeadLette
             parsed = json.loads(record)
             reason = str(parsed.get("reason", "?"))
             at = float(parsed["at"]) if parsed.get("at") is not None else None
+            if at is not None and not math.isfinite(at):
+                at = None  # (a foreign writer's "nan": --json must stay JSON)
         except (ValueError, TypeError, AttributeError, KeyError, ArithmeticError):
             # (ArithmeticError: a foreign writer's integer past float's range)
             reason, at = "(unreadable record)", None

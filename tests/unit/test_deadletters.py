@@ -57,3 +57,15 @@ def test_a_backend_that_cannot_store_is_logged_not_raised(
     client = Records({"m1": record({"id": "t-1", "task": "w.crash"})})
     assert deadletters.fail_tasks(client, "dead", ["m1"], Backend(broken=True)) == 0
     assert "could not store its failure" in caplog.text
+
+
+def test_a_record_with_a_time_that_is_no_number_lists_without_an_age() -> None:
+    class Letters:
+        def hscan_iter(self, key: str, count: int) -> Any:
+            yield b"a", json.dumps({"reason": "x", "at": "nan"}).encode()
+            yield b"b", b'{"reason": "y", "at": 1e400}'
+
+    rows = [d.row(0.0) for d in deadletters.read(Letters(), "dead")]
+    # (--json printed NaN and -Infinity, which no strict parser reads)
+    assert [r["age_s"] for r in rows] == [None, None]
+    json.dumps(rows, allow_nan=False)

@@ -165,6 +165,8 @@ def test_a_bench_module_run_alone_refuses_an_unwritable_json_path(
     ("rediss://h:1/2?socket_timeout=3", "rediss://h:1/5?socket_timeout=3"),
     ("unix:///tmp/r.sock", "unix:///tmp/r.sock?db=5"),
     ("unix://u:pw@/tmp/r.sock?db=2&socket_timeout=3", "unix://u:pw@/tmp/r.sock?socket_timeout=3&db=5"),
+    # (redis-py takes db= over the path: every system ran in database 2)
+    ("redis://h:1/0?db=2&socket_timeout=3", "redis://h:1/5?socket_timeout=3"),
 ])
 def test_a_benchmarks_database_is_set_in_any_redis_url(url: str, expected: str) -> None:
     from sits_queue.bench.report import database_url
