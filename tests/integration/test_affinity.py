@@ -185,6 +185,7 @@ def test_warm_reader_weighs_precisions_by_the_fleets_devices(
         r.set(advertise.worker_key(prefix, host), json.dumps(
             {"hostname": host, "concurrency": children,
              "devices": [{"name": "x", "peak_tflops": peaks}]}))
+        r.zadd(advertise.workers_key(prefix), {host: 1.0})  # as refresh() registers it
 
     try:
         # Given a T4 worker, two V100 workers, and one with a corrupt child record

@@ -102,13 +102,14 @@ def test_the_pass_forgets_empty_direct_queues_of_departed_workers(
     """One ``<hostname>.dq2`` per worker ever started (per deploy, with containers):
     once its worker's advertisement is gone and it is empty, it leaves the registry."""
     from sits_queue.broker.keys import queues_registry
-    from sits_queue.workers.advertise import worker_key
+    from sits_queue.workers.advertise import worker_key, workers_key
 
     echo = app.tasks["t.echo"]
     registry = queues_registry("")
     names = ("live@h.dq2", "gone@h.dq2", "gone-busy@h.dq2")
     redis_client.sadd(registry, *names)
     redis_client.set(worker_key("", "live@h"), "{}", ex=60)  # advertised
+    redis_client.zadd(workers_key(""), {"live@h": 1.0, "gone@h": 1.0})  # (gone expired)
     echo.apply_async(("left",), queue="gone-busy@h.dq2")      # a departed one's task
     # the departed one got a task once (its counters stay) and is bound to Celery's C.dq2
     echo.apply_async(("ran",), queue="gone@h.dq2")
