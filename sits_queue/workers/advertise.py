@@ -53,7 +53,7 @@ _STOP_WAIT_S = 10.0
 _CHILD = ":child:"
 _COUNTERS = ":counters"
 
-_clients: dict[int, redis.Redis] = {}
+_clients: dict[tuple[int, str], redis.Redis] = {}
 _lock = threading.Lock()
 
 
@@ -85,13 +85,15 @@ def counters_key(prefix: str, hostname: str) -> str:
 
 
 def client_for(config: SitsConfig) -> redis.Redis:
-    # Per pid: a forked child must not share its parent's sockets.
+    # Per pid: a forked child must not share its parent's sockets. Per URL: a process
+    # with two configurations (two apps) got the first one's Redis for both.
+    key = (os.getpid(), config.redis_url)
     with _lock:
-        client = _clients.get(os.getpid())
+        client = _clients.get(key)
         if client is None:
             client = redis.Redis.from_url(config.redis_url, socket_timeout=2,
                                           socket_connect_timeout=2)
-            _clients[os.getpid()] = client
+            _clients[key] = client
         return client
 
 

@@ -32,7 +32,7 @@ from sits_queue.priority.rescore import counter_key, hot_key, latency_key
 
 logger = logging.getLogger(__name__)
 
-_clients: dict[int, redis.Redis] = {}
+_clients: dict[tuple[int, str], redis.Redis] = {}
 #: Completion records are flushed in batches: one round trip per task would sit on the
 #: critical path between a task's end and the slot's next pick.
 FLUSH_EVERY_RECORDS = 32
@@ -84,11 +84,12 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _client(config: SitsConfig) -> redis.Redis:
-    # Keyed by pid: a forked pool child must not reuse its parent's sockets.
-    pid = os.getpid()
-    client = _clients.get(pid)
+    # Keyed by pid: a forked pool child must not reuse its parent's sockets; and by URL:
+    # a process with two configurations wrote both's statistics to the first's Redis.
+    key = (os.getpid(), config.redis_url)
+    client = _clients.get(key)
     if client is None:
-        client = _clients[pid] = redis.Redis.from_url(config.redis_url, socket_timeout=2)
+        client = _clients[key] = redis.Redis.from_url(config.redis_url, socket_timeout=2)
     return client
 
 
