@@ -785,6 +785,17 @@ def test_an_origin_whose_redis_forbids_info_keeps_an_epoch_of_its_own(
         redis_client.delete(f"noinfo:{recovery.FALLBACK_EPOCH}")
 
 
+@pytest.fixture
+def two_sites(clients: tuple[redis.Redis, redis.Redis], redis_url: str,
+              site_b: str) -> Iterator[tuple[Celery, Celery]]:
+    """Sites a and b, each the other's near peer (1 ms)."""
+    app_a = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)
+    app_b = site_app(site_b, "b", "a", redis_url, rtt_ms=1.0)
+    yield app_a, app_b
+    app_a.close()
+    app_b.close()
+
+
 def take_over(app_b: Celery, b: redis.Redis) -> sites.PassReport:
     """Site b's passes once site a's heartbeat is gone and b has heard nothing for
     site_dead_after_s (its count moved back rather than waited for)."""
@@ -796,14 +807,13 @@ def take_over(app_b: Celery, b: redis.Redis) -> sites.PassReport:
 
 
 def test_a_copy_running_at_the_origin_during_a_take_over_does_not_run_again_there(
-        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str) -> None:
+        clients: tuple[redis.Redis, redis.Redis], two_sites: tuple[Celery, Celery]) -> None:
     """The origin, back, dead-lettered only its copies still waiting and forgot the rest
     of the take-over: a copy that was running (or prefetched) when the site went silent,
     given back later (its worker died, a requeue), ran at the origin too, after it had
     heard of the take-over."""
     a, b = clients
-    app_a = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)
-    app_b = site_app(site_b, "b", "a", redis_url, rtt_ms=1.0)
+    app_a, app_b = two_sites
     x = submit(app_a, "high")
     sync_of(app_a).sync_pass()
     with app_a.connection_for_read() as conn:  # a worker of a holds it, unacked
@@ -821,15 +831,12 @@ def test_a_copy_running_at_the_origin_during_a_take_over_does_not_run_again_ther
         a.hget(QUEUE.dead, x) or b"")
     assert b.zscore(QUEUE.waiting, x) is not None
     assert b.scard(takenover_key("", "a")) == 0  # settled
-    app_a.close()
-    app_b.close()
 
 
 def test_a_copy_acked_at_the_origin_settles_its_take_over_record(
-        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str) -> None:
+        clients: tuple[redis.Redis, redis.Redis], two_sites: tuple[Celery, Celery]) -> None:
     _, b = clients
-    app_a = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)
-    app_b = site_app(site_b, "b", "a", redis_url, rtt_ms=1.0)
+    app_a, app_b = two_sites
     submit(app_a, "high")
     sync_of(app_a).sync_pass()
     with app_a.connection_for_read() as conn:
@@ -840,48 +847,72 @@ def test_a_copy_acked_at_the_origin_settles_its_take_over_record(
         held.ack()  # it finished at a (the documented at-least-once gap: and at b)
     sync_of(app_a).sync_pass()
     assert b.scard(takenover_key("", "a")) == 0
-    app_a.close()
-    app_b.close()
+
+
+def run_all(app: Celery, n: int) -> None:
+    """Site a's workers run its next ``n`` tasks (picked and acked)."""
+    with app.connection_for_read() as conn:
+        for _ in range(n):
+            conn.default_channel.basic_get("celery").ack()
+
+
+@pytest.fixture
+def own_peer(tmp_path: Path) -> Iterator[list[EmbeddedRedis]]:
+    """Site b's own Redis, to restart (:func:`restart_peer`): the servers started, the
+    last one running; give ``appendonly`` by starting the first one yourself."""
+    servers: list[EmbeddedRedis] = []
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def restart_peer(servers: list[EmbeddedRedis]) -> None:
+    """Stop b's Redis and start it on its port from its data dir: from its last SAVE
+    (RDB), or all its data (AOF)."""
+    old = servers[-1]
+    port = old.port  # (none once stopped)
+    old.stop()
+    servers.append(EmbeddedRedis(old.data_dir, port=port, appendonly=old.appendonly))
+    servers[-1].start()
+
+
+def replicated(restartable: list[EmbeddedRedis], peer: list[EmbeddedRedis], data_dir: Path,
+               appendonly: bool) -> tuple[redis.Redis, Celery, set[str]]:
+    """Site a (``restartable``) with three top-class tasks replicated to a b of its own."""
+    peer.append(EmbeddedRedis(data_dir, appendonly=appendonly))
+    peer[0].start()
+    b = redis.Redis.from_url(peer[0].url)
+    app = site_app(restartable[0].url, "a", "b", peer[0].url, rtt_ms=1.0)
+    tasks = {submit(app, "high") for _ in range(3)}
+    sync_of(app).sync_pass()
+    assert replica_ids(b) == tasks
+    return b, app, tasks
 
 
 def test_a_peer_back_from_an_older_snapshot_makes_the_origin_rerun_nothing(
         clients: tuple[redis.Redis, redis.Redis], restartable: list[EmbeddedRedis],
-        tmp_path: Path) -> None:
+        own_peer: list[EmbeddedRedis], tmp_path: Path) -> None:
     """A rolling restart: b snapshots, a's tasks finish, a restarts keeping its data, b
     restarts from its snapshot. b's old record of a's server and its replicas of the
     finished tasks came back together, and a put them all back to run again."""
-    peer = EmbeddedRedis(tmp_path / "b-snapshot")  # RDB only: restarts from its last SAVE
-    peer.start()
-    try:
-        b = redis.Redis.from_url(peer.url)
-        app = site_app(restartable[0].url, "a", "b", peer.url, rtt_ms=1.0)
-        sync = sync_of(app)
-        tasks = {submit(app, "high") for _ in range(3)}
-        sync.sync_pass()
-        assert replica_ids(b) == tasks
-        b.save()  # b's periodic snapshot
-        with app.connection_for_read() as conn:  # a's workers run them all
-            for _ in tasks:
-                conn.default_channel.basic_get("celery").ack()
-        sync.sync_pass()
-        assert replica_ids(b) == set()
-        restart(restartable, empty=False)  # a restarts with its data: a new server
-        assert sync.sync_pass().restored == 0
-        port = peer.port
-        peer.stop()
-        peer = EmbeddedRedis(tmp_path / "b-snapshot", port=port)  # b, from the snapshot
-        peer.start()
-        assert replica_ids(b) == tasks  # the finished tasks' replicas are back
-        report = sync.sync_pass()
-        # Then a puts none of them back: they are no work it lost
-        assert report.restored == 0, report
-        a = redis.Redis.from_url(restartable[-1].url)
-        assert a.zcard(QUEUE.waiting) == 0
-        a.close()
-        b.close()
-        app.close()
-    finally:
-        peer.stop()
+    b, app, tasks = replicated(restartable, own_peer, tmp_path / "b-rdb", appendonly=False)
+    sync = sync_of(app)
+    b.save()  # b's periodic snapshot
+    run_all(app, len(tasks))
+    sync.sync_pass()
+    assert replica_ids(b) == set()
+    restart(restartable, empty=False)  # a restarts with its data: a new server
+    assert sync.sync_pass().restored == 0
+    restart_peer(own_peer)  # b, from the snapshot
+    assert replica_ids(b) == tasks  # the finished tasks' replicas are back
+    report = sync.sync_pass()
+    # Then a puts none of them back: they are no work it lost
+    assert report.restored == 0, report
+    a = redis.Redis.from_url(restartable[-1].url)
+    assert a.zcard(QUEUE.waiting) == 0
+    a.close()
+    b.close()
+    app.close()
 
 
 def test_a_site_without_peers_keeps_no_outbox(redis_url: str,
@@ -897,9 +928,7 @@ def test_a_site_without_peers_keeps_no_outbox(redis_url: str,
     assert sites.for_config(app.sits) is None
     for _ in range(3):
         alone.apply_async(sla_class="high")
-    with app.connection_for_read() as conn:
-        for _ in range(3):
-            conn.default_channel.basic_get("celery").ack()
+    run_all(app, 3)
     assert redis_client.llen(sites.outbox_key("")) == 0
     app.close()
 
@@ -915,9 +944,7 @@ def test_a_full_outbox_stops_queueing_deletes_the_digest_makes_anyway(
     app = site_app(redis_url, "a", "b", gone, rtt_ms=1.0)
     for _ in range(3):
         submit(app, "medium")  # the third passes the cap
-    with app.connection_for_read() as conn:
-        for _ in range(3):
-            conn.default_channel.basic_get("celery").ack()
+    run_all(app, 3)
     # Then the deletes are not queued past the cap: the digest deletes the replicas of
     # tasks gone once the peer answers (each was queued, for as long as it was away)
     assert a.llen(sites.outbox_key("")) == 3
@@ -925,13 +952,12 @@ def test_a_full_outbox_stops_queueing_deletes_the_digest_makes_anyway(
 
 
 def test_a_silent_site_is_taken_over_about_site_dead_after_s_after_its_last_heartbeat(
-        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str) -> None:
+        clients: tuple[redis.Redis, redis.Redis], two_sites: tuple[Celery, Celery]) -> None:
     """Its heartbeat lived site_dead_after_s, and only then did the peer start its own
     count of as long: the take-over came after twice that. And a count the peer stopped
     keeping (its own outage) never expired: its first pass after took the site over."""
     _, b = clients
-    app_a = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)
-    app_b = site_app(site_b, "b", "a", redis_url, rtt_ms=1.0)
+    app_a, app_b = two_sites
     config = app_a.sits
     submit(app_a, "high")  # (a site with replicas at b: one b watches)
     sync_of(app_a).sync_pass()
@@ -944,12 +970,10 @@ def test_a_silent_site_is_taken_over_about_site_dead_after_s_after_its_last_hear
     sync_of(app_b).sync_pass()
     count_ms = b.pttl(missing_since_key("", "a"))
     assert 0 < count_ms <= config.site_dead_after_s * 1000
-    app_a.close()
-    app_b.close()
 
 
 def test_a_take_over_and_its_settling_go_in_chunks(
-        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str,
+        clients: tuple[redis.Redis, redis.Redis], two_sites: tuple[Celery, Celery],
         monkeypatch: pytest.MonkeyPatch) -> None:
     """(one put.lua of a whole replica held the peer's Redis for 0.9 s at 100k tasks,
     and the origin settled the take-over with a round trip per task: 45 s for 2,000
@@ -957,8 +981,7 @@ def test_a_take_over_and_its_settling_go_in_chunks(
     monkeypatch.setattr(takeover, "PROMOTE_CHUNK", 2)
     monkeypatch.setattr(takeover, "TAKEOVER_CHUNK", 2)
     a, b = clients
-    app_a = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)
-    app_b = site_app(site_b, "b", "a", redis_url, rtt_ms=1.0)
+    app_a, app_b = two_sites
     tasks = [submit(app_a, c) for c in ("high", "medium", "low", "high", "medium")]
     sync_of(app_a).sync_pass()
     assert replica_ids(b) == set(tasks)
@@ -972,36 +995,21 @@ def test_a_take_over_and_its_settling_go_in_chunks(
     back = sync_of(app_a).sync_pass()
     assert back.dropped == 5 and a.zcard(QUEUE.waiting) == 0
     assert b.scard(takenover_key("", "a")) == 0
-    app_a.close()
-    app_b.close()
 
 
 def test_an_origin_that_lost_its_data_while_its_peer_restarted_too_gets_its_tasks_back(
         clients: tuple[redis.Redis, redis.Redis], restartable: list[EmbeddedRedis],
-        tmp_path: Path) -> None:
+        own_peer: list[EmbeddedRedis], tmp_path: Path) -> None:
     """Both restarted between two passes (a deploy of both): the peer kept its data
     (AOF), the origin lost its own. The peer's new server must not read as the peer's
     data gone back: the origin's tasks come back."""
-    peer = EmbeddedRedis(tmp_path / "b-aof", appendonly=True)
-    peer.start()
-    try:
-        b = redis.Redis.from_url(peer.url)
-        app = site_app(restartable[0].url, "a", "b", peer.url, rtt_ms=1.0)
-        sync = sync_of(app)
-        tasks = {submit(app, "high") for _ in range(3)}
-        sync.sync_pass()
-        assert replica_ids(b) == tasks
-        port = peer.port
-        peer.stop()
-        peer = EmbeddedRedis(tmp_path / "b-aof", port=port, appendonly=True)
-        peer.start()
-        restart(restartable, empty=True)
-        report = sync.sync_pass()
-        assert report.restored == 3, report
-        a = redis.Redis.from_url(restartable[-1].url)
-        assert {i.decode() for i in a.zrange(QUEUE.waiting, 0, -1)} == tasks
-        a.close()
-        b.close()
-        app.close()
-    finally:
-        peer.stop()
+    b, app, tasks = replicated(restartable, own_peer, tmp_path / "b-aof", appendonly=True)
+    restart_peer(own_peer)
+    restart(restartable, empty=True)
+    report = sync_of(app).sync_pass()
+    assert report.restored == 3, report
+    a = redis.Redis.from_url(restartable[-1].url)
+    assert {i.decode() for i in a.zrange(QUEUE.waiting, 0, -1)} == tasks
+    a.close()
+    b.close()
+    app.close()

@@ -214,6 +214,7 @@ def test_task_model_from_header_or_declaration() -> None:
 def test_confine_applies_the_class_share_once(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[int, ...]] = []
     monkeypatch.setattr(rt.os, "sched_setaffinity", lambda pid, cpus: calls.append(cpus))
+    monkeypatch.setattr(rt, "_threads", lambda: [0])  # (one call a change, not a thread)
     app = make_app(SitsConfig(), main="confine-test")
     plan = rt.WorkerPlan("w@h", FOUR_GPUS, tuple(range(32)), slots=4)
     child = rt.ChildRuntime(app=app, plan=plan, slot=1, device=gpu_device(1), pool_child=True)
@@ -229,6 +230,7 @@ def test_a_task_traced_inside_a_running_batch_leaves_its_limits_alone(
     # task_prerun must not re-pin the child or re-cap the device under the batch
     calls: list[tuple[int, ...]] = []
     monkeypatch.setattr(rt.os, "sched_setaffinity", lambda pid, cpus: calls.append(cpus))
+    monkeypatch.setattr(rt, "_threads", lambda: [0])
     app = make_app(SitsConfig(), main="confine-test-3")
     plan = rt.WorkerPlan("w@h", FOUR_GPUS, tuple(range(32)), slots=4)
     child = rt.ChildRuntime(app=app, plan=plan, slot=1, device=gpu_device(1), pool_child=True)
