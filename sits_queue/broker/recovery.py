@@ -104,11 +104,13 @@ def put_back_args(entries: Iterable[tuple[str, float, Any, Any]], default_class:
     return args
 
 
-def replicas(client: redis.Redis, prefix: str, origin: str, queue: str
-             ) -> list[tuple[str, float, Any, Any]]:
-    """The replicas ``client`` holds of ``origin``'s ``queue``: (id, score, payload, meta)."""
+def replicas(client: redis.Redis, prefix: str, origin: str, queue: str,
+             most: int | None = None) -> list[tuple[str, float, Any, Any]]:
+    """The replicas ``client`` holds of ``origin``'s ``queue``: (id, score, payload, meta);
+    the first ``most`` of them in score order (None: all)."""
     z, p, m = replica_keys(prefix, origin, queue)
-    entries: list[Any] = list(client.zrange(z, 0, -1, withscores=True))
+    entries: list[Any] = list(client.zrange(z, 0, -1 if most is None else most - 1,
+                                            withscores=True))
     if not entries:
         return []
     ids = [text(e[0]) for e in entries]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING
 
 from sits_queue.broker import recovery
 from sits_queue.broker.keys import (
@@ -24,7 +24,6 @@ from sits_queue.broker.keys import (
     replica_queues_key,
     takenover_key,
 )
-from sits_queue.broker.payload import text
 
 if TYPE_CHECKING:
     from sits_queue.broker.sites import PassReport, SiteSync
@@ -83,11 +82,9 @@ def promote(sync: SiteSync, origin: str, queue: str) -> int:
     z, p, m = replica_keys(sync.prefix, origin, queue)
     marker = takenover_key(sync.prefix, origin)
     total = 0
-    while raw := cast(list[Any], sync.local.zrange(z, 0, PROMOTE_CHUNK - 1,
-                                                      withscores=True)):
-        ids = [text(e[0]) for e in raw]
-        entries = list(zip(ids, (float(e[1]) for e in raw), sync.local.hmget(p, ids),
-                           sync.local.hmget(m, ids), strict=True))
+    while entries := recovery.replicas(sync.local, sync.prefix, origin, queue,
+                                       PROMOTE_CHUNK):
+        ids = [e[0] for e in entries]
         args = recovery.put_back_args(entries, sync.config.default_class)
         if args:
             sync.scripts.run("put", QueueKeys.for_queue(queue, sync.prefix), args,
