@@ -34,8 +34,6 @@ from sits_queue.errors import ModelLoadError, UnknownModel
 
 #: What a loader may return: an Engine, an nn.Module, or a path (directory or engine file).
 Loader = Callable[[], Any]
-#: Engine files a path may name (``engines.engine_from_path`` reads them by suffix).
-ENGINE_FILES = (".onnx", ".pt2", ".plan", ".engine")
 #: Model names travel in message headers and Redis keys: keep them printable and short.
 #: No "@": it separates a model from its precision in engine keys ("lm@fp16").
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/+-]{0,199}$")
@@ -76,7 +74,7 @@ class ModelRegistry:
         """
         _check_name(name)
         if isinstance(loader, (str, os.PathLike)):
-            loader = _directory_loader(Path(loader))
+            loader = _path_loader(Path(loader))
         if not callable(loader):
             raise TypeError(f"loader for model {name!r} must be callable or a path, "
                             f"got {type(loader).__name__}")
@@ -109,7 +107,7 @@ class ModelRegistry:
         return len(self._specs)
 
 
-def _directory_loader(path: Path) -> Loader:
+def _path_loader(path: Path) -> Loader:
     def load() -> Path:
         return path
 
@@ -157,9 +155,9 @@ def as_engine(spec: ModelSpec, produced: Any, device: str) -> Any:
         path = Path(produced)
         if not path.exists():
             raise ModelLoadError(f"model {spec.name!r}: nothing at {path}")
-        if not path.is_dir() and path.suffix.lower() not in ENGINE_FILES:
+        if not path.is_dir() and path.suffix.lower() not in engines.ENGINE_FILES:
             raise ModelLoadError(f"model {spec.name!r}: {path} is neither a model directory "
-                                 f"nor an engine file ({', '.join(ENGINE_FILES)})")
+                                 f"nor an engine file ({', '.join(engines.ENGINE_FILES)})")
         return engines.engine_from_path(spec.name, path, device)
     import torch
 

@@ -467,6 +467,10 @@ def _is_aoti_archive(path: Path) -> bool:
         return any("/aotinductor/" in f"/{n}" for n in archive.namelist())
 
 
+#: The engine files :func:`engine_from_path` reads, by suffix (besides model directories).
+ENGINE_FILES = (".onnx", ".pt2", ".plan", ".engine")
+
+
 def engine_from_path(key: str, path: str | Path, device: str) -> Engine:
     """Build the engine stored at ``path``, in the host tier, for running on ``device``.
 
@@ -501,4 +505,4 @@ def engine_from_path(key: str, path: str | Path, device: str) -> Engine:
                                     f"not {device}")
         return TensorRTEngine.load(key, path)
     raise EngineFormatError(f"{path}: unknown engine format {suffix or '(no suffix)'!r}; "
-                            "expected a model directory, .pt2, .onnx, .plan or .engine")
+                            f"expected a model directory, {', '.join(ENGINE_FILES)}")
