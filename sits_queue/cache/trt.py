@@ -41,9 +41,10 @@ def _trt_logger() -> Any:
     return trt.Logger(trt.Logger.WARNING)
 
 
-def _trt_to_torch(dtype: Any, key: str, tensor: str) -> torch.dtype:
-    """The torch dtype of TensorRT ``dtype`` (engine ``key``'s ``tensor``), or an error
-    naming both (int4, fp4: no torch dtype holds them as TensorRT lays them out)."""
+@functools.cache
+def _dtype_table() -> dict[Any, torch.dtype]:
+    """TensorRT's data types to torch's, as far as this TensorRT and torch have them
+    (built once: every run looks up each of its tensors)."""
     import tensorrt as trt
     import torch
 
@@ -54,6 +55,13 @@ def _trt_to_torch(dtype: Any, key: str, tensor: str) -> torch.dtype:
                                  ("fp8", "float8_e4m3fn")):
         if hasattr(trt, trt_name) and hasattr(torch, torch_name):
             table[getattr(trt, trt_name)] = getattr(torch, torch_name)
+    return table
+
+
+def _trt_to_torch(dtype: Any, key: str, tensor: str) -> torch.dtype:
+    """The torch dtype of TensorRT ``dtype`` (engine ``key``'s ``tensor``), or an error
+    naming both (int4, fp4: no torch dtype holds them as TensorRT lays them out)."""
+    table = _dtype_table()
     if dtype not in table:
         raise EngineFormatError(f"TensorRT engine {key!r}: tensor {tensor} is of type "
                                 f"{dtype}, which has no torch dtype to hold it")
