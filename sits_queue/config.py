@@ -20,97 +20,20 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
+from sits_queue import checks
 from sits_queue.broker.affinity import AffinityPolicy
+from sits_queue.checks import MAX_DURATION_S as MAX_DURATION_S
 from sits_queue.errors import ConfigError
 
 #: Used by ``celery -A sits_queue worker`` when nothing is configured, as Celery users expect.
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
-#: A scalar setting's declared type (annotations are strings here) -> what it must hold.
-_KINDS: dict[str, tuple[type, str]] = {
-    "bool": (bool, "true or false"), "int": (int, "an integer"),
-    "float": (float, "a finite number"), "str": (str, "a string")}
-
-
-def _coerce(name: str, raw: str, kind: type) -> Any:
-    if kind is bool:
-        word = raw.strip().lower()
-        if word in _TRUE or word in _FALSE:
-            return word in _TRUE
-        # a typo must not silently mean "off"
-        raise ConfigError(f"SITS_{name.upper()}={raw!r} is not a boolean (one of "
-                          f"{', '.join(_TRUE)} / {', '.join(w for w in _FALSE if w)})")
-    try:
-        return kind(raw)
-    except ValueError as exc:
-        raise ConfigError(f"SITS_{name.upper()}={raw!r} is not a valid {kind.__name__}") from exc
-
-
-def _check_types(obj: Any, where: str = "") -> None:
-    """Each scalar field holds its declared type: a TOML ``send_sent_events = "no"``
-    (a truthy string), ``rescore_chunk = 2.5`` (Redis refuses it at every pass) or a NaN
-    timeout is refused here, naming the setting, not later and elsewhere."""
-    for f in fields(obj):
-        kind, what = _KINDS.get(str(f.type), (None, ""))
-        value = getattr(obj, f.name)
-        if kind is None:
-            continue
-        if kind is bool:
-            ok = isinstance(value, bool)
-        elif kind is int:
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        elif kind is float:
-            ok = _is_number(value) and math.isfinite(value)
-        else:
-            ok = isinstance(value, str)
-        if not ok:
-            raise ConfigError(f"{where}{f.name} must be {what}, got {value!r}")
-        if f.name.endswith("_s") and _is_number(value) and value > MAX_DURATION_S:
-            # a duration past a year is a typo (ms for s), and past ~1e9 s it fails later,
-            # elsewhere: a beat schedule's timedelta, a wait's timeout, a Redis EXPIRE
-            raise ConfigError(f"{where}{f.name} must be at most {MAX_DURATION_S:g} s (a "
-                              f"year), got {value!r}")
-
-
-#: Longest duration setting (``*_s``), s: a year.
-MAX_DURATION_S = 365 * 86_400
-
 #: Most tasks one batch may take: bounds one pick's Lua work and one pool job's inputs.
 MAX_BATCH_TASKS = 1024
 
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _integer(name: str, value: object, most: int, note: str = "", least: int = 0) -> None:
-    """An integer (not a bool) in [least, most]; ``note`` says what 0 means."""
-    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
-        raise ConfigError(f"{name} must be an integer in [{least}, {most}]{note}, "
-                          f"got {value!r}")
-
-
-def _positive(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name} must be a positive number, got {value!r}")
-
-
-def _non_negative(name: str, value: float, note: str = "") -> None:
-    """A finite number >= 0; ``note`` says its unit and what 0 means."""
-    if not _is_number(value) or not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{name} must be >= 0{note}, got {value!r}")
-
-
 #: An SLA longer than a day is not a latency SLA (a task's, or its class's), ms.
 MAX_LATENCY_SLA_MS = 86_400_000.0
-
-
-def _in_range(name: str, value: float, lo: float, hi: float) -> None:
-    if not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise ConfigError(f"{name} must be in [{lo}, {hi}], got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -135,18 +58,18 @@ class ClassQuota:
     slice_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_types(self, f"class {self.name!r}: ")
+        checks.check_types(self, f"class {self.name!r}: ")
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
             raise ConfigError(f"class name {self.name!r} must be a non-empty identifier")
-        _positive(f"class {self.name}: cpu_cores", self.cpu_cores)
-        _positive(f"class {self.name}: vram_gib", self.vram_gib)
-        _positive(f"class {self.name}: max_run_s", self.max_run_s)
-        _positive(f"class {self.name}: weight", self.weight)
+        checks.positive(f"class {self.name}: cpu_cores", self.cpu_cores)
+        checks.positive(f"class {self.name}: vram_gib", self.vram_gib)
+        checks.positive(f"class {self.name}: max_run_s", self.max_run_s)
+        checks.positive(f"class {self.name}: weight", self.weight)
         # the range a task's own latency_sla_ms must be in: a class past it made every
         # task of the class (the default one: every foreign message) refused
-        _in_range(f"class {self.name}: latency_sla_ms", self.latency_sla_ms, 1e-3,
-                  MAX_LATENCY_SLA_MS)
-        _in_range(f"class {self.name}: loss_sensitivity", self.loss_sensitivity, 0.1, 0.9)
+        checks.in_range(f"class {self.name}: latency_sla_ms", self.latency_sla_ms, 1e-3,
+                        MAX_LATENCY_SLA_MS)
+        checks.in_range(f"class {self.name}: loss_sensitivity", self.loss_sensitivity, 0.1, 0.9)
         if self.slice_ms < 0:
             raise ConfigError(f"class {self.name}: slice_ms must be >= 0 (0: the global "
                               f"slice_ms), got {self.slice_ms!r}")
@@ -188,7 +111,7 @@ class PriorityWeights:
     aging_bound_s: float = 60.0
 
     def __post_init__(self) -> None:
-        _check_types(self, "priority weight ")
+        checks.check_types(self, "priority weight ")
         total = self.qos_jitter + self.qos_bandwidth + self.qos_loss
         if not math.isclose(total, 1.0, abs_tol=1e-6):
             raise ConfigError(f"QoS weights must sum to 1, got {total:.4f}")
@@ -200,7 +123,7 @@ class PriorityWeights:
             raise ConfigError("entropy_gain must be < 1 so priority stays positive")
         if self.risk_cap < 1:
             raise ConfigError("risk_cap must be >= 1 (risk is never below 1)")
-        _positive("aging_bound_s", self.aging_bound_s)
+        checks.positive("aging_bound_s", self.aging_bound_s)
         if not 0 <= self.aging_start_s < self.aging_bound_s:
             raise ConfigError(f"aging_start_s must be in [0, aging_bound_s), got "
                               f"{self.aging_start_s} (bound {self.aging_bound_s})")
@@ -332,7 +255,7 @@ class SitsConfig:
     weights: PriorityWeights = field(default_factory=PriorityWeights)
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        checks.check_types(self)
         if not isinstance(self.classes, tuple) or not all(
                 isinstance(c, ClassQuota) for c in self.classes):
             raise ConfigError(f"classes must be a list of class tables, got {self.classes!r}")
@@ -350,45 +273,45 @@ class SitsConfig:
         check_redis_url(self.redis_url)
         if not 0 < self.soft_limit_fraction < 1:
             raise ConfigError("soft_limit_fraction must be in (0, 1)")
-        _positive("rescore_interval_s", self.rescore_interval_s)
-        _positive("trigger_check_interval_s", self.trigger_check_interval_s)
-        _positive("rescore_chunk", self.rescore_chunk)
-        _positive("stats_window", self.stats_window)
-        _positive("max_redeliveries", self.max_redeliveries)
-        _non_negative("dead_letter_ttl_s", self.dead_letter_ttl_s, " s (0: kept)")
+        checks.positive("rescore_interval_s", self.rescore_interval_s)
+        checks.positive("trigger_check_interval_s", self.trigger_check_interval_s)
+        checks.positive("rescore_chunk", self.rescore_chunk)
+        checks.positive("stats_window", self.stats_window)
+        checks.positive("max_redeliveries", self.max_redeliveries)
+        checks.non_negative("dead_letter_ttl_s", self.dead_letter_ttl_s, " s (0: kept)")
         for name in ("slice_ms", "yield_wait_ms", "yield_min_remaining_ms"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 <= value < 3_600_000:
                 raise ConfigError(f"{name} must be in [0, 3600000) ms, got {value!r}")
-        _integer("metrics_port", self.metrics_port, 65535, " (0: no endpoint)")
-        if not _is_number(self.affinity_max_skip_ms) or not 0 <= self.affinity_max_skip_ms \
+        checks.integer("metrics_port", self.metrics_port, 65535, " (0: no endpoint)")
+        if not checks.is_number(self.affinity_max_skip_ms) or not 0 <= self.affinity_max_skip_ms \
                 < 3_600_000:
             raise ConfigError(f"affinity_max_skip_ms must be in [0, 3600000) ms, got "
                               f"{self.affinity_max_skip_ms!r}")
-        _integer("prefix_key_chars", self.prefix_key_chars, 1_000_000)
-        _integer("batch_window", self.batch_window, 100_000, " (0: no batching)")
-        _integer("batch_max_tasks", self.batch_max_tasks, MAX_BATCH_TASKS, " (1: no batching)",
-                 least=1)
+        checks.integer("prefix_key_chars", self.prefix_key_chars, 1_000_000)
+        checks.integer("batch_window", self.batch_window, 100_000, " (0: no batching)")
+        checks.integer("batch_max_tasks", self.batch_max_tasks, MAX_BATCH_TASKS,
+                       " (1: no batching)", least=1)
         if self.batch_join not in ("auto", "on", "off"):
             raise ConfigError(f"batch_join must be auto, on or off, got {self.batch_join!r}")
-        if not _is_number(self.batch_join_s) or not 0 < self.batch_join_s < 86_400:
+        if not checks.is_number(self.batch_join_s) or not 0 < self.batch_join_s < 86_400:
             raise ConfigError(f"batch_join_s must be in (0, 86400) s, got "
                               f"{self.batch_join_s!r}")
-        _positive("int8_max_kl", self.int8_max_kl)
+        checks.positive("int8_max_kl", self.int8_max_kl)
         self._check_sites()
-        _integer("embed_cache_entries", self.embed_cache_entries, 10_000_000, " (0: off)")
-        _positive("embed_cache_ttl_s", self.embed_cache_ttl_s)
-        _non_negative("host_pool_ttl_s", self.host_pool_ttl_s, " s (0: never)")
-        if not _is_number(self.host_pool_pressure_share) \
+        checks.integer("embed_cache_entries", self.embed_cache_entries, 10_000_000, " (0: off)")
+        checks.positive("embed_cache_ttl_s", self.embed_cache_ttl_s)
+        checks.non_negative("host_pool_ttl_s", self.host_pool_ttl_s, " s (0: never)")
+        if not checks.is_number(self.host_pool_pressure_share) \
                 or not 0 <= self.host_pool_pressure_share < 1:
             raise ConfigError(f"host_pool_pressure_share must be in [0, 1) (0: never), got "
                               f"{self.host_pool_pressure_share!r}")
-        _positive("batch_target_p95_ms", self.batch_target_p95_ms)
+        checks.positive("batch_target_p95_ms", self.batch_target_p95_ms)
         for name in ("throttle_fd_share", "throttle_mem_share"):
             share = getattr(self, name)
-            if not _is_number(share) or not 0 < share <= 1:
+            if not checks.is_number(share) or not 0 < share <= 1:
                 raise ConfigError(f"{name} must be in (0, 1], got {share!r}")
-        _non_negative("prewarm_interval_s", self.prewarm_interval_s, " (0: off)")
+        checks.non_negative("prewarm_interval_s", self.prewarm_interval_s, " (0: off)")
         if self.otel_traces not in ("auto", "otlp", "console", "off"):
             raise ConfigError(f"otel_traces must be auto, otlp, console or off, got "
                               f"{self.otel_traces!r}")
@@ -421,7 +344,7 @@ class SitsConfig:
         from sits_queue.priority import sites
 
         for name in ("site_strong_rtt_ms", "site_sync_interval_s", "site_dead_after_s"):
-            _positive(name, getattr(self, name))
+            checks.positive(name, getattr(self, name))
         if self.site_dead_after_s <= 2 * self.site_sync_interval_s:
             raise ConfigError("site_dead_after_s must exceed two sync intervals (a site "
                               "heartbeats once per interval)")
@@ -493,8 +416,8 @@ class SitsConfig:
                     f.name == "redis_url" and not env[key]):  # empty: unset, as sitsq reads it
                 # the field's declared type, not the loaded value's: a file's
                 # ``visibility_timeout_s = 60`` must not make "90.5" an invalid int
-                kind = _KINDS.get(str(f.type), (str, ""))[0]
-                overrides[f.name] = _coerce(f.name, env[key], kind)
+                kind = checks.KINDS.get(str(f.type), (str, ""))[0]
+                overrides[f.name] = checks.coerce(f.name, env[key], kind)
         return replace(base, **overrides)
 
     @classmethod
