@@ -46,6 +46,7 @@ from sits_queue.workers import (
     firsttoken,
     gpu,
     kvreuse,
+    limits,
     metrics,
     runtime,
     slices,
@@ -181,7 +182,7 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
         rt.prefixes().drop(left)
     rt.confine(quota)  # again: the first load may have imported torch just now (threads)
     engine_bytes = int(engine.size_bytes())
-    runtime.check_engine_fits_class(model, quota, engine_bytes)
+    limits.check_engine_fits_class(model, quota, engine_bytes)
     fraction = rt.cap_for_class(quota, engine_bytes)
     meta = _cold_meta(cold, rt.take_ctx_ms())
     # Taken ahead of its queue's head because this worker held the model warm (pick.lua).

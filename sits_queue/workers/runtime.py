@@ -45,12 +45,12 @@ from celery.exceptions import ImproperlyConfigured, SoftTimeLimitExceeded
 from sits_queue.broker import intake
 from sits_queue.cache.budgets import CacheBudgets, children_per_device
 from sits_queue.config import ClassQuota, SitsConfig
-from sits_queue.errors import ConfigError, UnknownModel, VramLimitExceeded
+from sits_queue.errors import ConfigError, UnknownModel
 from sits_queue.options import CONTROL_QUEUE, HEADER, PRECISIONS
 from sits_queue.workers import advertise, gpu, metrics, profile, softsignal
 from sits_queue.workers import request as admission
 from sits_queue.workers.devices import Device, Discovery, default_concurrency, discover
-from sits_queue.workers.limits import BYTES_PER_GIB, cpu_set
+from sits_queue.workers.limits import check_engine_fits_class, cpu_set, memory_cap_fraction
 
 logger = logging.getLogger(__name__)
 
@@ -112,37 +112,6 @@ def pin_env(device: Device) -> dict[str, str]:
     if device.kind != "cuda":
         return {}
     return {"CUDA_VISIBLE_DEVICES": device.uuid}
-
-
-def class_bytes(quota: ClassQuota) -> int:
-    return int(quota.vram_gib * BYTES_PER_GIB)
-
-
-def memory_cap_fraction(quota: ClassQuota, allocated_bytes: int, engine_bytes: int,
-                        device_total_bytes: int) -> float:
-    """Allocator fraction so this task can add at most its class limit minus its engine.
-
-    The class limit covers the task's own footprint: its engine's weights plus what it
-    allocates while running. Engines the warm cache keeps for *other* models are already
-    in ``allocated_bytes`` and are not this task's, so the cap sits on top of what is
-    allocated now: ``allocated + (class - engine)``, as a fraction of the device.
-    """
-    if device_total_bytes <= 0:
-        raise ValueError(f"device_total_bytes must be > 0, got {device_total_bytes}")
-    headroom = max(0, class_bytes(quota) - engine_bytes)
-    return max(1e-6, min(1.0, (allocated_bytes + headroom) / device_total_bytes))
-
-
-def check_engine_fits_class(model: str, quota: ClassQuota, engine_bytes: int,
-                            extra_bytes: int = 0) -> None:
-    """Raise :class:`VramLimitExceeded` if weights plus an estimate exceed the class limit."""
-    need = engine_bytes + max(0, extra_bytes)
-    if need > class_bytes(quota):
-        detail = (f"{engine_bytes / BYTES_PER_GIB:.4g} GiB of weights" if not extra_bytes else
-                  f"{engine_bytes / BYTES_PER_GIB:.4g} GiB of weights + "
-                  f"{extra_bytes / BYTES_PER_GIB:.4g} GiB estimated working memory")
-        raise VramLimitExceeded(f"model {model!r} needs {detail}, over the "
-                                f"{quota.vram_gib:g} GiB VRAM limit of class {quota.name!r}")
 
 
 def sits_header(request: Any) -> Mapping[str, Any] | None:

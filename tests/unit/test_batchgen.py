@@ -19,6 +19,7 @@ from sits_queue.workers import inference, kvreuse, metrics
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.batched import Call
 from sits_queue.workers.batchgen import SHARE_MIN_TOKENS, generate_calls, prefix_groups
+from sits_queue.workers.limits import BYTES_PER_GIB
 
 # -- grouping (pure) ----------------------------------------------------------------------------
 
@@ -427,7 +428,7 @@ def test_a_batch_over_its_class_runs_in_parts_that_fit_and_fails_only_a_row_too_
     module = inference.module_of(lm, "lm")
     kv = inference.kv_cache_bytes(module, int(1.5 * (ids(long_prompt) + 40)))
     quota = replace(SitsConfig().quota("low"),
-                    vram_gib=(lm.size_bytes() + kv) / rt.BYTES_PER_GIB)
+                    vram_gib=(lm.size_bytes() + kv) / BYTES_PER_GIB)
     calls = [*(Call(f"s{i}", (p, 2), {"stop_at_eos": False}) for i, p in enumerate(short)),
              Call("long", (long_prompt, 40), {"stop_at_eos": False}),
              Call("huge", (huge_prompt, 200), {"stop_at_eos": False})]

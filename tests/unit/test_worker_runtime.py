@@ -18,7 +18,7 @@ from sits_queue.config import DEFAULT_CLASSES, ClassQuota, SitsConfig
 from sits_queue.errors import ConfigError, ModelLoadError, UnknownModel, VramLimitExceeded
 from sits_queue.options import HEADER
 from sits_queue.registry import ModelRegistry, load_engine
-from sits_queue.workers import advertise, gpu, request
+from sits_queue.workers import advertise, gpu, limits, request
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.devices import Device, Discovery
 from sits_queue.workers.limits import BYTES_PER_GIB
@@ -158,21 +158,21 @@ def test_bad_cache_bytes_are_named_not_raised_as_overflow(raw: str) -> None:
 ])
 def test_memory_cap_fraction(q: ClassQuota, allocated: int, engine: int, total: int,
                              fraction: float) -> None:
-    assert rt.memory_cap_fraction(q, allocated, engine, total) == pytest.approx(fraction)
+    assert limits.memory_cap_fraction(q, allocated, engine, total) == pytest.approx(fraction)
 
 
 def test_memory_cap_fraction_rejects_an_empty_device() -> None:
     with pytest.raises(ValueError):
-        rt.memory_cap_fraction(LOW, 0, 0, 0)
+        limits.memory_cap_fraction(LOW, 0, 0, 0)
 
 
 def test_engine_over_the_class_limit_is_refused_with_the_numbers() -> None:
-    rt.check_engine_fits_class("m", quota(vram_gib=1), GIB)  # exactly fits
+    limits.check_engine_fits_class("m", quota(vram_gib=1), GIB)  # exactly fits
     with pytest.raises(VramLimitExceeded, match=r"model 'm' needs 2 GiB of weights, over "
                                                 r"the 1 GiB VRAM limit of class 'q'"):
-        rt.check_engine_fits_class("m", quota(vram_gib=1), 2 * GIB)
+        limits.check_engine_fits_class("m", quota(vram_gib=1), 2 * GIB)
     with pytest.raises(VramLimitExceeded, match="estimated working memory"):
-        rt.check_engine_fits_class("m", quota(vram_gib=1), GIB // 2, GIB)
+        limits.check_engine_fits_class("m", quota(vram_gib=1), GIB // 2, GIB)
 
 
 def test_cpu_estimate_is_checked_only_without_cuda() -> None:
