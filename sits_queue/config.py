@@ -307,10 +307,14 @@ class SitsConfig:
             raise ConfigError(f"host_pool_pressure_share must be in [0, 1) (0: never), got "
                               f"{self.host_pool_pressure_share!r}")
         checks.positive("batch_target_p95_ms", self.batch_target_p95_ms)
-        for name in ("throttle_fd_share", "throttle_mem_share"):
-            share = getattr(self, name)
-            if not checks.is_number(share) or not 0 < share <= 1:
-                raise ConfigError(f"{name} must be in (0, 1], got {share!r}")
+        if not checks.is_number(self.throttle_fd_share) or not 0 < self.throttle_fd_share <= 1:
+            raise ConfigError(f"throttle_fd_share must be in (0, 1], got "
+                              f"{self.throttle_fd_share!r}")
+        # 1 would pause intake for good: no host has all of its memory available
+        if not checks.is_number(self.throttle_mem_share) \
+                or not 0 < self.throttle_mem_share < 1:
+            raise ConfigError(f"throttle_mem_share must be in (0, 1) (1 would pause intake "
+                              f"for good), got {self.throttle_mem_share!r}")
         checks.non_negative("prewarm_interval_s", self.prewarm_interval_s, " (0: off)")
         if self.otel_traces not in ("auto", "otlp", "console", "off"):
             raise ConfigError(f"otel_traces must be auto, otlp, console or off, got "

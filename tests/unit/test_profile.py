@@ -122,6 +122,9 @@ def test_policy_from_the_config_and_intake() -> None:
         == (0.5, 0.4, 0.2, 0.4)
     with pytest.raises(ConfigError, match="throttle_fd_share"):
         SitsConfig(throttle_fd_share=0)
+    # a memory share of 1 is always reached: intake would stay paused for good
+    with pytest.raises(ConfigError, match=r"throttle_mem_share must be in \(0, 1\)"):
+        SitsConfig(throttle_mem_share=1.0)
     try:
         assert intake.paused() is None
         intake.pause("why not")
@@ -131,16 +134,15 @@ def test_policy_from_the_config_and_intake() -> None:
     assert intake.paused() is None
 
 
-@pytest.mark.parametrize(("fd", "mem"), [(0.85, 0.05), (0.05, 0.6), (0.1, 1.0), (1.0, 0.34)])
+@pytest.mark.parametrize(("fd", "mem"), [(0.85, 0.05), (0.05, 0.6), (0.1, 0.99), (1.0, 0.34)])
 def test_every_accepted_throttle_level_has_a_resume_level_a_healthy_host_reaches(
         fd: float, mem: float) -> None:
     policy = prof.policy_of(SitsConfig(throttle_fd_share=fd, throttle_mem_share=mem))
     assert 0 < policy.fd_resume < policy.fd_throttle
-    assert policy.mem_throttle <= policy.mem_resume and (mem == 1.0 or policy.mem_resume < 1)
-    if mem < 1.0:  # (a share of 1 throttles always, by its own definition)
-        healthy = profile_of(fd_pressure=policy.fd_resume / 2,
-                             mem_available=(policy.mem_resume + 1) / 2)
-        assert prof.decide(healthy, THROTTLED, policy)[0] != THROTTLED
+    assert policy.mem_throttle <= policy.mem_resume < 1
+    healthy = profile_of(fd_pressure=policy.fd_resume / 2,
+                         mem_available=(policy.mem_resume + 1) / 2)
+    assert prof.decide(healthy, THROTTLED, policy)[0] != THROTTLED
 
 
 class Failing:
