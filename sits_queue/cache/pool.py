@@ -192,7 +192,7 @@ class EngineCache:
             ctx_ms = self._ensure_context()
             now = self._clock()
             entry = self._state.entries.get(key)
-            if entry is not None and self._engines[key].released:
+            if entry is not None and (key not in self._engines or self._engines[key].released):
                 # Released behind the cache's back (its loader handed the same engine to
                 # a precision conversion, which releases what it converts): load anew.
                 self._drop(key, now)
@@ -317,7 +317,12 @@ class EngineCache:
                 else:
                     self._move(action, self._engines[target])
             except BaseException as exc:
-                self._drop(target, now)
+                self._drop(target, now, plan.swap)
+                if plan.swap is not None and self._state.free("host") < 0:
+                    # A swap stopped half-way: an engine demoted into the room the
+                    # promotion was to free holds the host over budget. The promoted
+                    # engine goes instead (its get fails anyway): the room it lent.
+                    self._drop(plan.swap, now)
                 if new is not None and target != key:
                     new.release()
                 if target != key and key is not None and isinstance(exc, Exception) \
@@ -351,15 +356,16 @@ class EngineCache:
         # "sync": engines hold no write-back state yet (KV caches will); nothing to flush.
         return 0.0
 
-    def _drop(self, key: str, now: float) -> None:
-        """Forget ``key`` after a failure: release it (best effort) and free its bytes."""
+    def _drop(self, key: str, now: float, swap: str | None = None) -> None:
+        """Forget ``key`` after a failure: release it (best effort) and free its bytes.
+        ``swap``: the swap of the plan that failed, whose host room is still lent."""
         engine = self._engines.pop(key, None)
         if engine is not None:
             # Already failing: the original error is the one to report, not a release error.
             with contextlib.suppress(Exception):
                 engine.release()
         if key in self._state.entries:
-            self._state = apply(self._state, Plan(actions=(("evict", key),)), now)
+            self._state = apply(self._state, Plan(actions=(("evict", key),), swap=swap), now)
 
     # -- housekeeping --------------------------------------------------------------------------
 

@@ -278,6 +278,68 @@ def test_a_failure_making_room_names_the_engine_that_failed() -> None:
     assert again.source == "disk"
 
 
+def test_a_demotion_failing_half_way_through_a_swap_leaves_the_cache_consistent() -> None:
+    """(the drop re-checked the host without the swap's lent room: InvariantViolation,
+    the failed engine released but still cached, and every later get of it KeyError)"""
+    # Given both tiers full: a on the host, b and c on the device
+    cache, _ = make_cache(device_budget=100, host_budget=100)
+    loaders = Loaders({"a": 100, "b": 50, "c": 50})
+    cache.get("a", loaders("a"))
+    cache.get("b", loaders("b"))
+    c, _ = cache.get("c", loaders("c"))
+    assert cache.warm() == {"a": "host", "b": "device", "c": "device"}
+    assert isinstance(c, FakeEngine)
+    c.fail = "demote"
+    # When a's promotion demotes b into the room a frees, then c's demotion fails
+    with pytest.raises(ModelLoadError, match="making room for it failed: demote of 'c'"):
+        cache.get("a", loaders("a"))
+    # Then c and a (whose lent room b holds) are gone, the budgets hold, and both load anew
+    assert cache.warm() == {"b": "host"}
+    assert_consistent(cache, loaders)
+    _, again = cache.get("c", loaders("c"))
+    assert again.source == "disk"
+    _, again = cache.get("a", loaders("a"))
+    assert again.source == "disk"
+    assert_consistent(cache, loaders)
+
+
+class Flaky(FakeEngine):
+    """Fails each primitive at random, as a driver or an allocator might."""
+
+    rng = random.Random(0)
+    p = 0.0
+
+    def _count(self, name: str) -> None:
+        self.calls[name] += 1
+        if name != "release" and self.rng.random() < self.p:
+            raise RuntimeError(f"{name} broke")
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_budgets_and_engines_agree_under_random_failures(seed: int) -> None:
+    rng = random.Random(seed)
+    Flaky.rng, Flaky.p = rng, rng.choice([0.05, 0.2])
+    sizes = {f"m{i}": rng.randint(5, 120) for i in range(8)}
+    cache, _ = make_cache(device_budget=rng.randint(50, 200), host_budget=rng.randint(0, 300))
+    loaders = Loaders(sizes, cls=Flaky)
+    for _ in range(150):
+        op = rng.random()
+        try:
+            if op < 0.85:
+                key = rng.choice(sorted(sizes))
+                engine, _ = cache.get(key, loaders(key))
+                assert engine.tier == "device" and not engine.released
+            elif op < 0.92:
+                cache.expire(rng.random() * 300)
+            elif op < 0.97:
+                cache.shrink_host(rng.randint(0, 300))
+            else:
+                cache.drop(rng.choice(sorted(sizes)))
+        except (ModelLoadError, EngineTooLarge, RuntimeError):
+            pass
+        assert_consistent(cache, loaders)
+
+
 def test_failed_promotion_from_host_drops_the_engine() -> None:
     cache, _ = make_cache(device_budget=100, host_budget=100)
     loaders = Loaders({"a": 100, "b": 100})
