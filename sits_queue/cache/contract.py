@@ -271,6 +271,31 @@ class Engine(ABC):
         return self._device
 
 
+def bind_inputs(key: str, names: Sequence[str], args: Sequence[Any],
+                kwargs: Mapping[str, Any], backend: str = "TensorRT") -> dict[str, Any]:
+    """A call's arguments as the engine's inputs, by name: positional ones in the
+    engine's input order, then keywords. Every input given exactly once, no other: an
+    input left out would keep the previous call's address in TensorRT (a freed buffer:
+    garbage), which drops inputs the network does not use, so they need not be
+    ``forward``'s arguments; an extra one was dropped without a word (pure)."""
+    if len(args) > len(names):
+        raise EngineError(f"{backend} engine {key!r} takes {len(names)} inputs {list(names)}, "
+                          f"got {len(args)} positional arguments")
+    feed = dict(zip(names, args, strict=False))
+    twice = sorted(set(feed) & set(kwargs))
+    unknown = sorted(set(kwargs) - set(names))
+    if twice or unknown:
+        raise EngineError(f"{backend} engine {key!r}: " + "; ".join(
+            ([f"inputs {twice} given by position and by name"] if twice else [])
+            + ([f"no inputs named {unknown} (its inputs: {list(names)})"] if unknown else [])))
+    feed.update(kwargs)
+    missing = [n for n in names if n not in feed]
+    if missing:
+        raise EngineError(f"{backend} engine {key!r}: inputs {missing} not given (its "
+                          f"inputs: {list(names)})")
+    return feed
+
+
 def _release_torch_cache() -> None:
     torch = sys.modules.get("torch")  # not imported: nothing cached
     if torch is not None and torch.cuda.is_initialized():

@@ -32,6 +32,7 @@ from sits_queue.cache.contract import (
     EngineNotResident,
     EngineReleased,
     Inputs,
+    bind_inputs,
     device_index,
     input_spec,
     is_cuda,
@@ -71,6 +72,8 @@ __all__ = [
 AOTI_SPEC_KEY = "sits.sample_inputs"
 #: A prompt long enough to exercise attention and the KV cache, short enough to cost little.
 HF_WARMUP_PROMPT = "Warm-up: a short representative prompt for the engine cache."
+#: ``onnx.TensorProto.BFLOAT16``: the element type of a bfloat16 input's ``OrtValue``.
+ONNX_BFLOAT16 = 16
 _ONNX_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16",
                 "tensor(double)": "float64", "tensor(int64)": "int64",
                 "tensor(int32)": "int32", "tensor(bool)": "bool", "tensor(uint8)": "uint8",
@@ -370,7 +373,14 @@ class OnnxEngine(Engine):
         if is_cuda(device) and "CUDAExecutionProvider" in ort.get_available_providers():
             providers.insert(0, ("CUDAExecutionProvider",
                                  {"device_id": max(0, device_index(device))}))
-        self._session = ort.InferenceSession(self._bytes, providers=providers)
+        session = ort.InferenceSession(self._bytes, providers=providers)
+        bf16 = [o.name for o in session.get_outputs() if o.type == "tensor(bfloat16)"]
+        if bf16:
+            raise EngineFormatError(
+                f"ONNX engine {self.key!r}: outputs {bf16} are bfloat16, which onnxruntime "
+                "cannot hand back to Python (numpy has no bfloat16); cast them to float16 "
+                "or float32 in the graph")
+        self._session = session
         if is_cuda(device) and "CUDAExecutionProvider" not in self._session.get_providers():
             # (no CUDA build of onnxruntime, or its provider failed to load: cuDNN missing)
             logger.warning("ONNX engine %r asked for %s runs on the CPU: onnxruntime's CUDA "
@@ -380,15 +390,11 @@ class OnnxEngine(Engine):
         self._session = None
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        import numpy as np
-        import torch
-
-        names = [i.name for i in self._session.get_inputs()]
-        feed = dict(zip(names, args, strict=False)) | kwargs
-        arrays = {k: v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
-                  for k, v in feed.items()}
-        outs = [torch.from_numpy(o).to(self._device or "cpu")
-                for o in self._session.run(None, arrays)]
+        feed = bind_inputs(self.key, [i.name for i in self._session.get_inputs()], args,
+                           kwargs, backend="ONNX")
+        device = self._device or "cpu"
+        outs = [_from_onnx(o, device) for o in self._session.run(
+            None, {name: _to_onnx(value) for name, value in feed.items()})]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _warmup_inputs(self, device: str) -> Inputs | None:
@@ -405,6 +411,34 @@ class OnnxEngine(Engine):
     def _release(self) -> None:
         self._session = None
         self._bytes = b""
+
+
+def _to_onnx(value: Any) -> Any:
+    """One input as onnxruntime takes it: a numpy array, or for a bfloat16 tensor (numpy
+    has none) its bits as an ``OrtValue`` typed bfloat16."""
+    import numpy as np
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        return np.asarray(value)
+    tensor = value.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        import onnxruntime as ort
+
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+            tensor.contiguous().view(torch.int16).numpy(), onnx_element_type=ONNX_BFLOAT16)
+    return tensor.numpy()
+
+
+def _from_onnx(out: Any, device: str) -> Any:
+    """One output as a torch tensor on ``device`` when it is numeric; sequences, maps
+    (a classifier's ZipMap) and strings as onnxruntime gives them."""
+    import numpy as np
+    import torch
+
+    if isinstance(out, np.ndarray) and out.dtype.kind in "biufc":
+        return torch.from_numpy(out).to(device)
+    return out
 
 
 def export_onnx(module: torch.nn.Module, sample_inputs: Sequence[Any], path: str | Path,

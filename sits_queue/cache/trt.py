@@ -20,6 +20,7 @@ from sits_queue.cache.contract import (
     EngineFormatError,
     Inputs,
     InputSpec,
+    bind_inputs,
     is_cuda,
     synthesize,
 )
@@ -66,31 +67,6 @@ def _trt_to_torch(dtype: Any, key: str, tensor: str) -> torch.dtype:
         raise EngineFormatError(f"TensorRT engine {key!r}: tensor {tensor} is of type "
                                 f"{dtype}, which has no torch dtype to hold it")
     return table[dtype]
-
-
-def bind_inputs(key: str, names: Sequence[str], args: Sequence[Any],
-                kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """A call's arguments as the engine's inputs, by name: positional ones in the
-    engine's input order, then keywords. Every input given exactly once, no other: an
-    input left out would keep the previous call's address (a freed buffer: garbage),
-    and TensorRT drops inputs the network does not use, so they need not be
-    ``forward``'s arguments (pure)."""
-    if len(args) > len(names):
-        raise EngineError(f"TensorRT engine {key!r} takes {len(names)} inputs {list(names)}, "
-                          f"got {len(args)} positional arguments")
-    feed = dict(zip(names, args, strict=False))
-    twice = sorted(set(feed) & set(kwargs))
-    unknown = sorted(set(kwargs) - set(names))
-    if twice or unknown:
-        raise EngineError(f"TensorRT engine {key!r}: " + "; ".join(
-            ([f"inputs {twice} given by position and by name"] if twice else [])
-            + ([f"no inputs named {unknown} (its inputs: {list(names)})"] if unknown else [])))
-    feed.update(kwargs)
-    missing = [n for n in names if n not in feed]
-    if missing:
-        raise EngineError(f"TensorRT engine {key!r}: inputs {missing} not given (its "
-                          f"inputs: {list(names)})")
-    return feed
 
 
 def aligned(tensor: torch.Tensor) -> torch.Tensor:

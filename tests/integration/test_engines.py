@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("torch", reason="the inference extra (torch) is not installed")
 import torch
 
-from sits_queue.cache.contract import Engine, EngineNotResident, EngineReleased
+from sits_queue.cache.contract import Engine, EngineError, EngineNotResident, EngineReleased
 from sits_queue.cache.engines import (
     AotiEngine,
     EngineFormatError,
@@ -228,6 +228,86 @@ def test_an_onnx_model_with_inputs_it_cannot_synthesise_loads_without_warm_up() 
     engine.to_device(DEVICE)
     assert engine.warmup() == 0.0  # (a KeyError on tensor(int16) failed the load)
     assert engine(torch.tensor([3, 4], dtype=torch.int16)).tolist() == [3.0, 4.0]
+
+
+def _onnx_model(nodes: list[Any], inputs: list[Any], outputs: list[Any]) -> bytes:
+    import onnx
+    from onnx import helper
+
+    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs), opset_imports=[
+        helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return bytes(model.SerializeToString())
+
+
+def test_an_onnx_model_with_a_bfloat16_input_warms_up_and_runs() -> None:
+    """(numpy has no bfloat16: the warm-up's synthesised input failed the load)"""
+    from onnx import TensorProto, helper
+
+    engine = OnnxEngine("bf16", _onnx_model(
+        [helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT)],
+        [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [1, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])]))
+    engine.to_device(DEVICE)
+    assert engine.warmup() > 0
+    x = torch.tensor([[1.5, -2.0, 0.25]], dtype=torch.bfloat16)
+    assert engine(x).tolist() == [[1.5, -2.0, 0.25]]
+
+
+def test_an_onnx_model_with_a_bfloat16_output_is_refused_naming_it() -> None:
+    from onnx import TensorProto, helper
+
+    engine = OnnxEngine("bf16-out", _onnx_model(
+        [helper.make_node("Cast", ["x"], ["y"], to=TensorProto.BFLOAT16)],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [1, 3])]))
+    with pytest.raises(EngineFormatError, match=r"outputs \['y'\] are bfloat16.*cast them"):
+        engine.to_device(DEVICE)
+    assert engine.tier == "host"
+
+
+def test_an_onnx_classifier_s_map_output_comes_back_as_onnxruntime_gives_it() -> None:
+    """(every output went through torch.from_numpy: a ZipMap output, a skl2onnx
+    classifier's by default, failed the load)"""
+    from onnx import TensorProto, helper
+
+    engine = OnnxEngine("clf", _onnx_model(
+        [helper.make_node("Identity", ["X"], ["scores"]),
+         helper.make_node("ZipMap", ["X"], ["probs"], domain="ai.onnx.ml",
+                          classlabels_int64s=[0, 1, 2])],
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [None, 3])],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, [None, 3]),
+         helper.make_value_info("probs", helper.make_sequence_type_proto(
+             helper.make_map_type_proto(TensorProto.INT64, helper.make_tensor_type_proto(
+                 TensorProto.FLOAT, []))))]))
+    cache = EngineCache(DEVICE, 10**6, 10**6)
+    engine, _ = cache.get("clf", lambda: engine)
+    scores, probs = engine(torch.tensor([[0.25, 0.5, 0.25]]))
+    assert isinstance(scores, torch.Tensor) and scores.tolist() == [[0.25, 0.5, 0.25]]
+    assert probs == [{0: 0.25, 1: 0.5, 2: 0.25}]
+
+
+@pytest.mark.parametrize(("args", "kwargs", "said"), [
+    # a third positional argument was dropped without a word
+    ((1.0, 2.0, 3.0), {}, r"'add' takes 2 inputs \['x', 'y'\], got 3 positional"),
+    # y by position and by name: the keyword won without a word
+    ((1.0, 2.0), {"y": 3.0}, r"inputs \['y'\] given by position and by name"),
+    ((1.0,), {}, r"inputs \['y'\] not given"),
+])
+def test_an_onnx_call_that_does_not_give_every_input_once_is_refused(
+        args: tuple[float, ...], kwargs: dict[str, float], said: str) -> None:
+    from onnx import TensorProto, helper
+
+    engine = OnnxEngine("add", _onnx_model(
+        [helper.make_node("Add", ["x", "y"], ["z"])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1]) for n in ("x", "y")],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [1])]))
+    engine.to_device(DEVICE)
+    as_tensor = [torch.tensor([v]) for v in args]
+    with pytest.raises(EngineError, match=said):
+        engine(*as_tensor, **{k: torch.tensor([v]) for k, v in kwargs.items()})
+    assert engine(torch.tensor([1.0]), y=torch.tensor([2.0])).tolist() == [3.0]
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from sits_queue.cache.contract import EngineError
-from sits_queue.cache.trt import TRT_ALIGNMENT, aligned, bind_inputs
+from sits_queue.cache.contract import EngineError, bind_inputs
+from sits_queue.cache.trt import TRT_ALIGNMENT, aligned
 
 # As TensorRT lists them: not forward's arguments (it drops inputs the network ignores)
 NAMES = ("desc0", "desc1")
