@@ -495,6 +495,12 @@ class SitsCelery(Celery):  # type: ignore[misc]
             logger.warning("task %s: Celery's priority=%r does not order SITS queues; "
                            "give sla_class= (and the SITS options) instead", name,
                            options["priority"])
+        if name in MAINTENANCE_TASKS and not options.get("queue"):
+            # Routed here, not only by the task_routes SITS sets: an app that assigns
+            # task_routes the usual Celery way replaced that entry, and the beat's passes
+            # then went to the default queue, behind its backlog or where no worker took
+            # them ("-Q gpu"): rescoring stopped without a word.
+            options["queue"] = CONTROL_QUEUE
         headers = options.get("headers")
         if isinstance(headers, Mapping) and isinstance(headers.get(HEADER), Mapping):
             # Attached already (apply_async, a retry) or by hand: checked either way, so

@@ -72,3 +72,23 @@ def test_an_assigned_beat_schedule_keeps_the_sits_passes(redis_url: str,
             assert redis_client.exists(f"sits:redbeat:{name}"), name
     finally:
         app.close()
+
+
+def test_assigned_task_routes_keep_the_beat_s_passes_on_the_control_queue(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """(assigning ``task_routes`` replaced the entry that routed them: they went to the
+    default queue, behind its backlog, or to no worker at all with ``-Q gpu``)"""
+    app = make_app(SitsConfig(redis_url=redis_url), main="routes-assigned")
+    app.conf.task_routes = {"app.render": {"queue": "gpu"}}
+    default = QueueKeys.for_queue(app.conf.task_default_queue)
+    try:
+        before = redis_client.zcard(CONTROL.waiting)
+        app.tasks["sits.rescore"].delay()
+        app.send_task("sits.check_triggers")
+        assert redis_client.zcard(CONTROL.waiting) == before + 2
+        assert redis_client.zcard(default.waiting) == 0
+        # an explicit queue still wins, as in Celery
+        app.tasks["sits.rescore"].apply_async(queue="elsewhere")
+        assert redis_client.zcard(QueueKeys.for_queue("elsewhere").waiting) == 1
+    finally:
+        app.close()
