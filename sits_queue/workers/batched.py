@@ -376,9 +376,13 @@ def _join_spec(requests: list[Any], soft: float | None) -> dict[str, Any] | None
     key = header.get("batch") if isinstance(header, dict) else None
     if not isinstance(queue, str) or not isinstance(key, str):
         return None
+    # a call's own max_batch bounds the batch it leads, joins included
+    capacity = int(getattr(first.task, "max_batch", 1) or 1)
+    most = header.get("batch_max")
+    if isinstance(most, int) and not isinstance(most, bool) and most >= 1:
+        capacity = min(capacity, most)
     return {"queue": queue, "key": key, "keys": joins.join_keys(queue, first.id, _joins.prefix),
-            "capacity": int(getattr(first.task, "max_batch", 1) or 1), "for_s": _joins.for_s,
-            "soft_s": soft}
+            "capacity": capacity, "for_s": _joins.for_s, "soft_s": soft}
 
 
 def submit(requests: list[Any], pool: Any) -> Any:

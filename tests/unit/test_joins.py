@@ -5,14 +5,16 @@ would alone. (The Redis list and the worker around it: tests/integration/test_jo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from sits_queue.broker.keys import QueueKeys
+from sits_queue.broker.keys import DELIVERY_HEADER, QueueKeys
 from sits_queue.config import SitsConfig
 from sits_queue.errors import ConfigError, InvalidInput
-from sits_queue.workers import inference, joins
+from sits_queue.options import HEADER
+from sits_queue.workers import batched, inference, joins
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.batched import Call
 from sits_queue.workers.batchgen import generate_calls
@@ -31,6 +33,20 @@ def test_a_row_joins_only_if_it_ends_well_before_the_soft_limit() -> None:
 def test_room_is_the_capacity_left() -> None:
     assert joins.room(8, 3) == 5
     assert joins.room(8, 8) == joins.room(8, 9) == 0
+
+
+@pytest.mark.parametrize(("call_most", "capacity"), [(2, 2), (None, 32), (64, 32)])
+def test_a_call_s_max_batch_bounds_the_rows_its_batch_takes_in(
+        monkeypatch: pytest.MonkeyPatch, call_most: int | None, capacity: int) -> None:
+    """(joins refilled a batch up to the task's max_batch, 32, past the max_batch=2 of
+    the call leading it)"""
+    monkeypatch.setattr(batched, "_joins", batched.JoinSetup(None, "", 5.0, print))
+    task = SimpleNamespace(joins=True, max_batch=32)
+    header = {"batch": "k", **({"batch_max": call_most} if call_most else {})}
+    first = SimpleNamespace(task=task, id="t1", request_dict={
+        DELIVERY_HEADER: ["celery", 1], HEADER: header})
+    spec = batched._join_spec([first], 30.0)
+    assert spec is not None and spec["capacity"] == capacity
 
 
 def test_join_keys_share_the_queue_hash_tag() -> None:
