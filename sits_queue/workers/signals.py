@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 import redis
@@ -93,6 +94,20 @@ def _client(config: SitsConfig) -> redis.Redis:
     return client
 
 
+def _due_at(request: Any) -> float | None:
+    """When a task with an ``eta`` (a countdown's too: Celery sends it as one) was due,
+    s since the epoch; None without one, or one that does not parse."""
+    eta = getattr(request, "eta", None)
+    try:
+        due = datetime.fromisoformat(eta) if isinstance(eta, str) else eta
+    except ValueError:
+        return None
+    if not isinstance(due, datetime):
+        return None
+    # naive: as Celery reads it, in UTC unless the app says otherwise (here: UTC)
+    return (due if due.tzinfo is not None else due.replace(tzinfo=timezone.utc)).timestamp()
+
+
 def record_completion(config: SitsConfig, request: Any, failed: bool, now_s: float,
                       retried: bool = False) -> None:
     """Buffer one finished task's statistics (``now_s``: when it finished); flushed every
@@ -107,6 +122,10 @@ def record_completion(config: SitsConfig, request: Any, failed: bool, now_s: flo
     if sla_class not in config.class_names:
         return
     submitted = getattr(request, "sits_submitted_at", None)
+    if isinstance(submitted, (int, float)):
+        # From when it was due: a countdown, an eta or a retry's countdown is the
+        # caller's wish, not lateness (it inflated the class's p95, jitter and priority)
+        submitted = max(submitted, _due_at(request) or submitted)
     latency_ms = (round(max(0.0, now_s - submitted) * 1000, 3)
                   if isinstance(submitted, (int, float)) else None)
     # The demand belongs to the interval the task finished in, whenever it is written.

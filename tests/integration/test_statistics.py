@@ -7,8 +7,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from datetime import datetime, timezone
 from types import SimpleNamespace
 
+import pytest
 import redis
 from celery import Celery
 
@@ -90,3 +92,23 @@ def test_demand_counts_in_the_interval_its_task_finished_in(
     assert redis_client.hget(then, "m") == b"1"
     assert redis_client.hget(now, "m") is None
     assert redis_client.ttl(then) >= 1
+
+
+@pytest.mark.parametrize("eta", ["aware", "naive"])
+def test_a_task_held_for_its_eta_counts_its_latency_from_when_it_was_due(
+        redis_url: str, redis_client: redis.Redis, eta: str) -> None:
+    """(a countdown=3 task counted 3 s of latency: its class's p95 and priority rose)"""
+    config = replace(SitsConfig(redis_url=redis_url), global_keyprefix=f"eta-{eta}:")
+    now = time.time()
+    due = datetime.fromtimestamp(now - 0.5, timezone.utc)
+    request = SimpleNamespace(task="t.any", sits={"sla_class": "low", "model": "m"},
+                              sits_submitted_at=now - 30.5,
+                              eta=(due if eta == "aware" else due.replace(tzinfo=None))
+                              .isoformat())
+    signals.record_completion(config, request, False, now)
+    late = SimpleNamespace(task="t.any", sits={"sla_class": "low"}, eta="not a date",
+                           sits_submitted_at=now - 2.0)
+    signals.record_completion(config, late, False, now)
+    signals.flush(config)
+    samples = [float(v) for v in redis_client.lrange(f"eta-{eta}:sits:lat:low", 0, -1)]
+    assert sorted(samples) == pytest.approx([500.0, 2000.0], abs=1.0)
