@@ -32,6 +32,7 @@ import redis
 from celery import Celery, signals
 from celery.app.task import Task
 from celery.utils.nodenames import anon_nodename
+from celery.utils.time import subtract_datetimes
 from dateutil.parser import isoparse
 from kombu.compression import compress
 from kombu.entity import Queue, maybe_delivery_mode
@@ -239,8 +240,8 @@ def _expiration(app: Celery, expires: Any) -> str | None:
         return None
     if isinstance(expires, str):
         expires = isoparse(expires)
-    if isinstance(expires, datetime):
-        seconds = (expires - app.now()).total_seconds()
+    if isinstance(expires, datetime):  # a naive one as UTC, as send_task reads it
+        seconds = subtract_datetimes(expires, app.now()).total_seconds()
     else:
         seconds = float(expires)
     return str(int(max(0.0, seconds) * 1000))

@@ -378,7 +378,7 @@ def _join_spec(requests: list[Any], soft: float | None) -> dict[str, Any] | None
         return None
     # a call's own max_batch bounds the batch it leads, joins included
     capacity = int(getattr(first.task, "max_batch", 1) or 1)
-    most = header.get("batch_max")
+    most = header.get("batch_max") if isinstance(header, dict) else None
     if isinstance(most, int) and not isinstance(most, bool) and most >= 1:
         capacity = min(capacity, most)
     return {"queue": queue, "key": key, "keys": joins.join_keys(queue, first.id, _joins.prefix),

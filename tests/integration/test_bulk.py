@@ -6,6 +6,7 @@ import base64
 import json
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -91,6 +92,18 @@ def test_bulk_message_is_the_message_apply_async_sends(app: Celery, redis_client
     assert bulk_meta == single_meta
     # (a prompt of 256+ characters gets a prefix key, the same one both ways)
     assert (bulk_meta["px"] is not None) == (len(prompt) >= 256)
+
+
+@pytest.mark.parametrize("form", ["naive", "naive ISO string", "aware"])
+def test_an_expiry_date_is_read_as_apply_async_reads_it(
+        app: Celery, redis_client: redis.Redis, form: str) -> None:
+    """(a naive datetime, which apply_async reads as UTC, raised TypeError here)"""
+    due = datetime.now(timezone.utc) + timedelta(seconds=60)
+    naive = due.replace(tzinfo=None)
+    expires = {"naive": naive, "naive ISO string": naive.isoformat(), "aware": due}[form]
+    enqueue_many(app.tasks["t.echo"], [("a",)], expires=expires)
+    (message,) = payloads(redis_client).values()
+    assert 55_000 <= int(message["properties"]["expiration"]) <= 60_000
 
 
 @pytest.mark.parametrize("options", [
