@@ -482,19 +482,22 @@ class SitsCelery(Celery):  # type: ignore[misc]
                                          transport_options)
         return super()._connection(url, *args, transport_options=options, **kwargs)
 
+    def note_priority(self, name: str, priority: Any) -> None:
+        """Tell the producer, once per process, that Celery's ``priority=`` does not
+        order SITS queues (stock Celery orders by it; here the class and the live score
+        do). Once: a producer may pass it on every call; a retry passes 0 on."""
+        if priority and not self._priority_noted:
+            self._priority_noted = True
+            logger.warning("task %s: Celery's priority=%r does not order SITS queues; "
+                           "give sla_class= (and the SITS options) instead", name, priority)
+
     def send_task(self, name: str, args: Any = None, kwargs: Any = None,
                   **options: Any) -> Any:
         """Celery's, with the SITS options validated and attached on every path that
         publishes: ``send_task`` by name, ``celery call``, a task whose base is a plain
         ``celery.Task``. (``SitsTask.apply_async`` attaches them before it gets here.)
         A task registered in this app lends its declared options and time limits."""
-        if options.get("priority") and not self._priority_noted:  # (a retry passes 0 on)
-            # Stock Celery orders by it; here the class and the live score do. Said once
-            # per process: a producer may pass it on every call.
-            self._priority_noted = True
-            logger.warning("task %s: Celery's priority=%r does not order SITS queues; "
-                           "give sla_class= (and the SITS options) instead", name,
-                           options["priority"])
+        self.note_priority(name, options.get("priority"))
         if name in MAINTENANCE_TASKS and not options.get("queue"):
             # Routed here, not only by the task_routes SITS sets: an app that assigns
             # task_routes the usual Celery way replaced that entry, and the beat's passes

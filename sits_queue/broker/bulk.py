@@ -184,6 +184,8 @@ def _plan(task: Task, options: dict[str, Any]) -> _Plan:
         raise SitsError(f"enqueue_many needs a direct-exchange queue; {queue.name!r} is "
                         f"bound to a {exchange_type} exchange")
     send_event = bool(app.conf.task_send_sent_event)
+    if (note := getattr(app, "note_priority", None)) is not None:
+        note(task.name, routed.get("priority"))
     return _Plan(
         name=task.name, queue=queue, qname=queue.name,
         priority=routed.get("priority") or 0,

@@ -94,6 +94,18 @@ def test_bulk_message_is_the_message_apply_async_sends(app: Celery, redis_client
     assert (bulk_meta["px"] is not None) == (len(prompt) >= 256)
 
 
+def test_a_bulk_priority_is_noted_once_as_apply_async_s_is(
+        app: Celery, caplog: pytest.LogCaptureFixture) -> None:
+    """(the README promises the producer is told once; enqueue_many said nothing)"""
+    with caplog.at_level("WARNING", logger="sits_queue.app"):
+        enqueue_many(app.tasks["t.echo"], [("a",)], priority=0)
+        assert not caplog.records
+        enqueue_many(app.tasks["t.echo"], [("a",), ("b",)], priority=7)
+        enqueue_many(app.tasks["t.echo"], [("c",)], priority=7)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "priority=7 does not order SITS queues" in said[0]
+
+
 @pytest.mark.parametrize("form", ["naive", "naive ISO string", "aware"])
 def test_an_expiry_date_is_read_as_apply_async_reads_it(
         app: Celery, redis_client: redis.Redis, form: str) -> None:
