@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from weakref import ref
 
+from billiard.einfo import ExceptionWithTraceback
+from billiard.exceptions import Terminated
 from celery import bootsteps, current_app
 from celery.app.trace import fast_trace_task, trace_task_ret
 from celery.exceptions import TaskRevokedError
@@ -419,7 +421,17 @@ def submit(requests: list[Any], pool: Any) -> Any:
             # billiard calls the timeout callback by keyword: (soft=, timeout=)
             soft = kwargs.get("soft", args[0] if args else False)
             hard = method != "on_timeout" or not soft
+            terminated = method == "on_failure" and isinstance(
+                _exception(args[0] if args else kwargs.get("exc_info")), Terminated)
             for request in served(error and hard):
+                if error and hard and len(requests) > 1 and _finished(request):
+                    continue
+                if terminated and not _revoked(request):
+                    # A batch-mate of a task revoked with terminate=True: the kill that
+                    # stopped that task stopped the whole batch. Not revoked itself, it
+                    # goes back to its queue uncounted (it was announced revoked, and lost)
+                    admission._give_back(request)
+                    continue
                 getattr(request, method)(*args, **kwargs)
         return call
 
@@ -450,6 +462,34 @@ def submit(requests: list[Any], pool: Any) -> Any:
     if len(requests) > 1:
         logger.debug("batch of %d %s tasks sent to the pool", len(requests), first.name)
     return result
+
+
+def _exception(exc_info: Any) -> BaseException | None:
+    exc = getattr(exc_info, "exception", None)
+    return exc.exc if isinstance(exc, ExceptionWithTraceback) else exc
+
+
+def _revoked(request: Any) -> bool:
+    """Whether ``request`` itself was revoked (not a batch-mate of one); read without
+    ``Request.revoked()``, which would announce it so."""
+    return bool(request._already_revoked or request.id in state.revoked)
+
+
+def _finished(request: Any) -> bool:
+    """Whether the failed run had finished ``request`` already: a generation row that
+    ended before the batch and stored its SUCCESS. Its failure would fire its errbacks,
+    count a chord part twice and run its task_failure handlers for a task that
+    succeeded; it is done: acked, as Celery treats one whose worker was lost after it."""
+    try:
+        stored = request._success_was_stored()
+    except Exception:  # a backend that cannot say: treat it as the rest
+        return False
+    if not stored:
+        return False
+    if request.task.acks_late:
+        request.acknowledge()
+    state.task_ready(request)
+    return True
 
 
 def _job(request: Any) -> tuple[Any, ...]:

@@ -10,6 +10,7 @@ with :func:`register` and no models (it never loads one).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -42,6 +43,8 @@ SHARD_PAUSE_S = 0.3
 #: for a slow CI box); later calls find them loaded.
 FIRST_CALL_S = 120
 CALL_S = 60
+#: Positions at which the "stuck" model's forward hangs (past the warm-up prompt's).
+STUCK_AT = 40
 #: ``t.batch_echo``'s max_batch.
 BATCH_ECHO_MAX = 8
 #: The default classes plus ones that make limits observable on a small machine: "one"
@@ -136,6 +139,26 @@ def register_models(app: Celery, root: Path) -> None:
 
         engine = engine_from_path("slow", root / "gpt", "cpu")
         engine.module.register_forward_pre_hook(lambda *_: time.sleep(SLOW_FORWARD_S))
+        return engine
+
+    @app.model("stuck")
+    def stuck() -> Any:
+        """The tiny GPT, whose forward gets stuck (deaf to the soft limit's signal, as a
+        hung kernel is) once a sequence reaches STUCK_AT positions: a batch's short
+        rows finish, its long one meets the hard limit."""
+        from sits_queue.cache.engines import engine_from_path
+
+        engine = engine_from_path("stuck", root / "gpt", "cpu")
+
+        def hook(_: Any, args: Any, kwargs: dict[str, Any]) -> None:
+            mask = kwargs.get("attention_mask")
+            if mask is not None and mask.shape[-1] >= STUCK_AT:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    with contextlib.suppress(Exception):  # SoftTimeLimitExceeded too
+                        time.sleep(0.05)
+
+        engine.module.register_forward_pre_hook(hook, with_kwargs=True)
         return engine
 
     @app.model("slow-load")

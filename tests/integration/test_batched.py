@@ -280,6 +280,75 @@ def test_a_hard_time_limit_fails_the_batch_and_the_child_is_replaced(
     assert after["output"]["tag"] == "after-kill"
 
 
+def _settled(waiting: dict[str, Any]) -> None:
+    """Every task the module submitted before its worker started has ended (run alone,
+    a test below would see them join its batch)."""
+    for found in waiting.values():
+        results(found if isinstance(found, list) else [found])
+
+
+def _active(app: Celery, worker: CeleryProcess, ids: set[str]) -> None:
+    """Wait until the worker runs every task of ``ids``."""
+    def running() -> bool:
+        replies = app.control.inspect(destination=[worker.hostname], timeout=1).active() or {}
+        return ids <= {t["id"] for tasks in replies.values() for t in tasks}
+    wait_for(running, FIRST_CALL_S, "the batch to run")
+
+
+def test_terminating_one_member_gives_its_batch_mates_back_to_run(
+        app: Celery, waiting: dict[str, Any], worker: CeleryProcess) -> None:
+    """(revoke(terminate=True) of one member killed the child running its whole batch,
+    and every member was announced revoked and acked: the others never ran)"""
+    _settled(waiting)
+    # Given one batch of four running (they waited behind a task holding the one child)
+    busy = app.tasks["t.wait"].delay(1.0)
+    tags = ["sleep:4", "a", "b", "victim"]
+    members = [app.tasks["t.batch_echo"].delay(tag) for tag in tags]
+    busy.get(timeout=CALL_S)
+    _active(app, worker, {m.id for m in members})
+    # When the last is revoked with terminate=True
+    app.control.revoke(members[3].id, terminate=True)
+    # Then it alone is revoked; its batch-mates run again and succeed
+    got = results(members)
+    assert [g["output"]["tag"] for g in got[:3]] == tags[:3]
+    assert AsyncResult(members[3].id, app=app).state == "REVOKED"
+    assert worker.alive()
+
+
+def test_a_hard_limit_spares_the_rows_that_had_finished(
+        app: Celery, waiting: dict[str, Any], worker: CeleryProcess) -> None:
+    """(each member's on_timeout ran: a row that had finished and stored its SUCCESS
+    fired its errbacks and task_failure handlers, for a task that succeeded)"""
+    _settled(waiting)
+    # Given a short and a long generation in one batch, the long one stuck past its
+    # soft limit (the "stuck" model) and an errback on the short one
+    busy = app.tasks["t.wait"].delay(1.0)
+    errback = app.tasks["t.ping"].si("errback fired").set(task_id=f"errback-{time.time()}")
+    limits = {"soft_time_limit": 3, "time_limit": 5}
+    short = app.tasks["sits.generate_batched"].apply_async(
+        ("the cat",), {"max_new_tokens": 2, "stop_at_eos": False}, model="stuck",
+        link_error=errback, **limits)
+    long = app.tasks["sits.generate_batched"].apply_async(
+        ("once upon a time",), {"max_new_tokens": 60, "stop_at_eos": False},
+        model="stuck", **limits)
+    busy.get(timeout=CALL_S)
+    # When the short row finishes and the batch then meets its hard limit
+    assert short.get(timeout=FIRST_CALL_S)["sits"]["batch"]["size"] == 2
+    with pytest.raises(TimeLimitExceeded):
+        long.get(timeout=FIRST_CALL_S)
+    _logged(worker, f"Hard time limit (5.0s) exceeded for sits.generate_batched[{long.id}]")
+    # (the failure callbacks of one run go out together: two round trips later, an
+    # errback they sent has been received, and, one class, runs before the second)
+    for tag in ("later", "later again"):
+        assert app.tasks["t.ping"].delay(tag).get(timeout=FIRST_CALL_S) == tag
+    # Then the short row stays a success: no hard limit is reported for it, its
+    # errback never ran
+    assert f"Hard time limit (5.0s) exceeded for sits.generate_batched[{short.id}]" \
+        not in worker.log()
+    assert AsyncResult(short.id, app=app).state == "SUCCESS"
+    assert AsyncResult(errback.id, app=app).state == "PENDING"
+
+
 def _logged(worker: CeleryProcess, line: str, within_s: float = 10.0) -> None:
     deadline = time.monotonic() + within_s
     while line not in worker.log() and time.monotonic() < deadline:
