@@ -287,6 +287,15 @@ def _settled(waiting: dict[str, Any]) -> None:
         results(found if isinstance(found, list) else [found])
 
 
+def _busy(app: Celery, worker: CeleryProcess) -> AsyncResult:
+    """A task running in the one child: what is submitted now waits (the prefetch is
+    full) and is picked as one batch when it ends. (A plain task submitted first could
+    be overtaken by affinity: the warm model's task went first.)"""
+    busy = app.tasks["t.batch_echo"].delay("sleep:2")
+    _active(app, worker, {busy.id})
+    return busy
+
+
 def _active(app: Celery, worker: CeleryProcess, ids: set[str]) -> None:
     """Wait until the worker runs every task of ``ids``."""
     def running() -> bool:
@@ -301,7 +310,7 @@ def test_terminating_one_member_gives_its_batch_mates_back_to_run(
     and every member was announced revoked and acked: the others never ran)"""
     _settled(waiting)
     # Given one batch of four running (they waited behind a task holding the one child)
-    busy = app.tasks["t.wait"].delay(1.0)
+    busy = _busy(app, worker)
     tags = ["sleep:4", "a", "b", "victim"]
     members = [app.tasks["t.batch_echo"].delay(tag) for tag in tags]
     busy.get(timeout=CALL_S)
@@ -322,7 +331,7 @@ def test_a_hard_limit_spares_the_rows_that_had_finished(
     _settled(waiting)
     # Given a short and a long generation in one batch, the long one stuck past its
     # soft limit (the "stuck" model) and an errback on the short one
-    busy = app.tasks["t.wait"].delay(1.0)
+    busy = _busy(app, worker)
     errback = app.tasks["t.ping"].si("errback fired").set(task_id=f"errback-{time.time()}")
     limits = {"soft_time_limit": 3, "time_limit": 5}
     short = app.tasks["sits.generate_batched"].apply_async(
