@@ -569,6 +569,13 @@ class SitsCelery(Celery):  # type: ignore[misc]
                              f"got {max_batch!r}")
         if options.get("bind"):
             raise TypeError("batch tasks cannot bind=True: the first argument is the engine")
+        if options.get("autoretry_for"):
+            # (the batch runs under one hand-made request: Celery's retry re-raised, and
+            # every call failed for good without a word about it)
+            raise TypeError("batch tasks cannot autoretry_for=...: one run serves many "
+                            "calls, and a retry would re-send one call's arguments; fail "
+                            "a call alone by returning an exception in its place, and "
+                            "retry from the caller")
 
         def decorate(fun: F) -> Any:
             setattr(fun, ENGINE_ARG, True)

@@ -299,3 +299,14 @@ def test_a_batch_failing_after_an_early_failure_counts_that_one_too(
         raise RuntimeError("the rest failed")
 
     assert run_counted(monkeypatch, fails) == {"failed": 1.0, "failed:InvalidInput": 1.0}
+
+
+@pytest.mark.parametrize(("options", "said"), [
+    ({"bind": True}, "cannot bind=True"),
+    # (one run, one hand-made request: Celery's retry re-raised and every call failed)
+    ({"autoretry_for": (ConnectionError,)}, "cannot autoretry_for=.*retry from the caller"),
+])
+def test_options_a_batch_task_cannot_keep_are_refused_at_its_definition(
+        app: Any, options: dict[str, Any], said: str) -> None:
+    with pytest.raises(TypeError, match=said):
+        app.batch_inference_task(model="enc", **options)
