@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,11 +162,22 @@ def _activations(module: Any, inputs: Any) -> Any:
         value = getattr(out, name, None)
         if value is not None:
             return value.float()
-    first = out[0] if isinstance(out, (tuple, list)) else out
-    if not isinstance(first, torch.Tensor):
-        raise ModelLoadError("the quantisation gate needs a model whose output is a tensor "
-                             "or has logits / last_hidden_state")
+    first = _first_tensor(out)
+    if first is None:  # nothing to measure the conversion by: not served at int8
+        raise NothingToCalibrate("its output holds no tensor to measure the int8 error on")
     return first.float()
+
+
+def _first_tensor(out: Any) -> Any:
+    """The first tensor in an output: itself, or the first in a tuple, list or dict (a
+    model returning {"scores": ..., ...}), in order; None if there is none."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out
+    items = out.values() if isinstance(out, Mapping) else \
+        out if isinstance(out, (tuple, list)) else ()
+    return next((t for t in map(_first_tensor, items) if t is not None), None)
 
 
 class NothingToCalibrate(ModelLoadError):

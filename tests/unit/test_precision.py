@@ -256,6 +256,39 @@ def test_a_model_that_is_one_linear_layer_is_quantised_and_one_with_none_refused
     assert meta["served"] == "fp32" and "no linear layers" in meta["reason"]
 
 
+def test_a_model_returning_a_dict_is_gated_on_its_first_tensor() -> None:
+    """(the gate knew tensors, tuples and logits only: int8 on a model returning a dict
+    failed the load instead of being measured)"""
+    import torch
+
+    class TwoHeads(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.cls = torch.nn.Linear(16, 32), torch.nn.Linear(32, 5)
+
+        def forward(self, x: Any) -> dict[str, Any]:
+            return {"class_logits": self.cls(torch.relu(self.body(x))), "note": "meta"}
+
+    torch.manual_seed(0)
+    served = precision.convert(scorer_engine(TwoHeads(), torch.randn(8, 16)), "int8", "cpu")
+    meta = served.artifacts["precision"]
+    assert meta["served"] == "int8" and meta["kl"] is not None
+    assert quantized(served.module.cls)
+
+    class Labels(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = torch.nn.Linear(16, 2)
+
+        def forward(self, x: Any) -> dict[str, Any]:
+            return {"labels": ["yes" if v > 0 else "no" for v in self.head(x)[:, 0]]}
+
+    # and one whose output holds no tensor at all is served at full precision, saying so
+    meta = precision.convert(scorer_engine(Labels(), torch.randn(4, 16)), "int8",
+                             "cpu").artifacts["precision"]
+    assert meta["served"] == "fp32" and "holds no tensor" in meta["reason"]
+
+
 def test_a_model_the_int8_layers_break_is_served_at_full_precision() -> None:
     """(the gate's calibration run raised from the int8 copy, and the task failed)"""
     import torch
