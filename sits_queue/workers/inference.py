@@ -129,6 +129,16 @@ def _acquire(rt: runtime.ChildRuntime, model: str, precision: str | None = None
     raise VramLimitExceeded(f"out of device memory loading model {model!r}: {oom}")
 
 
+def _drop_prefixes_off_device(rt: runtime.ChildRuntime) -> None:
+    """The KV prefixes of engines no longer on the device go with them: their KV sat on
+    the device beside them, and affinity would still send their tasks here."""
+    store = rt.prefixes()
+    warm = rt.cache().warm()
+    gone = [key for key in store.models() if warm.get(key) != "device"]
+    if gone:
+        store.drop(gone)
+
+
 def run_inference(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
                   kwargs: dict[str, Any], tasks: int = 1,
                   early: Callable[[int, Any, dict[str, Any]], bool] | None = None,
@@ -175,11 +185,11 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     rt.cap_for_class(quota)  # the context first, so its cost is timed on its own
     precision = runtime.task_precision(request, getattr(task, "precision", None))
     acquire_ns = time.time_ns()
-    engine, cold = _acquire(rt, model, precision)
+    try:
+        engine, cold = _acquire(rt, model, precision)
+    finally:  # (a get that failed after making room pushed engines out too)
+        _drop_prefixes_off_device(rt)
     acquired_ns = time.time_ns()
-    left = [*cold.evicted, *cold.demoted]
-    if left:  # their prefixes' KV sat on the device beside them: free it too
-        rt.prefixes().drop(left)
     rt.confine(quota)  # again: the first load may have imported torch just now (threads)
     engine_bytes = int(engine.size_bytes())
     limits.check_engine_fits_class(model, quota, engine_bytes)

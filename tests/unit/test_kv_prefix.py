@@ -11,7 +11,7 @@ import pytest
 
 from sits_queue.app import make_app
 from sits_queue.cache import budgets as cache_budgets
-from sits_queue.cache.pool import ColdStart
+from sits_queue.cache.pool import ColdStart, ModelLoadError
 from sits_queue.cache.prefix import MAX_TAGS, Hit, PrefixStore, Slot, block_keys, plan_evictions
 from sits_queue.config import SitsConfig
 from sits_queue.workers import inference, kvreuse, metrics
@@ -191,18 +191,30 @@ def test_prefix_copy_refuses_more_positions_than_held(lm: Any) -> None:
 # -- the worker drops the prefixes of an engine that left the device ---------------------------
 
 class FakeCache:
-    def __init__(self, cold: ColdStart) -> None:
-        self.cold = cold
+    """Serves ``key`` (or raises ``fails``) with ``kept`` left on the device and the
+    engines the get pushed out (``cold``'s evicted and demoted) gone from it."""
+
+    def __init__(self, cold: ColdStart, fails: Exception | None = None) -> None:
+        self.cold, self.fails = cold, fails
+        self.tiers = {"gone": "device", "host": "device", "kept": "device"}
 
     def get(self, key: str, loader: Callable[[], Any]) -> tuple[Any, ColdStart]:
+        del self.tiers[self.cold.evicted[0]]
+        self.tiers[self.cold.demoted[0]] = "host"
+        if self.fails is not None:
+            raise self.fails
+        self.tiers[key] = "device"
         return type("E", (), {"key": key, "size_bytes": lambda self: 10})(), self.cold
 
     def warm(self) -> dict[str, str]:
-        return {}
+        return dict(self.tiers)
 
 
+@pytest.mark.parametrize("fails", [False, True])
 def test_a_demoted_or_evicted_engine_takes_its_prefixes_along(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, fails: bool) -> None:
+    """(``fails``: a get that failed after making room, its warm-up raising, left the
+    prefixes of the engines it pushed out: on the device, and advertised)"""
     from types import SimpleNamespace
 
     from sits_queue.workers import advertise
@@ -216,15 +228,20 @@ def test_a_demoted_or_evicted_engine_takes_its_prefixes_along(
     cold = ColdStart(True, "disk", 0.0, 1.0, 0.0, 0.0, evicted=("gone",), demoted=("host",))
     child = rt.ChildRuntime(app=app, plan=rt.WorkerPlan("w@h", Discovery(devices=(cpu,)),
                                                          (0,), 1),
-                            slot=0, device=cpu, cache_factory=lambda *a, **k: FakeCache(cold))
+                            slot=0, device=cpu, cache_factory=lambda *a, **k: FakeCache(
+                                cold, ModelLoadError("m", "warm-up broke") if fails else None))
     for model in ("gone", "host", "kept"):
         child.prefixes().store(model, list(range(16)), model, 1)
     task = SimpleNamespace(request=SimpleNamespace(sits={"model": "m", "sla_class": "low"},
                                                    timelimit=(10, 8)),
                            model=None, sla_class=None,
                            run=lambda engine: rt.active().prefixes)  # type: ignore[union-attr]
-    result = inference.run_inference(child, task, (), {})
-    assert result["output"] is child.prefixes()
+    if fails:
+        with pytest.raises(Exception, match="warm-up broke"):
+            inference.run_inference(child, task, (), {})
+    else:
+        result = inference.run_inference(child, task, (), {})
+        assert result["output"] is child.prefixes()
     assert child.prefixes().models() == {"kept": 1}
 
 
