@@ -20,7 +20,7 @@ import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, NoReturn
 
@@ -53,6 +53,21 @@ class EngineTooLarge(SitsError, ValueError):
     def __str__(self) -> str:
         return (f"engine {self.key!r} needs {self.size_bytes} bytes on the device; the device "
                 f"pool holds {self.budget_bytes}: raise the budget or use a smaller model")
+
+
+class EngineInUse(EngineTooLarge):
+    """Making room for an engine would push out one that a running task uses."""
+
+    def __init__(self, key: str, busy: str) -> None:
+        ValueError.__init__(self, key, busy)  # (rebuilt by ``cls(*args)``, as above)
+        self.key, self.busy = key, busy
+        self.size_bytes = self.budget_bytes = 0
+
+    def __str__(self) -> str:
+        return (f"engine {self.key!r} cannot be placed on the device now: making room for "
+                f"it would push out {self.busy!r}, which a running task uses (one task "
+                "calling another model's task in its process: give the device room for "
+                "both, or submit the inner task to run on its own)")
 
 
 class ModelLoadError(SitsError, RuntimeError):
@@ -139,6 +154,8 @@ class EngineCache:
         self._counts: Counter[str] = Counter()
         self._times: dict[str, float] = dict.fromkeys(_TIMERS, 0.0)
         self._lock = threading.RLock()
+        #: Engines running tasks use (:meth:`using`), with how many use each.
+        self._pins: Counter[str] = Counter()
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -204,6 +221,7 @@ class EngineCache:
                 self._state = apply(self._state, plan, now)
                 self._counts["hits_device"] += 1
                 return self._engines[key], ColdStart(False, "device", cuda_ctx_ms=ctx_ms)
+            self._refuse_in_use(key, plan)
             engine = self._engines[key]
             evicted, demoted, promote_ms = self._execute(key, plan, now)
             warmup_ms = self._warm(key, engine, now) if engine.rewarm_on_promote else 0.0
@@ -212,6 +230,30 @@ class EngineCache:
             self._counts["promotions"] += 1
             return engine, ColdStart(True, "host", ctx_ms, 0.0, promote_ms, warmup_ms,
                                      evicted, demoted)
+
+    @contextlib.contextmanager
+    def using(self, key: str) -> Iterator[None]:
+        """Hold ``key`` on the device while a task runs it: a get that would demote or
+        evict it meanwhile (another model's task run in-process by this one) is refused
+        with :class:`EngineInUse`, not served by pulling the engine from under it."""
+        with self._lock:
+            self._pins[key] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pins[key] -= 1
+                if self._pins[key] <= 0:
+                    del self._pins[key]
+
+    def _refuse_in_use(self, key: str, plan: Plan, new: Engine | None = None) -> None:
+        busy = next((target for kind, target in plan.actions
+                     if kind in ("demote", "evict") and self._pins.get(target)), None)
+        if busy is not None:
+            if new is not None:
+                new.release()
+            self._counts["too_large"] += 1
+            raise EngineInUse(key, busy)
 
     def _ensure_context(self) -> float:
         if self._ctx_done:
@@ -240,6 +282,7 @@ class EngineCache:
             engine.release()
             self._counts["too_large"] += 1
             raise EngineTooLarge(key, size, self._state.device_budget_bytes)
+        self._refuse_in_use(key, plan, engine)
         evicted, demoted, promote_ms = self._execute(key, plan, now, engine)
         warmup_ms = self._warm(key, engine, now)
         self._admitted(key, plan, now)

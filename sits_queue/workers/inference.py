@@ -17,6 +17,7 @@ with the KV cache and checking the soft time limit between steps) and :func:`emb
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -129,6 +130,16 @@ def _acquire(rt: runtime.ChildRuntime, model: str, precision: str | None = None
     raise VramLimitExceeded(f"out of device memory loading model {model!r}: {oom}")
 
 
+def _using(rt: runtime.ChildRuntime, model: str, precision: str | None) -> Any:
+    """The task's engine held on the device while the task runs it (the cache's
+    ``using``; a cache without it holds nothing)."""
+    from sits_queue.cache import precision as precisions
+
+    using = getattr(rt.cache(), "using", None)
+    return (using(precisions.cache_key(model, precision)) if using is not None
+            else contextlib.nullcontext())
+
+
 def _drop_prefixes_off_device(rt: runtime.ChildRuntime) -> None:
     """The KV prefixes of engines no longer on the device go with them: their KV sat on
     the device beside them, and affinity would still send their tasks here."""
@@ -230,7 +241,7 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     oom: str | None = None
     start = time.perf_counter()
     try:
-        with runtime.activated(active):
+        with runtime.activated(active), _using(rt, model, precision):
             output = task.run(engine, *args, **kwargs)
     except slices.Preempted:
         # A slice that yielded served the model as much as the last one will: its time

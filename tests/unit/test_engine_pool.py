@@ -15,7 +15,13 @@ from typing import Any
 import pytest
 
 from sits_queue.cache.contract import Engine, EngineReleased
-from sits_queue.cache.pool import ColdStart, EngineCache, EngineTooLarge, ModelLoadError
+from sits_queue.cache.pool import (
+    ColdStart,
+    EngineCache,
+    EngineInUse,
+    EngineTooLarge,
+    ModelLoadError,
+)
 from sits_queue.errors import SitsError
 
 DEVICE = "cpu"
@@ -483,6 +489,34 @@ def test_errors_survive_result_backends() -> None:
     again_big = EngineTooLarge(*json.loads(json.dumps(big.args)))
     assert (again_big.key, again_big.size_bytes, again_big.budget_bytes) == ("m", 10, 5)
     assert str(pickle.loads(pickle.dumps(big))) == str(big)
+    busy = EngineInUse("m", "outer")
+    for again_busy in (pickle.loads(pickle.dumps(busy)),
+                       EngineInUse(*json.loads(json.dumps(busy.args)))):
+        assert str(again_busy) == str(busy) and "push out 'outer'" in str(busy)
+
+
+def test_an_engine_a_task_uses_is_not_pushed_out_beneath_it() -> None:
+    """(a task running another model's task in-process had its own engine demoted or
+    released beneath it when the inner model needed the room)"""
+    cache, _ = make_cache(device_budget=100, host_budget=100)
+    loaders = Loaders({"a": 100, "b": 100})
+    a, _ = cache.get("a", loaders("a"))
+    # Given a task running on a, when it gets b, which needs a's room
+    with cache.using("a"), cache.using("a"):
+        with pytest.raises(EngineInUse, match=r"'b'.*would push out 'a'"):
+            cache.get("b", loaders("b"))
+        # Then b is refused (and released), a stays and runs
+        assert loaders.built[-1].released and "b" not in cache
+        assert cache.warm() == {"a": "device"} and a(1, 2) == 3
+    assert_consistent(cache, loaders)
+    # Once the task is done, b takes the room as usual
+    _, cold = cache.get("b", loaders("b"))
+    assert cold.demoted == ("a",) and cache.warm() == {"a": "host", "b": "device"}
+    # and from the host too: a promotion that would demote an engine in use is refused
+    with cache.using("b"), pytest.raises(EngineInUse):
+        cache.get("a", loaders("a"))
+    assert cache.warm() == {"a": "host", "b": "device"}
+    assert_consistent(cache, loaders)
 
 
 # -- housekeeping and stats -------------------------------------------------------------------

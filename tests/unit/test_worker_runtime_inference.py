@@ -711,3 +711,39 @@ def test_an_eager_call_runs_with_the_options_it_was_given(
     gen = app.tasks["sits.generate"].apply_async(("the worker",), {"max_new_tokens": 2},
                                                  model="lm-b").get()
     assert gen["output"]["tokens"] == 2
+
+
+def test_a_task_running_another_model_s_task_in_process_keeps_its_engine(
+        published: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """(the inner task's model needed the room: the outer task's engine was demoted or
+    released beneath it, and its next call failed)"""
+    import torch
+
+    from sits_queue.cache.budgets import CacheBudgets
+
+    app = make_app(SitsConfig(), main="infer-nested")
+    for name in ("outer-m", "inner-m"):
+        app.register_model(name, lambda: torch.nn.Linear(256, 256),  # 263 kB each
+                           sample_inputs=(torch.ones(1, 256),))
+    plan = rt.WorkerPlan("w@h", Discovery(devices=(CPU,)), (0,), 1)
+    monkeypatch.setattr(rt, "_child", rt.ChildRuntime(
+        app=app, plan=plan, slot=0, device=CPU,
+        budgets=CacheBudgets(device_bytes=300_000, host_bytes=10**6)))  # room for one
+
+    @app.inference_task(model="inner-m", shared=False)
+    def inner(engine: Any, x: Any) -> float:
+        return float(engine(x).sum())
+
+    @app.inference_task(model="outer-m", shared=False)
+    def outer(engine: Any, x: Any) -> dict[str, Any]:
+        first = float(engine(x).sum())
+        refused = inner.apply((x,))
+        return {"inner": repr(refused.result), "again": float(engine(x).sum()) == first,
+                "tier": engine.tier}
+
+    got = outer.apply((torch.ones(1, 256),)).get()["output"]
+    # Then the inner call is refused, saying why, and the outer engine serves on
+    assert "would push out 'outer-m', which a running task uses" in got["inner"]
+    assert got["again"] and got["tier"] == "device"
+    # and once the outer task is done the inner model takes the room
+    assert isinstance(inner.apply((torch.ones(1, 256),)).get()["output"], float)
