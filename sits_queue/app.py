@@ -48,6 +48,23 @@ def pop_sits_options(options: dict[str, Any]) -> dict[str, Any]:
     return {name: options.pop(name) for name in OPTION_NAMES if name in options}
 
 
+def routed_options(app: Celery, name: str, args: Any, kwargs: Any,
+                   options: dict[str, Any]) -> None:
+    """Add to a call's ``options`` the SITS options its ``task_routes`` entry gives (a
+    Celery route may carry any apply_async option), under the call's own, which win as
+    in Celery's merge. Read here because they are resolved before Celery routes the
+    message: they were dropped without a word, an unknown class in a route included."""
+    router = app.amqp.router
+    if not router.routes:
+        return
+    route = router.lookup_route(name, args or (), kwargs or {}, dict(options),
+                                app.tasks.get(name))
+    if isinstance(route, Mapping):
+        for key in (*OPTION_NAMES, "max_batch"):
+            if key in route and key not in options:
+                options[key] = route[key]
+
+
 def resolve_task_options(task: Task | None, config: SitsConfig, per_call: Mapping[str, Any],
                          args: Any = (), kwargs: Any = None) -> TaskOptions:
     """Decorator defaults + per-call options, validated (``SitsTask.apply_async``'s rule);
@@ -210,6 +227,7 @@ class SitsTask(Task):  # type: ignore[misc]
     def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
                     producer: Any = None, link: Any = None, link_error: Any = None,
                     shadow: str | None = None, **options: Any) -> Any:
+        routed_options(self.app, self.name, args, kwargs, options)
         opts = call_options(self, sits_config(self.app), options, self.app.conf, args, kwargs)
         options["headers"] = sits_headers(opts, options.pop("headers", None), time.time())
         return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow,
@@ -511,6 +529,7 @@ class SitsCelery(Celery):  # type: ignore[misc]
             # here, not met by every worker
             from_header(sits_config(self), headers[HEADER])
             return super().send_task(name, args, kwargs, **options)
+        routed_options(self, name, args, kwargs, options)
         opts = call_options(self.tasks.get(name), sits_config(self), options, self.conf,
                             args, kwargs)
         options["headers"] = sits_headers(opts, options.pop("headers", None), time.time())

@@ -184,6 +184,39 @@ def test_celerys_priority_is_said_once_not_to_order_sits_queues(
     assert len(sent) == 3
 
 
+def test_sits_options_in_task_routes_reach_the_message_and_are_checked() -> None:
+    """(a route's SITS options were dropped without a word, an unknown class included:
+    they are resolved before Celery routes the message)"""
+    from kombu import Connection
+
+    from sits_queue.options import HEADER
+
+    app = make_app(SitsConfig(), main="routed-options")
+    app.conf.task_routes = {"u.routed": {"queue": "celery", "sla_class": "high",
+                                         "model": "m-route"},
+                            "u.bad": {"sla_class": "nope"}}
+
+    @app.task(name="u.routed", shared=False)
+    def routed() -> None:
+        return None
+
+    @app.task(name="u.bad", shared=False)
+    def bad() -> None:
+        return None
+
+    sent: list[dict[str, Any]] = []
+    with Connection("memory://") as conn:
+        producer = conn.Producer()
+        producer.publish = lambda *a, **kw: sent.append(kw)  # no broker: what is sent
+        routed.apply_async(producer=producer)
+        routed.apply_async(producer=producer, sla_class="low")  # the call's own wins
+        app.send_task("u.routed", producer=producer)
+        with pytest.raises(InvalidTaskOptions, match="unknown sla_class 'nope'"):
+            bad.apply_async(producer=producer)
+    got = [(kw["headers"][HEADER]["sla_class"], kw["headers"][HEADER]["model"]) for kw in sent]
+    assert got == [("high", "m-route"), ("low", "m-route"), ("high", "m-route")]
+
+
 def test_both_limits_from_one_source_the_soft_past_the_hard_are_refused() -> None:
     from sits_queue.app import apply_class_limits
 
