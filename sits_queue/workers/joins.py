@@ -151,15 +151,18 @@ class Feed:
         if time.monotonic() >= self.until:
             self.close()
             return []
+        # Offered only once the batch takes any: the main process picks as soon as room
+        # is offered, and a task it picked for rows this batch would not take yet sat
+        # unacked, held here, until the batch ended, while other slots stood idle.
         free = room(self.capacity, live)
+        free = free if free >= self.least else 0
         try:
-            if free != self.offered:  # the main process picks as soon as rows are free
+            if free != self.offered:
                 self.offered = free
                 if not _join_script(self.client, self.keys, "room", KEY_TTL_S, free):
                     self.open = False  # the main process closed it (it gave up on us)
                     return []
-            raw = _join_script(self.client, self.keys, "take", free) \
-                if free and free >= self.least else []
+            raw = _join_script(self.client, self.keys, "take", free) if free else []
         except redis.RedisError as exc:
             logger.warning("continuous batching stopped for this batch: %s", exc)
             self.open = False

@@ -49,6 +49,28 @@ def test_a_call_s_max_batch_bounds_the_rows_its_batch_takes_in(
     assert spec is not None and spec["capacity"] == capacity
 
 
+def test_a_batch_offers_its_rows_only_once_it_would_take_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(a row free of eight was offered, the main process picked a task for it, and the
+    batch, taking joins only once a quarter is free, held that task unrun, unacked and
+    out of every other slot's reach until it ended)"""
+    calls: list[tuple[Any, ...]] = []
+
+    def script(client: Any, keys: list[str], op: str, *args: Any) -> Any:
+        calls.append((op, *args))
+        return 1 if op == "room" else []
+
+    monkeypatch.setattr(joins, "_join_script", script)
+    feed = joins.Feed(client=None, keys=["l", "s"], capacity=8, until=float("inf"),
+                      add=lambda job: (0, Call("x", (), {})))
+    assert feed.least == 2
+    for live in (8, 7, 6):
+        feed.take(live)
+    offered = [c[-1] for c in calls if c[0] == "room"]
+    assert offered == [0, 2]  # nothing while one row was free; two once two were
+    assert [c for c in calls if c[0] == "take"] == [("take", 2)]
+
+
 def test_join_keys_share_the_queue_hash_tag() -> None:
     keys = joins.join_keys("gen", "task-1", "p:")
     assert keys == ["p:sits:{gen}:join:task-1", "p:sits:{gen}:join:task-1:state"]
