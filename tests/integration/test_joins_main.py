@@ -181,7 +181,12 @@ def test_a_batch_takes_joins_once_a_quarter_of_it_is_free(redis_client: redis.Re
                                                           batch: list[Any]) -> None:
     child, _ = feed(redis_client, capacity=32)
     assert child.least == 8
-    assert child.take(live=30) == []  # offers 2 rows: the main process may push...
-    poll_and_attach(redis_client, [FakeRequest("j1"), FakeRequest("j2")], [])
-    assert child.take(live=30) == []  # ...but they wait until 8 rows are free
+    members = [FakeRequest("j1"), FakeRequest("j2")]
+    # 2 rows free: none offered, so the main process picks nothing the batch would hold
+    # unrun (it took joins only from 8 free rows; one picked earlier sat unacked)
+    assert child.take(live=30) == []
+    assert poll_and_attach(redis_client, members, []) == []
+    # 8 free: offered, picked, pushed and taken
+    assert child.take(live=24) == []
+    assert poll_and_attach(redis_client, members, []) == [(QUEUE, KEY, 8)]
     assert [c.id for _, c in child.take(live=24)] == ["j1", "j2"]
