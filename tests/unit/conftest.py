@@ -8,6 +8,17 @@ import pytest
 
 from sits_queue.cache.engines import engine_from_path
 from sits_queue.models import tiny
+from sits_queue.workers import signals
+
+
+@pytest.fixture(autouse=True)
+def no_statistics_sent(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Unit tests use no services: the statistics of tasks they run in-process (eager
+    calls, ``apply()``) are kept here, not flushed to the app's Redis, which for an app
+    built on the defaults is someone's on localhost:6379."""
+    written: list[Any] = []
+    monkeypatch.setattr(signals, "_write", lambda config, records: written.extend(records))
+    return written
 
 
 @pytest.fixture(scope="module")
