@@ -21,7 +21,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, NoReturn
 
 from sits_queue.cache.contract import Engine
@@ -419,6 +419,25 @@ class EngineCache:
             self._state = apply(self._state, Plan(host_budget_bytes=plan.host_budget_bytes),
                                 now)
         return evicted
+
+    def rekey(self, key: str, new: str, loader: Callable[[], Engine]) -> Engine:
+        """Serve ``key``'s engine as ``new`` from now on: it is the same model (a
+        precision conversion that changed nothing). When ``new`` is cached already,
+        ``key``'s is a copy: dropped, and ``new``'s returned (on the device)."""
+        with self._lock:
+            if key not in self._engines:
+                raise KeyError(key)
+            if new in self._state.entries:
+                self.drop(key)
+                engine, _ = self.get(new, loader)
+                return engine
+            engine = self._engines.pop(key)
+            entries = dict(self._state.entries)
+            entries[new] = replace(entries.pop(key), key=new)
+            self._state = self._state.with_entries(entries)
+            self._engines[new] = engine
+            engine.key = new
+            return engine
 
     def drop(self, key: str) -> bool:
         """Release ``key`` from whichever tier holds it (e.g. after it ran out of memory)."""

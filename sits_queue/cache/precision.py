@@ -36,7 +36,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sits_queue.broker.affinity import engine_key
@@ -80,6 +80,44 @@ class Served:
                 # (significant digits: a relative MSE of 1e-7 must not read as 0)
                 "rel_mse": None if self.rel_mse is None else float(f"{self.rel_mse:.6g}"),
                 "reason": self.reason}
+
+
+#: In a converted engine's artifacts: True when no conversion took place (fp32 asked of
+#: an fp32 checkpoint, an int8 the gate refused): it is the model as loaded.
+AS_LOADED = "as_loaded"
+
+
+@dataclass
+class Serving:
+    """Which warm-cache entry serves a precision request, in one pool child. A request
+    served as another one is shares that one's entry rather than a copy of its weights:
+    int8 on a GPU (served at fp16) gets ``<model>@fp16``; fp32 of an fp32 checkpoint,
+    or an int8 the gate refused, the model as loaded, once a conversion has shown it."""
+
+    #: Requested key -> (the precision whose entry serves it, what to report).
+    aliases: dict[str, tuple[str | None, dict[str, Any]]] = field(default_factory=dict)
+
+    def plan(self, model: str, precision: str | None, device: str
+             ) -> tuple[str | None, dict[str, Any] | None]:
+        """(the precision whose entry to get, the precision result to report instead of
+        that engine's own; None: its own)."""
+        if precision is None:
+            return None, None
+        known = self.aliases.get(cache_key(model, precision))
+        if known is not None:
+            return known
+        target, reason = first_choice(precision, device)
+        if target != precision:
+            return target, Served(precision, target, reason=reason).meta()
+        return precision, None
+
+    def learn(self, model: str, precision: str | None, engine: Any) -> str | None:
+        """After getting ``model`` at ``precision``: when its engine turned out to be the
+        model as loaded, later requests share that entry; the key to move it to."""
+        if precision is None or not engine.artifacts.get(AS_LOADED):
+            return None
+        self.aliases[cache_key(model, precision)] = (None, engine.artifacts["precision"])
+        return cache_key(model, None)
 
 
 def cache_key(model: str, precision: str | None) -> str:
@@ -344,7 +382,8 @@ def convert(engine: Any, requested: str, device: str, max_kl: float = DEFAULT_MA
     served = Served(requested, target, measured.get("kl"), reason, measured.get("rel_mse"))
     sample = engine.sample_inputs
     converted = TorchEngine(cache_key(model, requested), module, sample,
-                            {**engine.artifacts, "precision": served.meta()},
+                            {**engine.artifacts, "precision": served.meta(),
+                             AS_LOADED: module is engine.module},
                             size_bytes=module_bytes(module) if target == "int8" else None,
                             input_dtype=module_dtype(module) if target in ("fp16", "bf16")
                             else None)

@@ -17,7 +17,6 @@ with the KV cache and checking the soft time limit between steps) and :func:`emb
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +42,7 @@ from sits_queue.errors import (
 )
 from sits_queue.options import PREWARM_TASK
 from sits_queue.workers import (
+    acquire,
     batching,
     firsttoken,
     gpu,
@@ -51,7 +51,6 @@ from sits_queue.workers import (
     metrics,
     runtime,
     slices,
-    softsignal,
 )
 from sits_queue.workers.inputs import (
     check_arguments,
@@ -80,74 +79,6 @@ class InferenceTask(SitsTask):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return run_inference(runtime.for_app(self.app), self, args, kwargs)
-
-
-def _cold_meta(cold: Any, ctx_ms: float) -> dict[str, Any]:
-    return {"cold": bool(cold.cold), "source": cold.source,
-            "cuda_ctx_ms": round(float(cold.cuda_ctx_ms) + ctx_ms, 3),
-            "load_ms": round(float(cold.load_ms), 3),
-            "promote_ms": round(float(cold.promote_ms), 3),
-            "warmup_ms": round(float(cold.warmup_ms), 3),
-            "evicted": list(cold.evicted), "demoted": list(cold.demoted)}
-
-
-def _acquire(rt: runtime.ChildRuntime, model: str, precision: str | None = None
-             ) -> tuple[Any, Any]:
-    """The warm engine for ``model`` (at ``precision``: its own cache entry) and how cold
-    its start was; errors mapped."""
-    from sits_queue.cache import pool
-    from sits_queue.cache import precision as precisions
-    from sits_queue.registry import load_engine
-
-    spec = rt.app.models.get(model)  # UnknownModel
-
-    def load() -> Any:
-        engine = load_engine(spec, rt.torch_device)
-        if precision is None:
-            return engine
-        return precisions.convert(engine, precision, rt.torch_device, rt.config.int8_max_kl)
-
-    rt.lift_cap()
-    oom: str | None = None
-    try:
-        # whole: imports cut midway leave the child unable to load anything (softsignal)
-        with softsignal.held(f"loading model {model!r} (it stays loaded)"):
-            engine, cold = rt.cache().get(precisions.cache_key(model, precision), load)
-        return engine, cold
-    except pool.EngineTooLarge as exc:
-        raise VramLimitExceeded(f"model {model!r} does not fit this worker's engine cache: "
-                                f"{exc}") from None
-    except pool.ModelLoadError as exc:
-        cause = exc.cause
-        if isinstance(cause, InferenceError):
-            raise cause from None  # already says what went wrong, in our words
-        if not gpu.is_oom(cause):
-            # Re-raised as our own error: it pickles and JSON-serialises by message alone.
-            raise ModelLoadError(str(exc)) from cause
-        oom = str(cause).splitlines()[0][:300]
-    # Outside the handler: the failed frames (and the tensors they hold) are gone now.
-    gpu.release_memory()
-    raise VramLimitExceeded(f"out of device memory loading model {model!r}: {oom}")
-
-
-def _using(rt: runtime.ChildRuntime, model: str, precision: str | None) -> Any:
-    """The task's engine held on the device while the task runs it (the cache's
-    ``using``; a cache without it holds nothing)."""
-    from sits_queue.cache import precision as precisions
-
-    using = getattr(rt.cache(), "using", None)
-    return (using(precisions.cache_key(model, precision)) if using is not None
-            else contextlib.nullcontext())
-
-
-def _drop_prefixes_off_device(rt: runtime.ChildRuntime) -> None:
-    """The KV prefixes of engines no longer on the device go with them: their KV sat on
-    the device beside them, and affinity would still send their tasks here."""
-    store = rt.prefixes()
-    warm = rt.cache().warm()
-    gone = [key for key in store.models() if warm.get(key) != "device"]
-    if gone:
-        store.drop(gone)
 
 
 def run_inference(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
@@ -197,19 +128,19 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     precision = runtime.task_precision(request, getattr(task, "precision", None))
     acquire_ns = time.time_ns()
     try:
-        engine, cold = _acquire(rt, model, precision)
+        engine, cold, served = acquire.acquire(rt, model, precision)
     finally:  # (a get that failed after making room pushed engines out too)
-        _drop_prefixes_off_device(rt)
+        acquire.drop_prefixes_off_device(rt)
     acquired_ns = time.time_ns()
     rt.confine(quota)  # again: the first load may have imported torch just now (threads)
     engine_bytes = int(engine.size_bytes())
     limits.check_engine_fits_class(model, quota, engine_bytes)
     fraction = rt.cap_for_class(quota, engine_bytes)
-    meta = _cold_meta(cold, rt.take_ctx_ms())
+    meta = acquire.cold_meta(cold, rt.take_ctx_ms())
     # Taken ahead of its queue's head because this worker held the model warm (pick.lua).
     meta["affinity"] = bool(getattr(request, AFFINITY_HEADER, False))
     # What a precision request got (§3.2): served, the int8 gate's KL, why not if not.
-    meta["precision"] = engine.artifacts.get("precision") if precision else None
+    meta["precision"] = served
     prewarm = getattr(task, "name", None) == PREWARM_TASK
     # (a run after a yield has the checkpoint header: the task counted on its first run)
     resumed = getattr(request, CHECKPOINT_HEADER, None) is not None
@@ -241,7 +172,7 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     oom: str | None = None
     start = time.perf_counter()
     try:
-        with runtime.activated(active), _using(rt, model, precision):
+        with runtime.activated(active), acquire.using(rt, engine.key):
             output = task.run(engine, *args, **kwargs)
     except slices.Preempted:
         # A slice that yielded served the model as much as the last one will: its time

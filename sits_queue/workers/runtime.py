@@ -265,6 +265,8 @@ class ChildRuntime:
     _cpus: tuple[int, ...] = ()
     _pending_ctx_ms: float = 0.0
     _ager: Any = None
+    #: Which warm-cache entry serves each precision request (``cache/precision.py``).
+    serving: Any = field(default_factory=lambda: _serving())
     #: The host pool's ager publishes from its thread too (counts, the warm set).
     _publishing: threading.Lock = field(default_factory=threading.Lock)
 
@@ -430,6 +432,12 @@ class ChildRuntime:
         finally:
             if not sent:  # Redis away for now (or a signal cut it short): the counts go
                 metrics.merge(self._unsent, unsent)  # with the next publish
+
+
+def _serving() -> Any:
+    from sits_queue.cache.precision import Serving  # (torch-free, but not for the parent)
+
+    return Serving()
 
 
 def _threads() -> list[int]:

@@ -519,6 +519,27 @@ def test_an_engine_a_task_uses_is_not_pushed_out_beneath_it() -> None:
     assert_consistent(cache, loaders)
 
 
+def test_rekey_serves_an_engine_under_the_key_of_what_it_is() -> None:
+    """(a precision conversion that changed nothing kept a second copy of the weights)"""
+    cache, _ = make_cache(device_budget=200, host_budget=300)
+    loaders = Loaders({"m": 100, "m@fp32": 100, "n@fp32": 100})
+    copy, _ = cache.get("m@fp32", loaders("m@fp32"))
+    # Given no entry for what it is: the engine moves, nothing is loaded or released
+    moved = cache.rekey("m@fp32", "m", loaders("m"))
+    assert moved is copy and moved.key == "m" and not copy.released
+    assert cache.warm() == {"m": "device"} and loaders.loads["m"] == 0
+    assert_consistent(cache, loaders)
+    _, hit = cache.get("m", loaders("m"))
+    assert hit.source == "device"
+    # Given one already: the copy is dropped and the entry served
+    other, _ = cache.get("n@fp32", loaders("n@fp32"))
+    assert cache.rekey("n@fp32", "m", loaders("m")) is moved and other.released
+    assert cache.warm() == {"m": "device"}
+    assert_consistent(cache, loaders)
+    with pytest.raises(KeyError):
+        cache.rekey("absent", "m", loaders("m"))
+
+
 # -- housekeeping and stats -------------------------------------------------------------------
 
 def test_stats_count_every_path() -> None:

@@ -120,6 +120,29 @@ def test_first_choice_keeps_int8_off_cuda_and_says_why() -> None:
         precision.first_choice("int4", "cpu")
 
 
+def test_a_request_served_as_another_shares_its_entry() -> None:
+    """(int8 on a GPU, served at fp16, was converted and kept beside the fp16 entry; fp32
+    of an fp32 checkpoint beside the model as loaded)"""
+    from types import SimpleNamespace
+
+    serving = precision.Serving()
+    assert serving.plan("m", None, "cuda:0") == (None, None)
+    assert serving.plan("m", "fp16", "cuda:0") == ("fp16", None)
+    asked, meta = serving.plan("m", "int8", "cuda:0")
+    assert asked == "fp16" and meta is not None
+    assert (meta["requested"], meta["served"]) == ("int8", "fp16")
+    assert "int8 layers are served on the CPU only" in meta["reason"]
+    assert serving.plan("m", "int8", "cpu") == ("int8", None)
+    # an engine a conversion did not change: later requests get the model as loaded
+    same = SimpleNamespace(artifacts={"precision": {"served": "fp32"}, precision.AS_LOADED: True})
+    changed = SimpleNamespace(artifacts={"precision": {"served": "fp16"},
+                                         precision.AS_LOADED: False})
+    assert serving.learn("m", "fp16", changed) is None
+    assert serving.learn("m", "fp32", same) == "m"
+    assert serving.plan("m", "fp32", "cpu") == (None, {"served": "fp32"})
+    assert serving.plan("m", "fp16", "cpu") == ("fp16", None)
+
+
 def test_the_gate_passes_below_the_limit_only() -> None:
     assert precision.gate(0.049, 0.05) is None
     refused = precision.gate(0.05, 0.05)

@@ -546,7 +546,7 @@ def test_builtin_tasks_go_to_the_work_queue_and_maintenance_to_control() -> None
 
 def test_cold_meta_shape() -> None:
     from sits_queue.cache.pool import ColdStart
-    from sits_queue.workers.inference import _cold_meta
+    from sits_queue.workers.acquire import cold_meta as _cold_meta
 
     meta = _cold_meta(ColdStart(True, "host", 0.0, 0.0, 1.23456, 2.0, ("x",), ()), 150.0)
     assert meta == {"cold": True, "source": "host", "cuda_ctx_ms": 150.0, "load_ms": 0.0,

@@ -747,3 +747,37 @@ def test_a_task_running_another_model_s_task_in_process_keeps_its_engine(
     assert got["again"] and got["tier"] == "device"
     # and once the outer task is done the inner model takes the room
     assert isinstance(inner.apply((torch.ones(1, 256),)).get()["output"], float)
+
+
+def test_fp32_of_an_fp32_model_is_served_by_the_model_as_loaded(
+        published: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """(``precision="fp32"`` of an fp32 checkpoint kept a second, identical copy of its
+    weights in the cache, each counted against the device budget)"""
+    import torch
+
+    app = make_app(SitsConfig(), main="infer-fp32")
+    app.conf.task_always_eager = True  # (apply_async with options, run here)
+    loads: list[int] = []
+
+    def linear() -> Any:
+        loads.append(1)
+        return torch.nn.Linear(16, 16)
+
+    app.register_model("lin", linear, sample_inputs=(torch.ones(1, 16),))
+    plan = rt.WorkerPlan("w@h", Discovery(devices=(CPU,)), (0,), 1)
+    child_rt = rt.ChildRuntime(app=app, plan=plan, slot=0, device=CPU)
+    monkeypatch.setattr(rt, "_child", child_rt)
+
+    @app.inference_task(model="lin", shared=False)
+    def key(engine: Any) -> str:
+        return str(engine.key)
+
+    assert key.apply().get()["output"] == "lin"
+    first = key.apply_async(precision="fp32").get()
+    # Then the fp32 request is served by the one entry, saying what it got
+    assert first["output"] == "lin" and first["sits"]["precision"]["served"] == "fp32"
+    assert child_rt.cache().warm() == {"lin": "device"}
+    again = key.apply_async(precision="fp32").get()
+    assert again["output"] == "lin" and again["sits"]["precision"] == \
+        first["sits"]["precision"]
+    assert len(loads) == 2 and child_rt.cache().warm() == {"lin": "device"}
