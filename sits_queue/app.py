@@ -7,19 +7,16 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, replace
-from datetime import timedelta
+from dataclasses import replace
 from typing import Any, ClassVar, TypeVar
 
 import redis
 from celery import Celery, Task
-from kombu.entity import Queue
 
 from sits_queue import flower
-from sits_queue.broker import results
 from sits_queue.broker.keys import DELIVERY_ONLY
 from sits_queue.config import SitsConfig
-from sits_queue.errors import ConfigError, InvalidTaskOptions
+from sits_queue.errors import InvalidTaskOptions
 from sits_queue.options import (
     CONTROL_QUEUE,
     HEADER,
@@ -32,11 +29,16 @@ from sits_queue.options import (
     shown,
 )
 from sits_queue.registry import Loader, ModelRegistry
+from sits_queue.settings import DEFAULT_QUEUE as DEFAULT_QUEUE
+from sits_queue.settings import OWN_TRANSPORT_OPTIONS as OWN_TRANSPORT_OPTIONS
+from sits_queue.settings import TRANSPORT as TRANSPORT
+from sits_queue.settings import beat_schedule as beat_schedule
+from sits_queue.settings import celery_settings as celery_settings
+from sits_queue.settings import prewarm_schedule as prewarm_schedule
+from sits_queue.settings import sits_transport_options as sits_transport_options
 
 logger = logging.getLogger(__name__)
 
-TRANSPORT = "sits_queue.broker.transport:Transport"
-DEFAULT_QUEUE = "celery"
 #: Marks a function whose first argument the worker supplies (the warm engine).
 ENGINE_ARG = "__sits_engine_arg__"
 #: Header with the producer's wall clock at submission, for end-to-end latency stats.
@@ -334,136 +336,6 @@ def sits_config(app: Celery) -> SitsConfig:
         config = SitsConfig.from_env()
         app.sits = config
     return config
-
-
-#: Transport options the SITS config decides (what it holds, and the keys it names), and
-#: the setting a user changes instead.
-OWN_TRANSPORT_OPTIONS = {"global_keyprefix": "SITS_GLOBAL_KEYPREFIX",
-                         "visibility_timeout": "SITS_VISIBILITY_TIMEOUT_S"}
-
-
-def sits_transport_options(config: SitsConfig, *given: Mapping[str, Any] | None
-                      ) -> dict[str, Any]:
-    """The broker transport options: those ``given`` (the app's
-    ``broker_transport_options``, a connection's own), with the SITS config's on top. A
-    user who replaces ``broker_transport_options`` the usual Celery way keeps them; one
-    who sets an option the SITS config decides to another value is told which setting
-    to change (a producer and a worker would otherwise use different keys)."""
-    ours = {"visibility_timeout": config.visibility_timeout_s,
-            "global_keyprefix": config.global_keyprefix,
-            "sits_config": _plain(asdict(config))}
-    merged: dict[str, Any] = {
-        # The sweep restores messages of silent workers; ours throttles by time.
-        "unacked_restore_interval": max(1.0, config.visibility_timeout_s / 6)}
-    for options in given:
-        merged.update(options or {})
-    for name, setting in OWN_TRANSPORT_OPTIONS.items():
-        if name in merged and merged[name] != ours[name]:
-            raise ConfigError(f"broker_transport_options {name}={merged[name]!r} differs from "
-                              f"the SITS config's {ours[name]!r}: set {setting} instead")
-    return {**merged, **ours}
-
-
-def celery_settings(config: SitsConfig) -> dict[str, Any]:
-    """Celery configuration derived from a SitsConfig: the production defaults."""
-    prefix = config.global_keyprefix
-    return {
-        "broker_url": config.redis_url,
-        "broker_transport": TRANSPORT,
-        "broker_transport_options": sits_transport_options(config),
-        "broker_connection_retry_on_startup": True,
-        # Celery's Redis backend, storing each state in one atomic round trip.
-        "result_backend": results.backend_url(config.redis_url),
-        "result_backend_transport_options": {"global_keyprefix": prefix},
-        "result_expires": timedelta(days=1),
-        "result_extended": True,
-        # A result store that meets a Redis restart retries instead of failing a task
-        # whose body already succeeded.
-        "result_backend_always_retry": True,
-        "result_backend_max_retries": 20,
-        "task_serializer": "json",
-        "result_serializer": "json",
-        "accept_content": ["json"],
-        "result_accept_content": ["json"],
-        # Late acks + requeue on worker loss: a SIGKILLed worker's task runs again.
-        "task_acks_late": True,
-        "task_reject_on_worker_lost": True,
-        # Reserve only what a free pool slot is about to run, so priority stays exact.
-        "worker_prefetch_multiplier": 1,
-        "worker_disable_prefetch": True,
-        "task_track_started": True,
-        # Celery's consumer acks (loses) a message whose body does not decode and rejects
-        # an invalid one with its reason in the log only: dead-lettered with the reason,
-        # and the task's result failed, instead.
-        "worker_consumer": "sits_queue.workers.consumer:SitsConsumer",
-        # Celery kills a new pool child that has not reported in within 4 s; a GPU host's
-        # children may import a CUDA build of torch in their init handlers (the user's own
-        # worker_process_init ones too), which alone can take that long.
-        "worker_proc_alive_timeout": 30.0,
-        "task_send_sent_event": config.send_sent_events,
-        "worker_send_task_events": True,
-        # Each worker also consumes its own queue (<hostname>.dq2): pre-warm tasks go to
-        # the worker the planner chose (priority/prewarm.py).
-        "worker_direct": True,
-        "task_default_queue": DEFAULT_QUEUE,
-        "task_queues": (Queue(DEFAULT_QUEUE), Queue(CONTROL_QUEUE)),  # type: ignore[no-untyped-call]
-        # By name: the built-in inference tasks (sits.generate, sits.embed) are work.
-        "task_routes": {name: {"queue": CONTROL_QUEUE} for name in MAINTENANCE_TASKS},
-        "beat_scheduler": "sits_queue.priority.beat:SitsScheduler",
-        # its own (none): not the broker transport options, which redbeat would fall back on
-        "redbeat_redis_options": {},
-        "redbeat_redis_url": config.redis_url,
-        "redbeat_key_prefix": f"{prefix}sits:redbeat:",
-        "redbeat_lock_timeout": int(max(30, 6 * config.rescore_interval_s)),
-        "beat_schedule": beat_schedule(config),
-    }
-
-
-def beat_schedule(config: SitsConfig) -> dict[str, Any]:
-    # expires: a pass that could not start within one period is superseded by the next.
-    return {
-        "sits-rescore": {"task": "sits.rescore", "schedule": config.rescore_interval_s,
-                         "options": {"expires": config.rescore_interval_s}},
-        "sits-check-triggers": {"task": "sits.check_triggers",
-                                "schedule": config.trigger_check_interval_s,
-                                "options": {"expires": config.trigger_check_interval_s}},
-        **({"sits-prewarm-plan": {"task": "sits.prewarm_plan",
-                                  "schedule": prewarm_schedule(config.prewarm_interval_s),
-                                  "options": {"expires": config.prewarm_interval_s}}}
-           if config.prewarm_interval_s > 0 else {}),
-        **({"sits-site-sync": {"task": "sits.site_sync",
-                               "schedule": config.site_sync_interval_s,
-                               "options": {"expires": config.site_sync_interval_s}}}
-           if config.site else {}),
-    }
-
-
-def prewarm_schedule(interval_s: float) -> Any:
-    """When the pre-warm plan runs: as each demand interval begins (UTC multiples of
-    ``interval_s``), where a crontab can say so (intervals that divide an hour in whole
-    minutes, or a day in whole hours), since the plan forecasts the interval it runs in;
-    an interval from the beat's start otherwise, where a plan may land late in its own
-    (the 300 s default, run from the beat's start, forecast an interval half gone on
-    average, all of it at worst)."""
-    from celery.schedules import crontab
-
-    seconds = int(interval_s)
-    if seconds == interval_s and seconds > 0:
-        if seconds % 60 == 0 and 3600 % seconds == 0:
-            return crontab(minute=f"*/{seconds // 60}")
-        # (in the app's timezone: aligned to UTC's hours where its offset is whole hours)
-        if seconds % 3600 == 0 and 86_400 % seconds == 0:
-            return crontab(minute=0, hour=f"*/{seconds // 3600}")
-    return interval_s
-
-
-def _plain(value: Any) -> Any:
-    """asdict() keeps tuples; transport options should be plain JSON-like data."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 F = TypeVar("F", bound=Callable[..., Any])
