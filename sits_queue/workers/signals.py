@@ -173,6 +173,17 @@ def flush(config: SitsConfig) -> None:
 
 
 def _write(config: SitsConfig, records: list[_Record]) -> None:
+    """Each record to the Redis of the configuration it was recorded with: a process
+    with two apps (two sites, a test's app beside the package's default one) wrote them
+    all to the Redis of whichever configuration the flush was called with."""
+    by_url: dict[str, list[_Record]] = {}
+    for r in records:
+        by_url.setdefault(r.config.redis_url, []).append(r)
+    for group in by_url.values():
+        _write_one(group[0].config, group)
+
+
+def _write_one(config: SitsConfig, records: list[_Record]) -> None:
     pipe = _client(config).pipeline(transaction=False)
     trims: dict[str, int] = {}
     expiries: dict[str, int] = {}

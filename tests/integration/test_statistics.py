@@ -112,3 +112,23 @@ def test_a_task_held_for_its_eta_counts_its_latency_from_when_it_was_due(
     signals.flush(config)
     samples = [float(v) for v in redis_client.lrange(f"eta-{eta}:sits:lat:low", 0, -1)]
     assert sorted(samples) == pytest.approx([500.0, 2000.0], abs=1.0)
+
+
+def test_each_app_s_statistics_go_to_its_own_redis(redis_url: str,
+                                                   redis_client: redis.Redis) -> None:
+    """(one flush wrote every buffered record to the Redis of the configuration it was
+    called with: a process with two apps, two sites or a test's app beside the package's
+    default one on localhost:6379, wrote one's statistics into the other's server)"""
+    base = redis_url.rsplit("/", 1)[0]
+    ours, theirs = (SitsConfig(redis_url=f"{base}/{db}") for db in (0, 1))
+    other = redis.Redis.from_url(theirs.redis_url)
+    other.flushdb()
+    for config, cls in ((ours, "low"), (theirs, "high")):
+        request = SimpleNamespace(task="t.any", sits={"sla_class": cls, "model": "m"})
+        signals.record_completion(config, request, False, time.time())
+    signals.flush(ours)
+    assert redis_client.hget("sits:done", "low") == b"1"
+    assert redis_client.hget("sits:done", "high") is None
+    assert other.hget("sits:done", "high") == b"1" and other.hget("sits:done", "low") is None
+    other.flushdb()
+    other.close()
