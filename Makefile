@@ -27,10 +27,11 @@ demo: $(STAMP)
 # their time waiting on worker subprocesses and Redis, so a second process nearly halves
 # the wall time. Whole files go to one process (loadfile): a module's costly fixtures (a
 # benchmark run, a worker) run once. Each process starts its own private redis-server.
-# PYTEST_WORKERS=0 runs everything in this process.
+# PYTEST_WORKERS=0 runs everything in this process. The 20 slowest tests are listed at
+# the end, to keep the suite's time in view (CI allows 20 minutes).
 PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=20
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
