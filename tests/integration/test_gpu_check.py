@@ -68,6 +68,7 @@ def check(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, dict[str,
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)  # (the script, not pytest's 300 s)
 def test_the_check_passes_with_every_gpu_test_skipped_for_the_reason(
         check: tuple[int, str, dict[str, Any]]) -> None:
     rc, stdout, summary = check
@@ -87,6 +88,7 @@ def test_the_check_passes_with_every_gpu_test_skipped_for_the_reason(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)  # (the script, not pytest's 300 s)
 def test_the_summary_carries_the_benchmark_and_the_host(
         check: tuple[int, str, dict[str, Any]]) -> None:
     _, _, summary = check
