@@ -18,11 +18,12 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
 
 import redis
 from celery import Celery, signals
+from celery.utils.time import maybe_iso8601, maybe_make_aware
 
 from sits_queue import tracing
 from sits_queue.app import sits_config
@@ -58,8 +59,6 @@ class _Record:
 @dataclass
 class _Buffer:
     pid: int
-    #: Where the flusher thread writes (the first recorder's Redis).
-    config: SitsConfig
     records: list[_Record] = field(default_factory=list)
     #: Set while records wait: wakes the flusher thread.
     waiting: threading.Event = field(default_factory=threading.Event)
@@ -98,14 +97,13 @@ def _due_at(request: Any) -> float | None:
     """When a task with an ``eta`` (a countdown's too: Celery sends it as one) was due,
     s since the epoch; None without one, or one that does not parse."""
     eta = getattr(request, "eta", None)
+    if not isinstance(eta, (str, datetime)):
+        return None
     try:
-        due = datetime.fromisoformat(eta) if isinstance(eta, str) else eta
+        due = maybe_iso8601(eta)  # Celery's own reading of it
     except ValueError:
         return None
-    if not isinstance(due, datetime):
-        return None
-    # naive: as Celery reads it, in UTC unless the app says otherwise (here: UTC)
-    return (due if due.tzinfo is not None else due.replace(tzinfo=timezone.utc)).timestamp()
+    return maybe_make_aware(due).timestamp() if due is not None else None  # naive: UTC
 
 
 def record_completion(config: SitsConfig, request: Any, failed: bool, now_s: float,
@@ -133,8 +131,8 @@ def record_completion(config: SitsConfig, request: Any, failed: bool, now_s: flo
         if config.prewarm_interval_s > 0 else ""
     with _lock:
         if _buffer is None or _buffer.pid != os.getpid():
-            _buffer = _Buffer(pid=os.getpid(), config=config)
-            atexit.register(flush, config)  # a solo or threads worker's own exit
+            _buffer = _Buffer(pid=os.getpid())
+            atexit.register(flush)  # a solo or threads worker's own exit
         buffer = _buffer
         buffer.records.append(_Record(config, sla_class, header.get("model"), latency_ms,
                                       failed, demand, retried))
@@ -145,7 +143,7 @@ def record_completion(config: SitsConfig, request: Any, failed: bool, now_s: flo
                                               name="sits-statistics", daemon=True)
             buffer.flusher.start()
     if due:
-        flush(config)
+        flush()
 
 
 def _flush_loop(buffer: _Buffer) -> None:
@@ -155,24 +153,25 @@ def _flush_loop(buffer: _Buffer) -> None:
         buffer.waiting.wait()
         time.sleep(FLUSH_EVERY_S)
         try:
-            flush(buffer.config)
+            flush()
         except Exception:  # the thread must outlive anything one flush meets
             logger.exception("could not record task statistics")
 
 
-def flush(config: SitsConfig) -> None:
-    """Write buffered records in one pipeline to ``config``'s Redis (each under the keys
-    of the configuration it was recorded with); Redis errors are logged, never raised."""
+def flush() -> None:
+    """Write the buffered records, each to the Redis and under the keys of the
+    configuration it was recorded with (a pipeline per Redis); Redis errors are logged,
+    never raised."""
     with _writing:
         with _lock:
             if _buffer is None or _buffer.pid != os.getpid() or not _buffer.records:
                 return
             records, _buffer.records = _buffer.records, []
             _buffer.waiting.clear()
-        _write(config, records)
+        _write(records)
 
 
-def _write(config: SitsConfig, records: list[_Record]) -> None:
+def _write(records: list[_Record]) -> None:
     """Each record to the Redis of the configuration it was recorded with: a process
     with two apps (two sites, a test's app beside the package's default one) wrote them
     all to the Redis of whichever configuration the flush was called with."""
@@ -228,7 +227,7 @@ def connect(app: Celery) -> None:
     def on_process_shutdown(**_: Any) -> None:
         # A pool child's buffered records and spans would die with it (billiard ends it
         # with os._exit, so atexit never runs there).
-        flush(sits_config(app))
+        flush()
         tracing.flush()
 
     # weak=False: the closures would otherwise be collected at once.

@@ -164,7 +164,7 @@ def test_a_prewarm_is_not_demand_nor_work_in_the_statistics(redis_url: str,
     for task in ("sits.prewarm", "t.real"):
         request = SimpleNamespace(task=task, sits={"sla_class": "high", "model": "pm"})
         signals.record_completion(config, request, False, time.time())
-    signals.flush(config)
+    signals.flush()
     demand = [r.hget(k, "pm") for k in r.scan_iter(match=prewarm.demand_key(config, 0)[:-1]
                                                    + "*")]
     assert sum(int(d or 0) for d in demand) == 1
@@ -176,7 +176,7 @@ def test_a_short_interval_still_keeps_its_demand(redis_url: str, r: redis.Redis)
     config = replace(SitsConfig(redis_url=redis_url), prewarm_interval_s=0.05)
     request = SimpleNamespace(task="t.any", sits={"sla_class": "low", "model": "m"})
     signals.record_completion(config, request, False, time.time())
-    signals.flush(config)
+    signals.flush()
     keys = list(r.scan_iter(match=prewarm.demand_key(config, 0)[:-1] + "*"))
     assert keys and all(r.ttl(k) >= 1 for k in keys)
     assert sum(int(r.hget(k, "m") or 0) for k in keys) == 1

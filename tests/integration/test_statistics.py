@@ -85,7 +85,7 @@ def test_demand_counts_in_the_interval_its_task_finished_in(
     finished = time.time() - 3 * config.prewarm_interval_s
     request = SimpleNamespace(task="t.any", sits={"sla_class": "low", "model": "m"})
     signals.record_completion(config, request, False, finished)
-    signals.flush(config)
+    signals.flush()
     # Then the forecaster sees its demand in that interval, not in the flush's
     then = prewarm.demand_key(config, prewarm.bucket_of(config, finished))
     now = prewarm.demand_key(config, prewarm.bucket_of(config, time.time()))
@@ -109,7 +109,7 @@ def test_a_task_held_for_its_eta_counts_its_latency_from_when_it_was_due(
     late = SimpleNamespace(task="t.any", sits={"sla_class": "low"}, eta="not a date",
                            sits_submitted_at=now - 2.0)
     signals.record_completion(config, late, False, now)
-    signals.flush(config)
+    signals.flush()
     samples = [float(v) for v in redis_client.lrange(f"eta-{eta}:sits:lat:low", 0, -1)]
     assert sorted(samples) == pytest.approx([500.0, 2000.0], abs=1.0)
 
@@ -126,7 +126,7 @@ def test_each_app_s_statistics_go_to_its_own_redis(redis_url: str,
     for config, cls in ((ours, "low"), (theirs, "high")):
         request = SimpleNamespace(task="t.any", sits={"sla_class": cls, "model": "m"})
         signals.record_completion(config, request, False, time.time())
-    signals.flush(ours)
+    signals.flush()
     assert redis_client.hget("sits:done", "low") == b"1"
     assert redis_client.hget("sits:done", "high") is None
     assert other.hget("sits:done", "high") == b"1" and other.hget("sits:done", "low") is None

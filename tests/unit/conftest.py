@@ -17,7 +17,7 @@ def no_statistics_sent(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     calls, ``apply()``) are kept here, not flushed to the app's Redis, which for an app
     built on the defaults is someone's on localhost:6379."""
     written: list[Any] = []
-    monkeypatch.setattr(signals, "_write", lambda config, records: written.extend(records))
+    monkeypatch.setattr(signals, "_write", written.extend)
     return written
 
 
