@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from typing import Any
 from weakref import ref
 
-from billiard.einfo import ExceptionWithTraceback
 from billiard.exceptions import Terminated
 from celery import bootsteps, current_app
 from celery.app.trace import fast_trace_task, trace_task_ret
@@ -422,7 +421,8 @@ def submit(requests: list[Any], pool: Any) -> Any:
             soft = kwargs.get("soft", args[0] if args else False)
             hard = method != "on_timeout" or not soft
             terminated = method == "on_failure" and isinstance(
-                _exception(args[0] if args else kwargs.get("exc_info")), Terminated)
+                admission.failure_of(args[0] if args else kwargs.get("exc_info")),
+                Terminated)
             for request in served(error and hard):
                 if error and hard and len(requests) > 1 and _finished(request):
                     continue
@@ -462,11 +462,6 @@ def submit(requests: list[Any], pool: Any) -> Any:
     if len(requests) > 1:
         logger.debug("batch of %d %s tasks sent to the pool", len(requests), first.name)
     return result
-
-
-def _exception(exc_info: Any) -> BaseException | None:
-    exc = getattr(exc_info, "exception", None)
-    return exc.exc if isinstance(exc, ExceptionWithTraceback) else exc
 
 
 def _revoked(request: Any) -> bool:

@@ -260,6 +260,13 @@ def _guard(execute: Callable[..., Any]) -> Callable[..., Any]:
     return execute_using_pool
 
 
+def failure_of(exc_info: Any) -> BaseException | None:
+    """The exception a failed run's ``exc_info`` holds, unwrapped from billiard's
+    ``ExceptionWithTraceback`` as ``Request.on_failure`` unwraps it."""
+    exc = getattr(exc_info, "exception", None)
+    return exc.exc if isinstance(exc, ExceptionWithTraceback) else exc
+
+
 class SitsRequest(Request):  # type: ignore[misc]
     """``Task.Request`` for SITS tasks: checks declared VRAM before the pool runs a task,
     and gives back the message of a task that yielded its time slice."""
@@ -268,9 +275,7 @@ class SitsRequest(Request):  # type: ignore[misc]
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True,
                    return_ok: bool = False) -> Any:
-        exc = getattr(exc_info, "exception", None)
-        if isinstance(exc, ExceptionWithTraceback):  # as Request.on_failure unwraps it
-            exc = exc.exc
+        exc = failure_of(exc_info)
         if isinstance(exc, Reject) and exc.requeue:
             # Not a failure, not a redelivery: the task yielded its slot (Preempted: it
             # runs again from its checkpoint) or asked to run again (Reject(requeue=True),
