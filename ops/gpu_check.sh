@@ -6,6 +6,8 @@
 #
 #   bash ops/gpu_check.sh [SUMMARY.json]      # default: $OUT/gpu_check.json, else ./
 #   GPU_TESTS=tests/gpu/test_tensorrt.py bash ops/gpu_check.sh   # a rerun of some only
+#   BENCH_SIZE=smoke bash ops/gpu_check.sh    # benchmarks at their smoke shape: checks the
+#                                             # script, its figures mean nothing
 #
 # Installs nothing heavy: torch, transformers, onnxruntime, nvidia-ml-py, psutil and
 # pytest must already be there (a CUDA PyTorch image has them). Celery's stack, the Redis
@@ -27,6 +29,12 @@ cd "$ROOT"
 PY="${PYTHON:-python3}"
 OUT_DIR="${OUT:-$ROOT}"
 SUMMARY="${1:-$OUT_DIR/gpu_check.json}"
+# The benchmarks' size: quick (the figures the README records) or smoke.
+BENCH_SIZE="${BENCH_SIZE:-quick}"
+case "$BENCH_SIZE" in
+    quick|smoke) ;;
+    *) echo "gpu_check: BENCH_SIZE must be quick or smoke, not '$BENCH_SIZE'" >&2; exit 2 ;;
+esac
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
 WHEELS="${WHEELS:-$ROOT/.whl}"
 GPU_TESTS="${GPU_TESTS:-tests/gpu}"
@@ -79,7 +87,7 @@ else
     echo "gpu_check: missing python packages: $deps_missing (carry them as wheels in ./.whl: ops/gpu_wheels.sh)" >&2
 fi
 
-# run_bench NAME LOG BOX: `python -m sits_queue.bench.NAME --quick` into $WORK/NAME.json
+# run_bench NAME LOG BOX: `python -m sits_queue.bench.NAME --$BENCH_SIZE` into $WORK/NAME.json
 # and $WORK/LOG, at most BOX seconds; prints its exit status and the seconds it took
 # (the box it got: a run near its box is one to watch), or nothing when the module is
 # not there (then the summary says it did not run).
@@ -89,7 +97,7 @@ run_bench() {
     fi
     echo "gpu_check: $1 benchmark (at most $3s)" >&2
     local began=$SECONDS rc
-    timeout --kill-after=10 "$3" "$PY" -m "sits_queue.bench.$1" --quick \
+    timeout --kill-after=10 "$3" "$PY" -m "sits_queue.bench.$1" "--$BENCH_SIZE" \
         --json "$WORK/$1.json" >"$WORK/$2" 2>&1
     rc=$?
     echo "$rc $((SECONDS - began)) $3"
@@ -101,14 +109,15 @@ precision_rc="$(run_bench precision precision.log "$PRECISION_TIMEOUT_S")"
 joins_rc="$(run_bench joins joins.log "$JOINS_TIMEOUT_S")"
 
 "$PY" - "$SUMMARY" "$WORK" "$tests_rc" "${bench_rc:-}" "$install_rc" "$deps_missing" \
-    "$START_S" "${affinity_rc:-}" "${batch_rc:-}" "${precision_rc:-}" "${joins_rc:-}" <<'EOF'
+    "$START_S" "${affinity_rc:-}" "${batch_rc:-}" "${precision_rc:-}" "${joins_rc:-}" \
+    "$BENCH_SIZE" <<'EOF'
 """Fold the logs and results into one JSON summary (standard library only)."""
 import datetime, json, os, platform, socket, subprocess, sys, time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 (summary, work, tests_rc, bench_rc, install_rc, missing, start, affinity_rc,
- batch_rc, precision_rc, joins_rc) = sys.argv[1:12]
+ batch_rc, precision_rc, joins_rc, bench_size) = sys.argv[1:13]
 work = Path(work)
 
 
@@ -199,6 +208,7 @@ report = {
     "install": {"rc": int(install_rc), "missing": missing.split() or [],
                 "log_tail": tail("pip.log", 1500)},
     "tests": t,
+    "bench_size": bench_size,
     "bench": bench(bench_rc, "coldstart", "bench.log"),
     "bench_affinity": bench(affinity_rc, "affinity", "affinity.log"),
     "bench_batch": bench(batch_rc, "batch", "batch.log"),

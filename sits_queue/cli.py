@@ -311,20 +311,33 @@ _BENCHES = {
 }
 
 
+#: The benchmarks with a ``--smoke`` shape (the ones ``ops/gpu_check.sh`` runs).
+_SMOKED = frozenset({"coldstart", "affinity", "batch", "precision", "joins"})
+
+
 def _bench_command(name: str, module: str, summary: str) -> None:
     @bench.command(name, help=summary)
     @_bench_options
-    def command(quick: bool, json_path: Path | None, redis_url: str | None) -> None:
-        _run_module(module, quick, json_path, redis_url)
+    def command(quick: bool, json_path: Path | None, redis_url: str | None,
+                smoke: bool = False) -> None:
+        if quick and smoke:
+            raise click.UsageError("--quick and --smoke are two sizes: give one")
+        size = ["--smoke"] if smoke else ["--quick"] if quick else []
+        _run_module(module, size, json_path, redis_url)
+
+    if name in _SMOKED:
+        click.option("--smoke", is_flag=True,
+                     help="The smallest run through every path: it checks a set-up; its "
+                          "figures mean nothing.")(command)
 
 
 for _name, (_module, _summary) in _BENCHES.items():
     _bench_command(_name, _module, _summary)
 
 
-def _run_module(module: str, quick: bool, json_path: Path | None,
+def _run_module(module: str, size: list[str], json_path: Path | None,
                 redis_url: str | None = None) -> None:
-    argv = (["--quick"] if quick else []) + (["--json", str(json_path)] if json_path else [])
+    argv = size + (["--json", str(json_path)] if json_path else [])
     argv += ["--redis-url", redis_url] if redis_url else []
     rc = import_module(module).main(argv)
     if rc:

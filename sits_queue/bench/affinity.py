@@ -76,6 +76,8 @@ class Fleet:
 
 QUICK = Fleet(2, Shape(n_models=4, n_requests=120, budget_share=0.5))
 FULL = Fleet(3, Shape(n_models=6, n_requests=600, budget_share=1 / 3))
+#: ``--smoke``.
+SMOKE = Fleet(2, Shape(n_models=3, n_requests=40, budget_share=0.5, seed=3))
 
 
 def system_url(base_url: str, system: str) -> str:
@@ -266,7 +268,8 @@ def table(result: Mapping[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return coldstart.zoo_main("python -m sits_queue.bench.affinity", __doc__, run, table, argv)
+    return coldstart.zoo_main("python -m sits_queue.bench.affinity", __doc__, run, table, argv,
+                              smoke={"fleet": SMOKE})
 
 
 if __name__ == "__main__":

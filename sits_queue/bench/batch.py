@@ -57,6 +57,8 @@ class Shape:
 
 QUICK = Shape(batches_per_size=4, controller_calls=3)
 FULL = Shape(batches_per_size=16, controller_calls=10)
+#: ``--smoke``.
+SMOKE = Shape(batches_per_size=1, controller_calls=1, texts_per_call=96)
 
 
 def texts(n: int, seed: int) -> list[str]:
@@ -175,7 +177,8 @@ def table(result: Mapping[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return coldstart.zoo_main("python -m sits_queue.bench.batch", __doc__, run, table, argv)
+    return coldstart.zoo_main("python -m sits_queue.bench.batch", __doc__, run, table, argv,
+                              smoke={"shape": SMOKE})
 
 
 if __name__ == "__main__":

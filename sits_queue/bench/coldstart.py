@@ -121,6 +121,8 @@ class Shape:
 
 QUICK = Shape(n_models=4, n_requests=60)
 FULL = Shape(n_models=6, n_requests=300)
+#: ``--smoke``: seed 1 gives a 4/4 stream over the two models with six model changes.
+SMOKE = Shape(n_models=2, n_requests=8, seed=1)
 
 
 # -- the stream and the budget (pure) ------------------------------------------------------
@@ -419,19 +421,26 @@ def on_device(name: str, path: Path) -> tuple[Any, str]:
 
 
 def zoo_main(prog: str, doc: str | None, run_fn: Callable[..., dict[str, Any]],
-             table_fn: Callable[[Mapping[str, Any]], str], argv: list[str] | None) -> int:
+             table_fn: Callable[[Mapping[str, Any]], str], argv: list[str] | None,
+             smoke: Mapping[str, Any] | None = None) -> int:
     """The command line of a benchmark over the tiny-model zoo (``--zoo`` besides the
-    common options)."""
-    p = parser(prog, doc)  # report.run_main's, plus --zoo
+    common options). ``smoke``: the ``run_fn`` keywords of its smoke shape, offered as
+    ``--smoke`` (a quick run at that shape, its meta saying ``"smoke": true``)."""
+    p = parser(prog, doc, smoke=smoke is not None)  # report.run_main's, plus --zoo
     p.add_argument("--zoo", type=Path, help=f"model cache (default {default_zoo()})")
     args = p.parse_args(argv)
-    result = run_fn(quick=args.quick, redis_url=args.redis_url, zoo_root=args.zoo)
+    smoking = bool(getattr(args, "smoke", False))
+    result = run_fn(quick=args.quick or smoking, redis_url=args.redis_url,
+                    zoo_root=args.zoo, **((smoke or {}) if smoking else {}))
+    if smoking:
+        result["meta"]["smoke"] = True
     emit(table_fn(result), result, args.json)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    return zoo_main("python -m sits_queue.bench.coldstart", __doc__, run, table, argv)
+    return zoo_main("python -m sits_queue.bench.coldstart", __doc__, run, table, argv,
+                    smoke={"shape": SMOKE})
 
 
 if __name__ == "__main__":

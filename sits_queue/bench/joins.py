@@ -57,6 +57,8 @@ class Shape:
 
 QUICK = Shape(prompts=192, repeats=2)
 FULL = Shape(prompts=640, repeats=3)
+#: ``--smoke``: a batch of 32 and 12 more, so both ways differ.
+SMOKE = Shape(prompts=44, repeats=1)
 
 
 @dataclass
@@ -208,7 +210,8 @@ def table(result: Mapping[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return coldstart.zoo_main("python -m sits_queue.bench.joins", __doc__, run, table, argv)
+    return coldstart.zoo_main("python -m sits_queue.bench.joins", __doc__, run, table, argv,
+                              smoke={"shape": SMOKE})
 
 
 if __name__ == "__main__":

@@ -63,6 +63,8 @@ class Shape:
 
 QUICK = Shape(texts=256, prompts=8)
 FULL = Shape(texts=1024, prompts=16)
+#: ``--smoke``.
+SMOKE = Shape(texts=40, prompts=2, new_tokens=4)
 
 
 def _device() -> str:
@@ -242,7 +244,7 @@ def table(result: Mapping[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     return coldstart.zoo_main("python -m sits_queue.bench.precision", __doc__, run, table,
-                              argv)
+                              argv, smoke={"shape": SMOKE})
 
 
 if __name__ == "__main__":

@@ -28,10 +28,18 @@ def redis_server(redis_url: str | None) -> Iterator[str]:
         yield server.url
 
 
-def parser(prog: str, description: str | None = None) -> argparse.ArgumentParser:
-    """--quick, --json PATH and --redis-url, the options all benchmarks take."""
+def parser(prog: str, description: str | None = None, smoke: bool = False
+           ) -> argparse.ArgumentParser:
+    """--quick, --json PATH and --redis-url, the options all benchmarks take; --smoke
+    too where the benchmark has a smoke shape."""
     p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("--quick", action="store_true", help="a smaller run")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="a smaller run")
+    if smoke:
+        size.add_argument("--smoke", action="store_true",
+                          help="the smallest run through every path: it checks a set-up "
+                               "(ops/gpu_check.sh's own test runs it); its figures mean "
+                               "nothing")
     p.add_argument("--json", type=_argument(check_json_path, Path),
                    help="also write the JSON result here")
     p.add_argument("--redis-url", type=_argument(check_redis_url),

@@ -11,22 +11,19 @@ from typing import Any
 import pytest
 
 from sits_queue.bench import affinity
-from sits_queue.bench.affinity import Fleet
-from sits_queue.bench.coldstart import REQUIRED, Shape
+from sits_queue.bench.coldstart import REQUIRED
 
-TINY = Fleet(2, Shape(n_models=3, n_requests=40, budget_share=0.5, seed=3))
+TINY = affinity.SMOKE
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory, redis_url: str
            ) -> Iterator[dict[str, Any]]:
-    """One run through the CLI entry point, as ``sitsq bench affinity --quick`` does."""
+    """One run through the CLI entry point, as ``sitsq bench affinity --smoke`` does."""
     out = tmp_path_factory.mktemp("affinity") / "affinity.json"
     zoo = tmp_path_factory.mktemp("zoo")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(affinity, "QUICK", TINY)
-        assert affinity.main(["--quick", "--json", str(out), "--redis-url", redis_url,
-                              "--zoo", str(zoo)]) == 0
+    assert affinity.main(["--smoke", "--json", str(out), "--redis-url", redis_url,
+                          "--zoo", str(zoo)]) == 0
     yield json.loads(out.read_text())
 
 

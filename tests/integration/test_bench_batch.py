@@ -6,18 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from sits_queue.bench import batch
-from sits_queue.bench.batch import Shape
 
-TINY = Shape(batches_per_size=1, controller_calls=1, texts_per_call=96)
+TINY = batch.SMOKE
 
 
-def test_frontier_and_controller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_frontier_and_controller(tmp_path: Path) -> None:
     out = tmp_path / "batch.json"
-    monkeypatch.setattr(batch, "QUICK", TINY)
-    assert batch.main(["--quick", "--json", str(out), "--zoo", str(tmp_path / "zoo")]) == 0
+    assert batch.main(["--smoke", "--json", str(out), "--zoo", str(tmp_path / "zoo")]) == 0
     result = json.loads(out.read_text())
     assert set(result) == {"points", "controller", "best_fixed_under_target", "ratios", "meta"}
     points = result["points"]

@@ -19,20 +19,18 @@ import redis
 from sits_queue.bench import coldstart
 from sits_queue.bench.coldstart import REQUIRED, Shape
 
-#: Seed 1 gives a 4/4 stream over the two models with six model changes (see the test).
-TINY = Shape(n_models=2, n_requests=8, seed=1)
+#: ``--smoke``'s: seed 1 gives a 4/4 stream over the two models with six model changes.
+TINY = coldstart.SMOKE
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory, redis_url: str
            ) -> Iterator[dict[str, Any]]:
-    """One run through the CLI entry point, as ``sitsq bench coldstart --quick`` does."""
+    """One run through the CLI entry point, as ``sitsq bench coldstart --smoke`` does."""
     out = tmp_path_factory.mktemp("coldstart") / "coldstart.json"
     zoo = tmp_path_factory.mktemp("zoo")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(coldstart, "QUICK", TINY)
-        assert coldstart.main(["--quick", "--json", str(out), "--redis-url", redis_url,
-                               "--zoo", str(zoo)]) == 0
+    assert coldstart.main(["--smoke", "--json", str(out), "--redis-url", redis_url,
+                           "--zoo", str(zoo)]) == 0
     yield json.loads(out.read_text())
 
 
@@ -54,7 +52,8 @@ def test_json_has_every_system_ratio_and_meta(result: dict[str, Any]) -> None:
                                      "throughput_vs_load_per_task",
                                      "first_token_spread_vs_lru"}
     meta = result["meta"]
-    assert meta["quick"] is True and meta["requests"] == TINY.n_requests
+    assert meta["quick"] is True and meta["smoke"] is True
+    assert meta["requests"] == TINY.n_requests
     assert meta["concurrency"] == 1 and meta["device"] == "cpu"
     assert len(meta["models"]) == TINY.n_models
     assert {"date", "budget", "warm_model", "targets"} <= set(meta)

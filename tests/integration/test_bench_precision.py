@@ -9,16 +9,14 @@ from pathlib import Path
 import pytest
 
 from sits_queue.bench import precision
-from sits_queue.bench.precision import Shape
 from sits_queue.options import PRECISIONS
 
-TINY = Shape(texts=40, prompts=2, new_tokens=4)
+TINY = precision.SMOKE
 
 
-def test_both_models_at_every_precision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_both_models_at_every_precision(tmp_path: Path) -> None:
     out = tmp_path / "precision.json"
-    monkeypatch.setattr(precision, "QUICK", TINY)
-    assert precision.main(["--quick", "--json", str(out), "--zoo", str(tmp_path / "zoo")]) == 0
+    assert precision.main(["--smoke", "--json", str(out), "--zoo", str(tmp_path / "zoo")]) == 0
     result = json.loads(out.read_text())
     assert set(result) == {"encoder", "lm", "ratios", "meta"}
     for model, unit in (("encoder", "texts_per_s"), ("lm", "tokens_per_s")):

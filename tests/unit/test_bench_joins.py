@@ -7,19 +7,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from sits_queue.bench import joins as bench
-from sits_queue.bench.joins import Shape
 
-TINY = Shape(prompts=44, repeats=1)
+TINY = bench.SMOKE
 
 
-def test_both_ways_decode_every_prompt_alike(tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_both_ways_decode_every_prompt_alike(tmp_path: Path) -> None:
     out = tmp_path / "joins.json"
-    monkeypatch.setattr(bench, "QUICK", TINY)
-    assert bench.main(["--quick", "--json", str(out), "--zoo", str(tmp_path / "zoo")]) == 0
+    assert bench.main(["--smoke", "--json", str(out), "--zoo", str(tmp_path / "zoo")]) == 0
     result = json.loads(out.read_text())
     assert result["static"]["done"] == result["joined"]["done"] == TINY.prompts
     assert result["same_texts"] is True

@@ -78,6 +78,35 @@ def test_every_bench_offers_the_same_options() -> None:
         assert "--quick" in helped and "--json" in helped and "FLUSHES" in helped
 
 
+def test_smoke_is_offered_where_a_benchmark_has_its_shape_and_reaches_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from sits_queue.bench import batch, coldstart
+
+    for name in cli._SMOKED:
+        assert "--smoke" in CliRunner().invoke(cli.main, ["bench", name, "--help"]).output
+    assert "--smoke" not in CliRunner().invoke(cli.main, ["bench", "ab", "--help"]).output
+    out = CliRunner().invoke(cli.main, ["bench", "ab", "--smoke"])
+    assert out.exit_code == 2 and "No such option '--smoke'" in out.output
+    out = CliRunner().invoke(cli.main, ["bench", "batch", "--quick", "--smoke"])
+    assert out.exit_code == 2 and "--quick and --smoke are two sizes" in out.output
+    seen: list[dict[str, Any]] = []
+
+    def run(**kwargs: Any) -> dict[str, Any]:
+        seen.append(kwargs)
+        return {"meta": {}}
+
+    monkeypatch.setattr(batch, "run", run)
+    monkeypatch.setattr(batch, "table", lambda result: "table")
+    out = CliRunner().invoke(cli.main, ["bench", "batch", "--smoke"])
+    assert out.exit_code == 0, out.output
+    assert seen == [{"quick": True, "redis_url": None, "zoo_root": None,
+                     "shape": batch.SMOKE}]
+    assert '"smoke": true' in out.output
+    # the module's own command line refuses both sizes too
+    with pytest.raises(SystemExit):
+        coldstart.main(["--quick", "--smoke"])
+
+
 @pytest.mark.parametrize(("env", "line"), [
     ({"SITS_SLICE_MS": "abc"}, "Error: SITS_SLICE_MS='abc' is not a valid float"),
     ({"SITS_CONFIG": "/nonexistent/sits.toml"},
