@@ -16,10 +16,14 @@ STAMP  := $(VENV)/.sits-installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned: the CPU build; the inference extra must not pull a CUDA one.
-	# --no-compile: pip byte-compiles every file it installs (torch's thousands: half of
-	# the set-up's time); Python compiles the modules a run imports, once, as it goes.
+	# pip byte-compiles what it installs one file at a time (torch's thousands: half of the
+	# set-up); compileall does it on every core. It must be done here: with
+	# PYTHONDONTWRITEBYTECODE set (CI sets it) no import writes a .pyc, and every worker
+	# process would compile torch again. Like pip's, it skips files that do not compile
+	# (torch ships a Python 3.12-only test helper): they fail only if imported.
 	$(BIN)/pip install --quiet --no-compile $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "torch==2.13.0"
 	$(BIN)/pip install --quiet --no-compile -e ".[dev,inference,otel]"
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
 	touch $(STAMP)
 
 demo: $(STAMP)
