@@ -443,12 +443,15 @@ class SitsCelery(Celery):  # type: ignore[misc]
         return decorate
 
     def batch_inference_task(self, *, model: str | None = None, max_batch: int | None = None,
+                             work: Callable[..., float] | None = None,
                              **options: Any) -> Callable[[F], Any]:
         """Decorator for a batch task: ``fun(engine, calls) -> outputs``, one output per
         call in order (an exception instance fails that call alone); callers submit one
         call per task (``fun.delay(text)``). Tasks of the same model and class that wait
         together run as one batch of at most ``max_batch`` (default ``batch_max_tasks``);
-        see ``sits_queue/workers/batched.py``.
+        see ``sits_queue/workers/batched.py``. ``work(*args, **kwargs)``: a call's share
+        of a batch's time, from its arguments (default 1 per call), for the batch's time
+        budget (``workers/batchtime.py``).
         """
         from sits_queue.config import MAX_BATCH_TASKS
         from sits_queue.workers.batched import BatchInferenceTask
@@ -468,9 +471,14 @@ class SitsCelery(Celery):  # type: ignore[misc]
                             "a call alone by returning an exception in its place, and "
                             "retry from the caller")
 
+        if work is not None and not callable(work):
+            raise TypeError(f"work must be a callable of a call's arguments, got {work!r}")
+
         def decorate(fun: F) -> Any:
             setattr(fun, ENGINE_ARG, True)
+            # (a function as a class attribute would be bound to the task)
             return self.task(base=BatchInferenceTask, model=model, max_batch=most,
+                             batch_work=None if work is None else staticmethod(work),
                              **options)(fun)
 
         return decorate

@@ -215,6 +215,10 @@ class SitsConfig:
     batch_join: str = "auto"
     #: ...during the first this many s of its run.
     batch_join_s: float = 10.0
+    #: A batch's time budget (``workers/batchtime.py``): a gathered batch runs only the
+    #: calls expected to finish within this share of its time limit, from what its key's
+    #: last batches took; the rest go back to their queue for the next batch (0: no cut).
+    batch_time_share: float = 0.8
     #: Sites (§2.3, ``priority/sites.py``): this site's name ("" = one site, no sync)...
     site: str = ""
     #: ...its peers, ``name=redis://...`` separated by spaces (``?hops=N&rtt_ms=X`` in a
@@ -297,6 +301,9 @@ class SitsConfig:
         if not checks.is_number(self.batch_join_s) or not 0 < self.batch_join_s < 86_400:
             raise ConfigError(f"batch_join_s must be in (0, 86400) s, got "
                               f"{self.batch_join_s!r}")
+        if not checks.is_number(self.batch_time_share) or not 0 <= self.batch_time_share <= 1:
+            raise ConfigError(f"batch_time_share must be in [0, 1] (0: no cut), got "
+                              f"{self.batch_time_share!r}")
         checks.positive("int8_max_kl", self.int8_max_kl)
         self._check_sites()
         checks.integer("embed_cache_entries", self.embed_cache_entries, 10_000_000, " (0: off)")

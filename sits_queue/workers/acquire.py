@@ -20,6 +20,15 @@ def cold_meta(cold: Any, ctx_ms: float) -> dict[str, Any]:
             "evicted": list(cold.evicted), "demoted": list(cold.demoted)}
 
 
+def cold_seconds(meta: dict[str, Any]) -> float:
+    """What a run's cold start took (context, load, promotion, warm-up), s, from its
+    ``sits`` meta; 0 for a warm one."""
+    if not meta.get("cold"):
+        return 0.0
+    return sum(float(meta.get(phase) or 0.0)
+               for phase in ("cuda_ctx_ms", "load_ms", "promote_ms", "warmup_ms")) / 1000.0
+
+
 def acquire(rt: runtime.ChildRuntime, model: str, precision: str | None = None
             ) -> tuple[Any, Any, dict[str, Any] | None]:
     """The warm engine for ``model`` at ``precision``, how cold its start was, and what

@@ -49,7 +49,7 @@ from weakref import ref
 from billiard.exceptions import Terminated
 from celery import bootsteps, current_app
 from celery.app.trace import fast_trace_task, trace_task_ret
-from celery.exceptions import TaskRevokedError
+from celery.exceptions import SoftTimeLimitExceeded, TaskRevokedError
 from celery.worker import state
 from kombu.serialization import loads
 
@@ -58,7 +58,7 @@ from sits_queue.broker import intake
 from sits_queue.broker.keys import DELIVERY_HEADER, batch_mark, batch_units
 from sits_queue.errors import InferenceError, InvalidInput
 from sits_queue.options import HEADER
-from sits_queue.workers import advertise, inference, joins, metrics, runtime
+from sits_queue.workers import acquire, advertise, batchbudget, inference, joins, metrics, runtime
 from sits_queue.workers import request as admission
 from sits_queue.workers.request import SitsRequest
 
@@ -106,14 +106,16 @@ _outcomes: dict[str, tuple[Any, Mapping[str, Any]]] = {}
 
 
 def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
-              ) -> list[tuple[Any, Any, float] | None]:
+              ) -> tuple[list[tuple[Any, Any, float] | None], dict[str, Any]]:
     """Pool job: the batch's calls in one run, then Celery's tracer per task.
 
     ``given`` are the arguments Celery's own job would have had per task (name, id,
     request, body, content type, encoding). Returns what that job returns, per task,
-    each with the batch's run time. ``join`` (a batch that takes joins, ``joins.py``):
-    its join list's keys, its capacity in rows and for how long it takes joins, s; the
-    jobs that joined are returned after the batch's own, None for each it declined.
+    each with the batch's run time, and the run's timing for the batch's time budget
+    (``batchtime.py``): its seconds without the cold start, and whether its time limit
+    stopped it. ``join`` (a batch that takes joins, ``joins.py``): its join list's keys,
+    its capacity in rows and for how long it takes joins, s; the jobs that joined are
+    returned after the batch's own, None for each it declined.
     """
     began = time.monotonic()
     app = current_app._get_current_object()
@@ -152,7 +154,7 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
     try:
         # its own span: the members' run spans begin only as each is traced, after it
         with tracing.batch_span(f"run_batch/{task.name}", [job[2] for job in jobs], said):
-            outcomes = _run(task, calls, jobs[0][2], early, feed)
+            outcomes, timing = _run(task, calls, jobs[0][2], early, feed)
         declined = feed.declined if feed is not None else set()
         _outcomes.update({c.id: (outcomes[c.id], said) for i, c in enumerate(calls)
                           if i not in traced and i not in declined})
@@ -162,7 +164,8 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
         for call in calls:
             _outcomes.pop(call.id, None)
     elapsed = time.monotonic() - began
-    return [None if r is None else (r[0], r[1], elapsed) for r in results]
+    timing["seconds"] = max(0.0, elapsed - timing.pop("cold_s"))
+    return [None if r is None else (r[0], r[1], elapsed) for r in results], timing
 
 
 def _feed(app: Any, join: dict[str, Any], add: Callable[[tuple[Any, ...]], tuple[int, Call]]
@@ -179,11 +182,12 @@ def _feed(app: Any, join: dict[str, Any], add: Callable[[tuple[Any, ...]], tuple
 
 def _run(task: Any, calls: list[Call], request: dict[str, Any],
          early: Callable[[int, Any, dict[str, Any]], bool] | None = None,
-         feed: joins.Feed | None = None) -> dict[str, Any]:
+         feed: joins.Feed | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The batch through ``run_inference`` (engine, limits, accounting) under the first
     task's request; every call's outcome (the error of a failed run fails them all but
-    those ``early`` took before it failed, and those ``feed`` declined). Calls that join
-    on the way (``feed``) are appended to ``calls``; their outcomes go through ``early``."""
+    those ``early`` took before it failed, and those ``feed`` declined), and the run's
+    cold start, s, and whether its time limit stopped it. Calls that join on the way
+    (``feed``) are appended to ``calls``; their outcomes go through ``early``."""
     own = list(calls)
     delivered: set[int] = set()
     failed: list[str] = []  # reasons, one per failed call, counted once each
@@ -210,7 +214,8 @@ def _run(task: Any, calls: list[Call], request: dict[str, Any],
     except Exception as exc:  # SoftTimeLimitExceeded too: each call fails with it
         # (run_inference counted it for the calls not delivered)
         _count(failed)
-        return {c.id: exc for c in calls}
+        return ({c.id: exc for c in calls},
+                {"cold_s": 0.0, "cut_short": isinstance(exc, SoftTimeLimitExceeded)})
     finally:
         task.pop_request()
         if feed is not None:  # before the tracing: what is pushed from now runs apart
@@ -224,7 +229,9 @@ def _run(task: Any, calls: list[Call], request: dict[str, Any],
         if i not in delivered and i not in declined:
             fail(outcomes[call.id])
     _count(failed)
-    return outcomes
+    # (a generation's own check between steps fails the rows still going, one by one)
+    stopped = any(isinstance(o, SoftTimeLimitExceeded) for o in outcomes.values())
+    return outcomes, {"cold_s": acquire.cold_seconds(result["sits"]), "cut_short": stopped}
 
 
 def _count(failed: list[str]) -> None:
@@ -261,6 +268,8 @@ class BatchInferenceTask(inference.InferenceTask):
     #: (``joins.py``): only a function that reads joining calls does (the built-in
     #: generation batch, ``batchgen.py``).
     joins = False
+    #: ``work(*args, **kwargs) -> float``: a call's share of a batch's time (None: 1).
+    batch_work: Callable[..., float] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         task_id = self.request.id
@@ -343,7 +352,8 @@ def _execute_batched(self: Any, pool: Any, **kwargs: Any) -> Any:
     runnable = [m for m in members if _admitted(m)]
     if not runnable:
         raise TaskRevokedError(self.id)  # frees the pool slot it was given
-    return submit(runnable, pool)
+    # (the calls that would not fit the batch's time limit go back to their queue)
+    return submit(batchbudget.cut(runnable), pool)
 
 
 def _admitted(request: Any) -> bool:
@@ -423,6 +433,8 @@ def submit(requests: list[Any], pool: Any) -> Any:
             terminated = method == "on_failure" and isinstance(
                 admission.failure_of(args[0] if args else kwargs.get("exc_info")),
                 Terminated)
+            if method == "on_timeout" and hard:  # killed: the child says nothing more
+                batchbudget.stopped(requests[:own])
             for request in served(error and hard):
                 if error and hard and len(requests) > 1 and _finished(request):
                     continue
@@ -435,7 +447,11 @@ def submit(requests: list[Any], pool: Any) -> Any:
                 getattr(request, method)(*args, **kwargs)
         return call
 
-    def done(results: Any) -> None:
+    def done(ran: Any) -> None:
+        results, timing = ran
+        if len(results) == own:  # (one that took joins ran more than its own calls)
+            (batchbudget.stopped if timing["cut_short"] else batchbudget.ran)(
+                requests[:own], timing["seconds"])
         rest: list[Any] = []
         if join is not None and setup is not None:
             _, rest = joins.finish(first.id, setup.client, taken=len(results) - own)

@@ -14,6 +14,11 @@ from sits_queue.workers.batched import Call, arguments
 _EMBED = inspect.signature(inference.embed)
 
 
+def texts_of(texts: Any = None, *_args: Any, **_kwargs: Any) -> float:
+    """A call's share of a batch's time (``batchtime.py``): its texts."""
+    return float(len(texts)) if isinstance(texts, (list, tuple)) else 1.0
+
+
 def embed_calls(engine: Any, calls: list[Call]) -> list[Any]:
     """``sits.embed`` over a batch: the texts of every call that asks for the same
     normalisation go through :func:`~sits_queue.workers.inference.embed` together (its

@@ -64,6 +64,18 @@ def generate_batched(engine: Any, prompt: str, max_new_tokens: int = 32,
 _GENERATE = inspect.signature(generate_batched)
 
 
+def tokens_asked(*args: Any, **kwargs: Any) -> float:
+    """A call's share of a batch's time (``batchtime.py``): the tokens it asks for (its
+    rows leave the batch when done, so a batch's decode steps add up its rows' tokens).
+    Arguments that do not bind count as the default: the call fails on its own."""
+    default = _GENERATE.parameters["max_new_tokens"].default
+    try:
+        asked = _GENERATE.bind(None, *args, **kwargs).arguments.get("max_new_tokens", default)
+    except TypeError:
+        asked = default
+    return float(asked if isinstance(asked, int) and asked > 0 else default)
+
+
 @dataclass(frozen=True)
 class _Row:
     """One call of a generation batch: where its output goes, its prompt's token ids and

@@ -539,9 +539,11 @@ def register(app: Any) -> dict[str, Any]:
 
     tasks: dict[str, Callable[..., Any]] = {
         "generate": app.inference_task(name="sits.generate", shared=False)(generate),
-        "embed": app.batch_inference_task(name="sits.embed", shared=False)(batchembed.embed_calls),
+        "embed": app.batch_inference_task(name="sits.embed", shared=False,
+                                          work=batchembed.texts_of)(batchembed.embed_calls),
         "generate_batched": app.batch_inference_task(
-            name="sits.generate_batched", shared=False, joins=True)(batchgen.generate_calls),
+            name="sits.generate_batched", shared=False, joins=True,
+            work=batchgen.tokens_asked)(batchgen.generate_calls),
         "prewarm": app.inference_task(name=PREWARM_TASK, shared=False)(prewarm),
     }
     return tasks

@@ -280,6 +280,31 @@ def test_a_hard_time_limit_fails_the_batch_and_the_child_is_replaced(
     assert after["output"]["tag"] == "after-kill"
 
 
+def test_a_batch_that_missed_its_soft_limit_is_cut_so_the_next_ones_fit(
+        app: Celery, worker: CeleryProcess, waiting: dict[str, Any]) -> None:
+    from sits_queue.broker.bulk import enqueue_many
+
+    _settled(waiting)
+    echo = app.tasks["t.batch_echo"]
+    # (limits of their own: a batch key no other test's batches taught anything)
+    limits = {"soft_time_limit": 2, "time_limit": 31}
+    # Eight calls of 0.3 s each, waiting together: one batch of 8 needs 2.4 s. Nothing
+    # is known of the key yet, so it runs whole, and its soft limit fails every call
+    missed = enqueue_many(echo, [("sleep:0.3",)] * BATCH_ECHO_MAX, **limits)
+    for task_id in missed:
+        with pytest.raises(SoftTimeLimitExceeded):
+            app.AsyncResult(task_id).get(timeout=CALL_S)
+    # The same eight again: the worker learned that 8 needed over 2 s, so it runs only
+    # as many as fit 80% of the limit and gives the rest back to the queue for the next
+    # batch: every call succeeds, still in batches
+    again = enqueue_many(echo, [("sleep:0.3",)] * BATCH_ECHO_MAX, **limits)
+    got = [app.AsyncResult(task_id).get(timeout=CALL_S) for task_id in again]
+    sizes = [g["output"]["size"] for g in got]
+    assert 1 < max(sizes) < BATCH_ECHO_MAX, sizes
+    _logged(worker, f"batch of {BATCH_ECHO_MAX} t.batch_echo tasks cut to ")
+    assert "went back to their queue" in worker.log()
+
+
 def _settled(waiting: dict[str, Any]) -> None:
     """Every task the module submitted before its worker started has ended (run alone,
     a test below would see them join its batch)."""

@@ -1,0 +1,180 @@
+"""A batch's time budget: the policy (``batchtime.py``) and the main process's cut
+(``batchbudget.py``) over stand-in requests; the real worker's in
+``tests/integration/test_batched.py``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from sits_queue.config import SitsConfig
+from sits_queue.errors import ConfigError
+from sits_queue.options import HEADER
+from sits_queue.workers import batchbudget
+from sits_queue.workers.batchembed import texts_of
+from sits_queue.workers.batchgen import tokens_asked
+from sits_queue.workers.batchtime import WINDOW, Run, Times, fitting
+
+
+def test_nothing_is_cut_without_a_run_a_limit_or_a_share() -> None:
+    works = [1.0] * 10
+    assert fitting(None, works, 2.0, 0.8) == 10
+    assert fitting(Times(), works, 2.0, 0.8) == 10
+    slow = Times().record(Run(1.0, 5.0))
+    assert fitting(slow, works, None, 0.8) == 10
+    assert fitting(slow, works, 0.0, 0.8) == 10
+    assert fitting(slow, works, 2.0, 0.0) == 10
+    assert fitting(slow, [], 2.0, 0.8) == 0
+
+
+def test_the_longest_prefix_within_the_share_runs_and_at_least_one() -> None:
+    times = Times().record(Run(4.0, 1.0))  # 0.25 s a unit
+    assert fitting(times, [1.0] * 10, 2.0, 0.8) == 6  # 1.5 s of the 1.6 allowed
+    assert fitting(times, [1.0] * 6, 2.0, 0.8) == 6
+    # units weigh: a call asking 4 units costs as much as four of one
+    assert fitting(times, [4.0, 1.0, 1.0, 1.0], 2.0, 0.8) == 3
+    # one call over the budget alone still runs (it fails or not on its own)
+    assert fitting(times, [100.0, 1.0], 2.0, 0.8) == 1
+
+
+def test_a_run_stopped_at_its_limit_counts_twice_the_limit() -> None:
+    stopped = Times().record(Run(8.0, 2.0, cut_short=True))
+    assert stopped.per_unit_s() == pytest.approx(0.5)
+    assert fitting(stopped, [1.0] * 8, 2.0, 0.8) == 3  # share / 2 of the 8 that failed
+
+
+def test_the_median_of_the_last_runs_is_the_estimate() -> None:
+    times = Times()
+    for seconds in (1.0, 9.0, 2.0):  # per unit: 1, 9, 2
+        times = times.record(Run(1.0, seconds))
+    assert times.per_unit_s() == 2.0
+    for _ in range(WINDOW):
+        times = times.record(Run(2.0, 1.0))
+    assert len(times.runs) == WINDOW and times.per_unit_s() == 0.5
+    # an empty or unmeasured run teaches nothing
+    assert times.record(Run(0.0, 1.0)) is times and times.record(Run(1.0, -1.0)) is times
+
+
+def test_the_built_in_tasks_weigh_texts_and_tokens_asked() -> None:
+    assert texts_of(["a", "b", "c"]) == 3.0 and texts_of("one") == 1.0
+    assert texts_of(["a"], normalize=False) == 1.0 and texts_of() == 1.0
+    assert tokens_asked("p", 64) == 64.0 and tokens_asked("p", max_new_tokens=5) == 5.0
+    assert tokens_asked("p") == 32.0  # the default
+    # malformed arguments (the call fails on its own in the batch) weigh the default
+    assert tokens_asked("p", max_new_tokens=-3) == 32.0
+    assert tokens_asked("p", max_new_tokens="lots") == 32.0
+    assert tokens_asked(nope=1) == 32.0
+
+
+def test_batch_time_share_is_checked() -> None:
+    assert SitsConfig().batch_time_share == 0.8
+    assert SitsConfig.from_env({"SITS_BATCH_TIME_SHARE": "0"}).batch_time_share == 0.0
+    for bad in ("1.5", "-0.1", "nan"):
+        with pytest.raises(ConfigError, match="batch_time_share must be"):
+            SitsConfig.from_env({"SITS_BATCH_TIME_SHARE": bad})
+
+
+# -- the main process's cut, over stand-in requests ----------------------------------------
+
+@dataclass
+class App:
+    sits: SitsConfig = field(default_factory=SitsConfig)
+
+
+@dataclass
+class Task:
+    app: App
+    batch_work: Any = None
+    soft_time_limit: float | None = None
+    time_limit: float | None = None
+
+
+@dataclass
+class Request:
+    task: Task
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    key: str | None = "k"
+    time_limits: tuple[float | None, float | None] = (30.0, 2.0)  # hard, soft
+    name: str = "t.batch"
+
+    @property
+    def request_dict(self) -> dict[str, Any]:
+        return {HEADER: {"batch": self.key}} if self.key is not None else {}
+
+
+@pytest.fixture
+def given_back(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
+    back: list[Any] = []
+    monkeypatch.setattr(batchbudget.admission, "_give_back", back.append)
+    monkeypatch.setattr(batchbudget, "_times", {})
+    yield back
+
+
+def requests(n: int, **kwargs: Any) -> list[Request]:
+    task = kwargs.pop("task", None) or Task(App())
+    return [Request(task, (f"call {i}",), **kwargs) for i in range(n)]
+
+
+def test_a_batch_is_cut_after_its_key_missed_its_limit(given_back: list[Any]) -> None:
+    first = requests(8)
+    assert batchbudget.cut(first) == first and not given_back  # nothing known yet
+    batchbudget.stopped(first)  # the pool stopped it at its 2 s soft limit
+    again = requests(8)
+    assert batchbudget.cut(again) == again[:3]
+    assert given_back == again[3:]
+    # it ran: 3 calls in 0.6 s; the median of 0.5 and 0.2 s a call fits 4 now
+    batchbudget.ran(again[:3], 0.6)
+    assert len(batchbudget.cut(requests(8))) == 4
+
+
+def test_keys_limits_and_shares_are_each_batchs_own(given_back: list[Any]) -> None:
+    batchbudget.stopped(requests(8))
+    # another key learned nothing; a batch with no key or a share of 0 is never cut
+    assert len(batchbudget.cut(requests(8, key="other"))) == 8
+    assert len(batchbudget.cut(requests(8, key=None))) == 8
+    off = Task(App(SitsConfig(batch_time_share=0.0)))
+    assert len(batchbudget.cut(requests(8, task=off))) == 8
+    # no soft limit: the hard one is the budget (30 s: all 8 fit)
+    assert len(batchbudget.cut(requests(8, time_limits=(30.0, None)))) == 8
+    # no limit on the message or the task: nothing to fit
+    assert len(batchbudget.cut(requests(8, time_limits=(None, None)))) == 8
+    assert not given_back
+
+
+def test_a_work_function_that_raises_or_lies_counts_one(given_back: list[Any]) -> None:
+    def work(text: str) -> float:
+        if text == "call 0":
+            raise ValueError("not a text it knows")
+        return float("nan") if text == "call 1" else 4.0
+
+    task = Task(App(), batch_work=work)
+    calls = requests(4, task=task)
+    assert [batchbudget.work_of(r) for r in calls] == [1.0, 1.0, 4.0, 4.0]
+    batchbudget.ran(calls, 2.0)  # 10 units in 2 s: 0.2 s a unit
+    assert len(batchbudget.cut(requests(4, task=task))) == 3  # 1 + 1 + 4 units: 1.2 s
+
+
+def test_a_batch_tasks_work_is_its_own_function_and_must_be_callable() -> None:
+    from sits_queue.app import make_app
+
+    app = make_app(SitsConfig(redis_url="redis://127.0.0.1:1/0"), main="batchtime_unit")
+
+    @app.batch_inference_task(model="m", work=lambda text, n=1: float(n))
+    def weighed(engine: Any, calls: list[Any]) -> list[Any]:
+        return [None for _ in calls]
+
+    @app.batch_inference_task(model="m")
+    def plain(engine: Any, calls: list[Any]) -> list[Any]:
+        return [None for _ in calls]
+
+    # (not bound to the task: a call's arguments are all it gets)
+    assert app.tasks[weighed.name].batch_work("a text", n=3) == 3.0
+    assert app.tasks[plain.name].batch_work is None
+    assert app.tasks["sits.embed"].batch_work(["a", "b"]) == 2.0
+    assert app.tasks["sits.generate_batched"].batch_work("p", 7) == 7.0
+    with pytest.raises(TypeError, match="work must be a callable"):
+        app.batch_inference_task(model="m", work=3)  # type: ignore[arg-type]
