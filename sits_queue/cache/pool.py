@@ -121,7 +121,7 @@ class ColdStart:
 
 
 _COUNTERS = ("gets", "hits_device", "hits_host", "loads", "promotions", "demotions",
-             "evictions", "load_failures", "too_large")
+             "evictions", "load_failures", "too_large", "in_use")
 _TIMERS = ("cuda_ctx_ms", "load_ms_total", "promote_ms_total", "warmup_ms_total")
 
 
@@ -252,7 +252,8 @@ class EngineCache:
         if busy is not None:
             if new is not None:
                 new.release()
-            self._counts["too_large"] += 1
+            # (its own count: the engine fits the budget, another task holds the room)
+            self._counts["in_use"] += 1
             raise EngineInUse(key, busy)
 
     def _ensure_context(self) -> float:

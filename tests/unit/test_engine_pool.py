@@ -517,6 +517,8 @@ def test_an_engine_a_task_uses_is_not_pushed_out_beneath_it() -> None:
         cache.get("a", loaders("a"))
     assert cache.warm() == {"a": "host", "b": "device"}
     assert_consistent(cache, loaders)
+    # each refusal counted as what it was, not as an engine too large for the device
+    assert cache.stats()["in_use"] == 2 and cache.stats()["too_large"] == 0
 
 
 def test_rekey_serves_an_engine_under_the_key_of_what_it_is() -> None:
