@@ -31,10 +31,10 @@ from sits_queue.config import SitsConfig
 from sits_queue.options import HEADER, UNCOUNTED_TASKS
 from sits_queue.priority.prewarm import MAX_CATCH_UP, bucket_of, demand_key
 from sits_queue.priority.rescore import counter_key, hot_key, latency_key
+from sits_queue.workers import advertise
 
 logger = logging.getLogger(__name__)
 
-_clients: dict[tuple[int, str], redis.Redis] = {}
 #: Completion records are flushed in batches: one round trip per task would sit on the
 #: critical path between a task's end and the slot's next pick.
 FLUSH_EVERY_RECORDS = 32
@@ -81,16 +81,6 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _client(config: SitsConfig) -> redis.Redis:
-    # Keyed by pid: a forked pool child must not reuse its parent's sockets; and by URL:
-    # a process with two configurations wrote both's statistics to the first's Redis.
-    key = (os.getpid(), config.redis_url)
-    client = _clients.get(key)
-    if client is None:
-        client = _clients[key] = redis.Redis.from_url(config.redis_url, socket_timeout=2)
-    return client
 
 
 def _due_at(request: Any) -> float | None:
@@ -183,7 +173,9 @@ def _write(records: list[_Record]) -> None:
 
 
 def _write_one(config: SitsConfig, records: list[_Record]) -> None:
-    pipe = _client(config).pipeline(transaction=False)
+    # (per pid and URL: a child's own sockets, and each app's statistics to its own
+    # Redis; a connect gives up after 2 s, so an exit flush cannot hang on a dead host)
+    pipe = advertise.client_for(config).pipeline(transaction=False)
     trims: dict[str, int] = {}
     expiries: dict[str, int] = {}
     for r in records:

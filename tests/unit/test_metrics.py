@@ -222,12 +222,13 @@ def test_a_scrape_says_when_it_could_not_read_redis() -> None:
 
 def test_each_redis_url_gets_its_own_client_in_a_process() -> None:
     from sits_queue.config import SitsConfig
-    from sits_queue.workers import advertise, signals
+    from sits_queue.workers import advertise
 
     # (cached per process only: a process with two configurations, or a test that
     # scraped an unreachable Redis, sent every later scrape to the first one's Redis)
     one, two = (SitsConfig(redis_url=f"redis://127.0.0.1:{port}/0") for port in (1, 2))
-    for get in (advertise.client_for, signals._client):
-        assert get(one).connection_pool.connection_kwargs["port"] == 1
-        assert get(two).connection_pool.connection_kwargs["port"] == 2
-        assert get(two) is get(two)
+    get = advertise.client_for  # (the task statistics' writes use it too)
+    assert get(one).connection_pool.connection_kwargs["port"] == 1
+    assert get(two).connection_pool.connection_kwargs["port"] == 2
+    assert get(two) is get(two)
+    assert get(one).connection_pool.connection_kwargs["socket_connect_timeout"] == 2
