@@ -33,8 +33,10 @@ APP_MODULE = "tests.integration.inference_app"
 ROOT = Path(__file__).resolve().parents[2]
 #: Causal LMs of one size (different seeds): the eviction test cycles through them.
 LMS = ("gpt", "lm-a", "lm-b", "lm-c")
-#: Per forward pass of the "slow" model, s: makes a long generation outlast a soft limit.
-SLOW_FORWARD_S = 0.02
+#: Per forward pass of the "slow" model, s: makes a long generation outlast a soft limit
+#: (a worker's env may set it: a test that weighs decode time against a limit wants the
+#: pause, not the busy host's scheduling, to make up most of a step).
+SLOW_FORWARD_S = float(os.environ.get("SITS_TEST_SLOW_FORWARD_S", "0.02"))
 #: Seconds the "slow-load" model's loader takes (past a 1 s soft limit).
 SLOW_LOAD_S = 2.0
 #: ``t.lengths``' pause per call, s: shards queue behind one another long enough to stop.

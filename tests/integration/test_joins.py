@@ -3,8 +3,12 @@ batch decodes join its freed rows, decode exactly what they would alone, and are
 when they are done; a task that would not finish before the batch's soft time limit is
 declined and runs after it; nothing is left behind in Redis.
 
-The batch runs on the "slow" model (the tiny GPT with a pause per forward), so it is
-still decoding when the later tasks arrive, however slow the machine.
+The batch runs on the "slow" model (the tiny GPT with a pause per forward, here 50 ms),
+so it is still decoding when the later tasks arrive, however slow the machine. Whether a
+row is declined, and whether it then finishes alone within its soft limit, are matters of
+decode time: the pause makes up most of a step, so the time a busy host's scheduling adds
+to each step (20 ms made a 20 ms pause's step 42 ms, past a 40 ms margin) moves them
+little.
 """
 
 from __future__ import annotations
@@ -25,17 +29,20 @@ from sits_queue.workers import metrics
 from tests.integration.inference_app import CALL_S, FIRST_CALL_S, serving
 from tests.waiting import wait_for
 
-#: The long row (tokens) and its soft limit, s: it runs ~120 x 20 ms = 2.4 s, well inside.
-LONG, SOFT_S = 120, 8
+#: The pause per forward of the "slow" model here, s.
+STEP_S = 0.05
+#: The long row (tokens) and its soft limit, s: it runs ~60 x 50 ms = 3 s, well inside.
+LONG, SOFT_S = 60, 8
 #: The time limits of every row here: tasks join a batch of their own key, which names
 #: them (a task that set other limits would have run under the batch's).
 LIMITS = {"soft_time_limit": SOFT_S, "time_limit": 60}
 #: Rows submitted while it decodes: prompt, max_new_tokens, temperature, seed. The last
-#: would take ~200 x 20 ms = 4 s (more on a busy host: the join measures the batch's
-#: steps), more than half of what is left before the long row's soft limit: declined,
-#: it runs after the batch, alone, within its own 8 s at up to 40 ms a step.
+#: would take at least 90 x 50 ms = 4.5 s (more on a busy host: the join measures the
+#: batch's steps), more than half of the at most 8 s left before the long row's soft
+#: limit: declined, it runs after the batch, alone, within its own 8 s at up to 88 ms a
+#: step (the pause's 50 and 38 more).
 LATER = [("the worker keeps", 4, 0.0, 0), ("a queue of work", 6, 1.3, 5),
-         ("one long continuation", 200, 0.0, 0)]
+         ("one long continuation", 90, 0.0, 0)]
 
 
 def gen(app: Celery, prompt: str, n: int, temperature: float = 0.0, seed: int = 0,
@@ -51,7 +58,8 @@ def worker(tmp_path_factory: pytest.TempPathFactory, redis_url: str, config_path
     """One worker, one child, joins on (``auto`` takes them only on GPUs), the slow model
     loaded (a cold start must not eat the long row's time limit)."""
     with serving(redis_url, config_path, models_dir, tmp_path_factory.mktemp("joins-logs"),
-                 app, env={"SITS_BATCH_JOIN": "on"}, name="joins") as proc:
+                 app, env={"SITS_BATCH_JOIN": "on", "SITS_TEST_SLOW_FORWARD_S": str(STEP_S)},
+                 name="joins") as proc:
         gen(app, "warm up", 1).get(timeout=FIRST_CALL_S)
         yield proc
 
@@ -128,13 +136,13 @@ def test_a_soft_limit_fails_the_rows_still_going_and_keeps_the_joined_ones_done(
         later: list[AsyncResult]) -> None:
     for result in later:  # the module's first batch and its rerun are over
         result.get(timeout=CALL_S)
-    # ~200 x 20 ms = 4 s asked for, a 1.5 s soft limit: it stops mid-way
+    # ~200 x 50 ms = 10 s asked for, a 1.5 s soft limit: it stops mid-way
     doomed_limits = {"soft_time_limit": 1.5, "time_limit": 30}
     doomed = gen(app, "a row that runs out of time", 200, **doomed_limits)
     waiting = QueueKeys.for_queue("celery").waiting
     wait_for(lambda: r.zcard(waiting) == 0, timeout_s=CALL_S,
              what="the worker to take the doomed row")
-    # joins (3 x 20 ms fits) and is done well before
+    # joins (3 x 50 ms fits) and is done well before
     quick = gen(app, "in and out", 3, **doomed_limits)
     got = quick.get(timeout=CALL_S)
     assert got["sits"]["batch"]["joined"] is True and got["output"]["tokens"] == 3
