@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -14,8 +15,11 @@ from sits_queue.workers import request as admission
 
 logger = logging.getLogger(__name__)
 
-#: Each batch key's recent runs (this worker's main process).
-_times: dict[str, batchtime.Times] = {}
+#: Each batch key's recent runs (this worker's main process), the least recently used
+#: key dropped past :data:`MOST_KEYS` (a key includes its limits: callers that vary them
+#: per call would add one a call).
+_times: OrderedDict[str, batchtime.Times] = OrderedDict()
+MOST_KEYS = 1024
 
 
 def key_of(request: Any) -> str | None:
@@ -56,6 +60,10 @@ def cut(members: list[Any]) -> list[Any]:
     uncounted (``batchtime.fitting``)."""
     if len(members) < 2 or (key := key_of(members[0])) is None:
         return members
+    if any(getattr(m, "time_start", None) for m in members):
+        # joins the batch they were pushed to did not take, run apart: already started
+        # (events sent, acked early for a task without acks_late), they must run here
+        return members
     limit = limit_of(members[0])
     keep = batchtime.fitting(_times.get(key), [work_of(m) for m in members], limit,
                              share_of(members[0]))
@@ -89,4 +97,6 @@ def _record(requests: list[Any], seconds: float | None, cut_short: bool) -> None
     if key is None or seconds is None:
         return
     run = batchtime.Run(sum(work_of(r) for r in requests), float(seconds), cut_short)
-    _times[key] = _times.get(key, batchtime.Times()).record(run)
+    _times[key] = _times.pop(key, batchtime.Times()).record(run)
+    while len(_times) > MOST_KEYS:
+        _times.popitem(last=False)

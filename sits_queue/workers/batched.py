@@ -215,7 +215,10 @@ def _run(task: Any, calls: list[Call], request: dict[str, Any],
         # (run_inference counted it for the calls not delivered)
         _count(failed)
         return ({c.id: exc for c in calls},
-                {"cold_s": 0.0, "cut_short": isinstance(exc, SoftTimeLimitExceeded)})
+                # (a run that failed otherwise, a load or the memory, says nothing of
+                # how long its calls take: the budget leaves it out)
+                {"cold_s": 0.0, "cut_short": isinstance(exc, SoftTimeLimitExceeded),
+                 "failed": not isinstance(exc, SoftTimeLimitExceeded)})
     finally:
         task.pop_request()
         if feed is not None:  # before the tracing: what is pushed from now runs apart
@@ -449,9 +452,10 @@ def submit(requests: list[Any], pool: Any) -> Any:
 
     def done(ran: Any) -> None:
         results, timing = ran
-        if len(results) == own:  # (one that took joins ran more than its own calls)
+        if not timing.get("failed"):  # every call it served, joined ones included
             (batchbudget.stopped if timing["cut_short"] else batchbudget.ran)(
-                requests[:own], timing["seconds"])
+                [r for r, o in zip(requests, results, strict=False) if o is not None],
+                timing["seconds"])
         rest: list[Any] = []
         if join is not None and setup is not None:
             _, rest = joins.finish(first.id, setup.client, taken=len(results) - own)

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,7 +112,7 @@ class Request:
 def given_back(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
     back: list[Any] = []
     monkeypatch.setattr(batchbudget.admission, "_give_back", back.append)
-    monkeypatch.setattr(batchbudget, "_times", {})
+    monkeypatch.setattr(batchbudget, "_times", OrderedDict())
     yield back
 
 
@@ -178,3 +180,103 @@ def test_a_batch_tasks_work_is_its_own_function_and_must_be_callable() -> None:
     assert app.tasks["sits.generate_batched"].batch_work("p", 7) == 7.0
     with pytest.raises(TypeError, match="work must be a callable"):
         app.batch_inference_task(model="m", work=3)  # type: ignore[arg-type]
+
+
+def test_members_already_started_are_never_given_back(given_back: list[Any]) -> None:
+    """(joins a batch did not take run apart after their started event: acked already
+    without acks_late, a give-back would lose them)"""
+    batchbudget.stopped(requests(8))
+    leftovers = requests(8)
+    leftovers[5].time_start = 1.0  # type: ignore[attr-defined]
+    assert batchbudget.cut(leftovers) == leftovers and not given_back
+
+
+def test_the_keys_remembered_are_bounded(given_back: list[Any]) -> None:
+    for n in range(batchbudget.MOST_KEYS + 5):
+        batchbudget.ran(requests(1, key=f"k{n}"), 1.0)
+    assert len(batchbudget._times) == batchbudget.MOST_KEYS
+    assert "k0" not in batchbudget._times and f"k{batchbudget.MOST_KEYS + 4}" in batchbudget._times
+
+
+# -- what a batch's end records (batched.submit's callback, over a stand-in pool) ------------
+
+class Pool:
+    """Runs nothing: hands ``ran`` (what run_batch returned) to the success callback."""
+
+    def __init__(self, ran: Any) -> None:
+        self.ran = ran
+
+    def apply_async(self, fun: Any, callback: Any = None, **_: Any) -> None:
+        callback(self.ran)
+
+
+@dataclass(eq=False)
+class Member(Request):
+    id: str = "m"
+    type: str = "t.batch"
+    body: bytes = b""
+    content_type: str = "application/json"
+    content_encoding: str = "utf-8"
+
+    def on_success(self, outcome: Any) -> None:
+        pass
+
+
+def members(n: int, task: Task) -> list[Member]:
+    return [Member(task, (f"call {i}",), id=f"id{i}") for i in range(n)]
+
+
+def test_a_batch_that_took_joins_and_missed_its_limit_is_learned(
+        given_back: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """(a batch that took joins recorded nothing: under a backlog a generation batch on a
+    GPU always takes some, so it never learned, and missed its limit again)"""
+    from sits_queue.workers import batched, joins
+
+    monkeypatch.setattr(batched, "_joins", batched.JoinSetup(object(), "", 10.0, print))
+    monkeypatch.setattr(joins, "start", lambda *a, **k: None)
+    monkeypatch.setattr(joins, "finish", lambda *a, **k: ([], []))
+    task = Task(App())
+    task.joins = True  # type: ignore[attr-defined]
+    own = members(8, task)
+    # its 8 calls, one more that joined and one it declined (None); stopped at 2 s
+    ran = ([("r", None, 2.0)] * 9 + [None], {"seconds": 2.0, "cut_short": True})
+    batched.submit(own, Pool(ran))
+    assert batchbudget._times["k"].runs == (batchtime_run(8.0, 2.0, True),)
+    assert len(batchbudget.cut(members(8, task))) == 3
+
+
+def test_a_run_that_failed_on_its_load_teaches_nothing(
+        given_back: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """(a cold load that failed after 0.3 s was recorded as the calls' run time, and cut
+    the next batches though nothing had run)"""
+    from sits_queue.errors import ModelLoadError
+    from sits_queue.workers import batched
+    from sits_queue.workers.batched import Call
+
+    class Stub:
+        app = None
+
+        def push_request(self, **_: Any) -> None: ...
+
+        def pop_request(self) -> None: ...
+
+    def failing(*_a: Any, **_k: Any) -> Any:
+        time.sleep(0.3)
+        raise ModelLoadError("could not load")
+
+    monkeypatch.setattr(batched.runtime, "child", lambda: None)
+    monkeypatch.setattr(batched.runtime, "for_app", lambda app: None)
+    monkeypatch.setattr(batched.inference, "run_inference", failing)
+    outcomes, timing = batched._run(Stub(), [Call(f"c{i}", ("x",)) for i in range(2)], {})
+    assert all(isinstance(o, ModelLoadError) for o in outcomes.values())
+    assert timing["failed"] is True and timing["cut_short"] is False
+    task = Task(App())
+    batched.submit(members(2, task), Pool(([("f", None, 0.3)] * 2,
+                                           {**timing, "seconds": 0.3})))
+    assert "k" not in batchbudget._times
+
+
+def batchtime_run(work: float, seconds: float, cut_short: bool) -> Any:
+    from sits_queue.workers.batchtime import Run
+
+    return Run(work, seconds, cut_short)
