@@ -39,6 +39,7 @@ from celery import Celery, signals
 from sits_queue.app import make_app
 from sits_queue.bench.report import database_url
 from sits_queue.broker.keys import AFFINITY_HEADER
+from sits_queue.cache.pool import COLD_PHASES
 from sits_queue.config import SitsConfig
 from sits_queue.workers.firsttoken import first_token_clock
 
@@ -228,8 +229,7 @@ def record(retval: Any, kwargs: dict[str, Any], started_s: float | None,
     meta = retval.get("sits")
     if isinstance(meta, dict):  # SITS: ColdStart's phases, as the result metadata has them
         out = retval["output"]
-        cold_ms = sum(float(meta[k]) for k in ("cuda_ctx_ms", "load_ms", "promote_ms",
-                                                "warmup_ms"))
+        cold_ms = sum(float(meta[k]) for k in COLD_PHASES)
         return {**base, "model": out["model"], "cold": bool(meta["cold"]),
                 "cold_ms": round(cold_ms, 3), "source": meta["source"],
                 "device": meta["device"], "first_token_ms": meta.get("first_token_ms"),

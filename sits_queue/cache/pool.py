@@ -89,6 +89,11 @@ class ModelLoadError(SitsError, RuntimeError):
         return f"loading model {self.key!r} failed: {self.reason}"
 
 
+#: A cold start's phases, ms: ColdStart's fields, and the keys the result metadata
+#: gives them under.
+COLD_PHASES = ("cuda_ctx_ms", "load_ms", "promote_ms", "warmup_ms")
+
+
 @dataclass(frozen=True)
 class ColdStart:
     """What one :meth:`EngineCache.get` cost (MISSION §4.1); all times in ms."""
@@ -112,7 +117,7 @@ class ColdStart:
 
     @property
     def total_ms(self) -> float:
-        return self.cuda_ctx_ms + self.load_ms + self.promote_ms + self.warmup_ms
+        return sum(float(getattr(self, phase)) for phase in COLD_PHASES)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready, for task result metadata."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from sits_queue.cache.pool import COLD_PHASES
 from sits_queue.errors import InferenceError, ModelLoadError, VramLimitExceeded
 from sits_queue.workers import gpu, runtime, softsignal
 
@@ -25,8 +26,7 @@ def cold_seconds(meta: dict[str, Any]) -> float:
     ``sits`` meta; 0 for a warm one."""
     if not meta.get("cold"):
         return 0.0
-    return sum(float(meta.get(phase) or 0.0)
-               for phase in ("cuda_ctx_ms", "load_ms", "promote_ms", "warmup_ms")) / 1000.0
+    return sum(float(meta.get(phase) or 0.0) for phase in COLD_PHASES) / 1000.0
 
 
 def acquire(rt: runtime.ChildRuntime, model: str, precision: str | None = None

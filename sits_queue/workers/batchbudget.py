@@ -45,8 +45,8 @@ def work_of(request: Any) -> float:
 def limit_of(request: Any) -> float | None:
     """The time limit a batch led by ``request`` runs under, s: its soft one, else its
     hard one (None: none)."""
-    hard, soft = request.time_limits
-    limit = soft or request.task.soft_time_limit or hard or request.task.time_limit
+    hard, soft = admission.time_limits(request)
+    limit = soft or hard
     return float(limit) if limit else None
 
 
@@ -64,9 +64,8 @@ def cut(members: list[Any]) -> list[Any]:
         # joins the batch they were pushed to did not take, run apart: already started
         # (events sent, acked early for a task without acks_late), they must run here
         return members
-    limit = limit_of(members[0])
-    keep = batchtime.fitting(_times.get(key), [work_of(m) for m in members], limit,
-                             share_of(members[0]))
+    limit, share = limit_of(members[0]), share_of(members[0])
+    keep = batchtime.fitting(_times.get(key), [work_of(m) for m in members], limit, share)
     if keep >= len(members):
         return members
     for request in members[keep:]:
@@ -74,7 +73,7 @@ def cut(members: list[Any]) -> list[Any]:
     logger.info("batch of %d %s tasks cut to %d: the rest would not finish within %.0f%% "
                 "of its %.1f s time limit at the %.3f s per unit its last runs took; they "
                 "went back to their queue", len(members), members[0].name, keep,
-                100 * share_of(members[0]), limit or 0.0,
+                100 * share, limit or 0.0,
                 _times[key].per_unit_s() or 0.0)
     return members[:keep]
 

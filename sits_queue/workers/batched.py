@@ -403,8 +403,7 @@ def submit(requests: list[Any], pool: Any) -> Any:
     """One pool job for ``requests``; Celery's callbacks fan out to each of them (and to
     the tasks that joined it on the way, ``joins.py``)."""
     first = requests[0]
-    time_limit, soft_time_limit = first.time_limits
-    soft = soft_time_limit or first.task.soft_time_limit
+    hard, soft = admission.time_limits(first)
     setup, join = _joins, _join_spec(requests, soft)
     requests = list(requests)  # joins.attach appends to it
     own = len(requests)
@@ -472,7 +471,7 @@ def submit(requests: list[Any], pool: Any) -> Any:
         if join else {},
         accept_callback=each("on_accepted", error=False), timeout_callback=each("on_timeout"),
         callback=done, error_callback=each("on_failure"), soft_timeout=soft,
-        timeout=time_limit or first.task.time_limit, correlation_id=first.id)
+        timeout=hard, correlation_id=first.id)
     if result is not None:
         for request in requests:
             request._apply_result = ref(result)

@@ -34,6 +34,7 @@ from sits_queue.cache.kvwarm import (
     kv_bytes_per_token,
     max_positions,
 )
+from sits_queue.cache.pool import COLD_PHASES
 from sits_queue.errors import (
     ContextTooLong,
     InferenceError,
@@ -212,8 +213,7 @@ def _trace(meta: dict[str, Any], model: str, sla_class: str, start_ns: int,
     if meta["cold"]:
         tracing.record_span("sits.cold_start", start_ns, end_ns, {
             "sits.model": model, "sits.cold_source": str(meta["source"]),
-            **{f"sits.{phase}": float(meta[phase])
-               for phase in ("cuda_ctx_ms", "load_ms", "promote_ms", "warmup_ms")}})
+            **{f"sits.{phase}": float(meta[phase]) for phase in COLD_PHASES}})
 
 
 # -- the built-in functions ------------------------------------------------------------------

@@ -260,6 +260,13 @@ def _guard(execute: Callable[..., Any]) -> Callable[..., Any]:
     return execute_using_pool
 
 
+def time_limits(request: Any) -> tuple[float | None, float | None]:
+    """The (hard, soft) time limits ``request`` runs under, s: its message's, else its
+    task's (None: none)."""
+    hard, soft = request.time_limits
+    return hard or request.task.time_limit, soft or request.task.soft_time_limit
+
+
 def failure_of(exc_info: Any) -> BaseException | None:
     """The exception a failed run's ``exc_info`` holds, unwrapped from billiard's
     ``ExceptionWithTraceback`` as ``Request.on_failure`` unwraps it."""
