@@ -15,17 +15,24 @@ from sits_queue import cli
 from sits_queue.bench import ab, demo
 
 
-@pytest.fixture
-def ab_runs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+def stub_bench(monkeypatch: pytest.MonkeyPatch, module: Any, result: dict[str, Any]
+               ) -> list[dict[str, Any]]:
+    """``module``'s run (recording the keywords of each call, returning ``result``) and
+    table stood in for: what the command line passes, without a run."""
     seen: list[dict[str, Any]] = []
 
     def run(**kwargs: Any) -> dict[str, Any]:
         seen.append(kwargs)
-        return {"systems": {}}
+        return result
 
-    monkeypatch.setattr(ab, "run", run)
-    monkeypatch.setattr(ab, "table", lambda result: "table")
+    monkeypatch.setattr(module, "run", run)
+    monkeypatch.setattr(module, "table", lambda result: "table")
     return seen
+
+
+@pytest.fixture
+def ab_runs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    return stub_bench(monkeypatch, ab, {"systems": {}})
 
 
 def test_bench_ab_never_runs_on_the_configured_redis(ab_runs: list[dict[str, Any]]) -> None:
@@ -89,14 +96,7 @@ def test_smoke_is_offered_where_a_benchmark_has_its_shape_and_reaches_it(
     assert out.exit_code == 2 and "No such option '--smoke'" in out.output
     out = CliRunner().invoke(cli.main, ["bench", "batch", "--quick", "--smoke"])
     assert out.exit_code == 2 and "--quick and --smoke are two sizes" in out.output
-    seen: list[dict[str, Any]] = []
-
-    def run(**kwargs: Any) -> dict[str, Any]:
-        seen.append(kwargs)
-        return {"meta": {}}
-
-    monkeypatch.setattr(batch, "run", run)
-    monkeypatch.setattr(batch, "table", lambda result: "table")
+    seen = stub_bench(monkeypatch, batch, {"meta": {}})
     out = CliRunner().invoke(cli.main, ["bench", "batch", "--smoke"])
     assert out.exit_code == 0, out.output
     assert seen == [{"quick": True, "redis_url": None, "zoo_root": None,
