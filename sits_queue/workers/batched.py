@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from weakref import ref
 
+from billiard.einfo import ExceptionInfo
 from billiard.exceptions import Terminated
 from celery import bootsteps, current_app
 from celery.app.trace import fast_trace_task, trace_task_ret
@@ -419,7 +420,8 @@ def submit(requests: list[Any], pool: Any) -> Any:
         """The requests the run served; once it failed or its child died (``error``),
         the attached ones it had not taken run again (once)."""
         if join is None or setup is None or not error:
-            return requests
+            back = joins.given_back(first.id) if join is not None else set()
+            return [r for r in requests if r.id not in back] if back else requests
         if not ended:
             done_by_run, rest = joins.finish(first.id, setup.client)
             # (a batch joins no longer knows: its own requests at least)
@@ -450,17 +452,26 @@ def submit(requests: list[Any], pool: Any) -> Any:
         return call
 
     def done(ran: Any) -> None:
+        if isinstance(ran, ExceptionInfo):
+            # The solo and threads pools' apply_target hands a BaseException the run
+            # raised (a batch function's SystemExit) to the success callback, wrapped as
+            # a lost worker: unpacked as results it raised here, and no call was answered.
+            each("on_failure")(ran)
+            return
         results, timing = ran
         if not timing.get("failed"):  # every call it served, joined ones included
             (batchbudget.stopped if timing["cut_short"] else batchbudget.ran)(
                 [r for r, o in zip(requests, results, strict=False) if o is not None],
                 timing["seconds"])
         rest: list[Any] = []
+        back: set[str] = set()
         if join is not None and setup is not None:
+            back = joins.given_back(first.id)  # (declined, run again already)
             _, rest = joins.finish(first.id, setup.client, taken=len(results) - own)
         for request, outcome in zip(requests, results, strict=False):
             if outcome is None:  # a join the child declined
-                rest.append(request)
+                if request.id not in back:
+                    rest.append(request)
             else:
                 request.on_success(outcome)
         rerun(rest)
@@ -584,7 +595,8 @@ class Batches(bootsteps.StartStopStep):  # type: ignore[misc]
         _joins = JoinSetup(channel.raw, channel.global_keyprefix or "", config.batch_join_s,
                            self.run)
         self._poll = c.timer.call_repeatedly(
-            joins.POLL_S, joins.poll, (channel.raw, channel.join_pick))
+            joins.POLL_S, joins.poll,
+            (channel.raw, channel.join_pick, lambda rest: run_apart(rest, self.run)))
 
     def stop(self, c: Any) -> None:
         global _joins

@@ -19,10 +19,14 @@ tasks waiting behind it wait for that. Here the batch takes them on the way:
    run's soft time limit, and only during the first ``batch_join_s`` of the run (a run's
    events and acks go at its end: it must end). A joined row leaves like the others; its
    result is stored when it does.
-3. When the batch ends the child closes the list (``join.lua``: nothing is pushed after).
+3. A row the child declines (it would not finish in time, or its KV cache would not fit)
+   is seen at the next poll and run again at once, as a batch of its own: another child
+   may serve it while this batch decodes (held to the batch's end, it waited for the
+   longest row it was meant to overtake).
+4. When the batch ends the child closes the list (``join.lua``: nothing is pushed after).
    The main process acks each task the run served and sends its events; a task it did
-   not take (pushed too late, declined, or still in the list when a child died) runs
-   again as usual, as a batch of its own.
+   not take (pushed too late, or still in the list when a child died) runs again as
+   usual, as a batch of its own.
 
 Redis errors in the child end the joining, not the batch.
 """
@@ -218,6 +222,8 @@ class Running:
     own: int
     pid: Callable[[], int | None]
     pushed: int = 0
+    #: Call indices of declined joins already run again (:func:`poll`).
+    returned: set[int] = field(default_factory=set)
 
 
 #: Batches that take joins now, by their first task's id.
@@ -237,24 +243,45 @@ def attached(request: Any) -> bool:
     return getattr(request, "id", None) in _attached
 
 
-def poll(client: redis.Redis, pick: Callable[[str, str, int, str], None]) -> None:
+def declined_in(state: dict[Any, Any]) -> set[int]:
+    """The call indices a batch's child declined, from its state hash (``join.lua``)."""
+    found = set()
+    for field_ in state:
+        name = field_.decode() if isinstance(field_, bytes) else str(field_)
+        if name.startswith("d:") and name[2:].isdigit():
+            found.add(int(name[2:]))
+    return found
+
+
+def poll(client: redis.Redis, pick: Callable[[str, str, int, str], None],
+         rerun: Callable[[list[Any]], None]) -> None:
     """Main process, every :data:`POLL_S`: for each running batch with room the child
     offered beyond the jobs waiting in its list, ``pick(queue, key, n, group)`` delivers
-    up to ``n`` waiting tasks of its key as join group ``group`` (then :func:`attach`)."""
+    up to ``n`` waiting tasks of its key as join group ``group`` (then :func:`attach`);
+    the joins its child declined since go to ``rerun`` (run as a batch of their own)."""
     if not _running:
         return
     jobs = list(_running.items())
     try:
         with client.pipeline(transaction=False) as pipe:
             for _, batch in jobs:
-                pipe.hget(batch.keys[1], "room")
+                pipe.hgetall(batch.keys[1])
                 pipe.llen(batch.keys[0])
             replies = pipe.execute()
     except redis.RedisError as exc:
         logger.warning("continuous batching: could not read the running batches: %s", exc)
         return
     for n, (job, batch) in enumerate(jobs):
-        free, waiting = int(replies[2 * n] or 0), int(replies[2 * n + 1] or 0)
+        state, waiting = replies[2 * n] or {}, int(replies[2 * n + 1] or 0)
+        back = sorted(i for i in declined_in(state) - batch.returned
+                      if batch.own <= i < len(batch.requests))
+        if back and job in _running:
+            batch.returned.update(back)
+            members = [batch.requests[i] for i in back]
+            for member in members:
+                _attached.discard(member.id)  # a unit of its own again
+            rerun(members)
+        free = int(state.get(b"room", state.get("room", 0)) or 0)
         if free > waiting and job in _running:
             group = f"{job}:join:{batch.pushed}"
             _groups[group] = job
@@ -300,13 +327,22 @@ def attach(group: str, members: list[Any], admitted: Callable[[Any], bool],
         member.on_accepted(batch.pid(), accepted)
 
 
+def given_back(job: str) -> set[str]:
+    """ids of the declined joins of the running batch ``job`` that :func:`poll` has run
+    again already (its end must not run them a second time)."""
+    batch = _running.get(job)
+    if batch is None:
+        return set()
+    return {batch.requests[i].id for i in batch.returned}
+
+
 def finish(job: str, client: redis.Redis, taken: int | None = None
            ) -> tuple[list[Any], list[Any]]:
     """The batch ``job`` ended (``taken``: the joins its child reported it took; it says
     which it declined) or its child died (None: the list's own counts say): the requests
-    the run served (its own first), and the attached ones it did not take or declined,
-    to run again. Closes the list first, so nothing more is pushed to it. An unknown
-    batch: (None-like) two empty lists."""
+    the run served (its own first), and the attached ones it did not take or declined
+    (those :func:`poll` has not run again already), to run again. Closes the list first,
+    so nothing more is pushed to it. An unknown batch: (None-like) two empty lists."""
     batch = _running.pop(job, None)
     if batch is None:
         return [], []
@@ -324,5 +360,5 @@ def finish(job: str, client: redis.Redis, taken: int | None = None
             taken = 0
     end = batch.own + taken
     served = [r for i, r in enumerate(batch.requests[:end]) if i not in declined]
-    return served, [*(batch.requests[i] for i in sorted(declined) if i < end),
-                    *batch.requests[end:]]
+    return served, [*(batch.requests[i] for i in sorted(declined - batch.returned)
+                      if i < end), *batch.requests[end:]]

@@ -69,7 +69,7 @@ def poll_and_attach(client: redis.Redis, members: list[FakeRequest],
         assert joins.joining(group)
         joins.attach(group, members[:n], lambda _: True, apart.append, client)
 
-    joins.poll(client, pick)
+    joins.poll(client, pick, apart.append)
     return asked
 
 
@@ -112,7 +112,7 @@ def test_a_join_delivered_after_the_batch_ended_runs_apart(redis_client: redis.R
         joins.attach(group, [FakeRequest("late")], lambda _: True, apart.append,
                      redis_client)
 
-    joins.poll(redis_client, pick)
+    joins.poll(redis_client, pick, apart.append)
     assert [[m.id for m in members] for members in apart] == [["late"]]
     assert len(batch) == 1  # not attached
 
@@ -144,6 +144,32 @@ def test_a_child_that_died_after_declining_a_join_leaves_it_to_run_again(
     assert [r.id for r in served] == ["own", "j1", "j3"] and rest == [members[1]]
 
 
+@pytest.mark.parametrize("child_died", [False, True])
+def test_a_declined_join_runs_again_at_the_next_poll_not_at_the_batch_end(
+        redis_client: redis.Redis, batch: list[Any], child_died: bool) -> None:
+    """Held to the batch's end, a declined row waited for the longest row it was meant
+    to overtake, while another child could have run it; run again once, not twice."""
+    child, _ = feed(redis_client)
+    child.take(live=1)
+    members = [FakeRequest("j1"), FakeRequest("j2"), FakeRequest("j3")]
+    apart: list[list[Any]] = []
+    poll_and_attach(redis_client, members, apart)
+    assert len(child.take(live=1)) == 3
+    child.decline(2)  # j2
+    assert apart == [] and joins.given_back("own") == set()
+    poll_and_attach(redis_client, [], apart)
+    assert apart == [[members[1]]] and joins.given_back("own") == {"j2"}
+    assert not joins.attached(members[1]) and joins.attached(members[0])
+    poll_and_attach(redis_client, [], apart)  # seen once
+    assert apart == [[members[1]]]
+    served, rest = (joins.finish("own", redis_client) if child_died
+                    else joins.finish("own", redis_client, taken=3))
+    assert rest == []  # not run a second time by the batch's end
+    assert [r.id for r in served] == (["own", "j1", "j3"] if child_died
+                                      else ["own", "j1", "j2", "j3"])
+    assert joins.given_back("own") == set()  # the batch is gone
+
+
 def test_revoked_or_refused_members_are_not_attached(redis_client: redis.Redis,
                                                      batch: list[Any]) -> None:
     child, _ = feed(redis_client)
@@ -154,7 +180,7 @@ def test_revoked_or_refused_members_are_not_attached(redis_client: redis.Redis,
         joins.attach(group, [FakeRequest("gone"), FakeRequest("ok")],
                      lambda m: m.id != "gone", apart.append, redis_client)
 
-    joins.poll(redis_client, pick)
+    joins.poll(redis_client, pick, apart.append)
     assert [m.id for m in batch] == ["own", "ok"] and apart == []
 
 
