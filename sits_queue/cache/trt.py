@@ -108,6 +108,10 @@ class TensorRTEngine(Engine):
         self._engine: Any = None
         self._context: Any = None
         self._stream: Any = None
+        #: The engine's inputs and outputs, (name, torch dtype) in order: read once at
+        #: promotion, not walked through TensorRT's bindings on every call.
+        self._inputs: list[tuple[str, torch.dtype]] = []
+        self._outputs: list[tuple[str, torch.dtype]] = []
 
     @classmethod
     def load(cls, key: str, path: str | Path,
@@ -134,6 +138,8 @@ class TensorRTEngine(Engine):
                     raise EngineFormatError(f"TensorRT could not deserialise {self.key!r} "
                                             "(built by another TensorRT version or GPU?)")
                 self._check_io(trt)
+                self._inputs = self._io(trt.TensorIOMode.INPUT)
+                self._outputs = self._io(trt.TensorIOMode.OUTPUT)
                 self._context = self._engine.create_execution_context()
                 if self._context is None:  # None, not an exception, when it fails
                     raise EngineError(f"TensorRT could not create an execution context for "
@@ -165,25 +171,26 @@ class TensorRTEngine(Engine):
         self._engine = None
         self._runtime = None
         self._stream = None
+        self._inputs, self._outputs = [], []
 
-    def _io(self, mode: Any) -> list[str]:
+    def _io(self, mode: Any) -> list[tuple[str, torch.dtype]]:
         names = (self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors))
-        return [n for n in names if self._engine.get_tensor_mode(n) == mode]
+        return [(n, _trt_to_torch(self._engine.get_tensor_dtype(n), self.key, n))
+                for n in names if self._engine.get_tensor_mode(n) == mode]
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        import tensorrt as trt
         import torch
 
         device = self._device or "cuda"
-        feed = bind_inputs(self.key, self._io(trt.TensorIOMode.INPUT), args, kwargs)
+        dtypes = dict(self._inputs)
+        feed = bind_inputs(self.key, list(dtypes), args, kwargs)
         with torch.cuda.device(device):
             # Held until enqueued; after that torch's allocator reuses their blocks only
             # in the stream's order, so later work cannot overwrite them before TensorRT
             # reads them.
             keep = []
             for name, value in feed.items():
-                t = aligned(torch.as_tensor(value).to(device, _trt_to_torch(
-                    self._engine.get_tensor_dtype(name), self.key, name)))
+                t = aligned(torch.as_tensor(value).to(device, dtypes[name]))
                 if not self._context.set_input_shape(name, tuple(t.shape)):  # refused
                     raise EngineError(f"{self.key!r}: input {name} of shape {tuple(t.shape)} "
                                       "is outside the engine's optimization profile")
@@ -194,13 +201,12 @@ class TensorRTEngine(Engine):
                 raise EngineError(f"{self.key!r}: inputs {list(unset)} are not specified "
                                   "enough to infer the outputs' shapes")
             outs = []
-            for name in self._io(trt.TensorIOMode.OUTPUT):
+            for name, dtype in self._outputs:
                 shape = tuple(self._context.get_tensor_shape(name))
                 if any(d < 0 for d in shape):
                     raise EngineError(f"{self.key!r}: output {name} has a data-dependent "
                                       "shape; this runner needs shapes known from the inputs")
-                out = torch.empty(shape, dtype=_trt_to_torch(
-                    self._engine.get_tensor_dtype(name), self.key, name), device=device)
+                out = torch.empty(shape, dtype=dtype, device=device)
                 self._address(name, out)
                 outs.append(out)
             self._execute(torch.cuda.current_stream(device), [*keep, *outs])
@@ -228,16 +234,13 @@ class TensorRTEngine(Engine):
                 t.record_stream(stream)
 
     def _warmup_inputs(self, device: str) -> Inputs:
-        import tensorrt as trt
-
         if self._sample is not None:
             return self._sample
         spec: InputSpec = []
-        for name in self._io(trt.TensorIOMode.INPUT):
+        for name, dtype in self._inputs:
             shape = list(self._engine.get_tensor_shape(name))
             if any(d < 0 for d in shape):  # dynamic: the optimisation profile's "opt" shape
                 shape = list(self._engine.get_tensor_profile_shape(name, 0)[1])
-            dtype = _trt_to_torch(self._engine.get_tensor_dtype(name), self.key, name)
             spec.append((shape, str(dtype).removeprefix("torch.")))
         return synthesize(spec, device)
 
