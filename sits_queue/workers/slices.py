@@ -149,7 +149,7 @@ class Slicer:
         self.config = config
         self.client = client or redis.Redis.from_url(config.redis_url, socket_timeout=2)
         self.scripts = Scripts.register()
-        self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call, unused-ignore]
         self._subscribed: set[str] = set()
         self._next_check = 0.0
         self._keys: dict[str, QueueKeys] = {}
@@ -209,7 +209,7 @@ class Slicer:
         except redis.ConnectionError:
             # Resubscribed on the next use; RECHECK_S covers the gap.
             self._subscribed.clear()
-            self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+            self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call, unused-ignore]
         return heard
 
 

@@ -301,6 +301,57 @@ def test_a_batch_failing_after_an_early_failure_counts_that_one_too(
     assert run_counted(monkeypatch, fails) == {"failed": 1.0, "failed:InvalidInput": 1.0}
 
 
+@dataclass
+class PoolRequest:
+    """What ``submit`` uses of a Celery request, with the failures it is given."""
+
+    id: str
+    time_limits: tuple[Any, Any] = (None, None)
+    failures: list[Any] = field(default_factory=list)
+    successes: list[Any] = field(default_factory=list)
+
+    class task:  # (as Celery's ``request.task``)
+        time_limit = soft_time_limit = None
+
+    name = type = "sits.embed_batched"
+    request_dict: dict[str, Any] = field(default_factory=dict)
+    body, content_type, content_encoding = b"[[], {}, {}]", "application/json", "utf-8"
+
+    def on_accepted(self, pid: Any, at: float) -> None:
+        pass
+
+    def on_failure(self, exc_info: Any, **_: Any) -> None:
+        self.failures.append(exc_info)
+
+    def on_success(self, outcome: Any, **_: Any) -> None:
+        self.successes.append(outcome)
+
+    def _success_was_stored(self) -> bool:
+        return False
+
+
+def test_a_batch_that_raised_a_base_exception_in_the_solo_pool_fails_each_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Celery's solo pool hands a BaseException out of the run to the *success* callback,
+    as an ExceptionInfo (its ``apply_target``): every call fails, none is left waiting."""
+    from celery.concurrency.solo import TaskPool
+    from celery.exceptions import WorkerLostError
+
+    from sits_queue.workers.request import failure_of
+
+    def exits(jobs: Any, **_: Any) -> Any:
+        raise SystemExit(3)  # a batch function that called sys.exit()
+
+    monkeypatch.setattr(batched, "run_batch", exits)
+    requests = [PoolRequest("b0"), PoolRequest("b1")]
+    batched.submit(requests, TaskPool())
+    for request in requests:
+        assert request.successes == []
+        (failure,) = request.failures
+        lost = failure_of(failure)
+        assert isinstance(lost, WorkerLostError) and "SystemExit(3)" in str(lost)
+
+
 @pytest.mark.parametrize(("options", "said"), [
     ({"bind": True}, "cannot bind=True"),
     # (one run, one hand-made request: Celery's retry re-raised and every call failed)
