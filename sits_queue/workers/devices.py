@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 import psutil
 
+from sits_queue.workers import nvmlfork
+
 DeviceKind = Literal["cuda", "cpu"]
 Bound = Literal["memory", "compute"]
 
@@ -378,17 +380,18 @@ def discover(nvml: Any = None, visible: str | None = None) -> Discovery:
         except ImportError:
             return cpu_discovery("nvidia-ml-py is not installed")
     errors = _nvml_errors(nvml)
-    try:
-        nvml.nvmlInit()
-    except errors as exc:
-        return cpu_discovery(str(exc) or type(exc).__name__)
-    try:
-        return _discover_gpus(nvml, visible)
-    except errors as exc:
-        return cpu_discovery(str(exc) or type(exc).__name__)
-    finally:
-        with contextlib.suppress(*errors):
-            nvml.nvmlShutdown()
+    with nvmlfork.session():  # no fork in between: the child would inherit it open
+        try:
+            nvml.nvmlInit()
+        except errors as exc:
+            return cpu_discovery(str(exc) or type(exc).__name__)
+        try:
+            return _discover_gpus(nvml, visible)
+        except errors as exc:
+            return cpu_discovery(str(exc) or type(exc).__name__)
+        finally:
+            with contextlib.suppress(*errors):
+                nvml.nvmlShutdown()
 
 
 def default_concurrency(discovery: Discovery) -> int:

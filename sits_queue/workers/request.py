@@ -29,7 +29,6 @@ import contextlib
 import functools
 import logging
 import math
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -41,6 +40,7 @@ from celery.worker.request import Request
 from celery.worker.state import task_ready
 
 from sits_queue.options import HEADER
+from sits_queue.workers import nvmlfork
 from sits_queue.workers.limits import BYTES_PER_GIB, fits
 from sits_queue.workers.slices import Preempted
 
@@ -139,7 +139,8 @@ class HostProbe:
 
 
 class NvmlProbe:
-    """Free memory of the worker's GPUs through NVML (initialised once, kept open)."""
+    """Free memory of the worker's GPUs through NVML: kept open between reads, closed
+    before each fork of the pool (:mod:`nvmlfork`: a child must not inherit it open)."""
 
     def __init__(self, uuids: Sequence[str], nvml: Any = None) -> None:
         if nvml is None:
@@ -149,17 +150,29 @@ class NvmlProbe:
         self._nvml: Any = nvml
         self._uuids = tuple(uuids)
         self._handles: list[Any] | None = None
-        self._lock = threading.Lock()
+        nvmlfork.close_before_fork(self.close)
 
     def _open(self) -> list[Any]:
         if self._handles is None:
             self._nvml.nvmlInit()
-            self._handles = [self._nvml.nvmlDeviceGetHandleByUUID(u) for u in self._uuids]
+            try:
+                self._handles = [self._nvml.nvmlDeviceGetHandleByUUID(u)
+                                 for u in self._uuids]
+            except BaseException:
+                self._nvml.nvmlShutdown()
+                raise
         return self._handles
 
     def max_free_bytes(self) -> int:
-        with self._lock:
+        with nvmlfork.session():
             return max(int(self._nvml.nvmlDeviceGetMemoryInfo(h).free) for h in self._open())
+
+    def close(self) -> None:
+        """Shut the session down (it reopens at the next read)."""
+        with nvmlfork.session():
+            if self._handles is not None:
+                self._handles = None
+                self._nvml.nvmlShutdown()
 
 
 _probe: FreeMemoryProbe | None = None
