@@ -19,6 +19,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,8 @@ pytestmark = pytest.mark.gpu
 GIB = 2**30
 #: First task in a fresh child: imports, CUDA context, model load.
 FIRST_CALL_S = 180
+#: A replacement child's first task (CUDA context and load after a kill): its hard limit.
+REPLACED_CALL_S = 100
 #: runtime.init_child's log line: "pool child 1 (pid 42) pinned to NVIDIA H200 (GPU-...)".
 PINNED = re.compile(r"pool child (\d+) \(pid \d+\) pinned to .*\((GPU-[^)]+)\)")
 
@@ -232,16 +235,27 @@ def test_hard_limit_kill_frees_gpu_memory_and_the_slot_keeps_its_gpu(
     def used() -> int:
         return int(next(g["used"] for g in nvml_devices() if g["uuid"] == device["uuid"]))
 
-    # When a task holding 8 GiB is killed at its hard limit
-    held = app.tasks["t.alloc"].apply_async((8.0, 120.0), sla_class="high", soft_time_limit=60,
-                                            time_limit=8)
+    # When a task holding 8 GiB, deaf to its soft limit, is killed at its hard limit
+    held = app.tasks["t.alloc"].apply_async((8.0, 120.0, True), sla_class="high",
+                                            soft_time_limit=4, time_limit=8)
     wait_for(lambda: used() >= baseline + 7 * GIB, 60, "the task to hold 8 GiB")
     with pytest.raises(TimeLimitExceeded):
         held.get(timeout=60)
     # Then the device gets the memory back (the process is gone, its context with it)
     wait_for(lambda: used() <= baseline + GIB, 30, "the killed child's memory to be freed")
-    # And the replacement child has the same GPU and serves
-    after = call(app, "t.describe", "after", timeout=FIRST_CALL_S)
+    # And the replacement child has the same GPU and serves. Its first call is cold (a
+    # CUDA context, a load: 20 s of the class's 30 s for the first child on the H200
+    # host): it gets more. (There, 2026-12-04, a replacement forked while the parent was
+    # in NVML hung in this call to its limit: workers/nvmlfork.py; the log says where.)
+    began = time.monotonic()
+    try:
+        after = call(app, "t.describe", "after", timeout=REPLACED_CALL_S + 10,
+                     soft_time_limit=REPLACED_CALL_S - 10, time_limit=REPLACED_CALL_S)
+    except Exception as exc:
+        raise AssertionError(f"the replacement child did not serve: {exc!r}\n"
+                             f"{worker.log()[-8000:]}") from exc
+    print(f"replacement child's first call: {time.monotonic() - began:.1f} s, "
+          f"{after['sits']}")
     assert after["output"]["pid"] != before["output"]["pid"]
     assert after["output"]["cuda_visible"] == before["output"]["cuda_visible"]
     assert after["sits"]["slot"] == before["sits"]["slot"]

@@ -275,13 +275,21 @@ def register(app: Celery) -> dict[str, Any]:
                 "ended": time.time()}
 
     @app.inference_task(name="t.alloc", model="gpt", shared=False)
-    def alloc(engine: Any, gib: float, hold_s: float = 0.0) -> dict[str, Any]:
-        """Allocate ``gib`` on the engine's device (and keep it ``hold_s``): the VRAM cap."""
+    def alloc(engine: Any, gib: float, hold_s: float = 0.0, deaf: bool = False
+              ) -> dict[str, Any]:
+        """Allocate ``gib`` on the engine's device (and keep it ``hold_s``): the VRAM cap.
+        ``deaf``: hold it through the soft time limit too (only the hard one stops it)."""
         torch = sys.modules["torch"]
         device = next(engine.module.parameters()).device
         block = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
         block.fill_(1)
-        time.sleep(hold_s)
+        deadline = time.monotonic() + hold_s
+        while time.monotonic() < deadline:
+            try:
+                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+            except Exception:  # SoftTimeLimitExceeded included, when deaf
+                if not deaf:
+                    raise
         allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0
         del block
         return {"device": str(device), "allocated_bytes": int(allocated)}
