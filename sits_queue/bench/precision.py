@@ -107,6 +107,10 @@ def encoder_row(path: Path, precision: str, texts: list[str], device: str,
 
     engine = _served(path, "enc", precision, device)
     vectors: list[list[float]] = []
+    # Untimed, one batch at the timed shape: on a GPU each precision's first kernels load
+    # on first use (on the H200, fp16 after fp32 timed at a ninth of fp32 without this).
+    embed(engine, texts[:BATCH])
+    _sync(device)
     start = time.perf_counter()
     for i in range(0, len(texts), BATCH):
         vectors += embed(engine, texts[i:i + BATCH])
@@ -134,6 +138,8 @@ def lm_row(path: Path, precision: str, prompts: list[str], new_tokens: int, devi
     engine = _served(path, "lm", precision, device)
     tokenizer = engine.artifacts["tokenizer"]
     outputs: list[list[int]] = []
+    generate(engine, prompts[0], max_new_tokens=new_tokens, stop_at_eos=False)  # untimed
+    _sync(device)
     start = time.perf_counter()
     for prompt in prompts:
         out = generate(engine, prompt, max_new_tokens=new_tokens, stop_at_eos=False)
@@ -166,9 +172,13 @@ def ratios(result: Mapping[str, Any]) -> dict[str, float | None]:
 
 def targets(result: Mapping[str, Any], r: Mapping[str, float | None]) -> dict[str, bool]:
     enc, lm = result["encoder"], result["lm"]
-    met = {"int8_passed_the_gate": enc["int8"]["served"] == "int8"
-           and lm["int8"]["served"] == "int8"}
-    if result["meta"]["device"] == "cpu":
+    on_cpu = result["meta"]["device"] == "cpu"
+    # int8 layers run on the CPU only: on a GPU int8 is served at fp16 (convert's reason)
+    met = ({"int8_passed_the_gate": enc["int8"]["served"] == "int8"
+            and lm["int8"]["served"] == "int8"} if on_cpu else
+           {"int8_served_at_fp16_on_the_gpu": enc["int8"]["served"] == "fp16"
+            and lm["int8"]["served"] == "fp16"})
+    if on_cpu:
         met[f"encoder_int8_speedup>={TARGET_INT8_SPEEDUP_CPU}"] = \
             (r["encoder_int8_vs_fp32"] or 0.0) >= TARGET_INT8_SPEEDUP_CPU
     met[f"encoder_int8_batch_vs_alone<={TARGET_INT8_BATCH_DRIFT:g}"] = \
