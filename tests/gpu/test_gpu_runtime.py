@@ -28,6 +28,7 @@ import psutil
 import pytest
 from celery import Celery
 from celery.exceptions import TimeLimitExceeded
+from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 from sits_queue.errors import VramLimitExceeded
 from sits_queue.procs import CeleryProcess, wait_ready
@@ -47,6 +48,11 @@ GIB = 2**30
 FIRST_CALL_S = 180
 #: A replacement child's first task (CUDA context and load after a kill): its hard limit.
 REPLACED_CALL_S = 100
+#: Past this a first call is stuck rather than slow: the test notes where it waits.
+SLOW_FIRST_CALL_S = 45
+#: x86-64 system call numbers a stuck thread is most likely in.
+SYSCALLS = {"202": "futex (a lock)", "16": "ioctl (the driver)", "7": "poll",
+            "0": "read", "23": "select", "232": "epoll_wait"}
 #: runtime.init_child's log line: "pool child 1 (pid 42) pinned to NVIDIA H200 (GPU-...)".
 PINNED = re.compile(r"pool child (\d+) \(pid \d+\) pinned to .*\((GPU-[^)]+)\)")
 
@@ -66,6 +72,24 @@ def nvml_devices() -> list[dict[str, Any]]:
         return out
     finally:
         pynvml.nvmlShutdown()
+
+
+def where_blocked(pid: int) -> str:
+    """Where each thread of ``pid`` and its children waits, from /proc: its state, the
+    kernel function it sleeps in and its system call (a lock, or the driver)."""
+    lines = []
+    for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        for task in sorted(Path(f"/proc/{proc.pid}/task").glob("*")):
+            try:
+                state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                wchan = (task / "wchan").read_text().strip() or "-"
+                call = (task / "syscall").read_text().split()[0]
+            except (OSError, IndexError) as exc:
+                lines.append(f"pid {proc.pid} thread {task.name}: unreadable ({exc})")
+                continue
+            lines.append(f"pid {proc.pid} thread {task.name}: {state} in {wchan}, "
+                         f"syscall {SYSCALLS.get(call, call)}")
+    return "\n".join(lines)
 
 
 def in_fresh_process(code: str) -> Any:
@@ -248,11 +272,17 @@ def test_hard_limit_kill_frees_gpu_memory_and_the_slot_keeps_its_gpu(
     # host): it gets more. (There, 2026-12-04, a replacement forked while the parent was
     # in NVML hung in this call to its limit: workers/nvmlfork.py; the log says where.)
     began = time.monotonic()
+    pending = app.tasks["t.describe"].apply_async(
+        ("after",), soft_time_limit=REPLACED_CALL_S - 10, time_limit=REPLACED_CALL_S)
+    blocked = ""
     try:
-        after = call(app, "t.describe", "after", timeout=REPLACED_CALL_S + 10,
-                     soft_time_limit=REPLACED_CALL_S - 10, time_limit=REPLACED_CALL_S)
+        try:
+            after = pending.get(timeout=SLOW_FIRST_CALL_S)
+        except CeleryTimeoutError:  # where is it? (before the hard limit kills it)
+            blocked = where_blocked(worker.pid)
+            after = pending.get(timeout=REPLACED_CALL_S + 10 - SLOW_FIRST_CALL_S)
     except Exception as exc:
-        raise AssertionError(f"the replacement child did not serve: {exc!r}\n"
+        raise AssertionError(f"the replacement child did not serve: {exc!r}\n{blocked}\n"
                              f"{worker.log()[-8000:]}") from exc
     print(f"replacement child's first call: {time.monotonic() - began:.1f} s, "
           f"{after['sits']}")
