@@ -36,7 +36,7 @@ from celery import bootsteps
 from sits_queue.broker import affinity
 from sits_queue.config import SitsConfig
 from sits_queue.periodic import Periodic
-from sits_queue.workers.devices import Device, discover
+from sits_queue.workers.devices import Device, live
 
 logger = logging.getLogger(__name__)
 
@@ -394,9 +394,11 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def tick(self, c: Any) -> None:
         config, hostname, concurrency = self._args(c)
-        devices = list(discover(visible=os.environ.get("CUDA_VISIBLE_DEVICES")).devices)
-        from sits_queue.workers import profile
+        from sits_queue.workers import profile, runtime
         from sits_queue.workers import request as admission
+
+        # the devices found at start (the plan's), their live readings taken now
+        devices = list(live(runtime.plan().discovery.devices))
 
         extra: dict[str, Any] = {}
         if profile.current:

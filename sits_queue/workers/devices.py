@@ -17,8 +17,8 @@ import importlib
 import math
 import platform
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -392,6 +392,54 @@ def discover(nvml: Any = None, visible: str | None = None) -> Discovery:
         finally:
             with contextlib.suppress(*errors):
                 nvml.nvmlShutdown()
+
+
+def live(devices: Sequence[Device], nvml: Any = None) -> tuple[Device, ...]:
+    """``devices`` with their free memory and utilisation read now: the GPUs in one NVML
+    session (by UUID), the CPU device from psutil. Names, bandwidth, FLOPs and topology do
+    not change while a worker runs: not read again (a whole :func:`discover` every few
+    seconds cost an NVML init and shutdown and every topology pair, each time). A GPU NVML
+    cannot read now keeps its last reading."""
+    gpus = [d for d in devices if d.kind == "cuda"]
+    readings: dict[str, tuple[int, float | None]] = {}
+    if gpus:
+        with contextlib.suppress(ImportError):
+            readings = _live_readings(_import_nvml() if nvml is None else nvml, gpus)
+    out = []
+    for device in devices:
+        if device.kind == "cpu":
+            out.append(replace(device,
+                               free_vram_bytes=int(psutil.virtual_memory().available)))
+        elif device.uuid in readings:
+            free, busy = readings[device.uuid]
+            out.append(replace(device, free_vram_bytes=free, utilisation_pct=busy))
+        else:
+            out.append(device)
+    return tuple(out)
+
+
+def _live_readings(nvml: Any, gpus: Sequence[Device]) -> dict[str, tuple[int, float | None]]:
+    errors = _nvml_errors(nvml)
+    found: dict[str, tuple[int, float | None]] = {}
+    with nvmlfork.session():
+        try:
+            nvml.nvmlInit()
+        except errors:
+            return found
+        try:
+            for device in gpus:
+                try:
+                    handle = nvml.nvmlDeviceGetHandleByUUID(device.uuid)
+                    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+                except errors:
+                    continue
+                rates = _optional(nvml, "nvmlDeviceGetUtilizationRates", handle)
+                found[device.uuid] = (int(memory.free),
+                                      None if rates is None else float(rates.gpu))
+        finally:
+            with contextlib.suppress(*errors):
+                nvml.nvmlShutdown()
+    return found
 
 
 def default_concurrency(discovery: Discovery) -> int:

@@ -20,6 +20,7 @@ from sits_queue.workers.devices import (
     cpu_device,
     default_concurrency,
     discover,
+    live,
     lookup_spec,
     topology,
     topology_weight,
@@ -87,6 +88,13 @@ class FakeNvml:
 
     def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
         return i
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> int:
+        self._maybe_fail("nvmlDeviceGetHandleByUUID")
+        for i, gpu in enumerate(self.gpus):
+            if gpu.uuid == uuid:
+                return i
+        raise FakeNVMLError(f"{uuid}: Not Found")
 
     def nvmlDeviceGetName(self, h: int) -> str | bytes:
         return self.gpus[h].name
@@ -367,3 +375,39 @@ def test_unknown_topology_level_raises() -> None:
 def test_pair_weight_of_a_device_with_itself_is_one() -> None:
     found = Discovery(devices=(cpu_device(),))
     assert found.pair_weight(0, 0) == 1.0
+
+
+# -- live readings ----------------------------------------------------------------------------
+
+def test_live_reads_free_memory_and_utilisation_and_nothing_else() -> None:
+    fake = two_h100s()
+    found = discover(nvml=fake).devices
+    fake.gpus[0].free, fake.gpus[0].util = 12 * GIB, 55
+    fake.gpus[1].free, fake.gpus[1].util = 3 * GIB, 0
+    fake.gpus[1].name = "renamed"  # (static fields are not read again)
+    now = live(found, nvml=fake)
+    assert [(d.free_vram_bytes, d.utilisation_pct) for d in now] == [(12 * GIB, 55.0),
+                                                                      (3 * GIB, 0.0)]
+    assert [d.name for d in now] == [d.name for d in found]
+    assert [d.memory_bandwidth_bytes_per_s for d in now] == [
+        d.memory_bandwidth_bytes_per_s for d in found]
+    assert fake.shutdowns == 2  # discovery's session, then one for both readings
+
+
+def test_a_gpu_nvml_cannot_read_now_keeps_its_last_reading() -> None:
+    fake = two_h100s()
+    found = discover(nvml=fake).devices
+    fake.gpus[0].free = 1 * GIB
+    fake.gpus[1].uuid = "GPU-gone"  # fallen off the bus, say
+    now = live(found, nvml=fake)
+    assert now[0].free_vram_bytes == 1 * GIB
+    assert now[1] == found[1]
+    fake.init_error = "Driver Not Loaded"
+    assert live(now, nvml=fake) == now
+
+
+def test_live_reads_the_cpu_device_from_psutil() -> None:
+    stale = cpu_device()
+    (now,) = live([stale], nvml=two_h100s(init_error="never asked"))
+    assert now.kind == "cpu" and now.total_vram_bytes == stale.total_vram_bytes
+    assert 0 < now.free_vram_bytes <= now.total_vram_bytes
