@@ -8,7 +8,8 @@
 #   GPU_TESTS=tests/gpu/test_tensorrt.py bash ops/gpu_check.sh   # a rerun of some only
 #   BENCH_SIZE=smoke bash ops/gpu_check.sh    # benchmarks at their smoke shape: checks the
 #                                             # script, its figures mean nothing
-#   KEEP_LOGS=logs.tar.gz bash ops/gpu_check.sh  # also keep every log and the junit XML
+#   KEEP_LOGS=logs.tar.gz bash ops/gpu_check.sh  # also keep every log (the workers' too)
+#                                             # and the junit XML
 #   BENCHES="coldstart joins" bash ops/gpu_check.sh  # a rerun of some benchmarks only
 #
 # Installs nothing heavy: torch, transformers, onnxruntime, nvidia-ml-py, psutil and
@@ -90,9 +91,18 @@ if [ -z "$deps_missing" ]; then
     # that ran, so a run past its box says how far it got and what each test did.
     timeout --signal=INT --kill-after=15 "$TESTS_TIMEOUT_S" \
         "$PY" -m pytest -m gpu "$GPU_TESTS" -q \
-        -p no:cacheprovider -o addopts="" --timeout=200 \
+        -p no:cacheprovider -o addopts="" --timeout=200 --basetemp="$WORK/pytest-tmp" \
         --junitxml="$WORK/junit.xml" >"$WORK/pytest.log" 2>&1
     tests_rc=$?
+    # The workers' own logs (what a child did, or where it hung) go with KEEP_LOGS.
+    if [ -d "$WORK/pytest-tmp" ]; then
+        mkdir -p "$WORK/worker-logs"
+        find "$WORK/pytest-tmp" -name '*.log' -size -8M -print0 2>/dev/null |
+            while IFS= read -r -d '' log; do
+                rel="${log#"$WORK/pytest-tmp/"}"
+                cp "$log" "$WORK/worker-logs/${rel//\//__}"
+            done
+    fi
 else
     echo "gpu_check: missing python packages: $deps_missing (carry them as wheels in ./.whl: ops/gpu_wheels.sh)" >&2
 fi
@@ -262,7 +272,8 @@ EOF
 rc=$?
 # The whole logs, not only the summary's tails: KEEP_LOGS=PATH.tar.gz keeps them.
 if [ -n "${KEEP_LOGS:-}" ]; then
-    tar -czf "$KEEP_LOGS" -C "$WORK" --exclude=site --exclude=cache . 2>/dev/null \
+    tar -czf "$KEEP_LOGS" -C "$WORK" --exclude=./site --exclude=./cache \
+        --exclude=./pytest-tmp . 2>/dev/null \
         || echo "gpu_check: could not write $KEEP_LOGS" >&2
 fi
 rm -rf "$WORK"

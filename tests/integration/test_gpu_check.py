@@ -202,8 +202,9 @@ def test_benchmarks_past_the_checks_own_box_are_not_run_and_the_summary_says_so(
 def test_benches_picks_the_benchmarks_and_the_others_are_left_out(tmp_path: Path) -> None:
     tests_dir = tmp_path / "gpu_tests"
     tests_dir.mkdir()
-    (tests_dir / "test_quick.py").write_text(
-        "import pytest\n\n\n@pytest.mark.gpu\ndef test_passes():\n    pass\n")
+    (tests_dir / "test_quick.py").write_text(  # (a worker's log in its tmp_path)
+        "import pytest\n\n\n@pytest.mark.gpu\ndef test_passes(tmp_path):\n"
+        "    (tmp_path / 'gpu.log').write_text('pool child 0 pinned')\n")
     (tests_dir / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: stand-in\n")
     (out := tmp_path / "out").mkdir()
     rc, _, summary = run_check(out, BOXES_S, 120, GPU_TESTS=str(tests_dir),
@@ -215,7 +216,7 @@ def test_benches_picks_the_benchmarks_and_the_others_are_left_out(tmp_path: Path
     assert rc == 0 and summary["ok"] is True
     listed = subprocess.run(["tar", "-tzf", str(out / "logs.tgz")], capture_output=True,
                             text=True, check=True).stdout.split()
-    assert {"./pytest.log", "./junit.xml"} <= set(listed)
+    assert {"./pytest.log", "./junit.xml", "./worker-logs/test_passes0__gpu.log"} <= set(listed)
 
 
 def test_a_bench_size_the_script_does_not_know_is_refused(tmp_path: Path) -> None:
