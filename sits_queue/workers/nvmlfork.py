@@ -12,9 +12,10 @@ NVML when ``CUDA_VISIBLE_DEVICES`` names them by UUID, as our pinning does.
 
 Seen on an H200 host (2026-12-04): a replacement child forked 100 ms after its
 predecessor's kill hung in its first task until its hard limit, while children forked at
-start, before the advertiser's first refresh, never did. The NVML state it was forked
-with is the one difference between the two forks found; the hang was not seen with this
-guard (nor could it be tried again there: the session's device time was spent).
+start, before the advertiser's first refresh, never did. It was forked about when a
+refresh was due; the NVML state a fork copies is the one difference found between the two
+forks, not a proven cause (this guard was not yet tried there: the session's device time
+was spent).
 
 So every use of NVML in the parent is a :func:`session`; an ``os.register_at_fork`` hook
 waits (at most :data:`FORK_WAIT_S`) for the session in flight to end, and closes the
