@@ -269,8 +269,8 @@ def test_hard_limit_kill_frees_gpu_memory_and_the_slot_keeps_its_gpu(
     wait_for(lambda: used() <= baseline + GIB, 30, "the killed child's memory to be freed")
     # And the replacement child has the same GPU and serves. Its first call is cold (a
     # CUDA context, a load: 20 s of the class's 30 s for the first child on the H200
-    # host): it gets more. (There, 2026-12-04, a replacement forked while the parent was
-    # in NVML hung in this call to its limit: workers/nvmlfork.py; the log says where.)
+    # host): it gets more. (There, 2026-12-04, a replacement child hung in this call to
+    # its limit: see workers/nvmlfork.py; a failure now says where it waits.)
     began = time.monotonic()
     pending = app.tasks["t.describe"].apply_async(
         ("after",), soft_time_limit=REPLACED_CALL_S - 10, time_limit=REPLACED_CALL_S)
