@@ -47,7 +47,7 @@ from sits_queue.cache.budgets import CacheBudgets, children_per_device
 from sits_queue.config import ClassQuota, SitsConfig
 from sits_queue.errors import ConfigError, UnknownModel
 from sits_queue.options import CONTROL_QUEUE, HEADER, PRECISIONS
-from sits_queue.workers import advertise, gpu, metrics, profile, softsignal
+from sits_queue.workers import advertise, gpu, metrics, profile, softsignal, stacks
 from sits_queue.workers import request as admission
 from sits_queue.workers.devices import Device, Discovery, default_concurrency, discover
 from sits_queue.workers.limits import check_engine_fits_class, cpu_set, memory_cap_fraction
@@ -513,6 +513,7 @@ def init_child(app: Celery, index: int, env: dict[str, str] | None = None) -> Ch
     device = device_for_slot(p.discovery, index)
     (os.environ if env is None else env).update(pin_env(device))
     metrics.forget_in_child()
+    stacks.install()  # kill -USR2 <pid>: where this child is, in the worker's log
     _child = ChildRuntime(app=app, plan=p, slot=index, device=device,
                           budgets=CacheBudgets.from_env(), pool_child=True)
     _child.publish()  # replaces a dead predecessor's record (its engines died with it)

@@ -16,7 +16,9 @@ generations joining a running batch (continuous batching, on by default with GPU
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -280,10 +282,12 @@ def test_hard_limit_kill_frees_gpu_memory_and_the_slot_keeps_its_gpu(
             after = pending.get(timeout=SLOW_FIRST_CALL_S)
         except CeleryTimeoutError:  # where is it? (before the hard limit kills it)
             blocked = where_blocked(worker.pid)
+            for child in psutil.Process(worker.pid).children():
+                os.kill(child.pid, signal.SIGUSR2)  # its Python stacks, into the log
             after = pending.get(timeout=REPLACED_CALL_S + 10 - SLOW_FIRST_CALL_S)
     except Exception as exc:
         raise AssertionError(f"the replacement child did not serve: {exc!r}\n{blocked}\n"
-                             f"{worker.log()[-8000:]}") from exc
+                             f"{worker.log()[-20000:]}") from exc
     print(f"replacement child's first call: {time.monotonic() - began:.1f} s, "
           f"{after['sits']}")
     assert after["output"]["pid"] != before["output"]["pid"]

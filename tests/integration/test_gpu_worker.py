@@ -13,6 +13,7 @@ The tests run in file order; each leaves the worker serving (checked by the next
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -315,6 +316,20 @@ def test_a_soft_limit_hit_while_loading_keeps_the_engine_for_the_next_task(
     again = app.tasks["sits.generate"].apply_async(
         ("the gpu",), {"max_new_tokens": 2}, model="slow-load").get(timeout=CALL_S)
     assert again["sits"]["cold"] is False
+    assert_serving(app, worker)
+
+
+def test_usr2_puts_a_childs_stacks_in_the_log_and_it_serves_on(
+        app: Celery, worker: CeleryProcess) -> None:
+    before = call(app, "t.describe", "usr2")["output"]["pid"]
+    dumps = worker.log().count("(most recent call first)")
+    # When a pool child gets SIGUSR2 (as an operator would, for a child that is stuck)
+    os.kill(before, signal.SIGUSR2)
+    # Then every thread's stack is in the worker's log, and the same child serves on
+    wait_for(lambda: worker.log().count("(most recent call first)") > dumps, CALL_S,
+             "the child's stacks in the worker's log")
+    assert "File " in worker.log().rsplit("(most recent call first)", 1)[1]
+    assert call(app, "t.describe", "after-usr2")["output"]["pid"] == before
     assert_serving(app, worker)
 
 
