@@ -17,7 +17,7 @@ import importlib
 import math
 import platform
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
@@ -379,18 +379,23 @@ def discover(nvml: Any = None, visible: str | None = None) -> Discovery:
             nvml = _import_nvml()
         except ImportError:
             return cpu_discovery("nvidia-ml-py is not installed")
-    errors = _nvml_errors(nvml)
-    with nvmlfork.session():  # no fork in between: the child would inherit it open
-        try:
-            nvml.nvmlInit()
-        except errors as exc:
-            return cpu_discovery(str(exc) or type(exc).__name__)
-        try:
+    try:
+        with _opened(nvml):
             return _discover_gpus(nvml, visible)
-        except errors as exc:
-            return cpu_discovery(str(exc) or type(exc).__name__)
+    except _nvml_errors(nvml) as exc:
+        return cpu_discovery(str(exc) or type(exc).__name__)
+
+
+@contextlib.contextmanager
+def _opened(nvml: Any) -> Iterator[None]:
+    """One NVML session, init to shutdown (an init's error raised), with forks held off
+    (:mod:`nvmlfork`: a child must not inherit it open)."""
+    with nvmlfork.session():
+        nvml.nvmlInit()
+        try:
+            yield
         finally:
-            with contextlib.suppress(*errors):
+            with contextlib.suppress(*_nvml_errors(nvml)):
                 nvml.nvmlShutdown()
 
 
@@ -421,24 +426,16 @@ def live(devices: Sequence[Device], nvml: Any = None) -> tuple[Device, ...]:
 def _live_readings(nvml: Any, gpus: Sequence[Device]) -> dict[str, tuple[int, float | None]]:
     errors = _nvml_errors(nvml)
     found: dict[str, tuple[int, float | None]] = {}
-    with nvmlfork.session():
-        try:
-            nvml.nvmlInit()
-        except errors:
-            return found
-        try:
-            for device in gpus:
-                try:
-                    handle = nvml.nvmlDeviceGetHandleByUUID(device.uuid)
-                    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-                except errors:
-                    continue
-                rates = _optional(nvml, "nvmlDeviceGetUtilizationRates", handle)
-                found[device.uuid] = (int(memory.free),
-                                      None if rates is None else float(rates.gpu))
-        finally:
-            with contextlib.suppress(*errors):
-                nvml.nvmlShutdown()
+    with contextlib.suppress(*errors), _opened(nvml):
+        for device in gpus:
+            try:
+                handle = nvml.nvmlDeviceGetHandleByUUID(device.uuid)
+                memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            except errors:
+                continue
+            rates = _optional(nvml, "nvmlDeviceGetUtilizationRates", handle)
+            found[device.uuid] = (int(memory.free),
+                                  None if rates is None else float(rates.gpu))
     return found
 
 
