@@ -153,15 +153,31 @@ def test_waits_for_the_box():
 #: The box of the tests above: far past their start-up (no torch to import), far short
 #: of the wait.
 INTERRUPT_AFTER_S = 20
+#: Stands in for tests/gpu where the tests only need to pass: one test, which writes a
+#: worker's log in its tmp_path (as the GPU tests' workers do).
+QUICK_TESTS = """
+import pytest
+
+
+@pytest.mark.gpu
+def test_passes(tmp_path):
+    (tmp_path / "gpu.log").write_text("pool child 0 pinned")
+"""
+
+
+def stand_in_tests(tmp_path: Path, source: str) -> Path:
+    """A folder of GPU-marked tests, ``source``, for GPU_TESTS."""
+    tests_dir = tmp_path / "gpu_tests"
+    tests_dir.mkdir()
+    (tests_dir / "test_stand_in.py").write_text(source)
+    (tests_dir / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: stand-in\n")
+    return tests_dir
 
 
 @pytest.mark.slow
 def test_a_step_past_its_box_is_stopped_and_the_summary_says_so(
         tmp_path: Path) -> None:
-    tests_dir = tmp_path / "gpu_tests"
-    tests_dir.mkdir()
-    (tests_dir / "test_interrupted.py").write_text(INTERRUPTED_TESTS)
-    (tests_dir / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: stand-in\n")
+    tests_dir = stand_in_tests(tmp_path, INTERRUPTED_TESTS)
     boxes = {**dict.fromkeys(BOXES_S, 1), "TESTS_TIMEOUT_S": INTERRUPT_AFTER_S,
              "CHECK_TIMEOUT_S": 600}
     (out := tmp_path / "out").mkdir()
@@ -181,11 +197,7 @@ def test_a_step_past_its_box_is_stopped_and_the_summary_says_so(
 
 def test_benchmarks_past_the_checks_own_box_are_not_run_and_the_summary_says_so(
         tmp_path: Path) -> None:
-    tests_dir = tmp_path / "gpu_tests"
-    tests_dir.mkdir()
-    (tests_dir / "test_quick.py").write_text(
-        "import pytest\n\n\n@pytest.mark.gpu\ndef test_passes():\n    pass\n")
-    (tests_dir / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: stand-in\n")
+    tests_dir = stand_in_tests(tmp_path, QUICK_TESTS)
     # When the check's own box is spent by the time the benchmarks come (it keeps 15 s
     # for a benchmark's kill and the summary)
     boxes = {**BOXES_S, "CHECK_TIMEOUT_S": 15}
@@ -200,12 +212,7 @@ def test_benchmarks_past_the_checks_own_box_are_not_run_and_the_summary_says_so(
 
 
 def test_benches_picks_the_benchmarks_and_the_others_are_left_out(tmp_path: Path) -> None:
-    tests_dir = tmp_path / "gpu_tests"
-    tests_dir.mkdir()
-    (tests_dir / "test_quick.py").write_text(  # (a worker's log in its tmp_path)
-        "import pytest\n\n\n@pytest.mark.gpu\ndef test_passes(tmp_path):\n"
-        "    (tmp_path / 'gpu.log').write_text('pool child 0 pinned')\n")
-    (tests_dir / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: stand-in\n")
+    tests_dir = stand_in_tests(tmp_path, QUICK_TESTS)
     (out := tmp_path / "out").mkdir()
     rc, _, summary = run_check(out, BOXES_S, 120, GPU_TESTS=str(tests_dir),
                                BENCHES="no-such-benchmark", KEEP_LOGS=str(out / "logs.tgz"))
