@@ -19,7 +19,8 @@ Actions, each ``(kind, key)``:
 * ``evict``: drop the engine from whichever tier holds it;
 * ``promote``: host -> device;
 * ``load``: from disk into the device (a cold start);
-* ``sync``: write a dirty entry back before it is dropped (or in a batch, ``plan_sync``).
+* ``sync``: write a dirty entry back before it is dropped (or in a batch, ``plan_sync``);
+* ``resize``: a device entry takes the plan's ``size_bytes`` from now on (``plan_resize``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from types import MappingProxyType
 from typing import Literal
 
 Tier = Literal["device", "host"]
-ActionKind = Literal["demote", "evict", "promote", "load", "sync"]
+ActionKind = Literal["demote", "evict", "promote", "load", "sync", "resize"]
 Action = tuple[ActionKind, str]
 
 #: MISSION §4.3: the device warm pool holds about 30% of the cache's capacity ...
@@ -228,6 +229,8 @@ def _step(state: PoolState, action: Action, load_size_bytes: int, now_s: float) 
         del entries[_expect(state, action, None).key]
     elif kind == "sync":
         entries[key] = replace(_expect(state, action, None), dirty=False)
+    elif kind == "resize":
+        entries[key] = replace(_expect(state, action, "device"), size_bytes=load_size_bytes)
     else:
         source: Tier = "device" if kind == "demote" else "host"
         target: Tier = "host" if kind == "demote" else "device"
@@ -291,7 +294,8 @@ def _displace(state: PoolState, victim: Entry, keep: str, now_s: float,
 def _make_device_room(state: PoolState, size_bytes: int, keep: str, now_s: float,
                       half_life_s: float, lent: int) -> list[Action]:
     actions: list[Action] = []
-    for victim in victim_order(state.on("device"), now_s, half_life_s):
+    for victim in victim_order((e for e in state.on("device") if e.key != keep),
+                               now_s, half_life_s):
         if state.free("device") >= size_bytes:
             break
         step = _displace(state, victim, keep, now_s, half_life_s, lent)
@@ -325,6 +329,27 @@ def plan_admit(state: PoolState, key: str, size_bytes: int, now_s: float,
     actions.append(("promote" if entry is not None else "load", key))
     return Plan(actions=tuple(actions), key=key, size_bytes=size,
                 swap=key if entry is not None else None)
+
+
+def plan_resize(state: PoolState, key: str, size_bytes: int, now_s: float,
+                half_life_s: float = DEFAULT_HALF_LIFE_S) -> Plan:
+    """Plan for ``key``, on the device, to count ``size_bytes`` from now on: what an
+    engine takes there may be known only once it is there (a TensorRT execution context's
+    activation memory, read from the deserialised engine). When it grew, the coldest other
+    device engines make room first, as for an admission; refused (``fits=False``) past
+    the whole device budget. The plan records no use: the admission did.
+    """
+    if size_bytes < 0:
+        raise ValueError(f"size_bytes must be >= 0, got {size_bytes}")
+    entry = _expect(state, ("resize", key), "device")
+    if size_bytes > state.device_budget_bytes:
+        return Plan(size_bytes=size_bytes, fits=False,
+                    reason=f"engine {key!r} takes {size_bytes} bytes on the device; the "
+                           f"device pool holds {state.device_budget_bytes}")
+    # Room for the growth: the device's free bytes must cover it before the resize
+    actions = _make_device_room(state, size_bytes - entry.size_bytes, key, now_s,
+                                half_life_s, 0)
+    return Plan(actions=(*actions, ("resize", key)), size_bytes=size_bytes)
 
 
 def plan_expire(state: PoolState, now_s: float, host_ttl_s: float) -> Plan:

@@ -34,6 +34,7 @@ from sits_queue.cache.policy import (
     apply,
     plan_admit,
     plan_expire,
+    plan_resize,
     plan_shrink_host,
 )
 from sits_queue.errors import SitsError
@@ -229,6 +230,7 @@ class EngineCache:
             self._refuse_in_use(key, plan)
             engine = self._engines[key]
             evicted, demoted, promote_ms = self._execute(key, plan, now)
+            evicted, demoted = self._measured(key, engine, now, evicted, demoted)
             warmup_ms = self._warm(key, engine, now) if engine.rewarm_on_promote else 0.0
             self._admitted(key, plan, now)
             self._counts["hits_host"] += 1
@@ -290,11 +292,35 @@ class EngineCache:
             raise EngineTooLarge(key, size, self._state.device_budget_bytes)
         self._refuse_in_use(key, plan, engine)
         evicted, demoted, promote_ms = self._execute(key, plan, now, engine)
+        evicted, demoted = self._measured(key, engine, now, evicted, demoted)
         warmup_ms = self._warm(key, engine, now)
         self._admitted(key, plan, now)
         self._counts["loads"] += 1
         return engine, ColdStart(True, "disk", ctx_ms, load_ms, promote_ms, warmup_ms,
                                  evicted, demoted)
+
+    def _measured(self, key: str, engine: Engine, now: float, evicted: tuple[str, ...],
+                  demoted: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Count what ``engine`` takes now that it is on the device, when that differs from
+        what it was admitted at (a TensorRT context's activation memory is known only
+        once the plan is deserialised): colder engines make room for the growth. Past
+        the device budget, or when the room is held by a running task's engine, ``key``
+        is dropped (its bytes must not go uncounted) and the get fails."""
+        size = engine.size_bytes()
+        if size == self._state.entries[key].size_bytes:
+            return evicted, demoted
+        plan = plan_resize(self._state, key, size, now, self._half_life_s)
+        if not plan.fits:
+            self._drop(key, now)
+            self._counts["too_large"] += 1
+            raise EngineTooLarge(key, size, self._state.device_budget_bytes)
+        try:
+            self._refuse_in_use(key, plan)
+        except EngineInUse:
+            self._drop(key, now)
+            raise
+        more_evicted, more_demoted, _ = self._execute(key, plan, now)
+        return evicted + more_evicted, demoted + more_demoted
 
     def _not_new(self, engine: Engine) -> str | None:
         """Why an engine a loader just returned cannot be admitted: it is not a new one
@@ -403,6 +429,7 @@ class EngineCache:
             self._times["promote_ms_total"] += ms
             return ms
         # "sync": engines hold no write-back state yet (KV caches will); nothing to flush.
+        # "resize": bookkeeping only (``_measured``).
         return 0.0
 
     def _drop(self, key: str, now: float, swap: str | None = None) -> None:

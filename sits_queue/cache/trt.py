@@ -112,6 +112,8 @@ class TensorRTEngine(Engine):
         #: promotion, not walked through TensorRT's bindings on every call.
         self._inputs: list[tuple[str, torch.dtype]] = []
         self._outputs: list[tuple[str, torch.dtype]] = []
+        #: The execution context's activation memory, known from the first promotion.
+        self._context_bytes = 0
 
     @classmethod
     def load(cls, key: str, path: str | Path,
@@ -119,9 +121,11 @@ class TensorRTEngine(Engine):
         return cls(key, Path(path).read_bytes(), artifacts=artifacts)
 
     def size_bytes(self) -> int:
-        # The plan holds the weights; activation memory comes per context on top of it
-        # (``engine.device_memory_size_v2`` once deserialised) and is not counted here.
-        return len(self._plan)
+        # The plan holds the weights; the execution context allocates its activation
+        # memory on top, which only the deserialised engine tells: counted from the first
+        # promotion on (the cache reads this again after promoting, and makes room), and
+        # kept while demoted, so each later promotion makes room for both at once.
+        return len(self._plan) + self._context_bytes
 
     def _promote(self, device: str) -> None:
         import tensorrt as trt
@@ -146,6 +150,7 @@ class TensorRTEngine(Engine):
                                       f"{self.key!r} (out of device memory for its "
                                       "activations?)")
                 self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+                self._context_bytes = context_memory_bytes(self._engine)
         except BaseException:
             self._demote()  # nothing half-built is kept
             raise
@@ -247,6 +252,17 @@ class TensorRTEngine(Engine):
     def _release(self) -> None:
         self._demote()
         self._plan = b""
+        self._context_bytes = 0
+
+
+def context_memory_bytes(engine: Any) -> int:
+    """Device memory an execution context of ``engine`` allocates for its activations
+    (the most over its optimisation profiles): ``device_memory_size_v2`` from TensorRT 10,
+    ``device_memory_size`` before it."""
+    size = getattr(engine, "device_memory_size_v2", None)
+    if size is None:
+        size = getattr(engine, "device_memory_size", 0)
+    return max(0, int(size or 0))
 
 
 def build_trt_plan(onnx_bytes: bytes, fp16: bool = True,

@@ -79,11 +79,19 @@ def test_round_trip_and_release_through_the_cache(scorer: Scorer, onnx_bytes: by
                                                   tmp_path: Path) -> None:
     plan_path = tmp_path / "scorer.plan"
     plan_path.write_bytes(build_trt_plan(onnx_bytes, fp16=False))
+    # What one engine takes on the device: its plan, and its context's activation memory
+    probe = TensorRTEngine.load("probe", plan_path)
+    assert probe.size_bytes() == plan_path.stat().st_size
+    probe.to_device(DEVICE)
+    full = probe.size_bytes()
+    assert full >= plan_path.stat().st_size
+    probe.release()
     first = engine_from_path("scorer", plan_path, DEVICE)
     assert isinstance(first, TensorRTEngine)
-    cache = EngineCache(DEVICE, first.size_bytes(), 10 * first.size_bytes())
+    cache = EngineCache(DEVICE, full, 10 * full)
     engine, cold = cache.get("scorer", lambda: first)
     assert cold.source == "disk" and cold.promote_ms > 0 and cold.warmup_ms > 0
+    assert cache.state.device_used == full  # counted at all of it once deserialised
     before = engine(*inputs(3))
     # A second engine takes the device pool: the first is demoted to its plan bytes
     cache.get("other", lambda: engine_from_path("other", plan_path, DEVICE))

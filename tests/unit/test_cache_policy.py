@@ -25,6 +25,7 @@ from sits_queue.cache.policy import (
     mark_dirty,
     plan_admit,
     plan_expire,
+    plan_resize,
     plan_shrink_host,
     plan_sync,
     victim_order,
@@ -252,6 +253,52 @@ def test_negative_size_is_rejected() -> None:
         plan_admit(state(10, 10), "a", -1, 0.0)
 
 
+# -- an engine's size known once it is on the device ---------------------------------------
+
+def test_an_engine_that_grew_on_the_device_pushes_the_coldest_others_off() -> None:
+    # Given a TensorRT-like engine admitted at its plan's 10 bytes next to two others
+    s = state(30, 70, entry("cold", 10, "device", uses=(1.0,)),
+              entry("hot", 5, "device", uses=(8.0, 9.0)), entry("trt", 10, "device"))
+    # When it turns out to take 18 there (its execution context's activation memory)
+    plan = plan_resize(s, "trt", 18, 10.0, HALF_LIFE_S)
+    after = apply(s, plan, 10.0)
+    # Then the coldest other engine makes room (to the host), never the engine itself
+    assert plan.actions == (("demote", "cold"), ("resize", "trt"))
+    assert after.entries["trt"].size_bytes == 18 and after.entries["trt"].tier == "device"
+    assert after.entries["hot"].tier == "device" and after.entries["cold"].tier == "host"
+    # and the resize records no extra use (the admission did)
+    assert after.entries["trt"].uses == s.entries["trt"].uses
+
+
+def test_an_engine_that_grew_within_the_free_room_moves_nothing() -> None:
+    s = state(30, 70, entry("a", 10, "device"), entry("trt", 10, "device"))
+    plan = plan_resize(s, "trt", 20, 5.0, HALF_LIFE_S)
+    assert plan.actions == (("resize", "trt"),)
+    assert apply(s, plan, 5.0).device_used == 30
+
+
+def test_an_engine_that_shrank_frees_its_room() -> None:
+    s = state(30, 70, entry("trt", 20, "device"))
+    assert apply(s, plan_resize(s, "trt", 12, 5.0, HALF_LIFE_S), 5.0).free("device") == 18
+
+
+def test_an_engine_that_grew_past_the_device_pool_is_refused_with_a_reason() -> None:
+    s = state(30, 70, entry("a", 10, "device"), entry("trt", 10, "device"))
+    plan = plan_resize(s, "trt", 31, 5.0, HALF_LIFE_S)
+    assert not plan.fits and plan.actions == ()
+    assert plan.reason is not None and "31 bytes" in plan.reason and "30" in plan.reason
+    assert apply(s, plan, 5.0) == s
+
+
+@pytest.mark.parametrize("key", ["absent", "on_host"])
+def test_only_a_device_entry_can_be_resized(key: str) -> None:
+    s = state(30, 70, entry("on_host", 10, "host"))
+    with pytest.raises(IllegalAction, match=f"cannot resize {key!r}"):
+        plan_resize(s, key, 5, 1.0)
+    with pytest.raises(ValueError, match="size_bytes"):
+        plan_resize(state(30, 70, entry("d", 1, "device")), "d", -1, 1.0)
+
+
 # -- aging out of the host pool ---------------------------------------------------------------
 
 def test_expiry_drops_only_stale_host_entries() -> None:
@@ -351,6 +398,8 @@ def replay_budgets_hold(s: PoolState, plan: Plan) -> None:
             del tiers[key]
         elif kind in ("demote", "promote"):
             tiers[key] = "host" if kind == "demote" else "device"
+        elif kind == "resize":
+            sizes[key] = plan.size_bytes
         # a swap's promoted engine lends its host room until it leaves
         lent = sizes[plan.swap] if plan.swap is not None and tiers.get(plan.swap) == "host" else 0
         for tier, budget in (("device", s.device_budget_bytes),
@@ -370,6 +419,17 @@ def random_step(s: PoolState, rng: random.Random, now: float,
         return apply(s, plan, now)
     if roll < 0.15 and s.entries:
         return mark_dirty(s, rng.choice(sorted(s.entries)))
+    if roll < 0.20 and s.on("device"):  # it took other than its admitted size there
+        key, size = rng.choice(sorted(e.key for e in s.on("device"))), rng.randrange(1, 60)
+        plan = plan_resize(s, key, size, now, HALF_LIFE_S)
+        replay_budgets_hold(s, plan)
+        after = apply(s, plan, now)
+        if plan.fits:
+            sizes[key] = size
+            assert after.entries[key].tier == "device"
+        else:
+            assert size > s.device_budget_bytes and after == s
+        return after
     key = f"m{min(int(rng.expovariate(0.3)), 11)}"  # skewed popularity, 12 models
     plan = plan_admit(s, key, sizes[key], now, HALF_LIFE_S)
     replay_budgets_hold(s, plan)

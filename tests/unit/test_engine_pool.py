@@ -87,6 +87,13 @@ class Loaders:
         self.loads: dict[str, int] = dict.fromkeys(sizes, 0)
         self.built: list[FakeEngine] = []
 
+    @staticmethod
+    def merged(*many: Loaders) -> Loaders:
+        """One view of several loaders' engines (for :func:`assert_consistent`)."""
+        out = Loaders({})
+        out.built = [e for loaders in many for e in loaders.built]
+        return out
+
     def __call__(self, key: str, fail: str | None = None) -> Callable[[], Engine]:
         def load() -> Engine:
             self.loads[key] += 1
@@ -519,6 +526,60 @@ def test_an_engine_a_task_uses_is_not_pushed_out_beneath_it() -> None:
     assert_consistent(cache, loaders)
     # each refusal counted as what it was, not as an engine too large for the device
     assert cache.stats()["in_use"] == 2 and cache.stats()["too_large"] == 0
+
+
+class Growing(FakeEngine):
+    """Like a TensorRT plan: its execution context's activation memory (``GROWTH``
+    bytes) is known, and counted, from its first promotion on."""
+
+    GROWTH = 30
+
+    def _promote(self, device: str) -> None:
+        super()._promote(device)
+        if self.calls["promote"] == 1:
+            self.size += self.GROWTH
+
+
+def test_an_engine_that_takes_more_on_the_device_is_counted_at_that_and_makes_room() -> None:
+    cache, _ = make_cache(device_budget=100, host_budget=300)
+    loaders = Loaders({"a": 50, "t": 40})
+    growing = Loaders({"t": 40}, cls=Growing)
+    cache.get("a", loaders("a"))
+    # When an engine admitted at 40 bytes turns out to take 70 on the device
+    _, cold = cache.get("t", growing("t"))
+    # Then it is counted at 70, and the other engine moved to the host for the growth
+    assert cache.state.entries["t"].size_bytes == 70 and cold.demoted == ("a",)
+    assert cache.warm() == {"a": "host", "t": "device"} and cache.state.device_used == 70
+    assert_consistent(cache, Loaders.merged(loaders, growing))
+    # And from the host, its promotion makes room for all of it up front
+    cache.get("a", loaders("a"))
+    assert cache.warm() == {"a": "device", "t": "host"}
+    engine, again = cache.get("t", growing("t"))
+    assert again.source == "host" and again.demoted == ("a",) and engine.size == 70
+    assert growing.loads["t"] == 1 and cache.state.device_used == 70
+    assert_consistent(cache, Loaders.merged(loaders, growing))
+
+
+def test_an_engine_that_grows_past_the_device_pool_is_refused_and_released() -> None:
+    cache, _ = make_cache(device_budget=60, host_budget=300)
+    growing = Loaders({"t": 40}, cls=Growing)
+    with pytest.raises(EngineTooLarge, match=r"'t' needs 70 bytes.*holds 60"):
+        cache.get("t", growing("t"))
+    assert growing.built[0].released and "t" not in cache and cache.state.device_used == 0
+    assert cache.stats()["too_large"] == 1 and cache.stats()["loads"] == 0
+
+
+def test_an_engine_that_grows_into_the_room_of_one_in_use_is_refused_and_released() -> None:
+    cache, _ = make_cache(device_budget=100, host_budget=300)
+    loaders = Loaders({"a": 50})
+    growing = Loaders({"t": 40}, cls=Growing)
+    a, _ = cache.get("a", loaders("a"))
+    with cache.using("a"), pytest.raises(EngineInUse, match=r"'t'.*would push out 'a'"):
+        cache.get("t", growing("t"))
+    # its 70 bytes are not left on the device uncounted: it is gone, a stays and runs
+    assert growing.built[0].released and cache.warm() == {"a": "device"} and a(1, 2) == 3
+    assert cache.stats()["in_use"] == 1
+    assert_consistent(cache, Loaders.merged(loaders, growing))
 
 
 def test_rekey_serves_an_engine_under_the_key_of_what_it_is() -> None:

@@ -3,12 +3,13 @@ arguments bind to an engine's inputs, and buffer alignment (``cache/trt.py``).""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from sits_queue.cache.contract import EngineError, bind_inputs
-from sits_queue.cache.trt import TRT_ALIGNMENT, aligned
+from sits_queue.cache.trt import TRT_ALIGNMENT, aligned, context_memory_bytes
 
 # As TensorRT lists them: not forward's arguments (it drops inputs the network ignores)
 NAMES = ("desc0", "desc1")
@@ -50,3 +51,14 @@ def test_a_view_off_the_alignment_is_copied_and_an_aligned_one_is_not() -> None:
     assert aligned(torch.ones(9, dtype=torch.int8)[3:]).data_ptr() % TRT_ALIGNMENT == 0
     grid = block[:1024].reshape(32, 32).t()
     assert aligned(grid).is_contiguous() and torch.equal(aligned(grid), grid)
+
+
+@pytest.mark.parametrize(("engine", "expected"), [
+    (SimpleNamespace(device_memory_size_v2=4096, device_memory_size=1024), 4096),  # 10.x
+    (SimpleNamespace(device_memory_size_v2=2048), 2048),  # 11.x: only the v2 is left
+    (SimpleNamespace(device_memory_size=1024), 1024),  # 8.6
+    (SimpleNamespace(), 0),
+])
+def test_a_contexts_activation_memory_is_read_as_each_tensorrt_names_it(
+        engine: Any, expected: int) -> None:
+    assert context_memory_bytes(engine) == expected
