@@ -304,8 +304,9 @@ class EngineCache:
         """Count what ``engine`` takes now that it is on the device, when that differs from
         what it was admitted at (a TensorRT context's activation memory is known only
         once the plan is deserialised): colder engines make room for the growth. Past
-        the device budget, or when the room is held by a running task's engine, ``key``
-        is dropped (its bytes must not go uncounted) and the get fails."""
+        the device budget, when the room is held by a running task's engine, or when
+        making it fails, ``key`` is dropped (its bytes must not go uncounted) and the get
+        fails."""
         size = engine.size_bytes()
         if size == self._state.entries[key].size_bytes:
             return evicted, demoted
@@ -316,10 +317,10 @@ class EngineCache:
             raise EngineTooLarge(key, size, self._state.device_budget_bytes)
         try:
             self._refuse_in_use(key, plan)
-        except EngineInUse:
+            more_evicted, more_demoted, _ = self._execute(key, plan, now)
+        except BaseException:  # in use, or a move that failed: nothing left uncounted
             self._drop(key, now)
             raise
-        more_evicted, more_demoted, _ = self._execute(key, plan, now)
         return evicted + more_evicted, demoted + more_demoted
 
     def _not_new(self, engine: Engine) -> str | None:

@@ -582,6 +582,18 @@ def test_an_engine_that_grows_into_the_room_of_one_in_use_is_refused_and_release
     assert_consistent(cache, Loaders.merged(loaders, growing))
 
 
+def test_an_engine_whose_growth_cannot_be_made_room_for_is_released() -> None:
+    cache, _ = make_cache(device_budget=100, host_budget=300)
+    loaders = Loaders({"a": 50})
+    growing = Loaders({"t": 40}, cls=Growing)
+    cache.get("a", loaders("a", fail="demote"))
+    with pytest.raises(ModelLoadError, match=r"'t'.*making room for it failed: demote of 'a'"):
+        cache.get("t", growing("t"))
+    # the engine that broke and the one that grew are both gone: nothing uncounted
+    assert growing.built[0].released and cache.warm() == {} and cache.state.device_used == 0
+    assert_consistent(cache, Loaders.merged(loaders, growing))
+
+
 def test_rekey_serves_an_engine_under_the_key_of_what_it_is() -> None:
     """(a precision conversion that changed nothing kept a second copy of the weights)"""
     cache, _ = make_cache(device_budget=200, host_budget=300)
