@@ -252,50 +252,6 @@ def test_vram_cap_fails_the_task_and_the_child_survives(app: Celery,
     assert worker.alive()
 
 
-def test_hard_limit_kill_frees_gpu_memory_and_the_slot_keeps_its_gpu(
-        app: Celery, worker: CeleryProcess) -> None:
-    before = call(app, "t.describe", "before", timeout=FIRST_CALL_S)
-    device = next(g for g in nvml_devices() if g["uuid"] == before["output"]["cuda_visible"])
-    baseline = device["used"]
-
-    def used() -> int:
-        return int(next(g["used"] for g in nvml_devices() if g["uuid"] == device["uuid"]))
-
-    # When a task holding 8 GiB, deaf to its soft limit, is killed at its hard limit
-    held = app.tasks["t.alloc"].apply_async((8.0, 120.0, True), sla_class="high",
-                                            soft_time_limit=4, time_limit=8)
-    wait_for(lambda: used() >= baseline + 7 * GIB, 60, "the task to hold 8 GiB")
-    with pytest.raises(TimeLimitExceeded):
-        held.get(timeout=60)
-    # Then the device gets the memory back (the process is gone, its context with it)
-    wait_for(lambda: used() <= baseline + GIB, 30, "the killed child's memory to be freed")
-    # And the replacement child has the same GPU and serves. Its first call is cold (a
-    # CUDA context, a load: 20 s of the class's 30 s for the first child on the H200
-    # host): it gets more. (There, 2026-12-04, a replacement child hung in this call to
-    # its limit: see workers/nvmlfork.py; a failure now says where it waits.)
-    began = time.monotonic()
-    pending = app.tasks["t.describe"].apply_async(
-        ("after",), soft_time_limit=REPLACED_CALL_S - 10, time_limit=REPLACED_CALL_S)
-    blocked = ""
-    try:
-        try:
-            after = pending.get(timeout=SLOW_FIRST_CALL_S)
-        except CeleryTimeoutError:  # where is it? (before the hard limit kills it)
-            blocked = where_blocked(worker.pid)
-            for child in psutil.Process(worker.pid).children():
-                os.kill(child.pid, signal.SIGUSR2)  # its Python stacks, into the log
-            after = pending.get(timeout=REPLACED_CALL_S + 10 - SLOW_FIRST_CALL_S)
-    except Exception as exc:
-        raise AssertionError(f"the replacement child did not serve: {exc!r}\n{blocked}\n"
-                             f"{worker.log()[-20000:]}") from exc
-    print(f"replacement child's first call: {time.monotonic() - began:.1f} s, "
-          f"{after['sits']}")
-    assert after["output"]["pid"] != before["output"]["pid"]
-    assert after["output"]["cuda_visible"] == before["output"]["cuda_visible"]
-    assert after["sits"]["slot"] == before["sits"]["slot"]
-    assert worker.alive()
-
-
 def test_more_children_than_gpus_share_round_robin(
         tmp_path_factory: pytest.TempPathFactory, redis_url: str, setup: tuple[Path, Path],
         app: Celery) -> None:
@@ -402,3 +358,51 @@ def test_generations_join_a_running_batch_on_the_gpu(app: Celery,
     assert all(g["sits"]["batch"].get("joined") for g in got)
     assert all(r.date_done < long.date_done for r in later)
     assert done["output"]["tokens"] == 150
+
+
+# Last of the worker's tests: a replacement child that hangs costs only this test.
+def test_hard_limit_kill_frees_gpu_memory_and_the_slot_keeps_its_gpu(
+        app: Celery, worker: CeleryProcess) -> None:
+    before = call(app, "t.describe", "before", timeout=FIRST_CALL_S)
+    device = next(g for g in nvml_devices() if g["uuid"] == before["output"]["cuda_visible"])
+    baseline = device["used"]
+
+    def used() -> int:
+        return int(next(g["used"] for g in nvml_devices() if g["uuid"] == device["uuid"]))
+
+    # When a task holding 8 GiB, deaf to its soft limit, is killed at its hard limit
+    held = app.tasks["t.alloc"].apply_async((8.0, 120.0, True), sla_class="high",
+                                            soft_time_limit=4, time_limit=8)
+    wait_for(lambda: used() >= baseline + 7 * GIB, 60, "the task to hold 8 GiB")
+    with pytest.raises(TimeLimitExceeded):
+        held.get(timeout=60)
+    # Then the device gets the memory back (the process is gone, its context with it)
+    wait_for(lambda: used() <= baseline + GIB, 30, "the killed child's memory to be freed")
+    # And the replacement child has the same GPU and serves. Its first call is cold (a
+    # CUDA context, a load: 20 s of the class's 30 s for the first child on the H200
+    # host): it gets more. (There, 2026-12-04, a replacement child hung in this call to
+    # its limit: see workers/nvmlfork.py; a failure now says where it waits.)
+    began = time.monotonic()
+    pending = app.tasks["t.describe"].apply_async(
+        ("after",), soft_time_limit=REPLACED_CALL_S - 10, time_limit=REPLACED_CALL_S)
+    blocked = ""
+    try:
+        try:
+            after = pending.get(timeout=SLOW_FIRST_CALL_S)
+        except CeleryTimeoutError:  # where is it? (before the hard limit kills it)
+            blocked = where_blocked(worker.pid)
+            # On disk at once, beside the worker's log (the GPU check keeps both), in
+            # case the check's time box stops the run before this test can report
+            worker.log_path.with_name("blocked.log").write_text(blocked + "\n")
+            for child in psutil.Process(worker.pid).children():
+                os.kill(child.pid, signal.SIGUSR2)  # its Python stacks, into the log
+            after = pending.get(timeout=REPLACED_CALL_S + 10 - SLOW_FIRST_CALL_S)
+    except Exception as exc:
+        raise AssertionError(f"the replacement child did not serve: {exc!r}\n{blocked}\n"
+                             f"{worker.log()[-20000:]}") from exc
+    print(f"replacement child's first call: {time.monotonic() - began:.1f} s, "
+          f"{after['sits']}")
+    assert after["output"]["pid"] != before["output"]["pid"]
+    assert after["output"]["cuda_visible"] == before["output"]["cuda_visible"]
+    assert after["sits"]["slot"] == before["sits"]["slot"]
+    assert worker.alive()
