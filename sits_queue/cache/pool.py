@@ -303,7 +303,8 @@ class EngineCache:
                   demoted: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Count what ``engine`` takes now that it is on the device, when that differs from
         what it was admitted at (a TensorRT context's activation memory is known only
-        once the plan is deserialised): colder engines make room for the growth. Past
+        once the plan is deserialised): the coldest other engines make room for the
+        growth, and the host tier counts it at that size too once demoted. Past
         the device budget, when the room is held by a running task's engine, or when
         making it fails, ``key`` is dropped (its bytes must not go uncounted) and the get
         fails."""
