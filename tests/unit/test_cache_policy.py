@@ -295,6 +295,9 @@ def test_only_a_device_entry_can_be_resized(key: str) -> None:
     s = state(30, 70, entry("on_host", 10, "host"))
     with pytest.raises(IllegalAction, match=f"cannot resize {key!r}"):
         plan_resize(s, key, 5, 1.0)
+
+
+def test_a_negative_resize_is_rejected() -> None:
     with pytest.raises(ValueError, match="size_bytes"):
         plan_resize(state(30, 70, entry("d", 1, "device")), "d", -1, 1.0)
 
