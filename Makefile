@@ -29,13 +29,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/sitsq demo
 
-# Two pytest processes by default (CI has 2 cores): the integration tests spend most of
+# Three pytest processes by default, on CI's 2 cores: the integration tests spend most of
 # their time waiting on worker subprocesses and Redis, so a second process nearly halves
-# the wall time. Whole files go to one process (loadfile): a module's costly fixtures (a
-# benchmark run, a worker) run once. Each process starts its own private redis-server.
+# the wall time and a third takes off another quarter (2,222 tests, 2026-12-04: 519 s
+# with two, 393-405 s with three, 361 s with four, which loads a 2-core box past what a
+# slower one could take; with one of the two cores kept busy by another process, three
+# took 452 s).
+# Whole files go to one process (loadfile): a module's costly fixtures (a benchmark run,
+# a worker) run once. Each process starts its own private redis-server.
 # PYTEST_WORKERS=0 runs everything in this process. The 20 slowest tests are listed at
 # the end, to keep the suite's time in view (CI allows 20 minutes).
-PYTEST_WORKERS ?= 2
+PYTEST_WORKERS ?= 3
 test: $(STAMP)
 	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=20
 
