@@ -32,9 +32,9 @@ demo: $(STAMP)
 # Three pytest processes by default, on CI's 2 cores: the integration tests spend most of
 # their time waiting on worker subprocesses and Redis, so a second process nearly halves
 # the wall time and a third takes off another quarter (2,222 tests, 2026-12-04: 519 s
-# with two, 393-405 s with three, 361 s with four, which loads a 2-core box past what a
-# slower one could take; with one of the two cores kept busy by another process, three
-# took 452 s).
+# with two, 393-405 s with three, 361 s with four). Three, not four: three were also run
+# with one of the two cores kept busy by another process (452 s, all passed); four were
+# not, and put more processes on each core.
 # Whole files go to one process (loadfile): a module's costly fixtures (a benchmark run,
 # a worker) run once. Each process starts its own private redis-server.
 # PYTEST_WORKERS=0 runs everything in this process. The 20 slowest tests are listed at
