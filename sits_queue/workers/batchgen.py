@@ -32,11 +32,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from celery.exceptions import SoftTimeLimitExceeded
-
 from sits_queue.cache import kvwarm
 from sits_queue.errors import InferenceError, InvalidInput, VramLimitExceeded
-from sits_queue.workers import firsttoken, inference, inputs, kvreuse, runtime
+from sits_queue.workers import inference, inputs, kvreuse, runtime
+from sits_queue.workers.batchdecode import Decoding
 from sits_queue.workers.batched import Call, arguments
 
 if TYPE_CHECKING:
@@ -307,136 +306,13 @@ def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], st
         left[r] = result(r, new)
         send(rows[r].index, left[r])
 
-    news = _decode_rows(module, model, rows, input_ids, mask, past,
-                        (len(rows[0].ids) if lone else max(shared)) if past is not None else 0,
-                        end, active, leave, joining, first)
+    news = Decoding(module, model, rows, input_ids, mask, past,
+                    (len(rows[0].ids) if lone else max(shared)) if past is not None else 0,
+                    end, active, leave, joining, first).run()
     for r in range(own, len(rows)):  # joined rows still going at the end
         if r not in left:
             leave(r, news[r])
     return [left[r] if r in left else result(r, new) for r, new in enumerate(news[:own])]
-
-
-def _decode_rows(module: Any, model: str, rows: list[_Row], input_ids: Any, mask: Any,
-                 past: Any, cached: int, eos: int | None, active: runtime.ActiveTask | None,
-                 leave: Callable[[int, list[int]], None], joining: Joining | None = None,
-                 first: int | None = None) -> list[list[int]]:
-    """Each row's new tokens, decoded together from the batch's layout (its first
-    ``cached`` positions already in ``past``). A row leaves the batch, its KV cache rows
-    dropped, as soon as it has its ``max_new_tokens`` or its end-of-sequence token, so a
-    step costs only the rows still going (Hugging Face ``generate`` would run every row
-    to the longest one's length); ``leave(row, tokens)`` is told of each row that leaves
-    before the last ones. Positions count each row's real tokens (its padding is masked
-    out), and each row's token is chosen as :func:`inference.generate` chooses it alone:
-    greedy, or sampled with the row's seed at that position.
-
-    Continuous batching: between steps, ``joining`` may give rows to join the batch
-    (``rows`` grows): prefilled together (``batchjoin.prefill_rows``), their KV rows merged
-    into the batch's (``kvreuse.merge_rows``); they leave like the others. Leading
-    positions no row attends to any more are dropped (``kvreuse.trim_padding``).
-    ``first``: a lone row prefilled that way already, its first token the layout's last.
-    """
-    import time
-
-    import torch
-
-    device = next(module.parameters()).device
-    kwarg = kvwarm.cache_kwarg(module)
-    by_position = takes_positions(module)
-    mask = mask.to(device)
-    positions = positions_of(mask)[:, cached:]
-    ids = input_ids[:, cached:].to(device)
-    generator = torch.Generator(device="cpu")
-    new: list[list[int]] = [[] for _ in rows]
-    if first is not None:
-        new[0].append(first)
-    live = list(range(len(rows)))  # the rows still decoding, in batch order
-    steps, longest = 0, max(row.most for row in rows)
-    out = logits = None
-    plain: bool | None = None  # whether the batch's cache can take rows and be trimmed
-    began = time.monotonic()
-    try:
-        with torch.inference_mode():
-            while True:
-                if active is not None:
-                    active.check_time(steps, longest)
-                extra = {"position_ids": positions} if by_position else {}
-                out = module(input_ids=ids, attention_mask=mask, use_cache=True,
-                             **{kwarg: past}, **extra)
-                past = kvwarm.cache_of(out)
-                if plain is None:  # the cache's kind does not change while it decodes
-                    plain = kvreuse.reusable(past)
-                logits = out.logits[:, -1, :].float()
-                tokens = torch.argmax(logits, dim=-1).tolist()  # waits for a GPU's step
-                firsttoken.mark()
-                steps += 1
-                for b, r in enumerate(live):
-                    row = rows[r]
-                    if row.temperature > 0:
-                        tokens[b] = inference.sampled(logits[b:b + 1], row.temperature,
-                                                      row.seed, len(new[r]), generator)
-                    new[r].append(tokens[b])
-                going = [b for b, r in enumerate(live)
-                         if len(new[r]) < rows[r].most and new[r][-1] != eos]
-                if not going:
-                    return new
-                if len(going) < len(live):
-                    for b in sorted(set(range(len(live))) - set(going)):
-                        leave(live[b], new[live[b]])
-                    keep = torch.tensor(going, device=device)
-                    past.batch_select_indices(keep)
-                    mask, positions = mask[keep], positions[keep]
-                    live, tokens = [live[b] for b in going], [tokens[b] for b in going]
-                positions = positions[:, -1:]
-                fresh = joining.take(len(live), (time.monotonic() - began) / steps) \
-                    if joining is not None and plain else []
-                prefilled = joining.prefill(fresh, generator) if joining and fresh else None
-                if joining is not None and fresh and prefilled is None:
-                    for row in fresh:  # no memory for them now: they run after this batch
-                        joining.decline(row)
-                elif joining is not None and prefilled is not None:
-                    cache, rows_mask, firsts, starts = prefilled
-                    kept = []
-                    for b, row in enumerate(fresh):
-                        joining.starts[row.index] = starts[b]
-                        rows.append(row)
-                        new.append([firsts[b]])
-                        if row.most <= 1 or firsts[b] == eos:  # done at its first token
-                            leave(len(rows) - 1, new[-1])
-                            continue
-                        kept.append(b)
-                        live.append(len(rows) - 1)
-                        tokens.append(firsts[b])
-                        longest = max(longest, steps + row.most)
-                    if kept:
-                        if len(kept) < len(fresh):
-                            cache.batch_select_indices(torch.tensor(kept, device=device))
-                            rows_mask = rows_mask[kept]
-                        positions = torch.cat([positions, rows_mask.sum(-1, keepdim=True) - 1])
-                        past, mask = kvreuse.merge_rows(past, mask, cache, rows_mask)
-                if plain:
-                    mask = kvreuse.trim_padding(past, mask)
-                ids = torch.tensor(tokens, device=device).unsqueeze(1)
-                positions = positions + 1
-                mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
-    except SoftTimeLimitExceeded:
-        raise SoftTimeLimitExceeded(
-            f"soft time limit hit while generating a batch of {len(rows)} with model "
-            f"{model!r}: stopped after {steps} of {longest} decode steps") from None
-    finally:
-        # A traceback keeps this frame alive: drop the KV cache now, not with the frame.
-        past = out = logits = None
-
-
-def takes_positions(module: Any) -> bool:
-    """Whether the model's forward takes positions; models that do not (ALiBi) place
-    tokens by the attention mask alone."""
-    return "position_ids" in inspect.signature(module.forward).parameters
-
-
-def positions_of(mask: Any) -> Any:
-    """Each position's place among its row's real tokens (padding, masked out, counts
-    none): what a row alone would have there."""
-    return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 def _plan(prompts: list[list[int]]

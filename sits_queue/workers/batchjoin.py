@@ -1,5 +1,5 @@
 """Rows that join a running generation batch (continuous batching; the Redis side and
-the rules are ``joins.py``, the batch's decode loop ``batchgen.py``): which waiting calls
+the rules are ``joins.py``, the batch's decode loop ``batchdecode.py``): which waiting calls
 join, and their prefill, together, as a batch of their own."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 from sits_queue.cache import kvwarm
 from sits_queue.errors import InferenceError
-from sits_queue.workers import batchgen, firsttoken, gpu, inference, kvreuse, runtime
+from sits_queue.workers import batchdecode, batchgen, firsttoken, gpu, inference, kvreuse, runtime
 from sits_queue.workers.batchgen import _Row
 
 #: Joining rows prefilled: their KV cache, its attention mask, each row's first token and
@@ -126,8 +126,8 @@ def prefill_rows(module: Any, model: str, rows: list[_Row], generator: Any,
     input_ids, mask = batchgen._layout(rows, shared, pad)
     start = max(shared) if past is not None else 0
     mask = mask.to(device)
-    extra = {"position_ids": batchgen.positions_of(mask)[:, start:]} \
-        if batchgen.takes_positions(module) else {}
+    extra = {"position_ids": batchdecode.positions_of(mask)[:, start:]} \
+        if batchdecode.takes_positions(module) else {}
     prefilled = _prefill(module, input_ids=input_ids[:, start:].to(device), attention_mask=mask,
                          **{kvwarm.cache_kwarg(module): past}, **extra)
     if prefilled is None:

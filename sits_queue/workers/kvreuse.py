@@ -1,6 +1,6 @@
 """The torch side of the KV-prefix cache (``cache/prefix.py`` keeps and finds them):
 which caches can be reused, and independent copies cut to a prefix; and the rows of a
-left-padded batch cache joined and trimmed (continuous batching, ``batchgen.py``); and
+left-padded batch cache joined and trimmed (continuous batching, ``batchdecode.py``); and
 :class:`PromptPrefix`, one generation's lookup and store, tagged with its task's (or its
 batch row's) ``prefix_key`` for affinity.
 
