@@ -27,7 +27,7 @@ _batch_hooks: list[BatchHook] = []
 
 def on_batch(hook: BatchHook | None) -> None:
     """The worker's main process registers what gathers and runs a delivered batch
-    (``workers/batched.py``); None unregisters it."""
+    (``workers/batchmain.py``); None unregisters it."""
     _batch_hooks[:] = [hook] if hook is not None else []
 
 

@@ -1,6 +1,6 @@
 """``sits.generate_batched``: the continuations of a batch of prompts in one run.
 
-The calls of a batch (``workers/batched.py`` gathers them) decode as one left-padded
+The calls of a batch (``workers/batchmain.py`` gathers them) decode as one left-padded
 batch with one KV cache, each row greedy or sampled exactly as ``inference.generate``
 decodes it alone. A row leaves the batch at its own ``max_new_tokens`` or
 end-of-sequence token, its KV rows dropped, so the steps after it cost only the rows

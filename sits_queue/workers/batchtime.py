@@ -24,7 +24,8 @@ to run in the next batch, here or on another worker.
 * The first batch of a key is not cut (nothing is known yet): if it misses its limit it
   fails as before, and the batches after it are cut.
 
-Pure functions over frozen dataclasses; ``batched.py`` measures and applies.
+Pure functions over frozen dataclasses; ``batched.py`` measures (in the pool child) and
+``batchmain.py`` applies (in the main process).
 """
 
 from __future__ import annotations

@@ -308,7 +308,7 @@ def attach(group: str, members: list[Any], admitted: Callable[[Any], bool],
     if batch is None:
         run_apart(members)
         return
-    from sits_queue.workers.batched import _job
+    from sits_queue.workers.batchmain import _job
 
     try:
         pushed = _join_script(client, batch.keys, "push", KEY_TTL_S,

@@ -584,8 +584,8 @@ def connect(app: Celery) -> None:
     app.steps["worker"].add(metrics.MetricsServer)
     app.steps["consumer"].add(advertise.Advertise)
     app.steps["consumer"].add(profile.ProfileStep)
-    from sits_queue.workers import batched  # imports inference, which imports this module
+    from sits_queue.workers import batchmain  # imports inference, which imports this module
 
-    app.steps["consumer"].add(batched.Batches)
+    app.steps["consumer"].add(batchmain.Batches)
 
 

@@ -15,7 +15,7 @@ from sits_queue.broker.qos import held_units
 from sits_queue.config import ConfigError, SitsConfig
 from sits_queue.errors import InferenceError, InvalidInput, InvalidTaskOptions
 from sits_queue.options import HEADER, batch_key, from_header
-from sits_queue.workers import batched
+from sits_queue.workers import batched, batchmain
 from sits_queue.workers.batched import Call, split_outputs
 
 CONFIG = SitsConfig()
@@ -171,14 +171,14 @@ def test_a_delivered_batch_runs_once_carrying_its_members() -> None:
     ran: list[FakeRequest] = []
     members = [FakeRequest(f"t{i}", {BATCH_INFO: ["t0", i, 3]}) for i in range(3)]
     # Given the transport opens batch t0 and delivers two of its three (one expired)
-    batched.delivery("t0", False, ran.append)
+    batchmain.delivery("t0", False, ran.append)
     for request in (members[0], members[2]):
-        assert batched.gather(request, ran.append) is None
+        assert batchmain.gather(request, ran.append) is None
     assert ran == []  # held until the end mark
     # When it closes the batch, the first goes on, carrying the other
-    batched.delivery("t0", True, ran.append)
+    batchmain.delivery("t0", True, ran.append)
     assert ran == [members[0]]
-    assert batched._ready.pop("t0") == [members[0], members[2]]
+    assert batchmain._ready.pop("t0") == [members[0], members[2]]
 
 
 def test_a_request_of_no_batch_task_in_a_delivered_batch_runs_alone() -> None:
@@ -187,30 +187,30 @@ def test_a_request_of_no_batch_task_in_a_delivered_batch_runs_alone() -> None:
     ran: list[FakeRequest] = []
     members = [FakeRequest(f"u{i}", {BATCH_INFO: ["u0", i, 3]}, batchable=i != 1)
                for i in range(3)]
-    batched.delivery("u0", False, ran.append)
+    batchmain.delivery("u0", False, ran.append)
     for request in members:
-        assert batched.gather(request, ran.append) is None
-    batched.delivery("u0", True, ran.append)
+        assert batchmain.gather(request, ran.append) is None
+    batchmain.delivery("u0", True, ran.append)
     assert ran == [members[1], members[0]]  # the plain one alone; the others as a batch
-    assert batched._ready.pop("u0") == [members[0], members[2]]
+    assert batchmain._ready.pop("u0") == [members[0], members[2]]
     plain = [FakeRequest(f"v{i}", {BATCH_INFO: ["v0", i, 2]}, batchable=False)
              for i in range(2)]
-    batched.delivery("v0", False, ran.append)
+    batchmain.delivery("v0", False, ran.append)
     for request in plain:
-        batched.gather(request, ran.append)
-    batched.delivery("v0", True, ran.append)
-    assert ran[2:] == plain and "v0" not in batched._ready
+        batchmain.gather(request, ran.append)
+    batchmain.delivery("v0", True, ran.append)
+    assert ran[2:] == plain and "v0" not in batchmain._ready
 
 
 def test_requests_outside_an_open_batch_run_at_once() -> None:
     ran: list[FakeRequest] = []
     plain = FakeRequest("p")
     late = FakeRequest("late", {BATCH_INFO: ["gone", 1, 2]})  # its batch was closed
-    batched.gather(plain, ran.append)
-    batched.gather(late, ran.append)
+    batchmain.gather(plain, ran.append)
+    batchmain.gather(late, ran.append)
     assert ran == [plain, late]
-    batched.delivery("empty", False, ran.append)
-    batched.delivery("empty", True, ran.append)  # nothing came: nothing runs
+    batchmain.delivery("empty", False, ran.append)
+    batchmain.delivery("empty", True, ran.append)  # nothing came: nothing runs
     assert ran == [plain, late]
 
 
@@ -342,9 +342,9 @@ def test_a_batch_that_raised_a_base_exception_in_the_solo_pool_fails_each_call(
     def exits(jobs: Any, **_: Any) -> Any:
         raise SystemExit(3)  # a batch function that called sys.exit()
 
-    monkeypatch.setattr(batched, "run_batch", exits)
+    monkeypatch.setattr(batchmain, "run_batch", exits)
     requests = [PoolRequest("b0"), PoolRequest("b1")]
-    batched.submit(requests, TaskPool())
+    batchmain.submit(requests, TaskPool())
     for request in requests:
         assert request.successes == []
         (failure,) = request.failures

@@ -198,7 +198,7 @@ def test_the_keys_remembered_are_bounded(given_back: list[Any]) -> None:
     assert "k0" not in batchbudget._times and f"k{batchbudget.MOST_KEYS + 4}" in batchbudget._times
 
 
-# -- what a batch's end records (batched.submit's callback, over a stand-in pool) ------------
+# -- what a batch's end records (batchmain.submit's callback, over a stand-in pool) --------
 
 class Pool:
     """Runs nothing: hands ``ran`` (what run_batch returned) to the success callback."""
@@ -230,9 +230,9 @@ def test_a_batch_that_took_joins_and_missed_its_limit_is_learned(
         given_back: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """(a batch that took joins recorded nothing: under a backlog a generation batch on a
     GPU always takes some, so it never learned, and missed its limit again)"""
-    from sits_queue.workers import batched, joins
+    from sits_queue.workers import batchmain, joins
 
-    monkeypatch.setattr(batched, "_joins", batched.JoinSetup(object(), "", 10.0, print))
+    monkeypatch.setattr(batchmain, "_joins", batchmain.JoinSetup(object(), "", 10.0, print))
     monkeypatch.setattr(joins, "start", lambda *a, **k: None)
     monkeypatch.setattr(joins, "finish", lambda *a, **k: ([], []))
     task = Task(App())
@@ -240,7 +240,7 @@ def test_a_batch_that_took_joins_and_missed_its_limit_is_learned(
     own = members(8, task)
     # its 8 calls, one more that joined and one it declined (None); stopped at 2 s
     ran = ([("r", None, 2.0)] * 9 + [None], {"seconds": 2.0, "cut_short": True})
-    batched.submit(own, Pool(ran))
+    batchmain.submit(own, Pool(ran))
     assert batchbudget._times["k"].runs == (batchtime_run(8.0, 2.0, True),)
     assert len(batchbudget.cut(members(8, task))) == 3
 
@@ -250,7 +250,7 @@ def test_a_run_that_failed_on_its_load_teaches_nothing(
     """(a cold load that failed after 0.3 s was recorded as the calls' run time, and cut
     the next batches though nothing had run)"""
     from sits_queue.errors import ModelLoadError
-    from sits_queue.workers import batched
+    from sits_queue.workers import batched, batchmain
     from sits_queue.workers.batched import Call
 
     class Stub:
@@ -271,7 +271,7 @@ def test_a_run_that_failed_on_its_load_teaches_nothing(
     assert all(isinstance(o, ModelLoadError) for o in outcomes.values())
     assert timing["failed"] is True and timing["cut_short"] is False
     task = Task(App())
-    batched.submit(members(2, task), Pool(([("f", None, 0.3)] * 2,
+    batchmain.submit(members(2, task), Pool(([("f", None, 0.3)] * 2,
                                            {**timing, "seconds": 0.3})))
     assert "k" not in batchbudget._times
 

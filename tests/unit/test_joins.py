@@ -14,7 +14,7 @@ from sits_queue.broker.keys import DELIVERY_HEADER, QueueKeys
 from sits_queue.config import SitsConfig
 from sits_queue.errors import ConfigError, InvalidInput
 from sits_queue.options import HEADER
-from sits_queue.workers import batched, inference, joins
+from sits_queue.workers import batchmain, inference, joins
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.batched import Call
 from sits_queue.workers.batchgen import generate_calls
@@ -40,12 +40,12 @@ def test_a_call_s_max_batch_bounds_the_rows_its_batch_takes_in(
         monkeypatch: pytest.MonkeyPatch, call_most: int | None, capacity: int) -> None:
     """(joins refilled a batch up to the task's max_batch, 32, past the max_batch=2 of
     the call leading it)"""
-    monkeypatch.setattr(batched, "_joins", batched.JoinSetup(None, "", 5.0, print))
+    monkeypatch.setattr(batchmain, "_joins", batchmain.JoinSetup(None, "", 5.0, print))
     task = SimpleNamespace(joins=True, max_batch=32)
     header = {"batch": "k", **({"batch_max": call_most} if call_most else {})}
     first = SimpleNamespace(task=task, id="t1", request_dict={
         DELIVERY_HEADER: ["celery", 1], HEADER: header})
-    spec = batched._join_spec([first], 30.0)
+    spec = batchmain._join_spec([first], 30.0)
     assert spec is not None and spec["capacity"] == capacity
 
 
