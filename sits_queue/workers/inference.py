@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from celery.exceptions import SoftTimeLimitExceeded
@@ -35,6 +36,7 @@ from sits_queue.cache.kvwarm import (
     max_positions,
 )
 from sits_queue.cache.pool import COLD_PHASES
+from sits_queue.config import ClassQuota
 from sits_queue.errors import (
     ContextTooLong,
     InferenceError,
@@ -118,6 +120,48 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
          kwargs: dict[str, Any], clock: firsttoken.FirstToken, tasks: int = 1,
          early: Callable[[int, Any, dict[str, Any]], bool] | None = None,
          joins: Any = None) -> dict[str, Any]:
+    run = _prepare(rt, task, args, kwargs, clock, tasks)
+    output = _call(run, task, _active_task(run, task, early, joins), args, kwargs)
+    meta = run.so_far()
+    _account(run, meta, tasks, joins, output)
+    return {"output": output, "sits": meta}
+
+
+@dataclass
+class _Run:
+    """One run of an inference task: its engine and limits, as :func:`_prepare` set them
+    up, and its result metadata as of any moment (:meth:`so_far`)."""
+
+    rt: runtime.ChildRuntime
+    model: str
+    quota: ClassQuota
+    cpus: tuple[int, ...]
+    engine: Any
+    engine_bytes: int
+    fraction: float | None  # the allocator's cap (None off CUDA)
+    meta: dict[str, Any]  # the cold start's fields, affinity, precision
+    prewarm: bool
+    soft: float | None
+    hard: float | None
+    run_started: float  # monotonic: the pool's soft limit counts from here
+    clock: firsttoken.FirstToken
+    start: float = 0.0  # perf_counter, when the task's function was called
+
+    def so_far(self) -> dict[str, Any]:
+        """The run's result metadata as of now."""
+        return {**self.meta,
+                "run_ms": round((time.perf_counter() - self.start) * _MS_PER_S, 3),
+                "first_token_ms": self.clock.ms, "device": self.rt.device_label,
+                "slot": self.rt.slot, "sla_class": self.quota.name,
+                "limits": {"soft_time_limit_s": self.soft, "time_limit_s": self.hard,
+                           "vram_gib": self.quota.vram_gib, "memory_fraction": self.fraction,
+                           "cpus": list(self.cpus)}}
+
+
+def _prepare(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
+             kwargs: dict[str, Any], clock: firsttoken.FirstToken, tasks: int) -> _Run:
+    """The run's engine from the warm cache, its class's cores and memory cap, and its
+    start counted and traced."""
     check_arguments(task, args, kwargs)
     request = task.request
     # the pool's soft limit counts from the run's start, engine load included
@@ -149,59 +193,65 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     _trace(meta, model, quota.name, acquire_ns, acquired_ns)
     timelimit = getattr(request, "timelimit", None) or (None, None)
     hard, soft = (*tuple(timelimit), None, None)[:2]
-    soft = soft or getattr(task, "soft_time_limit", None)
+    return _Run(rt, model, quota, cpus, engine, engine_bytes, fraction, meta, prewarm,
+                soft or getattr(task, "soft_time_limit", None), hard, run_started, clock)
 
-    def so_far() -> dict[str, Any]:
-        """The run's result metadata as of now."""
-        return {**meta, "run_ms": round((time.perf_counter() - start) * _MS_PER_S, 3),
-                "first_token_ms": clock.ms, "device": rt.device_label, "slot": rt.slot,
-                "sla_class": quota.name,
-                "limits": {"soft_time_limit_s": soft, "time_limit_s": hard,
-                           "vram_gib": quota.vram_gib, "memory_fraction": fraction,
-                           "cpus": list(cpus)}}
 
-    active = runtime.ActiveTask(model=model, quota=quota, engine_bytes=engine_bytes,
-                                device=rt.torch_device, on_cuda=rt.on_cuda,
-                                soft_deadline=run_started + soft if soft else None,
-                                yielder=getattr(task, "yield_point", None),
-                                checkpoint=getattr(task, "checkpoint", None),
-                                prefixes=rt.prefixes(), count=rt.count,
-                                prefix_key=runtime.task_prefix_key(request),
-                                embeddings=rt.embeddings(), batcher=rt.batcher(model),
-                                early=(lambda i, out: bool(early(i, out, so_far())))
-                                if early else None, joins=joins)
+def _active_task(run: _Run, task: Any,
+                 early: Callable[[int, Any, dict[str, Any]], bool] | None,
+                 joins: Any) -> runtime.ActiveTask:
+    """What the built-in functions read of the run while it runs (``runtime.active``)."""
+    rt = run.rt
+    return runtime.ActiveTask(
+        model=run.model, quota=run.quota, engine_bytes=run.engine_bytes,
+        device=rt.torch_device, on_cuda=rt.on_cuda,
+        soft_deadline=run.run_started + run.soft if run.soft else None,
+        yielder=getattr(task, "yield_point", None), checkpoint=getattr(task, "checkpoint", None),
+        prefixes=rt.prefixes(), count=rt.count,
+        prefix_key=runtime.task_prefix_key(task.request), embeddings=rt.embeddings(),
+        batcher=rt.batcher(run.model),
+        early=(lambda i, out: bool(early(i, out, run.so_far()))) if early else None,
+        joins=joins)
+
+
+def _call(run: _Run, task: Any, active: runtime.ActiveTask, args: tuple[Any, ...],
+          kwargs: dict[str, Any]) -> Any:
+    """The task's function on the warm engine; out of memory is the class's
+    ``VramLimitExceeded``, the memory released first."""
     oom: str | None = None
-    start = time.perf_counter()
+    run.start = time.perf_counter()
     try:
-        with runtime.activated(active), acquire.using(rt, engine.key):
-            output = task.run(engine, *args, **kwargs)
+        with runtime.activated(active), acquire.using(run.rt, run.engine.key):
+            return task.run(run.engine, *args, **kwargs)
     except slices.Preempted:
         # A slice that yielded served the model as much as the last one will: its time
         # is service time too (the task itself counts once, on the run that finishes).
-        if not prewarm:
-            rt.count(metrics.run_fields(
-                model, round((time.perf_counter() - start) * _MS_PER_S, 3), 0))
+        if not run.prewarm:
+            run.rt.count(metrics.run_fields(
+                run.model, round((time.perf_counter() - run.start) * _MS_PER_S, 3), 0))
         raise
     except Exception as exc:
         if not gpu.is_oom(exc):
             raise
         oom = str(exc).splitlines()[0][:300]
-    if oom is not None:
-        gpu.release_memory()
-        raise VramLimitExceeded(f"task exceeded the {quota.vram_gib:g} GiB VRAM limit of "
-                                f"class {quota.name!r} running model {model!r}: {oom}")
-    meta = so_far()
+    # (out of the except clause: its traceback no longer holds the run's tensors)
+    gpu.release_memory()
+    raise VramLimitExceeded(f"task exceeded the {run.quota.vram_gib:g} GiB VRAM limit of "
+                            f"class {run.quota.name!r} running model {run.model!r}: {oom}")
+
+
+def _account(run: _Run, meta: dict[str, Any], tasks: int, joins: Any, output: Any) -> None:
+    """The finished run's service time, joins and first token, counted and traced."""
     joined = joins.joined if joins is not None else 0  # calls that joined the batch
-    if not prewarm:  # (its run is no service time of the model's)
-        rt.count(metrics.run_fields(model, meta["run_ms"], tasks + joined))
+    if not run.prewarm:  # (its run is no service time of the model's)
+        run.rt.count(metrics.run_fields(run.model, meta["run_ms"], tasks + joined))
     if joined:
-        rt.count(metrics.joined_fields(quota.name, joined))
-    if clock.ms is not None:
-        rt.count(metrics.first_token_fields(clock.ms, tasks))
-        tracing.annotate({"sits.first_token_ms": clock.ms})
+        run.rt.count(metrics.joined_fields(run.quota.name, joined))
+    if run.clock.ms is not None:
+        run.rt.count(metrics.first_token_fields(run.clock.ms, tasks))
+        tracing.annotate({"sits.first_token_ms": run.clock.ms})
     if isinstance(output, dict) and isinstance(output.get("cached_tokens"), int):
         tracing.annotate({"sits.cached_tokens": output["cached_tokens"]})
-    return {"output": output, "sits": meta}
 
 
 def _trace(meta: dict[str, Any], model: str, sla_class: str, start_ns: int,
