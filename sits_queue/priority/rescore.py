@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +93,62 @@ def _state_key(config: SitsConfig, name: str) -> str:
 
 
 @dataclass(frozen=True)
+class StatsReadings:
+    """What a snapshot is made of, as the workers' records in Redis hold it now."""
+
+    #: Per class, its recent task latencies, oldest first.
+    latencies_ms: Mapping[str, Sequence[float]]
+    #: Per class, the tasks handled (done, or ended in a retry) and arrived, ever.
+    done: Mapping[str, float]
+    arrived: Mapping[str, float]
+    #: Per model, its decayed call count, as of ``hot_at`` (NaN: never decayed).
+    hot: Mapping[str, float]
+    hot_at: float
+    #: The last pass's totals and smoothed rates (:func:`_totals`).
+    last: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class SnapshotPlan:
+    """What one pass stores: the snapshot, the totals the next pass starts from, each
+    model's hotness change (an increment: calls counted meanwhile are kept) and the
+    models faded out."""
+
+    snapshot: PrioritySnapshot
+    totals: Mapping[str, Any]
+    hot_changes: Mapping[str, float]
+    faded: Sequence[str]
+
+
+def plan_snapshot(readings: StatsReadings, now_s: float, class_names: Sequence[str],
+                  rescore_interval_s: float) -> SnapshotPlan:
+    """The §2.1-§2.2 statistics of every class, and the models' hotness, from
+    ``readings``: p95 and jitter of the recent latencies, and bandwidth compliance from
+    the handled and arrived rates, smoothed over :data:`COMPLIANCE_HALF_LIFE_S`."""
+    last = readings.last
+    fade = stats.decay_factor(now_s - last["at"], COMPLIANCE_HALF_LIFE_S, 0.5)
+    rates = {kind: stats.smoothed_counts(
+        last["rates"].get(kind, {}),
+        {c: now.get(c, 0.0) - last[kind].get(c, 0.0) for c in now}, fade)
+        for kind, now in (("done", readings.done), ("arrived", readings.arrived))}
+    classes = {}
+    for name in class_names:
+        chrono = list(readings.latencies_ms.get(name, ()))
+        classes[name] = ClassStats(
+            p95_ms=stats.p95(chrono), jitter_ms=stats.jitter_ms(chrono),
+            bandwidth_compliance=stats.bandwidth_compliance(
+                rates["done"].get(name, 0.0), rates["arrived"].get(name, 0.0)))
+    factor = stats.decay_factor(now_s - readings.hot_at, rescore_interval_s, HOTNESS_DECAY)
+    return SnapshotPlan(
+        snapshot=PrioritySnapshot(now_s=now_s, classes=classes,
+                                  hotness=stats.hotness(dict(readings.hot))),
+        totals={"done": dict(readings.done), "arrived": dict(readings.arrived),
+                "rates": rates, "at": now_s},
+        hot_changes={model: count * (factor - 1) for model, count in readings.hot.items()},
+        faded=[m for m, count in readings.hot.items() if count * factor < stats.MIN_COUNT])
+
+
+@dataclass(frozen=True)
 class PassReport:
     queues: int
     seen: int
@@ -119,6 +176,12 @@ class Rescorer:
     # -- snapshot ----------------------------------------------------------------------------
     def gather_snapshot(self, now_s: float) -> PrioritySnapshot:
         """Build the snapshot from worker records and store it for producers."""
+        plan = plan_snapshot(self._read_stats(), now_s, self.config.class_names,
+                             self.config.rescore_interval_s)
+        self._store(plan)
+        return plan.snapshot
+
+    def _read_stats(self) -> StatsReadings:
         c, cfg = self.client, self.config
         with c.pipeline(transaction=False) as pipe:
             for name in cfg.class_names:
@@ -136,7 +199,7 @@ class Rescorer:
                     pipe.hgetall(self.keys(queue).arrivals)
             replies = pipe.execute()
         n = len(cfg.class_names)
-        latencies, done, retried, hot, prev_raw, hot_at, arrivals = (
+        latencies, done, retried, hot, totals, hot_at, arrivals = (
             replies[:n], replies[n], replies[n + 1], replies[n + 2], replies[n + 3],
             replies[n + 4], replies[n + 5:])
         # A run that ended in a retry handled its message; the retry arrives anew.
@@ -147,37 +210,24 @@ class Rescorer:
         for table in arrivals:
             for name, count in _counts(table).items():
                 arrived_now[name] = arrived_now.get(name, 0.0) + count
-        prev = _totals(prev_raw)
-        fade = stats.decay_factor(now_s - prev["at"], COMPLIANCE_HALF_LIFE_S, 0.5)
-        rates = {kind: stats.smoothed_counts(
-            prev["rates"].get(kind, {}),
-            {c: now.get(c, 0.0) - prev[kind].get(c, 0.0) for c in now}, fade)
-            for kind, now in (("done", done_now), ("arrived", arrived_now))}
-        classes = {}
-        for name, samples in zip(cfg.class_names, latencies, strict=True):
-            chrono = [float(s) for s in reversed(samples)]  # LPUSH keeps newest first
-            classes[name] = ClassStats(
-                p95_ms=stats.p95(chrono), jitter_ms=stats.jitter_ms(chrono),
-                bandwidth_compliance=stats.bandwidth_compliance(
-                    rates["done"].get(name, 0.0), rates["arrived"].get(name, 0.0)))
-        hot_counts = _counts(hot)
-        factor = stats.decay_factor(now_s - _seconds(hot_at), cfg.rescore_interval_s,
-                                    HOTNESS_DECAY)
-        snapshot = PrioritySnapshot(now_s=now_s, classes=classes,
-                                    hotness=stats.hotness(hot_counts))
+        return StatsReadings(
+            latencies_ms={name: tuple(float(s) for s in reversed(samples))  # LPUSH: newest
+                          for name, samples in zip(cfg.class_names, latencies, strict=True)},
+            done=done_now, arrived=arrived_now, hot=_counts(hot), last=_totals(totals),
+            hot_at=_seconds(hot_at))
+
+    def _store(self, plan: SnapshotPlan) -> None:
+        c, cfg = self.client, self.config
         with c.pipeline(transaction=False) as pipe:
-            pipe.set(stats_key(cfg.global_keyprefix), snapshot_to_json(snapshot))
-            pipe.set(_state_key(cfg, "totals"), json.dumps(
-                {"done": done_now, "arrived": arrived_now, "rates": rates, "at": now_s}))
+            pipe.set(stats_key(cfg.global_keyprefix), snapshot_to_json(plan.snapshot))
+            pipe.set(_state_key(cfg, "totals"), json.dumps(plan.totals))
             # Decay by increment, so counts workers add meanwhile are never lost.
-            for model, count in hot_counts.items():
-                pipe.hincrbyfloat(hot_key(cfg), model, count * (factor - 1))
-            pipe.set(_state_key(cfg, "hot-at"), repr(now_s))
+            for model, change in plan.hot_changes.items():
+                pipe.hincrbyfloat(hot_key(cfg), model, change)
+            pipe.set(_state_key(cfg, "hot-at"), repr(plan.snapshot.now_s))
             pipe.execute()
-        faded = [m for m, count in hot_counts.items() if count * factor < stats.MIN_COUNT]
-        if faded:  # a model not called for ~50 intervals: out of the hash (and the snapshot)
-            self.scripts.run_on("prune_hot", [hot_key(cfg)], [stats.MIN_COUNT, *faded], c)
-        return snapshot
+        if plan.faded:  # a model not called for ~50 intervals: out of the hash (and the snapshot)
+            self.scripts.run_on("prune_hot", [hot_key(cfg)], [stats.MIN_COUNT, *plan.faded], c)
 
     # -- the pass ----------------------------------------------------------------------------
     def rescore_all(self, now_s: float | None = None) -> PassReport | None:
