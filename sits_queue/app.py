@@ -15,6 +15,7 @@ from celery import Celery, Task
 
 from sits_queue import flower
 from sits_queue.broker.keys import DELIVERY_ONLY
+from sits_queue.checks import shown
 from sits_queue.config import SitsConfig
 from sits_queue.errors import InvalidTaskOptions
 from sits_queue.options import (
@@ -26,7 +27,6 @@ from sits_queue.options import (
     batch_key,
     from_header,
     resolve,
-    shown,
 )
 from sits_queue.registry import Loader, ModelRegistry
 from sits_queue.settings import DEFAULT_QUEUE as DEFAULT_QUEUE

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields
-from typing import Any
+from typing import Any, TypeGuard
 
 from sits_queue.errors import ConfigError
 
@@ -23,12 +23,24 @@ def coerce(name: str, raw: str, kind: type) -> Any:
         if word in _TRUE or word in _FALSE:
             return word in _TRUE
         # a typo must not silently mean "off"
-        raise ConfigError(f"SITS_{name.upper()}={raw!r} is not a boolean (one of "
+        raise ConfigError(f"SITS_{name.upper()}={_clipped(raw)} is not a boolean (one of "
                           f"{', '.join(_TRUE)} / {', '.join(w for w in _FALSE if w)})")
     try:
         return kind(raw)
     except ValueError as exc:
-        raise ConfigError(f"SITS_{name.upper()}={raw!r} is not a valid {kind.__name__}") from exc
+        raise ConfigError(f"SITS_{name.upper()}={_clipped(raw)} is not a valid "
+                          f"{kind.__name__}") from exc
+
+
+#: Longest raw value an error message quotes whole, characters.
+_QUOTED_CHARS = 80
+
+
+def _clipped(raw: str) -> str:
+    """A raw setting for an error message: its start, and its length, when it is long."""
+    if len(raw) <= _QUOTED_CHARS:
+        return repr(raw)
+    return f"{raw[:_QUOTED_CHARS // 2]!r}... ({len(raw)} characters)"
 
 
 def check_types(obj: Any, where: str = "") -> None:
@@ -45,44 +57,73 @@ def check_types(obj: Any, where: str = "") -> None:
         elif kind is int:
             ok = isinstance(value, int) and not isinstance(value, bool)
         elif kind is float:
-            ok = is_number(value) and math.isfinite(value)
+            ok = is_number(value) and finite(value)
         else:
             ok = isinstance(value, str)
         if not ok:
-            raise ConfigError(f"{where}{f.name} must be {what}, got {value!r}")
+            raise ConfigError(f"{where}{f.name} must be {what}, got {shown(value)}")
         if f.name.endswith("_s") and is_number(value) and value > MAX_DURATION_S:
             # a duration past a year is a typo (ms for s), and past ~1e9 s it fails later,
             # elsewhere: a beat schedule's timedelta, a wait's timeout, a Redis EXPIRE
             raise ConfigError(f"{where}{f.name} must be at most {MAX_DURATION_S:g} s (a "
-                              f"year), got {value!r}")
+                              f"year), got {shown(value)}")
 
 
 #: Longest duration setting (``*_s``), s: a year.
 MAX_DURATION_S = 365 * 86_400
 
 
-def is_number(value: object) -> bool:
+def shown(value: Any) -> str:
+    """``value`` for an error message. A huge int's repr runs to thousands of digits (and
+    past 4300 Python refuses to write it): its size says enough."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    return repr(value)
+
+
+def is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def finite(value: float) -> bool:
+    """Whether a number is finite as a float: an int past ~1.8e308 is not (``float()``
+    of it raises OverflowError, which a setting's check must not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def integer(name: str, value: object, most: int, note: str = "", least: int = 0) -> None:
     """An integer (not a bool) in [least, most]; ``note`` says what 0 means."""
     if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
         raise ConfigError(f"{name} must be an integer in [{least}, {most}]{note}, "
-                          f"got {value!r}")
+                          f"got {shown(value)}")
 
 
 def positive(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name} must be a positive number, got {value!r}")
+    if not is_number(value) or not finite(value) or value <= 0:
+        raise ConfigError(f"{name} must be a positive number, got {shown(value)}")
 
 
 def non_negative(name: str, value: float, note: str = "") -> None:
     """A finite number >= 0; ``note`` says its unit and what 0 means."""
-    if not is_number(value) or not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{name} must be >= 0{note}, got {value!r}")
+    if not is_number(value) or not finite(value) or value < 0:
+        raise ConfigError(f"{name} must be >= 0{note}, got {shown(value)}")
 
 
-def in_range(name: str, value: float, lo: float, hi: float) -> None:
-    if not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise ConfigError(f"{name} must be in [{lo}, {hi}], got {value!r}")
+def interval(name: str, value: object, lo: float, hi: float, *, open_lo: bool = False,
+             open_hi: bool = False, note: str = "") -> None:
+    """A number (not a bool) between ``lo`` and ``hi``, each end included unless it is
+    open; ``note`` says its unit or what an end means."""
+    ok = is_number(value) and finite(value) \
+        and (lo < value if open_lo else lo <= value) \
+        and (value < hi if open_hi else value <= hi)
+    if not ok:
+        raise ConfigError(f"{name} must be in {'(' if open_lo else '['}{_end(lo)}, "
+                          f"{_end(hi)}{')' if open_hi else ']'}{note}, got {shown(value)}")
+
+
+def _end(bound: float) -> str:
+    """A bound as written in a message: 3600000, not 3.6e+06; 0.5 as 0.5."""
+    return str(int(bound)) if float(bound).is_integer() else repr(bound)

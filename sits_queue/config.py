@@ -67,9 +67,9 @@ class ClassQuota:
         checks.positive(f"class {self.name}: weight", self.weight)
         # the range a task's own latency_sla_ms must be in: a class past it made every
         # task of the class (the default one: every foreign message) refused
-        checks.in_range(f"class {self.name}: latency_sla_ms", self.latency_sla_ms, 1e-3,
+        checks.interval(f"class {self.name}: latency_sla_ms", self.latency_sla_ms, 1e-3,
                         MAX_LATENCY_SLA_MS)
-        checks.in_range(f"class {self.name}: loss_sensitivity", self.loss_sensitivity, 0.1, 0.9)
+        checks.interval(f"class {self.name}: loss_sensitivity", self.loss_sensitivity, 0.1, 0.9)
         if self.slice_ms < 0:
             raise ConfigError(f"class {self.name}: slice_ms must be >= 0 (0: the global "
                               f"slice_ms), got {self.slice_ms!r}")
@@ -275,53 +275,39 @@ class SitsConfig:
                               "(a [[classes]] list is the whole set of classes)")
         self._check_priority_range()
         check_redis_url(self.redis_url)
-        if not 0 < self.soft_limit_fraction < 1:
-            raise ConfigError("soft_limit_fraction must be in (0, 1)")
+        checks.interval("soft_limit_fraction", self.soft_limit_fraction, 0, 1, open_lo=True,
+                        open_hi=True)
         checks.positive("rescore_interval_s", self.rescore_interval_s)
         checks.positive("trigger_check_interval_s", self.trigger_check_interval_s)
         checks.positive("rescore_chunk", self.rescore_chunk)
         checks.positive("stats_window", self.stats_window)
         checks.positive("max_redeliveries", self.max_redeliveries)
         checks.non_negative("dead_letter_ttl_s", self.dead_letter_ttl_s, " s (0: kept)")
-        for name in ("slice_ms", "yield_wait_ms", "yield_min_remaining_ms"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 <= value < 3_600_000:
-                raise ConfigError(f"{name} must be in [0, 3600000) ms, got {value!r}")
+        for name in ("slice_ms", "yield_wait_ms", "yield_min_remaining_ms",
+                     "affinity_max_skip_ms"):
+            checks.interval(name, getattr(self, name), 0, 3_600_000, open_hi=True, note=" ms")
         checks.integer("metrics_port", self.metrics_port, 65535, " (0: no endpoint)")
-        if not checks.is_number(self.affinity_max_skip_ms) or not 0 <= self.affinity_max_skip_ms \
-                < 3_600_000:
-            raise ConfigError(f"affinity_max_skip_ms must be in [0, 3600000) ms, got "
-                              f"{self.affinity_max_skip_ms!r}")
         checks.integer("prefix_key_chars", self.prefix_key_chars, 1_000_000)
         checks.integer("batch_window", self.batch_window, 100_000, " (0: no batching)")
         checks.integer("batch_max_tasks", self.batch_max_tasks, MAX_BATCH_TASKS,
                        " (1: no batching)", least=1)
         if self.batch_join not in ("auto", "on", "off"):
             raise ConfigError(f"batch_join must be auto, on or off, got {self.batch_join!r}")
-        if not checks.is_number(self.batch_join_s) or not 0 < self.batch_join_s < 86_400:
-            raise ConfigError(f"batch_join_s must be in (0, 86400) s, got "
-                              f"{self.batch_join_s!r}")
-        if not checks.is_number(self.batch_time_share) or not 0 <= self.batch_time_share <= 1:
-            raise ConfigError(f"batch_time_share must be in [0, 1] (0: no cut), got "
-                              f"{self.batch_time_share!r}")
+        checks.interval("batch_join_s", self.batch_join_s, 0, 86_400, open_lo=True,
+                        open_hi=True, note=" s")
+        checks.interval("batch_time_share", self.batch_time_share, 0, 1, note=" (0: no cut)")
         checks.positive("int8_max_kl", self.int8_max_kl)
         self._check_sites()
         checks.integer("embed_cache_entries", self.embed_cache_entries, 10_000_000, " (0: off)")
         checks.positive("embed_cache_ttl_s", self.embed_cache_ttl_s)
         checks.non_negative("host_pool_ttl_s", self.host_pool_ttl_s, " s (0: never)")
-        if not checks.is_number(self.host_pool_pressure_share) \
-                or not 0 <= self.host_pool_pressure_share < 1:
-            raise ConfigError(f"host_pool_pressure_share must be in [0, 1) (0: never), got "
-                              f"{self.host_pool_pressure_share!r}")
+        checks.interval("host_pool_pressure_share", self.host_pool_pressure_share, 0, 1,
+                        open_hi=True, note=" (0: never)")
         checks.positive("batch_target_p95_ms", self.batch_target_p95_ms)
-        if not checks.is_number(self.throttle_fd_share) or not 0 < self.throttle_fd_share <= 1:
-            raise ConfigError(f"throttle_fd_share must be in (0, 1], got "
-                              f"{self.throttle_fd_share!r}")
+        checks.interval("throttle_fd_share", self.throttle_fd_share, 0, 1, open_lo=True)
         # 1 would pause intake for good: no host has all of its memory available
-        if not checks.is_number(self.throttle_mem_share) \
-                or not 0 < self.throttle_mem_share < 1:
-            raise ConfigError(f"throttle_mem_share must be in (0, 1) (1 would pause intake "
-                              f"for good), got {self.throttle_mem_share!r}")
+        checks.interval("throttle_mem_share", self.throttle_mem_share, 0, 1, open_lo=True,
+                        open_hi=True, note=" (1 would pause intake for good)")
         checks.non_negative("prewarm_interval_s", self.prewarm_interval_s, " (0: off)")
         if self.otel_traces not in ("auto", "otlp", "console", "off"):
             raise ConfigError(f"otel_traces must be auto, otlp, console or off, got "

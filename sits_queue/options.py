@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from sits_queue.checks import shown
 from sits_queue.config import MAX_BATCH_TASKS, MAX_LATENCY_SLA_MS, SitsConfig
 from sits_queue.errors import InvalidTaskOptions
 from sits_queue.priority.entropy import input_entropy
@@ -206,9 +207,3 @@ def _number(name: str, value: Any, lo: float, hi: float, integer: bool = False) 
     return float(value)
 
 
-def shown(value: Any) -> str:
-    """``value`` for an error message. A huge int's repr runs to thousands of digits (and
-    past 4300 Python refuses to write it): its size says enough."""
-    if isinstance(value, int) and value.bit_length() > 64:
-        return f"an integer of {value.bit_length()} bits"
-    return repr(value)
