@@ -23,24 +23,17 @@ def coerce(name: str, raw: str, kind: type) -> Any:
         if word in _TRUE or word in _FALSE:
             return word in _TRUE
         # a typo must not silently mean "off"
-        raise ConfigError(f"SITS_{name.upper()}={_clipped(raw)} is not a boolean (one of "
+        raise ConfigError(f"SITS_{name.upper()}={shown(raw)} is not a boolean (one of "
                           f"{', '.join(_TRUE)} / {', '.join(w for w in _FALSE if w)})")
     try:
         return kind(raw)
     except ValueError as exc:
-        raise ConfigError(f"SITS_{name.upper()}={_clipped(raw)} is not a valid "
+        raise ConfigError(f"SITS_{name.upper()}={shown(raw)} is not a valid "
                           f"{kind.__name__}") from exc
 
 
 #: Longest raw value an error message quotes whole, characters.
 _QUOTED_CHARS = 80
-
-
-def _clipped(raw: str) -> str:
-    """A raw setting for an error message: its start, and its length, when it is long."""
-    if len(raw) <= _QUOTED_CHARS:
-        return repr(raw)
-    return f"{raw[:_QUOTED_CHARS // 2]!r}... ({len(raw)} characters)"
 
 
 def check_types(obj: Any, where: str = "") -> None:
@@ -74,11 +67,17 @@ MAX_DURATION_S = 365 * 86_400
 
 
 def shown(value: Any) -> str:
-    """``value`` for an error message. A huge int's repr runs to thousands of digits (and
-    past 4300 Python refuses to write it): its size says enough."""
+    """``value`` for an error message: a log line, not a dump. A huge int's repr runs to
+    thousands of digits (and past 4300 Python refuses to write it): its size says enough;
+    a long string or any long repr is shown by its start and its length."""
     if isinstance(value, int) and value.bit_length() > 64:
         return f"an integer of {value.bit_length()} bits"
-    return repr(value)
+    if isinstance(value, str) and len(value) > _QUOTED_CHARS:
+        return f"{value[:_QUOTED_CHARS // 2]!r}... ({len(value)} characters)"
+    text = repr(value)
+    if len(text) > _QUOTED_CHARS:
+        return f"{text[:_QUOTED_CHARS // 2]}... ({len(text)} characters of repr)"
+    return text
 
 
 def is_number(value: object) -> TypeGuard[int | float]:

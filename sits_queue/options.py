@@ -80,7 +80,7 @@ def resolve(config: SitsConfig, declared: Mapping[str, Any], per_call: Mapping[s
     merged.update({k: v for k, v in per_call.items() if v is not None})
     sla_class = merged.get("sla_class", config.default_class)
     if not isinstance(sla_class, str) or sla_class not in config.class_names:
-        raise InvalidTaskOptions(f"unknown sla_class {sla_class!r}; known classes: "
+        raise InvalidTaskOptions(f"unknown sla_class {shown(sla_class)}; known classes: "
                                  f"{list(config.class_names)}")
     quota = config.quota(sla_class)
     entropy = merged.get("input_entropy")
@@ -145,7 +145,7 @@ def _limits(timelimit: Any) -> str | None:
             v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
                           and math.isfinite(v) and v > 0) for v in timelimit):
         raise ValueError(f"timelimit must be [time_limit, soft_time_limit], seconds, "
-                         f"got {timelimit!r}")
+                         f"got {shown(timelimit)}")
     if timelimit[0] is None and timelimit[1] is None:
         return None
     return "/".join("" if v is None else repr(float(v)) for v in timelimit)
@@ -156,7 +156,7 @@ def _precision(value: Any) -> str | None:
         return None
     if isinstance(value, str) and value in PRECISIONS:
         return value
-    raise InvalidTaskOptions(f"precision must be one of {list(PRECISIONS)}, got {value!r}")
+    raise InvalidTaskOptions(f"precision must be one of {list(PRECISIONS)}, got {shown(value)}")
 
 
 def derive_prefix_key(args: Any, kwargs: Mapping[str, Any], chars: int) -> str | None:
@@ -192,7 +192,7 @@ def _name(option: str, value: Any, longest: int = 200) -> str | None:
         return None
     if not isinstance(value, str) or not value or len(value) > longest:
         raise InvalidTaskOptions(f"{option} must be a non-empty string of at most "
-                                 f"{longest} characters, got {value!r}")
+                                 f"{longest} characters, got {shown(value)}")
     return value
 
 

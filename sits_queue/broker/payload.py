@@ -17,6 +17,7 @@ from kombu.transport import virtual
 from kombu.utils.json import dumps, loads
 
 from sits_queue.broker.keys import AFFINITY_HEADER, BATCH_INFO, CHECKPOINT_HEADER, DELIVERY_HEADER
+from sits_queue.checks import shown
 
 #: Types orjson writes as kombu's JSON does (so kombu's ``loads`` gives the same value).
 _NATIVE = frozenset({str, int, bool, type(None)})
@@ -83,7 +84,7 @@ def decode(raw: bytes | str, codecs: Collection[str] = ()) -> dict[str, Any]:
     _expect(encoding, str, "properties.body_encoding", "a string")
     if encoding and encoding.lower() != "utf-8" and encoding not in codecs:
         # kombu would look the codec up as None and fail with an AttributeError
-        raise MalformedPayload(f"properties.body_encoding {encoding!r} is not one of "
+        raise MalformedPayload(f"properties.body_encoding {shown(encoding)} is not one of "
                                f"{sorted(codecs)}")
     headers = message.get("headers") or {}
     # Celery looks its task up by this name: an unhashable one would raise in its consumer.
@@ -100,13 +101,13 @@ def _check_task_message(headers: dict[str, Any]) -> None:
     task_id = headers.get("id")
     if not isinstance(task_id, str) or not task_id:
         raise MalformedPayload(f"headers.id is not a task id (a non-empty string): "
-                               f"{task_id!r}")
+                               f"{shown(task_id)}")
     limits = headers.get("timelimit")
     if limits is not None and not (
             isinstance(limits, (list, tuple)) and len(limits) == 2
             and all(_seconds(x) for x in limits)):
         raise MalformedPayload(f"headers.timelimit is not [soft, hard] seconds or nulls: "
-                               f"{limits!r}")
+                               f"{shown(limits)}")
 
 
 def _seconds(value: Any) -> bool:

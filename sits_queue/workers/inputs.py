@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from sits_queue.checks import shown
 from sits_queue.errors import InvalidInput
 
 #: Upper bound on ``max_new_tokens``: a typo guard, not a model limit (that is checked too).
@@ -18,7 +19,7 @@ def check_flag(name: str, value: Any) -> None:
     """A yes/no argument must be a bool: the string "false" is truthy, so bool() of it
     would silently do the opposite of what the caller asked."""
     if not isinstance(value, bool):
-        raise InvalidInput(f"{name} must be true or false, got {value!r}")
+        raise InvalidInput(f"{name} must be true or false, got {shown(value)}")
 
 
 def check_text(name: str, text: str) -> None:
@@ -39,12 +40,12 @@ def check_prompt(prompt: Any, max_new_tokens: Any, temperature: Any, seed: Any =
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
             or not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
         raise InvalidInput(f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS}], "
-                           f"got {max_new_tokens!r}")
+                           f"got {shown(max_new_tokens)}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
             or not 0 <= temperature <= 100:
-        raise InvalidInput(f"temperature must be a number in [0, 100], got {temperature!r}")
+        raise InvalidInput(f"temperature must be a number in [0, 100], got {shown(temperature)}")
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise InvalidInput(f"seed must be an integer, got {seed!r}")
+        raise InvalidInput(f"seed must be an integer, got {shown(seed)}")
     check_flag("stop_at_eos", stop_at_eos)
 
 

@@ -28,3 +28,17 @@ def test_a_model_name_with_an_at_sign_is_refused_on_the_task_and_in_the_registry
     with pytest.raises(ValueError, match="or '@'"):
         ModelRegistry().register("lm@fp16", lambda: None)
     assert resolve(SitsConfig(), {}, {"model": "org/lm-1.5+q:v2"}).model == "org/lm-1.5+q:v2"
+
+
+@pytest.mark.parametrize(("options", "named"), [
+    ({"model": "m" * 10_000}, r"model must be .* got 'm{40}'\.\.\. \(10000 characters\)$"),
+    ({"sla_class": "x" * 10_000}, r"unknown sla_class 'x{40}'\.\.\. \(10000 characters\);"),
+    ({"prefix_key": "k" * 100_000}, r"prefix_key .* \(100000 characters\)$"),
+    ({"precision": ["fp16"] * 1000}, r"precision must be .* \(8000 characters of repr\)$"),
+])
+def test_a_huge_bad_value_is_named_by_its_start_and_length_not_echoed_whole(
+        options: dict[str, object], named: str) -> None:
+    # (a worker logs each refused foreign message: a line, not a dump of its header)
+    with pytest.raises(InvalidTaskOptions, match=named) as refused:
+        resolve(SitsConfig.from_mapping({}), {}, options)
+    assert len(str(refused.value)) < 300
