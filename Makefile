@@ -11,7 +11,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.sits-installed
 
-.PHONY: demo test lint bench gpu-check gpu-wheels clean
+.PHONY: demo test lint bench gpu-check gpu-wheels gpu-rehearse clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,10 @@ gpu-check:
 # On a machine with PyPI: what a bare GPU image lacks, as wheels in .whl to carry there.
 gpu-wheels: $(STAMP)
 	bash ops/gpu_wheels.sh
+
+# ops/gpu_check.sh as the bare GPU host runs it (carried wheels, no redis-server), here.
+gpu-rehearse: $(STAMP)
+	bash ops/gpu_rehearse.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

