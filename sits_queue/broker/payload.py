@@ -96,8 +96,9 @@ def decode(raw: bytes | str, codecs: Collection[str] = ()) -> dict[str, Any]:
 
 def _check_task_message(headers: dict[str, Any]) -> None:
     """What Celery's consumer takes for granted in a task message's headers (protocol 2)
-    and fails on in the worker's main process (which stops it): the task id and the time
-    limits. Its body is checked once kombu has decoded it (:func:`check_task_body`)."""
+    and fails on in the worker's main process (which stops it, or wedges a pool slot): the
+    task id, the time limits and the stamps. Its body is checked once kombu has decoded
+    it (:func:`check_task_body`)."""
     task_id = headers.get("id")
     if not isinstance(task_id, str) or not task_id:
         raise MalformedPayload(f"headers.id is not a task id (a non-empty string): "
@@ -108,6 +109,16 @@ def _check_task_message(headers: dict[str, Any]) -> None:
             and all(_seconds(x) for x in limits)):
         raise MalformedPayload(f"headers.timelimit is not [soft, hard] seconds or nulls: "
                                f"{shown(limits)}")
+    # Celery's Request.revoked() walks them before the pool takes the task, after the
+    # pool's slot was taken for it: raised on there, the slot was never given back.
+    stamped = headers.get("stamped_headers")
+    if stamped is not None and not (isinstance(stamped, list)
+                                    and all(isinstance(h, str) for h in stamped)):
+        raise MalformedPayload(f"headers.stamped_headers is not a list of header names: "
+                               f"{shown(stamped)}")
+    stamps = headers.get("stamps")
+    if stamps is not None and not isinstance(stamps, dict):
+        raise MalformedPayload(f"headers.stamps is not an object: {shown(stamps)}")
 
 
 def _seconds(value: Any) -> bool:

@@ -225,13 +225,18 @@ class Channel(PublishingChannel):
             if not intake.guards_deliveries() or (
                     isinstance(exc, self.connection_errors) and not isinstance(exc, KeyError)):
                 raise
-            tag = message.delivery_tag
             logger.exception("queue %r message %s: its consumer raised; moved to dead "
-                             "letters", queue, tag)
-            self._dead_letter(queue, [tag, dumps(message.serializable())], exc,
-                              queue in self._no_ack, "consumer refused it")
-            if tag in self.qos._delivered:
-                virtual.QoS.ack(self.qos, tag)  # forget it here: Redis has it parked
+                             "letters", queue, message.delivery_tag)
+            self.refuse(queue, message, exc)
+
+    def refuse(self, queue: str, message: Any, exc: Exception) -> None:
+        """Dead-letter a delivered ``message`` of ``queue`` its consumer could not take,
+        with the error, and forget it here (Redis has it parked)."""
+        tag = message.delivery_tag
+        self._dead_letter(queue, [tag, dumps(message.serializable())], exc,
+                          queue in self._no_ack, "consumer refused it")
+        if tag in self.qos._delivered:
+            virtual.QoS.ack(self.qos, tag)
 
     def join_pick(self, queue: str, key: str, most: int, group: str) -> int:
         """Up to ``most`` waiting tasks of batch key ``key`` for a running batch's free

@@ -87,8 +87,14 @@ def _execute_batched(self: Any, pool: Any, **kwargs: Any) -> Any:
 
 def _admitted(request: Any) -> bool:
     """False for a request revoked meanwhile, or whose declared VRAM does not fit (then
-    its message goes back to the queue, as ``request.py`` does for any task)."""
-    return not request.revoked() and not admission.refused(request)
+    its message goes back to the queue, as ``request.py`` does for any task), or that
+    Celery raises on (then it is dead-lettered with the error, its batch-mates run)."""
+    try:
+        return not request.revoked() and not admission.refused(request)
+    except Exception as exc:
+        if not admission.dead_letter_unstartable(request, exc):
+            raise
+        return False
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from celery.exceptions import Reject, TaskRevokedError
 from celery.worker.request import Request
 from celery.worker.state import task_ready
 
+from sits_queue.broker.keys import DELIVERY_HEADER
 from sits_queue.options import HEADER
 from sits_queue.workers import nvmlfork
 from sits_queue.workers.limits import BYTES_PER_GIB, fits
@@ -225,6 +226,25 @@ def _give_back(request: Request, hold: bool = False) -> float:
     return held
 
 
+def dead_letter_unstartable(request: Request, exc: Exception) -> bool:
+    """Dead-letter the message of a request Celery raised on before its pool took it,
+    with the error (its caller's result fails with it), and forget the request here;
+    False where the message is not of our transport (then the error is raised)."""
+    message = request.message
+    delivery = (request.request_dict or {}).get(DELIVERY_HEADER)  # [queue, message id]
+    refuse = getattr(getattr(message, "channel", None), "refuse", None)
+    if not callable(refuse) or not isinstance(delivery, list) or not delivery \
+            or not isinstance(delivery[0], str):
+        return False
+    logger.error("task %s[%s]: Celery could not start it (%s: %s); its message is "
+                 "dead-lettered", request.name, request.id, type(exc).__name__, exc,
+                 exc_info=exc)
+    refuse(delivery[0], message, exc)
+    request.acknowledged = True
+    task_ready(request)
+    return True
+
+
 def release(request: Request, verdict: Verdict | SharedProcess) -> float:
     """Give the message back without a redelivery, held off from this worker; hold s."""
     hold = _give_back(request, hold=True)
@@ -267,7 +287,17 @@ def _guard(execute: Callable[..., Any]) -> Callable[..., Any]:
     def execute_using_pool(self: Request, pool: Any, **kwargs: Any) -> Any:
         if refused(self):
             raise NotStartedHere(self.id)
-        return execute(self, pool, **kwargs)
+        try:
+            return execute(self, pool, **kwargs)
+        except TaskRevokedError:
+            raise
+        except Exception as exc:
+            # Celery took a pool slot for the request before this and gives it back on a
+            # revoke only: any other error here held the slot for good (a worker of one
+            # child served nothing more), and raised out of whatever freed a slot last.
+            if not dead_letter_unstartable(self, exc):
+                raise
+            raise NotStartedHere(self.id) from exc
 
     execute_using_pool.__sits_guarded__ = True  # type: ignore[attr-defined]
     return execute_using_pool

@@ -179,7 +179,11 @@ def test_messages_celery_cannot_take_do_not_kill_the_worker(
            # JSON integers past a float's range: the pool's timer raised OverflowError
            # in the main process once the child took the job, and every worker after
            "limits-huge-soft": celery_message(timelimit=[None, 10**400]),
-           "limits-huge-hard": celery_message(timelimit=[10**400, None])}
+           "limits-huge-hard": celery_message(timelimit=[10**400, None]),
+           # Celery walks the stamps after it took the pool's one slot for the task: it
+           # raised there, and the slot was never given back (the worker served no more)
+           "stamped-int": celery_message(task_id="stamped-id", stamped_headers=5),
+           "stamps-str": celery_message(stamps="x", stamped_headers=["a"])}
     worker = spawn(concurrency=1)
     plant(redis_client, bad)
     # Then each is dead-lettered with what is wrong, and the worker serves on
@@ -194,11 +198,51 @@ def test_messages_celery_cannot_take_do_not_kill_the_worker(
     assert "headers.timelimit" in dead["limits-str"]
     assert "headers.timelimit" in dead["limits-huge-soft"]
     assert "headers.timelimit" in dead["limits-huge-hard"]
+    assert "headers.stamped_headers is not a list of header names: 5" in dead["stamped-int"]
+    assert "headers.stamps is not an object: 'x'" in dead["stamps-str"]
     assert "Connection to broker lost" not in worker.log()
     # and a message with a task id fails its task's result, so its caller does not wait
-    for task_id in ("not-json-id", "kwargs-id", "limits-id"):
+    for task_id in ("not-json-id", "kwargs-id", "limits-id", "stamped-id"):
         with pytest.raises(DeadLettered, match="malformed payload"):
             client_app.AsyncResult(task_id).get(timeout=10)
+    wait_for(lambda: redis_client.zcard(WAITING.unacked) == 0, 10, "the last ack")
+
+
+def test_a_request_celery_raises_on_after_taking_the_slot_frees_it_and_is_dead_lettered(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    """Whatever Celery raises on between taking a pool slot for a request and handing
+    it to the pool (no check here foresaw it): the slot comes back, the message is
+    dead-lettered with the error, and its caller learns why."""
+    worker = spawn(concurrency=1)
+    # Given a worker of one pool slot and a task Celery cannot start
+    refused = client_app.tasks["w.unstartable"].delay()
+    # When it has been taken, twice over (each would have held the only slot)
+    with pytest.raises(DeadLettered, match="consumer refused it: ValueError: this request "
+                                           "cannot be started"):
+        refused.get(timeout=30)
+    with pytest.raises(DeadLettered):
+        client_app.tasks["w.unstartable"].delay().get(timeout=30)
+    # Then the worker serves on from its one slot
+    assert client_app.tasks["w.add"].delay(2, 2).get(timeout=30) == 4
+    assert worker.alive()
+    assert redis_client.hlen(WAITING.dead) == 2
+    wait_for(lambda: redis_client.zcard(WAITING.unacked) == 0, 10, "the last ack")
+
+
+def test_a_batch_member_celery_raises_on_is_dead_lettered_and_its_batch_mates_run(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    lengths = client_app.tasks["w.lengths_unstartable"]
+    # Given three calls of a batch task waiting together, one of which Celery cannot start
+    calls = [lengths.delay(text) for text in ("ab", "unstartable", "abcd")]
+    spawn(concurrency=1)
+    # Then that one is dead-lettered with the error, the others run (a batch of two)
+    with pytest.raises(DeadLettered, match="ValueError: this call cannot be started"):
+        calls[1].get(timeout=60)
+    done = [calls[0].get(timeout=60), calls[2].get(timeout=60)]
+    assert [d["output"] for d in done] == [2, 4]
+    assert {d["sits"]["batch"]["size"] for d in done} == {2}
+    # and the worker's one slot serves on
+    assert client_app.tasks["w.add"].delay(2, 2).get(timeout=30) == 4
     wait_for(lambda: redis_client.zcard(WAITING.unacked) == 0, 10, "the last ack")
 
 

@@ -18,6 +18,8 @@ from celery import Celery
 from celery.exceptions import Reject
 
 from sits_queue import app
+from sits_queue.workers.batchmain import BatchRequest
+from sits_queue.workers.request import SitsRequest
 
 _r: dict[int, redis.Redis] = {}
 
@@ -130,9 +132,38 @@ def register(app: Celery) -> dict[str, Any]:
 
         return run_steps(current_task, tag, n, step_s)
 
+    @app.task(name="w.unstartable", Request=UnstartableRequest, shared=False)
+    def unstartable() -> str:
+        return "never runs"
+
+    @app.batch_inference_task(name="w.lengths_unstartable", model="w.identity",
+                              Request=UnstartableBatchRequest, shared=False)
+    def lengths_unstartable(engine: Any, calls: list[Any]) -> list[int]:
+        """``w.lengths`` whose call "unstartable" Celery raises on before the pool."""
+        return [len(c.args[0]) for c in calls]
+
     return {"add": add, "record": record, "slow": slow, "mark": mark, "pid": pid,
             "steps": steps, "lengths": lengths, "total": total, "flaky": flaky,
-            "infer_steps": infer_steps}
+            "infer_steps": infer_steps, "unstartable": unstartable,
+            "lengths_unstartable": lengths_unstartable}
+
+
+class UnstartableRequest(SitsRequest):
+    """A request Celery raises on after taking a pool slot for it, as its own
+    ``execute_using_pool`` does on a message field no check foresaw: its check for a
+    revoke (where malformed stamps raised) fails."""
+
+    def revoked(self) -> bool:
+        raise ValueError("this request cannot be started")
+
+
+class UnstartableBatchRequest(BatchRequest):
+    """A batch task's request that Celery raises on when its call is "unstartable"."""
+
+    def revoked(self) -> bool:
+        if self.args and self.args[0] == "unstartable":
+            raise ValueError("this call cannot be started")
+        return bool(super().revoked())
 
 
 tasks = register(app)
