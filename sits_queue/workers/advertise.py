@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -132,9 +133,11 @@ def counter_values(raw: Mapping[Any, Any]) -> dict[str, float]:
     for key, value in raw.items():
         name = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
         try:
-            values[name] = float(value.decode() if isinstance(value, bytes) else value)
+            number = float(value.decode() if isinstance(value, bytes) else value)
         except (ValueError, TypeError):  # another program's field: left out, not fatal
             continue
+        if math.isfinite(number):  # ("inf" parses: a count of it failed every scrape)
+            values[name] = number
     return values
 
 

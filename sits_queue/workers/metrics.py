@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -270,9 +271,10 @@ def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         return None
     try:
-        return float(value)
-    except ValueError:
+        number = float(value)
+    except (ValueError, OverflowError):  # (an int past a float's range)
         return None
+    return number if math.isfinite(number) else None
 
 
 def _buckets(values: Mapping[str, float], prefix: str) -> list[tuple[str, float]]:

@@ -196,6 +196,11 @@ def test_no_port_no_endpoint() -> None:
     {"devices": [{"kind": "cuda", "index": 0, "free_vram_bytes": "lots",
                   "utilisation_pct": {"x": 1}}]},
     {"counters": {b"tasks": b"x", b"tasks:high": b"2"}},
+    # numbers past a float's range: int() of inf and float() of a huge int raised
+    {"counters": {b"tasks": b"10", b"cold": b"1e400", b"cold_ms": b"-inf"}},
+    {"counters": {b"tasks": b"inf", b"cold_le:100": b"nan"}},
+    {"devices": [{"kind": "cuda", "index": 0, "total_vram_bytes": 10**400,
+                  "free_vram_bytes": float("nan"), "utilisation_pct": float("inf")}]},
 ])
 def test_one_odd_worker_record_spoils_none_of_the_scrape(odd: dict[str, Any]) -> None:
     """(an older, newer or foreign writer's record raised in families(): the scrape was
