@@ -211,7 +211,9 @@ class Rescorer:
             for name, count in _counts(table).items():
                 arrived_now[name] = arrived_now.get(name, 0.0) + count
         return StatsReadings(
-            latencies_ms={name: tuple(float(s) for s in reversed(samples))  # LPUSH: newest
+            # (workers write none below 0: a foreign one would fail the class's stats)
+            latencies_ms={name: tuple(v for s in reversed(samples)  # LPUSH: newest first
+                                      if (v := _number(s)) is not None and v >= 0)
                           for name, samples in zip(cfg.class_names, latencies, strict=True)},
             done=done_now, arrived=arrived_now, hot=_counts(hot), last=_totals(totals),
             hot_at=_seconds(hot_at))
@@ -416,7 +418,23 @@ class Rescorer:
 
 
 def _counts(table: dict[Any, Any]) -> dict[str, float]:
-    return {(k.decode() if isinstance(k, bytes) else str(k)): float(v) for k, v in table.items()}
+    """A counters hash as names to numbers; a field that is no finite number (another
+    program's, or corrupt) is left out: raised on, it failed every rescoring pass."""
+    counts = {}
+    for key, raw in table.items():
+        value = _number(raw)
+        if value is not None:
+            counts[key.decode(errors="replace") if isinstance(key, bytes) else str(key)] = value
+    return counts
+
+
+def _number(raw: Any) -> float | None:
+    """A stored number; None for one that does not parse or is not finite."""
+    try:
+        value = float(raw)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return value if math.isfinite(value) else None
 
 
 def _seconds(raw: Any) -> float:

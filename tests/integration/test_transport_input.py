@@ -254,3 +254,26 @@ def test_a_bad_name_in_the_queue_registry_does_not_stop_the_passes(
     rescorer = Rescorer(app.sits, redis_client)
     assert rescorer.queues() == ["celery"]
     assert rescorer.rescore_all() is not None
+
+
+def test_statistics_another_writer_corrupted_do_not_stop_the_passes(
+        app: Celery, redis_client: redis.Redis) -> None:
+    from sits_queue.broker.keys import stats_key
+    from sits_queue.priority.rescore import counter_key, hot_key, latency_key
+
+    cfg = app.sits
+    app.tasks["t.echo"].delay("x")
+    # Given statistics with fields no worker writes: words, infinities, NaN, a number
+    # past a float's range, a negative latency (each raised, failing every pass)
+    junk = ["abc", "inf", "nan", str(10**400)]
+    redis_client.lpush(latency_key(cfg, "high"), "120.5", "-5", *junk)
+    redis_client.hset(counter_key(cfg, "done"), mapping={"high": 3, "low": "abc",
+                                                         "medium": "inf"})
+    redis_client.hset(hot_key(cfg), mapping={"gpt": 4, "x": "nan", "y": "1e400"})
+    redis_client.hset(KEYS.arrivals, mapping={"high": 3, "low": "lots"})
+    # Then the pass goes on, from the readable fields alone
+    assert Rescorer(cfg, redis_client).rescore_all() is not None
+    snapshot = json.loads(redis_client.get(stats_key()))
+    assert snapshot["classes"]["high"]["p95_ms"] == 120.5
+    assert snapshot["classes"]["high"]["bandwidth_compliance"] == 1.0  # 3 of 3
+    assert snapshot["hotness"] == {"gpt": 1.0}
