@@ -41,6 +41,7 @@ from tests.integration.inference_app import (
     spawn_worker,
     write_config,
 )
+from tests.stuck import native_stacks
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.gpu
@@ -393,9 +394,16 @@ def test_hard_limit_kill_frees_gpu_memory_and_the_slot_keeps_its_gpu(
             blocked = where_blocked(worker.pid)
             # On disk at once, beside the worker's log (the GPU check keeps both), in
             # case the check's time box stops the run before this test can report
-            worker.log_path.with_name("blocked.log").write_text(blocked + "\n")
-            for child in psutil.Process(worker.pid).children():
-                os.kill(child.pid, signal.SIGUSR2)  # its Python stacks, into the log
+            note = worker.log_path.with_name("blocked.log")
+            note.write_text(blocked + "\n")
+            children = [c.pid for c in psutil.Process(worker.pid).children()]
+            for pid in children:
+                os.kill(pid, signal.SIGUSR2)  # its Python stacks, into the log
+            # and below them, what each thread waits on (a lock, NVML, the driver)
+            native = native_stacks(children)
+            with note.open("a") as out:
+                out.write(native + "\n")
+            blocked += "\n" + native[-8000:]
             after = pending.get(timeout=REPLACED_CALL_S + 10 - SLOW_FIRST_CALL_S)
     except Exception as exc:
         raise AssertionError(f"the replacement child did not serve: {exc!r}\n{blocked}\n"
