@@ -229,12 +229,18 @@ def _give_back(request: Request, hold: bool = False) -> float:
 def dead_letter_unstartable(request: Request, exc: Exception) -> bool:
     """Dead-letter the message of a request Celery raised on before its pool took it,
     with the error (its caller's result fails with it), and forget the request here;
-    False where the message is not of our transport (then the error is raised)."""
+    False where the message is not of our transport, or the error is a lost connection
+    (then the error is raised)."""
     message = request.message
     delivery = (request.request_dict or {}).get(DELIVERY_HEADER)  # [queue, message id]
-    refuse = getattr(getattr(message, "channel", None), "refuse", None)
+    channel = getattr(message, "channel", None)
+    refuse = getattr(channel, "refuse", None)
     if not callable(refuse) or not isinstance(delivery, list) or not delivery \
             or not isinstance(delivery[0], str):
+        return False
+    # Redis gone away is no fault of the message: raised, as the transport raises it
+    if isinstance(exc, getattr(channel, "connection_errors", ())) \
+            and not isinstance(exc, KeyError):
         return False
     logger.error("task %s[%s]: Celery could not start it (%s: %s); its message is "
                  "dead-lettered", request.name, request.id, type(exc).__name__, exc,
@@ -288,16 +294,18 @@ def _guard(execute: Callable[..., Any]) -> Callable[..., Any]:
         if refused(self):
             raise NotStartedHere(self.id)
         try:
-            return execute(self, pool, **kwargs)
-        except TaskRevokedError:
-            raise
+            # Celery's own execute_using_pool checks for a revoke before the pool takes
+            # the request, done here first: Celery took a pool slot for the request
+            # before this and gives it back on a revoke only, so an error in that check
+            # (malformed stamps) held the slot for good (a worker of one child served
+            # nothing more). A revoke found here is announced once: Celery's own check
+            # then answers from its flag.
+            self.revoked()
         except Exception as exc:
-            # Celery took a pool slot for the request before this and gives it back on a
-            # revoke only: any other error here held the slot for good (a worker of one
-            # child served nothing more), and raised out of whatever freed a slot last.
             if not dead_letter_unstartable(self, exc):
                 raise
             raise NotStartedHere(self.id) from exc
+        return execute(self, pool, **kwargs)
 
     execute_using_pool.__sits_guarded__ = True  # type: ignore[attr-defined]
     return execute_using_pool

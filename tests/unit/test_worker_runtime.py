@@ -347,6 +347,7 @@ def fake_request(vram_gib: float | None) -> tuple[CeleryGenerated, FakeQoS]:
                                    _state="RECEIVED")
     req._request_dict = {"id": "task-1", "task": "t", "sits": {"vram_gib": vram_gib}}
     req.id, req.name, req._eventer = "task-1", "t", None
+    req._expires, req._already_revoked = None, False
     return req, qos
 
 
@@ -659,3 +660,47 @@ def test_a_tasks_prefix_key_is_read_from_a_request_or_a_request_dict(
         request_: Any, key: str | None) -> None:
     """A batch's calls are made from request dicts: read as objects, every call had none."""
     assert rt.task_prefix_key(request_) == key
+
+
+class RefusingChannel:
+    connection_errors = (ConnectionError,)
+
+    def __init__(self) -> None:
+        self.refused: list[tuple[str, Any, Exception]] = []
+
+    def refuse(self, queue: str, message: Any, exc: Exception) -> None:
+        self.refused.append((queue, message, exc))
+
+
+def unstartable_request(channel: RefusingChannel) -> CeleryGenerated:
+    req, _ = fake_request(None)
+    req._message = SimpleNamespace(channel=channel, delivery_tag="tag-1", _state="RECEIVED")
+    req._request_dict = {"id": "task-1", "task": "t", "sits_delivery": ["celery", "tag-1"]}
+    return req
+
+
+def test_a_request_celery_cannot_check_is_dead_lettered_and_its_slot_freed() -> None:
+    channel = RefusingChannel()
+    req = unstartable_request(channel)
+    req._request_dict["stamped_headers"] = 5  # Celery's revoke check raises on it
+    CeleryGenerated.ran.clear()
+    # (NotStartedHere is a TaskRevokedError: Celery gives the pool slot back for it)
+    with pytest.raises(request.NotStartedHere):
+        req.execute_using_pool(None)
+    assert CeleryGenerated.ran == []
+    ((queue, message, exc),) = channel.refused
+    assert queue == "celery" and message is req.message and isinstance(exc, TypeError)
+    assert req.acknowledged
+
+
+def test_a_lost_connection_is_no_fault_of_the_message_and_is_raised() -> None:
+    channel = RefusingChannel()
+    req = unstartable_request(channel)
+    assert not request.dead_letter_unstartable(req, ConnectionError("Redis went away"))
+    assert request.dead_letter_unstartable(req, ValueError("a field Celery cannot read"))
+    assert [type(e) for _, _, e in channel.refused] == [ValueError]
+
+
+def test_a_message_of_another_transport_is_not_dead_lettered_here() -> None:
+    req, _ = fake_request(None)  # its channel has no refuse(), its request no delivery
+    assert not request.dead_letter_unstartable(req, ValueError("x"))
