@@ -117,7 +117,10 @@ def status(client: redis.Redis, config: SitsConfig) -> dict[str, Any] | None:
         held[origin] = count
     # a batch being sent is still the outbox's until the peer has it (less its token)
     outbox = int(client.llen(outbox_key(prefix))) + max(0, client.llen(taken_key(prefix)) - 1)
-    last = json.loads(raw) if raw else None
+    try:
+        last = json.loads(raw) if raw else None
+    except (ValueError, TypeError):  # (not ours to read: as if no pass were recorded)
+        last = None
     at = last.get("at") if isinstance(last, dict) else None
     # (passes heartbeat: a site whose beat stopped reads as lost to its peers)
     age = round(time.time() - at, 1) if isinstance(at, (int, float)) else None
@@ -383,6 +386,8 @@ class SiteSync:
         for entry in raw:
             try:
                 op, queue, task_id = json.loads(entry)
+                if not all(isinstance(x, str) for x in (op, queue, task_id)):
+                    raise TypeError("not three strings")  # (a list as a key raised below)
             except (ValueError, TypeError):
                 logger.error("site %s: outbox entry not understood, dropped: %.200r",
                              self.site, entry)

@@ -114,10 +114,15 @@ def drop_taken_over(sync: SiteSync, peer: str, report: PassReport) -> None:
     entries = list(client.sscan_iter(marker, count=TAKEOVER_CHUNK))
     for at in range(0, len(entries), TAKEOVER_CHUNK):
         by_queue: dict[str, list[tuple[bytes, str]]] = {}
-        for raw in entries[at:at + TAKEOVER_CHUNK]:
-            queue, task_id = json.loads(raw)
-            by_queue.setdefault(queue, []).append((raw, task_id))
         settled: list[bytes] = []
+        for raw in entries[at:at + TAKEOVER_CHUNK]:
+            entry = _entry(raw)
+            if entry is None:  # not ours to read: left, it failed every pass after it
+                logger.error("site %s: taken-over entry at %s not understood, dropped: "
+                             "%.200r", sync.site, peer, raw)
+                settled.append(raw)
+                continue
+            by_queue.setdefault(entry[0], []).append((raw, entry[1]))
         for queue, items in by_queue.items():
             k = QueueKeys.for_queue(queue, sync.prefix)
             with sync.local.pipeline(transaction=False) as pipe:
@@ -136,3 +141,15 @@ def drop_taken_over(sync: SiteSync, peer: str, report: PassReport) -> None:
                         if found[2 * n] is not None or found[2 * n + 1] is None]
         if settled:
             client.srem(marker, *settled)
+
+
+def _entry(raw: bytes | str) -> tuple[str, str] | None:
+    """A taken-over marker's ``[queue, task id]``; None for anything else."""
+    try:
+        entry = json.loads(raw)
+    except (ValueError, TypeError):
+        return None
+    if isinstance(entry, list) and len(entry) == 2 and all(
+            isinstance(x, str) and x for x in entry):
+        return entry[0], entry[1]
+    return None

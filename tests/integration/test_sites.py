@@ -1043,3 +1043,25 @@ def test_an_origin_that_lost_its_data_while_its_peer_restarted_too_gets_its_task
     a.close()
     b.close()
     app.close()
+
+
+def test_entries_another_writer_corrupted_do_not_stop_the_passes(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str) -> None:
+    from sits_queue.broker.keys import last_pass_key, outbox_key
+
+    a, b = clients
+    app_a = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)
+    task = submit(app_a, "low")  # eventual: its replica goes through the outbox
+    # Given entries no site writes: in a's outbox, in b's record of what it took over
+    # from a, and as a's last pass (each raised, failing every pass after it)
+    a.rpush(outbox_key(""), "not json", json.dumps(["put", ["unhashable"], "x"]),
+            json.dumps({"a": 1}))
+    b.sadd(takenover_key("", "a"), "not json", json.dumps(["only one"]), json.dumps(5))
+    a.set(last_pass_key(""), "{{{")
+    # Then the status reads, and the pass sends the good entry and drops the rest
+    assert sites.status(a, app_a.sits) is not None
+    report = sync_of(app_a).sync_pass()
+    assert report.errors == []
+    assert replica_ids(b) == {task}
+    assert b.scard(takenover_key("", "a")) == 0
+    app_a.close()
