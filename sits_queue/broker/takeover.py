@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING
+import math
+from typing import TYPE_CHECKING, Any
 
 from sits_queue.broker import recovery
 from sits_queue.broker.keys import (
@@ -70,7 +71,10 @@ def silent(sync: SiteSync, origin: str) -> bool:
     now = sec + usec / 1e6
     ttl_ms = int(sync.config.site_dead_after_s * 1000)
     sync.local.set(since_key, now, nx=True, px=ttl_ms)
-    since = float(sync.local.get(since_key) or now)
+    since = _seconds(sync.local.get(since_key))
+    if since is None:  # not ours to read: counting starts again (NaN never ended it)
+        since = now
+        sync.local.set(since_key, now, px=ttl_ms)
     sync.local.pexpire(since_key, ttl_ms)
     return now - since >= sync.config.site_dead_after_s
 
@@ -153,3 +157,12 @@ def _entry(raw: bytes | str) -> tuple[str, str] | None:
             isinstance(x, str) and x for x in entry):
         return entry[0], entry[1]
     return None
+
+
+def _seconds(raw: Any) -> float | None:
+    """A stored time stamp; None for none, or one that is not a finite number."""
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None

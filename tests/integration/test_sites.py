@@ -1065,3 +1065,26 @@ def test_entries_another_writer_corrupted_do_not_stop_the_passes(
     assert replica_ids(b) == {task}
     assert b.scard(takenover_key("", "a")) == 0
     app_a.close()
+
+
+@pytest.mark.parametrize("junk", ["yesterday", "nan"])
+def test_a_missing_since_record_no_site_writes_starts_the_count_again(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str,
+        junk: str) -> None:
+    a, b = clients
+    app_a = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)
+    app_b = site_app(site_b, "b", "a", redis_url, rtt_ms=1.0)
+    submit(app_a, "high")
+    sync_of(app_a).sync_pass()
+    b.delete(sites.alive_key("", "a"))
+    # Given b's count of how long a has been silent replaced by what no site writes
+    b.set(missing_since_key("", "a"), junk)
+    # Then b's pass goes on ("yesterday" raised in every pass; NaN never let the count end)
+    assert sync_of(app_b).sync_pass().taken_over == 0
+    since = float(b.get(missing_since_key("", "a")) or "nan")
+    assert math.isfinite(since)
+    # and the count, started again, ends as it should
+    b.set(missing_since_key("", "a"), since - app_b.sits.site_dead_after_s)
+    assert sync_of(app_b).sync_pass().taken_over == 1
+    app_a.close()
+    app_b.close()
