@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
@@ -126,10 +127,27 @@ class Prewarmer:
 
 
 def _view(worker: Mapping[str, Any]) -> forecast.WorkerView:
-    warm = {m for child in (worker.get("children") or {}).values()
-            for m, tier in (child.get("warm") or {}).items() if tier == "device"}
-    free = sum(int(d.get("free_vram_bytes") or 0) for d in worker.get("devices") or [])
+    """What the planner reads of a worker's record: engines warm on a device, free device
+    memory. A field of another shape (an older, newer or foreign writer's) counts as
+    none: raised on, it stopped the planning for every worker."""
+    children = _mapping(worker.get("children")).values()
+    warm = {str(m) for child in children
+            for m, tier in _mapping(_mapping(child).get("warm")).items() if tier == "device"}
+    devices = worker.get("devices")
+    free = sum(_bytes(_mapping(d).get("free_vram_bytes"))
+               for d in (devices if isinstance(devices, list) else []))
     return forecast.WorkerView(str(worker.get("hostname")), frozenset(warm), free)
+
+
+def _mapping(value: Any) -> Mapping[Any, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _bytes(value: Any) -> int:
+    """A byte count from a record; 0 for what is not a finite number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0
+    return max(0, int(value)) if isinstance(value, int) or math.isfinite(value) else 0
 
 
 def _text(key: bytes | str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import pytest
 
@@ -188,3 +189,21 @@ def test_an_interval_no_crontab_can_say_runs_every_interval() -> None:
 
     entry = beat_schedule(SitsConfig(prewarm_interval_s=420.0))["sits-prewarm-plan"]
     assert entry["schedule"] == 420.0 and entry["options"] == {"expires": 420.0}
+
+
+@pytest.mark.parametrize("odd", [
+    {"devices": "cuda:0"}, {"devices": [5]}, {"devices": [{"free_vram_bytes": "lots"}]},
+    {"devices": [{"free_vram_bytes": float("inf")}]}, {"devices": [{"free_vram_bytes": -5}]},
+    {"children": ["0"]}, {"children": {"0": "x"}}, {"children": {"0": {"warm": ["gpt"]}}},
+])
+def test_a_worker_record_of_another_shape_counts_as_holding_nothing(
+        odd: dict[str, Any]) -> None:
+    """(the planner read every worker's record with int() and .items(): one odd record
+    stopped the pre-warm planning for the whole fleet)"""
+    from sits_queue.priority.prewarm import _view
+
+    view = _view({"hostname": "odd@h", **odd})
+    assert view == WorkerView("odd@h", frozenset(), 0)
+    good = _view({"hostname": "w", "devices": [{"free_vram_bytes": 2**33}, {}],
+                  "children": {"0": {"warm": {"gpt": "device", "bert": "host"}}}})
+    assert good == WorkerView("w", frozenset({"gpt"}), 2**33)
