@@ -1,5 +1,8 @@
 """Checks of one setting's value, shared by the config dataclasses: each raises
-:class:`ConfigError` naming the setting and what it must hold."""
+:class:`ConfigError` naming the setting and what it must hold. And the two helpers every
+reader of outside values shares: :func:`shown` (a value for an error message) and
+:func:`stored_number` (a number read back from Redis or a record, which another program
+may have written)."""
 
 from __future__ import annotations
 
@@ -32,10 +35,6 @@ def coerce(name: str, raw: str, kind: type) -> Any:
                           f"{kind.__name__}") from exc
 
 
-#: Longest raw value an error message quotes whole, characters.
-_QUOTED_CHARS = 80
-
-
 def check_types(obj: Any, where: str = "") -> None:
     """Each scalar field holds its declared type: a TOML ``send_sent_events = "no"``
     (a truthy string), ``rescore_chunk = 2.5`` (Redis refuses it at every pass) or a NaN
@@ -66,6 +65,10 @@ def check_types(obj: Any, where: str = "") -> None:
 MAX_DURATION_S = 365 * 86_400
 
 
+#: Longest raw value an error message quotes whole, characters.
+_QUOTED_CHARS = 80
+
+
 def shown(value: Any) -> str:
     """``value`` for an error message: a log line, not a dump. A huge int's repr runs to
     thousands of digits (and past 4300 Python refuses to write it): its size says enough;
@@ -78,6 +81,16 @@ def shown(value: Any) -> str:
     if len(text) > _QUOTED_CHARS:
         return f"{text[:_QUOTED_CHARS // 2]}... ({len(text)} characters of repr)"
     return text
+
+
+def stored_number(raw: Any) -> float | None:
+    """A number as Redis or a record holds it (bytes, text, a number); None for one that
+    does not parse or is not finite: a reader leaves it out instead of failing on it."""
+    try:
+        value = float(raw)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return value if math.isfinite(value) else None
 
 
 def is_number(value: object) -> TypeGuard[int | float]:

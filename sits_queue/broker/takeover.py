@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sits_queue.broker import recovery
 from sits_queue.broker.keys import (
@@ -25,6 +24,7 @@ from sits_queue.broker.keys import (
     replica_queues_key,
     takenover_key,
 )
+from sits_queue.checks import stored_number
 
 if TYPE_CHECKING:
     from sits_queue.broker.sites import PassReport, SiteSync
@@ -71,7 +71,7 @@ def silent(sync: SiteSync, origin: str) -> bool:
     now = sec + usec / 1e6
     ttl_ms = int(sync.config.site_dead_after_s * 1000)
     sync.local.set(since_key, now, nx=True, px=ttl_ms)
-    since = _seconds(sync.local.get(since_key))
+    since = stored_number(sync.local.get(since_key))
     if since is None:  # not ours to read: counting starts again (NaN never ended it)
         since = now
         sync.local.set(since_key, now, px=ttl_ms)
@@ -157,12 +157,3 @@ def _entry(raw: bytes | str) -> tuple[str, str] | None:
             isinstance(x, str) and x for x in entry):
         return entry[0], entry[1]
     return None
-
-
-def _seconds(raw: Any) -> float | None:
-    """A stored time stamp; None for none, or one that is not a finite number."""
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        return None
-    return value if math.isfinite(value) else None

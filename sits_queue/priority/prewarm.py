@@ -26,6 +26,7 @@ import redis
 from sits_queue.config import SitsConfig
 from sits_queue.priority import forecast
 from sits_queue.workers import advertise, metrics
+from sits_queue.workers.advertise import as_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -130,17 +131,13 @@ def _view(worker: Mapping[str, Any]) -> forecast.WorkerView:
     """What the planner reads of a worker's record: engines warm on a device, free device
     memory. A field of another shape (an older, newer or foreign writer's) counts as
     none: raised on, it stopped the planning for every worker."""
-    children = _mapping(worker.get("children")).values()
+    children = as_mapping(worker.get("children")).values()
     warm = {str(m) for child in children
-            for m, tier in _mapping(_mapping(child).get("warm")).items() if tier == "device"}
+            for m, tier in as_mapping(as_mapping(child).get("warm")).items() if tier == "device"}
     devices = worker.get("devices")
-    free = sum(_bytes(_mapping(d).get("free_vram_bytes"))
+    free = sum(_bytes(as_mapping(d).get("free_vram_bytes"))
                for d in (devices if isinstance(devices, list) else []))
     return forecast.WorkerView(str(worker.get("hostname")), frozenset(warm), free)
-
-
-def _mapping(value: Any) -> Mapping[Any, Any]:
-    return value if isinstance(value, Mapping) else {}
 
 
 def _bytes(value: Any) -> int:

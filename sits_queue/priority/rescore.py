@@ -34,10 +34,12 @@ from sits_queue.broker.keys import (
 from sits_queue.broker.meta import WaitingMeta, score_inputs
 from sits_queue.broker.scripts import Scripts
 from sits_queue.broker.snapshot import snapshot_to_json
+from sits_queue.checks import stored_number
 from sits_queue.config import SitsConfig
 from sits_queue.options import CONTROL_QUEUE, UNCOUNTED_TASKS
 from sits_queue.priority import stats
 from sits_queue.priority.model import ClassStats, PrioritySnapshot, Scorer
+from sits_queue.workers.advertise import counter_values
 
 logger = logging.getLogger(__name__)
 
@@ -203,19 +205,19 @@ class Rescorer:
             replies[:n], replies[n], replies[n + 1], replies[n + 2], replies[n + 3],
             replies[n + 4], replies[n + 5:])
         # A run that ended in a retry handled its message; the retry arrives anew.
-        done_now = _counts(done)
-        for name, count in _counts(retried).items():
+        done_now = counter_values(done)
+        for name, count in counter_values(retried).items():
             done_now[name] = done_now.get(name, 0.0) + count
         arrived_now: dict[str, float] = {}
         for table in arrivals:
-            for name, count in _counts(table).items():
+            for name, count in counter_values(table).items():
                 arrived_now[name] = arrived_now.get(name, 0.0) + count
         return StatsReadings(
             # (workers write none below 0: a foreign one would fail the class's stats)
             latencies_ms={name: tuple(v for s in reversed(samples)  # LPUSH: newest first
-                                      if (v := _number(s)) is not None and v >= 0)
+                                      if (v := stored_number(s)) is not None and v >= 0)
                           for name, samples in zip(cfg.class_names, latencies, strict=True)},
-            done=done_now, arrived=arrived_now, hot=_counts(hot), last=_totals(totals),
+            done=done_now, arrived=arrived_now, hot=counter_values(hot), last=_totals(totals),
             hot_at=_seconds(hot_at))
 
     def _store(self, plan: SnapshotPlan) -> None:
@@ -381,8 +383,10 @@ class Rescorer:
         rtt_ms = (time.perf_counter() - t0) * 1000
         raw = self.client.get(_state_key(self.config, "triggers"))
         saved = json.loads(raw) if raw else {}
-        done = sum(_counts(self.client.hgetall(counter_key(self.config, "done"))).values())
-        failed = sum(_counts(self.client.hgetall(counter_key(self.config, "failed"))).values())
+        done = sum(counter_values(self.client.hgetall(counter_key(self.config, "done")))
+                   .values())
+        failed = sum(counter_values(self.client.hgetall(counter_key(self.config, "failed")))
+                     .values())
         d_done = done - saved.get("done", 0.0)
         d_failed = failed - saved.get("failed", 0.0)
         # none finished since the last check: no loss reading (not a loss of 0)
@@ -415,26 +419,6 @@ class Rescorer:
                     wait = max(0.0, (now_s - meta.enqueued_at_s) * 1000)
                     oldest = wait if oldest is None else max(oldest, wait)
         return oldest
-
-
-def _counts(table: dict[Any, Any]) -> dict[str, float]:
-    """A counters hash as names to numbers; a field that is no finite number (another
-    program's, or corrupt) is left out: raised on, it failed every rescoring pass."""
-    counts = {}
-    for key, raw in table.items():
-        value = _number(raw)
-        if value is not None:
-            counts[key.decode(errors="replace") if isinstance(key, bytes) else str(key)] = value
-    return counts
-
-
-def _number(raw: Any) -> float | None:
-    """A stored number; None for one that does not parse or is not finite."""
-    try:
-        value = float(raw)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return value if math.isfinite(value) else None
 
 
 def _seconds(raw: Any) -> float:

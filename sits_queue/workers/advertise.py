@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import socket
 import threading
@@ -35,6 +34,7 @@ import redis
 from celery import bootsteps
 
 from sits_queue.broker import affinity
+from sits_queue.checks import stored_number
 from sits_queue.config import SitsConfig
 from sits_queue.periodic import Periodic
 from sits_queue.workers.devices import Device, live
@@ -128,17 +128,21 @@ def device_peaks(record: Mapping[str, Any]) -> dict[str, float]:
 
 
 def counter_values(raw: Mapping[Any, Any]) -> dict[str, float]:
-    """The counters hash, as ``HGETALL`` returns it (bytes), as names to numbers."""
+    """A counters hash, as ``HGETALL`` returns it (bytes), as names to numbers. A field
+    that is no finite number (another program's, or corrupt: "inf" parses, and a count
+    of it failed every scrape and rescoring pass) is left out, not fatal."""
     values: dict[str, float] = {}
     for key, value in raw.items():
-        name = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
-        try:
-            number = float(value.decode() if isinstance(value, bytes) else value)
-        except (ValueError, TypeError):  # another program's field: left out, not fatal
-            continue
-        if math.isfinite(number):  # ("inf" parses: a count of it failed every scrape)
-            values[name] = number
+        number = stored_number(value)
+        if number is not None:
+            values[key.decode(errors="replace") if isinstance(key, bytes) else str(key)] = number
     return values
+
+
+def as_mapping(value: Any) -> Mapping[Any, Any]:
+    """A field of a worker's record read as an object; an empty one for what is not (an
+    older, newer or foreign writer's), so that its readers walk past it."""
+    return value if isinstance(value, Mapping) else {}
 
 
 def counter_group(values: Mapping[str, float], prefix: str) -> dict[str, float]:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -51,9 +50,11 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from sits_queue.checks import stored_number
 from sits_queue.config import SitsConfig
 from sits_queue.errors import SitsError
 from sits_queue.workers import advertise
+from sits_queue.workers.advertise import as_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -242,39 +243,31 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
         for reason, count in advertise.counter_group(values, "failed:").items():
             failed.add_metric([name, reason], count)
         devices = w.get("devices")
-        for d in map(_mapping, devices if isinstance(devices, list) else []):
+        for d in map(as_mapping, devices if isinstance(devices, list) else []):
             label = f"{d.get('kind', '?')}:{d.get('index', 0)}"
             for state, key in (("total", "total_vram_bytes"), ("free", "free_vram_bytes")):
                 if (v := _number(d.get(key))) is not None:
                     vram.add_metric([name, label, state], v)
             if (v := _number(d.get("utilisation_pct"))) is not None:
                 util.add_metric([name, label], v / 100.0)
-        for slot, child in sorted(_mapping(w.get("children")).items()):
+        for slot, child in sorted(as_mapping(w.get("children")).items()):
             tiers: dict[str, int] = {}
-            for tier in _mapping(_mapping(child).get("warm")).values():
+            for tier in as_mapping(as_mapping(child).get("warm")).values():
                 tiers[str(tier)] = tiers.get(str(tier), 0) + 1
             for tier in sorted(set(tiers) | {"device", "host"}):
                 warm.add_metric([name, str(slot), tier], tiers.get(tier, 0))
-            memory = _mapping(_mapping(child).get("memory"))
+            memory = as_mapping(as_mapping(child).get("memory"))
             allocated.add_metric([name, str(slot)],
                                  _number(memory.get("allocated_bytes")) or 0.0)
     return [info, slots, tasks, cold, prewarms, ahead, joined, kv, emb, share, phase, hist,
             first, failed, vram, util, warm, allocated]
 
 
-def _mapping(value: Any) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}
-
-
 def _number(value: Any) -> float | None:
     """A record's number; None for what is not one (an older or foreign writer's)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         return None
-    try:
-        number = float(value)
-    except (ValueError, OverflowError):  # (an int past a float's range)
-        return None
-    return number if math.isfinite(number) else None
+    return stored_number(value)
 
 
 def _buckets(values: Mapping[str, float], prefix: str) -> list[tuple[str, float]]:
