@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -15,7 +14,7 @@ from celery import Celery, Task
 
 from sits_queue import flower
 from sits_queue.broker.keys import DELIVERY_ONLY
-from sits_queue.checks import shown
+from sits_queue.checks import finite, is_number, shown
 from sits_queue.config import SitsConfig
 from sits_queue.errors import InvalidTaskOptions
 from sits_queue.options import (
@@ -182,10 +181,10 @@ def _ranked_limit(task: Task | None, options: Mapping[str, Any], conf: Mapping[s
     for rank, where, value in found:
         if not value:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not 0 < value < math.inf:
+        # (finite as a float: float() of an int past its range raised OverflowError)
+        if not is_number(value) or not finite(value) or value <= 0:
             raise InvalidTaskOptions(f"{where} must be a positive number of seconds, got "
-                                     f"{value!r}")
+                                     f"{shown(value)}")
         return rank, where, float(value)
     return None
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from sits_queue.checks import shown
+from sits_queue.checks import finite, is_number, shown
 from sits_queue.config import MAX_BATCH_TASKS, MAX_LATENCY_SLA_MS, SitsConfig
 from sits_queue.errors import InvalidTaskOptions
 from sits_queue.priority.entropy import input_entropy
@@ -142,8 +142,7 @@ def _limits(timelimit: Any) -> str | None:
     if timelimit is None:
         return None
     if not isinstance(timelimit, (list, tuple)) or len(timelimit) != 2 or not all(
-            v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
-                          and math.isfinite(v) and v > 0) for v in timelimit):
+            v is None or (is_number(v) and finite(v) and v > 0) for v in timelimit):
         raise ValueError(f"timelimit must be [time_limit, soft_time_limit], seconds, "
                          f"got {shown(timelimit)}")
     if timelimit[0] is None and timelimit[1] is None:

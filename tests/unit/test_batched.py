@@ -99,7 +99,7 @@ def test_the_broker_keeps_a_batch_key_only_with_the_limits_it_names(app: Any) ->
 
 
 @pytest.mark.parametrize("bad", [[1], [1, 2, 3], [True, 1], [float("nan"), 1], [0, 1],
-                                 {"hard": 1}, "1/2"])
+                                 {"hard": 1}, "1/2", [10**400, 1]])
 def test_a_timelimit_that_is_no_pair_of_limits_is_refused_by_name(app: Any, bad: Any) -> None:
     opts = resolve_task_options(app.tasks["u.score"], CONFIG, {}, ("x",))
     with pytest.raises(ValueError, match=r"timelimit must be \[time_limit, soft_time_limit\]"):

@@ -152,7 +152,9 @@ def test_the_apps_time_limit_settings_rank_above_the_class(
 
 
 @pytest.mark.parametrize("call", [{"time_limit": "ten"}, {"soft_time_limit": -1},
-                                  {"time_limit": float("nan")}, {"time_limit": True}])
+                                  {"time_limit": float("nan")}, {"time_limit": True},
+                                  # past a float's range: float() of it raised OverflowError
+                                  {"time_limit": 10**400}, {"soft_time_limit": 10**400}])
 def test_a_time_limit_that_is_not_a_positive_number_is_refused_by_name(
         call: dict[str, Any]) -> None:
     from sits_queue.app import apply_class_limits
