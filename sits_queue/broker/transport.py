@@ -222,21 +222,24 @@ class Channel(PublishingChannel):
         try:
             self.connection._deliver(message, queue)
         except Exception as exc:
-            if not intake.guards_deliveries() or (
-                    isinstance(exc, self.connection_errors) and not isinstance(exc, KeyError)):
+            if not intake.guards_deliveries() or not self.refuse(queue, message, exc):
                 raise
-            logger.exception("queue %r message %s: its consumer raised; moved to dead "
-                             "letters", queue, message.delivery_tag)
-            self.refuse(queue, message, exc)
+            logger.error("queue %r message %s: its consumer raised; moved to dead letters",
+                         queue, message.delivery_tag, exc_info=exc)
 
-    def refuse(self, queue: str, message: Any, exc: Exception) -> None:
+    def refuse(self, queue: str, message: Any, exc: Exception) -> bool:
         """Dead-letter a delivered ``message`` of ``queue`` its consumer could not take,
-        with the error, and forget it here (Redis has it parked)."""
+        with the error, and forget it here (Redis has it parked); False, and nothing
+        done, for a lost connection, which is no fault of the message (the caller raises
+        it: a KeyError is the message's, though kombu counts it as a connection error)."""
+        if isinstance(exc, self.connection_errors) and not isinstance(exc, KeyError):
+            return False
         tag = message.delivery_tag
         self._dead_letter(queue, [tag, dumps(message.serializable())], exc,
                           queue in self._no_ack, "consumer refused it")
         if tag in self.qos._delivered:
             virtual.QoS.ack(self.qos, tag)
+        return True
 
     def join_pick(self, queue: str, key: str, most: int, group: str) -> int:
         """Up to ``most`` waiting tasks of batch key ``key`` for a running batch's free

@@ -233,19 +233,13 @@ def dead_letter_unstartable(request: Request, exc: Exception) -> bool:
     (then the error is raised)."""
     message = request.message
     delivery = (request.request_dict or {}).get(DELIVERY_HEADER)  # [queue, message id]
-    channel = getattr(message, "channel", None)
-    refuse = getattr(channel, "refuse", None)
+    refuse = getattr(getattr(message, "channel", None), "refuse", None)
     if not callable(refuse) or not isinstance(delivery, list) or not delivery \
-            or not isinstance(delivery[0], str):
-        return False
-    # Redis gone away is no fault of the message: raised, as the transport raises it
-    if isinstance(exc, getattr(channel, "connection_errors", ())) \
-            and not isinstance(exc, KeyError):
+            or not isinstance(delivery[0], str) or not refuse(delivery[0], message, exc):
         return False
     logger.error("task %s[%s]: Celery could not start it (%s: %s); its message is "
                  "dead-lettered", request.name, request.id, type(exc).__name__, exc,
                  exc_info=exc)
-    refuse(delivery[0], message, exc)
     request.acknowledged = True
     task_ready(request)
     return True

@@ -191,6 +191,30 @@ def test_in_a_worker_a_message_its_consumer_raises_on_is_dead_lettered(
     assert forgotten(redis_client)
 
 
+def test_in_a_worker_a_lost_connection_a_consumer_raises_is_no_dead_letter(
+        app: Celery, redis_client: redis.Redis) -> None:
+    """(Channel.refuse: the worker reconnects and the message runs later; the request
+    guard, workers/request.py, asks the channel the same)"""
+    from sits_queue.broker import intake
+
+    app.tasks["t.echo"].apply_async(("x",), ignore_result=True)
+
+    def on_message(body: Any, message: Any) -> None:
+        raise redis.ConnectionError("Redis went away")
+
+    intake.in_worker()
+    try:
+        with app.connection_for_write() as conn, Consumer(
+                conn, [Queue("celery")], callbacks=[on_message], accept=["json"]), \
+                pytest.raises(redis.ConnectionError):
+            conn.drain_events(timeout=2)
+    finally:
+        intake.in_worker(False)
+    # Not dead-lettered: held, and back in the queue when the consumer closed
+    assert redis_client.hlen(KEYS.dead) == 0
+    assert redis_client.zcard(KEYS.waiting) == 1
+
+
 # -- headers ----------------------------------------------------------------------------------
 
 
