@@ -170,97 +170,125 @@ def families(workers: Iterable[Mapping[str, Any]], class_names: Iterable[str]
              ) -> list[Metric]:
     """Prometheus families for worker records (``advertise.read_workers`` shape, plus the
     raw counters hash under ``counters``)."""
-    classes = tuple(class_names)
-    info = GaugeMetricFamily("sits_worker_info", "A live SITS worker (value 1).",
-                             labels=["worker", "host", "pid"])
-    slots = GaugeMetricFamily("sits_worker_slots", "Pool children (one per GPU by default).",
-                              labels=["worker"])
-    tasks = CounterMetricFamily("sits_inference_tasks", "Inference tasks that got their "
-                                "engine, by SLA class.", labels=["worker", "sla_class"])
-    cold = CounterMetricFamily("sits_cold_starts", "Inference tasks that paid a cold start, "
-                               "by where the engine came from.", labels=["worker", "source"])
-    prewarms = CounterMetricFamily("sits_prewarms", "Pre-warms (sits.prewarm, MISSION 4.2) "
-                                   "the worker ran; not counted as inference tasks or cold "
-                                   "starts.", labels=["worker"])
-    ahead = CounterMetricFamily("sits_affinity_picks", "Inference tasks taken ahead of "
-                                "their queue's head because the worker held their model "
-                                "warm.", labels=["worker"])
-    joined = CounterMetricFamily("sits_batch_joined", "Generation tasks that joined a "
-                                 "running batch's freed rows (continuous batching).",
-                                 labels=["worker"])
-    kv = CounterMetricFamily("sits_kv_prefix", "KV-prefix cache of generations: lookups, "
-                             "hits, and prompt tokens whose prefill a hit skipped.",
-                             labels=["worker", "kind"])
-    emb = CounterMetricFamily("sits_embedding_texts", "Texts embedded, and those served "
-                              "from the embedding cache (MISSION 4.4).",
-                              labels=["worker", "kind"])
-    share = GaugeMetricFamily("sits_cold_start_share", "Share of inference tasks that paid a "
-                              "cold start (MISSION 4.4).", labels=["worker"])
-    phase = CounterMetricFamily("sits_cold_start_phase_seconds", "Time spent per cold-start "
-                                "phase (MISSION 4.1).", labels=["worker", "phase"])
-    hist = HistogramMetricFamily("sits_cold_start_seconds", "Cost of one cold start, all "
-                                 "phases.", labels=["worker"])
-    first = HistogramMetricFamily("sits_first_token_seconds", "Time from an inference run's "
-                                  "start to its first new token, cold start included "
-                                  "(MISSION 4.4).", labels=["worker"])
-    failed = CounterMetricFamily("sits_inference_failures", "Inference tasks that failed, by "
-                                 "reason.", labels=["worker", "reason"])
-    vram = GaugeMetricFamily("sits_device_vram_bytes", "Device memory from NVML.",
-                             labels=["worker", "device", "state"])
-    util = GaugeMetricFamily("sits_device_utilisation_ratio", "Device utilisation from "
-                             "NVML, 0-1.", labels=["worker", "device"])
-    warm = GaugeMetricFamily("sits_warm_engines", "Engines in a pool child's warm cache, by "
-                             "tier.", labels=["worker", "slot", "tier"])
-    allocated = GaugeMetricFamily("sits_child_allocated_bytes", "Device memory a pool child's "
-                                  "allocator holds.", labels=["worker", "slot"])
+    out = _Families(tuple(class_names))
     for w in workers:
+        out.add(w)
+    return out.all()
+
+
+class _Families:
+    """The worker families, filled one worker record at a time."""
+
+    def __init__(self, classes: tuple[str, ...]) -> None:
+        self.classes = classes
+        self.info = GaugeMetricFamily("sits_worker_info", "A live SITS worker (value 1).",
+                                      labels=["worker", "host", "pid"])
+        self.slots = GaugeMetricFamily("sits_worker_slots", "Pool children (one per GPU by "
+                                       "default).", labels=["worker"])
+        self.tasks = CounterMetricFamily("sits_inference_tasks", "Inference tasks that got "
+                                         "their engine, by SLA class.",
+                                         labels=["worker", "sla_class"])
+        self.cold = CounterMetricFamily("sits_cold_starts", "Inference tasks that paid a cold "
+                                        "start, by where the engine came from.",
+                                        labels=["worker", "source"])
+        self.prewarms = CounterMetricFamily("sits_prewarms", "Pre-warms (sits.prewarm, "
+                                            "MISSION 4.2) the worker ran; not counted as "
+                                            "inference tasks or cold starts.",
+                                            labels=["worker"])
+        self.ahead = CounterMetricFamily("sits_affinity_picks", "Inference tasks taken ahead "
+                                         "of their queue's head because the worker held "
+                                         "their model warm.", labels=["worker"])
+        self.joined = CounterMetricFamily("sits_batch_joined", "Generation tasks that joined "
+                                          "a running batch's freed rows (continuous "
+                                          "batching).", labels=["worker"])
+        self.kv = CounterMetricFamily("sits_kv_prefix", "KV-prefix cache of generations: "
+                                      "lookups, hits, and prompt tokens whose prefill a hit "
+                                      "skipped.", labels=["worker", "kind"])
+        self.emb = CounterMetricFamily("sits_embedding_texts", "Texts embedded, and those "
+                                       "served from the embedding cache (MISSION 4.4).",
+                                       labels=["worker", "kind"])
+        self.share = GaugeMetricFamily("sits_cold_start_share", "Share of inference tasks "
+                                       "that paid a cold start (MISSION 4.4).",
+                                       labels=["worker"])
+        self.phase = CounterMetricFamily("sits_cold_start_phase_seconds", "Time spent per "
+                                         "cold-start phase (MISSION 4.1).",
+                                         labels=["worker", "phase"])
+        self.hist = HistogramMetricFamily("sits_cold_start_seconds", "Cost of one cold "
+                                          "start, all phases.", labels=["worker"])
+        self.first = HistogramMetricFamily("sits_first_token_seconds", "Time from an "
+                                           "inference run's start to its first new token, "
+                                           "cold start included (MISSION 4.4).",
+                                           labels=["worker"])
+        self.failed = CounterMetricFamily("sits_inference_failures", "Inference tasks that "
+                                          "failed, by reason.", labels=["worker", "reason"])
+        self.vram = GaugeMetricFamily("sits_device_vram_bytes", "Device memory from NVML.",
+                                      labels=["worker", "device", "state"])
+        self.util = GaugeMetricFamily("sits_device_utilisation_ratio", "Device utilisation "
+                                      "from NVML, 0-1.", labels=["worker", "device"])
+        self.warm = GaugeMetricFamily("sits_warm_engines", "Engines in a pool child's warm "
+                                      "cache, by tier.", labels=["worker", "slot", "tier"])
+        self.allocated = GaugeMetricFamily("sits_child_allocated_bytes", "Device memory a "
+                                           "pool child's allocator holds.",
+                                           labels=["worker", "slot"])
+
+    def all(self) -> list[Metric]:
+        return [self.info, self.slots, self.tasks, self.cold, self.prewarms, self.ahead,
+                self.joined, self.kv, self.emb, self.share, self.phase, self.hist,
+                self.first, self.failed, self.vram, self.util, self.warm, self.allocated]
+
+    def add(self, w: Mapping[str, Any]) -> None:
         name = str(w.get("hostname", "?"))
-        values = advertise.counter_values(w.get("counters") or {})
-        info.add_metric([name, str(w.get("host", "")), str(w.get("pid", ""))], 1)
-        slots.add_metric([name], _number(w.get("concurrency")) or 0.0)
-        by_class = advertise.counter_group(values, "tasks:")
-        for cls in sorted(set(classes) | set(by_class)):
-            tasks.add_metric([name, cls], by_class.get(cls, 0.0))
-        by_source = advertise.counter_group(values, "cold:")
-        for source in sorted(set(SOURCES) | set(by_source)):
-            cold.add_metric([name, source], by_source.get(source, 0.0))
-        prewarms.add_metric([name], values.get("prewarms", 0.0))
-        ahead.add_metric([name], values.get("affinity", 0.0))
-        joined.add_metric([name], values.get("joined", 0.0))
-        for kind in ("lookups", "hits", "tokens"):
-            kv.add_metric([name, kind], values.get(f"kv_{kind}", 0.0))
-        for kind in ("texts", "cached"):
-            emb.add_metric([name, kind], values.get(f"emb_{kind}", 0.0))
-        n_tasks, n_cold = values.get("tasks", 0.0), values.get("cold", 0.0)
-        share.add_metric([name], advertise.cold_share(int(n_tasks), int(n_cold)))
-        by_phase = advertise.counter_group(values, "phase_ms:")
-        for p in PHASES:
-            phase.add_metric([name, p], by_phase.get(p, 0.0) / _MS_PER_S)
-        hist.add_metric([name], _buckets(values, "cold_le:"),
-                        sum_value=values.get("cold_ms", 0.0) / _MS_PER_S)
-        first.add_metric([name], _buckets(values, "ftt_le:"),
-                         sum_value=values.get("ftt_ms", 0.0) / _MS_PER_S)
-        for reason, count in advertise.counter_group(values, "failed:").items():
-            failed.add_metric([name, reason], count)
+        self.info.add_metric([name, str(w.get("host", "")), str(w.get("pid", ""))], 1)
+        self.slots.add_metric([name], _number(w.get("concurrency")) or 0.0)
+        self._counters(name, advertise.counter_values(w.get("counters") or {}))
         devices = w.get("devices")
         for d in map(as_mapping, devices if isinstance(devices, list) else []):
-            label = f"{d.get('kind', '?')}:{d.get('index', 0)}"
-            for state, key in (("total", "total_vram_bytes"), ("free", "free_vram_bytes")):
-                if (v := _number(d.get(key))) is not None:
-                    vram.add_metric([name, label, state], v)
-            if (v := _number(d.get("utilisation_pct"))) is not None:
-                util.add_metric([name, label], v / 100.0)
+            self._device(name, d)
         for slot, child in sorted(as_mapping(w.get("children")).items()):
-            tiers: dict[str, int] = {}
-            for tier in as_mapping(as_mapping(child).get("warm")).values():
-                tiers[str(tier)] = tiers.get(str(tier), 0) + 1
-            for tier in sorted(set(tiers) | {"device", "host"}):
-                warm.add_metric([name, str(slot), tier], tiers.get(tier, 0))
-            memory = as_mapping(as_mapping(child).get("memory"))
-            allocated.add_metric([name, str(slot)],
-                                 _number(memory.get("allocated_bytes")) or 0.0)
-    return [info, slots, tasks, cold, prewarms, ahead, joined, kv, emb, share, phase, hist,
-            first, failed, vram, util, warm, allocated]
+            self._child(name, str(slot), as_mapping(child))
+
+    def _counters(self, name: str, values: Mapping[str, float]) -> None:
+        by_class = advertise.counter_group(values, "tasks:")
+        for cls in sorted(set(self.classes) | set(by_class)):
+            self.tasks.add_metric([name, cls], by_class.get(cls, 0.0))
+        by_source = advertise.counter_group(values, "cold:")
+        for source in sorted(set(SOURCES) | set(by_source)):
+            self.cold.add_metric([name, source], by_source.get(source, 0.0))
+        self.prewarms.add_metric([name], values.get("prewarms", 0.0))
+        self.ahead.add_metric([name], values.get("affinity", 0.0))
+        self.joined.add_metric([name], values.get("joined", 0.0))
+        for kind in ("lookups", "hits", "tokens"):
+            self.kv.add_metric([name, kind], values.get(f"kv_{kind}", 0.0))
+        for kind in ("texts", "cached"):
+            self.emb.add_metric([name, kind], values.get(f"emb_{kind}", 0.0))
+        n_tasks, n_cold = values.get("tasks", 0.0), values.get("cold", 0.0)
+        self.share.add_metric([name], advertise.cold_share(int(n_tasks), int(n_cold)))
+        by_phase = advertise.counter_group(values, "phase_ms:")
+        for p in PHASES:
+            self.phase.add_metric([name, p], by_phase.get(p, 0.0) / _MS_PER_S)
+        self.hist.add_metric([name], _buckets(values, "cold_le:"),
+                             sum_value=values.get("cold_ms", 0.0) / _MS_PER_S)
+        self.first.add_metric([name], _buckets(values, "ftt_le:"),
+                              sum_value=values.get("ftt_ms", 0.0) / _MS_PER_S)
+        for reason, count in advertise.counter_group(values, "failed:").items():
+            self.failed.add_metric([name, reason], count)
+
+    def _device(self, name: str, d: Mapping[str, Any]) -> None:
+        label = f"{d.get('kind', '?')}:{d.get('index', 0)}"
+        for state, key in (("total", "total_vram_bytes"), ("free", "free_vram_bytes")):
+            if (v := _number(d.get(key))) is not None:
+                self.vram.add_metric([name, label, state], v)
+        if (v := _number(d.get("utilisation_pct"))) is not None:
+            self.util.add_metric([name, label], v / 100.0)
+
+    def _child(self, name: str, slot: str, child: Mapping[str, Any]) -> None:
+        tiers: dict[str, int] = {}
+        for tier in as_mapping(child.get("warm")).values():
+            tiers[str(tier)] = tiers.get(str(tier), 0) + 1
+        for tier in sorted(set(tiers) | {"device", "host"}):
+            self.warm.add_metric([name, slot, tier], tiers.get(tier, 0))
+        memory = as_mapping(child.get("memory"))
+        self.allocated.add_metric([name, slot], _number(memory.get("allocated_bytes")) or 0.0)
 
 
 def _number(value: Any) -> float | None:
