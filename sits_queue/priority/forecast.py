@@ -10,9 +10,9 @@ ceil(predicted concurrency * 1.3) instances."
 Here, per model and per interval (``prewarm_interval_s``, 300 s):
 
 * features: a bias; the time of day and of week as sine/cosine pairs (periodicity);
-  the model's demand in the previous two intervals, scaled by its running mean (bursts:
-  what ran just before is the best hint of what runs next: the source's "previous job
-  type"). The source's CPU/memory request ratio is not something a queue of inference
+  the model's demand in the previous two intervals, scaled by its running mean (at least
+  one task; bursts: what ran just before is the best hint of what runs next: the source's
+  "previous job type"). The source's CPU/memory request ratio is not something a queue of inference
   tasks sees per model; it is left out rather than faked;
 * RLS with forgetting factor 0.98 updates the weights once per interval with the demand
   that interval actually had;
@@ -44,6 +44,15 @@ P0 = 100.0
 N_FEATURES = 7
 #: Bound on the trace of the RLS covariance (P0 * N_FEATURES = 700 at start).
 MAX_TRACE = 1e4
+#: The least demand (tasks per interval) the regression scales by. The running mean of a
+#: model left idle shrinks 2% an interval and it is forgotten only after a day: at a 2 s
+#: interval it reached ~1e-157, its next demand scaled to ~1e157, and the weights
+#: overflowed the pass for every model. A sparse model (under one task an interval)
+#: learns raw counts instead.
+MIN_SCALE = 1.0
+#: Bound on a stored state's update count (a year of 5-minute intervals is ~105,000; an
+#: int past float's range made the forgetting factor's power raise).
+MAX_UPDATES = 10**9
 
 
 def features(now_s: float, previous: Sequence[float], mean: float) -> list[float]:
@@ -51,7 +60,7 @@ def features(now_s: float, previous: Sequence[float], mean: float) -> list[float
     ``previous`` = the model's demand in the last two intervals, newest first."""
     day = 2 * math.pi * ((now_s % 86_400) / 86_400)
     week = 2 * math.pi * ((now_s % 604_800) / 604_800)
-    scale = mean if mean > 0 else 1.0
+    scale = _scale(mean)
     lag1 = previous[0] / scale if previous else 0.0
     lag2 = previous[1] / scale if len(previous) > 1 else 0.0
     return [1.0, math.sin(day), math.cos(day), math.sin(week), math.cos(week), lag1, lag2]
@@ -75,9 +84,11 @@ class Forecaster:
 
     def predict(self, now_s: float) -> float:
         """Demand (tasks) expected in the interval starting at ``now_s``, >= 0."""
+        if self.mean <= 0:
+            return 0.0
         x = features(now_s, self.history, self.mean)
-        return max(0.0, self.mean * sum(w * xi for w, xi in zip(self.weights, x, strict=True))
-                   if self.mean > 0 else 0.0)
+        return max(0.0, _scale(self.mean) * sum(w * xi for w, xi in
+                                                zip(self.weights, x, strict=True)))
 
     @property
     def confidence(self) -> float:
@@ -88,9 +99,26 @@ class Forecaster:
         return max(0.0, min(1.0, 1.0 - math.sqrt(self.mse) / self.mean))
 
 
+def _scale(mean: float) -> float:
+    """What demand is divided by in the regression: the running mean, at least
+    :data:`MIN_SCALE`."""
+    return mean if mean > MIN_SCALE else MIN_SCALE
+
+
 def update(f: Forecaster, start_s: float, demand: float,
            forgetting: float = FORGETTING) -> Forecaster:
-    """The state after the interval that started at ``start_s`` had ``demand`` tasks."""
+    """The state after the interval that started at ``start_s`` had ``demand`` tasks.
+
+    A state that this leaves not finite (a demand past float's range, or a stored state no
+    update of ours wrote) starts over from this interval rather than fail the pass."""
+    after = _update(f, start_s, demand, forgetting)
+    if _finite(after):
+        return after
+    fresh = _update(Forecaster(), start_s, demand, forgetting)
+    return fresh if _finite(fresh) else Forecaster()
+
+
+def _update(f: Forecaster, start_s: float, demand: float, forgetting: float) -> Forecaster:
     error = demand - f.predict(start_s)
     mean = demand if f.updates == 0 else forgetting * f.mean + (1 - forgetting) * demand
     # The first interval had no forecast to miss (its "error" is the whole demand, which
@@ -100,9 +128,9 @@ def update(f: Forecaster, start_s: float, demand: float,
     # much as the forgetting factor says and no more.
     seen = f.updates  # real one-step errors, this one included
     mse = 0.0 if seen == 0 else \
-        f.mse + (error ** 2 - f.mse) * (1 - forgetting) / (1 - forgetting ** seen)
+        f.mse + (error * error - f.mse) * (1 - forgetting) / (1 - forgetting ** seen)
     # the regression runs on demand scaled by its mean, so models of any volume learn alike
-    scale = f.mean if f.mean > 0 else (demand if demand > 0 else 1.0)
+    scale = _scale(f.mean if f.mean > 0 else demand)
     x = features(start_s, f.history, scale)
     y = demand / scale
     p = [list(row) for row in f.covariance]
@@ -127,6 +155,12 @@ def update(f: Forecaster, start_s: float, demand: float,
     last = start_s if demand > 0 or f.last_demand_s is None else f.last_demand_s
     return Forecaster(weights, covariance, (demand, *f.history)[:2], mean, mse, f.updates + 1,
                       last)
+
+
+def _finite(f: Forecaster) -> bool:
+    numbers = (*f.weights, *(v for row in f.covariance for v in row), *f.history, f.mean,
+               f.mse)
+    return all(math.isfinite(v) for v in numbers)
 
 
 def forgotten(f: Forecaster, now_s: float) -> bool:
@@ -168,9 +202,13 @@ class Prewarm:
 
 def outlook(model: str, f: Forecaster, now_s: float, interval_s: float, service_ms: float,
             cold_ms: float, warm_now: int) -> ModelOutlook:
+    # (a service time or cold start past float's range: the workers' counters summed)
+    service_ms = service_ms if math.isfinite(service_ms) else 0.0
+    cold_ms = cold_ms if math.isfinite(cold_ms) else 0.0
     predicted = f.predict(now_s)
     concurrency = predicted * (service_ms / 1000.0) / interval_s
-    instances = math.ceil(concurrency * HEADROOM) if predicted > 0 else 0
+    instances = math.ceil(concurrency * HEADROOM) \
+        if predicted > 0 and math.isfinite(concurrency * HEADROOM) else 0
     if cold_ms <= COLD_THRESHOLD_MS:
         reason = f"cold start {cold_ms:.0f} ms <= {COLD_THRESHOLD_MS:.0f} ms: not worth it"
     elif f.confidence < MIN_CONFIDENCE:
@@ -216,13 +254,18 @@ def from_json(raw: Mapping[str, Any]) -> Forecaster:
                 or any(len(row) != N_FEATURES for row in cov):
             return Forecaster()
         last = raw.get("l")  # (an older record has none: the clock starts now)
+        updates = raw["n"]
+        if isinstance(updates, bool) or not isinstance(updates, int) \
+                or not 0 <= updates <= MAX_UPDATES:
+            return Forecaster()
         state = Forecaster(weights, cov, tuple(float(v) for v in raw["h"])[:2],
-                           float(raw["m"]), float(raw["e"]), int(raw["n"]),
+                           float(raw["m"]), float(raw["e"]), updates,
                            None if last is None else float(last))
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):
         return Forecaster()
-    numbers = (*state.weights, *(v for row in state.covariance for v in row), *state.history,
-               state.mean, state.mse)
     # A state that diverged (stored before the covariance was kept bounded) predicted 0
-    # for good: max(0, nan) is 0. It starts over instead.
-    return state if all(math.isfinite(v) for v in numbers) else Forecaster()
+    # for good: max(0, nan) is 0. It starts over instead, as does one with a negative
+    # mean or error (a square root of it failed every pass) or a clock that is not one.
+    sane = state.mean >= 0 and state.mse >= 0 and all(v >= 0 for v in state.history) \
+        and (state.last_demand_s is None or math.isfinite(state.last_demand_s))
+    return state if sane and _finite(state) else Forecaster()

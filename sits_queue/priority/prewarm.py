@@ -48,10 +48,13 @@ def bucket_of(config: SitsConfig, now_s: float) -> int:
 
 
 def per_model(counters: Mapping[str, float], total: str, count: str) -> dict[str, float]:
-    """Mean per model of ``<total>:<model>`` over ``<count>:<model>`` counters."""
+    """Mean per model of ``<total>:<model>`` over ``<count>:<model>`` counters; a model
+    whose mean is not a finite number >= 0 (a count of 1e-300, or sums past float's range
+    across workers) is left out: unknown, as for a model never run."""
     sums = advertise.counter_group(counters, f"{total}:")
     counts = advertise.counter_group(counters, f"{count}:")
-    return {m: sums[m] / counts[m] for m in sums if counts.get(m)}
+    means = {m: sums[m] / counts[m] for m in sums if counts.get(m, 0.0) > 0}
+    return {m: v for m, v in means.items() if math.isfinite(v) and v >= 0}
 
 
 class Prewarmer:
@@ -91,8 +94,8 @@ class Prewarmer:
     def _fold(self, last_done: int) -> dict[str, forecast.Forecaster]:
         key = state_key(self.config)
         decoded = {_text(k): v for k, v in self.client.hgetall(key).items()}
-        meta = json.loads(decoded.pop("__bucket__", "null") or "null")
-        states = {m: forecast.from_json(json.loads(v)) for m, v in decoded.items()}
+        meta = _json(decoded.pop("__bucket__", None))
+        states = {m: forecast.from_json(as_mapping(_json(v))) for m, v in decoded.items()}
         interval = self.config.prewarm_interval_s
         # [last bucket folded, the interval it counts in]: a bucket index under another
         # interval (the setting changed) is no time here: raised 60 -> 300 s, the next
@@ -103,12 +106,16 @@ class Prewarmer:
             meta, states = None, {}
             self.client.delete(key)
         done = meta[0] if isinstance(meta, list) and len(meta) == 2 else meta
+        if isinstance(done, bool) or not isinstance(done, int):
+            done = None  # not a bucket of ours: read what the demand keys still hold
         # the first pass (or one after a long stop) reads what the demand keys still hold
         first = last_done - MAX_CATCH_UP + 1 if done is None \
-            else max(int(done) + 1, last_done - MAX_CATCH_UP + 1)
+            else max(done + 1, last_done - MAX_CATCH_UP + 1)
         for bucket in range(first, last_done + 1):
-            demand = {_text(k): float(v) for k, v in
-                      self.client.hgetall(demand_key(self.config, bucket)).items()}
+            # (a count that no worker wrote, "abc" or -3, is no demand: it failed the pass)
+            counted = advertise.counter_values(
+                self.client.hgetall(demand_key(self.config, bucket)))
+            demand = {m: v for m, v in counted.items() if v >= 0}
             for model in set(states) | set(demand):
                 states[model] = forecast.update(states.get(model, forecast.Forecaster()),
                                                 bucket * interval, demand.get(model, 0.0))
@@ -147,5 +154,14 @@ def _bytes(value: Any) -> int:
     return max(0, int(value)) if isinstance(value, int) or math.isfinite(value) else 0
 
 
+def _json(raw: bytes | str | None) -> Any:
+    """A stored JSON value; None for one that is not JSON (another program's, or corrupt:
+    raised on, it failed every pass until someone deleted it)."""
+    try:
+        return None if raw is None else json.loads(raw)
+    except ValueError:  # JSONDecodeError, and UnicodeDecodeError of bytes
+        return None
+
+
 def _text(key: bytes | str) -> str:
-    return key.decode() if isinstance(key, bytes) else str(key)
+    return key.decode(errors="replace") if isinstance(key, bytes) else str(key)

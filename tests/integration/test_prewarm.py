@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import redis
@@ -200,3 +201,41 @@ def test_a_changed_interval_starts_the_forecasts_afresh_and_they_update_again(
     five = replace(minute, prewarm_interval_s=300.0)
     later = [updates(five, now + 180 + i * 300) for i in range(1, 4)]
     assert later == sorted(later) and later[-1] > later[0]  # folding again, every pass
+
+
+@pytest.mark.parametrize("junk", [
+    {"state": {"m1": b"{not json"}}, {"state": {"m1": b"\xff\xfe"}},
+    {"state": {"m1": b"[1, 2]"}},
+    {"state": {"m1": json.dumps({**fc.to_json(fc.update(Forecaster(), 0.0, 5.0)), "e": -1})}},
+    {"state": {"__bucket__": b"yesterday"}}, {"state": {"__bucket__": b"[\"x\", 300.0]"}},
+    {"demand": {"m1": b"abc"}}, {"demand": {"m1": b"-3"}}, {"demand": {"m1": b"inf"}},
+    {"counters": {"model_run_ms:m1": b"1e308", "model_runs:m1": b"1e-300"}},
+])
+def test_a_record_no_worker_or_beat_writes_does_not_stop_the_planning(
+        junk: dict[str, dict[str, Any]], redis_url: str, r: redis.Redis) -> None:
+    """(a stored forecast that was no JSON, a bucket that was no number, a demand count of
+    "abc", or counters whose mean was inf each failed every planning pass, for every
+    model, until someone deleted the record)"""
+    config = replace(SitsConfig(redis_url=redis_url), prewarm_interval_s=300.0,
+                     global_keyprefix="junk:")
+    r.delete(*r.keys("junk:*") or ["junk:none"])
+    now = 1_800_000_000.0
+    bucket = prewarm.bucket_of(config, now) - 1
+    r.hset(prewarm.state_key(config), "m1", json.dumps(fc.to_json(
+        fc.update(Forecaster(), (bucket - 1) * 300.0, 5.0))))
+    r.hset(prewarm.state_key(config), mapping=junk.get("state", {"__bucket__": "null"}))
+    r.hset(prewarm.demand_key(config, bucket),
+           mapping={"m1": 5, "m2": 4, **junk.get("demand", {})})
+    worker = "junk@host"
+    r.hset(advertise.counters_key(config.global_keyprefix, worker),
+           mapping=junk.get("counters", {"tasks": 1}))
+    r.set(advertise.worker_key(config.global_keyprefix, worker),
+          json.dumps({"hostname": worker}), ex=60)
+    r.zadd(advertise.workers_key(config.global_keyprefix), {worker: now})
+
+    report = prewarm.Prewarmer(config, r, lambda model, host: None).run(now)
+
+    assert "m2" in {o["model"] for o in report["outlooks"]}  # the good demand was folded
+    stored = r.hgetall(prewarm.state_key(config))
+    assert json.loads(stored[b"__bucket__"]) == [bucket, 300.0]
+    assert fc.from_json(json.loads(stored[b"m2"])).updates >= 1

@@ -141,6 +141,51 @@ def test_state_round_trips_and_foreign_records_start_over() -> None:
     assert fc.from_json(broken) == Forecaster()
 
 
+@pytest.mark.parametrize("field", [
+    {"e": -1.0}, {"m": -5.0}, {"h": [-1.0, 2.0]}, {"n": -1}, {"n": 10 ** 400}, {"n": 2.5},
+    {"n": True}, {"l": math.nan}, {"l": math.inf}, {"w": [10 ** 400] * fc.N_FEATURES},
+])
+def test_a_stored_state_no_update_writes_starts_over(field: dict[str, Any]) -> None:
+    """(a negative error failed confidence's square root, an update count of inf or past
+    float's range raised OverflowError: each failed every planning pass for every model)"""
+    f, _ = learn(0.2)
+    assert fc.from_json({**fc.to_json(f), **field}) == Forecaster()
+
+
+def test_a_model_back_after_a_long_idle_spell_at_a_short_interval_does_not_overflow() -> None:
+    """At a 2 s interval a model idle for hours kept a mean of ~1e-157 (forgotten only
+    after a day); its next demand, scaled by that mean, was ~1e157: the weights overflowed
+    and every later pass raised OverflowError."""
+    f, t = Forecaster(), 0.0
+    for k in range(18_050):
+        f = fc.update(f, t, 10.0 if k < 50 else 0.0)
+        t += 2.0
+    for _ in range(30):
+        f = fc.update(f, t, 3.0)
+        t += 2.0
+    assert max(abs(w) for w in f.weights) < 100
+    assert 0.0 <= f.predict(t) < 10.0 and 0.0 <= f.confidence <= 1.0
+
+
+def test_a_demand_past_floats_range_starts_the_state_over_instead_of_raising() -> None:
+    f, _ = learn(0.2)
+    huge = fc.update(fc.update(f, T0, 1e308), T0 + STEP, 1e308)
+    after = fc.update(huge, T0 + 2 * STEP, 10.0)
+    assert all(math.isfinite(v) for v in (*after.weights, after.mean, after.mse))
+    assert math.isfinite(after.predict(T0 + 3 * STEP))
+
+
+@pytest.mark.parametrize(("service_ms", "cold_ms"), [(math.inf, 2000.0), (9000.0, math.inf),
+                                                     (math.nan, math.nan)])
+def test_an_outlook_with_a_cost_past_floats_range_plans_nothing_instead_of_raising(
+        service_ms: float, cold_ms: float) -> None:
+    # (two workers' counters of 1e308 summed to inf: ceil(inf) failed the whole pass);
+    # such a cost is unknown, as for a model never run
+    o = outlook(service_ms=service_ms, cold_ms=cold_ms)
+    assert o.reason != "pre-warm"
+    assert math.isfinite(o.concurrency) and math.isfinite(o.cold_ms)
+
+
 def test_a_model_without_demand_for_a_day_is_forgotten() -> None:
     # (the planner kept a forecast, and an outlook per pass, for every model ever named)
     f = fc.update(Forecaster(), 0.0, 5.0)
