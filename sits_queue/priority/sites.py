@@ -174,10 +174,10 @@ def decode_choice(raw: bytes | str, peers: Sequence[Peer]) -> list[Link] | None:
         if record is None:
             return []
         name, rtt = str(record["peer"]), float(record["rtt_ms"])
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, OverflowError):  # (an int past float's range)
         return None
     known = {p.name: p for p in peers}
-    if name not in known or not rtt >= 0:
+    if name not in known or not (math.isfinite(rtt) and rtt >= 0):
         return None
     return [Link(known[name], rtt, True)]
 

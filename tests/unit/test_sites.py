@@ -95,6 +95,10 @@ def test_live_peers_other_than_the_replica_peer_are_the_ones_to_clean_up() -> No
     (encode_choice(None), []),  # the pass found no live peer
     ('{"peer": "zz", "rtt_ms": 1}', None),  # unknown here: measure instead
     ('{"peer": "b", "rtt_ms": "nan"}', None), ("not json", None), ('{"peer": "b"}', None),
+    # (an int past float's range raised OverflowError on every enqueue that read it)
+    ('{"peer": "b", "rtt_ms": 1' + "0" * 400 + "}", None),
+    ('{"peer": "b", "rtt_ms": Infinity}', None), ('{"peer": "b", "rtt_ms": -1}', None),
+    ('["b", 1]', None), ('"b"', None),
 ])
 def test_a_published_choice_is_read_back_or_refused(
         raw: str, expected: list[tuple[str, float]] | None) -> None:
