@@ -159,13 +159,22 @@ def gate_rel_mse(rel_mse: float, max_rel_mse: float) -> str | None:
 
 def kl_divergence(reference: Any, candidate: Any) -> float:
     """Mean over rows of KL(softmax(reference) || softmax(candidate)), last dimension
-    (a 1-D tensor is one row, a scalar a row of one)."""
+    (a 1-D tensor is one row, a scalar a row of one). A class the reference gives no
+    probability (a logit of -inf: masked) adds nothing, as 0 log 0 = 0; one that only the
+    candidate drops makes it inf, as does a candidate that is NaN: either way it is no
+    stand-in for the reference."""
     import torch
 
     width = reference.shape[-1] if reference.dim() else 1
+    if reference.numel() == 0 or width == 0:
+        return 0.0
     p = torch.log_softmax(reference.double().reshape(-1, width), dim=-1)
     q = torch.log_softmax(candidate.double().reshape(-1, width), dim=-1)
-    return float((p.exp() * (p - q)).sum(dim=-1).mean()) if p.shape[0] else 0.0
+    # (p - q is -inf - -inf = NaN where both mask a class: the whole KL was NaN, and the
+    # gate's refusal said "KL divergence nan")
+    terms = torch.where(p > -math.inf, p.exp() * (p - q), torch.zeros_like(p))
+    kl = float(terms.sum(dim=-1).mean())
+    return math.inf if math.isnan(kl) else kl
 
 
 def single_valued(output: Any) -> bool:

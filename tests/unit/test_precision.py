@@ -160,6 +160,25 @@ def test_kl_divergence_matches_the_definition() -> None:
     assert precision.kl_divergence(p, q) > 0 and math.isfinite(precision.kl_divergence(p, q))
 
 
+def test_kl_divergence_of_masked_classes_empty_outputs_and_nan() -> None:
+    import torch
+
+    inf = math.inf
+    masked = torch.tensor([[0.0, 1.0, -inf], [2.0, -inf, -inf]])
+    # a class both mask adds nothing (it made the whole KL NaN, and int8 was refused)
+    assert precision.kl_divergence(masked, masked) == pytest.approx(0.0, abs=1e-12)
+    close = masked + torch.tensor([[0.01, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    assert 0 < precision.kl_divergence(masked, close) < 1e-4
+    # a class only the candidate drops, or a candidate of NaN: no stand-in
+    assert precision.kl_divergence(torch.tensor([[0.0, 1.0]]),
+                                   torch.tensor([[0.0, -inf]])) == inf
+    assert precision.kl_divergence(torch.tensor([[0.0, 1.0]]),
+                                   torch.tensor([[0.0, math.nan]])) == inf
+    # outputs with no values (a batch of none, or rows of width 0): nothing differs
+    assert precision.kl_divergence(torch.zeros(0, 4), torch.zeros(0, 4)) == 0.0
+    assert precision.kl_divergence(torch.zeros(3, 0), torch.zeros(3, 0)) == 0.0
+
+
 def test_relative_mse_matches_the_definition() -> None:
     import torch
 
