@@ -195,6 +195,18 @@ def _name(option: str, value: Any, longest: int = 200) -> str | None:
     return value
 
 
+def scoring_inputs(context_tokens: Any, latency_sla_ms: Any, loss_sensitivity: Any,
+                   input_entropy: Any) -> tuple[int, float, float, float]:
+    """A stored record's scoring inputs, held to the ranges :func:`resolve` allows (an
+    entropy of None is 0): InvalidTaskOptions naming one that is not (a record no
+    producer of ours wrote: ``ls`` of inf scored it past every other task)."""
+    return (int(_number("context_tokens", context_tokens, 0, MAX_CONTEXT_TOKENS,
+                        integer=True)),
+            _number("latency_sla_ms", latency_sla_ms, 1e-3, MAX_LATENCY_SLA_MS),
+            _number("loss_sensitivity", loss_sensitivity, 0.1, 0.9),
+            _number("input_entropy", input_entropy or 0.0, 0.0, 1.0))
+
+
 def _number(name: str, value: Any, lo: float, hi: float, integer: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidTaskOptions(f"{name} must be a number, got {shown(value)}")

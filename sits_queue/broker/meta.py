@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
 
-from sits_queue.config import SitsConfig
-from sits_queue.options import HEADER, TaskOptions, batch_key, from_header
+from sits_queue.config import MAX_LATENCY_SLA_MS, SitsConfig
+from sits_queue.options import (
+    HEADER,
+    MAX_CONTEXT_TOKENS,
+    TaskOptions,
+    batch_key,
+    from_header,
+    scoring_inputs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,17 +106,26 @@ class WaitingMeta:
             return None
 
 
-
 def score_inputs(raw: str | bytes) -> tuple[str, float, int, float, float, float, str | None]:
     """The scorer's arguments straight from a stored record, without building objects.
 
     (sla_class, enqueued_at_s, context_tokens, latency_sla_ms, loss_sensitivity,
     input_entropy, model) — the order of :meth:`Scorer.score`. The rescoring pass reads
-    one record per waiting message, so this skips the dataclasses.
+    one record per waiting message, so this skips the dataclasses; it still holds each
+    input to the range the options allow (ValueError naming one that is not).
     """
     r = json.loads(raw)
-    return (r["c"], float(r["t"]), int(r["n"]), float(r["sla"]), float(r["ls"]),
-            float(r["e"] or 0.0), r["m"])
+    enqueued = float(r["t"])
+    if not math.isfinite(enqueued):
+        raise ValueError(f"enqueued at {enqueued}")
+    n, sla, ls, e = r["n"], r["sla"], r["ls"], r["e"] or 0.0
+    # What our producers write passes the ranges at a glance (a pass reads 100k+ records);
+    # anything else is checked in full, which names what is wrong.
+    ours = type(n) is int and type(sla) is float and type(ls) is float and type(e) is float
+    if not (ours and 0 <= n <= MAX_CONTEXT_TOKENS and 1e-3 <= sla <= MAX_LATENCY_SLA_MS
+            and 0.1 <= ls <= 0.9 and 0.0 <= e <= 1.0):
+        n, sla, ls, e = scoring_inputs(n, sla, ls, e)
+    return r["c"], enqueued, n, float(sla), float(ls), float(e), r["m"]
 
 
 def sla_class_of(raw: str | bytes | None) -> str | None:

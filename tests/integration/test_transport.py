@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -149,16 +150,20 @@ def test_the_pass_takes_control_reply_queues_out_of_the_registry(
     assert 0 < redis_client.ttl(keys.waiting) <= 60 and redis_client.ttl(keys.payloads) > 0
 
 
+@pytest.mark.parametrize("odd", [
+    {"sla": 0},  # a latency SLA of 0 (a foreign writer): the score divided by it
+    # (each of these was scored past every other task, or to the bottom, and rewritten)
+    {"ls": math.inf}, {"n": -999}, {"n": 2.5}, {"e": 5.0}, {"sla": "fast"}, {"t": math.nan},
+])
 def test_a_record_that_cannot_be_scored_keeps_its_score_and_the_pass_goes_on(
-        app: Celery, redis_client: redis.Redis) -> None:
+        odd: dict[str, Any], app: Celery, redis_client: redis.Redis) -> None:
     echo = app.tasks["t.echo"]
     echo.apply_async(("bad",), sla_class="low")
     echo.apply_async(("good",), sla_class="low", model="hot-model")
     keys = QueueKeys.for_queue("celery")
     (bad_id,) = [i for i, raw in redis_client.hgetall(keys.meta).items() if b"hot" not in raw]
     record = json.loads(redis_client.hget(keys.meta, bad_id))
-    record["sla"] = 0  # a latency SLA of 0 (a foreign writer): the score divides by it
-    redis_client.hset(keys.meta, bad_id, json.dumps(record))
+    redis_client.hset(keys.meta, bad_id, json.dumps({**record, **odd}))
     before = redis_client.zscore(keys.waiting, bad_id)
     redis_client.hincrbyfloat(hot_key(app.sits), "hot-model", 50.0)
     redis_client.lpush(latency_key(app.sits, "low"), 900.0)  # a p95 for the risk term

@@ -42,3 +42,24 @@ def test_a_huge_bad_value_is_named_by_its_start_and_length_not_echoed_whole(
     with pytest.raises(InvalidTaskOptions, match=named) as refused:
         resolve(SitsConfig.from_mapping({}), {}, options)
     assert len(str(refused.value)) < 300
+
+
+@pytest.mark.parametrize(("field", "value", "named"), [
+    ("ls", float("inf"), "loss_sensitivity must be in"), ("n", -999, "context_tokens"),
+    ("n", 2.5, "context_tokens must be a whole number"), ("e", 5.0, "input_entropy"),
+    ("sla", "fast", "latency_sla_ms must be a number"), ("sla", 0.0, "latency_sla_ms"),
+    ("t", float("nan"), "enqueued at nan"),
+])
+def test_a_stored_scheduling_record_out_of_the_options_range_is_refused_naming_it(
+        field: str, value: object, named: str) -> None:
+    """(the rescoring pass took ``ls`` of inf as a priority past every other task's)"""
+    import json
+
+    from sits_queue.broker.meta import WaitingMeta, score_inputs
+    from sits_queue.options import resolve as resolved
+
+    ours = WaitingMeta(resolved(SitsConfig(), {}, {"sla_class": "low", "model": "m"}),
+                       1_800_000_000.0, "t.x").to_json()
+    assert score_inputs(ours) == ("low", 1_800_000_000.0, 0, 5000.0, 0.2, 0.0, "m")
+    with pytest.raises(ValueError, match=named):
+        score_inputs(json.dumps({**json.loads(ours), field: value}))
