@@ -7,6 +7,7 @@ embedded Redis in the per-user data dir, and points the processes it starts at i
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -94,14 +95,14 @@ def queue_status(client: redis.Redis, config: SitsConfig, now_s: float) -> list[
         metas = client.hmget(keys.meta, [m for m, _ in head]) if head else []
         rows = []
         for (msg_id, score), raw in zip(head, metas, strict=True):
-            prio, seq = decode_score(score)
+            prio, seq = decode_score(score) or (None, None)
             row: dict[str, Any] = {"id": msg_id.decode(errors="backslashreplace"),
-                                   "priority": round(prio, 2),
+                                   "priority": None if prio is None else round(prio, 2),
                                    "seq": seq}
             if (meta := WaitingMeta.read(raw)) is not None:
                 row.update(task=meta.task, sla_class=meta.options.sla_class,
                            model=meta.options.model,
-                           wait_s=round(now_s - meta.enqueued_at_s, 2))
+                           wait_s=_finite_or_none(round(now_s - meta.enqueued_at_s, 2)))
             rows.append(row)
         out.append({"queue": name, "waiting": client.zcard(keys.waiting),
                     "unacked": client.zcard(keys.unacked), "dead": client.hlen(keys.dead),
@@ -149,25 +150,37 @@ def status(as_json: bool) -> None:
     except redis.ConnectionError as exc:
         raise click.ClickException(f"cannot reach Redis at {_redact(url)}: {exc}") from exc
     if as_json:
-        click.echo(json.dumps(report, indent=2, default=str))
+        click.echo(json.dumps(_json_safe(report), indent=2, default=str))
         return
     click.echo(_format_status(report))
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _or_unknown(value: Any) -> Any:
+    return "?" if value is None else value
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with every float that is not finite as None: JSON has no NaN or inf, and
+    a record of another writer's may hold them (``status --json`` printed ``NaN``, which
+    a JSON reader refuses)."""
+    if isinstance(value, float):
+        return _finite_or_none(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def _format_status(report: dict[str, Any]) -> str:
     lines = []
     site = report.get("site")
     if site:
-        last = site["last_pass"] or {}
-        peer = (f"replica at {last['peer']} ({last['rtt_ms']} ms; "
-                + ", ".join(f"{c} {m}" for c, m in last.get("modes", {}).items()) + ")"
-                if last.get("peer") else "no live peer")
-        age = site.get("last_pass_age_s")
-        passed = (f"last sync pass {age} s ago" if age is not None else
-                  "no sync pass yet (is a beat running? without one, peers take this "
-                  "site over)")
-        lines.append(f"site {site['site']}: {peer}, outbox {site['outbox']}, holding "
-                     f"replicas of {site['replicas_held'] or 'no site'}; {passed}")
+        lines.append(_site_line(site))
     if not report["queues"]:
         lines.append("no queues yet (submit a task first)")
     for q in report["queues"]:
@@ -175,8 +188,9 @@ def _format_status(report: dict[str, Any]) -> str:
                      f"reserved, {q['dead']} dead-lettered, {q['checkpointed']} resuming "
                      f"from a yield, {q['held']} held off by a worker")
         for row in q["head"]:
-            lines.append(f"  {row['priority']:>12.2f}  {row.get('sla_class') or '?'!s:<8}"
-                         f"{row.get('task') or '?'!s:<32}waited {row.get('wait_s', '?')} s")
+            prio = "?" if row["priority"] is None else f"{row['priority']:.2f}"
+            lines.append(f"  {prio:>12}  {row.get('sla_class') or '?'!s:<8}"
+                         f"{row.get('task') or '?'!s:<32}waited {_or_unknown(row.get('wait_s'))} s")
     for name, n in (report.get("stray") or {}).items():
         lines.append(f"warning: {n} message(s) in the plain Redis list {name!r}: sent by a "
                      "producer without the SITS transport (a stock redis:// broker_url); "
@@ -186,11 +200,30 @@ def _format_status(report: dict[str, Any]) -> str:
     for w in report["workers"]:
         try:
             lines.extend(_worker_lines(w))
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:
-            # an advertisement of an older, newer or foreign writer: said, not fatal
+        except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as exc:
+            # an advertisement of an older, newer or foreign writer: said, not fatal (an
+            # int past float's range in a field formatted as a float: OverflowError)
             lines.append(f"  {w.get('hostname', '?')}: advertisement not readable here "
                          f"({type(exc).__name__}: {exc}); see sitsq status --json")
     return "\n".join(lines)
+
+
+def _site_line(site: dict[str, Any]) -> str:
+    age = site.get("last_pass_age_s")
+    passed = (f"last sync pass {age} s ago" if age is not None else
+              "no sync pass yet (is a beat running? without one, peers take this "
+              "site over)")
+    try:
+        last = site["last_pass"] or {}
+        peer = (f"replica at {last['peer']} ({last['rtt_ms']} ms; "
+                + ", ".join(f"{c} {m}" for c, m in last.get("modes", {}).items()) + ")"
+                if last.get("peer") else "no live peer")
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        # a record of another writer's (or version's): said, and the rest still shown
+        peer = (f"last pass record not readable here ({type(exc).__name__}: {exc}); "
+                "see sitsq status --json")
+    return (f"site {site['site']}: {peer}, outbox {site['outbox']}, holding replicas of "
+            f"{site['replicas_held'] or 'no site'}; {passed}")
 
 
 def _worker_lines(w: dict[str, Any]) -> list[str]:

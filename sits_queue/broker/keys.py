@@ -85,8 +85,12 @@ def score_base(priority: float) -> int:
     return (PRIORITY_LEVELS - priority_level(priority)) << SEQ_BITS
 
 
-def decode_score(score: float) -> tuple[float, int]:
-    """(approximate priority, arrival counter) of a stored score, for status displays."""
+def decode_score(score: float) -> tuple[float, int] | None:
+    """(approximate priority, arrival counter) of a stored score, for status displays;
+    None for a score no put of ours writes (inf, negative, past the lowest level: another
+    program's ZADD; ``int()`` of inf failed every status and metrics scrape)."""
+    if not (math.isfinite(score) and 0 <= score < (PRIORITY_LEVELS + 1) << SEQ_BITS):
+        return None
     s = int(score)
     level = PRIORITY_LEVELS - (s >> SEQ_BITS)
     return math.expm1(level / LEVELS_PER_E), s & (SEQ_SPAN - 1)

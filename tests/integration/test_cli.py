@@ -280,3 +280,48 @@ def test_celerys_help_through_sitsq_starts_no_embedded_redis(tmp_path: Path) -> 
 
         if (tmp_path / "sits-queue" / "redis").exists():
             stop_server(tmp_path / "sits-queue" / "redis")
+
+
+def test_status_and_the_fleet_metrics_read_past_records_no_writer_of_ours_made(
+        client_app: Celery, redis_url: str, redis_client: redis.Redis) -> None:
+    """(a score of -inf, a waiting record of NaN, a site record of another shape or a
+    member that is no UTF-8 each made `sitsq status` a traceback, `status --json` print
+    NaN, or every scrape of `sitsq metrics` an HTTP 500)"""
+    import math
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from sits_queue.broker.keys import last_pass_key, origins_key, replica_queues_key
+    from sits_queue.cli import queue_status
+    from sits_queue.config import SitsConfig
+    from sits_queue.workers.metrics import WorkerCollector
+
+    client_app.tasks["w.add"].apply_async((1, 2), sla_class="low")
+    keys = QueueKeys.for_queue("celery")
+    redis_client.zadd(keys.waiting, {"junk-inf": -math.inf, "junk-huge": -1e300})
+    redis_client.hset(keys.meta, "junk-inf", '{"c": "low", "t": NaN}')
+    redis_client.set(last_pass_key(""), '{"peer": "p", "rtt_ms": 1, "modes": [1], "at": 1'
+                     + "0" * 400 + "}")
+    redis_client.sadd(origins_key(""), b"\xff\xfe")
+    redis_client.sadd(replica_queues_key("", "o1"), b"\xff")
+    redis_client.sadd(origins_key(""), "o1")
+    env = {**os.environ, "SITS_REDIS_URL": redis_url, "SITS_SITE": "s1"}
+
+    text = sitsq("status", env=env)
+    assert text.returncode == 0, text.stderr
+    assert "site s1: last pass record not readable here" in text.stdout
+    assert "           ?  low     ?" in text.stdout  # the junk's priority is unknown
+    assert "queue celery: 3 waiting" in text.stdout
+    as_json = sitsq("status", "--json", env=env)
+    assert as_json.returncode == 0, as_json.stderr
+    report = json.loads(as_json.stdout)  # (NaN is no JSON)
+    head = {row["id"]: row for row in report["queues"][0]["head"]}
+    assert head["junk-inf"]["priority"] is None and head["junk-inf"]["wait_s"] is None
+    assert head["junk-huge"]["priority"] is None
+    assert [row["priority"] is not None for row in report["queues"][0]["head"]].count(True) == 1
+
+    config = SitsConfig(redis_url=redis_url)
+    registry = CollectorRegistry()
+    registry.register(WorkerCollector(config, queues=lambda c: queue_status(c, config, 0.0)))
+    scraped = generate_latest(registry).decode()
+    assert 'sits_redis_up 1.0' in scraped and 'sits_queue_waiting{queue="celery"} 3.0' in scraped

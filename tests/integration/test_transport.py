@@ -196,8 +196,8 @@ def test_a_task_of_a_class_the_table_lacks_ages_as_the_default_class(
     # it could wait forever behind newer work)
     report = Rescorer(app.sits, redis_client).rescore_all()
     assert report is not None and report.rewritten == 2
-    known, _ = decode_score(redis_client.zscore(keys.waiting, ids["known"]))
-    renamed, _ = decode_score(redis_client.zscore(keys.waiting, ids["renamed"]))
+    known, _ = decode_score(redis_client.zscore(keys.waiting, ids["known"])) or (0.0, 0)
+    renamed, _ = decode_score(redis_client.zscore(keys.waiting, ids["renamed"])) or (0.0, 0)
     # (scored in the default class, medium, which outranks low at the same wait)
     assert known > 800_000 and renamed >= known
 

@@ -3,6 +3,7 @@ runs on, and how a bad setting is reported."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -207,6 +208,9 @@ def test_a_benchmarks_database_is_set_in_any_redis_url(url: str, expected: str) 
     {"devices": "cuda:0"}, {"devices": None}, {"devices": ["cuda:0"]},
     {"cold_start": "none"}, {"cold_start": {"first_tokens": 3}},
     {"cold_start": {"phases_ms": {"load": "slow"}}}, {"profile": {"samples": 4}},
+    # (an int past float's range, formatted as a float, raised OverflowError)
+    {"cold_start": {"phases_ms": {"load": 10 ** 400}}},
+    {"cold_start": {"first_tokens": 1, "first_token_ms_mean": 10 ** 400}},
 ])
 def test_status_says_a_worker_record_it_cannot_read_and_shows_the_rest(
         odd: dict[str, Any]) -> None:
@@ -220,3 +224,34 @@ def test_status_says_a_worker_record_it_cannot_read_and_shows_the_rest(
     shown = cli._format_status(report)
     assert "odd@h: advertisement not readable here" in shown
     assert "good@h: pid 1, concurrency 1" in shown and "queue celery: 1 waiting" in shown
+
+
+@pytest.mark.parametrize("last", [
+    {"peer": "p"}, {"peer": "p", "rtt_ms": 1, "modes": [1]}, [1], "yesterday",
+])
+def test_status_says_a_site_record_it_cannot_read_and_shows_the_rest(last: Any) -> None:
+    """(a last-pass record of another writer's made `sitsq status` a traceback)"""
+    report = {"site": {"site": "s1", "outbox": 2, "replicas_held": {}, "last_pass": last,
+                       "last_pass_age_s": None},
+              "queues": [], "workers": []}
+    shown = cli._format_status(report)
+    assert "site s1: last pass record not readable here" in shown
+    assert "outbox 2" in shown and "no queues yet" in shown
+
+
+def test_status_shows_a_score_no_put_of_ours_wrote_as_unknown() -> None:
+    from sits_queue.broker.keys import PRIORITY_LEVELS, SEQ_BITS, decode_score, score_base
+
+    for foreign in (math.inf, -math.inf, math.nan, -1.0, -1e300, float(2 ** 60)):
+        assert decode_score(foreign) is None
+    assert decode_score(float((PRIORITY_LEVELS + 1) << SEQ_BITS) - 1) is not None
+    prio, seq = decode_score(float(score_base(37.7) + 5)) or (0.0, 0)
+    assert prio == pytest.approx(37.7, rel=0.01) and seq == 5
+    report = {"queues": [{"queue": "celery", "waiting": 1, "unacked": 0, "dead": 0,
+                          "checkpointed": 0, "held": 0,
+                          "head": [{"id": "x", "priority": None, "seq": None,
+                                    "sla_class": None, "task": None, "wait_s": None}]}],
+              "workers": []}
+    assert "           ?  ?       ?" in cli._format_status(report)
+    assert cli._json_safe({"a": [math.nan, 1.5, {"b": math.inf}], "c": "x"}) == \
+        {"a": [None, 1.5, {"b": None}], "c": "x"}
