@@ -21,6 +21,10 @@ KINDS: dict[str, tuple[type, str]] = {
 
 
 def coerce(name: str, raw: str, kind: type) -> Any:
+    try:  # (bytes no UTF-8 reach os.environ as surrogates: a key prefix of them failed
+        raw.encode()  # at the first Redis call, far from the setting)
+    except UnicodeEncodeError:
+        raise ConfigError(f"SITS_{name.upper()}={shown(raw)} is not valid UTF-8") from None
     if kind is bool:
         word = raw.strip().lower()
         if word in _TRUE or word in _FALSE:

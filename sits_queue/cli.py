@@ -25,7 +25,7 @@ from sits_queue.bench.report import check_json_path
 from sits_queue.broker import sites
 from sits_queue.broker.keys import QueueKeys, decode_score, queues_registry, registered_queues
 from sits_queue.broker.meta import WaitingMeta
-from sits_queue.config import SitsConfig, check_redis_url
+from sits_queue.config import SitsConfig, check_redis_url, redacted
 from sits_queue.embedded import resolve_redis_url
 from sits_queue.errors import SitsError
 
@@ -42,15 +42,8 @@ def _resolved() -> tuple[str, bool]:
     url, embedded = resolve_redis_url(os.environ)
     if embedded:
         click.echo("sitsq: no SITS_REDIS_URL (nor redis_url in SITS_CONFIG) set; using the "
-                   f"embedded Redis at {_redact(url)}", err=True)
+                   f"embedded Redis at {redacted(url)}", err=True)
     return url, embedded
-
-
-def _redact(url: str) -> str:
-    if "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    return f"{scheme}://***@{rest.split('@', 1)[1]}"
 
 
 class _Sitsq(click.Group):
@@ -148,7 +141,7 @@ def status(as_json: bool) -> None:
                   "site": sites.status(client, config),
                   "stray": stray_lists(client, config, [q["queue"] for q in queues])}
     except redis.ConnectionError as exc:
-        raise click.ClickException(f"cannot reach Redis at {_redact(url)}: {exc}") from exc
+        raise click.ClickException(f"cannot reach Redis at {redacted(url)}: {exc}") from exc
     if as_json:
         click.echo(json.dumps(_json_safe(report), indent=2, default=str))
         return
@@ -520,7 +513,7 @@ def metrics_command(port: int, addr: str) -> None:
         raise click.ClickException(f"cannot listen on {addr}:{port}: {exc.strerror or exc} "
                                    "(see --port and --addr)") from exc
     click.echo(f"sitsq: serving http://{addr}:{server.server_address[1]}/metrics "
-               f"(Redis {_redact(url)})", err=True)
+               f"(Redis {redacted(url)})", err=True)
     try:
         threading.Event().wait()
     except KeyboardInterrupt:

@@ -279,9 +279,11 @@ class SitsConfig:
                         open_hi=True)
         checks.positive("rescore_interval_s", self.rescore_interval_s)
         checks.positive("trigger_check_interval_s", self.trigger_check_interval_s)
-        checks.positive("rescore_chunk", self.rescore_chunk)
-        checks.positive("stats_window", self.stats_window)
-        checks.positive("max_redeliveries", self.max_redeliveries)
+        # (past 2^63 Redis refuses the ZSCAN count or LTRIM bound at every pass; long
+        # before that a chunk holds Redis, and a window is sorted, for seconds)
+        checks.integer("rescore_chunk", self.rescore_chunk, 1_000_000, least=1)
+        checks.integer("stats_window", self.stats_window, 1_000_000, least=1)
+        checks.integer("max_redeliveries", self.max_redeliveries, 1_000_000, least=1)
         checks.non_negative("dead_letter_ttl_s", self.dead_letter_ttl_s, " s (0: kept)")
         for name in ("slice_ms", "yield_wait_ms", "yield_min_remaining_ms",
                      "affinity_max_skip_ms"):
@@ -503,26 +505,57 @@ def _warn_near_misses(env: Mapping[str, str], known: set[str]) -> None:
 _warned: set[tuple[str, str]] = set()
 
 
+def redacted(url: str) -> str:
+    """``url`` without its credentials, for messages and logs."""
+    if "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+
+
+#: Query options of a Redis URL that are durations, s: a timeout must be > 0 (0 makes
+#: the socket non-blocking, every read fails), the health-check interval >= 0 (0: off).
+_URL_DURATIONS = {"socket_timeout": 0.0, "socket_connect_timeout": 0.0,
+                  "health_check_interval": None}
+
+
 def check_redis_url(url: str) -> str:
     """``url``, if redis-py can take it as meant; else a ConfigError naming what is wrong
-    (redis-py raises a bare ValueError for a port out of range, and reads a database
-    that is not a number as database 0)."""
+    (redis-py raises a bare ValueError for a port out of range, reads a database that is
+    not a number as database 0, and takes an unknown query option or a negative timeout
+    until the first connection, where it fails as a TypeError or a socket error)."""
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(f"redis_url must be redis://, rediss:// or unix://, got {url!r}")
-    parts = urlsplit(url)
+        raise ConfigError(f"redis_url must be redis://, rediss:// or unix://, got "
+                          f"{checks.shown(redacted(url))}")
+    shown = checks.shown(redacted(url))
     try:
+        parts = urlsplit(url)
         parts.port  # noqa: B018  (parsed on access: raises for a bad port)
-    except ValueError as exc:
-        raise ConfigError(f"redis_url {url!r}: {exc}") from None
+        if parts.hostname:  # (what the resolver will be given: idna fails at connect)
+            parts.hostname.encode("idna")
+    except (ValueError, UnicodeError) as exc:  # Invalid IPv6 URL, a port out of range
+        raise ConfigError(f"redis_url {shown}: {exc}") from None
     db = parts.path.strip("/") if parts.scheme != "unix" else ""
     if db and not db.isdigit():
-        raise ConfigError(f"redis_url {url!r}: database {db!r} is not a number")
-    from redis.connection import parse_url  # (a light import; redis is loaded anyway)
+        raise ConfigError(f"redis_url {shown}: database {db!r} is not a number")
+    import redis  # (a light import; redis is loaded anyway)
 
-    try:  # its query options: ?socket_timeout=5s or ?db=abc raised at the first use
-        parse_url(url)  # type: ignore[no-untyped-call]
-    except ValueError as exc:
-        raise ConfigError(f"redis_url {url!r}: {exc}") from None
+    try:  # its query options: ?socket_timeout=5s, ?db=abc or ?foo=1 raised at first use
+        connection = redis.ConnectionPool.from_url(url).make_connection()
+    except TypeError as exc:  # the connection class takes no such keyword
+        option = str(exc).rsplit(" ", 1)[-1]
+        raise ConfigError(f"redis_url {shown}: no query option {option} for a "
+                          f"{parts.scheme}:// connection") from None
+    except (ValueError, redis.RedisError) as exc:
+        raise ConfigError(f"redis_url {shown}: {exc}") from None
+    for name, above in _URL_DURATIONS.items():
+        value = getattr(connection, name, None)
+        if value is None:
+            continue
+        if not math.isfinite(value) or value < 0 or (above is not None and value <= above):
+            raise ConfigError(f"redis_url {shown}: {name} must be "
+                              + ("> 0" if above is not None else ">= 0")
+                              + f" s, got {value!r}")
     return url
 
 

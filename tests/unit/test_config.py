@@ -40,8 +40,25 @@ CLASS = {"name": "a", "cpu_cores": 1, "vram_gib": 1, "max_run_s": 1, "weight": 1
     ("SITS_HOST_POOL_PRESSURE_SHARE", "nan", "host_pool_pressure_share"),
     # an integer past a float's range: float() of it raises OverflowError, and its repr
     # past 4,300 digits raises ValueError; each is a setting refused by name instead
-    ("SITS_RESCORE_CHUNK", "9" * 400, "rescore_chunk must be a positive number, got an "
-                                      "integer of 1329 bits"),
+    ("SITS_RESCORE_CHUNK", "9" * 400, r"rescore_chunk must be an integer in \[1, 1000000\], "
+                                      "got an integer of 1329 bits"),
+    # (past 2^63 Redis refused the ZSCAN count, or the LTRIM bound, at every pass)
+    ("SITS_RESCORE_CHUNK", "9" * 20, r"rescore_chunk must be an integer in \[1, 1000000\]"),
+    ("SITS_STATS_WINDOW", "9" * 20, "stats_window must be an integer in"),
+    ("SITS_MAX_REDELIVERIES", "0", "max_redeliveries must be an integer in"),
+    # bytes that are no UTF-8 reach os.environ as surrogates (a key prefix of them failed
+    # at the first Redis call)
+    ("SITS_GLOBAL_KEYPREFIX", "\udcff", "SITS_GLOBAL_KEYPREFIX='\\\\udcff' is not valid UTF-8"),
+    # URLs that passed the check and failed at the first connection, as tracebacks
+    ("SITS_REDIS_URL", "redis://[::1:6421/0", "Invalid IPv6 URL"),
+    ("SITS_REDIS_URL", "redis://h:1/0?foo=bar", "no query option 'foo' for a redis://"),
+    ("SITS_REDIS_URL", "redis://h:1/0?ssl_cert_reqs=none", "no query option 'ssl_cert_reqs'"),
+    ("SITS_REDIS_URL", "redis://h/0?socket_timeout=-1", "socket_timeout must be > 0 s"),
+    ("SITS_REDIS_URL", "redis://h/0?socket_connect_timeout=nan", "socket_connect_timeout"),
+    ("SITS_REDIS_URL", "redis://h/0?health_check_interval=-2", "health_check_interval must"),
+    ("SITS_REDIS_URL", "redis://\udcff:1/0", "is not valid UTF-8"),
+    ("SITS_REDIS_URL", "redis://:secret@h/0?protocol=9", r"'redis://\*\*\*@h/0\?protocol=9': "
+                                                        "protocol must be either 2 or 3"),
     ("SITS_RESCORE_INTERVAL_S", "9" * 400, "rescore_interval_s must be a finite number"),
     ("SITS_BATCH_TIME_SHARE", "9" * 400, "batch_time_share must be a finite number"),
     ("SITS_METRICS_PORT", "9" * 5000, r"SITS_METRICS_PORT='9{40}'\.\.\. \(5000 characters\) "
@@ -167,6 +184,11 @@ def test_a_new_class_must_give_every_field_and_errors_name_the_file(tmp_path: Pa
     site.write_text('default_class = "high"\nclasses = ["high"]\n')
     with pytest.raises(ConfigError, match="must be a table"):
         SitsConfig.from_file(site)
+
+
+def test_a_host_no_resolver_takes_is_refused_as_sitsq_reads_the_url() -> None:
+    with pytest.raises(ConfigError, match="idna"):
+        configured_redis_url({"SITS_REDIS_URL": "redis://\udcff:1/0"})
 
 
 def test_an_empty_redis_url_is_unset_as_sitsq_reads_it() -> None:
