@@ -253,9 +253,11 @@ def _worker_lines(w: dict[str, Any]) -> list[str]:
 
 # -- demo ------------------------------------------------------------------------------------
 @main.command()
-@click.option("--jobs", default=400, show_default=True, type=click.IntRange(1),
+# (bounded: a million jobs take hours, and 10^8 ran out of memory building the list;
+# each pool process of the demo's worker is a Python with Celery loaded)
+@click.option("--jobs", default=400, show_default=True, type=click.IntRange(1, 1_000_000),
               help="Jobs in the mixed workload.")
-@click.option("--concurrency", default=4, show_default=True, type=click.IntRange(1),
+@click.option("--concurrency", default=4, show_default=True, type=click.IntRange(1, 256),
               help="Worker pool processes.")
 @click.option("--seed", default=7, show_default=True)
 def demo(jobs: int, concurrency: int, seed: int) -> None:
@@ -512,7 +514,8 @@ def metrics_command(port: int, addr: str) -> None:
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {addr}:{port}: {exc.strerror or exc} "
                                    "(see --port and --addr)") from exc
-    click.echo(f"sitsq: serving http://{addr}:{server.server_address[1]}/metrics "
+    host = f"[{addr}]" if ":" in addr else addr  # (an IPv6 address, as a URL writes it)
+    click.echo(f"sitsq: serving http://{host}:{server.server_address[1]}/metrics "
                f"(Redis {redacted(url)})", err=True)
     try:
         threading.Event().wait()

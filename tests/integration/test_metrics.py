@@ -293,3 +293,32 @@ def test_counts_a_child_could_not_publish_go_with_its_next_publish(
     child.publish()
     counters = redis_client.hgetall(advertise.counters_key("", "w@h"))
     assert counters[b"failed"] == b"2" and counters[b"failed:InvalidInput"] == b"2"
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this host has no IPv6 loopback")
+def test_sitsq_metrics_on_an_ipv6_address_says_a_url_that_works(redis_url: str) -> None:
+    # (it said http://::1:9877/metrics, which no client parses)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "sits_queue.cli", "metrics", "--port",
+                             str(port), "--addr", "::1"], cwd=ROOT,
+                            env={**os.environ, "SITS_REDIS_URL": redis_url},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        said = proc.stderr.readline()
+        url = said.split("serving ", 1)[1].split(" ", 1)[0]
+        assert url == f"http://[::1]:{port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            assert "sits_redis_up 1.0" in reply.read().decode()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -168,7 +168,9 @@ def test_a_redis_that_does_not_answer_is_one_line(args: list[str]) -> None:
     (["bench", "ab", "--quick", "--redis-url", "redis://h:1/db"], "is not a number"),
     (["bench", "ab", "--quick", "--json", "/no/such/dir/x.json"],
      "directory /no/such/dir does not exist"),
-    (["demo", "--concurrency", "0"], "0 is not in the range x>=1"),
+    (["demo", "--concurrency", "0"], "0 is not in the range 1<=x<=256"),
+    # (10^8 jobs ran out of memory building the workload)
+    (["demo", "--jobs", "100000000"], "100000000 is not in the range 1<=x<=1000000"),
 ])
 def test_bad_options_are_refused_before_anything_runs(
         ab_runs: list[dict[str, Any]], args: list[str], said: str) -> None:
