@@ -535,6 +535,8 @@ def check_redis_url(url: str) -> str:
             parts.hostname.encode("idna")
     except (ValueError, UnicodeError) as exc:  # Invalid IPv6 URL, a port out of range
         raise ConfigError(f"redis_url {shown}: {exc}") from None
+    if parts.scheme == "unix" and not parts.path.strip("/"):
+        raise ConfigError(f"redis_url {shown}: no socket path (unix:///path/to/redis.sock)")
     db = parts.path.strip("/") if parts.scheme != "unix" else ""
     if db and not db.isdigit():
         raise ConfigError(f"redis_url {shown}: database {db!r} is not a number")

@@ -51,6 +51,7 @@ CLASS = {"name": "a", "cpu_cores": 1, "vram_gib": 1, "max_run_s": 1, "weight": 1
     ("SITS_GLOBAL_KEYPREFIX", "\udcff", "SITS_GLOBAL_KEYPREFIX='\\\\udcff' is not valid UTF-8"),
     # URLs that passed the check and failed at the first connection, as tracebacks
     ("SITS_REDIS_URL", "redis://[::1:6421/0", "Invalid IPv6 URL"),
+    ("SITS_REDIS_URL", "unix://", r"no socket path \(unix:///path/to/redis.sock\)"),
     ("SITS_REDIS_URL", "redis://h:1/0?foo=bar", "no query option 'foo' for a redis://"),
     ("SITS_REDIS_URL", "redis://h:1/0?ssl_cert_reqs=none", "no query option 'ssl_cert_reqs'"),
     ("SITS_REDIS_URL", "redis://h/0?socket_timeout=-1", "socket_timeout must be > 0 s"),
