@@ -457,10 +457,12 @@ def _write_private(path: Path, text: str) -> None:
 def _live_server(data_dir: Path, password: str) -> tuple[int, int] | None:
     """(port, pid) of the recorded server if it still answers as itself, else None.
 
-    A server whose pid file is gone (deleted by hand, a tmp cleaner) but that answers on
-    the recorded port with this dir's password and runs in this dir is still the one: its
-    pid file is written again. Starting a second server would put two writers on one AOF
-    and leave the first running for good."""
+    The server that answers on the recorded port with this dir's password and runs in this
+    dir is the one, whatever the pid file says: the file may be gone (deleted by hand, a tmp
+    cleaner) or name another process (overwritten, a pid reused), and is written again.
+    Starting a second server would put two writers on one AOF and leave the first running
+    for good. Its pid comes from the server itself (INFO), so the check never trusts the file.
+    """
     port, pid = _read_port(data_dir), _read_int(data_dir / _PID_FILE)
     if port is None:
         return None
@@ -469,7 +471,7 @@ def _live_server(data_dir: Path, password: str) -> tuple[int, int] | None:
         return None
     if answering == pid:
         return port, pid
-    if pid is None and _is_our_server(answering, data_dir):
+    if _is_our_server(answering, data_dir):
         (data_dir / _PID_FILE).write_text(f"{answering}\n")
         return port, answering
     return None

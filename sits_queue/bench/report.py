@@ -67,8 +67,29 @@ def database_url(base_url: str, database: int) -> str:
     return urlunsplit(parts._replace(path=f"/{database}", query=urlencode(query)))
 
 
+#: Longest path quoted whole in an error; a longer one (a name over the OS's 255-byte
+#: limit, say) would bury the reason at the end of a screenful.
+_QUOTED_PATH_CHARS = 80
+
+
+def _shortened(path: Path) -> str:
+    """``path`` for an error line: its start and its end, which tell paths apart."""
+    text = str(path)
+    if len(text) <= _QUOTED_PATH_CHARS:
+        return text
+    keep = (_QUOTED_PATH_CHARS - 3) // 2
+    return f"{text[:keep]}...{text[-keep:]} ({len(text)} characters)"
+
+
 def check_json_path(path: Path) -> Path:
     """``path``, if a result can be written there; else a ValueError saying why."""
+    try:
+        return _checked_json_path(path)
+    except OSError as exc:  # a name too long, a path through a file: stat() itself fails
+        raise ValueError(f"cannot write {_shortened(path)}: {exc.strerror or exc}") from exc
+
+
+def _checked_json_path(path: Path) -> Path:
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         raise ValueError(f"{path} is a directory")
@@ -98,12 +119,23 @@ def targets_line(targets: Mapping[str, bool]) -> str:
 
 def emit(text: str, result: Mapping[str, Any], json_path: Path | None,
          echo: Callable[[str], Any] = print) -> None:
-    """The table, then the JSON; the JSON also to ``json_path`` when given."""
+    """The table, then the JSON; the JSON also to ``json_path`` when given.
+
+    For a benchmark's command line: a file that cannot be written ends the program with a
+    one-line error (exit status 1) rather than a traceback. check_json_path ran before the
+    run, but the folder may have gone since, the disk filled, or the path be one whose
+    check cannot tell (``/proc/x.json``)."""
     echo(text)
     rendered = json.dumps(result, indent=2)
     echo(rendered)
     if json_path:
-        json_path.write_text(rendered + "\n")
+        try:
+            json_path.write_text(rendered + "\n")
+        except OSError as exc:
+            # SystemExit, not a SitsError: `python -m sits_queue.bench.X` has no handler of
+            # ours, and the "Error: " prefix matches what sitsq (click) prints.
+            raise SystemExit(f"Error: cannot write the JSON result to {_shortened(json_path)}: "
+                             f"{exc.strerror or exc} (the results were printed to stdout)") from exc
 
 
 def run_main(prog: str, doc: str | None, run_fn: Callable[..., dict[str, Any]],

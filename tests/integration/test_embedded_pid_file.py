@@ -1,0 +1,96 @@
+"""The embedded server found by what answers on its port, not by its pid file: a pid file
+naming another process must not start a second server on the same AOF."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from sits_queue.embedded import EmbeddedRedis, ensure_server, stop_server
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _pid_of(data_dir: Path) -> int:
+    return int((data_dir / "redis.pid").read_text())
+
+
+def _redis_servers_in(data_dir: Path) -> list[int]:
+    """Pids of the redis-servers running in ``data_dir`` (ours run there: ``dir``)."""
+    found = []
+    for proc in psutil.process_iter(["name", "cwd"]):
+        if "redis-server" in (proc.info["name"] or "") and proc.info["cwd"] and \
+                Path(proc.info["cwd"]) == data_dir.resolve():
+            found.append(proc.pid)
+    return found
+
+
+@pytest.fixture
+def shared_dir(tmp_path: Path) -> Iterator[Path]:
+    """A data dir for ensure_server whose daemons are stopped even if the test fails."""
+    data_dir = tmp_path / "shared"
+    yield data_dir
+    stop_server(data_dir)
+    for pid in _redis_servers_in(data_dir):  # any second server a failing test left
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def bystander() -> Iterator[int]:
+    """A live process that is not a redis-server, for a pid file to name."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def test_a_pid_file_naming_another_process_does_not_start_a_second_server(
+        shared_dir: Path, bystander: int) -> None:
+    # Given a live server whose pid file was overwritten with another live process's pid
+    url, _ = ensure_server(shared_dir)
+    pid = _pid_of(shared_dir)
+    (shared_dir / "redis.pid").write_text(f"{bystander}\n")
+    # When the CLI asks again, then it reuses that server and corrects its pid file
+    again, started = ensure_server(shared_dir)
+    assert (again, started) == (url, False)
+    assert _pid_of(shared_dir) == pid
+    assert _redis_servers_in(shared_dir) == [pid]
+    # and stopping stops it, and only it
+    (shared_dir / "redis.pid").write_text(f"{bystander}\n")
+    assert stop_server(shared_dir)
+    assert _gone(pid) and not _gone(bystander)
+    assert _redis_servers_in(shared_dir) == []
+
+
+@pytest.mark.parametrize("same_password", [True, False])
+def test_a_server_of_another_dir_on_the_recorded_port_is_not_adopted(
+        shared_dir: Path, tmp_path: Path, bystander: int, same_password: bool) -> None:
+    # Given our server stopped, and another dir's server (with our password, or another)
+    # now on its port
+    ensure_server(shared_dir)
+    port = int((shared_dir / "port").read_text())
+    password = (shared_dir / "password").read_text().strip()
+    stop_server(shared_dir)
+    theirs = password if same_password else "not-" + password
+    with EmbeddedRedis(tmp_path / "other", port=port, password=theirs) as other:
+        assert other.pid is not None
+        (shared_dir / "redis.pid").write_text(f"{bystander}\n")
+        # When the CLI needs its server, then it starts its own elsewhere
+        url, started = ensure_server(shared_dir)
+        assert started and f":{port}/" not in url
+        assert _pid_of(shared_dir) != other.pid
+        # and stopping ours leaves the other one running
+        assert stop_server(shared_dir)
+        assert not _gone(other.pid)
