@@ -37,9 +37,15 @@ def _redis_url() -> str:
     return _resolved()[0]
 
 
+#: Where the command's Redis URL is kept for :class:`_Sitsq`'s error lines.
+_URL_KEY = "sits_queue.redis_url"
+
+
 def _resolved() -> tuple[str, bool]:
     """The Redis to use, and whether it is the embedded one (then said on stderr)."""
     url, embedded = resolve_redis_url(os.environ)
+    if (ctx := click.get_current_context(silent=True)) is not None:
+        ctx.meta[_URL_KEY] = url  # for the error line of a Redis that fails
     if embedded:
         click.echo("sitsq: no SITS_REDIS_URL (nor redis_url in SITS_CONFIG) set; using the "
                    f"embedded Redis at {redacted(url)}", err=True)
@@ -56,11 +62,19 @@ class _Sitsq(click.Group):
         except SitsError as exc:
             raise click.ClickException(str(exc)) from exc
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            # redis-py's message names the host and port (or the auth failure).
-            raise click.ClickException(f"cannot reach Redis: {exc}{_auth_hint(exc)}") from exc
+            # redis-py's message names the host and port (or the auth failure), not always
+            # (a TLS handshake with a plain server: "Timeout connecting to server")
+            raise click.ClickException(f"cannot reach Redis{_at(ctx)}: {exc}"
+                                       f"{_auth_hint(exc)}") from exc
         except redis.RedisError as exc:  # the server refused: a database out of range, an
             # ACL user without the commands, a key of another type
-            raise click.ClickException(f"Redis refused: {exc}{_auth_hint(exc)}") from exc
+            raise click.ClickException(f"Redis{_at(ctx)} refused: {exc}"
+                                       f"{_auth_hint(exc)}") from exc
+
+
+def _at(ctx: click.Context) -> str:
+    url = ctx.meta.get(_URL_KEY)
+    return f" at {redacted(url)}" if url else ""
 
 
 def _auth_hint(exc: Exception) -> str:

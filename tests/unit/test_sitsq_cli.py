@@ -157,7 +157,8 @@ def test_a_redis_that_does_not_answer_is_one_line(args: list[str]) -> None:
     # Port 1 refuses at once: nothing listens there.
     out = CliRunner().invoke(cli.main, args, env={"SITS_REDIS_URL": "redis://127.0.0.1:1/0"})
     assert out.exit_code == 1
-    assert out.output.startswith("Error: cannot reach Redis: Error 111 connecting to "
+    assert out.output.startswith("Error: cannot reach Redis at redis://127.0.0.1:1/0: "
+                                 "Error 111 connecting to "
                                  "127.0.0.1:1"), out.output
     assert "Traceback" not in out.output
 
@@ -257,3 +258,12 @@ def test_status_shows_a_score_no_put_of_ours_wrote_as_unknown() -> None:
     assert "           ?  ?       ?" in cli._format_status(report)
     assert cli._json_safe({"a": [math.nan, 1.5, {"b": math.inf}], "c": "x"}) == \
         {"a": [None, 1.5, {"b": None}], "c": "x"}
+
+
+def test_a_redis_that_does_not_answer_is_named_without_its_password() -> None:
+    # (a TLS handshake with a plain server said only "Timeout connecting to server")
+    out = CliRunner().invoke(cli.main, ["dead", "list"],
+                             env={"SITS_REDIS_URL": "redis://:secret@127.0.0.1:1/0"})
+    assert out.exit_code == 1
+    assert out.output.startswith("Error: cannot reach Redis at redis://***@127.0.0.1:1/0: ")
+    assert "secret" not in out.output
