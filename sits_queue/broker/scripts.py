@@ -23,8 +23,16 @@ SCRIPT_NAMES = ("put", "pick", "ack", "dead", "restore", "release", "purge", "pr
                 "prune_hot", "arm", "take_outbox", "done_outbox", "forget", "undead")
 
 
+#: Scripts that check their keys' types before any write (``lua/queue_types.lua``,
+#: prepended): those whose writes, stopped half-way, would lose or duplicate a message.
+CHECKED = frozenset({"put", "pick", "restore"})
+
+
 def _source(name: str) -> str:
-    return resources.files("sits_queue.broker").joinpath(f"lua/{name}.lua").read_text()
+    text = resources.files("sits_queue.broker").joinpath(f"lua/{name}.lua").read_text()
+    if name in CHECKED:
+        return _source("queue_types") + text
+    return text
 
 
 @dataclass(frozen=True)

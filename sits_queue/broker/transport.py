@@ -39,6 +39,9 @@ HELD_PAUSE_S = 0.25
 INTAKE_RECHECK_S = 1.0
 #: Malformed messages skipped in one get before yielding to the event loop.
 MAX_BAD_IN_A_ROW = 100
+#: How long a consumer leaves a queue whose pick Redis refused (a key of the wrong type:
+#: ``lua/queue_types.lua``), s; it is said in the log once a period.
+REFUSED_PAUSE_S = 5.0
 
 
 class Channel(PublishingChannel):
@@ -55,6 +58,8 @@ class Channel(PublishingChannel):
         #: hold is not offered back to it until the hold runs out.
         self.consumer_id = uuid4().hex
         self._held_pause_until = 0.0
+        #: Queues whose pick Redis refused, and until when (monotonic s) they are left.
+        self._refused_until: dict[str, float] = {}
         #: Why the consumer is about to reject a delivered message, and whether its task
         #: fails with it (``workers/consumer.py``); read by ``QoS.reject``.
         self.reject_reasons: dict[str, tuple[str, bool]] = {}
@@ -155,10 +160,20 @@ class Channel(PublishingChannel):
             self._warm_seen, self._warm_args = warm, affinity.lua_args(self.affinity_policy,
                                                                        warm)
         extra = ["noack"] if no_ack else self._warm_args
+        if self._refused_until.get(queue, 0.0) > time.monotonic():
+            raise Empty()
         for _ in range(MAX_BAD_IN_A_ROW):
-            picked, poisoned = poison_split(self._run("pick", queue, [
-                time.time(), self.config.max_redeliveries, self.consumer_id, batch_window,
-                *extra]))
+            try:
+                reply = self._run("pick", queue, [time.time(), self.config.max_redeliveries,
+                                                  self.consumer_id, batch_window, *extra])
+            except redis.ResponseError as exc:
+                # The queue, not the worker: raised, it stopped the worker ("Unrecoverable
+                # error"), and every worker of the queue after it. The pick wrote nothing.
+                self._refused(queue, exc)
+                raise Empty() from exc
+            if self._refused_until.pop(queue, None) is not None:
+                logger.info("queue %r: Redis takes its picks again", queue)
+            picked, poisoned = poison_split(reply)
             if poisoned:  # dead-lettered by the pick: their replicas go as an ack's would,
                 self._replicas_gone(queue, poisoned)  # and their callers learn why
                 deadletters.fail_tasks(self.raw, self.keys(queue).dead, poisoned)
@@ -183,6 +198,15 @@ class Channel(PublishingChannel):
             if batch:
                 return batch
         raise Empty()
+
+    def _refused(self, queue: str, exc: redis.ResponseError) -> None:
+        """Leave ``queue`` for :data:`REFUSED_PAUSE_S` after Redis refused its pick, and
+        say so; the other queues are served meanwhile."""
+        if queue not in self._refused_until:  # once per spell, not once per pick
+            logger.error("queue %r: Redis refused its pick (%s); its messages stay where "
+                         "they are, other queues are served, and it is tried again every "
+                         "%.0f s", queue, exc, REFUSED_PAUSE_S)
+        self._refused_until[queue] = time.monotonic() + REFUSED_PAUSE_S
 
     def _consumer_pick(self, queue: str) -> list[SitsMessage]:
         """:meth:`_pick` for the consumer of ``queue`` (``basic_consume``)."""

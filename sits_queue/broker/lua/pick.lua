@@ -30,6 +30,9 @@
 -- none that is) a message restored after a crash.
 -- Join mode returns only such kin of the given key, up to the count: {id, payload,
 -- times, ...}, empty when none waits (a running batch's free rows, workers/joins.py).
+-- (1 and 13 are read before anything is written: a wrong type fails there, harmless)
+local refused = wrong_type(2, 3, 4, 6, 7, 8, 9, 11, 12, 14)
+if refused then return refused end
 local now, max_redeliveries = ARGV[1], tonumber(ARGV[2])
 local consumer = ARGV[3] or ''
 -- Most waiting messages one pick looks at (those this consumer holds, poison ones).
@@ -204,7 +207,9 @@ for _ = 1, MAX_SCAN do
   if mine then
     skip = skip + 1
   elseif payload then
-    local times = tonumber(redis.call('HGET', KEYS[8], id) or '0')
+    -- (a count that is no number, written by another program, is none: compared, it
+    -- stopped the script with the message already off the queue)
+    local times = tonumber(redis.call('HGET', KEYS[8], id) or '0') or 0
     if times > max_redeliveries then
       -- It was restored after a crash this many times: it is killing workers. Park it.
       local record = cjson.encode({reason = 'redelivered ' .. times .. ' times (poison message)',

@@ -15,12 +15,38 @@
 -- chunk of 200 costs Redis about a third of the time, which is what bulk enqueue and the
 -- workers' picks waiting behind it feel. Slices keep unpack() under Lua's C-stack limit.
 local SLICE = 500
+-- (5 and 10 are read below before anything is written: a wrong type fails there)
+local refused = wrong_type(1, 2, 3, 4)
+if refused then return refused end
 local n = math.floor(#ARGV / 5)
 if n == 0 then return {0, redis.call('ZCARD', KEYS[1])} end
--- The arrival counter wraps at 2^32 so it never carries into the priority bits; one
--- INCRBY reserves the chunk's n consecutive values, kept in ARGV order.
+-- What can fail goes before the messages are written: a put that failed after them was
+-- retried by the producer, and its tasks ran twice. The arrival counter wraps at 2^32
+-- so it never carries into the priority bits; one INCRBY reserves the chunk's n
+-- consecutive values, kept in ARGV order.
+local seq_now = redis.call('GET', KEYS[5])
+if seq_now and not (string.match(seq_now, '^%d+$') and #seq_now < 19) then
+  redis.call('SET', KEYS[5], 0)  -- (another program's: INCRBY failed every put)
+end
 local first = redis.call('INCRBY', KEYS[5], n) - n
 local arrivals, announced = {}, {}
+for m = 0, n - 1 do
+  local cls = ARGV[m * 5 + 5]
+  if string.sub(cls, 1, 1) == '~' then
+    announced[string.sub(cls, 2)] = true
+  else
+    arrivals[cls] = (arrivals[cls] or 0) + 1
+    announced[cls] = true
+  end
+end
+for cls, count in pairs(arrivals) do
+  local before = redis.call('HGET', KEYS[10], cls) or '0'
+  if string.match(before, '^%d+$') and #before < 19 then
+    redis.call('HINCRBY', KEYS[10], cls, count)
+  else  -- a count that is no integer (another program's) starts again
+    redis.call('HSET', KEYS[10], cls, count)
+  end
+end
 for s = 0, n - 1, SLICE do
   local payloads, metas, scores = {}, {}, {}
   for m = s, math.min(n, s + SLICE) - 1 do
@@ -34,19 +60,11 @@ for s = 0, n - 1, SLICE do
     -- %.0f: Lua's default number format would round scores above 1e14.
     scores[#scores + 1] = string.format('%.0f', tonumber(ARGV[i + 3]) + seq)
     scores[#scores + 1] = id
-    local cls = ARGV[i + 4]
-    if string.sub(cls, 1, 1) == '~' then
-      announced[string.sub(cls, 2)] = true
-    else
-      arrivals[cls] = (arrivals[cls] or 0) + 1
-      announced[cls] = true
-    end
   end
   redis.call('HSET', KEYS[2], unpack(payloads))
   redis.call('HSET', KEYS[3], unpack(metas))
   redis.call('ZADD', KEYS[1], unpack(scores))
 end
-for cls, count in pairs(arrivals) do redis.call('HINCRBY', KEYS[10], cls, count) end
 redis.call('ZADD', KEYS[4], 0, 'ready')
 -- Running tasks of lower classes listen here (workers/slices.py): a put of a class
 -- that outranks them is their cue to check whether to yield their slot.

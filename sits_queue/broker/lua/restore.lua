@@ -10,6 +10,9 @@
 --          it, or '-' to restore exactly the ids in ARGV[3..]
 -- ARGV[2]: at most this many (with a ceiling)
 -- Returns the number restored.
+-- (6 is read, or its ZREM fails, before anything is written)
+local refused = wrong_type(1, 2, 4, 7, 8)
+if refused then return refused end
 local ids
 if ARGV[1] == '-' then
   ids = {}
@@ -23,9 +26,18 @@ for _, id in ipairs(ids) do
     local score = redis.call('HGET', KEYS[7], id)
     redis.call('HDEL', KEYS[7], id)
     if redis.call('HEXISTS', KEYS[2], id) == 1 then
-      -- No saved score (older state): the very front is safer than losing its place.
-      redis.call('ZADD', KEYS[1], score or 0, id)
-      redis.call('HINCRBY', KEYS[8], id, 1)
+      -- No saved score (older state), or one that is no number (another program's): the
+      -- very front is safer than losing its place. (The text itself is kept: Lua's
+      -- number format would round a score's 16 digits.)
+      local value = tonumber(score or '')
+      if value == nil or value ~= value then score = 0 end
+      redis.call('ZADD', KEYS[1], score, id)
+      local times = redis.call('HGET', KEYS[8], id) or '0'
+      if string.match(times, '^%d+$') and #times < 19 then
+        redis.call('HINCRBY', KEYS[8], id, 1)
+      else  -- (HINCRBY fails on what is no integer: another program's)
+        redis.call('HSET', KEYS[8], id, 1)
+      end
       n = n + 1
     end
   end

@@ -1,0 +1,118 @@
+"""Queue keys that another program wrote: a key of another type than SITS keeps there,
+or a count or score that is no number. A script touching them either runs whole or
+writes nothing (``lua/queue_types.lua``): no message is lost or enqueued twice, and a
+worker leaves the queue for a while instead of stopping. Real Redis, real workers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+import redis
+from celery import Celery
+
+from sits_queue.broker.keys import QueueKeys
+from sits_queue.broker.scripts import Scripts
+from sits_queue.procs import CeleryProcess
+from tests.waiting import wait_for
+
+KEYS = QueueKeys.for_queue("celery")
+SCRIPTS = Scripts.register()
+
+
+def waiting_ids(client: redis.Redis) -> list[bytes]:
+    return list(client.zrange(KEYS.waiting, 0, -1))
+
+
+@pytest.mark.parametrize("key", ["payloads", "meta", "marker", "waiting", "arrivals"])
+def test_a_put_onto_a_key_of_another_type_writes_nothing_and_says_which(
+        key: str, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(it wrote the message, then failed on the arrivals counter or the marker: the
+    producer's retry wrote it again, and the task ran twice)"""
+    client_app.tasks["w.add"].apply_async((1, 1))
+    before = {name: redis_client.dump(getattr(KEYS, name))
+              for name in ("waiting", "payloads", "meta")}
+    redis_client.delete(getattr(KEYS, key))
+    redis_client.set(getattr(KEYS, key), "junk")
+    # (the arrivals counter is read before anything is written: Redis's own refusal)
+    said = "WRONGTYPE" if key == "arrivals" else \
+        f"SITS_WRONGTYPE key {getattr(KEYS, key)} holds a string.*nothing was done"
+    with pytest.raises(Exception, match=said):
+        client_app.tasks["w.add"].apply_async((2, 2), retry=False)
+    for name, dumped in before.items():
+        if name != key:
+            assert redis_client.dump(getattr(KEYS, name)) == dumped
+
+
+def test_a_junk_arrival_count_or_sequence_starts_again_instead_of_failing_the_put(
+        client_app: Celery, redis_client: redis.Redis) -> None:
+    redis_client.hset(KEYS.arrivals, "medium", "abc")
+    redis_client.set(KEYS.seq, "xyz")
+    client_app.tasks["w.add"].apply_async((1, 1), retry=False)
+    assert len(waiting_ids(redis_client)) == 1
+    assert redis_client.hget(KEYS.arrivals, "medium") == b"1"
+    client_app.tasks["w.add"].apply_async((2, 2), retry=False)
+    assert redis_client.hget(KEYS.arrivals, "medium") == b"2"
+    assert len(waiting_ids(redis_client)) == 2
+
+
+def test_a_pick_reads_a_junk_redelivery_count_as_none(
+        client_app: Celery, redis_client: redis.Redis) -> None:
+    """(compared as a number, it stopped pick.lua after the message left the queue: lost,
+    and the worker stopped with it)"""
+    client_app.tasks["w.add"].apply_async((1, 1))
+    (msg_id,) = waiting_ids(redis_client)
+    redis_client.hset(KEYS.redelivered, msg_id, "junk")
+    picked = SCRIPTS.run("pick", KEYS, [time.time(), 5, "me", 0], redis_client)
+    assert picked[0] == msg_id and picked[2] == 0
+    assert redis_client.zscore(KEYS.unacked, msg_id) is not None
+
+
+@pytest.mark.parametrize("saved", [b"abc", b"nan", None])
+def test_a_restore_puts_a_message_with_a_junk_saved_score_at_the_front(
+        saved: bytes | None, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(ZADD of "abc" failed after the ZREM from the unacked set: the message was lost)"""
+    client_app.tasks["w.add"].apply_async((1, 1))
+    (msg_id,) = waiting_ids(redis_client)
+    SCRIPTS.run("pick", KEYS, [time.time(), 5, "me", 0], redis_client)
+    if saved is None:
+        redis_client.hdel(KEYS.saved, msg_id)
+    else:
+        redis_client.hset(KEYS.saved, msg_id, saved)
+    redis_client.hset(KEYS.redelivered, msg_id, "1e300")  # HINCRBY refused it
+    assert SCRIPTS.run("restore", KEYS, ["-", 0, msg_id], redis_client) == 1
+    assert redis_client.zscore(KEYS.waiting, msg_id) == 0.0
+    assert redis_client.hget(KEYS.redelivered, msg_id) == b"1"
+
+
+def test_a_restore_onto_a_key_of_another_type_keeps_the_message_unacked(
+        client_app: Celery, redis_client: redis.Redis) -> None:
+    client_app.tasks["w.add"].apply_async((1, 1))
+    (msg_id,) = waiting_ids(redis_client)
+    SCRIPTS.run("pick", KEYS, [time.time(), 5, "me", 0], redis_client)
+    redis_client.set(KEYS.redelivered, "junk")
+    with pytest.raises(redis.ResponseError, match="SITS_WRONGTYPE"):
+        SCRIPTS.run("restore", KEYS, ["-", 0, msg_id], redis_client)
+    assert redis_client.zscore(KEYS.unacked, msg_id) is not None
+
+
+def test_a_worker_leaves_a_queue_whose_pick_redis_refuses_and_serves_the_others(
+        spawn: Callable[..., CeleryProcess], client_app: Celery,
+        redis_client: redis.Redis) -> None:
+    """(a key of another type made the pick raise ResponseError: the worker stopped with
+    "Unrecoverable error", and the message it was taking was lost)"""
+    waiting = client_app.tasks["w.add"].apply_async((1, 2))
+    ids = waiting_ids(redis_client)
+    redis_client.set(KEYS.unacked, "junk")  # another program's, on the queue's key
+    worker = spawn(extra_args=("-Q", "celery,other"), concurrency=1)
+    other = client_app.tasks["w.add"].apply_async((3, 4), queue="other")
+    assert other.get(timeout=60) == 7
+    assert worker.alive()
+    assert waiting_ids(redis_client) == ids and len(ids) == 1  # where it was
+    assert worker.log().count("Redis refused its pick") == 1  # said once, not per try
+    # Once the key is put right, the queue is served again, without a new put to wake it
+    redis_client.delete(KEYS.unacked)
+    assert waiting.get(timeout=60) == 3
+    wait_for(lambda: "Redis takes its picks again" in worker.log(), 30,
+             "the worker to say the queue is served again")
