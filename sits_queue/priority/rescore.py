@@ -34,7 +34,7 @@ from sits_queue.broker.keys import (
 from sits_queue.broker.meta import WaitingMeta, score_inputs
 from sits_queue.broker.scripts import Scripts
 from sits_queue.broker.snapshot import snapshot_to_json
-from sits_queue.checks import stored_number
+from sits_queue.checks import finite, is_number, stored_number
 from sits_queue.config import SitsConfig
 from sits_queue.options import CONTROL_QUEUE, UNCOUNTED_TASKS
 from sits_queue.priority import stats
@@ -381,19 +381,17 @@ class Rescorer:
         t0 = time.perf_counter()
         self.client.ping()
         rtt_ms = (time.perf_counter() - t0) * 1000
-        raw = self.client.get(_state_key(self.config, "triggers"))
-        saved = json.loads(raw) if raw else {}
+        saved_done, saved_failed, state = saved_triggers(
+            self.client.get(_state_key(self.config, "triggers")))
         done = sum(counter_values(self.client.hgetall(counter_key(self.config, "done")))
                    .values())
         failed = sum(counter_values(self.client.hgetall(counter_key(self.config, "failed")))
                      .values())
-        d_done = done - saved.get("done", 0.0)
-        d_failed = failed - saved.get("failed", 0.0)
+        d_done, d_failed = done - saved_done, failed - saved_failed
         # none finished since the last check: no loss reading (not a loss of 0)
         loss = min(1.0, max(0.0, d_failed / d_done)) if d_done > 0 else None
         sample = stats.TriggerSample(rtt_ms=rtt_ms, loss_rate=loss,
                                      oldest_high_wait_ms=self.oldest_top_class_wait_ms(now_s))
-        state = stats.TriggerState(**saved.get("state", {}))
         fired, state = stats.evaluate_triggers(state, sample)
         self.client.set(_state_key(self.config, "triggers"), json.dumps(
             {"done": done, "failed": failed, "state": state.__dict__}))
@@ -419,6 +417,35 @@ class Rescorer:
                     wait = max(0.0, (now_s - meta.enqueued_at_s) * 1000)
                     oldest = wait if oldest is None else max(oldest, wait)
         return oldest
+
+
+def saved_triggers(raw: bytes | str | None) -> tuple[float, float, stats.TriggerState]:
+    """The trigger check's stored record: tasks done and failed at the last check, and the
+    trigger state. A record of another shape (another program's, or an older version's)
+    counts as none: raised on, it failed every check, each before the write that would
+    have replaced it."""
+    try:
+        saved = json.loads(raw) if raw else {}
+    except ValueError:
+        saved = {}
+    if not isinstance(saved, dict):
+        saved = {}
+    done, failed = stored_number(saved.get("done", 0)), stored_number(saved.get("failed", 0))
+    state = saved.get("state")
+    try:
+        kept = stats.TriggerState(**state) if isinstance(state, dict) else stats.TriggerState()
+    except TypeError:  # fields it does not have
+        kept = stats.TriggerState()
+    baseline, loss, streak = kept.rtt_baseline_ms, kept.loss_baseline, kept.loss_streak
+    if not ((baseline is None or (_finite_number(baseline) and baseline >= 0))
+            and (loss is None or (_finite_number(loss) and 0 <= loss <= 1))
+            and type(streak) is int and streak >= 0):
+        kept = stats.TriggerState()
+    return done or 0.0, failed or 0.0, kept
+
+
+def _finite_number(value: Any) -> bool:
+    return is_number(value) and finite(value)
 
 
 def _seconds(raw: Any) -> float:

@@ -650,3 +650,18 @@ def test_global_keyprefix_namespaces_every_key(redis_url: str, redis_client: red
     assert not redis_client.exists("sits:{celery}:z")
     assert drain(app) == ["x"]
     assert redis_client.hlen("tenant1:sits:{celery}:p") == 0
+
+
+@pytest.mark.parametrize("junk", [b"{not json", b"[1]", b'{"state": {"bogus": 1}}',
+                                  b'{"done": "x"}'])
+def test_a_trigger_record_no_check_wrote_is_replaced_by_the_next_check(
+        junk: bytes, app: Celery, redis_client: redis.Redis) -> None:
+    """(each failed every trigger check, once a second, before the write that would have
+    replaced it)"""
+    from sits_queue.priority.rescore import _state_key
+
+    key = _state_key(app.sits, "triggers")
+    redis_client.set(key, junk)
+    rescorer = Rescorer(app.sits, redis_client)
+    rescorer.check_triggers()
+    assert set(json.loads(redis_client.get(key))) == {"done", "failed", "state"}

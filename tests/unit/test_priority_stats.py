@@ -319,3 +319,28 @@ def test_a_class_keeping_up_unevenly_reads_as_keeping_up() -> None:
         done = smoothed_counts(done, {"low": 1.0}, fade)
         readings.append(bandwidth_compliance(done["low"], arrived["low"]))
     assert min(readings[20:]) > 0.95
+
+
+@pytest.mark.parametrize("raw", [
+    b"{not json", b"\xff", b"[1]", b'"x"', b'{"state": {"bogus": 1}}', b'{"done": "x"}',
+    b'{"state": [1]}', b'{"state": {"loss_baseline": 7}}', b'{"state": {"loss_streak": -2}}',
+    b'{"state": {"rtt_baseline_ms": NaN}}', b'{"done": 1e999}',
+])
+def test_a_trigger_record_of_another_shape_counts_as_none(raw: bytes) -> None:
+    """(each failed every trigger check, before the write that would have replaced it)"""
+    from sits_queue.priority.rescore import saved_triggers
+
+    done, failed, state = saved_triggers(raw)
+    assert (done, failed) == (0.0, 0.0)
+    assert state == TriggerState()
+
+
+def test_a_trigger_record_of_ours_reads_back() -> None:
+    import json
+
+    from sits_queue.priority.rescore import saved_triggers
+
+    state = TriggerState(rtt_baseline_ms=1.5, loss_baseline=0.01, loss_streak=2)
+    raw = json.dumps({"done": 40, "failed": 2, "state": state.__dict__})
+    assert saved_triggers(raw) == (40.0, 2.0, state)
+    assert saved_triggers(None) == (0.0, 0.0, TriggerState())
