@@ -11,6 +11,8 @@ import logging
 import time
 from typing import Any
 
+import redis
+
 from sits_queue.broker.keys import stats_key
 from sits_queue.config import SitsConfig
 from sits_queue.priority.model import ClassStats, PrioritySnapshot, Scorer
@@ -81,7 +83,16 @@ class SnapshotCache:
         """A :class:`Scorer` for the cached snapshot, valid at ``now_s``."""
         mono = time.monotonic()
         if self._scorer is None or mono - self._read_at >= SNAPSHOT_TTL_S:
-            snapshot = snapshot_from_json(client.get(self._key), now_s)
+            try:
+                raw = client.get(self._key)
+            except redis.ResponseError as exc:
+                # A key of another type (another program's): scored without statistics
+                # until the next rescoring pass overwrites it. Raised, it failed every
+                # put, the pass's own message too, so the key was never put right.
+                logger.warning("priority snapshot %s unreadable (%s); scoring without it",
+                               self._key, exc)
+                raw = None
+            snapshot = snapshot_from_json(raw, now_s)
             self._scorer = Scorer(snapshot, self._config)
             self._read_at = mono
         self._scorer.now_s = now_s

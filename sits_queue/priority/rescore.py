@@ -185,21 +185,30 @@ class Rescorer:
 
     def _read_stats(self) -> StatsReadings:
         c, cfg = self.client, self.config
-        with c.pipeline(transaction=False) as pipe:
-            for name in cfg.class_names:
-                pipe.lrange(latency_key(cfg, name), 0, -1)
-            pipe.hgetall(counter_key(cfg, "done"))
-            pipe.hgetall(counter_key(cfg, "retried"))
-            pipe.hgetall(hot_key(cfg))
-            pipe.get(_state_key(cfg, "totals"))
-            pipe.get(_state_key(cfg, "hot-at"))
+        reads: list[tuple[str, str, Any]] = [  # (command, key, what an unreadable one gives)
+            *(("lrange", latency_key(cfg, name), []) for name in cfg.class_names),
+            ("hgetall", counter_key(cfg, "done"), {}),
+            ("hgetall", counter_key(cfg, "retried"), {}),
+            ("hgetall", hot_key(cfg), {}),
+            ("get", _state_key(cfg, "totals"), None),
+            ("get", _state_key(cfg, "hot-at"), None),
             # the beat's own tasks arrive as top class but are never counted done (they
             # stay out of the statistics): counting them would read as top-class work
             # falling behind, a standing QoS boost (§2.2 bandwidth compliance)
-            for queue in self.queues():
-                if queue != CONTROL_QUEUE:
-                    pipe.hgetall(self.keys(queue).arrivals)
-            replies = pipe.execute()
+            *(("hgetall", self.keys(queue).arrivals, {}) for queue in self.queues()
+              if queue != CONTROL_QUEUE)]
+        with c.pipeline(transaction=False) as pipe:
+            for command, key, _ in reads:
+                if command == "lrange":
+                    pipe.lrange(key, 0, -1)
+                else:
+                    getattr(pipe, command)(key)
+            # (a key of another type, another program's, failed every pass: read as empty)
+            replies = pipe.execute(raise_on_error=False)
+        for i, ((_, key, empty), reply) in enumerate(zip(reads, replies, strict=True)):
+            if isinstance(reply, redis.ResponseError):
+                logger.warning("rescoring pass: %s unreadable (%s); read as empty", key, reply)
+                replies[i] = empty
         n = len(cfg.class_names)
         latencies, done, retried, hot, totals, hot_at, arrivals = (
             replies[:n], replies[n], replies[n + 1], replies[n + 2], replies[n + 3],
@@ -229,7 +238,11 @@ class Rescorer:
             for model, change in plan.hot_changes.items():
                 pipe.hincrbyfloat(hot_key(cfg), model, change)
             pipe.set(_state_key(cfg, "hot-at"), repr(plan.snapshot.now_s))
-            pipe.execute()
+            # (a hotness key of another type refuses its increments: the rest is stored)
+            for reply in pipe.execute(raise_on_error=False):
+                if isinstance(reply, redis.ResponseError):
+                    logger.warning("rescoring pass: %s not updated (%s)", hot_key(cfg), reply)
+                    break
         if plan.faded:  # a model not called for ~50 intervals: out of the hash (and the snapshot)
             self.scripts.run_on("prune_hot", [hot_key(cfg)], [stats.MIN_COUNT, *plan.faded], c)
 
@@ -259,7 +272,13 @@ class Rescorer:
         seen = rewritten = calls = 0
         max_call = 0.0
         for queue in queues:
-            s, r, k, m = self.rescore_queue(queue, snapshot)
+            try:
+                s, r, k, m = self.rescore_queue(queue, snapshot)
+            except redis.ResponseError as exc:
+                # one queue's key of another type (another program's): the others are
+                # rescored (raised, it stopped the pass for every queue, every pass)
+                logger.warning("rescoring pass: queue %r not rescored (%s)", queue, exc)
+                continue
             seen, rewritten, calls, max_call = seen + s, rewritten + r, calls + k, max(max_call, m)
         return PassReport(len(queues), seen, rewritten, calls, max_call * 1000,
                           (time.perf_counter() - started) * 1000)

@@ -116,3 +116,50 @@ def test_a_worker_leaves_a_queue_whose_pick_redis_refuses_and_serves_the_others(
     assert waiting.get(timeout=60) == 3
     wait_for(lambda: "Redis takes its picks again" in worker.log(), 30,
              "the worker to say the queue is served again")
+
+
+@pytest.mark.parametrize("key", ["latency", "done", "retried", "hot", "totals", "arrivals"])
+def test_a_statistics_key_of_another_type_is_read_as_empty_and_the_pass_goes_on(
+        key: str, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(a key of another type failed the pass for every queue, every pass: priorities no
+    longer updated)"""
+    from sits_queue.priority.rescore import (
+        Rescorer,
+        _state_key,
+        counter_key,
+        hot_key,
+        latency_key,
+    )
+
+    config = client_app.sits
+    client_app.tasks["w.add"].apply_async((1, 1), sla_class="low")
+    name = {"latency": latency_key(config, "medium"), "done": counter_key(config, "done"),
+            "retried": counter_key(config, "retried"), "hot": hot_key(config),
+            "totals": _state_key(config, "totals"), "arrivals": KEYS.arrivals}[key]
+    redis_client.delete(name)
+    redis_client.sadd(name, "junk")  # a set: no command the pass sends takes it
+    report = Rescorer(config, redis_client).rescore_all()
+    assert report is not None and report.seen == 1
+
+
+def test_a_queue_key_of_another_type_leaves_that_queue_and_the_pass_rescores_the_rest(
+        client_app: Celery, redis_client: redis.Redis) -> None:
+    from sits_queue.priority.rescore import Rescorer
+
+    client_app.tasks["w.add"].apply_async((1, 1), queue="other")
+    client_app.tasks["w.add"].apply_async((2, 2))
+    redis_client.delete(KEYS.meta)
+    redis_client.set(KEYS.meta, "junk")
+    report = Rescorer(client_app.sits, redis_client).rescore_all()
+    assert report is not None and report.queues == 2 and report.seen == 1
+
+
+def test_a_priority_snapshot_of_another_type_does_not_stop_submission(
+        client_app: Celery, redis_client: redis.Redis) -> None:
+    """(every put failed on it, the rescoring pass's own message too: the key that
+    would have put it right was never sent)"""
+    from sits_queue.broker.keys import stats_key
+
+    redis_client.hset(stats_key(""), "a", "b")
+    client_app.tasks["w.add"].apply_async((1, 1), retry=False)
+    assert len(waiting_ids(redis_client)) == 1
