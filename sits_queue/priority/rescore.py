@@ -249,11 +249,18 @@ class Rescorer:
     # -- the pass ----------------------------------------------------------------------------
     def rescore_all(self, now_s: float | None = None) -> PassReport | None:
         """One full pass over every registered queue, or None if another pass holds the lock."""
-        lock = self.client.lock(_state_key(self.config, "rescore-lock"),
-                                timeout=max(10.0, 6 * self.config.rescore_interval_s),
+        key = _state_key(self.config, "rescore-lock")
+        lock = self.client.lock(key, timeout=max(10.0, 6 * self.config.rescore_interval_s),
                                 blocking=False)
         if not lock.acquire():
-            return None
+            if self.client.ttl(key) != -1:
+                return None  # another pass holds it
+            # A lock without an expiry is no pass's (each takes its lock with one): left,
+            # every pass would skip, silently, for good.
+            logger.warning("rescoring lock %s has no expiry (not a pass's): deleted", key)
+            self.client.delete(key)
+            if not lock.acquire():
+                return None
         try:
             return self._pass(time.time() if now_s is None else now_s)
         finally:

@@ -163,3 +163,16 @@ def test_a_priority_snapshot_of_another_type_does_not_stop_submission(
     redis_client.hset(stats_key(""), "a", "b")
     client_app.tasks["w.add"].apply_async((1, 1), retry=False)
     assert len(waiting_ids(redis_client)) == 1
+
+
+def test_a_rescoring_lock_without_an_expiry_is_no_passs_and_is_taken_over(
+        client_app: Celery, redis_client: redis.Redis) -> None:
+    """(every pass skipped for good, silently, behind it)"""
+    from sits_queue.priority.rescore import Rescorer, _state_key
+
+    key = _state_key(client_app.sits, "rescore-lock")
+    redis_client.set(key, "x")
+    assert Rescorer(client_app.sits, redis_client).rescore_all() is not None
+    # while a pass's own lock (with its expiry) still keeps a second pass out
+    redis_client.set(key, "held", ex=30)
+    assert Rescorer(client_app.sits, redis_client).rescore_all() is None
