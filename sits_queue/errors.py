@@ -27,6 +27,11 @@ class DeadLettered(SitsError, RuntimeError):
     JSON-serialises by its message alone."""
 
 
+class UnreadableResult(SitsError, ValueError):
+    """A task's result record in the backend is not one Celery writes (another program's,
+    or corrupt): said at once rather than retried as if Redis were away."""
+
+
 class InferenceError(SitsError):
     """An inference task failed for a reason the submitter can act on.
 

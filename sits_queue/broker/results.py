@@ -31,6 +31,8 @@ from celery.exceptions import BackendStoreError
 from kombu.utils.encoding import bytes_to_str
 
 from sits_queue.broker.fanout import DeferredCommands
+from sits_queue.checks import shown
+from sits_queue.errors import UnreadableResult
 
 #: The class as Celery's ``result_backend`` setting names it, before ``+<redis URL>``.
 BACKEND_PATH = "sits_queue.broker.results:SitsRedisBackend"
@@ -58,6 +60,15 @@ class SitsRedisBackend(RedisBackend):  # type: ignore[misc]
         self._deferred = DeferredCommands()
         # The script reads the stored status as JSON; other encodings keep Celery's path.
         self._scripted = self.serializer == "json" and not self.compression
+
+    def meta_from_decoded(self, meta: Any) -> Any:
+        # A record without a status raised KeyError, which kombu counts as a lost
+        # connection: with result_backend_always_retry, get(timeout=3) retried for ~70 s
+        # before failing.
+        if not isinstance(meta, dict) or "status" not in meta:
+            raise UnreadableResult(f"result record is not one Celery writes (no status): "
+                                   f"{shown(meta)}")
+        return super().meta_from_decoded(meta)
 
     def _store_result(self, task_id: Any, result: Any, state: str, traceback: Any = None,
                       request: Any = None, **kwargs: Any) -> Any:

@@ -188,3 +188,16 @@ def test_expiry_ms() -> None:
     assert expiry_ms(86400) == 86_400_000
     assert expiry_ms(timedelta(minutes=30)) == 1_800_000
     assert expiry_ms(0.0001) == 1  # a positive expiry never becomes "keep forever"
+
+
+@pytest.mark.parametrize("junk", ['{"foo": 1}', "[1, 2]", '"done"'])
+def test_a_result_record_celery_did_not_write_is_said_at_once(
+        junk: str, app: Celery, redis_client: redis.Redis) -> None:
+    """(a record without a status raised KeyError, which kombu counts as a lost
+    connection: get(timeout=3) retried for ~70 s, then failed)"""
+    from sits_queue.errors import UnreadableResult
+
+    result = app.AsyncResult("junk-task")
+    redis_client.set(app.backend.get_key_for_task("junk-task"), junk)
+    with pytest.raises(UnreadableResult, match="not one Celery writes"):
+        result.get(timeout=3)  # (not BackendGetMetaError, after ~70 s of retries)
