@@ -14,13 +14,7 @@ import psutil
 import pytest
 
 from sits_queue.embedded import EmbeddedRedis, ensure_server, stop_server
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+from tests.integration.test_embedded import _gone
 
 
 def _pid_of(data_dir: Path) -> int:

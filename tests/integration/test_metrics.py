@@ -230,15 +230,20 @@ def test_a_second_worker_on_the_same_port_says_so_and_serves(
         proc.stop(timeout_s=30)
 
 
+def sitsq_metrics(port: int, addr: str, redis_url: str) -> subprocess.Popen[str]:
+    """``sitsq metrics`` running, its stderr piped (it says its URL there)."""
+    return subprocess.Popen([sys.executable, "-m", "sits_queue.cli", "metrics", "--port",
+                             str(port), "--addr", addr], cwd=ROOT,
+                            env={**os.environ, "SITS_REDIS_URL": redis_url},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
 def test_sitsq_metrics_serves_the_fleet_and_the_queues(
         app: Celery, worker: CeleryProcess, redis_url: str) -> None:
     # Given a task waiting in a queue no worker consumes
     app.tasks["t.ping"].apply_async(("x",), queue="nobody-consumes")
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sits_queue.cli", "metrics", "--port",
-                             str(port), "--addr", "127.0.0.1"], cwd=ROOT,
-                            env={**os.environ, "SITS_REDIS_URL": redis_url},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = sitsq_metrics(port, "127.0.0.1", redis_url)
     try:
         def answers() -> bool:
             try:
@@ -308,10 +313,7 @@ def _ipv6_loopback() -> bool:
 def test_sitsq_metrics_on_an_ipv6_address_says_a_url_that_works(redis_url: str) -> None:
     # (it said http://::1:9877/metrics, which no client parses)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sits_queue.cli", "metrics", "--port",
-                             str(port), "--addr", "::1"], cwd=ROOT,
-                            env={**os.environ, "SITS_REDIS_URL": redis_url},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = sitsq_metrics(port, "::1", redis_url)
     try:
         assert proc.stderr is not None
         said = proc.stderr.readline()
