@@ -200,10 +200,37 @@ def _write_one(config: SitsConfig, records: list[_Record]) -> None:
         pipe.ltrim(key, 0, window - 1)
     for key, keep_s in expiries.items():  # after the increments: EXPIRE on a missing
         pipe.expire(key, keep_s)         # key does nothing
+    # each command's name and arguments, to match a refusal to its command
+    commands = [tuple(args) for args, _ in pipe.command_stack]
     try:
-        pipe.execute()
+        replies = pipe.execute(raise_on_error=False)
     except redis.RedisError as exc:
         logger.warning("could not record %d task statistics: %s", len(records), exc)
+        return
+    _reset_refused_counters(config, commands, replies)
+
+
+def _reset_refused_counters(config: SitsConfig, commands: list[tuple[Any, ...]],
+                            replies: list[Any]) -> None:
+    """A counter field another program left that is no number refuses every increment
+    (its class's done count stopped growing, and each flush logged it): it starts again
+    from this increment. Other refusals (a key of another type) are logged."""
+    client = advertise.client_for(config)
+    for command, reply in zip(commands, replies, strict=True):
+        if not isinstance(reply, redis.ResponseError):
+            continue
+        name, *args = command
+        if str(name).upper() in ("HINCRBY", "HINCRBYFLOAT") and "WRONGTYPE" not in str(reply):
+            key, field, amount = args
+            logger.warning("statistics counter %s %s was no number (%s): starts again",
+                           key, field, reply)
+            try:
+                client.hset(key, field, amount)
+            except redis.RedisError as exc:  # (Redis gone meanwhile: the next flush)
+                logger.warning("could not restart counter %s %s: %s", key, field, exc)
+        else:
+            logger.warning("could not record a task statistic (%s %s): %s", name,
+                           args[0] if args else "", reply)
 
 
 def connect(app: Celery) -> None:

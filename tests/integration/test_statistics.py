@@ -132,3 +132,19 @@ def test_each_app_s_statistics_go_to_its_own_redis(redis_url: str,
     assert other.hget("sits:done", "high") == b"1" and other.hget("sits:done", "low") is None
     other.flushdb()
     other.close()
+
+
+def test_a_counter_field_that_is_no_number_starts_again_and_the_rest_is_recorded(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """(another program's "abc" refused every increment: the class's done count stopped
+    growing, and every flush logged it)"""
+    config = SitsConfig(redis_url=redis_url)
+    redis_client.hset("sits:done", "low", "abc")
+    redis_client.hset("sits:hot", "m", "lots")
+    for _ in range(2):
+        request = SimpleNamespace(task="t.any", sits={"sla_class": "low", "model": "m"})
+        signals.record_completion(config, request, True, time.time())
+        signals.flush()
+    assert redis_client.hget("sits:done", "low") == b"2"
+    assert redis_client.hget("sits:failed", "low") == b"2"  # (its neighbours were kept)
+    assert float(redis_client.hget("sits:hot", "m") or 0) == 2.0
