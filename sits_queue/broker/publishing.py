@@ -8,6 +8,7 @@ wait, acks); the split keeps each module readable, not two kinds of channel.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +35,8 @@ from sits_queue.broker.snapshot import SnapshotCache
 from sits_queue.config import SitsConfig
 from sits_queue.options import CONTROL_QUEUE, UNCOUNTED_TASKS, TaskOptions
 from sits_queue.priority.model import Scorer
+
+logger = logging.getLogger(__name__)
 
 #: Producers re-add their queues to the registry this often, s (heals a flushed registry).
 REGISTRY_REFRESH_S = 10.0
@@ -216,7 +219,7 @@ class PublishingChannel(kredis.Channel):
                 queue, -REGISTRY_REFRESH_S) >= REGISTRY_REFRESH_S:
             # When this put made the queue appear (new, or Redis was flushed), and
             # periodically: idempotent, so a lost registry heals at once or within the period.
-            self.raw.sadd(queues_registry(self.global_keyprefix), queue)
+            self.register(queue)
             self._registry_refreshed[queue] = time.monotonic()
 
     def _forget_keys(self, queue: str) -> None:
@@ -228,4 +231,15 @@ class PublishingChannel(kredis.Channel):
         self.keys(queue)  # validates the name, before kombu records the queue
         super()._new_queue(queue, auto_delete=auto_delete, **kwargs)
         if self._expiry_ms(queue) is None:  # reply queues come and go; do not list them
-            self.raw.sadd(queues_registry(self.global_keyprefix), queue)
+            self.register(queue)
+
+    def register(self, *queues: str) -> None:
+        """List ``queues`` in the registry the rescoring pass and ``sitsq status`` read.
+        A registry of another type (another program's) is logged, not raised: after a
+        put, the producer would retry the put and its task run twice; in a consumer's
+        sweep, the restores after it never ran."""
+        try:
+            self.raw.sadd(queues_registry(self.global_keyprefix), *queues)
+        except redis.ResponseError as exc:
+            logger.warning("could not list queue(s) %s in %s: %s", list(queues),
+                           queues_registry(self.global_keyprefix), exc)

@@ -46,7 +46,7 @@ from kombu.transport import virtual
 
 from sits_queue.broker import affinity, deadletters
 from sits_queue.broker.heartbeat import Heartbeat
-from sits_queue.broker.keys import batch_units, queues_registry
+from sits_queue.broker.keys import batch_units
 
 logger = logging.getLogger(__name__)
 
@@ -282,7 +282,7 @@ class QoS(kredis.QoS):
         self.heartbeat()
         durable = [q for q in self.channel.active_queues if q not in self.channel._expires]
         if durable:  # consumers keep the registry whole too (the rescoring pass reads it)
-            self.channel.raw.sadd(queues_registry(self.channel.global_keyprefix), *durable)
+            self.channel.register(*durable)
         for queue in self.channel.active_queues:
             restored = self.channel._run("restore", queue, [ceiling, num or RESTORE_LIMIT])
             if restored:

@@ -176,3 +176,23 @@ def test_a_rescoring_lock_without_an_expiry_is_no_passs_and_is_taken_over(
     # while a pass's own lock (with its expiry) still keeps a second pass out
     redis_client.set(key, "held", ex=30)
     assert Rescorer(client_app.sits, redis_client).rescore_all() is None
+
+
+def test_a_queue_registry_of_another_type_neither_doubles_a_put_nor_stops_a_restore(
+        client_app: Celery, redis_client: redis.Redis) -> None:
+    """(the registry's SADD after a put raised: the producer retried the put, and the task
+    ran twice; in a consumer's sweep it came before the restores, which never ran)"""
+    from sits_queue.broker.keys import queues_registry
+
+    redis_client.set(queues_registry(""), "junk")
+    client_app.tasks["w.add"].apply_async((1, 1))
+    (msg_id,) = waiting_ids(redis_client)  # once
+    SCRIPTS.run("pick", KEYS, [time.time() - 60, 5, "dead-worker", 0], redis_client)
+    assert waiting_ids(redis_client) == []
+    with client_app.connection_for_write() as conn:
+        channel = conn.default_channel
+        channel.basic_consume("celery", no_ack=False, callback=lambda *a: None,
+                              consumer_tag="s")
+        channel.qos._last_sweep = -1e9
+        channel.qos.restore_visible()
+    assert waiting_ids(redis_client) == [msg_id]  # the dead worker's message is back
