@@ -32,8 +32,11 @@ DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 #: Most tasks one batch may take: bounds one pick's Lua work and one pool job's inputs.
 MAX_BATCH_TASKS = 1024
 
-#: An SLA longer than a day is not a latency SLA (a task's, or its class's), ms.
-MAX_LATENCY_SLA_MS = 86_400_000.0
+#: An SLA longer than a day is not a latency SLA (a task's, or its class's), ms; nor is
+#: one under a microsecond (the score divides by it).
+MIN_LATENCY_SLA_MS, MAX_LATENCY_SLA_MS = 1e-3, 86_400_000.0
+#: §2.2: a task type's loss sensitivity is a preset in this range (a task's, or its class's).
+MIN_LOSS_SENSITIVITY, MAX_LOSS_SENSITIVITY = 0.1, 0.9
 
 
 @dataclass(frozen=True)
@@ -67,9 +70,10 @@ class ClassQuota:
         checks.positive(f"class {self.name}: weight", self.weight)
         # the range a task's own latency_sla_ms must be in: a class past it made every
         # task of the class (the default one: every foreign message) refused
-        checks.interval(f"class {self.name}: latency_sla_ms", self.latency_sla_ms, 1e-3,
-                        MAX_LATENCY_SLA_MS)
-        checks.interval(f"class {self.name}: loss_sensitivity", self.loss_sensitivity, 0.1, 0.9)
+        checks.interval(f"class {self.name}: latency_sla_ms", self.latency_sla_ms,
+                        MIN_LATENCY_SLA_MS, MAX_LATENCY_SLA_MS)
+        checks.interval(f"class {self.name}: loss_sensitivity", self.loss_sensitivity,
+                        MIN_LOSS_SENSITIVITY, MAX_LOSS_SENSITIVITY)
         if self.slice_ms < 0:
             raise ConfigError(f"class {self.name}: slice_ms must be >= 0 (0: the global "
                               f"slice_ms), got {self.slice_ms!r}")

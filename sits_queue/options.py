@@ -13,7 +13,14 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from sits_queue.checks import finite, is_number, shown
-from sits_queue.config import MAX_BATCH_TASKS, MAX_LATENCY_SLA_MS, SitsConfig
+from sits_queue.config import (
+    MAX_BATCH_TASKS,
+    MAX_LATENCY_SLA_MS,
+    MAX_LOSS_SENSITIVITY,
+    MIN_LATENCY_SLA_MS,
+    MIN_LOSS_SENSITIVITY,
+    SitsConfig,
+)
 from sits_queue.errors import InvalidTaskOptions
 from sits_queue.priority.entropy import input_entropy
 
@@ -107,10 +114,10 @@ def resolve(config: SitsConfig, declared: Mapping[str, Any], per_call: Mapping[s
                                    MAX_CONTEXT_TOKENS, integer=True)),
         latency_sla_ms=_number("latency_sla_ms", merged.get("latency_sla_ms",
                                                             quota.latency_sla_ms),
-                               1e-3, MAX_LATENCY_SLA_MS),
+                               MIN_LATENCY_SLA_MS, MAX_LATENCY_SLA_MS),
         loss_sensitivity=_number("loss_sensitivity", merged.get("loss_sensitivity",
                                                                 quota.loss_sensitivity),
-                                 0.1, 0.9),
+                                 MIN_LOSS_SENSITIVITY, MAX_LOSS_SENSITIVITY),
         input_entropy=None if entropy is None else _number("input_entropy", entropy, 0.0, 1.0),
         vram_gib=vram,
         prefix_key=_name("prefix_key", prefix),
@@ -202,8 +209,10 @@ def scoring_inputs(context_tokens: Any, latency_sla_ms: Any, loss_sensitivity: A
     producer of ours wrote: ``ls`` of inf scored it past every other task)."""
     return (int(_number("context_tokens", context_tokens, 0, MAX_CONTEXT_TOKENS,
                         integer=True)),
-            _number("latency_sla_ms", latency_sla_ms, 1e-3, MAX_LATENCY_SLA_MS),
-            _number("loss_sensitivity", loss_sensitivity, 0.1, 0.9),
+            _number("latency_sla_ms", latency_sla_ms, MIN_LATENCY_SLA_MS,
+                    MAX_LATENCY_SLA_MS),
+            _number("loss_sensitivity", loss_sensitivity, MIN_LOSS_SENSITIVITY,
+                    MAX_LOSS_SENSITIVITY),
             _number("input_entropy", input_entropy or 0.0, 0.0, 1.0))
 
 

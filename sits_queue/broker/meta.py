@@ -10,7 +10,13 @@ from typing import Any
 
 import orjson
 
-from sits_queue.config import MAX_LATENCY_SLA_MS, SitsConfig
+from sits_queue.config import (
+    MAX_LATENCY_SLA_MS,
+    MAX_LOSS_SENSITIVITY,
+    MIN_LATENCY_SLA_MS,
+    MIN_LOSS_SENSITIVITY,
+    SitsConfig,
+)
 from sits_queue.options import (
     HEADER,
     MAX_CONTEXT_TOKENS,
@@ -122,8 +128,10 @@ def score_inputs(raw: str | bytes) -> tuple[str, float, int, float, float, float
     # What our producers write passes the ranges at a glance (a pass reads 100k+ records);
     # anything else is checked in full, which names what is wrong.
     ours = type(n) is int and type(sla) is float and type(ls) is float and type(e) is float
-    if not (ours and 0 <= n <= MAX_CONTEXT_TOKENS and 1e-3 <= sla <= MAX_LATENCY_SLA_MS
-            and 0.1 <= ls <= 0.9 and 0.0 <= e <= 1.0):
+    # (the same ranges as scoring_inputs checks, from the same constants)
+    if not (ours and 0 <= n <= MAX_CONTEXT_TOKENS
+            and MIN_LATENCY_SLA_MS <= sla <= MAX_LATENCY_SLA_MS
+            and MIN_LOSS_SENSITIVITY <= ls <= MAX_LOSS_SENSITIVITY and 0.0 <= e <= 1.0):
         n, sla, ls, e = scoring_inputs(n, sla, ls, e)
     return r["c"], enqueued, n, float(sla), float(ls), float(e), r["m"]
 
