@@ -7,7 +7,6 @@ embedded Redis in the per-user data dir, and points the processes it starts at i
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import threading
@@ -25,6 +24,7 @@ from sits_queue.bench.report import check_json_path
 from sits_queue.broker import sites
 from sits_queue.broker.keys import QueueKeys, decode_score, queues_registry, registered_queues
 from sits_queue.broker.meta import WaitingMeta
+from sits_queue.checks import stored_number
 from sits_queue.config import SitsConfig, check_redis_url, redacted
 from sits_queue.embedded import resolve_redis_url
 from sits_queue.errors import SitsError
@@ -109,7 +109,7 @@ def queue_status(client: redis.Redis, config: SitsConfig, now_s: float) -> list[
             if (meta := WaitingMeta.read(raw)) is not None:
                 row.update(task=meta.task, sla_class=meta.options.sla_class,
                            model=meta.options.model,
-                           wait_s=_finite_or_none(round(now_s - meta.enqueued_at_s, 2)))
+                           wait_s=stored_number(round(now_s - meta.enqueued_at_s, 2)))
             rows.append(row)
         out.append({"queue": name, "waiting": client.zcard(keys.waiting),
                     "unacked": client.zcard(keys.unacked), "dead": client.hlen(keys.dead),
@@ -162,10 +162,6 @@ def status(as_json: bool) -> None:
     click.echo(_format_status(report))
 
 
-def _finite_or_none(value: float) -> float | None:
-    return value if math.isfinite(value) else None
-
-
 def _or_unknown(value: Any) -> Any:
     return "?" if value is None else value
 
@@ -175,7 +171,7 @@ def _json_safe(value: Any) -> Any:
     a record of another writer's may hold them (``status --json`` printed ``NaN``, which
     a JSON reader refuses)."""
     if isinstance(value, float):
-        return _finite_or_none(value)
+        return stored_number(value)
     if isinstance(value, dict):
         return {k: _json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):

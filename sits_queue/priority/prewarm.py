@@ -23,10 +23,11 @@ from typing import Any
 
 import redis
 
+from sits_queue.broker.payload import text
 from sits_queue.config import SitsConfig
 from sits_queue.priority import forecast
 from sits_queue.workers import advertise, metrics
-from sits_queue.workers.advertise import as_mapping
+from sits_queue.workers.advertise import as_mapping, json_object
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +94,9 @@ class Prewarmer:
 
     def _fold(self, last_done: int) -> dict[str, forecast.Forecaster]:
         key = state_key(self.config)
-        decoded = {_text(k): v for k, v in self.client.hgetall(key).items()}
+        decoded = {text(k, "replace"): v for k, v in self.client.hgetall(key).items()}
         meta = _json(decoded.pop("__bucket__", None))
-        states = {m: forecast.from_json(as_mapping(_json(v))) for m, v in decoded.items()}
+        states = {m: forecast.from_json(json_object(v) or {}) for m, v in decoded.items()}
         interval = self.config.prewarm_interval_s
         # [last bucket folded, the interval it counts in]: a bucket index under another
         # interval (the setting changed) is no time here: raised 60 -> 300 s, the next
@@ -161,7 +162,3 @@ def _json(raw: bytes | str | None) -> Any:
         return None if raw is None else json.loads(raw)
     except ValueError:  # JSONDecodeError, and UnicodeDecodeError of bytes
         return None
-
-
-def _text(key: bytes | str) -> str:
-    return key.decode(errors="replace") if isinstance(key, bytes) else str(key)

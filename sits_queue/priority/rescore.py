@@ -39,7 +39,7 @@ from sits_queue.config import SitsConfig
 from sits_queue.options import CONTROL_QUEUE, UNCOUNTED_TASKS
 from sits_queue.priority import stats
 from sits_queue.priority.model import ClassStats, PrioritySnapshot, Scorer
-from sits_queue.workers.advertise import counter_values
+from sits_queue.workers.advertise import counter_values, json_object
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +77,8 @@ def _totals(raw: bytes | str | None) -> dict[str, Any]:
     """The last pass's counter totals and smoothed rates (fresh ones for a record of an
     older shape, or none)."""
     fresh: dict[str, Any] = {"done": {}, "arrived": {}, "rates": {}, "at": math.nan}
-    try:
-        saved = json.loads(raw) if raw else {}
-    except ValueError:
-        return fresh
-    if not isinstance(saved, dict):
+    saved = json_object(raw)
+    if saved is None:
         return fresh
     out = {**fresh, **{k: v for k, v in saved.items() if k in fresh}}
     if not all(isinstance(out[k], dict) for k in ("done", "arrived", "rates")) \
@@ -450,12 +447,7 @@ def saved_triggers(raw: bytes | str | None) -> tuple[float, float, stats.Trigger
     trigger state. A record of another shape (another program's, or an older version's)
     counts as none: raised on, it failed every check, each before the write that would
     have replaced it."""
-    try:
-        saved = json.loads(raw) if raw else {}
-    except ValueError:
-        saved = {}
-    if not isinstance(saved, dict):
-        saved = {}
+    saved = json_object(raw) or {}
     done, failed = stored_number(saved.get("done", 0)), stored_number(saved.get("failed", 0))
     state = saved.get("state")
     try:
@@ -463,15 +455,11 @@ def saved_triggers(raw: bytes | str | None) -> tuple[float, float, stats.Trigger
     except TypeError:  # fields it does not have
         kept = stats.TriggerState()
     baseline, loss, streak = kept.rtt_baseline_ms, kept.loss_baseline, kept.loss_streak
-    if not ((baseline is None or (_finite_number(baseline) and baseline >= 0))
-            and (loss is None or (_finite_number(loss) and 0 <= loss <= 1))
+    if not ((baseline is None or (is_number(baseline) and finite(baseline) and baseline >= 0))
+            and (loss is None or (is_number(loss) and finite(loss) and 0 <= loss <= 1))
             and type(streak) is int and streak >= 0):
         kept = stats.TriggerState()
     return done or 0.0, failed or 0.0, kept
-
-
-def _finite_number(value: Any) -> bool:
-    return is_number(value) and finite(value)
 
 
 def _seconds(raw: Any) -> float:
