@@ -15,7 +15,7 @@
 -- chunk of 200 costs Redis about a third of the time, which is what bulk enqueue and the
 -- workers' picks waiting behind it feel. Slices keep unpack() under Lua's C-stack limit.
 local SLICE = 500
--- (5 and 10 are read below before anything is written: a wrong type fails there)
+-- (5 and 10 are read below before any message is written: a wrong type fails there)
 local refused = wrong_type(1, 2, 3, 4)
 if refused then return refused end
 local n = math.floor(#ARGV / 5)
@@ -25,7 +25,7 @@ if n == 0 then return {0, redis.call('ZCARD', KEYS[1])} end
 -- so it never carries into the priority bits; one INCRBY reserves the chunk's n
 -- consecutive values, kept in ARGV order.
 local seq_now = redis.call('GET', KEYS[5])
-if seq_now and not (string.match(seq_now, '^%d+$') and #seq_now < 19) then
+if seq_now and not is_count(seq_now) then
   redis.call('SET', KEYS[5], 0)  -- (another program's: INCRBY failed every put)
 end
 local first = redis.call('INCRBY', KEYS[5], n) - n
@@ -39,14 +39,7 @@ for m = 0, n - 1 do
     announced[cls] = true
   end
 end
-for cls, count in pairs(arrivals) do
-  local before = redis.call('HGET', KEYS[10], cls) or '0'
-  if string.match(before, '^%d+$') and #before < 19 then
-    redis.call('HINCRBY', KEYS[10], cls, count)
-  else  -- a count that is no integer (another program's) starts again
-    redis.call('HSET', KEYS[10], cls, count)
-  end
-end
+for cls, count in pairs(arrivals) do add_count(KEYS[10], cls, count) end
 for s = 0, n - 1, SLICE do
   local payloads, metas, scores = {}, {}, {}
   for m = s, math.min(n, s + SLICE) - 1 do

@@ -23,3 +23,19 @@ local function wrong_type(...)
   end
   return nil
 end
+
+-- Whether a stored count is one INCRBY/HINCRBY takes (a whole number under 2^63).
+local function is_count(text)
+  return text ~= nil and string.match(text, '^%d+$') ~= nil and #text < 19
+end
+
+-- HINCRBY field by n; a count that is no integer (another program's, which HINCRBY
+-- refuses) starts again at n.
+local function add_count(key, field, n)
+  local before = redis.call('HGET', key, field)
+  if before == false or is_count(before) then
+    redis.call('HINCRBY', key, field, n)
+  else
+    redis.call('HSET', key, field, n)
+  end
+end

@@ -32,12 +32,7 @@ for _, id in ipairs(ids) do
       local value = tonumber(score or '')
       if value == nil or value ~= value then score = 0 end
       redis.call('ZADD', KEYS[1], score, id)
-      local times = redis.call('HGET', KEYS[8], id) or '0'
-      if string.match(times, '^%d+$') and #times < 19 then
-        redis.call('HINCRBY', KEYS[8], id, 1)
-      else  -- (HINCRBY fails on what is no integer: another program's)
-        redis.call('HSET', KEYS[8], id, 1)
-      end
+      add_count(KEYS[8], id, 1)
       n = n + 1
     end
   end
