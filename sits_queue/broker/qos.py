@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 
 #: Restored per sweep per queue: a crashed worker's backlog comes back over a few sweeps.
 RESTORE_LIMIT = 1000
+#: A held message's deadline base is its pick or last beat time on its worker's clock; one
+#: more than a day ahead of ours is no clock skew but a score another program wrote (a
+#: +inf held its message unacked for good), so the sweep restores it as overdue.
+FUTURE_DEADLINE_S = 86_400.0
 #: QoS objects of channels closed while Redis was away, held until they owe nothing: once
 #: closed, a channel and its messages are a cycle nothing else holds (Celery has dropped
 #: the unstarted ones), and the heartbeat thread only holds it weakly.
@@ -278,13 +282,15 @@ class QoS(kredis.QoS):
         # as the timeout, the beats the thread missed would otherwise let this very sweep
         # restore the tasks this worker is running. The beat's deadline is read after the
         # ceiling, so it is above it however long the beat waits on a stalled Redis.
-        ceiling = time.time() - self.channel.visibility_timeout
+        now = time.time()
+        ceiling = now - self.channel.visibility_timeout
         self.heartbeat()
         durable = [q for q in self.channel.active_queues if q not in self.channel._expires]
         if durable:  # consumers keep the registry whole too (the rescoring pass reads it)
             self.channel.register(*durable)
         for queue in self.channel.active_queues:
-            restored = self.channel._run("restore", queue, [ceiling, num or RESTORE_LIMIT])
+            restored = self.channel._run("restore", queue, [ceiling, num or RESTORE_LIMIT,
+                                                            now + FUTURE_DEADLINE_S])
             if restored:
                 logger.warning("restored %d message(s) of queue %r whose worker stopped "
                                "heartbeating for %.0f s", restored, queue,

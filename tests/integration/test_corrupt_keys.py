@@ -97,6 +97,35 @@ def test_a_restore_onto_a_key_of_another_type_keeps_the_message_unacked(
     assert redis_client.zscore(KEYS.unacked, msg_id) is not None
 
 
+@pytest.mark.parametrize("ahead", [float("inf"), 1e12])
+def test_a_held_message_whose_deadline_is_far_ahead_is_restored_by_the_sweep(
+        ahead: float, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(a deadline of +inf, which no worker writes, held its message unacked for good:
+    the sweep's range ended at its ceiling)"""
+    client_app.tasks["w.add"].apply_async((1, 1))
+    client_app.tasks["w.add"].apply_async((2, 2))
+    far, skewed = waiting_ids(redis_client)
+    for _ in range(2):
+        SCRIPTS.run("pick", KEYS, [time.time(), 5, "me", 0], redis_client)
+    now = time.time()
+    redis_client.zadd(KEYS.unacked, {far: ahead, skewed: now + 600})  # a fast clock's
+    assert SCRIPTS.run("restore", KEYS, [now - 60, 10, now + 86_400], redis_client) == 1
+    assert waiting_ids(redis_client) == [far]
+    assert redis_client.zscore(KEYS.unacked, skewed) == now + 600
+
+
+def test_a_worker_runs_a_message_another_program_held_with_an_endless_deadline(
+        spawn: Callable[..., CeleryProcess], client_app: Celery,
+        redis_client: redis.Redis) -> None:
+    held = client_app.tasks["w.add"].apply_async((5, 6))
+    (msg_id,) = waiting_ids(redis_client)
+    SCRIPTS.run("pick", KEYS, [time.time(), 5, "another", 0], redis_client)
+    redis_client.zadd(KEYS.unacked, {msg_id: float("inf")})
+    assert waiting_ids(redis_client) == []
+    spawn(concurrency=1)
+    assert held.get(timeout=60) == 11
+
+
 def test_a_worker_leaves_a_queue_whose_pick_redis_refuses_and_serves_the_others(
         spawn: Callable[..., CeleryProcess], client_app: Celery,
         redis_client: redis.Redis) -> None:

@@ -9,6 +9,9 @@
 -- ARGV[1]: deadline ceiling (unix s) to restore every message picked/heartbeated before
 --          it, or '-' to restore exactly the ids in ARGV[3..]
 -- ARGV[2]: at most this many (with a ceiling)
+-- ARGV[3]: with a ceiling, a horizon (unix s): a deadline base above it is no pick or
+--          beat time any worker wrote (another program's, +inf included), and would
+--          otherwise hold its message unacked for good; those are restored too
 -- Returns the number restored.
 -- (6 is read, or its ZREM fails, before anything is written)
 local refused = wrong_type(1, 2, 4, 7, 8)
@@ -18,7 +21,13 @@ if ARGV[1] == '-' then
   ids = {}
   for i = 3, #ARGV do ids[#ids + 1] = ARGV[i] end
 else
-  ids = redis.call('ZRANGE', KEYS[6], '-inf', ARGV[1], 'BYSCORE', 'LIMIT', 0, tonumber(ARGV[2]))
+  local limit = tonumber(ARGV[2])
+  ids = redis.call('ZRANGE', KEYS[6], '-inf', ARGV[1], 'BYSCORE', 'LIMIT', 0, limit)
+  if ARGV[3] and #ids < limit then
+    local future = redis.call('ZRANGE', KEYS[6], '(' .. ARGV[3], '+inf', 'BYSCORE', 'LIMIT', 0,
+                              limit - #ids)
+    for _, id in ipairs(future) do ids[#ids + 1] = id end
+  end
 end
 local n = 0
 for _, id in ipairs(ids) do
