@@ -85,6 +85,38 @@ def test_a_success_is_never_overwritten(app: Celery, redis_client: redis.Redis) 
     assert app.AsyncResult("t-3").get(timeout=5) == "first"
 
 
+@pytest.mark.parametrize("first", ["a\udcffb", {"path": "\ud800", "ok": "\N{GRINNING FACE}"},
+                                   ["\\udcff", "\\\udcff"]])
+def test_a_success_redis_cannot_decode_as_it_stands_is_never_overwritten(
+        first: Any, app: Celery, redis_client: redis.Redis) -> None:
+    """(Python's JSON writes a lone surrogate as a \\udcxx escape, which Redis's cjson
+    refuses: the record read as no SUCCESS, and a redelivery's STARTED and FAILURE
+    replaced it)"""
+    app.backend.mark_as_done("t-s", first)
+    app.backend.store_result("t-s", {"pid": 2}, states.STARTED)
+    app.backend.mark_as_failure("t-s", RuntimeError("late failure"))
+    assert stored(redis_client, app, "t-s")["status"] == "SUCCESS"
+    assert app.AsyncResult("t-s").get(timeout=5) == first
+
+
+def test_a_success_nested_past_what_redis_decodes_is_never_overwritten(
+        app: Celery, redis_client: redis.Redis) -> None:
+    # (written by a client whose recursion limit is above the 1,000 levels cjson reads)
+    nested = "[" * 1100 + "0" + "]" * 1100
+    key = app.backend.get_key_for_task("t-n")
+    redis_client.set(key, f'{{"status": "SUCCESS", "result": {nested}, "task_id": "t-n"}}')
+    app.backend.mark_as_failure("t-n", RuntimeError("late failure"))
+    assert redis_client.get(key).startswith(b'{"status": "SUCCESS"')
+
+
+def test_a_state_redis_cannot_decode_as_it_stands_is_replaced(
+        app: Celery, redis_client: redis.Redis) -> None:
+    app.backend.store_result("t-u", {"pid": "\udcff", "note": '"status": "SUCCESS"'},
+                             states.STARTED)
+    app.backend.mark_as_failure("t-u", RuntimeError("failed"))
+    assert stored(redis_client, app, "t-u")["status"] == "FAILURE"
+
+
 def test_other_states_replace_each_other(app: Celery, redis_client: redis.Redis) -> None:
     app.backend.store_result("t-4", {"pid": 3}, states.STARTED)
     app.backend.mark_as_retry("t-4", RuntimeError("flaky"))

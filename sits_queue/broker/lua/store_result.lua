@@ -7,13 +7,25 @@
 -- Celery's Redis backend does the same in two round trips (GET, then SET + PUBLISH),
 -- and a task tracked as STARTED pays them twice. Here it is one call, and atomic: no
 -- second delivery of a task can overwrite its SUCCESS between the read and the write.
-local current = redis.call('GET', KEYS[1])
-if current then
-  local ok, meta = pcall(cjson.decode, current)
-  if ok and type(meta) == 'table' and meta['status'] == 'SUCCESS' then
-    return 0
+local function succeeded(record)
+  local ok, meta = pcall(cjson.decode, record)
+  if not ok then
+    -- Python's JSON writes a lone surrogate (a string from os.fsdecode, an argument kept
+    -- by result_extended) as a \udcxx escape, which cjson refuses: read as "not a
+    -- SUCCESS", the record was overwritten by a redelivery's STARTED or FAILURE. Any
+    -- surrogate escape, put as another escape of the same length, leaves the JSON valid
+    -- whatever precedes it; only the status is read.
+    ok, meta = pcall(cjson.decode, (string.gsub(record, '\\u[dD][89abcdefABCDEF]%x%x',
+                                                '\\u003f')))
   end
+  if ok then return type(meta) == 'table' and meta['status'] == 'SUCCESS' end
+  -- Still unreadable (nested past cjson's depth): the status as Python's JSON writes it,
+  -- at the top level or not; keeping a record in doubt loses no success.
+  return string.find(record, '"status": "SUCCESS"', 1, true) ~= nil
 end
+
+local current = redis.call('GET', KEYS[1])
+if current and succeeded(current) then return 0 end
 local ttl = tonumber(ARGV[2])
 if ttl > 0 then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
