@@ -412,11 +412,14 @@ def enqueue_many(task: Task, arg_list: Sequence[Sequence[Any]], *,
     among equal priorities.
 
     Raises :class:`~sits_queue.errors.InvalidTaskOptions` for invalid options and
-    ``TypeError`` for a malformed item before anything is sent. If a chunk fails after
-    earlier chunks were enqueued, or its reply was lost with its connection, raises
+    ``TypeError`` for a malformed item (not a sequence, the wrong arity) before anything
+    is sent. An item its serializer refuses (an ``object()`` under JSON) fails as its
+    chunk is built, while the chunk before it is being stored: a chunk is encoded only
+    once the one before is sent, so that a large submission never holds all its
+    messages at once. If a chunk fails after earlier chunks were enqueued (to encode, or
+    in Redis), or its reply was lost with its connection, raises
     :class:`BulkEnqueueError` with their ids (and the lost chunk's, as enqueued or as
-    uncertain); if the first chunk fails otherwise, the original error (nothing was
-    enqueued).
+    uncertain); if the first chunk fails, the original error (nothing was enqueued).
     """
     if not 1 <= chunk <= MAX_CHUNK:
         raise ValueError(f"chunk must be in [1, {MAX_CHUNK}], got {chunk}")
