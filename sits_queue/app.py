@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any, ClassVar, TypeVar
 
 import redis
-from celery import Celery, Task
+from celery import Celery, Signature, Task, group
+from celery.canvas import _chain, _chord
 
 from sits_queue import flower
 from sits_queue.broker.keys import DELIVERY_ONLY
@@ -198,6 +199,21 @@ def sits_headers(opts: TaskOptions, headers: Mapping[str, Any] | None,
     return out
 
 
+def _leaves(sig: Any) -> Iterator[Signature]:
+    """The task signatures a canvas sends: a chain's steps, a group's members, a chord's
+    header and body, recursively."""
+    if isinstance(sig, _chord):
+        yield from _leaves(sig.tasks)
+        yield from _leaves(sig.body)
+    elif isinstance(sig, group | _chain):
+        yield from _leaves(sig.tasks)
+    elif isinstance(sig, list | tuple):
+        for member in sig:
+            yield from _leaves(member)
+    elif isinstance(sig, Signature):
+        yield sig
+
+
 class SitsTask(Task):  # type: ignore[misc]
     """Celery task whose ``apply_async`` validates and attaches the SITS options.
 
@@ -258,6 +274,21 @@ class SitsTask(Task):  # type: ignore[misc]
             if isinstance(old, str) and sig.options.get("sla_class") != old:
                 self._forget_class_defaults(sig.options, old, extra_options)
         return sig
+
+    def replace(self, sig: Any) -> Any:
+        """Celery's, with the replacement sent in the running task's class: Celery carries
+        the chord, group and root over, not the options, so an urgent task that replaced
+        itself went on in the default class. Each task of the replacement (each step of a
+        chain, each member of a group or chord header, a chord's body) that names no class
+        of its own, on its signature or its task, takes the running one's."""
+        header = getattr(self.request, HEADER, None)
+        running = header.get("sla_class") if isinstance(header, Mapping) else None
+        if isinstance(running, str):
+            for leaf in _leaves(sig):
+                declared = getattr(self.app.tasks.get(leaf.task), "sla_class", None)
+                if leaf.options.get("sla_class") is None and declared is None:
+                    leaf.options["sla_class"] = running
+        return super().replace(sig)
 
     def _forget_class_defaults(self, options: dict[str, Any], old: str,
                                given: Mapping[str, Any]) -> None:

@@ -240,3 +240,56 @@ def test_a_bad_app_setting_is_refused_naming_the_setting() -> None:
 
     with pytest.raises(InvalidTaskOptions, match="task_time_limit must be a positive"):
         apply_class_limits(any_task, SitsConfig(), "low", {}, app.conf)
+
+
+@pytest.fixture
+def replacing() -> Any:
+    """A task app whose replacement is captured instead of sent (``on_replace``)."""
+    app = make_app(SitsConfig(), main="replace-unit")
+
+    @app.task(name="u.plain", shared=False)
+    def plain() -> None:
+        return None
+
+    @app.task(name="u.low", sla_class="low", shared=False)
+    def low() -> None:
+        return None
+
+    @app.task(name="u.host", bind=True, shared=False)
+    def host(self: Any) -> None:
+        return None
+
+    host.on_replace = lambda sig: sig
+    return app
+
+
+def replaced(app: Any, header: Any, sig: Any) -> Any:
+    host = app.tasks["u.host"]
+    host.push_request(id="t-1", args=(), kwargs={}, delivery_info={}, **{HEADER: header})
+    try:
+        return host.replace(sig)
+    finally:
+        host.pop_request()
+
+
+def test_a_replacement_goes_on_in_the_running_tasks_class(replacing: Any) -> None:
+    """(Celery carries no options into a replacement: an urgent task that replaced itself
+    went on in the default class)"""
+    from celery import chain, chord, group
+    plain, low = replacing.tasks["u.plain"], replacing.tasks["u.low"]
+    sig = replaced(replacing, {"sla_class": "high"}, plain.s())
+    assert sig.options["sla_class"] == "high"
+    canvas = chain(plain.s(), group(plain.s(), low.s(), plain.s().set(sla_class="medium")),
+                   chord([plain.s()], plain.s()))
+    sent = replaced(replacing, {"sla_class": "high"}, canvas)
+    from sits_queue.app import _leaves
+    classes = [leaf.options.get("sla_class") for leaf in _leaves(sent)]
+    # a task that declares its own class, or a signature that names one, keeps it
+    assert classes == ["high", "high", None, "medium", "high", "high"]
+
+
+@pytest.mark.parametrize("header", [None, "not a mapping", {"sla_class": None}])
+def test_a_replacement_of_a_task_without_a_readable_class_gets_none(
+        replacing: Any, header: Any) -> None:
+    sig = replaced(replacing, header, replacing.tasks["u.plain"].s())
+    assert "sla_class" not in sig.options
