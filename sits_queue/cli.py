@@ -383,15 +383,17 @@ def _run_module(module: str, size: list[str], json_path: Path | None,
 # -- celery passthrough ----------------------------------------------------------------------
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
               add_help_option=False)  # `sitsq celery worker --help` is Celery's help
+@click.option("-A", "--app", "app_name", default="sits_queue", show_default=True,
+              help="The module that defines your tasks (it imports sits_queue's app).")
 @click.argument("command")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def celery(command: str, args: tuple[str, ...]) -> None:
-    """Run `celery -A sits_queue COMMAND ...` (any Celery command: worker, beat, flower,
+def celery(app_name: str, command: str, args: tuple[str, ...]) -> None:
+    """Run `celery -A APP COMMAND ...` (any Celery command: worker, beat, flower,
     inspect, control, purge, ...) against the configured or embedded Redis."""
     # Celery's help needs no Redis: the embedded one is not started for it
     env = dict(os.environ) if "--help" in (command, *args) else \
         {**os.environ, "SITS_REDIS_URL": _redis_url()}
-    argv = [sys.executable, "-m", "celery", "-A", "sits_queue", command, *args]
+    argv = [sys.executable, "-m", "celery", "-A", app_name, command, *args]
     os.execvpe(argv[0], argv, env)
 
 

@@ -160,6 +160,11 @@ def test_sitsq_celery_passes_any_command_and_its_help_to_celery(redis_url: str) 
     assert "No nodes replied" in pinged.stdout + pinged.stderr  # ran, on our Redis
     status = sitsq("celery", "status", env=env)  # not a command sitsq names itself
     assert "No nodes replied" in status.stdout + status.stderr
+    # -A names the module with the user's tasks (sits_queue's own by default)
+    missing = sitsq("celery", "-A", "no_such_tasks_module", "status", env=env)
+    assert "module no_such_tasks_module was not found" in missing.stdout + missing.stderr
+    theirs = sitsq("celery", "--app", "tests.integration.worker_app", "status", env=env)
+    assert "No nodes replied" in theirs.stdout + theirs.stderr
 
 
 def test_dead_letters_are_listed_requeued_and_dropped(

@@ -48,7 +48,8 @@ def test_redis_is_durable_password_protected_and_health_checked(
 def test_app_services_load_the_package_and_wait_for_redis(
         services: dict[str, dict[str, Any]], name: str) -> None:
     service = services[name]
-    assert "celery -A sits_queue" in _command(service)
+    # the user's task module when SITS_APP names it, sits_queue's own by default
+    assert "celery -A ${SITS_APP:-sits_queue} " in _command(service)
     assert service["depends_on"]["redis"]["condition"] == "service_healthy"
     assert service["environment"]["SITS_REDIS_URL"] == "redis://:${REDIS_PASSWORD}@redis:6379/0"
 
