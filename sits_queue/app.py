@@ -15,6 +15,7 @@ from celery.canvas import _chain, _chord
 
 from sits_queue import flower
 from sits_queue.broker.keys import DELIVERY_ONLY
+from sits_queue.cache.budgets import CacheBudgets
 from sits_queue.checks import finite, is_number, shown
 from sits_queue.config import SitsConfig
 from sits_queue.errors import InvalidTaskOptions
@@ -520,7 +521,12 @@ class SitsCelery(Celery):  # type: ignore[misc]
 
 def make_app(config: SitsConfig | None = None, main: str = "sits_queue") -> SitsCelery:
     """A configured Celery app. ``celery -A sits_queue`` uses the one built from the env."""
-    config = SitsConfig.from_env() if config is None else config
+    if config is None:
+        config = SitsConfig.from_env()
+        # The cache sizes are read again in each pool child; a bad one is the same
+        # one-line error as a bad setting here (in the worker it stopped the start with
+        # two tracebacks).
+        CacheBudgets.from_env()
     app = SitsCelery(main, task_cls=SitsTask)
     app.sits = config
     app.conf.update(celery_settings(config))

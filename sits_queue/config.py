@@ -27,6 +27,10 @@ from sits_queue.errors import ConfigError
 
 #: Used by ``celery -A sits_queue worker`` when nothing is configured, as Celery users expect.
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+#: The cache byte budgets' variables (``cache/budgets.py`` reads them in the worker): no
+#: SitsConfig fields, but settings all the same, so a near miss of one is warned about.
+CACHE_BYTES_VARS = ("SITS_DEVICE_CACHE_BYTES", "SITS_HOST_CACHE_BYTES",
+                    "SITS_KV_PREFIX_CACHE_BYTES")
 
 
 #: Most tasks one batch may take: bounds one pick's Lua work and one pool job's inputs.
@@ -410,8 +414,9 @@ class SitsConfig:
         """Build from ``SITS_*`` variables, on top of ``SITS_CONFIG`` (a TOML file) if set."""
         env = os.environ if env is None else env
         base = cls.from_file(env["SITS_CONFIG"]) if env.get("SITS_CONFIG") else cls()
-        _warn_near_misses(env, {"SITS_CONFIG", *("SITS_" + f.name.upper() for f in fields(cls)
-                                                 if f.name not in ("classes", "weights"))})
+        _warn_near_misses(env, {"SITS_CONFIG", *CACHE_BYTES_VARS,
+                                *("SITS_" + f.name.upper() for f in fields(cls)
+                                  if f.name not in ("classes", "weights"))})
         overrides: dict[str, Any] = {}
         for f in fields(cls):
             key = "SITS_" + f.name.upper()

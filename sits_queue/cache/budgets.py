@@ -9,6 +9,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from sits_queue.config import CACHE_BYTES_VARS
 from sits_queue.errors import ConfigError
 from sits_queue.workers.devices import Device, Discovery
 
@@ -51,9 +52,9 @@ class CacheBudgets:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> CacheBudgets:
         env = os.environ if env is None else env
-        return cls(device_bytes=_env_bytes(env, "SITS_DEVICE_CACHE_BYTES"),
-                   host_bytes=_env_bytes(env, "SITS_HOST_CACHE_BYTES"),
-                   prefix_bytes=_env_bytes(env, "SITS_KV_PREFIX_CACHE_BYTES"))
+        device, host, prefix = CACHE_BYTES_VARS
+        return cls(device_bytes=_env_bytes(env, device), host_bytes=_env_bytes(env, host),
+                   prefix_bytes=_env_bytes(env, prefix))
 
     def prefix_budget(self, device_bytes: int) -> int:
         """The KV-prefix budget: the override, else :data:`PREFIX_CACHE_SHARE` of the

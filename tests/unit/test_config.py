@@ -240,8 +240,13 @@ def test_a_variable_that_nearly_names_a_setting_is_warned_about(
     monkeypatch.setattr(sits_queue.config, "_warned", set())  # (once per process)
     with caplog.at_level("WARNING", logger="sits_queue.config"):
         config = SitsConfig.from_env({"SITS_VISIBILITY_TIMEOUT": "90",
-                                      "SITS_BENCH_SYSTEM": "sits", "SITS_CONFIG": ""})
+                                      "SITS_BENCH_SYSTEM": "sits", "SITS_CONFIG": "",
+                                      "SITS_DEVICE_CACHE_BYTE": "1GiB",
+                                      "SITS_HOST_CACHE_BYTES": "2GiB"})
     assert config.visibility_timeout_s == SitsConfig().visibility_timeout_s
+    # (the cache sizes, read by the worker's children, are settings too)
     assert [r.getMessage() for r in caplog.records] == [
+        "SITS_DEVICE_CACHE_BYTE is no SITS setting and is ignored; did you mean "
+        "SITS_DEVICE_CACHE_BYTES?",
         "SITS_VISIBILITY_TIMEOUT is no SITS setting and is ignored; did you mean "
         "SITS_VISIBILITY_TIMEOUT_S?"]

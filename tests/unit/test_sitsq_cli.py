@@ -141,6 +141,19 @@ def test_celerys_command_line_says_a_bad_setting_in_one_line(command: list[str],
     assert out.stderr.strip() == "Error: SITS_SLICE_MS='abc' is not a valid float"
 
 
+def test_celerys_command_line_says_a_bad_cache_size_in_one_line(tmp_path: Path) -> None:
+    """(the worker's children read it: the worker stopped with two tracebacks, 68 lines)"""
+    import os
+
+    command = [str(Path(sys.executable).with_name("celery")), "-A", "sits_queue", "worker"]
+    out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**{k: v for k, v in os.environ.items()
+                                 if not k.startswith("SITS_")}, "SITS_DEVICE_CACHE_BYTES": "8XB"})
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.strip() == ("Error: SITS_DEVICE_CACHE_BYTES='8XB' is not a number of "
+                                  "bytes (say 8GiB, 512MB or 65536)")
+
+
 def test_a_program_importing_the_package_gets_the_exception() -> None:
     import os
 
