@@ -108,6 +108,10 @@ def register(app: Celery) -> dict[str, Any]:
         return {"tag": tag, "runs": runs, "retries": self.request.retries,
                 "sla_class": header.get("sla_class"), "model": header.get("model")}
 
+    @app.task(name="w.hourly", rate_limit="1/h", shared=False)
+    def hourly(tag: str) -> str:
+        return tag
+
     @app.task(name="w.pid", shared=False)
     def pid() -> int:
         return os.getpid()

@@ -1,0 +1,36 @@
+"""Celery's ``rate_limit`` on a SITS worker (``workers/ratelimits.py``): a task waiting for
+its token holds its message, not the worker's intake. Real Redis, real workers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import redis
+from celery import Celery
+
+from sits_queue.broker.keys import QueueKeys
+from sits_queue.procs import CeleryProcess
+from tests.waiting import wait_for
+
+KEYS = QueueKeys.for_queue("celery")
+
+
+@pytest.mark.parametrize("pool", ["prefork", "solo"])
+def test_tasks_waiting_for_a_token_leave_the_worker_serving_the_rest(
+        pool: str, spawn: Callable[..., CeleryProcess], client_app: Celery,
+        redis_client: redis.Redis) -> None:
+    """(with prefetch off, SITS's default, they took up the prefetch count: a one-slot
+    worker with an '1/h' task waiting took nothing else for the hour)"""
+    spawn(concurrency=1, pool=pool)
+    hourly = client_app.tasks["w.hourly"]
+    assert hourly.delay("first").get(timeout=60) == "first"  # the bucket's one token
+    waiting = [hourly.delay("second"), hourly.apply_async(("after its eta",), countdown=1)]
+    # Both held by the worker (unacked), not waiting in the queue
+    wait_for(lambda: redis_client.zcard(KEYS.unacked) == 2, 30,
+             "the worker to take both rate-limited tasks")
+    wait_for(lambda: redis_client.zcard(KEYS.waiting) == 0, 30, "the queue to empty")
+    # The ETA one is due now and waits for a token too; plain work still runs, in turn
+    results = [client_app.tasks["w.add"].delay(i, i) for i in range(5)]
+    assert [r.get(timeout=60) for r in results] == [0, 2, 4, 6, 8]
+    assert all(r.state == "PENDING" for r in waiting)

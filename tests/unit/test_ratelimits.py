@@ -1,0 +1,91 @@
+"""The rate-limit hold (``workers/ratelimits.py``) on Celery's own bucket scheduling, with
+a stand-in consumer: a request waiting for a token is out of the prefetch count until
+it moves to the pool, and the event loop is woken once the next look at the bucket is
+set."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.worker.consumer.consumer import Consumer
+from kombu.common import QoS
+from kombu.utils.limits import TokenBucket
+
+from sits_queue.workers.ratelimits import RateLimitHold
+
+
+class Transport:
+    def __init__(self) -> None:
+        self.wakes = 0
+
+    def wake_hub(self) -> None:
+        self.wakes += 1
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.entries: list[tuple[float, Any, tuple[Any, ...]]] = []
+
+    def call_after(self, secs: float, fun: Any, args: tuple[Any, ...] = (),
+                   priority: int = 0) -> None:
+        self.entries.append((secs, fun, args))
+
+
+class StandIn:
+    """What Celery's bucket methods use of a consumer; they are Celery's own."""
+
+    _limit_order = 0
+    _schedule_bucket_request = Consumer._schedule_bucket_request
+    _limit_task = Consumer._limit_task
+    _limit_post_eta = Consumer._limit_post_eta
+
+    def __init__(self) -> None:
+        self.qos = QoS(lambda prefetch_count: None, 1)
+        self.timer = Timer()
+        self.connection = type("Connection", (), {"transport": Transport()})()
+        self.moved: list[str] = []
+
+    def _limit_move_to_pool(self, request: str) -> None:
+        self.moved.append(request)
+
+
+def test_a_request_waiting_for_a_token_is_out_of_the_prefetch_count() -> None:
+    c = StandIn()
+    RateLimitHold(c)
+    bucket = TokenBucket(fill_rate=1 / 3600, capacity=1)
+    c._limit_task("first", bucket, 1)  # the bucket's one token: to the pool at once
+    assert c.moved == ["first"] and c.qos.value == 1
+    c._limit_task("second", bucket, 1)  # waits an hour
+    c._limit_task("third", bucket, 1)
+    assert c.moved == ["first"] and c.qos.value == 3  # room for two more messages
+    bucket._tokens = 1  # (a token frees)
+    _, look_again, args = c.timer.entries[-1]
+    look_again(*args)
+    assert c.moved == ["first", "second"] and c.qos.value == 2
+
+
+def test_a_due_eta_request_keeps_its_place_out_of_the_count_while_it_waits() -> None:
+    """(Celery's own gives the ETA's back as it enters the bucket)"""
+    c = StandIn()
+    RateLimitHold(c)
+    bucket = TokenBucket(fill_rate=1 / 3600, capacity=1)
+    c._limit_task("first", bucket, 1)
+    c.qos.increment_eventually()  # what the strategy does for a request with an ETA
+    c._limit_post_eta("due", bucket, 1)
+    assert c.qos.value == 2
+    bucket._tokens = 1
+    _, look_again, args = c.timer.entries[-1]
+    look_again(*args)
+    assert c.moved == ["first", "due"] and c.qos.value == 1
+
+
+def test_the_event_loop_is_woken_once_the_next_look_is_set() -> None:
+    """(its sleep was computed before: with no pool pipes to wake it, a solo worker slept
+    up to a second past each token, and '10/s' ran at about 2/s)"""
+    c = StandIn()
+    RateLimitHold(c)
+    bucket = TokenBucket(fill_rate=10, capacity=1)
+    c._limit_task("first", bucket, 1)
+    c._limit_task("second", bucket, 1)
+    assert c.connection.transport.wakes == 2
+    assert c.timer.entries[-1][1] == c._schedule_bucket_request  # wakes again next time
