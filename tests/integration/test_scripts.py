@@ -125,6 +125,29 @@ def test_preempt_waits_for_a_free_slot_to_win_and_ignores_lesser_classes(
     assert redis_client.hlen(KEYS.checkpoints) == 0
 
 
+def test_preempt_yields_only_for_a_task_ahead_of_the_runners_own_place(
+        redis_client: redis.Redis) -> None:
+    """(a task the rescoring pass aged past the waiting urgent ones, and picked at that
+    score, yielded for them over and over: put back ahead of them, it was picked again
+    at once, and they waited all the same)"""
+    scripts = Scripts.register()
+    now = 1000.0
+    redis_client.zadd(KEYS.unacked, {"run": now})
+    redis_client.hset(KEYS.saved, "run", 5)  # its score when it was picked
+    waiting_task(redis_client, "h", "high", now - 1, 7)
+    assert preempt(scripts, redis_client, "run", now, "high") is None
+    assert redis_client.hlen(KEYS.checkpoints) == 0 and redis_client.hlen(KEYS.yields) == 0
+    redis_client.zadd(KEYS.waiting, {"h": 5})  # level with it: still picked first
+    assert preempt(scripts, redis_client, "run", now, "high") is None
+    redis_client.zadd(KEYS.waiting, {"h": 4})
+    assert preempt(scripts, redis_client, "run", now, "high") == b"h"
+    # a saved score that is no number (another program's) is no place to compare
+    redis_client.delete(KEYS.yields, KEYS.checkpoints)
+    redis_client.hset(KEYS.saved, "run", "junk")
+    redis_client.zadd(KEYS.waiting, {"h": 7})
+    assert preempt(scripts, redis_client, "run", now, "high") == b"h"
+
+
 def test_pick_settles_the_claim_and_ack_drops_the_checkpoint(
         redis_client: redis.Redis) -> None:
     scripts = Scripts.register()

@@ -11,10 +11,11 @@
 --       yields, then the classes that outrank the running task
 -- On a claim the state is saved as the running task's checkpoint in the same step, so
 -- a yield never stands without what it resumes from (and costs one round trip).
--- Returns the id yielded for when the best waiting task is of an outranking class, has
--- waited at least the least wait (a slot that frees on its own gets it first), and no
--- other running task has claimed to yield for it; 'wait' when only the least wait is
--- missing (ask again soon); false otherwise.
+-- Returns the id yielded for when the best waiting task is of an outranking class, is
+-- ahead of the running task's own place (its saved score: back in the queue it would
+-- be picked again at once), has waited at least the least wait (a slot that frees on
+-- its own gets it first), and no other running task has claimed to yield for it;
+-- 'wait' when only the least wait is missing (ask again soon); false otherwise.
 local running, now = ARGV[1], tonumber(ARGV[2])
 local least_wait, claim_s, state = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 -- Only a task this worker still holds may claim (not one already restored elsewhere).
@@ -23,7 +24,13 @@ local outranking = {}
 for i = 6, #ARGV do outranking[ARGV[i]] = true end
 -- The best few waiting tasks, best first: one claimed already (another task is yielding
 -- for it) lets the next urgent one find its own yielder at once.
-for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, 7)) do
+-- A task aged past the waiting urgent ones by the rescoring pass (it was picked at that
+-- score) yielded for them over and over, put back ahead of them each time.
+local mine = tonumber(redis.call('HGET', KEYS[7], running) or '')
+local best = redis.call('ZRANGE', KEYS[1], 0, 7, 'WITHSCORES')
+for i = 1, #best, 2 do
+  local id = best[i]
+  if mine and mine <= tonumber(best[i + 1]) then return false end
   local raw = redis.call('HGET', KEYS[3], id)
   local ok, meta = false, nil
   if raw then ok, meta = pcall(cjson.decode, raw) end
