@@ -6,6 +6,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import Any
 
 import orjson
@@ -45,17 +46,36 @@ _KEYS = {"sla_class": "c", "model": "m", "context_tokens": "n", "latency_sla_ms"
          "prefix_key": "px", "batch": "b", "batch_max": "bn", "precision": "q"}
 
 
+def due_at(headers: Any) -> float | None:
+    """When a message's ETA or countdown falls due (unix s), from Celery's ``eta`` header;
+    None without one, or with one that names no instant (no time zone: the app's own,
+    which the broker does not know)."""
+    eta = headers.get("eta") if isinstance(headers, dict) else None
+    if not isinstance(eta, str):
+        return None
+    try:
+        when = datetime.fromisoformat(eta)
+        due = when.timestamp() if when.tzinfo is not None else None
+    except (ValueError, OverflowError, OSError):
+        return None
+    return due if due is not None and math.isfinite(due) else None
+
+
 @dataclass(frozen=True)
 class WaitingMeta:
     options: TaskOptions
     enqueued_at_s: float
     task: str
+    #: When its ETA falls due: a running task does not yield for it before (preempt.lua).
+    due_s: float | None = None
 
     def to_json(self) -> bytes:
         record: dict[str, Any] = {short: getattr(self.options, name)
                                   for name, short in _KEYS.items()}
         record["t"] = self.enqueued_at_s
         record["task"] = self.task
+        if self.due_s is not None:
+            record["eta"] = self.due_s
         return compact_json(record)
 
     @classmethod
@@ -91,14 +111,16 @@ class WaitingMeta:
                                message.get("properties", {}).get("delivery_tag"),
                                options.batch, own)
                 options = replace(options, batch=None, batch_max=None)
-        return cls(options=options, enqueued_at_s=now, task=task)
+        return cls(options=options, enqueued_at_s=now, task=task, due_s=due_at(headers))
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> WaitingMeta:
         record = json.loads(raw)
         options = TaskOptions(**{name: record.get(short) for name, short in _KEYS.items()})
+        due = record.get("eta")
         return cls(options=options, enqueued_at_s=float(record["t"]),
-                   task=str(record.get("task", "")))
+                   task=str(record.get("task", "")),
+                   due_s=float(due) if isinstance(due, int | float) else None)
 
     @classmethod
     def read(cls, raw: str | bytes | None) -> WaitingMeta | None:

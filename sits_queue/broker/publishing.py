@@ -29,7 +29,7 @@ from sits_queue.broker.keys import (
     queues_registry,
     score_base,
 )
-from sits_queue.broker.meta import WaitingMeta
+from sits_queue.broker.meta import WaitingMeta, due_at
 from sits_queue.broker.scripts import Scripts
 from sits_queue.broker.snapshot import SnapshotCache
 from sits_queue.config import SitsConfig
@@ -142,7 +142,8 @@ class PublishingChannel(kredis.Channel):
         """One message's five ``put.lua`` arguments. ``options``: already validated ones
         (bulk submission), else they are read from the message's header."""
         meta = (WaitingMeta.of_message(self.config, message, now) if options is None else
-                WaitingMeta(options, now, str(message["headers"].get("task", ""))))
+                WaitingMeta(options, now, str(message["headers"].get("task", "")),
+                            due_at(message["headers"])))
         o = meta.options
         prio = scorer.score(o.sla_class, now, o.context_tokens, o.latency_sla_ms,
                             o.loss_sensitivity, o.input_entropy or 0.0, o.model)

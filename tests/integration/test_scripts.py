@@ -148,6 +148,23 @@ def test_preempt_yields_only_for_a_task_ahead_of_the_runners_own_place(
     assert preempt(scripts, redis_client, "run", now, "high") == b"h"
 
 
+def test_preempt_does_not_yield_for_a_task_whose_eta_is_not_due(
+        redis_client: redis.Redis) -> None:
+    """(the freed slot only put it in the worker's timer, and the yielder resumed)"""
+    scripts = Scripts.register()
+    now = 1000.0
+    redis_client.zadd(KEYS.unacked, {"run": now})
+    waiting_task(redis_client, "later", "high", now - 1, 1)
+    redis_client.hset(KEYS.meta, "later", json.dumps({"c": "high", "t": now - 1,
+                                                      "eta": now + 8}))
+    waiting_task(redis_client, "now", "high", now - 1, 2)
+    assert preempt(scripts, redis_client, "run", now, "high") == b"now"  # the one behind
+    redis_client.delete(KEYS.yields, KEYS.checkpoints)
+    redis_client.zrem(KEYS.waiting, "now")
+    assert preempt(scripts, redis_client, "run", now, "high") is None
+    assert preempt(scripts, redis_client, "run", now + 8.5, "high") == b"later"  # due
+
+
 def test_pick_settles_the_claim_and_ack_drops_the_checkpoint(
         redis_client: redis.Redis) -> None:
     scripts = Scripts.register()

@@ -63,3 +63,22 @@ def test_a_stored_scheduling_record_out_of_the_options_range_is_refused_naming_i
     assert score_inputs(ours) == ("low", 1_800_000_000.0, 0, 5000.0, 0.2, 0.0, "m")
     with pytest.raises(ValueError, match=named):
         score_inputs(json.dumps({**json.loads(ours), field: value}))
+
+
+@pytest.mark.parametrize("eta, due", [
+    ("2026-12-05T03:30:00+00:00", 1796441400.0),
+    ("2026-12-05T04:30:00.500000+01:00", 1796441400.5),
+    ("2026-12-05T03:30:00", None),  # no time zone: the app's, which the broker cannot know
+    (None, None), ("soon", None), (1796441400, None), ("2026-13-01T00:00:00+00:00", None),
+])
+def test_a_waiting_record_keeps_when_its_eta_falls_due(eta: object, due: float | None) -> None:
+    """(a running task yielded for a task whose countdown was not due: the freed slot only
+    put it in the worker's timer)"""
+    from sits_queue.broker.meta import WaitingMeta
+
+    config = SitsConfig()
+    message = {"headers": {"task": "t.x", "eta": eta, "sits": None}, "properties": {}}
+    meta = WaitingMeta.of_message(config, message, 1_800_000_000.0)
+    assert meta.due_s == due
+    assert WaitingMeta.from_json(meta.to_json()).due_s == due
+    assert (b'"eta"' in meta.to_json()) == (due is not None)

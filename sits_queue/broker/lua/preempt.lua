@@ -39,9 +39,12 @@ for i = 1, #best, 2 do
   if not ok or type(meta) ~= 'table' or not outranking[meta.c] then return false end
   local claimed = tonumber(redis.call('HGET', KEYS[12], id))
   -- A task with a checkpoint already ran and yielded: it resumes when a slot frees, and
-  -- displaces no one (one urgent arrival must not cascade down the classes).
+  -- displaces no one (one urgent arrival must not cascade down the classes). Nor does
+  -- one whose ETA is not due: the freed slot only put it in a worker's timer, and the
+  -- yielder took its slot back.
   local resuming = redis.call('HEXISTS', KEYS[11], id) == 1
-  if not resuming and not (claimed and now - claimed < claim_s) then
+  local early = type(meta.eta) == 'number' and meta.eta > now
+  if not resuming and not early and not (claimed and now - claimed < claim_s) then
     if now - (tonumber(meta.t) or now) < least_wait then return 'wait' end
     redis.call('HSET', KEYS[12], id, now)
     redis.call('HSET', KEYS[11], running, state)
