@@ -1,10 +1,13 @@
-"""Celery's ``add_consumer`` remote-control command, refusing a queue name this broker
-cannot use.
+"""Celery's remote-control commands where SITS differs.
 
-Celery's own command replies "ok" at once and declares the queue later, in the worker's
-event loop (``Consumer.call_soon``), where the transport's refusal of the name
+``add_consumer``: Celery's own replies "ok" at once and declares the queue later, in the
+worker's event loop (``Consumer.call_soon``), where the transport's refusal of the name
 (``keys.check_queue_name``) would raise and stop the worker. This one checks the name
 first and replies with the error instead; any other name goes to Celery's command.
+
+``time_limit``: Celery's sets the limits on the worker's copy of the task, which the
+limits every SITS message carries override; it replied "time limits set successfully"
+and changed nothing. This one says so, and where limits are set.
 """
 
 from __future__ import annotations
@@ -28,8 +31,20 @@ def add_consumer(state: Any, queue: Any, *args: Any, **options: Any) -> Any:
     return _celery_add_consumer(state, queue, *args, **options)
 
 
+def time_limit(state: Any, task_name: Any = None, hard: Any = None, soft: Any = None,
+               **kwargs: Any) -> Any:
+    """Tell worker(s) to modify the time limit for task by type."""
+    return celery_control.nok(
+        "SITS tasks carry their time limits on each message, set by the producer (the "
+        "call's time_limit/soft_time_limit, the task's, the app's task_time_limit/"
+        "task_soft_time_limit, then the class's max_run_s): a worker's limits for "
+        f"{task_name!r} would change nothing")
+
+
 def register() -> None:
-    """Put :func:`add_consumer` in Celery's registry of control commands in place of
-    Celery's own, with its arguments and help (the registry is process-wide; idempotent)."""
-    meta = celery_control.Panel.meta["add_consumer"]
-    celery_control.Panel._register(name="add_consumer", **meta._asdict())(add_consumer)
+    """Put :func:`add_consumer` and :func:`time_limit` in Celery's registry of control
+    commands in place of Celery's own, with their arguments and help (the registry is
+    process-wide; idempotent)."""
+    for name, command in (("add_consumer", add_consumer), ("time_limit", time_limit)):
+        meta = celery_control.Panel.meta[name]
+        celery_control.Panel._register(name=name, **meta._asdict())(command)

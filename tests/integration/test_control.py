@@ -53,6 +53,18 @@ def test_inspect_with_short_timeouts_answers_every_call(spawn: Spawn,
         assert ping == {worker.hostname: {"ok": "pong"}}, round_
 
 
+def test_a_time_limit_set_remotely_is_refused_saying_where_limits_are_set(
+        spawn: Spawn, client_app: Celery) -> None:
+    """(Celery's command set the worker's copy of the task, which every SITS message's own
+    limits override: it answered "time limits set successfully" and changed nothing)"""
+    worker = spawn()
+    (reply,) = client_app.control.time_limit("w.slow", soft=1, hard=2, reply=True,
+                                             timeout=5)
+    error = reply[worker.hostname]["error"]
+    assert "carry their time limits on each message" in error and "'w.slow'" in error
+    assert client_app.tasks["w.slow"].apply_async(("x", 0.1)).get(timeout=30) == "x"
+
+
 @pytest.mark.parametrize("pool", ["prefork", "solo"])
 def test_a_queue_added_to_a_running_worker_is_served(spawn: Spawn, client_app: Celery,
                                                      pool: str) -> None:
