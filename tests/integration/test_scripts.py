@@ -83,6 +83,13 @@ def preempt(scripts: Scripts, client: redis.Redis, running: str, now: float,
                        client)
 
 
+def one_running(client: redis.Redis) -> tuple[Scripts, float]:
+    """The scripts, and the time at which the task "run" is held by its worker."""
+    now = 1000.0
+    client.zadd(KEYS.unacked, {"run": now})
+    return Scripts.register(), now
+
+
 def test_preempt_claims_one_yield_per_urgent_waiting_task(redis_client: redis.Redis) -> None:
     scripts = Scripts.register()
     now = 1000.0
@@ -104,9 +111,7 @@ def test_preempt_claims_one_yield_per_urgent_waiting_task(redis_client: redis.Re
 
 def test_preempt_waits_for_a_free_slot_to_win_and_ignores_lesser_classes(
         redis_client: redis.Redis) -> None:
-    scripts = Scripts.register()
-    now = 1000.0
-    redis_client.zadd(KEYS.unacked, {"run": now})
+    scripts, now = one_running(redis_client)
     waiting_task(redis_client, "h", "high", now - 0.001, 1)
     # Waited 1 ms < the 5 ms least wait: ask again soon
     assert preempt(scripts, redis_client, "run", now, "high") == b"wait"
@@ -130,9 +135,7 @@ def test_preempt_yields_only_for_a_task_ahead_of_the_runners_own_place(
     """(a task the rescoring pass aged past the waiting urgent ones, and picked at that
     score, yielded for them over and over: put back ahead of them, it was picked again
     at once, and they waited all the same)"""
-    scripts = Scripts.register()
-    now = 1000.0
-    redis_client.zadd(KEYS.unacked, {"run": now})
+    scripts, now = one_running(redis_client)
     redis_client.hset(KEYS.saved, "run", 5)  # its score when it was picked
     waiting_task(redis_client, "h", "high", now - 1, 7)
     assert preempt(scripts, redis_client, "run", now, "high") is None
@@ -151,9 +154,7 @@ def test_preempt_yields_only_for_a_task_ahead_of_the_runners_own_place(
 def test_preempt_does_not_yield_for_a_task_whose_eta_is_not_due(
         redis_client: redis.Redis) -> None:
     """(the freed slot only put it in the worker's timer, and the yielder resumed)"""
-    scripts = Scripts.register()
-    now = 1000.0
-    redis_client.zadd(KEYS.unacked, {"run": now})
+    scripts, now = one_running(redis_client)
     waiting_task(redis_client, "later", "high", now - 1, 1)
     redis_client.hset(KEYS.meta, "later", json.dumps({"c": "high", "t": now - 1,
                                                       "eta": now + 8}))
