@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
@@ -520,6 +521,22 @@ def redacted(url: str) -> str:
         return url
     scheme, rest = url.split("://", 1)
     return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+
+
+#: The credentials of a URL (user, password), up to the last "@" before its host.
+_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^\s/]*@")
+
+
+def without_credentials(value: Any) -> Any:
+    """``value`` with the credentials of every URL in it masked, through mappings and
+    sequences: for what is shown to others (remote-control replies, Flower)."""
+    if isinstance(value, str):
+        return _CREDENTIALS.sub(r"\g<scheme>***@", value)
+    if isinstance(value, Mapping):
+        return {k: without_credentials(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [without_credentials(v) for v in value]
+    return value
 
 
 #: Query options of a Redis URL that are durations, s: a timeout must be > 0 (0 makes

@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.config import SitsConfig
 from sits_queue.errors import InvalidQueueName
+from sits_queue.settings import config_from_options
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def reader_for(broker_options: Mapping[str, Any] | None) -> SitsQueues | None:
     when that is a SITS one: Flower serves the app it loaded, the current one."""
     raw = (broker_options or {}).get("sits_config")
     if isinstance(raw, Mapping):
-        return SitsQueues(SitsConfig.from_mapping(raw, source="broker_transport_options"))
+        return SitsQueues(config_from_options(raw, "broker_transport_options"))
     from celery import current_app  # (late: the app module installs this one)
 
     from sits_queue.app import SitsCelery, sits_config

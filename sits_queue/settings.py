@@ -3,6 +3,7 @@ options, and the beat's schedule of SITS's maintenance passes."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from dataclasses import asdict
 from datetime import timedelta
@@ -11,7 +12,7 @@ from typing import Any
 from kombu.entity import Queue
 
 from sits_queue.broker import results
-from sits_queue.config import SitsConfig
+from sits_queue.config import SitsConfig, without_credentials
 from sits_queue.errors import ConfigError
 from sits_queue.options import CONTROL_QUEUE, MAINTENANCE_TASKS
 
@@ -34,7 +35,7 @@ def sits_transport_options(config: SitsConfig, *given: Mapping[str, Any] | None
     to change (a producer and a worker would otherwise use different keys)."""
     ours = {"visibility_timeout": config.visibility_timeout_s,
             "global_keyprefix": config.global_keyprefix,
-            "sits_config": _plain(asdict(config))}
+            "sits_config": shared_config(config)}
     merged: dict[str, Any] = {
         # The sweep restores messages of silent workers; ours throttles by time.
         "unacked_restore_interval": max(1.0, config.visibility_timeout_s / 6)}
@@ -138,6 +139,37 @@ def prewarm_schedule(interval_s: float) -> Any:
         if seconds % 3600 == 0 and 86_400 % seconds == 0:
             return crontab(minute=0, hour=f"*/{seconds // 3600}")
     return interval_s
+
+
+#: The fields of a SitsConfig that hold credentials: Redis URLs with their passwords.
+CREDENTIAL_FIELDS = ("redis_url", "site_peers")
+#: Where the config the transport options carry names its credentials in this process.
+CREDENTIALS_REF = "credentials"
+_credentials: dict[str, dict[str, Any]] = {}
+_refs: dict[tuple[Any, ...], str] = {}
+
+
+def shared_config(config: SitsConfig) -> dict[str, Any]:
+    """The SITS config as the transport options carry it (each channel rebuilds it from
+    there: :func:`config_from_options`), its credentials masked and kept in this process
+    under a reference. Celery sends the transport options whole in ``inspect stats``,
+    and Flower shows them on its worker page: the Redis password was there for anyone
+    who could see Flower. (A pool child has them by the fork.)"""
+    plain: dict[str, Any] = _plain(asdict(config))
+    secret = tuple(plain[name] for name in CREDENTIAL_FIELDS)
+    ref = _refs.setdefault(secret, uuid.uuid4().hex)
+    _credentials[ref] = dict(zip(CREDENTIAL_FIELDS, secret, strict=True))
+    masked: dict[str, Any] = without_credentials(plain)
+    return {**masked, CREDENTIALS_REF: ref}
+
+
+def config_from_options(raw: Mapping[str, Any], source: str) -> SitsConfig:
+    """The SitsConfig that :func:`shared_config` carried, its credentials put back (masked
+    ones stay where this process does not hold them: a connection then fails to
+    authenticate, naming its server)."""
+    data = dict(raw)
+    data.update(_credentials.get(str(data.pop(CREDENTIALS_REF, "")), {}))
+    return SitsConfig.from_mapping(data, source=source)
 
 
 def _plain(value: Any) -> Any:

@@ -8,6 +8,11 @@ first and replies with the error instead; any other name goes to Celery's comman
 ``time_limit``: Celery's sets the limits on the worker's copy of the task, which the
 limits every SITS message carries override; it replied "time limits set successfully"
 and changed nothing. This one says so, and where limits are set.
+
+``conf`` and ``stats``: Celery's, with the credentials of every URL in them masked.
+Celery masks its own settings' (``broker_url``, a backend's) but not
+``redbeat_redis_url``, and sends the transport options whole: Flower's worker page
+showed the Redis password.
 """
 
 from __future__ import annotations
@@ -17,9 +22,12 @@ from typing import Any
 from celery.worker import control as celery_control
 
 from sits_queue.broker.keys import check_queue_name
+from sits_queue.config import without_credentials
 from sits_queue.errors import InvalidQueueName
 
 _celery_add_consumer = celery_control.add_consumer
+_celery_conf = celery_control.conf
+_celery_stats = celery_control.stats
 
 
 def add_consumer(state: Any, queue: Any, *args: Any, **options: Any) -> Any:
@@ -41,10 +49,21 @@ def time_limit(state: Any, task_name: Any = None, hard: Any = None, soft: Any = 
         f"{task_name!r} would change nothing")
 
 
+def conf(state: Any, with_defaults: bool = False, **kwargs: Any) -> Any:
+    """List configuration."""
+    return without_credentials(_celery_conf(state, with_defaults, **kwargs))
+
+
+def stats(state: Any, **kwargs: Any) -> Any:
+    """Request worker statistics/information."""
+    return without_credentials(_celery_stats(state, **kwargs))
+
+
 def register() -> None:
-    """Put :func:`add_consumer` and :func:`time_limit` in Celery's registry of control
-    commands in place of Celery's own, with their arguments and help (the registry is
-    process-wide; idempotent)."""
-    for name, command in (("add_consumer", add_consumer), ("time_limit", time_limit)):
+    """Put this module's commands in Celery's registry of control commands in place of
+    Celery's own, with their arguments and help (the registry is process-wide;
+    idempotent)."""
+    for name, command in (("add_consumer", add_consumer), ("time_limit", time_limit),
+                          ("conf", conf), ("stats", stats)):
         meta = celery_control.Panel.meta[name]
         celery_control.Panel._register(name=name, **meta._asdict())(command)

@@ -35,6 +35,7 @@ from sits_queue.broker.snapshot import SnapshotCache
 from sits_queue.config import SitsConfig
 from sits_queue.options import CONTROL_QUEUE, UNCOUNTED_TASKS, TaskOptions
 from sits_queue.priority.model import Scorer
+from sits_queue.settings import config_from_options
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,8 @@ class PublishingChannel(kredis.Channel):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.config = (SitsConfig.from_mapping(self.sits_config) if self.sits_config
-                       else SitsConfig())
+        self.config = (config_from_options(self.sits_config, "broker_transport_options")
+                       if self.sits_config else SitsConfig())
         self.unacked_restore_throttle = 1  # our QoS throttles by time itself
         self._raw_client: redis.Redis | None = None
         self._raw_pool: Any = None

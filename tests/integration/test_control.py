@@ -8,6 +8,7 @@ each with a short timeout, as ``wait_ready``, Flower and monitoring scripts do.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -63,6 +64,29 @@ def test_a_time_limit_set_remotely_is_refused_saying_where_limits_are_set(
     error = reply[worker.hostname]["error"]
     assert "carry their time limits on each message" in error and "'w.slow'" in error
     assert client_app.tasks["w.slow"].apply_async(("x", 0.1)).get(timeout=30) == "x"
+
+
+def test_no_remote_control_reply_holds_the_redis_password(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis, redis_url: str) -> None:
+    """(the transport options carried the whole SITS config, and Celery sends them whole in
+    ``inspect stats``; ``inspect conf`` held ``redbeat_redis_url``: Flower's worker page
+    showed the Redis password)"""
+    secret = uuid.uuid4().hex
+    redis_client.acl_setuser("sits-ctl", enabled=True, passwords=[f"+{secret}"], keys=["*"],
+                             channels=["*"], commands=["+@all"])
+    try:
+        # (spawn's settings are SITS_* variables: this one names the worker's Redis)
+        worker = spawn(**{"REDIS_URL": redis_url.replace("redis://",
+                                                         f"redis://sits-ctl:{secret}@")})
+        inspect = client_app.control.inspect(timeout=5)
+        stats, conf = inspect.stats(), inspect.conf()
+        assert stats is not None and worker.hostname in stats and conf is not None
+        shown = json.dumps([stats, conf], default=str)
+        assert secret not in shown  # (the user name is in Celery's own broker line)
+        assert "redis://***@127.0.0.1" in shown  # the server is still named
+        assert client_app.tasks["w.add"].delay(2, 2).get(timeout=30) == 4  # it serves
+    finally:
+        redis_client.acl_deluser("sits-ctl")
 
 
 @pytest.mark.parametrize("pool", ["prefork", "solo"])

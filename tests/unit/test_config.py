@@ -250,3 +250,36 @@ def test_a_variable_that_nearly_names_a_setting_is_warned_about(
         "SITS_DEVICE_CACHE_BYTES?",
         "SITS_VISIBILITY_TIMEOUT is no SITS setting and is ignored; did you mean "
         "SITS_VISIBILITY_TIMEOUT_S?"]
+
+
+def test_the_transport_options_carry_the_config_without_its_credentials() -> None:
+    """(Celery sends the transport options whole in ``inspect stats``: Flower's worker page
+    showed the Redis password and the peers')"""
+    import json
+
+    from sits_queue.settings import config_from_options, sits_transport_options
+
+    config = SitsConfig(redis_url="redis://:hunter2@10.0.0.1:6380/1", site="a",
+                        site_peers="b=redis://ops:s3cret@10.0.0.2:6379/0?hops=2")
+    shared = sits_transport_options(config)["sits_config"]
+    text = json.dumps(shared)
+    assert "hunter2" not in text and "s3cret" not in text and "ops:" not in text
+    assert shared["redis_url"] == "redis://***@10.0.0.1:6380/1"
+    assert shared["site_peers"] == "b=redis://***@10.0.0.2:6379/0?hops=2"
+    # This process puts them back; a reference it does not hold leaves them masked
+    assert config_from_options(shared, "options") == config
+    foreign = config_from_options({**shared, "credentials": "elsewhere"}, "options")
+    assert foreign.redis_url == "redis://***@10.0.0.1:6380/1"
+
+
+@pytest.mark.parametrize("value, shown", [
+    ("redis://:p@ss@h:1/0", "redis://***@h:1/0"),
+    ({"u": ["a=rediss://u:pw@h/0 b=unix://:x@/tmp/s.sock"]},
+     {"u": ["a=rediss://***@h/0 b=unix://***@/tmp/s.sock"]}),
+    ("redis://h:1/0 and no credentials", "redis://h:1/0 and no credentials"),
+    (("amqp://guest:guest@rabbit//", 5), ["amqp://***@rabbit//", 5]),
+])
+def test_credentials_are_masked_in_every_url(value: object, shown: object) -> None:
+    from sits_queue.config import without_credentials
+
+    assert without_credentials(value) == shown
