@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from sits_queue.broker.keys import CONTROL_QUEUE as CONTROL_QUEUE
 from sits_queue.checks import finite, is_number, shown
 from sits_queue.config import (
     MAX_BATCH_TASKS,
@@ -24,9 +25,6 @@ from sits_queue.config import (
 from sits_queue.errors import InvalidTaskOptions
 from sits_queue.priority.entropy import input_entropy
 
-#: Maintenance tasks (rescoring, trigger checks) go here so a deep task backlog never
-#: delays the pass that is supposed to reorder it. Every worker consumes it.
-CONTROL_QUEUE = "sits.control"
 #: The beat's maintenance tasks: routed to the control queue (``app.py``), left out of
 #: the task statistics.
 MAINTENANCE_TASKS = ("sits.rescore", "sits.check_triggers", "sits.prewarm_plan",

@@ -21,6 +21,9 @@ from sits_queue.errors import InvalidQueueName
 
 logger = logging.getLogger(__name__)
 
+#: Maintenance tasks (rescoring, trigger checks) go here so a deep task backlog never
+#: delays the pass that is supposed to reorder it. Every worker consumes it.
+CONTROL_QUEUE = "sits.control"
 #: Arrival counter bits in the score; it wraps after 4.29e9 messages per queue (days at
 #: ten thousand a second). At the wrap, tasks of equal priority put just after it leave
 #: before those put just before it, until aging (from 20 s of waiting) tells them apart: the
@@ -196,6 +199,21 @@ def registered_queues(names: Iterable[bytes | str]) -> list[str]:
         except InvalidQueueName as exc:
             logger.warning("queue registry: skipping %r (%s)", name, exc)
     return sorted(out)
+
+
+def site_local(queue: str) -> bool:
+    """Whether ``queue``'s tasks are this site's alone, never replicated to peers
+    (``broker/sites.py``): the control queue (the beat's maintenance), workers' own
+    queues (no worker at a peer serves them: a task taken over there waited for good)
+    and reply queues (not work)."""
+    return queue == CONTROL_QUEUE or queue.endswith(DIRECT_QUEUE_SUFFIX) or \
+        is_reply_queue(queue)
+
+
+def replicated(names: Iterable[bytes | str]) -> list[str]:
+    """:func:`registered_queues` whose tasks peers keep replicas of (not
+    :func:`site_local`)."""
+    return [name for name in registered_queues(names) if not site_local(name)]
 
 
 def queues_registry(prefix: str = "") -> str:

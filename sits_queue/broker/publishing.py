@@ -20,7 +20,6 @@ from kombu.utils.json import dumps
 from sits_queue.broker import payload, sites
 from sits_queue.broker.fanout import DeferredCommands
 from sits_queue.broker.keys import (
-    DIRECT_QUEUE_SUFFIX,
     REPLY_QUEUE_EXPIRES_MS,
     RESULT_QUEUE_EXPIRES_MS,
     QueueKeys,
@@ -28,12 +27,13 @@ from sits_queue.broker.keys import (
     is_result_queue_name,
     queues_registry,
     score_base,
+    site_local,
 )
 from sits_queue.broker.meta import WaitingMeta, due_at
 from sits_queue.broker.scripts import Scripts
 from sits_queue.broker.snapshot import SnapshotCache
 from sits_queue.config import SitsConfig
-from sits_queue.options import CONTROL_QUEUE, UNCOUNTED_TASKS, TaskOptions
+from sits_queue.options import UNCOUNTED_TASKS, TaskOptions
 from sits_queue.priority.model import Scorer
 from sits_queue.settings import config_from_options
 
@@ -175,8 +175,7 @@ class PublishingChannel(kredis.Channel):
         step; None for one site, and for reply queues (they are not work)."""
         # (nor for the beat's control queue and workers' own queues: their tasks are
         # this site's, and replicated they filled the outbox while no peer was up)
-        if self._expiry_ms(queue) is not None or queue == CONTROL_QUEUE \
-                or queue.endswith(DIRECT_QUEUE_SUFFIX):
+        if self._expiry_ms(queue) is not None or site_local(queue):
             return None
         return sites.for_config(self.config)
 

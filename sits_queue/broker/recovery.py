@@ -51,6 +51,7 @@ from sits_queue.broker.keys import (
     registered_queues,
     replica_keys,
     replica_queues_key,
+    replicated,
     taken_key,
 )
 from sits_queue.broker.meta import sla_class_of
@@ -183,7 +184,7 @@ def restore(local: redis.Redis, peer: redis.Redis, scripts: Scripts, prefix: str
         done = pending_deletes(local, prefix)
         # (the peer's list may lag a first write by REGISTER_EVERY_S: this site's too)
         queues = set(registered_queues(peer.smembers(replica_queues_key(prefix, site)))) | \
-            set(registered_queues(local.smembers(queues_registry(prefix))))
+            set(replicated(local.smembers(queues_registry(prefix))))
         for queue in sorted(queues):
             restored += _put_back(local, peer, scripts, prefix, site, queue, done,
                                   default_class)

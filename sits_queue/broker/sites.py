@@ -58,6 +58,7 @@ from sits_queue.broker.keys import (
     registered_queues,
     replica_keys,
     replica_queues_key,
+    replicated,
     taken_key,
 )
 from sits_queue.broker.meta import sla_class_of
@@ -485,7 +486,7 @@ class SiteSync:
         deleted, the task without one until the next digest)."""
         checked = set(plan.classes(SyncMode.ASYNC_DIGEST, SyncMode.STRONG))
         client = self.clients[peer]
-        for queue in registered_queues(self.local.smembers(queues_registry(self.prefix))):
+        for queue in replicated(self.local.smembers(queues_registry(self.prefix))):
             m = replica_keys(self.prefix, self.site, queue)[2]
             theirs = {i.decode(): sla_class_of(v) for i, v in client.hscan_iter(
                 m, count=SCAN_COUNT)}
@@ -528,7 +529,7 @@ class SiteSync:
         # there: a producer's late strong write, until the next hand-over, must remain
         # one that ``old`` would take over.
         queues = sorted(set(registered_queues(client.smembers(replica_queues_key(
-            self.prefix, self.site)))) | set(registered_queues(
+            self.prefix, self.site)))) | set(replicated(
                 self.local.smembers(queues_registry(self.prefix)))))
         with client.pipeline(transaction=False) as pipe:
             for queue in queues:

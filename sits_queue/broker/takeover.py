@@ -22,6 +22,7 @@ from sits_queue.broker.keys import (
     queues_registry,
     replica_keys,
     replica_queues_key,
+    site_local,
     takenover_key,
 )
 from sits_queue.checks import stored_number
@@ -48,6 +49,11 @@ def take_over(sync: SiteSync, report: PassReport) -> None:
             continue
         for qraw in sync.local.smembers(replica_queues_key(sync.prefix, origin)):
             queue = qraw.decode() if isinstance(qraw, bytes) else str(qraw)
+            if site_local(queue):
+                # (an older digest replicated them: the origin's maintenance and its
+                # workers' own queues, which no worker here serves)
+                sync.local.delete(*replica_keys(sync.prefix, origin, queue))
+                continue
             report.taken_over += promote(sync, origin, queue)
         sync.local.delete(replica_queues_key(sync.prefix, origin),
                           missing_since_key(sync.prefix, origin))

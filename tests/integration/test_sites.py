@@ -341,6 +341,39 @@ def test_this_sites_own_queues_are_not_replicated(
     app.close()
 
 
+def test_the_digest_leaves_this_sites_own_queues_and_a_take_over_drops_their_replicas(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str) -> None:
+    """(the digest walked every registered queue: a peer that took over got the origin's
+    maintenance tasks, and its workers' own queues, which no worker there serves)"""
+    a, b = clients
+    app_a = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)
+    app_b = site_app(site_b, "b", "a", redis_url, rtt_ms=1.0)
+    app_a.tasks["sits.check_triggers"].apply_async()
+    app_a.tasks["t.site"].apply_async(("high",), sla_class="high", queue="w1@h.dq2")
+    shared = submit(app_a, "high")
+    sync = sync_of(app_a)
+    sync._digest_at = float("-inf")  # due now
+    assert sync.sync_pass().repaired == 0
+    assert {k.decode() for k in b.keys("sits:replica:{a:*:z")} == {
+        "sits:replica:{a:celery}:z"}
+    # Given replicas of the site's own queues at b (as an older digest wrote them)
+    for queue in ("sits.control", "w1@h.dq2"):
+        b.zadd(sites.replica_keys("", "a", queue)[0], {"old": 1.0})
+        b.hset(sites.replica_keys("", "a", queue)[2], "old", '{"c": "high"}')
+        b.sadd(sites.replica_queues_key("", "a"), queue)
+    # When b takes a over, it takes the shared queue's task only, and drops the others
+    b.delete(sites.alive_key("", "a"))
+    sync_of(app_b).sync_pass()
+    since = float(b.get(missing_since_key("", "a")) or 0)
+    b.set(missing_since_key("", "a"), since - app_b.sits.site_dead_after_s)
+    assert sync_of(app_b).sync_pass().taken_over == 1
+    assert {i.decode() for i in b.zrange(QUEUE.waiting, 0, -1)} == {shared}
+    assert b.keys("sits:replica:*") == [] and not b.exists("sits:{w1@h.dq2}:z")
+    assert a.zcard(QueueKeys.for_queue("sits.control").waiting) == 1  # still a's own
+    app_a.close()
+    app_b.close()
+
+
 def test_a_full_outbox_stops_queueing_eventual_replicas_only(
         clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
