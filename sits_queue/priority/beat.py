@@ -10,6 +10,11 @@ that keeps SITS's maintenance passes scheduled and lives through Redis outages.
   beat process for good (redbeat #218, #230), and with it rescoring and aging. Here a tick
   that cannot reach Redis is retried after :data:`RETRY_S`, and a lost lock is taken
   again when free (while another beat holds it, this one stands by, as at start).
+* **A standby takes over in time.** redbeat takes the lock at start by blocking until it
+  is free, looking again every ``max_interval`` (300 s): a second beat, or one restarted
+  at once after a crash (its old lock held until it times out), stood idle for up to
+  five minutes past the lock's expiry, with no rescoring, aging or trigger checks. Here
+  the tick takes it without blocking, from the first one on.
 """
 
 from __future__ import annotations
@@ -18,9 +23,18 @@ import logging
 from typing import Any
 
 import redis
-from redbeat.schedulers import LUA_EXTEND_TO_SCRIPT, RedBeatScheduler, get_redis
+from celery.signals import beat_init
+from redbeat.schedulers import (
+    LUA_EXTEND_TO_SCRIPT,
+    RedBeatScheduler,
+    acquire_distributed_beat_lock,
+    get_redis,
+)
 
 logger = logging.getLogger(__name__)
+
+# (redbeat's blocking take of the lock at start: see the module docstring)
+beat_init.disconnect(acquire_distributed_beat_lock)
 
 #: Seconds before a tick that met an unreachable Redis, or a lock held elsewhere, is tried
 #: again.

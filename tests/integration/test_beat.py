@@ -60,6 +60,32 @@ def test_the_beat_lives_through_a_redis_outage(tmp_path: Path, outage: str) -> N
         server.stop()
 
 
+def test_a_standby_beat_takes_over_once_the_lock_of_a_killed_one_expires(
+        tmp_path: Path, redis_url: str, redis_client: redis.Redis) -> None:
+    """(redbeat takes the lock at start blocking, looking again every max_interval: the
+    standby stood idle up to 300 s past the lock's expiry, with no rescoring or aging)"""
+    redis_client.flushall()
+    env = worker_env(redis_url, rescore_interval_s="1", trigger_check_interval_s="1",
+                     prewarm_interval_s="0")
+    first = start_beat(APP_MODULE, env, tmp_path / "first", cwd=ROOT)
+    standby = None
+    try:
+        wait_for(lambda: sent(redis_url) >= 2, 60, "the first beat's passes")
+        standby = start_beat(APP_MODULE, env, tmp_path / "standby", cwd=ROOT)
+        wait_for(lambda: "beat: Starting..." in standby.log(), 60, "the standby to start")
+        first.kill()
+        before = sent(redis_url)
+        # The lock lives on for its timeout (30 s here), then the standby takes it
+        wait_for(lambda: sent(redis_url) >= before + 2, 90,
+                 "passes from the standby once the lock expired")
+        assert "beat: acquired lock" in standby.log()
+        assert standby.alive(), standby.log()[-3000:]
+    finally:
+        first.stop(timeout_s=10)
+        if standby is not None:
+            standby.stop(timeout_s=10)
+
+
 def test_an_assigned_beat_schedule_keeps_the_sits_passes(redis_url: str,
                                                         redis_client: redis.Redis) -> None:
     """Celery's docs assign ``beat_schedule``: that must not unschedule rescoring."""
