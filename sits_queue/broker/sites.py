@@ -20,7 +20,9 @@ The policy (tiers, the decision table, link weights) is ``priority/sites.py``. H
   strong replicas there, so that they go where the pass drains and deletes. Live peers
   that are not (or no longer) the replica peer get their replicas of this site handed
   over to it and deleted: acks' deletes go to the replica peer only;
-* **heartbeats**: each pass sets ``sits:site:{<origin>}:alive`` at every live peer (any may
+* **heartbeats**: each pass, and each worker of the site from a thread of its own
+  (:meth:`SiteSync.heartbeat_peers`, while the site's Redis answers), sets
+  ``sits:site:{<origin>}:alive`` at every live peer (any may
   still hold replicas), expiring after ``site_dead_after_s``; a peer's pass **takes over**
   the replicas of an origin from
   which it has itself heard nothing for that long (an expired heartbeat alone is not
@@ -87,6 +89,9 @@ PEER_TIMEOUT_S = 1.0
 #: asynchronously instead: a hung peer costs a producer one PEER_TIMEOUT_S per period, not
 #: one per put.
 STRONG_BACKOFF_S = 30.0
+#: Seconds a peer that a worker's heartbeat could not reach is left alone (each try may
+#: wait PEER_TIMEOUT_S, holding up the heartbeats of the peers after it).
+HEARTBEAT_BACKOFF_S = 5.0
 #: Replicas one pass moves off the live peers that no longer keep them (more next pass).
 HANDOVER_BATCH = 5000
 #: Outbox entries beyond which eventual-mode puts are no longer queued (a long peer
@@ -177,6 +182,7 @@ class SiteSync:
         self._registered: dict[tuple[str, str], float] = {}
         self._plan: tuple[list[Link], SyncPlan] | None = None
         self._outbox_full_until = 0.0
+        self._beat_off_until: dict[str, float] = {}
 
     # -- links and the plan ------------------------------------------------------------------
     def links(self, refresh: bool = False) -> list[Link]:
@@ -349,6 +355,26 @@ class SiteSync:
             # (the peer may be new, or back empty: register this site's queues there
             # with the next writes, not up to REGISTER_EVERY_S later)
             self._registered = {k: v for k, v in self._registered.items() if k[0] != peer}
+
+    def heartbeat_peers(self) -> tuple[set[str], set[str]]:
+        """Heartbeat each peer (but one that failed within :data:`HEARTBEAT_BACKOFF_S`),
+        provided this site's own Redis answers: a site whose Redis is lost must read as
+        lost. From a thread of each worker (``workers/sitebeat.py``), so that a site whose
+        pool slots are all busy, or whose beat is down, is not taken over while it
+        serves. Returns the peers it reached and those it could not."""
+        self.local.ping()  # (raises: no heartbeat then)
+        now = time.monotonic()
+        reached, failed = set(), set()
+        for peer in self.peers:
+            if self._beat_off_until.get(peer.name, -math.inf) > now:
+                continue
+            try:
+                self._heartbeat(peer.name, PassReport())
+                reached.add(peer.name)
+            except redis.RedisError:
+                self._beat_off_until[peer.name] = now + HEARTBEAT_BACKOFF_S
+                failed.add(peer.name)
+        return reached, failed
 
     def _heartbeat(self, peer: str, report: PassReport) -> None:
         # Short-lived: a peer starts counting a few intervals after the last one, so it

@@ -47,7 +47,16 @@ from sits_queue.cache.budgets import CacheBudgets, children_per_device
 from sits_queue.config import ClassQuota, SitsConfig
 from sits_queue.errors import ConfigError, UnknownModel
 from sits_queue.options import CONTROL_QUEUE, HEADER, PRECISIONS
-from sits_queue.workers import advertise, gpu, metrics, profile, ratelimits, softsignal, stacks
+from sits_queue.workers import (
+    advertise,
+    gpu,
+    metrics,
+    profile,
+    ratelimits,
+    sitebeat,
+    softsignal,
+    stacks,
+)
 from sits_queue.workers import request as admission
 from sits_queue.workers.devices import Device, Discovery, default_concurrency, discover
 from sits_queue.workers.limits import check_engine_fits_class, cpu_set, memory_cap_fraction
@@ -585,6 +594,7 @@ def connect(app: Celery) -> None:
     app.steps["consumer"].add(advertise.Advertise)
     app.steps["consumer"].add(profile.ProfileStep)
     app.steps["consumer"].add(ratelimits.RateLimitHold)
+    app.steps["consumer"].add(sitebeat.SiteHeartbeat)
     from sits_queue.workers import batchmain  # imports inference, which imports this module
 
     app.steps["consumer"].add(batchmain.Batches)

@@ -10,7 +10,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,8 @@ from sits_queue.cli import _format_status
 from sits_queue.config import SitsConfig
 from sits_queue.embedded import EmbeddedRedis
 from sits_queue.priority.sites import Link, Peer, encode_choice
+from sits_queue.procs import CeleryProcess
+from tests.waiting import wait_for
 
 QUEUE = QueueKeys.for_queue("celery")
 
@@ -310,6 +312,42 @@ def test_a_pass_lock_left_by_a_killed_worker_stops_no_heartbeat(
     finally:
         a.delete("sits:site:sync-lock")
         app.close()
+
+
+def test_a_worker_heartbeats_its_site_while_every_slot_is_busy_and_no_beat_runs(
+        clients: tuple[redis.Redis, redis.Redis], site_b: str, client_app: Celery,
+        spawn: Callable[..., CeleryProcess]) -> None:
+    """(heartbeats came from the sync pass, a task run in a pool slot: while long tasks
+    held every slot, or the beat was down, the site went silent and its peer took its
+    work over, running it a second time)"""
+    a, b = clients
+    alive = sites.alive_key("", "a")
+    spawn(concurrency=1, site="a", site_peers=f"b={site_b}?rtt_ms=1")
+    busy = client_app.tasks["w.slow"].apply_async(("busy", 8.0))
+    wait_for(lambda: a.llen("test:started") == 1, 30, "the only slot to be taken")
+    # While the slot is busy (and no beat runs passes), the heartbeat comes back each time
+    for _ in range(3):
+        b.delete(alive)
+        wait_for(lambda: b.exists(alive), 5, "the worker's heartbeat at the peer")
+    assert not busy.ready()
+    assert busy.get(timeout=30) == "busy"
+
+
+def test_no_heartbeat_goes_while_the_sites_own_redis_does_not_answer(
+        clients: tuple[redis.Redis, redis.Redis], site_b: str) -> None:
+    """(a site whose Redis is lost must read as lost, whatever its workers do)"""
+    _, b = clients
+    config = SitsConfig(redis_url="redis://127.0.0.1:1/0", site="a",
+                        site_peers=f"b={site_b} c=redis://127.0.0.1:1/0")
+    with pytest.raises(redis.ConnectionError):
+        sites.SiteSync(config).heartbeat_peers()
+    assert not b.exists(sites.alive_key("", "a"))
+    # With it answering, each peer that answers hears; one that does not is tried again
+    # only after a while (each try waits for it)
+    sync = sites.SiteSync(config, local=b)
+    assert sync.heartbeat_peers() == ({"b"}, {"c"})
+    assert b.exists(sites.alive_key("", "a"))
+    assert sync.heartbeat_peers() == ({"b"}, set())
 
 
 def test_an_unreachable_peer_never_fails_a_put(clients: tuple[redis.Redis, redis.Redis],
