@@ -91,15 +91,35 @@ def main() -> None:
 
 # -- status ----------------------------------------------------------------------------------
 def queue_status(client: redis.Redis, config: SitsConfig, now_s: float) -> list[dict[str, Any]]:
-    """Per registered queue: depth, unacked, dead letters and the head of the line."""
+    """Per registered queue: depth, unacked, dead letters and the head of the line.
+
+    In three round trips whatever the number of queues (the registry, the counts and
+    heads, the heads' records): one after another, seven a queue took a scrape of a
+    thousand queues 7 s at a 1 ms round trip, past Prometheus's 10 s default timeout
+    once the rest was added."""
     out = []
     members: set[bytes] = client.smembers(  # type: ignore[assignment]
         queues_registry(config.global_keyprefix))
-    for name in registered_queues(members):
-        keys = QueueKeys.for_queue(name, config.global_keyprefix)
-        head: list[tuple[bytes, float]] = client.zrange(  # type: ignore[assignment]
-            keys.waiting, 0, HEAD_ROWS - 1, withscores=True)
-        metas = client.hmget(keys.meta, [m for m, _ in head]) if head else []
+    names = registered_queues(members)
+    keys_of = [QueueKeys.for_queue(name, config.global_keyprefix) for name in names]
+    with client.pipeline(transaction=False) as pipe:
+        for keys in keys_of:
+            pipe.zrange(keys.waiting, 0, HEAD_ROWS - 1, withscores=True)
+            pipe.zcard(keys.waiting)
+            pipe.zcard(keys.unacked)
+            pipe.hlen(keys.dead)
+            pipe.hlen(keys.checkpoints)
+            pipe.hlen(keys.held)
+        replies = pipe.execute()
+    counts = [replies[i:i + 6] for i in range(0, len(replies), 6)]
+    with client.pipeline(transaction=False) as pipe:
+        for keys, (head, *_) in zip(keys_of, counts, strict=True):
+            if head:
+                pipe.hmget(keys.meta, [m for m, _ in head])
+        metas_of = iter(pipe.execute())
+    for name, (head, waiting, unacked, dead, checkpointed, held) in zip(
+            names, counts, strict=True):
+        metas = next(metas_of) if head else []
         rows = []
         for (msg_id, score), raw in zip(head, metas, strict=True):
             prio, seq = decode_score(score) or (None, None)
@@ -111,12 +131,10 @@ def queue_status(client: redis.Redis, config: SitsConfig, now_s: float) -> list[
                            model=meta.options.model,
                            wait_s=stored_number(round(now_s - meta.enqueued_at_s, 2)))
             rows.append(row)
-        out.append({"queue": name, "waiting": client.zcard(keys.waiting),
-                    "unacked": client.zcard(keys.unacked), "dead": client.hlen(keys.dead),
+        out.append({"queue": name, "waiting": waiting, "unacked": unacked, "dead": dead,
                     # Tasks that yielded a time slice and have progress saved; tasks a
                     # worker released for want of VRAM and holds off for a while.
-                    "checkpointed": client.hlen(keys.checkpoints),
-                    "held": client.hlen(keys.held), "head": rows})
+                    "checkpointed": checkpointed, "held": held, "head": rows})
     return out
 
 

@@ -259,6 +259,14 @@ def read_worker(client: redis.Redis, prefix: str, hostname: str) -> dict[str, An
         return None
     if record is None:
         return None
+    # The counts as of now, as /metrics reads them: the record's copy is up to a
+    # refresh (REFRESH_S) old.
+    try:
+        counters = client.hgetall(counters_key(prefix, hostname))
+    except redis.ResponseError:  # another program's key there: the record's copy stands
+        counters = {}
+    if counters:
+        record["cold_start"] = counters_from(counters)
     concurrency = record.get("concurrency")
     slots = concurrency if isinstance(concurrency, int) and 0 < concurrency <= 4096 else 0
     children: dict[str, Any] = {}

@@ -84,3 +84,20 @@ def test_workers_are_found_without_scanning_the_keyspace(
     advertise.withdraw(redis_client, "", "live@h", 1)
     assert advertise.live_hostnames(redis_client) == []
     assert redis_client.zcard(advertise.workers_key("")) == 0
+
+
+def test_a_workers_counts_are_read_as_of_now_not_as_of_its_last_refresh(
+        redis_client: redis.Redis) -> None:
+    """(`sitsq status` read the record's copy, up to a refresh old: it said 0 tasks while
+    /metrics said 3)"""
+    from sits_queue.workers.devices import cpu_device
+
+    advertise.refresh(redis_client, "", "w@h", 1, 1, [cpu_device()], 1.0)
+    redis_client.hset(advertise.counters_key("", "w@h"), mapping={"tasks": 3, "cold": 1})
+    (worker,) = advertise.read_workers(redis_client)
+    assert (worker["cold_start"]["tasks"], worker["cold_start"]["cold"]) == (3, 1)
+    # A counters key of another type (another program's) leaves the record's copy
+    redis_client.delete(advertise.counters_key("", "w@h"))
+    redis_client.set(advertise.counters_key("", "w@h"), "junk")
+    (worker,) = advertise.read_workers(redis_client)
+    assert worker["cold_start"]["tasks"] == 0
