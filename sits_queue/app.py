@@ -540,5 +540,5 @@ def make_app(config: SitsConfig | None = None, main: str = "sits_queue") -> Sits
     signals.connect(app)
     runtime.connect(app)
     control.register()
-    tracing.configure(config.otel_traces)
+    tracing.configure_when_finalized(app, config.otel_traces)
     return app

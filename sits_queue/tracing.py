@@ -15,7 +15,8 @@ and each member's run span is annotated afterwards with what that span was.
 ``otel_traces`` (``SITS_OTEL_TRACES``): ``auto`` (on when ``OTEL_EXPORTER_OTLP_ENDPOINT``
 or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is set), ``otlp`` (OTLP over HTTP, configured
 by the standard ``OTEL_EXPORTER_OTLP_*`` variables), ``console``, or ``off``. A tracer
-provider the application set up itself is used as it is.
+provider the application set up itself (before the app is finalized: its first task
+call, a worker's start) is used as it is.
 """
 
 from __future__ import annotations
@@ -53,12 +54,33 @@ def resolve_mode(mode: str, env: Mapping[str, str]) -> str:
     return mode
 
 
+def configure_when_finalized(app: Any, mode: str) -> None:
+    """Check ``mode`` now (a ConfigError when it cannot be had), and set tracing up when
+    ``app`` is finalized: at its first task call in a producer, at start in a worker
+    (before its pool forks). Not when the app is made: ``import sits_queue`` makes it,
+    and an application that set up its own tracer provider after that import found it
+    replaced by SITS's (OpenTelemetry refuses a second one)."""
+    resolved = resolve_mode(mode, os.environ)
+    if resolved != "off" and mode != "auto":
+        try:
+            import opentelemetry.instrumentation.celery
+            import opentelemetry.sdk.trace  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError(f"otel_traces={mode!r} needs OpenTelemetry: "
+                              f"{_INSTALL_HINT}") from exc
+    if app.finalized:
+        configure(mode)
+        return
+    app.on_after_finalize.connect(lambda sender=None, **_: configure(mode), weak=False)
+
+
 def configure(mode: str, env: Mapping[str, str] | None = None) -> bool:
     """Set up tracing for this process (once); True when spans are being recorded.
 
-    Called when the app is made, so producers and the worker's main process have it;
-    pool children inherit it (the SDK's batch processor restarts its thread after a
-    fork) and flush it when they exit (:func:`flush`).
+    Called when the app is finalized (:func:`configure_when_finalized`), so producers
+    and the worker's main process have it; pool children inherit it (the SDK's batch
+    processor restarts its thread after a fork) and flush it when they exit
+    (:func:`flush`).
     """
     resolved = resolve_mode(mode, os.environ if env is None else env)
     if resolved == "off":

@@ -5,6 +5,10 @@ transport), exported over real OTLP/HTTP to a receiver the test runs."""
 from __future__ import annotations
 
 import gzip
+import json
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -241,3 +245,43 @@ def test_bulk_publish_spans_each_hang_from_the_caller_and_leave_it_current(
     assert len(publishes) == 3
     # each publish is the caller's child, not the previous message's
     assert {s.parent.span_id for s in publishes if s.parent} == {root.context.span_id}
+
+
+OWN_PROVIDER = """
+import json, os, sys
+import sits_queue  # the app is made here, with an OTLP endpoint set
+from celery import current_app
+from opentelemetry import trace
+from opentelemetry.instrumentation.celery import CeleryInstrumentor
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+spans = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(spans))
+trace.set_tracer_provider(provider)  # the application's own, set up after the import
+CeleryInstrumentor().instrument(tracer_provider=provider)
+
+@sits_queue.app.task(name="t.own_provider", shared=False)
+def own() -> None:
+    return None
+
+own.delay()
+print(json.dumps({"ours": trace.get_tracer_provider() is provider,
+                  "spans": [s.name for s in spans.get_finished_spans()]}))
+"""
+
+
+def test_a_tracer_provider_the_application_sets_up_after_the_import_is_used(
+        redis_url: str) -> None:
+    """(``import sits_queue`` made the app and set up SITS's provider at once: the
+    application's own came second, was refused, and its exporter got no span)"""
+    env = {**os.environ, "SITS_REDIS_URL": redis_url,
+           "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"}
+    out = subprocess.run([sys.executable, "-c", OWN_PROVIDER], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report == {"ours": True, "spans": ["apply_async/t.own_provider"]}
+    assert "Overriding of current TracerProvider is not allowed" not in out.stderr
