@@ -230,13 +230,15 @@ def _format_status(report: dict[str, Any]) -> str:
 def _site_line(site: dict[str, Any]) -> str:
     age = site.get("last_pass_age_s")
     passed = (f"last sync pass {age} s ago" if age is not None else
-              "no sync pass yet (is a beat running? without one, peers take this "
-              "site over)")
+              "no sync pass yet (is a beat running? without one, the outbox is not "
+              "drained)")
     try:
         last = site["last_pass"] or {}
         peer = (f"replica at {last['peer']} ({last['rtt_ms']} ms; "
                 + ", ".join(f"{c} {m}" for c, m in last.get("modes", {}).items()) + ")"
                 if last.get("peer") else "no live peer")
+        if last.get("errors"):
+            peer += f" (last pass: {'; '.join(str(e) for e in last['errors'])})"
     except (TypeError, ValueError, KeyError, AttributeError) as exc:
         # a record of another writer's (or version's): said, and the rest still shown
         peer = (f"last pass record not readable here ({type(exc).__name__}: {exc}); "

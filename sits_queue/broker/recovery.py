@@ -164,6 +164,31 @@ def _not_before(recorded_pass: str, last_pass: int) -> bool:
         return True
 
 
+_said_same: set[str] = set()
+
+
+class SamePeer(redis.RedisError):
+    """A peer URL that names this site's own Redis server."""
+
+
+def _check_another_server(peer: redis.Redis, current: str) -> None:
+    """Raises :class:`SamePeer` when ``peer`` is this site's own server (``current``, its
+    run id): a peer URL pointing back here, under another name, took the replicas into
+    this site's own Redis and nothing said so. (A peer that forbids INFO is not told
+    apart.) The pass reports the peer as failed and syncs nothing there."""
+    try:
+        theirs = peer.info("server").get("run_id")
+    except redis.exceptions.ResponseError:
+        return
+    if theirs and str(theirs) == current:
+        said = ("is this site's own Redis server (same run_id): nothing is replicated "
+                "there; point site_peers at the peer's own server")
+        if current not in _said_same:  # (once a process: the pass says it each second)
+            _said_same.add(current)
+            logger.error("site peer %s %s", peer.get_connection_kwargs().get("host"), said)
+        raise SamePeer(said)
+
+
 def restore(local: redis.Redis, peer: redis.Redis, scripts: Scripts, prefix: str, site: str,
             current: str, pass_no: int, default_class: str) -> int | None:
     """When ``peer`` holds replicas written before this site's server changed to
@@ -171,6 +196,7 @@ def restore(local: redis.Redis, peer: redis.Redis, scripts: Scripts, prefix: str
     site lost. Records ``current`` and this pass (``pass_no``, :func:`next_pass`) there.
     Returns how many were put back; None when the peer's record named ``current``
     already (nothing to check)."""
+    _check_another_server(peer, current)
     key = epoch_key(prefix, site)
     recorded = peer.get(key)
     was, _, at = text(recorded or b"").partition(" ")

@@ -130,7 +130,6 @@ def status(client: redis.Redis, config: SitsConfig) -> dict[str, Any] | None:
     except (ValueError, TypeError):  # (not ours to read: as if no pass were recorded)
         last = None
     at = stored_number(last.get("at")) if isinstance(last, dict) else None
-    # (passes heartbeat: a site whose beat stopped reads as lost to its peers)
     age = round(time.time() - at, 1) if at is not None else None
     return {"site": config.site, "outbox": outbox,
             "replicas_held": held, "last_pass": last, "last_pass_age_s": age}

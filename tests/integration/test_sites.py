@@ -350,6 +350,23 @@ def test_no_heartbeat_goes_while_the_sites_own_redis_does_not_answer(
     assert sync.heartbeat_peers() == ({"b"}, set())
 
 
+def test_a_peer_url_naming_this_sites_own_redis_is_refused_and_said(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str) -> None:
+    """(a peer URL pointing back here under another name took the replicas into the
+    site's own Redis, and nothing said so)"""
+    a, _ = clients
+    app = site_app(redis_url, "a", "b", redis_url, rtt_ms=1.0)
+    submit(app, "medium")  # an eventual replica: left to the pass
+    report = sync_of(app).sync_pass()
+    assert [e.startswith("b: is this site's own Redis server") for e in report.errors] == [
+        True]
+    assert a.keys("sits:replica:*") == []  # nothing drained or digested into itself
+    line = _format_status({"queues": [], "workers": [], "stray": {},
+                           "site": sites.status(a, app.sits)})
+    assert "last pass: b: is this site's own Redis server" in line
+    app.close()
+
+
 def test_an_unreachable_peer_never_fails_a_put(clients: tuple[redis.Redis, redis.Redis],
                                                redis_url: str) -> None:
     a, _ = clients
