@@ -14,7 +14,6 @@ torch, onnxruntime and tensorrt are imported inside functions only (STYLE habit 
 
 from __future__ import annotations
 
-import copy
 import io
 import json
 import logging
@@ -223,14 +222,21 @@ class ExportedEngine(Engine):
         return self._size
 
     def _promote(self, device: str) -> None:
+        import torch
         from torch.export.passes import move_to_device_pass
 
         assert self._program is not None
         # The pass also rewrites device constants baked into the graph, which .to() misses.
         # It moves the program it is given, in place: given the host copy itself, the
         # weights would stay on the device after a demotion (which drops only _module),
-        # while the pool counts them freed. A copy goes; the host program stays put.
-        self._module = move_to_device_pass(copy.deepcopy(self._program), device).module()
+        # while the pool counts them freed. A copy goes; the host program stays put. The
+        # copy is a save and load, not a deepcopy: that renames an input named like a
+        # builtin (``input``, the argument of every stock torch.nn layer) in the graph
+        # but not in the signature, and the pass refused every such program.
+        buffer = io.BytesIO()
+        torch.export.save(self._program, buffer)
+        buffer.seek(0)
+        self._module = move_to_device_pass(torch.export.load(buffer), device).module()
 
     def _demote(self) -> None:
         self._module = None

@@ -199,6 +199,27 @@ def test_a_program_exported_with_keyword_inputs_warms_up_with_them(tmp_path: Pat
                                rtol=0)
 
 
+@pytest.mark.parametrize("layer", [torch.nn.Linear(16, 4),
+                                   torch.nn.Sequential(torch.nn.Linear(16, 4))])
+def test_a_program_of_stock_layers_is_promoted_and_runs(
+        layer: torch.nn.Module, tmp_path: Path) -> None:
+    """(their forward's argument is named ``input``, like the builtin: the deepcopy made
+    for the device renamed it in the graph, and the move refused every such program)"""
+    x = torch.randn(3, 16)
+    path = tmp_path / "stock.pt2"
+    torch.export.save(torch.export.export(layer.eval(), (x,)), path)
+    cache = EngineCache(DEVICE, 1 << 30, 1 << 30, context=lambda: 0.0)
+    engine, cold = cache.get("stock", lambda: engine_from_path("stock", path, DEVICE))
+    assert cold.source == "disk"
+    torch.testing.assert_close(engine(x), layer(x), atol=ATOL, rtol=0)
+    # and again after a demotion, from its host copy
+    again = ExportedEngine.load("stock", path)
+    again.to_device(DEVICE)
+    again.to_host()
+    again.to_device(DEVICE)
+    torch.testing.assert_close(again(x), layer(x), atol=ATOL, rtol=0)
+
+
 def test_an_exported_program_keeps_its_host_copy_on_the_host(
         artefacts: Callable[[str], Path]) -> None:
     # "meta" stands in for a GPU here: promotion moves a copy there, demotion drops it,
