@@ -25,10 +25,16 @@ HOST_CACHE_SHARE = 0.70
 HOST_MEMORY_SHARE = 0.50
 
 
-def children_per_device(discovery: Discovery, slots: int) -> int:
-    """How many children share the busiest device (for splitting its cache budget)."""
+def children_per_device(discovery: Discovery, slots: int, slot: int | None = None) -> int:
+    """How many children share the device of child ``slot`` (slot ``i`` is pinned to GPU
+    ``i mod n``), for splitting its cache budget; without a slot, the busiest device.
+    (With GPUs that get unequal numbers of children, 3 on 2 GPUs, every child's share was
+    the busiest device's: the child alone on its GPU got half of its tier.)"""
     devices = len(discovery.cuda_devices) or 1
-    return -(-max(1, slots) // devices)  # ceil
+    slots = max(1, slots)
+    if slot is None or not discovery.cuda_devices:
+        return -(-slots // devices)  # ceil
+    return len(range(slot % devices, slots, devices))
 
 
 @dataclass(frozen=True)

@@ -305,7 +305,8 @@ class ChildRuntime:
     def _budgets(self) -> tuple[int, int]:
         slots = max(1, self.plan.slots)
         return self.budgets.resolve(self.device, int(psutil.virtual_memory().total), slots,
-                                    children_per_device(self.plan.discovery, slots))
+                                    children_per_device(self.plan.discovery, slots,
+                                                        self.slot))
 
     def cache(self) -> Any:
         if self._cache is None:

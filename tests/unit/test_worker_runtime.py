@@ -100,6 +100,25 @@ def test_children_per_device(discovery: Discovery, slots: int, sharing: int) -> 
     assert cache_budgets.children_per_device(discovery, slots) == sharing
 
 
+def test_each_child_splits_its_own_devices_tier_by_the_children_pinned_there() -> None:
+    """(3 children on 2 GPUs: 0 and 2 share GPU 0, 1 is alone on GPU 1, and every child
+    got half a device's tier, the busiest device's split)"""
+    two_gpus = Discovery(devices=FOUR_GPUS.devices[:2])
+    assert [cache_budgets.children_per_device(two_gpus, 3, slot)
+            for slot in range(3)] == [2, 1, 2]
+    assert [cache_budgets.children_per_device(FOUR_GPUS, 5, slot)
+            for slot in range(5)] == [2, 1, 1, 1, 2]
+    assert cache_budgets.children_per_device(CPU_ONLY, 3, 1) == 3  # host RAM, shared
+    # and a child's own tier is its device's share split that way
+    app = make_app(SitsConfig(), main="budgets")
+    plan = rt.WorkerPlan("w@h", two_gpus, (0,), 3)
+    tiers = [rt.ChildRuntime(app=app, plan=plan, slot=slot,
+                             device=rt.device_for_slot(two_gpus, slot))._budgets()[0]
+             for slot in range(3)]
+    whole = int(two_gpus.devices[0].total_vram_bytes * 0.30)
+    assert tiers == [whole // 2, whole, whole // 2]
+
+
 # -- cache budgets ------------------------------------------------------------------------------
 
 def test_budgets_default_to_the_4_3_shares() -> None:
