@@ -312,7 +312,8 @@ def plan_admit(state: PoolState, key: str, size_bytes: int, now_s: float,
     device entries until it fits, then promote it, skipping the disk; its host room counts
     for those demotions (a swap, ``Plan.swap``). Absent: the same, then load it. A cached
     entry keeps its recorded size. An engine larger than the whole device budget is
-    refused (``fits=False``): the caller runs it uncached.
+    refused (``fits=False``): the pool raises ``EngineTooLarge`` and the task fails
+    naming the budget to raise (``VramLimitExceeded``).
     """
     if size_bytes < 0:
         raise ValueError(f"size_bytes must be >= 0, got {size_bytes}")

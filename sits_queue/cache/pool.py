@@ -40,6 +40,10 @@ from sits_queue.cache.policy import (
 from sits_queue.errors import SitsError
 
 Source = Literal["device", "host", "disk"]
+#: How long an engine found larger than the whole device budget is refused again without
+#: being loaded, s: a task for it paid the whole load from disk each time, only to be
+#: refused. Looked at again after this (the model on disk may have changed).
+TOO_LARGE_KEPT_S = 300.0
 
 
 class EngineTooLarge(SitsError, ValueError):
@@ -162,6 +166,8 @@ class EngineCache:
         self._lock = threading.RLock()
         #: Engines running tasks use (:meth:`using`), with how many use each.
         self._pins: Counter[str] = Counter()
+        #: Engines refused as too large: their size, the budget then, and when.
+        self._too_large: dict[str, tuple[int, int, float]] = {}
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -221,6 +227,7 @@ class EngineCache:
                 self._drop(key, now)
                 entry = None
             if entry is None:
+                self._refuse_known_too_large(key, now)
                 return self._from_disk(key, loader, now, ctx_ms)
             plan = plan_admit(self._state, key, entry.size_bytes, now, self._half_life_s)
             if plan.hit:
@@ -271,6 +278,19 @@ class EngineCache:
         self._times["cuda_ctx_ms"] = ms
         return ms
 
+    def _refuse_known_too_large(self, key: str, now: float) -> None:
+        """Raise :class:`EngineTooLarge` for ``key`` without loading it when it was found
+        too large for this device budget within :data:`TOO_LARGE_KEPT_S`."""
+        known = self._too_large.get(key)
+        if known is None:
+            return
+        size, budget, at = known
+        if budget != self._state.device_budget_bytes or now - at >= TOO_LARGE_KEPT_S:
+            del self._too_large[key]
+            return
+        self._counts["too_large"] += 1
+        raise EngineTooLarge(key, size, budget)
+
     def _from_disk(self, key: str, loader: Callable[[], Engine], now: float,
                    ctx_ms: float) -> tuple[Engine, ColdStart]:
         start = time.perf_counter()
@@ -289,6 +309,7 @@ class EngineCache:
         if not plan.fits:
             engine.release()
             self._counts["too_large"] += 1
+            self._too_large[key] = (size, self._state.device_budget_bytes, now)
             raise EngineTooLarge(key, size, self._state.device_budget_bytes)
         self._refuse_in_use(key, plan, engine)
         evicted, demoted, promote_ms = self._execute(key, plan, now, engine)

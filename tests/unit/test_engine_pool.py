@@ -228,6 +228,24 @@ def test_budgets_hold_under_a_random_stream(seed: int) -> None:
 
 # -- failures ---------------------------------------------------------------------------------
 
+def test_an_engine_found_too_large_is_refused_again_without_loading_for_a_while() -> None:
+    """(each task for it paid the whole load from disk, only to be refused)"""
+    from sits_queue.cache.pool import TOO_LARGE_KEPT_S
+
+    cache, _ = make_cache(device_budget=200)
+    loaders = Loaders({"huge": 201})
+    for _ in range(3):
+        with pytest.raises(EngineTooLarge, match=r"'huge' needs 201 bytes.*holds 200"):
+            cache.get("huge", loaders("huge"))
+    assert loaders.loads["huge"] == 1 and cache.stats()["too_large"] == 3
+    # Looked at again once the refusal is old (the model on disk may have changed)
+    cache._clock.now += TOO_LARGE_KEPT_S  # type: ignore[attr-defined]
+    with pytest.raises(EngineTooLarge):
+        cache.get("huge", loaders("huge"))
+    assert loaders.loads["huge"] == 2
+    assert_consistent(cache, loaders)
+
+
 def test_engine_larger_than_the_device_pool_is_refused_and_released() -> None:
     cache, _ = make_cache(device_budget=200)
     loaders = Loaders({"a": 100, "huge": 201})
