@@ -142,16 +142,37 @@ def _client(port: int, password: str | None) -> redis.Redis:
                        retry=Retry(NoBackoff(), 0))
 
 
+#: What :func:`_server_pid` says of a server that took the connection but did not answer
+#: in time, or answered that it is busy (a long script, an AOF still loading).
+BUSY = -1
+
+
 def _server_pid(port: int, password: str | None) -> int | None:
-    """The pid of the Redis answering on ``port``, or None if nothing answers."""
+    """The pid of the Redis answering on ``port``; :data:`BUSY` for one that listens but
+    cannot answer now; None if nothing listens there."""
     client = _client(port, password)
     try:
         info = client.info("server")
         return int(info["process_id"])
+    except (redis.TimeoutError, redis.BusyLoadingError):
+        return BUSY
+    except redis.ResponseError as exc:
+        return BUSY if str(exc).startswith("BUSY") else None
     except (redis.RedisError, OSError, KeyError, ValueError):
         return None
     finally:
         client.close()
+
+
+def _listening_pid(port: int) -> int | None:
+    """The process listening on ``port`` on this host, if the OS tells us."""
+    try:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+                return int(conn.pid) if conn.pid is not None else None
+    except (psutil.Error, OSError):
+        pass
+    return None
 
 
 def _is_gone(pid: int) -> bool:
@@ -411,10 +432,13 @@ def _locked(data_dir: Path) -> Iterator[None]:
 
 
 def _read_int(path: Path) -> int | None:
+    """The positive number ``path`` holds (a pid, a port); None for anything else (a
+    pid file holding -5 made every sitsq command fail in psutil until it was deleted)."""
     try:
-        return int(path.read_text().strip())
+        value = int(path.read_text().strip())
     except (FileNotFoundError, ValueError):
         return None
+    return value if value > 0 else None
 
 
 def _read_port(data_dir: Path) -> int | None:
@@ -469,6 +493,12 @@ def _live_server(data_dir: Path, password: str) -> tuple[int, int] | None:
     answering = _server_pid(port, password)
     if answering is None:
         return None
+    if answering == BUSY:
+        # Ours, busy (a long script, an AOF loading): live, and not to be replaced. It
+        # was taken for dead and killed, and every connected worker with it.
+        answering = _listening_pid(port) or pid or 0
+        if not answering or not _is_our_server(answering, data_dir):
+            return None
     if answering == pid:
         return port, pid
     if _is_our_server(answering, data_dir):

@@ -15,6 +15,7 @@ import pytest
 
 from sits_queue.embedded import EmbeddedRedis, ensure_server, stop_server
 from tests.integration.test_embedded import _gone
+from tests.waiting import wait_for
 
 
 def _pid_of(data_dir: Path) -> int:
@@ -88,3 +89,50 @@ def test_a_server_of_another_dir_on_the_recorded_port_is_not_adopted(
         # and stopping ours leaves the other one running
         assert stop_server(shared_dir)
         assert not _gone(other.pid)
+
+
+@pytest.mark.parametrize("pid_file", ["ours", "-5", "gone"])
+def test_a_busy_server_is_reused_not_replaced(shared_dir: Path, pid_file: str) -> None:
+    """(a server busy past the probe's 0.5 s, running a long script, was taken for dead:
+    killed, and every connected worker with it)"""
+    import threading
+
+    import redis
+
+    url, _ = ensure_server(shared_dir)
+    pid = _pid_of(shared_dir)
+    if pid_file != "ours":
+        (shared_dir / "redis.pid").write_text("-5\n" if pid_file == "-5" else "")
+    busy = redis.Redis.from_url(url)
+    # A script that holds the server for 2 s (below lua-time-limit: no BUSY replies yet,
+    # nothing answered at all)
+    holding = threading.Thread(target=busy.eval, args=(
+        "local t = tonumber(redis.call('TIME')[1]) + 2 "
+        "while tonumber(redis.call('TIME')[1]) < t do end", 0))
+    holding.start()
+    try:
+        def held() -> bool:  # a PING goes unanswered while the script holds the server
+            try:
+                return not redis.Redis.from_url(url, socket_timeout=0.2).ping()
+            except redis.TimeoutError:
+                return True
+
+        wait_for(held, 10, "the script to hold the server")
+        again, started = ensure_server(shared_dir)
+    finally:
+        holding.join()
+    assert (again, started) == (url, False)
+    assert _redis_servers_in(shared_dir) == [pid] and _pid_of(shared_dir) == pid
+    assert busy.ping()  # the same server, and its client's connection, live on
+
+
+@pytest.mark.parametrize("content", ["-5", "-1", "0"])
+def test_a_pid_file_that_names_no_process_is_ignored(shared_dir: Path, content: str) -> None:
+    """(psutil refused a negative pid with a ValueError: every sitsq command failed with a
+    traceback until the file was deleted)"""
+    url, _ = ensure_server(shared_dir)
+    stop_server(shared_dir)
+    (shared_dir / "redis.pid").write_text(f"{content}\n")
+    again, started = ensure_server(shared_dir)
+    assert (again, started) == (url, True)
+    assert stop_server(shared_dir)
