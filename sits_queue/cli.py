@@ -19,6 +19,7 @@ from typing import Any
 
 import click
 import redis
+from kombu.exceptions import OperationalError
 
 from sits_queue.bench.report import check_json_path
 from sits_queue.broker import sites
@@ -61,9 +62,11 @@ class _Sitsq(click.Group):
             return super().invoke(ctx)
         except SitsError as exc:
             raise click.ClickException(str(exc)) from exc
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except (redis.ConnectionError, redis.TimeoutError, OperationalError) as exc:
             # redis-py's message names the host and port (or the auth failure), not always
-            # (a TLS handshake with a plain server: "Timeout connecting to server")
+            # (a TLS handshake with a plain server: "Timeout connecting to server"); kombu
+            # wraps it in OperationalError where the demo publishes (a server stopped under
+            # it ended in a 228-line traceback)
             raise click.ClickException(f"cannot reach Redis{_at(ctx)}: {exc}"
                                        f"{_auth_hint(exc)}") from exc
         except redis.RedisError as exc:  # the server refused: a database out of range, an

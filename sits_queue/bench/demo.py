@@ -9,19 +9,80 @@ user's ``sitsq celery ...`` work lives there): its worker consumed the ``celery`
 and took the user's waiting tasks, dead-lettered as unknown to it. Each run starts by
 deleting what an earlier one left under that prefix (one interrupted left its jobs
 queued: the next run counted their completions as its own, and served them late).
+
+One demo runs at a time on a Redis (a lock under the prefix): two at once deleted each
+other's keys and counted each other's completions ("completed 134/100", twice). Ended by
+SIGTERM or SIGHUP (a closed terminal) it stops its worker and beat as on Ctrl-C: they run
+in sessions of their own, and Python's default exit on those signals left them running.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import socket
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
-from sits_queue.bench.ab import CLASSES, run_system
+import psutil
+import redis
+
+from sits_queue.bench.ab import CLASSES, DRAIN_TIMEOUT_S, run_system
 from sits_queue.bench.workload import mixed_workload
+from sits_queue.broker.payload import text
+from sits_queue.errors import SitsError
 
 #: The key prefix of the demo's keys, whichever server it runs on.
 PREFIX = "sits-demo:"
+#: The lock's life beyond the workload's own span, s: the worker's start, the drain, the
+#: stop. (A demo killed outright holds it that long, unless it ran on this host: then
+#: its pid tells.)
+LOCK_MARGIN_S = DRAIN_TIMEOUT_S + 120.0
+
+
+@contextlib.contextmanager
+def _one_at_a_time(redis_url: str, prefix: str, span_s: float) -> Iterator[None]:
+    client = redis.Redis.from_url(redis_url)
+    # (beside the prefix, not under it: each run deletes what is under it first)
+    key, me = f"{prefix.rstrip(':')}-lock", f"{socket.gethostname()}:{os.getpid()}"
+    ttl_ms = int((span_s + LOCK_MARGIN_S) * 1000)
+    if not client.set(key, me, nx=True, px=ttl_ms):
+        holder = text(client.get(key) or b"", "replace")
+        host, _, pid = holder.rpartition(":")
+        if host == socket.gethostname() and pid.isdigit() and not psutil.pid_exists(int(pid)):
+            client.set(key, me, px=ttl_ms)  # its demo was killed outright
+        else:
+            raise SitsError(f"another sitsq demo ({holder or 'its holder unknown'}) runs on "
+                            f"this Redis, under {prefix!r}: wait for it to end")
+    try:
+        yield
+    finally:
+        with contextlib.suppress(redis.RedisError):
+            if client.get(key) == me.encode():
+                client.delete(key)
+        client.close()
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def _stopped_as_on_ctrl_c() -> Iterator[None]:
+    """SIGTERM and SIGHUP end the demo as Ctrl-C does, its ``finally`` blocks run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.signal(sig, _interrupted) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def run_demo(redis_url: str, jobs: int, concurrency: int, seed: int,
@@ -34,7 +95,8 @@ def run_demo(redis_url: str, jobs: int, concurrency: int, seed: int,
         echo(f"demo: its keys are under {prefix!r}, apart from any queue of yours there "
              f"(watch it with SITS_GLOBAL_KEYPREFIX={prefix} sitsq status); what an "
              "earlier demo left there is deleted")
-    with tempfile.TemporaryDirectory(prefix="sits-demo-") as tmp:
+    with _one_at_a_time(redis_url, prefix, workload.duration_s), _stopped_as_on_ctrl_c(), \
+            tempfile.TemporaryDirectory(prefix="sits-demo-") as tmp:
         # Nothing flushed: `sitsq status` sees the same queues while it runs.
         summary = run_system("sits", workload, redis_url, Path(tmp), echo, flush=False,
                              prefix=prefix)

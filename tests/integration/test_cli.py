@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -11,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import redis
 from celery import Celery
@@ -18,6 +22,7 @@ from celery import Celery
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.procs import CeleryProcess
 from tests.integration.conftest import ROOT
+from tests.waiting import wait_for
 
 
 def sitsq(*args: str, env: dict[str, str], timeout: float = 180
@@ -124,6 +129,10 @@ def test_demo_runs_the_mixed_workload_to_completion_apart_from_the_users_queues(
     # what an interrupted demo left under its prefix (its jobs still queued there were
     # counted as the next run's and served late) goes before the run
     redis_client.set("sits-demo:left-by-an-earlier-demo", 1)
+    # and the lock of a demo killed outright on this host (its pid gone) is taken over
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    redis_client.set("sits-demo-lock", f"{socket.gethostname()}:{dead}")
     out = sitsq("demo", "--jobs", "60", env={**os.environ, "SITS_REDIS_URL": redis_url})
     assert out.returncode == 0, out.stderr + out.stdout
     assert "completed 60/60" in out.stdout and "'sits-demo:'" in out.stdout
@@ -135,6 +144,56 @@ def test_demo_runs_the_mixed_workload_to_completion_apart_from_the_users_queues(
     assert not [k for k in redis_client.scan_iter(match="bench:*")]
     assert list(redis_client.scan_iter(match="sits-demo:*"))
     assert not redis_client.exists("sits-demo:left-by-an-earlier-demo")
+    assert not redis_client.exists("sits-demo-lock")
+
+
+def test_a_second_demo_on_the_same_redis_is_refused_while_one_runs(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """(two at once deleted each other's keys and counted each other's completions:
+    "completed 134/100", twice)"""
+    redis_client.set("sits-demo-lock", f"{socket.gethostname()}:{os.getpid()}")  # live
+    try:
+        out = sitsq("demo", "--jobs", "5", env={**os.environ, "SITS_REDIS_URL": redis_url})
+    finally:
+        redis_client.delete("sits-demo-lock")
+    assert out.returncode == 1
+    assert out.stderr.startswith("Error: another sitsq demo (") and "wait for it" in out.stderr
+    assert not list(redis_client.scan_iter(match="sits-demo:*"))  # nothing of it ran
+
+
+def _demo_processes(redis_url: str) -> list[psutil.Process]:
+    """The worker and beat a demo on ``redis_url`` started (and their children)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if "sits_queue.bench.ab_apps" in " ".join(proc.info["cmdline"] or []) and \
+                    proc.environ().get("SITS_REDIS_URL") == redis_url:
+                found.append(proc)
+    return found
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_demo_ended_by_a_signal_stops_its_worker_and_beat(
+        redis_url: str, sig: int) -> None:
+    """(they run in sessions of their own, and Python's default exit on SIGTERM or SIGHUP,
+    a closed terminal, skipped the demo's own clean-up: both ran on)"""
+    demo = subprocess.Popen([str(Path(sys.executable).with_name("sitsq")), "demo", "--jobs",
+                             "5000"], env={**os.environ, "SITS_REDIS_URL": redis_url},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert demo.stdout is not None
+        for line in demo.stdout:
+            if "submitting" in line:  # its worker and beat are up
+                break
+        assert len(_demo_processes(redis_url)) >= 2
+        demo.send_signal(sig)
+        demo.wait(60)
+        wait_for(lambda: not _demo_processes(redis_url), 30, "the demo's worker and beat "
+                 "to stop")
+    finally:
+        demo.kill()
+        for proc in _demo_processes(redis_url):
+            proc.kill()
 
 
 def test_status_lists_live_workers_with_their_devices(

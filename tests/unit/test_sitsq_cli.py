@@ -78,6 +78,22 @@ def test_a_demo_whose_worker_dies_says_why_in_one_line(
         "SITS_DEVICE_CACHE_BYTES='lots' is not a size"]
 
 
+def test_a_demo_whose_redis_goes_away_says_so_in_one_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(kombu wraps the connection error where the demo publishes: `sitsq stop-redis`
+    under a running demo ended it in a 228-line traceback)"""
+    from kombu.exceptions import OperationalError
+
+    def lost(url: str, **kwargs: Any) -> None:
+        raise OperationalError("Error 111 connecting to 127.0.0.1:5. Connection refused.")
+
+    monkeypatch.setattr(cli, "_resolved", lambda: ("redis://h:1/0", True))
+    monkeypatch.setattr(demo, "run_demo", lost)
+    out = CliRunner().invoke(cli.main, ["demo"])
+    assert out.exit_code == 1 and "Traceback" not in out.output
+    assert out.output.strip().startswith("Error: cannot reach Redis")
+
+
 def test_every_bench_offers_the_same_options() -> None:
     out = CliRunner().invoke(cli.main, ["bench", "--help"])
     assert "ab" in out.output and "coldstart" in out.output
