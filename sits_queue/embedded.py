@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import importlib.util
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -453,15 +454,30 @@ def _read_port(data_dir: Path) -> int | None:
 
 
 def _password(data_dir: Path) -> str:
-    """The server's password, created once: other local users must not reach user data."""
+    """The server's password, created once: other local users must not reach user data.
+    A password file lost (deleted by hand, a cleaner) is read back from the server's
+    config: a new one made the server look dead, and it was replaced, every worker
+    holding the old URL refused for good."""
     path = data_dir / _PASSWORD_FILE
     with contextlib.suppress(FileNotFoundError):
         secret = path.read_text().strip()
         if secret:  # an empty file (a failed or cut write) is no password: make one
             return secret
-    secret = secrets.token_urlsafe(24)
+    secret = _configured_password(data_dir) or secrets.token_urlsafe(24)
     _write_private(path, secret + "\n")
     return secret
+
+
+def _configured_password(data_dir: Path) -> str | None:
+    """The ``requirepass`` the last start wrote into the server's config, if any."""
+    with contextlib.suppress(OSError):
+        for line in (data_dir / _CONF_FILE).read_text().splitlines():
+            name, _, value = line.strip().partition(" ")
+            if name == "requirepass" and len(value) >= 2 and value[0] == value[-1] == '"':
+                # (_conf_value's quoting, undone)
+                secret = re.sub(r"\\(.)", r"\1", value[1:-1])
+                return secret or None
+    return None
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -136,3 +136,15 @@ def test_a_pid_file_that_names_no_process_is_ignored(shared_dir: Path, content: 
     again, started = ensure_server(shared_dir)
     assert (again, started) == (url, True)
     assert stop_server(shared_dir)
+
+
+def test_a_lost_password_file_is_read_back_and_the_server_kept(shared_dir: Path) -> None:
+    """(a new password made the live server look dead: it was replaced, and every worker
+    holding the old URL was refused for good)"""
+    url, _ = ensure_server(shared_dir)
+    pid = _pid_of(shared_dir)
+    (shared_dir / "password").unlink()
+    again, started = ensure_server(shared_dir)
+    assert (again, started) == (url, False)
+    assert _redis_servers_in(shared_dir) == [pid]
+    assert (shared_dir / "password").read_text().strip() in url
