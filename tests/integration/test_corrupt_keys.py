@@ -207,6 +207,22 @@ def test_a_rescoring_lock_without_an_expiry_is_no_passs_and_is_taken_over(
     assert Rescorer(client_app.sits, redis_client).rescore_all() is None
 
 
+def test_a_queue_registry_of_another_type_fails_no_remote_control_call(
+        spawn: Callable[..., CeleryProcess], client_app: Celery,
+        redis_client: redis.Redis) -> None:
+    """(kombu deletes each reply queue after use, and the delete's SREM from the registry
+    raised: every ping and inspect of every client failed)"""
+    from sits_queue.broker.keys import queues_registry
+
+    worker = spawn()
+    redis_client.delete(queues_registry(""))
+    redis_client.set(queues_registry(""), "junk")
+    replies = client_app.control.ping(timeout=1)
+    assert [name for reply in replies for name in reply] == [worker.hostname]
+    assert redis_client.get(queues_registry("")) == b"junk"  # left as it was
+    redis_client.delete(queues_registry(""))  # (tests after this one do not all flush)
+
+
 def test_a_queue_registry_of_another_type_neither_doubles_a_put_nor_stops_a_restore(
         client_app: Celery, redis_client: redis.Redis) -> None:
     """(the registry's SADD after a put raised: the producer retried the put, and the task
@@ -225,3 +241,4 @@ def test_a_queue_registry_of_another_type_neither_doubles_a_put_nor_stops_a_rest
         channel.qos._last_sweep = -1e9
         channel.qos.restore_visible()
     assert waiting_ids(redis_client) == [msg_id]  # the dead worker's message is back
+    redis_client.delete(queues_registry(""))  # (tests after this one do not all flush)
