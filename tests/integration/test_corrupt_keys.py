@@ -122,7 +122,7 @@ def test_a_worker_runs_a_message_another_program_held_with_an_endless_deadline(
     SCRIPTS.run("pick", KEYS, [time.time(), 5, "another", 0], redis_client)
     redis_client.zadd(KEYS.unacked, {msg_id: float("inf")})
     assert waiting_ids(redis_client) == []
-    spawn(concurrency=1)
+    spawn(concurrency=1, visibility_timeout_s="4")  # (its sweep: every 4/3 s)
     assert held.get(timeout=60) == 11
 
 
