@@ -10,7 +10,7 @@ and took the user's waiting tasks, dead-lettered as unknown to it. Each run star
 deleting what an earlier one left under that prefix (one interrupted left its jobs
 queued: the next run counted their completions as its own, and served them late).
 
-One demo runs at a time on a Redis (a lock under the prefix): two at once deleted each
+One demo runs at a time on a Redis (a lock beside the prefix): two at once deleted each
 other's keys and counted each other's completions ("completed 134/100", twice). Ended by
 SIGTERM or SIGHUP (a closed terminal) it stops its worker and beat as on Ctrl-C: they run
 in sessions of their own, and Python's default exit on those signals left them running.

@@ -585,9 +585,15 @@ class SiteSync:
 _syncs: dict[tuple[str, str, str, str], SiteSync] = {}
 
 
+def has_peers(config: SitsConfig) -> bool:
+    """Whether ``config`` is a site with peers to sync with (else a single site: no
+    outbox, nothing to heartbeat)."""
+    return bool(config.site and config.site_peers.split())
+
+
 def for_config(config: SitsConfig) -> SiteSync | None:
     """The process's :class:`SiteSync` for ``config``; None for a single site."""
-    if not config.site or not config.site_peers.split():
+    if not has_peers(config):
         return None  # no peer: nothing would ever drain an outbox
     key = (config.site, config.site_peers, config.redis_url, config.global_keyprefix)
     sync = _syncs.get(key)

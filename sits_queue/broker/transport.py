@@ -425,23 +425,24 @@ class Channel(PublishingChannel):
             for at in range(0, len(ids), PURGE_CHUNK):
                 self._replicas_gone(queue, ids[at:at + PURGE_CHUNK])
         member = self.sep.join([routing_key or "", pattern or "", queue or ""])
-        sets = [self.global_keyprefix + self.keyprefix_queue % (exchange,),
-                self.global_keyprefix + self.keyprefix_binding_permanent % (exchange,),
-                queues_registry(self.global_keyprefix)]
+        removals = [(self.global_keyprefix + self.keyprefix_queue % (exchange,), member),
+                    (self.global_keyprefix + self.keyprefix_binding_permanent % (exchange,),
+                     member),
+                    (queues_registry(self.global_keyprefix), queue)]
         with self.raw.pipeline(transaction=False) as pipe:
-            for key in sets:
-                pipe.srem(key, member if key != sets[-1] else queue)
+            for key, value in removals:
+                pipe.srem(key, value)
             # UNLINK frees large hashes off the main thread.
             pipe.unlink(*self.keys(queue).all())
-            replies = pipe.execute(raise_on_error=False)
+            *removed, unlinked = pipe.execute(raise_on_error=False)
         # A set of another type (another program's, on the registry's key): logged. Raised,
         # it failed every remote-control call (kombu deletes each reply queue after use),
         # and the queue's own keys were gone all the same.
-        for key, reply in zip(sets, replies, strict=False):
+        for (key, _), reply in zip(removals, removed, strict=True):
             if isinstance(reply, redis.ResponseError):
                 logger.warning("could not take queue %r off %s: %s", queue, key, reply)
-        if isinstance(replies[-1], Exception):
-            raise replies[-1]
+        if isinstance(unlinked, Exception):
+            raise unlinked
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
         k = self.keys(queue)

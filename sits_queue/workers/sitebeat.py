@@ -17,7 +17,7 @@ from typing import Any
 import redis
 from celery import bootsteps
 
-from sits_queue.broker.sites import SiteSync
+from sits_queue.broker.sites import SiteSync, has_peers
 from sits_queue.config import SitsConfig
 from sits_queue.periodic import Periodic
 
@@ -40,7 +40,7 @@ class SiteHeartbeat(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def start(self, c: Any) -> None:
         config: SitsConfig = c.app.sits
-        if self._beating is not None or not config.site or not config.site_peers.split():
+        if self._beating is not None or not has_peers(config):
             return
         # Its own clients: the thread shares nothing with the passes or the puts.
         sync = SiteSync(config)
