@@ -54,6 +54,10 @@ def resolve_mode(mode: str, env: Mapping[str, str]) -> str:
     return mode
 
 
+def _not_installed(mode: str) -> ConfigError:
+    return ConfigError(f"otel_traces={mode!r} needs OpenTelemetry: {_INSTALL_HINT}")
+
+
 def configure_when_finalized(app: Any, mode: str) -> None:
     """Check ``mode`` now (a ConfigError when it cannot be had), and set tracing up when
     ``app`` is finalized: at its first task call in a producer, at start in a worker
@@ -66,8 +70,7 @@ def configure_when_finalized(app: Any, mode: str) -> None:
             import opentelemetry.instrumentation.celery
             import opentelemetry.sdk.trace  # noqa: F401
         except ImportError as exc:
-            raise ConfigError(f"otel_traces={mode!r} needs OpenTelemetry: "
-                              f"{_INSTALL_HINT}") from exc
+            raise _not_installed(mode) from exc
     if app.finalized:
         configure(mode)
         return
@@ -96,8 +99,7 @@ def configure(mode: str, env: Mapping[str, str] | None = None) -> bool:
                 logger.warning("an OTLP endpoint is set but OpenTelemetry is not installed "
                                "(%s): no traces; %s", exc, _INSTALL_HINT)
                 return False
-            raise ConfigError(f"otel_traces={mode!r} needs OpenTelemetry: "
-                              f"{_INSTALL_HINT}") from exc
+            raise _not_installed(mode) from exc
         instrumentor = CeleryInstrumentor()  # type: ignore[no-untyped-call]
         if not instrumentor.is_instrumented_by_opentelemetry:
             instrumentor.instrument(tracer_provider=provider)
