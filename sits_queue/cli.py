@@ -108,20 +108,18 @@ def queue_status(client: redis.Redis, config: SitsConfig, now_s: float) -> list[
     with client.pipeline(transaction=False) as pipe:
         for keys in keys_of:
             pipe.zrange(keys.waiting, 0, HEAD_ROWS - 1, withscores=True)
-            pipe.zcard(keys.waiting)
-            pipe.zcard(keys.unacked)
-            pipe.hlen(keys.dead)
-            pipe.hlen(keys.checkpoints)
-            pipe.hlen(keys.held)
+            for command, key in _COUNTED.values():
+                getattr(pipe, command)(getattr(keys, key))
         replies = pipe.execute()
-    counts = [replies[i:i + 6] for i in range(0, len(replies), 6)]
+    stride = 1 + len(_COUNTED)
+    per_queue = [(replies[i], dict(zip(_COUNTED, replies[i + 1:i + stride], strict=True)))
+                 for i in range(0, len(replies), stride)]
     with client.pipeline(transaction=False) as pipe:
-        for keys, (head, *_) in zip(keys_of, counts, strict=True):
+        for keys, (head, _) in zip(keys_of, per_queue, strict=True):
             if head:
                 pipe.hmget(keys.meta, [m for m, _ in head])
         metas_of = iter(pipe.execute())
-    for name, (head, waiting, unacked, dead, checkpointed, held) in zip(
-            names, counts, strict=True):
+    for name, (head, counts) in zip(names, per_queue, strict=True):
         metas = next(metas_of) if head else []
         rows = []
         for (msg_id, score), raw in zip(head, metas, strict=True):
@@ -134,11 +132,16 @@ def queue_status(client: redis.Redis, config: SitsConfig, now_s: float) -> list[
                            model=meta.options.model,
                            wait_s=stored_number(round(now_s - meta.enqueued_at_s, 2)))
             rows.append(row)
-        out.append({"queue": name, "waiting": waiting, "unacked": unacked, "dead": dead,
-                    # Tasks that yielded a time slice and have progress saved; tasks a
-                    # worker released for want of VRAM and holds off for a while.
-                    "checkpointed": checkpointed, "held": held, "head": rows})
+        out.append({"queue": name, **counts, "head": rows})
     return out
+
+
+#: What ``queue_status`` counts per queue: field -> (Redis command, QueueKeys attribute).
+#: Checkpointed: tasks that yielded a time slice and have progress saved; held: tasks a
+#: worker released for want of VRAM and holds off for a while.
+_COUNTED = {"waiting": ("zcard", "waiting"), "unacked": ("zcard", "unacked"),
+            "dead": ("hlen", "dead"), "checkpointed": ("hlen", "checkpoints"),
+            "held": ("hlen", "held")}
 
 
 def stray_lists(client: redis.Redis, config: SitsConfig, queues: list[str]) -> dict[str, int]:

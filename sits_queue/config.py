@@ -515,23 +515,21 @@ def _warn_near_misses(env: Mapping[str, str], known: set[str]) -> None:
 _warned: set[tuple[str, str]] = set()
 
 
-def redacted(url: str) -> str:
-    """``url`` without its credentials, for messages and logs."""
-    if "@" not in url or "://" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
-
-
 #: The credentials of a URL (user, password), up to the last "@" before its host.
 _CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^\s/]*@")
+
+
+def redacted(text: str) -> str:
+    """``text`` with the credentials of every URL in it masked, for messages and logs
+    (an "@" in a path, a socket's name, is not a credential: it stays)."""
+    return _CREDENTIALS.sub(r"\g<scheme>***@", text)
 
 
 def without_credentials(value: Any) -> Any:
     """``value`` with the credentials of every URL in it masked, through mappings and
     sequences: for what is shown to others (remote-control replies, Flower)."""
     if isinstance(value, str):
-        return _CREDENTIALS.sub(r"\g<scheme>***@", value)
+        return redacted(value)
     if isinstance(value, Mapping):
         return {k: without_credentials(v) for k, v in value.items()}
     if isinstance(value, list | tuple):

@@ -171,15 +171,17 @@ class SamePeer(redis.RedisError):
     """A peer URL that names this site's own Redis server."""
 
 
-def _check_another_server(peer: redis.Redis, current: str) -> None:
-    """Raises :class:`SamePeer` when ``peer`` is this site's own server (``current``, its
-    run id): a peer URL pointing back here, under another name, took the replicas into
-    this site's own Redis and nothing said so. (A peer that forbids INFO is not told
-    apart.) The pass reports the peer as failed and syncs nothing there."""
-    try:
-        theirs = peer.info("server").get("run_id")
-    except redis.exceptions.ResponseError:
+def _check_another_server(server: Any, current: str, peer: redis.Redis) -> None:
+    """Raises :class:`SamePeer` when ``server`` (the peer's ``INFO server`` reply) is this
+    site's own server (``current``, its run id): a peer URL pointing back here, under
+    another name, took the replicas into this site's own Redis and nothing said so. (A
+    peer that forbids INFO, whose reply is an error, is not told apart.) The pass reports
+    the peer as failed and syncs nothing there."""
+    if isinstance(server, redis.exceptions.ResponseError):
         return
+    if isinstance(server, Exception):
+        raise server
+    theirs = server.get("run_id")
     if theirs and str(theirs) == current:
         said = ("is this site's own Redis server (same run_id): nothing is replicated "
                 "there; point site_peers at the peer's own server")
@@ -196,9 +198,15 @@ def restore(local: redis.Redis, peer: redis.Redis, scripts: Scripts, prefix: str
     site lost. Records ``current`` and this pass (``pass_no``, :func:`next_pass`) there.
     Returns how many were put back; None when the peer's record named ``current``
     already (nothing to check)."""
-    _check_another_server(peer, current)
     key = epoch_key(prefix, site)
-    recorded = peer.get(key)
+    # One round trip a pass for the check and the record, not one each
+    with peer.pipeline(transaction=False) as pipe:
+        pipe.info("server")
+        pipe.get(key)
+        server, recorded = pipe.execute(raise_on_error=False)
+    _check_another_server(server, current, peer)
+    if isinstance(recorded, Exception):
+        raise recorded
     was, _, at = text(recorded or b"").partition(" ")
     record = f"{current} {pass_no}"
     if recorded is not None and was == current:

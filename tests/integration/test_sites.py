@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -21,7 +22,13 @@ from kombu import Exchange, Queue
 
 from sits_queue.app import make_app
 from sits_queue.broker import deadletters, recovery, sites, takeover
-from sits_queue.broker.keys import SEQ_BITS, QueueKeys, missing_since_key, takenover_key
+from sits_queue.broker.keys import (
+    SEQ_BITS,
+    QueueKeys,
+    epoch_key,
+    missing_since_key,
+    takenover_key,
+)
 from sits_queue.broker.scripts import Scripts
 from sits_queue.cli import _format_status
 from sits_queue.config import SitsConfig
@@ -365,6 +372,28 @@ def test_a_peer_url_naming_this_sites_own_redis_is_refused_and_said(
                            "site": sites.status(a, app.sits)})
     assert "last pass: b: is this site's own Redis server" in line
     app.close()
+
+
+def test_a_peer_that_forbids_info_is_synced_to(clients: tuple[redis.Redis, redis.Redis],
+                                              redis_url: str, site_b: str) -> None:
+    """(a managed Redis may refuse INFO: the own-server check is then skipped, the pass
+    goes on)"""
+    _, b = clients
+    b.acl_setuser("noinfo", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
+                  commands=["+@all", "-info"])
+    parts = urlsplit(site_b)
+    url = f"redis://noinfo:pw@{parts.hostname}:{parts.port}/0"
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        redis.Redis.from_url(url).info("server")
+    try:
+        app = site_app(redis_url, "a", "b", url, rtt_ms=1.0)
+        medium = submit(app, "medium")
+        report = sync_of(app).sync_pass()
+        assert report.errors == [] and replica_ids(b) == {medium}
+        assert b.get(epoch_key("", "a")) is not None  # the pass's record, written there
+        app.close()
+    finally:
+        b.acl_deluser("noinfo")
 
 
 def test_an_unreachable_peer_never_fails_a_put(clients: tuple[redis.Redis, redis.Redis],

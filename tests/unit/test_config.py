@@ -278,8 +278,12 @@ def test_the_transport_options_carry_the_config_without_its_credentials() -> Non
      {"u": ["a=rediss://***@h/0 b=unix://***@/tmp/s.sock"]}),
     ("redis://h:1/0 and no credentials", "redis://h:1/0 and no credentials"),
     (("amqp://guest:guest@rabbit//", 5), ["amqp://***@rabbit//", 5]),
+    # An "@" in a path (a socket's name) is no credential
+    ("unix:///run/redis@main.sock?db=1", "unix:///run/redis@main.sock?db=1"),
 ])
 def test_credentials_are_masked_in_every_url(value: object, shown: object) -> None:
-    from sits_queue.config import without_credentials
+    from sits_queue.config import redacted, without_credentials
 
     assert without_credentials(value) == shown
+    if isinstance(value, str):  # messages and logs mask the same way
+        assert redacted(value) == shown
