@@ -110,17 +110,27 @@ def queue_status(client: redis.Redis, config: SitsConfig, now_s: float) -> list[
             pipe.zrange(keys.waiting, 0, HEAD_ROWS - 1, withscores=True)
             for command, key in _COUNTED.values():
                 getattr(pipe, command)(getattr(keys, key))
-        replies = pipe.execute()
+        # A key of another type in one queue (another program's) is said on that
+        # queue's row: it took the whole status, and the fleet's metrics, down.
+        replies = pipe.execute(raise_on_error=False)
     stride = 1 + len(_COUNTED)
-    per_queue = [(replies[i], dict(zip(_COUNTED, replies[i + 1:i + stride], strict=True)))
-                 for i in range(0, len(replies), stride)]
+    per_queue = []
+    for i in range(0, len(replies), stride):
+        head, counts = replies[i], dict(zip(_COUNTED, replies[i + 1:i + stride], strict=True))
+        errors = [str(r) for r in (head, *counts.values()) if isinstance(r, Exception)]
+        per_queue.append(([] if isinstance(head, Exception) else head,
+                          {k: None if isinstance(v, Exception) else v
+                           for k, v in counts.items()}, errors))
     with client.pipeline(transaction=False) as pipe:
-        for keys, (head, _) in zip(keys_of, per_queue, strict=True):
+        for keys, (head, _, _) in zip(keys_of, per_queue, strict=True):
             if head:
                 pipe.hmget(keys.meta, [m for m, _ in head])
-        metas_of = iter(pipe.execute())
-    for name, (head, counts) in zip(names, per_queue, strict=True):
+        metas_of = iter(pipe.execute(raise_on_error=False))
+    for name, (head, counts, errors) in zip(names, per_queue, strict=True):
         metas = next(metas_of) if head else []
+        if isinstance(metas, Exception):
+            errors.append(str(metas))
+            metas = [None] * len(head)
         rows = []
         for (msg_id, score), raw in zip(head, metas, strict=True):
             prio, seq = decode_score(score) or (None, None)
@@ -132,7 +142,8 @@ def queue_status(client: redis.Redis, config: SitsConfig, now_s: float) -> list[
                            model=meta.options.model,
                            wait_s=stored_number(round(now_s - meta.enqueued_at_s, 2)))
             rows.append(row)
-        out.append({"queue": name, **counts, "head": rows})
+        out.append({"queue": name, **counts, "head": rows,
+                    **({"error": "; ".join(errors)} if errors else {})})
     return out
 
 
@@ -209,9 +220,14 @@ def _format_status(report: dict[str, Any]) -> str:
     if not report["queues"]:
         lines.append("no queues yet (submit a task first)")
     for q in report["queues"]:
-        lines.append(f"queue {q['queue']}: {q['waiting']} waiting, {q['unacked']} running/"
-                     f"reserved, {q['dead']} dead-lettered, {q['checkpointed']} resuming "
-                     f"from a yield, {q['held']} held off by a worker")
+        lines.append(f"queue {q['queue']}: {_or_unknown(q['waiting'])} waiting, "
+                     f"{_or_unknown(q['unacked'])} running/reserved, "
+                     f"{_or_unknown(q['dead'])} dead-lettered, "
+                     f"{_or_unknown(q['checkpointed'])} resuming from a yield, "
+                     f"{_or_unknown(q['held'])} held off by a worker")
+        if q.get("error"):
+            lines.append(f"  not all of it readable (a key of another program's?): "
+                         f"{q['error']}")
         for row in q["head"]:
             prio = "?" if row["priority"] is None else f"{row['priority']:.2f}"
             lines.append(f"  {prio:>12}  {row.get('sla_class') or '?'!s:<8}"
@@ -456,15 +472,22 @@ def dead_list(queue: str | None, limit: int, as_json: bool) -> None:
     report: dict[str, dict[str, Any]] = {}
     for name in _dead_queue(client, config, queue):
         key = QueueKeys.for_queue(name, config.global_keyprefix).dead
-        if total := int(client.hlen(key)):
-            rows = [d.row(now) for d in deadletters.read(client, key, limit)]
-            report[name] = {"total": total, "oldest": rows}
+        try:
+            if total := int(client.hlen(key)):
+                rows = [d.row(now) for d in deadletters.read(client, key, limit)]
+                report[name] = {"total": total, "oldest": rows}
+        except redis.ResponseError as exc:  # one queue's key of another type: the rest shown
+            report[name] = {"total": None, "oldest": [], "error": str(exc)}
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
     if not report:
         click.echo("no dead letters")
     for name, entry in report.items():
+        if entry.get("error"):
+            click.echo(f"{name}: dead letters not readable (a key of another program's?): "
+                       f"{entry['error']}")
+            continue
         click.echo(f"{name}: {entry['total']} dead letter(s), oldest first")
         for row in entry["oldest"]:
             click.echo(f"  {row['id']}  {row['task']}[{row['task_id']}]  {row['age_s']} s ago"

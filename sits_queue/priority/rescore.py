@@ -341,9 +341,15 @@ class Rescorer:
         with self.client.pipeline(transaction=False) as pipe:
             for key in dead.values():
                 pipe.hlen(key)
-            held = pipe.execute()
-        expired = {q: deadletters.expire(self.client, key, now_s - ttl)
-                   for (q, key), n in zip(dead.items(), held, strict=True) if n}
+            # One queue's key of another type (another program's) is left out, said
+            # once a sweep: it failed the sweep, every period, for every queue.
+            held = pipe.execute(raise_on_error=False)
+        expired: dict[str, int] = {}
+        for (q, key), n in zip(dead.items(), held, strict=True):
+            if isinstance(n, Exception):
+                logger.warning("dead letters of queue %r not swept: %s", q, n)
+            elif n:
+                expired[q] = deadletters.expire(self.client, key, now_s - ttl)
         if total := sum(expired.values()):
             logger.info("deleted %d dead letter(s) older than %.0f s: %s", total, ttl,
                         {q: n for q, n in expired.items() if n})
@@ -428,8 +434,14 @@ class Rescorer:
         oldest: float | None = None
         for queue in self.queues():
             keys = self.keys(queue)
-            ids: list[Any] = list(self.client.zrange(keys.waiting, 0, HEAD_PEEK - 1))
-            for raw in self.client.hmget(keys.meta, ids) if ids else []:
+            try:
+                ids: list[Any] = list(self.client.zrange(keys.waiting, 0, HEAD_PEEK - 1))
+                metas = self.client.hmget(keys.meta, ids) if ids else []
+            except redis.ResponseError:
+                # A queue's key of another type (another program's; the pass says it)
+                # is not this queue's backlog: it failed every check, every second.
+                continue
+            for raw in metas:
                 meta = WaitingMeta.read(raw)
                 if meta is None:  # gone meanwhile, or not a record: not the backlog
                     continue

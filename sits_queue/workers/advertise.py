@@ -288,8 +288,13 @@ def live_hostnames(client: redis.Redis, prefix: str = "") -> list[str]:
     whose record expired (a worker killed) leaves the registry. (A SCAN for the records
     cost a round trip per 200 keys of the whole database: 43k a call beside a day's
     results at 100 tasks/s, on every status and fleet scrape.)"""
-    names = [n.decode(errors="replace") if isinstance(n, bytes) else str(n)
-             for n in client.zrange(workers_key(prefix), 0, -1)]
+    try:
+        listed = client.zrange(workers_key(prefix), 0, -1)
+    except redis.ResponseError as exc:  # a key of another type there (another program's)
+        logger.warning("the worker registry %s is not readable (%s): no workers shown",
+                       workers_key(prefix), exc)
+        return []
+    names = [n.decode(errors="replace") if isinstance(n, bytes) else str(n) for n in listed]
     if not names:
         return []
     with client.pipeline(transaction=False) as pipe:

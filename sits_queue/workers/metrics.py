@@ -335,7 +335,8 @@ def queue_families(queues: Iterable[Mapping[str, Any]]) -> list[Metric]:
                              ("held", "Waiting tasks a worker released for want of VRAM.")):
         family = GaugeMetricFamily(f"sits_queue_{field}", help_text, labels=["queue"])
         for q in queues:
-            family.add_metric([str(q["queue"])], float(q.get(field) or 0))
+            if q.get(field) is not None:  # None: its key could not be read (not 0)
+                family.add_metric([str(q["queue"])], float(q[field]))
         out.append(family)
     return out
 

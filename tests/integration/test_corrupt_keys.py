@@ -171,6 +171,68 @@ def test_a_statistics_key_of_another_type_is_read_as_empty_and_the_pass_goes_on(
     assert report is not None and report.seen == 1
 
 
+@pytest.mark.parametrize("key", ["dead", "unacked", "waiting"])
+def test_a_queue_key_of_another_type_is_said_on_its_row_and_the_others_still_shown(
+        key: str, client_app: Celery, redis_client: redis.Redis, redis_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(one foreign key took sitsq status, sitsq dead list and the fleet's metrics down
+    for every queue: the scrape read as Redis down)"""
+    from click.testing import CliRunner
+
+    from sits_queue.cli import _format_status, main, queue_status
+    from sits_queue.workers.metrics import queue_families
+
+    client_app.tasks["w.add"].apply_async((1, 1), queue="other")
+    client_app.tasks["w.add"].apply_async((2, 2))
+    redis_client.delete(getattr(KEYS, key))
+    redis_client.set(getattr(KEYS, key), "another program's")
+    rows = {q["queue"]: q for q in queue_status(redis_client, client_app.sits, time.time())}
+    assert rows["other"]["waiting"] == 1 and "error" not in rows["other"]
+    mine = {"dead": "dead", "unacked": "unacked", "waiting": "waiting"}[key]
+    assert rows["celery"][mine] is None and "WRONGTYPE" in rows["celery"]["error"]
+    shown = _format_status({"queues": list(rows.values()), "workers": []})
+    assert f"queue celery: {'?' if key == 'waiting' else 1} waiting" in shown
+    assert "queue other: 1 waiting" in shown and "not all of it readable" in shown
+    gauges = {f.name: {s.labels["queue"]: s.value for s in f.samples}
+              for f in queue_families(rows.values())}
+    assert gauges["sits_queue_waiting"]["other"] == 1
+    assert "celery" not in gauges[f"sits_queue_{mine}"]  # unknown, not 0
+    monkeypatch.setenv("SITS_REDIS_URL", redis_url)
+    listed = CliRunner().invoke(main, ["dead", "list"])
+    assert listed.exit_code == 0, listed.output
+    if key == "dead":
+        assert "celery: dead letters not readable" in listed.output
+
+
+def test_a_worker_registry_of_another_type_shows_no_workers_and_fails_nothing(
+        client_app: Celery, redis_client: redis.Redis) -> None:
+    from sits_queue.workers.advertise import read_workers, workers_key
+
+    redis_client.set(workers_key(""), "another program's")
+    assert read_workers(redis_client) == []
+
+
+def test_a_dead_letter_key_of_another_type_is_left_and_the_sweep_expires_the_rest(
+        client_app: Celery, redis_client: redis.Redis) -> None:
+    """(it failed the sweep, every period, for every queue: no dead letter expired)"""
+    import json
+
+    from sits_queue.priority.rescore import Rescorer
+
+    other = QueueKeys.for_queue("other")
+    client_app.tasks["w.add"].apply_async((1, 1), queue="other")
+    client_app.tasks["w.add"].apply_async((2, 2))
+    redis_client.hset(other.dead, "old", json.dumps({"at": 1.0, "reason": "test"}))
+    redis_client.set(KEYS.dead, "another program's")
+    redis_client.delete(KEYS.waiting)
+    redis_client.set(KEYS.waiting, "another program's")
+    rescorer = Rescorer(client_app.sits, redis_client)
+    assert rescorer.expire_dead_letters(["celery", "other"], time.time()) == 1
+    assert not redis_client.hexists(other.dead, "old")
+    # and the trigger check reads the other queues' backlogs
+    assert rescorer.oldest_top_class_wait_ms(time.time()) is None
+
+
 def test_a_queue_key_of_another_type_leaves_that_queue_and_the_pass_rescores_the_rest(
         client_app: Celery, redis_client: redis.Redis) -> None:
     from sits_queue.priority.rescore import Rescorer
