@@ -430,7 +430,16 @@ class SitsCelery(Celery):  # type: ignore[misc]
             # Attached already (apply_async, a retry) or by hand: checked either way, so
             # a hand-made one with an unknown class or an impossible vram_gib is refused
             # here, not met by every worker
-            from_header(sits_config(self), headers[HEADER])
+            opts = from_header(sits_config(self), headers[HEADER])
+            if given := sorted(k for k in (*OPTION_NAMES, "max_batch") if k in options):
+                # (they were sent unchecked and unused, in the message's properties)
+                raise InvalidTaskOptions(
+                    f"task {name}: SITS options both in a hand-made {HEADER!r} header and "
+                    f"as keywords ({', '.join(given)}); give them one way")
+            # A hand-made header's class sets the limits too (apply_async's are set
+            # already: they are the call's own now, and stay)
+            apply_class_limits(self.tasks.get(name), sits_config(self), opts.sla_class,
+                               options, self.conf)
             return super().send_task(name, args, kwargs, **options)
         routed_options(self, name, args, kwargs, options)
         opts = call_options(self.tasks.get(name), sits_config(self), options, self.conf,

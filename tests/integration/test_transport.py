@@ -385,6 +385,13 @@ def test_every_publish_path_carries_and_checks_the_sits_options(
                         ({"sla_class": "low", "vram_gib": 60}, "exceeds the 'low' class")]:
         with pytest.raises(InvalidTaskOptions, match=why):
             app.send_task("t.echo", ("x",), headers={"sits": header})
+    # ... and SITS options beside it are refused, not sent unchecked and unused
+    with pytest.raises(InvalidTaskOptions, match=r"both in a hand-made 'sits' header and "
+                       r"as keywords \(precision, vram_gib\)"):
+        app.send_task("t.echo", ("x",), headers={"sits": {"sla_class": "high"}},
+                      vram_gib=-5, precision="fp8")
+    # ... and its class sets the time limits, as the keyword's would (none were sent)
+    app.send_task("t.echo", ("by hand",), headers={"sits": {"sla_class": "low"}})
 
     # a task on a plain celery.Task base (the Celery docs' DatabaseTask pattern)
     class PlainBase(Task):  # type: ignore[misc]
@@ -404,7 +411,9 @@ def test_every_publish_path_carries_and_checks_the_sits_options(
     assert got["('unknown here',)"]["sits"]["sla_class"] == "medium"  # the default class
     assert got["('plain base',)"]["sits"]["sla_class"] == "low"
     assert got["('plain base',)"]["timelimit"] == [10, 8]
-    assert len(got) == 3
+    assert got["('by hand',)"]["sits"]["sla_class"] == "low"
+    assert got["('by hand',)"]["timelimit"] == [10, 8]
+    assert len(got) == 4
 
 
 def test_unacked_messages_are_restored_never_lost(redis_url: str,
