@@ -40,7 +40,7 @@ from celery.worker.request import Request
 from celery.worker.state import task_ready
 
 from sits_queue.broker.keys import DELIVERY_HEADER
-from sits_queue.options import HEADER
+from sits_queue.options import HEADER, MAX_VRAM_GIB
 from sits_queue.workers import nvmlfork
 from sits_queue.workers.limits import BYTES_PER_GIB, fits
 from sits_queue.workers.slices import Preempted
@@ -108,19 +108,20 @@ def declared_vram_gib(headers: Mapping[str, Any]) -> float | None:
 
 
 def class_vram_gib(request: Request) -> float | None:
-    """The VRAM limit of the task's class, GiB (None: no class this worker knows)."""
+    """The VRAM limit of the class the task runs in, GiB (None: no limit, or no app to
+    read it from): the class the runtime gives it (``runtime.task_class``): its header's,
+    else the task's declared one, else the default. (A class this worker does not know
+    read as no limit, and a task of it declaring more than any device holds was released
+    for ever, though it would have run in the default class, under that cap.)"""
     from sits_queue.app import sits_config
+    from sits_queue.workers.runtime import task_class
 
-    header = request.request_dict.get(HEADER)
-    name = header.get("sla_class") if isinstance(header, Mapping) else None
-    if not isinstance(name, str):
-        return None
     try:  # (nothing here may raise in the main process: the pool slot would be lost)
         config = sits_config(request.task.app)
+        return task_class(config, request.request_dict,
+                          getattr(request.task, "sla_class", None)).vram_gib
     except Exception:
         return None
-    quota = config.find_class(name)
-    return quota.vram_gib if quota is not None else None
 
 
 def admit(needed_gib: float | None, free_bytes: int,
@@ -261,12 +262,12 @@ def refused(request: Request) -> bool:
     if _shared is not None and getattr(request.task, "runs_inference", False):
         verdict = _shared
     elif (needed := declared_vram_gib(request.request_dict)) is not None:
-        limit = class_vram_gib(request)
-        if limit is not None and needed > limit:
+        limit = min(MAX_VRAM_GIB, class_vram_gib(request) or MAX_VRAM_GIB)
+        if needed > limit:
             # No worker may start it (a producer that skipped the check at submission):
             # released, it would come back for ever. It runs under its class's cap.
-            logger.warning("task %s[%s] declares vram_gib=%g, over its class's limit of "
-                           "%g GiB: started under the class's cap", request.name,
+            logger.warning("task %s[%s] declares vram_gib=%g, over what its class admits "
+                           "(%g GiB): started under the class's cap", request.name,
                            request.id, needed, limit)
             return False
         try:

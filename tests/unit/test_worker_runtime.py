@@ -417,7 +417,17 @@ def test_a_declaration_over_its_class_limit_runs_under_the_cap_not_released_for_
     over._task = SimpleNamespace(app=SimpleNamespace(sits=SitsConfig()))
     with caplog.at_level("WARNING"):
         assert over.execute_using_pool(None) == "sent to the pool"
-    assert qos.released == [] and "over its class's limit of 8 GiB" in caplog.text
+    assert qos.released == [] and "over what its class admits (8 GiB)" in caplog.text
+    # A class this worker does not know runs in the default one (medium: 32 GiB), and
+    # so under that cap (it read as no limit: released for ever)
+    renamed, qos = fake_request(60)
+    renamed._request_dict["sits"]["sla_class"] = "renamed"
+    renamed._task = SimpleNamespace(app=SimpleNamespace(sits=SitsConfig()))
+    assert renamed.execute_using_pool(None) == "sent to the pool" and qos.released == []
+    assert "over what its class admits (32 GiB)" in caplog.text
+    # With no class to read, past what any task may declare
+    huge, qos = fake_request(5000)
+    assert huge.execute_using_pool(None) == "sent to the pool" and qos.released == []
 
 
 def test_a_worker_of_plain_tasks_only_leaves_inference_tasks(
