@@ -32,11 +32,22 @@ from sits_queue.errors import DeadLettered
 logger = logging.getLogger(__name__)
 
 
+def parsed_record(record: bytes | str) -> Any:
+    """A dead-letter record's JSON. ``dead.lua`` stores a payload that is not UTF-8 as
+    it came (cjson copies its bytes): such a record is read with those bytes kept as
+    surrogates, not refused (its reason and age were lost, and it never expired)."""
+    try:
+        return json.loads(record)
+    except UnicodeDecodeError:
+        assert isinstance(record, bytes)
+        return json.loads(record.decode("utf-8", "surrogateescape"))
+
+
 def task_of(record: bytes | str) -> tuple[str, str, str] | None:
     """(task id, task name, reason) of a dead-letter record; None if its message has no
     task id."""
     try:
-        parsed = json.loads(record)
+        parsed = parsed_record(record)
         headers = json.loads(parsed["payload"])["headers"]
         task_id, name = headers["id"], headers.get("task", "?")
         reason = str(parsed.get("reason", "dead-lettered"))
@@ -116,7 +127,7 @@ def read(client: Any, dead_key: str, limit: int | None = None) -> list[DeadLette
     for raw_id, record in client.hscan_iter(dead_key, count=500):
         message_id = shown(raw_id)
         try:
-            parsed = json.loads(record)
+            parsed = parsed_record(record)
             reason = str(parsed.get("reason", "?"))
             at = float(parsed["at"]) if parsed.get("at") is not None else None
             if at is not None and not math.isfinite(at):
@@ -166,7 +177,7 @@ def requeue(channel: Any, queue: str, ids: Sequence[bytes | str]
                                              "drop it instead"
                 continue
             try:
-                message = decode(json.loads(record)["payload"], tuple(channel.codecs))
+                message = decode(parsed_record(record)["payload"], tuple(channel.codecs))
                 message["properties"]["delivery_tag"] = tag
                 _check_body(channel, message)
             except (ValueError, TypeError, KeyError, ArithmeticError) as exc:
@@ -223,7 +234,7 @@ def expire(client: Any, dead_key: str, before_s: float, chunk: int = 500) -> int
     old: list[bytes] = []
     for message_id, record in client.hscan_iter(dead_key, count=chunk):
         try:
-            at = float(json.loads(record)["at"])
+            at = float(parsed_record(record)["at"])
         except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError):
             continue
         if at < before_s:

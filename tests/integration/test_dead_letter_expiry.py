@@ -112,3 +112,23 @@ def test_the_sweep_period_is_a_24th_of_the_ttl_within_a_second_and_an_hour() -> 
     assert sweep_period_s(TTL_S) == 25.0
     assert sweep_period_s(1.0) == 1.0
     assert sweep_period_s(1_209_600.0) == 3600.0
+
+
+def test_a_letter_of_a_payload_that_is_not_utf8_is_read_and_expires(
+        app: Celery, redis_client: redis.Redis) -> None:
+    """(dead.lua's cjson copies such a payload's bytes into the record: it read as
+    '(unreadable record)', its reason and age lost, and it never expired)"""
+    from sits_queue.broker.scripts import Scripts
+
+    keys = QueueKeys.for_queue("celery")
+    redis_client.hset(keys.payloads, "bin", b"\xff\xfe\x00garbage\x80")
+    redis_client.zadd(keys.waiting, {"bin": 1})
+    Scripts.register().run_on("dead", keys.all(), [time.time() - TTL_S - 5,
+                                                   "malformed payload", "bin"], redis_client)
+    record = redis_client.hget(keys.dead, "bin")
+    with pytest.raises(UnicodeDecodeError):
+        record.decode()  # as stored: the bytes themselves
+    (letter,) = deadletters.read(redis_client, keys.dead)
+    assert letter.reason == "malformed payload" and letter.at is not None
+    assert deadletters.expire(redis_client, keys.dead, time.time() - TTL_S) == 1
+    assert not redis_client.hexists(keys.dead, "bin")
