@@ -75,6 +75,16 @@ def resolve_task_options(task: Task | None, config: SitsConfig, per_call: Mappin
 
     Raises :class:`~sits_queue.errors.InvalidTaskOptions`; nothing has been sent then.
     """
+    # Celery's own checks, first: the options read the arguments (input entropy), and
+    # failed on a bad shape with an error naming neither ("'list' object has no
+    # attribute 'values'")
+    who = getattr(task, "name", "the task")
+    if args is not None and not isinstance(args, list | tuple):
+        raise TypeError(f"{who}: task args must be a list or tuple, got "
+                        f"{type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"{who}: task keyword arguments must be a mapping, got "
+                        f"{type(kwargs).__name__}")
     declared = {name: getattr(task, name, None) for name in OPTION_NAMES}
     opts = resolve(config, declared, per_call, args, kwargs)
     most = getattr(task, "max_batch", None)

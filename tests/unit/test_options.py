@@ -82,3 +82,26 @@ def test_a_waiting_record_keeps_when_its_eta_falls_due(eta: object, due: float |
     assert meta.due_s == due
     assert WaitingMeta.from_json(meta.to_json()).due_s == due
     assert (b'"eta"' in meta.to_json()) == (due is not None)
+
+
+@pytest.mark.parametrize("args, kwargs, said", [
+    ((1,), [2], "u.add: task keyword arguments must be a mapping, got list"),
+    (5, None, "u.add: task args must be a list or tuple, got int"),
+    ("ab", None, "u.add: task args must be a list or tuple, got str"),
+])
+def test_arguments_of_the_wrong_shape_are_refused_naming_them(
+        args: object, kwargs: object, said: str) -> None:
+    """(the options read the arguments first, for their entropy, and failed with
+    "'list' object has no attribute 'values'"); nothing is sent: no broker is needed"""
+    from sits_queue.app import make_app
+
+    app = make_app(SitsConfig(redis_url="redis://127.0.0.1:1/0"), main="shape-unit")
+
+    @app.task(name="u.add", shared=False)
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    with pytest.raises(TypeError, match=said):
+        add.apply_async(args, kwargs)
+    with pytest.raises(TypeError, match=said):
+        app.send_task("u.add", args, kwargs)
