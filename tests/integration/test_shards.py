@@ -9,9 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeout
+from kombu.exceptions import EncodeError
 
+from sits_queue.broker.keys import QueueKeys
 from sits_queue.procs import CeleryProcess
 from sits_queue.shards import apply_sharded
 from tests.integration.inference_app import (
@@ -91,3 +94,14 @@ def test_a_timeout_bounds_the_whole_job_not_each_shard(app: Celery,
 def test_a_bad_items_argument_is_refused(app: Celery) -> None:
     with pytest.raises(TypeError, match="items must be a list"):
         apply_sharded(app.tasks["t.lengths"], "one string")
+
+
+def test_an_item_the_serializer_refuses_sends_no_shard(app: Celery,
+                                                       redis_client: redis.Redis) -> None:
+    """(Celery sends a group's members one at a time: the shards before it were queued,
+    and the caller, given an EncodeError, had no handle on them)"""
+    items = ["x"] * 100 + [object()]
+    with pytest.raises(EncodeError):  # (a queue no worker takes: what was sent stays)
+        apply_sharded(app.tasks["t.lengths"], items, input_entropy=0.9, shard_items=10,
+                      queue="unserved")
+    assert redis_client.zcard(QueueKeys.for_queue("unserved").waiting) == 0

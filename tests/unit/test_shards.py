@@ -9,7 +9,8 @@ from sits_queue.shards import _items_of, plan
 
 
 @pytest.mark.parametrize(("n", "entropy", "size", "bounds"), [
-    (130, SHARD_ENTROPY, 64, ((0, 44), (44, 88), (88, 130))),  # even, not 64/64/2
+    (130, SHARD_ENTROPY, 64, ((0, 44), (44, 87), (87, 130))),  # even, not 64/64/2
+    (10, SHARD_ENTROPY, 3, ((0, 3), (3, 6), (6, 8), (8, 10))),  # not 3/3/3/1
     (128, 0.9, 64, ((0, 64), (64, 128))),
     (64, 0.9, 64, ((0, 64),)),  # one shard's worth: no split
     (500, SHARD_ENTROPY - 0.01, 64, ((0, 500),)),  # prose: never split
