@@ -155,6 +155,6 @@ def apply_sharded(task: Any, items: Sequence[Any], *args: Any,
     # no handle on them for the caller.
     serializer = options.get("serializer") or task.serializer or task.app.conf.task_serializer
     for sig in signatures:
-        dumps((sig.args, sig.kwargs), serializer=serializer)
+        dumps((sig.args, sig.kwargs), serializer=serializer)  # type: ignore[no-untyped-call]
     outcome = group(signatures).apply_async()
     return Sharded(task.app, list(outcome.results), shard_plan)
