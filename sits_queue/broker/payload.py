@@ -107,7 +107,7 @@ def _check_task_message(headers: dict[str, Any]) -> None:
     if limits is not None and not (
             isinstance(limits, (list, tuple)) and len(limits) == 2
             and all(_seconds(x) for x in limits)):
-        raise MalformedPayload(f"headers.timelimit is not [soft, hard] seconds or nulls: "
+        raise MalformedPayload(f"headers.timelimit is not [hard, soft] seconds or nulls: "
                                f"{shown(limits)}")
     # Celery's Request.revoked() walks them before the pool takes the task, after the
     # pool's slot was taken for it: raised on there, the slot was never given back.
@@ -144,7 +144,14 @@ def check_task_body(message: Any) -> None:
     Celery's to check (and to refuse what it must). A compressed body is checked as kombu
     decompressed it."""
     headers = message.headers or {}
-    if headers.get("task") is None or message.content_type != "application/json":
+    if headers.get("task") is None:
+        return
+    if not message.content_type:
+        # kombu hands such a body over as it is, and Celery's unpacking of it failed with
+        # "too many values to unpack", naming neither
+        raise MalformedPayload("no content-type: a task message says how its body is "
+                               "encoded (application/json, ...)")
+    if message.content_type != "application/json":
         return
     body = message.body or b""
     try:
