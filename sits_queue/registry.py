@@ -80,8 +80,13 @@ class ModelRegistry:
                             f"got {type(loader).__name__}")
         spec = ModelSpec(name=name, loader=loader, sample_inputs=sample_inputs)
         with self._lock:
-            if name in self._specs and not replace and self._specs[name] != spec:
-                raise ValueError(f"model {name!r} is already registered; pass replace=True")
+            held = self._specs.get(name)
+            if held is not None and not replace:
+                if not _same_registration(held, spec):
+                    raise ValueError(f"model {name!r} is already registered (with another "
+                                     "loader or sample inputs of another shape); pass "
+                                     "replace=True")
+                return held  # the same again (a module imported twice): nothing changes
             self._specs[name] = spec
         return spec
 
@@ -107,12 +112,57 @@ class ModelRegistry:
         return len(self._specs)
 
 
-def _path_loader(path: Path) -> Loader:
-    def load() -> Path:
-        return path
+@dataclass(frozen=True)
+class _PathLoader:
+    """A registered path's loader: equal to another of the same path."""
 
-    load.__qualname__ = f"path({path})"
-    return load
+    path: Path
+
+    def __call__(self) -> Path:
+        return self.path
+
+
+def _path_loader(path: Path) -> Loader:
+    return _PathLoader(path)
+
+
+def _same_registration(a: ModelSpec, b: ModelSpec) -> bool:
+    """Whether ``b`` registers what ``a`` did: as a module imported twice (``__main__``
+    and by its name, a worker's ``-A`` and an import) does, with new function objects
+    from the same source, and sample tensors drawn again (``torch.randn``): a loader of
+    the same code at the same place, samples of the same structure, shapes and dtypes.
+    (Compared as dataclasses, a re-imported loader always differed, and sample tensors
+    raised "Boolean value of Tensor ... is ambiguous".)"""
+    return _same_loader(a.loader, b.loader) and _same_sample(a.sample_inputs, b.sample_inputs)
+
+
+def _same_loader(a: Loader, b: Loader) -> bool:
+    if a is b or (isinstance(a, _PathLoader) and a == b):
+        return True
+    code_a, code_b = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    if code_a is None or code_b is None:
+        return False
+    return (getattr(a, "__qualname__", None) == getattr(b, "__qualname__", None)
+            and code_a.co_filename == code_b.co_filename
+            and code_a.co_firstlineno == code_b.co_firstlineno
+            and code_a.co_code == code_b.co_code and code_a.co_consts == code_b.co_consts)
+
+
+def _same_sample(a: Any, b: Any) -> bool:
+    if isinstance(a, tuple | list) or isinstance(b, tuple | list):
+        return (type(a) is type(b) and len(a) == len(b)
+                and all(_same_sample(x, y) for x, y in zip(a, b, strict=True)))
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys()
+                and all(_same_sample(a[k], b[k]) for k in a))
+    shape_a, shape_b = getattr(a, "shape", None), getattr(b, "shape", None)
+    if shape_a is not None or shape_b is not None:  # tensors, arrays: not by value
+        return (type(a) is type(b) and tuple(shape_a or ()) == tuple(shape_b or ())
+                and getattr(a, "dtype", None) == getattr(b, "dtype", None))
+    try:
+        return bool(a == b)
+    except Exception:  # a value whose comparison is not a truth value
+        return a is b
 
 
 def load_engine(spec: ModelSpec, device: str) -> Any:

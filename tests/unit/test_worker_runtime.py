@@ -735,3 +735,46 @@ def test_what_the_channel_does_not_dead_letter_is_raised_and_the_request_kept() 
 def test_a_message_of_another_transport_is_not_dead_lettered_here() -> None:
     req, _ = fake_request(None)  # its channel has no refuse(), its request no delivery
     assert not request.dead_letter_unstartable(req, ValueError("x"))
+
+
+def _ranker() -> Any:
+    return None
+
+
+def test_the_same_registration_again_changes_nothing_and_another_is_refused(
+        tmp_path: Path) -> None:
+    """(README: "the same registration again, as a module imported twice makes, changes
+    nothing": a path registered twice raised, a re-imported module's loader raised, and
+    sample tensors raised "Boolean value of Tensor ... is ambiguous")"""
+    import importlib.util
+
+    import torch
+
+    registry = ModelRegistry()
+    registry.register("lm", tmp_path)
+    registry.register("lm", str(tmp_path))
+    first = registry.register("ranker", _ranker, sample_inputs=(torch.randn(1, 8),))
+    assert registry.register("ranker", _ranker, sample_inputs=(torch.randn(1, 8),)) is first
+    # A module imported twice (as __main__ and by name): new loader objects, same source
+    source = tmp_path / "mytasks.py"
+    source.write_text("import torch\n\ndef build():\n    return torch.nn.Linear(8, 2)\n")
+    builds = []
+    for name in ("mytasks_a", "mytasks_b"):
+        spec = importlib.util.spec_from_file_location(name, source)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        builds.append(module.build)
+    assert builds[0] is not builds[1]
+    registry.register("linear", builds[0], sample_inputs={"x": torch.zeros(2, 8)})
+    registry.register("linear", builds[1], sample_inputs={"x": torch.ones(2, 8)})
+    assert registry.get("linear").loader is builds[0]
+    # Another loader, another path, or samples of another shape or dtype: refused
+    for loader, sample in [(lambda: None, (torch.randn(1, 8),)),
+                           (_ranker, (torch.randn(2, 8),)),
+                           (_ranker, (torch.randn(1, 8, dtype=torch.float64),)),
+                           (_ranker, None)]:
+        with pytest.raises(ValueError, match="already registered"):
+            registry.register("ranker", loader, sample_inputs=sample)
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register("lm", tmp_path / "other")
