@@ -261,6 +261,24 @@ class SitsTask(Task):  # type: ignore[misc]
         return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow,
                                    **options)
 
+    def apply(self, args: Any = None, kwargs: Any = None, link: Any = None,
+              link_error: Any = None, task_id: str | None = None, retries: int | None = None,
+              throw: bool | None = None, logfile: Any = None, loglevel: Any = None,
+              headers: Mapping[str, Any] | None = None, **options: Any) -> Any:
+        """Celery's, with the call's SITS options (``model=``, ``sla_class=``,
+        ``precision=`` ...) in the eager request's headers, where the runtime reads them:
+        Celery's ``apply`` drops options it does not know, so a task running another
+        model's task in its own process got its own model, and the built-in tasks none.
+        A call through ``apply_async`` (``task_always_eager``) has them there already."""
+        given = any(name in options for name in (*OPTION_NAMES, "max_batch"))
+        if given or not (isinstance(headers, Mapping) and HEADER in headers):
+            routed_options(self.app, self.name, args, kwargs, options)
+            opts = call_options(self, sits_config(self.app), options, self.app.conf, args,
+                                kwargs)
+            headers = sits_headers(opts, headers, time.time())
+        return super().apply(args, kwargs, link, link_error, task_id, retries, throw,
+                             logfile, loglevel, headers, **options)
+
     def signature_from_request(self, request: Any = None, args: Any = None,
                                kwargs: Any = None, queue: Any = None,
                                **extra_options: Any) -> Any:

@@ -21,6 +21,7 @@ from sits_queue.config import SitsConfig
 from sits_queue.errors import (
     ContextTooLong,
     InvalidInput,
+    InvalidTaskOptions,
     ModelLoadError,
     UnknownModel,
     VramLimitExceeded,
@@ -711,6 +712,15 @@ def test_an_eager_call_runs_with_the_options_it_was_given(
     gen = app.tasks["sits.generate"].apply_async(("the worker",), {"max_new_tokens": 2},
                                                  model="lm-b").get()
     assert gen["output"]["tokens"] == 2
+    # apply() itself takes them too (Celery's dropped them: a task running another
+    # model's task in its process got its own model, the built-in tasks none)
+    got = which.apply((1,), model="lm-b", sla_class="low", precision="fp16").get()
+    assert got["output"] == "lm-b@fp16" and got["sits"]["sla_class"] == "low"
+    gen = app.tasks["sits.generate"].apply(("the worker",), {"max_new_tokens": 2},
+                                           model="lm-b").get()
+    assert gen["output"]["tokens"] == 2
+    with pytest.raises(InvalidTaskOptions, match="unknown sla_class"):
+        which.apply((1,), sla_class="bogus")
 
 
 def test_a_task_running_another_model_s_task_in_process_keeps_its_engine(
