@@ -563,8 +563,15 @@ def _embed_batch(engine: Any, model: str, batch: list[str], normalize: bool,
         active.check_vram(kv_cache_bytes(module, length * len(batch)))
     enc = {k: v.to(device) for k, v in enc.items()}
     # A causal LM's head gives logits, not states: its body (base_model) gives the last
-    # hidden states, as an encoder does (base_model is the module itself there).
-    body = getattr(module, "base_model", None) or module
+    # hidden states, as an encoder does (base_model is the module itself there). An
+    # encoder-decoder's is its encoder: its base model is both halves (T5's refused
+    # inputs with no decoder ones; BART's pooled its decoder's states of the shifted text).
+    if getattr(getattr(module, "config", None), "is_encoder_decoder", False) and \
+            callable(getattr(module, "get_encoder", None)):
+        body = module.get_encoder()
+        enc = {k: enc[k] for k in ("input_ids", "attention_mask")}
+    else:
+        body = getattr(module, "base_model", None) or module
     with torch.inference_mode():
         out = body(**enc)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]

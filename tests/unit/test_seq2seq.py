@@ -232,3 +232,26 @@ def test_the_built_in_generation_refuses_a_seq2seq_model_by_name(
         inference.generate(engine, PROMPT, max_new_tokens=3)
     with pytest.raises(ModelLoadError, match=match):
         batchgen.generate_calls(engine, [batched.Call("a", (PROMPT, 3), {})])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_built_in_embedding_pools_a_seq2seq_models_encoder(
+        checkpoints: Callable[..., Path], arch: str) -> None:
+    """(T5 failed "You must specify exactly one of input_ids or inputs_embeds"; BART
+    pooled its decoder's states of the shifted text)"""
+    import torch
+    import transformers
+
+    path = checkpoints(arch)
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    engine = TorchEngine("s2s", model, None, {"tokenizer": tokenizer})
+    engine.to_device("cpu")
+    got = inference.embed(engine, [PROMPT, "a second text"], normalize=False)
+    # The encoder's states, mean-pooled over each text's tokens, computed here by hand
+    enc = tokenizer([PROMPT], return_tensors="pt")
+    with torch.inference_mode():
+        states = model.get_encoder()(**enc).last_hidden_state
+    expected = states.mean(dim=1)[0]
+    vector = torch.tensor(got[0])
+    assert torch.allclose(vector, expected, atol=1e-5)
