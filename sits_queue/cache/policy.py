@@ -301,7 +301,23 @@ def _make_device_room(state: PoolState, size_bytes: int, keep: str, now_s: float
         step = _displace(state, victim, keep, now_s, half_life_s, lent)
         state = _run(state, step, now_s)
         actions += step
-    return actions
+    return _evicted_where_demoted(actions)
+
+
+def _evicted_where_demoted(actions: list[Action]) -> list[Action]:
+    """An engine demoted and then dropped to make room for a warmer one, in one plan, is
+    dropped where it was demoted: its copy to the host was for nothing (and the task's
+    result named it demoted as well as evicted). Dropped sooner, it frees the device
+    sooner and never holds the host: every step stays within both budgets."""
+    dropped = {key for kind, key in actions if kind == "evict"}
+    twice = {key for kind, key in actions if kind == "demote" and key in dropped}
+    out: list[Action] = []
+    for kind, key in actions:
+        if key not in twice:
+            out.append((kind, key))
+        elif kind == "demote":  # its later write-back and eviction, here
+            out += [a for a in actions if a[1] == key and a[0] in ("sync", "evict")]
+    return out
 
 
 def plan_admit(state: PoolState, key: str, size_bytes: int, now_s: float,

@@ -709,3 +709,17 @@ def test_importing_the_cache_starts_no_gpu_runtime() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_an_engine_dropped_for_a_warmer_one_is_not_demoted_first() -> None:
+    """(the coldest was demoted, then evicted for the next victim's room: a copy to the
+    host for nothing, and the result named it demoted as well as evicted)"""
+    cache, _ = make_cache(device_budget=100, host_budget=50)
+    loaders = Loaders({"a": 50, "b": 50, "c": 100})
+    a, _ = cache.get("a", loaders("a"))
+    cache.get("b", loaders("b"))
+    _, cold = cache.get("c", loaders("c"))  # room for 100: a (colder) dropped, b demoted
+    assert cold.evicted == ("a",) and cold.demoted == ("b",)
+    assert isinstance(a, FakeEngine) and a.calls["demote"] == 0 and a.released
+    assert cache.warm() == {"b": "host", "c": "device"}
+    assert_consistent(cache, loaders)
