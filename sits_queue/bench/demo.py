@@ -89,14 +89,16 @@ def run_demo(redis_url: str, jobs: int, concurrency: int, seed: int,
              echo: Callable[[str], None] = print, prefix: str = "") -> dict[str, object]:
     """The demo on ``redis_url``, every key of it under ``prefix``."""
     workload = mixed_workload(seed, jobs, concurrency)
-    echo(f"demo: {jobs} jobs (10% high, 20% medium, 70% low) arriving at 1.5x what "
-         f"{concurrency} worker slots can serve, over {workload.duration_s:.1f} s")
-    if prefix:
-        echo(f"demo: its keys are under {prefix!r}, apart from any queue of yours there "
-             f"(watch it with SITS_GLOBAL_KEYPREFIX={prefix} sitsq status); what an "
-             "earlier demo left there is deleted")
+    # (said once it is this demo's turn: a second one is refused in one line, without
+    # saying first that it deletes what the running one has there)
     with _one_at_a_time(redis_url, prefix, workload.duration_s), _stopped_as_on_ctrl_c(), \
             tempfile.TemporaryDirectory(prefix="sits-demo-") as tmp:
+        echo(f"demo: {jobs} jobs (10% high, 20% medium, 70% low) arriving at 1.5x what "
+             f"{concurrency} worker slots can serve, over {workload.duration_s:.1f} s")
+        if prefix:
+            echo(f"demo: its keys are under {prefix!r}, apart from any queue of yours "
+                 f"there (watch it with SITS_GLOBAL_KEYPREFIX={prefix} sitsq status); what "
+                 "an earlier demo left there is deleted")
         # Nothing flushed: `sitsq status` sees the same queues while it runs.
         summary = run_system("sits", workload, redis_url, Path(tmp), echo, flush=False,
                              prefix=prefix)

@@ -158,6 +158,7 @@ def test_a_second_demo_on_the_same_redis_is_refused_while_one_runs(
         redis_client.delete("sits-demo-lock")
     assert out.returncode == 1
     assert out.stderr.startswith("Error: another sitsq demo (") and "wait for it" in out.stderr
+    assert out.stdout == ""  # in one line (it said first that it deletes the other's keys)
     assert not list(redis_client.scan_iter(match="sits-demo:*"))  # nothing of it ran
 
 
