@@ -40,7 +40,7 @@ from typing import Any
 import psutil
 from billiard.process import current_process
 from celery import Celery, bootsteps, current_app, signals
-from celery.exceptions import ImproperlyConfigured, SoftTimeLimitExceeded
+from celery.exceptions import SoftTimeLimitExceeded
 
 from sits_queue.broker import intake
 from sits_queue.cache.budgets import CacheBudgets, children_per_device
@@ -549,12 +549,14 @@ class PlanStep(bootsteps.Step):  # type: ignore[misc]
 
         pool_module = getattr(w.pool_cls, "__module__", str(w.pool_cls))
         problem = pool_problem(pool_module, int(w.concurrency))
+        # Here the worker stops before any task, in one line, as a bad setting does at
+        # import (ImproperlyConfigured printed some 45 lines of traceback above it)
         if problem and not sits_config(w.app).plain_tasks_only:
-            raise ImproperlyConfigured(problem)  # here: the worker stops before any task
+            raise SystemExit(f"Error: {problem}")
         try:  # read again by each pool child: a bad value must stop the worker here
             CacheBudgets.from_env()
         except ConfigError as exc:
-            raise ImproperlyConfigured(str(exc)) from exc
+            raise SystemExit(f"Error: {exc}") from None
         # Tasks share this process: none of them gets the per-task runtime, and an
         # inference task is left for another worker (workers/request.py).
         admission.leave_inference(pool_name(pool_module) if problem else None)

@@ -74,6 +74,7 @@ def test_a_pool_sharing_one_process_between_tasks_is_refused_at_start(
         assert proc.popen.returncode != 0
         log = proc.log()
         assert "would run 2 tasks in one process" in log and "--pool=solo" in log, log[-2000:]
+        assert "Traceback" not in log  # one line, as a bad setting is said
     finally:
         proc.stop(timeout_s=10)
 
@@ -91,6 +92,7 @@ def test_a_bad_cache_size_stops_the_worker_at_start_naming_it(
         assert "SITS_DEVICE_CACHE_BYTES='inf' must be a finite number of bytes" in log, \
             log[-2000:]
         assert "OverflowError" not in log and "pool child" not in log
+        assert "Traceback" not in log
     finally:
         proc.stop(timeout_s=10)
 
