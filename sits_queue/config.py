@@ -354,8 +354,9 @@ class SitsConfig:
         for name in ("site_strong_rtt_ms", "site_sync_interval_s", "site_dead_after_s"):
             checks.positive(name, getattr(self, name))
         if self.site_dead_after_s <= 2 * self.site_sync_interval_s:
-            raise ConfigError("site_dead_after_s must exceed two sync intervals (a site "
-                              "heartbeats once per interval)")
+            raise ConfigError(f"site_dead_after_s ({self.site_dead_after_s:g} s) must exceed "
+                              f"two site_sync_interval_s ({self.site_sync_interval_s:g} s): a "
+                              "site heartbeats once per interval")
         peers = sites.parse_peers(self.site_peers)
         if not self.site:
             if peers:
@@ -427,7 +428,17 @@ class SitsConfig:
                 # ``visibility_timeout_s = 60`` must not make "90.5" an invalid int
                 kind = checks.KINDS.get(str(f.type), (str, ""))[0]
                 overrides[f.name] = checks.coerce(f.name, env[key], kind)
-        return replace(base, **overrides)
+        try:
+            return replace(base, **overrides)
+        except ConfigError as exc:
+            # A range refused names the setting; say which variable set it (the user set
+            # SITS_SOFT_LIMIT_FRACTION, and read "soft_limit_fraction must be ...")
+            # (by the names with an underscore: "site" is a word of messages too)
+            named = [f"SITS_{n.upper()}" for n in overrides
+                     if "_" in n and re.search(rf"\b{n}\b", str(exc))]
+            if not named:
+                raise
+            raise ConfigError(f"{exc} (set by {', '.join(named)})") from None
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> SitsConfig:
@@ -543,13 +554,14 @@ _URL_DURATIONS = {"socket_timeout": 0.0, "socket_connect_timeout": 0.0,
                   "health_check_interval": None}
 
 
-def check_redis_url(url: str) -> str:
+def check_redis_url(url: str, what: str = "redis_url") -> str:
     """``url``, if redis-py can take it as meant; else a ConfigError naming what is wrong
     (redis-py raises a bare ValueError for a port out of range, reads a database that is
     not a number as database 0, and takes an unknown query option or a negative timeout
-    until the first connection, where it fails as a TypeError or a socket error)."""
+    until the first connection, where it fails as a TypeError or a socket error).
+    ``what``: how the message names it (a site peer's entry)."""
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(f"redis_url must be redis://, rediss:// or unix://, got "
+        raise ConfigError(f"{what} must be redis://, rediss:// or unix://, got "
                           f"{checks.shown(redacted(url))}")
     shown = checks.shown(redacted(url))
     try:
@@ -558,28 +570,28 @@ def check_redis_url(url: str) -> str:
         if parts.hostname:  # (what the resolver will be given: idna fails at connect)
             parts.hostname.encode("idna")
     except (ValueError, UnicodeError) as exc:  # Invalid IPv6 URL, a port out of range
-        raise ConfigError(f"redis_url {shown}: {exc}") from None
+        raise ConfigError(f"{what} {shown}: {exc}") from None
     if parts.scheme == "unix" and not parts.path.strip("/"):
-        raise ConfigError(f"redis_url {shown}: no socket path (unix:///path/to/redis.sock)")
+        raise ConfigError(f"{what} {shown}: no socket path (unix:///path/to/redis.sock)")
     db = parts.path.strip("/") if parts.scheme != "unix" else ""
     if db and not db.isdigit():
-        raise ConfigError(f"redis_url {shown}: database {db!r} is not a number")
+        raise ConfigError(f"{what} {shown}: database {db!r} is not a number")
     import redis  # (a light import; redis is loaded anyway)
 
     try:  # its query options: ?socket_timeout=5s, ?db=abc or ?foo=1 raised at first use
         connection = redis.ConnectionPool.from_url(url).make_connection()
     except TypeError as exc:  # the connection class takes no such keyword
         option = str(exc).rsplit(" ", 1)[-1]
-        raise ConfigError(f"redis_url {shown}: no query option {option} for a "
+        raise ConfigError(f"{what} {shown}: no query option {option} for a "
                           f"{parts.scheme}:// connection") from None
     except (ValueError, redis.RedisError) as exc:
-        raise ConfigError(f"redis_url {shown}: {exc}") from None
+        raise ConfigError(f"{what} {shown}: {exc}") from None
     for name, above in _URL_DURATIONS.items():
         value = getattr(connection, name, None)
         if value is None:
             continue
         if not math.isfinite(value) or value < 0 or (above is not None and value <= above):
-            raise ConfigError(f"redis_url {shown}: {name} must be "
+            raise ConfigError(f"{what} {shown}: {name} must be "
                               + ("> 0" if above is not None else ">= 0")
                               + f" s, got {value!r}")
     return url

@@ -36,8 +36,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from redis.connection import ConnectionPool
-
 from sits_queue.errors import ConfigError
 
 #: The source's threshold between strong and asynchronous sync, ms.
@@ -197,44 +195,39 @@ def parse_peers(text: str) -> tuple[Peer, ...]:
     """``site_peers``: whitespace-separated ``name=redis://...`` entries; ``hops`` and a
     pinned ``rtt_ms`` may ride in the URL's query (``?hops=3&rtt_ms=12``) and are taken
     out of it. Raises :class:`ConfigError` naming the bad entry."""
+    from sits_queue.config import check_redis_url
+
     peers: list[Peer] = []
     for entry in text.split():
         name, sep, url = entry.partition("=")
         if not sep or not name or not url:
             raise ConfigError(f"site_peers entry {entry!r} is not name=redis://...")
         check_site_name(name, "site_peers")
-        parts = urlsplit(url)
-        if parts.scheme not in ("redis", "rediss", "unix"):
-            raise ConfigError(f"site_peers entry {name!r}: {url!r} is not a Redis URL")
         if "," in url:  # entries are separated by spaces; a comma would hide a peer
             raise ConfigError(f"site_peers entry {name!r}: {url!r} holds a comma; separate "
                               "entries with spaces")
-        try:
-            parts.port  # noqa: B018  (parsed on access: raises for a bad port)
-        except ValueError as exc:
-            raise ConfigError(f"site_peers entry {name!r}: {exc}") from None
-        if parts.scheme != "unix" and not parts.hostname:
-            raise ConfigError(f"site_peers entry {name!r}: {url!r} names no host")
-        if parts.scheme == "unix" and not parts.path:
-            raise ConfigError(f"site_peers entry {name!r}: {url!r} names no socket path")
-        db = parts.path.strip("/") if parts.scheme != "unix" else ""
-        if db and not db.isdigit():
-            raise ConfigError(f"site_peers entry {name!r}: database {db!r} is not a number")
+        parts = urlsplit(url)
         query = dict(parse_qsl(parts.query))
+        hops_text, rtt_text = query.pop("hops", "1"), query.pop("rtt_ms", None)
+        if not hops_text.isdigit():
+            raise ConfigError(f"site_peers entry {name!r}: hops must be a whole number >= 0, "
+                              f"got {hops_text!r}")
         try:
-            hops = int(query.pop("hops", "1"))
-            rtt = float(query["rtt_ms"]) if "rtt_ms" in query else None
-            query.pop("rtt_ms", None)
-        except ValueError as exc:
-            raise ConfigError(f"site_peers entry {name!r}: {exc}") from exc
-        if hops < 0 or (rtt is not None and not (math.isfinite(rtt) and rtt >= 0)):
-            raise ConfigError(f"site_peers entry {name!r}: hops and rtt_ms must be >= 0")
+            rtt = None if rtt_text is None else float(rtt_text)
+        except ValueError:
+            rtt = math.nan
+        if rtt is not None and not (math.isfinite(rtt) and rtt >= 0):
+            raise ConfigError(f"site_peers entry {name!r}: rtt_ms must be a number >= 0, "
+                              f"got {rtt_text!r}")
+        if parts.scheme in ("redis", "rediss") and not parts.hostname:
+            raise ConfigError(f"site_peers entry {name!r}: {url!r} names no host")
+        if parts.scheme == "unix" and not parts.path.strip("/"):
+            raise ConfigError(f"site_peers entry {name!r}: {url!r} names no socket path")
         clean = urlunsplit(parts._replace(query=urlencode(query)))
-        try:  # what redis-py makes of it: a bad value (socket_timeout=abc) or an option it
-            # does not know (a misspelt rtt_ms) fails here, not in every later enqueue
-            ConnectionPool.from_url(clean).make_connection()  # builds, never connects
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"site_peers entry {name!r}: {exc}") from None
+        # The rest as for redis_url (scheme, port, database, query options, timeouts):
+        # what redis-py would make of it fails here, not in every later enqueue
+        check_redis_url(clean, f"site_peers entry {name!r}")
+        hops = int(hops_text)
         peers.append(Peer(name, clean, hops, rtt))
     names = [p.name for p in peers]
     if len(set(names)) != len(names):

@@ -287,3 +287,17 @@ def test_credentials_are_masked_in_every_url(value: object, shown: object) -> No
     assert without_credentials(value) == shown
     if isinstance(value, str):  # messages and logs mask the same way
         assert redacted(value) == shown
+
+
+@pytest.mark.parametrize("env, said", [
+    ({"SITS_SOFT_LIMIT_FRACTION": "2"},
+     r"soft_limit_fraction must be in \(0, 1\), got 2.0 \(set by SITS_SOFT_LIMIT_FRACTION\)$"),
+    ({"SITS_SITE": "a", "SITS_SITE_PEERS": "b=redis://h/0", "SITS_SITE_SYNC_INTERVAL_S": "20"},
+     r"site_dead_after_s \(30 s\) must exceed two site_sync_interval_s \(20 s\).*"
+     r"\(set by SITS_SITE_SYNC_INTERVAL_S\)$"),
+])
+def test_a_value_out_of_range_names_the_variable_that_set_it(env: dict[str, str],
+                                                             said: str) -> None:
+    """(it named the field alone, or only the other setting of the two it compares)"""
+    with pytest.raises(ConfigError, match=said):
+        SitsConfig.from_env(env)
