@@ -128,7 +128,8 @@ def test_peers_parse_with_hops_and_a_pinned_rtt() -> None:
 
 @pytest.mark.parametrize(("text", "message"), [
     ("b", "is not name=redis"), ("b=http://x", "must be redis://"),
-    ("b=redis://x?hops=-1", "hops must be a whole number >= 0, got '-1'"), ("b=redis://x?rtt_ms=abc", "rtt_ms must be a number >= 0, got 'abc'"),
+    ("b=redis://x?hops=-1", "hops must be a whole number >= 0, got '-1'"),
+    ("b=redis://x?rtt_ms=abc", "rtt_ms must be a number >= 0, got 'abc'"),
     ("b=redis://x b=redis://y", "names a site twice"), ("b c=redis://x", "is not name"),
     ("b/x=redis://x", "site name"),
     ("b=redis://127.0.0.1:99999/0", "'b' .*: Port out of range"),
