@@ -433,8 +433,13 @@ def celery(app_name: str, command: str, args: tuple[str, ...]) -> None:
     """Run `celery -A APP COMMAND ...` (any Celery command: worker, beat, flower,
     inspect, control, purge, ...) against the configured or embedded Redis."""
     # Celery's help needs no Redis: the embedded one is not started for it
-    env = dict(os.environ) if "--help" in (command, *args) else \
-        {**os.environ, "SITS_REDIS_URL": _redis_url()}
+    helping = "--help" in (command, *args)
+    if helping:  # (what this wrapper adds, before Celery's own help)
+        click.echo(f"sitsq celery [-A APP] COMMAND ...: celery -A {app_name} COMMAND ... "
+                   "against SITS_REDIS_URL, else the embedded Redis (started if need be); "
+                   "-A/--app names your tasks' module (default: sits_queue). Celery's "
+                   "help follows.\n", err=True)
+    env = dict(os.environ) if helping else {**os.environ, "SITS_REDIS_URL": _redis_url()}
     argv = [sys.executable, "-m", "celery", "-A", app_name, command, *args]
     os.execvpe(argv[0], argv, env)
 

@@ -218,6 +218,7 @@ def test_sitsq_celery_passes_any_command_and_its_help_to_celery(redis_url: str) 
     env = {**os.environ, "SITS_REDIS_URL": redis_url}
     helped = sitsq("celery", "worker", "--help", env=env)
     assert helped.returncode == 0 and "--concurrency" in helped.stdout  # Celery's own help
+    assert helped.stderr.startswith("sitsq celery [-A APP] COMMAND")  # after what sitsq adds
     pinged = sitsq("celery", "inspect", "ping", "--timeout", "0.5", env=env)
     assert "No nodes replied" in pinged.stdout + pinged.stderr  # ran, on our Redis
     status = sitsq("celery", "status", env=env)  # not a command sitsq names itself
