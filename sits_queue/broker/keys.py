@@ -251,6 +251,18 @@ def epoch_key(prefix: str, site: str) -> str:
     return f"{prefix}sits:site:{{{site}}}:epoch"
 
 
+def held_restore_key(prefix: str, peer: str) -> str:
+    """Here: since when this site's put-back from ``peer`` waits to be confirmed
+    (``recovery.restore``): "<server> <unix s>"."""
+    return f"{prefix}sits:site:{{{peer}}}:restore-held"
+
+
+def shared_name_key(prefix: str, peer: str) -> str:
+    """Here, expiring: the other server last seen writing at ``peer`` under this site's
+    name (``recovery.restore``)."""
+    return f"{prefix}sits:site:{{{peer}}}:name-shared"
+
+
 def missing_since_key(prefix: str, site: str) -> str:
     return f"{prefix}sits:site:{{{site}}}:missing-since"
 

@@ -13,10 +13,12 @@ next to the replicas, with the number of the pass. A peer whose record names ano
 server of this site holds replicas written before this site's Redis restarted. If,
 besides, the record was written at or after this site's last pass as this site counts
 them now (a count kept in its own Redis: it goes back with the data), the data went
-back, and the pass first puts back into this site's queues,
+back, and the pass puts back into this site's queues,
 with their priorities, the replicated tasks this site no longer holds and has no
-delete queued for in its outbox (a task finished before the restart); then it records
-the new server there, and only then may the digest and hand-over delete anything. A
+delete queued for in its outbox (a task finished before the restart), once a pass
+``site_dead_after_s`` later has found the record, which it rewrote, still its own (a
+second deployment under this site's name rewrites it meanwhile: :func:`restore`); only
+then may the digest and hand-over delete anything there. A
 record of an earlier pass is the peer's own data gone back (restarted from an older
 snapshot: its replicas include tasks finished since, no loss of this site's): nothing
 is put back.
@@ -38,6 +40,7 @@ import json
 import logging
 import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -46,12 +49,14 @@ from sits_queue.broker.keys import (
     SEQ_SPAN,
     QueueKeys,
     epoch_key,
+    held_restore_key,
     outbox_key,
     queues_registry,
     registered_queues,
     replica_keys,
     replica_queues_key,
     replicated,
+    shared_name_key,
     taken_key,
 )
 from sits_queue.broker.meta import sla_class_of
@@ -68,6 +73,9 @@ FALLBACK_EPOCH = "sits:site:epoch"
 #: Replicas read, or put back, per Redis call: one put.lua of a whole queue's replicas
 #: held Redis for ~0.9 s at 100k tasks (as a take-over's did: takeover.PROMOTE_CHUNK).
 RESTORE_CHUNK = 5000
+#: How long, in confirmation times (``site_dead_after_s``), a peer stays refused after
+#: another server was last seen writing there under this site's name.
+SHARED_HOLD_PASSES = 10
 
 
 def epoch(local: redis.Redis, prefix: str) -> str:
@@ -191,13 +199,40 @@ def _check_another_server(server: Any, current: str, peer: redis.Redis) -> None:
         raise SamePeer(said)
 
 
+class RestoreHeld(redis.RedisError):
+    """This site's Redis changed since its last pass: what it lost comes back from the
+    peer once the peer's record has stayed this site's for the confirmation time (see
+    :func:`restore`); until then nothing is drained to, digested at or handed over from
+    that peer (its replicas are what comes back)."""
+
+
+class SiteNameShared(redis.RedisError):
+    """Another server writes the peer's record of this site: a second deployment under
+    this site's name (or a split brain of its Redis)."""
+
+
+_said_shared: set[tuple[str, str]] = set()
+
+
 def restore(local: redis.Redis, peer: redis.Redis, scripts: Scripts, prefix: str, site: str,
-            current: str, pass_no: int, default_class: str) -> int | None:
+            current: str, pass_no: int, default_class: str, peer_name: str = "",
+            now_s: float = 0.0, confirm_s: float = 0.0) -> int | None:
     """When ``peer`` holds replicas written before this site's server changed to
     ``current`` and this site's data went back: put back the tasks they are of that this
     site lost. Records ``current`` and this pass (``pass_no``, :func:`next_pass`) there.
     Returns how many were put back; None when the peer's record named ``current``
-    already (nothing to check)."""
+    already (nothing to check).
+
+    Not at once: a second deployment under this site's name (its passes record its own
+    server there) looks, at first sight, like this site's Redis having restarted, and
+    putting back its replicas would run its tasks here too. So the first sight of another
+    server's record is kept in this site's Redis with the time (``now_s``), and raises
+    :class:`RestoreHeld`; the put-back comes with the first pass at least ``confirm_s``
+    (``site_dead_after_s``) later that finds the record still this site's. A pass that
+    finds that other server's record again, of a later pass of its own, raises
+    :class:`SiteNameShared`, then and until :data:`SHARED_HOLD_PASSES` confirmation
+    times after the last sight, and nothing is put back. (A record of an earlier pass
+    is the peer's data gone back, not a second writer: nothing is put back from it.)"""
     key = epoch_key(prefix, site)
     # One round trip a pass for the check and the record, not one each
     with peer.pipeline(transaction=False) as pipe:
@@ -208,21 +243,81 @@ def restore(local: redis.Redis, peer: redis.Redis, scripts: Scripts, prefix: str
     if isinstance(recorded, Exception):
         raise recorded
     was, _, at = text(recorded or b"").partition(" ")
-    record = f"{current} {pass_no}"
-    if recorded is not None and was == current:
-        peer.set(key, record)
-        return None
+    foreign = recorded is not None and was != current
+    held_key, shared_key = held_restore_key(prefix, peer_name), shared_name_key(prefix, peer_name)
+    with local.pipeline(transaction=False) as pipe:
+        pipe.get(held_key)
+        pipe.get(shared_key)
+        raw_held, shared = pipe.execute()
+    held = _Held.read(raw_held, current)
+    again = held is not None and was == held.seen and _count(at) > held.seen_pass
+    if foreign and (again or shared is not None):
+        # its server wrote here again, after this site did (or still does, since)
+        shared = was.encode()
+        local.set(shared_key, was, px=max(1, int(SHARED_HOLD_PASSES * confirm_s * 1000)))
+    peer.set(key, f"{current} {pass_no}")  # (also where the other writer is: it sees us)
+    if shared is not None:
+        local.delete(held_key)
+        said = (f"another Redis server ({text(shared)}) writes here as site {site!r} too: "
+                "two deployments must not share a site name; nothing is put back from, "
+                "drained to or digested at this peer while it does")
+        if (site, peer_name) not in _said_shared:
+            _said_shared.add((site, peer_name))
+            logger.error("site %s, peer %s: %s", site, peer_name, said)
+        raise SiteNameShared(said)
+    if foreign:
+        if not _not_before(at, pass_no - 1):  # the peer's data went back: nothing to take
+            local.delete(held_key)
+            return 0
+        if held is None or was != held.seen:
+            local.set(held_key, json.dumps({"current": current, "since": now_s, "seen": was,
+                                            "seen_pass": _count(at)}))
+            raise RestoreHeld(f"its Redis changed (restarted or failed over) since its last "
+                              f"pass: what it lost comes back from here after {confirm_s:g} "
+                              "s in which no other server writes here under its name")
+    if held is None:
+        return 0 if recorded is None else None
+    if now_s - held.since < confirm_s:
+        raise RestoreHeld(f"its Redis changed since its last pass: what it lost comes back "
+                          f"from here in {confirm_s - (now_s - held.since):.0f} s")
     restored = 0
-    # None: the first pass to reach this peer, or it is new
-    if recorded is not None and _not_before(at, pass_no - 1):
-        done = pending_deletes(local, prefix)
-        # (the peer's list may lag a first write by REGISTER_EVERY_S: this site's too)
-        queues = set(registered_queues(peer.smembers(replica_queues_key(prefix, site)))) | \
-            set(replicated(local.smembers(queues_registry(prefix))))
-        for queue in sorted(queues):
-            restored += _put_back(local, peer, scripts, prefix, site, queue, done,
-                                  default_class)
-        logger.warning("site %s: its Redis changed (restarted or failed over) since its "
-                       "last pass; put back %d replicated tasks it had lost", site, restored)
-    peer.set(key, record)
+    done = pending_deletes(local, prefix)
+    # (the peer's list may lag a first write by REGISTER_EVERY_S: this site's too)
+    queues = set(registered_queues(peer.smembers(replica_queues_key(prefix, site)))) | \
+        set(replicated(local.smembers(queues_registry(prefix))))
+    for queue in sorted(queues):
+        restored += _put_back(local, peer, scripts, prefix, site, queue, done, default_class)
+    local.delete(held_key)
+    logger.warning("site %s: its Redis changed (restarted or failed over) since its last "
+                   "pass; put back %d replicated tasks it had lost", site, restored)
     return restored
+
+
+def _count(recorded_pass: str) -> int:
+    """A record's pass number (-1: none, an older version's record)."""
+    try:
+        return int(recorded_pass)
+    except ValueError:
+        return -1
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A put-back waiting to be confirmed: since when, and the other server's record
+    that started it (its server, and the pass number it wrote)."""
+
+    since: float
+    seen: str
+    seen_pass: int
+
+    @classmethod
+    def read(cls, raw: Any, current: str) -> _Held | None:
+        """The hold, if it is the current server's (one kept by an earlier server of this
+        site, restarted again since, is void: the record read decides afresh)."""
+        try:
+            record = json.loads(raw) if raw is not None else None
+            if not isinstance(record, dict) or record.get("current") != current:
+                return None
+            return cls(float(record["since"]), str(record["seen"]), int(record["seen_pass"]))
+        except (ValueError, TypeError, KeyError):  # not a record this module wrote
+            return None

@@ -348,7 +348,8 @@ class SiteSync:
     def _recover(self, peer: str, current: str, pass_no: int, report: PassReport) -> None:
         restored = recovery.restore(self.local, self.clients[peer], self.scripts,
                                     self.prefix, self.site, current, pass_no,
-                                    self.config.default_class)
+                                    self.config.default_class, peer, self.clock(),
+                                    self.config.site_dead_after_s)
         if restored is not None:
             report.restored += restored
             # (the peer may be new, or back empty: register this site's queues there

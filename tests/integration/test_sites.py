@@ -374,6 +374,40 @@ def test_a_peer_url_naming_this_sites_own_redis_is_refused_and_said(
     app.close()
 
 
+def test_two_deployments_under_one_site_name_are_said_and_take_none_of_each_others_tasks(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str,
+        c: redis.Redis, site_c: str) -> None:
+    """Each took the other's record at the peer for its own Redis having restarted, and
+    put back the other's replicated tasks into its own queues: they ran twice. (Here
+    site c's Redis is the second deployment's, also named "a".)"""
+    a, _ = clients
+    first = site_app(redis_url, "a", "b", site_b, rtt_ms=1.0)
+    second = site_app(site_c, "a", "b", site_b, rtt_ms=1.0)
+    mine = {submit(first, "high") for _ in range(2)}
+    theirs = {submit(second, "high") for _ in range(2)}
+    syncs = [sync_of(first), sync_of(second)]
+    assert syncs[0] is not syncs[1]
+    # When their passes alternate, each clock moved past every confirmation time
+    reports: list[list[sites.PassReport]] = [[], []]
+    for n in range(4):
+        for i, sync in enumerate(syncs):
+            sync.clock = lambda n=n: time.time() + n * 2 * first.sits.site_dead_after_s
+            reports[i].append(sync.sync_pass())
+    # Then neither put back the other's tasks, and each says why it syncs no more there
+    assert {i.decode() for i in a.zrange(QUEUE.waiting, 0, -1)} == mine
+    assert {i.decode() for i in c.zrange(QUEUE.waiting, 0, -1)} == theirs
+    for own in reports:
+        assert sum(r.restored for r in own) == 0
+        last = own[-1].errors
+        assert len(last) == 1 and "writes here as site 'a' too: two deployments must not " \
+            "share a site name" in last[0], last
+    line = _format_status({"queues": [], "workers": [], "stray": {},
+                           "site": sites.status(a, first.sits)})
+    assert "two deployments must not share a site name" in line
+    first.close()
+    second.close()
+
+
 def test_a_peer_that_forbids_info_is_synced_to(clients: tuple[redis.Redis, redis.Redis],
                                               redis_url: str, site_b: str) -> None:
     """(a managed Redis may refuse INFO: the own-server check is then skipped, the pass
@@ -804,6 +838,22 @@ def restartable(tmp_path: Path) -> Iterator[list[EmbeddedRedis]]:
         server.stop()
 
 
+def restore_pass(sync: sites.SiteSync) -> sites.PassReport:
+    """The passes after a's Redis changed: the first holds the put-back (another
+    server's record at the peer could be a second deployment under a's name), and
+    drains, digests and hands over nothing there; the next one site_dead_after_s later
+    (its clock moved on, not waited for), finding the record still a's, puts back."""
+    held = sync.sync_pass()
+    assert held.restored == 0 and [e for e in held.errors if "comes back from here" in e], \
+        held
+    clock = sync.clock
+    sync.clock = lambda: clock() + sync.config.site_dead_after_s
+    try:
+        return sync.sync_pass()
+    finally:
+        sync.clock = clock
+
+
 def restart(servers: list[EmbeddedRedis], empty: bool) -> None:
     """Stop site a's Redis and start it again on its port, with its data or without."""
     old = servers[-1]
@@ -834,7 +884,7 @@ def test_tasks_an_origin_restarted_empty_lost_come_back_from_the_replica(
     assert a.zcard(QUEUE.waiting) == 0
     new = submit(app, "low")
     sync._digest_at = float("-inf")
-    report = sync.sync_pass()
+    report = restore_pass(sync)
     # Then the three come back into a's queue, at their priorities, and stay replicated
     assert report.restored == 3 and report.repaired == 0 and not report.errors
     after = {i.decode(): s for i, s in a.zrange(QUEUE.waiting, 0, -1, withscores=True)}
@@ -875,7 +925,7 @@ def test_an_origin_restarted_empty_gets_its_tasks_back_a_chunk_per_call(
     # When a's Redis restarts empty and its next pass puts the five back
     restart(restartable, empty=True)
     monkeypatch.setattr(Scripts, "run", counted)
-    report = sync.sync_pass()
+    report = restore_pass(sync)
     # Then all five come back, in puts of at most two
     assert report.restored == 5, report
     a = redis.Redis.from_url(restartable[-1].url)
@@ -900,7 +950,7 @@ def test_a_restart_that_kept_the_data_puts_back_no_finished_task(
         message.ack()
     # When a's Redis restarts with its data (AOF)
     restart(restartable, empty=False)
-    report = sync.sync_pass()
+    report = restore_pass(sync)
     # Then the finished task is not put back, and its replica goes as it would have
     assert report.restored == 0 and not report.errors
     a = redis.Redis.from_url(restartable[-1].url)
@@ -1049,7 +1099,7 @@ def test_a_peer_back_from_an_older_snapshot_makes_the_origin_rerun_nothing(
     sync.sync_pass()
     assert replica_ids(b) == set()
     restart(restartable, empty=False)  # a restarts with its data: a new server
-    assert sync.sync_pass().restored == 0
+    assert sync.sync_pass().restored == 0  # (held: to be confirmed)
     restart_peer(own_peer)  # b, from the snapshot
     assert replica_ids(b) == tasks  # the finished tasks' replicas are back
     report = sync.sync_pass()
@@ -1153,7 +1203,7 @@ def test_an_origin_that_lost_its_data_while_its_peer_restarted_too_gets_its_task
     b, app, tasks = replicated(restartable, own_peer, tmp_path / "b-aof", appendonly=True)
     restart_peer(own_peer)
     restart(restartable, empty=True)
-    report = sync_of(app).sync_pass()
+    report = restore_pass(sync_of(app))
     assert report.restored == 3, report
     a = redis.Redis.from_url(restartable[-1].url)
     assert {i.decode() for i in a.zrange(QUEUE.waiting, 0, -1)} == tasks
