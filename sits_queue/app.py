@@ -11,7 +11,10 @@ from typing import Any, ClassVar, TypeVar
 
 import redis
 from celery import Celery, Signature, Task, group
+from celery.app.amqp import AMQP
 from celery.canvas import _chain, _chord
+from kombu.entity import Queue
+from kombu.utils.objects import cached_property
 
 from sits_queue import flower
 from sits_queue.broker.keys import DELIVERY_ONLY
@@ -400,6 +403,20 @@ def sits_config(app: Celery) -> SitsConfig:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+class SitsAMQP(AMQP):  # type: ignore[misc]
+    """Celery's, whose declared queues are the app's (``task_queues``, else its
+    ``task_default_queue``, whatever the app set it to) and the control queue: a
+    fixed ``task_queues`` setting kept "celery", and an app's own default queue got its
+    tasks with no worker consuming it."""
+
+    @cached_property
+    def queues(self) -> Any:
+        queues = self.Queues(self.app.conf.task_queues)
+        if CONTROL_QUEUE not in queues:
+            queues.add(Queue(CONTROL_QUEUE))  # type: ignore[no-untyped-call]
+        return queues
+
+
 class SitsCelery(Celery):  # type: ignore[misc]
     """Celery with a model registry and inference tasks that receive a warm engine::
 
@@ -414,6 +431,7 @@ class SitsCelery(Celery):  # type: ignore[misc]
     """
 
     sits: SitsConfig
+    amqp_cls = "sits_queue.app:SitsAMQP"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

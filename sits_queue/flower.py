@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.config import SitsConfig
 from sits_queue.errors import InvalidQueueName
+from sits_queue.options import CONTROL_QUEUE
 from sits_queue.settings import config_from_options
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,12 @@ class SitsQueues:
                 row["messages"] = None  # no SITS queue can have this name: shown as missing
         if not readable:
             return rows
+        if CONTROL_QUEUE not in {row["name"] for row in rows}:
+            # Flower asks for the workers' queues, or with none up for the app's default:
+            # the beat's passes would wait unseen in the control queue when none runs
+            rows.append({"name": CONTROL_QUEUE})
+            readable.append((rows[-1], QueueKeys.for_queue(CONTROL_QUEUE,
+                                                           self.config.global_keyprefix)))
         client = aioredis.Redis.from_url(self.config.redis_url,
                                          socket_connect_timeout=CONNECT_TIMEOUT_S,
                                          socket_timeout=READ_TIMEOUT_S)

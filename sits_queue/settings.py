@@ -9,8 +9,6 @@ from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
-from kombu.entity import Queue
-
 from sits_queue.broker import results
 from sits_queue.config import SitsConfig, without_credentials
 from sits_queue.errors import ConfigError
@@ -89,8 +87,11 @@ def celery_settings(config: SitsConfig) -> dict[str, Any]:
         # Each worker also consumes its own queue (<hostname>.dq2): pre-warm tasks go to
         # the worker the planner chose (priority/prewarm.py).
         "worker_direct": True,
+        # No task_queues: Celery builds the worker's queues from task_default_queue, which
+        # an app may set (a fixed tuple kept "celery" and dropped the app's own default:
+        # its tasks went to a queue no worker consumed); the control queue is added at
+        # worker start (workers/runtime.py), the maintenance tasks routed there below.
         "task_default_queue": DEFAULT_QUEUE,
-        "task_queues": (Queue(DEFAULT_QUEUE), Queue(CONTROL_QUEUE)),  # type: ignore[no-untyped-call]
         # By name: the built-in inference tasks (sits.generate, sits.embed) are work.
         "task_routes": {name: {"queue": CONTROL_QUEUE} for name in MAINTENANCE_TASKS},
         "beat_scheduler": "sits_queue.priority.beat:SitsScheduler",

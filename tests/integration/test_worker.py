@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -315,12 +316,18 @@ def test_a_batch_key_made_by_hand_holds_no_task(
     """A ``sits`` header with a batch key on a task that is no batch task gathered them
     at the pick: the worker ran the first and held the others for ever (on solo it
     also stopped consuming). A key naming another task is dropped at the put."""
-    own = {"sla_class": "medium", "batch": "w.add||medium", "batch_max": 4}
+    from sits_queue.options import batch_key, from_header
+
+    # (the class's limits, as the message carries them: the key must name them to stand)
+    soft, hard = client_app.sits.time_limits("medium")
+    key = batch_key("w.add", from_header(client_app.sits, {"sla_class": "medium"}),
+                    [hard, soft])
+    own = {"sla_class": "medium", "batch": key, "batch_max": 4}
     other = {"sla_class": "medium", "batch": "t.other|m|high", "batch_max": 4}
     sent = [client_app.send_task("w.add", (n, n), headers={"sits": own}) for n in range(4)]
     sent.append(client_app.send_task("w.add", (9, 9), headers={"sits": other}))
     metas = [json.loads(v) for v in redis_client.hvals(WAITING.meta)]
-    assert sorted(m.get("b") or "" for m in metas) == ["", *["w.add||medium"] * 4]
+    assert sorted(m.get("b") or "" for m in metas) == ["", *[key] * 4]
     spawn(pool=pool, concurrency=1)
     assert [r.get(timeout=30) for r in sent] == [0, 2, 4, 6, 18]
     assert client_app.tasks["w.add"].delay(1, 2).get(timeout=30) == 3
@@ -389,3 +396,23 @@ def test_a_worker_for_its_own_queues_still_serves_the_control_queue(
                  "the worker to run the rescoring pass")
     finally:
         worker.stop(timeout_s=10)
+
+
+def test_a_worker_consumes_the_default_queue_its_app_names(
+        tmp_path: Path, redis_url: str, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(a fixed task_queues setting kept "celery": an app's own default queue got its
+    tasks and no worker consumed it, silently)"""
+    from tests.integration.own_default_queue_app import QUEUE
+
+    proc = start_worker("tests.integration.own_default_queue_app", worker_env(redis_url),
+                        tmp_path, concurrency=1, cwd=ROOT)
+    try:
+        wait_ready(client_app, [proc])
+        # (sent as a producer of that app sends it: to its default queue)
+        assert client_app.tasks["w.add"].apply_async((2, 3), queue=QUEUE).get(timeout=30) == 5
+        # and the control queue still, whatever the app's default
+        queues = {q["name"] for q in client_app.control.inspect(
+            [proc.hostname], timeout=5).active_queues()[proc.hostname]}
+        assert {QUEUE, "sits.control"} <= queues and "celery" not in queues
+    finally:
+        proc.stop()

@@ -129,7 +129,8 @@ def test_smoke_is_offered_where_a_benchmark_has_its_shape_and_reaches_it(
     ({"SITS_CONFIG": "/nonexistent/sits.toml"},
      "Error: config file /nonexistent/sits.toml does not exist"),
     ({"SITS_REDIS_URL": "redis://127.0.0.1:99999/0"},
-     "Error: redis_url 'redis://127.0.0.1:99999/0': Port out of range 0-65535"),
+     "Error: redis_url 'redis://127.0.0.1:99999/0': Port out of range 0-65535 "
+     "(set by SITS_REDIS_URL)"),
 ])
 def test_a_bad_setting_is_one_line_naming_it(env: dict[str, str], line: str) -> None:
     import os
