@@ -105,20 +105,19 @@ def celery_settings(config: SitsConfig) -> dict[str, Any]:
 
 
 def beat_schedule(config: SitsConfig) -> dict[str, Any]:
-    # expires: a pass that could not start within one period is superseded by the next.
+    # No expiry: the beat sends none of these while one of them still waits
+    # (priority/beat.py), so the one waiting, run late, is the pass. (Expiring after one
+    # period, they were all discarded on a worker whose every slot was busy: a freed slot
+    # took the oldest, expired, and the control queue only grew; no pass ran, no task aged.)
     return {
-        "sits-rescore": {"task": "sits.rescore", "schedule": config.rescore_interval_s,
-                         "options": {"expires": config.rescore_interval_s}},
+        "sits-rescore": {"task": "sits.rescore", "schedule": config.rescore_interval_s},
         "sits-check-triggers": {"task": "sits.check_triggers",
-                                "schedule": config.trigger_check_interval_s,
-                                "options": {"expires": config.trigger_check_interval_s}},
+                                "schedule": config.trigger_check_interval_s},
         **({"sits-prewarm-plan": {"task": "sits.prewarm_plan",
-                                  "schedule": prewarm_schedule(config.prewarm_interval_s),
-                                  "options": {"expires": config.prewarm_interval_s}}}
+                                  "schedule": prewarm_schedule(config.prewarm_interval_s)}}
            if config.prewarm_interval_s > 0 else {}),
         **({"sits-site-sync": {"task": "sits.site_sync",
-                               "schedule": config.site_sync_interval_s,
-                               "options": {"expires": config.site_sync_interval_s}}}
+                               "schedule": config.site_sync_interval_s}}
            if config.site else {}),
     }
 

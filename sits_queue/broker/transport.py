@@ -23,7 +23,7 @@ from kombu.transport import virtual
 from kombu.utils.json import dumps
 
 from sits_queue.broker import affinity, deadletters, intake, payload, wait
-from sits_queue.broker.keys import MARKER_MEMBER, queues_registry
+from sits_queue.broker.keys import CONTROL_QUEUE, MARKER_MEMBER, queues_registry
 from sits_queue.broker.payload import SitsMessage, poison_split, text
 from sits_queue.broker.publishing import PublishingChannel
 from sits_queue.broker.qos import QoS
@@ -319,7 +319,7 @@ class Channel(PublishingChannel):
             return  # delivered until the consumer is full: nothing to wait for
         if self._paused():  # that pick found only messages this consumer holds off
             return
-        queues = self._queue_cycle.consume(len(self.active_queues))
+        queues = self._control_first()
         if not queues:
             return
         markers = [self.keys(q).marker for q in queues]
@@ -328,6 +328,14 @@ class Channel(PublishingChannel):
         self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
         # Wait on the markers, not the queues: the pick itself must be the atomic script.
         self.client.connection.send_command("BZPOPMIN", *markers, timeout or 0)
+
+    def _control_first(self) -> list[str]:
+        """The active queues in kombu's fair order, the control queue first: its
+        maintenance passes are short and few (the beat sends one of each at a time), and
+        taken in turn with the others, on a worker whose every slot was busy with long
+        tasks, they waited behind one task each (BZPOPMIN reads its keys in order too)."""
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        return sorted(queues, key=lambda q: q != CONTROL_QUEUE)
 
     def _throttled(self) -> bool:
         """True while the worker's runtime profile pauses intake: look again in a second
@@ -358,7 +366,7 @@ class Channel(PublishingChannel):
         delivered = False
         try:
             while self.qos.can_consume():
-                for queue in self._queue_cycle.consume(len(self.active_queues)):
+                for queue in self._control_first():
                     try:
                         batch = self._consumer_pick(queue)
                     except Empty:

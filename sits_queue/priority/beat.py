@@ -31,6 +31,10 @@ from redbeat.schedulers import (
     get_redis,
 )
 
+from sits_queue.broker.keys import QueueKeys
+from sits_queue.broker.meta import WaitingMeta
+from sits_queue.options import CONTROL_QUEUE, MAINTENANCE_TASKS
+
 logger = logging.getLogger(__name__)
 
 # (redbeat's blocking take of the lock at start: see the module docstring)
@@ -39,6 +43,8 @@ beat_init.disconnect(acquire_distributed_beat_lock)
 #: Seconds before a tick that met an unreachable Redis, or a lock held elsewhere, is tried
 #: again.
 RETRY_S = 1.0
+#: Waiting messages of the control queue looked at for a maintenance pass's own.
+WAITING_LOOKED_AT = 64
 
 
 class SitsScheduler(RedBeatScheduler):  # type: ignore[misc]
@@ -56,6 +62,33 @@ class SitsScheduler(RedBeatScheduler):  # type: ignore[misc]
                            sorted(missing))
             self.app.conf.beat_schedule = {**current, **missing}
         super().setup_schedule()
+
+    def apply_async(self, entry: Any, producer: Any = None, advance: bool = True,
+                    **kwargs: Any) -> Any:
+        """Celery's, but a maintenance pass is not sent while one of the same task still
+        waits in the control queue: with every pool slot busy, the passes queued up
+        behind one another, each expired by the time a slot took it, and none ran. The
+        one waiting runs the pass, on what is current when a slot frees (the transport
+        picks the control queue first)."""
+        if entry.task in MAINTENANCE_TASKS and self._waiting(entry.task):
+            if advance:
+                entry = self.reserve(entry)  # (the schedule keeps its rhythm)
+            logger.info("beat: %s not sent: the last one still waits for a slot",
+                        entry.task)
+            return None
+        return super().apply_async(entry, producer, advance, **kwargs)
+
+    def _waiting(self, task: str) -> bool:
+        """Whether a message of ``task`` waits in the control queue (among its first
+        :data:`WAITING_LOOKED_AT`: the maintenance tasks alone go there, a few at most)."""
+        from sits_queue.app import sits_config
+
+        keys = QueueKeys.for_queue(CONTROL_QUEUE, sits_config(self.app).global_keyprefix)
+        client = get_redis(self.app)
+        ids = client.zrange(keys.waiting, 0, WAITING_LOOKED_AT - 1)
+        metas = client.hmget(keys.meta, ids) if ids else []
+        return any((meta := WaitingMeta.read(raw)) is not None and meta.task == task
+                   for raw in metas)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         try:

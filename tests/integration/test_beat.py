@@ -3,30 +3,38 @@ lives through Redis outages, and an app's own schedule that cannot drop SITS's p
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 from pathlib import Path
 
 import pytest
 import redis
+from celery.beat import ScheduleEntry
 
 from sits_queue.app import CONTROL_QUEUE, make_app
-from sits_queue.broker.keys import QueueKeys
+from sits_queue.broker.keys import QueueKeys, stats_key
 from sits_queue.config import SitsConfig
 from sits_queue.embedded import EmbeddedRedis
 from sits_queue.priority.beat import SitsScheduler
-from sits_queue.procs import start_beat
+from sits_queue.procs import start_beat, start_worker
 from tests.integration.conftest import APP_MODULE, ROOT, worker_env
 from tests.waiting import wait_for
 
 CONTROL = QueueKeys.for_queue(CONTROL_QUEUE)
 
 
-def sent(url: str) -> int:
-    """Maintenance tasks the beat has sent that wait in the control queue (no worker)."""
-    try:
-        return int(redis.Redis.from_url(url).zcard(CONTROL.waiting))
-    except redis.ConnectionError:
-        return 0
+class Sends:
+    """Maintenance tasks the beat has sent (no worker runs them): taken out of the control
+    queue as they come, for the beat sends none of a task while one of it waits."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.count = url, 0
+
+    def __call__(self) -> int:
+        with contextlib.suppress(redis.ConnectionError):
+            self.count += len(redis.Redis.from_url(self.url).zpopmin(CONTROL.waiting, 100))
+        return self.count
 
 
 @pytest.mark.parametrize("outage", ["stopped", "restarted empty"])
@@ -37,8 +45,9 @@ def test_the_beat_lives_through_a_redis_outage(tmp_path: Path, outage: str) -> N
     env = worker_env(url, rescore_interval_s="1", trigger_check_interval_s="1",
                      prewarm_interval_s="0")
     beat = start_beat(APP_MODULE, env, tmp_path / "logs", cwd=ROOT)
+    sent = Sends(url)
     try:
-        wait_for(lambda: sent(url) >= 2, 60, "the beat's first passes")
+        wait_for(lambda: sent() >= 2, 60, "the beat's first passes")
         # When Redis goes away for a few ticks and comes back on the same port: with its
         # data ("stopped": its lock and entries stay), or without (the lock is lost)
         if outage == "stopped":
@@ -48,9 +57,9 @@ def test_the_beat_lives_through_a_redis_outage(tmp_path: Path, outage: str) -> N
         server = EmbeddedRedis(tmp_path / ("redis" if outage == "stopped" else "fresh"),
                                port=port, password=server.password)
         server.start()
-        before = sent(url)
+        before = sent()
         # Then the beat is still there, sending the passes again
-        wait_for(lambda: sent(url) >= before + 2, 60, "passes sent after the outage")
+        wait_for(lambda: sent() >= before + 2, 60, "passes sent after the outage")
         assert beat.alive(), beat.log()[-3000:]
         assert "unreachable" in beat.log()
         if outage == "restarted empty":
@@ -69,14 +78,15 @@ def test_a_standby_beat_takes_over_once_the_lock_of_a_killed_one_expires(
                      prewarm_interval_s="0")
     first = start_beat(APP_MODULE, env, tmp_path / "first", cwd=ROOT)
     standby = None
+    sent = Sends(redis_url)
     try:
-        wait_for(lambda: sent(redis_url) >= 2, 60, "the first beat's passes")
+        wait_for(lambda: sent() >= 2, 60, "the first beat's passes")
         standby = start_beat(APP_MODULE, env, tmp_path / "standby", cwd=ROOT)
         wait_for(lambda: "beat: Starting..." in standby.log(), 60, "the standby to start")
         first.kill()
-        before = sent(redis_url)
+        before = sent()
         # The lock lives on for its timeout (30 s here), then the standby takes it
-        wait_for(lambda: sent(redis_url) >= before + 2, 90,
+        wait_for(lambda: sent() >= before + 2, 90,
                  "passes from the standby once the lock expired")
         assert "beat: acquired lock" in standby.log()
         assert standby.alive(), standby.log()[-3000:]
@@ -117,4 +127,62 @@ def test_assigned_task_routes_keep_the_beat_s_passes_on_the_control_queue(
         app.tasks["sits.rescore"].apply_async(queue="elsewhere")
         assert redis_client.zcard(QueueKeys.for_queue("elsewhere").waiting) == 1
     finally:
+        app.close()
+
+
+def test_the_beat_sends_no_pass_beside_one_still_waiting(redis_url: str,
+                                                         redis_client: redis.Redis) -> None:
+    """(with every slot busy, the passes queued behind one another, each expired by the
+    time a slot took it: none ran, and the control queue only grew)"""
+    app = make_app(SitsConfig(redis_url=redis_url), main="beat-one-waiting")
+    try:
+        scheduler = SitsScheduler(app=app, lazy=True)
+        entry, other = (ScheduleEntry(name=f"sits-{task}", task=f"sits.{task}",
+                                      schedule=1.0, app=app)
+                        for task in ("rescore", "check_triggers"))
+        assert scheduler.apply_async(entry, advance=False) is not None
+        # one waits: none beside it
+        assert scheduler.apply_async(entry, advance=False) is None
+        assert scheduler.apply_async(other, advance=False) is not None  # another task's own
+        assert redis_client.zcard(CONTROL.waiting) == 2
+        # Once it is taken, the next is sent
+        redis_client.zpopmin(CONTROL.waiting, 2)
+        assert scheduler.apply_async(entry, advance=False) is not None
+    finally:
+        app.close()
+
+
+def test_a_worker_whose_every_slot_is_busy_still_runs_the_passes(
+        tmp_path: Path, redis_url: str, redis_client: redis.Redis) -> None:
+    """Long tasks back to back on the one slot: each freed slot takes the waiting pass
+    first, and the beat keeps one waiting (they expired and piled up: no pass ran, and
+    a waiting low task never aged)"""
+    redis_client.flushall()
+    env = worker_env(redis_url, rescore_interval_s="1", trigger_check_interval_s="1",
+                     prewarm_interval_s="0")
+    app = make_app(SitsConfig(redis_url=redis_url), main="beat-busy")
+    from tests.integration.worker_app import register
+
+    register(app)
+    for n in range(12):
+        app.tasks["w.slow"].apply_async((f"busy{n}", 1.5), sla_class="low")
+    worker = start_worker(APP_MODULE, env, tmp_path / "worker", concurrency=1, cwd=ROOT)
+    beat = start_beat(APP_MODULE, env, tmp_path / "beat", cwd=ROOT)
+    passes: set[float] = set()
+    depths: list[int] = []
+
+    def rescored() -> bool:
+        snapshot = redis_client.get(stats_key())
+        if snapshot is not None:
+            passes.add(json.loads(snapshot)["now_s"])
+        depths.append(int(redis_client.zcard(CONTROL.waiting)))
+        return len(passes) >= 4
+
+    try:
+        wait_for(rescored, 60, "four rescoring passes while every slot is busy")
+        assert redis_client.llen("test:finished") < 12  # (busy all along)
+        assert max(depths) <= 2  # one pass of each kind waits, at most
+    finally:
+        beat.stop(timeout_s=10)
+        worker.stop(timeout_s=10)
         app.close()
