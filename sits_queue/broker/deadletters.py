@@ -68,16 +68,33 @@ def fail_tasks(client: Any, dead_key: str, ids: Sequence[str], backend: Any = No
         if task is None:
             continue
         task_id, name, reason = task
+        error = DeadLettered(f"task {name}[{task_id}] was not run: its message was "
+                             f"dead-lettered ({reason}); it stays in the queue's dead "
+                             f"letters as {message_id}")
         try:
-            backend.mark_as_failure(task_id, DeadLettered(
-                f"task {name}[{task_id}] was not run: its message was dead-lettered "
-                f"({reason}); it stays in the queue's dead letters as {message_id}"))
+            backend.mark_as_failure(task_id, error)
         except Exception as exc:  # a disabled or unreachable backend: the record remains
             logger.warning("dead-lettered task %s[%s]: could not store its failure: %s",
                            name, task_id, exc)
             continue
+        _announce_failure(getattr(backend, "app", None), task_id, error)
         failed += 1
     return failed
+
+
+def _announce_failure(app: Any, task_id: str, error: Exception) -> None:
+    """A ``task-failed`` event for a dead-lettered task, where the app sends task events:
+    Flower (which follows events, not the result backend) showed a poison task, whose
+    runs all died with their pool child, as STARTED for ever."""
+    if app is None or not app.conf.worker_send_task_events:
+        return
+    try:
+        with app.events.default_dispatcher() as dispatcher:
+            dispatcher.send("task-failed", uuid=task_id, exception=repr(error),
+                            traceback=None)
+    except Exception as exc:  # an event is no reason to fail the dead-lettering
+        logger.warning("dead-lettered task %s: could not send its task-failed event: %s",
+                       task_id, exc)
 
 
 def park(channel: Any, queue: str, picked: list[Any], exc: Exception, no_ack: bool,

@@ -82,6 +82,24 @@ def test_flower_sees_the_worker_and_the_task_events(
                     time.sleep(0.3)
             assert info["state"] == "SUCCESS" and info["name"] == "w.lengths"
             assert info["received"] and info["started"] and info["succeeded"]
+        # A dead-lettered task (a poison message: every run killed with its pool child)
+        # fails to Flower too (it follows events: it showed such a task STARTED for ever)
+        from sits_queue.broker import deadletters
+
+        r = redis.Redis.from_url(redis_url)
+        dead = QueueKeys.for_queue("celery").dead
+        r.hset(dead, "m-dead", json.dumps({
+            "reason": "redelivered 6 times (poison message)", "at": time.time(), "meta": None,
+            "payload": json.dumps({"headers": {"id": "poison-1", "task": "w.add"},
+                                   "body": ""})}))
+        assert deadletters.fail_tasks(r, dead, ["m-dead"], client_app.backend) == 1
+        poison: dict[str, Any] = {}
+        while poison.get("state") != "FAILURE" and time.monotonic() < deadline + 90:
+            try:
+                poison = _get(f"{base}/api/task/info/poison-1")
+            except OSError:
+                time.sleep(0.3)
+        assert poison["state"] == "FAILURE" and "dead-lettered" in poison["exception"]
     finally:
         flower.terminate()
         flower.wait(10)
