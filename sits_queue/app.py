@@ -20,7 +20,7 @@ from sits_queue import flower
 from sits_queue.broker.keys import DELIVERY_ONLY
 from sits_queue.cache.budgets import CacheBudgets
 from sits_queue.checks import finite, is_number, shown
-from sits_queue.config import SitsConfig
+from sits_queue.config import SitsConfig, without_credentials
 from sits_queue.errors import InvalidTaskOptions
 from sits_queue.options import (
     CONTROL_QUEUE,
@@ -448,6 +448,12 @@ class SitsCelery(Celery):  # type: ignore[misc]
         options = sits_transport_options(sits_config(self), self.conf.broker_transport_options,
                                          transport_options)
         return super()._connection(url, *args, transport_options=options, **kwargs)
+
+    def bugreport(self) -> str:
+        """Celery's, with the credentials of every URL in it masked: ``celery report``
+        and the remote ``celery inspect report`` printed the beat's Redis URL
+        (``redbeat_redis_url``, which Celery's censoring does not know) in clear."""
+        return str(without_credentials(super().bugreport()))
 
     def note_priority(self, name: str, priority: Any) -> None:
         """Tell the producer, once per process, that Celery's ``priority=`` does not

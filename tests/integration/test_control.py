@@ -79,9 +79,10 @@ def test_no_remote_control_reply_holds_the_redis_password(
         worker = spawn(**{"REDIS_URL": redis_url.replace("redis://",
                                                          f"redis://sits-ctl:{secret}@")})
         inspect = client_app.control.inspect(timeout=5)
-        stats, conf = inspect.stats(), inspect.conf()
+        stats, conf, report = inspect.stats(), inspect.conf(), inspect.report()
         assert stats is not None and worker.hostname in stats and conf is not None
-        shown = json.dumps([stats, conf], default=str)
+        assert report is not None and "redbeat_redis_url" in str(report)  # (Celery's)
+        shown = json.dumps([stats, conf, report], default=str)
         assert secret not in shown  # (the user name is in Celery's own broker line)
         assert "redis://***@127.0.0.1" in shown  # the server is still named
         assert client_app.tasks["w.add"].delay(2, 2).get(timeout=30) == 4  # it serves
