@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -530,10 +530,14 @@ _warned: set[tuple[str, str]] = set()
 _CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^\s/]*@")
 
 
+#: A password given as a URL's query option (refused in ours: :func:`check_redis_url`).
+_QUERY_PASSWORD = re.compile(r"(?P<key>[?&]password=)[^&\s]*", re.IGNORECASE)
+
+
 def redacted(text: str) -> str:
     """``text`` with the credentials of every URL in it masked, for messages and logs
     (an "@" in a path, a socket's name, is not a credential: it stays)."""
-    return _CREDENTIALS.sub(r"\g<scheme>***@", text)
+    return _QUERY_PASSWORD.sub(r"\g<key>***", _CREDENTIALS.sub(r"\g<scheme>***@", text))
 
 
 def without_credentials(value: Any) -> Any:
@@ -552,6 +556,11 @@ def without_credentials(value: Any) -> Any:
 #: the socket non-blocking, every read fails), the health-check interval >= 0 (0: off).
 _URL_DURATIONS = {"socket_timeout": 0.0, "socket_connect_timeout": 0.0,
                   "health_check_interval": None}
+
+
+#: What kombu's URL parser takes from a URL's parts, and refuses twice from its query.
+_KOMBU_URL_FIELDS = frozenset({"transport", "hostname", "port", "userid", "password",
+                               "virtual_host"})
 
 
 def check_redis_url(url: str, what: str = "redis_url") -> str:
@@ -576,6 +585,15 @@ def check_redis_url(url: str, what: str = "redis_url") -> str:
     db = parts.path.strip("/") if parts.scheme != "unix" else ""
     if db and not db.isdigit():
         raise ConfigError(f"{what} {shown}: database {db!r} is not a number")
+    # Kombu (Celery's broker layer) reads these from the URL itself: given in the query
+    # too, every producer and Celery command failed with a raw TypeError ("multiple
+    # values for keyword argument 'password'")
+    clashing = sorted(k for k, _ in parse_qsl(parts.query) if k in _KOMBU_URL_FIELDS)
+    if clashing:
+        raise ConfigError(f"{what} {shown}: {', '.join(clashing)} cannot be a query option "
+                          "(Celery's broker layer reads it from the URL itself); give the "
+                          "password as redis://:PASSWORD@host, a user as redis://USER:"
+                          "PASSWORD@host")
     import redis  # (a light import; redis is loaded anyway)
 
     try:  # its query options: ?socket_timeout=5s, ?db=abc or ?foo=1 raised at first use
