@@ -430,6 +430,9 @@ def enqueue_many(task: Task, arg_list: Sequence[Sequence[Any]], *,
     plan = _plan(task, options)
     kwargs_all = _check_items(task, arg_list, kwargs_list)
     app: Celery = task._get_app()
+    # As a task call finalizes it: what waits on that (tracing's set-up) is done first.
+    # (a producer that only sent this way sent no trace context)
+    app.finalize(auto=True)
     ids: list[str] = []
     with app.producer_or_acquire(producer) as prod:
         channel = prod.channel

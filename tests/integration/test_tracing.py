@@ -33,9 +33,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from sits_queue import tracing
 from sits_queue.app import make_app
 from sits_queue.broker.bulk import enqueue_many
+from sits_queue.broker.keys import QueueKeys
 from sits_queue.config import SitsConfig
 from sits_queue.errors import ConfigError
 from sits_queue.procs import wait_ready
+from tests.integration.conftest import ROOT
 from tests.integration.inference_app import (
     FIRST_CALL_S,
     build_models,
@@ -285,3 +287,36 @@ def test_a_tracer_provider_the_application_sets_up_after_the_import_is_used(
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report == {"ours": True, "spans": ["apply_async/t.own_provider"]}
     assert "Overriding of current TracerProvider is not allowed" not in out.stderr
+
+
+BULK_ONLY = """
+import json, sys
+from sits_queue.app import make_app
+from sits_queue.broker.bulk import enqueue_many
+from sits_queue.config import SitsConfig
+from sits_queue import tracing
+
+app = make_app(SitsConfig(redis_url=sys.argv[1], otel_traces="console"), main="bulk-only")
+
+@app.task(name="t.bulk_only", shared=False)
+def echo(tag: str) -> str:
+    return tag
+
+enqueue_many(echo, [("a",), ("b",)])
+print("RESULT", json.dumps({"configured": bool(tracing._configured)}), flush=True)
+"""
+
+
+def test_a_producer_that_only_enqueues_in_bulk_sends_its_trace_context(
+        redis_url: str, redis_client: Any) -> None:
+    """(tracing is set up when the app is finalized, which enqueue_many did not do: such
+    a producer sent no traceparent, and each task's run was a trace of its own)"""
+    out = subprocess.run([sys.executable, "-c", BULK_ONLY, redis_url], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    (result,) = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert json.loads(result.removeprefix("RESULT ")) == {"configured": True}
+    keys = QueueKeys.for_queue("celery")
+    headers = [json.loads(redis_client.hget(keys.payloads, i))["headers"]
+               for i in redis_client.zrange(keys.waiting, 0, -1)]
+    assert len(headers) == 2 and all("traceparent" in h for h in headers), headers
