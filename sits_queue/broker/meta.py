@@ -69,6 +69,12 @@ class WaitingMeta:
     #: When its ETA falls due: a running task does not yield for it before (preempt.lua).
     due_s: float | None = None
 
+    @property
+    def waiting_since_s(self) -> float:
+        """When its wait began: its put, or when its ETA fell due if that is later (a
+        countdown is the caller's wish, not lateness)."""
+        return max(self.enqueued_at_s, self.due_s if self.due_s is not None else -math.inf)
+
     def to_json(self) -> bytes:
         record: dict[str, Any] = {short: getattr(self.options, name)
                                   for name, short in _KEYS.items()}
@@ -137,8 +143,9 @@ class WaitingMeta:
 def score_inputs(raw: str | bytes) -> tuple[str, float, int, float, float, float, str | None]:
     """The scorer's arguments straight from a stored record, without building objects.
 
-    (sla_class, enqueued_at_s, context_tokens, latency_sla_ms, loss_sensitivity,
-    input_entropy, model) — the order of :meth:`Scorer.score`. The rescoring pass reads
+    (sla_class, waiting since (``WaitingMeta.waiting_since_s``), context_tokens,
+    latency_sla_ms, loss_sensitivity, input_entropy, model) — the order of
+    :meth:`Scorer.score`. The rescoring pass reads
     one record per waiting message, so this skips the dataclasses; it still holds each
     input to the range the options allow (ValueError naming one that is not).
     """
@@ -146,6 +153,12 @@ def score_inputs(raw: str | bytes) -> tuple[str, float, int, float, float, float
     enqueued = float(r["t"])
     if not math.isfinite(enqueued):
         raise ValueError(f"enqueued at {enqueued}")
+    # A countdown or an ETA is the caller's wish, not lateness: its wait, and its aging,
+    # count from when it falls due (it aged from its put, and outranked fresh urgent
+    # tasks the moment it was due)
+    due = r.get("eta")
+    if type(due) in (int, float) and math.isfinite(due) and due > enqueued:
+        enqueued = float(due)
     n, sla, ls, e = r["n"], r["sla"], r["ls"], r["e"] or 0.0
     # What our producers write passes the ranges at a glance (a pass reads 100k+ records);
     # anything else is checked in full, which names what is wrong.

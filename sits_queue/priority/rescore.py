@@ -449,7 +449,7 @@ class Rescorer:
                 # watches; a task put after now_s was read (or by a producer whose clock
                 # runs ahead) has waited nothing yet
                 if meta.options.sla_class == top and meta.task not in UNCOUNTED_TASKS:
-                    wait = max(0.0, (now_s - meta.enqueued_at_s) * 1000)
+                    wait = max(0.0, (now_s - meta.waiting_since_s) * 1000)
                     oldest = wait if oldest is None else max(oldest, wait)
         return oldest
 

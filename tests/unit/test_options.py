@@ -105,3 +105,24 @@ def test_arguments_of_the_wrong_shape_are_refused_naming_them(
         add.apply_async(args, kwargs)
     with pytest.raises(TypeError, match=said):
         app.send_task("u.add", args, kwargs)
+
+
+def test_a_countdown_tasks_wait_counts_from_when_it_falls_due() -> None:
+    """(it aged from its put: due, it outranked fresh urgent tasks at once)"""
+    import json
+
+    from sits_queue.broker.meta import WaitingMeta, score_inputs
+    from sits_queue.options import resolve as resolved
+
+    options = resolved(SitsConfig(), {}, {"sla_class": "low"})
+    later = WaitingMeta(options, 1_800_000_000.0, "t.x", due_s=1_800_000_060.0)
+    assert later.waiting_since_s == 1_800_000_060.0
+    assert score_inputs(later.to_json())[1] == 1_800_000_060.0
+    # one due already at its put (or with no ETA) waits from its put
+    for due in (1_799_999_000.0, None):
+        meta = WaitingMeta(options, 1_800_000_000.0, "t.x", due_s=due)
+        assert meta.waiting_since_s == 1_800_000_000.0
+        assert score_inputs(meta.to_json())[1] == 1_800_000_000.0
+    # a foreign record's ETA that is no number is not one
+    record = {**json.loads(later.to_json()), "eta": "soon"}
+    assert score_inputs(json.dumps(record))[1] == 1_800_000_000.0
