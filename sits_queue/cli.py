@@ -148,8 +148,9 @@ def queue_status(client: redis.Redis, config: SitsConfig, now_s: float) -> list[
 
 
 #: What ``queue_status`` counts per queue: field -> (Redis command, QueueKeys attribute).
-#: Checkpointed: tasks that yielded a time slice and have progress saved; held: tasks a
-#: worker released for want of VRAM and holds off for a while.
+#: Checkpointed: tasks with a yielded time slice's progress saved (waiting to resume, or
+#: running a resumed slice: the checkpoint stays until the task ends, for a crash to
+#: resume from); held: tasks a worker released for want of VRAM and holds off a while.
 _COUNTED = {"waiting": ("zcard", "waiting"), "unacked": ("zcard", "unacked"),
             "dead": ("hlen", "dead"), "checkpointed": ("hlen", "checkpoints"),
             "held": ("hlen", "held")}
@@ -223,7 +224,7 @@ def _format_status(report: dict[str, Any]) -> str:
         lines.append(f"queue {q['queue']}: {_or_unknown(q['waiting'])} waiting, "
                      f"{_or_unknown(q['unacked'])} running/reserved, "
                      f"{_or_unknown(q['dead'])} dead-lettered, "
-                     f"{_or_unknown(q['checkpointed'])} resuming from a yield, "
+                     f"{_or_unknown(q['checkpointed'])} with a yield's progress saved, "
                      f"{_or_unknown(q['held'])} held off by a worker")
         if q.get("error"):
             lines.append(f"  not all of it readable (a key of another program's?): "

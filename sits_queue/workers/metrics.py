@@ -331,7 +331,8 @@ def queue_families(queues: Iterable[Mapping[str, Any]]) -> list[Metric]:
     for field, help_text in (("waiting", "Tasks waiting in the sorted set."),
                              ("unacked", "Tasks a worker holds (running or reserved)."),
                              ("dead", "Dead-lettered tasks (poison, malformed, unknown)."),
-                             ("checkpointed", "Waiting tasks that yielded a time slice."),
+                             ("checkpointed", "Tasks with a yielded time slice's progress saved: "
+                              "waiting to resume, or running a resumed slice."),
                              ("held", "Waiting tasks a worker released for want of VRAM.")):
         family = GaugeMetricFamily(f"sits_queue_{field}", help_text, labels=["queue"])
         for q in queues:

@@ -50,7 +50,7 @@ def test_status_shows_depth_and_head_tasks_with_class(client_app: Celery, redis_
     redis_client.hset(keys.checkpoints, first_id, "{}")
     redis_client.hset(keys.held, first_id, "consumer 9999999999")
     text = sitsq("status", env={**os.environ, "SITS_REDIS_URL": redis_url}).stdout
-    assert "1 resuming from a yield, 1 held off by a worker" in text
+    assert "1 with a yield's progress saved, 1 held off by a worker" in text
 
 
 def test_status_says_when_a_stock_producer_sent_to_a_plain_list(
