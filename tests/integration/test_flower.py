@@ -34,6 +34,18 @@ def _get(url: str) -> Any:
         return json.loads(resp.read())
 
 
+def _task_info(base: str, task_id: str, state: str, deadline: float) -> dict[str, Any]:
+    """Flower's view of ``task_id`` once it shows ``state`` (or the last seen by
+    ``deadline``, a ``time.monotonic()``)."""
+    info: dict[str, Any] = {}
+    while info.get("state") != state and time.monotonic() < deadline:
+        try:
+            info = _get(f"{base}/api/task/info/{task_id}")
+        except OSError:
+            time.sleep(0.3)
+    return info
+
+
 def _start_flower(redis_url: str, tmp_path: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     env = {**os.environ, **worker_env(redis_url), "FLOWER_UNAUTHENTICATED_API": "true"}
@@ -62,24 +74,14 @@ def test_flower_sees_the_worker_and_the_task_events(
         assert worker.hostname in workers
         task_id = client_app.tasks["w.add"].apply_async((20, 22), sla_class="high").id
         assert client_app.AsyncResult(task_id).get(timeout=30) == 42
-        seen: dict[str, Any] = {}
-        while seen.get("state") != "SUCCESS" and time.monotonic() < deadline:
-            try:
-                seen = _get(f"{base}/api/task/info/{task_id}")
-            except OSError:
-                time.sleep(0.3)
+        seen = _task_info(base, task_id, "SUCCESS", deadline)
         assert seen["state"] == "SUCCESS"
         assert seen["name"] == "w.add"
         # Tasks run in a batch (one pool job) are each a task to Flower: own events
         batch = [client_app.tasks["w.lengths"].delay("x" * n) for n in range(1, 6)]
         assert [b.get(timeout=60)["output"] for b in batch] == [1, 2, 3, 4, 5]
         for b in batch:
-            info: dict[str, Any] = {}
-            while info.get("state") != "SUCCESS" and time.monotonic() < deadline + 60:
-                try:
-                    info = _get(f"{base}/api/task/info/{b.id}")
-                except OSError:
-                    time.sleep(0.3)
+            info = _task_info(base, b.id, "SUCCESS", deadline + 60)
             assert info["state"] == "SUCCESS" and info["name"] == "w.lengths"
             assert info["received"] and info["started"] and info["succeeded"]
         # A dead-lettered task (a poison message: every run killed with its pool child)
@@ -93,12 +95,7 @@ def test_flower_sees_the_worker_and_the_task_events(
             "payload": json.dumps({"headers": {"id": "poison-1", "task": "w.add"},
                                    "body": ""})}))
         assert deadletters.fail_tasks(r, dead, ["m-dead"], client_app.backend) == 1
-        poison: dict[str, Any] = {}
-        while poison.get("state") != "FAILURE" and time.monotonic() < deadline + 90:
-            try:
-                poison = _get(f"{base}/api/task/info/poison-1")
-            except OSError:
-                time.sleep(0.3)
+        poison = _task_info(base, "poison-1", "FAILURE", deadline + 90)
         assert poison["state"] == "FAILURE" and "dead-lettered" in poison["exception"]
     finally:
         flower.terminate()
