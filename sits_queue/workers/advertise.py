@@ -338,11 +338,22 @@ class WarmReader:
         self._hostname = hostname
         self._precisions: dict[str, float] = {}
         self._fleet_at: float | None = None
-        self._keys = [child_key(config.global_keyprefix, hostname, s)
-                      for s in range(max(1, concurrency))]
+        self._keys: list[str] = []
+        self.resize(concurrency)
         self._clock = clock
         self._warm = affinity.Warm()
         self._read_at: float | None = None
+
+    @property
+    def slots(self) -> int:
+        return len(self._keys)
+
+    def resize(self, concurrency: int) -> None:
+        """Read the children of a pool of ``concurrency`` slots from now on (a pool grown
+        or shrunk by remote control)."""
+        self._keys = [child_key(self._config.global_keyprefix, self._hostname, s)
+                      for s in range(max(1, concurrency))]
+        self._read_at = None
 
     def invalidate(self) -> None:
         # Only once some child holds something: a worker of plain tasks (whose children
@@ -406,14 +417,25 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
     def __init__(self, c: Any, **kwargs: Any) -> None:
         super().__init__(c, **kwargs)
         self._refresher: Periodic | None = None
+        self._reader: WarmReader | None = None
+        self._most = 0  # the most slots seen: withdrawn at the end, each child's record
 
     def _args(self, c: Any) -> tuple[SitsConfig, str, int]:
         config: SitsConfig = c.app.sits
-        concurrency = int(getattr(c.controller, "concurrency", 0) or c.pool.num_processes)
+        # The pool's size now: `celery control pool_grow/pool_shrink` change it, not the
+        # worker's --concurrency (status, /metrics and the warm reader kept the start's)
+        try:
+            concurrency = int(c.pool.num_processes or 0)
+        except (AttributeError, TypeError, ValueError):
+            concurrency = 0
+        concurrency = concurrency or int(getattr(c.controller, "concurrency", 0) or 1)
+        self._most = max(self._most, concurrency)
         return config, c.hostname, concurrency
 
     def tick(self, c: Any) -> None:
         config, hostname, concurrency = self._args(c)
+        if self._reader is not None and self._reader.slots != max(1, concurrency):
+            self._reader.resize(concurrency)
         from sits_queue.workers import profile, runtime
         from sits_queue.workers import request as admission
 
@@ -434,7 +456,8 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
     def start(self, c: Any) -> None:
         config, hostname, concurrency = self._args(c)
         if config.affinity.enabled:
-            affinity.set_warm_source(WarmReader(config, hostname, concurrency))
+            self._reader = WarmReader(config, hostname, concurrency)
+            affinity.set_warm_source(self._reader)
         self.tick(c)
         self._refresher = Periodic("sits-advertise", REFRESH_S, lambda _: self.tick(c),
                                    "could not refresh the worker advertisement").start()
@@ -447,8 +470,8 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
     def shutdown(self, c: Any) -> None:
         self.stop(c)
         affinity.set_warm_source(None)
-        config, hostname, concurrency = self._args(c)
-        try:
-            withdraw(client_for(config), config.global_keyprefix, hostname, concurrency)
+        config, hostname, _ = self._args(c)
+        try:  # (every child record it may have had: a pool shrunk keeps the higher ones)
+            withdraw(client_for(config), config.global_keyprefix, hostname, self._most)
         except redis.RedisError as exc:
             logger.warning("could not withdraw the worker advertisement: %s", exc)

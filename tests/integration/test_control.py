@@ -284,3 +284,23 @@ def test_rpc_result_queues_leave_nothing_behind(tmp_path: Path, redis_url: str,
         assert redis_client.pttl(QueueKeys.for_queue(work).waiting) == -1
     finally:
         worker.stop(timeout_s=10)
+
+
+def test_a_pool_grown_by_remote_control_is_advertised_at_its_size(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(status, /metrics and the warm reader kept the start's size: the added child's
+    record, its warm engines, were never read)"""
+    from sits_queue.workers import advertise
+
+    worker = spawn(concurrency=1)
+
+    def advertised() -> object:
+        record = advertise.read_worker(redis_client, "", worker.hostname)
+        return None if record is None else record["concurrency"]
+
+    wait_for(lambda: advertised() == 1, 30, "the worker's advertisement")
+    (reply,) = client_app.control.pool_grow(1, destination=[worker.hostname], reply=True,
+                                            timeout=5)
+    assert "ok" in reply[worker.hostname], reply
+    wait_for(lambda: advertised() == 2, 30, "the grown pool's size advertised")
+    assert client_app.tasks["w.add"].delay(1, 2).get(timeout=30) == 3
