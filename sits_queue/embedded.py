@@ -447,7 +447,7 @@ def _read_port(data_dir: Path) -> int | None:
     port = _read_int(data_dir / _PORT_FILE)
     if port is None:  # lost: the port the last start wrote into its config
         with contextlib.suppress(OSError):
-            for line in (data_dir / _CONF_FILE).read_text().splitlines():
+            for line in (data_dir / _CONF_FILE).read_text(errors="replace").splitlines():
                 if line.startswith("port ") and line[5:].strip().isdigit():
                     port = int(line[5:])
     return port if port is not None and 0 < port < 65536 else None
@@ -458,20 +458,34 @@ def _password(data_dir: Path) -> str:
     A password file lost (deleted by hand, a cleaner) is read back from the server's
     config: a new one made the server look dead, and it was replaced, every worker
     holding the old URL refused for good."""
-    path = data_dir / _PASSWORD_FILE
-    with contextlib.suppress(FileNotFoundError):
-        secret = path.read_text().strip()
-        if secret:  # an empty file (a failed or cut write) is no password: make one
-            return secret
-    secret = _configured_password(data_dir) or secrets.token_urlsafe(24)
-    _write_private(path, secret + "\n")
+    secret = _stored_password(data_dir)
+    if secret is None or not _password_file(data_dir):
+        secret = secret or secrets.token_urlsafe(24)
+        _write_private(data_dir / _PASSWORD_FILE, secret + "\n")
     return secret
+
+
+def _password_file(data_dir: Path) -> str | None:
+    """The password file's password; None when it is missing, empty (a failed or cut
+    write) or not text (its bytes were damaged: it raised UnicodeDecodeError, and every
+    sitsq command, stop-redis too, stopped on a traceback)."""
+    with contextlib.suppress(FileNotFoundError, UnicodeDecodeError):
+        return (data_dir / _PASSWORD_FILE).read_text().strip() or None
+    return None
+
+
+def _stored_password(data_dir: Path) -> str | None:
+    """The server's password as this data dir keeps it: its file, else the config the
+    last start wrote (stop-redis read the file alone: with it and the pid file gone it
+    said no server ran, and left it running)."""
+    return _password_file(data_dir) or _configured_password(data_dir)
 
 
 def _configured_password(data_dir: Path) -> str | None:
     """The ``requirepass`` the last start wrote into the server's config, if any."""
     with contextlib.suppress(OSError):
-        for line in (data_dir / _CONF_FILE).read_text().splitlines():
+        # (a damaged byte elsewhere in it must not hide this line)
+        for line in (data_dir / _CONF_FILE).read_text(errors="replace").splitlines():
             name, _, value = line.strip().partition(" ")
             if name == "requirepass" and len(value) >= 2 and value[0] == value[-1] == '"':
                 # (_conf_value's quoting, undone)
@@ -583,8 +597,7 @@ def stop_server(data_dir: Path | None = None) -> bool:
 
 def _stop(data_dir: Path) -> bool:
     with _locked(data_dir):
-        password_file = data_dir / _PASSWORD_FILE
-        password = password_file.read_text().strip() if password_file.exists() else ""
+        password = _stored_password(data_dir) or ""
         live = _live_server(data_dir, password)
         if live is not None:
             port, pid = live

@@ -24,6 +24,7 @@ from sits_queue.embedded import (
     stop_server,
 )
 from sits_queue.errors import SitsError
+from tests.waiting import wait_for
 
 
 def _gone(pid: int) -> bool:
@@ -403,3 +404,30 @@ def test_a_lost_port_file_does_not_replace_the_live_server(shared_dir: Path) -> 
     (shared_dir / "port").write_text("")
     again, started = ensure_server(shared_dir)
     assert again == url and not started and _pid_of(shared_dir) == pid
+
+
+def test_stop_finds_the_server_with_its_password_and_pid_files_gone(shared_dir: Path) -> None:
+    """(stop-redis read the password file alone: it said no server ran, and left it
+    running; the next sitsq reused it, reading the password back from the config)"""
+    ensure_server(shared_dir)
+    pid = _pid_of(shared_dir)
+    (shared_dir / "password").unlink()
+    (shared_dir / "redis.pid").unlink()
+    assert stop_server(shared_dir)
+    wait_for(lambda: not psutil.pid_exists(pid), 30, "the server to stop")
+
+
+@pytest.mark.parametrize("damaged", ["password", "redis.conf"])
+def test_a_data_dir_file_with_damaged_bytes_neither_stops_sitsq_nor_the_server(
+        shared_dir: Path, damaged: str) -> None:
+    """(its UnicodeDecodeError went up every sitsq command as a traceback, stop-redis's
+    too, and the server could not be stopped)"""
+    url, _ = ensure_server(shared_dir)
+    pid = _pid_of(shared_dir)
+    with open(shared_dir / damaged, "ab") as f:
+        f.write(b"\xff\xfe")
+    if damaged == "redis.conf":
+        (shared_dir / "port").unlink()  # (read back from the config then)
+    again, started = ensure_server(shared_dir)
+    assert again == url and not started and _pid_of(shared_dir) == pid
+    assert stop_server(shared_dir)
