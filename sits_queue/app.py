@@ -13,7 +13,7 @@ import redis
 from celery import Celery, Signature, Task, group
 from celery.app.amqp import AMQP
 from celery.canvas import _chain, _chord
-from kombu.entity import Queue
+from kombu.entity import Exchange, Queue
 from kombu.utils.objects import cached_property
 
 from sits_queue import flower
@@ -413,8 +413,17 @@ class SitsAMQP(AMQP):  # type: ignore[misc]
     def queues(self) -> Any:
         queues = self.Queues(self.app.conf.task_queues)
         if CONTROL_QUEUE not in queues:
-            queues.add(Queue(CONTROL_QUEUE))  # type: ignore[no-untyped-call]
+            queues.add(control_queue())
         return queues
+
+
+def control_queue() -> Queue:
+    """The control queue's declaration: an exchange and a routing key of its own. Left to
+    the app's defaults it was bound with the default routing key, so a pass went to the
+    app's default queue as well (with a topic exchange routing "task.#" there: every pass
+    ran twice), and a task sent to that key landed in the control queue too."""
+    return Queue(CONTROL_QUEUE, Exchange(CONTROL_QUEUE, type="direct"),  # type: ignore[no-untyped-call]
+                 routing_key=CONTROL_QUEUE)
 
 
 class SitsCelery(Celery):  # type: ignore[misc]

@@ -46,7 +46,7 @@ from sits_queue.broker import intake
 from sits_queue.cache.budgets import CacheBudgets, children_per_device
 from sits_queue.config import ClassQuota, SitsConfig
 from sits_queue.errors import ConfigError, UnknownModel
-from sits_queue.options import CONTROL_QUEUE, HEADER, PRECISIONS
+from sits_queue.options import HEADER, PRECISIONS
 from sits_queue.workers import (
     advertise,
     gpu,
@@ -586,7 +586,9 @@ def connect(app: Celery) -> None:
         # -Q for its own queues must consume it too, or rescoring and triggers pile up
         # unserved (Celery's documented way to always consume a queue despite -Q).
         if getattr(instance, "app", None) is app:
-            instance.app.amqp.queues.select_add(CONTROL_QUEUE)
+            from sits_queue.app import control_queue
+
+            instance.app.amqp.queues.select_add(control_queue())
 
     signals.celeryd_init.connect(on_celeryd_init, weak=False)
     signals.celeryd_after_setup.connect(on_after_setup, weak=False)

@@ -186,3 +186,29 @@ def test_a_worker_whose_every_slot_is_busy_still_runs_the_passes(
         beat.stop(timeout_s=10)
         worker.stop(timeout_s=10)
         app.close()
+
+
+def test_a_pass_goes_to_the_control_queue_alone_under_topic_routing(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """(Celery's routing guide: a topic exchange, the default queue bound "task.#". The
+    control queue, bound with the app's default routing key, matched it too: each pass
+    went to both queues and ran twice; a task sent to the default key landed in both)"""
+    from kombu import Queue
+
+    app = make_app(SitsConfig(redis_url=redis_url), main="topic-routing")
+    app.conf.task_queues = (Queue("default", routing_key="task.#"),
+                            Queue("feed_tasks", routing_key="feed.#"))
+    app.conf.task_default_queue = "default"
+    app.conf.task_default_exchange = "tasks"
+    app.conf.task_default_exchange_type = "topic"
+    app.conf.task_default_routing_key = "task.default"
+    default = QueueKeys.for_queue("default")
+    try:
+        app.send_task("sits.rescore")
+        assert redis_client.zcard(CONTROL.waiting) == 1
+        assert redis_client.zcard(default.waiting) == 0
+        app.send_task("app.work", exchange="tasks", routing_key="task.default")
+        assert redis_client.zcard(default.waiting) == 1
+        assert redis_client.zcard(CONTROL.waiting) == 1
+    finally:
+        app.close()
