@@ -498,9 +498,10 @@ class SitsCelery(Celery):  # type: ignore[misc]
                     f"task {name}: SITS options both in a hand-made {HEADER!r} header and "
                     f"as keywords ({', '.join(given)}); give them one way")
             # A hand-made header's class sets the limits too (apply_async's are set
-            # already: they are the call's own now, and stay)
-            apply_class_limits(self.tasks.get(name), sits_config(self), opts.sla_class,
-                               options, self.conf)
+            # already, both: not worked out a second time per call)
+            if "time_limit" not in options or "soft_time_limit" not in options:
+                apply_class_limits(self.tasks.get(name), sits_config(self), opts.sla_class,
+                                   options, self.conf)
             return super().send_task(name, args, kwargs, **options)
         routed_options(self, name, args, kwargs, options)
         opts = call_options(self.tasks.get(name), sits_config(self), options, self.conf,
