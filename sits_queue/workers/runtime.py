@@ -43,9 +43,10 @@ from celery import Celery, bootsteps, current_app, signals
 from celery.exceptions import SoftTimeLimitExceeded
 
 from sits_queue.broker import intake
+from sits_queue.broker.keys import check_queue_name
 from sits_queue.cache.budgets import CacheBudgets, children_per_device
 from sits_queue.config import ClassQuota, SitsConfig
-from sits_queue.errors import ConfigError, UnknownModel
+from sits_queue.errors import ConfigError, InvalidQueueName, UnknownModel
 from sits_queue.options import HEADER, PRECISIONS
 from sits_queue.workers import (
     advertise,
@@ -557,6 +558,13 @@ class PlanStep(bootsteps.Step):  # type: ignore[misc]
             CacheBudgets.from_env()
         except ConfigError as exc:
             raise SystemExit(f"Error: {exc}") from None
+        queues = w.app.amqp.queues
+        for name in (queues.consume_from or queues):
+            try:  # (a name no SITS queue can have stopped the consumer on a traceback)
+                check_queue_name(name)
+            except InvalidQueueName as exc:
+                raise SystemExit(f"Error: {exc}: rename it (-Q, or the app's task_queues "
+                                 "/ task_default_queue)") from None
         # Tasks share this process: none of them gets the per-task runtime, and an
         # inference task is left for another worker (workers/request.py).
         admission.leave_inference(pool_name(pool_module) if problem else None)

@@ -416,3 +416,19 @@ def test_a_worker_consumes_the_default_queue_its_app_names(
         assert {QUEUE, "sits.control"} <= queues and "celery" not in queues
     finally:
         proc.stop()
+
+
+def test_a_worker_told_to_consume_a_queue_no_sits_queue_can_be_says_so_in_one_line(
+        tmp_path: Path, redis_url: str) -> None:
+    """(its consumer stopped on an "Unrecoverable error" traceback)"""
+    proc = start_worker(APP_MODULE, worker_env(redis_url), tmp_path, concurrency=1,
+                        queues="jobs{1}", cwd=ROOT)
+    try:
+        wait_for(lambda: not proc.alive(), 60, "the worker to refuse the queue and exit")
+        assert proc.popen.returncode != 0
+        log = proc.log()
+        assert "Error: queue name 'jobs{1}' must not contain braces: rename it" in log, \
+            log[-2000:]
+        assert "Traceback" not in log
+    finally:
+        proc.stop(timeout_s=10)
