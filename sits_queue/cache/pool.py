@@ -476,24 +476,25 @@ class EngineCache:
                                 now)
         return evicted
 
-    def rekey(self, key: str, new: str, loader: Callable[[], Engine]) -> Engine:
+    def rekey(self, key: str, new: str, loader: Callable[[], Engine]
+              ) -> tuple[Engine, ColdStart | None]:
         """Serve ``key``'s engine as ``new`` from now on: it is the same model (a
         precision conversion that changed nothing). When ``new`` is cached already,
-        ``key``'s is a copy: dropped, and ``new``'s returned (on the device)."""
+        ``key``'s is a copy: dropped, and ``new``'s returned (on the device), with what
+        getting it there cost (None when nothing moved)."""
         with self._lock:
             if key not in self._engines:
                 raise KeyError(key)
             if new in self._state.entries:
                 self.drop(key)
-                engine, _ = self.get(new, loader)
-                return engine
+                return self.get(new, loader)
             engine = self._engines.pop(key)
             entries = dict(self._state.entries)
             entries[new] = replace(entries.pop(key), key=new)
             self._state = self._state.with_entries(entries)
             self._engines[new] = engine
             engine.key = new
-            return engine
+            return engine, None
 
     def drop(self, key: str) -> bool:
         """Release ``key`` from whichever tier holds it (e.g. after it ran out of memory)."""

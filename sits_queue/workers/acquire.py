@@ -5,6 +5,7 @@ runs, and the KV prefixes of the engines getting it pushed out dropped with them
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import Any
 
 from sits_queue.cache.pool import COLD_PHASES
@@ -57,8 +58,10 @@ def acquire(rt: runtime.ChildRuntime, model: str, precision: str | None = None
                 served = engine.artifacts.get("precision")
             if (same := rt.serving.learn(model, asked, engine)) is not None:
                 # the conversion changed nothing: one entry for both, not two copies
-                engine = rt.cache().rekey(key, same, lambda: load_engine(
+                engine, moved = rt.cache().rekey(key, same, lambda: load_engine(
                     spec, rt.torch_device))
+                if moved is not None:  # the entry served was brought back to the device
+                    cold = merged_moves(cold, moved, same)
         return engine, cold, served
     except pool.EngineTooLarge as exc:
         raise VramLimitExceeded(f"model {model!r} does not fit this worker's engine cache: "
@@ -74,6 +77,14 @@ def acquire(rt: runtime.ChildRuntime, model: str, precision: str | None = None
     # Outside the handler: the failed frames (and the tensors they hold) are gone now.
     gpu.release_memory()
     raise VramLimitExceeded(f"out of device memory loading model {model!r}: {oom}")
+
+
+def merged_moves(first: Any, then: Any, served: str) -> Any:
+    """``first``'s cold start with the engines ``then`` (getting ``served`` back to the
+    device) evicted and demoted too; ``served`` itself is no longer demoted (the result
+    named an engine demoted that served the task from the device)."""
+    return replace(first, evicted=(*first.evicted, *then.evicted),
+                   demoted=tuple(d for d in (*first.demoted, *then.demoted) if d != served))
 
 
 def using(rt: runtime.ChildRuntime, key: str) -> Any:

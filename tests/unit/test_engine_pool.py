@@ -618,15 +618,16 @@ def test_rekey_serves_an_engine_under_the_key_of_what_it_is() -> None:
     loaders = Loaders({"m": 100, "m@fp32": 100, "n@fp32": 100})
     copy, _ = cache.get("m@fp32", loaders("m@fp32"))
     # Given no entry for what it is: the engine moves, nothing is loaded or released
-    moved = cache.rekey("m@fp32", "m", loaders("m"))
-    assert moved is copy and moved.key == "m" and not copy.released
+    moved, cost = cache.rekey("m@fp32", "m", loaders("m"))
+    assert moved is copy and moved.key == "m" and not copy.released and cost is None
     assert cache.warm() == {"m": "device"} and loaders.loads["m"] == 0
     assert_consistent(cache, loaders)
     _, hit = cache.get("m", loaders("m"))
     assert hit.source == "device"
     # Given one already: the copy is dropped and the entry served
     other, _ = cache.get("n@fp32", loaders("n@fp32"))
-    assert cache.rekey("n@fp32", "m", loaders("m")) is moved and other.released
+    again, cost = cache.rekey("n@fp32", "m", loaders("m"))
+    assert again is moved and other.released and cost is not None
     assert cache.warm() == {"m": "device"}
     assert_consistent(cache, loaders)
     with pytest.raises(KeyError):
@@ -722,4 +723,22 @@ def test_an_engine_dropped_for_a_warmer_one_is_not_demoted_first() -> None:
     assert cold.evicted == ("a",) and cold.demoted == ("b",)
     assert isinstance(a, FakeEngine) and a.calls["demote"] == 0 and a.released
     assert cache.warm() == {"b": "host", "c": "device"}
+    assert_consistent(cache, loaders)
+
+
+def test_a_rekey_that_brings_the_entry_back_reports_the_final_moves() -> None:
+    """(a precision request of what the model already is: its copy's load demoted the
+    model, which then served the task from the device, and the result said demoted)"""
+    from sits_queue.workers.acquire import merged_moves
+
+    cache, _ = make_cache(device_budget=100, host_budget=200)
+    loaders = Loaders({"m": 100, "m@fp32": 100, "x": 100})
+    cache.get("m", loaders("m"))
+    _, first = cache.get("m@fp32", loaders("m@fp32"))  # m demoted for the copy
+    assert first.demoted == ("m",)
+    _, then = cache.rekey("m@fp32", "m", loaders("m"))
+    assert then is not None and then.source == "host"  # promoted back
+    final = merged_moves(first, then, "m")
+    assert "m" not in final.demoted and cache.warm() == {"m": "device"}
+    assert final.evicted == (*first.evicted, *then.evicted)
     assert_consistent(cache, loaders)
