@@ -371,7 +371,9 @@ class ChildRuntime:
             return tuple(sorted(os.sched_getaffinity(0)))
         cpus = cpu_set(quota, self.plan.available_cpus, self.slot % max(1, self.plan.slots),
                        max(1, self.plan.slots))
-        if cpus != self._cpus:
+        # Against what this thread runs on now, not only what was last set: a task that
+        # changed its own affinity left it to the tasks after it, whatever their class
+        if cpus != self._cpus or os.sched_getaffinity(0) != set(cpus):
             # sched_setaffinity(0) pins the calling thread only: torch's OpenMP workers,
             # started under an earlier class's cores, would keep those
             for tid in _threads():

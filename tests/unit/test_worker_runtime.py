@@ -230,10 +230,18 @@ def test_task_model_from_header_or_declaration() -> None:
 
 # -- CPU confinement in a child (affinity faked) -------------------------------------------------
 
-def test_confine_applies_the_class_share_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def fake_affinity(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The sets applied, and the affinity read back as the last one applied."""
     calls: list[tuple[int, ...]] = []
     monkeypatch.setattr(rt.os, "sched_setaffinity", lambda pid, cpus: calls.append(cpus))
+    monkeypatch.setattr(rt.os, "sched_getaffinity",
+                        lambda pid: set(calls[-1]) if calls else {0, 1})
     monkeypatch.setattr(rt, "_threads", lambda: [0])  # (one call a change, not a thread)
+    return calls
+
+
+def test_confine_applies_the_class_share_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = fake_affinity(monkeypatch)
     app = make_app(SitsConfig(), main="confine-test")
     plan = rt.WorkerPlan("w@h", FOUR_GPUS, tuple(range(32)), slots=4)
     child = rt.ChildRuntime(app=app, plan=plan, slot=1, device=gpu_device(1), pool_child=True)
@@ -241,15 +249,17 @@ def test_confine_applies_the_class_share_once(monkeypatch: pytest.MonkeyPatch) -
     assert child.confine(LOW) == (8, 9, 10, 11)
     assert child.confine(HIGH) == tuple(range(8, 16))
     assert calls == [(8, 9, 10, 11), tuple(range(8, 16))]  # unchanged sets are not re-applied
+    # ... unless a task changed it meanwhile: the next task gets its class's back (it kept
+    # what the task had set, whatever its class)
+    calls.append((8,))
+    assert child.confine(HIGH) == tuple(range(8, 16)) and calls[-1] == tuple(range(8, 16))
 
 
 def test_a_task_traced_inside_a_running_batch_leaves_its_limits_alone(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # A batch call's result stored early is traced while the batch runs on: its
     # task_prerun must not re-pin the child or re-cap the device under the batch
-    calls: list[tuple[int, ...]] = []
-    monkeypatch.setattr(rt.os, "sched_setaffinity", lambda pid, cpus: calls.append(cpus))
-    monkeypatch.setattr(rt, "_threads", lambda: [0])
+    calls = fake_affinity(monkeypatch)
     app = make_app(SitsConfig(), main="confine-test-3")
     plan = rt.WorkerPlan("w@h", FOUR_GPUS, tuple(range(32)), slots=4)
     child = rt.ChildRuntime(app=app, plan=plan, slot=1, device=gpu_device(1), pool_child=True)
