@@ -171,10 +171,11 @@ class SitsConfig:
     #: Celery: it is one more PUBLISH on every ``delay()``; Flower still sees every task
     #: from the worker's received/started/succeeded events.
     send_sent_events: bool = False
-    #: A worker for plain (non-inference) tasks only: it may run a pool that runs several
-    #: tasks in one process (``--pool threads|gevent|eventlet -c N``), without per-class
-    #: CPU confinement or VRAM caps (one process cannot give each task its own); an
-    #: inference task that reaches it is left in its queue for another worker.
+    #: A worker for plain (non-inference) tasks only, on any pool: an inference task that
+    #: reaches it is left in its queue for another worker. It may run a pool that runs
+    #: several tasks in one process (``--pool threads|gevent|eventlet -c N``), whose tasks
+    #: go without per-class CPU confinement or VRAM caps (one process cannot give each
+    #: task its own).
     plain_tasks_only: bool = False
     #: Prefix on every Redis key the broker writes (kombu ``global_keyprefix``).
     global_keyprefix: str = ""

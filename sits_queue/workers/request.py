@@ -84,10 +84,13 @@ class SharedProcess:
     """Why an inference task does not start on a worker of plain tasks only."""
 
     pool: str
+    #: Whether the pool runs several tasks in one process (else only the setting says so).
+    shared: bool = True
 
     def reason(self) -> str:
-        return (f"is an inference task, and this worker runs plain tasks only (its "
-                f"{self.pool!r} pool runs several tasks in one process)")
+        why = (f"its {self.pool!r} pool runs several tasks in one process" if self.shared
+               else "SITS_PLAIN_TASKS_ONLY")
+        return f"is an inference task, and this worker runs plain tasks only ({why})"
 
 
 def declared_vram_gib(headers: Mapping[str, Any]) -> float | None:
@@ -182,11 +185,12 @@ _probe: FreeMemoryProbe | None = None
 _shared: SharedProcess | None = None
 
 
-def leave_inference(pool: str | None) -> None:
-    """``pool`` (its name) runs several tasks in one process: leave every inference task
-    for another worker; None: run them (the runtime does, from its plan step)."""
+def leave_inference(pool: str | None, shared: bool = True) -> None:
+    """Leave every inference task for another worker: this worker's ``pool`` (its name)
+    runs several tasks in one process (``shared``), or it is set to run plain tasks only;
+    None: run them (the runtime does, from its plan step)."""
     global _shared
-    _shared = SharedProcess(pool) if pool is not None else None
+    _shared = SharedProcess(pool, shared) if pool is not None else None
 
 
 def plain_only_pool() -> str | None:

@@ -568,8 +568,12 @@ class PlanStep(bootsteps.Step):  # type: ignore[misc]
                 raise SystemExit(f"Error: {exc}: rename it (-Q, or the app's task_queues "
                                  "/ task_default_queue)") from None
         # Tasks share this process: none of them gets the per-task runtime, and an
-        # inference task is left for another worker (workers/request.py).
-        admission.leave_inference(pool_name(pool_module) if problem else None)
+        # inference task is left for another worker (workers/request.py). So on any pool
+        # of a worker of plain tasks only (on prefork it ran them: the setting read as a
+        # licence for shared pools alone)
+        plain_only = sits_config(w.app).plain_tasks_only
+        admission.leave_inference(pool_name(pool_module) if problem or plain_only else None,
+                                  shared=bool(problem))
         record_slots(int(w.concurrency))
 
 

@@ -141,3 +141,22 @@ def test_a_worker_of_plain_tasks_only_runs_them_side_by_side_and_leaves_inferenc
         assert app.tasks["t.wait"].apply_async((0.0,), queue=queue).get(
             timeout=CALL_S)["pid"] == proc.pid
     assert waiting() == [left.id]  # still there for another worker
+
+
+def test_a_prefork_worker_of_plain_tasks_only_leaves_inference_too(
+        tmp_path: Path, redis_url: str, config_path: Path, models_dir: Path,
+        app: Celery, r: redis.Redis) -> None:
+    """(on prefork the setting was ignored: the worker loaded the model and ran the
+    inference task, and took one a plain-only threads worker had just released)"""
+    with serving(redis_url, config_path, models_dir, tmp_path, app, concurrency=1,
+                 name="plainfork", env={"SITS_PLAIN_TASKS_ONLY": "1"}) as proc:
+        queue = worker_direct(proc.hostname)
+        left = app.tasks["t.describe"].apply_async(("left",), queue=queue.name)
+        wait_for(lambda: "this worker runs plain tasks only (SITS_PLAIN_TASKS_ONLY)"
+                 in proc.log(), 30, "the worker to leave the inference task")
+        assert left.state == "PENDING"
+        record = next(w for w in workers_status(r, SitsConfig())
+                      if w["hostname"] == proc.hostname)
+        assert record["plain_tasks_only"] == "prefork"
+        assert app.tasks["t.wait"].apply_async((0.0,), queue=queue).get(
+            timeout=CALL_S)["pid"] != proc.pid  # a plain task, in its pool child
