@@ -190,6 +190,9 @@ def _prepare(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     # (a run after a yield has the checkpoint header: the task counted on its first run)
     resumed = getattr(request, CHECKPOINT_HEADER, None) is not None
     rt.count(metrics.task_fields(meta, quota.name, model, tasks, prewarm, resumed))
+    # Published now, not only when the run ends: a child killed at its hard limit never
+    # gets there, and the task and its cold start went uncounted (its warm set unseen)
+    rt.publish()
     _trace(meta, model, quota.name, acquire_ns, acquired_ns)
     timelimit = getattr(request, "timelimit", None) or (None, None)
     hard, soft = (*tuple(timelimit), None, None)[:2]

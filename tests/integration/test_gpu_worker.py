@@ -333,12 +333,23 @@ def test_usr2_puts_a_childs_stacks_in_the_log_and_it_serves_on(
     assert_serving(app, worker)
 
 
-def test_hard_time_limit_replaces_the_child(app: Celery, worker: CeleryProcess) -> None:
+def test_hard_time_limit_replaces_the_child(app: Celery, worker: CeleryProcess,
+                                           r: redis.Redis) -> None:
+    from sits_queue.workers import advertise
+
+    def counted() -> int:
+        record = advertise.read_worker(r, "", worker.hostname) or {}
+        return int(record.get("cold_start", {}).get("tasks", 0))
+
     before = call(app, "t.describe", "before")
+    tasks = counted()
     # When a task ignores its soft limit and is killed at the hard one
     hung = app.tasks["t.hang"].apply_async((60,), soft_time_limit=1, time_limit=3)
     with pytest.raises(TimeLimitExceeded):
         hung.get(timeout=CALL_S)
+    # Its task is counted all the same (the child published once it had the engine; it
+    # counted only when a run ended, which a killed child never reaches)
+    assert counted() == tasks + 1
     # Then a new child takes the same slot (same device), starts cold, and serves
     after = call(app, "t.describe", "after", timeout=FIRST_CALL_S)
     assert after["output"]["pid"] != before["output"]["pid"]
