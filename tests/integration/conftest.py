@@ -19,6 +19,21 @@ ROOT = Path(__file__).resolve().parents[2]
 APP_MODULE = "tests.integration.worker_app"
 
 
+def refusal(proc: CeleryProcess, what: str) -> str:
+    """The log of a worker that refused ``what`` at start: it exited non-zero, saying why
+    in one line, no traceback. The worker is stopped whatever happens."""
+    from tests.waiting import wait_for
+
+    try:
+        wait_for(lambda: not proc.alive(), 60, f"the worker to refuse {what} and exit")
+        assert proc.popen.returncode != 0
+        log = proc.log()
+        assert "Traceback" not in log, log[-2000:]
+        return log
+    finally:
+        proc.stop(timeout_s=10)
+
+
 def worker_env(redis_url: str, **settings: str) -> dict[str, str]:
     env = {"SITS_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT) + os.pathsep +
            os.environ.get("PYTHONPATH", "")}
