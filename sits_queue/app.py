@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 ENGINE_ARG = "__sits_engine_arg__"
 #: Header with the producer's wall clock at submission, for end-to-end latency stats.
 SUBMITTED_AT = "sits_submitted_at"
+#: The SITS options a call may give as keywords (``max_batch``: batch tasks only).
+CALL_OPTIONS = (*OPTION_NAMES, "max_batch")
 
 
 def pop_sits_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -66,7 +68,7 @@ def routed_options(app: Celery, name: str, args: Any, kwargs: Any,
     route = router.lookup_route(name, args or (), kwargs or {}, dict(options),
                                 app.tasks.get(name))
     if isinstance(route, Mapping):
-        for key in (*OPTION_NAMES, "max_batch"):
+        for key in CALL_OPTIONS:
             if key in route and key not in options:
                 options[key] = route[key]
 
@@ -273,7 +275,7 @@ class SitsTask(Task):  # type: ignore[misc]
         Celery's ``apply`` drops options it does not know, so a task running another
         model's task in its own process got its own model, and the built-in tasks none.
         A call through ``apply_async`` (``task_always_eager``) has them there already."""
-        given = any(name in options for name in (*OPTION_NAMES, "max_batch"))
+        given = any(name in options for name in CALL_OPTIONS)
         if given or not (isinstance(headers, Mapping) and HEADER in headers):
             routed_options(self.app, self.name, args, kwargs, options)
             opts = call_options(self, sits_config(self.app), options, self.app.conf, args,
@@ -491,8 +493,9 @@ class SitsCelery(Celery):  # type: ignore[misc]
             # Attached already (apply_async, a retry) or by hand: checked either way, so
             # a hand-made one with an unknown class or an impossible vram_gib is refused
             # here, not met by every worker
-            opts = from_header(sits_config(self), headers[HEADER])
-            if given := sorted(k for k in (*OPTION_NAMES, "max_batch") if k in options):
+            config = sits_config(self)
+            opts = from_header(config, headers[HEADER])
+            if given := sorted(k for k in CALL_OPTIONS if k in options):
                 # (they were sent unchecked and unused, in the message's properties)
                 raise InvalidTaskOptions(
                     f"task {name}: SITS options both in a hand-made {HEADER!r} header and "
@@ -500,8 +503,8 @@ class SitsCelery(Celery):  # type: ignore[misc]
             # A hand-made header's class sets the limits too (apply_async's are set
             # already, both: not worked out a second time per call)
             if "time_limit" not in options or "soft_time_limit" not in options:
-                apply_class_limits(self.tasks.get(name), sits_config(self), opts.sla_class,
-                                   options, self.conf)
+                apply_class_limits(self.tasks.get(name), config, opts.sla_class, options,
+                                   self.conf)
             return super().send_task(name, args, kwargs, **options)
         routed_options(self, name, args, kwargs, options)
         opts = call_options(self.tasks.get(name), sits_config(self), options, self.conf,

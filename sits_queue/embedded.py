@@ -446,10 +446,9 @@ def _read_port(data_dir: Path) -> int | None:
     """The port recorded for this data dir, if it is one a server can listen on."""
     port = _read_int(data_dir / _PORT_FILE)
     if port is None:  # lost: the port the last start wrote into its config
-        with contextlib.suppress(OSError):
-            for line in (data_dir / _CONF_FILE).read_text(errors="replace").splitlines():
-                if line.startswith("port ") and line[5:].strip().isdigit():
-                    port = int(line[5:])
+        for line in _conf_lines(data_dir):
+            if line.startswith("port ") and line[5:].strip().isdigit():
+                port = int(line[5:])
     return port if port is not None and 0 < port < 65536 else None
 
 
@@ -458,9 +457,9 @@ def _password(data_dir: Path) -> str:
     A password file lost (deleted by hand, a cleaner) is read back from the server's
     config: a new one made the server look dead, and it was replaced, every worker
     holding the old URL refused for good."""
-    secret = _stored_password(data_dir)
-    if secret is None or not _password_file(data_dir):
-        secret = secret or secrets.token_urlsafe(24)
+    secret = _password_file(data_dir)
+    if secret is None:
+        secret = _configured_password(data_dir) or secrets.token_urlsafe(24)
         _write_private(data_dir / _PASSWORD_FILE, secret + "\n")
     return secret
 
@@ -483,15 +482,22 @@ def _stored_password(data_dir: Path) -> str | None:
 
 def _configured_password(data_dir: Path) -> str | None:
     """The ``requirepass`` the last start wrote into the server's config, if any."""
-    with contextlib.suppress(OSError):
-        # (a damaged byte elsewhere in it must not hide this line)
-        for line in (data_dir / _CONF_FILE).read_text(errors="replace").splitlines():
-            name, _, value = line.strip().partition(" ")
-            if name == "requirepass" and len(value) >= 2 and value[0] == value[-1] == '"':
-                # (_conf_value's quoting, undone)
-                secret = re.sub(r"\\(.)", r"\1", value[1:-1])
-                return secret or None
+    for line in _conf_lines(data_dir):
+        name, _, value = line.strip().partition(" ")
+        if name == "requirepass" and len(value) >= 2 and value[0] == value[-1] == '"':
+            # (_conf_value's quoting, undone)
+            secret = re.sub(r"\\(.)", r"\1", value[1:-1])
+            return secret or None
     return None
+
+
+def _conf_lines(data_dir: Path) -> list[str]:
+    """The lines of the config the last start wrote ([] without one); a damaged byte in
+    it must not hide the others (it raised UnicodeDecodeError through every command)."""
+    try:
+        return (data_dir / _CONF_FILE).read_text(errors="replace").splitlines()
+    except OSError:
+        return []
 
 
 def _write_private(path: Path, text: str) -> None:

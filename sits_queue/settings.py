@@ -89,8 +89,9 @@ def celery_settings(config: SitsConfig) -> dict[str, Any]:
         "worker_direct": True,
         # No task_queues: Celery builds the worker's queues from task_default_queue, which
         # an app may set (a fixed tuple kept "celery" and dropped the app's own default:
-        # its tasks went to a queue no worker consumed); the control queue is added at
-        # worker start (workers/runtime.py), the maintenance tasks routed there below.
+        # its tasks went to a queue no worker consumed); the control queue is declared
+        # beside the app's (app.py, SitsAMQP) and selected at every worker's start
+        # (workers/runtime.py), the maintenance tasks routed there below.
         "task_default_queue": DEFAULT_QUEUE,
         # By name: the built-in inference tasks (sits.generate, sits.embed) are work.
         "task_routes": {name: {"queue": CONTROL_QUEUE} for name in MAINTENANCE_TASKS},

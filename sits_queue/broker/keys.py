@@ -252,8 +252,8 @@ def epoch_key(prefix: str, site: str) -> str:
 
 
 def held_restore_key(prefix: str, peer: str) -> str:
-    """Here: since when this site's put-back from ``peer`` waits to be confirmed
-    (``recovery.restore``): "<server> <unix s>"."""
+    """Here: the put-back from ``peer`` waiting to be confirmed (``recovery.restore``):
+    JSON of this site's server, since when, and the other server's record that began it."""
     return f"{prefix}sits:site:{{{peer}}}:restore-held"
 
 

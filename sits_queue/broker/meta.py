@@ -73,7 +73,7 @@ class WaitingMeta:
     def waiting_since_s(self) -> float:
         """When its wait began: its put, or when its ETA fell due if that is later (a
         countdown is the caller's wish, not lateness)."""
-        return max(self.enqueued_at_s, self.due_s if self.due_s is not None else -math.inf)
+        return wait_start(self.enqueued_at_s, self.due_s)
 
     def to_json(self) -> bytes:
         record: dict[str, Any] = {short: getattr(self.options, name)
@@ -140,6 +140,16 @@ class WaitingMeta:
             return None
 
 
+def wait_start(enqueued_s: float, due: Any) -> float:
+    """When a task's wait begins: its put, or when its ETA falls due if that is later. A
+    countdown or an ETA is the caller's wish, not lateness: its wait, and its aging,
+    count from then (it aged from its put, and outranked fresh urgent tasks the moment
+    it was due). A ``due`` that is no finite number (a foreign record's) is none."""
+    if type(due) in (int, float) and math.isfinite(due) and due > enqueued_s:
+        return float(due)
+    return enqueued_s
+
+
 def score_inputs(raw: str | bytes) -> tuple[str, float, int, float, float, float, str | None]:
     """The scorer's arguments straight from a stored record, without building objects.
 
@@ -153,12 +163,7 @@ def score_inputs(raw: str | bytes) -> tuple[str, float, int, float, float, float
     enqueued = float(r["t"])
     if not math.isfinite(enqueued):
         raise ValueError(f"enqueued at {enqueued}")
-    # A countdown or an ETA is the caller's wish, not lateness: its wait, and its aging,
-    # count from when it falls due (it aged from its put, and outranked fresh urgent
-    # tasks the moment it was due)
-    due = r.get("eta")
-    if type(due) in (int, float) and math.isfinite(due) and due > enqueued:
-        enqueued = float(due)
+    enqueued = wait_start(enqueued, r.get("eta"))
     n, sla, ls, e = r["n"], r["sla"], r["ls"], r["e"] or 0.0
     # What our producers write passes the ranges at a glance (a pass reads 100k+ records);
     # anything else is checked in full, which names what is wrong.

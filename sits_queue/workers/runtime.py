@@ -552,9 +552,10 @@ class PlanStep(bootsteps.Step):  # type: ignore[misc]
 
         pool_module = getattr(w.pool_cls, "__module__", str(w.pool_cls))
         problem = pool_problem(pool_module, int(w.concurrency))
+        plain_only = sits_config(w.app).plain_tasks_only
         # Here the worker stops before any task, in one line, as a bad setting does at
         # import (ImproperlyConfigured printed some 45 lines of traceback above it)
-        if problem and not sits_config(w.app).plain_tasks_only:
+        if problem and not plain_only:
             raise SystemExit(f"Error: {problem}")
         try:  # read again by each pool child: a bad value must stop the worker here
             CacheBudgets.from_env()
@@ -571,7 +572,6 @@ class PlanStep(bootsteps.Step):  # type: ignore[misc]
         # inference task is left for another worker (workers/request.py). So on any pool
         # of a worker of plain tasks only (on prefork it ran them: the setting read as a
         # licence for shared pools alone)
-        plain_only = sits_config(w.app).plain_tasks_only
         admission.leave_inference(pool_name(pool_module) if problem or plain_only else None,
                                   shared=bool(problem))
         record_slots(int(w.concurrency))
