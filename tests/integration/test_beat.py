@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from celery import Celery
 from celery.beat import ScheduleEntry
 
 from sits_queue.app import CONTROL_QUEUE, make_app
@@ -153,19 +154,16 @@ def test_the_beat_sends_no_pass_beside_one_still_waiting(redis_url: str,
 
 
 def test_a_worker_whose_every_slot_is_busy_still_runs_the_passes(
-        tmp_path: Path, redis_url: str, redis_client: redis.Redis) -> None:
+        tmp_path: Path, redis_url: str, redis_client: redis.Redis, client_app: Celery
+        ) -> None:
     """Long tasks back to back on the one slot: each freed slot takes the waiting pass
     first, and the beat keeps one waiting (they expired and piled up: no pass ran, and
     a waiting low task never aged)"""
     redis_client.flushall()
     env = worker_env(redis_url, rescore_interval_s="1", trigger_check_interval_s="1",
                      prewarm_interval_s="0")
-    app = make_app(SitsConfig(redis_url=redis_url), main="beat-busy")
-    from tests.integration.worker_app import register
-
-    register(app)
     for n in range(12):
-        app.tasks["w.slow"].apply_async((f"busy{n}", 1.5), sla_class="low")
+        client_app.tasks["w.slow"].apply_async((f"busy{n}", 1.5), sla_class="low")
     worker = start_worker(APP_MODULE, env, tmp_path / "worker", concurrency=1, cwd=ROOT)
     beat = start_beat(APP_MODULE, env, tmp_path / "beat", cwd=ROOT)
     passes: set[float] = set()
@@ -185,7 +183,6 @@ def test_a_worker_whose_every_slot_is_busy_still_runs_the_passes(
     finally:
         beat.stop(timeout_s=10)
         worker.stop(timeout_s=10)
-        app.close()
 
 
 def test_a_pass_goes_to_the_control_queue_alone_under_topic_routing(
