@@ -6,8 +6,9 @@ round trips). A SITS task is tracked as ``STARTED`` (``task_track_started``), so
 task paid four round trips in its pool child, the largest share of what a short task
 costs there. :class:`SitsRedisBackend` runs the same check and write as one Lua call
 (``lua/store_result.lua``): one round trip per state, and the check and the write can no
-longer interleave with another writer's. Everything else (reading results, groups,
-chords, the pub/sub result consumer) is Celery's.
+longer interleave with another writer's. Its result consumer subscribes to a result's
+channel when the producer first waits on it, not at every ``delay()``
+(``resultwait.py``). Everything else (reading results, groups, chords) is Celery's.
 
 A task's ``STARTED`` is written without waiting for the reply (``fanout.py``), on the
 path between a pool child taking the task and running it: the reply is read before the
@@ -31,6 +32,7 @@ from celery.exceptions import BackendStoreError
 from kombu.utils.encoding import bytes_to_str
 
 from sits_queue.broker.fanout import DeferredCommands
+from sits_queue.broker.resultwait import SitsResultConsumer
 from sits_queue.checks import shown
 from sits_queue.errors import UnreadableResult
 
@@ -52,7 +54,10 @@ def expiry_ms(expires: float | timedelta | None) -> int:
 
 
 class SitsRedisBackend(RedisBackend):  # type: ignore[misc]
-    """Celery's Redis result backend with the state write done by ``store_result.lua``."""
+    """Celery's Redis result backend with the state write done by ``store_result.lua``
+    and the result consumer of ``resultwait.py``."""
+
+    ResultConsumer = SitsResultConsumer
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -60,6 +65,10 @@ class SitsRedisBackend(RedisBackend):  # type: ignore[misc]
         self._deferred = DeferredCommands()
         # The script reads the stored status as JSON; other encodings keep Celery's path.
         self._scripted = self.serializer == "json" and not self.compression
+
+    def on_task_call(self, producer: Any, task_id: str) -> None:
+        """Nothing: Celery subscribes to the result's channel here, at every submission;
+        :class:`SitsResultConsumer` does when the result is first waited on."""
 
     def meta_from_decoded(self, meta: Any) -> Any:
         # A record without a status raised KeyError, which kombu counts as a lost

@@ -1,6 +1,6 @@
 """The result backend (``sits_queue.broker.results``) on a real Redis: one round trip per
 stored state, a SUCCESS never overwritten (the guarantee Celery's GET-then-SET gives,
-now atomic), Celery's expiries, pub/sub delivery to waiting clients, and Celery's own path
+now atomic), Celery's expiries, results read by waiting clients, and Celery's own path
 where the stored value is not plain JSON."""
 
 from __future__ import annotations
@@ -142,9 +142,9 @@ def test_expiries_follow_celerys_settings(app: Celery, redis_client: redis.Redis
     assert redis_client.ttl(key("t-7")) == -1
 
 
-def test_a_waiting_client_gets_the_result_by_pubsub(app: Celery) -> None:
+def test_a_waiting_client_gets_the_result(app: Celery) -> None:
     result = app.AsyncResult("t-8")
-    app.backend.on_task_call(None, "t-8")  # subscribe, as apply_async does
+    app.backend.on_task_call(None, "t-8")  # as apply_async calls it (subscribes to nothing)
     app.backend.mark_as_done("t-8", {"ok": True})
     assert result.get(timeout=5) == {"ok": True}
 

@@ -1,0 +1,148 @@
+"""Waiting for results (``sits_queue.broker.resultwait``) on a real Redis: a submission
+subscribes to nothing, and every way of waiting still gets its result, whether it was
+stored before the wait, during it, or without the message that announces it.
+
+The results are stored by a second app, as a worker's pool child stores them (the same
+Lua write and PUBLISH)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery, states
+from celery.result import GroupResult
+
+from sits_queue.app import make_app
+from sits_queue.broker.resultwait import RECHECK_S
+from sits_queue.config import SitsConfig
+
+
+@pytest.fixture
+def producer(redis_url: str, redis_client: redis.Redis) -> Iterator[Celery]:
+    app = make_app(SitsConfig(redis_url=redis_url), main="test_result_wait")
+
+    @app.task(name="rw.echo", shared=False)  # type: ignore[untyped-decorator]
+    def echo(text: str) -> str:
+        return text
+
+    yield app
+    app.close()
+
+
+@pytest.fixture
+def worker_side(redis_url: str) -> Iterator[Celery]:
+    app = make_app(SitsConfig(redis_url=redis_url), main="test_result_wait_worker")
+    yield app
+    app.close()
+
+
+def later(seconds: float, action: Callable[[], Any]) -> threading.Thread:
+    """``action`` run once ``seconds`` have passed, in a thread (a worker finishing)."""
+    timer = threading.Timer(seconds, action)
+    timer.start()
+    return timer
+
+
+def calls(client: redis.Redis, command: str) -> int:
+    stats: dict[str, Any] = client.info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+def test_a_submission_subscribes_to_nothing(producer: Celery,
+                                            redis_client: redis.Redis) -> None:
+    before = calls(redis_client, "subscribe") + calls(redis_client, "unsubscribe")
+    results = [producer.tasks["rw.echo"].delay(f"t{i}") for i in range(50)]
+    del results  # Celery unsubscribed each dropped result here
+    after = calls(redis_client, "subscribe") + calls(redis_client, "unsubscribe")
+    assert after == before
+    assert not producer.backend.result_consumer.subscribed_to
+
+
+def test_a_result_stored_before_the_wait_is_read(producer: Celery,
+                                                 worker_side: Celery) -> None:
+    result = producer.tasks["rw.echo"].delay("early")
+    worker_side.backend.mark_as_done(result.id, "early")
+    assert result.get(timeout=5) == "early"
+
+
+def test_a_result_stored_during_the_wait_comes_by_its_message(producer: Celery,
+                                                              worker_side: Celery) -> None:
+    result = producer.tasks["rw.echo"].delay("during")
+    timer = later(0.3, lambda: worker_side.backend.mark_as_done(result.id, "during"))
+    assert result.get(timeout=10) == "during"
+    timer.join()
+
+
+def test_a_then_callback_of_a_result_done_before_it_is_fires(producer: Celery,
+                                                             worker_side: Celery) -> None:
+    """Celery buffered the message of a result subscribed at submission; here the stored
+    state is read at the next drain (a wait on another result)."""
+    done, other = producer.AsyncResult(str(uuid.uuid4())), producer.AsyncResult(
+        str(uuid.uuid4()))
+    worker_side.backend.mark_as_done(done.id, 41)
+    seen: list[Any] = []
+    done.then(lambda res: seen.append(res.result))
+    timer = later(0.3, lambda: worker_side.backend.mark_as_done(other.id, 42))
+    assert other.get(timeout=10) == 42
+    timer.join()
+    assert seen == [41]
+
+
+def test_a_group_join_gets_members_done_before_and_during(producer: Celery,
+                                                          worker_side: Celery) -> None:
+    ids = [str(uuid.uuid4()) for _ in range(4)]
+    group = GroupResult(str(uuid.uuid4()), [producer.AsyncResult(i) for i in ids],
+                        app=producer)
+    worker_side.backend.mark_as_done(ids[0], 0)
+    worker_side.backend.mark_as_done(ids[2], 2)
+
+    def finish() -> None:
+        worker_side.backend.mark_as_done(ids[1], 1)
+        worker_side.backend.mark_as_done(ids[3], 3)
+
+    timer = later(0.3, finish)
+    assert group.join_native(timeout=10) == [0, 1, 2, 3]
+    timer.join()
+
+
+def test_a_result_whose_message_never_came_is_read_again(producer: Celery,
+                                                         worker_side: Celery,
+                                                         redis_client: redis.Redis) -> None:
+    """Stored without its PUBLISH (a message lost): Celery's consumer waited for ever."""
+    result = producer.AsyncResult(str(uuid.uuid4()))
+    meta = worker_side.backend.encode({"status": states.SUCCESS, "result": "silent",
+                                       "traceback": None, "children": [],
+                                       "date_done": None, "task_id": result.id})
+
+    timer = later(0.3, lambda: redis_client.set(
+        worker_side.backend.get_key_for_task(result.id), meta))
+    assert result.get(timeout=5 * RECHECK_S + 5) == "silent"
+    timer.join()
+
+
+def test_a_progress_callback_is_not_told_a_state_twice(producer: Celery,
+                                                       worker_side: Celery) -> None:
+    """The quiet-time reads hand on final states only: a stored STARTED re-read every
+    second would reach ``on_message`` again each time."""
+    result = producer.AsyncResult(str(uuid.uuid4()))
+    worker_side.backend.store_result(result.id, None, states.STARTED)
+    seen: list[str] = []
+    timer = later(2.5 * RECHECK_S,
+                  lambda: worker_side.backend.mark_as_done(result.id, "done"))
+    assert result.get(timeout=10, on_message=lambda m: seen.append(m["status"])) == "done"
+    timer.join()
+    assert seen.count(states.STARTED) == 0
+    assert seen[-1] == states.SUCCESS
+
+
+def test_a_dropped_result_leaves_no_subscription(producer: Celery,
+                                                 worker_side: Celery) -> None:
+    result = producer.tasks["rw.echo"].delay("gone")
+    worker_side.backend.mark_as_done(result.id, "gone")
+    assert result.get(timeout=5) == "gone"
+    assert not producer.backend.result_consumer.subscribed_to
