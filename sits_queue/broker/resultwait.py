@@ -106,7 +106,12 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
         keys = list(keys)
         if not keys:
             return
-        for raw in self.backend.client.mget(keys):
+        raws: list[Any] = []
+        # A lost connection is Celery's to handle, as on the pub/sub path: it reconnects,
+        # reading every subscribed key's state then
+        with self.reconnect_on_error():
+            raws = self.backend.client.mget(keys)
+        for raw in raws:
             if raw is None:
                 continue
             meta = self._decode_result(raw)

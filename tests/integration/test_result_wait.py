@@ -146,3 +146,29 @@ def test_a_dropped_result_leaves_no_subscription(producer: Celery,
     worker_side.backend.mark_as_done(result.id, "gone")
     assert result.get(timeout=5) == "gone"
     assert not producer.backend.result_consumer.subscribed_to
+
+
+def test_a_connection_lost_on_a_quiet_read_is_reconnected(
+        producer: Celery, worker_side: Celery, redis_client: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Handled as Celery handles one on the pub/sub path, not raised out of ``get()``."""
+    result = producer.AsyncResult(str(uuid.uuid4()))
+    client = producer.backend.client
+    real_mget = client.mget
+    failed: list[bool] = []
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        if not failed:
+            failed.append(True)
+            raise redis.ConnectionError("connection lost")
+        return real_mget(*args, **kwargs)
+
+    monkeypatch.setattr(client, "mget", flaky)
+    meta = worker_side.backend.encode({"status": states.SUCCESS, "result": "back",
+                                       "traceback": None, "children": [],
+                                       "date_done": None, "task_id": result.id})
+    timer = later(0.3, lambda: redis_client.set(
+        worker_side.backend.get_key_for_task(result.id), meta))
+    assert result.get(timeout=5 * RECHECK_S + 5) == "back"
+    timer.join()
+    assert failed
