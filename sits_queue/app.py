@@ -30,6 +30,7 @@ from sits_queue.options import (
     TaskOptions,
     batch_key,
     from_header,
+    header_for,
     resolve,
 )
 from sits_queue.registry import Loader, ModelRegistry
@@ -206,11 +207,12 @@ def _ranked_limit(task: Task | None, options: Mapping[str, Any], conf: Mapping[s
     return None
 
 
-def sits_headers(opts: TaskOptions, headers: Mapping[str, Any] | None,
+def sits_headers(config: SitsConfig, opts: TaskOptions, headers: Mapping[str, Any] | None,
                  now_s: float) -> dict[str, Any]:
-    """The caller's headers plus the ``sits`` options header and the submission time."""
+    """The caller's headers plus the ``sits`` options header (``opts``, resolved under
+    ``config``) and the submission time."""
     out = dict(headers or {})
-    out[HEADER] = opts.to_header()
+    out[HEADER] = header_for(config, opts)
     out[SUBMITTED_AT] = now_s
     return out
 
@@ -261,8 +263,10 @@ class SitsTask(Task):  # type: ignore[misc]
                     producer: Any = None, link: Any = None, link_error: Any = None,
                     shadow: str | None = None, **options: Any) -> Any:
         routed_options(self.app, self.name, args, kwargs, options)
-        opts = call_options(self, sits_config(self.app), options, self.app.conf, args, kwargs)
-        options["headers"] = sits_headers(opts, options.pop("headers", None), time.time())
+        config = sits_config(self.app)
+        opts = call_options(self, config, options, self.app.conf, args, kwargs)
+        options["headers"] = sits_headers(config, opts, options.pop("headers", None),
+                                          time.time())
         return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow,
                                    **options)
 
@@ -278,9 +282,9 @@ class SitsTask(Task):  # type: ignore[misc]
         given = any(name in options for name in CALL_OPTIONS)
         if given or not (isinstance(headers, Mapping) and HEADER in headers):
             routed_options(self.app, self.name, args, kwargs, options)
-            opts = call_options(self, sits_config(self.app), options, self.app.conf, args,
-                                kwargs)
-            headers = sits_headers(opts, headers, time.time())
+            config = sits_config(self.app)
+            opts = call_options(self, config, options, self.app.conf, args, kwargs)
+            headers = sits_headers(config, opts, headers, time.time())
         return super().apply(args, kwargs, link, link_error, task_id, retries, throw,
                              logfile, loglevel, headers, **options)
 
@@ -507,9 +511,10 @@ class SitsCelery(Celery):  # type: ignore[misc]
                                    self.conf)
             return super().send_task(name, args, kwargs, **options)
         routed_options(self, name, args, kwargs, options)
-        opts = call_options(self.tasks.get(name), sits_config(self), options, self.conf,
-                            args, kwargs)
-        options["headers"] = sits_headers(opts, options.pop("headers", None), time.time())
+        config = sits_config(self)
+        opts = call_options(self.tasks.get(name), config, options, self.conf, args, kwargs)
+        options["headers"] = sits_headers(config, opts, options.pop("headers", None),
+                                          time.time())
         return super().send_task(name, args, kwargs, **options)
 
     def model(self, name: str, *, sample_inputs: tuple[Any, ...] | None = None,

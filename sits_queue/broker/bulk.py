@@ -195,7 +195,7 @@ def _plan(task: Task, options: dict[str, Any]) -> _Plan:
         serializer=routed.get("serializer") or app.conf.task_serializer,
         compression=routed.get("compression") or app.conf.task_compression,
         expiration=_expiration(app, routed.get("expires")),
-        headers=sits_headers(opts, routed.get("headers"), 0.0),
+        headers=sits_headers(config, opts, routed.get("headers"), 0.0),
         options=opts,
         measure_entropy=opts.input_entropy is None,
         derive_prefix_key=opts.prefix_key is None and opts.model is not None

@@ -674,3 +674,29 @@ def test_a_trigger_record_no_check_wrote_is_replaced_by_the_next_check(
     rescorer = Rescorer(app.sits, redis_client)
     rescorer.check_triggers()
     assert set(json.loads(redis_client.get(key))) == {"done", "failed", "state"}
+
+
+def test_a_submission_validates_its_options_once(app: Celery,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``apply_async`` validates them; ``send_task`` and the put read back the header it
+    made (they validated it twice more: a sixth of what ``delay()`` cost)."""
+    import sys
+
+    import sits_queue.options
+
+    resolved: list[Any] = []
+    real = sits_queue.options.resolve
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        resolved.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sits_queue.options, "resolve", counted)
+    # (``sits_queue.app`` is the package's Celery app: the module is had by its name)
+    monkeypatch.setattr(sys.modules["sits_queue.app"], "resolve", counted)
+    for tag in ("a", "b", "c"):
+        app.tasks["t.echo"].apply_async((tag,), sla_class="high")
+    assert len(resolved) == 3
+    app.send_task("t.echo", ("d",), sla_class="medium")
+    assert len(resolved) == 4
+    assert drain(app) == ["a", "b", "c", "d"]

@@ -126,3 +126,43 @@ def test_a_countdown_tasks_wait_counts_from_when_it_falls_due() -> None:
     # a foreign record's ETA that is no number is not one
     record = {**json.loads(later.to_json()), "eta": "soon"}
     assert score_inputs(json.dumps(record))[1] == 1_800_000_000.0
+
+
+@pytest.mark.parametrize("given", [
+    {}, {"sla_class": "high", "model": "lm", "context_tokens": 4096},
+    {"model": "lm", "precision": "fp16", "vram_gib": 2.5, "prefix_key": "p"},
+    {"sla_class": "low", "batch": "t|lm|low", "batch_max": 8, "input_entropy": 0.25},
+])
+def test_a_header_read_back_is_the_options_it_was_made_from(given: dict[str, object]) -> None:
+    """The header the submission path made is not validated again when read back: the
+    options it was made from must be what validating it gives."""
+    from sits_queue.options import from_header, header_for
+
+    config = SitsConfig()
+    options = resolve(config, {}, given, ("some prompt text to measure",), {})
+    header = header_for(config, options)
+    assert from_header(config, header) is options
+    assert from_header(SitsConfig(), dict(header)) == options  # validated in full
+
+
+def test_a_header_changed_after_it_was_made_is_validated_again() -> None:
+    """(a ``before_task_publish`` handler may change it on the way)"""
+    from sits_queue.options import from_header, header_for
+
+    config = SitsConfig()
+    header = header_for(config, resolve(config, {}, {"sla_class": "high"}))
+    header["sla_class"] = "urgent"
+    with pytest.raises(InvalidTaskOptions, match="unknown sla_class 'urgent'"):
+        from_header(config, header)
+    header["sla_class"] = "low"
+    assert from_header(config, header).sla_class == "low"
+
+
+def test_a_header_read_under_another_class_table_is_validated_again() -> None:
+    from sits_queue.options import from_header, header_for
+
+    made_under = SitsConfig()
+    header = header_for(made_under, resolve(made_under, {}, {"sla_class": "high"}))
+    read_under = SitsConfig.from_mapping({"classes": [{"name": "medium"}, {"name": "low"}]})
+    with pytest.raises(InvalidTaskOptions, match="unknown sla_class 'high'"):
+        from_header(read_under, header)
