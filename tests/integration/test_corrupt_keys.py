@@ -32,7 +32,7 @@ def test_a_put_onto_a_key_of_another_type_writes_nothing_and_says_which(
     producer's retry wrote it again, and the task ran twice)"""
     client_app.tasks["w.add"].apply_async((1, 1))
     before = {name: redis_client.dump(getattr(KEYS, name))
-              for name in ("waiting", "payloads", "meta")}
+              for name in ("waiting", "payloads", "meta", "arrivals")}
     redis_client.delete(getattr(KEYS, key))
     redis_client.set(getattr(KEYS, key), "junk")
     # (the arrivals counter is read before anything is written: Redis's own refusal)
@@ -43,6 +43,26 @@ def test_a_put_onto_a_key_of_another_type_writes_nothing_and_says_which(
     for name, dumped in before.items():
         if name != key:
             assert redis_client.dump(getattr(KEYS, name)) == dumped
+
+
+@pytest.mark.parametrize("key", ["payloads", "meta", "waiting"])
+def test_a_put_of_many_slices_onto_a_key_of_another_type_leaves_the_queue_as_it_was(
+        key: str, client_app: Celery, redis_client: redis.Redis) -> None:
+    """A put of 1,200 messages is written in three slices: the key's refusal comes in the
+    first, and what that slice wrote before it is undone."""
+    client_app.tasks["w.add"].apply_async((1, 1))
+    before = {name: redis_client.dump(getattr(KEYS, name))
+              for name in ("waiting", "payloads", "meta", "arrivals")}
+    redis_client.delete(getattr(KEYS, key))
+    redis_client.set(getattr(KEYS, key), "junk")
+    args: list[object] = []
+    for i in range(1200):
+        args += [f"many-{i}", "{}", "{}", 2 ** 32, "medium"]
+    with pytest.raises(redis.ResponseError, match=f"SITS_WRONGTYPE key {getattr(KEYS, key)}"):
+        SCRIPTS.run("put", KEYS, args, redis_client)
+    for name, dumped in before.items():
+        if name != key:
+            assert redis_client.dump(getattr(KEYS, name)) == dumped, name
 
 
 def test_a_junk_arrival_count_or_sequence_starts_again_instead_of_failing_the_put(

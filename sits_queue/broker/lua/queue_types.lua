@@ -24,18 +24,11 @@ local function wrong_type(...)
   return nil
 end
 
--- Whether a stored count is one INCRBY/HINCRBY takes (a whole number under 2^63).
-local function is_count(text)
-  return text ~= nil and string.match(text, '^%d+$') ~= nil and #text < 19
-end
-
--- HINCRBY field by n; a count that is no integer (another program's, which HINCRBY
--- refuses) starts again at n.
+-- HINCRBY field by n; a count HINCRBY refuses (no integer: another program's, or one
+-- past 2^63) starts again at n. A key of another type: Redis's refusal, nothing written.
 local function add_count(key, field, n)
-  local before = redis.call('HGET', key, field)
-  if before == false or is_count(before) then
-    redis.call('HINCRBY', key, field, n)
-  else
+  if type(redis.pcall('HINCRBY', key, field, n)) == 'table' then
+    redis.call('HGET', key, field)
     redis.call('HSET', key, field, n)
   end
 end
