@@ -27,7 +27,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import redis
@@ -51,6 +51,8 @@ COUNTERS_TTL_S = 86_400
 #: Longest a stopping worker waits for a refresh in flight before it withdraws, s (Redis
 #: calls time out after 2 s): a refresh after the withdrawal would advertise it again.
 _STOP_WAIT_S = 10.0
+#: Most child slots a record is read for (a larger count is another writer's junk).
+MAX_SLOTS = 4096
 _CHILD = ":child:"
 _COUNTERS = ":counters"
 
@@ -173,10 +175,40 @@ def counters_from(raw: Mapping[Any, Any]) -> dict[str, Any]:
             "failed": {k: int(v) for k, v in group("failed:").items()}}
 
 
+def pool_slots(pool: Any, size: int) -> list[int]:
+    """The slots of a pool's live children, where their records are kept: a prefork
+    child's is its process index, and the children a ``pool_shrink`` leaves keep theirs
+    (billiard stops the first idle one: a pool of three shrunk by one holds slots 1 and
+    2). 0..size-1 for a pool without processes of its own (solo, threads) or none yet."""
+    processes = getattr(getattr(pool, "_pool", None), "_pool", None)
+    try:
+        slots = sorted({int(p.index) for p in processes or ()})
+    except (TypeError, ValueError, AttributeError):
+        slots = []
+    return slots or list(range(max(1, size)))
+
+
+def record_slots(record: Mapping[str, Any]) -> list[int]:
+    """The child slots a worker record names (its ``slots``; 0..concurrency-1 from a
+    writer that named none); none for a record that names neither sensibly."""
+    slots = record.get("slots")
+    if isinstance(slots, list) and slots and all(
+            isinstance(s, int) and not isinstance(s, bool) and 0 <= s < MAX_SLOTS
+            for s in slots):
+        return sorted(set(slots))
+    concurrency = record.get("concurrency")
+    if isinstance(concurrency, int) and 0 < concurrency <= MAX_SLOTS:
+        return list(range(concurrency))
+    return []
+
+
 def worker_record(hostname: str, pid: int, concurrency: int, devices: list[Device],
-                  counters: Mapping[Any, Any], now_s: float) -> dict[str, Any]:
+                  counters: Mapping[Any, Any], now_s: float,
+                  slots: list[int] | None = None) -> dict[str, Any]:
     return {"hostname": hostname, "host": socket.gethostname(), "pid": pid,
-            "concurrency": concurrency, "devices": [device_record(d) for d in devices],
+            "concurrency": concurrency,
+            "slots": slots if slots is not None else list(range(max(1, concurrency))),
+            "devices": [device_record(d) for d in devices],
             "cold_start": counters_from(counters), "updated_at": now_s, "ttl_s": TTL_S}
 
 
@@ -214,16 +246,18 @@ def publish_child(config: SitsConfig, hostname: str, slot: int, record: Mapping[
 
 def refresh(client: redis.Redis, prefix: str, hostname: str, pid: int, concurrency: int,
             devices: list[Device], now_s: float,
-            extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+            extra: Mapping[str, Any] | None = None,
+            slots: list[int] | None = None) -> dict[str, Any]:
     """Main process: rewrite the worker record (plus ``extra`` fields: its runtime
-    profile), re-arm the children's TTLs."""
+    profile), re-arm the TTLs of its children's records (``slots``, :func:`pool_slots`;
+    0..concurrency-1 if not given)."""
     counters = client.hgetall(counters_key(prefix, hostname))
-    record = {**worker_record(hostname, pid, concurrency, devices, counters, now_s),
+    record = {**worker_record(hostname, pid, concurrency, devices, counters, now_s, slots),
               **(extra or {})}
     pipe = client.pipeline(transaction=False)
     pipe.set(worker_key(prefix, hostname), json.dumps(record), ex=TTL_S)
     pipe.zadd(workers_key(prefix), {hostname: now_s})
-    for slot in range(concurrency):
+    for slot in record["slots"]:
         pipe.expire(child_key(prefix, hostname, slot), TTL_S)
     pipe.expire(counters_key(prefix, hostname), COUNTERS_TTL_S)
     pipe.execute()
@@ -267,12 +301,11 @@ def read_worker(client: redis.Redis, prefix: str, hostname: str) -> dict[str, An
         counters = {}
     if counters:
         record["cold_start"] = counters_from(counters)
-    concurrency = record.get("concurrency")
-    slots = concurrency if isinstance(concurrency, int) and 0 < concurrency <= 4096 else 0
+    slots = record_slots(record)
     children: dict[str, Any] = {}
     if slots:
-        values = client.mget([child_key(prefix, hostname, s) for s in range(slots)])
-        for slot, value in enumerate(values):
+        values = client.mget([child_key(prefix, hostname, s) for s in slots])
+        for slot, value in zip(slots, values, strict=True):
             child = json_object(value)  # a corrupt child record is left out, not fatal
             if child is not None:
                 children[str(slot)] = child
@@ -338,21 +371,23 @@ class WarmReader:
         self._hostname = hostname
         self._precisions: dict[str, float] = {}
         self._fleet_at: float | None = None
+        self._slots: tuple[int, ...] = ()
         self._keys: list[str] = []
-        self.resize(concurrency)
+        self.resize(range(max(1, concurrency)))
         self._clock = clock
         self._warm = affinity.Warm()
         self._read_at: float | None = None
 
     @property
-    def slots(self) -> int:
-        return len(self._keys)
+    def slots(self) -> tuple[int, ...]:
+        return self._slots
 
-    def resize(self, concurrency: int) -> None:
-        """Read the children of a pool of ``concurrency`` slots from now on (a pool grown
+    def resize(self, slots: Iterable[int]) -> None:
+        """Read the children in ``slots`` from now on (:func:`pool_slots`: a pool grown
         or shrunk by remote control)."""
+        self._slots = tuple(slots)
         self._keys = [child_key(self._config.global_keyprefix, self._hostname, s)
-                      for s in range(max(1, concurrency))]
+                      for s in self._slots]
         self._read_at = None
 
     def invalidate(self) -> None:
@@ -420,7 +455,7 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
         self._reader: WarmReader | None = None
         self._most = 0  # the most slots seen: withdrawn at the end, each child's record
 
-    def _args(self, c: Any) -> tuple[SitsConfig, str, int]:
+    def _args(self, c: Any) -> tuple[SitsConfig, str, int, list[int]]:
         config: SitsConfig = c.app.sits
         # The pool's size now: `celery control pool_grow/pool_shrink` change it, not the
         # worker's --concurrency (status, /metrics and the warm reader kept the start's)
@@ -429,13 +464,14 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
         except (AttributeError, TypeError, ValueError):
             concurrency = 0
         concurrency = concurrency or int(getattr(c.controller, "concurrency", 0) or 1)
-        self._most = max(self._most, concurrency)
-        return config, c.hostname, concurrency
+        slots = pool_slots(getattr(c, "pool", None), concurrency)
+        self._most = max(self._most, concurrency, max(slots) + 1)
+        return config, c.hostname, concurrency, slots
 
     def tick(self, c: Any) -> None:
-        config, hostname, concurrency = self._args(c)
-        if self._reader is not None and self._reader.slots != max(1, concurrency):
-            self._reader.resize(concurrency)
+        config, hostname, concurrency, slots = self._args(c)
+        if self._reader is not None and self._reader.slots != tuple(slots):
+            self._reader.resize(slots)
         from sits_queue.workers import profile, runtime
         from sits_queue.workers import request as admission
 
@@ -449,14 +485,15 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
             extra["plain_tasks_only"] = pool  # `sitsq status`: inference goes elsewhere
         try:
             refresh(client_for(config), config.global_keyprefix, hostname, os.getpid(),
-                    concurrency, devices, time.time(), extra)
+                    concurrency, devices, time.time(), extra, slots)
         except redis.RedisError as exc:
             logger.warning("could not refresh the worker advertisement: %s", exc)
 
     def start(self, c: Any) -> None:
-        config, hostname, concurrency = self._args(c)
+        config, hostname, concurrency, slots = self._args(c)
         if config.affinity.enabled:
             self._reader = WarmReader(config, hostname, concurrency)
+            self._reader.resize(slots)
             affinity.set_warm_source(self._reader)
         self.tick(c)
         self._refresher = Periodic("sits-advertise", REFRESH_S, lambda _: self.tick(c),
@@ -470,7 +507,7 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
     def shutdown(self, c: Any) -> None:
         self.stop(c)
         affinity.set_warm_source(None)
-        config, hostname, _ = self._args(c)
+        config, hostname, _, _ = self._args(c)
         try:  # (every child record it may have had: a pool shrunk keeps the higher ones)
             withdraw(client_for(config), config.global_keyprefix, hostname, self._most)
         except redis.RedisError as exc:

@@ -4,6 +4,7 @@ event loop, which cannot refresh anything until the task ends."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,22 @@ def test_a_workers_counts_are_read_as_of_now_not_as_of_its_last_refresh(
     redis_client.set(advertise.counters_key("", "w@h"), "junk")
     (worker,) = advertise.read_workers(redis_client)
     assert worker["cold_start"]["tasks"] == 0
+
+
+def test_a_refresh_keeps_the_records_of_the_slots_it_is_given(
+        redis_client: redis.Redis) -> None:
+    """A pool shrunk from three to two children keeps slots 1 and 2: both records are
+    kept alive and read back, not 0 (gone) and 1."""
+    from sits_queue.workers.devices import cpu_device
+
+    for slot in (1, 2):
+        redis_client.set(advertise.child_key("", "shrunk@h", slot),
+                         json.dumps({"warm": {f"m{slot}": "device"}}))
+    advertise.refresh(redis_client, "", "shrunk@h", 1, 2, [cpu_device()], 1.0, slots=[1, 2])
+    for slot in (1, 2):  # (-1 before: kept for good)
+        assert 0 < redis_client.pttl(advertise.child_key("", "shrunk@h", slot)) \
+            <= advertise.TTL_S * 1000
+    record = advertise.read_worker(redis_client, "", "shrunk@h")
+    assert record is not None
+    assert (record["slots"], sorted(record["children"])) == ([1, 2], ["1", "2"])
+    assert record["warm"] == ["m1", "m2"]

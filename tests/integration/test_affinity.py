@@ -297,3 +297,19 @@ def test_a_worker_takes_the_task_whose_prompt_prefix_it_holds_first(
     assert outputs[2]["cached_tokens"] >= 48
     # and the second template-B prompt reused the first one's prefix
     assert outputs[0]["cached_tokens"] == 0 and outputs[1]["cached_tokens"] >= 48
+
+
+def test_warm_reader_reads_the_slots_it_is_given(r: redis.Redis, redis_url: str) -> None:
+    """(a pool shrunk by one keeps slots 1 and 2: the reader read 0 and 1, and missed
+    what slot 2's child held)"""
+    config = SitsConfig(redis_url=redis_url, global_keyprefix="aff-slots:")
+    prefix = config.global_keyprefix
+    reader = advertise.WarmReader(config, "w@host", 2)
+    try:
+        r.set(advertise.child_key(prefix, "w@host", 2), json.dumps({"warm": {"z": "device"}}))
+        assert reader() == Warm()
+        reader.resize([1, 2])
+        assert reader.slots == (1, 2)
+        assert reader() == Warm({"z": 1.0})
+    finally:
+        r.delete(advertise.child_key(prefix, "w@host", 2))

@@ -788,3 +788,39 @@ def test_the_same_registration_again_changes_nothing_and_another_is_refused(
             registry.register("ranker", loader, sample_inputs=sample)
     with pytest.raises(ValueError, match="already registered"):
         registry.register("lm", tmp_path / "other")
+
+
+def test_a_pools_slots_are_its_live_childrens_indexes() -> None:
+    """(after ``pool_shrink`` billiard stops the first idle child: a pool of three keeps
+    slots 1 and 2, and the advertisement read and re-armed 0 and 1)"""
+    from types import SimpleNamespace
+
+    def prefork(*indexes: int) -> object:
+        return SimpleNamespace(_pool=SimpleNamespace(
+            _pool=[SimpleNamespace(index=i) for i in indexes]))
+
+    assert advertise.pool_slots(prefork(2, 1), 2) == [1, 2]
+    assert advertise.pool_slots(prefork(0, 1, 2), 3) == [0, 1, 2]
+    assert advertise.pool_slots(prefork(), 3) == [0, 1, 2]  # no child started yet
+    assert advertise.pool_slots(SimpleNamespace(), 2) == [0, 1]  # solo, threads
+    assert advertise.pool_slots(None, 0) == [0]
+    assert advertise.pool_slots(prefork(*[None]), 2) == [0, 1]  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(("record", "slots"), [
+    ({"concurrency": 2, "slots": [2, 1]}, [1, 2]),
+    ({"concurrency": 3}, [0, 1, 2]),  # an older writer's: none named
+    ({"concurrency": 2, "slots": "1,2"}, [0, 1]),
+    ({"concurrency": 2, "slots": [True, 1]}, [0, 1]),
+    ({"concurrency": 2, "slots": [1, 5000]}, [0, 1]),
+    ({"concurrency": 2, "slots": []}, [0, 1]),
+    ({"concurrency": 10_000}, []), ({"concurrency": "2"}, []), ({}, []),
+])
+def test_a_records_slots_are_read_back_or_made_from_its_concurrency(
+        record: dict[str, object], slots: list[int]) -> None:
+    assert advertise.record_slots(record) == slots
+
+
+def test_a_worker_record_names_its_slots() -> None:
+    assert advertise.worker_record("w@h", 1, 2, [], {}, 1.0, [1, 2])["slots"] == [1, 2]
+    assert advertise.worker_record("w@h", 1, 2, [], {}, 1.0)["slots"] == [0, 1]
