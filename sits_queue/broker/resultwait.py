@@ -25,12 +25,16 @@ resubscription) is then picked up within that time instead of never.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
 
 from celery import states
 from celery.backends.redis import ResultConsumer
+from kombu.exceptions import SerializationError
+
+logger = logging.getLogger(__name__)
 
 #: While a producer waits and no result message comes, the stored states of what it
 #: waits on are read this often, s (one MGET).
@@ -106,14 +110,22 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
         keys = list(keys)
         if not keys:
             return
-        raws: list[Any] = []
+        raws: list[Any] | None = None
         # A lost connection is Celery's to handle, as on the pub/sub path: it reconnects,
         # reading every subscribed key's state then
         with self.reconnect_on_error():
             raws = self.backend.client.mget(keys)
-        for raw in raws:
+        if raws is None:
+            return
+        for key, raw in zip(keys, raws, strict=True):
             if raw is None:
                 continue
-            meta = self._decode_result(raw)
+            try:
+                meta = self._decode_result(raw)
+            except (ValueError, TypeError, KeyError, SerializationError) as exc:
+                # Its own waiter reads it too, and is told; a wait on another result must
+                # not fail for it
+                logger.debug("result %r not readable on a quiet-time read: %s", key, exc)
+                continue
             if meta["status"] in states.READY_STATES:
                 self.on_state_change(meta, None)

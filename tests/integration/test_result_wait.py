@@ -172,3 +172,16 @@ def test_a_connection_lost_on_a_quiet_read_is_reconnected(
     assert result.get(timeout=5 * RECHECK_S + 5) == "back"
     timer.join()
     assert failed
+
+
+def test_an_unreadable_result_does_not_fail_a_wait_on_another(
+        producer: Celery, worker_side: Celery, redis_client: redis.Redis) -> None:
+    """A quiet-time read meets every subscribed result's record: a junk one (another
+    program's) is its own waiter's to be told of, not this one's."""
+    junk, waited = producer.AsyncResult(str(uuid.uuid4())), producer.AsyncResult(
+        str(uuid.uuid4()))
+    junk.then(lambda res: None)  # subscribed, not waited on
+    redis_client.set(worker_side.backend.get_key_for_task(junk.id), b"\xff not json")
+    timer = later(1.5 * RECHECK_S, lambda: worker_side.backend.mark_as_done(waited.id, 7))
+    assert waited.get(timeout=10) == 7
+    timer.join()
