@@ -48,6 +48,16 @@ def later(seconds: float, action: Callable[[], Any]) -> threading.Thread:
     return timer
 
 
+def store_silently(worker_side: Celery, client: redis.Redis, task_id: str,
+                   value: Any) -> Callable[[], Any]:
+    """What stores ``value`` as the task's SUCCESS without its PUBLISH (the message lost
+    on the way)."""
+    meta = worker_side.backend.encode({"status": states.SUCCESS, "result": value,
+                                       "traceback": None, "children": [],
+                                       "date_done": None, "task_id": task_id})
+    return lambda: client.set(worker_side.backend.get_key_for_task(task_id), meta)
+
+
 def calls(client: redis.Redis, command: str) -> int:
     stats: dict[str, Any] = client.info("commandstats")
     return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
@@ -115,12 +125,7 @@ def test_a_result_whose_message_never_came_is_read_again(producer: Celery,
                                                          redis_client: redis.Redis) -> None:
     """Stored without its PUBLISH (a message lost): Celery's consumer waited for ever."""
     result = producer.AsyncResult(str(uuid.uuid4()))
-    meta = worker_side.backend.encode({"status": states.SUCCESS, "result": "silent",
-                                       "traceback": None, "children": [],
-                                       "date_done": None, "task_id": result.id})
-
-    timer = later(0.3, lambda: redis_client.set(
-        worker_side.backend.get_key_for_task(result.id), meta))
+    timer = later(0.3, store_silently(worker_side, redis_client, result.id, "silent"))
     assert result.get(timeout=5 * RECHECK_S + 5) == "silent"
     timer.join()
 
@@ -164,11 +169,7 @@ def test_a_connection_lost_on_a_quiet_read_is_reconnected(
         return real_mget(*args, **kwargs)
 
     monkeypatch.setattr(client, "mget", flaky)
-    meta = worker_side.backend.encode({"status": states.SUCCESS, "result": "back",
-                                       "traceback": None, "children": [],
-                                       "date_done": None, "task_id": result.id})
-    timer = later(0.3, lambda: redis_client.set(
-        worker_side.backend.get_key_for_task(result.id), meta))
+    timer = later(0.3, store_silently(worker_side, redis_client, result.id, "back"))
     assert result.get(timeout=5 * RECHECK_S + 5) == "back"
     timer.join()
     assert failed
