@@ -184,8 +184,12 @@ class SitsConfig:
     #: (measured: 10 cut ``bench ab``'s high p99 from ~28 to ~19 ms against 20, with no
     #: loss of throughput; 5 gained no more, for ~5% more yields)...
     slice_ms: float = 10.0
-    #: ...and that task has waited this long (a slot freeing on its own gets it first), ms;
+    #: ...and that task has waited this long (a slot freeing on its own gets it first), ms,
     yield_wait_ms: float = 2.0
+    #: plus this much per class below the running task's own, ms: of the running tasks
+    #: that could yield, the lowest class's does (the first to ask was granted it); a
+    #: higher one only when none lower asks within that time (none sliced is running);
+    yield_rank_wait_ms: float = 10.0
     #: but not when the task says it will finish within this long anyway, ms: a yield and
     #: the later resumption cost about two task dispatches of the pool.
     yield_min_remaining_ms: float = 15.0
@@ -295,8 +299,8 @@ class SitsConfig:
         checks.integer("stats_window", self.stats_window, 1_000_000, least=1)
         checks.integer("max_redeliveries", self.max_redeliveries, 1_000_000, least=1)
         checks.non_negative("dead_letter_ttl_s", self.dead_letter_ttl_s, " s (0: kept)")
-        for name in ("slice_ms", "yield_wait_ms", "yield_min_remaining_ms",
-                     "affinity_max_skip_ms"):
+        for name in ("slice_ms", "yield_wait_ms", "yield_rank_wait_ms",
+                     "yield_min_remaining_ms", "affinity_max_skip_ms"):
             checks.interval(name, getattr(self, name), 0, 3_600_000, open_hi=True, note=" ms")
         checks.integer("metrics_port", self.metrics_port, 65535, " (0: no endpoint)")
         checks.integer("prefix_key_chars", self.prefix_key_chars, 1_000_000)

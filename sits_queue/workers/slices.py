@@ -6,7 +6,9 @@ remaining run time of the running tasks, whatever the broker's order. A task tha
 ``self.yield_point(state)`` between steps (a batch item, a decode chunk) lets its slot go
 instead: once it has run ``slice_ms``, if the best waiting task in its queue belongs to
 a class of higher weight and has waited ``yield_wait_ms`` (so that a slot freeing on its
-own gets it first), the task saves ``state`` and raises :class:`Preempted`. The worker
+own gets it first; ``yield_rank_wait_ms`` more per class below the task's own, so that
+the lowest running class yields first), the task saves ``state`` and raises
+:class:`Preempted`. The worker
 puts the message back at the score it had (``release.lua``: no redelivery counted, no
 priority lost); when it runs again, ``self.checkpoint`` returns the saved state.
 
@@ -44,7 +46,8 @@ logger = logging.getLogger(__name__)
 #: Ask the broker at least this often while a task is past its slice, s: a missed
 #: announcement (a reconnect) or a claim whose yielder died costs at most this much.
 RECHECK_S = 0.2
-#: While an urgent task has not waited ``yield_wait_ms`` yet, ask again this often, s.
+#: While an urgent task has not waited long enough yet (:func:`least_wait_s`), ask again
+#: this often, s.
 RETRY_S = 0.002
 #: A claim to yield for a waiting task stands this long, s: others do not yield for the
 #: same task meanwhile; a claimer that died is forgotten after it.
@@ -142,6 +145,18 @@ def past_slice(running: Running, now: float, config: SitsConfig) -> bool:
     return now - running.started >= config.slice_s(running.sla_class)
 
 
+def least_wait_s(config: SitsConfig, sla_class: str) -> float:
+    """How long an urgent task must have waited before a running task of ``sla_class``
+    yields for it: ``yield_wait_ms``, plus ``yield_rank_wait_ms`` per class of lower
+    weight than the runner's. ``preempt.lua`` grants the yield to the first runner that
+    asks, and every runner asks at its next yield point after the put's announcement:
+    a medium task gave its slot to a high one while a low task ran beside it. Now the
+    low one, asking within the extra wait, is the one that yields."""
+    weight = config.quota(sla_class).weight
+    below = sum(1 for c in config.classes if c.weight < weight)
+    return (config.yield_wait_ms + below * config.yield_rank_wait_ms) / 1000
+
+
 class Slicer:
     """One per pool child: the subscription to put announcements and the broker calls."""
 
@@ -166,8 +181,8 @@ class Slicer:
         # a class this worker does not know (a foreign header) runs as the default one,
         # as runtime.task_class runs it; outranking() would raise at every yield point
         known = running.sla_class in self.config.class_names
-        outranking = self.config.outranking(running.sla_class if known
-                                            else self.config.default_class)
+        runs_as = running.sla_class if known else self.config.default_class
+        outranking = self.config.outranking(runs_as)
         if not outranking or not past_slice(running, now, self.config):
             return False
         keys = self.keys(running.queue)
@@ -177,7 +192,7 @@ class Slicer:
         if now < self._next_check:
             return False
         verdict = self.scripts.run("preempt", keys, [
-            running.message_id, time.time(), self.config.yield_wait_ms / 1000, CLAIM_S,
+            running.message_id, time.time(), least_wait_s(self.config, runs_as), CLAIM_S,
             state_json(state), *outranking], self.client)
         if verdict == b"wait" or verdict == "wait":
             self._next_check = now + RETRY_S

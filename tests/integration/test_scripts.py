@@ -267,3 +267,33 @@ def test_a_crash_restore_keeps_the_checkpoint_for_the_next_run(
     picked = scripts.run("pick", KEYS, [1001.0, 5, "B"], redis_client)
     assert picked[0] == b"t" and json.loads(picked[3]) == {"done": 7}
     assert int(picked[2]) == 1  # and the crash counts as a redelivery, as before
+
+
+def test_of_the_runners_that_could_yield_the_lowest_class_does(
+        redis_client: redis.Redis, redis_url: str) -> None:
+    """(the first runner to ask was granted the yield: a medium task gave its slot to a
+    high one while a low task ran beside it)"""
+    import time
+
+    from sits_queue.config import SitsConfig
+    from sits_queue.workers.slices import Running, Slicer
+
+    # a wide extra wait per class below, so that nothing here depends on the test's speed
+    config = SitsConfig(redis_url=redis_url, yield_wait_ms=2.0, yield_rank_wait_ms=5000.0)
+    queue = "scripts-test"
+    past_slice = time.monotonic() - 60.0
+    medium = Running(queue, "run-m", "medium", past_slice)
+    low = Running(queue, "run-l", "low", past_slice)
+    redis_client.zadd(KEYS.unacked, {"run-m": 1000.0, "run-l": 1000.0})
+    # Given a high task that has waited 1 s, and a child running each task
+    waiting_task(redis_client, "h", "high", time.time() - 1.0, 1)
+    children = Slicer(config, redis_client), Slicer(config, redis_client)
+    # Then the medium one, asking first, is told to wait; the low one yields
+    assert children[0].claim(medium, time.monotonic(), {"at": "m"}) is False
+    assert children[1].claim(low, time.monotonic(), {"at": "l"}) is True
+    assert json.loads(redis_client.hget(KEYS.checkpoints, "run-l") or "") == {"at": "l"}
+    assert not redis_client.hexists(KEYS.checkpoints, "run-m")
+    # And with no low task asking, the medium one yields once the extra wait has passed
+    redis_client.delete(KEYS.waiting, KEYS.meta, KEYS.yields, KEYS.checkpoints)
+    waiting_task(redis_client, "h2", "high", time.time() - 6.0, 1)
+    assert Slicer(config, redis_client).claim(medium, time.monotonic(), None) is True

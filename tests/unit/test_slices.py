@@ -170,3 +170,15 @@ def test_a_yield_crosses_to_the_parent_without_its_traceback_frames() -> None:
         assert failed.tb is not None and "a real failure" in failed.traceback
     finally:
         app.close()
+
+
+def test_an_urgent_task_waits_longer_for_a_runner_per_class_below_the_runners() -> None:
+    from sits_queue.workers.slices import least_wait_s
+
+    config = SitsConfig(yield_wait_ms=2.0, yield_rank_wait_ms=10.0)
+    assert [least_wait_s(config, c) for c in ("low", "medium", "high")] == pytest.approx(
+        [0.002, 0.012, 0.022])
+    # classes of equal weight are no rank apart
+    even = SitsConfig.from_mapping({"yield_rank_wait_ms": 10.0, "classes": [
+        {"name": "high"}, {"name": "medium", "weight": 100.0}, {"name": "low"}]})
+    assert least_wait_s(even, "high") == least_wait_s(even, "medium") == pytest.approx(0.012)
