@@ -106,6 +106,13 @@ def header_for(config: SitsConfig, options: TaskOptions) -> dict[str, Any]:
     return header
 
 
+def unchanged(header: Mapping[str, Any], copy: Mapping[str, Any]) -> bool:
+    """Whether ``header`` still holds what ``copy`` was taken from: equal values of the
+    same types (``==`` alone takes True for 1, which validation refuses)."""
+    return header == copy and all(type(value) is type(copy[name])
+                                  for name, value in header.items())
+
+
 def resolve(config: SitsConfig, declared: Mapping[str, Any], per_call: Mapping[str, Any],
             args: Any = (), kwargs: Any = None) -> TaskOptions:
     """Merge decorator defaults and per-call options, fill class defaults, validate.
@@ -164,13 +171,21 @@ def batch_key(task_name: str, options: TaskOptions, timelimit: Any = None) -> st
     have run under another's (a soft limit of 1 s in a batch led by the class's 24 s
     never fired), so it batches only with tasks that set the same.
 
-    Raises ValueError for a ``timelimit`` that is no Celery pair of limits.
+    Raises ValueError for a ``timelimit`` that is no Celery pair of limits, and
+    :class:`InvalidTaskOptions` for a key longer than :data:`MAX_BATCH_KEY` (a header
+    carrying it is refused when read: the task would run with default options).
     """
     key = f"{task_name}|{options.model or ''}|{options.sla_class}"
     if options.precision is not None:
         key = f"{key}|{options.precision}"
     limits = _limits(timelimit)
-    return key if limits is None else f"{key}|t={limits}"
+    key = key if limits is None else f"{key}|t={limits}"
+    if len(key) > MAX_BATCH_KEY:
+        raise InvalidTaskOptions(
+            f"the batch key of {shown(task_name)} (its task name, model, class and time "
+            f"limits) is {len(key)} characters, over the {MAX_BATCH_KEY} a batch key may "
+            f"have: give the task or the model a shorter name")
+    return key
 
 
 def _limits(timelimit: Any) -> str | None:
@@ -213,7 +228,7 @@ def from_header(config: SitsConfig, header: Any) -> TaskOptions:
     if header is None:
         return resolve(config, {}, {})
     made = _made
-    if (header is made.header and header == made.copy
+    if (header is made.header and made.copy is not None and unchanged(header, made.copy)
             and (config is made.config or config == made.config)):
         assert made.options is not None
         return made.options

@@ -46,7 +46,13 @@ from sits_queue.app import (
     sits_headers,
 )
 from sits_queue.errors import SitsError
-from sits_queue.options import HEADER, OPTION_NAMES, TaskOptions, derive_prefix_key
+from sits_queue.options import (
+    HEADER,
+    OPTION_NAMES,
+    TaskOptions,
+    derive_prefix_key,
+    unchanged,
+)
 from sits_queue.priority.entropy import input_entropy
 
 #: Messages per ``put.lua`` call. Throughput is flat from ~200 up (the round trip is paid
@@ -115,7 +121,8 @@ class _Built:
     message: dict[str, Any]
     body: Any  # (args, kwargs, embed) for the publish signals
     sent_event: dict[str, Any] | None
-    options: TaskOptions
+    #: None: read from the message's header by the put (a publish receiver changed it)
+    options: TaskOptions | None
     #: Where its ``before_task_publish`` ran (see :func:`_build`); None without receivers.
     context: contextvars.Context | None = None
 
@@ -332,9 +339,9 @@ def _build(app: Celery, task: Task, plan: _Plan, channel: Any, args: Sequence[An
         task_id, plan.name, args, kwargs, argsrepr=argsrepr, kwargsrepr=kwargsrepr,
         **message_args)
     headers.update(plan.headers)
-    options = plan.options
+    options: TaskOptions | None = plan.options
     if plan.measure_entropy or plan.derive_prefix_key:
-        o = options
+        o = plan.options
         entropy = input_entropy(args, kwargs) if plan.measure_entropy else o.input_entropy
         prefix = derive_prefix_key(args, kwargs, plan.prefix_key_chars) \
             if plan.derive_prefix_key else o.prefix_key
@@ -348,6 +355,10 @@ def _build(app: Celery, task: Task, plan: _Plan, channel: Any, args: Sequence[An
     before = signals.before_task_publish
     context = None
     if before.receivers:
+        # (its own: the plan's is every item's, and a receiver's change to one item's
+        # reached the items after it)
+        made = headers[HEADER] = dict(headers[HEADER])
+        copy = dict(made)
         # Each item's publish signals run in a context of their own (its after_task_publish
         # too, once its chunk is in Redis): a receiver that makes something current until
         # the matching "after" (OpenTelemetry's Celery instrumentation: the publish span)
@@ -357,6 +368,10 @@ def _build(app: Celery, task: Task, plan: _Plan, channel: Any, args: Sequence[An
         context.run(before.send, sender=plan.name, body=body, exchange="",
                     routing_key=plan.qname, declare=[plan.queue], headers=headers,
                     properties=properties, retry_policy={})
+        if headers.get(HEADER) is not made or not unchanged(made, copy):
+            # a receiver changed the options (as apply_async's would be read): the record
+            # is made from what the message carries, read as the put reads it
+            options = None
     # What Producer.publish does between Celery and the channel.
     if (plan.plain_json and argsrepr is not None and kwargsrepr is not None
             and not before.receivers):

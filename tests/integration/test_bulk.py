@@ -325,3 +325,27 @@ def test_five_thousand_bulk_tasks_run_on_a_real_worker(spawn: Spawn, client_app:
     assert not failed, failed[:5]
     assert [r["result"] for r in results] == [3 * i for i in range(n)]
     assert redis_client.zcard(KEYS.waiting) == 0
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_options_a_publish_receiver_changes_are_the_ones_scheduled(
+        measured: bool, app: Celery, redis_client: redis.Redis) -> None:
+    """As for apply_async: a ``before_task_publish`` receiver that changes the class is
+    followed by the stored record (the bulk path scored the item with the class it was
+    given, while its message said another)."""
+    def lower(sender: str, headers: dict[str, Any], **_: Any) -> None:
+        headers["sits"]["sla_class"] = "low"
+
+    options: dict[str, Any] = {"sla_class": "high"}
+    if not measured:
+        options["input_entropy"] = 0.5
+    signals.before_task_publish.connect(lower, weak=False)
+    try:
+        ids = enqueue_many(app.tasks["t.echo"], [("a",), ("b",)], **options)
+    finally:
+        signals.before_task_publish.disconnect(lower)
+    seen = {}
+    for msg_id, message in payloads(redis_client).items():
+        record = json.loads(redis_client.hget(KEYS.meta, msg_id) or "")
+        seen[message["headers"]["id"]] = (record["c"], message["headers"]["sits"]["sla_class"])
+    assert seen == {task_id: ("low", "low") for task_id in ids}

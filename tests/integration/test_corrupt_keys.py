@@ -32,7 +32,9 @@ def test_a_put_onto_a_key_of_another_type_writes_nothing_and_says_which(
     producer's retry wrote it again, and the task ran twice)"""
     client_app.tasks["w.add"].apply_async((1, 1))
     before = {name: redis_client.dump(getattr(KEYS, name))
-              for name in ("waiting", "payloads", "meta", "arrivals")}
+              for name in ("waiting", "payloads", "meta", "arrivals", "marker", "seq")}
+    if key == "arrivals":  # (read after the sequence is taken: that one moves on)
+        del before["seq"]
     redis_client.delete(getattr(KEYS, key))
     redis_client.set(getattr(KEYS, key), "junk")
     # (the arrivals counter is read before anything is written: Redis's own refusal)
@@ -63,6 +65,21 @@ def test_a_put_of_many_slices_onto_a_key_of_another_type_leaves_the_queue_as_it_
     for name, dumped in before.items():
         if name != key:
             assert redis_client.dump(getattr(KEYS, name)) == dumped, name
+
+
+def test_a_refused_put_of_a_waiting_messages_id_leaves_that_message_waiting(
+        client_app: Celery, redis_client: redis.Redis) -> None:
+    """(a put that undid its writes on a refusal took the earlier message's payload and
+    place with them: it could not tell a field it overwrote from one it added)"""
+    client_app.tasks["w.add"].apply_async((1, 1))
+    (msg_id,) = waiting_ids(redis_client)
+    payload = redis_client.hget(KEYS.payloads, msg_id)
+    redis_client.delete(KEYS.meta)
+    redis_client.set(KEYS.meta, "junk")
+    with pytest.raises(redis.ResponseError, match="SITS_WRONGTYPE"):
+        SCRIPTS.run("put", KEYS, [msg_id, "{}", "{}", 2 ** 32, "medium"], redis_client)
+    assert waiting_ids(redis_client) == [msg_id]
+    assert redis_client.hget(KEYS.payloads, msg_id) == payload
 
 
 def test_a_junk_arrival_count_or_sequence_starts_again_instead_of_failing_the_put(

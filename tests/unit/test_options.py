@@ -166,3 +166,32 @@ def test_a_header_read_under_another_class_table_is_validated_again() -> None:
     read_under = SitsConfig.from_mapping({"classes": [{"name": "medium"}, {"name": "low"}]})
     with pytest.raises(InvalidTaskOptions, match="unknown sla_class 'high'"):
         from_header(read_under, header)
+
+
+def test_a_header_value_changed_to_an_equal_one_of_another_type_is_validated_again() -> None:
+    """(``True == 1``: a header whose context_tokens became True read as unchanged, and
+    was scheduled with options that validation refuses)"""
+    from sits_queue.options import from_header, header_for
+
+    config = SitsConfig()
+    header = header_for(config, resolve(config, {}, {"context_tokens": 1}))
+    header["context_tokens"] = True
+    with pytest.raises(InvalidTaskOptions, match="context_tokens must be a number"):
+        from_header(config, header)
+
+
+def test_a_batch_key_past_its_length_is_refused_at_submission() -> None:
+    """(made after the options were validated, it was sent, and every reader of the
+    header refused it: the task ran with default options)"""
+    from sits_queue.app import make_app
+
+    app = make_app(SitsConfig(redis_url="redis://127.0.0.1:1/0"), main="batch-key-unit")
+
+    @app.batch_inference_task(model="m", max_batch=4, name="s." + "x" * 990, shared=False)
+    def long_named(engine: object, calls: list[object]) -> list[object]:
+        return calls
+
+    with pytest.raises(InvalidTaskOptions, match=r"batch key of 's\.x+'\.\.\. \(992 "
+                                                 r"characters\) .* is 1001 characters, over "
+                                                 r"the 1000"):
+        long_named.delay("hello")

@@ -15,13 +15,15 @@
 -- chunk of 200 costs Redis about a third of the time, which is what bulk enqueue and the
 -- workers' picks waiting behind it feel. Slices keep unpack() under Lua's C-stack limit.
 --
--- A put runs whole or leaves the queue as it was: one that failed after writing a
--- message was retried by the producer, and its task ran twice. A key of another type
--- (written by hand or by another program) is met by the write that touches it, not
--- checked before every put (four TYPE calls, a third of this script's time for one
--- message): that write's failure undoes the writes before it, and the refusal names the
--- key. The waiting ZADD comes last: nothing after it can fail on a key's type.
+-- A put runs whole or writes no message: one that failed after writing a message was
+-- retried by the producer, and its task ran twice. The keys a message is written to are
+-- checked first (four TYPE calls: undoing writes instead could not tell a field this put
+-- overwrote, a waiting message's under the same id, from one it added); the sequence and
+-- the arrivals are read before any message is written, by calls that fail on a key of
+-- another type, and a value of theirs their INCRBY refuses starts again.
 local SLICE = 500
+local refused = wrong_type(1, 2, 3, 4)
+if refused then return refused end
 local n = math.floor(#ARGV / 5)
 if n == 0 then return {0, redis.call('ZCARD', KEYS[1])} end
 -- The arrival counter wraps at 2^32 so it never carries into the priority bits; one
@@ -44,24 +46,6 @@ for m = 0, n - 1 do
   end
 end
 for cls, count in pairs(arrivals) do add_count(KEYS[10], cls, count) end
-
-local written = 0  -- messages whose writes may have been made
--- The writes so far undone; the refusal naming KEYS[i] if it is of another type, else
--- the write's own error.
-local function undo(i, failed)
-  for s = 0, written - 1, SLICE do
-    local ids = {}
-    for m = s, math.min(written, s + SLICE) - 1 do ids[#ids + 1] = ARGV[m * 5 + 1] end
-    redis.pcall('HDEL', KEYS[2], unpack(ids))
-    redis.pcall('HDEL', KEYS[3], unpack(ids))
-    redis.pcall('ZREM', KEYS[1], unpack(ids))
-  end
-  for cls, count in pairs(arrivals) do redis.pcall('HINCRBY', KEYS[10], cls, -count) end
-  return wrong_type(i) or failed
-end
-
-local done = redis.pcall('ZADD', KEYS[4], 0, 'ready')
-if type(done) == 'table' then return undo(4, done) end
 for s = 0, n - 1, SLICE do
   local payloads, metas, scores = {}, {}, {}
   for m = s, math.min(n, s + SLICE) - 1 do
@@ -76,14 +60,11 @@ for s = 0, n - 1, SLICE do
     scores[#scores + 1] = string.format('%.0f', tonumber(ARGV[i + 3]) + seq)
     scores[#scores + 1] = id
   end
-  written = math.min(n, s + SLICE)
-  done = redis.pcall('HSET', KEYS[2], unpack(payloads))
-  if type(done) == 'table' then return undo(2, done) end
-  done = redis.pcall('HSET', KEYS[3], unpack(metas))
-  if type(done) == 'table' then return undo(3, done) end
-  done = redis.pcall('ZADD', KEYS[1], unpack(scores))
-  if type(done) == 'table' then return undo(1, done) end
+  redis.call('HSET', KEYS[2], unpack(payloads))
+  redis.call('HSET', KEYS[3], unpack(metas))
+  redis.call('ZADD', KEYS[1], unpack(scores))
 end
+redis.call('ZADD', KEYS[4], 0, 'ready')
 -- Running tasks of lower classes listen here (workers/slices.py): a put of a class
 -- that outranks them is their cue to check whether to yield their slot.
 for cls, _ in pairs(announced) do redis.call('PUBLISH', KEYS[1] .. ':put', cls) end
