@@ -193,6 +193,12 @@ class SitsConfig:
     #: but not when the task says it will finish within this long anyway, ms: a yield and
     #: the later resumption cost about two task dispatches of the pool.
     yield_min_remaining_ms: float = 15.0
+    #: Subscribe to a result's channel at every submission, as Celery does, instead of
+    #: when the result is first waited on (``broker/resultwait.py``): for producers that
+    #: wait only after a result's record expired, or want every progress state from the
+    #: submission on in ``get(on_message=...)``. Costs a SUBSCRIBE and an UNSUBSCRIBE
+    #: per ``delay()``.
+    result_subscribe_on_send: bool = False
     #: Port of the worker's Prometheus endpoint (``/metrics``, served by its main
     #: process); 0: none. Each worker on one host needs its own.
     metrics_port: int = 0

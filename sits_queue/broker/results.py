@@ -62,13 +62,20 @@ class SitsRedisBackend(RedisBackend):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._store_script: Any = None
+        self._subscribe_on_send: bool | None = None  # read from the app's config at first use
         self._deferred = DeferredCommands()
         # The script reads the stored status as JSON; other encodings keep Celery's path.
         self._scripted = self.serializer == "json" and not self.compression
 
     def on_task_call(self, producer: Any, task_id: str) -> None:
-        """Nothing: Celery subscribes to the result's channel here, at every submission;
-        :class:`SitsResultConsumer` does when the result is first waited on."""
+        """Celery subscribes to the result's channel here, at every submission;
+        :class:`SitsResultConsumer` does when the result is first waited on, unless
+        ``result_subscribe_on_send`` asks for Celery's way (``resultwait.py``)."""
+        if self._subscribe_on_send is None:
+            config = getattr(self.app, "sits", None)
+            self._subscribe_on_send = bool(getattr(config, "result_subscribe_on_send", False))
+        if self._subscribe_on_send:
+            super().on_task_call(producer, task_id)
 
     def meta_from_decoded(self, meta: Any) -> Any:
         # A record without a status raised KeyError, which kombu counts as a lost

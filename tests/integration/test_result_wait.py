@@ -20,6 +20,7 @@ from celery.result import GroupResult
 from sits_queue.app import make_app
 from sits_queue.broker.resultwait import RECHECK_S
 from sits_queue.config import SitsConfig
+from tests.waiting import wait_for
 
 
 @pytest.fixture
@@ -186,3 +187,75 @@ def test_an_unreadable_result_does_not_fail_a_wait_on_another(
     timer = later(1.5 * RECHECK_S, lambda: worker_side.backend.mark_as_done(waited.id, 7))
     assert waited.get(timeout=10) == 7
     timer.join()
+
+
+def test_a_lost_message_is_found_while_other_results_keep_arriving(
+        producer: Celery, worker_side: Celery, redis_client: redis.Redis) -> None:
+    """(the second read waited for a quiet second of the whole consumer: a producer
+    whose other results kept arriving never made it, and the lost one was waited on for
+    ever)"""
+    silent = producer.AsyncResult(str(uuid.uuid4()))
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(silent.get(timeout=30)))
+    waiter.start()
+    key = worker_side.backend.get_key_for_task(silent.id)
+    wait_for(lambda: key in producer.backend.result_consumer.subscribed_to, 10,
+             "the waiter's subscription")
+    timer = later(0.1, store_silently(worker_side, redis_client, silent.id, "found"))
+    for i in range(40):  # another result every 0.2 s, until the silent one is had
+        if got:
+            break
+        other = producer.AsyncResult(str(uuid.uuid4()))
+        step = later(0.2, lambda o=other, i=i: worker_side.backend.mark_as_done(o.id, i))
+        assert other.get(timeout=10) == i
+        step.join()
+    assert got == ["found"]  # had while the others kept coming (8 s of them)
+    waiter.join(timeout=30)
+    timer.join()
+
+
+def test_a_message_lost_across_a_reconnect_is_found(producer: Celery, worker_side: Celery,
+                                                    redis_client: redis.Redis) -> None:
+    """Celery's reconnect reads the subscribed states, then subscribes again: a result
+    published in between was lost for good."""
+    result = producer.AsyncResult(str(uuid.uuid4()))
+    result.then(lambda res: None)  # subscribed
+    consumer = producer.backend.result_consumer
+    consumer._unread.clear()  # as if its reads after the subscription were done
+    consumer._recheck.clear()
+    consumer._reconnect_pubsub()
+    timer = later(0.3, store_silently(worker_side, redis_client, result.id, "after"))
+    assert result.get(timeout=5 * RECHECK_S + 5) == "after"
+    timer.join()
+
+
+def test_results_dropped_unwaited_leave_nothing_kept(producer: Celery) -> None:
+    """A group's members are subscribed as it is made; dropped without a wait, their
+    keys were kept in the unread set for good."""
+    import gc
+
+    from celery import group
+
+    for _ in range(20):
+        group(producer.tasks["rw.echo"].s(f"g{i}") for i in range(10)).apply_async()
+    gc.collect()
+    consumer = producer.backend.result_consumer
+    assert not consumer.subscribed_to
+    assert not consumer._unread
+
+
+def test_subscribing_at_submission_is_celerys_way_when_asked(
+        redis_url: str, redis_client: redis.Redis, worker_side: Celery) -> None:
+    """``result_subscribe_on_send``: a result whose record expired before the wait is
+    still had from its message, as with Celery's consumer."""
+    app = make_app(SitsConfig(redis_url=redis_url, result_subscribe_on_send=True),
+                   main="test_result_wait_on_send")
+    try:
+        before = calls(redis_client, "subscribe")
+        result = app.send_task("rw.echo", ("x",))
+        assert calls(redis_client, "subscribe") == before + 1
+        worker_side.backend.mark_as_done(result.id, "from its message")
+        redis_client.delete(worker_side.backend.get_key_for_task(result.id))  # expired
+        assert result.get(timeout=5) == "from its message"
+    finally:
+        app.close()
