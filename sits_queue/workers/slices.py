@@ -6,8 +6,8 @@ remaining run time of the running tasks, whatever the broker's order. A task tha
 ``self.yield_point(state)`` between steps (a batch item, a decode chunk) lets its slot go
 instead: once it has run ``slice_ms``, if the best waiting task in its queue belongs to
 a class of higher weight and has waited ``yield_wait_ms`` (so that a slot freeing on its
-own gets it first; ``yield_rank_wait_ms`` more per class below the task's own, so that
-the lowest running class yields first), the task saves ``state`` and raises
+own gets it first; ``yield_rank_wait_ms`` more per class below the task's own, when set,
+so that the lowest running class yields first), the task saves ``state`` and raises
 :class:`Preempted`. The worker
 puts the message back at the score it had (``release.lua``: no redelivery counted, no
 priority lost); when it runs again, ``self.checkpoint`` returns the saved state.
@@ -150,8 +150,8 @@ def least_wait_s(config: SitsConfig, sla_class: str) -> float:
     yields for it: ``yield_wait_ms``, plus ``yield_rank_wait_ms`` per class of lower
     weight than the runner's. ``preempt.lua`` grants the yield to the first runner that
     asks, and every runner asks at its next yield point after the put's announcement:
-    a medium task gave its slot to a high one while a low task ran beside it. Now the
-    low one, asking within the extra wait, is the one that yields."""
+    a medium task may give its slot to a high one while a low task runs beside it. With
+    the extra wait set, the low one, asking within it, is the one that yields."""
     weight = config.quota(sla_class).weight
     below = sum(1 for c in config.classes if c.weight < weight)
     return (config.yield_wait_ms + below * config.yield_rank_wait_ms) / 1000
