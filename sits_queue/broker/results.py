@@ -71,11 +71,16 @@ class SitsRedisBackend(RedisBackend):  # type: ignore[misc]
         """Celery subscribes to the result's channel here, at every submission;
         :class:`SitsResultConsumer` does when the result is first waited on, unless
         ``result_subscribe_on_send`` asks for Celery's way (``resultwait.py``)."""
+        if self.subscribes_on_send:
+            super().on_task_call(producer, task_id)
+
+    @property
+    def subscribes_on_send(self) -> bool:
+        """``result_subscribe_on_send``, of the app's SITS config."""
         if self._subscribe_on_send is None:
             config = getattr(self.app, "sits", None)
             self._subscribe_on_send = bool(getattr(config, "result_subscribe_on_send", False))
-        if self._subscribe_on_send:
-            super().on_task_call(producer, task_id)
+        return self._subscribe_on_send
 
     def meta_from_decoded(self, meta: Any) -> Any:
         # A record without a status raised KeyError, which kombu counts as a lost

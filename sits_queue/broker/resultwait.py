@@ -42,13 +42,14 @@ from typing import Any
 
 from celery import states
 from celery.backends.redis import ResultConsumer
-from kombu.exceptions import SerializationError
 
 logger = logging.getLogger(__name__)
 
 #: A subscribed result's stored state is read once more this long after its
 #: subscription (and every subscribed one's after a reconnect), s.
 RECHECK_S = 1.0
+#: Fewest entries the re-read deque holds before it is pruned.
+PRUNE_LEAST = 1024
 
 
 def waited_ids(result: Any) -> list[str]:
@@ -69,10 +70,13 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
         self._unread: set[Any] = set()
         #: (when, key): keys to read once more RECHECK_S after ``when``, oldest first.
         self._recheck: deque[tuple[float, Any]] = deque()
+        #: Its length at which entries of keys no longer subscribed are dropped.
+        self._prune_at = PRUNE_LEAST
 
     def on_after_fork(self) -> None:
         self._unread = set()
         self._recheck = deque()
+        self._prune_at = PRUNE_LEAST
         super().on_after_fork()
 
     def consume_from(self, task_id: str) -> None:
@@ -80,13 +84,16 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
         with self._locked():
             fresh = key not in self.subscribed_to
             super().consume_from(task_id)
-            if fresh:
+            # (subscribed at submission, Celery's way: its messages come from then on)
+            if fresh and not getattr(self.backend, "subscribes_on_send", False):
                 self._unread.add(key)
                 self._recheck_later([key])
 
     def cancel_for(self, task_id: str) -> None:
         # (a group's members are subscribed as it is made: a producer that never waits
-        # on them kept their keys here)
+        # on them kept their keys here.) Without the lock: this runs from
+        # AsyncResult.__del__, which must never block; the set is only ever iterated as
+        # a copy taken in one step (_take_unread)
         self._unread.discard(self._get_key_for_task(task_id))
         super().cancel_for(task_id)
 
@@ -112,21 +119,29 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
         """Called holding the lock."""
         now = time.monotonic()
         self._recheck.extend((now, key) for key in keys)
-        if len(self._recheck) > 2 * len(self.subscribed_to) + 1024:
-            # results dropped unread (their keys unsubscribed): forgotten here too
+        if len(self._recheck) > self._prune_at:
+            # results dropped unread (their keys unsubscribed): forgotten here too. Then
+            # not before the deque has doubled again: entries of live keys (each
+            # reconnect adds one per key) are not walked again at every subscription
             live = self.subscribed_to
             self._recheck = deque(entry for entry in self._recheck if entry[1] in live)
+            self._prune_at = 2 * len(self._recheck) + PRUNE_LEAST
 
     def _take_unread(self) -> list[Any]:
         if not self._unread:  # (the common case, read without the lock)
             return []
         with self._locked():
-            keys = [key for key in self._unread if key in self.subscribed_to]
-            self._unread = set()
+            # swapped, then copied in one step: cancel_for discards without the lock
+            taken, self._unread = self._unread, set()
+            keys = [key for key in list(taken) if key in self.subscribed_to]
         return keys
 
     def _take_due(self) -> list[Any]:
-        if not self._recheck or time.monotonic() - self._recheck[0][0] < RECHECK_S:
+        recheck = self._recheck
+        try:  # (peeked without the lock: another waiter may empty it meanwhile)
+            if time.monotonic() - recheck[0][0] < RECHECK_S:
+                return []
+        except IndexError:
             return []
         now, due = time.monotonic(), []
         with self._locked():
@@ -155,10 +170,11 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
                 continue
             try:
                 meta = self._decode_result(raw)
-            except (ValueError, TypeError, KeyError, SerializationError) as exc:
-                # Its own waiter reads it too, and is told; a wait on another result must
-                # not fail for it
+            except Exception as exc:  # whatever its decoding raises
+                # (a bad exception type, a corrupt compressed payload...): its own waiter
+                # reads it too, and is told; a wait on another result must not fail for it
                 logger.debug("result %r not readable on a second read: %s", key, exc)
                 continue
-            if meta["status"] in states.READY_STATES:
+            if (isinstance(meta, dict) and meta.get("status") in states.READY_STATES
+                    and isinstance(meta.get("task_id"), str)):
                 self.on_state_change(meta, None)

@@ -7,6 +7,7 @@ Lua write and PUBLISH)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -176,14 +177,22 @@ def test_a_connection_lost_on_a_quiet_read_is_reconnected(
     assert failed
 
 
+@pytest.mark.parametrize("record", [
+    b"\xff not json",
+    # an exception type that is no exception: Celery's decoding raises SecurityError
+    json.dumps({"status": "FAILURE", "task_id": "x", "result": {
+        "exc_module": "os", "exc_type": "system", "exc_message": ["true"]}}).encode(),
+    json.dumps({"status": "SUCCESS", "result": 1}).encode(),  # no task id
+])
 def test_an_unreadable_result_does_not_fail_a_wait_on_another(
-        producer: Celery, worker_side: Celery, redis_client: redis.Redis) -> None:
-    """A quiet-time read meets every subscribed result's record: a junk one (another
-    program's) is its own waiter's to be told of, not this one's."""
+        record: bytes, producer: Celery, worker_side: Celery,
+        redis_client: redis.Redis) -> None:
+    """The read after a subscription meets every subscribed result's record: a junk one
+    (another program's) is its own waiter's to be told of, not this one's."""
     junk, waited = producer.AsyncResult(str(uuid.uuid4())), producer.AsyncResult(
         str(uuid.uuid4()))
     junk.then(lambda res: None)  # subscribed, not waited on
-    redis_client.set(worker_side.backend.get_key_for_task(junk.id), b"\xff not json")
+    redis_client.set(worker_side.backend.get_key_for_task(junk.id), record)
     timer = later(1.5 * RECHECK_S, lambda: worker_side.backend.mark_as_done(waited.id, 7))
     assert waited.get(timeout=10) == 7
     timer.join()
@@ -254,8 +263,64 @@ def test_subscribing_at_submission_is_celerys_way_when_asked(
         before = calls(redis_client, "subscribe")
         result = app.send_task("rw.echo", ("x",))
         assert calls(redis_client, "subscribe") == before + 1
+        # (its messages come from the submission on: nothing to read back besides)
+        assert not app.backend.result_consumer._unread
         worker_side.backend.mark_as_done(result.id, "from its message")
         redis_client.delete(worker_side.backend.get_key_for_task(result.id))  # expired
         assert result.get(timeout=5) == "from its message"
     finally:
         app.close()
+
+
+def test_a_result_dropped_by_another_thread_mid_read_fails_no_wait(producer: Celery) -> None:
+    """``cancel_for`` runs from ``AsyncResult.__del__`` in any thread, without the lock:
+    a drop while a waiter went through the unread keys raised "Set changed size during
+    iteration" out of its ``get()``."""
+    consumer = producer.backend.result_consumer
+    dropped = [producer.AsyncResult(str(uuid.uuid4())) for _ in range(3)]
+    for result in dropped:
+        result.then(lambda res: None)
+
+    class DroppingOnLookup(set):  # type: ignore[type-arg]
+        """The subscribed keys, whose every lookup sees another result dropped."""
+
+        def __contains__(self, key: object) -> bool:
+            if dropped:
+                consumer.cancel_for(dropped.pop().id)
+            return super().__contains__(key)
+
+    consumer.subscribed_to = DroppingOnLookup(consumer.subscribed_to)
+    assert len(consumer._take_unread()) >= 1
+
+
+def test_a_second_read_queue_emptied_meanwhile_is_nothing_due(producer: Celery) -> None:
+    """(another waiter may take the last entry between the check and the peek)"""
+    from collections import deque
+
+    class SaysFull(deque):  # type: ignore[type-arg]
+        def __bool__(self) -> bool:
+            return True
+
+    consumer = producer.backend.result_consumer
+    consumer._recheck = SaysFull()
+    assert consumer._take_due() == []
+
+
+def test_reconnects_while_many_results_are_held_keep_subscribing_cheap(
+        producer: Celery) -> None:
+    """Each reconnect queues a second read of every subscribed result; past the prune
+    mark, a deque of live keys only was rebuilt whole at every later subscription."""
+    consumer = producer.backend.result_consumer
+    held = [producer.AsyncResult(str(uuid.uuid4())) for _ in range(3000)]
+    for result in held:
+        result.then(lambda res: None)
+    for _ in range(3):
+        consumer._reconnect_pubsub()
+    rebuilt = 0
+    for _ in range(200):
+        before = consumer._recheck
+        later_one = producer.AsyncResult(str(uuid.uuid4()))
+        later_one.then(lambda res: None)
+        held.append(later_one)
+        rebuilt += consumer._recheck is not before
+    assert rebuilt <= 1
