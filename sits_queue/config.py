@@ -186,21 +186,15 @@ class SitsConfig:
     slice_ms: float = 10.0
     #: ...and that task has waited this long (a slot freeing on its own gets it first), ms,
     yield_wait_ms: float = 2.0
-    #: plus this much per class below the running task's own, ms: of the running tasks
-    #: that could yield, the lowest class's does (else the first to ask is granted it); a
-    #: higher one only when none lower asks within that time (none sliced is running).
-    #: Off by default: at 10, ``bench ab`` (2026-12-05, one full run each) had medium p99
-    #: 47.7 ms against 62.2 without, and high p99 23.5 against 18.5 (the urgent task
-    #: waits that much longer whenever only a higher class's task can yield);
+    #: plus this much per class below the running task's own, ms, so that the lowest
+    #: running class yields first (off: the urgent task would wait that much longer
+    #: whenever only a higher class's task can yield; README, "Time slices");
     yield_rank_wait_ms: float = 0.0
     #: but not when the task says it will finish within this long anyway, ms: a yield and
     #: the later resumption cost about two task dispatches of the pool.
     yield_min_remaining_ms: float = 15.0
-    #: Subscribe to a result's channel at every submission, as Celery does, instead of
-    #: when the result is first waited on (``broker/resultwait.py``): for producers that
-    #: wait only after a result's record expired, or want every progress state from the
-    #: submission on in ``get(on_message=...)``. Costs a SUBSCRIBE and an UNSUBSCRIBE
-    #: per ``delay()``.
+    #: Subscribe to a result's channel at every submission, as Celery does, not when it
+    #: is first waited on (``broker/resultwait.py``, which says what that changes).
     result_subscribe_on_send: bool = False
     #: Port of the worker's Prometheus endpoint (``/metrics``, served by its main
     #: process); 0: none. Each worker on one host needs its own.
