@@ -85,10 +85,7 @@ class _Made(threading.local):
     """The header this thread made last (:func:`header_for`): the dict, a copy of it as
     made, and the config and options it was made from."""
 
-    header: Any = None
-    copy: dict[str, Any] | None = None
-    config: SitsConfig | None = None
-    options: TaskOptions | None = None
+    last: tuple[dict[str, Any], dict[str, Any], SitsConfig, TaskOptions] | None = None
 
 
 _made = _Made()
@@ -101,8 +98,7 @@ def header_for(config: SitsConfig, options: TaskOptions) -> dict[str, Any]:
     under an equal config, returns ``options`` instead of validating them again (~10 us
     each). A changed header (a ``before_task_publish`` handler's) is validated anew."""
     header = options.to_header()
-    made = _made
-    made.header, made.copy, made.config, made.options = header, dict(header), config, options
+    _made.last = (header, dict(header), config, options)
     return header
 
 
@@ -227,11 +223,10 @@ def from_header(config: SitsConfig, header: Any) -> TaskOptions:
     """Read options back from a message header; raises InvalidTaskOptions if malformed."""
     if header is None:
         return resolve(config, {}, {})
-    made = _made
-    if (header is made.header and made.copy is not None and unchanged(header, made.copy)
-            and (config is made.config or config == made.config)):
-        assert made.options is not None
-        return made.options
+    last = _made.last
+    if (last is not None and header is last[0] and unchanged(header, last[1])
+            and (config is last[2] or config == last[2])):
+        return last[3]
     if not isinstance(header, Mapping):
         raise InvalidTaskOptions(f"header {HEADER!r} must be an object, got "
                                  f"{type(header).__name__}")

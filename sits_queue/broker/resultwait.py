@@ -137,13 +137,12 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
         return keys
 
     def _take_due(self) -> list[Any]:
-        recheck = self._recheck
+        recheck, now, due = self._recheck, time.monotonic(), []
         try:  # (peeked without the lock: another waiter may empty it meanwhile)
-            if time.monotonic() - recheck[0][0] < RECHECK_S:
+            if now - recheck[0][0] < RECHECK_S:
                 return []
         except IndexError:
             return []
-        now, due = time.monotonic(), []
         with self._locked():
             while self._recheck and now - self._recheck[0][0] >= RECHECK_S:
                 _, key = self._recheck.popleft()
