@@ -187,9 +187,19 @@ def test_generations_batch_and_match_a_lone_run_greedy_or_sampled(
         assert ms < later_ms and at < later_at
 
 
+@pytest.fixture(scope="module")
+def later(app: Celery, waiting: dict[str, Any], worker: CeleryProcess) -> dict[str, Any]:
+    """A call with the first template, sent alone once the templated batch is done (a
+    fixture: the counters test counts it, run alone too)."""
+    results(waiting["templated"])
+    return app.tasks["sits.generate_batched"].apply_async(  # type: ignore[no-any-return]
+        (TEMPLATE + "a new line",), {"max_new_tokens": 5, "stop_at_eos": False},
+        model="gpt").get(timeout=CALL_S)["output"]
+
+
 def test_a_batch_mixing_templates_prefills_each_once_and_keeps_them_for_the_next(
-        app: Celery, waiting: dict[str, Any], worker: CeleryProcess,
-        models_dir: Path) -> None:
+        waiting: dict[str, Any], worker: CeleryProcess, models_dir: Path,
+        later: dict[str, Any]) -> None:
     from sits_queue.cache.engines import engine_from_path
     from sits_queue.workers.inference import generate
 
@@ -210,9 +220,6 @@ def test_a_batch_mixing_templates_prefills_each_once_and_keeps_them_for_the_next
                                "shared_tokens": min(shares[template])}
     # A later call with the same template, alone in its batch, finds the template in the
     # worker's KV-prefix cache (the batch stored it there)
-    later = app.tasks["sits.generate_batched"].apply_async(
-        (TEMPLATE + "a new line",), {"max_new_tokens": 5, "stop_at_eos": False},
-        model="gpt").get(timeout=CALL_S)["output"]
     assert 16 <= later["cached_tokens"] <= shared and later["shared_tokens"] == 0
     assert later == {**generate(engine, TEMPLATE + "a new line", max_new_tokens=5,
                                 stop_at_eos=False),
@@ -220,13 +227,15 @@ def test_a_batch_mixing_templates_prefills_each_once_and_keeps_them_for_the_next
 
 
 def test_counters_count_tasks_not_batches(r: redis.Redis, worker: CeleryProcess,
-                                          waiting: dict[str, Any]) -> None:
-    results(waiting["echo"] + waiting["embeds"] + [waiting["raw"]] + waiting["gens"])
+                                          waiting: dict[str, Any],
+                                          later: dict[str, Any]) -> None:
+    results([*waiting["echo"], waiting["expired"], waiting["limited"], *waiting["embeds"],
+             waiting["raw"], waiting["empty"], *waiting["gens"], *waiting["templated"]])
     record = metrics.read(r, "", worker.hostname)[0]
     counters = {k.decode(): float(v) for k, v in record["counters"].items()}
     # 18 echo tasks ran (1 failed by its own output) + 6 + 1 embeds; one more embed
     # failed on input, alone; 4 generations + one that failed on input; the templated
-    # batch and the later call (the test above). A batch's cold start counts once.
+    # batch and the later call (its fixture). A batch's cold start counts once.
     generations = len(PROMPTS) + len(TEMPLATED) + 1
     assert counters["tasks"] >= len(ECHO_TAGS) + len(TEXTS) + 1
     assert counters["model_runs:gpt"] == len(ECHO_TAGS) + generations
@@ -237,7 +246,10 @@ def test_counters_count_tasks_not_batches(r: redis.Redis, worker: CeleryProcess,
 
 
 def test_an_idle_worker_runs_a_call_at_once_as_a_batch_of_one(
-        app: Celery, worker: CeleryProcess) -> None:
+        app: Celery, waiting: dict[str, Any], worker: CeleryProcess) -> None:
+    # idle: the echo tasks that waited for the worker are done (run alone, this test
+    # would otherwise find them queued and join their batch)
+    results(waiting["echo"] + [waiting["limited"]])
     got = app.tasks["t.batch_echo"].delay("alone").get(timeout=CALL_S)
     assert got["output"]["size"] == 1 and got["sits"]["batch"] == {"size": 1, "index": 0}
 
