@@ -25,13 +25,13 @@ from sits_queue.errors import InvalidTaskOptions
 from sits_queue.options import (
     CONTROL_QUEUE,
     HEADER,
-    MAINTENANCE_TASKS,
     OPTION_NAMES,
     TaskOptions,
     batch_key,
     from_header,
     header_for,
     resolve,
+    route_maintenance,
 )
 from sits_queue.registry import Loader, ModelRegistry
 from sits_queue.settings import DEFAULT_QUEUE as DEFAULT_QUEUE
@@ -485,12 +485,7 @@ class SitsCelery(Celery):  # type: ignore[misc]
         ``celery.Task``. (``SitsTask.apply_async`` attaches them before it gets here.)
         A task registered in this app lends its declared options and time limits."""
         self.note_priority(name, options.get("priority"))
-        if name in MAINTENANCE_TASKS and not options.get("queue"):
-            # Routed here, not only by the task_routes SITS sets: an app that assigns
-            # task_routes the usual Celery way replaced that entry, and the beat's passes
-            # then went to the default queue, behind its backlog or where no worker took
-            # them ("-Q gpu"): rescoring stopped without a word.
-            options["queue"] = CONTROL_QUEUE
+        route_maintenance(name, options)
         headers = options.get("headers")
         if isinstance(headers, Mapping) and isinstance(headers.get(HEADER), Mapping):
             # Attached already (apply_async, a retry) or by hand: checked either way, so

@@ -30,6 +30,19 @@ from sits_queue.priority.entropy import input_entropy
 #: the task statistics.
 MAINTENANCE_TASKS = ("sits.rescore", "sits.check_triggers", "sits.prewarm_plan",
                      "sits.site_sync")
+
+
+def route_maintenance(name: str, options: dict[str, Any]) -> None:
+    """Send a beat maintenance task to the control queue unless the call names a queue.
+    Done on every path that publishes (``send_task``, ``enqueue_many``), not by a
+    ``task_routes`` entry: an app that assigns ``task_routes`` the usual Celery way
+    replaced that entry, and the beat's passes went to the default queue, behind its
+    backlog or where no worker took them ("-Q gpu"): rescoring stopped without a word.
+    (And a routes table costs every ``delay()`` a route lookup.)"""
+    if name in MAINTENANCE_TASKS and not options.get("queue"):
+        options["queue"] = CONTROL_QUEUE
+
+
 #: The pre-warm planner's task (§4.2), sent to a chosen worker's own queue.
 PREWARM_TASK = "sits.prewarm"
 #: Not work the statistics count (arrivals, latency, done, hotness, demand, the top

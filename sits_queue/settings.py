@@ -12,7 +12,6 @@ from typing import Any
 from sits_queue.broker import results
 from sits_queue.config import SitsConfig, without_credentials
 from sits_queue.errors import ConfigError
-from sits_queue.options import CONTROL_QUEUE, MAINTENANCE_TASKS
 
 TRANSPORT = "sits_queue.broker.transport:Transport"
 DEFAULT_QUEUE = "celery"
@@ -91,10 +90,10 @@ def celery_settings(config: SitsConfig) -> dict[str, Any]:
         # an app may set (a fixed tuple kept "celery" and dropped the app's own default:
         # its tasks went to a queue no worker consumed); the control queue is declared
         # beside the app's (app.py, SitsAMQP) and selected at every worker's start
-        # (workers/runtime.py), the maintenance tasks routed there below.
+        # (workers/runtime.py), the maintenance tasks routed there as they are sent
+        # (options.route_maintenance). No task_routes of SITS's own: an app's assigned
+        # table replaced it, and an empty one spares every delay() a route lookup.
         "task_default_queue": DEFAULT_QUEUE,
-        # By name: the built-in inference tasks (sits.generate, sits.embed) are work.
-        "task_routes": {name: {"queue": CONTROL_QUEUE} for name in MAINTENANCE_TASKS},
         "beat_scheduler": "sits_queue.priority.beat:SitsScheduler",
         # its own (none): not the broker transport options, which redbeat would fall back on
         "redbeat_redis_options": {},

@@ -51,6 +51,7 @@ from sits_queue.options import (
     OPTION_NAMES,
     TaskOptions,
     derive_prefix_key,
+    route_maintenance,
     unchanged,
 )
 from sits_queue.priority.entropy import input_entropy
@@ -183,6 +184,7 @@ def _plan(task: Task, options: dict[str, Any]) -> _Plan:
     if task.soft_time_limit and task.time_limit and task.soft_time_limit > task.time_limit:
         raise ValueError("soft_time_limit must be less than or equal to time_limit")
     options = {**task._get_exec_options(), **options}
+    route_maintenance(task.name, options)
     options.setdefault("ignore_result", task.ignore_result)
     routed = app.amqp.router.route(options, task.name, (), {}, task)
     queue: Queue = routed["queue"]

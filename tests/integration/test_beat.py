@@ -131,6 +131,28 @@ def test_assigned_task_routes_keep_the_beat_s_passes_on_the_control_queue(
         app.close()
 
 
+def test_the_beat_s_passes_go_to_the_control_queue_on_every_path(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """(routed as they are sent, with no routes table of SITS's own: delay(), send_task
+    by name, enqueue_many)"""
+    from sits_queue.broker.bulk import enqueue_many
+
+    app = make_app(SitsConfig(redis_url=redis_url), main="routes-default")
+    default = QueueKeys.for_queue(app.conf.task_default_queue)
+    try:
+        assert not app.amqp.router.routes  # delay() pays no route lookup
+        before = redis_client.zcard(CONTROL.waiting)
+        app.tasks["sits.rescore"].delay()
+        app.send_task("sits.prewarm_plan")
+        enqueue_many(app.tasks["sits.check_triggers"], [(), ()])
+        assert redis_client.zcard(CONTROL.waiting) == before + 4
+        assert redis_client.zcard(default.waiting) == 0
+        enqueue_many(app.tasks["sits.rescore"], [()], queue="elsewhere")
+        assert redis_client.zcard(QueueKeys.for_queue("elsewhere").waiting) == 1
+    finally:
+        app.close()
+
+
 def test_the_beat_sends_no_pass_beside_one_still_waiting(redis_url: str,
                                                          redis_client: redis.Redis) -> None:
     """(with every slot busy, the passes queued behind one another, each expired by the

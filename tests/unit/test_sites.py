@@ -161,12 +161,19 @@ def test_bad_site_settings_are_refused(settings: dict[str, object], message: str
 
 def test_the_sync_pass_is_scheduled_only_for_a_site() -> None:
     from sits_queue.app import CONTROL_QUEUE, beat_schedule, celery_settings, make_app
+    from sits_queue.options import route_maintenance
 
     assert "sits-site-sync" not in beat_schedule(SitsConfig())
     config = SitsConfig(site="a", site_peers="b=redis://h:1/0", site_sync_interval_s=2.0)
     entry = beat_schedule(config)["sits-site-sync"]
     assert entry["task"] == "sits.site_sync" and entry["schedule"] == 2.0
-    assert celery_settings(config)["task_routes"]["sits.site_sync"] == {"queue": CONTROL_QUEUE}
+    options: dict[str, object] = {}
+    route_maintenance("sits.site_sync", options)  # as send_task and enqueue_many do
+    assert options == {"queue": CONTROL_QUEUE}
+    route_maintenance("sits.site_sync", named := {"queue": "mine"})
+    route_maintenance("sits.generate", work := {})
+    assert named == {"queue": "mine"} and work == {}
+    assert "task_routes" not in celery_settings(config)  # (an empty table: no lookup)
     assert "sits.site_sync" in make_app(config, main="sites-unit").tasks
 
 

@@ -575,11 +575,15 @@ def test_app_model_decorator_and_inference_task() -> None:
 
 
 def test_builtin_tasks_go_to_the_work_queue_and_maintenance_to_control() -> None:
+    from sits_queue.options import route_maintenance
+
     app = make_app(SitsConfig(), main="route-test")
     route = app.amqp.router.route
     assert route({}, "sits.generate")["queue"].name == "celery"
     assert route({}, "sits.embed")["queue"].name == "celery"
-    assert route({}, "sits.rescore")["queue"].name == "sits.control"
+    # (routed as sent, by send_task and enqueue_many: tests/integration/test_beat.py)
+    route_maintenance("sits.rescore", options := {})
+    assert route(options, "sits.rescore")["queue"].name == "sits.control"
 
 
 # -- cold-start metadata and the advertisement ---------------------------------------------------
