@@ -364,8 +364,10 @@ class WarmReader:
     #: fleet's make-up changes when workers come and go, not per task).
     FLEET_MAX_AGE_S = 30.0
 
-    def __init__(self, config: SitsConfig, hostname: str, concurrency: int,
+    def __init__(self, config: SitsConfig, hostname: str, slots: int | Iterable[int],
                  clock: Any = time.monotonic) -> None:
+        """``slots``: the children's slots (:func:`pool_slots`), or how many children
+        (slots 0 to n-1)."""
         self._policy = config.affinity
         self._config = config
         self._hostname = hostname
@@ -373,7 +375,7 @@ class WarmReader:
         self._fleet_at: float | None = None
         self._slots: tuple[int, ...] = ()
         self._keys: list[str] = []
-        self.resize(range(max(1, concurrency)))
+        self.resize(range(max(1, slots)) if isinstance(slots, int) else slots)
         self._clock = clock
         self._warm = affinity.Warm()
         self._read_at: float | None = None
@@ -490,10 +492,9 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
             logger.warning("could not refresh the worker advertisement: %s", exc)
 
     def start(self, c: Any) -> None:
-        config, hostname, concurrency, slots = self._args(c)
+        config, hostname, _, slots = self._args(c)
         if config.affinity.enabled:
-            self._reader = WarmReader(config, hostname, concurrency)
-            self._reader.resize(slots)
+            self._reader = WarmReader(config, hostname, slots)
             affinity.set_warm_source(self._reader)
         self.tick(c)
         self._refresher = Periodic("sits-advertise", REFRESH_S, lambda _: self.tick(c),
