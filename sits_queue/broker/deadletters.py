@@ -165,7 +165,7 @@ def shown(message_id: bytes | str) -> str:
     return text(message_id, "backslashreplace")
 
 
-#: Dead letters requeued per round of Redis calls (one HMGET, HDEL, put.lua, undead.lua).
+#: Dead letters requeued per round of Redis calls (one HMGET, one requeue.lua).
 REQUEUE_CHUNK = 200
 
 
@@ -206,15 +206,29 @@ def requeue(channel: Any, queue: str, ids: Sequence[bytes | str]
             continue
         now = time.time()
         scorer = channel.snapshots.scorer(channel.raw, now)
-        # The redelivery counts first (a poison message put back with its count would be
-        # parked again by the first pick), then one put.lua for the chunk, then the
-        # records requeued, not whatever is there now (undead.lua).
-        channel.raw.hdel(keys.redelivered, *[i for i, _, _ in ready])
-        channel._put_records_start(queue, [a for _, _, m in ready
-                                           for a in channel._put_record(m, None, now, scorer)])()
-        channel._run("undead", queue, [x for i, r, _ in ready for x in (i, r)])
-        done.extend(shown(i) for i, _, _ in ready)
+        records = [channel._put_record(m, None, now, scorer) for _, _, m in ready]
+        # One requeue.lua for the chunk: each letter put back only if its record is the
+        # one read here, and that record dropped with it (another requeue of the same
+        # letters at once put them back twice)
+        n, waiting, missed = channel._run("requeue", queue, [
+            a for (_, record, _), args in zip(ready, records, strict=True)
+            for a in (*args, record)])
+        channel._after_put(queue, int(n), int(waiting))
+        gone = set(missed)
+        channel._replicate(queue, [args for (i, _, _), args in zip(ready, records, strict=True)
+                                   if _raw(i) not in gone])
+        for message_id, _, _ in ready:
+            if _raw(message_id) in gone:
+                refused[shown(message_id)] = "requeued or dropped meanwhile (by another " \
+                                             "command?), or dead-lettered anew: list again"
+            else:
+                done.append(shown(message_id))
     return done, refused
+
+
+def _raw(message_id: bytes | str) -> bytes:
+    """An id as Redis replies with it."""
+    return message_id if isinstance(message_id, bytes) else message_id.encode()
 
 
 def _check_body(channel: Any, message: dict[str, Any]) -> None:

@@ -20,19 +20,19 @@ from redis.exceptions import ConnectionError, NoScriptError
 from sits_queue.broker.keys import QueueKeys
 
 SCRIPT_NAMES = ("put", "pick", "ack", "dead", "restore", "release", "purge", "preempt", "join",
-                "prune_hot", "arm", "take_outbox", "done_outbox", "forget", "undead")
+                "prune_hot", "arm", "take_outbox", "done_outbox", "forget", "requeue")
 
 
-#: Scripts that check their keys' types before any write (``lua/queue_types.lua``,
-#: prepended): those whose writes, stopped half-way, would lose or duplicate a message.
-CHECKED = frozenset({"put", "pick", "restore"})
+#: What is prepended to a script, in order. ``queue_types.lua``: to those that check their
+#: keys' types before any write (their writes, stopped half-way, would lose or duplicate a
+#: message). ``put_lib.lua``: the put, to both scripts that put messages.
+LIBRARIES = {"put": ("queue_types", "put_lib"), "requeue": ("queue_types", "put_lib"),
+             "pick": ("queue_types",), "restore": ("queue_types",)}
 
 
 def _source(name: str) -> str:
     text = resources.files("sits_queue.broker").joinpath(f"lua/{name}.lua").read_text()
-    if name in CHECKED:
-        return _source("queue_types") + text
-    return text
+    return "".join(_source(lib) for lib in LIBRARIES.get(name, ())) + text
 
 
 @dataclass(frozen=True)

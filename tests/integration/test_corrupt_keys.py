@@ -82,6 +82,48 @@ def test_a_refused_put_of_a_waiting_messages_id_leaves_that_message_waiting(
     assert redis_client.hget(KEYS.payloads, msg_id) == payload
 
 
+@pytest.mark.parametrize("key", ["redelivered", "dead", "payloads"])
+def test_a_requeue_onto_a_key_of_another_type_writes_nothing_and_keeps_the_letter(
+        key: str, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(requeue.lua puts the letter back and drops its record in one step: a refusal
+    half-way would leave it queued and dead both, or nowhere)"""
+    from sits_queue.broker import deadletters
+
+    client_app.tasks["w.add"].apply_async((1, 1))
+    (msg_id,) = waiting_ids(redis_client)
+    with client_app.connection_for_write() as conn:
+        channel = conn.default_channel
+        channel._run("dead", "celery", [time.time(), "test: parked", msg_id.decode()])
+        redis_client.hset(KEYS.redelivered, msg_id, 3)
+        before = {name: redis_client.dump(getattr(KEYS, name))
+                  for name in ("waiting", "payloads", "meta", "dead", "redelivered", "seq")}
+        if key != "dead":  # (the record must be read first: a hash)
+            redis_client.delete(getattr(KEYS, key))
+            redis_client.set(getattr(KEYS, key), "junk")
+        else:
+            record = redis_client.hget(KEYS.dead, msg_id)
+
+            def dead_key_replaced(name: str, queue: str, args: list[object]) -> object:
+                if name == "requeue":
+                    redis_client.delete(KEYS.dead)
+                    redis_client.set(KEYS.dead, "junk")
+                return run(name, queue, args)
+
+            run, channel._run = channel._run, dead_key_replaced
+        with pytest.raises(redis.ResponseError,
+                           match=f"SITS_WRONGTYPE key {getattr(KEYS, key)}"):
+            deadletters.requeue(channel, "celery", [msg_id.decode()])
+    if key == "dead":
+        redis_client.delete(KEYS.dead)
+        redis_client.hset(KEYS.dead, msg_id, record or b"")
+    elif (dumped := before[key]) is None:  # (the payloads: none left once dead)
+        redis_client.delete(getattr(KEYS, key))
+    else:
+        redis_client.restore(getattr(KEYS, key), 0, dumped, replace=True)
+    for name, dumped in before.items():
+        assert redis_client.dump(getattr(KEYS, name)) == dumped, name
+
+
 def test_a_junk_arrival_count_or_sequence_starts_again_instead_of_failing_the_put(
         client_app: Celery, redis_client: redis.Redis) -> None:
     redis_client.hset(KEYS.arrivals, "medium", "abc")

@@ -528,36 +528,67 @@ def test_a_foreign_message_without_a_delivery_tag_is_requeued_from_the_dead_lett
     assert redis_client.hlen(keys.dead) == 0
 
 
-def test_a_requeued_letter_dead_lettered_again_before_the_requeue_ends_is_kept(
+def _before_the_requeue_script(channel: Any, meanwhile: Any) -> None:
+    """Make ``channel``'s next requeue.lua call run ``meanwhile()`` first: after the
+    requeue read its letters, before it puts them back."""
+    run = channel._run
+
+    def run_later(script: str, queue: str, args: list[Any]) -> Any:
+        if script == "requeue":
+            meanwhile()
+        return run(script, queue, args)
+
+    channel._run = run_later
+
+
+def test_two_requeues_of_a_letter_at_once_put_it_back_once(
         app: Celery, redis_client: redis.Redis) -> None:
-    """``sitsq dead requeue`` puts the message back, then drops its record: a worker that
-    met it in between and rejected it again (still an unknown task there) wrote a record
-    the requeue then deleted, leaving the message nowhere."""
+    """(both read the record, both put the message back: a worker that picked it between
+    the two puts ran it twice)"""
     keys = QueueKeys.for_queue("celery")
     app.tasks["t.echo"].delay("x")
-    with app.connection_for_write() as worker, app.connection_for_write() as cli:
+    with app.connection_for_write() as worker, app.connection_for_write() as cli, \
+            app.connection_for_write() as other:
         got = worker.default_channel.basic_get("celery")
-        got.reject()  # as a worker that does not know the task rejects it: dead
+        got.reject()  # dead
+        tag = got.delivery_tag
+
+        def another_requeue_and_a_pick() -> None:
+            assert deadletters.requeue(other.default_channel, "celery", [tag]) == ([tag], {})
+            assert worker.default_channel.basic_get("celery").delivery_tag == tag
+
+        _before_the_requeue_script(cli.default_channel, another_requeue_and_a_pick)
+        done, refused = deadletters.requeue(cli.default_channel, "celery", [tag])
+        assert done == [] and "requeued or dropped meanwhile" in refused[tag], refused
+        # running once: held by the worker, not waiting a second time
+        assert redis_client.zcard(keys.waiting) == 0
+        assert redis_client.zscore(keys.unacked, tag) is not None
+        assert redis_client.hlen(keys.dead) == 0
+
+
+def test_a_letter_dead_lettered_anew_after_the_requeue_read_it_stays_dead(
+        app: Celery, redis_client: redis.Redis) -> None:
+    """(put back, then its record dropped: a worker that met it in between and rejected
+    it again wrote a record the requeue deleted, leaving the message nowhere)"""
+    keys = QueueKeys.for_queue("celery")
+    app.tasks["t.echo"].delay("x")
+    with app.connection_for_write() as worker, app.connection_for_write() as cli, \
+            app.connection_for_write() as other:
+        got = worker.default_channel.basic_get("celery")
+        got.reject()
         tag = got.delivery_tag
         first = redis_client.hget(keys.dead, tag)
-        channel = cli.default_channel
-        put = channel._put_records_start
 
-        def put_then_a_worker_meets_it(queue: str, args: list[Any]) -> Any:
-            sent = put(queue, args)
+        def requeued_and_rejected_again() -> None:
+            deadletters.requeue(other.default_channel, "celery", [tag])
+            worker.default_channel.basic_get("celery").reject()  # dead again, anew
 
-            def finish() -> int:
-                n = int(sent())
-                worker.default_channel.basic_get(queue).reject()  # dead again, anew
-                return n
-
-            return finish
-
-        channel._put_records_start = put_then_a_worker_meets_it
-        assert deadletters.requeue(channel, "celery", [tag]) == ([tag], {})
-    # Then the second dead letter stands: the message is still somewhere
+        _before_the_requeue_script(cli.default_channel, requeued_and_rejected_again)
+        done, refused = deadletters.requeue(cli.default_channel, "celery", [tag])
+    assert done == [] and tag in refused
+    # the second dead letter stands, and nothing was put back: the message is somewhere
     again = redis_client.hget(keys.dead, tag)
-    assert again is not None and again != first
+    assert again is not None and again != first and redis_client.zcard(keys.waiting) == 0
 
 
 def test_a_letter_whose_body_is_no_task_is_not_requeued(app: Celery,

@@ -1,4 +1,5 @@
--- put.lua: enqueue one message, or many (ARGV repeats in groups of five).
+-- put.lua: enqueue one message, or many (ARGV repeats in groups of five); the put
+-- itself is put_lib.lua's.
 -- KEYS (all hash-tagged {queue}, same order for every script):
 --   1 waiting ZSET  2 payloads HASH  3 meta HASH  4 marker ZSET  5 seq STRING
 --   6 unacked ZSET  7 saved-score HASH  8 redelivered HASH  9 dead-letter HASH
@@ -11,61 +12,10 @@
 -- Returns {messages enqueued, waiting after}: equal when the queue was empty before, so
 -- the caller (re-)registers the queue exactly when it appears.
 --
--- One variadic HSET/ZADD per slice of messages instead of four calls per message: a
--- chunk of 200 costs Redis about a third of the time, which is what bulk enqueue and the
--- workers' picks waiting behind it feel. Slices keep unpack() under Lua's C-stack limit.
---
 -- A put runs whole or writes no message: one that failed after writing a message was
 -- retried by the producer, and its task ran twice. The keys a message is written to are
 -- checked first (four TYPE calls: undoing writes instead could not tell a field this put
--- overwrote, a waiting message's under the same id, from one it added); the sequence and
--- the arrivals are read before any message is written, by calls that fail on a key of
--- another type, and a value of theirs their INCRBY refuses starts again.
-local SLICE = 500
+-- overwrote, a waiting message's under the same id, from one it added).
 local refused = wrong_type(1, 2, 3, 4)
 if refused then return refused end
-local n = math.floor(#ARGV / 5)
-if n == 0 then return {0, redis.call('ZCARD', KEYS[1])} end
--- The arrival counter wraps at 2^32 so it never carries into the priority bits; one
--- INCRBY reserves the chunk's n consecutive values, kept in ARGV order.
-local first = redis.pcall('INCRBY', KEYS[5], n)
-if type(first) ~= 'number' then
-  redis.call('GET', KEYS[5])  -- a key of another type: Redis's refusal, nothing written
-  redis.call('SET', KEYS[5], n)  -- a value INCRBY refuses (another program's): anew
-  first = n
-end
-first = first - n
-local arrivals, announced = {}, {}
-for m = 0, n - 1 do
-  local cls = ARGV[m * 5 + 5]
-  if string.sub(cls, 1, 1) == '~' then
-    announced[string.sub(cls, 2)] = true
-  else
-    arrivals[cls] = (arrivals[cls] or 0) + 1
-    announced[cls] = true
-  end
-end
-for cls, count in pairs(arrivals) do add_count(KEYS[10], cls, count) end
-for s = 0, n - 1, SLICE do
-  local payloads, metas, scores = {}, {}, {}
-  for m = s, math.min(n, s + SLICE) - 1 do
-    local i = m * 5 + 1
-    local id = ARGV[i]
-    local seq = (first + m + 1) % 4294967296
-    payloads[#payloads + 1] = id
-    payloads[#payloads + 1] = ARGV[i + 1]
-    metas[#metas + 1] = id
-    metas[#metas + 1] = ARGV[i + 2]
-    -- %.0f: Lua's default number format would round scores above 1e14.
-    scores[#scores + 1] = string.format('%.0f', tonumber(ARGV[i + 3]) + seq)
-    scores[#scores + 1] = id
-  end
-  redis.call('HSET', KEYS[2], unpack(payloads))
-  redis.call('HSET', KEYS[3], unpack(metas))
-  redis.call('ZADD', KEYS[1], unpack(scores))
-end
-redis.call('ZADD', KEYS[4], 0, 'ready')
--- Running tasks of lower classes listen here (workers/slices.py): a put of a class
--- that outranks them is their cue to check whether to yield their slot.
-for cls, _ in pairs(announced) do redis.call('PUBLISH', KEYS[1] .. ':put', cls) end
-return {n, redis.call('ZCARD', KEYS[1])}
+return put_messages(ARGV)

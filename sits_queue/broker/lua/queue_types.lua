@@ -1,5 +1,5 @@
 -- queue_types.lua: prepended to the scripts that must never stop half-way (scripts.py
--- CHECKED). A key of another type than the layout's (written by hand or by another
+-- LIBRARIES). A key of another type than the layout's (written by hand or by another
 -- program) fails the command that touches it, and a script's writes before an error
 -- stay: a pick that had taken a message off the queue lost it. Such a script checks the
 -- keys it touches first, so it runs whole or writes nothing.
