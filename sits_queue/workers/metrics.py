@@ -326,7 +326,7 @@ def read(client: redis.Redis, prefix: str, hostname: str | None = None
 
 
 def queue_families(queues: Iterable[Mapping[str, Any]]) -> list[Metric]:
-    """Per-queue gauges from ``sitsq status``'s queue rows (``cli.queue_status``)."""
+    """Per-queue gauges from ``sitsq status``'s queue rows (``status.queue_status``)."""
     out: list[Metric] = []
     for field, help_text in (("waiting", "Tasks waiting in the sorted set."),
                              ("unacked", "Tasks a worker holds (running or reserved)."),
@@ -346,7 +346,7 @@ class WorkerCollector(Collector):
     """What Prometheus scrapes: read from Redis at each scrape (a few round trips).
 
     ``hostname``: that worker only (its own endpoint); None: every live worker, and with
-    ``queues`` (a function of the client giving ``cli.queue_status`` rows) the queues too
+    ``queues`` (a function of the client giving ``status.queue_status`` rows) the queues too
     (``sitsq metrics``, one endpoint for the fleet).
     """
 

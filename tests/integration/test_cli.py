@@ -61,11 +61,27 @@ def test_status_says_when_a_stock_producer_sent_to_a_plain_list(
     stock = StockCelery("stock", broker=redis_url, set_as_current=False)
     try:
         stock.send_task("w.add", (1, 2))
+        # kombu keeps a priority above 0 in a list of its own ("celery\x06\x166")
+        stock.send_task("w.add", (1, 2), priority=5)
     finally:
         stock.close()
-    out = sitsq("status", env={**os.environ, "SITS_REDIS_URL": redis_url})
+    env = {**os.environ, "SITS_REDIS_URL": redis_url}
+    out = sitsq("status", env=env)
     assert out.returncode == 0, out.stderr
-    assert "warning: 1 message(s) in the plain Redis list 'celery'" in out.stdout
+    assert "warning: 2 message(s) in plain Redis lists of queue 'celery'" in out.stdout
+    # one left in a priority list only is said too (it was not)
+    redis.Redis.from_url(redis_url).delete("celery")
+    assert json.loads(sitsq("status", "--json", env=env).stdout)["stray"] == {"celery": 1}
+
+
+def test_status_counts_the_wait_of_a_task_with_an_eta_from_when_it_is_due(
+        client_app: Celery, redis_url: str) -> None:
+    client_app.tasks["w.add"].apply_async((1, 2), countdown=3600, queue="later")
+    out = sitsq("status", "--json", env={**os.environ, "SITS_REDIS_URL": redis_url})
+    (queue,) = [q for q in json.loads(out.stdout)["queues"] if q["queue"] == "later"]
+    (row,) = queue["head"]
+    # (it showed as waiting since its put)
+    assert row["wait_s"] == 0 and 3500 < row["due_in_s"] <= 3600
 
 
 def test_status_uses_the_redis_of_the_config_file(client_app: Celery, redis_url: str,
@@ -360,8 +376,8 @@ def test_status_and_the_fleet_metrics_read_past_records_no_writer_of_ours_made(
     from prometheus_client import CollectorRegistry, generate_latest
 
     from sits_queue.broker.keys import last_pass_key, origins_key, replica_queues_key
-    from sits_queue.cli import queue_status
     from sits_queue.config import SitsConfig
+    from sits_queue.status import queue_status
     from sits_queue.workers.metrics import WorkerCollector
 
     client_app.tasks["w.add"].apply_async((1, 2), sla_class="low")
@@ -400,8 +416,8 @@ def test_the_queues_are_read_in_a_few_round_trips_whatever_their_number(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """(seven round trips a queue, one after another: a scrape of a thousand queues took
     7 s at a 1 ms round trip, near Prometheus's 10 s default timeout)"""
-    from sits_queue.cli import queue_status
     from sits_queue.config import SitsConfig
+    from sits_queue.status import queue_status
 
     for i in range(40):
         client_app.tasks["w.add"].apply_async((i, i), queue=f"rt-{i}")

@@ -258,7 +258,8 @@ def test_a_queue_key_of_another_type_is_said_on_its_row_and_the_others_still_sho
     for every queue: the scrape read as Redis down)"""
     from click.testing import CliRunner
 
-    from sits_queue.cli import _format_status, main, queue_status
+    from sits_queue.cli import main
+    from sits_queue.status import format_status, queue_status
     from sits_queue.workers.metrics import queue_families
 
     client_app.tasks["w.add"].apply_async((1, 1), queue="other")
@@ -269,7 +270,7 @@ def test_a_queue_key_of_another_type_is_said_on_its_row_and_the_others_still_sho
     assert rows["other"]["waiting"] == 1 and "error" not in rows["other"]
     mine = {"dead": "dead", "unacked": "unacked", "waiting": "waiting"}[key]
     assert rows["celery"][mine] is None and "WRONGTYPE" in rows["celery"]["error"]
-    shown = _format_status({"queues": list(rows.values()), "workers": []})
+    shown = format_status({"queues": list(rows.values()), "workers": []})
     assert f"queue celery: {'?' if key == 'waiting' else 1} waiting" in shown
     assert "queue other: 1 waiting" in shown and "not all of it readable" in shown
     gauges = {f.name: {s.labels["queue"]: s.value for s in f.samples}

@@ -25,10 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sits_queue.app import make_app
 from sits_queue.broker.keys import QueueKeys
-from sits_queue.cli import _format_status, workers_status
 from sits_queue.config import SitsConfig
 from sits_queue.errors import InvalidInput, UnknownModel
 from sits_queue.procs import CeleryProcess, wait_ready
+from sits_queue.status import format_status, workers_status
 from sits_queue.workers import advertise, metrics
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.devices import Discovery, cpu_device
@@ -136,7 +136,7 @@ def test_sitsq_status_shows_the_phases_and_failures(worker: CeleryProcess,
     client = redis.Redis.from_url(redis_url)
 
     def text() -> str:
-        return _format_status({"queues": [], "workers": workers_status(client, SitsConfig())})
+        return format_status({"queues": [], "workers": workers_status(client, SitsConfig())})
 
     # The advertisement is refreshed every few seconds from the same counters
     wait_for(lambda: "failed: InvalidInput 1, UnknownModel 1" in text(), 20,
@@ -169,7 +169,7 @@ def test_a_generation_counts_its_first_token(app: Celery, worker: CeleryProcess,
     assert after[total] - before[total] == pytest.approx(out["sits"]["first_token_ms"] / 1000,
                                                          abs=1e-6)
     client = redis.Redis.from_url(redis_url)
-    wait_for(lambda: "first token: " in _format_status(
+    wait_for(lambda: "first token: " in format_status(
         {"queues": [], "workers": workers_status(client, SitsConfig())}), 20,
         "sitsq status to show the first-token mean")
     client.close()

@@ -23,9 +23,9 @@ from celery.exceptions import SoftTimeLimitExceeded
 from celery.utils import worker_direct
 
 from sits_queue.broker.keys import QueueKeys
-from sits_queue.cli import _format_status, workers_status
 from sits_queue.config import SitsConfig
 from sits_queue.procs import CeleryProcess
+from sits_queue.status import format_status, workers_status
 from tests.integration.conftest import refusal
 from tests.integration.inference_app import CALL_S, FIRST_CALL_S, call, serving, spawn_worker
 from tests.waiting import wait_for
@@ -110,7 +110,7 @@ def test_a_worker_of_plain_tasks_only_runs_them_side_by_side_and_leaves_inferenc
         record = next(w for w in workers_status(r, SitsConfig())
                       if w["hostname"] == proc.hostname)
         assert record["plain_tasks_only"] == "threads"
-        assert "plain tasks only (threads pool)" in _format_status(
+        assert "plain tasks only (threads pool)" in format_status(
             {"queues": [], "workers": [record], "site": None})
         # An inference task is not started here and not failed: it stays in its queue
         left = app.tasks["t.describe"].apply_async(("left",), queue=queue.name)

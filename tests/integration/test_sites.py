@@ -30,11 +30,11 @@ from sits_queue.broker.keys import (
     takenover_key,
 )
 from sits_queue.broker.scripts import Scripts
-from sits_queue.cli import _format_status
 from sits_queue.config import SitsConfig
 from sits_queue.embedded import EmbeddedRedis
 from sits_queue.priority.sites import Link, Peer, encode_choice
 from sits_queue.procs import CeleryProcess
+from sits_queue.status import format_status
 from tests.waiting import wait_for
 
 QUEUE = QueueKeys.for_queue("celery")
@@ -167,11 +167,11 @@ def test_near_peer_top_class_is_replicated_in_the_enqueue(
     assert mine["last_pass"]["peer"] == "b" and mine["last_pass"]["replicated"] == 2
     theirs = sites.status(b, SitsConfig(redis_url="redis://unused", site="b"))
     assert theirs is not None and theirs["replicas_held"] == {"a": 3}
-    shown = _format_status({"queues": [], "workers": [], "site": mine})
+    shown = format_status({"queues": [], "workers": [], "site": mine})
     assert "replica at b (1.0 ms; high strong" in shown
     assert 0 <= mine["last_pass_age_s"] < 60 and "last sync pass " in shown
     # a site whose beat never ran says so (its peers would take it over)
-    assert "no sync pass yet (is a beat running?" in _format_status(
+    assert "no sync pass yet (is a beat running?" in format_status(
         {"queues": [], "workers": [], "site": theirs})
     app.close()
 
@@ -368,7 +368,7 @@ def test_a_peer_url_naming_this_sites_own_redis_is_refused_and_said(
     assert [e.startswith("b: is this site's own Redis server") for e in report.errors] == [
         True]
     assert a.keys("sits:replica:*") == []  # nothing drained or digested into itself
-    line = _format_status({"queues": [], "workers": [], "stray": {},
+    line = format_status({"queues": [], "workers": [], "stray": {},
                            "site": sites.status(a, app.sits)})
     assert "last pass: b: is this site's own Redis server" in line
     app.close()
@@ -401,7 +401,7 @@ def test_two_deployments_under_one_site_name_are_said_and_take_none_of_each_othe
         last = own[-1].errors
         assert len(last) == 1 and "writes here as site 'a' too: two deployments must not " \
             "share a site name" in last[0], last
-    line = _format_status({"queues": [], "workers": [], "stray": {},
+    line = format_status({"queues": [], "workers": [], "stray": {},
                            "site": sites.status(a, first.sits)})
     assert "two deployments must not share a site name" in line
     first.close()

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from sits_queue import cli
+from sits_queue import cli, status
 from sits_queue.bench import ab, demo
 
 
@@ -254,7 +254,7 @@ def test_status_says_a_worker_record_it_cannot_read_and_shows_the_rest(
                                     "sla_class": None, "task": None}]}],
               "workers": [{"hostname": "odd@h", **odd},
                           {"hostname": "good@h", "pid": 1, "concurrency": 1}]}
-    shown = cli._format_status(report)
+    shown = status.format_status(report)
     assert "odd@h: advertisement not readable here" in shown
     assert "good@h: pid 1, concurrency 1" in shown and "queue celery: 1 waiting" in shown
 
@@ -267,7 +267,7 @@ def test_status_says_a_site_record_it_cannot_read_and_shows_the_rest(last: Any) 
     report = {"site": {"site": "s1", "outbox": 2, "replicas_held": {}, "last_pass": last,
                        "last_pass_age_s": None},
               "queues": [], "workers": []}
-    shown = cli._format_status(report)
+    shown = status.format_status(report)
     assert "site s1: last pass record not readable here" in shown
     assert "outbox 2" in shown and "no queues yet" in shown
 
@@ -285,9 +285,21 @@ def test_status_shows_a_score_no_put_of_ours_wrote_as_unknown() -> None:
                           "head": [{"id": "x", "priority": None, "seq": None,
                                     "sla_class": None, "task": None, "wait_s": None}]}],
               "workers": []}
-    assert "           ?  ?       ?" in cli._format_status(report)
-    assert cli._json_safe({"a": [math.nan, 1.5, {"b": math.inf}], "c": "x"}) == \
+    assert "           ?  ?       ?" in status.format_status(report)
+    assert status.json_safe({"a": [math.nan, 1.5, {"b": math.inf}], "c": "x"}) == \
         {"a": [None, 1.5, {"b": None}], "c": "x"}
+
+
+def test_status_shows_names_on_one_line_and_when_a_task_falls_due() -> None:
+    report = {"queues": [{"queue": "new\nline\x06\x16b", "waiting": 1, "unacked": 0,
+                          "dead": 0, "checkpointed": 0, "held": 0,
+                          "head": [{"id": "x", "priority": 1.0, "seq": 1, "sla_class": "low",
+                                    "task": "t\rx", "wait_s": 0.0, "due_in_s": 60.0}]}],
+              "workers": []}
+    shown = status.format_status(report).splitlines()
+    assert shown[0].startswith("queue new\\nline\\x06\\x16b: 1 waiting")
+    assert "t\\rx" in shown[1] and shown[1].endswith("due in 60.0 s")
+    assert status.printable("ünïcode ok") == "ünïcode ok"
 
 
 def test_a_redis_that_does_not_answer_is_named_without_its_password() -> None:
