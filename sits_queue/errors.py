@@ -27,6 +27,14 @@ class DeadLettered(SitsError, RuntimeError):
     JSON-serialises by its message alone."""
 
 
+class TaskOutOfMemory(SitsError, RuntimeError):
+    """A task raised ``MemoryError`` (an allocation its process could not get: a prompt or
+    batch too large for host memory). Its result says ``MemoryError``; the worker's log
+    and task events say this. Not a ``MemoryError`` itself: Celery's worker re-raises one
+    in its main process and stops, and the message, given back, stopped every worker
+    that took it next, never counted as a redelivery."""
+
+
 class UnreadableResult(SitsError, ValueError):
     """A task's result record in the backend is not one Celery writes (another program's,
     or corrupt): said at once rather than retried as if Redis were away."""

@@ -188,6 +188,13 @@ def load_engine(spec: ModelSpec, device: str) -> Any:
             raise
         raise ModelLoadError(f"loader for model {spec.name!r} failed: "
                              f"{type(exc).__name__}: {exc}") from exc
+    except (SystemExit, KeyboardInterrupt) as exc:
+        # The loader's own (a pool child ignores SIGINT, and Celery's terminate signal
+        # kills it outright): let through, it ended the child at every redelivery, and
+        # the task was dead-lettered as poison with no word of the loader
+        raise ModelLoadError(f"loader for model {spec.name!r} tried to end its process "
+                             f"({type(exc).__name__}: {exc}); a loader that fails must "
+                             "raise an Exception") from exc
 
 
 def as_engine(spec: ModelSpec, produced: Any, device: str) -> Any:

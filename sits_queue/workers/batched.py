@@ -276,8 +276,15 @@ class BatchInferenceTask(inference.InferenceTask):
             call = Call(task_id or "", args, kwargs)
             result = inference.run_inference(runtime.for_app(self.app), self, ([call],), {})
             outcome = split_outputs(result["output"], [call], result["sits"])[call.id]
-        if isinstance(outcome, BaseException):
+        if isinstance(outcome, Exception):
             raise outcome
+        if isinstance(outcome, BaseException):
+            # (a SystemExit, KeyboardInterrupt or other BaseException given for one call:
+            # Celery's tracer re-raises those, which ended the batch's loop over its calls
+            # and failed every call traced after this one with its error)
+            raise InferenceError(f"the batch function failed this call with "
+                                 f"{type(outcome).__name__}: {outcome} (a BaseException "
+                                 "that is no Exception; give an Exception)") from outcome
         return outcome
 
 

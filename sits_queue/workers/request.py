@@ -26,6 +26,7 @@ wraps that method in every such subclass, so the check runs whatever Celery gene
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import math
@@ -40,6 +41,7 @@ from celery.worker.request import Request
 from celery.worker.state import task_ready
 
 from sits_queue.broker.keys import DELIVERY_HEADER
+from sits_queue.errors import TaskOutOfMemory
 from sits_queue.options import HEADER, MAX_VRAM_GIB
 from sits_queue.workers import nvmlfork
 from sits_queue.workers.limits import BYTES_PER_GIB, fits
@@ -344,6 +346,14 @@ class SitsRequest(Request):  # type: ignore[misc]
                         "yielded its slot" if isinstance(exc, Preempted)
                         else "rejected itself and is requeued", exc.reason)
             return None
+        if isinstance(exc, MemoryError):
+            # The task's failure (its result, stored by the child, says MemoryError), not
+            # the worker's: Celery re-raises it here, in the main process, and stops
+            exc_info = copy.copy(exc_info)
+            failed = TaskOutOfMemory(f"task {self.name}[{self.id}] ran out of memory: "
+                                     f"MemoryError: {exc}")
+            exc_info.type = TaskOutOfMemory
+            exc_info.exception = ExceptionWithTraceback(failed, exc_info.traceback)
         return super().on_failure(exc_info, send_failed_event, return_ok)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -67,6 +67,42 @@ def test_ten_thousand_in_ten_thousand_out_no_duplicates(spawn: Spawn, client_app
     assert redis_client.hlen(WAITING.payloads) == 0
 
 
+def test_a_task_out_of_memory_fails_alone_and_the_worker_serves_on(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(Celery re-raised the task's MemoryError in the worker's main process and stopped;
+    the message, given back uncounted, stopped every worker that took it next)"""
+    from sits_queue.errors import InferenceError, ModelLoadError
+
+    # a batch whose function failed one call with a MemoryError and another with a
+    # BaseException, submitted before the worker starts so that they run together
+    texts = ["ab", "memerr", "base", "abcd"]
+    batch = [client_app.tasks["w.lengths_odd"].delay(t) for t in texts]
+    worker = spawn(concurrency=1)
+    with pytest.raises(MemoryError, match="simulated: one"):
+        client_app.tasks["w.memerr"].delay("one").get(timeout=30)
+    assert client_app.tasks["w.add"].delay(2, 3).get(timeout=30) == 5
+    got: list[Any] = []
+    for one in batch:
+        try:
+            got.append(one.get(timeout=60))
+        except Exception as exc:
+            got.append(exc)
+    # each call its own outcome (those after the BaseException failed with its error)
+    assert got[0]["output"] == 2 and got[3]["output"] == 4, got
+    assert got[0]["sits"]["batch"]["size"] == len(texts)
+    assert isinstance(got[1], MemoryError)
+    assert isinstance(got[2], InferenceError) and "failed this call with Quit" in str(got[2])
+    # a loader that raised SystemExit: said, on the first run (each run ended the pool
+    # child, and the task was dead-lettered as poison after max_redeliveries)
+    with pytest.raises(ModelLoadError, match=r"'w\.exiting' tried to end its process"):
+        client_app.tasks["w.use_exiting"].delay().get(timeout=60)
+    assert worker.popen.poll() is None and client_app.tasks["w.add"].delay(1, 1).get(
+        timeout=30) == 2
+    # nothing given back to run again
+    wait_for(lambda: redis_client.zcard(WAITING.unacked) == 0, 10, "the acks")
+    assert redis_client.zcard(WAITING.waiting) == 0
+
+
 def test_sigkilled_worker_task_is_redelivered_and_completes(
         spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
     first = spawn(visibility_timeout_s="4")

@@ -136,6 +136,30 @@ def register(app: Celery) -> dict[str, Any]:
 
         return run_steps(current_task, tag, n, step_s)
 
+    @app.task(name="w.memerr", shared=False)
+    def memerr(tag: str) -> str:
+        """As an allocation too large for host memory fails."""
+        raise MemoryError(f"simulated: {tag}")
+
+    @app.batch_inference_task(name="w.lengths_odd", model="w.identity", shared=False)
+    def lengths_odd(engine: Any, calls: list[Any]) -> list[Any]:
+        """``w.lengths``, failing the call "memerr" with a MemoryError and the call "base"
+        with a BaseException that is no Exception."""
+        out: list[Any] = []
+        for c in calls:
+            text = c.args[0]
+            out.append(MemoryError(text) if text == "memerr" else
+                       Quit(text) if text == "base" else len(text))
+        return out
+
+    @app.model("w.exiting", replace=True)
+    def exiting() -> Any:
+        raise SystemExit(3)
+
+    @app.inference_task(name="w.use_exiting", model="w.exiting", shared=False)
+    def use_exiting(engine: Any) -> str:
+        return "never: its loader fails"
+
     @app.task(name="w.unstartable", Request=UnstartableRequest, shared=False)
     def unstartable() -> str:
         return "never runs"
@@ -149,7 +173,12 @@ def register(app: Celery) -> dict[str, Any]:
     return {"add": add, "record": record, "slow": slow, "mark": mark, "pid": pid,
             "steps": steps, "lengths": lengths, "total": total, "flaky": flaky,
             "infer_steps": infer_steps, "unstartable": unstartable,
-            "lengths_unstartable": lengths_unstartable}
+            "lengths_unstartable": lengths_unstartable, "memerr": memerr,
+            "lengths_odd": lengths_odd, "use_exiting": use_exiting}
+
+
+class Quit(BaseException):
+    """A BaseException that is no Exception, as a batch function may give for one call."""
 
 
 class UnstartableRequest(SitsRequest):
