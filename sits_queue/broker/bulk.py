@@ -22,7 +22,7 @@ import contextlib
 import contextvars
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -141,11 +141,18 @@ class _Sent:
     context: contextvars.Context | None  # its after_task_publish runs there
 
 
+def _items(name: str, what: str, value: Any) -> list[Any]:
+    """``value``, any iterable of items (a list, a tuple, a generator), as a list; a
+    string, bytes or a mapping is refused naming ``name`` (``what``: its items)."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be an iterable of {what} (a list, a tuple, a "
+                        f"generator), got {type(value).__name__}")
+    return value if isinstance(value, list) else list(value)
+
+
 def _check_items(task: Task, arg_list: Sequence[Any],
                  kwargs_list: Sequence[Any] | None) -> list[Mapping[str, Any]]:
     """Argument shapes and signatures of every item, before anything is sent."""
-    if isinstance(arg_list, (str, bytes)):
-        raise TypeError("arg_list must be a sequence of argument tuples")
     if kwargs_list is None:
         kwargs_all: list[Mapping[str, Any]] = [{}] * len(arg_list)
     else:
@@ -417,10 +424,11 @@ def _announce(plan: _Plan, built: list[_Sent], dispatcher: Any) -> None:
         dispatcher.flush(errors=False, groups=True)
 
 
-def enqueue_many(task: Task, arg_list: Sequence[Sequence[Any]], *,
-                 kwargs_list: Sequence[Mapping[str, Any] | None] | None = None,
+def enqueue_many(task: Task, arg_list: Iterable[Sequence[Any]], *,
+                 kwargs_list: Iterable[Mapping[str, Any] | None] | None = None,
                  chunk: int = DEFAULT_CHUNK, **options: Any) -> list[str]:
-    """Submit ``task`` once per item of ``arg_list``; returns the task ids, in order.
+    """Submit ``task`` once per item of ``arg_list`` (a list, a tuple, a generator...);
+    returns the task ids, in its order.
 
     ``options`` are ``apply_async`` options shared by every item: the SITS options
     (``sla_class``, ``model``, ``context_tokens``...) and those in
@@ -445,6 +453,10 @@ def enqueue_many(task: Task, arg_list: Sequence[Sequence[Any]], *,
     options = dict(options)
     producer = options.pop("producer", None)
     plan = _plan(task, options)
+    # (a generator, a set or a dict's keys failed on len() or slicing, saying neither)
+    arg_list = _items("arg_list", "argument tuples", arg_list)
+    if kwargs_list is not None:
+        kwargs_list = _items("kwargs_list", "keyword-argument mappings", kwargs_list)
     kwargs_all = _check_items(task, arg_list, kwargs_list)
     app: Celery = task._get_app()
     # As a task call finalizes it: what waits on that (tracing's set-up) is done first.

@@ -148,6 +148,24 @@ def test_malformed_items_raise_before_anything_is_sent(
     assert redis_client.zcard(KEYS.waiting) == 0
 
 
+def test_items_from_any_iterable_are_taken_in_its_order(app: Celery,
+                                                       redis_client: redis.Redis) -> None:
+    """(a generator, a set or a dict's keys failed on len() or slicing, naming neither)"""
+    echo = app.tasks["t.echo"]
+    ids = enqueue_many(echo, ((f"g{i}",) for i in range(5)), chunk=2,
+                       kwargs_list=iter([None] * 5))
+    ids += enqueue_many(echo, {("s",)}) + enqueue_many(echo, {("k",): 1}.keys())
+    by_task = {m["headers"]["id"]: first_arg(m) for m in payloads(redis_client).values()}
+    assert len(ids) == 7 and set(by_task) == set(ids)
+    assert [by_task[i] for i in ids] == ["g0", "g1", "g2", "g3", "g4", "s", "k"]
+    for bad in ("abc", b"abc", {"a": 1}, 5):
+        with pytest.raises(TypeError, match="arg_list must be an iterable of argument tuples"):
+            enqueue_many(echo, bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="kwargs_list must be an iterable"):
+        enqueue_many(echo, [("a",)], kwargs_list={"n": 1})  # type: ignore[arg-type]
+    assert redis_client.zcard(KEYS.waiting) == 7
+
+
 def test_a_failing_later_chunk_reports_what_was_enqueued(app: Celery,
                                                         redis_client: redis.Redis) -> None:
     echo = app.tasks["t.echo"]
