@@ -36,13 +36,12 @@ demo: $(STAMP)
 # with one of the two cores kept busy by another process (452 s, all passed); four were
 # not, and put more processes on each core.
 # Whole files go to one process (loadfile): a module's costly fixtures (a benchmark run,
-# a worker) run once. The longest modules go first (tests/conftest.py SLOWEST_MODULES;
-# xdist's own order, most tests first, left the longest one to run alone at the end). Each process starts its own private redis-server.
+# a worker) run once. Each process starts its own private redis-server.
 # PYTEST_WORKERS=0 runs everything in this process. The 20 slowest tests are listed at
 # the end, to keep the suite's time in view (CI allows 20 minutes).
 PYTEST_WORKERS ?= 3
 test: $(STAMP)
-	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=20
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -28,28 +28,7 @@ def _nvml_device_count() -> int:
         return 0
 
 
-#: Modules that take longest in all, longest first: started first. `make test` runs whole
-#: modules in each of its processes (`--dist loadfile`, in collection order:
-#: `--no-loadscope-reorder`); by xdist's own order (most tests first) the GPU check's
-#: (three tests, ~7 of 20 minutes on a slow 2-core runner) started near the end and ran
-#: alone for minutes after the rest had finished. Measured from `--durations` on
-#: 2026-12-05; a module missing here only runs in file order.
-SLOWEST_MODULES = (
-    "tests/integration/test_gpu_check.py", "tests/integration/test_bench_coalesce.py",
-    "tests/integration/test_worker.py", "tests/integration/test_engines.py",
-    "tests/integration/test_bench_prefix.py", "tests/integration/test_batched.py",
-    "tests/integration/test_bench_precision.py", "tests/integration/test_bench_coldstart.py",
-    "tests/integration/test_bench_affinity.py", "tests/integration/test_bulk.py",
-    "tests/integration/test_sites.py", "tests/integration/test_redis_restart.py",
-    "tests/integration/test_bench_ab.py", "tests/integration/test_beat.py",
-    "tests/integration/test_cli.py", "tests/integration/test_control.py",
-)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {module: i for i, module in enumerate(SLOWEST_MODULES)}
-    # (stable: a module's own tests keep their order, which some module fixtures rely on)
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items or _nvml_device_count() > 0:
         return
