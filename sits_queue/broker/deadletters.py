@@ -214,21 +214,17 @@ def requeue(channel: Any, queue: str, ids: Sequence[bytes | str]
             a for (_, record, _), args in zip(ready, records, strict=True)
             for a in (*args, record)])
         channel._after_put(queue, int(n), int(waiting))
-        gone = set(missed)
-        channel._replicate(queue, [args for (i, _, _), args in zip(ready, records, strict=True)
-                                   if _raw(i) not in gone])
-        for message_id, _, _ in ready:
-            if _raw(message_id) in gone:
+        gone = {text(m) for m in missed}  # (every id in ready is UTF-8: checked above)
+        put_back = [text(i) not in gone for i, _, _ in ready]
+        channel._replicate(queue, [args for args, back in zip(records, put_back, strict=True)
+                                   if back])
+        for (message_id, _, _), back in zip(ready, put_back, strict=True):
+            if back:
+                done.append(shown(message_id))
+            else:
                 refused[shown(message_id)] = "requeued or dropped meanwhile (by another " \
                                              "command?), or dead-lettered anew: list again"
-            else:
-                done.append(shown(message_id))
     return done, refused
-
-
-def _raw(message_id: bytes | str) -> bytes:
-    """An id as Redis replies with it."""
-    return message_id if isinstance(message_id, bytes) else message_id.encode()
 
 
 def _check_body(channel: Any, message: dict[str, Any]) -> None:

@@ -364,10 +364,9 @@ class WarmReader:
     #: fleet's make-up changes when workers come and go, not per task).
     FLEET_MAX_AGE_S = 30.0
 
-    def __init__(self, config: SitsConfig, hostname: str, slots: int | Iterable[int],
+    def __init__(self, config: SitsConfig, hostname: str, slots: Iterable[int],
                  clock: Any = time.monotonic) -> None:
-        """``slots``: the children's slots (:func:`pool_slots`), or how many children
-        (slots 0 to n-1)."""
+        """``slots``: the children's slots (:func:`pool_slots`)."""
         self._policy = config.affinity
         self._config = config
         self._hostname = hostname
@@ -375,7 +374,7 @@ class WarmReader:
         self._fleet_at: float | None = None
         self._slots: tuple[int, ...] = ()
         self._keys: list[str] = []
-        self.resize(range(max(1, slots)) if isinstance(slots, int) else slots)
+        self.resize(slots)
         self._clock = clock
         self._warm = affinity.Warm()
         self._read_at: float | None = None

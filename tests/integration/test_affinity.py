@@ -148,7 +148,7 @@ def test_warm_reader_reads_the_children_and_rereads_after_an_ack(
         r: redis.Redis, redis_url: str) -> None:
     config = SitsConfig(redis_url=redis_url, global_keyprefix="aff-test:")
     clock = [0.0]
-    reader = advertise.WarmReader(config, "w1@host", 2, clock=lambda: clock[0])
+    reader = advertise.WarmReader(config, "w1@host", range(2), clock=lambda: clock[0])
     prefix = config.global_keyprefix
     try:
         # Given no child has published yet: an ack does not make the next pick read again
@@ -195,8 +195,8 @@ def test_warm_reader_weighs_precisions_by_the_fleets_devices(
         r.set(advertise.child_key(prefix, "v100b@h", 0), "garbage")
         r.set(advertise.child_key(prefix, "v100b@h", 1), "[1, 2]")
         # Then the T4 pulls int8 tasks (and only those); the V100s fp16 (and fp32)
-        assert advertise.WarmReader(config, "t4@h", 1)().precisions == {"int8": 0.5}
-        v100 = advertise.WarmReader(config, "v100a@h", 1)().precisions
+        assert advertise.WarmReader(config, "t4@h", range(1))().precisions == {"int8": 0.5}
+        v100 = advertise.WarmReader(config, "v100a@h", range(1))().precisions
         assert set(v100) == {"fp16", "fp32"} and "int8" not in v100
         # And a corrupt record is left out, not fatal (status reads the same records)
         assert advertise.read_worker(r, prefix, "v100b@h")["children"] == {}
@@ -207,7 +207,7 @@ def test_warm_reader_weighs_precisions_by_the_fleets_devices(
 
 def test_warm_reader_without_redis_means_no_affinity() -> None:
     config = SitsConfig(redis_url="redis://127.0.0.1:1/0")  # nothing listens on port 1
-    assert advertise.WarmReader(config, "w@h", 1)() == Warm()
+    assert advertise.WarmReader(config, "w@h", range(1))() == Warm()
 
 
 # -- a real worker --------------------------------------------------------------------------
@@ -304,7 +304,7 @@ def test_warm_reader_reads_the_slots_it_is_given(r: redis.Redis, redis_url: str)
     what slot 2's child held)"""
     config = SitsConfig(redis_url=redis_url, global_keyprefix="aff-slots:")
     prefix = config.global_keyprefix
-    reader = advertise.WarmReader(config, "w@host", 2)
+    reader = advertise.WarmReader(config, "w@host", range(2))
     try:
         r.set(advertise.child_key(prefix, "w@host", 2), json.dumps({"warm": {"z": "device"}}))
         assert reader() == Warm()
