@@ -349,7 +349,11 @@ def test_terminating_one_member_gives_its_batch_mates_back_to_run(
     # Given one batch of four running (they waited behind a task holding the one child)
     busy = _busy(app, worker)
     tags = ["sleep:4", "a", "b", "victim"]
-    members = [app.tasks["t.batch_echo"].delay(tag) for tag in tags]
+    # Limits of their own, past the class's 24 s soft limit: the rerun starts in the
+    # replacement child, whose cold start (import torch, load the model) counts against
+    # it, and took over 20 s on a 2-core CI runner busy with other modules
+    members = [app.tasks["t.batch_echo"].apply_async((tag,), soft_time_limit=90,
+                                                     time_limit=110) for tag in tags]
     busy.get(timeout=CALL_S)
     _active(app, worker, {m.id for m in members})
     # When the last is revoked with terminate=True
