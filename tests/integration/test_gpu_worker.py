@@ -351,7 +351,9 @@ def test_hard_time_limit_replaces_the_child(app: Celery, worker: CeleryProcess,
     # counted only when a run ended, which a killed child never reaches)
     assert counted() == tasks + 1
     # Then a new child takes the same slot (same device), starts cold, and serves
-    after = call(app, "t.describe", "after", timeout=FIRST_CALL_S)
+    # (limits past the class's: the new child's cold start counts against them)
+    after = call(app, "t.describe", "after", timeout=FIRST_CALL_S, soft_time_limit=90,
+                 time_limit=110)
     assert after["output"]["pid"] != before["output"]["pid"]
     assert after["sits"]["slot"] == before["sits"]["slot"] == 0
     assert after["sits"]["cold"] is True and after["sits"]["source"] == "disk"
