@@ -119,10 +119,12 @@ class Shape:
     paced: int  # tasks of each paced stream
     generations: int = 200
     seed: int = 5
+    #: Timed runs of each in-process batch (after one that warms up): their median.
+    batch_repeats: int = 5
 
     def __post_init__(self) -> None:
-        if self.burst < 1 or self.paced < 1 or self.generations < 1:
-            raise ValueError("burst, paced and generations must be >= 1")
+        if min(self.burst, self.paced, self.generations, self.batch_repeats) < 1:
+            raise ValueError("burst, paced, generations and batch_repeats must be >= 1")
 
 
 QUICK = Shape(burst=1200, paced=400, generations=200)
@@ -203,7 +205,6 @@ def targets(r: Mapping[str, float | None]) -> dict[str, bool]:
 
 #: Rows of the in-process template batch: a full batch (``batch_max_tasks``).
 BATCH_ROWS = 32
-BATCH_REPEATS = 5
 #: Most new tokens a row of the in-process ragged batch asks for.
 RAGGED_MOST = 64
 #: The mixed batch's other instructions (with :data:`TEMPLATE`: a batch of several jobs'
@@ -231,10 +232,10 @@ def ragged_lengths(n: int, seed: int) -> list[int]:
 
 
 def in_process_batches(lm_dir: Path, batches: Mapping[str, Sequence[str]],
-                       lengths: Sequence[int]) -> dict[str, Any]:
+                       lengths: Sequence[int], repeats: int) -> dict[str, Any]:
     """What one batch's generation saves, measured in this process (the worker streams
     cannot show it apart from the per-task costs around it), as median ms of
-    ``generate_calls``:
+    ``generate_calls`` over ``repeats`` runs:
 
     * ``template_batch``, per batch of prompts (``one``: one template; ``mixed``: four,
       interleaved): shared starts prefilled once per group, and every row prefilled in
@@ -257,7 +258,7 @@ def in_process_batches(lm_dir: Path, batches: Mapping[str, Sequence[str]],
 
     def median_ms(calls: list[Call], share: bool) -> tuple[float, list[Any]]:
         times, got = [], []
-        for _ in range(BATCH_REPEATS + 1):  # the first run warms up
+        for _ in range(repeats + 1):  # the first run warms up
             start = time.perf_counter()
             got = generate_calls(engine, calls, share_prefix=share)
             times.append((time.perf_counter() - start) * 1000)
@@ -407,7 +408,8 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
     inputs = make_texts(BATCH_ROWS, shape.seed + 10)
     batch_ms = in_process_batches(lm_dir, {"one": [TEMPLATE + t for t in inputs],
                                            "mixed": mixed_prompts(inputs)},
-                                  ragged_lengths(BATCH_ROWS, shape.seed + 11))
+                                  ragged_lengths(BATCH_ROWS, shape.seed + 11),
+                                  shape.batch_repeats)
     ragged = batch_ms["ragged_batch"]
     r = {**ratios(result), **{
         f"{'template' if name == 'one' else 'mixed'}_batch_shared_vs_unshared":

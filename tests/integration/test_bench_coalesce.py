@@ -12,7 +12,8 @@ from sits_queue.bench import coalesce
 from sits_queue.bench.coalesce import STREAMS, Shape
 from sits_queue.bench.coalesce_apps import GEN_ONLY, SYSTEMS
 
-TINY = Shape(burst=40, paced=10, generations=12)
+#: (one timed run of each in-process batch: what the JSON holds, not how steady it is)
+TINY = Shape(burst=40, paced=10, generations=12, batch_repeats=1)
 
 
 def test_every_system_every_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

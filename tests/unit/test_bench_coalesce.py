@@ -6,6 +6,7 @@ import pytest
 
 from sits_queue.bench.coalesce import (
     RAGGED_MOST,
+    Shape,
     make_texts,
     ragged_lengths,
     ratios,
@@ -77,3 +78,9 @@ def test_ragged_lengths_are_seeded_and_within_bounds() -> None:
 def test_texts_are_seeded() -> None:
     assert make_texts(5, 1) == make_texts(5, 1) != make_texts(5, 2)
     assert all(t for t in make_texts(20, 3))
+
+
+@pytest.mark.parametrize("field", ["burst", "paced", "generations", "batch_repeats"])
+def test_a_shape_needs_at_least_one_of_each(field: str) -> None:
+    with pytest.raises(ValueError, match="batch_repeats must be >= 1"):
+        Shape(**{"burst": 1, "paced": 1, "generations": 1, field: 0})
