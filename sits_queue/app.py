@@ -22,6 +22,7 @@ from sits_queue.cache.budgets import CacheBudgets
 from sits_queue.checks import finite, is_number, shown
 from sits_queue.config import SitsConfig, without_credentials
 from sits_queue.errors import InvalidTaskOptions
+from sits_queue.exits import fail_exits
 from sits_queue.options import (
     CONTROL_QUEUE,
     HEADER,
@@ -257,6 +258,10 @@ class SitsTask(Task):  # type: ignore[misc]
     max_batch: int | None = None
     #: Whether its calls run as batches (only ``BatchInferenceTask``'s do).
     batches: ClassVar[bool] = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with fail_exits(self):
+            return super().__call__(*args, **kwargs)
 
     def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
                     producer: Any = None, link: Any = None, link_error: Any = None,

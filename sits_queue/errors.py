@@ -35,6 +35,14 @@ class TaskOutOfMemory(SitsError, RuntimeError):
     that took it next, never counted as a redelivery."""
 
 
+class TaskExited(SitsError, RuntimeError):
+    """A task raised ``SystemExit`` or ``KeyboardInterrupt`` (it called ``sys.exit()``) in
+    a worker: failed as that task's error. Let through, it ended the pool child and its
+    warm engines, and the message, redelivered, ended a child at every run until it was
+    dead-lettered as poison with no word of why; in a solo pool it stopped the worker.
+    (Celery's own shutdown signals, ``WorkerShutdown``/``WorkerTerminate``, go through.)"""
+
+
 class UnreadableResult(SitsError, ValueError):
     """A task's result record in the backend is not one Celery writes (another program's,
     or corrupt): said at once rather than retried as if Redis were away."""

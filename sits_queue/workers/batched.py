@@ -52,6 +52,7 @@ from kombu.serialization import loads
 
 from sits_queue import tracing
 from sits_queue.errors import InferenceError, InvalidInput
+from sits_queue.exits import fail_exits
 from sits_queue.workers import acquire, advertise, inference, joins, metrics, runtime
 
 logger = logging.getLogger(__name__)
@@ -200,9 +201,10 @@ def _run(task: Any, calls: list[Call], request: dict[str, Any],
     task.push_request(**{**request, "id": calls[0].id, "args": calls[0].args,
                          "kwargs": calls[0].kwargs, "is_eager": False})
     try:
-        result = inference.run_inference(runtime.for_app(task.app), task, (calls,), {},
-                                         tasks=len(calls), early=taking if early else None,
-                                         joins=feed)
+        with fail_exits(task):  # (a batch function's sys.exit(): each call fails with it)
+            result = inference.run_inference(runtime.for_app(task.app), task, (calls,), {},
+                                             tasks=len(calls),
+                                             early=taking if early else None, joins=feed)
     except Exception as exc:  # SoftTimeLimitExceeded too: each call fails with it
         # (run_inference counted it for the calls not delivered)
         _count(failed)
@@ -274,7 +276,9 @@ class BatchInferenceTask(inference.InferenceTask):
             tracing.annotate({**said, **_own_attributes(outcome)})
         else:  # alone: a batch of one (an eager call, or a worker without batches)
             call = Call(task_id or "", args, kwargs)
-            result = inference.run_inference(runtime.for_app(self.app), self, ([call],), {})
+            with fail_exits(self):
+                result = inference.run_inference(runtime.for_app(self.app), self, ([call],),
+                                                 {})
             outcome = split_outputs(result["output"], [call], result["sits"])[call.id]
         if isinstance(outcome, Exception):
             raise outcome

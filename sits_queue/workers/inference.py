@@ -43,6 +43,7 @@ from sits_queue.errors import (
     ModelLoadError,
     VramLimitExceeded,
 )
+from sits_queue.exits import fail_exits
 from sits_queue.options import PREWARM_TASK
 from sits_queue.workers import (
     acquire,
@@ -81,7 +82,8 @@ class InferenceTask(SitsTask):
     runs_inference = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return run_inference(runtime.for_app(self.app), self, args, kwargs)
+        with fail_exits(self):
+            return run_inference(runtime.for_app(self.app), self, args, kwargs)
 
 
 def run_inference(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],

@@ -103,6 +103,32 @@ def test_a_task_out_of_memory_fails_alone_and_the_worker_serves_on(
     assert redis_client.zcard(WAITING.waiting) == 0
 
 
+@pytest.mark.parametrize("pool", ["prefork", "solo"])
+def test_a_task_calling_sys_exit_fails_alone_and_its_process_serves_on(
+        pool: str, spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(a task's SystemExit ended its pool child at every run, until the message was
+    dead-lettered as poison with no word of why; in a solo pool it stopped the worker)"""
+    from sits_queue.errors import TaskExited
+
+    # a batch whose function calls sys.exit(), waiting before the worker starts
+    batch = [client_app.tasks["w.lengths_exits"].delay(t) for t in ["ab", "exit", "abc"]]
+    worker = spawn(concurrency=1, pool=pool)
+    before = client_app.tasks["w.pid"].delay().get(timeout=30)
+    with pytest.raises(TaskExited,
+                       match=r"w\.exits\[.+\] tried to end its process: SystemExit\(3\)"):
+        client_app.tasks["w.exits"].delay(3).get(timeout=30)
+    with pytest.raises(TaskExited, match=r"w\.infer_exits\[.+\].*SystemExit\(5\)"):
+        client_app.tasks["w.infer_exits"].delay(5).get(timeout=60)
+    for one in batch:  # each call fails with it, as with any error of the batch's run
+        with pytest.raises(TaskExited, match=r"SystemExit\(4\)"):
+            one.get(timeout=60)
+    # Then the same process ran them all and serves on; nothing is run again
+    assert client_app.tasks["w.pid"].delay().get(timeout=30) == before
+    assert worker.popen.poll() is None
+    wait_for(lambda: redis_client.zcard(WAITING.unacked) == 0, 10, "the acks")
+    assert redis_client.zcard(WAITING.waiting) == 0
+
+
 def test_sigkilled_worker_task_is_redelivered_and_completes(
         spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
     first = spawn(visibility_timeout_s="4")

@@ -9,6 +9,7 @@ tasks on its own app with :func:`register`.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,23 @@ def register(app: Celery) -> dict[str, Any]:
                        Quit(text) if text == "base" else len(text))
         return out
 
+    @app.task(name="w.exits", shared=False)
+    def exits(code: int) -> str:
+        """A task that calls sys.exit()."""
+        sys.exit(code)
+
+    @app.inference_task(name="w.infer_exits", model="w.identity", shared=False)
+    def infer_exits(engine: Any, code: int) -> str:
+        """An inference task that calls sys.exit()."""
+        sys.exit(code)
+
+    @app.batch_inference_task(name="w.lengths_exits", model="w.identity", shared=False)
+    def lengths_exits(engine: Any, calls: list[Any]) -> list[int]:
+        """``w.lengths``, but a call "exit" makes the batch function call sys.exit()."""
+        if any(c.args[0] == "exit" for c in calls):
+            sys.exit(4)
+        return [len(c.args[0]) for c in calls]
+
     @app.model("w.exiting", replace=True)
     def exiting() -> Any:
         raise SystemExit(3)
@@ -174,7 +192,8 @@ def register(app: Celery) -> dict[str, Any]:
             "steps": steps, "lengths": lengths, "total": total, "flaky": flaky,
             "infer_steps": infer_steps, "unstartable": unstartable,
             "lengths_unstartable": lengths_unstartable, "memerr": memerr,
-            "lengths_odd": lengths_odd, "use_exiting": use_exiting}
+            "lengths_odd": lengths_odd, "use_exiting": use_exiting, "exits": exits,
+            "infer_exits": infer_exits, "lengths_exits": lengths_exits}
 
 
 class Quit(BaseException):

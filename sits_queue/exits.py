@@ -1,0 +1,36 @@
+"""A task that tries to end its process fails instead (:class:`~sits_queue.errors.TaskExited`).
+
+Celery's tracer re-raises a ``SystemExit`` or ``KeyboardInterrupt`` a task raises: in a
+pool child it ends the child (its warm engines lost), and the message, redelivered,
+ended a child at every run until the broker dead-lettered it as poison; in a solo pool it
+stopped the worker. In a worker, either becomes the task's own failure. Celery's
+shutdown (``WorkerShutdown``/``WorkerTerminate``, raised into a solo pool's running task
+by the worker's signal handlers) goes through, and so does anything in an eager call:
+there the process is the caller's, and a Ctrl+C is the caller's to have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from celery.exceptions import WorkerShutdown, WorkerTerminate
+
+from sits_queue.errors import TaskExited
+
+
+@contextmanager
+def fail_exits(task: Any) -> Iterator[None]:
+    """Run ``task``'s body: a ``SystemExit``/``KeyboardInterrupt`` it raises in a worker
+    is raised as :class:`TaskExited`."""
+    try:
+        yield
+    except (SystemExit, KeyboardInterrupt) as exc:
+        request = task.request
+        if isinstance(exc, WorkerShutdown | WorkerTerminate) or request.is_eager:
+            raise
+        code = f"({exc.code!r})" if isinstance(exc, SystemExit) else ""
+        raise TaskExited(f"task {task.name}[{request.id}] tried to end its process: "
+                         f"{type(exc).__name__}{code}; failed instead (a task may not "
+                         "end its worker's process)") from exc

@@ -1,0 +1,44 @@
+"""A task's attempt to end its process, as its failure (``exits.fail_exits``)."""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+from celery.exceptions import WorkerShutdown, WorkerTerminate
+
+from sits_queue.errors import TaskExited
+from sits_queue.exits import fail_exits
+
+
+def task(eager: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(name="t.x", request=SimpleNamespace(id="abc", is_eager=eager))
+
+
+@pytest.mark.parametrize(("raised", "said"), [
+    (SystemExit(3), "SystemExit(3)"), (SystemExit(), "SystemExit(None)"),
+    (SystemExit("bye"), "SystemExit('bye')"), (KeyboardInterrupt(), "KeyboardInterrupt;")])
+def test_an_exit_in_a_worker_is_the_tasks_failure(raised: BaseException, said: str) -> None:
+    with pytest.raises(TaskExited) as caught, fail_exits(task()):
+        raise raised
+    assert f"task t.x[abc] tried to end its process: {said}" in str(caught.value)
+    assert caught.value.__cause__ is raised
+
+
+@pytest.mark.parametrize("shutdown", [WorkerShutdown(0), WorkerTerminate(1)])
+def test_the_workers_own_shutdown_goes_through(shutdown: SystemExit) -> None:
+    with pytest.raises(type(shutdown)), fail_exits(task()):
+        raise shutdown
+
+
+def test_an_eager_call_leaves_the_exit_to_its_caller() -> None:
+    with pytest.raises(SystemExit), fail_exits(task(eager=True)):
+        sys.exit(2)
+
+
+def test_a_body_that_returns_or_fails_otherwise_is_left_alone() -> None:
+    with fail_exits(task()):
+        pass
+    with pytest.raises(ValueError), fail_exits(task()):
+        raise ValueError("its own error")
