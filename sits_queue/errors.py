@@ -35,6 +35,12 @@ class TaskOutOfMemory(SitsError, RuntimeError):
     that took it next, never counted as a redelivery."""
 
 
+class NoDeviceLargeEnough(SitsError, ValueError):
+    """A task declares more VRAM (``vram_gib``) than the largest device of any live
+    worker holds in all: no worker could ever start it. Its message is dead-lettered
+    (``sitsq dead requeue`` puts it back once a worker with a larger device serves)."""
+
+
 class TaskExited(SitsError, RuntimeError):
     """A task raised ``SystemExit`` or ``KeyboardInterrupt`` (it called ``sys.exit()``) in
     a worker: failed as that task's error. Let through, it ended the pool child and its

@@ -117,6 +117,19 @@ def device_record(device: Device) -> dict[str, Any]:
             "peak_tflops": {p: round(v / 1e12, 3) for p, v in device.peak_flops.items()}}
 
 
+def largest_device_bytes(records: Iterable[Mapping[str, Any]]) -> int | None:
+    """The memory of the largest device any of the worker ``records`` advertises, bytes;
+    None when none advertises one."""
+    sizes: list[int] = []
+    for record in records:
+        devices = record.get("devices")
+        for device in devices if isinstance(devices, list) else []:
+            size = device.get("total_vram_bytes") if isinstance(device, Mapping) else None
+            if isinstance(size, int) and not isinstance(size, bool):
+                sizes.append(size)
+    return max(sizes) if sizes else None
+
+
 def device_peaks(record: Mapping[str, Any]) -> dict[str, float]:
     """A worker record's peak TFLOP/s per precision, the best of its devices."""
     peaks: dict[str, float] = {}

@@ -11,6 +11,14 @@ behind it instead, while every other worker may take it at once. The task never 
 for want of memory it did not yet try to use, and it does not block the tasks behind it
 on a worker that cannot run it.
 
+A task that declares more than this worker's largest device holds in all can never start
+here: it is held off for :data:`NEVER_HERE_HOLD_S` at once, for a worker with a larger
+device. And when no live worker advertises a device that large (their records in Redis,
+``advertise.py``), no worker could ever start it, and it would circle between them for
+good, its caller waiting without a word: its message is dead-lettered with
+:class:`~sits_queue.errors.NoDeviceLargeEnough` (its caller's ``get()`` raises), to be
+put back by ``sitsq dead requeue`` once a larger device serves.
+
 A worker for plain tasks only (``plain_tasks_only``, with a pool that runs several
 tasks in one process) leaves every inference task the same way: one process cannot give
 each its class's VRAM cap and CPU cores, and its engine cache would be shared.
@@ -41,7 +49,7 @@ from celery.worker.request import Request
 from celery.worker.state import task_ready
 
 from sits_queue.broker.keys import DELIVERY_HEADER
-from sits_queue.errors import TaskOutOfMemory
+from sits_queue.errors import NoDeviceLargeEnough, TaskOutOfMemory
 from sits_queue.options import HEADER, MAX_VRAM_GIB
 from sits_queue.workers import nvmlfork
 from sits_queue.workers.limits import BYTES_PER_GIB, fits
@@ -57,6 +65,9 @@ HEADROOM_BYTES = 512 * 2**20
 HOLD_FIRST_S = 0.25
 #: ...up to this, s: bounds how late this worker notices that memory came free.
 HOLD_LONGEST_S = 4.0
+#: Hold of a message that declares more than this worker's largest device holds in all,
+#: s: no memory coming free lets it start here.
+NEVER_HERE_HOLD_S = 60.0
 
 
 class NotStartedHere(TaskRevokedError):  # type: ignore[misc]
@@ -66,6 +77,9 @@ class NotStartedHere(TaskRevokedError):  # type: ignore[misc]
 class FreeMemoryProbe(Protocol):
     def max_free_bytes(self) -> int:
         """Free memory of the worker's roomiest device, bytes."""
+
+    def max_total_bytes(self) -> int:
+        """Memory of the worker's largest device in all, bytes."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +93,22 @@ class Verdict:
         return (f"declares vram_gib={self.needed_gib:g} but the roomiest device has "
                 f"{self.free_bytes / BYTES_PER_GIB:.2f} GiB free "
                 f"(minus {HEADROOM_BYTES / BYTES_PER_GIB:.2f} GiB headroom)")
+
+
+@dataclass(frozen=True)
+class NeverFits:
+    """Why a task never starts on a worker: it declares more than the largest device
+    (this worker's, or any live worker's: ``fleet``) holds in all."""
+
+    needed_gib: float
+    total_bytes: int
+    fleet: bool = False
+
+    def reason(self) -> str:
+        whose = "of any live worker" if self.fleet else "of this worker"
+        return (f"declares vram_gib={self.needed_gib:g} but the largest device {whose} "
+                f"has {self.total_bytes / BYTES_PER_GIB:.2f} GiB in all (minus "
+                f"{HEADROOM_BYTES / BYTES_PER_GIB:.2f} GiB headroom)")
 
 
 @dataclass(frozen=True)
@@ -144,6 +174,9 @@ class HostProbe:
     def max_free_bytes(self) -> int:
         return int(psutil.virtual_memory().available)
 
+    def max_total_bytes(self) -> int:
+        return int(psutil.virtual_memory().total)
+
 
 class NvmlProbe:
     """Free memory of the worker's GPUs through NVML: kept open between reads, closed
@@ -173,6 +206,10 @@ class NvmlProbe:
     def max_free_bytes(self) -> int:
         with nvmlfork.session():
             return max(int(self._nvml.nvmlDeviceGetMemoryInfo(h).free) for h in self._open())
+
+    def max_total_bytes(self) -> int:
+        with nvmlfork.session():
+            return max(int(self._nvml.nvmlDeviceGetMemoryInfo(h).total) for h in self._open())
 
     def close(self) -> None:
         """Shut the session down (it reopens at the next read)."""
@@ -213,15 +250,16 @@ def probe() -> FreeMemoryProbe:
     return _probe
 
 
-def _give_back(request: Request, hold: bool = False) -> float:
+def _give_back(request: Request, hold: bool = False,
+               holds: tuple[float, float] = (HOLD_FIRST_S, HOLD_LONGEST_S)) -> float:
     """Put the message back at its score without a redelivery (held off from this
-    consumer when ``hold``); forget the request. Returns the hold, s."""
+    consumer when ``hold``: first and longest hold, ``holds``); forget the request.
+    Returns the hold, s."""
     message = request.message
     qos: Any = getattr(getattr(message, "channel", None), "qos", None)
     held = 0.0
     if qos is not None and callable(getattr(qos, "release", None)):
-        held = float(qos.release(message.delivery_tag, *((HOLD_FIRST_S, HOLD_LONGEST_S)
-                                                        if hold else ())) or 0.0)
+        held = float(qos.release(message.delivery_tag, *(holds if hold else ())) or 0.0)
         # kombu's own requeue() marks the message so; nothing may ack it after this.
         message._state = "REQUEUED"
     else:  # another transport: a plain requeue (it may count as a redelivery there)
@@ -238,23 +276,32 @@ def dead_letter_unstartable(request: Request, exc: Exception) -> bool:
     with the error (its caller's result fails with it), and forget the request here;
     False where the message is not of our transport, or the error is a lost connection
     (then the error is raised)."""
+    if not _dead_letter(request, exc):
+        return False
+    logger.error("task %s[%s]: Celery could not start it (%s: %s); its message is "
+                 "dead-lettered", request.name, request.id, type(exc).__name__, exc,
+                 exc_info=exc)
+    return True
+
+
+def _dead_letter(request: Request, exc: Exception) -> bool:
+    """Dead-letter ``request``'s message with ``exc`` and forget the request here; False
+    where the message is not of our transport, or ``exc`` is a lost connection."""
     message = request.message
     delivery = (request.request_dict or {}).get(DELIVERY_HEADER)  # [queue, message id]
     refuse = getattr(getattr(message, "channel", None), "refuse", None)
     if not callable(refuse) or not isinstance(delivery, list) or not delivery \
             or not isinstance(delivery[0], str) or not refuse(delivery[0], message, exc):
         return False
-    logger.error("task %s[%s]: Celery could not start it (%s: %s); its message is "
-                 "dead-lettered", request.name, request.id, type(exc).__name__, exc,
-                 exc_info=exc)
     request.acknowledged = True
     task_ready(request)
     return True
 
 
-def release(request: Request, verdict: Verdict | SharedProcess) -> float:
+def release(request: Request, verdict: Verdict | SharedProcess | NeverFits) -> float:
     """Give the message back without a redelivery, held off from this worker; hold s."""
-    hold = _give_back(request, hold=True)
+    hold = _give_back(request, hold=True, holds=(NEVER_HERE_HOLD_S, NEVER_HERE_HOLD_S)
+                      if isinstance(verdict, NeverFits) else (HOLD_FIRST_S, HOLD_LONGEST_S))
     logger.info("task %s[%s] not started here: %s; released to its queue, not taken "
                 "back here for %.2f s", request.name, request.id, verdict.reason(), hold)
     return hold
@@ -264,7 +311,7 @@ def refused(request: Request) -> bool:
     """Give the message back (:func:`release`) when the VRAM it declares does not fit the
     roomiest device now, or it is an inference task on a worker of plain tasks only;
     True when it was given back."""
-    verdict: Verdict | SharedProcess | None = None
+    verdict: Verdict | SharedProcess | NeverFits | None = None
     if _shared is not None and getattr(request.task, "runs_inference", False):
         verdict = _shared
     elif (needed := declared_vram_gib(request.request_dict)) is not None:
@@ -277,16 +324,43 @@ def refused(request: Request) -> bool:
                            request.id, needed, limit)
             return False
         try:
-            free = probe().max_free_bytes()
+            verdict = admit(needed, probe().max_free_bytes())
+            if verdict is not None and not fits(needed, total := probe().max_total_bytes(),
+                                                HEADROOM_BYTES):
+                verdict = NeverFits(needed, total)
         except Exception as exc:  # NVML gone away: run it; its class cap still holds
             logger.warning("task %s[%s]: could not read free device memory (%s); "
                            "started without the vram_gib check", request.name, request.id, exc)
             return False
-        verdict = admit(needed, free)
     if verdict is None:
         return False
+    if isinstance(verdict, NeverFits) and _fits_no_worker(request, verdict):
+        return True
     release(request, verdict)
     return True
+
+
+def _fits_no_worker(request: Request, verdict: NeverFits) -> bool:
+    """Dead-letter a task no live worker's device could ever hold (True: done); False
+    when some worker's could, or the fleet could not be read (it is released then)."""
+    from sits_queue.app import sits_config
+    from sits_queue.workers import advertise
+
+    try:  # (nothing here may raise in the main process: the pool slot would be lost)
+        config = sits_config(request.task.app)
+        largest = advertise.largest_device_bytes(advertise.read_workers(
+            advertise.client_for(config), config.global_keyprefix))
+    except Exception as exc:
+        logger.warning("task %s[%s]: the workers' devices could not be read (%s)",
+                       request.name, request.id, exc)
+        return False
+    if largest is None or fits(verdict.needed_gib, largest, HEADROOM_BYTES):
+        return False
+    fleet = NeverFits(verdict.needed_gib, max(largest, verdict.total_bytes), fleet=True)
+    error = NoDeviceLargeEnough(f"task {request.name}[{request.id}] {fleet.reason()}: no "
+                                "worker can start it; `sitsq dead requeue` puts it back "
+                                "once a worker with a larger device serves its queue")
+    return _dead_letter(request, error)  # (the broker logs it, with the reason)
 
 
 def _guard(execute: Callable[..., Any]) -> Callable[..., Any]:

@@ -12,8 +12,11 @@ The tests run in file order; each leaves the worker serving (checked by the next
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,9 +27,11 @@ import redis
 from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
+from sits_queue.broker import deadletters
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.errors import (
     ContextTooLong,
+    DeadLettered,
     InvalidInput,
     ModelLoadError,
     UnknownModel,
@@ -35,6 +40,8 @@ from sits_queue.errors import (
 from sits_queue.procs import CeleryProcess
 from sits_queue.workers import advertise
 from sits_queue.workers.advertise import read_workers
+from sits_queue.workers.limits import BYTES_PER_GIB
+from sits_queue.workers.request import HEADROOM_BYTES
 from tests.integration.inference_app import CALL_S, FIRST_CALL_S, call, serving
 from tests.waiting import wait_for
 
@@ -225,10 +232,20 @@ def delivery_tag(r: redis.Redis, task_id: str) -> str | None:
     return None
 
 
+def _largest_device_gib(r: redis.Redis, worker: CeleryProcess) -> float:
+    """What a task may declare to fit the worker's largest device in all (its headroom
+    taken off), GiB, from its advertised record (host RAM on a CPU; NVML's on a GPU)."""
+    record = advertise.read_worker(r, "", worker.hostname) or {}
+    total = max(d["total_vram_bytes"] for d in record["devices"])
+    return math.floor((total - HEADROOM_BYTES) / BYTES_PER_GIB * 1000) / 1000
+
+
 def test_task_that_does_not_fit_is_released_not_failed(app: Celery, worker: CeleryProcess,
                                                         r: redis.Redis) -> None:
-    # Given a task declaring more memory than the host has free
-    big = app.tasks["t.ping"].apply_async(("big",), vram_gib=1000, sla_class="vast")
+    # Given a task declaring more memory than the host has free, but not more than its
+    # largest device holds in all (something else always holds a little of it)
+    needed = _largest_device_gib(r, worker)
+    big = app.tasks["t.ping"].apply_async(("big",), vram_gib=needed, sla_class="vast")
     tag = delivery_tag(r, big.id)
     assert tag is not None
     wait_for(lambda: worker.log().count(f"[{big.id}] not started here") >= 2, 30,
@@ -243,6 +260,53 @@ def test_task_that_does_not_fit_is_released_not_failed(app: Celery, worker: Cele
     behind = app.tasks["t.ping"].apply_async(("behind",), sla_class="vast")
     assert behind.get(timeout=3) == "behind"
     assert r.hget(WAITING.redelivered, tag) is None and big.state == "PENDING"
+    r.hdel(WAITING.payloads, tag)  # gone for good: a pick skips an id without payload
+    r.zrem(WAITING.waiting, tag)
+
+
+def test_a_task_no_worker_could_ever_start_is_dead_lettered_with_the_reason(
+        app: Celery, worker: CeleryProcess, r: redis.Redis) -> None:
+    """(a task declaring more than any device holds was released by every worker for
+    good, its caller waiting without a word)"""
+    # Given a task declaring more than the largest device of any live worker holds
+    needed = _largest_device_gib(r, worker) + 1
+    never = app.tasks["t.ping"].apply_async(("never",), vram_gib=needed, sla_class="vast")
+    # Then its caller is told why, at once, and its message waits in the dead letters
+    with pytest.raises(DeadLettered, match=rf"declares vram_gib={needed:g} but the largest "
+                       r"device of any live worker has .* GiB in all.*no worker can start it"):
+        never.get(timeout=30)
+    letters = deadletters.read(r, WAITING.dead)
+    assert [d.task_id for d in letters] == [never.id]
+    assert "NoDeviceLargeEnough" in letters[0].reason
+    assert r.zcard(WAITING.waiting) == 0 and r.zcard(WAITING.unacked) == 0
+    wait_for(lambda: f"NoDeviceLargeEnough: task t.ping[{never.id}]" in worker.log(), 10,
+             "the log to say why")
+    r.delete(WAITING.dead)
+    assert_serving(app, worker)
+
+
+def test_a_task_only_another_worker_could_start_is_left_to_it(
+        app: Celery, worker: CeleryProcess, r: redis.Redis) -> None:
+    # Given another live worker advertising a device larger than any of this worker's
+    # (its record, as that worker writes it), and a task only that device could hold
+    record = advertise.read_worker(r, "", worker.hostname) or {}
+    needed = _largest_device_gib(r, worker) + 1
+    big = {**record["devices"][0], "total_vram_bytes": int((needed + 2) * BYTES_PER_GIB)}
+    other = {**record, "hostname": "bigger@elsewhere", "devices": [big]}
+    r.set(advertise.worker_key("", "bigger@elsewhere"), json.dumps(other), ex=60)
+    r.zadd(advertise.workers_key(""), {"bigger@elsewhere": time.time()})
+    try:
+        task = app.tasks["t.ping"].apply_async(("big",), vram_gib=needed, sla_class="vast")
+        # Then this worker leaves it to that one, at once for a long hold, and says why
+        wait_for(lambda: f"[{task.id}] not started here" in worker.log(), 30, "the release")
+        assert "the largest device of this worker has" in worker.log()
+        assert "not taken back here for 60.00 s" in worker.log()
+        tag = delivery_tag(r, task.id)
+        wait_for(lambda: r.zscore(WAITING.waiting, tag) is not None, 10, "it to wait")
+        assert r.hlen(WAITING.dead) == 0 and task.state == "PENDING"
+        assert_serving(app, worker)
+    finally:
+        advertise.withdraw(r, "", "bigger@elsewhere", 1)
     r.hdel(WAITING.payloads, tag)  # gone for good: a pick skips an id without payload
     r.zrem(WAITING.waiting, tag)
 

@@ -4,6 +4,7 @@ caps, admission, the request guard, the registry and the advertisement records."
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType, SimpleNamespace
@@ -352,11 +353,14 @@ class FakeQoS:
 
 
 class FakeProbe:
-    def __init__(self, free_bytes: int) -> None:
-        self.free_bytes = free_bytes
+    def __init__(self, free_bytes: int, total_bytes: int = 80 * GIB) -> None:
+        self.free_bytes, self.total_bytes = free_bytes, total_bytes
 
     def max_free_bytes(self) -> int:
         return self.free_bytes
+
+    def max_total_bytes(self) -> int:
+        return self.total_bytes
 
 
 class CeleryGenerated(request.SitsRequest):
@@ -396,6 +400,23 @@ def test_generated_request_classes_are_guarded(monkeypatch: pytest.MonkeyPatch) 
     assert CeleryGenerated.ran == ["task-1"]
     assert qos.released == [("tag-1", request.HOLD_FIRST_S, request.HOLD_LONGEST_S)]
     assert big.message._state == "REQUEUED" and big.acknowledged
+
+
+def test_a_task_over_the_largest_device_here_is_held_off_long(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # Given a worker whose largest device holds 80 GiB in all, and a task declaring 100
+    # (the fleet unreadable here: no app; a worker with a larger device may take it)
+    monkeypatch.setattr(request, "_probe", FakeProbe(40 * GIB, total_bytes=80 * GIB))
+    CeleryGenerated.ran.clear()
+    big, qos = fake_request(100)
+    with caplog.at_level(logging.INFO, logger=request.__name__), \
+            pytest.raises(request.NotStartedHere):
+        big.execute_using_pool(None)
+    # Then no memory coming free could start it here: held off at once for long
+    assert qos.released == [("tag-1", request.NEVER_HERE_HOLD_S, request.NEVER_HERE_HOLD_S)]
+    assert CeleryGenerated.ran == [] and big.acknowledged
+    assert "the largest device of this worker has 80.00 GiB in all" in caplog.text
+    assert "workers' devices could not be read" in caplog.text
 
 
 class BrokenProbe:
@@ -828,3 +849,28 @@ def test_a_records_slots_are_read_back_or_made_from_its_concurrency(
 def test_a_worker_record_names_its_slots() -> None:
     assert advertise.worker_record("w@h", 1, 2, [], {}, 1.0, [1, 2])["slots"] == [1, 2]
     assert advertise.worker_record("w@h", 1, 2, [], {}, 1.0)["slots"] == [0, 1]
+
+
+def test_the_largest_device_is_read_off_every_worker_record() -> None:
+    records = [{"devices": [{"total_vram_bytes": 24 * GIB}, {"total_vram_bytes": 80 * GIB}]},
+               {"devices": [{"total_vram_bytes": 141 * GIB}]}]
+    assert advertise.largest_device_bytes(records) == 141 * GIB
+    # what no worker writes is passed over; nothing readable: None (not "0 bytes")
+    odd: list[dict[str, Any]] = [
+        {}, {"devices": None}, {"devices": ["x", {"total_vram_bytes": "80"}]},
+        {"devices": [{"total_vram_bytes": True}, {"total_vram_bytes": 3.5}]}]
+    assert advertise.largest_device_bytes(odd) is None
+    assert advertise.largest_device_bytes([]) is None
+    assert advertise.largest_device_bytes([*odd, records[0]]) == 80 * GIB
+
+
+def test_a_probe_reads_the_largest_device_in_all() -> None:
+    memory = {"a": SimpleNamespace(free=5, total=16), "b": SimpleNamespace(free=9, total=12)}
+    nvml = SimpleNamespace(nvmlInit=lambda: None, nvmlShutdown=lambda: None,
+                           nvmlDeviceGetHandleByUUID=lambda uuid: uuid,
+                           nvmlDeviceGetMemoryInfo=lambda handle: memory[handle])
+    probe = request.NvmlProbe(["a", "b"], nvml)
+    assert (probe.max_free_bytes(), probe.max_total_bytes()) == (9, 16)
+    probe.close()
+    host = request.HostProbe()
+    assert 0 < host.max_free_bytes() <= host.max_total_bytes()
