@@ -135,10 +135,14 @@ def apply_sharded(task: Any, items: Sequence[Any], *args: Any,
         raise TypeError("items must be a list (or another sequence) of inputs, "
                         f"got {type(items).__name__}")
     options = dict(options)
-    entropy = options.pop("input_entropy", None)  # the caller's, else measured; sent once
-    if entropy is None:
+    # The caller's, else the task's declared one (which applies to each shard as it is),
+    # else measured and sent once: a measured value sent as the call's would outrank
+    # the task's declaration in every shard's score
+    entropy = options.pop("input_entropy", None)
+    declared = getattr(task, "input_entropy", None)
+    if entropy is None and declared is None:
         entropy = input_entropy((list(items),), {})
-    shard_plan = plan(len(items), entropy, shard_items)
+    shard_plan = plan(len(items), entropy if entropy is not None else declared, shard_items)
     extra = {} if entropy is None else {"input_entropy": entropy}
     if not shard_plan.sharded:
         one = task.apply_async((list(items), *args), kwargs or {}, **extra, **options)

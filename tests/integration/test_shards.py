@@ -63,6 +63,23 @@ def test_the_callers_entropy_decides_and_is_sent_once(app: Celery,
     assert len(whole) == 1 and whole.get(timeout=CALL_S) == [len(t) for t in DENSE]
 
 
+def test_the_tasks_declared_entropy_decides_when_the_caller_says_none(
+        app: Celery, worker: CeleryProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(apply_sharded measured the items, split on that, and sent the measured value as
+    the call's, outranking the task's declaration in every shard's score)"""
+    task = app.tasks["t.lengths"]
+    # Given a task declaring low entropy (it wants arrival order), dense items stay whole
+    monkeypatch.setattr(task, "input_entropy", 0.01)
+    whole = apply_sharded(task, DENSE, shard_items=4)
+    assert len(whole) == 1 and not whole.plan.sharded and whole.plan.entropy == 0.01
+    assert whole.get(timeout=CALL_S) == [len(t) for t in DENSE]
+    # and one declaring high entropy has prose split
+    monkeypatch.setattr(task, "input_entropy", 0.99)
+    split = apply_sharded(task, PROSE, shard_items=4)
+    assert len(split) == 5 and split.plan.sharded and split.plan.entropy == 0.99
+    assert split.get(timeout=CALL_S) == [len(t) for t in PROSE]
+
+
 def test_an_early_stop_revokes_the_shards_not_yet_run(app: Celery,
                                                       worker: CeleryProcess) -> None:
     job = apply_sharded(app.tasks["t.lengths"], DENSE, shard_items=2)  # 10 shards
