@@ -51,7 +51,7 @@ def task_of(record: bytes | str) -> tuple[str, str, str] | None:
         headers = json.loads(parsed["payload"])["headers"]
         task_id, name = headers["id"], headers.get("task", "?")
         reason = str(parsed.get("reason", "dead-lettered"))
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
     return (task_id, str(name), reason) if isinstance(task_id, str) and task_id else None
 

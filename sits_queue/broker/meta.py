@@ -136,7 +136,8 @@ class WaitingMeta:
             return None
         try:
             return cls.from_json(raw)
-        except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError):
+        except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError,
+                RecursionError):  # (JSON nested thousands deep)
             return None
 
 
@@ -181,7 +182,7 @@ def sla_class_of(raw: str | bytes | None) -> str | None:
     understood (the sites' replicas and digests read only this)."""
     try:
         record = json.loads(raw) if raw is not None else None
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     value = record.get("c") if isinstance(record, dict) else None
     return value if isinstance(value, str) else None

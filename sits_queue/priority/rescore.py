@@ -386,9 +386,10 @@ class Rescorer:
                         # that it still ages
                         inputs = (self.config.default_class, *inputs[1:])
                     new = score_base(scorer.score(*inputs)) + (int(old) & (SEQ_SPAN - 1))
-                except (ValueError, KeyError, TypeError, ArithmeticError) as exc:
-                    # (a record with an SLA of 0 divides by it): one bad record must not
-                    # stop the pass over every other message
+                except (ValueError, KeyError, TypeError, ArithmeticError,
+                        RecursionError) as exc:
+                    # (a record with an SLA of 0 divides by it; JSON nested thousands
+                    # deep): one bad record must not stop the pass over every other message
                     logger.warning("queue %r message %r: unreadable scheduling record (%s); "
                                    "keeping its score", queue, msg_id, exc)
                     continue
@@ -450,6 +451,10 @@ class Rescorer:
                 # runs ahead) has waited nothing yet
                 if meta.options.sla_class == top and meta.task not in UNCOUNTED_TASKS:
                     wait = max(0.0, (now_s - meta.waiting_since_s) * 1000)
+                    if not math.isfinite(wait):
+                        # a time no producer writes (-1e308, nan): its wait is no wait
+                        # (infinite, it failed every check while the record waited)
+                        continue
                     oldest = wait if oldest is None else max(oldest, wait)
         return oldest
 

@@ -292,7 +292,7 @@ def json_object(raw: Any) -> dict[str, Any] | None:
         return None
     try:
         value = json.loads(raw)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):  # (JSON nested thousands deep)
         return None
     return value if isinstance(value, dict) else None
 

@@ -173,6 +173,29 @@ def test_a_record_that_cannot_be_scored_keeps_its_score_and_the_pass_goes_on(
     assert drain(app) == ["good", "bad"]
 
 
+def test_records_no_producer_writes_stop_neither_the_pass_nor_the_trigger_check(
+        app: Celery, redis_client: redis.Redis) -> None:
+    """(JSON nested 100k deep raised RecursionError out of the pass, for every queue at
+    every pass; a top-class record put at -1e308 s waited an infinite time, which failed
+    every trigger check)"""
+    echo = app.tasks["t.echo"]
+    for tag in ("deep", "ancient", "good"):
+        echo.apply_async((tag,), sla_class="high", model=tag)
+    keys = QueueKeys.for_queue("celery")
+    ids = {json.loads(raw)["m"]: i for i, raw in redis_client.hgetall(keys.meta).items()}
+    redis_client.hset(keys.meta, ids["deep"], "[" * 100_000 + "]" * 100_000)
+    ancient = json.loads(redis_client.hget(keys.meta, ids["ancient"]))
+    redis_client.hset(keys.meta, ids["ancient"], json.dumps({**ancient, "t": -1e308}))
+    rescorer = Rescorer(app.sits, redis_client)
+    report = rescorer.rescore_all()
+    assert report is not None and report.seen == 3
+    now = time.time()
+    wait = rescorer.oldest_top_class_wait_ms(now + 1.0)
+    assert wait is not None and 1000.0 <= wait < 60_000.0  # the good one's
+    assert "backlog" not in rescorer.check_triggers(now)  # (it raised)
+    assert sorted(drain(app)) == ["ancient", "deep", "good"]
+
+
 def test_a_task_of_a_class_the_table_lacks_ages_as_the_default_class(
         app: Celery, redis_client: redis.Redis) -> None:
     from sits_queue.broker.keys import decode_score
