@@ -19,7 +19,7 @@ from kombu.utils.objects import cached_property
 from sits_queue import flower
 from sits_queue.broker.keys import DELIVERY_ONLY
 from sits_queue.cache.budgets import CacheBudgets
-from sits_queue.checks import finite, is_number, shown
+from sits_queue.checks import shown
 from sits_queue.config import SitsConfig, without_credentials
 from sits_queue.errors import InvalidTaskOptions
 from sits_queue.exits import fail_exits
@@ -42,6 +42,8 @@ from sits_queue.settings import beat_schedule as beat_schedule
 from sits_queue.settings import celery_settings as celery_settings
 from sits_queue.settings import prewarm_schedule as prewarm_schedule
 from sits_queue.settings import sits_transport_options as sits_transport_options
+from sits_queue.timelimits import apply_class_limits as apply_class_limits
+from sits_queue.timelimits import fit_carried_limit
 
 logger = logging.getLogger(__name__)
 
@@ -139,72 +141,6 @@ def _call_max_batch(task: Task | None, opts: TaskOptions, most: Any) -> TaskOpti
     if most == 1:
         return replace(opts, batch=None, batch_max=None)
     return replace(opts, batch_max=most)
-
-
-def apply_class_limits(task: Task | None, config: SitsConfig, sla_class: str,
-                       options: dict[str, Any], conf: Mapping[str, Any] | None = None
-                       ) -> None:
-    """Set the Celery time limits the message carries. For each limit a call's setting
-    wins, then the task's (None: not registered here, none), then the app's
-    ``task_time_limit`` / ``task_soft_time_limit`` (``conf``; Celery also binds them to
-    each task), then the class's: those are the defaults for what the caller did not set.
-
-    A hard limit set and no soft one: the soft limit is ``soft_limit_fraction`` of it,
-    above or below the class's (the class's soft limit would cut a task whose hard limit
-    was raised short of it; and Celery's prefork pool enforces a hard limit only after
-    the soft one has fired, so it would hold a task whose hard limit was lowered past
-    it). A soft limit at or past the hard one: the limit set by the higher-ranked
-    source moves the other (a soft limit raises the hard one so that it fires first; a
-    hard limit brings the soft one to its fraction); both from one source is refused."""
-    soft, hard = config.time_limits(sla_class)
-    fraction = config.soft_limit_fraction
-    own_hard = _ranked_limit(task, options, conf or {}, "time_limit")
-    own_soft = _ranked_limit(task, options, conf or {}, "soft_time_limit")
-    hard_rank = own_hard[0] if own_hard else len(_SOURCES)
-    if own_hard:
-        hard = own_hard[2]
-    if not own_soft:
-        soft = fraction * hard if own_hard else soft
-    elif own_soft[2] < hard:
-        soft = own_soft[2]
-    elif own_soft[0] < hard_rank:
-        soft, hard = own_soft[2], own_soft[2] / fraction
-    elif own_soft[0] > hard_rank:
-        soft = fraction * hard
-    elif own_soft[2] > hard:
-        raise InvalidTaskOptions(f"{own_soft[1]} {own_soft[2]:g} s must not exceed "
-                                 f"{own_hard[1] if own_hard else 'time_limit'} {hard:g} s")
-    else:
-        soft = own_soft[2]
-    # set on the call: they win over the task's own, which Celery would send otherwise
-    options["time_limit"] = hard
-    options["soft_time_limit"] = soft
-
-
-#: Where a time limit may come from, highest rank first.
-_SOURCES = ("call", "task", "app")
-
-
-def _ranked_limit(task: Task | None, options: Mapping[str, Any], conf: Mapping[str, Any],
-                  name: str) -> tuple[int, str, float] | None:
-    """The ``name`` limit that applies: (its source's rank, how the user set it, s), or
-    None when none is set (0 and None: unset, as in Celery). A value that is not a
-    positive number is refused naming where it was set."""
-    app_value = conf.get(f"task_{name}")
-    task_value = getattr(task, name, None)
-    # Celery binds the app's setting to a task that sets none: that is the app's
-    found = (options.get(name), None if task_value == app_value else task_value, app_value)
-    for rank, value in enumerate(found):
-        if not value:
-            continue
-        # (named only here: built for every call, the names were a tenth of its cost)
-        where = (name, f"{getattr(task, 'name', 'the task')}'s {name}", f"task_{name}")[rank]
-        # (finite as a float: float() of an int past its range raised OverflowError)
-        if not is_number(value) or not finite(value) or value <= 0:
-            raise InvalidTaskOptions(f"{where} must be a positive number of seconds, got "
-                                     f"{shown(value)}")
-        return rank, where, float(value)
-    return None
 
 
 def sits_headers(config: SitsConfig, opts: TaskOptions, headers: Mapping[str, Any] | None,
@@ -315,6 +251,7 @@ class SitsTask(Task):  # type: ignore[misc]
             old = header.get("sla_class")
             if isinstance(old, str) and sig.options.get("sla_class") != old:
                 self._forget_class_defaults(sig.options, old, extra_options)
+            fit_carried_limit(sits_config(self.app), sig.options, old, extra_options)
         return sig
 
     def replace(self, sig: Any) -> Any:

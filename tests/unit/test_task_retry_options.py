@@ -91,6 +91,34 @@ def test_a_retry_in_the_same_class_keeps_its_limits(task: Any) -> None:
     assert (sig.options["soft_time_limit"], sig.options["time_limit"]) == limits
 
 
+@pytest.mark.parametrize(("carried", "given", "want"), [
+    # the class's own (high: 36 / 45) carried over, one limit given: worked out from it
+    # as at submission (both carried, a soft one past the hard one was refused)
+    ((36.0, 45.0), {"time_limit": 5}, (4.0, 5)),
+    ((36.0, 45.0), {"soft_time_limit": 50}, (50, 62.5)),
+    ((36.0, 45.0), {"time_limit": 100}, (80.0, 100)),
+    # the caller's own carried over: kept where it still fits the new one...
+    ((70.0, 99.0), {"time_limit": 80}, (70.0, 80)),
+    ((20.0, 99.0), {"soft_time_limit": 30}, (30, 99.0)),
+    # ...and worked out afresh where it would not
+    ((70.0, 99.0), {"time_limit": 50}, (40.0, 50)),
+    ((70.0, 99.0), {"soft_time_limit": 120}, (120, 150.0)),
+    # both given: as given
+    ((36.0, 45.0), {"time_limit": 5, "soft_time_limit": 2}, (2, 5)),
+])
+def test_a_retry_given_one_time_limit_gets_a_pair_that_holds(
+        task: Any, carried: tuple[float, float], given: dict[str, float],
+        want: tuple[float, float]) -> None:
+    from sits_queue.app import apply_class_limits
+
+    config = SitsConfig()
+    sig = task.signature_from_request(timed_request({"sla_class": "high"}, carried[::-1]),
+                                      **given)
+    options: dict[str, Any] = dict(sig.options)
+    apply_class_limits(task, config, "high", options)
+    assert (options["soft_time_limit"], options["time_limit"]) == pytest.approx(want)
+
+
 @pytest.mark.parametrize(("task_limits", "call", "want"), [
     # the class's: low = (8, 10)
     ({}, {}, (8.0, 10)),
