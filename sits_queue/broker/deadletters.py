@@ -18,6 +18,7 @@ the rescoring pass deletes those older than ``dead_letter_ttl_s``: :func:`expire
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import math
@@ -25,6 +26,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from celery.app.task import Context
+from kombu.serialization import loads, prepare_accept_content
 
 from sits_queue.broker.payload import MalformedPayload, check_task_body, decode, text
 from sits_queue.errors import DeadLettered
@@ -56,12 +60,42 @@ def task_of(record: bytes | str) -> tuple[str, str, str] | None:
     return (task_id, str(name), reason) if isinstance(task_id, str) and task_id else None
 
 
+def request_of(record: bytes | str, accept: Sequence[str]) -> Context | None:
+    """The task request a dead-letter record's message carried, as Celery's worker builds
+    it (headers, then the body's args, kwargs and embedded callbacks, errbacks, chain and
+    chord): what a failure needs to count as a chord's part and call the errbacks. None
+    for a message whose body does not decode (a serializer not in ``accept``: never
+    decoded here)."""
+    try:
+        message = json.loads(parsed_record(record)["payload"])
+        props = message["properties"]
+        body: Any = message["body"]
+        if props.get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        args, kwargs, embed = loads(body, message["content-type"],  # type: ignore[no-untyped-call]
+                                    message["content-encoding"], accept=accept)
+        request = {**message["headers"], "args": args, "kwargs": kwargs,
+                   "reply_to": props.get("reply_to"),
+                   "correlation_id": props.get("correlation_id"),
+                   "delivery_info": delivery if isinstance(
+                       delivery := props.get("delivery_info"), dict) else {},
+                   **(embed if isinstance(embed, dict) else {})}
+    except Exception:  # (whatever a foreign body raises: the failure is stored without)
+        return None
+    return Context(request)
+
+
 def fail_tasks(client: Any, dead_key: str, ids: Sequence[str], backend: Any = None) -> int:
-    """Store FAILURE for the tasks of dead-lettered messages ``ids``; how many were."""
+    """Store FAILURE for the tasks of dead-lettered messages ``ids``, as a chord's part
+    with its errbacks called where the message says so; how many were stored."""
     if backend is None:
         from celery import current_app
 
         backend = current_app.backend
+    app = getattr(backend, "app", None)
+    # (the settings name serializers, "json"; kombu's loads checks content types)
+    accept = sorted(prepare_accept_content(  # type: ignore[no-untyped-call]
+        getattr(getattr(app, "conf", None), "accept_content", None) or ["json"]))
     failed = 0
     for message_id, record in zip(ids, client.hmget(dead_key, list(ids)), strict=True):
         task = task_of(record) if record is not None else None
@@ -71,15 +105,31 @@ def fail_tasks(client: Any, dead_key: str, ids: Sequence[str], backend: Any = No
         error = DeadLettered(f"task {name}[{task_id}] was not run: its message was "
                              f"dead-lettered ({reason}); it stays in the queue's dead "
                              f"letters as {message_id}")
-        try:
-            backend.mark_as_failure(task_id, error)
-        except Exception as exc:  # a disabled or unreachable backend: the record remains
-            logger.warning("dead-lettered task %s[%s]: could not store its failure: %s",
-                           name, task_id, exc)
+        if not _store_failure(backend, task_id, name, error, request_of(record, accept)):
             continue
-        _announce_failure(getattr(backend, "app", None), task_id, error)
+        _announce_failure(app, task_id, error)
         failed += 1
     return failed
+
+
+def _store_failure(backend: Any, task_id: str, name: str, error: Exception,
+                   request: Context | None) -> bool:
+    """The failure stored, then (with ``request``) counted as its chord's part and told
+    to its errbacks, as Celery's worker does for a task that failed; False when it could
+    not be stored (a disabled or unreachable backend: the record remains)."""
+    try:
+        backend.mark_as_failure(task_id, error, request=request)
+        return True
+    except Exception as exc:
+        if request is None:
+            logger.warning("dead-lettered task %s[%s]: could not store its failure: %s",
+                           name, task_id, exc)
+            return False
+        # (its chord's callback or an errback not registered here raised, or the store)
+        logger.warning("dead-lettered task %s[%s]: its failure could not be stored as "
+                       "its chord's part and told to its errbacks (%s); stored alone",
+                       name, task_id, exc)
+    return _store_failure(backend, task_id, name, error, None)
 
 
 def _announce_failure(app: Any, task_id: str, error: Exception) -> None:

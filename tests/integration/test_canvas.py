@@ -14,6 +14,7 @@ from celery import Celery, chain, chord, group
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
 from sits_queue.procs import CeleryProcess
+from tests.waiting import wait_for
 
 Spawn = Callable[..., CeleryProcess]
 RESULT_S = 60
@@ -32,6 +33,31 @@ def test_a_group_and_a_chord_gather_every_result(spawn: Spawn, client_app: Celer
         [0, 2, 4, 6, 8, 10]
     # The chord's body runs once, after every header task, with their results in order
     assert chord([add.s(i, 1) for i in range(10)])(total.s()).get(timeout=RESULT_S) == 55
+
+
+def test_a_dead_lettered_task_fails_its_chord_and_calls_its_errbacks(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(its FAILURE was stored without its request: the chord's body stayed PENDING for
+    good, never failed, and link_error errbacks never ran)"""
+    from celery.exceptions import ChordError
+
+    from sits_queue.errors import DeadLettered
+
+    spawn()
+    add, total = client_app.tasks["w.add"], client_app.tasks["w.total"]
+    unstartable, record = client_app.tasks["w.unstartable"], client_app.tasks["w.record"]
+    # Given a chord one of whose parts Celery cannot start (its message is dead-lettered)
+    body = chord([add.s(1, 1), unstartable.s(), add.s(2, 2)])(total.s())
+    # Then the body fails as for any failed part, naming it (read alone: the chord's
+    # handle would raise its failed part's error itself)
+    with pytest.raises(ChordError, match="DeadLettered"):
+        client_app.AsyncResult(body.id).get(timeout=RESULT_S)
+    # And a dead-lettered task's errbacks run
+    lone = unstartable.apply_async(link_error=record.si("errback of a dead letter"))
+    with pytest.raises(DeadLettered):
+        lone.get(timeout=RESULT_S)
+    wait_for(lambda: redis_client.sismember("test:done", "errback of a dead letter"),
+             RESULT_S, "the errback")
 
 
 def test_countdown_and_eta_are_honoured(spawn: Spawn, client_app: Celery) -> None:

@@ -28,12 +28,16 @@ class Records:
 class Backend:
     def __init__(self, broken: bool = False) -> None:
         self.failed: dict[str, BaseException] = {}
+        self.requests: dict[str, Any] = {}
         self.broken = broken
 
-    def mark_as_failure(self, task_id: str, exc: BaseException) -> None:
+    def mark_as_failure(self, task_id: str, exc: BaseException, request: Any = None) -> None:
         if self.broken:
             raise ConnectionError("result backend away")
+        if request is not None and request.chord == "not a signature":
+            raise TypeError("the chord's callback does not build")  # as Celery's would
         self.failed[task_id] = exc
+        self.requests[task_id] = request
 
 
 @pytest.mark.parametrize("raw", [b"not json", record([1, 2]), record({"task": "t"}),
@@ -69,3 +73,50 @@ def test_a_record_with_a_time_that_is_no_number_lists_without_an_age() -> None:
     # (--json printed NaN and -Infinity, which no strict parser reads)
     assert [r["age_s"] for r in rows] == [None, None]
     json.dumps(rows, allow_nan=False)
+
+
+def _record(body: bytes, content_type: str = "application/json",
+            properties: dict[str, Any] | None = None) -> str:
+    import base64
+
+    message = {"body": base64.b64encode(body).decode(), "content-type": content_type,
+               "content-encoding": "utf-8",
+               "headers": {"id": "t-1", "task": "w.add", "group": "g-1", "root_id": "r-1"},
+               "properties": {"body_encoding": "base64", "reply_to": "client-1",
+                              "correlation_id": "t-1", **(properties or {})}}
+    return json.dumps({"reason": "poison", "at": 1.0, "payload": json.dumps(message)})
+
+
+def test_a_letters_request_is_the_one_celerys_worker_builds() -> None:
+    embed = {"chord": {"task": "w.total"}, "errbacks": [{"task": "w.record"}],
+             "callbacks": None, "chain": None}
+    record = _record(json.dumps([[1, 2], {"k": 3}, embed]).encode(),
+                     properties={"delivery_info": {"routing_key": "celery"}})
+    request = deadletters.request_of(record, ["application/json"])
+    assert request is not None
+    assert (request.id, request.group, request.root_id) == ("t-1", "g-1", "r-1")
+    assert (request.args, request.kwargs) == ([1, 2], {"k": 3})
+    assert request.chord == {"task": "w.total"} and request.errbacks == [{"task": "w.record"}]
+    assert request.reply_to == "client-1" and request.delivery_info == {"routing_key": "celery"}
+
+
+@pytest.mark.parametrize(("body", "content_type", "accept"), [
+    (b"\x80\x04not json", "application/json", ["application/json"]),  # does not decode
+    (b"[1, 2]", "application/json", ["application/json"]),  # not [args, kwargs, embed]
+    (b"anything", "application/x-python-serialize", ["application/json"]),  # not accepted
+])
+def test_a_body_that_does_not_decode_gives_no_request(body: bytes, content_type: str,
+                                                      accept: list[str]) -> None:
+    assert deadletters.request_of(_record(body, content_type), accept) is None
+
+
+def test_a_letter_fails_as_its_chords_part_and_alone_where_that_cannot_be_told(
+        caplog: pytest.LogCaptureFixture) -> None:
+    told = _record(json.dumps([[], {}, {"chord": {"task": "w.total"}}]).encode())
+    odd = _record(json.dumps([[], {}, {"chord": "not a signature"}]).encode())
+    client = Records({"m1": told.encode(), "m2": odd.encode().replace(b"t-1", b"t-2")})
+    backend = Backend()
+    assert deadletters.fail_tasks(client, "dead", ["m1", "m2"], backend) == 2
+    assert backend.requests["t-1"].chord == {"task": "w.total"}
+    assert backend.requests["t-2"] is None and set(backend.failed) == {"t-1", "t-2"}
+    assert "could not be stored as its chord's part" in caplog.text
