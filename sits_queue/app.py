@@ -29,6 +29,7 @@ from sits_queue.options import (
     OPTION_NAMES,
     TaskOptions,
     batch_key,
+    derived_from_args,
     from_header,
     header_for,
     resolve,
@@ -243,11 +244,18 @@ class SitsTask(Task):  # type: ignore[misc]
         if isinstance(headers, Mapping) and any(k in headers for k in DELIVERY_ONLY):
             sig.options["headers"] = {k: v for k, v in headers.items()
                                       if k not in DELIVERY_ONLY}
-        header = getattr(self.request if request is None else request, HEADER, None)
+        running = self.request if request is None else request
+        header = getattr(running, HEADER, None)
         if isinstance(header, Mapping):
+            # New arguments: what the first send worked out from the old ones (its input
+            # entropy, its prompt's prefix key) is worked out afresh from these
+            derived = {} if args is None and kwargs is None else derived_from_args(
+                sits_config(self.app), getattr(running, "args", None) or (),
+                getattr(running, "kwargs", None) or {})
             for name in OPTION_NAMES:
-                if header.get(name) is not None:
-                    sig.options.setdefault(name, header[name])
+                value = header.get(name)
+                if value is not None and (name not in derived or derived[name] != value):
+                    sig.options.setdefault(name, value)
             old = header.get("sla_class")
             if isinstance(old, str) and sig.options.get("sla_class") != old:
                 self._forget_class_defaults(sig.options, old, extra_options)

@@ -218,6 +218,16 @@ def _precision(value: Any) -> str | None:
     raise InvalidTaskOptions(f"precision must be one of {list(PRECISIONS)}, got {shown(value)}")
 
 
+def derived_from_args(config: SitsConfig, args: Any, kwargs: Any) -> dict[str, Any]:
+    """The options a send works out from the task's arguments when the caller gives
+    none: its ``input_entropy`` and ``prefix_key``."""
+    try:
+        return {"input_entropy": input_entropy(args, kwargs or {}),
+                "prefix_key": derive_prefix_key(args, kwargs or {}, config.prefix_key_chars)}
+    except Exception:  # (arguments no send would take: nothing to tell apart)
+        return {}
+
+
 def derive_prefix_key(args: Any, kwargs: Mapping[str, Any], chars: int) -> str | None:
     """The automatic ``prefix_key``: a hash of the prompt's first ``chars`` characters
     (the first positional string argument, else ``prompt=``); None for a shorter prompt,

@@ -50,6 +50,30 @@ def test_a_request_without_a_readable_header_carries_nothing(task: Any, header: 
     assert "sla_class" not in sig.options and "model" not in sig.options
 
 
+def test_a_retry_with_new_arguments_works_out_what_came_from_the_old_ones(task: Any) -> None:
+    """(the first send's input entropy and prompt prefix key, worked out from the old
+    arguments, rode on a retry given others)"""
+    from sits_queue.options import derived_from_args
+
+    config = SitsConfig()
+    old_args = ("ab" * 200,)  # low entropy
+    derived = derived_from_args(config, old_args, {})
+    header = {"sla_class": "high", "model": "m-x", **derived}
+    running = Context(id="t-1", args=old_args, kwargs={}, retries=0, delivery_info={},
+                      **{HEADER: header})
+    same = task.signature_from_request(running)
+    assert same.options["input_entropy"] == derived["input_entropy"]
+    assert same.options["prefix_key"] == derived["prefix_key"]
+    fresh = task.signature_from_request(running, args=("q9$Lx!7m" * 50,))
+    assert "input_entropy" not in fresh.options and "prefix_key" not in fresh.options
+    assert fresh.options["model"] == "m-x"  # the rest rides on
+    # what the caller chose (not what the old arguments give) rides on all the same
+    chosen = Context(id="t-1", args=old_args, kwargs={}, retries=0, delivery_info={},
+                     **{HEADER: {**header, "input_entropy": 0.99, "prefix_key": "mine"}})
+    kept = task.signature_from_request(chosen, args=("other",))
+    assert (kept.options["input_entropy"], kept.options["prefix_key"]) == (0.99, "mine")
+
+
 def timed_request(header: Any, timelimit: Any) -> Context:
     return Context(id="t-1", args=(1,), kwargs={}, retries=0, delivery_info={},
                    timelimit=timelimit, **{HEADER: header})
