@@ -437,10 +437,11 @@ class SitsCelery(Celery):  # type: ignore[misc]
         self.note_priority(name, options.get("priority"))
         route_maintenance(name, options)
         headers = options.get("headers")
-        if isinstance(headers, Mapping) and isinstance(headers.get(HEADER), Mapping):
+        if isinstance(headers, Mapping) and headers.get(HEADER) is not None:
             # Attached already (apply_async, a retry) or by hand: checked either way, so
             # a hand-made one with an unknown class or an impossible vram_gib is refused
-            # here, not met by every worker
+            # here, not met by every worker (and one that is no object, not replaced
+            # silently by the defaults)
             config = sits_config(self)
             opts = from_header(config, headers[HEADER])
             if given := sorted(k for k in CALL_OPTIONS if k in options):

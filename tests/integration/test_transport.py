@@ -405,7 +405,10 @@ def test_every_publish_path_carries_and_checks_the_sits_options(
     for header, why in [({"sla_class": "bogus"}, "unknown sla_class"),
                         ({"vram_gib": "lots"}, "vram_gib must be a number"),
                         ({"vram_gib": 1e6}, "vram_gib must be in"),
-                        ({"sla_class": "low", "vram_gib": 60}, "exceeds the 'low' class")]:
+                        ({"sla_class": "low", "vram_gib": 60}, "exceeds the 'low' class"),
+                        # (one that is no object was replaced by the defaults, unsaid)
+                        ("high", "header 'sits' must be an object, got str"),
+                        ([1], "header 'sits' must be an object, got list")]:
         with pytest.raises(InvalidTaskOptions, match=why):
             app.send_task("t.echo", ("x",), headers={"sits": header})
     # ... and SITS options beside it are refused, not sent unchecked and unused
