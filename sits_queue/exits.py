@@ -5,8 +5,11 @@ pool child it ends the child (its warm engines lost), and the message, redeliver
 ended a child at every run until the broker dead-lettered it as poison; in a solo pool it
 stopped the worker. In a worker, either becomes the task's own failure. Celery's
 shutdown (``WorkerShutdown``/``WorkerTerminate``, raised into a solo pool's running task
-by the worker's signal handlers) goes through, and so does anything in an eager call:
-there the process is the caller's, and a Ctrl+C is the caller's to have.
+by the worker's signal handlers) goes through, and so does the ``SystemExit`` billiard's
+terminate-signal handler raises in a pool child (``revoke(terminate=True)``, a cold
+shutdown: converted, the child lived on and the revoked task failed as if it had exited
+itself), and anything in an eager call: there the process is the caller's, and a Ctrl+C
+is the caller's to have.
 """
 
 from __future__ import annotations
@@ -28,9 +31,22 @@ def fail_exits(task: Any) -> Iterator[None]:
         yield
     except (SystemExit, KeyboardInterrupt) as exc:
         request = task.request
-        if isinstance(exc, WorkerShutdown | WorkerTerminate) or request.is_eager:
+        if isinstance(exc, WorkerShutdown | WorkerTerminate) or request.is_eager \
+                or _terminating():
             raise
         code = f"({exc.code!r})" if isinstance(exc, SystemExit) else ""
         raise TaskExited(f"task {task.name}[{request.id}] tried to end its process: "
                          f"{type(exc).__name__}{code}; failed instead (a task may not "
                          "end its worker's process)") from exc
+
+
+def _terminating() -> bool:
+    """Whether billiard's terminate-signal handler has run in this process: a
+    ``SystemExit`` now is the pool's, not the task's."""
+    from billiard import common
+
+    fired = getattr(common, "terminate_handler_fired", None)
+    if callable(fired):
+        return bool(fired())
+    flag = getattr(common, "_should_have_exited", None)  # (billiard before 4.3)
+    return bool(flag and flag[0])

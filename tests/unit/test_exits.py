@@ -42,3 +42,17 @@ def test_a_body_that_returns_or_fails_otherwise_is_left_alone() -> None:
         pass
     with pytest.raises(ValueError), fail_exits(task()):
         raise ValueError("its own error")
+
+
+def test_the_pools_terminate_signal_goes_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(billiard's SIGTERM handler raises SystemExit in a pool child: converted, a child
+    told to end by revoke(terminate=True) lived on, and the revoked task failed as if it
+    had called sys.exit())"""
+    from billiard import common
+
+    # what billiard's handler (common._shutdown_cleanup) does on the signal: the flag
+    # first, then sys.exit (not called here: it resets this process's SIGTERM)
+    monkeypatch.setattr(common, "_should_have_exited", [True])
+    assert common.terminate_handler_fired()
+    with pytest.raises(SystemExit), fail_exits(task()):
+        sys.exit(-(256 - 15))
