@@ -153,7 +153,7 @@ def _fitted(module: Any, rows: list[_Row], active: runtime.ActiveTask | None
     the rows fit together, as they almost always do. Else rows run in as few runs as
     fit (shortest first), and a row too big even alone fails alone, with its
     ``VramLimitExceeded`` — not every call of the batch for one long ``max_new_tokens``."""
-    if active is None or len(rows) == 1:
+    if active is None:
         return [rows], {}
 
     def fits(part: list[_Row]) -> VramLimitExceeded | None:
@@ -263,8 +263,18 @@ def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], st
     groups, shared = _plan([row.ids for row in rows]) if share and len(rows) > 1 \
         else ([], [0] * len(rows))
     if active is not None:
-        active.check_vram(inference.kv_cache_bytes(module, (_width(rows, shared) + longest)
-                                                   * len(rows)))
+        try:
+            active.check_vram(inference.kv_cache_bytes(
+                module, (_width(rows, shared) + longest) * len(rows)))
+        except VramLimitExceeded:
+            if not any(shared):
+                raise
+            # The shared layout can be wider than the widest row (the longest shared
+            # start plus the longest own part): where it does not fit and the plain one,
+            # which _fitted sized the run by, does, the rows go unshared
+            groups, shared = [], [0] * len(rows)
+            active.check_vram(inference.kv_cache_bytes(
+                module, (_width(rows, shared) + longest) * len(rows)))
     lone = len(rows) == 1
     if lone and joining is None:
         return [_generate_alone(module, tokenizer, model, rows[0], end, active)]

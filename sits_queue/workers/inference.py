@@ -17,6 +17,7 @@ with the KV cache and checking the soft time limit between steps) and :func:`emb
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -405,8 +406,13 @@ def _is_token(value: Any, vocab_size: int) -> bool:
 
 
 def seeded(generator: Any, seed: int, position: int) -> Any:
-    """The sampler for one position: the same whichever run reaches it."""
-    return generator.manual_seed((seed * 1_000_003 + position) % 2**63)
+    """The sampler for one position: the same whichever run reaches it. Seeded by a hash
+    of both: torch's CPU generator keeps the low 32 bits of its seed only, so an
+    arithmetic mix drew alike for seeds 2**32 apart (and past 64 bits, for 2**80 and
+    -2**80); ``seed`` is a 64-bit signed integer (``inputs.check_prompt``)."""
+    digest = hashlib.blake2b(seed.to_bytes(8, "little", signed=True)
+                             + position.to_bytes(8, "little"), digest_size=8).digest()
+    return generator.manual_seed(int.from_bytes(digest, "little"))
 
 
 def sampled(logits: Any, temperature: float, seed: int, position: int, generator: Any

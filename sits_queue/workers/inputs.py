@@ -44,8 +44,9 @@ def check_prompt(prompt: Any, max_new_tokens: Any, temperature: Any, seed: Any =
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
             or not 0 <= temperature <= 100:
         raise InvalidInput(f"temperature must be a number in [0, 100], got {shown(temperature)}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise InvalidInput(f"seed must be an integer, got {shown(seed)}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**63:
+        # (a seed past 64 bits drew what another one does: 2**80 and -2**80 alike)
+        raise InvalidInput(f"seed must be an integer in [-2**63, 2**63), got {shown(seed)}")
     check_flag("stop_at_eos", stop_at_eos)
 
 

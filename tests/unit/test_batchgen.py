@@ -15,7 +15,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from sits_queue.cache.prefix import PrefixStore
 from sits_queue.config import SitsConfig
 from sits_queue.errors import InvalidInput, VramLimitExceeded
-from sits_queue.workers import inference, kvreuse, metrics
+from sits_queue.workers import batchgen, inference, kvreuse, metrics
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.batched import Call
 from sits_queue.workers.batchgen import SHARE_MIN_TOKENS, generate_calls, prefix_groups
@@ -450,3 +450,51 @@ def test_a_batch_over_its_class_runs_in_parts_that_fit_and_fails_only_a_row_too_
     with rt.activated(active), pytest.raises(VramLimitExceeded):
         active.check_vram(inference.kv_cache_bytes(
             module, (max(map(ids, [*short, long_prompt])) + 40) * 4))
+
+
+def test_a_row_alone_in_its_group_and_too_big_fails_alone(lm: Any) -> None:
+    """(a group of one row skipped the check: its run raised, and every call of the
+    batch failed with it, those of the other group too)"""
+    def ids(prompt: str) -> int:
+        return len(inference.tokenizer_of(lm, "lm")(prompt)["input_ids"])
+
+    prompt = "the worker loads the prompt"
+    module = inference.module_of(lm, "lm")
+    quota = replace(SitsConfig().quota("low"), vram_gib=(
+        lm.size_bytes() + inference.kv_cache_bytes(module, ids(prompt) + 20)) / BYTES_PER_GIB)
+    # the big one the only row that stops at the end of sequence, first: its group ran first
+    calls = [Call("big", (prompt, 150), {"stop_at_eos": True}),
+             Call("small", (prompt, 4), {"stop_at_eos": False})]
+    active = rt.ActiveTask("lm", quota, lm.size_bytes(), "cpu")
+    with rt.activated(active):
+        got = generate_calls(lm, calls)
+    assert isinstance(got[0], VramLimitExceeded)
+    assert got[1] == {**inference.generate(lm, prompt, max_new_tokens=4, stop_at_eos=False),
+                      "cached_tokens": 0, "shared_tokens": 0}
+
+
+def test_rows_that_fit_unshared_are_not_failed_by_a_wider_shared_layout(lm: Any) -> None:
+    """(sharing a long template laid out its start plus the longest own part, wider than
+    any row: the class refused that layout and failed every call, which fitted plain)"""
+    tokenizer = inference.tokenizer_of(lm, "lm")
+    template = "summarise this operations log in one line and keep every number: "
+    prompts = [template + tail for tail in ("disk 3 full", "node 7 rebooted", "all green",
+                                            "ok")]
+    prompts.append("a short, unrelated prompt of its own")  # shorter than each, not by much
+    width = max(len(tokenizer(p)["input_ids"]) for p in prompts) + 4
+    groups, shared = batchgen._plan([tokenizer(p)["input_ids"] for p in prompts])
+    rows = [batchgen._Row(i, tokenizer(p)["input_ids"], 4, 0.0, 0, None)
+            for i, p in enumerate(prompts)]
+    assert groups and batchgen._width(rows, shared) + 4 > width  # wider shared than plain
+    module = inference.module_of(lm, "lm")
+    quota = replace(SitsConfig().quota("low"), vram_gib=(
+        lm.size_bytes() + inference.kv_cache_bytes(module, width * len(prompts)))
+        / BYTES_PER_GIB)
+    calls = [Call(str(i), (p, 4), {"stop_at_eos": False}) for i, p in enumerate(prompts)]
+    active = rt.ActiveTask("lm", quota, lm.size_bytes(), "cpu")
+    with rt.activated(active):
+        got = generate_calls(lm, calls)
+    for prompt, out in zip(prompts, got, strict=True):
+        assert not isinstance(out, Exception), out
+        assert out["text"] == inference.generate(lm, prompt, max_new_tokens=4,
+                                                 stop_at_eos=False)["text"]

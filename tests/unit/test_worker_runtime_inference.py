@@ -163,6 +163,9 @@ def test_a_checkpoint_that_is_not_ours_starts_over(lm: Any, checkpoint: Any,
     (("hi", 4, -1.0), "temperature"),
     (("hi", 4, 1.0, "7"), "seed must be an integer"),
     (("hi", 4, 1.0, False), "seed must be an integer"),
+    # (past 64 bits a seed drew what another did: 2**80 and -2**80 alike)
+    (("hi", 4, 1.0, 2**80), r"seed must be an integer in \[-2\*\*63, 2\*\*63\), got "),
+    (("hi", 4, 1.0, 2**63), "seed must be an integer in"),
     (("hi", 4, 1.0, 0, "false"), "stop_at_eos must be true or false"),  # "false" is truthy
     (("hi \ud800",), "prompt is not valid Unicode text: surrogates not allowed at "
                      "character 3"),  # (the tokenizer's TypeError did not say)
@@ -802,3 +805,13 @@ def test_fp32_of_an_fp32_model_is_served_by_the_model_as_loaded(
     assert again["output"] == "lin" and again["sits"]["precision"] == \
         first["sits"]["precision"]
     assert len(loads) == 2 and child_rt.cache().warm() == {"lin": "device"}
+
+
+def test_every_64_bit_seed_draws_its_own(lm: Any) -> None:
+    """(seeds a multiple of 2**32 apart drew the same tokens: torch's CPU generator
+    keeps the low 32 bits of its seed)"""
+    def text(seed: int) -> str:
+        return str(inference.generate(lm, "hi", max_new_tokens=6, temperature=1.0,
+                                      seed=seed)["text"])
+    assert len({text(5), text(5 + 2**32), text(5 + 2**40), text(-1), text(2**63 - 1),
+                text(-2**63), text(0)}) == 7
