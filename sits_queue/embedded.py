@@ -44,6 +44,9 @@ _HOST = "127.0.0.1"
 _RESERVED_PORT = 6379
 #: How long a fresh server may take to answer PING (an AOF replay can take a while).
 START_TIMEOUT_S = 10.0
+#: Longest wait for a started or reused server to finish loading its data, s: a replay
+#: of a large append-only file takes a while, and the server refuses commands meanwhile.
+LOAD_TIMEOUT_S = 300.0
 #: Between two PING attempts while a server starts: short, starting takes ~10-50 ms.
 _POLL_INTERVAL_S = 0.02
 #: Socket timeouts of our own health checks: a loopback server answers in well under this.
@@ -163,6 +166,29 @@ def _server_pid(port: int, password: str | None) -> int | None:
         return None
     finally:
         client.close()
+
+
+def _await_loaded(port: int, password: str | None, timeout_s: float = LOAD_TIMEOUT_S
+                  ) -> None:
+    """Wait while the server on ``port`` loads its data (an AOF replay): it answers INFO
+    meanwhile, and every other command with LOADING, so a URL handed out at once failed
+    the caller's first command ("Redis is loading the dataset in memory")."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        client = _client(port, password)
+        try:
+            client.ping()
+            return
+        except redis.BusyLoadingError:
+            pass
+        except (redis.RedisError, OSError):
+            return  # not loading: what else is wrong, the caller's first command says
+        finally:
+            client.close()
+        if time.monotonic() >= deadline:
+            raise SitsError(f"the embedded Redis on {_HOST}:{port} is still loading its data "
+                            f"after {timeout_s:.0f} s; try again when it is done")
+        time.sleep(_POLL_INTERVAL_S)
 
 
 def _listening_pid(port: int) -> int | None:
@@ -573,6 +599,7 @@ def _ensure(data_dir: Path) -> tuple[str, bool]:
         password = _password(data_dir)
         live = _live_server(data_dir, password)
         if live is not None:
+            _await_loaded(live[0], password)
             return _url(live[0], password), False
         _kill_stale(data_dir)
         # Reuse the old port when free so workers holding the old URL reconnect.
@@ -589,6 +616,8 @@ def _ensure(data_dir: Path) -> tuple[str, bool]:
             server = EmbeddedRedis(data_dir, password=password, appendonly=True, daemon=True)
             server.start()
         _write_private(data_dir / _PORT_FILE, f"{server.port}\n")
+        assert server.port is not None  # (started)
+        _await_loaded(server.port, password)
         return server.url, True
 
 

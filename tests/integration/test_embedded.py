@@ -207,6 +207,28 @@ def test_ensure_server_outlives_its_session_and_keeps_data(shared_dir: Path) -> 
     assert redis.Redis.from_url(url).get("job") == b"kept"
 
 
+def test_a_restarted_server_is_handed_out_once_its_data_is_loaded(shared_dir: Path) -> None:
+    """(its URL came back while it replayed its append-only file: the caller's first
+    command failed with "Redis is loading the dataset in memory")"""
+    url, _ = ensure_server(shared_dir)
+    client = redis.Redis.from_url(url)
+    # a replay that takes a while: 200k commands in the append-only file
+    for chunk in range(20):
+        with client.pipeline(transaction=False) as pipe:
+            for i in range(10_000):
+                pipe.hset(f"h{chunk}", f"f{i}", "x" * 40)
+            pipe.execute()
+    client.close()
+    for _ in range(2):
+        stop_server(shared_dir)
+        url, started = ensure_server(shared_dir)
+        again = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0))
+        try:
+            assert started and again.hlen("h19") == 10_000  # the first command, at once
+        finally:
+            again.close()
+
+
 def test_ensure_server_restarts_a_killed_server(shared_dir: Path) -> None:
     # Given a shared server that was killed outright
     url, _ = ensure_server(shared_dir)
