@@ -554,7 +554,7 @@ def make_app(config: SitsConfig | None = None, main: str = "sits_queue") -> Sits
     app = SitsCelery(main, task_cls=SitsTask)
     app.sits = config
     app.conf.update(celery_settings(config))
-    from sits_queue import tracing
+    from sits_queue import lifeline, tracing
     from sits_queue.broker import control
     from sits_queue.priority import tasks as maintenance
     from sits_queue.workers import inference, runtime, signals
@@ -563,6 +563,7 @@ def make_app(config: SitsConfig | None = None, main: str = "sits_queue") -> Sits
     inference.register(app)
     signals.connect(app)
     runtime.connect(app)
+    lifeline.connect()
     control.register()
     tracing.configure_when_finalized(app, config.otel_traces)
     return app

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from celery import Celery
 
+from sits_queue import lifeline
+
 #: How long a worker may take to answer its first ping, s (imports + pool start).
 READY_TIMEOUT_S = 60.0
 
@@ -85,7 +87,9 @@ def celery_command(app_module: str, args: Sequence[str], env: Mapping[str, str],
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(
             [sys.executable, *launcher, "-A", app_module, *args],
-            env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+            # (it ends with this process, should this one be killed outright: lifeline)
+            env={**os.environ, **env, lifeline.ENV: str(os.getpid())}, stdout=log,
+            stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True)
     return CeleryProcess(name=args[0], popen=popen, log_path=log_path)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import pickle
@@ -127,6 +128,44 @@ def test_a_task_calling_sys_exit_fails_alone_and_its_process_serves_on(
     assert worker.popen.poll() is None
     wait_for(lambda: redis_client.zcard(WAITING.unacked) == 0, 10, "the acks")
     assert redis_client.zcard(WAITING.waiting) == 0
+
+
+def test_a_worker_and_beat_end_with_the_process_that_started_them(
+        tmp_path: Path, redis_url: str) -> None:
+    """(a starter killed outright, a `sitsq demo` say, left its worker and beat running
+    for good: the next demo counted their work, and two beats ran at once)"""
+    starter = ("import json, sys, time\n"
+               "from pathlib import Path\n"
+               "from sits_queue.procs import start_beat, start_worker\n"
+               "env, logs = json.loads(sys.argv[1]), Path(sys.argv[2])\n"
+               f"w = start_worker({APP_MODULE!r}, env, logs, concurrency=1)\n"
+               f"b = start_beat({APP_MODULE!r}, env, logs)\n"
+               "print(w.pid, b.pid, flush=True)\n"
+               "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", starter, json.dumps(worker_env(redis_url)),
+                             str(tmp_path)], stdout=subprocess.PIPE, cwd=ROOT, text=True)
+    assert proc.stdout is not None
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    try:
+        # (up: a watch that starts after the kill stops them at once all the same)
+        def up() -> bool:
+            logs = {f.name: f.read_text(errors="replace") for f in tmp_path.glob("*.log")}
+            return "beat: Starting" in logs.get("beat.log", "") and any(
+                " ready." in log for name, log in logs.items() if name != "beat.log")
+        wait_for(up, 60, "the worker and beat to start")
+        # When the starter is killed outright
+        proc.kill()
+        proc.wait()
+        # Then its worker and beat stop too
+        wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status()
+                                 != psutil.STATUS_ZOMBIE for p in pids), 60,
+                 "the orphaned worker and beat to stop")
+    finally:
+        proc.kill()
+        proc.wait()
+        for pid in pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).kill()
 
 
 def test_sigkilled_worker_task_is_redelivered_and_completes(
