@@ -446,10 +446,22 @@ def default_data_dir() -> Path:
     return Path(platformdirs.user_data_dir("sits-queue")) / "redis"
 
 
+def _make_private(data_dir: Path) -> None:
+    """The data dir readable by its owner only, where it is ours: ``mkdir``'s mode is for
+    a new one, and Redis creates ``appendonlydir/`` readable by all, so a dir that existed
+    open (made by hand, by a tool) showed every queued task to each local user, whatever
+    the password."""
+    with contextlib.suppress(OSError):  # (not ours to change: left as its owner keeps it)
+        stat = data_dir.stat()
+        if stat.st_uid == os.getuid() and stat.st_mode & 0o077:
+            data_dir.chmod(0o700)
+
+
 @contextlib.contextmanager
 def _locked(data_dir: Path) -> Iterator[None]:
     """Serialise ensure/stop per data dir: two ``sitsq`` runs must not start two servers."""
     data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _make_private(data_dir)
     with (data_dir / _LOCK_FILE).open("a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:

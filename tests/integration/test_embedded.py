@@ -229,6 +229,15 @@ def test_a_restarted_server_is_handed_out_once_its_data_is_loaded(shared_dir: Pa
             again.close()
 
 
+def test_a_data_dir_that_existed_open_is_made_private(shared_dir: Path) -> None:
+    """(mkdir's mode is for a new dir: one made open beforehand kept its mode, and the
+    server's appendonlydir/ in it was readable by every local user)"""
+    shared_dir.mkdir(mode=0o755)
+    shared_dir.chmod(0o755)
+    ensure_server(shared_dir)
+    assert shared_dir.stat().st_mode & 0o777 == 0o700
+
+
 def test_ensure_server_restarts_a_killed_server(shared_dir: Path) -> None:
     # Given a shared server that was killed outright
     url, _ = ensure_server(shared_dir)
