@@ -259,6 +259,10 @@ class SitsConfig:
     #: Predictive pre-warming (§4.2): the forecast's interval and the beat period of the
     #: planner, s (the source's 5 minutes); 0: off.
     prewarm_interval_s: float = 300.0
+    #: Time limit of a pre-warm (``sits.prewarm``), s: it pays a model's load, which can
+    #: take minutes (a large TensorRT plan), past any class's ``max_run_s``; its soft
+    #: limit is ``soft_limit_fraction`` of it.
+    prewarm_time_limit_s: float = 600.0
     #: Dynamic batch size (§1.2): the p95 latency one batch of a large ``sits.embed``
     #: call may take, ms; the controller sizes batches to it.
     batch_target_p95_ms: float = 120.0
@@ -328,6 +332,7 @@ class SitsConfig:
         checks.interval("throttle_mem_share", self.throttle_mem_share, 0, 1, open_lo=True,
                         open_hi=True, note=" (1 would pause intake for good)")
         checks.non_negative("prewarm_interval_s", self.prewarm_interval_s, " (0: off)")
+        checks.positive("prewarm_time_limit_s", self.prewarm_time_limit_s)
         if self.otel_traces not in ("auto", "otlp", "console", "off"):
             raise ConfigError(f"otel_traces must be auto, otlp, console or off, got "
                               f"{self.otel_traces!r}")

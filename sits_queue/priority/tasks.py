@@ -56,10 +56,13 @@ def register(app: Celery) -> None:
 
 def prewarmer(app: Celery) -> Prewarmer:
     """The planner of ``app``: sends ``sits.prewarm`` to the chosen worker's own queue,
-    in the top class (whose VRAM limit admits the largest engines)."""
+    in the top class (whose VRAM limit admits the largest engines), under
+    ``prewarm_time_limit_s``."""
     def send(model: str, hostname: str) -> None:
+        # (its own time limit: a load may take longer than the top class's max_run_s)
         app.tasks[PREWARM_TASK].apply_async((), model=model, queue=worker_direct(hostname),
-                                            sla_class=top)
+                                            sla_class=top,
+                                            time_limit=app.sits.prewarm_time_limit_s)
 
     top = app.sits.top_class
     return Prewarmer(app.sits, advertise.client_for(app.sits), send)

@@ -138,6 +138,11 @@ def test_the_prewarm_task_went_through_the_workers_own_queue(
     queues = {q.decode() for q in r.smembers("sits:queues")}
     assert f"{worker.hostname}.dq2" in queues
     assert worker.alive(), worker.log()[-2000:]
+    # under a limit of its own (a load may take longer than the top class's 45 s)
+    ran = [line for line in worker.log().splitlines()
+           if "sits.prewarm[" in line and "succeeded" in line]
+    assert ran and all("'soft_time_limit_s': 480.0, 'time_limit_s': 600.0" in line
+                       for line in ran), ran
 
 
 def test_a_model_without_demand_for_a_day_leaves_the_stored_forecasts(

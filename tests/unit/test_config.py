@@ -32,6 +32,7 @@ CLASS = {"name": "a", "cpu_cores": 1, "vram_gib": 1, "max_run_s": 1, "weight": 1
     ("SITS_HOST_POOL_TTL_S", "-1", "host_pool_ttl_s must be >= 0"),
     # past a year: a typo, and past ~1e9 s a timedelta or a wait's timeout overflowed
     ("SITS_PREWARM_INTERVAL_S", "1e14", r"prewarm_interval_s must be at most 3.1536e\+07 s"),
+    ("SITS_PREWARM_TIME_LIMIT_S", "0", r"prewarm_time_limit_s must be a positive number"),
     ("SITS_VISIBILITY_TIMEOUT_S", "1e300", "visibility_timeout_s must be at most"),
     ("SITS_HOST_POOL_TTL_S", "inf", "host_pool_ttl_s"),
     ("SITS_DEAD_LETTER_TTL_S", "-5", r"dead_letter_ttl_s must be >= 0 s \(0: kept\)"),
