@@ -147,7 +147,11 @@ class Warm:
                precision: str | None = None) -> float:
         held = self.models.get(engine_key(model, precision), 0.0) if model is not None \
             else 0.0
-        return held + (self.prefixes.get(prefix, 0.0) if prefix is not None else 0.0) + \
+        # A prompt prefix's KV is reused by the engine that holds it only: counted where
+        # the task's engine is warm here (a template shared by several models pulled a
+        # task for a model this worker does not hold, to a cold start, "by affinity")
+        kv = self.prefixes.get(prefix, 0.0) if prefix is not None and held > 0 else 0.0
+        return held + kv + \
             (self.precisions.get(precision, 0.0) if precision is not None else 0.0)
 
 
@@ -169,12 +173,23 @@ def warm_of(children: Iterable[Mapping[str, Any]], policy: AffinityPolicy,
     (engine key -> tier) and ``kv_keys`` (prefix keys whose KV the child holds), with
     its ``precisions`` weights (:func:`precision_weights`)."""
     records = [c for c in children if isinstance(c, Mapping)]
-    models = warm_weights((c["warm"] for c in records if isinstance(c.get("warm"), Mapping)),
+    models = warm_weights((_serving(c) for c in records if isinstance(c.get("warm"), Mapping)),
                           policy.host_weight)
     keys = {str(k) for c in records if isinstance(c.get("kv_keys"), list)
             for k in c["kv_keys"]}
     return Warm(models, dict.fromkeys(sorted(keys), policy.prefix_weight),
                 dict(precisions or {}))
+
+
+def _serving(child: Mapping[str, Any]) -> dict[str, Any]:
+    """A child's warm map (engine key -> tier) with the keys it serves from another
+    entry (its ``serves``: ``gpt@int8`` by ``gpt@fp16`` on a GPU) at that entry's tier."""
+    warm = dict(child["warm"])
+    serves = child.get("serves")
+    for asked, served in (serves.items() if isinstance(serves, Mapping) else ()):
+        if isinstance(asked, str) and served in warm:
+            warm.setdefault(asked, warm[served])
+    return warm
 
 
 def precision_profile(peaks: Mapping[str, float]) -> dict[str, float]:
@@ -197,7 +212,9 @@ def precision_weights(own: Mapping[str, float], fleet: Sequence[Mapping[str, flo
     V100s the FP16 ones; a fleet of one kind gets no weights (nothing to match).
     """
     mine = precision_profile(own)
-    profiles = [precision_profile(peaks) for peaks in fleet] or [mine]
+    # (a worker without figures, a CPU's, is no device to match against: counted as all
+    # zeros, it gave every GPU of a fleet of one kind weights for every precision)
+    profiles = [p for p in (precision_profile(peaks) for peaks in fleet) if p] or [mine]
     out: dict[str, float] = {}
     for precision, share in mine.items():
         mean = sum(p.get(precision, 0.0) for p in profiles) / len(profiles)
@@ -232,7 +249,10 @@ def choose(candidates: Sequence[Candidate], warm: Warm, policy: AffinityPolicy,
     best_w = warm.weight(head.model, head.prefix, head.precision)
     if head.held or best_w >= top:
         return 0
-    if head.skipped_since_s is not None and now_s - head.skipped_since_s >= policy.max_skip_s:
+    since = head.skipped_since_s
+    # (a stamp no pick of this clock wrote, inf, nan or ahead of now, is none: as pick.lua)
+    if since is not None and math.isfinite(since) and since <= now_s \
+            and now_s - since >= policy.max_skip_s:
         return 0
     floor = min_level(head.level, policy.priority_ratio)
     best = 0

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +118,26 @@ class Serving:
             return None
         self.aliases[cache_key(model, precision)] = (None, engine.artifacts["precision"])
         return cache_key(model, None)
+
+
+    def served_keys(self, warm: Iterable[str], device: str) -> dict[str, str]:
+        """Requested engine key -> the warm entry that serves it (``warm``: the cache's
+        keys), for this child's advert: a task asking for ``gpt@fp32`` (an fp32
+        checkpoint's, learnt) or ``gpt@int8`` (on a GPU: served at fp16) runs warm on
+        ``gpt`` / ``gpt@fp16``, and affinity matched it against its own key, never held."""
+        held = set(warm)
+        out: dict[str, str] = {}
+        for requested, (precision, _) in self.aliases.items():
+            served = cache_key(requested.partition("@")[0], precision)
+            if served in held:
+                out[requested] = served
+        for key in held:
+            model, _, precision = key.partition("@")
+            for asked in PRECISIONS:
+                if precision and asked != precision and first_choice(asked, device)[0] == \
+                        precision:
+                    out.setdefault(cache_key(model, asked), key)
+        return out
 
 
 def cache_key(model: str, precision: str | None) -> str:

@@ -75,7 +75,9 @@ class Prewarmer:
                 counters[k] = counters.get(k, 0.0) + v
         cold = per_model(counters, "model_cold_ms", "model_cold")
         service = per_model(counters, "model_run_ms", "model_runs")
-        views = [_view(w) for w in workers]
+        # (a worker of plain tasks only leaves every inference task, its pre-warms too:
+        # sent there, they were released in its own queue for good, one more each pass)
+        views = [_view(w) for w in workers if not w.get("plain_tasks_only")]
         start = (bucket_of(self.config, now_s)) * self.config.prewarm_interval_s
         outlooks = [forecast.outlook(m, f, start, self.config.prewarm_interval_s,
                                      service.get(m, 0.0), cold.get(m, 0.0),

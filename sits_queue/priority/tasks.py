@@ -59,10 +59,12 @@ def prewarmer(app: Celery) -> Prewarmer:
     in the top class (whose VRAM limit admits the largest engines), under
     ``prewarm_time_limit_s``."""
     def send(model: str, hostname: str) -> None:
-        # (its own time limit: a load may take longer than the top class's max_run_s)
+        # (its own time limit: a load may take longer than the top class's max_run_s;
+        # stale after an interval: the next pass plans afresh)
         app.tasks[PREWARM_TASK].apply_async((), model=model, queue=worker_direct(hostname),
                                             sla_class=top,
-                                            time_limit=app.sits.prewarm_time_limit_s)
+                                            time_limit=app.sits.prewarm_time_limit_s,
+                                            expires=app.sits.prewarm_interval_s or None)
 
     top = app.sits.top_class
     return Prewarmer(app.sits, advertise.client_for(app.sits), send)

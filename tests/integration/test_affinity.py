@@ -86,7 +86,9 @@ def test_pick_lua_agrees_with_the_reference_policy(r: redis.Redis, scripts: Scri
     for _ in range(300):
         n = rng.randint(1, 14)
         tasks = [task(f"t{i}", rng.choice([300, 100, 100, 100, 90, 60, 45, 10]),
-                      rng.choice(models), rng.choice([None, None, 0.0, 0.3, 0.9, 1.5, 5.0]),
+                      rng.choice(models),
+                      # (a negative one: a stamp ahead of now, a clock running ahead)
+                      rng.choice([None, None, 0.0, 0.3, 0.9, 1.5, 5.0, -30.0]),
                       held=rng.random() < 0.1, prefix=rng.choice([None, "p1", "p2"]),
                       precision=rng.choice([None, None, "int8", "fp16"]))
                  for i in range(n)]
@@ -107,10 +109,13 @@ def test_pick_lua_agrees_with_the_reference_policy(r: redis.Redis, scripts: Scri
         head = max(tasks, key=lambda t: (t.level, -tasks.index(t)))
         got = pick(scripts, r, policy, warm)
         assert [got[0].decode(), got[4]] == [want_id, want_ahead], (tasks, policy, warm)
-        # a head passed over is stamped once, with the first skip's time
+        # a head passed over is stamped once, with the first skip's time (afresh where
+        # its stamp was ahead of now)
         stamp = r.hget(KEYS.skipped, head.id)
+        since = head.skipped_since_s
         if want_ahead:
-            assert float(stamp or 0) == (head.skipped_since_s or NOW)
+            assert float(stamp or 0) == (since if since is not None and since <= NOW
+                                         else NOW)
         assert not r.hexists(KEYS.skipped, want_id)  # delivered: its skips are forgotten
         # the delivery guarantees hold either way: unacked, its score saved, gone from
         # the queue, every other task still waiting with its own score
@@ -121,6 +126,38 @@ def test_pick_lua_agrees_with_the_reference_policy(r: redis.Redis, scripts: Scri
         ahead += want_ahead
     # the random cases exercised both outcomes
     assert checked > 250 and 30 < ahead < checked - 30
+
+
+@pytest.mark.parametrize("stamp", ["inf", "nan", repr(NOW + 3600)])
+def test_a_skip_stamp_no_pick_wrote_does_not_pass_the_head_over_for_good(
+        r: redis.Redis, scripts: Scripts, stamp: str) -> None:
+    """(a head stamped inf, nan or an hour ahead, by hand or by a worker whose clock
+    ran ahead, was passed over by every pick while warm tasks came behind it)"""
+    policy = AffinityPolicy(max_skip_s=1.0)
+    enqueue(r, [task("head", 100, "b"), *(task(f"a{i}", 100, "a") for i in range(5))])
+    r.hset(KEYS.skipped, "head@100", stamp)
+    args = [*lua_args(policy, Warm({"a": 1.0}))]
+    # The first pick passes it over, stamping it afresh with now...
+    first = scripts.run("pick", KEYS, [NOW, 5, ME, 0, *args], r)
+    assert (first[0], first[4]) == (b"a0@100", 1)
+    assert float(r.hget(KEYS.skipped, "head@100") or 0) == NOW
+    # ... so a pick past the longest skip takes it
+    later = scripts.run("pick", KEYS, [NOW + 1.5, 5, ME, 0, *args], r)
+    assert (later[0], later[4]) == (b"head@100", 0)
+
+
+def test_a_prompt_prefix_pulls_only_tasks_whose_engine_is_warm(
+        r: redis.Redis, scripts: Scripts) -> None:
+    """(the KV of a template held for one model pulled a task for another model, which
+    this worker does not hold, ahead of the head: to a cold start, "by affinity")"""
+    enqueue(r, [task("head", 100, "c"), task("other", 100, "b", prefix="tpl"),
+                task("same", 100, "a", prefix="tpl")])
+    got = pick(scripts, r, AffinityPolicy(), Warm({"a": 1.0}, {"tpl": 0.5}))
+    assert (got[0], got[4]) == (b"same@100", 1)
+    r.delete(*KEYS.all())
+    enqueue(r, [task("head", 100, "c"), task("other", 100, "b", prefix="tpl")])
+    got = pick(scripts, r, AffinityPolicy(), Warm({"a": 1.0}, {"tpl": 0.5}))
+    assert (got[0], got[4]) == (b"head@100", 0)
 
 
 def test_a_poison_message_chosen_by_affinity_is_parked_and_the_pick_goes_on(

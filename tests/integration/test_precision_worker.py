@@ -13,6 +13,7 @@ from celery import Celery
 
 from sits_queue.errors import InvalidTaskOptions
 from sits_queue.procs import CeleryProcess
+from sits_queue.workers import advertise
 from sits_queue.workers.advertise import read_workers
 from tests.integration.inference_app import CALL_S, FIRST_CALL_S, serving
 
@@ -54,6 +55,23 @@ def test_the_worker_holds_each_precision_under_its_own_key(
     assert {"gpt", "gpt@int8", "gpt@bf16"} <= set(record["warm"])
     # a CPU has no datasheet figures: no precision preferences to advertise
     assert all(d["peak_tflops"] == {} for d in record["devices"])
+
+
+def test_an_fp32_request_of_an_fp32_checkpoint_is_warm_for_affinity_where_it_ran(
+        app: Celery, worker: CeleryProcess, redis_url: str) -> None:
+    """(served by the model as loaded, it was matched against gpt@fp32, which no child
+    ever holds: no affinity on the worker where it ran warm)"""
+    from sits_queue.broker.affinity import AffinityPolicy, warm_of
+
+    generate(app, precision="fp32")
+    assert generate(app, precision="fp32")["sits"]["cold"] is False
+    client = redis.Redis.from_url(redis_url)
+    record = next(r for r in read_workers(client) if r.get("hostname") == worker.hostname)
+    children = [advertise.json_object(client.get(advertise.child_key("", worker.hostname,
+                                                                    slot)))
+                for slot in record["slots"]]
+    warm = warm_of([c for c in children if c], AffinityPolicy())
+    assert warm.weight("gpt", None, "fp32") == warm.weight("gpt", None) == 1.0
 
 
 def test_a_batch_of_embeds_runs_on_the_engine_of_its_precision(

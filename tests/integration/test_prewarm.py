@@ -244,3 +244,34 @@ def test_a_record_no_worker_or_beat_writes_does_not_stop_the_planning(
     stored = r.hgetall(prewarm.state_key(config))
     assert json.loads(stored[b"__bucket__"]) == [bucket, 300.0]
     assert fc.from_json(json.loads(stored[b"m2"])).updates >= 1
+
+
+def test_a_worker_of_plain_tasks_only_is_sent_no_prewarm(redis_url: str,
+                                                         r: redis.Redis) -> None:
+    """(it leaves every inference task: its pre-warms were released in its own queue for
+    good, one more each pass, and the model was warmed nowhere)"""
+    config = replace(SitsConfig(redis_url=redis_url), prewarm_interval_s=INTERVAL_S,
+                     global_keyprefix="plain:")
+    r.delete(*r.keys("plain:*") or ["plain:none"])
+    now = time.time()
+    f = fc.Forecaster()
+    start = (prewarm.bucket_of(config, now) - 300) * INTERVAL_S
+    for k in range(299):
+        f = fc.update(f, start + k * INTERVAL_S, 90.0 + (k % 3))
+    r.hset(prewarm.state_key(config), mapping={
+        "lm-c": json.dumps(fc.to_json(f)),
+        "__bucket__": json.dumps(prewarm.bucket_of(config, now) - 1)})
+    # Given a worker of plain tasks only with the most free memory, and one that runs
+    # inference, both live, the model's cold starts costly
+    for name, free, extra in (("plain@host", 80 * 2**30, {"plain_tasks_only": "threads"}),
+                              ("gpu@host", 10 * 2**30, {})):
+        r.set(advertise.worker_key("plain:", name), json.dumps(
+            {"hostname": name, "devices": [{"free_vram_bytes": free}], **extra}), ex=60)
+        r.zadd(advertise.workers_key("plain:"), {name: now})
+    r.hset(advertise.counters_key("plain:", "gpu@host"), mapping={
+        "model_cold_ms:lm-c": 2000.0, "model_cold:lm-c": 1, "model_run_ms:lm-c": 60.0,
+        "model_runs:lm-c": 1})
+    sent: list[tuple[str, str]] = []
+    report = prewarm.Prewarmer(config, r, lambda m, host: sent.append((m, host))).run(now)
+    # Then the pre-warm goes to the worker that can run it
+    assert report["sent"] and sent == [("lm-c", "gpu@host")]

@@ -89,7 +89,10 @@ def test_choose_with_prefixes(queue: list[Candidate], warm: Warm, expected: int)
 def test_warm_keeps_positive_weights_and_knows_its_top() -> None:
     warm = Warm({"x": 1.0, "y": 0.0}, {"p": 0.5, "q": 0.0})
     assert warm.models == {"x": 1.0} and warm.prefixes == {"p": 0.5}
-    assert warm.top == 1.5 and warm.weight("x", "p") == 1.5 and warm.weight(None, "p") == 0.5
+    assert warm.top == 1.5 and warm.weight("x", "p") == 1.5
+    # a prompt prefix's KV serves the engine that holds it: nothing for a model not warm
+    # here (a template shared by several models pulled tasks to a cold start)
+    assert warm.weight(None, "p") == 0.0 and warm.weight("y", "p") == 0.0
     assert not Warm() and not Warm({"x": 0.0}) and Warm({}, {"p": 0.1})
 
 
@@ -175,3 +178,16 @@ def test_warm_source_registry() -> None:
     finally:
         affinity.set_warm_source(None)
     assert affinity.warm_now() == Warm()
+
+
+def test_a_task_served_by_another_entry_counts_it_warm() -> None:
+    """(an fp32 request of an fp32 checkpoint runs on the model as loaded, an int8 one on
+    a GPU on its fp16 entry: matched against their own keys, never held, they had no
+    affinity where they ran warm)"""
+    children = [{"warm": {"gpt": "device", "lm@fp16": "host"},
+                 "serves": {"gpt@fp32": "gpt", "lm@int8": "lm@fp16", "x@int8": "x@fp16",
+                            7: "gpt"}}]
+    warm = affinity.warm_of(children, POLICY)  # type: ignore[arg-type]
+    assert warm.weight("gpt", None, "fp32") == 1.0 and warm.weight("gpt", None) == 1.0
+    assert warm.weight("lm", None, "int8") == 0.5  # at its entry's tier
+    assert warm.weight("x", None, "int8") == 0.0  # the entry it names is not held

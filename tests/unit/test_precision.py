@@ -76,6 +76,15 @@ def test_a_fleet_of_one_kind_matches_nothing(fleet: list[str]) -> None:
     assert precision_weights(own, [peaks(n) for n in fleet], 0.5) == {}
 
 
+def test_a_worker_without_figures_in_the_fleet_matches_nothing() -> None:
+    """(a CPU or plain-tasks worker counted as all zeros: every GPU of a fleet of one
+    kind got weights for every precision, and took any task naming one ahead of the
+    head)"""
+    assert precision_weights(peaks("A100"), [peaks("A100"), peaks("A100"), {}], 0.5) == {}
+    assert precision_weights(peaks("T4"), [peaks("T4"), {}, peaks("V100")], 0.5) == \
+        precision_weights(peaks("T4"), [peaks("T4"), peaks("V100")], 0.5)
+
+
 def test_weights_scale_with_the_setting_and_zero_turns_them_off() -> None:
     fleet = [peaks("T4"), peaks("V100")]
     assert precision_weights(peaks("T4"), fleet, 0.0) == {}
@@ -584,3 +593,15 @@ def test_int8_of_a_model_with_nothing_to_measure_it_on_is_served_at_full_precisi
     served.to_device("cpu")
     x = torch.randn(2, 8)
     assert torch.equal(served(x), module(x))
+
+
+def test_a_child_says_which_entry_serves_a_request_made_under_another_key() -> None:
+    from sits_queue.cache.precision import Serving
+
+    serving = Serving()
+    serving.aliases["gpt@fp32"] = (None, {"precision": "fp32"})  # learnt: as loaded
+    serving.aliases["gone@fp32"] = (None, {})  # its entry left the cache since
+    on_gpu = serving.served_keys(["gpt", "lm@fp16", "lm@bf16"], "cuda:0")
+    assert on_gpu == {"gpt@fp32": "gpt", "lm@int8": "lm@fp16"}
+    # on a CPU int8 is int8's own
+    assert serving.served_keys(["lm@fp16"], "cpu") == {}

@@ -63,13 +63,16 @@ local function wants(id)
   return model, prefix, precision
 end
 
--- The engine a task needs is held under '<model>@<precision>' when it asks for one.
+-- The engine a task needs is held under '<model>@<precision>' when it asks for one. Its
+-- prompt prefix counts only where that engine is warm: the KV is that engine's.
 local function weight_of(warm, id)
   local model, prefix, precision = wants(id)
   local engine = model
   if model and precision then engine = model .. '@' .. precision end
-  return ((engine and warm['m:' .. engine]) or 0) + ((prefix and warm['p:' .. prefix]) or 0)
-    + ((precision and warm['q:' .. precision]) or 0)
+  local held = (engine and warm['m:' .. engine]) or 0
+  local kv = 0
+  if held > 0 and prefix then kv = warm['p:' .. prefix] or 0 end
+  return held + kv + ((precision and warm['q:' .. precision]) or 0)
 end
 
 -- The warmest task within the window and the priority ratio, if warmer than the head:
@@ -94,6 +97,12 @@ local function affinity_pick()
   local best_w = weight_of(warm, near[1])
   if best_w >= top or held_by_me(near[1]) then return nil end
   local since = tonumber(redis.call('HGET', KEYS[14], near[1]) or '')
+  -- A stamp no pick of this clock wrote (inf, nan, ahead of now: a record made by hand,
+  -- a worker whose clock runs ahead) passed the head over for good: stamped afresh.
+  if since and not (since <= tonumber(now) and since > -math.huge) then
+    since = nil
+    redis.call('HDEL', KEYS[14], near[1])
+  end
   if since and tonumber(now) - since >= max_skip then return nil end
   local head_level = LEVELS - math.floor(tonumber(near[2]) / SEQ_SPAN)
   local floor = math.log(1 + (math.exp(head_level / LEVELS_PER_E) - 1) / ratio) * LEVELS_PER_E
