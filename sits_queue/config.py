@@ -21,7 +21,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-from sits_queue import checks
+from sits_queue import checks, redisurl
 from sits_queue.broker.affinity import AffinityPolicy
 from sits_queue.checks import MAX_DURATION_S as MAX_DURATION_S
 from sits_queue.errors import ConfigError
@@ -576,12 +576,13 @@ _KOMBU_URL_FIELDS = frozenset({"transport", "hostname", "port", "userid", "passw
                                "virtual_host"})
 
 
-def check_redis_url(url: str, what: str = "redis_url") -> str:
+def check_redis_url(url: str, what: str = "redis_url", celery: bool = True) -> str:
     """``url``, if redis-py can take it as meant; else a ConfigError naming what is wrong
     (redis-py raises a bare ValueError for a port out of range, reads a database that is
     not a number as database 0, and takes an unknown query option or a negative timeout
     until the first connection, where it fails as a TypeError or a socket error).
-    ``what``: how the message names it (a site peer's entry)."""
+    ``what``: how the message names it (a site peer's entry); ``celery``: Celery's
+    broker and backend use it too (``redisurl.unsupported``), not only redis-py."""
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError(f"{what} must be redis://, rediss:// or unix://, got "
                           f"{checks.shown(redacted(url))}")
@@ -625,6 +626,8 @@ def check_redis_url(url: str, what: str = "redis_url") -> str:
             raise ConfigError(f"{what} {shown}: {name} must be "
                               + ("> 0" if above is not None else ">= 0")
                               + f" s, got {value!r}")
+    if celery and (why := redisurl.unsupported(url)) is not None:
+        raise ConfigError(f"{what} {shown}: {why}")
     return url
 
 

@@ -9,6 +9,7 @@ from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
+from sits_queue import redisurl
 from sits_queue.broker import results
 from sits_queue.config import SitsConfig, without_credentials
 from sits_queue.errors import ConfigError
@@ -48,13 +49,16 @@ def sits_transport_options(config: SitsConfig, *given: Mapping[str, Any] | None
 def celery_settings(config: SitsConfig) -> dict[str, Any]:
     """Celery configuration derived from a SitsConfig: the production defaults."""
     prefix = config.global_keyprefix
+    # (the URL's connection options as settings: kombu refuses them in its query)
+    url, connection = redisurl.celery_parts(config.redis_url)
     return {
-        "broker_url": config.redis_url,
+        "broker_url": url,
         "broker_transport": TRANSPORT,
-        "broker_transport_options": sits_transport_options(config),
+        "broker_transport_options": sits_transport_options(config, connection),
         "broker_connection_retry_on_startup": True,
         # Celery's Redis backend, storing each state in one atomic round trip.
-        "result_backend": results.backend_url(config.redis_url),
+        "result_backend": results.backend_url(url),
+        **redisurl.backend_settings(connection),
         "result_backend_transport_options": {"global_keyprefix": prefix},
         "result_expires": timedelta(days=1),
         "result_extended": True,

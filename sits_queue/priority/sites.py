@@ -226,7 +226,7 @@ def parse_peers(text: str) -> tuple[Peer, ...]:
         clean = urlunsplit(parts._replace(query=urlencode(query)))
         # The rest as for redis_url (scheme, port, database, query options, timeouts):
         # what redis-py would make of it fails here, not in every later enqueue
-        check_redis_url(clean, f"site_peers entry {name!r}")
+        check_redis_url(clean, f"site_peers entry {name!r}", celery=False)
         hops = int(hops_text)
         peers.append(Peer(name, clean, hops, rtt))
     names = [p.name for p in peers]

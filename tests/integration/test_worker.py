@@ -168,6 +168,26 @@ def test_a_worker_and_beat_end_with_the_process_that_started_them(
                 psutil.Process(pid).kill()
 
 
+def test_a_redis_url_with_connection_options_serves(tmp_path: Path, redis_url: str) -> None:
+    """(the README's own ?socket_timeout=5&health_check_interval=30 stopped every
+    producer, worker and beat: Celery's broker layer refused the query's keywords)"""
+    from sits_queue.app import make_app
+    from sits_queue.config import SitsConfig
+
+    base, _, db = redis_url.rpartition("/")
+    url = f"{base}/?db={db}&socket_timeout=5&health_check_interval=30&retry_on_timeout=true"
+    app = make_app(SitsConfig(redis_url=url), main="url-options")
+    assert app.conf.broker_transport_options["socket_timeout"] == 5.0
+    assert app.conf.redis_backend_health_check_interval == 30
+    worker = start_worker(APP_MODULE, worker_env(url), tmp_path, concurrency=1, cwd=ROOT)
+    try:
+        wait_ready(app, [worker])
+        assert app.send_task("w.add", (2, 3)).get(timeout=30) == 5
+    finally:
+        worker.stop(timeout_s=20)
+        app.close()
+
+
 def test_sigkilled_worker_task_is_redelivered_and_completes(
         spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
     first = spawn(visibility_timeout_s="4")
