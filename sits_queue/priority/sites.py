@@ -195,17 +195,18 @@ def parse_peers(text: str) -> tuple[Peer, ...]:
     """``site_peers``: whitespace-separated ``name=redis://...`` entries; ``hops`` and a
     pinned ``rtt_ms`` may ride in the URL's query (``?hops=3&rtt_ms=12``) and are taken
     out of it. Raises :class:`ConfigError` naming the bad entry."""
-    from sits_queue.config import check_redis_url
+    from sits_queue.config import check_redis_url, redacted
 
     peers: list[Peer] = []
     for entry in text.split():
         name, sep, url = entry.partition("=")
         if not sep or not name or not url:
-            raise ConfigError(f"site_peers entry {entry!r} is not name=redis://...")
+            raise ConfigError(f"site_peers entry {redacted(entry)!r} is not "
+                              "name=redis://...")
         check_site_name(name, "site_peers")
         if "," in url:  # entries are separated by spaces; a comma would hide a peer
-            raise ConfigError(f"site_peers entry {name!r}: {url!r} holds a comma; separate "
-                              "entries with spaces")
+            raise ConfigError(f"site_peers entry {name!r}: {redacted(url)!r} holds a comma; "
+                              "separate entries with spaces")
         parts = urlsplit(url)
         query = dict(parse_qsl(parts.query))
         hops_text, rtt_text = query.pop("hops", "1"), query.pop("rtt_ms", None)
@@ -220,9 +221,10 @@ def parse_peers(text: str) -> tuple[Peer, ...]:
             raise ConfigError(f"site_peers entry {name!r}: rtt_ms must be a number >= 0, "
                               f"got {rtt_text!r}")
         if parts.scheme in ("redis", "rediss") and not parts.hostname:
-            raise ConfigError(f"site_peers entry {name!r}: {url!r} names no host")
+            raise ConfigError(f"site_peers entry {name!r}: {redacted(url)!r} names no host")
         if parts.scheme == "unix" and not parts.path.strip("/"):
-            raise ConfigError(f"site_peers entry {name!r}: {url!r} names no socket path")
+            raise ConfigError(f"site_peers entry {name!r}: {redacted(url)!r} names no "
+                              "socket path")
         clean = urlunsplit(parts._replace(query=urlencode(query)))
         # The rest as for redis_url (scheme, port, database, query options, timeouts):
         # what redis-py would make of it fails here, not in every later enqueue

@@ -147,6 +147,16 @@ def test_bad_peers_are_refused_by_name(text: str, message: str) -> None:
         parse_peers(text)
 
 
+@pytest.mark.parametrize("text", [
+    "redis://:hunter2@peer:6379/0", "b=redis://:hunter2@h:6379/0,c=redis://h2",
+    "b=redis://:hunter2@/0", "b=unix://:hunter2@"])
+def test_a_refused_peer_entry_does_not_show_its_password(text: str) -> None:
+    """(the entry or its URL was quoted whole: the peer's password in every log)"""
+    with pytest.raises(ConfigError) as refused:
+        parse_peers(text)
+    assert "hunter2" not in str(refused.value) and "***" in str(refused.value)
+
+
 @pytest.mark.parametrize(("settings", "message"), [
     ({"site_peers": "b=redis://x"}, "site_peers needs site"),
     ({"site": "a", "site_peers": "a=redis://x"}, "lists this site"),
