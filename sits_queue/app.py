@@ -16,12 +16,12 @@ from celery.canvas import _chain, _chord
 from kombu.entity import Exchange, Queue
 from kombu.utils.objects import cached_property
 
-from sits_queue import flower
+from sits_queue import flower, redisurl
 from sits_queue.broker.keys import DELIVERY_ONLY
 from sits_queue.cache.budgets import CacheBudgets
 from sits_queue.checks import shown
-from sits_queue.config import SitsConfig, without_credentials
-from sits_queue.errors import InvalidTaskOptions
+from sits_queue.config import SitsConfig, redacted, without_credentials
+from sits_queue.errors import ConfigError, InvalidTaskOptions
 from sits_queue.exits import fail_exits
 from sits_queue.options import (
     CONTROL_QUEUE,
@@ -408,10 +408,25 @@ class SitsCelery(Celery):  # type: ignore[misc]
     def _connection(self, url: Any, *args: Any, transport_options: Any = None,
                     **kwargs: Any) -> Any:
         """Celery's, with the SITS transport options whatever became of the app's
-        ``broker_transport_options`` (a plain assignment replaces the whole dict)."""
-        options = sits_transport_options(sits_config(self), self.conf.broker_transport_options,
-                                         transport_options)
+        ``broker_transport_options`` (a plain assignment replaces the whole dict), and
+        only to the SITS Redis: a broker URL of its own (``-b``, ``CELERY_BROKER_URL``, an
+        app's ``broker_url``) put the queues on one server while the worker records,
+        results and rescoring passes went to the other, and ``sitsq status`` saw none."""
+        options = self.broker_options(url, transport_options)
         return super()._connection(url, *args, transport_options=options, **kwargs)
+
+    def broker_options(self, url: Any, transport_options: Any = None) -> dict[str, Any]:
+        """The transport options a connection to ``url`` gets; a ConfigError for a URL
+        that is not the SITS Redis's or an option that contradicts the SITS config (a
+        worker checks both as it starts: ``workers/runtime.py``)."""
+        config = sits_config(self)
+        expected, _ = redisurl.celery_parts(config.redis_url)
+        if url is not None and str(url) != expected:
+            raise ConfigError(f"the broker URL {redacted(str(url))!r} (-b, CELERY_BROKER_URL "
+                              "or broker_url) is not the SITS Redis URL "
+                              f"{redacted(expected)!r}: set SITS_REDIS_URL instead")
+        return sits_transport_options(config, self.conf.broker_transport_options,
+                                      transport_options)
 
     def bugreport(self) -> str:
         """Celery's, with the credentials of every URL in it masked: ``celery report``

@@ -553,7 +553,12 @@ class PlanStep(bootsteps.Step):  # type: ignore[misc]
         from sits_queue.app import sits_config
 
         pool_module = getattr(w.pool_cls, "__module__", str(w.pool_cls))
-        problem = pool_problem(pool_module, int(w.concurrency))
+        # With --autoscale the pool grows to its maximum: its slots (cores, memory
+        # budgets) are that many (it recorded its starting size: each child then took a
+        # whole host's share, and the grown ones shared cores)
+        size = max(int(w.concurrency), autoscale_max(
+            kwargs.get("autoscale") or getattr(w, "autoscale", None)))
+        problem = pool_problem(pool_module, size)
         plain_only = sits_config(w.app).plain_tasks_only
         # Here the worker stops before any task, in one line, as a bad setting does at
         # import (ImproperlyConfigured printed some 45 lines of traceback above it)
@@ -576,7 +581,20 @@ class PlanStep(bootsteps.Step):  # type: ignore[misc]
         # licence for shared pools alone)
         admission.leave_inference(pool_name(pool_module) if problem or plain_only else None,
                                   shared=bool(problem))
-        record_slots(int(w.concurrency))
+        record_slots(size)
+
+
+def autoscale_max(autoscale: Any) -> int:
+    """The most pool processes ``--autoscale`` asks for ("max,min", or Celery's parsed
+    [max, min]); 0 without it."""
+    if isinstance(autoscale, str):
+        autoscale = autoscale.partition(",")[0]
+    elif isinstance(autoscale, list | tuple):
+        autoscale = autoscale[0] if autoscale else 0
+    try:
+        return max(0, int(autoscale or 0))
+    except (TypeError, ValueError):
+        return 0  # (Celery refuses it itself)
 
 
 def connect(app: Celery) -> None:
@@ -585,6 +603,11 @@ def connect(app: Celery) -> None:
     def on_celeryd_init(sender: Any = None, instance: Any = None, conf: Any = None,
                         options: Any = None, **_: Any) -> None:
         if getattr(instance, "app", None) is app:
+            try:  # (met at the worker's first connection, they printed ~57 lines of
+                # traceback: a broker URL of its own, a transport option SITS decides)
+                instance.app.broker_options(instance.app.conf.broker_url)
+            except ConfigError as exc:
+                raise SystemExit(f"Error: {exc}") from None
             init_parent(app, str(sender), conf, options or {})
 
     def on_process_init(**_: Any) -> None:

@@ -188,6 +188,31 @@ def test_a_redis_url_with_connection_options_serves(tmp_path: Path, redis_url: s
         app.close()
 
 
+@pytest.mark.parametrize(("env", "said"), [
+    ({"CELERY_BROKER_URL": "redis://127.0.0.1:1/0"}, "is not the SITS Redis URL"),
+    ({"CELERY_BROKER_URL": "redis://127.0.0.1:1/0"}, "set SITS_REDIS_URL instead")])
+def test_a_broker_url_other_than_the_sits_one_is_refused_in_one_line(
+        tmp_path: Path, redis_url: str, env: dict[str, str], said: str) -> None:
+    """(the queues went to the -b / CELERY_BROKER_URL server, worker records, results and
+    rescoring to the SITS one, and `sitsq status` saw no queue)"""
+    proc = start_worker(APP_MODULE, {**worker_env(redis_url), **env}, tmp_path,
+                        concurrency=1, cwd=ROOT)
+    assert said in refusal(proc, "a broker URL of its own")
+
+
+def test_an_autoscaled_pool_is_planned_at_its_largest(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(it was planned at its starting size: each child took a whole host's share of
+    cores and memory, and the children it grew shared cores)"""
+    from sits_queue.workers import advertise
+
+    worker = spawn(concurrency=1, extra_args=("--autoscale=2,1",))
+    client_app.tasks["w.pid"].delay().get(timeout=30)
+    record = advertise.json_object(redis_client.get(
+        advertise.child_key("", worker.hostname, 0))) or {}
+    assert record.get("slots") == 2
+
+
 def test_sigkilled_worker_task_is_redelivered_and_completes(
         spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
     first = spawn(visibility_timeout_s="4")

@@ -874,3 +874,9 @@ def test_a_probe_reads_the_largest_device_in_all() -> None:
     probe.close()
     host = request.HostProbe()
     assert 0 < host.max_free_bytes() <= host.max_total_bytes()
+
+
+@pytest.mark.parametrize(("autoscale", "most"), [
+    (None, 0), ("4,1", 4), ("3", 3), ([6, 2], 6), ((2, 0), 2), ("x,1", 0), ([], 0)])
+def test_an_autoscaled_pools_largest_size(autoscale: Any, most: int) -> None:
+    assert rt.autoscale_max(autoscale) == most
