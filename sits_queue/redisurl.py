@@ -8,14 +8,22 @@ does not know (``?socket_timeout=5`` stopped every producer, worker and beat wit
 :func:`celery_parts` gives Celery the URL without its connection options, and those
 options typed, for the broker's transport options and the backend's ``redis_*``
 settings (redbeat and SITS's clients take the URL whole). A ``rediss://`` URL's TLS
-options stay in it: kombu and Celery read those from the URL themselves (pure).
+options stay in it: kombu and Celery read those from the URL themselves.
+
+And the checks every Redis URL passes (:func:`check_redis_url`), and the masking of
+credentials in what is shown (:func:`redacted`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import re
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from sits_queue import checks
+from sits_queue.errors import ConfigError
 
 #: Connection options a URL may carry, by how its value is read (as redis-py reads it).
 CONNECTION_OPTIONS: dict[str, Callable[[str], Any]] = {
@@ -79,3 +87,97 @@ def celery_parts(url: str) -> tuple[str, dict[str, Any]]:
 def backend_settings(options: dict[str, Any]) -> dict[str, Any]:
     """Celery's result-backend settings for connection ``options``."""
     return {BACKEND_SETTINGS[k]: v for k, v in options.items() if k in BACKEND_SETTINGS}
+
+
+# -- checking and showing a URL ----------------------------------------------------------
+
+#: The credentials of a URL (user, password), up to the last "@" before its host.
+_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^\s/]*@")
+
+
+#: A password given as a URL's query option (refused in ours: :func:`check_redis_url`).
+_QUERY_PASSWORD = re.compile(r"(?P<key>[?&]password=)[^&\s]*", re.IGNORECASE)
+
+
+def redacted(text: str) -> str:
+    """``text`` with the credentials of every URL in it masked, for messages and logs
+    (an "@" in a path, a socket's name, is not a credential: it stays)."""
+    return _QUERY_PASSWORD.sub(r"\g<key>***", _CREDENTIALS.sub(r"\g<scheme>***@", text))
+
+
+def without_credentials(value: Any) -> Any:
+    """``value`` with the credentials of every URL in it masked, through mappings and
+    sequences: for what is shown to others (remote-control replies, Flower)."""
+    if isinstance(value, str):
+        return redacted(value)
+    if isinstance(value, Mapping):
+        return {k: without_credentials(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [without_credentials(v) for v in value]
+    return value
+
+
+#: Query options of a Redis URL that are durations, s: a timeout must be > 0 (0 makes
+#: the socket non-blocking, every read fails), the health-check interval >= 0 (0: off).
+_URL_DURATIONS = {"socket_timeout": 0.0, "socket_connect_timeout": 0.0,
+                  "health_check_interval": None}
+
+
+#: What kombu's URL parser takes from a URL's parts, and refuses twice from its query.
+_KOMBU_URL_FIELDS = frozenset({"transport", "hostname", "port", "userid", "password",
+                               "virtual_host"})
+
+
+def check_redis_url(url: str, what: str = "redis_url", celery: bool = True) -> str:
+    """``url``, if redis-py can take it as meant; else a ConfigError naming what is wrong
+    (redis-py raises a bare ValueError for a port out of range, reads a database that is
+    not a number as database 0, and takes an unknown query option or a negative timeout
+    until the first connection, where it fails as a TypeError or a socket error).
+    ``what``: how the message names it (a site peer's entry); ``celery``: Celery's
+    broker and backend use it too (``redisurl.unsupported``), not only redis-py."""
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(f"{what} must be redis://, rediss:// or unix://, got "
+                          f"{checks.shown(redacted(url))}")
+    shown = checks.shown(redacted(url))
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (parsed on access: raises for a bad port)
+        if parts.hostname:  # (what the resolver will be given: idna fails at connect)
+            parts.hostname.encode("idna")
+    except (ValueError, UnicodeError) as exc:  # Invalid IPv6 URL, a port out of range
+        raise ConfigError(f"{what} {shown}: {exc}") from None
+    if parts.scheme == "unix" and not parts.path.strip("/"):
+        raise ConfigError(f"{what} {shown}: no socket path (unix:///path/to/redis.sock)")
+    db = parts.path.strip("/") if parts.scheme != "unix" else ""
+    if db and not db.isdigit():
+        raise ConfigError(f"{what} {shown}: database {db!r} is not a number")
+    # Kombu (Celery's broker layer) reads these from the URL itself: given in the query
+    # too, every producer and Celery command failed with a raw TypeError ("multiple
+    # values for keyword argument 'password'")
+    clashing = sorted(k for k, _ in parse_qsl(parts.query) if k in _KOMBU_URL_FIELDS)
+    if clashing:
+        raise ConfigError(f"{what} {shown}: {', '.join(clashing)} cannot be a query option "
+                          "(Celery's broker layer reads it from the URL itself); give the "
+                          "password as redis://:PASSWORD@host, a user as redis://USER:"
+                          "PASSWORD@host")
+    import redis  # (a light import; redis is loaded anyway)
+
+    try:  # its query options: ?socket_timeout=5s, ?db=abc or ?foo=1 raised at first use
+        connection = redis.ConnectionPool.from_url(url).make_connection()
+    except TypeError as exc:  # the connection class takes no such keyword
+        option = str(exc).rsplit(" ", 1)[-1]
+        raise ConfigError(f"{what} {shown}: no query option {option} for a "
+                          f"{parts.scheme}:// connection") from None
+    except (ValueError, redis.RedisError) as exc:
+        raise ConfigError(f"{what} {shown}: {exc}") from None
+    for name, above in _URL_DURATIONS.items():
+        value = getattr(connection, name, None)
+        if value is None:
+            continue
+        if not math.isfinite(value) or value < 0 or (above is not None and value <= above):
+            raise ConfigError(f"{what} {shown}: {name} must be "
+                              + ("> 0" if above is not None else ">= 0")
+                              + f" s, got {value!r}")
+    if celery and (why := unsupported(url)) is not None:
+        raise ConfigError(f"{what} {shown}: {why}")
+    return url

@@ -39,14 +39,13 @@ from typing import Any
 
 import psutil
 from billiard.process import current_process
-from celery import Celery, bootsteps, current_app, signals
+from celery import Celery, current_app, signals
 from celery.exceptions import SoftTimeLimitExceeded
 
 from sits_queue.broker import intake
-from sits_queue.broker.keys import check_queue_name
 from sits_queue.cache.budgets import CacheBudgets, children_per_device
 from sits_queue.config import ClassQuota, SitsConfig
-from sits_queue.errors import ConfigError, InvalidQueueName, UnknownModel
+from sits_queue.errors import ConfigError, UnknownModel
 from sits_queue.options import HEADER, PRECISIONS
 from sits_queue.workers import (
     advertise,
@@ -541,62 +540,6 @@ def child() -> ChildRuntime | None:
     return _child
 
 
-class PlanStep(bootsteps.Step):  # type: ignore[misc]
-    """Worker step: refuses a pool that runs tasks side by side in one process (see
-    :func:`pool_problem`) and records the final pool size (after ``-c`` / ``auto``)
-    before forking."""
-
-    name = "SITS worker plan"
-
-    def __init__(self, w: Any, **kwargs: Any) -> None:
-        super().__init__(w, **kwargs)
-        from sits_queue.app import sits_config
-
-        pool_module = getattr(w.pool_cls, "__module__", str(w.pool_cls))
-        # With --autoscale the pool grows to its maximum: its slots (cores, memory
-        # budgets) are that many (it recorded its starting size: each child then took a
-        # whole host's share, and the grown ones shared cores)
-        size = max(int(w.concurrency), autoscale_max(
-            kwargs.get("autoscale") or getattr(w, "autoscale", None)))
-        problem = pool_problem(pool_module, size)
-        plain_only = sits_config(w.app).plain_tasks_only
-        # Here the worker stops before any task, in one line, as a bad setting does at
-        # import (ImproperlyConfigured printed some 45 lines of traceback above it)
-        if problem and not plain_only:
-            raise SystemExit(f"Error: {problem}")
-        try:  # read again by each pool child: a bad value must stop the worker here
-            CacheBudgets.from_env()
-        except ConfigError as exc:
-            raise SystemExit(f"Error: {exc}") from None
-        queues = w.app.amqp.queues
-        for name in (queues.consume_from or queues):
-            try:  # (a name no SITS queue can have stopped the consumer on a traceback)
-                check_queue_name(name)
-            except InvalidQueueName as exc:
-                raise SystemExit(f"Error: {exc}: rename it (-Q, or the app's task_queues "
-                                 "/ task_default_queue)") from None
-        # Tasks share this process: none of them gets the per-task runtime, and an
-        # inference task is left for another worker (workers/request.py). So on any pool
-        # of a worker of plain tasks only (on prefork it ran them: the setting read as a
-        # licence for shared pools alone)
-        admission.leave_inference(pool_name(pool_module) if problem or plain_only else None,
-                                  shared=bool(problem))
-        record_slots(size)
-
-
-def autoscale_max(autoscale: Any) -> int:
-    """The most pool processes ``--autoscale`` asks for ("max,min", or Celery's parsed
-    [max, min]); 0 without it."""
-    if isinstance(autoscale, str):
-        autoscale = autoscale.partition(",")[0]
-    elif isinstance(autoscale, list | tuple):
-        autoscale = autoscale[0] if autoscale else 0
-    try:
-        return max(0, int(autoscale or 0))
-    except (TypeError, ValueError):
-        return 0  # (Celery refuses it itself)
-
-
 def connect(app: Celery) -> None:
     """Wire the runtime into ``app``'s workers (signals filter on the app)."""
 
@@ -633,6 +576,8 @@ def connect(app: Celery) -> None:
     signals.celeryd_after_setup.connect(on_after_setup, weak=False)
     signals.worker_process_init.connect(on_process_init, weak=False)
     signals.task_prerun.connect(on_prerun, weak=False)
+    from sits_queue.workers.planstep import PlanStep
+
     app.steps["worker"].add(PlanStep)
     app.steps["worker"].add(metrics.MetricsServer)
     app.steps["consumer"].add(advertise.Advertise)

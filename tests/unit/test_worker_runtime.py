@@ -879,4 +879,6 @@ def test_a_probe_reads_the_largest_device_in_all() -> None:
 @pytest.mark.parametrize(("autoscale", "most"), [
     (None, 0), ("4,1", 4), ("3", 3), ([6, 2], 6), ((2, 0), 2), ("x,1", 0), ([], 0)])
 def test_an_autoscaled_pools_largest_size(autoscale: Any, most: int) -> None:
-    assert rt.autoscale_max(autoscale) == most
+    from sits_queue.workers.planstep import autoscale_max
+
+    assert autoscale_max(autoscale) == most
