@@ -142,7 +142,10 @@ def _view(worker: Mapping[str, Any]) -> forecast.WorkerView:
     memory. A field of another shape (an older, newer or foreign writer's) counts as
     none: raised on, it stopped the planning for every worker."""
     children = as_mapping(worker.get("children")).values()
-    warm = {str(m) for child in children
+    # A model warm at a precision is warm for its demand, which is counted by model: a
+    # fleet whose traffic asks for bf16 holds gpt@bf16 only, and each pass took every
+    # worker for cold and pre-warmed an as-loaded copy no task used
+    warm = {str(m).partition("@")[0] for child in children
             for m, tier in as_mapping(as_mapping(child).get("warm")).items() if tier == "device"}
     devices = worker.get("devices")
     free = sum(_bytes(as_mapping(d).get("free_vram_bytes"))

@@ -253,3 +253,13 @@ def test_a_worker_record_of_another_shape_counts_as_holding_nothing(
     good = _view({"hostname": "w", "devices": [{"free_vram_bytes": 2**33}, {}],
                   "children": {"0": {"warm": {"gpt": "device", "bert": "host"}}}})
     assert good == WorkerView("w", frozenset({"gpt"}), 2**33)
+
+
+def test_a_model_warm_at_a_precision_is_warm_for_its_demand() -> None:
+    """(demand is counted by model: a worker holding only gpt@bf16 counted as cold, and
+    every pass pre-warmed an as-loaded copy no task used)"""
+    from sits_queue.priority.prewarm import _view
+
+    view = _view({"hostname": "w@h", "children": {"0": {"warm": {
+        "gpt@bf16": "device", "enc": "device", "lm@fp16": "host"}}}})
+    assert view.warm == frozenset({"gpt", "enc"})
