@@ -192,6 +192,10 @@ def prepare(message: dict[str, Any], queue: str, tag: str, times: int,
     headers[DELIVERY_HEADER] = [queue, tag]
     if checkpoint:  # it yielded its slot before: where it got to
         headers[CHECKPOINT_HEADER] = text(checkpoint)
+        # Its run began before any expiry (a yield is a running task's): resumed, it goes
+        # on (its expiry revoked it as it came back, the work so far thrown away)
+        if headers.get("expires") is not None:
+            headers["expires"] = None
     if by_affinity:
         headers[AFFINITY_HEADER] = True
     if times:

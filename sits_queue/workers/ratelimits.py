@@ -10,6 +10,10 @@ task waiting for its ETA out of the prefetch count (``qos.increment_eventually``
 step does the same for a request waiting for a token, from when it enters the bucket
 until Celery moves it to the pool.
 
+At most as many of one task type wait in the worker as its pool runs at once; the
+rest are given back to the queue (held off from this worker for a moment, as a task
+that does not fit its VRAM is), for another worker or for this one later.
+
 It also wakes the event loop once Celery has set its next look at a bucket: that is a
 timer entry added after the loop computed how long to sleep, and with nothing else to
 wake it (a solo pool has no children's pipes) the loop slept up to a second past each
@@ -21,6 +25,17 @@ from __future__ import annotations
 from typing import Any
 
 from celery import bootsteps
+
+from sits_queue.workers import request as admission
+
+
+def most_waiting(c: Any) -> int:
+    """How many requests of one task type may wait here for tokens: the pool's size (the
+    consumer's prefetch count, SITS's multiplier being 1)."""
+    try:
+        return max(1, int(getattr(c, "initial_prefetch_count", 0) or 1))
+    except (TypeError, ValueError):
+        return 1
 
 
 class RateLimitHold(bootsteps.StartStopStep):  # type: ignore[misc]
@@ -39,6 +54,13 @@ class RateLimitHold(bootsteps.StartStopStep):  # type: ignore[misc]
         move = c._limit_move_to_pool
 
         def limit_task(request: Any, bucket: Any, tokens: int) -> Any:
+            if len(getattr(bucket, "contents", ())) >= most_waiting(c):
+                # As many of its type wait here as the pool runs at once: the rest wait
+                # in the queue, at their priority, for another worker or for this one
+                # later (counted out, they were all taken in: an idle worker beside it
+                # got none, and an urgent task arriving later ran behind them all)
+                admission._give_back(request, hold=True)
+                return None
             self.held.add(id(request))
             c.qos.increment_eventually()
             bucket.add((request, tokens))

@@ -34,3 +34,22 @@ def test_tasks_waiting_for_a_token_leave_the_worker_serving_the_rest(
     results = [client_app.tasks["w.add"].delay(i, i) for i in range(5)]
     assert [r.get(timeout=60) for r in results] == [0, 2, 4, 6, 8]
     assert all(r.state == "PENDING" for r in waiting)
+
+
+def test_a_worker_holds_no_more_token_waiters_than_its_pool_the_rest_stay_queued(
+        spawn: Callable[..., CeleryProcess], client_app: Celery,
+        redis_client: redis.Redis) -> None:
+    """(it took every waiting rate-limited task into its bucket: an idle worker beside
+    it got none, and an urgent task submitted later ran behind them all)"""
+    spawn(concurrency=1)
+    hourly = client_app.tasks["w.hourly"]
+    assert hourly.delay("first").get(timeout=60) == "first"  # the bucket's one token
+    later = [hourly.delay(f"later {i}") for i in range(6)]
+    # One waits for its token in the worker; the rest stay in the queue
+    wait_for(lambda: redis_client.zcard(KEYS.unacked) == 1
+             and redis_client.zcard(KEYS.waiting) == 5, 30,
+             "one task to wait in the worker and five in the queue")
+    # ... where a second worker takes one (its bucket has a token)
+    spawn(concurrency=1)
+    wait_for(lambda: sum(r.state == "SUCCESS" for r in later) == 1, 60,
+             "the second worker to run one of them")

@@ -80,6 +80,23 @@ def test_a_task_of_the_same_class_does_not_preempt(spawn: Spawn, client_app: Cel
                                        "second:start:0", "second:end:1"]
 
 
+def test_a_task_that_yields_resumes_past_its_expiry(spawn: Spawn, client_app: Celery,
+                                                    redis_client: redis.Redis) -> None:
+    """(it came back past its expires and was revoked as expired: its work so far thrown
+    away, and it never finished)"""
+    spawn(concurrency=1)
+    # Given a low task of 40 steps that expires 1 s after its submission, running
+    low = client_app.tasks["w.steps"].apply_async(("low", 40, 0.05), expires=1.0)
+    wait_for(lambda: "low:start:0" in steps_log(redis_client), 20, "the low task to start")
+    # When an urgent task takes its slot for longer than that
+    high = client_app.tasks["w.slow"].apply_async(("urgent", 1.5), sla_class="high")
+    assert high.get(timeout=30) == "urgent"
+    # Then it resumes from its checkpoint and finishes
+    assert low.get(timeout=60) == 2
+    log = steps_log(redis_client)
+    assert any(":yield:" in x for x in log) and log[-1] == "low:end:2"
+
+
 def test_yield_point_outside_a_worker_never_yields(client_app: Celery,
                                                     redis_client: redis.Redis) -> None:
     # An eager call has no delivery: yield_point is a no-op and checkpoint is None
