@@ -39,6 +39,9 @@ class StandIn:
     _limit_task = Consumer._limit_task
     _limit_post_eta = Consumer._limit_post_eta
 
+    #: A pool of two: two requests of a type may wait for tokens.
+    initial_prefetch_count = 2
+
     def __init__(self) -> None:
         self.qos = QoS(lambda prefetch_count: None, 1)
         self.timer = Timer()
@@ -89,3 +92,35 @@ def test_the_event_loop_is_woken_once_the_next_look_is_set() -> None:
     c._limit_task("second", bucket, 1)
     assert c.connection.transport.wakes == 2
     assert c.timer.entries[-1][1] == c._schedule_bucket_request  # wakes again next time
+
+
+class Released:
+    """A request as ``request._give_back`` uses it: its message's QoS records releases."""
+
+    def __init__(self, name: str) -> None:
+        self.id, self.acknowledged, self.released = name, False, []
+        qos = type("QoS", (), {"release": lambda _, tag, *hold: self.released.append(
+            (tag, *hold)) or hold[0]})()
+        self.message = type("Message", (), {"channel": type("C", (), {"qos": qos})(),
+                                            "delivery_tag": name, "_state": "RECEIVED"})()
+
+    def send_event(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def test_no_more_of_a_type_wait_than_the_pool_runs_the_rest_go_back() -> None:
+    """(every waiting rate-limited task was taken into the bucket: an idle worker beside
+    this one got none, and an urgent task ran behind them all)"""
+    from sits_queue.workers.request import HOLD_FIRST_S, HOLD_LONGEST_S
+
+    c = StandIn()
+    RateLimitHold(c)
+    bucket = TokenBucket(fill_rate=1 / 3600, capacity=1)
+    c._limit_task("first", bucket, 1)  # its token: to the pool at once
+    c._limit_task("second", bucket, 1)
+    c._limit_task("third", bucket, 1)  # two wait: the pool's size
+    fourth = Released("fourth")
+    c._limit_task(fourth, bucket, 1)
+    assert len(bucket.contents) == 2 and c.qos.value == 3  # not counted out
+    assert fourth.released == [("fourth", HOLD_FIRST_S, HOLD_LONGEST_S)]
+    assert fourth.acknowledged and fourth.message._state == "REQUEUED"
