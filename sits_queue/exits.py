@@ -31,13 +31,21 @@ def fail_exits(task: Any) -> Iterator[None]:
         yield
     except (SystemExit, KeyboardInterrupt) as exc:
         request = task.request
-        if isinstance(exc, WorkerShutdown | WorkerTerminate) or request.is_eager \
-                or _terminating():
+        if worker_exit(exc) or request.is_eager:
             raise
         code = f"({exc.code!r})" if isinstance(exc, SystemExit) else ""
         raise TaskExited(f"task {task.name}[{request.id}] tried to end its process: "
                          f"{type(exc).__name__}{code}; failed instead (a task may not "
                          "end its worker's process)") from exc
+
+
+def worker_exit(exc: BaseException) -> bool:
+    """Whether ``exc`` is the worker's own way out, not the code's it interrupted:
+    Celery's shutdown (``WorkerShutdown``/``WorkerTerminate``), or the ``SystemExit``
+    billiard's terminate-signal handler raised in this pool child. Either must go
+    through whatever wraps a task's or a loader's exits."""
+    return isinstance(exc, WorkerShutdown | WorkerTerminate) or (
+        isinstance(exc, SystemExit) and _terminating())
 
 
 def _terminating() -> bool:

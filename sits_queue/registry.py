@@ -189,9 +189,14 @@ def load_engine(spec: ModelSpec, device: str) -> Any:
         raise ModelLoadError(f"loader for model {spec.name!r} failed: "
                              f"{type(exc).__name__}: {exc}") from exc
     except (SystemExit, KeyboardInterrupt) as exc:
-        # The loader's own (a pool child ignores SIGINT, and Celery's terminate signal
-        # kills it outright): let through, it ended the child at every redelivery, and
-        # the task was dead-lettered as poison with no word of the loader
+        # The loader's own (a pool child ignores SIGINT): let through, it ended the child
+        # at every redelivery, and the task was dead-lettered as poison with no word of
+        # the loader. The worker's own way out goes on (a revoke(terminate=True) that
+        # came mid-load: converted, the child lived on and the load was called failed)
+        from sits_queue.exits import worker_exit
+
+        if worker_exit(exc):
+            raise
         raise ModelLoadError(f"loader for model {spec.name!r} tried to end its process "
                              f"({type(exc).__name__}: {exc}); a loader that fails must "
                              "raise an Exception") from exc

@@ -56,3 +56,26 @@ def test_the_pools_terminate_signal_goes_through(monkeypatch: pytest.MonkeyPatch
     assert common.terminate_handler_fired()
     with pytest.raises(SystemExit), fail_exits(task()):
         sys.exit(-(256 - 15))
+
+
+def test_a_loader_interrupted_by_the_pools_terminate_signal_is_no_load_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(a revoke(terminate=True) that came mid-load was turned into ModelLoadError: the
+    child lived on, and the load was called failed)"""
+    from billiard import common
+
+    from sits_queue.errors import ModelLoadError
+    from sits_queue.registry import ModelSpec, load_engine
+
+    def exits() -> None:
+        sys.exit(-(256 - 15))
+
+    spec = ModelSpec(name="m", loader=exits)
+    with pytest.raises(ModelLoadError, match="tried to end its process"):
+        load_engine(spec, "cpu")  # the loader's own
+    monkeypatch.setattr(common, "_should_have_exited", [True])
+    with pytest.raises(SystemExit):
+        load_engine(spec, "cpu")
+    with pytest.raises(WorkerShutdown):
+        load_engine(ModelSpec(name="m", loader=lambda: (_ for _ in ()).throw(
+            WorkerShutdown(0))), "cpu")
