@@ -119,7 +119,6 @@ class Serving:
         self.aliases[cache_key(model, precision)] = (None, engine.artifacts["precision"])
         return cache_key(model, None)
 
-
     def served_keys(self, warm: Iterable[str], device: str) -> dict[str, str]:
         """Requested engine key -> the warm entry that serves it (``warm``: the cache's
         keys), for this child's advert: a task asking for ``gpt@fp32`` (an fp32

@@ -59,7 +59,7 @@ class RateLimitHold(bootsteps.StartStopStep):  # type: ignore[misc]
                 # in the queue, at their priority, for another worker or for this one
                 # later (counted out, they were all taken in: an idle worker beside it
                 # got none, and an urgent task arriving later ran behind them all)
-                admission._give_back(request, hold=True)
+                admission._give_back(request, admission.HOLDS)
                 return None
             self.held.add(id(request))
             c.qos.increment_eventually()

@@ -250,16 +250,19 @@ def probe() -> FreeMemoryProbe:
     return _probe
 
 
-def _give_back(request: Request, hold: bool = False,
-               holds: tuple[float, float] = (HOLD_FIRST_S, HOLD_LONGEST_S)) -> float:
+#: The holds of a message given back because it cannot start here now: first, longest.
+HOLDS = (HOLD_FIRST_S, HOLD_LONGEST_S)
+
+
+def _give_back(request: Request, holds: tuple[float, float] | None = None) -> float:
     """Put the message back at its score without a redelivery (held off from this
-    consumer when ``hold``: first and longest hold, ``holds``); forget the request.
-    Returns the hold, s."""
+    consumer for ``holds``, its first and longest hold, when given); forget the
+    request. Returns the hold, s."""
     message = request.message
     qos: Any = getattr(getattr(message, "channel", None), "qos", None)
     held = 0.0
     if qos is not None and callable(getattr(qos, "release", None)):
-        held = float(qos.release(message.delivery_tag, *(holds if hold else ())) or 0.0)
+        held = float(qos.release(message.delivery_tag, *(holds or ())) or 0.0)
         # kombu's own requeue() marks the message so; nothing may ack it after this.
         message._state = "REQUEUED"
     else:  # another transport: a plain requeue (it may count as a redelivery there)
@@ -300,8 +303,8 @@ def _dead_letter(request: Request, exc: Exception) -> bool:
 
 def release(request: Request, verdict: Verdict | SharedProcess | NeverFits) -> float:
     """Give the message back without a redelivery, held off from this worker; hold s."""
-    hold = _give_back(request, hold=True, holds=(NEVER_HERE_HOLD_S, NEVER_HERE_HOLD_S)
-                      if isinstance(verdict, NeverFits) else (HOLD_FIRST_S, HOLD_LONGEST_S))
+    hold = _give_back(request, (NEVER_HERE_HOLD_S, NEVER_HERE_HOLD_S)
+                      if isinstance(verdict, NeverFits) else HOLDS)
     logger.info("task %s[%s] not started here: %s; released to its queue, not taken "
                 "back here for %.2f s", request.name, request.id, verdict.reason(), hold)
     return hold

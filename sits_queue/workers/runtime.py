@@ -430,14 +430,15 @@ class ChildRuntime:
 
     def _publish(self) -> None:
         warm = self._cache.warm() if self._cache is not None else {}
+        device = self.device_label
         unsent, self._unsent = self._unsent, {}
         sent = False
         try:
             sent = advertise.publish_child(self.config, self.plan.hostname, self.slot, {
                 "slot": self.slot, "slots": self.plan.slots, "pid": os.getpid(),
-                "device": self.device_label, "warm": dict(warm), "cpus": list(self._cpus),
+                "device": device, "warm": dict(warm), "cpus": list(self._cpus),
                 # (what a task asking for another key runs warm on: affinity's)
-                "serves": self.serving.served_keys(warm, self.device_label),
+                "serves": self.serving.served_keys(warm, device),
                 "kv_prefixes": self._prefixes.models() if self._prefixes is not None else {},
                 "kv_keys": self._prefixes.tags() if self._prefixes is not None else [],
                 "tasks": int(self.counters.get("tasks", 0)),
