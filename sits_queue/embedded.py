@@ -14,28 +14,38 @@ config file readable only by the owner, so the password never shows up in ``ps``
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import importlib.util
 import os
-import re
-import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from urllib.parse import quote
 
-import platformdirs
 import psutil
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from sits_queue.embeddedfiles import (
+    CONF_FILE,
+    LOG_FILE,
+    PID_FILE,
+    PORT_FILE,
+    conf_value,
+    default_data_dir,
+    locked,
+    password_of,
+    read_int,
+    read_port,
+    stored_password,
+    write_private,
+)
 from sits_queue.errors import SitsError
 
 _HOST = "127.0.0.1"
@@ -62,12 +72,6 @@ _LOG_TAIL_LINES = 20
 #: redis-server's message when bind() fails (Redis 6 and 7 alike).
 _PORT_TAKEN_MARK = "Address already in use"
 
-_CONF_FILE = "redis.conf"
-_LOG_FILE = "redis.log"
-_PID_FILE = "redis.pid"
-_PORT_FILE = "port"
-_PASSWORD_FILE = "password"
-_LOCK_FILE = ".lock"
 
 _INSTALL_HINT = (
     "no redis-server found: install one (e.g. `apt install redis-server`, `brew install redis`) "
@@ -121,13 +125,6 @@ def _free_port() -> int:
             port: int = sock.getsockname()[1]
         if port != _RESERVED_PORT:
             return port
-
-
-def _conf_value(value: str) -> str:
-    """Quote a value for redis.conf (a path may hold spaces, a password anything)."""
-    if "\n" in value or "\r" in value or "\0" in value:
-        raise SitsError(f"redis setting {value!r} must not contain line breaks or NUL")
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _url(port: int, password: str | None) -> str:
@@ -308,7 +305,7 @@ class EmbeddedRedis:
 
     @property
     def log_path(self) -> Path:
-        return self.data_dir / _LOG_FILE
+        return self.data_dir / LOG_FILE
 
     def start(self) -> str:
         """Start the server and wait until it answers PING; returns its URL."""
@@ -357,17 +354,17 @@ class EmbeddedRedis:
             # misconfigured bind.
             "protected-mode yes",
             f"daemonize {'yes' if self.daemon else 'no'}",
-            f"dir {_conf_value(str(data_dir))}",
-            f"logfile {_conf_value(str(data_dir / _LOG_FILE))}",
-            f"pidfile {_conf_value(str(data_dir / _PID_FILE))}",
+            f"dir {conf_value(str(data_dir))}",
+            f"logfile {conf_value(str(data_dir / LOG_FILE))}",
+            f"pidfile {conf_value(str(data_dir / PID_FILE))}",
             # No RDB snapshots: they fork and write the whole dataset, which makes tests slow;
             # durable data comes from appendonly instead.
             'save ""',
             f"appendonly {'yes' if self.appendonly else 'no'}",
         ]
         if self.password:
-            lines.append(f"requirepass {_conf_value(self.password)}")
-        conf = data_dir / _CONF_FILE
+            lines.append(f"requirepass {conf_value(self.password)}")
+        conf = data_dir / CONF_FILE
         # Created 0600 before the password is written, so it is never world-readable.
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
@@ -376,7 +373,7 @@ class EmbeddedRedis:
 
     def _launch(self, executable: str, port: int) -> str:
         conf = self._write_conf(port)
-        (self.data_dir / _PID_FILE).unlink(missing_ok=True)  # a stale one would mislead us
+        (self.data_dir / PID_FILE).unlink(missing_ok=True)  # a stale one would mislead us
         log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         # Early errors (bad config) go to stderr before redis opens its logfile: keep them.
         with self.log_path.open("ab") as log:
@@ -413,7 +410,7 @@ class EmbeddedRedis:
         if not self.daemon:
             return proc.pid
         try:  # the daemon writes its pid file after binding, before it serves clients
-            return int((self.data_dir / _PID_FILE).read_text().strip())
+            return int((self.data_dir / PID_FILE).read_text().strip())
         except (FileNotFoundError, ValueError):
             return None
 
@@ -441,115 +438,6 @@ class EmbeddedRedis:
 
 
 # -- the shared CLI server --------------------------------------------------------------------
-def default_data_dir() -> Path:
-    """Where the CLI's embedded server keeps its data (per user)."""
-    return Path(platformdirs.user_data_dir("sits-queue")) / "redis"
-
-
-def _make_private(data_dir: Path) -> None:
-    """The data dir readable by its owner only, where it is ours: ``mkdir``'s mode is for
-    a new one, and Redis creates ``appendonlydir/`` readable by all, so a dir that existed
-    open (made by hand, by a tool) showed every queued task to each local user, whatever
-    the password."""
-    with contextlib.suppress(OSError):  # (not ours to change: left as its owner keeps it)
-        stat = data_dir.stat()
-        if stat.st_uid == os.getuid() and stat.st_mode & 0o077:
-            data_dir.chmod(0o700)
-
-
-@contextlib.contextmanager
-def _locked(data_dir: Path) -> Iterator[None]:
-    """Serialise ensure/stop per data dir: two ``sitsq`` runs must not start two servers."""
-    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    _make_private(data_dir)
-    with (data_dir / _LOCK_FILE).open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _read_int(path: Path) -> int | None:
-    """The positive number ``path`` holds (a pid, a port); None for anything else (a
-    pid file holding -5 made every sitsq command fail in psutil until it was deleted)."""
-    try:
-        value = int(path.read_text().strip())
-    except (FileNotFoundError, ValueError):
-        return None
-    return value if value > 0 else None
-
-
-def _read_port(data_dir: Path) -> int | None:
-    """The port recorded for this data dir, if it is one a server can listen on."""
-    port = _read_int(data_dir / _PORT_FILE)
-    if port is None:  # lost: the port the last start wrote into its config
-        for line in _conf_lines(data_dir):
-            if line.startswith("port ") and line[5:].strip().isdigit():
-                port = int(line[5:])
-    return port if port is not None and 0 < port < 65536 else None
-
-
-def _password(data_dir: Path) -> str:
-    """The server's password, created once: other local users must not reach user data.
-    A password file lost (deleted by hand, a cleaner) is read back from the server's
-    config: a new one made the server look dead, and it was replaced, every worker
-    holding the old URL refused for good."""
-    secret = _password_file(data_dir)
-    if secret is None:
-        secret = _configured_password(data_dir) or secrets.token_urlsafe(24)
-        _write_private(data_dir / _PASSWORD_FILE, secret + "\n")
-    return secret
-
-
-def _password_file(data_dir: Path) -> str | None:
-    """The password file's password; None when it is missing, empty (a failed or cut
-    write) or not text (its bytes were damaged: it raised UnicodeDecodeError, and every
-    sitsq command, stop-redis too, stopped on a traceback)."""
-    with contextlib.suppress(FileNotFoundError, UnicodeDecodeError):
-        return (data_dir / _PASSWORD_FILE).read_text().strip() or None
-    return None
-
-
-def _stored_password(data_dir: Path) -> str | None:
-    """The server's password as this data dir keeps it: its file, else the config the
-    last start wrote (stop-redis read the file alone: with it and the pid file gone it
-    said no server ran, and left it running)."""
-    return _password_file(data_dir) or _configured_password(data_dir)
-
-
-def _configured_password(data_dir: Path) -> str | None:
-    """The ``requirepass`` the last start wrote into the server's config, if any."""
-    for line in _conf_lines(data_dir):
-        name, _, value = line.strip().partition(" ")
-        if name == "requirepass" and len(value) >= 2 and value[0] == value[-1] == '"':
-            # (_conf_value's quoting, undone)
-            secret = re.sub(r"\\(.)", r"\1", value[1:-1])
-            return secret or None
-    return None
-
-
-def _conf_lines(data_dir: Path) -> list[str]:
-    """The lines of the config the last start wrote ([] without one); a damaged byte in
-    it must not hide the others (it raised UnicodeDecodeError through every command)."""
-    try:
-        return (data_dir / _CONF_FILE).read_text(errors="replace").splitlines()
-    except OSError:
-        return []
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Write ``text`` whole or not at all (0600; a temporary file renamed over ``path``)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _live_server(data_dir: Path, password: str) -> tuple[int, int] | None:
@@ -561,7 +449,7 @@ def _live_server(data_dir: Path, password: str) -> tuple[int, int] | None:
     Starting a second server would put two writers on one AOF and leave the first running
     for good. Its pid comes from the server itself (INFO), so the check never trusts the file.
     """
-    port, pid = _read_port(data_dir), _read_int(data_dir / _PID_FILE)
+    port, pid = read_port(data_dir), read_int(data_dir / PID_FILE)
     if port is None:
         return None
     answering = _server_pid(port, password)
@@ -576,7 +464,7 @@ def _live_server(data_dir: Path, password: str) -> tuple[int, int] | None:
     if answering == pid:
         return port, pid
     if _is_our_server(answering, data_dir):
-        (data_dir / _PID_FILE).write_text(f"{answering}\n")
+        (data_dir / PID_FILE).write_text(f"{answering}\n")
         return port, answering
     return None
 
@@ -586,7 +474,7 @@ def _kill_stale(data_dir: Path) -> bool:
 
     Returns whether there was such a process.
     """
-    pid = _read_int(data_dir / _PID_FILE)
+    pid = read_int(data_dir / PID_FILE)
     if pid is None or _is_gone(pid) or not _is_our_server(pid, data_dir):
         return False
     _terminate(pid, None, None)
@@ -607,15 +495,15 @@ def ensure_server(data_dir: Path | None = None) -> tuple[str, bool]:
 
 
 def _ensure(data_dir: Path) -> tuple[str, bool]:
-    with _locked(data_dir):
-        password = _password(data_dir)
+    with locked(data_dir):
+        password = password_of(data_dir)
         live = _live_server(data_dir, password)
         if live is not None:
             _await_loaded(live[0], password)
             return _url(live[0], password), False
         _kill_stale(data_dir)
         # Reuse the old port when free so workers holding the old URL reconnect.
-        previous = _read_port(data_dir)
+        previous = read_port(data_dir)
         server: EmbeddedRedis | None = None
         if previous is not None and previous != _RESERVED_PORT:
             server = EmbeddedRedis(data_dir, port=previous, password=password,
@@ -627,7 +515,7 @@ def _ensure(data_dir: Path) -> tuple[str, bool]:
         if server is None:
             server = EmbeddedRedis(data_dir, password=password, appendonly=True, daemon=True)
             server.start()
-        _write_private(data_dir / _PORT_FILE, f"{server.port}\n")
+        write_private(data_dir / PORT_FILE, f"{server.port}\n")
         assert server.port is not None  # (started)
         _await_loaded(server.port, password)
         return server.url, True
@@ -643,8 +531,8 @@ def stop_server(data_dir: Path | None = None) -> bool:
 
 
 def _stop(data_dir: Path) -> bool:
-    with _locked(data_dir):
-        password = _stored_password(data_dir) or ""
+    with locked(data_dir):
+        password = stored_password(data_dir) or ""
         live = _live_server(data_dir, password)
         if live is not None:
             port, pid = live
@@ -652,7 +540,7 @@ def _stop(data_dir: Path) -> bool:
             stopped = True
         else:
             stopped = _kill_stale(data_dir)
-        (data_dir / _PID_FILE).unlink(missing_ok=True)
+        (data_dir / PID_FILE).unlink(missing_ok=True)
         return stopped
 
 
