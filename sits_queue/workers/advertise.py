@@ -102,9 +102,11 @@ def client_for(config: SitsConfig) -> redis.Redis:
 
 # -- pure ----------------------------------------------------------------------------------
 
-def cold_share(tasks: int, cold: int) -> float:
-    """Share of inference tasks that paid a cold start (MISSION §4.4), 0 with no tasks."""
-    return cold / tasks if tasks > 0 else 0.0
+def cold_share(values: Mapping[str, float]) -> float:
+    """Share of inference task runs that paid a cold start (MISSION §4.4), 0 with none;
+    from a counters hash (:func:`counter_values`)."""
+    runs, cold = values.get("runs", 0.0), values.get("cold_runs", 0.0)
+    return cold / runs if runs > 0 else 0.0
 
 
 def device_record(device: Device) -> dict[str, Any]:
@@ -177,7 +179,7 @@ def counters_from(raw: Mapping[Any, Any]) -> dict[str, Any]:
     cold_ms = values.get("cold_ms", 0.0)
     firsts = int(values.get("ftt", 0))
     return {"tasks": tasks, "cold": cold, "cold_ms": round(cold_ms, 3),
-            "cold_share": round(cold_share(tasks, cold), 6),
+            "cold_share": round(cold_share(values), 6),
             "cold_ms_mean": round(cold_ms / cold, 3) if cold else 0.0,
             # generations that made a first token, and the mean ms to it (§4.4)
             "first_tokens": firsts,

@@ -90,7 +90,12 @@ def task_fields(meta: Mapping[str, Any], sla_class: str, model: str | None = Non
     once: it is one load, however many tasks waited for it. A ``prewarm`` counts as one
     pre-warm, not a task: it is cold by design (its load cost still counts). A
     ``resumed`` run (of a task that yielded its slot, time slices) is the same task
-    again: no new task, but a cold start it pays is one (its engine left meanwhile)."""
+    again: no new task, but a cold start it pays is one (its engine left meanwhile).
+
+    The cold-start share is over task runs (``runs``, ``cold_runs``): each member of a
+    batch waited for its one load, and each run of a resumed task is one that did or did
+    not wait (over ``tasks``, a task resumed cold after a warm first run counted a cold
+    start and no task, and the share passed 1)."""
     phases = {p: float(meta.get(f"{p}_ms") or 0.0) for p in PHASES}
     total = sum(phases.values())
     source = meta.get("source")
@@ -101,6 +106,9 @@ def task_fields(meta: Mapping[str, Any], sla_class: str, model: str | None = Non
         return {**fields, "prewarms": 1}
     if not resumed:
         fields.update({"tasks": tasks, f"tasks:{sla_class}": tasks})
+    fields["runs"] = tasks
+    if meta.get("cold"):
+        fields["cold_runs"] = tasks
     if meta.get("affinity"):
         fields["affinity"] = 1
     if not meta.get("cold"):
@@ -207,8 +215,9 @@ class _Families:
         self.emb = CounterMetricFamily("sits_embedding_texts", "Texts embedded, and those "
                                        "served from the embedding cache (MISSION 4.4).",
                                        labels=["worker", "kind"])
-        self.share = GaugeMetricFamily("sits_cold_start_share", "Share of inference tasks "
-                                       "that paid a cold start (MISSION 4.4).",
+        self.share = GaugeMetricFamily("sits_cold_start_share", "Share of inference task "
+                                       "runs that paid a cold start (MISSION 4.4); a "
+                                       "batch's members, a resumed task's runs each count.",
                                        labels=["worker"])
         self.phase = CounterMetricFamily("sits_cold_start_phase_seconds", "Time spent per "
                                          "cold-start phase (MISSION 4.1).",
@@ -261,8 +270,7 @@ class _Families:
             self.kv.add_metric([name, kind], values.get(f"kv_{kind}", 0.0))
         for kind in ("texts", "cached"):
             self.emb.add_metric([name, kind], values.get(f"emb_{kind}", 0.0))
-        n_tasks, n_cold = values.get("tasks", 0.0), values.get("cold", 0.0)
-        self.share.add_metric([name], advertise.cold_share(int(n_tasks), int(n_cold)))
+        self.share.add_metric([name], advertise.cold_share(values))
         by_phase = advertise.counter_group(values, "phase_ms:")
         for p in PHASES:
             self.phase.add_metric([name, p], by_phase.get(p, 0.0) / _MS_PER_S)

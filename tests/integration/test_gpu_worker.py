@@ -193,7 +193,11 @@ def test_warm_set_and_cold_share_are_advertised(app: Celery, worker: CeleryProce
     assert "gpt" in record["warm"]
     share = record["cold_start"]
     assert 0 < share["cold"] <= share["tasks"]
-    assert share["cold_share"] == pytest.approx(share["cold"] / share["tasks"], abs=1e-5)
+    counters = {k.decode(): float(v) for k, v in
+                r.hgetall(advertise.counters_key("", worker.hostname)).items()}
+    assert 0 < counters["cold_runs"] <= counters["runs"]
+    assert share["cold_share"] == pytest.approx(counters["cold_runs"] / counters["runs"],
+                                                abs=1e-5)
     assert 0 < r.ttl(f"sits:worker:{worker.hostname}") <= 15
 
 

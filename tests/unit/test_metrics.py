@@ -12,7 +12,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from sits_queue.config import ConfigError, SitsConfig
 from sits_queue.errors import ModelLoadError, VramLimitExceeded
-from sits_queue.workers import metrics
+from sits_queue.workers import advertise, metrics
 from sits_queue.workers.slices import Preempted
 
 
@@ -23,18 +23,20 @@ def cold_meta(source: str = "disk", **phases: float) -> dict[str, Any]:
 
 def test_a_warm_task_counts_only_as_a_task() -> None:
     assert metrics.task_fields({"cold": False, "source": "device"}, "high") == \
-        {"tasks": 1, "tasks:high": 1}
+        {"tasks": 1, "tasks:high": 1, "runs": 1}
 
 
 def test_a_task_taken_by_affinity_is_counted() -> None:
     meta = {"cold": False, "source": "device", "affinity": True}
-    assert metrics.task_fields(meta, "high") == {"tasks": 1, "tasks:high": 1, "affinity": 1}
+    assert metrics.task_fields(meta, "high") == {"tasks": 1, "tasks:high": 1, "runs": 1,
+                                                 "affinity": 1}
 
 
 def test_a_cold_task_counts_its_source_phases_and_bucket() -> None:
     fields = metrics.task_fields(cold_meta("host", promote=0.75, warmup=0.25), "low")
-    assert fields == {"tasks": 1, "tasks:low": 1, "cold": 1, "cold:host": 1, "cold_ms": 1.0,
-                      "cold_le:1": 1, "phase_ms:promote": 0.75, "phase_ms:warmup": 0.25}
+    assert fields == {"tasks": 1, "tasks:low": 1, "runs": 1, "cold_runs": 1, "cold": 1,
+                      "cold:host": 1, "cold_ms": 1.0, "cold_le:1": 1,
+                      "phase_ms:promote": 0.75, "phase_ms:warmup": 0.25}
 
 
 @pytest.mark.parametrize(("ms", "bucket"), [(0.0, "1"), (1.0, "1"), (1.01, "5"),
@@ -57,10 +59,25 @@ def test_a_resumed_run_is_no_new_task_but_a_cold_start_it_pays_counts() -> None:
     # (a generation that yielded its slot N times counted N + 1 tasks, and as many in
     # the cold-start share's denominator)
     warm = {"cold": False, "source": "device", "affinity": True}
-    assert metrics.task_fields(warm, "low", resumed=True) == {"affinity": 1}
+    assert metrics.task_fields(warm, "low", resumed=True) == {"runs": 1, "affinity": 1}
     cold = metrics.task_fields(cold_meta("host", promote=0.5), "low", resumed=True)
-    assert cold == {"cold": 1, "cold:host": 1, "cold_ms": 0.5, "cold_le:1": 1,
-                    "phase_ms:promote": 0.5}
+    assert cold == {"runs": 1, "cold_runs": 1, "cold": 1, "cold:host": 1, "cold_ms": 0.5,
+                    "cold_le:1": 1, "phase_ms:promote": 0.5}
+
+
+def test_the_cold_start_share_is_over_task_runs_and_never_passes_one() -> None:
+    # A task warm at first, then resumed cold (its engine left while it waited), beside
+    # a warm batch of 3 that paid one load: 4 tasks, 5 runs of tasks, 4 of them cold.
+    # (over tasks the share was 2 cold starts / 1 task = 2.0 for the first alone)
+    values: dict[str, float] = {}
+    for fields in (metrics.task_fields({"cold": False, "source": "device"}, "low"),
+                   metrics.task_fields(cold_meta("host"), "low", resumed=True),
+                   metrics.task_fields(cold_meta("disk"), "low", tasks=3)):
+        for k, v in fields.items():
+            values[k] = values.get(k, 0.0) + v
+    assert values["tasks"] == 4 and values["cold"] == 2
+    assert advertise.cold_share(values) == pytest.approx(4 / 5)
+    assert advertise.cold_share({}) == 0.0
 
 
 def test_a_prewarm_is_no_task_and_no_cold_start_but_its_load_cost_counts() -> None:
@@ -119,6 +136,7 @@ WORKER = {
                        "memory": {"allocated_bytes": 1024}}},
     # as HGETALL returns it: bytes, counts per bucket (not cumulative)
     "counters": {b"tasks": b"10", b"tasks:high": b"7", b"tasks:low": b"3", b"cold": b"3",
+                 b"runs": b"12", b"cold_runs": b"4",
                  b"cold:disk": b"1", b"cold:host": b"2", b"cold_ms": b"1503.5",
                  b"cold_le:1": b"1", b"cold_le:5": b"1", b"cold_le:2500": b"1",
                  b"phase_ms:load": b"1200", b"phase_ms:cuda_ctx": b"150",
@@ -136,7 +154,7 @@ def test_families_from_a_worker_record() -> None:
     assert m[("sits_worker_info", (("host", "gpu-a"), ("pid", "42"), w))] == 1
     assert m[("sits_inference_tasks_total", (("sla_class", "high"), w))] == 7
     assert m[("sits_cold_starts_total", (("source", "host"), w))] == 2
-    assert m[("sits_cold_start_share", (w,))] == pytest.approx(0.3)
+    assert m[("sits_cold_start_share", (w,))] == pytest.approx(4 / 12)
     assert m[("sits_affinity_picks_total", (w,))] == 4
     assert m[("sits_prewarms_total", (w,))] == 6
     assert m[("sits_embedding_texts_total", (("kind", "cached"), w))] == 5

@@ -618,14 +618,15 @@ def test_cold_meta_shape() -> None:
                     "promote_ms": 1.235, "warmup_ms": 2.0, "evicted": ["x"], "demoted": []}
 
 
-@pytest.mark.parametrize(("tasks", "cold", "share"), [(0, 0, 0.0), (10, 3, 0.3), (4, 4, 1.0)])
-def test_cold_share(tasks: int, cold: int, share: float) -> None:
-    assert advertise.cold_share(tasks, cold) == share
+@pytest.mark.parametrize(("runs", "cold", "share"), [(0, 0, 0.0), (10, 3, 0.3), (4, 4, 1.0)])
+def test_cold_share(runs: int, cold: int, share: float) -> None:
+    assert advertise.cold_share({"runs": runs, "cold_runs": cold}) == share
 
 
 def test_worker_record() -> None:
     record = advertise.worker_record("w@h", 123, 4, [gpu_device(0)],
                                      {b"tasks": b"10", b"cold": b"2", b"cold_ms": b"500.5",
+                                      b"runs": b"12", b"cold_runs": b"3",
                                       b"cold:disk": b"1", b"cold:host": b"1",
                                       b"phase_ms:load": b"480.25", b"phase_ms:warmup": b"20.25",
                                       b"failed": b"3", b"failed:UnknownModel": b"3",
@@ -635,7 +636,7 @@ def test_worker_record() -> None:
     assert record["devices"][0]["uuid"] == "GPU-0000-uuid"
     assert record["devices"][0]["total_vram_bytes"] == 80 * GIB
     assert record["cold_start"] == {"tasks": 10, "cold": 2, "cold_ms": 500.5,
-                                    "cold_share": 0.2, "cold_ms_mean": 250.25,
+                                    "cold_share": 0.25, "cold_ms_mean": 250.25,
                                     "first_tokens": 4, "first_token_ms_mean": 12.5,
                                     "affinity_picks": 4,
                                     "phases_ms": {"load": 480.25, "warmup": 20.25},

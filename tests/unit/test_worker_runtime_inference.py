@@ -453,7 +453,8 @@ def test_result_carries_output_and_cold_start_accounting(app: Celery,
     # the counts go out with the record: the class, the source, ms per phase, the bucket
     run_ms = counts.pop("model_run_ms:m")
     assert run_ms == meta["run_ms"]
-    assert counts == {"tasks": 1, "tasks:low": 1, "cold": 1, "cold:disk": 1, "cold_ms": 16.0,
+    assert counts == {"tasks": 1, "tasks:low": 1, "runs": 1, "cold_runs": 1, "cold": 1,
+                      "cold:disk": 1, "cold_ms": 16.0,
                       "cold_le:25": 1, "phase_ms:load": 12.5, "phase_ms:promote": 0.5,
                       "phase_ms:warmup": 3.0, "model_cold:m": 1, "model_cold_ms:m": 16.0,
                       "model_runs:m": 1}
