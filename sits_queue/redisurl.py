@@ -17,6 +17,7 @@ credentials in what is shown (:func:`redacted`).
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -160,6 +161,12 @@ def check_redis_url(url: str, what: str = "redis_url", celery: bool = True) -> s
                           "(Celery's broker layer reads it from the URL itself); give the "
                           "password as redis://:PASSWORD@host, a user as redis://USER:"
                           "PASSWORD@host")
+    for key, path in parse_qsl(parts.query):
+        # redis-py opens them at the first connection and says "No such file or
+        # directory" naming none: a worker retried that for good
+        if key in TLS_OPTIONS - {"ssl_cert_reqs"} and not os.access(path, os.R_OK):
+            state = "is not a readable file" if os.path.exists(path) else "does not exist"
+            raise ConfigError(f"{what} {shown}: {key} {path} {state}")
     import redis  # (a light import; redis is loaded anyway)
 
     try:  # its query options: ?socket_timeout=5s, ?db=abc or ?foo=1 raised at first use
