@@ -135,10 +135,12 @@ def replicas(client: redis.Redis, prefix: str, origin: str, queue: str,
 
 
 def _put_back(local: redis.Redis, peer: redis.Redis, scripts: Scripts, prefix: str,
-              site: str, queue: str, done: set[tuple[str, str]], default_class: str) -> int:
-    """Put back into this site's ``queue`` the replicas at ``peer`` of tasks it no
-    longer holds and did not finish (``done``), a chunk per call; how many."""
-    entries = [e for e in replicas(peer, prefix, site, queue) if (queue, e[0]) not in done]
+              site: str, queue: str, done: set[tuple[str, str]], default_class: str,
+              at_peer: str) -> int:
+    """Put back into this site's ``queue`` the replicas at ``peer`` (its keys under
+    ``at_peer``) of tasks it no longer holds and did not finish (``done``), a chunk per
+    call; how many."""
+    entries = [e for e in replicas(peer, at_peer, site, queue) if (queue, e[0]) not in done]
     k = QueueKeys.for_queue(queue, prefix)
     restored = 0
     for at in range(0, len(entries), RESTORE_CHUNK):
@@ -216,7 +218,8 @@ _said_shared: set[tuple[str, str]] = set()
 
 def restore(local: redis.Redis, peer: redis.Redis, scripts: Scripts, prefix: str, site: str,
             current: str, pass_no: int, default_class: str, peer_name: str = "",
-            now_s: float = 0.0, confirm_s: float = 0.0) -> int | None:
+            now_s: float = 0.0, confirm_s: float = 0.0, peer_prefix: str | None = None
+            ) -> int | None:
     """When ``peer`` holds replicas written before this site's server changed to
     ``current`` and this site's data went back: put back the tasks they are of that this
     site lost. Records ``current`` and this pass (``pass_no``, :func:`next_pass`) there.
@@ -232,8 +235,10 @@ def restore(local: redis.Redis, peer: redis.Redis, scripts: Scripts, prefix: str
     finds that other server's record again, of a later pass of its own, raises
     :class:`SiteNameShared`, then and until :data:`SHARED_HOLD_PASSES` confirmation
     times after the last sight, and nothing is put back. (A record of an earlier pass
-    is the peer's data gone back, not a second writer: nothing is put back from it.)"""
-    key = epoch_key(prefix, site)
+    is the peer's data gone back, not a second writer: nothing is put back from it.)
+    ``peer_prefix``: the peer's key prefix, where it is not ``prefix``."""
+    at_peer = prefix if peer_prefix is None else peer_prefix
+    key = epoch_key(at_peer, site)
     # One round trip a pass for the check and the record, not one each
     with peer.pipeline(transaction=False) as pipe:
         pipe.info("server")
@@ -283,10 +288,11 @@ def restore(local: redis.Redis, peer: redis.Redis, scripts: Scripts, prefix: str
     restored = 0
     done = pending_deletes(local, prefix)
     # (the peer's list may lag a first write by REGISTER_EVERY_S: this site's too)
-    queues = set(registered_queues(peer.smembers(replica_queues_key(prefix, site)))) | \
+    queues = set(registered_queues(peer.smembers(replica_queues_key(at_peer, site)))) | \
         set(replicated(local.smembers(queues_registry(prefix))))
     for queue in sorted(queues):
-        restored += _put_back(local, peer, scripts, prefix, site, queue, done, default_class)
+        restored += _put_back(local, peer, scripts, prefix, site, queue, done, default_class,
+                              at_peer)
     local.delete(held_key)
     logger.warning("site %s: its Redis changed (restarted or failed over) since its last "
                    "pass; put back %d replicated tasks it had lost", site, restored)

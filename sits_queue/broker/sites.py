@@ -183,6 +183,15 @@ class SiteSync:
         self._outbox_full_until = 0.0
         self._beat_off_until: dict[str, float] = {}
 
+    def at(self, peer: str) -> str:
+        """The key prefix at ``peer``: its own (``?prefix=``), else this site's. Every key
+        written or read there goes under it: under ours, a peer with another prefix saw
+        no heartbeat and no replica, and took over nothing of a lost site."""
+        for p in self.peers:
+            if p.name == peer and p.key_prefix is not None:
+                return p.key_prefix
+        return self.prefix
+
     # -- links and the plan ------------------------------------------------------------------
     def links(self, refresh: bool = False) -> list[Link]:
         """The links as of at most :func:`link_max_age_s` ago. The pass (``refresh``)
@@ -349,7 +358,7 @@ class SiteSync:
         restored = recovery.restore(self.local, self.clients[peer], self.scripts,
                                     self.prefix, self.site, current, pass_no,
                                     self.config.default_class, peer, self.clock(),
-                                    self.config.site_dead_after_s)
+                                    self.config.site_dead_after_s, self.at(peer))
         if restored is not None:
             report.restored += restored
             # (the peer may be new, or back empty: register this site's queues there
@@ -380,7 +389,7 @@ class SiteSync:
         # Short-lived: a peer starts counting a few intervals after the last one, so it
         # takes over site_dead_after_s (plus those intervals) after it, not twice that.
         ttl_s = min(self.config.site_dead_after_s, 3 * self.config.site_sync_interval_s)
-        self.clients[peer].set(alive_key(self.prefix, self.site), self.clock(),
+        self.clients[peer].set(alive_key(self.at(peer), self.site), self.clock(),
                                px=int(ttl_s * 1000))
 
     def _sync_to(self, peer: str, plan: SyncPlan, report: PassReport) -> None:
@@ -473,7 +482,7 @@ class SiteSync:
                         register: bool = False) -> int:
         if not records:
             return 0
-        z, p, m = replica_keys(self.prefix, self.site, queue)
+        z, p, m = replica_keys(self.at(peer), self.site, queue)
         client = self.clients[peer]
         with client.pipeline(transaction=True) as pipe:  # one slot: {origin:queue}
             pipe.zadd(z, {r[0]: r[3] for r in records})
@@ -485,13 +494,13 @@ class SiteSync:
                 now - self._registered.get((peer, queue), -REGISTER_EVERY_S) >= REGISTER_EVERY_S:
             # Idempotent; once in a while, not per put (a flushed peer heals within it, and
             # the digest pass rewrites the replicas themselves).
-            client.sadd(replica_queues_key(self.prefix, self.site), queue)
-            client.sadd(origins_key(self.prefix), self.site)
+            client.sadd(replica_queues_key(self.at(peer), self.site), queue)
+            client.sadd(origins_key(self.at(peer)), self.site)
             self._registered[(peer, queue)] = now
         return len(records)
 
     def _delete_replicas(self, peer: str, queue: str, ids: Sequence[str]) -> int:
-        z, p, m = replica_keys(self.prefix, self.site, queue)
+        z, p, m = replica_keys(self.at(peer), self.site, queue)
         with self.clients[peer].pipeline(transaction=True) as pipe:
             pipe.zrem(z, *ids)
             pipe.hdel(p, *ids)
@@ -513,7 +522,7 @@ class SiteSync:
         checked = set(plan.classes(SyncMode.ASYNC_DIGEST, SyncMode.STRONG))
         client = self.clients[peer]
         for queue in replicated(self.local.smembers(queues_registry(self.prefix))):
-            m = replica_keys(self.prefix, self.site, queue)[2]
+            m = replica_keys(self.at(peer), self.site, queue)[2]
             theirs = {i.decode(): sla_class_of(v) for i, v in client.hscan_iter(
                 m, count=SCAN_COUNT)}
             if not theirs and not checked:
@@ -555,11 +564,11 @@ class SiteSync:
         # there: a producer's late strong write, until the next hand-over, must remain
         # one that ``old`` would take over.
         queues = sorted(set(registered_queues(client.smembers(replica_queues_key(
-            self.prefix, self.site)))) | set(replicated(
+            self.at(old), self.site)))) | set(replicated(
                 self.local.smembers(queues_registry(self.prefix)))))
         with client.pipeline(transaction=False) as pipe:
             for queue in queues:
-                pipe.zrange(replica_keys(self.prefix, self.site, queue)[0], 0,
+                pipe.zrange(replica_keys(self.at(old), self.site, queue)[0], 0,
                             HANDOVER_BATCH - 1)
             held = dict(zip(queues, pipe.execute(), strict=True))
         budget = HANDOVER_BATCH

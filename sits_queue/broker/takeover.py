@@ -119,7 +119,7 @@ def drop_taken_over(sync: SiteSync, peer: str, report: PassReport) -> None:
     that died, a requeue), which a later pass then dead-letters. In chunks: a
     round trip per id is minutes over a WAN."""
     client = sync.clients[peer]
-    marker = takenover_key(sync.prefix, sync.site)
+    marker = takenover_key(sync.at(peer), sync.site)
     now = sync.clock()
     entries = list(client.sscan_iter(marker, count=TAKEOVER_CHUNK))
     for at in range(0, len(entries), TAKEOVER_CHUNK):

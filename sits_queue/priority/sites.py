@@ -70,6 +70,9 @@ class Peer:
     redis_url: str
     hops: int = 1
     rtt_ms: float | None = None
+    #: The peer's ``global_keyprefix`` (``?prefix=``), where it differs from this
+    #: site's: what is written there must be under the names the peer reads. None: ours.
+    key_prefix: str | None = None
 
 
 @dataclass(frozen=True)
@@ -192,9 +195,10 @@ def digest(ids: Iterable[str]) -> str:
 
 
 def parse_peers(text: str) -> tuple[Peer, ...]:
-    """``site_peers``: whitespace-separated ``name=redis://...`` entries; ``hops`` and a
-    pinned ``rtt_ms`` may ride in the URL's query (``?hops=3&rtt_ms=12``) and are taken
-    out of it. Raises :class:`ConfigError` naming the bad entry."""
+    """``site_peers``: whitespace-separated ``name=redis://...`` entries; ``hops``, a
+    pinned ``rtt_ms`` and the peer's key ``prefix`` (its ``global_keyprefix``, where it
+    is not this site's) may ride in the URL's query (``?hops=3&rtt_ms=12&prefix=eu:``)
+    and are taken out of it. Raises :class:`ConfigError` naming the bad entry."""
     from sits_queue.config import check_redis_url, redacted
 
     peers: list[Peer] = []
@@ -210,6 +214,7 @@ def parse_peers(text: str) -> tuple[Peer, ...]:
         parts = urlsplit(url)
         query = dict(parse_qsl(parts.query))
         hops_text, rtt_text = query.pop("hops", "1"), query.pop("rtt_ms", None)
+        key_prefix = query.pop("prefix", None)
         if not hops_text.isdigit():
             raise ConfigError(f"site_peers entry {name!r}: hops must be a whole number >= 0, "
                               f"got {hops_text!r}")
@@ -230,7 +235,7 @@ def parse_peers(text: str) -> tuple[Peer, ...]:
         # what redis-py would make of it fails here, not in every later enqueue
         check_redis_url(clean, f"site_peers entry {name!r}", celery=False)
         hops = int(hops_text)
-        peers.append(Peer(name, clean, hops, rtt))
+        peers.append(Peer(name, clean, hops, rtt, key_prefix))
     names = [p.name for p in peers]
     if len(set(names)) != len(names):
         raise ConfigError(f"site_peers names a site twice: {names}")
