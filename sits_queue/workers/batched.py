@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from celery import current_app
+from celery._state import _task_stack
 from celery.app.trace import fast_trace_task, trace_task_ret
 from celery.exceptions import SoftTimeLimitExceeded
 from kombu.serialization import loads
@@ -200,6 +201,9 @@ def _run(task: Any, calls: list[Call], request: dict[str, Any],
 
     task.push_request(**{**request, "id": calls[0].id, "args": calls[0].args,
                          "kwargs": calls[0].kwargs, "is_eager": False})
+    # celery.current_task too, as Celery's tracer sets it around a task's body: it is an
+    # inference function's way to its request (it cannot bind), and was None here
+    _task_stack.push(task)
     try:
         with fail_exits(task):  # (a batch function's sys.exit(): each call fails with it)
             result = inference.run_inference(runtime.for_app(task.app), task, (calls,), {},
@@ -214,6 +218,7 @@ def _run(task: Any, calls: list[Call], request: dict[str, Any],
                 {"cold_s": 0.0, "cut_short": isinstance(exc, SoftTimeLimitExceeded),
                  "failed": not isinstance(exc, SoftTimeLimitExceeded)})
     finally:
+        _task_stack.pop()
         task.pop_request()
         if feed is not None:  # before the tracing: what is pushed from now runs apart
             feed.close()

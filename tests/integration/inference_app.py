@@ -315,9 +315,14 @@ def register(app: Celery) -> dict[str, Any]:
                         time.sleep(0.05)
                     except Exception:  # SoftTimeLimitExceeded included, on purpose
                         continue
+        from celery import current_task
+
+        # (what the README sends inference tasks to: current_task, its request)
+        current = None if current_task is None else \
+            [current_task.name, current_task.request.id]
         return [InvalidInput(f"item {t!r} is bad") if t == "bad" else
                 {"tag": t, "pid": os.getpid(), "size": len(calls), "key": engine.key,
-                 "ids": [c.id for c in calls]}
+                 "ids": [c.id for c in calls], "current": current}
                 for t in tags]
 
     @app.inference_task(name="t.lengths", model="gpt", shared=False)

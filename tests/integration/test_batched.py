@@ -104,6 +104,9 @@ def test_waiting_tasks_run_as_batches_of_at_most_max_batch(
         batch = g["output"]["ids"]
         assert g["sits"]["batch"] == {"size": len(batch), "index": batch.index(own)}
         assert g["output"]["size"] == len(batch)
+        # celery.current_task is the batch's task, under its first call's request (it
+        # was None: the function runs outside Celery's tracer)
+        assert g["output"]["current"] == ["t.batch_echo", batch[0]]
     assert len({g["output"]["pid"] for _, g in ok}) == 1
     assert [g["output"]["tag"] for _, g in ok] == [t for t in ECHO_TAGS if t != "bad"]
 
