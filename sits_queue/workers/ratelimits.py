@@ -26,6 +26,7 @@ from typing import Any
 
 from celery import bootsteps
 
+from sits_queue.broker.keys import CHECKPOINT_HEADER
 from sits_queue.workers import request as admission
 
 
@@ -36,6 +37,13 @@ def most_waiting(c: Any) -> int:
         return max(1, int(getattr(c, "initial_prefetch_count", 0) or 1))
     except (TypeError, ValueError):
         return 1
+
+
+def resumed(request: Any) -> bool:
+    """Whether ``request`` resumes a task that yielded its slot (time slices): the same
+    run going on, its token taken when it started. As a new run it waited for another
+    (an hour at ``'1/h'``), and each yield used up one of the type's rate."""
+    return (getattr(request, "request_dict", None) or {}).get(CHECKPOINT_HEADER) is not None
 
 
 class RateLimitHold(bootsteps.StartStopStep):  # type: ignore[misc]
@@ -54,6 +62,8 @@ class RateLimitHold(bootsteps.StartStopStep):  # type: ignore[misc]
         move = c._limit_move_to_pool
 
         def limit_task(request: Any, bucket: Any, tokens: int) -> Any:
+            if resumed(request):  # (its run took its token: it goes on as it was)
+                return move(request)
             if len(getattr(bucket, "contents", ())) >= most_waiting(c):
                 # As many of its type wait here as the pool runs at once: the rest wait
                 # in the queue, at their priority, for another worker or for this one
@@ -67,6 +77,9 @@ class RateLimitHold(bootsteps.StartStopStep):  # type: ignore[misc]
             return c._schedule_bucket_request(bucket)
 
         def limit_post_eta(request: Any, bucket: Any, tokens: int) -> Any:
+            if resumed(request):
+                c.qos.decrement_eventually()  # (the count out of its wait for the ETA)
+                return move(request)
             # Its ETA was due: the count out it had while waiting for the ETA carries
             # over to its wait for a token (Celery's own gives it back here).
             self.held.add(id(request))

@@ -51,6 +51,24 @@ def test_an_urgent_task_takes_the_slot_of_a_long_low_one(spawn: Spawn, client_ap
     assert redis_client.hlen(KEYS.yields) == 0
 
 
+def test_a_rate_limited_task_resumes_without_another_token(spawn: Spawn, client_app: Celery,
+                                                           redis_client: redis.Redis) -> None:
+    # (its resumption waited in the rate-limit bucket for a new token, as a new run: an
+    # hour at '1/h', each yield using up a token of the task type's rate)
+    spawn(concurrency=1)
+    # Given the only slot busy with a rate-limited low task (1/h) of 40 steps of 50 ms
+    low = client_app.tasks["w.steps_limited"].delay("limited", 40, 0.05)
+    wait_for(lambda: "limited:start:0" in steps_log(redis_client), 20, "the task to start")
+    # When a high task takes its slot at a yield point
+    high = client_app.tasks["w.slow"].apply_async(("urgent-rl", 0.0), sla_class="high")
+    assert high.get(timeout=30) == "urgent-rl"
+    # Then the rate-limited task resumes from its checkpoint and ends (2 runs), without
+    # the hour's wait for a token
+    assert low.get(timeout=60) == 2
+    log = steps_log(redis_client)
+    assert len([x for x in log if x.startswith("limited:yield:")]) == 1
+
+
 def test_an_inference_task_yields_through_current_task(spawn: Spawn, client_app: Celery,
                                                        redis_client: redis.Redis) -> None:
     spawn(concurrency=1)

@@ -80,6 +80,12 @@ def register(app: Celery) -> dict[str, Any]:
             raise self.retry(countdown=0.1)
         return runs
 
+    @app.task(name="w.steps_limited", bind=True, sla_class="low", rate_limit="1/h",
+              shared=False)
+    def steps_limited(self: Any, tag: str, n: int, step_s: float) -> int:
+        """``w.steps`` under a rate limit: its one token an hour starts it once."""
+        return run_steps(self, tag, n, step_s)
+
     @app.task(name="w.auto_steps", bind=True, sla_class="low", autoretry_for=(Exception,),
               max_retries=3, retry_backoff=False, default_retry_delay=0, shared=False)
     def auto_steps(self: Any, tag: str, n: int, step_s: float) -> int:
