@@ -52,6 +52,15 @@ RETRY_S = 0.002
 #: A claim to yield for a waiting task stands this long, s: others do not yield for the
 #: same task meanwhile; a claimer that died is forgotten after it.
 CLAIM_S = 1.0
+#: A state whose JSON is longer than this, bytes, is no longer sent with each ask (it is
+#: kept only once a yield is granted, a round trip more): a task that carries its results
+#: so far re-serialised and re-sent megabytes every 0.2 s, and every 2 ms while an urgent
+#: task's wait ran, to yield perhaps never (20 MB: 2x the task's own work).
+INLINE_STATE_BYTES = 64 * 1024
+#: What ``preempt.lua`` is given instead of the state then (no JSON text is empty).
+DEFERRED_STATE = ""
+#: Runs remembered as such per child; forgotten past it (each is serialised once more).
+_MOST_DEFERRED = 4096
 
 
 class Preempted(Reject, Ignore):  # type: ignore[misc]
@@ -168,11 +177,14 @@ class Slicer:
         self._subscribed: set[str] = set()
         self._next_check = 0.0
         self._keys: dict[str, QueueKeys] = {}
+        #: Message ids of the runs whose state grew past INLINE_STATE_BYTES.
+        self._deferred: set[str] = set()
 
     # -- the task's view --------------------------------------------------------------
     def claim(self, running: Running, now: float, state: Any) -> bool:
         """True when this task should give its slot up now. The yield is then claimed and
-        ``state`` kept as the task's checkpoint, in one step (``preempt.lua``).
+        ``state`` kept as the task's checkpoint, in one step (``preempt.lua``); for a
+        state past :data:`INLINE_STATE_BYTES`, once the claim is granted.
 
         The checkpoint is kept even when ``state`` is None: a waiting task with one is a
         resumption, and ``preempt.lua`` lets no one yield for it (else one urgent arrival
@@ -191,14 +203,37 @@ class Slicer:
             self._next_check = 0.0  # something urgent was put: ask now
         if now < self._next_check:
             return False
+        deferred = running.message_id in self._deferred
+        inline = DEFERRED_STATE if deferred else state_json(state)
+        if len(inline) > INLINE_STATE_BYTES:  # (sent this once: it is made)
+            if len(self._deferred) >= _MOST_DEFERRED:  # (runs that ended unyielded)
+                self._deferred.clear()
+            self._deferred.add(running.message_id)
         verdict = self.scripts.run("preempt", keys, [
             running.message_id, time.time(), least_wait_s(self.config, runs_as), CLAIM_S,
-            state_json(state), *outranking], self.client)
+            inline, *outranking], self.client)
         if verdict == b"wait" or verdict == "wait":
             self._next_check = now + RETRY_S
             return False
         self._next_check = now + RECHECK_S
+        if verdict and deferred:
+            self._keep(keys, running.message_id, verdict, state)
+        if verdict:
+            self._deferred.discard(running.message_id)
         return bool(verdict)
+
+    def _keep(self, keys: QueueKeys, message_id: str, claimed: Any, state: Any) -> None:
+        """Keep the state of a granted yield whose state was not sent with the ask.
+        Before the task raises: the message goes back (and its checkpoint is read) only
+        after. A state that is no JSON data any more gives the claim up first, so that
+        another runner may yield for the urgent task at once, not CLAIM_S later."""
+        try:
+            payload = state_json(state)
+        except TypeError:
+            self.client.hdel(keys.yields, claimed)
+            self._deferred.discard(message_id)
+            raise
+        self.client.hset(keys.checkpoints, message_id, payload)
 
     def keys(self, queue: str) -> QueueKeys:
         k = self._keys.get(queue)

@@ -297,3 +297,67 @@ def test_of_the_runners_that_could_yield_the_lowest_class_does(
     redis_client.delete(KEYS.waiting, KEYS.meta, KEYS.yields, KEYS.checkpoints)
     waiting_task(redis_client, "h2", "high", time.time() - 6.0, 1)
     assert Slicer(config, redis_client).claim(medium, time.monotonic(), None) is True
+
+
+def test_a_large_state_is_sent_once_then_only_with_a_granted_yield(
+        redis_client: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(a task carrying its results so far re-serialised and re-sent its whole state at
+    every ask: every 0.2 s, and every 2 ms while an urgent task's wait ran; at 20 MB
+    that was twice the task's own work)"""
+    import time
+
+    from sits_queue.config import SitsConfig
+    from sits_queue.workers import slices
+
+    made: list[int] = []
+    real = slices.state_json
+
+    def counting(state: object) -> str:
+        out = real(state)
+        made.append(len(out))
+        return out
+
+    monkeypatch.setattr(slices, "state_json", counting)
+    config = SitsConfig(redis_url=redis_url, yield_wait_ms=2.0)
+    runner = slices.Running("scripts-test", "run-big", "low", time.monotonic() - 60.0)
+    redis_client.zadd(KEYS.unacked, {"run-big": 1000.0})
+    slicer = slices.Slicer(config, redis_client)
+    state = {"results": ["x" * 1000] * 100}  # ~100 KB of JSON
+    # Given nothing urgent waiting: the first ask sends it, the next ones do not
+    for _ in range(5):
+        slicer._next_check = 0.0  # (each an ask of the broker, not one skipped)
+        assert slicer.claim(runner, time.monotonic(), state) is False
+    assert len(made) == 1 and made[0] > slices.INLINE_STATE_BYTES
+    # When an urgent task has waited long enough, the yield is granted, and the state
+    # as it is then is kept as the checkpoint before the task gives its message back
+    state["results"].append("last")
+    waiting_task(redis_client, "h", "high", time.time() - 1.0, 1)
+    slicer._next_check = 0.0
+    assert slicer.claim(runner, time.monotonic(), state) is True
+    assert len(made) == 2
+    assert json.loads(redis_client.hget(KEYS.checkpoints, "run-big") or "") == state
+    assert redis_client.hexists(KEYS.yields, "h")
+
+
+def test_a_deferred_state_that_is_no_json_gives_its_claim_up(
+        redis_client: redis.Redis, redis_url: str) -> None:
+    import time
+
+    from sits_queue.config import SitsConfig
+    from sits_queue.workers import slices
+
+    config = SitsConfig(redis_url=redis_url, yield_wait_ms=2.0)
+    runner = slices.Running("scripts-test", "run-odd", "low", time.monotonic() - 60.0)
+    redis_client.zadd(KEYS.unacked, {"run-odd": 1000.0})
+    slicer = slices.Slicer(config, redis_client)
+    state: dict[str, object] = {"results": ["x" * 1000] * 100}
+    assert slicer.claim(runner, time.monotonic(), state) is False
+    # Given a state that stopped being JSON data (a set) while it was not sent
+    state["seen"] = {1, 2}
+    waiting_task(redis_client, "h", "high", time.time() - 1.0, 1)
+    slicer._next_check = 0.0
+    with pytest.raises(TypeError, match="yield_point state must be JSON data"):
+        slicer.claim(runner, time.monotonic(), state)
+    # Then no checkpoint stands, and the urgent task is free for another runner to yield
+    assert not redis_client.hexists(KEYS.checkpoints, "run-odd")
+    assert not redis_client.hexists(KEYS.yields, "h")

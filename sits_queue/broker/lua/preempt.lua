@@ -8,9 +8,11 @@
 --   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
 -- ARGV: running message id, now (unix s), least wait before yielding for a task (s),
 --       how long a claim stands (s), the running task's state (JSON) to keep when it
---       yields, then the classes that outrank the running task
+--       yields ('': the caller keeps it itself once granted, a large state), then the
+--       classes that outrank the running task
 -- On a claim the state is saved as the running task's checkpoint in the same step, so
--- a yield never stands without what it resumes from (and costs one round trip).
+-- a yield never stands without what it resumes from (and costs one round trip); a
+-- large one the runner sends only when granted, before it gives its message back.
 -- Returns the id yielded for when the best waiting task is of an outranking class, is
 -- ahead of the running task's own place (its saved score: back in the queue it would
 -- be picked again at once), has waited at least the least wait (a slot that frees on
@@ -47,7 +49,7 @@ for i = 1, #best, 2 do
   if not resuming and not early and not (claimed and now - claimed < claim_s) then
     if now - (tonumber(meta.t) or now) < least_wait then return 'wait' end
     redis.call('HSET', KEYS[12], id, now)
-    redis.call('HSET', KEYS[11], running, state)
+    if state ~= '' then redis.call('HSET', KEYS[11], running, state) end
     return id
   end
 end
