@@ -21,6 +21,7 @@ from sits_queue.broker.keys import DELIVERY_ONLY
 from sits_queue.cache.budgets import CacheBudgets
 from sits_queue.checks import shown
 from sits_queue.config import SitsConfig, redacted, without_credentials
+from sits_queue.delivery import check_delivery
 from sits_queue.errors import ConfigError, InvalidTaskOptions
 from sits_queue.exits import fail_exits
 from sits_queue.options import (
@@ -203,6 +204,15 @@ class SitsTask(Task):  # type: ignore[misc]
     def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
                     producer: Any = None, link: Any = None, link_error: Any = None,
                     shadow: str | None = None, **options: Any) -> Any:
+        headers = options.get("headers")
+        if isinstance(headers, Mapping) and headers.get(HEADER) is not None and \
+                not any(name in options for name in CALL_OPTIONS):
+            # A hand-made header, send_task's way: checked there, its class's limits
+            # set (made again from the task's defaults here, it was replaced unsaid:
+            # {"sla_class": "high"} ran as medium, "nope" was taken). Keywords beside
+            # one (a retry's, from the running task's) make the header afresh, below.
+            return super().apply_async(args, kwargs, task_id, producer, link, link_error,
+                                       shadow, **options)
         routed_options(self.app, self.name, args, kwargs, options)
         config = sits_config(self.app)
         opts = call_options(self, config, options, self.app.conf, args, kwargs)
@@ -450,6 +460,7 @@ class SitsCelery(Celery):  # type: ignore[misc]
         ``celery.Task``. (``SitsTask.apply_async`` attaches them before it gets here.)
         A task registered in this app lends its declared options and time limits."""
         self.note_priority(name, options.get("priority"))
+        check_delivery(name, options)
         route_maintenance(name, options)
         headers = options.get("headers")
         if isinstance(headers, Mapping) and headers.get(HEADER) is not None:
@@ -464,11 +475,11 @@ class SitsCelery(Celery):  # type: ignore[misc]
                 raise InvalidTaskOptions(
                     f"task {name}: SITS options both in a hand-made {HEADER!r} header and "
                     f"as keywords ({', '.join(given)}); give them one way")
-            # A hand-made header's class sets the limits too (apply_async's are set
-            # already, both: not worked out a second time per call)
-            if "time_limit" not in options or "soft_time_limit" not in options:
-                apply_class_limits(self.tasks.get(name), config, opts.sla_class, options,
-                                   self.conf)
+            # A hand-made header's class sets the limits too, and a pair given beside it
+            # is checked as apply_async's keywords are (-5, "x", a soft limit past the
+            # hard one were sent as given); apply_async's own pair holds already
+            apply_class_limits(self.tasks.get(name), config, opts.sla_class, options,
+                               self.conf)
             return super().send_task(name, args, kwargs, **options)
         routed_options(self, name, args, kwargs, options)
         config = sits_config(self)

@@ -125,16 +125,17 @@ def _seconds(value: Any) -> bool:
     """None, or a number of seconds Celery's pool can arm a timer with: an integer past a
     float's range (JSON has them) raised OverflowError in the worker's main process once
     the child took the job, stopping the worker; redelivered uncounted, the message
-    then stopped every worker that took it, one after another."""
+    then stopped every worker that took it, one after another. Not below 0 (0: none, as
+    in Celery): a negative soft limit fired at once, the task's outcome a race between
+    its body and the signal."""
     if value is None:
         return True
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     try:
-        float(value)
+        return math.isfinite(float(value)) and value >= 0
     except OverflowError:
         return False
-    return True
 
 
 def check_task_body(message: Any) -> None:

@@ -418,6 +418,20 @@ def test_every_publish_path_carries_and_checks_the_sits_options(
                       vram_gib=-5, precision="fp8")
     # ... and its class sets the time limits, as the keyword's would (none were sent)
     app.send_task("t.echo", ("by hand",), headers={"sits": {"sla_class": "low"}})
+    # ... and a pair of limits given beside it is checked as the keywords' are (sent as
+    # given: -5, "x", a soft limit past the hard one)
+    for limits, why in [((-5, -10), "time_limit must be a positive number"),
+                        (("x", "y"), "time_limit must be a positive number"),
+                        ((5, 50), "soft_time_limit 50 s must not exceed")]:
+        with pytest.raises(InvalidTaskOptions, match=why):
+            app.send_task("t.echo", ("x",), headers={"sits": {"sla_class": "high"}},
+                          time_limit=limits[0], soft_time_limit=limits[1])
+    # apply_async takes a hand-made header send_task's way: checked, and honoured (it
+    # was replaced by the task's defaults unsaid: "high" ran as medium, "nope" was taken)
+    with pytest.raises(InvalidTaskOptions, match="unknown sla_class 'nope'"):
+        app.tasks["t.echo"].apply_async(("x",), headers={"sits": {"sla_class": "nope"}})
+    app.tasks["t.echo"].apply_async(("hand-made async",),
+                                    headers={"sits": {"sla_class": "high"}})
 
     # a task on a plain celery.Task base (the Celery docs' DatabaseTask pattern)
     class PlainBase(Task):  # type: ignore[misc]
@@ -439,7 +453,9 @@ def test_every_publish_path_carries_and_checks_the_sits_options(
     assert got["('plain base',)"]["timelimit"] == [10, 8]
     assert got["('by hand',)"]["sits"]["sla_class"] == "low"
     assert got["('by hand',)"]["timelimit"] == [10, 8]
-    assert len(got) == 4
+    assert got["('hand-made async',)"]["sits"]["sla_class"] == "high"
+    assert got["('hand-made async',)"]["timelimit"] == [45, 36]
+    assert len(got) == 5
 
 
 def test_unacked_messages_are_restored_never_lost(redis_url: str,

@@ -327,6 +327,8 @@ def test_messages_celery_cannot_take_do_not_kill_the_worker(
            # in the main process once the child took the job, and every worker after
            "limits-huge-soft": celery_message(timelimit=[None, 10**400]),
            "limits-huge-hard": celery_message(timelimit=[10**400, None]),
+           # (a negative soft limit fired at once: failed or not, a race with the body)
+           "limits-negative": celery_message(timelimit=[-5, -10]),
            # Celery walks the stamps after it took the pool's one slot for the task: it
            # raised there, and the slot was never given back (the worker served no more)
            "stamped-int": celery_message(task_id="stamped-id", stamped_headers=5),
@@ -350,6 +352,7 @@ def test_messages_celery_cannot_take_do_not_kill_the_worker(
     assert "headers.timelimit" in dead["limits-str"]
     assert "headers.timelimit" in dead["limits-huge-soft"]
     assert "headers.timelimit" in dead["limits-huge-hard"]
+    assert "headers.timelimit is not [hard, soft] seconds" in dead["limits-negative"]
     assert "headers.stamped_headers is not a list of header names: 5" in dead["stamped-int"]
     assert "headers.stamps is not an object: 'x'" in dead["stamps-str"]
     assert "Connection to broker lost" not in worker.log()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 import pytest
+from kombu.entity import Queue
 
 from sits_queue.config import SitsConfig
 from sits_queue.errors import InvalidTaskOptions
@@ -195,3 +198,47 @@ def test_a_batch_key_past_its_length_is_refused_at_submission() -> None:
                                                  r"characters\) .* is 1001 characters, over "
                                                  r"the 1000"):
         long_named.delay("hello")
+
+
+@pytest.mark.parametrize(("options", "said"), [
+    ({"task_id": 5}, "task_id must be a non-empty string, got 5"),
+    ({"task_id": ""}, "task_id must be a non-empty string"),
+    ({"countdown": "10"}, "countdown must be a number of seconds, got '10'"),
+    ({"countdown": float("nan")}, "countdown must be a finite number of seconds, got nan"),
+    ({"countdown": 10**400}, "countdown must be a finite number of seconds"),
+    ({"countdown": 1e15}, "countdown 1000000000000000.0 s reaches past the years"),
+    ({"expires": 1e15}, "expires 1000000000000000.0 s reaches past the years"),
+    ({"expires": True}, "expires must be a number of seconds"),
+    ({"expires": "soon"}, "expires must be a datetime or its ISO 8601 text, got 'soon'"),
+    ({"eta": "tomorrow"}, "eta must be a datetime or its ISO 8601 text, got 'tomorrow'"),
+    ({"eta": 12}, "eta must be a datetime or its ISO 8601 text, got 12"),
+    ({"queue": 5}, "queue must be a queue's name or a kombu Queue, got 5"),
+])
+def test_celerys_delivery_options_are_checked_before_anything_is_sent(
+        options: dict[str, object], said: str) -> None:
+    """(they failed deep in Celery with errors naming none of them, or were sent to be
+    dead-lettered at the worker); no broker is reached: nothing is sent"""
+    from sits_queue.app import make_app
+
+    app = make_app(SitsConfig(redis_url="redis://127.0.0.1:1/0"), main="delivery-unit")
+
+    @app.task(name="u.echo", shared=False)
+    def echo(x: int) -> int:
+        return x
+
+    with pytest.raises(InvalidTaskOptions, match=f"task u.echo: {said}"):
+        echo.apply_async((1,), **options)
+    with pytest.raises(InvalidTaskOptions, match=said):
+        app.send_task("u.echo", (1,), **options)
+
+
+@pytest.mark.parametrize("options", [
+    {"task_id": "mine-1"}, {"countdown": 10}, {"countdown": -3.5}, {"countdown": 0},
+    {"eta": datetime(2030, 1, 1, tzinfo=timezone.utc)}, {"eta": "2030-01-01T00:00:00+00:00"},
+    {"expires": 60}, {"expires": datetime(2030, 1, 1)}, {"expires": "2030-01-01T00:00:00"},
+    {"queue": "elsewhere"}, {"queue": Queue("elsewhere")},
+])
+def test_celerys_delivery_options_as_celery_takes_them_pass(options: dict[str, object]) -> None:
+    from sits_queue.delivery import check_delivery
+
+    check_delivery("u.echo", options)
