@@ -51,37 +51,36 @@ def test_an_urgent_task_takes_the_slot_of_a_long_low_one(spawn: Spawn, client_ap
     assert redis_client.hlen(KEYS.yields) == 0
 
 
+def preempted_once(client_app: Celery, redis_client: redis.Redis, task: str,
+                   tag: str) -> tuple[Any, list[str]]:
+    """A low ``task`` of 40 steps of 50 ms on the only slot, a high task taking the slot
+    at a yield point: the low task's result once it resumed and ended, and the steps."""
+    low = client_app.tasks[task].delay(tag, 40, 0.05)
+    wait_for(lambda: f"{tag}:start:0" in steps_log(redis_client), 30, "the task to start")
+    high = client_app.tasks["w.slow"].apply_async((f"urgent-{tag}", 0.0), sla_class="high")
+    assert high.get(timeout=30) == f"urgent-{tag}"
+    return low.get(timeout=60), steps_log(redis_client)
+
+
 def test_a_rate_limited_task_resumes_without_another_token(spawn: Spawn, client_app: Celery,
                                                            redis_client: redis.Redis) -> None:
     # (its resumption waited in the rate-limit bucket for a new token, as a new run: an
     # hour at '1/h', each yield using up a token of the task type's rate)
     spawn(concurrency=1)
-    # Given the only slot busy with a rate-limited low task (1/h) of 40 steps of 50 ms
-    low = client_app.tasks["w.steps_limited"].delay("limited", 40, 0.05)
-    wait_for(lambda: "limited:start:0" in steps_log(redis_client), 20, "the task to start")
-    # When a high task takes its slot at a yield point
-    high = client_app.tasks["w.slow"].apply_async(("urgent-rl", 0.0), sla_class="high")
-    assert high.get(timeout=30) == "urgent-rl"
-    # Then the rate-limited task resumes from its checkpoint and ends (2 runs), without
-    # the hour's wait for a token
-    assert low.get(timeout=60) == 2
-    log = steps_log(redis_client)
+    # Given a rate-limited task (1/h) that yields its slot to a high one, then it resumes
+    # from its checkpoint and ends (2 runs) without the hour's wait for a token
+    result, log = preempted_once(client_app, redis_client, "w.steps_limited", "limited")
+    assert result == 2
     assert len([x for x in log if x.startswith("limited:yield:")]) == 1
 
 
 def test_an_inference_task_yields_through_current_task(spawn: Spawn, client_app: Celery,
                                                        redis_client: redis.Redis) -> None:
     spawn(concurrency=1)
-    # Given the only slot busy with a low inference task of 40 steps of 50 ms
-    low = client_app.tasks["w.infer_steps"].delay("infer", 40, 0.05)
-    wait_for(lambda: "infer:start:0" in steps_log(redis_client), 30, "the task to start")
-    # When a high task arrives, it takes the slot at the next yield point
-    high = client_app.tasks["w.slow"].apply_async(("urgent", 0.0), sla_class="high")
-    assert high.get(timeout=30) == "urgent"
-    # And the inference task resumes from the checkpoint current_task gave it
-    result = low.get(timeout=60)
+    # Given a low inference task that yields its slot to a high one, then it resumes from
+    # the checkpoint current_task gave it
+    result, log = preempted_once(client_app, redis_client, "w.infer_steps", "infer")
     assert result["output"] == 2
-    log = steps_log(redis_client)
     assert [x for x in log if ":yield:" in x] == [log[1]]
     assert log[2] == f"infer:start:{log[1].rsplit(':', 1)[1]}" and log[-1] == "infer:end:2"
 
