@@ -327,10 +327,12 @@ class SitsTask(Task):  # type: ignore[misc]
         later, from the same place in the queue, where ``self.checkpoint`` returns it.
         ``remaining_s``, the task's own estimate of the work left, lets it finish instead
         when that is under ``yield_min_remaining_ms``. Outside a SITS worker (an eager
-        call) it never yields.
+        call) and in a batch task (``app.batch_inference_task``) it never yields.
         """
         from sits_queue.workers import slices
 
+        if self.batches:  # one run serves many calls: no one call's slice to give up
+            return
         running = slices.running_from(self.request, slices.started_at(self.request.id))
         if running is None:
             return

@@ -131,6 +131,33 @@ def test_a_foreign_header_never_fails_a_yield_point(caplog: pytest.LogCaptureFix
         app.close()
 
 
+def test_a_batch_task_never_yields(caplog: pytest.LogCaptureFixture) -> None:
+    """(one run serves many calls; run alone, as a batch of one, it asked the broker and
+    could give up a slot no call's slice was)"""
+    from typing import Any
+
+    from sits_queue.app import make_app
+    from sits_queue.workers import slices
+
+    app = make_app(SitsConfig(redis_url="redis://127.0.0.1:1/0"), main="slices_batch")
+
+    @app.batch_inference_task(name="u.batch", model="m", sla_class="low", shared=False)
+    def batch(engine: Any, calls: list[Any]) -> list[Any]:
+        return [None for _ in calls]
+
+    task = app.tasks["u.batch"]
+    task.push_request(id="t-3", sits_delivery=["celery", "m-3"], sits={"sla_class": "low"})
+    slices._starts["t-3"] = -1e9  # long past its slice
+    try:
+        with caplog.at_level("WARNING"):
+            task.yield_point({"done": 1})
+        assert "yield point skipped" not in caplog.text  # the broker was not even asked
+    finally:
+        slices._starts.pop("t-3", None)
+        task.pop_request()
+        app.close()
+
+
 def test_the_state_kept_at_a_yield_must_be_json_data() -> None:
     assert json.loads(state_json({"done": 3, "ids": [1, 2]})) == {"done": 3, "ids": [1, 2]}
     assert state_json(None) == "null"
