@@ -11,8 +11,10 @@ step does the same for a request waiting for a token, from when it enters the bu
 until Celery moves it to the pool.
 
 At most as many of one task type wait in the worker as its pool runs at once; the
-rest are given back to the queue (held off from this worker for a moment, as a task
-that does not fit its VRAM is), for another worker or for this one later.
+rest are given back to the queue, for another worker, or for this one once its bucket
+has taken the next token (:func:`token_hold`: held off from this worker until then, not
+longer: held on the VRAM refusals' backoff, 0.25 s doubling to 4 s, a backlog at
+``'10/s'`` ran at about one task per 4 s per slot).
 
 It also wakes the event loop once Celery has set its next look at a bucket: that is a
 timer entry added after the loop computed how long to sleep, and with nothing else to
@@ -22,12 +24,32 @@ token: ``rate_limit="10/s"`` ran at about 2/s on ``--pool=solo``.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from celery import bootsteps
 
 from sits_queue.broker.keys import CHECKPOINT_HEADER
 from sits_queue.workers import request as admission
+
+#: Bounds of the hold of a rate-limited message given back, s: not a busy loop of
+#: picks while tokens come faster than this; not so long that a slow rate's next token
+#: (an hour at '1/h') keeps it from this worker past a change of its rate.
+MIN_TOKEN_HOLD_S = 0.02
+MAX_TOKEN_HOLD_S = 60.0
+
+
+def token_hold(bucket: Any) -> float:
+    """How long a message given back because ``bucket`` is full is held off from this
+    worker, s: until the bucket's next token, when the request waiting first moves on
+    and there is room again."""
+    try:
+        wait = float(bucket.expected_time(1))
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        wait = MIN_TOKEN_HOLD_S
+    if not math.isfinite(wait):
+        wait = MAX_TOKEN_HOLD_S
+    return min(MAX_TOKEN_HOLD_S, max(MIN_TOKEN_HOLD_S, wait))
 
 
 def most_waiting(c: Any) -> int:
@@ -69,7 +91,8 @@ class RateLimitHold(bootsteps.StartStopStep):  # type: ignore[misc]
                 # in the queue, at their priority, for another worker or for this one
                 # later (counted out, they were all taken in: an idle worker beside it
                 # got none, and an urgent task arriving later ran behind them all)
-                admission._give_back(request, admission.HOLDS)
+                hold = token_hold(bucket)  # (the same each time: no backoff)
+                admission._give_back(request, (hold, hold))
                 return None
             self.held.add(id(request))
             c.qos.increment_eventually()

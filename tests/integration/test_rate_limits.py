@@ -53,3 +53,17 @@ def test_a_worker_holds_no_more_token_waiters_than_its_pool_the_rest_stay_queued
     spawn(concurrency=1)
     wait_for(lambda: sum(r.state == "SUCCESS" for r in later) == 1, 60,
              "the second worker to run one of them")
+
+
+@pytest.mark.parametrize("pool", ["prefork", "solo"])
+def test_a_backlog_runs_at_its_rate_not_at_the_give_backs_pace(
+        pool: str, spawn: Callable[..., CeleryProcess], client_app: Celery) -> None:
+    """(the tasks past the pool's size were given back on the VRAM refusals' backoff,
+    0.25 s doubling to 4 s: 20 tasks at '10/s' took 26 s on one slot, ~2 s in Celery)"""
+    spawn(concurrency=1, pool=pool)
+    tenth = client_app.tasks["w.tenth"]
+    results = [tenth.delay(f"t{i}") for i in range(20)]
+    # All done within a bound for them all (~2 s at the rate asked; room for a slow
+    # machine), not one per result
+    wait_for(lambda: all(r.ready() for r in results), 15, "the 20 tasks to run")
+    assert [r.get(timeout=1) for r in results] == [f"t{i}" for i in range(20)]

@@ -119,6 +119,10 @@ def register(app: Celery) -> dict[str, Any]:
     def hourly(tag: str) -> str:
         return tag
 
+    @app.task(name="w.tenth", rate_limit="10/s", shared=False)
+    def tenth(tag: str) -> str:
+        return tag
+
     @app.task(name="w.pid", shared=False)
     def pid() -> int:
         return os.getpid()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from celery.worker.consumer.consumer import Consumer
 from kombu.common import QoS
 from kombu.utils.limits import TokenBucket
@@ -111,7 +112,7 @@ class Released:
 def test_no_more_of_a_type_wait_than_the_pool_runs_the_rest_go_back() -> None:
     """(every waiting rate-limited task was taken into the bucket: an idle worker beside
     this one got none, and an urgent task ran behind them all)"""
-    from sits_queue.workers.request import HOLD_FIRST_S, HOLD_LONGEST_S
+    from sits_queue.workers.ratelimits import MAX_TOKEN_HOLD_S
 
     c = StandIn()
     RateLimitHold(c)
@@ -122,5 +123,28 @@ def test_no_more_of_a_type_wait_than_the_pool_runs_the_rest_go_back() -> None:
     fourth = Released("fourth")
     c._limit_task(fourth, bucket, 1)
     assert len(bucket.contents) == 2 and c.qos.value == 3  # not counted out
-    assert fourth.released == [("fourth", HOLD_FIRST_S, HOLD_LONGEST_S)]
+    # held off from this worker until its bucket's next token (an hour: the longest)
+    assert fourth.released == [("fourth", MAX_TOKEN_HOLD_S, MAX_TOKEN_HOLD_S)]
     assert fourth.acknowledged and fourth.message._state == "REQUEUED"
+
+
+def test_a_message_given_back_is_held_until_the_next_token_not_a_backoff() -> None:
+    """(held on the VRAM refusals' backoff, 0.25 s doubling to 4 s, a backlog of '10/s'
+    tasks ran at about one per 4 s per pool slot)"""
+    from sits_queue.workers.ratelimits import MIN_TOKEN_HOLD_S, token_hold
+
+    c = StandIn()
+    RateLimitHold(c)
+    bucket = TokenBucket(fill_rate=10, capacity=1)
+    c._limit_task("first", bucket, 1)  # its token: to the pool
+    c._limit_task("second", bucket, 1)
+    c._limit_task("third", bucket, 1)  # two wait for the next tokens
+    given = [Released(f"later {i}") for i in range(3)]
+    for request in given:
+        c._limit_task(request, bucket, 1)
+    # Each is held off for about the time to the next token (0.1 s at 10/s), each the same
+    holds = [r.released[0][1:] for r in given]
+    assert all(first == longest for first, longest in holds)
+    assert all(MIN_TOKEN_HOLD_S <= first <= 0.1 + 1e-6 for first, _ in holds)
+    assert token_hold(TokenBucket(fill_rate=1000, capacity=1)) == MIN_TOKEN_HOLD_S
+    assert token_hold(object()) == pytest.approx(MIN_TOKEN_HOLD_S)
