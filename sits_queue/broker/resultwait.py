@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 RECHECK_S = 1.0
 #: Fewest entries the re-read deque holds before it is pruned.
 PRUNE_LEAST = 1024
+#: Most task ids remembered as told of their final state.
+TOLD_MOST = 100_000
 
 
 def waited_ids(result: Any) -> list[str]:
@@ -72,15 +74,35 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
         self._recheck: deque[tuple[float, Any]] = deque()
         #: Its length at which entries of keys no longer subscribed are dropped.
         self._prune_at = PRUNE_LEAST
+        #: Task ids whose final state was handed on (insertion order: oldest first).
+        self._told: dict[str, None] = {}
 
     def on_after_fork(self) -> None:
         self._unread = set()
         self._recheck = deque()
         self._prune_at = PRUNE_LEAST
+        self._told = {}
         super().on_after_fork()
+
+    def on_state_change(self, meta: Any, message: Any) -> None:
+        """Celery's, but a final state is handed on once: read from the store (the reads
+        after a subscription) and then heard from the channel in the same drain, a
+        progress callback (``get(on_message=...)``) was told SUCCESS twice."""
+        if isinstance(meta, dict) and meta.get("status") in states.READY_STATES:
+            task_id = meta.get("task_id")
+            if isinstance(task_id, str):
+                if task_id in self._told:
+                    return
+                self._told[task_id] = None
+                if len(self._told) > TOLD_MOST:  # (results never cancelled: bounded)
+                    del self._told[next(iter(self._told))]
+        super().on_state_change(meta, message)
 
     def consume_from(self, task_id: str) -> None:
         key = self._get_key_for_task(task_id)
+        # A new wait under the id hears its states anew. (Kept when Celery cancels the
+        # subscription at a final state: that state's message may still be on its way.)
+        self._told.pop(task_id, None)
         with self._locked():
             fresh = key not in self.subscribed_to
             super().consume_from(task_id)

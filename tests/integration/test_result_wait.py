@@ -147,6 +147,27 @@ def test_a_progress_callback_is_not_told_a_state_twice(producer: Celery,
     assert seen[-1] == states.SUCCESS
 
 
+def test_a_final_state_read_and_then_heard_is_told_once(producer: Celery,
+                                                        worker_side: Celery) -> None:
+    """(the read after the subscription handed SUCCESS on, and the message the same
+    drain then took from the channel handed it on again: a progress callback heard
+    SUCCESS twice in a third of the runs of a ~1 s task)"""
+    result = producer.AsyncResult(str(uuid.uuid4()))
+    consumer = producer.backend.result_consumer
+    consumer.consume_from(result.id)  # subscribed: its stored state is to be read
+    # Given the result stored and published while nobody drained
+    worker_side.backend.mark_as_done(result.id, "once")
+    seen: list[str] = []
+    consumer.on_message = lambda meta: seen.append(meta["status"])
+    # When one drain reads the stored state and then takes the channel's message
+    consumer.drain_events(timeout=1.0)
+    consumer.drain_events(timeout=0.2)
+    # Then the callback was told of it once
+    assert seen == [states.SUCCESS]
+    consumer.on_message = None
+    consumer.cancel_for(result.id)
+
+
 def test_a_dropped_result_leaves_no_subscription(producer: Celery,
                                                  worker_side: Celery) -> None:
     result = producer.tasks["rw.echo"].delay("gone")
