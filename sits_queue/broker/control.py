@@ -9,6 +9,11 @@ first and replies with the error instead; any other name goes to Celery's comman
 limits every SITS message carries override; it replied "time limits set successfully"
 and changed nothing. This one says so, and where limits are set.
 
+``autoscale``: Celery's, up to the pool size the worker planned its devices, cores and
+caches for at start (``--autoscale``'s maximum): more children would share the planned
+slots' devices and memory budgets past what they hold. Asked for more, it sets that and
+says so.
+
 ``conf`` and ``stats``: Celery's, with the credentials of every URL in them masked.
 Celery masks its own settings' (``broker_url``, a backend's) but not
 ``redbeat_redis_url``, and sends the transport options whole: Flower's worker page
@@ -26,6 +31,7 @@ from sits_queue.config import without_credentials
 from sits_queue.errors import InvalidQueueName
 
 _celery_add_consumer = celery_control.add_consumer
+_celery_autoscale = celery_control.autoscale
 _celery_conf = celery_control.conf
 _celery_stats = celery_control.stats
 
@@ -49,6 +55,25 @@ def time_limit(state: Any, task_name: Any = None, hard: Any = None, soft: Any = 
         f"{task_name!r} would change nothing")
 
 
+def autoscale(state: Any, max: Any = None, min: Any = None) -> Any:
+    """Modify autoscale settings."""
+    from sits_queue.workers import runtime
+
+    planned = runtime.plan().slots
+    asked = max
+    if max is not None and planned > 0 and int(max) > planned:
+        max = planned
+        if min is not None and int(min) > planned:
+            min = planned
+    reply = _celery_autoscale(state, max, min)
+    if asked is not None and max != asked and isinstance(reply, dict) and "ok" in reply:
+        reply = celery_control.ok(
+            f"{reply['ok']} (asked max={asked}: this worker planned its devices, cores "
+            f"and caches for {planned} processes at start; restart it with "
+            f"--autoscale={asked},... for more)")
+    return reply
+
+
 def conf(state: Any, with_defaults: bool = False, **kwargs: Any) -> Any:
     """List configuration."""
     return without_credentials(_celery_conf(state, with_defaults, **kwargs))
@@ -64,6 +89,6 @@ def register() -> None:
     Celery's own, with their arguments and help (the registry is process-wide;
     idempotent)."""
     for name, command in (("add_consumer", add_consumer), ("time_limit", time_limit),
-                          ("conf", conf), ("stats", stats)):
+                          ("autoscale", autoscale), ("conf", conf), ("stats", stats)):
         meta = celery_control.Panel.meta[name]
         celery_control.Panel._register(name=name, **meta._asdict())(command)

@@ -169,6 +169,7 @@ class QoS(kredis.QoS):
                 if queue is not None:
                     hold = self._release(queue, [delivery_tag], first_hold_s,
                                          longest_hold_s)
+                    self.channel.note_hold(hold)
             finally:  # forget it locally: Redis has it back (or, failing, the sweep will)
                 virtual.QoS.ack(self, delivery_tag)
         return hold

@@ -348,3 +348,39 @@ def test_a_pool_shrunk_by_remote_control_is_advertised_by_its_childrens_slots(
     wait_for(lambda: advertised() == (kept, [str(s) for s in kept]), 30,
              f"the children left (slots {kept}) advertised")
     assert client_app.tasks["w.add"].delay(2, 2).get(timeout=30) == 4
+
+
+def test_autoscale_set_remotely_is_followed_up_to_the_planned_pool(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(the intake followed the start's maximum, not the autoscaler's: a maximum raised
+    by `control autoscale` was replied ok and never reached; and past the start's
+    maximum more children would share the planned slots' devices and budgets)"""
+    worker = spawn(concurrency=1, extra_args=("--autoscale=3,1",))
+
+    def autoscale(most: int, least: int) -> str:
+        (reply,) = client_app.control.autoscale(most, least, destination=[worker.hostname],
+                                                reply=True, timeout=5)
+        return str(reply[worker.hostname].get("ok", reply))
+
+    def busy() -> int:
+        (reply,) = client_app.control.inspect(destination=[worker.hostname],
+                                              timeout=2).active().values()
+        return len(reply)
+
+    # Given its maximum lowered to 1: one task runs, the next waits in the queue (not
+    # taken by a worker that cannot run it: exact priority order)
+    assert autoscale(1, 1) == "autoscale now max=1 min=1"
+    first = [client_app.tasks["w.slow"].delay(f"one{i}", 2.0) for i in range(2)]
+    wait_for(lambda: busy() == 1, 30, "one task running")
+    assert redis_client.zcard(QueueKeys.for_queue("celery").waiting) == 1
+    assert [r.get(timeout=30) for r in first] == ["one0", "one1"]
+    # and raised again to 3, the one it started with
+    assert autoscale(3, 1) == "autoscale now max=3 min=1"
+    # When 3 long tasks wait, the pool runs 3 at once
+    slow = [client_app.tasks["w.slow"].delay(f"as{i}", 4.0) for i in range(3)]
+    wait_for(lambda: busy() == 3, 30, "3 tasks running at once")
+    assert [r.get(timeout=30) for r in slow] == ["as0", "as1", "as2"]
+    # Asked past what it planned at start: it sets that much, and says why
+    said = autoscale(6, 1)
+    assert said.startswith("autoscale now max=3 min=1 (asked max=6: this worker planned")
+    assert "--autoscale=6," in said

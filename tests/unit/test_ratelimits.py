@@ -148,3 +148,23 @@ def test_a_message_given_back_is_held_until_the_next_token_not_a_backoff() -> No
     assert all(MIN_TOKEN_HOLD_S <= first <= 0.1 + 1e-6 for first, _ in holds)
     assert token_hold(TokenBucket(fill_rate=1000, capacity=1)) == MIN_TOKEN_HOLD_S
     assert token_hold(object()) == pytest.approx(MIN_TOKEN_HOLD_S)
+
+
+def test_a_consumer_finding_only_its_held_messages_looks_again_when_a_hold_ends() -> None:
+    """(it always paused 0.25 s: a message given back until its bucket's next token came
+    back up to 0.25 s late, and '10/s' ran at about 7.5/s on one slot)"""
+    import time
+
+    from sits_queue.broker.transport import HELD_PAUSE_S, HOLD_END_MARGIN_S, Channel
+
+    channel = type("Held", (), {"_hold_ends": []})()
+    assert Channel._held_pause_s(channel) == HELD_PAUSE_S  # none of its own: the usual
+    Channel.note_hold(channel, 0.08)
+    Channel.note_hold(channel, 0.05)
+    Channel.note_hold(channel, 0.0)  # (no hold: nothing to wait for)
+    pause = Channel._held_pause_s(channel)
+    assert 0.0 < pause <= 0.05 + HOLD_END_MARGIN_S
+    Channel.note_hold(channel, 10.0)  # a long one: looked at again within the usual
+    channel._hold_ends = [time.monotonic() - 1.0, time.monotonic() + 10.0]
+    assert Channel._held_pause_s(channel) == HELD_PAUSE_S
+    assert len(channel._hold_ends) == 1  # the one that ran out is forgotten
