@@ -5,6 +5,7 @@ have and a bad cache budget, each in one line, and records the pool's size (afte
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import bootsteps
@@ -14,6 +15,8 @@ from sits_queue.cache.budgets import CacheBudgets
 from sits_queue.errors import ConfigError, InvalidQueueName
 from sits_queue.workers import request as admission
 from sits_queue.workers.runtime import pool_name, pool_problem, record_slots
+
+logger = logging.getLogger(__name__)
 
 
 class PlanStep(bootsteps.Step):  # type: ignore[misc]
@@ -57,6 +60,20 @@ class PlanStep(bootsteps.Step):  # type: ignore[misc]
         admission.leave_inference(pool_name(pool_module) if problem or plain_only else None,
                                   shared=bool(problem))
         record_slots(size)
+        _say_unused_limits(w)
+
+
+def _say_unused_limits(w: Any) -> None:
+    """A worker's own ``--time-limit``/``--soft-time-limit`` apply to no SITS task (each
+    message carries its limits): said once at start, not ignored unsaid."""
+    for flag, setting in (("time_limit", "task_time_limit"),
+                          ("soft_time_limit", "task_soft_time_limit")):
+        given = getattr(w, flag, None)
+        if given and given != w.app.conf.get(setting):
+            logger.warning("--%s=%s applies to no SITS task: each message carries its own "
+                           "limits (the call's, the task's, the app's %s, else its "
+                           "class's max_run_s); set those instead", flag.replace("_", "-"),
+                           given, setting)
 
 
 def autoscale_max(autoscale: Any) -> int:

@@ -66,6 +66,16 @@ def test_a_time_limit_set_remotely_is_refused_saying_where_limits_are_set(
     assert client_app.tasks["w.slow"].apply_async(("x", 0.1)).get(timeout=30) == "x"
 
 
+def test_a_workers_own_time_limit_flags_are_said_to_apply_to_no_sits_task(
+        spawn: Spawn, client_app: Celery) -> None:
+    """(ignored unsaid: every message carries its own limits)"""
+    worker = spawn(extra_args=("--time-limit=5", "--soft-time-limit=4"))
+    assert client_app.tasks["w.add"].delay(1, 1).get(timeout=30) == 2
+    log = worker.log()
+    assert "--time-limit=5.0 applies to no SITS task" in log, log[-2000:]
+    assert "--soft-time-limit=4.0 applies to no SITS task" in log
+
+
 def test_no_remote_control_reply_holds_the_redis_password(
         spawn: Spawn, client_app: Celery, redis_client: redis.Redis, redis_url: str) -> None:
     """(the transport options carried the whole SITS config, and Celery sends them whole in
