@@ -62,6 +62,10 @@ from sits_queue.priority.entropy import input_entropy
 DEFAULT_CHUNK = 200
 #: Largest chunk accepted: 10,000 messages hold Redis for a few hundred milliseconds.
 MAX_CHUNK = 10_000
+#: A chunk also ends once its encoded messages reach this many bytes: counted in
+#: messages alone, 200 of 50 MB each would have been built in memory at once (three took
+#: a producer to 926 MB).
+CHUNK_BYTES = 64 * 2**20
 #: ``apply_async`` options ``enqueue_many`` understands (besides the SITS options). Others
 #: (``task_id``, ``exchange``, ``retry``...) make no sense for a batch or are not supported.
 SUPPORTED_OPTIONS = frozenset({
@@ -509,10 +513,12 @@ def _pipeline(app: Celery, task: Task, plan: _Plan, channel: Any, dispatcher: An
             _announce(plan, sent, dispatcher)
 
     try:
-        for start in range(0, len(arg_list), chunk):
+        start = 0
+        while start < len(arg_list):
             records, sent = _build_chunk(app, task, plan, channel,
                                          arg_list[start:start + chunk],
                                          kwargs_all[start:start + chunk])
+            start += len(sent)  # (fewer than chunk where CHUNK_BYTES ended it)
             settle()
             in_flight = (channel._put_records_start(plan.qname, records), sent, records[::5])
         settle()
@@ -551,7 +557,8 @@ def _landed(channel: Any, queue: str, tags: list[Any]) -> bool:
 def _build_chunk(app: Celery, task: Task, plan: _Plan, channel: Any,
                  arg_list: Sequence[Sequence[Any]], kwargs_list: Sequence[Mapping[str, Any]]
                  ) -> tuple[list[Any], list[_Sent]]:
-    """The chunk's ``put.lua`` arguments, and per item what the post-publish hooks need."""
+    """The chunk's ``put.lua`` arguments, and per item what the post-publish hooks need;
+    of the items given, those up to the one that brings the chunk to CHUNK_BYTES."""
     dump_pydantic = getattr(task, "_dump_pydantic_arguments", None)
     if plan.serializer == "pickle":
         dump_pydantic = None  # pickle sends models as they are (apply_async's rule)
@@ -560,12 +567,17 @@ def _build_chunk(app: Celery, task: Task, plan: _Plan, channel: Any,
     scorer = channel.snapshots.scorer(channel.raw, now)
     records: list[Any] = []
     sent: list[_Sent] = []
+    size = 0
     for args, kwargs in zip(arg_list, kwargs_list, strict=True):
         if dump_pydantic is not None:
             args, kwargs = dump_pydantic(args, kwargs)
         b = _build(app, task, plan, channel, args, kwargs)
-        records += channel._put_record(b.message, b.options, now, scorer)
+        record = channel._put_record(b.message, b.options, now, scorer)
+        records += record
         sent.append(_Sent(b.task_id, b.message["headers"] if keep else None,
                           b.body if keep else None, b.sent_event,
                           b.context if keep else None))
+        size += sum(len(x) for x in record if isinstance(x, (bytes, str)))
+        if size >= CHUNK_BYTES:
+            break
     return records, sent

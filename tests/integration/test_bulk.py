@@ -213,6 +213,34 @@ def test_a_chunk_whose_reply_is_lost_is_reported_as_enqueued_or_uncertain(
         assert len(info.value.uncertain_ids) == 2 and "2 may have been" in str(info.value)
 
 
+def test_a_chunk_ends_at_its_byte_bound_whatever_its_count(
+        app: Celery, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(counted in messages alone, 200 large items were built in memory at once)"""
+    from sits_queue.broker import bulk
+
+    monkeypatch.setattr(bulk, "CHUNK_BYTES", 2_500_000)
+    start, sizes = Scripts.start, []
+
+    def counting(self: Scripts, name: str, keys: Any, args: Any, client: Any) -> Any:
+        if name == "put":  # each message's bytes (five put.lua arguments per message)
+            sizes.append([sum(len(x) for x in args[i:i + 5] if isinstance(x, (bytes, str)))
+                          for i in range(0, len(args), 5)])
+        return start(self, name, keys, args, client)
+
+    monkeypatch.setattr(Scripts, "start", counting)
+    # Given 7 items of 1 MB each, in chunks of up to 200 messages
+    tags = [f"{i}" + "x" * 1_000_000 for i in range(7)]
+    ids = enqueue_many(app.tasks["t.echo"], [(t,) for t in tags], input_entropy=0.5)
+    # Then each chunk stopped at the message that took it to 2.5 MB (each ~1.3 MB
+    # encoded), and the last one had the rest
+    assert len(sizes) > 1 and sum(len(c) for c in sizes) == 7
+    for chunk in sizes:
+        assert sum(chunk[:-1]) < bulk.CHUNK_BYTES
+    assert all(sum(chunk) >= bulk.CHUNK_BYTES for chunk in sizes[:-1])
+    assert len(ids) == redis_client.zcard(KEYS.waiting) == 7
+    assert drain(app) == tags
+
+
 def test_chunks_larger_than_a_put_slice_keep_arrival_order(app: Celery,
                                                           redis_client: redis.Redis) -> None:
     # Given one chunk of 1,234 equal-priority tasks: put.lua writes it in several slices
