@@ -93,10 +93,19 @@ class Sharded:
         """Each shard's items, in input order, as each is done. ``timeout`` (s) bounds the
         whole wait, as it does for one result: past it, Celery's ``TimeoutError``."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for result in self.results:
+        for index, result in enumerate(self.results):
             left = None if deadline is None \
                 else max(deadline - time.monotonic(), LAST_LOOK_S)
-            yield _items_of(result.get(timeout=left))
+            try:
+                outcome = result.get(timeout=left)
+            except Exception as exc:
+                # which shard, of which items: the error named only a task id, to be
+                # looked up in job.results
+                start, end = self.plan.bounds[index]
+                exc.add_note(f"shard {index} of {len(self.results)} (items {start} to "
+                             f"{end - 1}), task {result.id}")
+                raise
+            yield _items_of(outcome)
 
     def get(self, timeout: float | None = None) -> list[Any]:
         """Every item's output, in input order (``timeout``: for all of it)."""

@@ -38,3 +38,25 @@ def test_shard_outputs_are_lists_plain_or_wrapped() -> None:
     assert _items_of({"output": [3], "sits": {}}) == [3]
     with pytest.raises(TypeError, match="must return a list per shard"):
         _items_of({"output": 5})
+
+
+def test_a_failed_shard_is_named_by_its_place_and_items() -> None:
+    """(its error named only a task id, to be looked up in job.results)"""
+    from sits_queue.shards import Sharded, ShardPlan
+
+    class Result:
+        def __init__(self, task_id: str, outcome: object) -> None:
+            self.id, self.outcome = task_id, outcome
+
+        def get(self, timeout: float | None = None) -> object:
+            if isinstance(self.outcome, Exception):
+                raise self.outcome
+            return self.outcome
+
+    failure = RuntimeError("dead-lettered")
+    job = Sharded(None, [Result("a", [1, 2]), Result("b", failure), Result("c", [5])],
+                  ShardPlan(((0, 2), (2, 4), (4, 5)), 0.9))
+    with pytest.raises(RuntimeError, match="dead-lettered") as info:
+        job.get()
+    assert info.value is failure  # the same error, its type kept for the caller's except
+    assert info.value.__notes__ == ["shard 1 of 3 (items 2 to 3), task b"]
