@@ -42,7 +42,7 @@ from billiard.process import current_process
 from celery import Celery, current_app, signals
 from celery.exceptions import SoftTimeLimitExceeded
 
-from sits_queue.broker import intake
+from sits_queue.broker import grants, intake
 from sits_queue.cache.budgets import CacheBudgets, children_per_device
 from sits_queue.config import ClassQuota, SitsConfig
 from sits_queue.errors import ConfigError, UnknownModel
@@ -552,6 +552,7 @@ def connect(app: Celery) -> None:
                 instance.app.broker_options(instance.app.conf.broker_url)
             except ConfigError as exc:
                 raise SystemExit(f"Error: {exc}") from None
+            grants.check_worker_grants(app, options)  # (an ACL user's, likewise)
             init_parent(app, str(sender), conf, options or {})
 
     def on_process_init(**_: Any) -> None:
