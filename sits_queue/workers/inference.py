@@ -59,9 +59,12 @@ from sits_queue.workers import (
 )
 from sits_queue.workers.inputs import (
     check_arguments,
+    check_context,
     check_flag,
+    check_length,
     check_prompt,
     check_texts,
+    check_tokens,
 )
 
 logger = logging.getLogger(__name__)
@@ -317,15 +320,6 @@ def kv_cache_bytes(module: Any, tokens: int) -> int:
     return per_token * tokens + vocab * 4 * 2  # logits of the last position, twice
 
 
-def check_context(model: str, prompt_tokens: int, max_new_tokens: int,
-                  limit: int | None) -> None:
-    """:class:`ContextTooLong` when the prompt and the new tokens pass the model's
-    positions (``limit``, None: no limit known)."""
-    if limit is not None and prompt_tokens + max_new_tokens > limit:
-        raise ContextTooLong(f"prompt of {prompt_tokens} tokens + max_new_tokens "
-                             f"{max_new_tokens} exceeds model {model!r}'s {limit} positions")
-
-
 def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0,
              seed: int = 0, stop_at_eos: bool = True) -> dict[str, Any]:
     """Continue ``prompt`` with a causal LM, one token per step through the KV cache.
@@ -351,9 +345,12 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
     tokenizer = tokenizer_of(engine, model)
     module = lm_of(engine, model)
     device = next(module.parameters()).device
+    limit = max_positions(module, tokenizer)
+    check_length("prompt", prompt, limit, tokenizer, model)
     input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
     prompt_tokens = int(input_ids.shape[1])
-    check_context(model, prompt_tokens, max_new_tokens, max_positions(module, tokenizer))
+    check_tokens("prompt", prompt_tokens, model)
+    check_context(model, prompt_tokens, max_new_tokens, limit)
     active = runtime.active()
     if active is not None:
         active.check_vram(kv_cache_bytes(module, prompt_tokens + max_new_tokens))
@@ -560,13 +557,18 @@ def _embed_batch(engine: Any, model: str, batch: list[str], normalize: bool,
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     # On the right whatever the checkpoint says: padded on the left, every position moved
     # and a text's vector depended on the texts batched with it (cosine 0.47, tiny LM).
+    limit = max_positions(module, tokenizer)
+    for text in batch:
+        check_length(f"text {text[:40]!r}", text, limit, tokenizer, model)
     side, tokenizer.padding_side = tokenizer.padding_side, "right"
     try:
         enc = tokenizer(batch, return_tensors="pt", padding=True)
     finally:
         tokenizer.padding_side = side
+    for text, kept in zip(batch, enc["attention_mask"].sum(dim=1).tolist(), strict=True):
+        # (a text of no tokens pooled to a zero vector, not the unit one promised)
+        check_tokens(f"text {text[:40]!r}", int(kept), model)
     length = int(enc["input_ids"].shape[1])
-    limit = max_positions(module, tokenizer)
     if limit is not None and length > limit:
         raise ContextTooLong(f"longest text is {length} tokens; model {model!r} takes "
                              f"at most {limit}")

@@ -3,11 +3,12 @@ bad one fails its task (its call alone, in a batch) with an ``InvalidInput`` nam
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any
 
 from sits_queue.checks import shown
-from sits_queue.errors import InvalidInput
+from sits_queue.errors import ContextTooLong, InvalidInput
 
 #: Upper bound on ``max_new_tokens``: a typo guard, not a model limit (that is checked too).
 MAX_NEW_TOKENS = 8192
@@ -35,7 +36,8 @@ def check_text(name: str, text: str) -> None:
 def check_prompt(prompt: Any, max_new_tokens: Any, temperature: Any, seed: Any = 0,
                  stop_at_eos: Any = True) -> None:
     if not isinstance(prompt, str) or not prompt:
-        raise InvalidInput(f"prompt must be a non-empty string, got {type(prompt).__name__}")
+        raise InvalidInput("prompt must be a non-empty string, got "
+                           + ("an empty string" if prompt == "" else type(prompt).__name__))
     check_text("prompt", prompt)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
             or not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
@@ -58,11 +60,66 @@ def check_texts(texts: Any) -> list[str]:
         raise InvalidInput(f"at most {MAX_EMBED_BATCH} texts per call, got {len(batch)}")
     bad = [i for i, t in enumerate(batch) if not isinstance(t, str) or not t]
     if bad:
+        item = batch[bad[0]]
         raise InvalidInput(f"texts must be non-empty strings; item {bad[0]} is "
-                           f"{type(batch[bad[0]]).__name__}")
+                           + ("an empty string" if item == "" else type(item).__name__))
     for i, text in enumerate(batch):
         check_text(f"texts item {i}", text)
     return list(batch)
+
+
+def check_context(model: str, prompt_tokens: int, max_new_tokens: int,
+                  limit: int | None) -> None:
+    """:class:`ContextTooLong` when the prompt and the new tokens pass the model's
+    positions (``limit``, None: no limit known)."""
+    if limit is not None and prompt_tokens + max_new_tokens > limit:
+        raise ContextTooLong(f"prompt of {prompt_tokens} tokens + max_new_tokens "
+                             f"{max_new_tokens} exceeds model {model!r}'s {limit} positions")
+
+
+def check_length(name: str, text: str, limit: int | None, tokenizer: Any,
+                 model: str) -> None:
+    """:class:`ContextTooLong` for a text longer than ``limit`` tokens of the tokenizer's
+    longest could cover, before it is tokenized: tokenizing is not interruptible (the
+    tokenizer runs outside Python), and 8M characters took the soft limit's whole time,
+    then the hard one killed the child and every call batched with it."""
+    if limit is None:
+        return
+    most = limit * longest_token_chars(tokenizer)
+    if len(text) > most:
+        raise ContextTooLong(f"{name} of {len(text)} characters is longer than model "
+                             f"{model!r}'s {limit} positions can hold (its tokens cover at "
+                             f"most {longest_token_chars(tokenizer)} characters each)")
+
+
+def check_tokens(name: str, tokens: int, model: str) -> None:
+    """:class:`InvalidInput` for a text its tokenizer keeps nothing of (whitespace a
+    normaliser strips): decoded from no position, it raised a raw torch error, or came
+    back as output made of padding."""
+    if tokens <= 0:
+        raise InvalidInput(f"{name} gives no tokens with model {model!r}'s tokenizer "
+                           "(it keeps none of its characters)")
+
+
+#: Characters one token is taken to cover at most when a tokenizer cannot list its
+#: vocabulary (a byte-level BPE's longest is some dozens).
+FALLBACK_TOKEN_CHARS = 256
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters (a byte-level BPE: bytes) one token of ``tokenizer`` covers;
+    read from its vocabulary once."""
+    known = getattr(tokenizer, "_sits_longest_token", None)
+    if isinstance(known, int):
+        return known
+    try:
+        longest = max(len(str(token)) for token in tokenizer.get_vocab())
+    except (AttributeError, TypeError, ValueError):  # no vocabulary to read
+        longest = FALLBACK_TOKEN_CHARS
+    longest = max(1, longest)
+    with contextlib.suppress(AttributeError):  # (slots: read again next time)
+        tokenizer._sits_longest_token = longest
+    return longest
 
 
 def check_arguments(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

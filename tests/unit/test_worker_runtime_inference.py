@@ -361,8 +361,9 @@ def test_a_causal_lm_embeds_its_last_hidden_states_not_its_logits(lm: Any) -> No
 
 
 def test_embed_refuses_too_long_texts(encoder: Any) -> None:
+    # (short enough in characters to be tokenized: too long in tokens)
     with pytest.raises(ContextTooLong, match="takes at most 256"):
-        inference.embed(encoder, "the queue " * 300)
+        inference.embed(encoder, "the queue " * 200)
 
 
 def test_builtins_need_a_tokenizer_and_a_module() -> None:
@@ -816,3 +817,74 @@ def test_every_64_bit_seed_draws_its_own(lm: Any) -> None:
                                       seed=seed)["text"])
     assert len({text(5), text(5 + 2**32), text(5 + 2**40), text(-1), text(2**63 - 1),
                 text(-2**63), text(0)}) == 7
+
+
+# -- texts the tokenizer keeps nothing of, and texts too long to tokenize -----------------
+
+@pytest.fixture
+def stripping(lm: Any, encoder: Any) -> Iterator[tuple[Any, Any]]:
+    """The tiny models with a tokenizer that drops whitespace (as a whitespace-splitting
+    or stripping normaliser does): a prompt of spaces gives it no tokens."""
+    from tokenizers import pre_tokenizers
+
+    saved = []
+    for engine in (lm, encoder):
+        backend = engine.artifacts["tokenizer"].backend_tokenizer
+        saved.append((backend, backend.pre_tokenizer))
+        backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    yield lm, encoder
+    for backend, pre in saved:
+        backend.pre_tokenizer = pre
+
+
+def test_a_prompt_of_no_tokens_is_invalid_input_alone_or_batched(
+        stripping: tuple[Any, Any]) -> None:
+    """(a raw torch reshape error alone; in a batch, output made of padding, or every
+    call of the batch failed with that error)"""
+    lm, _ = stripping
+    with pytest.raises(InvalidInput, match="prompt gives no tokens with model 'lm'"):
+        inference.generate(lm, "   ", max_new_tokens=3)
+    calls = [batched.Call("a", ("   ",), {"max_new_tokens": 3, "stop_at_eos": False}),
+             batched.Call("b", ("the worker",), {"max_new_tokens": 3}),
+             batched.Call("c", ("a queue",), {"max_new_tokens": 3})]
+    out = batchgen.generate_calls(lm, calls)
+    assert isinstance(out[0], InvalidInput) and "no tokens" in str(out[0])
+    assert [o["tokens"] for o in out[1:]] == [3, 3]
+
+
+def test_a_text_of_no_tokens_is_invalid_input_not_a_zero_vector(
+        stripping: tuple[Any, Any]) -> None:
+    _, encoder = stripping
+    with pytest.raises(InvalidInput, match="gives no tokens with model 'enc'"):
+        inference.embed(encoder, ["the beat", "   "])
+    out = batchembed.embed_calls(encoder, [batched.Call("a", (["   "],), {}),
+                                           batched.Call("b", (["the beat"],), {})])
+    assert isinstance(out[0], InvalidInput) and len(out[1]) == 1
+
+
+def test_a_text_too_long_is_refused_before_it_is_tokenized(lm: Any, encoder: Any) -> None:
+    """(8M characters took a soft limit's whole time in the tokenizer, which no signal
+    interrupts; then the hard limit killed the child and every call batched with it)"""
+    from sits_queue.workers.inputs import longest_token_chars
+
+    huge = "x" * (64 * longest_token_chars(lm.artifacts["tokenizer"]) + 1)
+    with pytest.raises(ContextTooLong, match=r"prompt of \d+ characters is longer than"):
+        inference.generate(lm, huge, max_new_tokens=3)
+    calls = [batched.Call("a", (huge,), {"max_new_tokens": 3}),
+             batched.Call("b", ("the worker",), {"max_new_tokens": 3})]
+    out = batchgen.generate_calls(lm, calls)
+    assert isinstance(out[0], ContextTooLong) and out[1]["tokens"] == 3
+    long_text = "y" * (kvwarm.max_positions(encoder.module, encoder.artifacts["tokenizer"])
+                       * longest_token_chars(encoder.artifacts["tokenizer"]) + 1)
+    out = batchembed.embed_calls(encoder, [batched.Call("a", ([long_text],), {}),
+                                           batched.Call("b", (["the beat"],), {})])
+    assert isinstance(out[0], ContextTooLong) and len(out[1]) == 1
+
+
+def test_empty_strings_are_said_to_be_empty() -> None:
+    from sits_queue.workers.inputs import check_prompt, check_texts
+
+    with pytest.raises(InvalidInput, match="got an empty string"):
+        check_prompt("", 3, 0.0)
+    with pytest.raises(InvalidInput, match="item 1 is an empty string"):
+        check_texts(["ok", ""])
