@@ -52,6 +52,14 @@ HEAD_PEEK = 32
 #: under a backlog) a class exactly keeping up read 0.74-0.95, and under 0.5 on one pass
 #: in five, moving its whole class's score by up to 17% from one pass to the next.
 COMPLIANCE_HALF_LIFE_S = 30.0
+#: The beat's and the triggers' passes take at most this share of the time: the next
+#: starts only once the last one's length, three times over, has passed since it ended.
+#: Over 100k waiting tasks a pass takes ~2 s, past the trigger check's 1 s: while any
+#: urgent task waited (the backlog trigger fired at every check), passes ran back to
+#: back, and a one-slot worker, taking the control queue first, ran nothing else.
+MOST_PASS_SHARE = 0.25
+#: How long the last pass's record is kept, s (past it, nothing spaces the next one).
+_LAST_PASS_TTL_S = 3600
 
 
 def latency_key(config: SitsConfig, sla_class: str) -> str:
@@ -244,8 +252,13 @@ class Rescorer:
             self.scripts.run_on("prune_hot", [hot_key(cfg)], [stats.MIN_COUNT, *plan.faded], c)
 
     # -- the pass ----------------------------------------------------------------------------
-    def rescore_all(self, now_s: float | None = None) -> PassReport | None:
-        """One full pass over every registered queue, or None if another pass holds the lock."""
+    def rescore_all(self, now_s: float | None = None, spaced: bool = False
+                    ) -> PassReport | None:
+        """One full pass over every registered queue, or None if another pass holds the
+        lock; ``spaced`` (the beat's and the triggers' passes): or None if the last pass
+        ended less than its length over :data:`MOST_PASS_SHARE` ago."""
+        if spaced and self._too_soon():
+            return None
         key = _state_key(self.config, "rescore-lock")
         lock = self.client.lock(key, timeout=max(10.0, 6 * self.config.rescore_interval_s),
                                 blocking=False)
@@ -259,12 +272,28 @@ class Rescorer:
             if not lock.acquire():
                 return None
         try:
-            return self._pass(time.time() if now_s is None else now_s)
+            report = self._pass(time.time() if now_s is None else now_s)
+            self.client.set(_state_key(self.config, "last-pass"), json.dumps(
+                {"end": time.time(), "took_s": report.duration_ms / 1000}),
+                ex=_LAST_PASS_TTL_S)
+            return report
         finally:
             try:
                 lock.release()
             except redis.exceptions.LockError:
                 logger.warning("rescoring pass outlived its lock")
+
+    def _too_soon(self) -> bool:
+        """Whether the last pass ended too recently for another (:data:`MOST_PASS_SHARE`).
+        A record that is not one (another program's) leaves passes unspaced."""
+        try:
+            last = json.loads(self.client.get(_state_key(self.config, "last-pass")) or "{}")
+            end, took = float(last["end"]), float(last["took_s"])
+        except (ValueError, TypeError, KeyError, RecursionError):
+            return False
+        if not (math.isfinite(end) and math.isfinite(took)) or took <= 0:
+            return False
+        return time.time() - end < took * (1 / MOST_PASS_SHARE - 1)
 
     def _pass(self, now_s: float) -> PassReport:
         started = time.perf_counter()
@@ -426,7 +455,7 @@ class Rescorer:
         self.client.set(_state_key(self.config, "triggers"), json.dumps(
             {"done": done, "failed": failed, "state": state.__dict__}))
         if fired:
-            report = self.rescore_all(now_s)
+            report = self.rescore_all(now_s, spaced=True)
             logger.info("priority triggers %s fired; rescoring pass: %s", fired, report)
         return fired
 

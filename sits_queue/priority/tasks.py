@@ -31,7 +31,7 @@ def register(app: Celery) -> None:
 
     @app.task(name="sits.rescore", ignore_result=True, shared=False, sla_class=top)  # type: ignore[untyped-decorator]
     def rescore() -> dict[str, Any] | None:
-        report = _rescorer(app).rescore_all()
+        report = _rescorer(app).rescore_all(spaced=True)
         return None if report is None else asdict(report)
 
     @app.task(name="sits.check_triggers", ignore_result=True, shared=False,  # type: ignore[untyped-decorator]
