@@ -6,7 +6,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 import orjson
@@ -48,17 +48,20 @@ _KEYS = {"sla_class": "c", "model": "m", "context_tokens": "n", "latency_sla_ms"
 
 def due_at(headers: Any) -> float | None:
     """When a message's ETA or countdown falls due (unix s), from Celery's ``eta`` header;
-    None without one, or with one that names no instant (no time zone: the app's own,
-    which the broker does not know)."""
+    None without one, or one that does not parse. An ETA without a time zone is UTC, as
+    Celery's worker reads it by default (and ``workers/signals.py``): dropped, the task
+    aged from its put while not due, and outranked work it should not have."""
     eta = headers.get("eta") if isinstance(headers, dict) else None
     if not isinstance(eta, str):
         return None
     try:
         when = datetime.fromisoformat(eta)
-        due = when.timestamp() if when.tzinfo is not None else None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=timezone.utc)
+        due = when.timestamp()
     except (ValueError, OverflowError, OSError):
         return None
-    return due if due is not None and math.isfinite(due) else None
+    return due if math.isfinite(due) else None
 
 
 @dataclass(frozen=True)
