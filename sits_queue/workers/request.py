@@ -430,7 +430,9 @@ class SitsRequest(Request):  # type: ignore[misc]
             failed = TaskOutOfMemory(f"task {self.name}[{self.id}] ran out of memory: "
                                      f"MemoryError: {exc}")
             exc_info.type = TaskOutOfMemory
-            exc_info.exception = ExceptionWithTraceback(failed, exc_info.traceback)
+            # (as is: wrapped in billiard's ExceptionWithTraceback, never pickled here,
+            # the task-failed event, Flower's page, read "ExceptionWithTraceback()")
+            exc_info.exception = failed
         return super().on_failure(exc_info, send_failed_event, return_ok)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

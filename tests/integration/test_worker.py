@@ -68,6 +68,33 @@ def test_ten_thousand_in_ten_thousand_out_no_duplicates(spawn: Spawn, client_app
     assert redis_client.hlen(WAITING.payloads) == 0
 
 
+def test_a_task_out_of_memory_is_named_in_its_failed_event(
+        spawn: Spawn, client_app: Celery) -> None:
+    """(the event, which Flower shows, said "ExceptionWithTraceback()")"""
+    import threading
+
+    failed: list[dict[str, Any]] = []
+    stop = threading.Event()
+
+    def listen() -> None:
+        with client_app.connection_for_read() as conn:
+            receiver = client_app.events.Receiver(
+                conn, handlers={"task-failed": failed.append})
+            receiver.should_stop = False
+            for _ in receiver.consume(limit=None, timeout=1.0, wakeup=False):
+                if stop.is_set():
+                    break
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    spawn(concurrency=1)
+    with pytest.raises(MemoryError):
+        client_app.tasks["w.memerr"].delay("evented").get(timeout=30)
+    wait_for(lambda: bool(failed), 15, "the task-failed event")
+    stop.set()
+    assert "ran out of memory: MemoryError: simulated: evented" in failed[0]["exception"]
+
+
 def test_a_task_out_of_memory_fails_alone_and_the_worker_serves_on(
         spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
     """(Celery re-raised the task's MemoryError in the worker's main process and stopped;
