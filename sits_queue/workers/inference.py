@@ -44,7 +44,7 @@ from sits_queue.errors import (
     ModelLoadError,
     VramLimitExceeded,
 )
-from sits_queue.exits import fail_exits
+from sits_queue.exits import fail_exits, worker_exit
 from sits_queue.options import PREWARM_TASK
 from sits_queue.workers import (
     acquire,
@@ -113,7 +113,9 @@ def run_inference(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
             return _run(rt, task, args, kwargs, clock, tasks, counted if early else None,
                         joins)
     except BaseException as exc:
-        reason = metrics.failure_reason(exc)
+        # (the pool's own way out, a hard time limit's or a terminating revoke's
+        # SystemExit, is no failure of the task's to count here: Celery counts the kill)
+        reason = None if worker_exit(exc) else metrics.failure_reason(exc)
         if reason is not None:  # the calls a batch delivered before it failed did not
             joined = joins.joined if joins is not None else 0
             rt.count(metrics.failure_fields(reason, tasks + joined - delivered))

@@ -409,8 +409,12 @@ def test_hard_time_limit_replaces_the_child(app: Celery, worker: CeleryProcess,
         record = advertise.read_worker(r, "", worker.hostname) or {}
         return int(record.get("cold_start", {}).get("tasks", 0))
 
+    def failed_other() -> float:
+        key = advertise.counters_key("", worker.hostname)
+        return float(r.hget(key, "failed:other") or 0)
+
     before = call(app, "t.describe", "before")
-    tasks = counted()
+    tasks, others = counted(), failed_other()
     # When a task ignores its soft limit and is killed at the hard one
     hung = app.tasks["t.hang"].apply_async((60,), soft_time_limit=1, time_limit=3)
     with pytest.raises(TimeLimitExceeded):
@@ -428,6 +432,9 @@ def test_hard_time_limit_replaces_the_child(app: Celery, worker: CeleryProcess,
     assert after["output"]["cuda_visible"] == before["output"]["cuda_visible"]
     assert worker.alive()
     assert "pinned to" in worker.log()
+    # and the kill was no failure "other" of the task's (the pool's SystemExit, seen on
+    # its way out: Celery counts the kill, as the README says)
+    assert failed_other() == others
 
 
 def test_worker_record_disappears_on_shutdown(worker: CeleryProcess, r: redis.Redis) -> None:

@@ -120,6 +120,11 @@ def test_a_task_out_of_memory_fails_alone_and_the_worker_serves_on(
     assert got[0]["sits"]["batch"]["size"] == len(texts)
     assert isinstance(got[1], MemoryError)
     assert isinstance(got[2], InferenceError) and "failed this call with Quit" in str(got[2])
+    # counted as it failed: an InferenceError (it was "other", its raw BaseException's)
+    from sits_queue.workers import advertise
+
+    counts = redis_client.hgetall(advertise.counters_key("", worker.hostname))
+    assert float(counts.get(b"failed:InferenceError") or 0) >= 1, counts
     # a loader that raised SystemExit: said, on the first run (each run ended the pool
     # child, and the task was dead-lettered as poison after max_redeliveries)
     with pytest.raises(ModelLoadError, match=r"'w\.exiting' tried to end its process"):
