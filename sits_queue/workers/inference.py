@@ -195,8 +195,11 @@ def _prepare(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     # What a precision request got (§3.2): served, the int8 gate's KL, why not if not.
     meta["precision"] = served
     prewarm = getattr(task, "name", None) == PREWARM_TASK
-    # (a run after a yield has the checkpoint header: the task counted on its first run)
-    resumed = getattr(request, CHECKPOINT_HEADER, None) is not None
+    # (a run after a yield has the checkpoint header, a retry its count: the task counted
+    # on its first run; a retried task counted once per run)
+    retries = getattr(request, "retries", 0)
+    resumed = getattr(request, CHECKPOINT_HEADER, None) is not None or (
+        tasks == 1 and isinstance(retries, int) and retries > 0)
     rt.count(metrics.task_fields(meta, quota.name, model, tasks, prewarm, resumed))
     # Published now, not only when the run ends: a child killed at its hard limit never
     # gets there, and the task and its cold start went uncounted (its warm set unseen)

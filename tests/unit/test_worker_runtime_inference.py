@@ -461,6 +461,17 @@ def test_result_carries_output_and_cold_start_accounting(app: Celery,
                       "model_runs:m": 1}
 
 
+def test_a_retried_run_is_no_new_task(app: Celery, published: list[Any]) -> None:
+    """(a task that failed and was retried counted once per run, as two tasks: a
+    resumed one counts once, and so does a retried one)"""
+    task = fake_task(lambda engine, x: x)
+    task.request.retries = 1
+    inference.run_inference(child(app, lambda: (FakeEngine(), COLD)), task, (1,), {})
+    counts = counts_of(published)
+    assert "tasks" not in counts and "tasks:low" not in counts
+    assert counts["runs"] == 1 and counts["cold"] == 1  # its run and its cold start count
+
+
 class FakeClock:
     """``time.perf_counter`` that moves only when told."""
 
