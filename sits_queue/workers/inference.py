@@ -176,6 +176,8 @@ def _prepare(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     run_started = slices.started_at(getattr(request, "id", None))
     model = runtime.task_model(request, getattr(task, "model", None))
     quota = runtime.task_class(rt.config, request, getattr(task, "sla_class", None))
+    # (said now: a run whose engine fails to load was traced without them)
+    tracing.annotate({"sits.model": model, "sits.sla_class": quota.name})
     cpus = rt.confine(quota)
     rt.cap_for_class(quota)  # the context first, so its cost is timed on its own
     precision = runtime.task_precision(request, getattr(task, "precision", None))

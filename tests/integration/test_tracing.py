@@ -35,7 +35,7 @@ from sits_queue.app import make_app
 from sits_queue.broker.bulk import enqueue_many
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.config import SitsConfig
-from sits_queue.errors import ConfigError
+from sits_queue.errors import ConfigError, UnknownModel
 from sits_queue.procs import wait_ready
 from tests.integration.conftest import ROOT
 from tests.integration.inference_app import (
@@ -141,13 +141,23 @@ def test_a_task_run_on_a_worker_continues_the_producers_trace(
             ("the trace", ), {"max_new_tokens": 2}, model="gpt", sla_class="high"
         ).get(timeout=120)
         assert app.tasks["t.ping"].apply_async(("traced",)).get(timeout=60) == "traced"
-        wait_for(lambda: len(receiver.named("run/sits.generate")) == 1
+        # and one whose model cannot be got
+        with pytest.raises(UnknownModel):
+            app.tasks["sits.generate"].apply_async(
+                ("x",), {"max_new_tokens": 2}, model="nowhere", sla_class="low"
+            ).get(timeout=60)
+        wait_for(lambda: len(receiver.named("run/sits.generate")) == 2
                  and len(receiver.named("run/t.ping")) == 1, 30, "the worker's spans")
     finally:
         worker.stop(timeout_s=20)
         app.close()
-    (publish,) = receiver.named("apply_async/sits.generate")
-    (run,) = receiver.named("run/sits.generate")
+    publish, _ = receiver.named("apply_async/sits.generate")
+    run, failed = receiver.named("run/sits.generate")
+    if run["attributes"].get("sits.model") == "nowhere":
+        run, failed = failed, run
+    # (a run whose engine could not be got said neither: they were set after the load)
+    assert failed["attributes"]["sits.model"] == "nowhere"
+    assert failed["attributes"]["sits.sla_class"] == "low"
     # Then the run is the publish's child in one trace, across the two processes
     assert publish["service"] == "test-producer" and run["service"] == "sits-worker"
     assert run["trace_id"] == publish["trace_id"] and run["parent_id"] == publish["span_id"]
