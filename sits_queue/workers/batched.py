@@ -49,7 +49,7 @@ from celery import current_app
 from celery._state import _task_stack
 from celery.app.trace import fast_trace_task, trace_task_ret
 from celery.exceptions import SoftTimeLimitExceeded
-from kombu.serialization import loads
+from kombu.serialization import loads, prepare_accept_content
 
 from sits_queue import tracing
 from sits_queue.errors import InferenceError, InvalidInput
@@ -117,10 +117,15 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
     jobs: list[tuple[Any, ...]] = []
     calls: list[Call] = []
 
+    # The app's accepted content only: a job that joined came from a Redis list anyone
+    # with the broker's password can push to, and one declaring pickle was unpickled
+    # here (its own content type was taken as accepted)
+    accept = prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
+
     def add(job: tuple[Any, ...]) -> tuple[int, Call]:
         _name, task_id, request, body, content_type, encoding = job
         args, kwargs, _embed = loads(body, content_type, encoding,  # type: ignore[no-untyped-call]
-                                     accept={content_type})
+                                     accept=accept)
         jobs.append(job)
         calls.append(Call(task_id, tuple(args), dict(kwargs),
                           runtime.task_prefix_key(request)))

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import redis
+from kombu.exceptions import KombuError
 from kombu.utils.json import dumps, loads
 
 from sits_queue.broker.keys import QueueKeys
@@ -177,9 +178,10 @@ class Feed:
         for item in raw:
             try:
                 taken.append(self.add(decode_job(item)))
-            except ValueError as exc:  # only our main process writes here: a bug
-                # Stop here: the main process runs this job and those after it again
-                # (it counts the jobs the batch returns, in order).
+            except (ValueError, KombuError) as exc:  # not our main process's: a bug, or
+                # forged (content the app does not accept). Stop here: the main process
+                # runs its jobs from this one on again (it counts those the batch
+                # returns, in order); the batch goes on.
                 logger.error("join list of %s: %s", self.keys[0], exc)
                 self.close()
                 break

@@ -361,3 +361,43 @@ def test_options_a_batch_task_cannot_keep_are_refused_at_its_definition(
         app: Any, options: dict[str, Any], said: str) -> None:
     with pytest.raises(TypeError, match=said):
         app.batch_inference_task(model="enc", **options)
+
+
+_RAN: list[str] = []
+
+
+def _record(mark: str) -> None:
+    _RAN.append(mark)
+
+
+class _Marks:
+    """Unpickled, it records that it ran (a stand-in for any code a pickle runs)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_record, ("unpickled",))
+
+
+def test_a_job_whose_content_the_app_does_not_accept_is_not_decoded() -> None:
+    """(a job's own content type was taken as accepted: one that joined a batch from its
+    Redis list, declaring pickle, was unpickled in the pool child whatever the app's
+    accept_content; only JSON is accepted by default)"""
+    import pickle
+
+    from kombu.exceptions import ContentDisallowed
+
+    from sits_queue.workers import joins
+
+    app = make_app(SitsConfig(redis_url="redis://127.0.0.1:1/0"), main="accept-unit")
+
+    @app.batch_inference_task(name="u.batch_accept", model="m", shared=False)
+    def batch(engine: Any, calls: list[Any]) -> list[Any]:
+        return [None for _ in calls]
+
+    app.set_current()
+    body = pickle.dumps(((_Marks(),), {}, {}))
+    raw = joins.encode_job(("u.batch_accept", "forged", {"id": "forged"}, body,
+                            "application/x-python-serialize", "binary"))
+    with pytest.raises(ContentDisallowed):
+        batched.run_batch([joins.decode_job(raw)])
+    assert _RAN == []
+    app.close()
