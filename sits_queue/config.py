@@ -20,7 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-from sits_queue import checks
+from sits_queue import checks, redisurl
 from sits_queue.broker.affinity import AffinityPolicy
 from sits_queue.checks import MAX_DURATION_S as MAX_DURATION_S
 from sits_queue.errors import ConfigError
@@ -298,6 +298,7 @@ class SitsConfig:
                               "(a [[classes]] list is the whole set of classes)")
         self._check_priority_range()
         check_redis_url(self.redis_url)
+        redisurl.check_key_prefix(self.global_keyprefix)
         checks.interval("soft_limit_fraction", self.soft_limit_fraction, 0, 1, open_lo=True,
                         open_hi=True)
         checks.positive("rescore_interval_s", self.rescore_interval_s)

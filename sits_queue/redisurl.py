@@ -92,8 +92,10 @@ def backend_settings(options: dict[str, Any]) -> dict[str, Any]:
 
 # -- checking and showing a URL ----------------------------------------------------------
 
-#: The credentials of a URL (user, password), up to the last "@" before its host.
-_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^\s/]*@")
+#: The credentials of a URL (user, password), up to the last "@" before its host: a raw
+#: space in a password (redis-py takes one) included, which kept the password in clear
+#: (a URL with no path then followed by an "@" in the text masks more: never less).
+_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/]*@")
 
 
 #: A password given as a URL's query option (refused in ours: :func:`check_redis_url`).
@@ -188,3 +190,22 @@ def check_redis_url(url: str, what: str = "redis_url", celery: bool = True) -> s
     if celery and (why := unsupported(url)) is not None:
         raise ConfigError(f"{what} {shown}: {why}")
     return url
+
+
+#: Characters a key prefix must not hold: Redis glob characters (kombu subscribes to the
+#: remote control's and the events' channels by pattern, the prefix unescaped: a
+#: deployment with "dep?:" heard another's "depB:" broadcasts, its shutdown too), hash-tag
+#: braces (every key's tag would be the prefix's, one Cluster slot for all), and
+#: whitespace or control characters (they break the channel and log lines they go in).
+_PREFIX_REFUSED = re.compile(r"[*?\[\]\\{}\s\x00-\x1f\x7f]")
+
+
+def check_key_prefix(prefix: str, what: str = "global_keyprefix") -> str:
+    """``prefix``, if it can prefix every key and channel as meant; else a ConfigError."""
+    bad = _PREFIX_REFUSED.search(prefix)
+    if bad is not None:
+        raise ConfigError(f"{what} {prefix!r} must not contain {bad.group()!r} (no Redis "
+                          "glob characters *?[]\\, no braces, no whitespace or control "
+                          "characters): channels are subscribed to by pattern and keys "
+                          "hash-tagged by queue under it")
+    return prefix

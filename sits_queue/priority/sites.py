@@ -215,6 +215,10 @@ def parse_peers(text: str) -> tuple[Peer, ...]:
         query = dict(parse_qsl(parts.query))
         hops_text, rtt_text = query.pop("hops", "1"), query.pop("rtt_ms", None)
         key_prefix = query.pop("prefix", None)
+        if key_prefix is not None:
+            from sits_queue.redisurl import check_key_prefix
+
+            check_key_prefix(key_prefix, f"site_peers entry {name!r}: prefix")
         if not hops_text.isdigit():
             raise ConfigError(f"site_peers entry {name!r}: hops must be a whole number >= 0, "
                               f"got {hops_text!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 
@@ -279,6 +280,9 @@ def test_the_transport_options_carry_the_config_without_its_credentials() -> Non
 
 @pytest.mark.parametrize("value, shown", [
     ("redis://:p@ss@h:1/0", "redis://***@h:1/0"),
+    # (a raw space in a password, which redis-py takes, kept it in clear)
+    ("redis://spacey:Pw0rd LEAK@h:1/0", "redis://***@h:1/0"),
+    ("cannot reach redis://u:a b@h:1/0: refused", "cannot reach redis://***@h:1/0: refused"),
     ({"u": ["a=rediss://u:pw@h/0 b=unix://:x@/tmp/s.sock"]},
      {"u": ["a=rediss://***@h/0 b=unix://***@/tmp/s.sock"]}),
     ("redis://h:1/0 and no credentials", "redis://h:1/0 and no credentials"),
@@ -307,3 +311,19 @@ def test_a_value_out_of_range_names_the_variable_that_set_it(env: dict[str, str]
     """(it named the field alone, or only the other setting of the two it compares)"""
     with pytest.raises(ConfigError, match=said):
         SitsConfig.from_env(env)
+
+
+@pytest.mark.parametrize("prefix", ["dep?:", "a*:", "a[b]:", "back\\slash:", "x{y}:", "a b:",
+                                    "tab\t:", "nul\x00:"])
+def test_a_key_prefix_channels_or_hash_tags_would_misread_is_refused(prefix: str) -> None:
+    """(kombu subscribes to the remote control's channel by pattern, the prefix unescaped:
+    "dep?:" heard the broadcasts of "depB:", its shutdown included)"""
+    with pytest.raises(ConfigError, match=r"global_keyprefix .* must not contain"):
+        SitsConfig(global_keyprefix=prefix)
+    with pytest.raises(ConfigError, match=r"site_peers entry 'b': prefix .* must not contain"):
+        SitsConfig(site="a", site_peers=f"b=redis://h:1/0?prefix={quote(prefix)}")
+
+
+@pytest.mark.parametrize("prefix", ["", "a:", "tenant-a:", "sits-demo:", "team.one/x:"])
+def test_an_ordinary_key_prefix_is_taken(prefix: str) -> None:
+    assert SitsConfig(global_keyprefix=prefix).global_keyprefix == prefix
