@@ -49,6 +49,7 @@ from sits_queue.errors import ConfigError, UnknownModel
 from sits_queue.options import HEADER, PRECISIONS
 from sits_queue.workers import (
     advertise,
+    childgc,
     gpu,
     metrics,
     profile,
@@ -578,6 +579,7 @@ def connect(app: Celery) -> None:
     signals.celeryd_after_setup.connect(on_after_setup, weak=False)
     signals.worker_process_init.connect(on_process_init, weak=False)
     signals.task_prerun.connect(on_prerun, weak=False)
+    childgc.connect()
     from sits_queue.workers.planstep import PlanStep
 
     app.steps["worker"].add(PlanStep)
