@@ -191,10 +191,7 @@ def _parse(engine: Any, tokenizer: Any, model: str, limit: int | None, index: in
     try:
         inputs.check_prompt(prompt, most, args["temperature"], args["seed"],
                             args["stop_at_eos"])
-        inputs.check_length("prompt", prompt, limit, tokenizer, model)
-        ids = tokenizer(prompt)["input_ids"]
-        inputs.check_tokens("prompt", len(ids), model)
-        inputs.check_context(model, len(ids), most, limit)
+        ids = inputs.prompt_ids(prompt, most, limit, tokenizer, model)
     except InferenceError as exc:
         return exc
     return args["stop_at_eos"], _Row(index, ids, most, float(args["temperature"]),

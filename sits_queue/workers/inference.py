@@ -59,12 +59,12 @@ from sits_queue.workers import (
 )
 from sits_queue.workers.inputs import (
     check_arguments,
-    check_context,
     check_flag,
     check_length,
     check_prompt,
     check_texts,
     check_tokens,
+    prompt_ids,
 )
 
 logger = logging.getLogger(__name__)
@@ -352,12 +352,10 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
     tokenizer = tokenizer_of(engine, model)
     module = lm_of(engine, model)
     device = next(module.parameters()).device
-    limit = max_positions(module, tokenizer)
-    check_length("prompt", prompt, limit, tokenizer, model)
-    input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
-    prompt_tokens = int(input_ids.shape[1])
-    check_tokens("prompt", prompt_tokens, model)
-    check_context(model, prompt_tokens, max_new_tokens, limit)
+    ids = prompt_ids(prompt, max_new_tokens, max_positions(module, tokenizer), tokenizer,
+                     model)
+    input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+    prompt_tokens = len(ids)
     active = runtime.active()
     if active is not None:
         active.check_vram(kv_cache_bytes(module, prompt_tokens + max_new_tokens))

@@ -101,6 +101,18 @@ def check_tokens(name: str, tokens: int, model: str) -> None:
                            "(it keeps none of its characters)")
 
 
+def prompt_ids(prompt: str, max_new_tokens: int, limit: int | None, tokenizer: Any,
+               model: str) -> list[int]:
+    """``prompt``'s token ids, once it is known to fit: not too long to tokenize, some
+    tokens, room for ``max_new_tokens`` within ``limit`` positions. One rule for a
+    generation alone and a row of a batch, which must decode it alike."""
+    check_length("prompt", prompt, limit, tokenizer, model)
+    ids = list(tokenizer(prompt)["input_ids"])
+    check_tokens("prompt", len(ids), model)
+    check_context(model, len(ids), max_new_tokens, limit)
+    return ids
+
+
 #: Characters one token is taken to cover at most when a tokenizer cannot list its
 #: vocabulary (a byte-level BPE's longest is some dozens).
 FALLBACK_TOKEN_CHARS = 256
