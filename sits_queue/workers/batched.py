@@ -192,10 +192,13 @@ def _run(task: Any, calls: list[Call], request: dict[str, Any],
     failed: list[str] = []  # reasons, one per failed call, counted once each
 
     def fail(out: Any) -> None:
-        if isinstance(out, BaseException) and not isinstance(out, Exception):
-            # (the call fails with an InferenceError for it: BatchInferenceTask.__call__)
-            failed.append(InferenceError.__name__)
-        elif isinstance(out, BaseException) and (reason := metrics.failure_reason(out)):
+        if not isinstance(out, BaseException):
+            return
+        # (a BaseException that is no Exception fails its call with an InferenceError:
+        # BatchInferenceTask.__call__)
+        reason = metrics.failure_reason(out) if isinstance(out, Exception) \
+            else InferenceError.__name__
+        if reason:
             failed.append(reason)
 
     def taking(index: int, output: Any, meta: dict[str, Any]) -> bool:
