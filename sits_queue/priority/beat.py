@@ -15,6 +15,13 @@ that keeps SITS's maintenance passes scheduled and lives through Redis outages.
   at once after a crash (its old lock held until it times out), stood idle for up to
   five minutes past the lock's expiry, with no rescoring, aging or trigger checks. Here
   the tick takes it without blocking, from the first one on.
+* **The leader's schedule is its own.** redbeat writes a beat's entries into Redis as it
+  starts, before any lock, pruning what its own schedule lacks: a standby started with
+  another schedule (a rolling deploy, a host that does not load the user's tasks module)
+  deleted the leader's periodic tasks, or changed its rescoring interval, while the
+  leader went on reading its entries from Redis. Here a beat installs its entries once it
+  holds the lock, at its first tick (so too a beat started while Redis is away: the
+  install waited there and its error ended the beat; now the tick retries it).
 """
 
 from __future__ import annotations
@@ -50,6 +57,9 @@ WAITING_LOOKED_AT = 64
 class SitsScheduler(RedBeatScheduler):  # type: ignore[misc]
     """``beat_scheduler`` of a SITS app (see the module docstring)."""
 
+    #: Whether this beat's entries are in Redis since it last took the lock.
+    _installed = False
+
     def setup_schedule(self) -> None:
         from sits_queue.app import beat_schedule, sits_config
 
@@ -61,7 +71,8 @@ class SitsScheduler(RedBeatScheduler):  # type: ignore[misc]
                            "added back (update beat_schedule rather than assign it)",
                            sorted(missing))
             self.app.conf.beat_schedule = {**current, **missing}
-        super().setup_schedule()
+        # Installed into Redis by the first tick that holds the lock (module docstring).
+        self._installed = False
 
     def apply_async(self, entry: Any, producer: Any = None, advance: bool = True,
                     **kwargs: Any) -> Any:
@@ -94,6 +105,9 @@ class SitsScheduler(RedBeatScheduler):  # type: ignore[misc]
         try:
             if self.lock_key and not self._holds_lock():
                 return max(RETRY_S, float(self.lock_timeout) / 5)
+            if not self._installed:
+                super().setup_schedule()
+                self._installed = True
             return float(super().tick(*args, **kwargs))
         except redis.exceptions.LockError as exc:  # LockNotOwnedError: Redis lost it
             logger.warning("beat: lost its lock (%s); taking it again when free", exc)
@@ -115,8 +129,8 @@ class SitsScheduler(RedBeatScheduler):  # type: ignore[misc]
             return False
         logger.info("beat: acquired lock")
         self.lock = lock
-        # The lock was lost with Redis's data (a restart without persistence, a flush):
-        # the schedule entries went with it. Installing them again keeps the last runs
-        # of any that are still there.
-        self.setup_schedule()
+        # Installed by this tick: at start, or after the lock was lost with Redis's data
+        # (a restart without persistence, a flush), which took the schedule entries with
+        # it. Installing them again keeps the last runs of any that are still there.
+        self._installed = False
         return True

@@ -102,13 +102,73 @@ def test_an_assigned_beat_schedule_keeps_the_sits_passes(redis_url: str,
     """Celery's docs assign ``beat_schedule``: that must not unschedule rescoring."""
     app = make_app(SitsConfig(redis_url=redis_url), main="beat-assigned")
     app.conf.beat_schedule = {"tick": {"task": "app.tick", "schedule": 5.0}}
+    redis_client.flushall()
     try:
-        SitsScheduler(app=app)
+        scheduler = SitsScheduler(app=app)
         assert {"tick", "sits-rescore", "sits-check-triggers"} <= set(app.conf.beat_schedule)
+        scheduler.tick()  # (installed once it holds the lock)
         for name in ("tick", "sits-rescore", "sits-check-triggers"):
             assert redis_client.exists(f"sits:redbeat:{name}"), name
     finally:
         app.close()
+
+
+def test_a_standby_beat_leaves_the_leader_s_schedule_alone(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """(redbeat installs a beat's entries as it starts, before any lock, deleting what its
+    schedule lacks: a standby without the user's tasks module deleted the leader's
+    periodic tasks, and one with another interval changed the leader's rescoring)"""
+    redis_client.flushall()
+    leader_app = make_app(SitsConfig(redis_url=redis_url, rescore_interval_s=2.0),
+                          main="beat-leader")
+    leader_app.conf.beat_schedule = {"tick": {"task": "app.tick", "schedule": 5.0}}
+    standby_app = make_app(SitsConfig(redis_url=redis_url, rescore_interval_s=30.0),
+                           main="beat-standby")
+    try:
+        leader = SitsScheduler(app=leader_app)
+        leader.tick()
+        assert redis_client.exists("sits:redbeat:tick")
+        rescore = redis_client.hget("sits:redbeat:sits-rescore", "definition")
+        standby = SitsScheduler(app=standby_app)
+        standby.tick()  # the lock is the leader's: it stands by
+        assert standby.lock is None
+        assert redis_client.exists("sits:redbeat:tick")
+        assert redis_client.hget("sits:redbeat:sits-rescore", "definition") == rescore
+        # Once the leader lets go, the standby's schedule is the one in Redis
+        leader.close()
+        standby.tick()
+        assert standby.lock is not None
+        assert not redis_client.exists("sits:redbeat:tick")
+        assert json.loads(redis_client.hget("sits:redbeat:sits-rescore", "definition")
+                          )["schedule"]["every"] == 30.0
+        standby.close()
+    finally:
+        leader_app.close()
+        standby_app.close()
+
+
+def test_a_beat_started_while_redis_is_away_waits_for_it(tmp_path: Path) -> None:
+    """(the schedule's install at start met the connection error and ended the beat)"""
+    first = EmbeddedRedis(tmp_path / "probe")
+    first.start()
+    port, password = first.port, first.password
+    url = first.url
+    first.stop()  # a port and password a server will have, with none there yet
+    env = worker_env(url, rescore_interval_s="1", trigger_check_interval_s="1",
+                     prewarm_interval_s="0")
+    beat = start_beat(APP_MODULE, env, tmp_path / "logs", cwd=ROOT)
+    server = EmbeddedRedis(tmp_path / "redis", port=port, password=password)
+    try:
+        wait_for(lambda: "unreachable" in beat.log() or not beat.alive(), 60,
+                 "the beat to meet no Redis")
+        assert beat.alive(), beat.log()[-3000:]
+        server.start()
+        sent = Sends(url)
+        wait_for(lambda: sent() >= 2, 60, "the beat's passes once Redis is there")
+        assert beat.alive(), beat.log()[-3000:]
+    finally:
+        beat.stop(timeout_s=10)
+        server.stop()
 
 
 def test_assigned_task_routes_keep_the_beat_s_passes_on_the_control_queue(
