@@ -456,14 +456,14 @@ def _live_server(data_dir: Path, password: str) -> tuple[int, int] | None:
         # Ours, busy (a long script, an AOF loading): live, and not to be replaced. It
         # was taken for dead and killed, and every connected worker with it.
         answering = _listening_pid(port) or pid or 0
-        if not answering or not _is_our_server(answering, data_dir):
-            return None
-    if answering == pid:
-        return port, pid
-    if _is_our_server(answering, data_dir):
+    # Checked even when the pid file agrees: a password-less Redis elsewhere accepts any
+    # AUTH, and port and pid files naming it (edited, restored from a backup) had it
+    # adopted, and shut down by ``stop-redis``.
+    if not answering or not _is_our_server(answering, data_dir):
+        return None
+    if answering != pid:
         (data_dir / PID_FILE).write_text(f"{answering}\n")
-        return port, answering
-    return None
+    return port, answering
 
 
 def _kill_stale(data_dir: Path) -> bool:

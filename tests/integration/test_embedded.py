@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -462,3 +463,32 @@ def test_a_data_dir_file_with_damaged_bytes_neither_stops_sitsq_nor_the_server(
     again, started = ensure_server(shared_dir)
     assert again == url and not started and _pid_of(shared_dir) == pid
     assert stop_server(shared_dir)
+
+
+def test_a_password_less_redis_elsewhere_named_by_the_files_is_not_adopted(
+        shared_dir: Path, tmp_path: Path) -> None:
+    """(a Redis with no password accepts any AUTH: with the port and pid files naming it,
+    its pid matched the file's and the dir check was skipped; ``stop-redis`` shut it down
+    with SHUTDOWN NOSAVE, and ``redis-url`` handed out its URL)"""
+    ensure_server(shared_dir)
+    stop_server(shared_dir)
+    foreign_dir = tmp_path / "foreign"
+    foreign_dir.mkdir()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    foreign = psutil.Popen([find_redis_server(), "--port", str(port), "--save", "",
+                            "--appendonly", "no", "--dir", str(foreign_dir)],
+                           cwd=foreign_dir, stdout=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: not _port_closed(port), 30, "the other Redis to listen")
+        (shared_dir / "port").write_text(f"{port}\n")
+        (shared_dir / "redis.pid").write_text(f"{foreign.pid}\n")
+        assert not stop_server(shared_dir)
+        assert foreign.is_running() and _anonymous_ping(port)
+        url, started = ensure_server(shared_dir)
+        assert started and f":{port}/" not in url
+        assert _anonymous_ping(port)
+    finally:
+        foreign.kill()
+        foreign.wait()
