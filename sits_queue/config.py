@@ -11,7 +11,7 @@ import os
 import re
 import sys
 from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -431,7 +431,6 @@ class SitsConfig:
     def from_env(cls, env: Mapping[str, str] | None = None) -> SitsConfig:
         """Build from ``SITS_*`` variables, on top of ``SITS_CONFIG`` (a TOML file) if set."""
         env = os.environ if env is None else env
-        base = cls.from_file(env["SITS_CONFIG"]) if env.get("SITS_CONFIG") else cls()
         _warn_near_misses(env, {"SITS_CONFIG", *CACHE_BYTES_VARS,
                                 *("SITS_" + f.name.upper() for f in fields(cls)
                                   if f.name not in ("classes", "weights"))})
@@ -445,7 +444,12 @@ class SitsConfig:
                 kind = checks.KINDS.get(str(f.type), (str, ""))[0]
                 overrides[f.name] = checks.coerce(f.name, env[key], kind)
         try:
-            return replace(base, **overrides)
+            # The file and the variables are checked together: a file invalid on its own
+            # that a variable makes whole (a class table without "medium" and
+            # SITS_DEFAULT_CLASS) is what the user asked for.
+            if env.get("SITS_CONFIG"):
+                return cls.from_file(env["SITS_CONFIG"], overrides)
+            return cls(**overrides)
         except ConfigError as exc:
             # A range refused names the setting; say which variable set it (the user set
             # SITS_SOFT_LIMIT_FRACTION, and read "soft_limit_fraction must be ...")
@@ -457,12 +461,15 @@ class SitsConfig:
             raise ConfigError(f"{exc} (set by {', '.join(named)})") from None
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> SitsConfig:
-        """Build from a TOML file: top-level scalars, ``[weights]``, ``[[classes]]``."""
-        return cls.from_mapping(_read_toml(path), source=str(path))
+    def from_file(cls, path: str | os.PathLike[str],
+                  overrides: Mapping[str, Any] | None = None) -> SitsConfig:
+        """Build from a TOML file: top-level scalars, ``[weights]``, ``[[classes]]``;
+        ``overrides`` (settings by field name) on top."""
+        return cls.from_mapping(_read_toml(path), source=str(path), overrides=overrides)
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], source: str = "mapping") -> SitsConfig:
+    def from_mapping(cls, data: Mapping[str, Any], source: str = "mapping",
+                     overrides: Mapping[str, Any] | None = None) -> SitsConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
@@ -480,7 +487,7 @@ class SitsConfig:
                                       f"{kwargs['weights']!r}")
                 _no_unknown(kwargs["weights"], PriorityWeights, "weights")
                 kwargs["weights"] = PriorityWeights(**kwargs["weights"])
-            return cls(**kwargs)
+            return cls(**{**kwargs, **(overrides or {})})
         except (TypeError, ConfigError) as exc:
             raise ConfigError(f"{source}: {exc}") from exc
 

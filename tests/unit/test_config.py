@@ -122,6 +122,23 @@ def test_a_file_integer_does_not_narrow_what_the_environment_may_set(tmp_path: P
     assert SitsConfig.from_file(site).visibility_timeout_s == 60  # an int is a number
 
 
+def test_the_environment_can_make_whole_a_file_invalid_on_its_own(tmp_path: Path) -> None:
+    """(the file was built and checked alone, before the variables on top of it)"""
+    two = tmp_path / "two.toml"
+    two.write_text('[[classes]]\nname = "high"\n[[classes]]\nname = "low"\n')
+    with pytest.raises(ConfigError, match="default_class"):
+        SitsConfig.from_env({"SITS_CONFIG": str(two)})
+    assert SitsConfig.from_env({"SITS_CONFIG": str(two),
+                                "SITS_DEFAULT_CLASS": "low"}).default_class == "low"
+    sync = tmp_path / "sync.toml"
+    sync.write_text("site_sync_interval_s = 20\n")
+    config = SitsConfig.from_env({"SITS_CONFIG": str(sync), "SITS_SITE_DEAD_AFTER_S": "60"})
+    assert (config.site_sync_interval_s, config.site_dead_after_s) == (20, 60)
+    # what stays wrong together names the file and the variable
+    with pytest.raises(ConfigError, match=r"sync\.toml.*SITS_SITE_DEAD_AFTER_S"):
+        SitsConfig.from_env({"SITS_CONFIG": str(sync), "SITS_SITE_DEAD_AFTER_S": "35"})
+
+
 def test_the_configured_redis_is_the_environments_then_the_files(tmp_path: Path) -> None:
     site = tmp_path / "site.toml"
     site.write_text('redis_url = "redis://db:6380/1"\n')
