@@ -102,7 +102,9 @@ def fail_tasks(client: Any, dead_key: str, ids: Sequence[str], backend: Any = No
         if task is None:
             continue
         task_id, name, reason = task
-        error = DeadLettered(f"task {name}[{task_id}] was not run: its message was "
+        # ("will not run": a poison message's task may have started at each delivery,
+        # its worker lost every time)
+        error = DeadLettered(f"task {name}[{task_id}] will not run: its message was "
                              f"dead-lettered ({reason}); it stays in the queue's dead "
                              f"letters as {message_id}")
         if not _store_failure(backend, task_id, name, error, request_of(record, accept)):

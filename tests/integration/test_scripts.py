@@ -269,6 +269,23 @@ def test_a_crash_restore_keeps_the_checkpoint_for_the_next_run(
     assert int(picked[2]) == 1  # and the crash counts as a redelivery, as before
 
 
+@pytest.mark.parametrize(("eta_from_now", "counted"), [(600.0, 0), (-1.0, 1), (None, 1)])
+def test_a_crash_restore_counts_only_what_may_have_started(
+        redis_client: redis.Redis, eta_from_now: float | None, counted: int) -> None:
+    """(a worker holding a countdown task in Celery's timer that crashed had it counted as a
+    redelivery: a few crashes in a long countdown dead-lettered it as poison, never run)"""
+    import time
+
+    scripts = Scripts.register()
+    meta = {"c": "low"} if eta_from_now is None else {"c": "low",
+                                                       "eta": time.time() + eta_from_now}
+    scripts.run("put", KEYS, ["t", "{}", json.dumps(meta), "0", "low"], redis_client)
+    assert scripts.run("pick", KEYS, [1000.0, 5, "A"], redis_client)[0] == b"t"
+    assert scripts.run("restore", KEYS, [2000.0, 10], redis_client) == 1  # A went silent
+    picked = scripts.run("pick", KEYS, [3000.0, 5, "B"], redis_client)
+    assert picked[0] == b"t" and int(picked[2]) == counted
+
+
 def test_of_the_runners_that_could_yield_the_lowest_class_does(
         redis_client: redis.Redis, redis_url: str) -> None:
     """(the first runner to ask was granted the yield: a medium task gave its slot to a

@@ -12,7 +12,7 @@
 -- ARGV[3]: with a ceiling, a horizon (unix s): a deadline base above it is no pick or
 --          beat time any worker wrote (another program's, +inf included), and would
 --          otherwise hold its message unacked for good; those are restored too
--- Returns the number restored.
+-- Returns the number restored; each counted as a redelivery unless its ETA is still ahead.
 -- (6 is read, or its ZREM fails, before anything is written)
 local refused = wrong_type(1, 2, 4, 7, 8)
 if refused then return refused end
@@ -29,6 +29,16 @@ else
     for _, id in ipairs(future) do ids[#ids + 1] = id end
   end
 end
+-- A message whose ETA is still ahead never started (its worker only held it in Celery's
+-- timer): its restore is not counted, or worker crashes during a long countdown
+-- dead-lettered tasks that never ran as poison.
+local now = tonumber(redis.call('TIME')[1])
+local function not_due(id)
+  local raw = redis.call('HGET', KEYS[3], id)
+  if not raw then return false end
+  local ok, meta = pcall(cjson.decode, raw)
+  return ok and type(meta) == 'table' and type(meta.eta) == 'number' and meta.eta > now
+end
 local n = 0
 for _, id in ipairs(ids) do
   if redis.call('ZREM', KEYS[6], id) == 1 then
@@ -41,7 +51,7 @@ for _, id in ipairs(ids) do
       local value = tonumber(score or '')
       if value == nil or value ~= value then score = 0 end
       redis.call('ZADD', KEYS[1], score, id)
-      add_count(KEYS[8], id, 1)
+      if not not_due(id) then add_count(KEYS[8], id, 1) end
       n = n + 1
     end
   end
