@@ -42,6 +42,8 @@ def queue_status(client: redis.Redis, config: SitsConfig, now_s: float) -> list[
     per_queue = []
     for i in range(0, len(replies), stride):
         head, counts = replies[i], dict(zip(_COUNTED, replies[i + 1:i + stride], strict=True))
+        if isinstance(counts["held"], list):
+            counts["held"] = holds_in_force(counts["held"], now_s)
         errors = [str(r) for r in (head, *counts.values()) if isinstance(r, Exception)]
         per_queue.append(([] if isinstance(head, Exception) else head,
                           {k: None if isinstance(v, Exception) else v
@@ -79,10 +81,25 @@ def queue_status(client: redis.Redis, config: SitsConfig, now_s: float) -> list[
 #: What ``queue_status`` counts per queue: field -> (Redis command, QueueKeys attribute).
 #: Checkpointed: tasks with a yielded time slice's progress saved (waiting to resume, or
 #: running a resumed slice: the checkpoint stays until the task ends, for a crash to
-#: resume from); held: tasks a worker released for want of VRAM and holds off a while.
+#: resume from); held: tasks a worker released (for want of VRAM, a rate limit's token)
+#: and holds off from itself until a time not yet passed (:func:`holds_in_force`).
 _COUNTED = {"waiting": ("zcard", "waiting"), "unacked": ("zcard", "unacked"),
             "dead": ("hlen", "dead"), "checkpointed": ("hlen", "checkpoints"),
-            "held": ("hlen", "held")}
+            "held": ("hvals", "held")}
+
+
+def holds_in_force(records: list[bytes], now_s: float) -> int:
+    """How many of a queue's hold records (``release.lua``'s ``"<consumer> <until>
+    <releases>"``) still hold their message off: a record outlives its hold, to count
+    the releases, and a dead worker's stayed counted as holding for good."""
+    held = 0
+    for record in records:
+        parts = record.split()
+        try:
+            held += len(parts) >= 2 and float(parts[1]) > now_s
+        except ValueError:
+            continue
+    return held
 
 
 #: kombu's Redis transport keeps a message sent with a priority above 0 in a list of its

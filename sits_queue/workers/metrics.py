@@ -341,7 +341,8 @@ def queue_families(queues: Iterable[Mapping[str, Any]]) -> list[Metric]:
                              ("dead", "Dead-lettered tasks (poison, malformed, unknown)."),
                              ("checkpointed", "Tasks with a yielded time slice's progress saved: "
                               "waiting to resume, or running a resumed slice."),
-                             ("held", "Waiting tasks a worker released for want of VRAM.")):
+                             ("held", "Waiting tasks a worker released (for want of VRAM, a "
+                              "rate limit's token) and holds off from itself for now.")):
         family = GaugeMetricFamily(f"sits_queue_{field}", help_text, labels=["queue"])
         for q in queues:
             if q.get(field) is not None:  # None: its key could not be read (not 0)

@@ -48,7 +48,10 @@ def test_status_shows_depth_and_head_tasks_with_class(client_app: Celery, redis_
     first_id = queue["head"][0]["id"]
     keys = QueueKeys.for_queue("celery")
     redis_client.hset(keys.checkpoints, first_id, "{}")
-    redis_client.hset(keys.held, first_id, "consumer 9999999999")
+    redis_client.hset(keys.held, first_id, "consumer 9999999999 0")
+    # (a record outlives its hold: one whose time has passed holds nothing off; a dead
+    # worker's stayed counted for good)
+    redis_client.hset(keys.held, queue["head"][1]["id"], "gone@host 1000.000 2")
     text = sitsq("status", env={**os.environ, "SITS_REDIS_URL": redis_url}).stdout
     assert "1 with a yield's progress saved, 1 held off by a worker" in text
 
