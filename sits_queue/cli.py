@@ -156,8 +156,9 @@ def _checked(check: Callable[[Any], Any]) -> Callable[[click.Context, click.Para
 
 def _bench_options(fn: Any) -> Any:
     fn = click.option("--redis-url", callback=_checked(check_redis_url),
-                      help="Run on this Redis server: the benchmark FLUSHES "
-                      "the databases it uses there. Default: a private redis-server, "
+                      help="Run on this Redis server: the benchmark runs its systems in "
+                      "the URL's database and the next ones (one each, up to 4) and "
+                      "FLUSHES them. Default: a private redis-server, "
                       "started and stopped for the run (SITS_REDIS_URL is not used).")(fn)
     fn = click.option("--json", "json_path", type=click.Path(path_type=Path),
                       callback=_checked(check_json_path),

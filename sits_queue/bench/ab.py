@@ -33,7 +33,7 @@ from typing import Any
 
 import redis
 
-from sits_queue.bench.ab_apps import SYSTEMS, build, done_key, submit, system_url
+from sits_queue.bench.ab_apps import DATABASES, SYSTEMS, build, done_key, submit, system_url
 from sits_queue.bench.report import ratio, redis_server, run_main, targets_line
 from sits_queue.bench.workload import (
     Completion,
@@ -147,7 +147,7 @@ def run(quick: bool = False, redis_url: str | None = None, seed: int = 7,
     shape = shape or (QUICK if quick else FULL)
     workload = mixed_workload(seed, shape["n_jobs"], shape["concurrency"])
     with tempfile.TemporaryDirectory(prefix="sits-bench-ab-") as tmp, \
-            redis_server(redis_url) as url:
+            redis_server(redis_url, len(DATABASES)) as url:
         systems = {name: run_system(name, workload, system_url(url, name),
                                     Path(tmp) / name, on_progress) for name in SYSTEMS}
     bound_s = starvation_bound_s(SitsConfig())

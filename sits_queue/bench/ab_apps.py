@@ -20,7 +20,7 @@ from sits_queue.bench.report import database_url
 from sits_queue.config import SitsConfig
 
 SYSTEMS = ("celery_fifo", "celery_priority", "sits", "sits_run_to_completion")
-DATABASES = {"celery_fifo": 1, "celery_priority": 2, "sits": 3, "sits_run_to_completion": 4}
+DATABASES = {"celery_fifo": 0, "celery_priority": 1, "sits": 2, "sits_run_to_completion": 3}
 SITS_SYSTEMS = ("sits", "sits_run_to_completion")
 #: ``sits`` runs the service time in steps this long with a yield point between steps,
 #: as a SITS task for long work is written (``sits.generate`` yields between decode

@@ -50,7 +50,7 @@ from sits_queue.config import SitsConfig
 from sits_queue.procs import CeleryProcess, start_worker, wait_ready
 
 SYSTEMS = ("sits_priority_order", "sits_affinity")
-DATABASES = {"sits_priority_order": 7, "sits_affinity": 8}
+DATABASES = {"sits_priority_order": 0, "sits_affinity": 1}
 #: ``SITS_AFFINITY_WINDOW`` per system: off, and the default.
 WINDOWS = {"sits_priority_order": 0, "sits_affinity": SitsConfig().affinity_window}
 #: Warm-up rounds (one request per worker each) before giving up on a worker that never
@@ -222,7 +222,7 @@ def run(quick: bool = False, redis_url: str | None = None, *, fleet: Fleet | Non
     warm = next(iter(weights))
     stream = coldstart.make_stream(sorted(sizes), shape)
     with tempfile.TemporaryDirectory(prefix="sits-bench-affinity-") as tmp, \
-            redis_server(redis_url) as url:
+            redis_server(redis_url, len(DATABASES)) as url:
         records = {name: run_system(name, stream, warm, system_url(url, name), zoo,
                                     (budget, host), (fleet.workers, shape.max_new_tokens),
                                     Path(tmp) / name, on_progress)

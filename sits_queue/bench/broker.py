@@ -26,13 +26,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from celery import Celery
 
 from sits_queue.app import DEFAULT_QUEUE, make_app
-from sits_queue.bench.report import redis_server, run_main
+from sits_queue.bench.report import database_url, redis_server, run_main
 from sits_queue.broker.bulk import enqueue_many
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.config import SitsConfig
@@ -69,14 +68,6 @@ FULL = Sizes(delay_n=20_000, rounds=10, bulk_n=100_000, picks=20_000)
 
 
 # -- setup -------------------------------------------------------------------------------------
-def db_url(url: str, offset: int) -> str:
-    """``url`` pointing at its own db number + ``offset`` (db 0 when the URL names none)."""
-    parts = urlsplit(url)
-    path = parts.path.strip("/")
-    db = int(path) if path.isdigit() else 0
-    return urlunsplit(parts._replace(path=f"/{db + offset}"))
-
-
 def sits_app(url: str, sent_events: bool = False) -> Celery:
     """SITS with its defaults; sent events are off there, as in stock Celery."""
     app = make_app(SitsConfig(redis_url=url, send_sent_events=sent_events), main="bench_sits")
@@ -256,8 +247,8 @@ def run(quick: bool = False, redis_url: str | None = None,
     """Run every measurement; returns the JSON-ready result (see the module docstring)."""
     sizes = sizes or (QUICK if quick else FULL)
     load_before = os.getloadavg()[0]
-    with redis_server(redis_url) as base_url:
-        sits_url, stock_url = db_url(base_url, 0), db_url(base_url, 1)
+    with redis_server(redis_url, 2) as base_url:
+        sits_url, stock_url = database_url(base_url, 0), database_url(base_url, 1)
         client = redis.Redis.from_url(sits_url)
         redis.Redis.from_url(stock_url).flushdb()
         client.flushdb()

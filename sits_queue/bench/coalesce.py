@@ -85,8 +85,8 @@ from sits_queue.bench.report import database_url, ratio, redis_server, targets_l
 from sits_queue.bench.workload import percentile
 from sits_queue.procs import start_worker, wait_ready
 
-DATABASES = {"celery_per_task": 12, "sits_one_by_one": 13, "sits_batched": 14,
-             "sits_joins": 15}
+DATABASES = {"celery_per_task": 0, "sits_one_by_one": 1, "sits_batched": 2,
+             "sits_joins": 3}
 #: One-at-a-time SITS first: its burst throughput sets the paced streams' rates.
 RUN_ORDER = ("sits_one_by_one", "celery_per_task", "sits_batched", "sits_joins")
 #: The systems that run one task at a time: the faster one's burst sets the paced rates.
@@ -379,7 +379,7 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
     out: dict[str, dict[str, Any]] = {name: {} for name in STREAMS}
     base = 0.0  # the faster one-at-a-time system's burst throughput: sets the rates
     with tempfile.TemporaryDirectory(prefix="sits-bench-coalesce-") as tmp, \
-            redis_server(redis_url) as url, ExitStack() as stack:
+            redis_server(redis_url, len(DATABASES)) as url, ExitStack() as stack:
         # Every system's worker up at once (each idle but for its own turn) and the streams
         # interleaved, a stream through each system in turn: this machine's speed drifts
         # over minutes, and one system's streams all in a row would carry its drift.

@@ -60,6 +60,7 @@ import platformdirs
 import redis
 
 from sits_queue.bench.coldstart_apps import (
+    DATABASES,
     DONE_KEY,
     SITS_CLASS,
     SYSTEMS,
@@ -331,7 +332,7 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
     warm = next(iter(weights))
     stream = make_stream(sorted(sizes), shape)
     with tempfile.TemporaryDirectory(prefix="sits-bench-coldstart-") as tmp, \
-            redis_server(redis_url) as url:
+            redis_server(redis_url, len(DATABASES)) as url:
         records = {name: run_system(name, stream, warm, system_url(url, name), zoo,
                                     (budget, host), shape, Path(tmp) / name, on_progress)
                    for name in SYSTEMS}

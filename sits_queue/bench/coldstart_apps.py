@@ -44,8 +44,8 @@ from sits_queue.config import SitsConfig
 from sits_queue.workers.firsttoken import first_token_clock
 
 SYSTEMS = ("celery_load_per_task", "celery_lru", "sits")
-#: One database per system; ``sitsq bench ab`` uses 1-3 on a shared server.
-DATABASES = {"celery_load_per_task": 4, "celery_lru": 5, "sits": 6}
+#: One database per system, from the URL's on (``report.database_url``).
+DATABASES = {"celery_load_per_task": 0, "celery_lru": 1, "sits": 2}
 DONE_KEY = "bench:coldstart:done"
 TASK_NAME = "bench.coldstart.generate"
 #: The SLA class SITS tasks are sent with: "high" confines a child to up to 16 cores, the

@@ -44,7 +44,7 @@ from sits_queue.bench.workload import percentile
 from sits_queue.procs import CeleryProcess, start_worker, wait_ready
 
 #: One database per system, so the runs cannot see each other's keys.
-DATABASES = {"celery_default": 1, "celery_guarantees": 2, "sits": 3}
+DATABASES = {"celery_default": 0, "celery_guarantees": 1, "sits": 2}
 #: SITS against stock Celery given the same guarantees: it must not cost throughput.
 #: (Against stock Celery's defaults there is no target: they guarantee less, acking a
 #: task as it starts and prefetching past the priority order, and send no events.)
@@ -225,7 +225,7 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
     shape = shape or (QUICK if quick else FULL)
     load_before = os.getloadavg()[0]
     per_system: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
-    with redis_server(redis_url) as base, \
+    with redis_server(redis_url, len(DATABASES)) as base, \
             tempfile.TemporaryDirectory(prefix="sits-dispatch-") as tmp:
         for n in range(shape.rounds):
             order = SYSTEMS[n % len(SYSTEMS):] + SYSTEMS[:n % len(SYSTEMS)]

@@ -46,7 +46,7 @@ from sits_queue.bench.workload import percentile
 from sits_queue.config import SitsConfig
 
 SYSTEMS = ("no_prefix_cache", "prefix_cache", "prefix_affinity")
-DATABASES = {"no_prefix_cache": 9, "prefix_cache": 10, "prefix_affinity": 11}
+DATABASES = {"no_prefix_cache": 0, "prefix_cache": 1, "prefix_affinity": 2}
 MODEL = "tiny-lm-0"
 #: The model: big enough that prefill dominates a short decode on a CPU core.
 MODEL_SHAPE = {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 1024}
@@ -202,7 +202,7 @@ def run(quick: bool = False, redis_url: str | None = None, *, shape: Shape | Non
                 f"{len(stream)} requests, prefix budget {prefix_budget} bytes per child")
     records: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="sits-bench-prefix-") as tmp, \
-            redis_server(redis_url) as url:
+            redis_server(redis_url, len(DATABASES)) as url:
         for name in SYSTEMS:
             settings, env = settings_of(name, prefix_budget)
             records[name] = run_system(

@@ -16,16 +16,39 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from sits_queue.config import check_redis_url
 from sits_queue.embedded import EmbeddedRedis
 
+#: Databases a Redis server has unless its ``databases`` setting says otherwise (0-15).
+SERVER_DATABASES = 16
+
 
 @contextmanager
-def redis_server(redis_url: str | None) -> Iterator[str]:
-    """The given URL, or a private redis-server (never 6379) for the duration of the run."""
+def redis_server(redis_url: str | None, span: int = 1) -> Iterator[str]:
+    """The given URL, or a private redis-server (never 6379) for the duration of the run.
+    A benchmark runs its ``span`` systems in the URL's database and the next ones, one
+    each (:func:`database_url`), and flushes them."""
     if redis_url is not None:
+        first = url_database(redis_url)
+        if first + span > SERVER_DATABASES:
+            raise SystemExit(
+                f"--redis-url: this benchmark runs its systems in databases {first}.."
+                f"{first + span - 1} (one each, the URL's first) and flushes them; a Redis "
+                f"server has 0-{SERVER_DATABASES - 1}: name database "
+                f"{SERVER_DATABASES - span} or lower")
         yield redis_url
         return
     with tempfile.TemporaryDirectory(prefix="sits-bench-") as tmp, \
             EmbeddedRedis(Path(tmp) / "redis") as server:
         yield server.url
+
+
+def url_database(url: str) -> int:
+    """The database a Redis URL names: its ``db`` query parameter, which redis-py takes
+    over the path, else its path (not a ``unix://`` one: that is the socket), else 0."""
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query))
+    if "db" in query:
+        return int(query["db"])
+    path = parts.path.strip("/")
+    return int(path) if parts.scheme != "unix" and path.isdigit() else 0
 
 
 def parser(prog: str, description: str | None = None, smoke: bool = False
@@ -43,7 +66,8 @@ def parser(prog: str, description: str | None = None, smoke: bool = False
     p.add_argument("--json", type=_argument(check_json_path, Path),
                    help="also write the JSON result here")
     p.add_argument("--redis-url", type=_argument(check_redis_url),
-                   help="use this server (the benchmark FLUSHES its databases); default: "
+                   help="use this server: its systems run in the URL's database and the next "
+                        "ones, one each, which the benchmark FLUSHES; default: "
                         "a private redis-server")
     return p
 
@@ -54,10 +78,12 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
-def database_url(base_url: str, database: int) -> str:
-    """``base_url`` with its database number replaced: one database per system. A
-    ``unix://`` URL's path is the socket, so its database is the ``db`` query parameter;
-    other query parameters are kept."""
+def database_url(base_url: str, offset: int) -> str:
+    """``base_url`` naming the database ``offset`` past its own: a benchmark's systems
+    each run in their own, from the URL's on (``--redis-url redis://h/9``: 9, 10, ...).
+    A ``unix://`` URL's path is the socket, so its database is the ``db`` query
+    parameter; other query parameters are kept."""
+    database = url_database(base_url) + offset
     parts = urlsplit(base_url)
     # A db query parameter wins over the path in redis-py: every system shared it.
     query = [(k, v) for k, v in parse_qsl(parts.query) if k != "db"]

@@ -10,6 +10,7 @@ import redis
 
 from sits_queue.bench import broker
 from sits_queue.bench.broker import Sizes
+from sits_queue.bench.report import database_url
 
 TINY = Sizes(delay_n=20, rounds=2, bulk_n=300, picks=50)
 
@@ -55,5 +56,5 @@ def test_fill_items_follow_the_class_mix() -> None:
 
 
 def test_db_url_moves_to_the_next_database() -> None:
-    assert broker.db_url("redis://:pw@127.0.0.1:7000/3", 1) == "redis://:pw@127.0.0.1:7000/4"
-    assert broker.db_url("redis://127.0.0.1:7000", 1) == "redis://127.0.0.1:7000/1"
+    assert database_url("redis://:pw@127.0.0.1:7000/3", 1) == "redis://:pw@127.0.0.1:7000/4"
+    assert database_url("redis://127.0.0.1:7000", 1) == "redis://127.0.0.1:7000/1"

@@ -225,16 +225,27 @@ def test_a_bench_module_run_alone_refuses_an_unwritable_json_path(
 @pytest.mark.parametrize(("url", "expected"), [
     ("redis://h:1/0", "redis://h:1/5"),
     ("redis://:pw@h:1", "redis://:pw@h:1/5"),
-    ("rediss://h:1/2?socket_timeout=3", "rediss://h:1/5?socket_timeout=3"),
+    # counted from the URL's own database (ab flushed 1-4 whatever the URL named)
+    ("rediss://h:1/2?socket_timeout=3", "rediss://h:1/7?socket_timeout=3"),
     ("unix:///tmp/r.sock", "unix:///tmp/r.sock?db=5"),
-    ("unix://u:pw@/tmp/r.sock?db=2&socket_timeout=3", "unix://u:pw@/tmp/r.sock?socket_timeout=3&db=5"),
+    ("unix://u:pw@/tmp/r.sock?db=2&socket_timeout=3", "unix://u:pw@/tmp/r.sock?socket_timeout=3&db=7"),
     # (redis-py takes db= over the path: every system ran in database 2)
-    ("redis://h:1/0?db=2&socket_timeout=3", "redis://h:1/5?socket_timeout=3"),
+    ("redis://h:1/0?db=2&socket_timeout=3", "redis://h:1/7?socket_timeout=3"),
 ])
 def test_a_benchmarks_database_is_set_in_any_redis_url(url: str, expected: str) -> None:
     from sits_queue.bench.report import database_url
 
     assert database_url(url, 5) == expected
+
+
+def test_a_benchmark_refuses_databases_past_the_server_s() -> None:
+    from sits_queue.bench.report import redis_server
+
+    with redis_server("redis://h:1/12", 4) as url:
+        assert url == "redis://h:1/12"
+    with pytest.raises(SystemExit, match=r"databases 13\.\.16 .* name database 12 or lower"), \
+            redis_server("redis://h:1/13", 4):
+        pass
 
 
 @pytest.mark.parametrize("odd", [
