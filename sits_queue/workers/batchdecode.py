@@ -57,7 +57,7 @@ class Decoding:
     """
 
     def __init__(self, module: Any, model: str, rows: list[_Row], input_ids: Any, mask: Any,
-                 past: Any, cached: int, eos: int | None,
+                 past: Any, cached: int, eos: frozenset[int],
                  active: runtime.ActiveTask | None, leave: Callable[[int, list[int]], None],
                  joining: Joining | None = None, first: int | None = None) -> None:
         import torch
@@ -143,7 +143,7 @@ class Decoding:
         import torch
 
         going = [b for b, r in enumerate(self.live)
-                 if len(self.new[r]) < self.rows[r].most and self.new[r][-1] != self.eos]
+                 if len(self.new[r]) < self.rows[r].most and self.new[r][-1] not in self.eos]
         if not going:
             return None
         if len(going) < len(self.live):
@@ -178,7 +178,7 @@ class Decoding:
             joining.starts[row.index] = starts[b]
             self.rows.append(row)
             self.new.append([firsts[b]])
-            if row.most <= 1 or firsts[b] == self.eos:  # done at its first token
+            if row.most <= 1 or firsts[b] in self.eos:  # done at its first token
                 self.leave(len(self.rows) - 1, self.new[-1])
                 continue
             kept.append(b)

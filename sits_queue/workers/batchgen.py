@@ -258,7 +258,8 @@ def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], st
     longest = max(row.most for row in rows)
     active = runtime.active()
     eos = getattr(tokenizer, "eos_token_id", None)
-    end = eos if stop else None  # the token a row stops at
+    # the tokens a row stops at
+    end = inference.stop_tokens(module, tokenizer) if stop else frozenset()
     groups, shared = _plan([row.ids for row in rows]) if share and len(rows) > 1 \
         else ([], [0] * len(rows))
     if active is not None:
@@ -286,7 +287,7 @@ def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], st
         past, _, (first,), ((_, cached[0]),) = prefilled
         input_ids = torch.tensor([[*rows[0].ids, first]], dtype=torch.long)
         mask = torch.ones_like(input_ids)
-        if rows[0].most <= 1 or first == end:  # done at its first token
+        if rows[0].most <= 1 or first in end:  # done at its first token
             return [{**inference.generated(tokenizer, [first], end,
                                            prompt_tokens=len(rows[0].ids),
                                            cached_tokens=cached[0], runs=1),
@@ -429,7 +430,7 @@ def _group_cache(module: Any, model: str, tokens: list[int],
     return cache, prefix.tokens
 
 
-def _generate_alone(module: Any, tokenizer: Any, model: str, row: _Row, eos: int | None,
+def _generate_alone(module: Any, tokenizer: Any, model: str, row: _Row, eos: frozenset[int],
                     active: runtime.ActiveTask | None) -> dict[str, Any]:
     """A batch of one: ``inference.generate``'s own decode loop, from the longest start
     of its prompt the child's KV-prefix store holds (a batch of one has no group to

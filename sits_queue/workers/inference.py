@@ -359,7 +359,7 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
     active = runtime.active()
     if active is not None:
         active.check_vram(kv_cache_bytes(module, prompt_tokens + max_new_tokens))
-    eos = getattr(tokenizer, "eos_token_id", None) if stop_at_eos else None
+    eos = stop_tokens(module, tokenizer) if stop_at_eos else frozenset()
     progress = _resumed(active.checkpoint if active is not None else None, max_new_tokens,
                         int(getattr(module.config, "vocab_size", 0) or 0))
     # A resumed generation's first token came in its first run: report that one.
@@ -376,13 +376,24 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
                      cached_tokens=progress["cached_tokens"], runs=progress["runs"])
 
 
-def generated(tokenizer: Any, new: list[int], eos: int | None, *, prompt_tokens: int,
+def stop_tokens(module: Any, tokenizer: Any) -> frozenset[int]:
+    """The ids a generation ends at, as transformers' ``generate`` takes them: the model's
+    ``generation_config.eos_token_id`` (an id or a list: chat models list their end of a
+    turn there, and ran on past it to ``max_new_tokens``) and the tokenizer's."""
+    config = getattr(module, "generation_config", None)
+    declared = getattr(config, "eos_token_id", None)
+    ids = declared if isinstance(declared, list | tuple) else [declared]
+    ids = [*ids, getattr(tokenizer, "eos_token_id", None)]
+    return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
+
+
+def generated(tokenizer: Any, new: list[int], eos: frozenset[int], *, prompt_tokens: int,
               cached_tokens: int, runs: int) -> dict[str, Any]:
     """A generation's result, the same fields for a lone call and for a batch's row
-    (which adds ``shared_tokens``); ``eos`` None when it was not to stop there."""
+    (which adds ``shared_tokens``); ``eos`` empty when it was not to stop there."""
     return {"text": tokenizer.decode(new, skip_special_tokens=True), "tokens": len(new),
             "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens,
-            "stopped": "eos" if eos is not None and new and new[-1] == eos else "length",
+            "stopped": "eos" if new and new[-1] in eos else "length",
             "runs": runs}
 
 
@@ -433,7 +444,7 @@ def sampled(logits: Any, temperature: float, seed: int, position: int, generator
     return int(torch.multinomial(probs, 1, generator=seeded(generator, seed, position)))
 
 
-def decode_steps(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
+def decode_steps(module: Any, input_ids: Any, max_new_tokens: int, eos: frozenset[int],
                  temperature: float, seed: int, progress: dict[str, Any],
                  active: runtime.ActiveTask | None, prefix: kvreuse.PromptPrefix, *,
                  model: str) -> None:
@@ -451,7 +462,7 @@ def decode_steps(module: Any, input_ids: Any, max_new_tokens: int, eos: int | No
             f"{len(progress['new'])} of {max_new_tokens} new tokens") from None
 
 
-def _decode(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
+def _decode(module: Any, input_ids: Any, max_new_tokens: int, eos: frozenset[int],
             temperature: float, seed: int, progress: dict[str, Any],
             active: runtime.ActiveTask | None, prefix: kvreuse.PromptPrefix) -> None:
     import torch
@@ -487,7 +498,7 @@ def _decode(module: Any, input_ids: Any, max_new_tokens: int, eos: int | None,
                 if "first_token_ms" not in progress \
                         and (first := firsttoken.mark()) is not None:
                     progress["first_token_ms"] = first  # kept across a yield
-                if eos is not None and token == eos:
+                if token in eos:
                     return
                 ids = torch.tensor([[token]], device=input_ids.device)
                 mask = torch.cat([mask, torch.ones_like(ids)], dim=1)

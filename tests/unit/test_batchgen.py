@@ -293,7 +293,7 @@ def test_a_row_leaves_the_batch_at_its_end_of_sequence_token(lm: Any) -> None:
     tokenizer = inference.tokenizer_of(lm, lm.key)
     prompt = tokenizer(ROWS[1][0])["input_ids"]
     progress: dict[str, Any] = {"new": [], "runs": 1}
-    inference.decode_steps(lm.module, torch.tensor([prompt]), 7, None, 1.5, ROWS[1][3],
+    inference.decode_steps(lm.module, torch.tensor([prompt]), 7, frozenset(), 1.5, ROWS[1][3],
                            progress, None, kvreuse.PromptPrefix.looked_up(None, lm.key, prompt),
                            model=lm.key)
     ids = progress["new"]
@@ -498,3 +498,38 @@ def test_rows_that_fit_unshared_are_not_failed_by_a_wider_shared_layout(lm: Any)
         assert not isinstance(out, Exception), out
         assert out["text"] == inference.generate(lm, prompt, max_new_tokens=4,
                                                  stop_at_eos=False)["text"]
+
+
+def test_a_row_stops_at_the_end_tokens_the_model_s_generation_config_lists(lm: Any) -> None:
+    """(only the tokenizer's EOS was looked at: a chat model's end-of-turn tokens, listed
+    in its generation_config as transformers' generate reads them, were run past to
+    max_new_tokens)"""
+    import torch
+
+    tokenizer = inference.tokenizer_of(lm, lm.key)
+    greedy = tokenizer(ROWS[2][0])["input_ids"]
+    first = int(lm.module.generate(torch.tensor([greedy]), max_new_tokens=1, do_sample=False,
+                                   pad_token_id=tokenizer.eos_token_id)[0, -1])
+    sampled = tokenizer(ROWS[1][0])["input_ids"]
+    progress: dict[str, Any] = {"new": [], "runs": 1}
+    inference.decode_steps(lm.module, torch.tensor([sampled]), 7, frozenset(), 1.5,
+                           ROWS[1][3], progress, None,
+                           kvreuse.PromptPrefix.looked_up(None, lm.key, sampled), model=lm.key)
+    ids = progress["new"]
+    end = next(t for i, t in enumerate(ids) if i >= 2 and t not in ids[:i] and t != first)
+    config = lm.module.generation_config
+    was = config.eos_token_id
+    config.eos_token_id = [tokenizer.eos_token_id, first, end]
+    try:
+        got, each, _ = rows_batch(lm, stop_at_eos=True)
+        reference = lm.module.generate(torch.tensor([greedy]), max_new_tokens=4,
+                                       do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    finally:
+        config.eos_token_id = was
+    # the greedy row ends at its first token, as transformers' generate does
+    assert got[2]["stopped"] == "eos" and got[2]["tokens"] == 1
+    assert reference.shape[1] == len(greedy) + 1
+    # the sampled row at the listed token, part way
+    assert got[1]["stopped"] == "eos" and got[1]["tokens"] == ids.index(end) + 1 < 7
+    for out, one in zip(got, each, strict=True):
+        assert out == {**one, "shared_tokens": 0}
