@@ -71,8 +71,10 @@ def check_texts(texts: Any) -> list[str]:
 def check_context(model: str, prompt_tokens: int, max_new_tokens: int,
                   limit: int | None) -> None:
     """:class:`ContextTooLong` when the prompt and the new tokens pass the model's
-    positions (``limit``, None: no limit known)."""
-    if limit is not None and prompt_tokens + max_new_tokens > limit:
+    positions (``limit``, None: no limit known). The last new token is never fed back
+    through the model, so it takes no position (a 256-token prompt on 256 positions
+    still gets its one new token, as from transformers' ``generate``)."""
+    if limit is not None and prompt_tokens + max_new_tokens - 1 > limit:
         raise ContextTooLong(f"prompt of {prompt_tokens} tokens + max_new_tokens "
                              f"{max_new_tokens} exceeds model {model!r}'s {limit} positions")
 

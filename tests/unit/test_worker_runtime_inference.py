@@ -190,6 +190,24 @@ def test_generate_refuses_a_context_longer_than_the_model(lm: Any) -> None:
         inference.generate(lm, "the queue", max_new_tokens=64)
 
 
+def test_the_last_new_token_takes_no_position(lm: Any) -> None:
+    """(the last new token is never fed back: a prompt with room for all but it was
+    refused, as transformers' generate serves it)"""
+    tokenizer = inference.tokenizer_of(lm, lm.key)
+    prompt = "the queue"
+    most = 64 + 1 - len(tokenizer(prompt)["input_ids"])
+    assert inference.generate(lm, prompt, max_new_tokens=most, stop_at_eos=False)[
+        "tokens"] == most
+    rows = batchgen.generate_calls(lm, [
+        batched.Call("a", (prompt, most), {"stop_at_eos": False}),
+        batched.Call("b", ("the worker", 3), {"stop_at_eos": False}),
+        batched.Call("c", (prompt, most + 1), {"stop_at_eos": False})])
+    assert rows[0]["tokens"] == most and rows[1]["tokens"] == 3
+    assert isinstance(rows[2], ContextTooLong)
+    with pytest.raises(ContextTooLong, match=f"max_new_tokens {most + 1} exceeds"):
+        inference.generate(lm, prompt, max_new_tokens=most + 1)
+
+
 class StopsAt(rt.ActiveTask):
     """An active task whose soft limit arrives before step ``at``."""
 
