@@ -27,7 +27,14 @@ from sits_queue.broker.keys import QueueKeys, queues_registry, registered_queues
 from sits_queue.config import SitsConfig, check_redis_url, redacted
 from sits_queue.embedded import resolve_redis_url
 from sits_queue.errors import SitsError
-from sits_queue.status import format_status, json_safe, queue_status, stray_lists, workers_status
+from sits_queue.status import (
+    format_status,
+    json_safe,
+    printable,
+    queue_status,
+    stray_lists,
+    workers_status,
+)
 
 
 def _redis_url() -> str:
@@ -299,10 +306,14 @@ def dead_list(queue: str | None, limit: int, as_json: bool) -> None:
             click.echo(f"{name}: dead letters not readable (a key of another program's?): "
                        f"{entry['error']}")
             continue
-        click.echo(f"{name}: {entry['total']} dead letter(s), oldest first")
+        click.echo(f"{printable(name)}: {entry['total']} dead letter(s), oldest first")
         for row in entry["oldest"]:
-            click.echo(f"  {row['id']}  {row['task']}[{row['task_id']}]  {row['age_s']} s ago"
-                       f"  {row['reason']}")
+            # (one line each, escaped: a producer's newline split a record, and its
+            # terminal escapes reached the terminal)
+            age = "?" if row["age_s"] is None else f"{row['age_s']} s ago"
+            click.echo(f"  {printable(row['id'])}  {printable(row['task'] or '?')}"
+                       f"[{printable(row['task_id'] or '?')}]  {age}"
+                       f"  {printable(row['reason'])}")
 
 
 def _chosen(client: redis.Redis, key: str, ids: tuple[str, ...], every: bool

@@ -19,7 +19,7 @@ import pytest
 import redis
 from celery import Celery
 
-from sits_queue.broker.keys import QueueKeys
+from sits_queue.broker.keys import QueueKeys, queues_registry
 from sits_queue.procs import CeleryProcess
 from tests.integration.conftest import ROOT
 from tests.waiting import wait_for
@@ -280,6 +280,21 @@ def test_dead_letters_are_listed_requeued_and_dropped(
     missing = sitsq("dead", "list", "nope", env=env)
     assert missing.returncode != 0 and "no queue 'nope'" in missing.stderr
     assert sitsq("dead", "drop", "celery", env=env).returncode != 0  # ids or --all
+
+
+def test_a_dead_letter_is_listed_on_one_escaped_line(
+        client_app: Celery, redis_url: str, redis_client: redis.Redis) -> None:
+    """(a producer's newline in a reason split its record over lines, and its terminal
+    escapes reached the terminal; a record with no time or task read '?[None]  None s')"""
+    keys = QueueKeys.for_queue("celery")
+    redis_client.sadd(queues_registry(""), "celery")
+    redis_client.hset(keys.dead, "odd", json.dumps({"reason": "bad\nline \x1b[31mred",
+                                                     "payload": "{"}))
+    out = sitsq("dead", "list", "celery", env={**os.environ, "SITS_REDIS_URL": redis_url})
+    assert out.returncode == 0, out.stderr
+    (row,) = [line for line in out.stdout.splitlines() if line.startswith("  ")]
+    assert "bad\\nline \\x1b[31mred" in row and "\x1b" not in out.stdout
+    assert "None" not in row and "?[?]  ?" in row
 
 
 def test_dead_letter_commands_name_what_is_not_there(
