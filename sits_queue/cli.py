@@ -65,6 +65,9 @@ class _Sitsq(click.Group):
             return super().invoke(ctx)
         except SitsError as exc:
             raise click.ClickException(str(exc)) from exc
+        except redis.AuthenticationError as exc:  # (a ConnectionError: it was reached)
+            raise click.ClickException(f"Redis{_at(ctx)} refused the login: {exc}"
+                                       f"{_auth_hint(exc)}") from exc
         except (redis.ConnectionError, redis.TimeoutError, OperationalError) as exc:
             # redis-py's message names the host and port (or the auth failure), not always
             # (a TLS handshake with a plain server: "Timeout connecting to server"); kombu

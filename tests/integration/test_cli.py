@@ -20,6 +20,7 @@ import redis
 from celery import Celery
 
 from sits_queue.broker.keys import QueueKeys, queues_registry
+from sits_queue.embedded import EmbeddedRedis
 from sits_queue.procs import CeleryProcess
 from tests.integration.conftest import ROOT
 from tests.waiting import wait_for
@@ -112,6 +113,17 @@ def test_status_reports_an_unreachable_redis_clearly() -> None:
     out = sitsq("status", env={**os.environ, "SITS_REDIS_URL": "redis://127.0.0.1:1/0"})
     assert out.returncode != 0
     assert "cannot reach Redis" in out.stderr
+
+
+def test_status_says_a_wrong_password_was_refused_not_unreachable(tmp_path: Path) -> None:
+    """(the server answered and refused the login: "cannot reach Redis" sent users to
+    look at the network)"""
+    with EmbeddedRedis(tmp_path / "redis", password="s3cret-right") as server:
+        wrong = server.url.replace("s3cret-right", "s3cret-wrong")
+        out = sitsq("status", env={**os.environ, "SITS_REDIS_URL": wrong})
+    assert out.returncode != 0 and "refused the login" in out.stderr, out.stderr
+    assert "cannot reach" not in out.stderr and "right password" in out.stderr
+    assert "s3cret" not in out.stderr  # (the password is masked)
 
 
 def test_embedded_default_starts_reuses_and_stops(tmp_path: Path) -> None:
