@@ -345,7 +345,8 @@ class SitsConfig:
             raise ConfigError(str(exc)) from exc
         # No bound against the longest run time: workers heartbeat the messages they hold.
         if self.visibility_timeout_s <= 3:
-            raise ConfigError("visibility_timeout_s must be > 3 s (heartbeat every third)")
+            raise ConfigError(f"visibility_timeout_s must be > 3 s (heartbeat every third), "
+                              f"got {self.visibility_timeout_s:g}")
 
     def _check_priority_range(self) -> None:
         """Queue scores hold a priority up to ``PRIORITY_CEILING`` (~8.9e6): past it every

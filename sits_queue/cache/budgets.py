@@ -104,8 +104,10 @@ def parse_bytes(key: str, raw: str) -> int:
     except (KeyError, ValueError):
         raise ConfigError(f"{key}={raw!r} is not a number of bytes (say 8GiB, 512MB or "
                           "65536)") from None
-    if not math.isfinite(value) or value < 0 or value >= 2**63:
+    if not math.isfinite(value) or value < 0:
         raise ConfigError(f"{key}={raw!r} must be a finite number of bytes >= 0")
+    if value >= 2**63:
+        raise ConfigError(f"{key}={raw!r} is too large: at most 8 EiB (2**63 - 1 bytes)")
     return int(value)
 
 

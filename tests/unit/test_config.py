@@ -35,6 +35,7 @@ CLASS = {"name": "a", "cpu_cores": 1, "vram_gib": 1, "max_run_s": 1, "weight": 1
     ("SITS_PREWARM_INTERVAL_S", "1e14", r"prewarm_interval_s must be at most 3.1536e\+07 s"),
     ("SITS_PREWARM_TIME_LIMIT_S", "0", r"prewarm_time_limit_s must be a positive number"),
     ("SITS_VISIBILITY_TIMEOUT_S", "1e300", "visibility_timeout_s must be at most"),
+    ("SITS_VISIBILITY_TIMEOUT_S", "2.5", r"must be > 3 s \(heartbeat every third\), got 2.5"),
     ("SITS_HOST_POOL_TTL_S", "inf", "host_pool_ttl_s"),
     ("SITS_DEAD_LETTER_TTL_S", "-5", r"dead_letter_ttl_s must be >= 0 s \(0: kept\)"),
     ("SITS_DEAD_LETTER_TTL_S", "two weeks", "SITS_DEAD_LETTER_TTL_S"),
@@ -344,3 +345,15 @@ def test_a_key_prefix_channels_or_hash_tags_would_misread_is_refused(prefix: str
 @pytest.mark.parametrize("prefix", ["", "a:", "tenant-a:", "sits-demo:", "team.one/x:"])
 def test_an_ordinary_key_prefix_is_taken(prefix: str) -> None:
     assert SitsConfig(global_keyprefix=prefix).global_keyprefix == prefix
+
+
+@pytest.mark.parametrize(("raw", "said"), [
+    ("inf", "must be a finite number of bytes"), ("-1GiB", "must be a finite number"),
+    ("99999999999999999999999999GiB", r"is too large: at most 8 EiB"),
+    ("lots", "is not a number of bytes")])
+def test_a_cache_size_out_of_range_says_which_way(raw: str, said: str) -> None:
+    """(a size past 8 EiB was called not finite)"""
+    from sits_queue.cache.budgets import parse_bytes
+
+    with pytest.raises(ConfigError, match=rf"SITS_DEVICE_CACHE_BYTES=.*{said}"):
+        parse_bytes("SITS_DEVICE_CACHE_BYTES", raw)
