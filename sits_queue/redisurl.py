@@ -42,6 +42,9 @@ BACKEND_SETTINGS = {
     "health_check_interval": "redis_backend_health_check_interval",
     "max_connections": "redis_max_connections",
 }
+#: Yes/no query options, and the words redis-py and Celery both read the same way.
+_URL_FLAGS = frozenset({"socket_keepalive", "retry_on_timeout"})
+_FLAG_WORDS = frozenset({"1", "true", "yes", "0", "false", "no"})
 #: A ``rediss://`` URL's TLS options, which kombu and Celery read from the URL.
 TLS_OPTIONS = frozenset({"ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile"})
 #: What a ``rediss://`` URL's ``ssl_cert_reqs`` may say (Celery's backend requires it).
@@ -169,6 +172,13 @@ def check_redis_url(url: str, what: str = "redis_url", celery: bool = True) -> s
         if key in TLS_OPTIONS - {"ssl_cert_reqs"} and not os.access(path, os.R_OK):
             state = "is not a readable file" if os.path.exists(path) else "does not exist"
             raise ConfigError(f"{what} {shown}: {key} {path} {state}")
+    for key, word in parse_qsl(parts.query):
+        # redis-py reads any value but 0/f/false/n/no as true, this module's reading for
+        # Celery's backend only 1/true/yes/on: "off" or "maybe" meant one to the broker's
+        # connections and the other to the backend's
+        if key in _URL_FLAGS and word.strip().lower() not in _FLAG_WORDS:
+            raise ConfigError(f"{what} {shown}: {key} must be true or false (1/0, yes/no), "
+                              f"got {checks.shown(word)}")
     import redis  # (a light import; redis is loaded anyway)
 
     try:  # its query options: ?socket_timeout=5s, ?db=abc or ?foo=1 raised at first use

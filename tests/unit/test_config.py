@@ -30,6 +30,11 @@ CLASS = {"name": "a", "cpu_cores": 1, "vram_gib": 1, "max_run_s": 1, "weight": 1
     # an option redis-py cannot read (raised at the first connection, a traceback)
     ("SITS_REDIS_URL", "redis://127.0.0.1:6379/0?socket_timeout=5s", "'socket_timeout'"),
     ("SITS_REDIS_URL", "redis://127.0.0.1:6379/0?db=abc", "Invalid value for 'db'"),
+    # (redis-py read "off" as true, Celery's backend settings as false)
+    ("SITS_REDIS_URL", "redis://127.0.0.1:6379/0?socket_keepalive=off",
+     "socket_keepalive must be true or false"),
+    ("SITS_REDIS_URL", "redis://127.0.0.1:6379/0?retry_on_timeout=maybe",
+     "retry_on_timeout must be true or false"),
     ("SITS_HOST_POOL_TTL_S", "-1", "host_pool_ttl_s must be >= 0"),
     # past a year: a typo, and past ~1e9 s a timedelta or a wait's timeout overflowed
     ("SITS_PREWARM_INTERVAL_S", "1e14", r"prewarm_interval_s must be at most 3.1536e\+07 s"),
