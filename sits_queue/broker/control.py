@@ -12,7 +12,7 @@ and changed nothing. This one says so, and where limits are set.
 ``autoscale``: Celery's, up to the pool size the worker planned its devices, cores and
 caches for at start (``--autoscale``'s maximum): more children would share the planned
 slots' devices and memory budgets past what they hold. Asked for more, it sets that and
-says so.
+says so; ``pool_grow`` alike.
 
 ``conf`` and ``stats``: Celery's, with the credentials of every URL in them masked.
 Celery masks its own settings' (``broker_url``, a backend's) but not
@@ -32,6 +32,7 @@ from sits_queue.errors import InvalidQueueName
 
 _celery_add_consumer = celery_control.add_consumer
 _celery_autoscale = celery_control.autoscale
+_celery_pool_grow = celery_control.pool_grow
 _celery_conf = celery_control.conf
 _celery_stats = celery_control.stats
 
@@ -57,21 +58,54 @@ def time_limit(state: Any, task_name: Any = None, hard: Any = None, soft: Any = 
 
 def autoscale(state: Any, max: Any = None, min: Any = None) -> Any:
     """Modify autoscale settings."""
+    return _autoscale(state, max, min)
+
+
+def _autoscale(state: Any, most: Any, least: Any) -> Any:
+    """``autoscale`` with both bounds capped to the planned pool: a minimum above the
+    plan grew the pool past it as a maximum would; and a minimum above the maximum is
+    refused (Celery took it, and grew to it)."""
     from sits_queue.workers import runtime
 
     planned = runtime.plan().slots
-    asked = max
-    if max is not None and planned > 0 and int(max) > planned:
-        max = planned
-        if min is not None and int(min) > planned:
-            min = planned
-    reply = _celery_autoscale(state, max, min)
-    if asked is not None and max != asked and isinstance(reply, dict) and "ok" in reply:
+    asked = {"max": most, "min": least}
+    if most is not None and least is not None and int(least) > int(most):
+        return celery_control.nok(f"autoscale: min={least} is above max={most}")
+    if planned > 0:
+        most = None if most is None else min(int(most), planned)
+        least = None if least is None else min(int(least), planned)
+    reply = _celery_autoscale(state, most, least)
+    capped = [f"{name}={value}" for name, value in asked.items()
+              if value is not None and int(value) > planned > 0]
+    if capped and isinstance(reply, dict) and "ok" in reply:
         reply = celery_control.ok(
-            f"{reply['ok']} (asked max={asked}: this worker planned its devices, cores "
-            f"and caches for {planned} processes at start; restart it with "
-            f"--autoscale={asked},... for more)")
+            f"{reply['ok']} (asked {', '.join(capped)}: {_PLANNED.format(planned)}; "
+            f"restart it with --autoscale={asked['max'] or asked['min']},... for more)")
     return reply
+
+
+#: Why a pool does not grow past its plan, in a control command's reply.
+_PLANNED = "this worker planned its devices, cores and caches for {} processes at start"
+
+
+def pool_grow(state: Any, n: Any = 1, **kwargs: Any) -> Any:
+    """Grow pool by n processes/threads."""
+    from sits_queue.workers import runtime
+
+    planned = runtime.plan().slots
+    pool = state.consumer.pool
+    if state.consumer.controller.autoscaler or planned <= 0:
+        return _celery_pool_grow(state, n, **kwargs)
+    room = planned - int(pool.num_processes)
+    if room <= 0:
+        return celery_control.nok(f"pool not grown: it runs {pool.num_processes} processes "
+                                  f"and {_PLANNED.format(planned)} (more would share their "
+                                  "devices and memory budgets); restart it with -c N for more")
+    grown = _celery_pool_grow(state, min(int(n), room), **kwargs)
+    if int(n) > room and isinstance(grown, dict) and "ok" in grown:
+        grown = celery_control.ok(f"{grown['ok']} by {room} of the {n} asked "
+                                  f"({_PLANNED.format(planned)})")
+    return grown
 
 
 def conf(state: Any, with_defaults: bool = False, **kwargs: Any) -> Any:
@@ -89,6 +123,7 @@ def register() -> None:
     Celery's own, with their arguments and help (the registry is process-wide;
     idempotent)."""
     for name, command in (("add_consumer", add_consumer), ("time_limit", time_limit),
-                          ("autoscale", autoscale), ("conf", conf), ("stats", stats)):
+                          ("autoscale", autoscale), ("pool_grow", pool_grow),
+                          ("conf", conf), ("stats", stats)):
         meta = celery_control.Panel.meta[name]
         celery_control.Panel._register(name=name, **meta._asdict())(command)

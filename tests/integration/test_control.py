@@ -296,24 +296,36 @@ def test_rpc_result_queues_leave_nothing_behind(tmp_path: Path, redis_url: str,
         worker.stop(timeout_s=10)
 
 
-def test_a_pool_grown_by_remote_control_is_advertised_at_its_size(
+def test_a_pool_grown_by_remote_control_is_advertised_at_its_size_up_to_the_plan(
         spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
     """(status, /metrics and the warm reader kept the start's size: the added child's
-    record, its warm engines, were never read)"""
+    record, its warm engines, were never read; and a pool grown past the size it planned
+    at start put a child on another's cores and device, with "pool will grow")"""
     from sits_queue.workers import advertise
 
-    worker = spawn(concurrency=1)
+    worker = spawn(concurrency=2)
 
     def advertised() -> object:
         record = advertise.read_worker(redis_client, "", worker.hostname)
         return None if record is None else record["concurrency"]
 
-    wait_for(lambda: advertised() == 1, 30, "the worker's advertisement")
-    (reply,) = client_app.control.pool_grow(1, destination=[worker.hostname], reply=True,
-                                            timeout=5)
-    assert "ok" in reply[worker.hostname], reply
+    def control(command: str, n: int) -> dict[str, str]:
+        (reply,) = getattr(client_app.control, command)(
+            n, destination=[worker.hostname], reply=True, timeout=5)
+        return dict(reply[worker.hostname])
+
+    wait_for(lambda: advertised() == 2, 30, "the worker's advertisement")
+    assert "ok" in control("pool_shrink", 1)
+    wait_for(lambda: advertised() == 1, 30, "the shrunk pool's size advertised")
+    grown = control("pool_grow", 3)
+    assert grown.get("ok", "").endswith("by 1 of the 3 asked (this worker planned its "
+                                        "devices, cores and caches for 2 processes at "
+                                        "start)"), grown
     wait_for(lambda: advertised() == 2, 30, "the grown pool's size advertised")
+    refused = control("pool_grow", 1)
+    assert "pool not grown: it runs 2 processes" in refused.get("error", ""), refused
     assert client_app.tasks["w.add"].delay(1, 2).get(timeout=30) == 3
+    assert advertised() == 2
 
 
 def test_a_pool_shrunk_by_remote_control_is_advertised_by_its_childrens_slots(
@@ -394,3 +406,11 @@ def test_autoscale_set_remotely_is_followed_up_to_the_planned_pool(
     said = autoscale(6, 1)
     assert said.startswith("autoscale now max=3 min=1 (asked max=6: this worker planned")
     assert "--autoscale=6," in said
+    # and so is a minimum past the plan (it grew the pool to it); one above the maximum
+    # is refused
+    said = autoscale(6, 5)
+    assert said.startswith("autoscale now max=3 min=3 (asked max=6, min=5: this worker "
+                           "planned")
+    (reply,) = client_app.control.autoscale(2, 3, destination=[worker.hostname],
+                                            reply=True, timeout=5)
+    assert reply[worker.hostname] == {"error": "autoscale: min=3 is above max=2"}
