@@ -117,6 +117,22 @@ def test_a_state_redis_cannot_decode_as_it_stands_is_replaced(
     assert stored(redis_client, app, "t-u")["status"] == "FAILURE"
 
 
+def test_a_state_is_read_from_where_celery_writes_it_not_decoded_whole(
+        app: Celery, redis_client: redis.Redis) -> None:
+    """(a record was decoded whole to read its status: with result_extended it holds the
+    task's arguments, 100 MB of which held all of Redis ~0.9 s at each state write; and
+    arguments nested past what cjson reads, holding a SUCCESS record (a chain passes
+    results on), made a STARTED read as one: the task's outcome was never stored)"""
+    nested = "[" * 1100 + '{"status": "SUCCESS"}' + "]" * 1100
+    key = app.backend.get_key_for_task("t-d")
+    redis_client.set(key, f'{{"status": "STARTED", "args": {nested}, "task_id": "t-d"}}')
+    app.backend.mark_as_done("t-d", "done")
+    assert stored(redis_client, app, "t-d")["result"] == "done"
+    # (and a SUCCESS written so is kept)
+    app.backend.mark_as_failure("t-d", RuntimeError("late failure"))
+    assert stored(redis_client, app, "t-d")["status"] == "SUCCESS"
+
+
 def test_other_states_replace_each_other(app: Celery, redis_client: redis.Redis) -> None:
     app.backend.store_result("t-4", {"pid": 3}, states.STARTED)
     app.backend.mark_as_retry("t-4", RuntimeError("flaky"))
