@@ -43,6 +43,12 @@ def check_delivery(name: str, options: Mapping[str, Any]) -> None:
             _iso_time(name, "expires", expires)
         else:
             _seconds_from_now(name, "expires", expires)
+    headers = options.get("headers")
+    if isinstance(headers, Mapping) and "id" in headers and headers["id"] != task_id:
+        # (Celery lays a call's headers over its own: the message ran, or was dead-
+        # lettered, under that id, and the caller's get() waited for good on another)
+        raise InvalidTaskOptions(f"task {name}: headers cannot set Celery's task id "
+                                 f"('id': {shown(headers['id'])}); give task_id= instead")
     queue = options.get("queue")
     if queue is not None and not (isinstance(queue, Queue)
                                   or (isinstance(queue, str) and queue)):

@@ -215,6 +215,10 @@ def test_a_batch_key_past_its_length_is_refused_at_submission() -> None:
     ({"eta": "tomorrow"}, "eta must be a datetime or its ISO 8601 text, got 'tomorrow'"),
     ({"eta": 12}, "eta must be a datetime or its ISO 8601 text, got 12"),
     ({"queue": 5}, "queue must be a queue's name or a kombu Queue, got 5"),
+    # (Celery lays them over its own: the message ran under that id, get() waited for good)
+    ({"headers": {"id": 5}}, r"headers cannot set Celery's task id \('id': 5\); give "
+                             r"task_id= instead"),
+    ({"headers": {"id": "x"}, "task_id": "y"}, "headers cannot set Celery's task id"),
 ])
 def test_celerys_delivery_options_are_checked_before_anything_is_sent(
         options: dict[str, object], said: str) -> None:
@@ -235,7 +239,8 @@ def test_celerys_delivery_options_are_checked_before_anything_is_sent(
 
 
 @pytest.mark.parametrize("options", [
-    {"task_id": "mine-1"}, {"countdown": 10}, {"countdown": -3.5}, {"countdown": 0},
+    {"task_id": "mine-1"}, {"task_id": "mine-2", "headers": {"id": "mine-2", "x": 1}},
+    {"countdown": 10}, {"countdown": -3.5}, {"countdown": 0},
     {"eta": datetime(2030, 1, 1, tzinfo=timezone.utc)}, {"eta": "2030-01-01T00:00:00+00:00"},
     {"expires": 60}, {"expires": datetime(2030, 1, 1)}, {"expires": "2030-01-01T00:00:00"},
     {"queue": "elsewhere"}, {"queue": Queue("elsewhere")},
