@@ -482,6 +482,9 @@ class SitsCelery(Celery):  # type: ignore[misc]
             # hard one were sent as given); apply_async's own pair holds already
             apply_class_limits(self.tasks.get(name), config, opts.sla_class, options,
                                self.conf)
+            if SUBMITTED_AT not in headers:  # (a retry's keeps the first submission's)
+                # (without it the task's latency went unrecorded in its class's stats)
+                options["headers"] = {**headers, SUBMITTED_AT: time.time()}
             return super().send_task(name, args, kwargs, **options)
         routed_options(self, name, args, kwargs, options)
         config = sits_config(self)

@@ -455,6 +455,9 @@ def test_every_publish_path_carries_and_checks_the_sits_options(
     assert got["('by hand',)"]["timelimit"] == [10, 8]
     assert got["('hand-made async',)"]["sits"]["sla_class"] == "high"
     assert got["('hand-made async',)"]["timelimit"] == [45, 36]
+    # every path stamps the submission time (the class stats' latency: a hand-made
+    # header's tasks had none)
+    assert all(isinstance(h.get("sits_submitted_at"), float) for h in got.values())
     assert len(got) == 5
 
 
