@@ -560,6 +560,12 @@ def connect(app: Celery) -> None:
         if current_app._get_current_object() is app:
             init_child(app, int(getattr(current_process(), "index", 0) or 0))
 
+    def on_postrun(**_: Any) -> None:
+        # Between tasks the signal is ignored: a timer overdue in a parent whose loop was
+        # blocked (a Redis outage) fired after its task ended, and the idle child died
+        # of the SoftTimeLimitExceeded raised in the pool's own loop.
+        softsignal.mute()
+
     def on_prerun(sender: Any = None, task: Any = None, **_: Any) -> None:
         softsignal.restore()
         rt = _child
@@ -579,6 +585,7 @@ def connect(app: Celery) -> None:
     signals.celeryd_after_setup.connect(on_after_setup, weak=False)
     signals.worker_process_init.connect(on_process_init, weak=False)
     signals.task_prerun.connect(on_prerun, weak=False)
+    signals.task_postrun.connect(on_postrun, weak=False)
     childgc.connect()
     from sits_queue.workers.planstep import PlanStep
 

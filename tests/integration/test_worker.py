@@ -605,3 +605,27 @@ def test_a_worker_told_to_consume_a_queue_no_sits_queue_can_be_says_so_in_one_li
     log = refusal(start_worker(APP_MODULE, worker_env(redis_url), tmp_path, concurrency=1,
                                queues="jobs{1}", cwd=ROOT), "the queue")
     assert "Error: queue name 'jobs{1}' must not contain braces: rename it" in log, log[-2000:]
+
+
+def test_a_soft_limit_overdue_after_its_task_ended_leaves_the_idle_child_alone(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(a parent whose loop was blocked past a task's soft limit, a Redis outage, fired
+    the timer once it went on: the signal reached the child after its task had ended,
+    and the idle child died of the SoftTimeLimitExceeded raised in the pool's loop)"""
+    worker = spawn(concurrency=1)
+    parent = psutil.Process(worker.pid)
+    (child,) = parent.children()
+    result = client_app.tasks["w.slow"].apply_async(("quick", 0.5), soft_time_limit=2,
+                                                    time_limit=30)
+    wait_for(lambda: redis_client.llen("test:started") == 1, 30, "the task to start")
+    # Given the parent stopped while its child ends the task and stores the result...
+    parent.suspend()
+    try:
+        assert result.get(timeout=30) == "quick"
+        time.sleep(2.5)  # ...past the soft limit, whose timer is the parent's
+    finally:
+        parent.resume()
+    # When the parent goes on (the overdue timer fires), the same child serves on
+    assert client_app.tasks["w.add"].delay(2, 3).get(timeout=30) == 5
+    assert child.is_running() and parent.children() == [child]
+    assert "SoftTimeLimitExceeded" not in worker.log(), worker.log()[-3000:]
