@@ -61,7 +61,11 @@ def celery_settings(config: SitsConfig) -> dict[str, Any]:
         **redisurl.backend_settings(connection),
         "result_backend_transport_options": {"global_keyprefix": prefix},
         "result_expires": timedelta(days=1),
-        "result_extended": True,
+        # Celery's default: results without the task's arguments. Extended ones kept a
+        # copy of them with each state for result_expires (100 MB of arguments: 112 MB of
+        # Redis for a day), published each to the caller's subscription past Redis's
+        # pub/sub output limit. An app that wants AsyncResult.args sets it.
+        "result_extended": False,
         # A result store that meets a Redis restart retries instead of failing a task
         # whose body already succeeded.
         "result_backend_always_retry": True,

@@ -33,7 +33,7 @@ ENV_URL = "SITS_DISPATCH_REDIS_URL"
 GUARANTEES: dict[str, Any] = {
     "task_acks_late": True, "task_reject_on_worker_lost": True,
     "worker_prefetch_multiplier": 1, "task_track_started": True,
-    "worker_send_task_events": True, "result_extended": True,
+    "worker_send_task_events": True,
 }
 
 
