@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 RECHECK_S = 1.0
 #: Fewest entries the re-read deque holds before it is pruned.
 PRUNE_LEAST = 1024
+#: Pause between reconnects while Redis stays away, s (a wait's timeout, if shorter).
+RECONNECT_PAUSE_S = 1.0
 #: Most task ids remembered as told of their final state.
 TOLD_MOST = 100_000
 
@@ -76,12 +78,15 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
         self._prune_at = PRUNE_LEAST
         #: Task ids whose final state was handed on (insertion order: oldest first).
         self._told: dict[str, None] = {}
+        #: Whether the pub/sub connection is to be made again (Redis was away).
+        self._reconnect_due = False
 
     def on_after_fork(self) -> None:
         self._unread = set()
         self._recheck = deque()
         self._prune_at = PRUNE_LEAST
         self._told = {}
+        self._reconnect_due = False
         super().on_after_fork()
 
     def on_state_change(self, meta: Any, message: Any) -> None:
@@ -124,6 +129,22 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
         with self._locked():
             self._recheck_later(list(self.subscribed_to))
 
+    def _reconnect(self) -> None:
+        """One try, not Celery's twenty a second apart: those held a ``get(timeout=5)``
+        ~20 s into an outage, then raised "Retry limit exceeded ... the Celery
+        application must be restarted" (it need not be). Redis still away, the
+        reconnect is tried again at each drain (:meth:`drain_events`), so a wait ends
+        at its timeout with Celery's ``TimeoutError`` and a wait without one goes on
+        until Redis is back and the result comes."""
+        try:
+            self._reconnect_pubsub()
+            self._reconnect_due = False
+        except self._connection_errors as exc:
+            if not self._reconnect_due:
+                logger.warning("result consumer: Redis unreachable (%s); reconnecting at "
+                               "each wait", exc)
+            self._reconnect_due = True
+
     def on_wait_for_pending(self, result: Any, timeout: Any = None, **kwargs: Any) -> None:
         # Celery's step reads the stored states of what is waited on, which is
         # subscribed by now (add_pending_result came first): not read a second time here.
@@ -134,6 +155,12 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
         self._read_ready(self._take_unread())
 
     def drain_events(self, timeout: float | None = None) -> None:
+        if self._reconnect_due:
+            self._reconnect()
+            if self._reconnect_due:  # (still away: the wait's own timeout decides)
+                time.sleep(RECONNECT_PAUSE_S if timeout is None
+                           else min(timeout, RECONNECT_PAUSE_S))
+                return
         self._read_ready(self._take_unread() + self._take_due())
         super().drain_events(timeout)
 

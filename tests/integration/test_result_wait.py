@@ -345,3 +345,46 @@ def test_reconnects_while_many_results_are_held_keep_subscribing_cheap(
         held.append(later_one)
         rebuilt += consumer._recheck is not before
     assert rebuilt <= 1
+
+
+def test_a_wait_through_a_redis_outage_ends_at_its_timeout_then_gets_the_result(
+        tmp_path: Any) -> None:
+    """(Celery's consumer reconnected with twenty tries a second apart: a get(timeout=3)
+    went on ~20 s into the outage, then raised "Retry limit exceeded ... the Celery
+    application must be restarted", which it need not be)"""
+    from celery.exceptions import TimeoutError as CeleryTimeout
+
+    from sits_queue.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path / "redis")
+    url = server.start()
+    port = server.port
+    app = make_app(SitsConfig(redis_url=url), main="result-outage")
+    try:
+        result = app.AsyncResult("t-outage")
+        with pytest.raises(CeleryTimeout):
+            result.get(timeout=0.2)  # subscribed, its consumer connected
+        errors: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                result.get(timeout=3)
+            except BaseException as exc:  # (what the wait ended with)
+                errors.append(exc)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        redis.Redis.from_url(url).save()
+        server.stop()  # while it waits
+        waiter.join(60)
+        assert not waiter.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], CeleryTimeout), errors
+        # Redis back: the same process gets the result
+        server = EmbeddedRedis(tmp_path / "redis", port=port)
+        server.start()
+        make_app(SitsConfig(redis_url=url), main="result-outage-worker").backend \
+            .mark_as_done("t-outage", 7)
+        assert result.get(timeout=30) == 7
+    finally:
+        app.close()
+        server.stop()
