@@ -345,3 +345,47 @@ def test_a_replacement_of_a_task_without_a_readable_class_gets_none(
         replacing: Any, header: Any) -> None:
     sig = replaced(replacing, header, replacing.tasks["u.plain"].s())
     assert "sla_class" not in sig.options
+
+
+@pytest.mark.parametrize(("conf", "declared", "call", "want"), [
+    # the task's soft limit past the app's hard one: settled by rank (the hard one rises)
+    ({"task_time_limit": 1}, {"soft_time_limit": 2}, {}, [2.5, 2.0]),
+    ({"task_time_limit": 1}, {"soft_time_limit": 2}, {"time_limit": 10}, [10.0, 2.0]),
+    ({"task_time_limit": 1}, {"soft_time_limit": 2}, {"time_limit": 10, "soft_time_limit": 3},
+     [10.0, 3.0]),
+    # the task's hard limit under the app's soft one: the soft one comes to its fraction
+    ({"task_soft_time_limit": 5}, {"time_limit": 4}, {}, [4.0, 3.2]),
+])
+def test_a_task_s_limit_against_the_app_s_is_sent_settled_by_rank(
+        conf: dict[str, float], declared: dict[str, float], call: dict[str, float],
+        want: list[float]) -> None:
+    """(Celery binds the app's setting to the task and refused the pair in apply_async,
+    "soft_time_limit must be less than or equal to time_limit", whatever the call gave:
+    the task could not be sent at all)"""
+    from kombu import Connection
+
+    app = make_app(SitsConfig(), main="limits-bound")
+    app.conf.update(conf)
+
+    @app.task(name="u.bound", shared=False, **declared)
+    def bound() -> None:
+        return None
+
+    sent: list[dict[str, Any]] = []
+    with Connection("memory://") as conn:
+        producer = conn.Producer()
+        producer.publish = lambda *a, **kw: sent.append(kw)  # no broker: what is sent
+        bound.apply_async(producer=producer, **call)
+    assert sent[0]["headers"]["timelimit"] == pytest.approx(want)
+
+
+def test_a_task_declaring_its_soft_limit_past_its_hard_one_is_refused_by_name() -> None:
+    app = make_app(SitsConfig(), main="limits-own")
+
+    @app.task(name="u.own", shared=False, soft_time_limit=5, time_limit=4)
+    def own() -> None:
+        return None
+
+    with pytest.raises(InvalidTaskOptions, match=r"u\.own's soft_time_limit 5 s must not "
+                                                 r"exceed u\.own's time_limit 4 s"):
+        own.delay()
