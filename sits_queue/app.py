@@ -45,7 +45,7 @@ from sits_queue.settings import celery_settings as celery_settings
 from sits_queue.settings import prewarm_schedule as prewarm_schedule
 from sits_queue.settings import sits_transport_options as sits_transport_options
 from sits_queue.timelimits import apply_class_limits as apply_class_limits
-from sits_queue.timelimits import fit_carried_limit
+from sits_queue.timelimits import fit_carried_limit, settle_bound_limits
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ class SitsTask(Task):  # type: ignore[misc]
             # set (made again from the task's defaults here, it was replaced unsaid:
             # {"sla_class": "high"} ran as medium, "nope" was taken). Keywords beside
             # one (a retry's, from the running task's) make the header afresh, below.
-            self._settle_bound_limits()
+            settle_bound_limits(self)
             return super().apply_async(args, kwargs, task_id, producer, link, link_error,
                                        shadow, **options)
         routed_options(self.app, self.name, args, kwargs, options)
@@ -219,24 +219,9 @@ class SitsTask(Task):  # type: ignore[misc]
         opts = call_options(self, config, options, self.app.conf, args, kwargs)
         options["headers"] = sits_headers(config, opts, options.pop("headers", None),
                                           time.time())
-        self._settle_bound_limits()
+        settle_bound_limits(self)
         return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow,
                                    **options)
-
-    def _settle_bound_limits(self) -> None:
-        """The call's limits are settled by rank (``timelimits``) and carried in its
-        options; Celery's ``apply_async`` still refuses a task whose own soft limit is
-        past its hard one, and Celery binds the app's ``task_time_limit`` to a task that
-        sets none: a task's ``soft_time_limit=2`` under an app's ``task_time_limit=1``
-        could not be sent at all ("soft_time_limit must be less than or equal to
-        time_limit", whatever the call gave). The app's value bound to the task is let go
-        (the app's setting is read from the app, ranked below the task's)."""
-        soft, hard = self.soft_time_limit, self.time_limit
-        if not (soft and hard and soft > hard):
-            return
-        for name in ("time_limit", "soft_time_limit"):
-            if getattr(self, name) == self.app.conf.get(f"task_{name}"):
-                setattr(self, name, None)
 
     def apply(self, args: Any = None, kwargs: Any = None, link: Any = None,
               link_error: Any = None, task_id: str | None = None, retries: int | None = None,

@@ -97,3 +97,19 @@ def fit_carried_limit(config: SitsConfig, options: dict[str, Any], old: Any,
     if options.get(other) is not None and (
             clash or options[other] == defaults[pair.index(other)]):
         options.pop(other)
+
+
+def settle_bound_limits(task: Task) -> None:
+    """The call's limits are settled by rank (:func:`apply_class_limits`) and carried in
+    its options; Celery's ``apply_async`` still refuses a task whose own soft limit is
+    past its hard one, and Celery binds the app's ``task_time_limit`` to a task that sets
+    none: a task's ``soft_time_limit=2`` under an app's ``task_time_limit=1`` could not
+    be sent at all ("soft_time_limit must be less than or equal to time_limit", whatever
+    the call gave). The app's value bound to the task is let go (the app's setting is
+    read from the app, ranked below the task's)."""
+    soft, hard = task.soft_time_limit, task.time_limit
+    if not (soft and hard and soft > hard):
+        return
+    for name in ("time_limit", "soft_time_limit"):
+        if getattr(task, name) == task.app.conf.get(f"task_{name}"):
+            setattr(task, name, None)
