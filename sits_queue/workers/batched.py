@@ -54,7 +54,15 @@ from kombu.serialization import loads, prepare_accept_content
 from sits_queue import tracing
 from sits_queue.errors import InferenceError, InvalidInput
 from sits_queue.exits import fail_exits
-from sits_queue.workers import acquire, advertise, inference, joins, metrics, runtime
+from sits_queue.workers import (
+    acquire,
+    advertise,
+    inference,
+    joins,
+    metrics,
+    runtime,
+    softsignal,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +119,10 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
     its capacity in rows and for how long it takes joins, s; the jobs that joined are
     returned after the batch's own, None for each it declined.
     """
+    # (a pool job of its own, not through Celery's tracer, whose task_prerun gives the
+    # soft-limit signal back: muted since the child's last task ended, it stayed so,
+    # and the batch's soft limit never fired)
+    softsignal.restore()
     began = time.monotonic()
     app = current_app._get_current_object()
     task = app.tasks[given[0][0]]
