@@ -22,6 +22,7 @@ Importing this module imports neither torch nor the engine backends.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -137,15 +138,61 @@ def _same_registration(a: ModelSpec, b: ModelSpec) -> bool:
 
 
 def _same_loader(a: Loader, b: Loader) -> bool:
+    """Whether two loaders are one registration made twice (a module imported twice):
+    the same code, and the same values it closes over or defaults to (a factory's
+    loaders for two paths share their code: the second was taken for the first, and
+    every task served the first model); a ``functools.partial`` by its function and
+    arguments."""
     if a is b or (isinstance(a, _PathLoader) and a == b):
         return True
+    if isinstance(a, functools.partial) or isinstance(b, functools.partial):
+        return (isinstance(a, functools.partial) and isinstance(b, functools.partial)
+                and _same_loader(a.func, b.func) and _same_values(a.args, b.args)
+                and _same_values(a.keywords, b.keywords))
     code_a, code_b = getattr(a, "__code__", None), getattr(b, "__code__", None)
     if code_a is None or code_b is None:
         return False
     return (getattr(a, "__qualname__", None) == getattr(b, "__qualname__", None)
             and code_a.co_filename == code_b.co_filename
             and code_a.co_firstlineno == code_b.co_firstlineno
-            and code_a.co_code == code_b.co_code and code_a.co_consts == code_b.co_consts)
+            and code_a.co_code == code_b.co_code and code_a.co_consts == code_b.co_consts
+            and _same_values(_cells(a), _cells(b))
+            and _same_values(getattr(a, "__defaults__", None),
+                             getattr(b, "__defaults__", None))
+            and _same_values(getattr(a, "__kwdefaults__", None),
+                             getattr(b, "__kwdefaults__", None)))
+
+
+def _cells(loader: Any) -> tuple[Any, ...]:
+    """The values a function closes over (an empty cell: a marker of its own)."""
+    out = []
+    for cell in getattr(loader, "__closure__", None) or ():
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:
+            out.append(_EMPTY_CELL)
+    return tuple(out)
+
+
+#: An empty closure cell's value in :func:`_cells`.
+_EMPTY_CELL = object()
+
+
+def _same_values(a: Any, b: Any) -> bool:
+    """Loader arguments alike: equal values, or the same object where a value has no
+    plain equality (a model object, an array), loaders compared as loaders."""
+    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
+        return len(a) == len(b) and all(_same_values(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_values(a[k], b[k]) for k in a)
+    if a is b:
+        return True
+    if callable(a) and callable(b):
+        return _same_loader(a, b)
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # a value whose comparison is not a truth value
+        return False
 
 
 def _same_sample(a: Any, b: Any) -> bool:

@@ -883,3 +883,35 @@ def test_an_autoscaled_pools_largest_size(autoscale: Any, most: int) -> None:
     from sits_queue.workers.planstep import autoscale_max
 
     assert autoscale_max(autoscale) == most
+
+
+def test_loaders_made_by_one_factory_for_two_models_are_two_registrations(
+        tmp_path: Path) -> None:
+    """(only the loaders' code was compared: a factory's loader for another path, or a
+    default argument's, was taken for the first registration, and every task was served
+    the first model; a partial registered twice raised)"""
+    import functools
+
+    def factory(path: str) -> Any:
+        def load() -> str:
+            return path
+        return load
+
+    registry = ModelRegistry()
+    registry.register("summarizer", factory("lm-a"))
+    registry.register("summarizer", factory("lm-a"))  # the same again: nothing changes
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register("summarizer", factory("lm-b"))
+    assert registry.get("summarizer").loader() == "lm-a"
+    defaults = [lambda p=p: p for p in ("x", "y")]
+    registry.register("by-default", defaults[0])
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register("by-default", defaults[1])
+
+    def build(path: str) -> str:
+        return path
+
+    registry.register("partial", functools.partial(build, "lm-a"))
+    registry.register("partial", functools.partial(build, "lm-a"))
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register("partial", functools.partial(build, "lm-b"))
