@@ -221,14 +221,15 @@ def outlook(model: str, f: Forecaster, now_s: float, interval_s: float, service_
                         round(concurrency, 4), cold_ms, instances, warm_now, reason)
 
 
-def plan(outlooks: Sequence[ModelOutlook], workers: Sequence[WorkerView]) -> list[Prewarm]:
+def plan(outlooks: Sequence[ModelOutlook], workers: Sequence[WorkerView],
+         held_off: frozenset[str] = frozenset()) -> list[Prewarm]:
     """Which worker warms which model: for each model marked ``pre-warm`` (most needed
     first), its missing instances on workers without it, most free memory first, each
-    worker asked for one model per round."""
+    worker asked for one model per round; none of ``held_off`` (:func:`missed`)."""
     taken: set[str] = set()
     out: list[Prewarm] = []
     for o in sorted(outlooks, key=lambda o: (o.warm_now - o.instances, o.model)):
-        if o.reason != "pre-warm":
+        if o.reason != "pre-warm" or o.model in held_off:
             continue
         candidates = sorted((w for w in workers
                              if o.model not in w.warm and w.hostname not in taken),
@@ -236,6 +237,32 @@ def plan(outlooks: Sequence[ModelOutlook], workers: Sequence[WorkerView]) -> lis
         for w in candidates[:o.instances - o.warm_now]:
             out.append(Prewarm(o.model, w.hostname))
             taken.add(w.hostname)
+    return out
+
+
+#: Most intervals a model whose pre-warms keep missing is held off from planning.
+MOST_HELD_OFF_INTERVALS = 16
+
+
+def missed(sent: Sequence[Prewarm], workers: Sequence[WorkerView],
+           misses: Mapping[str, tuple[int, float]], now_s: float, interval_s: float
+           ) -> dict[str, tuple[int, float]]:
+    """The models' pre-warm misses after the last pass's ``sent``: model -> (misses in a
+    row, held off from planning until, s). A model sent to a worker that does not hold
+    it warm now missed (its load failed, or it never ran): held off 1, 3, 7 ...
+    intervals (up to :data:`MOST_HELD_OFF_INTERVALS`). A model that failed to load took
+    the worker's one pre-warm a round at every pass, and models behind it by name were
+    never pre-warmed. One warm where it was sent is forgotten."""
+    out = dict(misses)
+    views = {w.hostname: w for w in workers}
+    for p in sent:
+        view = views.get(p.hostname)
+        if view is not None and p.model in view.warm:
+            out.pop(p.model, None)
+            continue
+        count = out.get(p.model, (0, 0.0))[0] + 1
+        out[p.model] = (count, now_s + interval_s * min(2 ** count - 1,
+                                                        MOST_HELD_OFF_INTERVALS))
     return out
 
 

@@ -44,6 +44,11 @@ def state_key(config: SitsConfig) -> str:
     return f"{config.global_keyprefix}sits:forecast"
 
 
+def misses_key(config: SitsConfig) -> str:
+    """The last pass's pre-warms and the models' misses (``forecast.missed``)."""
+    return f"{config.global_keyprefix}sits:prewarm-misses"
+
+
 def bucket_of(config: SitsConfig, now_s: float) -> int:
     return int(now_s // config.prewarm_interval_s)
 
@@ -83,16 +88,36 @@ class Prewarmer:
                                      service.get(m, 0.0), cold.get(m, 0.0),
                                      sum(m in v.warm for v in views))
                     for m, f in sorted(states.items())]
+        last_sent, misses = self._read_misses()
+        misses = forecast.missed(last_sent, views, misses, now_s,
+                                 self.config.prewarm_interval_s)
+        held_off = frozenset(m for m, (_, until) in misses.items() if until > now_s)
         sent = []
-        for p in forecast.plan(outlooks, views):
+        for p in forecast.plan(outlooks, views, held_off):
             try:
                 self.send(p.model, p.hostname)
                 sent.append(asdict(p))
             except Exception as exc:  # one unreachable worker must not stop the others
                 logger.warning("could not send a pre-warm of %r to %s: %s", p.model,
                                p.hostname, exc)
+        self.client.set(misses_key(self.config), json.dumps(
+            {"sent": sent, "misses": {m: list(v) for m, v in misses.items()}}))
         return {"outlooks": [asdict(o) for o in outlooks], "sent": sent,
-                "workers": len(views)}
+                "workers": len(views), "held_off": sorted(held_off)}
+
+    def _read_misses(self) -> tuple[list[forecast.Prewarm], dict[str, tuple[int, float]]]:
+        """The last pass's pre-warms and the misses so far (a record of another shape:
+        none)."""
+        record = json_object(self.client.get(misses_key(self.config))) or {}
+        sent, misses = [], {}
+        try:
+            for p in record.get("sent") or []:
+                sent.append(forecast.Prewarm(str(p["model"]), str(p["hostname"])))
+            for model, (count, until) in (record.get("misses") or {}).items():
+                misses[str(model)] = (int(count), float(until))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return [], {}
+        return sent, misses
 
     def _fold(self, last_done: int) -> dict[str, forecast.Forecaster]:
         key = state_key(self.config)

@@ -275,3 +275,35 @@ def test_a_worker_of_plain_tasks_only_is_sent_no_prewarm(redis_url: str,
     report = prewarm.Prewarmer(config, r, lambda m, host: sent.append((m, host))).run(now)
     # Then the pre-warm goes to the worker that can run it
     assert report["sent"] and sent == [("lm-c", "gpu@host")]
+
+
+def test_a_model_whose_pre_warm_did_not_take_lets_the_next_one_be_warmed(
+        redis_url: str, r: redis.Redis) -> None:
+    """(a model whose loads fail took the worker's one pre-warm a round at every pass,
+    first by name, and the model behind it was never pre-warmed)"""
+    config = replace(SitsConfig(redis_url=redis_url), prewarm_interval_s=INTERVAL_S,
+                     global_keyprefix="miss:")
+    r.delete(*r.keys("miss:*") or ["miss:none"])
+    now = time.time()
+    f = fc.Forecaster()
+    start = (prewarm.bucket_of(config, now) - 300) * INTERVAL_S
+    for k in range(299):
+        f = fc.update(f, start + k * INTERVAL_S, 90.0 + (k % 3))
+    r.hset(prewarm.state_key(config), mapping={
+        "a-flaky": json.dumps(fc.to_json(f)), "b-slow": json.dumps(fc.to_json(f)),
+        "__bucket__": json.dumps(prewarm.bucket_of(config, now) - 1)})
+    r.set(advertise.worker_key("miss:", "gpu@host"), json.dumps(
+        {"hostname": "gpu@host", "devices": [{"free_vram_bytes": 2**30}]}), ex=60)
+    r.zadd(advertise.workers_key("miss:"), {"gpu@host": now})
+    r.hset(advertise.counters_key("miss:", "gpu@host"), mapping={
+        f"{name}:{m}": value for m in ("a-flaky", "b-slow")
+        for name, value in (("model_cold_ms", 2000.0), ("model_cold", 1),
+                            ("model_run_ms", 60.0), ("model_runs", 1))})
+    sent: list[tuple[str, str]] = []
+    prewarmer = prewarm.Prewarmer(config, r, lambda m, host: sent.append((m, host)))
+    prewarmer.run(now)
+    assert sent == [("a-flaky", "gpu@host")]
+    # When its load failed (the worker holds nothing warm at the next pass)
+    report = prewarmer.run(now + INTERVAL_S)
+    # Then the next model gets the worker's pre-warm, and the first is held off
+    assert sent[1:] == [("b-slow", "gpu@host")] and report["held_off"] == ["a-flaky"]

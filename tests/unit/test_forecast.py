@@ -130,6 +130,28 @@ def test_plan_fills_the_gap_on_the_roomiest_workers_without_the_model() -> None:
     assert [(p.model, p.hostname) for p in got] == [("m", "c"), ("m", "d"), ("x", "b")]
 
 
+def test_a_model_whose_pre_warms_miss_is_held_off_longer_each_time() -> None:
+    """(a model that failed to load took the worker's one pre-warm a round at every
+    pass, first by name: the models behind it were never pre-warmed)"""
+    flaky = ModelOutlook("flaky", 90, 0.9, 1.0, 2000, 1, 0, "pre-warm")
+    slow = ModelOutlook("slow", 90, 0.9, 1.0, 2000, 1, 0, "pre-warm")
+    idle = [WorkerView("w", frozenset(), 10)]
+    first = fc.plan([flaky, slow], idle)
+    assert [p.model for p in first] == ["flaky"]
+    # its pre-warm did not take (the worker holds nothing): held off one interval
+    misses = fc.missed(first, idle, {}, now_s=300.0, interval_s=300.0)
+    assert misses == {"flaky": (1, 600.0)}
+    assert [p.model for p in fc.plan([flaky, slow], idle, frozenset({"flaky"}))] == ["slow"]
+    # missing again: 3 intervals, then 7, ... at most 16
+    misses = fc.missed(first, idle, misses, now_s=900.0, interval_s=300.0)
+    assert misses["flaky"] == (2, 900.0 + 3 * 300.0)
+    misses = fc.missed(first, idle, {"flaky": (9, 0.0)}, now_s=0.0, interval_s=300.0)
+    assert misses["flaky"] == (10, fc.MOST_HELD_OFF_INTERVALS * 300.0)
+    # warm where it was sent: forgotten
+    warm = [WorkerView("w", frozenset({"flaky"}), 10)]
+    assert fc.missed(first, warm, misses, now_s=1.0, interval_s=300.0) == {}
+
+
 def test_state_round_trips_and_foreign_records_start_over() -> None:
     f, _ = learn(0.2)
     assert fc.from_json(fc.to_json(f)) == f
