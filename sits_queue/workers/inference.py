@@ -116,7 +116,11 @@ def run_inference(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
         # (the pool's own way out, a hard time limit's or a terminating revoke's
         # SystemExit, is no failure of the task's to count here: Celery counts the kill)
         reason = None if worker_exit(exc) else metrics.failure_reason(exc)
-        if reason is not None:  # the calls a batch delivered before it failed did not
+        if reason is not None and getattr(task, "name", None) == PREWARM_TASK:
+            # (no task failed: counted as one, a model that fails to load inflated the
+            # inference failure rate at every pre-warm pass)
+            rt.count({"prewarm_failures": 1})
+        elif reason is not None:  # the calls a batch delivered before it failed did not
             joined = joins.joined if joins is not None else 0
             rt.count(metrics.failure_fields(reason, tasks + joined - delivered))
         raise

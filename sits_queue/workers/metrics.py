@@ -203,6 +203,9 @@ class _Families:
                                             "MISSION 4.2) the worker ran; not counted as "
                                             "inference tasks or cold starts.",
                                             labels=["worker"])
+        self.prewarm_failed = CounterMetricFamily(
+            "sits_prewarm_failures", "Pre-warms that failed (the model did not load); not "
+            "counted as failed inference tasks.", labels=["worker"])
         self.ahead = CounterMetricFamily("sits_affinity_picks", "Inference tasks taken ahead "
                                          "of their queue's head because the worker held "
                                          "their model warm.", labels=["worker"])
@@ -241,7 +244,8 @@ class _Families:
                                            labels=["worker", "slot"])
 
     def all(self) -> list[Metric]:
-        return [self.info, self.slots, self.tasks, self.cold, self.prewarms, self.ahead,
+        return [self.info, self.slots, self.tasks, self.cold, self.prewarms,
+                self.prewarm_failed, self.ahead,
                 self.joined, self.kv, self.emb, self.share, self.phase, self.hist,
                 self.first, self.failed, self.vram, self.util, self.warm, self.allocated]
 
@@ -264,6 +268,7 @@ class _Families:
         for source in sorted(set(SOURCES) | set(by_source)):
             self.cold.add_metric([name, source], by_source.get(source, 0.0))
         self.prewarms.add_metric([name], values.get("prewarms", 0.0))
+        self.prewarm_failed.add_metric([name], values.get("prewarm_failures", 0.0))
         self.ahead.add_metric([name], values.get("affinity", 0.0))
         self.joined.add_metric([name], values.get("joined", 0.0))
         for kind in ("lookups", "hits", "tokens"):

@@ -443,3 +443,20 @@ def test_worker_record_disappears_on_shutdown(worker: CeleryProcess, r: redis.Re
     worker.stop(timeout_s=30)
     assert not r.exists(key)
 
+
+
+def test_a_failed_prewarm_counts_as_a_prewarm_failure_not_a_failed_task(
+        app: Celery, worker: CeleryProcess, r: redis.Redis) -> None:
+    """(a model that failed to load at a pre-warm was counted a failed inference task,
+    once a pre-warm pass: the failure rate rose with no task failing)"""
+    key = advertise.counters_key("", worker.hostname)
+
+    def counted(field: str) -> float:
+        return float(r.hget(key, field) or 0)
+
+    failed, prewarm_failed = counted("failed:ModelLoadError"), counted("prewarm_failures")
+    with pytest.raises(ModelLoadError):
+        app.tasks["sits.prewarm"].apply_async((), model="broken").get(timeout=CALL_S)
+    wait_for(lambda: counted("prewarm_failures") == prewarm_failed + 1, 30,
+             "the failed pre-warm counted")
+    assert counted("failed:ModelLoadError") == failed
