@@ -24,9 +24,11 @@ from sits_queue.errors import TaskExited
 
 
 @contextmanager
-def fail_exits(task: Any) -> Iterator[None]:
+def fail_exits(task: Any, what: str | None = None) -> Iterator[None]:
     """Run ``task``'s body: a ``SystemExit``/``KeyboardInterrupt`` it raises in a worker
-    is raised as :class:`TaskExited`."""
+    is raised as :class:`TaskExited`, naming ``what`` ran (default: the task and its id;
+    a batch's run is under its first call's request, and every call failed naming that
+    one's id as its own)."""
     try:
         yield
     except (SystemExit, KeyboardInterrupt) as exc:
@@ -34,7 +36,8 @@ def fail_exits(task: Any) -> Iterator[None]:
         if worker_exit(exc) or request.is_eager:
             raise
         code = f"({exc.code!r})" if isinstance(exc, SystemExit) else ""
-        raise TaskExited(f"task {task.name}[{request.id}] tried to end its process: "
+        ran = what or f"task {task.name}[{request.id}]"
+        raise TaskExited(f"{ran} tried to end its process: "
                          f"{type(exc).__name__}{code}; failed instead (a task may not "
                          "end its worker's process)") from exc
 

@@ -48,7 +48,7 @@ from typing import Any
 from celery import current_app
 from celery._state import _task_stack
 from celery.app.trace import fast_trace_task, trace_task_ret
-from celery.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import Retry, SoftTimeLimitExceeded
 from kombu.serialization import loads, prepare_accept_content
 
 from sits_queue import tracing
@@ -228,11 +228,21 @@ def _run(task: Any, calls: list[Call], request: dict[str, Any],
     # inference function's way to its request (it cannot bind), and was None here
     _task_stack.push(task)
     try:
-        with fail_exits(task):  # (a batch function's sys.exit(): each call fails with it)
+        # (a batch function's sys.exit(): each call fails with it)
+        with fail_exits(task, f"the batch of {len(calls)} {task.name} calls led by "
+                              f"{calls[0].id}"):
             result = inference.run_inference(runtime.for_app(task.app), task, (calls,), {},
                                              tasks=len(calls),
                                              early=taking if early else None, joins=feed)
     except Exception as exc:  # SoftTimeLimitExceeded too: each call fails with it
+        if isinstance(exc, Retry):
+            # (its request is hand-made, called directly to Celery: retry() sent nothing,
+            # and each call was stored as RETRY and never ran again)
+            exc = InferenceError(
+                f"batch task {task.name}: a batch function cannot retry() (one run serves "
+                f"{len(calls)} calls, and a retry would re-send one call's arguments); "
+                "fail the calls, or return an exception for those that failed, and "
+                "retry from the caller")
         # (run_inference counted it for the calls not delivered)
         _count(failed)
         return ({c.id: exc for c in calls},

@@ -305,6 +305,12 @@ def register(app: Celery) -> dict[str, Any]:
         tags = [c.args[0] for c in calls]
         if "boom" in tags:
             raise RuntimeError("simulated: the batch run crashed")
+        if "retry" in tags or "exit" in tags:
+            from celery import current_task as running
+
+            if "exit" in tags:
+                raise SystemExit(3)
+            running.retry(countdown=1, max_retries=1)
         for tag in tags:
             if isinstance(tag, str) and tag.startswith("sleep:"):
                 time.sleep(float(tag.split(":")[1]))

@@ -269,6 +269,24 @@ def test_a_crashed_run_fails_every_call_and_the_worker_serves_on(
         == "after"
 
 
+def test_a_batch_function_that_retries_or_exits_fails_each_call_by_its_own_name(
+        app: Celery, worker: CeleryProcess) -> None:
+    """(retry() from a batch function sent nothing, its request hand-made: each call was
+    stored as RETRY and never ran again; and an exit named the first call's id in every
+    call's failure, as its own)"""
+    from sits_queue.errors import TaskExited
+
+    retried = app.tasks["t.batch_echo"].delay("retry")
+    with pytest.raises(InferenceError, match="a batch function cannot retry"):
+        retried.get(timeout=CALL_S)
+    exited = app.tasks["t.batch_echo"].delay("exit")
+    with pytest.raises(TaskExited, match=rf"the batch of 1 t\.batch_echo calls led by "
+                                         rf"{exited.id} tried to end its process"):
+        exited.get(timeout=CALL_S)
+    assert app.tasks["t.batch_echo"].delay("after").get(timeout=CALL_S)["output"]["tag"] \
+        == "after"
+
+
 def test_soft_time_limit_fails_the_batch_and_the_child_lives(
         app: Celery, worker: CeleryProcess) -> None:
     got = app.tasks["t.batch_echo"].apply_async(("sleep:3",), soft_time_limit=1,
