@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -233,6 +234,9 @@ def _run_module(module: str, size: list[str], json_path: Path | None,
                 redis_url: str | None = None) -> None:
     argv = size + (["--json", str(json_path)] if json_path else [])
     argv += ["--redis-url", redis_url] if redis_url else []
+    # A SIGTERM (timeout, a closed session's kill) unwinds the run as Ctrl-C does: its
+    # temporary dirs (workers' logs, its private Redis's files) were left behind
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     rc = import_module(module).main(argv)
     if rc:
         sys.exit(rc)

@@ -195,16 +195,16 @@ def _at_most(value: float | None, bound: float) -> bool:
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [f"{'system':<16}{'class':<8}{'n':>6}{'p50 ms':>10}{'p99 ms':>10}{'max ms':>10}"
+    lines = [f"{'system':<24}{'class':<8}{'n':>6}{'p50 ms':>10}{'p99 ms':>10}{'max ms':>10}"
              f"{'tput/s':>9}"]
     for name, s in result["systems"].items():
         for cls in CLASSES:
             c = s[cls]
-            lines.append(f"{name:<16}{cls:<8}{c['n']:>6}{c['p50_wait_ms']:>10.1f}"
+            lines.append(f"{name:<24}{cls:<8}{c['n']:>6}{c['p50_wait_ms']:>10.1f}"
                          f"{c['p99_wait_ms']:>10.1f}{c['max_wait_ms']:>10.1f}"
                          f"{s['throughput_tps'] if cls == 'high' else '':>9}")
     ideal = result["ideal_nonpreemptive"]
-    lines.append(f"{'ideal (sim)':<16}{'high':<8}{ideal['high']['n']:>6}"
+    lines.append(f"{'ideal (sim)':<24}{'high':<8}{ideal['high']['n']:>6}"
                  f"{ideal['high']['p50_wait_ms']:>10.1f}{ideal['high']['p99_wait_ms']:>10.1f}"
                  f"{ideal['high']['max_wait_ms']:>10.1f}{ideal['throughput_tps']:>9}")
     lines.append("ratios: " + ", ".join(f"{k}={v}" for k, v in result["ratios"].items()))

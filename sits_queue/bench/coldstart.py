@@ -374,7 +374,7 @@ def _version(dist: str) -> str | None:
 
 def table(result: Mapping[str, Any]) -> str:
     lines = [f"{'system':<22}{'n':>5}{'cold %':>8}{'cold mean':>11}{'cold p99':>10}"
-             f"{'p50 ms':>9}{'p99 ms':>9}{'tput/s':>8}{'svc p50':>9}"]
+             f"{'p50 ms':>9}{'p99 ms':>9}{'tput/s':>8}{'svc p50':>9}{'gap p99':>9}"]
     for name, s in result["systems"].items():
         lines.append(f"{name:<22}{s['n']:>5}{s['cold_share'] * 100:>8.1f}"
                      f"{s['cold_cost_ms_mean']:>11.1f}{s['cold_cost_ms_p99']:>10.1f}"

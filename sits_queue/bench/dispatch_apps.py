@@ -7,8 +7,8 @@ Selected by environment (the worker imports this module with ``-A``):
   Redis, as for the others;
 * ``celery_guarantees``: stock Celery set up to give what SITS gives by default: late
   acks with requeue on a lost worker (a task whose worker dies runs again), prefetch 1
-  (no task held back behind a running one), task events (Flower), STARTED tracked and
-  extended results;
+  (no task held back behind a running one), task events (Flower) and STARTED tracked
+  (extended results too until 2026-12-06, when SITS's default turned them off);
 * ``sits``: a SITS app with its defaults.
 
 All three run the same no-op task, so what differs is the per-task cost of getting a

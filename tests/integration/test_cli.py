@@ -465,3 +465,21 @@ def test_the_queues_are_read_in_a_few_round_trips_whatever_their_number(
     mine = [q for q in queues if q["queue"].startswith("rt-")]
     assert len(mine) == 40 and all(q["waiting"] == 1 and q["unacked"] == 0 for q in mine)
     assert all(q["head"][0]["task"] == "w.add" for q in mine)
+
+
+def test_a_benchmark_stopped_by_sigterm_leaves_no_temporary_dirs(tmp_path: Path) -> None:
+    """(only Ctrl-C unwound a run: a timeout's SIGTERM left its workers' logs and its
+    private Redis's files in /tmp)"""
+    env = {k: v for k, v in os.environ.items() if k != "SITS_REDIS_URL"}
+    env["TMPDIR"] = str(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "sits_queue.cli", "bench", "ab", "--quick"],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: len(list(tmp_path.glob("sits-bench-*"))) >= 2, 60,
+                 "the run's temporary dirs")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    assert list(tmp_path.glob("sits-bench-*")) == []
