@@ -36,6 +36,11 @@ class PlanStep(bootsteps.Step):  # type: ignore[misc]
         # whole host's share, and the grown ones shared cores)
         size = max(int(w.concurrency), autoscale_max(
             kwargs.get("autoscale") or getattr(w, "autoscale", None)))
+        if pool_name(pool_module) == "solo":
+            # One process, one slot, whatever -c or worker_concurrency say (Celery's
+            # solo pool ignores them): it was confined to 1/N of the cores and budgets,
+            # and on a GPU host, where the default concurrency is the GPUs, to 1/8 on 8
+            size = 1
         problem = pool_problem(pool_module, size)
         plain_only = sits_config(w.app).plain_tasks_only
         # Here the worker stops before any task, in one line, as a bad setting does at

@@ -13,6 +13,7 @@ by side and an inference task sent to it stays in its queue for another worker.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,8 +35,10 @@ from tests.waiting import wait_for
 @pytest.fixture(scope="module")
 def solo(tmp_path_factory: pytest.TempPathFactory, redis_url: str, config_path: Path,
          models_dir: Path, app: Celery) -> Iterator[CeleryProcess]:
+    # (-c 2, which Celery's solo pool ignores: the worker took it for 2 slots, each
+    # task confined to half the cores)
     with serving(redis_url, config_path, models_dir, tmp_path_factory.mktemp("solo-logs"),
-                 app, name="solo", pool="solo") as proc:
+                 app, name="solo", pool="solo", concurrency=2) as proc:
         yield proc
 
 
@@ -50,6 +53,9 @@ def test_a_solo_worker_runs_inference_in_its_own_process_warm_after_the_first(
     # The class's CPU confinement applies in the worker process itself ("one": 1 core)
     confined = call(app, "t.describe", "confined", sla_class="one")
     assert len(confined["output"]["affinity"]) == 1
+    # and a class of more cores than the host has gets them all: the one slot is the host's
+    wide = call(app, "t.describe", "wide", sla_class="high")
+    assert len(wide["output"]["affinity"]) == len(os.sched_getaffinity(0))
     text = call(app, "sits.generate", "the solo worker", model="gpt", timeout=FIRST_CALL_S,
                 kwargs={"max_new_tokens": 4, "stop_at_eos": False})
     assert text["output"]["tokens"] == 4 and text["sits"]["first_token_ms"] > 0
