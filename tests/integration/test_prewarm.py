@@ -246,21 +246,29 @@ def test_a_record_no_worker_or_beat_writes_does_not_stop_the_planning(
     assert fc.from_json(json.loads(stored[b"m2"])).updates >= 1
 
 
-def test_a_worker_of_plain_tasks_only_is_sent_no_prewarm(redis_url: str,
-                                                         r: redis.Redis) -> None:
-    """(it leaves every inference task: its pre-warms were released in its own queue for
-    good, one more each pass, and the model was warmed nowhere)"""
+def confident_forecasts(redis_url: str, r: redis.Redis, prefix: str, models: list[str]
+                        ) -> tuple[SitsConfig, float]:
+    """A config under ``prefix`` (emptied) whose stored forecasts of ``models`` are
+    confident of steady demand; and the time now."""
     config = replace(SitsConfig(redis_url=redis_url), prewarm_interval_s=INTERVAL_S,
-                     global_keyprefix="plain:")
-    r.delete(*r.keys("plain:*") or ["plain:none"])
+                     global_keyprefix=prefix)
+    r.delete(*r.keys(f"{prefix}*") or [f"{prefix}none"])
     now = time.time()
     f = fc.Forecaster()
     start = (prewarm.bucket_of(config, now) - 300) * INTERVAL_S
     for k in range(299):
         f = fc.update(f, start + k * INTERVAL_S, 90.0 + (k % 3))
     r.hset(prewarm.state_key(config), mapping={
-        "lm-c": json.dumps(fc.to_json(f)),
+        **{m: json.dumps(fc.to_json(f)) for m in models},
         "__bucket__": json.dumps(prewarm.bucket_of(config, now) - 1)})
+    return config, now
+
+
+def test_a_worker_of_plain_tasks_only_is_sent_no_prewarm(redis_url: str,
+                                                         r: redis.Redis) -> None:
+    """(it leaves every inference task: its pre-warms were released in its own queue for
+    good, one more each pass, and the model was warmed nowhere)"""
+    config, now = confident_forecasts(redis_url, r, "plain:", ["lm-c"])
     # Given a worker of plain tasks only with the most free memory, and one that runs
     # inference, both live, the model's cold starts costly
     for name, free, extra in (("plain@host", 80 * 2**30, {"plain_tasks_only": "threads"}),
@@ -281,17 +289,7 @@ def test_a_model_whose_pre_warm_did_not_take_lets_the_next_one_be_warmed(
         redis_url: str, r: redis.Redis) -> None:
     """(a model whose loads fail took the worker's one pre-warm a round at every pass,
     first by name, and the model behind it was never pre-warmed)"""
-    config = replace(SitsConfig(redis_url=redis_url), prewarm_interval_s=INTERVAL_S,
-                     global_keyprefix="miss:")
-    r.delete(*r.keys("miss:*") or ["miss:none"])
-    now = time.time()
-    f = fc.Forecaster()
-    start = (prewarm.bucket_of(config, now) - 300) * INTERVAL_S
-    for k in range(299):
-        f = fc.update(f, start + k * INTERVAL_S, 90.0 + (k % 3))
-    r.hset(prewarm.state_key(config), mapping={
-        "a-flaky": json.dumps(fc.to_json(f)), "b-slow": json.dumps(fc.to_json(f)),
-        "__bucket__": json.dumps(prewarm.bucket_of(config, now) - 1)})
+    config, now = confident_forecasts(redis_url, r, "miss:", ["a-flaky", "b-slow"])
     r.set(advertise.worker_key("miss:", "gpu@host"), json.dumps(
         {"hostname": "gpu@host", "devices": [{"free_vram_bytes": 2**30}]}), ex=60)
     r.zadd(advertise.workers_key("miss:"), {"gpu@host": now})
