@@ -229,8 +229,8 @@ def _run(task: Any, calls: list[Call], request: dict[str, Any],
     _task_stack.push(task)
     try:
         # (a batch function's sys.exit(): each call fails with it)
-        with fail_exits(task, f"the batch of {len(calls)} {task.name} calls led by "
-                              f"{calls[0].id}"):
+        with fail_exits(task, f"the batch of {len(calls)} {getattr(task, 'name', '?')} "
+                              f"calls led by {calls[0].id}"):
             result = inference.run_inference(runtime.for_app(task.app), task, (calls,), {},
                                              tasks=len(calls),
                                              early=taking if early else None, joins=feed)

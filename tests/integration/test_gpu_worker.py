@@ -437,14 +437,6 @@ def test_hard_time_limit_replaces_the_child(app: Celery, worker: CeleryProcess,
     assert failed_other() == others
 
 
-def test_worker_record_disappears_on_shutdown(worker: CeleryProcess, r: redis.Redis) -> None:
-    key = f"sits:worker:{worker.hostname}"
-    assert r.exists(key)
-    worker.stop(timeout_s=30)
-    assert not r.exists(key)
-
-
-
 def test_a_failed_prewarm_counts_as_a_prewarm_failure_not_a_failed_task(
         app: Celery, worker: CeleryProcess, r: redis.Redis) -> None:
     """(a model that failed to load at a pre-warm was counted a failed inference task,
@@ -460,3 +452,10 @@ def test_a_failed_prewarm_counts_as_a_prewarm_failure_not_a_failed_task(
     wait_for(lambda: counted("prewarm_failures") == prewarm_failed + 1, 30,
              "the failed pre-warm counted")
     assert counted("failed:ModelLoadError") == failed
+
+
+def test_worker_record_disappears_on_shutdown(worker: CeleryProcess, r: redis.Redis) -> None:
+    key = f"sits:worker:{worker.hostname}"
+    assert r.exists(key)
+    worker.stop(timeout_s=30)
+    assert not r.exists(key)
