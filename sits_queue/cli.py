@@ -6,6 +6,7 @@ embedded Redis in the per-user data dir, and points the processes it starts at i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -237,7 +238,17 @@ def _run_module(module: str, size: list[str], json_path: Path | None,
     # A SIGTERM (timeout, a closed session's kill) unwinds the run as Ctrl-C does: its
     # temporary dirs (workers' logs, its private Redis's files) were left behind
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
-    rc = import_module(module).main(argv)
+    try:
+        rc = import_module(module).main(argv)
+    except SystemExit:
+        # and what it started is stopped: one that came while a process was being
+        # started (inside Popen, before it returned) left that process running
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        raise
     if rc:
         sys.exit(rc)
 

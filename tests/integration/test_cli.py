@@ -478,8 +478,12 @@ def test_a_benchmark_stopped_by_sigterm_leaves_no_temporary_dirs(tmp_path: Path)
     try:
         wait_for(lambda: len(list(tmp_path.glob("sits-bench-*"))) >= 2, 60,
                  "the run's temporary dirs")
+        started = psutil.Process(proc.pid).children(recursive=True)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     finally:
         proc.kill()
     assert list(tmp_path.glob("sits-bench-*")) == []
+    # (its private Redis, when the signal came while it was being started, ran on)
+    wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                             for p in started), 30, "what the run started to stop")
