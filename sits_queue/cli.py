@@ -237,18 +237,27 @@ def _run_module(module: str, size: list[str], json_path: Path | None,
     argv += ["--redis-url", redis_url] if redis_url else []
     # A SIGTERM (timeout, a closed session's kill) unwinds the run as Ctrl-C does: its
     # temporary dirs (workers' logs, its private Redis's files) were left behind
-    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    terminated: list[int] = []
+
+    def on_term(signum: int, _frame: Any) -> None:
+        terminated.append(signum)
+        sys.exit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
     try:
         rc = import_module(module).main(argv)
     except SystemExit:
-        # and what it started is stopped: one that came while a process was being
-        # started (inside Popen, before it returned) left that process running
-        import psutil
+        if terminated:
+            # and what it started is stopped: one that came while a process was being
+            # started (inside Popen, before it returned) left that process running
+            import psutil
 
-        for child in psutil.Process().children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                child.kill()
+            for child in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
         raise
+    finally:  # (in-process callers, tests, keep their own handler)
+        signal.signal(signal.SIGTERM, previous)
     if rc:
         sys.exit(rc)
 
