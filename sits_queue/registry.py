@@ -178,13 +178,25 @@ def _cells(loader: Any) -> tuple[Any, ...]:
 _EMPTY_CELL = object()
 
 
+def _alike(a: Any, b: Any, leaf: Callable[[Any, Any], bool]) -> bool:
+    """Whether ``a`` and ``b`` have one structure (tuples, lists and dicts of the same
+    types, lengths and keys) whose leaves ``leaf`` finds alike."""
+    if isinstance(a, tuple | list) or isinstance(b, tuple | list):
+        return (type(a) is type(b) and len(a) == len(b)
+                and all(_alike(x, y, leaf) for x, y in zip(a, b, strict=True)))
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys()
+                and all(_alike(a[k], b[k], leaf) for k in a))
+    return leaf(a, b)
+
+
 def _same_values(a: Any, b: Any) -> bool:
     """Loader arguments alike: equal values, or the same object where a value has no
     plain equality (a model object, an array), loaders compared as loaders."""
-    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
-        return len(a) == len(b) and all(_same_values(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same_values(a[k], b[k]) for k in a)
+    return _alike(a, b, _same_value)
+
+
+def _same_value(a: Any, b: Any) -> bool:
     if a is b:
         return True
     if callable(a) and callable(b):
@@ -196,12 +208,12 @@ def _same_values(a: Any, b: Any) -> bool:
 
 
 def _same_sample(a: Any, b: Any) -> bool:
-    if isinstance(a, tuple | list) or isinstance(b, tuple | list):
-        return (type(a) is type(b) and len(a) == len(b)
-                and all(_same_sample(x, y) for x, y in zip(a, b, strict=True)))
-    if isinstance(a, dict) or isinstance(b, dict):
-        return (isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys()
-                and all(_same_sample(a[k], b[k]) for k in a))
+    """Sample inputs alike: tensors and arrays by type, shape and dtype (drawn again,
+    their values differ), other values by equality."""
+    return _alike(a, b, _same_sample_leaf)
+
+
+def _same_sample_leaf(a: Any, b: Any) -> bool:
     shape_a, shape_b = getattr(a, "shape", None), getattr(b, "shape", None)
     if shape_a is not None or shape_b is not None:  # tensors, arrays: not by value
         return (type(a) is type(b) and tuple(shape_a or ()) == tuple(shape_b or ())
