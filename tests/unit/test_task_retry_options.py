@@ -3,6 +3,8 @@ Celery's ``retry`` builds the new message from). No broker: the signature is ins
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -23,6 +25,19 @@ def task() -> Any:
         return x
 
     return work
+
+
+@contextmanager
+def capturing_producer() -> Iterator[tuple[Any, list[dict[str, Any]]]]:
+    """A producer that keeps what it is given to publish, and the list it keeps it in:
+    no broker, what would be sent."""
+    from kombu import Connection
+
+    sent: list[dict[str, Any]] = []
+    with Connection("memory://") as conn:
+        producer = conn.Producer()
+        producer.publish = lambda *a, **kw: sent.append(kw)
+        yield producer, sent
 
 
 def request(header: Any) -> Context:
@@ -217,18 +232,14 @@ def test_a_time_limit_that_is_not_a_positive_number_is_refused_by_name(
 
 def test_celerys_priority_is_said_once_not_to_order_sits_queues(
         caplog: pytest.LogCaptureFixture) -> None:
-    from kombu import Connection
-
     app = make_app(SitsConfig(), main="priority-note")
 
     @app.task(name="u.ranked", shared=False)
     def ranked() -> None:
         return None
 
-    sent: list[dict[str, Any]] = []
-    with Connection("memory://") as conn, caplog.at_level("WARNING", logger="sits_queue.app"):
-        producer = conn.Producer()
-        producer.publish = lambda *a, **kw: sent.append(kw)  # no broker: what is sent
+    with capturing_producer() as (producer, sent), \
+            caplog.at_level("WARNING", logger="sits_queue.app"):
         ranked.apply_async(priority=0, producer=producer)  # a retry's: none said
         assert not caplog.records
         ranked.apply_async(priority=9, producer=producer)
@@ -241,10 +252,6 @@ def test_celerys_priority_is_said_once_not_to_order_sits_queues(
 def test_sits_options_in_task_routes_reach_the_message_and_are_checked() -> None:
     """(a route's SITS options were dropped without a word, an unknown class included:
     they are resolved before Celery routes the message)"""
-    from kombu import Connection
-
-    from sits_queue.options import HEADER
-
     app = make_app(SitsConfig(), main="routed-options")
     app.conf.task_routes = {"u.routed": {"queue": "celery", "sla_class": "high",
                                          "model": "m-route"},
@@ -258,10 +265,7 @@ def test_sits_options_in_task_routes_reach_the_message_and_are_checked() -> None
     def bad() -> None:
         return None
 
-    sent: list[dict[str, Any]] = []
-    with Connection("memory://") as conn:
-        producer = conn.Producer()
-        producer.publish = lambda *a, **kw: sent.append(kw)  # no broker: what is sent
+    with capturing_producer() as (producer, sent):
         routed.apply_async(producer=producer)
         routed.apply_async(producer=producer, sla_class="low")  # the call's own wins
         app.send_task("u.routed", producer=producer)
@@ -362,8 +366,6 @@ def test_a_task_s_limit_against_the_app_s_is_sent_settled_by_rank(
     """(Celery binds the app's setting to the task and refused the pair in apply_async,
     "soft_time_limit must be less than or equal to time_limit", whatever the call gave:
     the task could not be sent at all)"""
-    from kombu import Connection
-
     app = make_app(SitsConfig(), main="limits-bound")
     app.conf.update(conf)
 
@@ -371,10 +373,7 @@ def test_a_task_s_limit_against_the_app_s_is_sent_settled_by_rank(
     def bound() -> None:
         return None
 
-    sent: list[dict[str, Any]] = []
-    with Connection("memory://") as conn:
-        producer = conn.Producer()
-        producer.publish = lambda *a, **kw: sent.append(kw)  # no broker: what is sent
+    with capturing_producer() as (producer, sent):
         bound.apply_async(producer=producer, **call)
     assert sent[0]["headers"]["timelimit"] == pytest.approx(want)
 
