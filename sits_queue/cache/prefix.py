@@ -12,7 +12,7 @@ equal prefixes).
 
 This module is the pure part (block keys, the LRU plan) and the store that applies it;
 it never touches torch: the cached objects are opaque, sized by the caller. The decode
-loop (``workers/inference.py``) copies and crops them.
+loop (``workers/decoding.py``) copies and crops them.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from celery.exceptions import SoftTimeLimitExceeded
 
 from sits_queue.cache import kvwarm
-from sits_queue.workers import firsttoken, inference, kvreuse, runtime
+from sits_queue.workers import decoding, firsttoken, kvreuse, runtime
 
 if TYPE_CHECKING:
     from sits_queue.workers.batchgen import _Row
@@ -130,7 +130,7 @@ class Decoding:
             for b, r in enumerate(self.live):
                 row = self.rows[r]
                 if row.temperature > 0:
-                    tokens[b] = inference.sampled(logits[b:b + 1], row.temperature,
+                    tokens[b] = decoding.sampled(logits[b:b + 1], row.temperature,
                                                   row.seed, len(self.new[r]), self.generator)
                 self.new[r].append(tokens[b])
             return tokens

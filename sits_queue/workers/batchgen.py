@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from sits_queue.cache import kvwarm
 from sits_queue.errors import InferenceError, InvalidInput, VramLimitExceeded
-from sits_queue.workers import inference, inputs, kvreuse, runtime
+from sits_queue.workers import decoding, inference, inputs, kvreuse, runtime
 from sits_queue.workers.batchdecode import Decoding
 from sits_queue.workers.batched import Call, arguments
 
@@ -159,7 +159,7 @@ def _fitted(module: Any, rows: list[_Row], active: runtime.ActiveTask | None
     def fits(part: list[_Row]) -> VramLimitExceeded | None:
         width = max(len(r.ids) for r in part) + max(r.most for r in part)
         try:
-            active.check_vram(inference.kv_cache_bytes(module, width * len(part)))
+            active.check_vram(decoding.kv_cache_bytes(module, width * len(part)))
         except VramLimitExceeded as exc:
             return exc
         return None
@@ -259,12 +259,12 @@ def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], st
     active = runtime.active()
     eos = getattr(tokenizer, "eos_token_id", None)
     # the tokens a row stops at
-    end = inference.stop_tokens(module, tokenizer) if stop else frozenset()
+    end = decoding.stop_tokens(module, tokenizer) if stop else frozenset()
     groups, shared = _plan([row.ids for row in rows]) if share and len(rows) > 1 \
         else ([], [0] * len(rows))
     if active is not None:
         try:
-            active.check_vram(inference.kv_cache_bytes(
+            active.check_vram(decoding.kv_cache_bytes(
                 module, (_width(rows, shared) + longest) * len(rows)))
         except VramLimitExceeded:
             if not any(shared):
@@ -273,7 +273,7 @@ def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], st
             # start plus the longest own part): where it does not fit and the plain one,
             # which _fitted sized the run by, does, the rows go unshared
             groups, shared = [], [0] * len(rows)
-            active.check_vram(inference.kv_cache_bytes(
+            active.check_vram(decoding.kv_cache_bytes(
                 module, (_width(rows, shared) + longest) * len(rows)))
     lone = len(rows) == 1
     if lone and joining is None:
@@ -288,7 +288,7 @@ def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], st
         input_ids = torch.tensor([[*rows[0].ids, first]], dtype=torch.long)
         mask = torch.ones_like(input_ids)
         if rows[0].most <= 1 or first in end:  # done at its first token
-            return [{**inference.generated(tokenizer, [first], end,
+            return [{**decoding.generated(tokenizer, [first], end,
                                            prompt_tokens=len(rows[0].ids),
                                            cached_tokens=cached[0], runs=1),
                      "shared_tokens": 0}]
@@ -306,7 +306,7 @@ def _generate_rows(module: Any, tokenizer: Any, model: str, rows: list[_Row], st
         # (shared tokens, tokens from the KV-prefix store): a joined row's, as it joined
         row_shared, row_cached = (shared[r], cached[r]) if r < own \
             else joining.starts[rows[r].index] if joining is not None else (0, 0)
-        return {**inference.generated(tokenizer, new, end, prompt_tokens=len(rows[r].ids),
+        return {**decoding.generated(tokenizer, new, end, prompt_tokens=len(rows[r].ids),
                                       cached_tokens=row_cached, runs=1),
                 "shared_tokens": row_shared}
 
@@ -442,8 +442,8 @@ def _generate_alone(module: Any, tokenizer: Any, model: str, row: _Row, eos: fro
     unsliced = replace(active, yielder=None) if active is not None else None
     prefix = kvreuse.PromptPrefix.looked_up(unsliced, model, row.ids, row.tag)
     progress: dict[str, Any] = {"new": [], "runs": 1}
-    inference.decode_steps(module, torch.tensor([row.ids], device=device), row.most, eos,
+    decoding.decode_steps(module, torch.tensor([row.ids], device=device), row.most, eos,
                            row.temperature, row.seed, progress, unsliced, prefix, model=model)
-    return {**inference.generated(tokenizer, progress["new"], eos, prompt_tokens=len(row.ids),
+    return {**decoding.generated(tokenizer, progress["new"], eos, prompt_tokens=len(row.ids),
                                   cached_tokens=prefix.tokens, runs=1),
             "shared_tokens": 0}

@@ -10,7 +10,16 @@ from typing import Any
 
 from sits_queue.cache import kvwarm
 from sits_queue.errors import InferenceError
-from sits_queue.workers import batchdecode, batchgen, firsttoken, gpu, inference, kvreuse, runtime
+from sits_queue.workers import (
+    batchdecode,
+    batchgen,
+    decoding,
+    firsttoken,
+    gpu,
+    inference,
+    kvreuse,
+    runtime,
+)
 from sits_queue.workers.batchgen import _Row
 
 #: Joining rows prefilled: their KV cache, its attention mask, each row's first token and
@@ -57,7 +66,7 @@ def joining_for(engine: Any, tokenizer: Any, model: str, limit: int | None, stop
                 send(index, parsed)
                 continue
             row = parsed[1]
-            cost = 2 * inference.kv_cache_bytes(module, len(row.ids) + row.most)
+            cost = 2 * decoding.kv_cache_bytes(module, len(row.ids) + row.most)
             if parsed[0] != stop or not feed.fits(row.most, step_s) or (
                     budget is not None and cost > budget):
                 feed.decline(index)
@@ -92,7 +101,7 @@ def _prefill_row(module: Any, model: str, row: _Row, generator: Any,
         return None
     cache, logits = prefilled
     prefix.after_prefill(cache)
-    first = (inference.sampled(logits, row.temperature, row.seed, 0, generator)
+    first = (decoding.sampled(logits, row.temperature, row.seed, 0, generator)
              if row.temperature > 0 else int(torch.argmax(logits, dim=-1).item()))
     firsttoken.mark()  # a lone row's first token (the batch's came before a joining one's)
     return cache, first, prefix.tokens
@@ -136,7 +145,7 @@ def prefill_rows(module: Any, model: str, rows: list[_Row], generator: Any,
     firsts = torch.argmax(logits, dim=-1).tolist()
     for b, row in enumerate(rows):
         if row.temperature > 0:
-            firsts[b] = inference.sampled(logits[b:b + 1], row.temperature, row.seed, 0,
+            firsts[b] = decoding.sampled(logits[b:b + 1], row.temperature, row.seed, 0,
                                           generator)
     return cache, mask, firsts, list(zip(shared, cached, strict=True))
 

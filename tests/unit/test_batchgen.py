@@ -15,7 +15,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from sits_queue.cache.prefix import PrefixStore
 from sits_queue.config import SitsConfig
 from sits_queue.errors import InvalidInput, VramLimitExceeded
-from sits_queue.workers import batchgen, inference, kvreuse, metrics
+from sits_queue.workers import batchgen, decoding, inference, kvreuse, metrics
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.batched import Call
 from sits_queue.workers.batchgen import SHARE_MIN_TOKENS, generate_calls, prefix_groups
@@ -293,7 +293,7 @@ def test_a_row_leaves_the_batch_at_its_end_of_sequence_token(lm: Any) -> None:
     tokenizer = inference.tokenizer_of(lm, lm.key)
     prompt = tokenizer(ROWS[1][0])["input_ids"]
     progress: dict[str, Any] = {"new": [], "runs": 1}
-    inference.decode_steps(lm.module, torch.tensor([prompt]), 7, frozenset(), 1.5, ROWS[1][3],
+    decoding.decode_steps(lm.module, torch.tensor([prompt]), 7, frozenset(), 1.5, ROWS[1][3],
                            progress, None, kvreuse.PromptPrefix.looked_up(None, lm.key, prompt),
                            model=lm.key)
     ids = progress["new"]
@@ -426,7 +426,7 @@ def test_a_batch_over_its_class_runs_in_parts_that_fit_and_fails_only_a_row_too_
     long_prompt, huge_prompt = "every task keeps", "the cache warms"
     # a class that holds the long row alone (and the short ones together), not both
     module = inference.module_of(lm, "lm")
-    kv = inference.kv_cache_bytes(module, int(1.5 * (ids(long_prompt) + 40)))
+    kv = decoding.kv_cache_bytes(module, int(1.5 * (ids(long_prompt) + 40)))
     quota = replace(SitsConfig().quota("low"),
                     vram_gib=(lm.size_bytes() + kv) / BYTES_PER_GIB)
     calls = [*(Call(f"s{i}", (p, 2), {"stop_at_eos": False}) for i, p in enumerate(short)),
@@ -448,7 +448,7 @@ def test_a_batch_over_its_class_runs_in_parts_that_fit_and_fails_only_a_row_too_
     assert delivered[4] is got[4]
     # (the whole batch at once would not have fitted)
     with rt.activated(active), pytest.raises(VramLimitExceeded):
-        active.check_vram(inference.kv_cache_bytes(
+        active.check_vram(decoding.kv_cache_bytes(
             module, (max(map(ids, [*short, long_prompt])) + 40) * 4))
 
 
@@ -461,7 +461,7 @@ def test_a_row_alone_in_its_group_and_too_big_fails_alone(lm: Any) -> None:
     prompt = "the worker loads the prompt"
     module = inference.module_of(lm, "lm")
     quota = replace(SitsConfig().quota("low"), vram_gib=(
-        lm.size_bytes() + inference.kv_cache_bytes(module, ids(prompt) + 20)) / BYTES_PER_GIB)
+        lm.size_bytes() + decoding.kv_cache_bytes(module, ids(prompt) + 20)) / BYTES_PER_GIB)
     # the big one the only row that stops at the end of sequence, first: its group ran first
     calls = [Call("big", (prompt, 150), {"stop_at_eos": True}),
              Call("small", (prompt, 4), {"stop_at_eos": False})]
@@ -488,7 +488,7 @@ def test_rows_that_fit_unshared_are_not_failed_by_a_wider_shared_layout(lm: Any)
     assert groups and batchgen._width(rows, shared) + 4 > width  # wider shared than plain
     module = inference.module_of(lm, "lm")
     quota = replace(SitsConfig().quota("low"), vram_gib=(
-        lm.size_bytes() + inference.kv_cache_bytes(module, width * len(prompts)))
+        lm.size_bytes() + decoding.kv_cache_bytes(module, width * len(prompts)))
         / BYTES_PER_GIB)
     calls = [Call(str(i), (p, 4), {"stop_at_eos": False}) for i, p in enumerate(prompts)]
     active = rt.ActiveTask("lm", quota, lm.size_bytes(), "cpu")
@@ -512,7 +512,7 @@ def test_a_row_stops_at_the_end_tokens_the_model_s_generation_config_lists(lm: A
                                    pad_token_id=tokenizer.eos_token_id)[0, -1])
     sampled = tokenizer(ROWS[1][0])["input_ids"]
     progress: dict[str, Any] = {"new": [], "runs": 1}
-    inference.decode_steps(lm.module, torch.tensor([sampled]), 7, frozenset(), 1.5,
+    decoding.decode_steps(lm.module, torch.tensor([sampled]), 7, frozenset(), 1.5,
                            ROWS[1][3], progress, None,
                            kvreuse.PromptPrefix.looked_up(None, lm.key, sampled), model=lm.key)
     ids = progress["new"]

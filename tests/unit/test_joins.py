@@ -14,7 +14,7 @@ from sits_queue.broker.keys import DELIVERY_HEADER, QueueKeys
 from sits_queue.config import SitsConfig
 from sits_queue.errors import ConfigError, InvalidInput
 from sits_queue.options import HEADER
-from sits_queue.workers import batchmain, inference, joins
+from sits_queue.workers import batchmain, decoding, inference, joins
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.batched import Call
 from sits_queue.workers.batchgen import generate_calls
@@ -271,7 +271,7 @@ def test_rows_the_device_memory_cannot_take_now_are_declined(
     from sits_queue.workers import gpu
 
     prompt = len(inference.tokenizer_of(lm, lm.key)("abc")["input_ids"])
-    one_row = 2 * inference.kv_cache_bytes(lm.module, prompt + 3)  # its KV, twice over
+    one_row = 2 * decoding.kv_cache_bytes(lm.module, prompt + 3)  # its KV, twice over
     monkeypatch.setattr(gpu, "free_bytes", lambda: int(2.5 * one_row))  # room for 2
     own = [Call("a", ("the cache warms", 1), {"stop_at_eos": False}),
            Call("b", ("a queue of work", 4), {"stop_at_eos": False})]

@@ -27,7 +27,16 @@ from sits_queue.errors import (
     VramLimitExceeded,
 )
 from sits_queue.models import tiny
-from sits_queue.workers import advertise, batched, batchembed, batchgen, firsttoken, gpu, inference
+from sits_queue.workers import (
+    advertise,
+    batched,
+    batchembed,
+    batchgen,
+    decoding,
+    firsttoken,
+    gpu,
+    inference,
+)
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.devices import Device, Discovery
 
@@ -239,7 +248,7 @@ def test_generation_is_refused_when_the_cpu_estimate_exceeds_the_class(lm: Any) 
 
 
 def test_estimates_grow_with_tokens(lm: Any) -> None:
-    assert inference.kv_cache_bytes(lm.module, 100) > inference.kv_cache_bytes(lm.module, 10)
+    assert decoding.kv_cache_bytes(lm.module, 100) > decoding.kv_cache_bytes(lm.module, 10)
     assert kvwarm.max_positions(lm.module) == 64
 
 
