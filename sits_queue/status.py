@@ -226,6 +226,20 @@ def _site_line(site: dict[str, Any]) -> str:
             f"{site['replicas_held'] or 'no site'}; {passed}")
 
 
+def _warm_text(children: Any) -> str:
+    """Each pool process's warm engines: the tier each is in and its size, where the
+    child's record says (an older writer's gives the tier only)."""
+    parts = []
+    for slot, child in sorted((children or {}).items(), key=lambda kv: str(kv[0])):
+        warm, sizes = child.get("warm"), child.get("warm_bytes")
+        sizes = sizes if isinstance(sizes, dict) else {}
+        for key, tier in sorted(warm.items() if isinstance(warm, dict) else ()):
+            size = sizes.get(key)
+            shown = f", {size / 2**20:,.1f} MiB" if isinstance(size, int) else ""
+            parts.append(f"{printable(key)} on slot {slot} ({tier}{shown})")
+    return "; ".join(parts)
+
+
 def _worker_lines(w: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     devices = ", ".join(str(d.get("name", "?")) for d in w.get("devices", []))
@@ -235,6 +249,8 @@ def _worker_lines(w: dict[str, Any]) -> list[str]:
                  f"{w.get('warm', [])}, cold starts {cold.get('cold', 0)}/"
                  f"{cold.get('tasks', 0)} tasks, {cold.get('affinity_picks', 0)} taken "
                  "ahead by affinity")
+    if warm := _warm_text(w.get("children")):
+        lines.append(f"    warm: {warm}")
     if w.get("plain_tasks_only"):
         lines.append(f"    plain tasks only ({w['plain_tasks_only']} pool): inference "
                      "tasks are left for other workers")

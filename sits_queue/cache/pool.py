@@ -187,6 +187,11 @@ class EngineCache:
         with self._lock:
             return {k: e.tier for k, e in sorted(self._state.entries.items())}
 
+    def warm_bytes(self) -> dict[str, int]:
+        """Cached engines and the bytes each takes in its tier."""
+        with self._lock:
+            return {k: e.size_bytes for k, e in sorted(self._state.entries.items())}
+
     def stats(self) -> dict[str, float]:
         """Counters, phase totals (ms), pool occupancy and the cold-start share.
 

@@ -438,6 +438,7 @@ class ChildRuntime:
             sent = advertise.publish_child(self.config, self.plan.hostname, self.slot, {
                 "slot": self.slot, "slots": self.plan.slots, "pid": os.getpid(),
                 "device": device, "warm": dict(warm), "cpus": list(self._cpus),
+                "warm_bytes": self._cache.warm_bytes() if self._cache is not None else {},
                 # (what a task asking for another key runs warm on: affinity's)
                 "serves": self.serving.served_keys(warm, device),
                 "kv_prefixes": self._prefixes.models() if self._prefixes is not None else {},

@@ -163,6 +163,7 @@ def test_demoted_engine_is_promoted_from_host_without_the_loader() -> None:
     _, cold_c = cache.get("c", loaders("c"))
     assert cold_c.demoted == ("a",) and cold_c.evicted == ()
     assert cache.warm() == {"a": "host", "b": "device", "c": "device"}
+    assert cache.warm_bytes() == {"a": 100, "b": 100, "c": 100}
     assert isinstance(a, FakeEngine) and a.weights is not None and not a.released
 
     # Then getting a again promotes it from host memory: no loader call, no warm-up

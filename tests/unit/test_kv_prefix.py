@@ -209,6 +209,9 @@ class FakeCache:
     def warm(self) -> dict[str, str]:
         return dict(self.tiers)
 
+    def warm_bytes(self) -> dict[str, int]:
+        return dict.fromkeys(self.tiers, 10)
+
 
 @pytest.mark.parametrize("fails", [False, True])
 def test_a_demoted_or_evicted_engine_takes_its_prefixes_along(

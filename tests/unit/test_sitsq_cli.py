@@ -255,6 +255,7 @@ def test_a_benchmark_refuses_databases_past_the_server_s() -> None:
     # (an int past float's range, formatted as a float, raised OverflowError)
     {"cold_start": {"phases_ms": {"load": 10 ** 400}}},
     {"cold_start": {"first_tokens": 1, "first_token_ms_mean": 10 ** 400}},
+    {"children": [1]}, {"children": {"0": "warm"}},
 ])
 def test_status_says_a_worker_record_it_cannot_read_and_shows_the_rest(
         odd: dict[str, Any]) -> None:
@@ -268,6 +269,20 @@ def test_status_says_a_worker_record_it_cannot_read_and_shows_the_rest(
     shown = status.format_status(report)
     assert "odd@h: advertisement not readable here" in shown
     assert "good@h: pid 1, concurrency 1" in shown and "queue celery: 1 waiting" in shown
+
+
+def test_status_shows_each_childs_warm_engines_with_tier_and_size() -> None:
+    """(it listed the engines' names only: where each was, and how much it held, took
+    the Prometheus endpoint)"""
+    worker = {"hostname": "w@h", "pid": 1, "concurrency": 2, "warm": ["enc", "gpt"],
+              "children": {"1": {"warm": {"gpt": "host"}},  # an older writer's: no sizes
+                           "0": {"warm": {"enc": "device", "gpt": "device"},
+                                 "warm_bytes": {"enc": 3 * 2**20, "gpt": 1536 * 2**20}}}}
+    shown = status.format_status({"queues": [], "workers": [worker]})
+    assert ("    warm: enc on slot 0 (device, 3.0 MiB); gpt on slot 0 (device, 1,536.0 MiB); "
+            "gpt on slot 1 (host)") in shown.splitlines()
+    idle = status.format_status({"queues": [], "workers": [{**worker, "children": {}}]})
+    assert "warm:" not in idle
 
 
 @pytest.mark.parametrize("last", [

@@ -425,6 +425,9 @@ class FakeCache:
     def warm(self) -> dict[str, str]:
         return {"m": "device"}
 
+    def warm_bytes(self) -> dict[str, int]:
+        return {"m": 1000}
+
 
 @pytest.fixture
 def app() -> Iterator[Celery]:
@@ -477,6 +480,7 @@ def test_result_carries_output_and_cold_start_accounting(app: Celery,
     record, _ = published[-1]
     counts = counts_of(published)
     assert record["warm"] == {"m": "device"} and record["tasks"] == 1
+    assert record["warm_bytes"] == {"m": 1000}  # the cache's sizes (sitsq status shows them)
     assert published[0][0]["tasks"] == 1  # (out before the run ended)
     # the counts go out with the record: the class, the source, ms per phase, the bucket
     run_ms = counts.pop("model_run_ms:m")
