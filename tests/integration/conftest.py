@@ -35,8 +35,11 @@ def refusal(proc: CeleryProcess, what: str) -> str:
 
 
 def worker_env(redis_url: str, **settings: str) -> dict[str, str]:
-    env = {"SITS_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT) + os.pathsep +
-           os.environ.get("PYTHONPATH", "")}
+    # (SITS_PREIMPORT off unless a test says: these workers run plain tasks, and a
+    # parent importing torch and transformers cost each start seconds; the inference
+    # app's workers, inference_app.spawn_worker, keep the default)
+    env = {"SITS_REDIS_URL": redis_url, "SITS_PREIMPORT": "0",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.update({f"SITS_{k.upper()}": v for k, v in settings.items()})
     return env
 

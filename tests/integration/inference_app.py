@@ -28,6 +28,7 @@ from sits_queue.app import make_app
 from sits_queue.config import SitsConfig
 from sits_queue.procs import CeleryProcess, celery_command, wait_ready
 from sits_queue.workers.inference import generate
+from tests.integration import forkcheck
 
 APP_MODULE = "tests.integration.inference_app"
 ROOT = Path(__file__).resolve().parents[2]
@@ -347,3 +348,4 @@ def register(app: Celery) -> dict[str, Any]:
 
 
 tasks = register(app)
+forkcheck.register(app)

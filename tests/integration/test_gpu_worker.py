@@ -83,6 +83,14 @@ def test_default_pool_is_one_child_per_device(worker: CeleryProcess) -> None:
     assert len(children) == 1, worker.log()[-2000:]
 
 
+def test_the_child_was_forked_with_the_inference_stack_imported(
+        app: Celery, worker: CeleryProcess) -> None:
+    """(each child imported torch and transformers at its first model load: 4.6-5.4 s of
+    a tiny model's 5 s cold start, paid again by a replacement child after a kill)"""
+    assert app.send_task("x.forked_with").get(timeout=CALL_S) == [
+        "torch", "transformers.modeling_utils"]
+
+
 def test_second_call_is_warm(app: Celery, worker: CeleryProcess) -> None:
     first = call(app, "t.describe", "first", timeout=FIRST_CALL_S)
     second = call(app, "t.describe", "second")

@@ -48,6 +48,23 @@ def test_delay_from_a_separate_process(spawn: Spawn, client_app: Celery,
     assert client_app.AsyncResult(out.stdout.strip()).get(timeout=30) == 5
 
 
+@pytest.mark.parametrize("settings", [{"preimport": "0"}, {"plain_tasks_only": "1"}])
+def test_a_worker_told_not_to_preimport_forks_its_children_without_torch(
+        spawn: Spawn, client_app: Celery, settings: dict[str, str]) -> None:
+    """(this app registers models: by default its parent imports the inference stack
+    before the fork; not when told, nor on a worker of plain tasks only; and a child's
+    own start-up imports none of it)"""
+    spawn(**settings)
+    assert client_app.send_task("x.forked_with").get(timeout=30) == []
+
+
+def test_a_worker_of_an_app_with_models_forks_its_children_with_torch(
+        spawn: Spawn, client_app: Celery) -> None:
+    spawn(preimport="1")
+    assert client_app.send_task("x.forked_with").get(timeout=60) == [
+        "torch", "transformers.modeling_utils"]
+
+
 @pytest.mark.slow
 def test_ten_thousand_in_ten_thousand_out_no_duplicates(spawn: Spawn, client_app: Celery,
                                                         redis_client: redis.Redis) -> None:

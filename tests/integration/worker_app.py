@@ -21,6 +21,7 @@ from celery.exceptions import Reject
 from sits_queue import app
 from sits_queue.workers.batchmain import BatchRequest
 from sits_queue.workers.request import SitsRequest
+from tests.integration import forkcheck
 
 _r: dict[int, redis.Redis] = {}
 
@@ -229,3 +230,4 @@ class UnstartableBatchRequest(BatchRequest):
 
 
 tasks = register(app)
+forkcheck.register(app)

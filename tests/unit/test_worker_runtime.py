@@ -885,6 +885,26 @@ def test_an_autoscaled_pools_largest_size(autoscale: Any, most: int) -> None:
     assert autoscale_max(autoscale) == most
 
 
+def test_the_parent_imports_the_inference_stack_only_for_an_app_with_models(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        tmp_path: Path) -> None:
+    from sits_queue.workers import planstep
+
+    broken = tmp_path / "sits_broken_stack.py"
+    broken.write_text("raise RuntimeError('libcudart.so.12: cannot open shared object')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(planstep, "PREIMPORTS",
+                        ("torch", "sits_not_installed_stack", "sits_broken_stack", "json"))
+    app = make_app(SitsConfig(), main="preimport-unit")
+    assert planstep.preimport(app) == []  # no models: nothing to import for
+    app.register_model("m", lambda: None)
+    with caplog.at_level("WARNING", logger="sits_queue.workers.planstep"):
+        # one not installed is skipped, one that fails is said, the rest go on
+        assert planstep.preimport(app) == ["torch", "json"]
+    assert "importing sits_broken_stack ahead of the pool failed (RuntimeError: " \
+           "libcudart.so.12" in caplog.text
+
+
 def test_loaders_made_by_one_factory_for_two_models_are_two_registrations(
         tmp_path: Path) -> None:
     """(only the loaders' code was compared: a factory's loader for another path, or a
