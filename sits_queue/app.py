@@ -28,6 +28,7 @@ from sits_queue.options import (
     CONTROL_QUEUE,
     HEADER,
     OPTION_NAMES,
+    SUBMITTED_AT,
     TaskOptions,
     batch_key,
     derived_from_args,
@@ -51,8 +52,6 @@ logger = logging.getLogger(__name__)
 
 #: Marks a function whose first argument the worker supplies (the warm engine).
 ENGINE_ARG = "__sits_engine_arg__"
-#: Header with the producer's wall clock at submission, for end-to-end latency stats.
-SUBMITTED_AT = "sits_submitted_at"
 #: The SITS options a call may give as keywords (``max_batch``: batch tasks only).
 CALL_OPTIONS = (*OPTION_NAMES, "max_batch")
 

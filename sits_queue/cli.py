@@ -12,7 +12,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from importlib import import_module
@@ -24,7 +23,7 @@ import redis
 from kombu.exceptions import OperationalError
 
 from sits_queue.bench.report import check_json_path
-from sits_queue.broker import sites
+from sits_queue.broker import clock, sites
 from sits_queue.broker.keys import QueueKeys, queues_registry, registered_queues
 from sits_queue.config import SitsConfig, check_redis_url, redacted
 from sits_queue.embedded import resolve_redis_url
@@ -109,7 +108,7 @@ def status(as_json: bool) -> None:
     url = _redis_url()
     client = redis.Redis.from_url(url, socket_timeout=5)
     # (a Redis that does not answer is said by the group, naming the server: _Sitsq)
-    queues = queue_status(client, config, time.time())
+    queues = queue_status(client, config, clock.now(client))
     report = {"queues": queues, "workers": workers_status(client, config),
               "site": sites.status(client, config),
               "stray": stray_lists(client, config, [q["queue"] for q in queues])}
@@ -313,7 +312,7 @@ def dead_list(queue: str | None, limit: int, as_json: bool) -> None:
 
     config = SitsConfig.from_env()
     client = redis.Redis.from_url(_redis_url(), socket_timeout=5)
-    now = time.time()
+    now = clock.now(client)
     report: dict[str, dict[str, Any]] = {}
     for name in _dead_queue(client, config, queue):
         key = QueueKeys.for_queue(name, config.global_keyprefix).dead
@@ -418,7 +417,7 @@ def metrics_command(port: int, addr: str) -> None:
                      metrics_addr=addr)
     try:
         server = metrics.serve(config, None, strict=True,
-                               queues=lambda c: queue_status(c, config, time.time()))
+                               queues=lambda c: queue_status(c, config, clock.now(c)))
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {addr}:{port}: {exc.strerror or exc} "
                                    "(see --port and --addr)") from exc

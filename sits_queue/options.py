@@ -53,6 +53,9 @@ UNCOUNTED_TASKS = (*MAINTENANCE_TASKS, PREWARM_TASK)
 
 #: The message header that carries these options.
 HEADER = "sits"
+#: Header with the submission time, for end-to-end latency stats: the producer's clock
+#: as the app sends it, Redis's clock once the broker puts it (``broker/clock.py``).
+SUBMITTED_AT = "sits_submitted_at"
 #: Option names accepted on ``@app.task(...)`` and ``apply_async(...)``.
 OPTION_NAMES = ("sla_class", "model", "context_tokens", "latency_sla_ms", "loss_sensitivity",
                 "input_entropy", "vram_gib", "prefix_key", "precision")

@@ -40,15 +40,16 @@ from kombu.serialization import dumps
 from kombu.utils.uuid import uuid
 
 from sits_queue.app import (
-    SUBMITTED_AT,
     call_options,
     sits_config,
     sits_headers,
 )
+from sits_queue.broker import clock
 from sits_queue.errors import SitsError
 from sits_queue.options import (
     HEADER,
     OPTION_NAMES,
+    SUBMITTED_AT,
     TaskOptions,
     derive_prefix_key,
     route_maintenance,
@@ -563,7 +564,7 @@ def _build_chunk(app: Celery, task: Task, plan: _Plan, channel: Any,
     if plan.serializer == "pickle":
         dump_pydantic = None  # pickle sends models as they are (apply_async's rule)
     keep = bool(signals.after_task_publish.receivers)
-    now = time.time()
+    now = clock.now(channel.raw)
     scorer = channel.snapshots.scorer(channel.raw, now)
     records: list[Any] = []
     sent: list[_Sent] = []

@@ -22,7 +22,6 @@ import base64
 import json
 import logging
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 from celery.app.task import Context
 from kombu.serialization import loads, prepare_accept_content
 
+from sits_queue.broker import clock
 from sits_queue.broker.payload import MalformedPayload, check_task_body, decode, text
 from sits_queue.errors import DeadLettered
 
@@ -160,12 +160,12 @@ def park(channel: Any, queue: str, picked: list[Any], exc: Exception, no_ack: bo
                  text(tag, "replace"), reason)
     dead = channel.keys(queue).dead
     if no_ack:  # the pick forgot it already: the record dead.lua would write
-        record = {"reason": reason, "at": time.time(), "meta": None,
+        record = {"reason": reason, "at": clock.now(channel.raw), "meta": None,
                   "payload": text(picked[1], "replace")}
         channel.raw.hset(dead, tag, json.dumps(record))
         # (its replicas went with the pick)
     else:
-        channel._run("dead", queue, [time.time(), reason, tag])
+        channel._run("dead", queue, [clock.now(channel.raw), reason, tag])
         channel._replicas_gone(queue, [text(tag, "replace")])
     # its caller's get() raises instead of waiting for ever (when it has a task id)
     fail_tasks(channel.raw, dead, [text(tag, "replace")])
@@ -256,7 +256,7 @@ def requeue(channel: Any, queue: str, ids: Sequence[bytes | str]
             ready.append((message_id, record, message))
         if not ready:
             continue
-        now = time.time()
+        now = clock.now(channel.raw)
         scorer = channel.snapshots.scorer(channel.raw, now)
         records = [channel._put_record(m, None, now, scorer) for _, _, m in ready]
         # One requeue.lua for the chunk: each letter put back only if its record is the

@@ -17,7 +17,7 @@ import redis
 from kombu.transport import redis as kredis
 from kombu.utils.json import dumps
 
-from sits_queue.broker import payload, sites
+from sits_queue.broker import clock, payload, sites
 from sits_queue.broker.fanout import DeferredCommands
 from sits_queue.broker.keys import (
     REPLY_QUEUE_EXPIRES_MS,
@@ -33,7 +33,7 @@ from sits_queue.broker.meta import WaitingMeta, due_at
 from sits_queue.broker.scripts import Scripts
 from sits_queue.broker.snapshot import SnapshotCache
 from sits_queue.config import SitsConfig
-from sits_queue.options import UNCOUNTED_TASKS, TaskOptions
+from sits_queue.options import SUBMITTED_AT, UNCOUNTED_TASKS, TaskOptions
 from sits_queue.priority.model import Scorer
 from sits_queue.settings import config_from_options
 
@@ -128,7 +128,7 @@ class PublishingChannel(kredis.Channel):
         """One published message: one ``put.lua`` call (bulk submission has its own path,
         :meth:`_put_records_start`)."""
         kwargs.pop("_publish_batch", None)
-        now = time.time()
+        now = clock.now(self.raw)
         record = self._put_record(message, None, now, self.snapshots.scorer(self.raw, now))
         n, waiting = (int(x) for x in self.scripts.run("put", self.keys(queue), record,
                                                         self.raw))
@@ -146,6 +146,11 @@ class PublishingChannel(kredis.Channel):
                 WaitingMeta(options, now, str(message["headers"].get("task", "")),
                             due_at(message["headers"])))
         o = meta.options
+        headers = message.get("headers")
+        if isinstance(headers, dict) and SUBMITTED_AT in headers:
+            # On Redis's clock, as the wait is: the worker that ends the task takes its
+            # latency on it (the producer's own clock an hour out was an hour of latency)
+            headers[SUBMITTED_AT] = now
         prio = scorer.score(o.sla_class, now, o.context_tokens, o.latency_sla_ms,
                             o.loss_sensitivity, o.input_entropy or 0.0, o.model)
         # "~": announce the class to running tasks, but count no arrival (put.lua)

@@ -44,7 +44,7 @@ from celery.worker import state as worker_state
 from kombu.transport import redis as kredis
 from kombu.transport import virtual
 
-from sits_queue.broker import affinity, deadletters
+from sits_queue.broker import affinity, clock, deadletters
 from sits_queue.broker.heartbeat import Heartbeat
 from sits_queue.broker.keys import batch_units
 
@@ -140,7 +140,8 @@ class QoS(kredis.QoS):
                         reason, fail = self.channel.reject_reasons.pop(
                             delivery_tag, ("rejected by consumer", False))
                         self.channel._run("dead", queue,
-                                          [time.time(), reason, delivery_tag])
+                                          [clock.now(self.channel.raw), reason,
+                                           delivery_tag])
                         self.channel._replicas_gone(queue, [delivery_tag])
                         if fail:  # its caller's get() raises instead of waiting for ever
                             deadletters.fail_tasks(self.channel.raw,
@@ -179,7 +180,7 @@ class QoS(kredis.QoS):
         """``release.lua`` for ``tags``, on ``client`` (the heartbeat thread's) or the
         channel's; the hold given to the last of them, s."""
         _, hold_text = self.channel.scripts.run("release", self.channel.keys(queue), [
-            self.channel.consumer_id, time.time(), first_hold_s,
+            self.channel.consumer_id, clock.now(client or self.channel.raw), first_hold_s,
             max(first_hold_s, longest_hold_s), *tags], client or self.channel.raw)
         return float(hold_text)
 
@@ -283,7 +284,7 @@ class QoS(kredis.QoS):
         # as the timeout, the beats the thread missed would otherwise let this very sweep
         # restore the tasks this worker is running. The beat's deadline is read after the
         # ceiling, so it is above it however long the beat waits on a stalled Redis.
-        now = time.time()
+        now = clock.now(self.channel.raw)
         ceiling = now - self.channel.visibility_timeout
         self.heartbeat()
         durable = [q for q in self.channel.active_queues if q not in self.channel._expires]
@@ -307,7 +308,7 @@ class QoS(kredis.QoS):
             if not by_queue:
                 _OUTLIVING.discard(self)  # owes nothing more (a live channel: not there)
                 return
-            now = time.time()
+            now = clock.now(client or self.channel.raw)
             # XX: only ids still unacked; an id acked meanwhile is not brought back.
             with (client or self.channel.raw).pipeline(transaction=False) as pipe:
                 for queue, tags in by_queue.items():

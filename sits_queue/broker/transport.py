@@ -23,7 +23,7 @@ from kombu.transport import redis as kredis
 from kombu.transport import virtual
 from kombu.utils.json import dumps
 
-from sits_queue.broker import affinity, deadletters, intake, payload, wait
+from sits_queue.broker import affinity, clock, deadletters, intake, payload, wait
 from sits_queue.broker.keys import CONTROL_QUEUE, MARKER_MEMBER, queues_registry
 from sits_queue.broker.payload import SitsMessage, poison_split, text
 from sits_queue.broker.publishing import PublishingChannel
@@ -169,7 +169,8 @@ class Channel(PublishingChannel):
             raise Empty()
         for _ in range(MAX_BAD_IN_A_ROW):
             try:
-                reply = self._run("pick", queue, [time.time(), self.config.max_redeliveries,
+                reply = self._run("pick", queue, [clock.now(self.raw),
+                                                  self.config.max_redeliveries,
                                                   self.consumer_id, batch_window, *extra])
             except redis.ResponseError as exc:
                 # The queue, not the worker: raised, it stopped the worker ("Unrecoverable
@@ -274,7 +275,7 @@ class Channel(PublishingChannel):
         """Up to ``most`` waiting tasks of batch key ``key`` for a running batch's free
         rows (``pick.lua``'s join mode, ``workers/joins.py``), delivered to the consumer
         as batch ``group``; how many came."""
-        picked = self._run("pick", queue, [time.time(), self.config.max_redeliveries,
+        picked = self._run("pick", queue, [clock.now(self.raw), self.config.max_redeliveries,
                                            self.consumer_id, self.config.batch_window,
                                            "join", key, most])
         batch = [m for i in range(0, len(picked) - 2, 3)

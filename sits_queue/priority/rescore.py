@@ -18,7 +18,7 @@ from typing import Any
 import redis
 from celery.utils.nodenames import WORKER_DIRECT_EXCHANGE
 
-from sits_queue.broker import deadletters
+from sits_queue.broker import clock, deadletters
 from sits_queue.broker.keys import (
     BINDING_SEP,
     DIRECT_QUEUE_SUFFIX,
@@ -272,9 +272,9 @@ class Rescorer:
             if not lock.acquire():
                 return None
         try:
-            report = self._pass(time.time() if now_s is None else now_s)
+            report = self._pass(clock.now(self.client) if now_s is None else now_s)
             self.client.set(_state_key(self.config, "last-pass"), json.dumps(
-                {"end": time.time(), "took_s": report.duration_ms / 1000}),
+                {"end": clock.now(self.client), "took_s": report.duration_ms / 1000}),
                 ex=_LAST_PASS_TTL_S)
             return report
         finally:
@@ -293,7 +293,7 @@ class Rescorer:
             return False
         if not (math.isfinite(end) and math.isfinite(took)) or took <= 0:
             return False
-        return time.time() - end < took * (1 / MOST_PASS_SHARE - 1)
+        return clock.now(self.client) - end < took * (1 / MOST_PASS_SHARE - 1)
 
     def _pass(self, now_s: float) -> PassReport:
         started = time.perf_counter()
@@ -436,7 +436,7 @@ class Rescorer:
     # -- triggers ----------------------------------------------------------------------------
     def check_triggers(self, now_s: float | None = None) -> tuple[str, ...]:
         """Sample RTT, loss and the top class's backlog; rescore now if a §2.2 trigger fires."""
-        now_s = time.time() if now_s is None else now_s
+        now_s = clock.now(self.client) if now_s is None else now_s
         t0 = time.perf_counter()
         self.client.ping()
         rtt_ms = (time.perf_counter() - t0) * 1000

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import asdict
 from typing import Any
 
 from celery import Celery
 from celery.utils.nodenames import worker_direct
 
+from sits_queue.broker import clock
 from sits_queue.options import PREWARM_TASK
 from sits_queue.priority.prewarm import Prewarmer
 from sits_queue.priority.rescore import Rescorer
@@ -42,7 +42,8 @@ def register(app: Celery) -> None:
     @app.task(name="sits.prewarm_plan", ignore_result=True, shared=False,  # type: ignore[untyped-decorator]
               sla_class=top)
     def prewarm_plan() -> dict[str, Any]:
-        return prewarmer(app).run(time.time())
+        planner = prewarmer(app)
+        return planner.run(clock.now(planner.client))
 
     @app.task(name="sits.site_sync", ignore_result=True, shared=False,  # type: ignore[untyped-decorator]
               sla_class=top)

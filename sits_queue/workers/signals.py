@@ -27,6 +27,7 @@ from celery.utils.time import maybe_iso8601, maybe_make_aware
 
 from sits_queue import tracing
 from sits_queue.app import sits_config
+from sits_queue.broker import clock
 from sits_queue.config import SitsConfig
 from sits_queue.options import HEADER, UNCOUNTED_TASKS
 from sits_queue.priority.prewarm import MAX_CATCH_UP, bucket_of, demand_key
@@ -233,6 +234,12 @@ def _reset_refused_counters(config: SitsConfig, commands: list[tuple[Any, ...]],
                            args[0] if args else "", reply)
 
 
+def finished_at(config: SitsConfig) -> float:
+    """Now on the clock of ``config``'s Redis, which the task's submission time is on
+    (``broker/clock.py``): a worker's own clock an hour out was an hour of latency."""
+    return clock.now(advertise.client_for(config))
+
+
 def connect(app: Celery) -> None:
     def on_postrun(sender: Any = None, task: Any = None, state: str | None = None,
                    **_: Any) -> None:
@@ -240,8 +247,9 @@ def connect(app: Celery) -> None:
             return
         if state not in ("SUCCESS", "FAILURE", "RETRY"):
             return  # a slot yielded (REJECTED): the same message runs on later
-        record_completion(sits_config(app), task.request, failed=state == "FAILURE",
-                          now_s=time.time(), retried=state == "RETRY")
+        config = sits_config(app)
+        record_completion(config, task.request, failed=state == "FAILURE",
+                          now_s=finished_at(config), retried=state == "RETRY")
 
     def on_process_shutdown(**_: Any) -> None:
         # A pool child's buffered records and spans would die with it (billiard ends it

@@ -36,6 +36,7 @@ import redis
 from celery import signals
 from celery.exceptions import Ignore, Reject
 
+from sits_queue.broker import clock
 from sits_queue.broker.keys import CHECKPOINT_HEADER, DELIVERY_HEADER, QueueKeys
 from sits_queue.broker.scripts import Scripts
 from sits_queue.config import SitsConfig
@@ -210,7 +211,7 @@ class Slicer:
                 self._deferred.clear()
             self._deferred.add(running.message_id)
         verdict = self.scripts.run("preempt", keys, [
-            running.message_id, time.time(), least_wait_s(self.config, runs_as), CLAIM_S,
+            running.message_id, clock.now(self.client), least_wait_s(self.config, runs_as), CLAIM_S,
             inline, *outranking], self.client)
         if verdict == b"wait" or verdict == "wait":
             self._next_check = now + RETRY_S
