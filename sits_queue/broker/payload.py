@@ -238,6 +238,9 @@ class SitsMessage(virtual.Message):
     on delivery (``basic_consume``'s callback), which would decode the body a second time.
     """
 
+    #: When this worker picked it, ``time.monotonic()`` (``workers/etaorder.py``).
+    picked_at: float | None = None
+
     def __new__(cls, payload: Any = None, *args: Any, **kwargs: Any) -> SitsMessage:
         if isinstance(payload, cls):
             return payload

@@ -306,6 +306,9 @@ class Channel(PublishingChannel):
                     f"body does not decompress ({built.headers.get('compression')!r}): "
                     f"{built.errors[0][1]!r}")
             payload.check_task_body(built)
+            # On the clock Celery's timer holds an ETA on (monotonic): a task picked
+            # before it was due takes its turn in the queue once due (workers/etaorder.py)
+            built.picked_at = time.monotonic()
         except Exception as exc:
             self._dead_letter(queue, picked, exc, no_ack)
             return None

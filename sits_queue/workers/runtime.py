@@ -50,6 +50,7 @@ from sits_queue.options import HEADER, PRECISIONS
 from sits_queue.workers import (
     advertise,
     childgc,
+    etaorder,
     gpu,
     metrics,
     profile,
@@ -595,6 +596,7 @@ def connect(app: Celery) -> None:
     app.steps["consumer"].add(advertise.Advertise)
     app.steps["consumer"].add(profile.ProfileStep)
     app.steps["consumer"].add(ratelimits.RateLimitHold)
+    app.steps["consumer"].add(etaorder.EtaOrder)
     app.steps["consumer"].add(sitebeat.SiteHeartbeat)
     from sits_queue.workers import batchmain  # imports inference, which imports this module
 

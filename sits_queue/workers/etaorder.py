@@ -1,0 +1,77 @@
+"""A task held for its ETA takes its turn in the queue once due, not the next free slot.
+
+A worker picks a task with a countdown or an ETA before it is due (when nothing better
+waits: its wait counts from when it falls due, so it ranks low meanwhile) and Celery
+holds it in the worker's timer, out of the prefetch count. When it fell due Celery sent
+it straight to the pool, so it took the next free slot ahead of whatever had come into
+the queue meanwhile: a low-class task due while a one-slot worker was busy ran before a
+high-class task waiting at the head of the queue (3 s of the high task's 5.4 s).
+
+Here a due task that was picked before it was due goes back to its queue at its score,
+uncounted and without a hold, and the pick order decides: a worker picks only for a
+free slot, and then the best waiting task (the same worker with a slot free picks it
+again at once, if nothing outranks it: two round trips more). A task picked when
+already due runs at once, so it is never given back twice; one revoked or expired while
+it waited is settled here, as the pool would have. Rate-limited tasks wait for their
+token first (``ratelimits.py``); a resumed run (time slices) goes on as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import bootsteps
+from celery.utils.time import timezone
+from kombu.asynchronous.timer import to_timestamp
+
+from sits_queue.workers import request as admission
+from sits_queue.workers.ratelimits import resumed
+
+logger = logging.getLogger(__name__)
+
+
+def due_at(request: Any, app_timezone: Any) -> float | None:
+    """When ``request``'s ETA falls due, as Celery's strategy reads it for the worker's
+    timer (``time.monotonic()``; None: no ETA, or one it could not read)."""
+    eta = getattr(request, "eta", None)
+    if not eta:
+        return None
+    try:
+        if getattr(request, "utc", True):
+            return float(to_timestamp(timezone.to_system(eta)))  # type: ignore[no-untyped-call]
+        return float(to_timestamp(eta, app_timezone))  # type: ignore[no-untyped-call]
+    except (OverflowError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def picked_early(request: Any, app_timezone: Any) -> bool:
+    """Whether ``request``'s message was picked before its ETA was due (so it waited in
+    this worker's timer, not in the queue)."""
+    picked = getattr(getattr(request, "message", None), "picked_at", None)
+    due = due_at(request, app_timezone)
+    return isinstance(picked, float) and due is not None and picked < due
+
+
+class EtaOrder(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Consumer step: a due ETA task held in the timer gives way to the queue's order."""
+
+    name = "SITS ETA order"
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        super().__init__(c, **kwargs)
+        # Set now, before the Tasks step builds the strategies, which bind it.
+        run = c.apply_eta_task
+
+        def apply_eta_task(request: Any) -> Any:
+            if resumed(request) or not picked_early(request, c.app.timezone):
+                return run(request)
+            c.qos.decrement_eventually()  # (the count out its wait for the ETA had)
+            if request.revoked():  # revoked or expired meanwhile: settled here, as the
+                return None        # pool's run would have (the next worker may not know)
+            admission._give_back(request)
+            logger.debug("task %s[%s] due: back to its queue, to take its turn",
+                         request.name, request.id)
+            return None
+
+        c.apply_eta_task = apply_eta_task
