@@ -12,6 +12,7 @@ from typing import Any, ClassVar, TypeVar
 import redis
 from celery import Celery, Signature, Task, group
 from celery.app.amqp import AMQP
+from celery.app.routes import Router
 from celery.canvas import _chain, _chord
 from kombu.entity import Exchange, Queue
 from kombu.utils.objects import cached_property
@@ -27,6 +28,7 @@ from sits_queue.exits import fail_exits
 from sits_queue.options import (
     CONTROL_QUEUE,
     HEADER,
+    MAINTENANCE_TASKS,
     OPTION_NAMES,
     SUBMITTED_AT,
     TaskOptions,
@@ -61,21 +63,51 @@ def pop_sits_options(options: dict[str, Any]) -> dict[str, Any]:
     return {name: options.pop(name) for name in OPTION_NAMES if name in options}
 
 
+class RoutedOnce(Router):  # type: ignore[misc]
+    """``router`` with one call's lookup made already: Celery's ``send_task`` routes the
+    message (queue, exchange, routing key) from the route the call's SITS options were
+    read from. (Celery looked the route up a second time: a router that answers each
+    call afresh, a round robin, gave the class of one answer and the queue of the next,
+    and every task went to one queue.)"""
+
+    def __init__(self, router: Any, route: Any) -> None:
+        super().__init__(router.routes, router.queues, router.create_missing, router.app)
+        self.found = route
+
+    def lookup_route(self, *args: Any, **kwargs: Any) -> Any:
+        return self.found
+
+
 def routed_options(app: Celery, name: str, args: Any, kwargs: Any,
                    options: dict[str, Any]) -> None:
     """Add to a call's ``options`` the SITS options its ``task_routes`` entry gives (a
     Celery route may carry any apply_async option), under the call's own, which win as
     in Celery's merge. Read here because they are resolved before Celery routes the
-    message: they were dropped without a word, an unknown class in a route included."""
-    router = app.amqp.router
-    if not router.routes:
+    message: they were dropped without a word, an unknown class in a route included.
+
+    The route is looked up once: ``options["router"]`` becomes a :class:`RoutedOnce`
+    that hands Celery the same route. Routes do not apply to the beat's maintenance
+    tasks (a glob entry, ``{"*": {"sla_class": "low"}}``, gave them its class and its
+    class's time limits); :func:`~sits_queue.options.route_maintenance` places them.
+    """
+    router = options.get("router") or app.amqp.router
+    if not router.routes or isinstance(router, RoutedOnce):
         return
-    route = router.lookup_route(name, args or (), kwargs or {}, dict(options),
-                                app.tasks.get(name))
+    route = None
+    if name not in MAINTENANCE_TASKS:
+        task = app.tasks.get(name)
+        # what Celery's own lookup was shown: the task's options under the call's
+        seen = {k: v for k, v in task._get_exec_options().items() if v is not None} \
+            if isinstance(task, Task) else {}
+        route = router.lookup_route(options.get("route_name") or name, args or (),
+                                    kwargs or {}, {**seen, **options}, task)
     if isinstance(route, Mapping):
         for key in CALL_OPTIONS:
             if key in route and key not in options:
                 options[key] = route[key]
+        # (they rode on in the message's properties, unused)
+        route = {k: v for k, v in route.items() if k not in CALL_OPTIONS}
+    options["router"] = RoutedOnce(router, route)
 
 
 def resolve_task_options(task: Task | None, config: SitsConfig, per_call: Mapping[str, Any],
@@ -465,6 +497,10 @@ class SitsCelery(Celery):  # type: ignore[misc]
         self.note_priority(name, options.get("priority"))
         check_delivery(name, options)
         route_maintenance(name, options)
+        if name in MAINTENANCE_TASKS and self.amqp.router.routes \
+                and not isinstance(options.get("router"), RoutedOnce):
+            # no route of the app's applies to them, a hand-made header's call included
+            options["router"] = RoutedOnce(self.amqp.router, None)
         headers = options.get("headers")
         if isinstance(headers, Mapping) and headers.get(HEADER) is not None:
             # Attached already (apply_async, a retry) or by hand: checked either way, so

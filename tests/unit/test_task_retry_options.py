@@ -3,6 +3,7 @@ Celery's ``retry`` builds the new message from). No broker: the signature is ins
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -388,3 +389,55 @@ def test_a_task_declaring_its_soft_limit_past_its_hard_one_is_refused_by_name() 
     with pytest.raises(InvalidTaskOptions, match=r"u\.own's soft_time_limit 5 s must not "
                                                  r"exceed u\.own's time_limit 4 s"):
         own.delay()
+
+
+def test_a_router_is_asked_once_per_send_and_its_one_answer_routes_and_classes() -> None:
+    """(the SITS options were read from one lookup, Celery routed by a second: a round
+    robin gave each task the class of one answer and the queue of the next, and all four
+    went to one queue)"""
+    app = make_app(SitsConfig(), main="routed-once")
+    answers = itertools.cycle([{"queue": "rr-gpu", "sla_class": "high"},
+                               {"queue": "rr-cpu", "sla_class": "low"}])
+    asked: list[str] = []
+
+    def round_robin(name: str, args: Any, kwargs: Any, options: Any, task: Any = None,
+                    **kw: Any) -> Any:
+        if name != "u.rr":
+            return None
+        asked.append(name)
+        return dict(next(answers))
+
+    app.conf.task_routes = (round_robin,)
+
+    @app.task(name="u.rr", shared=False)
+    def rr(x: int) -> int:
+        return x
+
+    with capturing_producer() as (producer, sent):
+        for i in range(4):
+            rr.apply_async((i,), producer=producer)
+        app.send_task("u.rr", (4,), producer=producer)
+        app.send_task("u.rr", (5,), producer=producer)
+    assert len(asked) == 6
+    got = [(kw["routing_key"], kw["headers"][HEADER]["sla_class"]) for kw in sent]
+    assert got == [("rr-gpu", "high"), ("rr-cpu", "low")] * 3
+    # the route's SITS options are in the header, not loose in the message's properties
+    assert all("sla_class" not in kw for kw in sent)
+
+
+def test_routes_do_not_reach_the_beat_s_maintenance_tasks() -> None:
+    """(a glob entry's class and its class's time limits were given to the beat's
+    passes: ``sits.rescore`` ran as "low", limited to 10 s)"""
+    app = make_app(SitsConfig(), main="routed-maintenance")
+    app.conf.task_routes = {"*": {"queue": "gpu", "sla_class": "low",
+                                  "routing_key": "elsewhere"}}
+    rescore = app.tasks["sits.rescore"]
+    with capturing_producer() as (producer, sent):
+        app.send_task("sits.rescore", producer=producer)
+        rescore.apply_async(producer=producer)
+        app.send_task("sits.rescore", producer=producer,
+                      headers={HEADER: {"sla_class": "high"}})
+    assert [kw["routing_key"] for kw in sent] == ["sits.control"] * 3
+    assert [kw["headers"][HEADER]["sla_class"] for kw in sent] == ["high"] * 3
+    high = SitsConfig().quota("high").max_run_s
+    assert all(kw["headers"]["timelimit"][0] == high for kw in sent)
