@@ -41,6 +41,7 @@ from kombu.utils.uuid import uuid
 
 from sits_queue.app import (
     call_options,
+    routed_options,
     sits_config,
     sits_headers,
 )
@@ -181,7 +182,7 @@ def _check_items(task: Task, arg_list: Sequence[Any],
     return kwargs_all
 
 
-def _plan(task: Task, options: dict[str, Any]) -> _Plan:
+def _plan(task: Task, options: dict[str, Any], producer: Any = None) -> _Plan:
     """Validate the options and do ``apply_async``/``send_task``'s per-call work once."""
     app: Celery = task._get_app()
     if app.conf.task_protocol != 2:
@@ -192,14 +193,17 @@ def _plan(task: Task, options: dict[str, Any]) -> _Plan:
         raise TypeError(f"enqueue_many does not support {sorted(unsupported)}; supported: "
                         f"{sorted(SUPPORTED_OPTIONS | set(OPTION_NAMES))}")
     config = sits_config(app)
+    # a route's SITS options too, as delay()'s (its class was dropped, its queue kept)
+    routed_options(app, task.name, (), {}, options)
     opts = call_options(task, config, options, app.conf)
     if task.soft_time_limit and task.time_limit and task.soft_time_limit > task.time_limit:
         raise ValueError("soft_time_limit must be less than or equal to time_limit")
     options = {**task._get_exec_options(), **options}
     route_maintenance(task.name, options)
     options.setdefault("ignore_result", task.ignore_result)
-    routed = app.amqp.router.route(options, task.name, (), {}, task)
-    queue: Queue = routed["queue"]
+    router = options.pop("router", None) or app.amqp.router
+    routed = router.route(options, task.name, (), {}, task)
+    queue: Queue = routed.get("queue") or _bound_queue(app, producer, routed)
     exchange_type = getattr(queue.exchange, "type", "direct")
     if exchange_type != "direct":
         raise SitsError(f"enqueue_many needs a direct-exchange queue; {queue.name!r} is "
@@ -228,6 +232,23 @@ def _plan(task: Task, options: dict[str, Any]) -> _Plan:
         plain_json=(routed.get("serializer") or app.conf.task_serializer) == "json"
         and not routed.get("link") and not routed.get("link_error"),
         send_event=send_event)
+
+
+def _bound_queue(app: Celery, producer: Any, routed: Mapping[str, Any]) -> Queue:
+    """The queue ``delay()`` reaches by a route naming no queue: by its exchange and
+    routing key, the one the transport finds bound (``Channel._lookup``), else Celery's
+    default queue. (Celery's router names none, and this failed on KeyError('queue').)"""
+    exchange, key = routed.get("exchange"), routed.get("routing_key")
+    exchange = getattr(exchange, "name", exchange)
+    if not exchange:
+        return app.amqp.default_queue  # type: ignore[no-any-return]
+    with app.producer_or_acquire(producer) as prod:
+        names = sorted(prod.channel._lookup(exchange, key))
+    if len(names) != 1:  # (one put reaches one queue)
+        raise SitsError(f"enqueue_many sends to one queue; exchange {exchange!r} with "
+                        f"routing key {key!r} reaches {names or 'none'}: route the task "
+                        "to a queue (a task_routes entry's 'queue', or queue=)")
+    return Queue(names[0])  # type: ignore[no-untyped-call]
 
 
 def _message_args(app: Celery, routed: Mapping[str, Any], send_event: bool) -> dict[str, Any]:
@@ -457,7 +478,7 @@ def enqueue_many(task: Task, arg_list: Iterable[Sequence[Any]], *,
     task = task._get_current_object() if hasattr(task, "_get_current_object") else task
     options = dict(options)
     producer = options.pop("producer", None)
-    plan = _plan(task, options)
+    plan = _plan(task, options, producer)
     # (a generator, a set or a dict's keys failed on len() or slicing, saying neither)
     arg_list = _items("arg_list", "argument tuples", arg_list)
     if kwargs_list is not None:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery, signals
+from kombu import Exchange, Queue
 from kombu.exceptions import EncodeError
 
 from sits_queue.app import make_app
@@ -19,7 +20,7 @@ from sits_queue.broker.bulk import BulkEnqueueError, enqueue_many
 from sits_queue.broker.keys import SEQ_BITS, QueueKeys
 from sits_queue.broker.scripts import Scripts
 from sits_queue.config import SitsConfig
-from sits_queue.errors import InvalidTaskOptions
+from sits_queue.errors import InvalidTaskOptions, SitsError
 from sits_queue.procs import CeleryProcess
 from tests.integration.test_transport import drain
 
@@ -131,6 +132,53 @@ def test_invalid_options_raise_and_enqueue_nothing(app: Celery, redis_client: re
     assert next(iter(options)) in str(info.value)
     assert redis_client.zcard(KEYS.waiting) == 0
     assert redis_client.hlen(KEYS.payloads) == 0
+
+
+def classes(client: redis.Redis, queue: str) -> list[str]:
+    """The classes of ``queue``'s waiting tasks, as the broker records them."""
+    meta = QueueKeys.for_queue(queue).meta
+    return sorted(json.loads(v)["c"] for v in client.hvals(meta))
+
+
+def test_a_route_s_sits_options_apply_as_they_do_to_delay(app: Celery,
+                                                          redis_client: redis.Redis) -> None:
+    """(enqueue_many took the route's queue and dropped its class: the README says a
+    task_routes entry's options are checked and applied the same way on every path)"""
+    app.conf.task_routes = {"t.echo": {"queue": "bulkq", "sla_class": "high"},
+                            "t.bad": {"queue": "bulkq", "sla_class": "nope"}}
+
+    @app.task(name="t.bad", shared=False)
+    def bad(tag: str) -> str:
+        return tag
+
+    echo = app.tasks["t.echo"]
+    echo.delay("one")
+    enqueue_many(echo, [("two",), ("three",)])
+    assert classes(redis_client, "bulkq") == ["high"] * 3
+    with pytest.raises(InvalidTaskOptions, match="unknown sla_class 'nope'"):
+        enqueue_many(bad, [("four",)])
+
+
+def test_a_route_of_an_exchange_and_key_reaches_the_queue_delay_reaches(
+        app: Celery, redis_client: redis.Redis) -> None:
+    """(Celery's router names no queue for it, and enqueue_many failed on a bare
+    KeyError('queue'); delay() lands in the queue bound to that exchange and key)"""
+    bound = Queue("q1", Exchange("ex1"), routing_key="rk1")
+    app.conf.task_queues = [Queue("celery"), bound]
+    app.conf.task_routes = {"t.echo": {"exchange": "ex1", "routing_key": "rk1"}}
+    echo = app.tasks["t.echo"]
+    with pytest.raises(SitsError, match="exchange 'ex1' with routing key 'rk1' reaches none"):
+        enqueue_many(echo, [("lost",)])  # bound by no worker yet: delay() drops it
+    with app.connection_for_write() as conn:  # as a worker consuming q1 binds it
+        bound.bind(conn.default_channel).declare()
+    echo.delay("one")
+    enqueue_many(echo, [("two",), ("three",)])
+    assert redis_client.zcard(QueueKeys.for_queue("q1").waiting) == 3
+    assert redis_client.zcard(KEYS.waiting) == 0
+    with app.connection_for_write() as conn:  # a second queue on the same key
+        Queue("q2", Exchange("ex1"), routing_key="rk1").bind(conn.default_channel).declare()
+    with pytest.raises(SitsError, match=r"reaches \['q1', 'q2'\]"):
+        enqueue_many(echo, [("four",)])
 
 
 @pytest.mark.parametrize(("items", "kwargs_list", "options", "error"), [
