@@ -145,12 +145,19 @@ def check_queue_name(queue: str) -> str:
     Redis Cluster hashes only what is inside a key's first ``{...}``: an empty ``{}``
     counts as no tag at all (each key hashes whole, to its own slot), and a brace in the
     name would move the tag. Either way one queue's keys would land in several slots,
-    which no script can touch together.
+    which no script can touch together. A name that is not UTF-8 text (a lone surrogate,
+    as JSON carries it or a shell's byte 0xff arrives) is no key at all: it passed, an
+    ``add_consumer`` replied ok and the worker's event loop then died encoding it.
     """
     if not isinstance(queue, str) or not queue:
         raise InvalidQueueName(f"a queue name must be a non-empty string, got {queue!r}")
     if "{" in queue or "}" in queue:
         raise InvalidQueueName(f"queue name {queue!r} must not contain braces")
+    try:
+        queue.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidQueueName(f"queue name {queue!r} is not UTF-8 text ({exc.reason} at "
+                               f"position {exc.start})") from None
     return queue
 
 

@@ -621,12 +621,17 @@ def test_a_worker_consumes_the_default_queue_its_app_names(
         proc.stop()
 
 
+@pytest.mark.parametrize(("queues", "said"), [
+    ("jobs{1}", "queue name 'jobs{1}' must not contain braces"),
+    # a byte that is no UTF-8 (the shell's $'bad\xff'; it ended in a traceback)
+    ("ok,bad\udcff", "queue name 'bad\\udcff' is not UTF-8 text"),
+])
 def test_a_worker_told_to_consume_a_queue_no_sits_queue_can_be_says_so_in_one_line(
-        tmp_path: Path, redis_url: str) -> None:
+        tmp_path: Path, redis_url: str, queues: str, said: str) -> None:
     """(its consumer stopped on an "Unrecoverable error" traceback)"""
     log = refusal(start_worker(APP_MODULE, worker_env(redis_url), tmp_path, concurrency=1,
-                               queues="jobs{1}", cwd=ROOT), "the queue")
-    assert "Error: queue name 'jobs{1}' must not contain braces: rename it" in log, log[-2000:]
+                               queues=queues, cwd=ROOT), "the queue")
+    assert f"Error: {said}" in log and ": rename it" in log, log[-2000:]
 
 
 def test_a_soft_limit_overdue_after_its_task_ended_leaves_the_idle_child_alone(

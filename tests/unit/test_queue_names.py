@@ -17,7 +17,7 @@ from sits_queue.broker.keys import (
 from sits_queue.errors import InvalidQueueName
 
 
-@pytest.mark.parametrize("name", ["", "a{b", "a}b", "{x}", None, 5])
+@pytest.mark.parametrize("name", ["", "a{b", "a}b", "{x}", None, 5, "bad\udcff", "\ud800"])
 def test_a_queue_name_that_would_not_make_one_hash_tag_is_refused(name: Any) -> None:
     with pytest.raises(InvalidQueueName) as info:
         QueueKeys.for_queue(name)
@@ -49,6 +49,8 @@ def test_the_workers_add_consumer_command_refuses_such_a_name_in_its_reply() -> 
 
     assert "error" in command(NoConsumer(), "")
     assert "error" in command(NoConsumer(), "a{b}")
+    # (a name JSON carries but no Redis key can be: it replied ok, then the worker died)
+    assert "not UTF-8 text" in command(NoConsumer(), "bad\udcff")["error"]
 
 
 @pytest.mark.parametrize(("queue", "reply", "result_name"), [
