@@ -28,6 +28,7 @@ from sits_queue.broker.keys import CONTROL_QUEUE, MARKER_MEMBER, queues_registry
 from sits_queue.broker.payload import SitsMessage, poison_split, text
 from sits_queue.broker.publishing import PublishingChannel
 from sits_queue.broker.qos import QoS
+from sits_queue.errors import InvalidQueueName
 
 logger = logging.getLogger(__name__)
 
@@ -450,6 +451,13 @@ class Channel(PublishingChannel):
         return int(self.raw.zcard(self.keys(queue).waiting))
 
     def _purge(self, queue: str) -> int:
+        try:
+            self.keys(queue)
+        except InvalidQueueName as exc:
+            # No SITS queue has that name, so it holds nothing: said in one line (``celery
+            # purge -Q 'b{r}'`` ended on a traceback)
+            logger.warning("%s: no SITS queue has it, nothing to purge", exc)
+            return 0
         total = 0
         while ids := self._run("purge", queue, [PURGE_CHUNK]):
             total += len(ids)

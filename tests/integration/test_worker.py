@@ -634,6 +634,18 @@ def test_a_worker_told_to_consume_a_queue_no_sits_queue_can_be_says_so_in_one_li
     assert f"Error: {said}" in log and ": rename it" in log, log[-2000:]
 
 
+def test_purging_a_queue_no_sits_queue_can_be_says_so_in_one_line(redis_url: str) -> None:
+    """(``celery purge -Q 'b{r}'`` printed a full traceback ending in InvalidQueueName)"""
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", APP_MODULE, "purge", "-f", "-Q", "b{r}"],
+        env={**os.environ, **worker_env(redis_url)}, cwd=ROOT, capture_output=True,
+        text=True, timeout=120, check=False)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "Traceback" not in out, out
+    assert "queue name 'b{r}' must not contain braces: no SITS queue has it" in out, out
+    assert "No messages purged from 1 queue" in out, out
+
+
 def test_a_soft_limit_overdue_after_its_task_ended_leaves_the_idle_child_alone(
         spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
     """(a parent whose loop was blocked past a task's soft limit, a Redis outage, fired
