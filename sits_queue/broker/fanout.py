@@ -68,6 +68,10 @@ class DeferredCommands:
     def send(self, pool: Any, commands: Sequence[tuple[Any, ...]], on_error: OnError) -> None:
         """Write ``commands`` in one packet; their replies are read later. Raises what
         the write raises (then nothing of ``commands`` is owed)."""
+        self._send(pool, commands, [on_error] * len(commands))
+
+    def _send(self, pool: Any, commands: Sequence[tuple[Any, ...]],
+              handlers: Sequence[OnError]) -> None:
         failed: _Failed = []
         try:
             with self._lock:
@@ -78,7 +82,7 @@ class DeferredCommands:
                 except (redis.ConnectionError, redis.TimeoutError, OSError):
                     self._drop(failed)
                     raise
-                self._owed.extend([on_error] * len(commands))
+                self._owed.extend(handlers)
         finally:
             self._report(failed)
 
@@ -95,6 +99,24 @@ class DeferredCommands:
             self.send(pool, [command], on_error or again)
         except (redis.ConnectionError, redis.TimeoutError, OSError):
             run()
+
+    def send_each_or_run(self, pool: Any,
+                         commands: Sequence[tuple[tuple[Any, ...], Callable[[], object]]]
+                         ) -> None:
+        """Each ``(command, run)`` as :meth:`send_or_run` treats one, all written in one
+        packet: every ``run`` when the packet cannot be sent, and a command's own ``run``
+        when its reply is an error or lost."""
+        def again(run: Callable[[], object]) -> OnError:
+            def on_error(_exc: redis.RedisError) -> None:
+                run()
+            return on_error
+
+        try:
+            self._send(pool, [command for command, _ in commands],
+                       [again(run) for _, run in commands])
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            for _, run in commands:
+                run()
 
     def poll(self) -> None:
         """Read the replies that have arrived (an idle worker's owed errors surface)."""

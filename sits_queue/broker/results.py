@@ -16,12 +16,17 @@ next state of any task is written, so a ``STARTED`` is in Redis before its task'
 outcome is, and one refused (``NOSCRIPT``) or lost with its connection is written again
 then (idempotent), as Celery's retry policy would.
 
+A batch's members (``workers/batched.py``) are marked ``STARTED`` together when their
+batch starts, in one packet not waited for (:meth:`SitsRedisBackend.store_started`): one
+revoked meanwhile stays ``REVOKED`` (Celery's tracer runs for each only after the batch).
+
 Celery picks it from the backend URL: ``sits_queue.broker.results:SitsRedisBackend+redis://...``
 (:func:`backend_url`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from importlib import resources
 from typing import Any
@@ -96,6 +101,48 @@ class SitsRedisBackend(RedisBackend):  # type: ignore[misc]
         if not self._scripted:
             return super()._store_result(task_id, result, state, traceback,
                                          request=request, **kwargs)
+        key, value, ttl_ms = self._record(task_id, result, state, traceback, request)
+        self._deferred.settle()  # an earlier STARTED is in Redis before this is written
+        if state == states.STARTED:
+            self._store_later(key, value, ttl_ms)
+        else:
+            self.ensure(self._store, (key, value, ttl_ms))
+        return result
+
+    def store_started(self, started: Sequence[tuple[str, Mapping[str, Any], Any]]) -> None:
+        """``STARTED`` for tasks about to run together (a batch's members, before its
+        function runs), each ``(task_id, result, request)`` as Celery's tracer stores it
+        for one task, all in one packet not waited for. Not over a ready state: a task
+        revoked since its worker sent it to the pool stays ``REVOKED``. A record too
+        large to store is left out (the task's own trace stores it, or fails it)."""
+        if not self._scripted:
+            for task_id, result, request in started:
+                if self.get_state(task_id) not in states.READY_STATES:
+                    self.store_result(task_id, result, states.STARTED, request=request)
+            return
+        records = []
+        for task_id, result, request in started:
+            try:
+                records.append(self._record(task_id, self.encode_result(result,
+                                                                        states.STARTED),
+                                            states.STARTED, None, request))
+            except BackendStoreError:
+                continue
+        if not records:
+            return
+        self._deferred.settle()
+        script = self._script()
+        self._deferred.send_each_or_run(self.client.connection_pool, [
+            (("EVALSHA", script.sha, 1, key, value, ttl_ms, 1), self._awaited(key, value, ttl_ms))
+            for key, value, ttl_ms in records])
+
+    def _awaited(self, key: Any, value: Any, ttl_ms: int) -> Callable[[], object]:
+        """A STARTED ahead of its run, stored and waited for (Celery's retries)."""
+        return lambda: self.ensure(self._store, (key, value, ttl_ms, True))
+
+    def _record(self, task_id: Any, result: Any, state: str, traceback: Any,
+                request: Any) -> tuple[Any, Any, int]:
+        """The key, encoded meta and time to live, in ms, of a state as Celery stores it."""
         meta = self._get_result_meta(result=result, state=state, traceback=traceback,
                                      request=request)
         meta["task_id"] = bytes_to_str(task_id)  # type: ignore[no-untyped-call]
@@ -104,13 +151,7 @@ class SitsRedisBackend(RedisBackend):  # type: ignore[misc]
             raise BackendStoreError("value too large for Redis backend", state=state,
                                     task_id=task_id)
         expires = self.failure_expires if state == states.FAILURE else self.expires
-        key, ttl_ms = self.get_key_for_task(task_id), expiry_ms(expires)
-        self._deferred.settle()  # an earlier STARTED is in Redis before this is written
-        if state == states.STARTED:
-            self._store_later(key, value, ttl_ms)
-        else:
-            self.ensure(self._store, (key, value, ttl_ms))
-        return result
+        return self.get_key_for_task(task_id), value, expiry_ms(expires)
 
     def _script(self) -> Any:
         if self._store_script is None:
@@ -123,8 +164,9 @@ class SitsRedisBackend(RedisBackend):  # type: ignore[misc]
             self._store_script = script
         return self._store_script
 
-    def _store(self, key: Any, value: Any, ttl_ms: int) -> Any:
-        return self._script()(keys=[key], args=[value, ttl_ms])
+    def _store(self, key: Any, value: Any, ttl_ms: int, ahead: bool = False) -> Any:
+        # ahead: a STARTED before its task runs, kept off any ended state
+        return self._script()(keys=[key], args=[value, ttl_ms, 1] if ahead else [value, ttl_ms])
 
     def _store_later(self, key: Any, value: Any, ttl_ms: int) -> None:
         self._deferred.send_or_run(self.client.connection_pool,

@@ -220,14 +220,65 @@ def test_a_started_lost_with_its_connection_is_written_again(
     assert stored(redis_client, app, "t-18")["status"] == "STARTED"
 
 
+def test_a_batch_s_members_are_started_in_one_packet_but_a_revoke_stands(
+        app: Celery, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(a batch's members stayed PENDING while it ran: workers/batched.py marks them
+    STARTED at its start; one revoked since its worker sent it to the pool keeps that)"""
+    from celery.app.task import Context
+
+    app.backend.mark_as_done("b-warm", 1)  # loads the script
+    app.backend.mark_as_revoked("b-revoked", "revoked")
+    app.backend.mark_as_done("b-done", "first")
+    app.backend.mark_as_failure("b-failed", RuntimeError("x"))
+    app.backend.mark_as_retry("b-retry", RuntimeError("flaky"))
+    ids = ["b-new", "b-retry", "b-revoked", "b-done", "b-failed"]
+    sent: list[Any] = []
+    send = redis.connection.AbstractConnection.send_packed_command
+
+    def counted(self: Any, command: Any, check_health: bool = True) -> None:
+        sent.append(command)
+        send(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted)
+    app.backend.store_started([(i, {"pid": 9, "hostname": "w@h"},
+                                Context({"id": i, "hostname": "w@h"})) for i in ids])
+    monkeypatch.undo()
+    assert len(sent) == 1 and app.backend._deferred.pending == len(ids)  # one packet
+    app.backend._deferred.settle()
+    assert {i: stored(redis_client, app, i)["status"] for i in ids} == {
+        "b-new": "STARTED", "b-retry": "STARTED", "b-revoked": "REVOKED",
+        "b-done": "SUCCESS", "b-failed": "FAILURE"}
+    assert stored(redis_client, app, "b-new")["result"] == {"pid": 9, "hostname": "w@h"}
+    assert app.AsyncResult("b-new").state == "STARTED"
+    # A plain task's STARTED replaces a FAILURE as before (a retried delivery runs again)
+    app.backend.store_result("b-failed", {"pid": 9}, states.STARTED)
+    assert stored(redis_client, app, "b-failed")["status"] == "STARTED"
+
+
+def test_a_refused_batch_started_is_written_again_awaited(
+        app: Celery, redis_client: redis.Redis) -> None:
+    from celery.app.task import Context
+
+    app.backend.mark_as_done("b-warm2", 1)
+    app.backend.mark_as_revoked("b-r2", "revoked")
+    redis_client.script_flush()  # the packet's EVALSHAs meet NOSCRIPT
+    app.backend.store_started([(i, {"pid": 1}, Context({"id": i})) for i in ("b-n2", "b-r2")])
+    app.backend._deferred.settle()
+    assert stored(redis_client, app, "b-n2")["status"] == "STARTED"
+    assert stored(redis_client, app, "b-r2")["status"] == "REVOKED"
+
+
 def test_compressed_results_keep_celerys_path(app: Celery, redis_client: redis.Redis) -> None:
     app.conf.result_compression = "zlib"
     backend = SitsRedisBackend(app=app, url=app.conf.result_backend.split("+", 1)[1])
     before = calls(redis_client, "evalsha")
     backend.mark_as_done("t-11", "x" * 1000)
     backend.store_result("t-11", None, states.STARTED)
+    backend.mark_as_revoked("t-11r", "revoked")
+    backend.store_started([(i, {"pid": 1}, None) for i in ("t-11", "t-11r", "t-11s")])
     assert calls(redis_client, "evalsha") == before
     assert backend.get_task_meta("t-11")["result"] == "x" * 1000
+    assert [backend.get_state(i) for i in ("t-11r", "t-11s")] == ["REVOKED", "STARTED"]
 
 
 def test_expiry_ms() -> None:
