@@ -16,11 +16,13 @@ broker gathers and the worker batches, without holding anything back in a buffer
    holds them until the end mark, then passes the first on through Celery's pool
    semaphore carrying the others, and ``BatchRequest`` sends the pool one job for all
    of them (each checked for revokes and VRAM admission first), with their time limits.
-3. In the pool child, :func:`run_batch` gets the engine once and calls the task's
+3. In the pool child, :func:`run_batch` marks each call ``STARTED`` (one packet for
+   the batch, :func:`mark_started`), gets the engine once and calls the task's
    function once with every call (:class:`Call`); then each request goes through
    Celery's own tracer as if it had run alone, with the outcome the batch gave it:
-   its result stored, its signals sent, its failure its own. The main process acks
-   each message and sends each its events (Flower sees every task).
+   its result stored, its signals sent, its failure its own. The main process sends
+   each its ``task-started`` event when the child takes the job, and acks each message
+   and sends each its other events (Flower sees every task).
 
 A batch task's function takes the engine and a list of calls and returns one output
 per call, in order; an exception instance in that list fails that call only::
@@ -40,13 +42,16 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery import current_app
+from celery import current_app, states
 from celery._state import _task_stack
+from celery.app.task import Context, get_actual_ignore_result
 from celery.app.trace import fast_trace_task, trace_task_ret
 from celery.exceptions import Retry, SoftTimeLimitExceeded
 from kombu.serialization import loads, prepare_accept_content
@@ -128,6 +133,7 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
     task = app.tasks[given[0][0]]
     jobs: list[tuple[Any, ...]] = []
     calls: list[Call] = []
+    requests: list[Context] = []  # each call's request as Celery's tracer makes it
 
     # The app's accepted content only: a job that joined came from a Redis list anyone
     # with the broker's password can push to, and one declaring pickle was unpickled
@@ -136,15 +142,26 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
 
     def add(job: tuple[Any, ...]) -> tuple[int, Call]:
         _name, task_id, request, body, content_type, encoding = job
-        args, kwargs, _embed = loads(body, content_type, encoding,  # type: ignore[no-untyped-call]
-                                     accept=accept)
+        args, kwargs, embed = loads(body, content_type, encoding,  # type: ignore[no-untyped-call]
+                                    accept=accept)
         jobs.append(job)
         calls.append(Call(task_id, tuple(args), dict(kwargs),
                           runtime.task_prefix_key(request)))
+        requests.append(Context({**request, **(embed or {}), "args": args, "kwargs": kwargs,
+                                 "is_eager": False}, called_directly=False))
         return len(calls) - 1, calls[-1]
+
+    def joined(job: tuple[Any, ...]) -> tuple[int, Call]:
+        index, call = add(job)
+        mark_started(task, requests[index:index + 1])
+        return index, call
 
     for job in given:
         add(job)
+    # (each call's record stayed PENDING until its trace after the batch: a revoke()
+    # without terminate, on a worker that did not hold the batch, marked a running call
+    # REVOKED and its caller's get() raised, though the batch ran it to its SUCCESS)
+    mark_started(task, requests)
     trace = fast_trace_task if app.use_fast_trace_task else trace_task_ret
     traced: dict[int, Any] = {}  # calls done before the batch: what their trace returned
     said: dict[str, Any] = {}  # what the batch's span says, for each member's own
@@ -161,7 +178,7 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
         traced[index] = trace(*jobs[index])
         return True
 
-    feed = _feed(app, join, add) if join is not None else None
+    feed = _feed(app, join, joined) if join is not None else None
     try:
         # its own span: the members' run spans begin only as each is traced, after it
         with tracing.batch_span(f"run_batch/{task.name}", [job[2] for job in jobs], said):
@@ -177,6 +194,32 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
     elapsed = time.monotonic() - began
     timing["seconds"] = max(0.0, elapsed - timing.pop("cold_s"))
     return [None if r is None else (r[0], r[1], elapsed) for r in results], timing
+
+
+def mark_started(task: Any, requests: list[Context]) -> None:
+    """``STARTED`` for each call about to run, as Celery's tracer stores it for a task
+    with ``track_started`` (``{"pid", "hostname"}``, the request's fields), unless the
+    task or its call ignores results; in one packet on SITS's backend (one revoked
+    meanwhile stays REVOKED there). Its tracer stores it again after the batch, as for
+    any task. A backend that fails here only loses the early mark."""
+    wanted = [r for r in requests
+              if task.track_started and not get_actual_ignore_result(task, r)]
+    if not wanted:
+        return
+    pid = os.getpid()
+    started = [(r.id, {"pid": pid, "hostname": r.hostname or socket.gethostname()}, r)
+               for r in wanted]
+    backend = task.backend
+    try:
+        store = getattr(backend, "store_started", None)
+        if store is not None:
+            store(started)
+            return
+        for task_id, result, request in started:  # another backend: as Celery's tracer
+            backend.store_result(task_id, result, states.STARTED, request=request)
+    except Exception as exc:
+        logger.warning("could not mark %d %s calls STARTED at their batch's start: %s",
+                       len(started), task.name, exc)
 
 
 def _feed(app: Any, join: dict[str, Any], add: Callable[[tuple[Any, ...]], tuple[int, Call]]

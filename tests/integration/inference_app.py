@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -197,7 +197,8 @@ def client_app(redis_url: str, config_path: Path, main: str) -> Celery:
 
 def spawn_worker(redis_url: str, config_path: Path, models_dir: Path, log_dir: Path,
                  env: Mapping[str, str] | None = None, concurrency: int | None = None,
-                 name: str = "infer", pool: str = "prefork") -> CeleryProcess:
+                 name: str = "infer", pool: str = "prefork",
+                 extra_args: Sequence[str] = ()) -> CeleryProcess:
     """``celery -A tests.integration.inference_app worker``; ``-c`` only if given."""
     full_env = {"SITS_REDIS_URL": redis_url, "SITS_CONFIG": str(config_path),
                 "SITS_TEST_MODELS": str(models_dir), "TOKENIZERS_PARALLELISM": "false",
@@ -208,6 +209,7 @@ def spawn_worker(redis_url: str, config_path: Path, models_dir: Path, log_dir: P
             "--without-mingle", "--without-gossip"]
     if concurrency is not None:
         args.append(f"--concurrency={concurrency}")
+    args.extend(extra_args)
     proc = celery_command(APP_MODULE, args, full_env, log_dir / f"{name}.log", cwd=ROOT)
     proc.hostname = hostname.replace("%h", os.uname().nodename)
     return proc
@@ -216,11 +218,12 @@ def spawn_worker(redis_url: str, config_path: Path, models_dir: Path, log_dir: P
 @contextmanager
 def serving(redis_url: str, config_path: Path, models_dir: Path, log_dir: Path, app: Celery,
             env: Mapping[str, str] | None = None, concurrency: int | None = None,
-            name: str = "infer", pool: str = "prefork") -> Iterator[CeleryProcess]:
+            name: str = "infer", pool: str = "prefork",
+            extra_args: Sequence[str] = ()) -> Iterator[CeleryProcess]:
     """A worker of :func:`spawn_worker`, ready (it answers ``app``'s ping), stopped on
     the way out."""
     proc = spawn_worker(redis_url, config_path, models_dir, log_dir, env, concurrency, name,
-                        pool)
+                        pool, extra_args)
     try:
         wait_ready(app, [proc])
         yield proc

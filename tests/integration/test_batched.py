@@ -388,6 +388,45 @@ def test_terminating_one_member_gives_its_batch_mates_back_to_run(
     assert worker.alive()
 
 
+def test_a_running_member_is_started_and_a_revoke_without_terminate_lets_it_finish(
+        app: Celery, waiting: dict[str, Any], worker: CeleryProcess, redis_url: str,
+        config_path: Path, models_dir: Path, tmp_path: Path) -> None:
+    """(a batch's members stayed PENDING while it ran, their records written only by
+    their traces after it: revoke(id) without terminate, on a worker that did not hold
+    the batch, marked a running member REVOKED and its caller's get() raised
+    TaskRevokedError, though the batch ran it and stored its SUCCESS after)"""
+    _settled(waiting)
+    # Given a second worker, which holds none of the batch (it consumes another queue)
+    with serving(redis_url, config_path, models_dir, tmp_path, app, name="bystander",
+                 pool="solo", env={"SITS_PREIMPORT": "0"},
+                 extra_args=("-Q", "bystander")) as bystander:
+        # And a batch of two running on the first (they waited behind a busy task)
+        busy = _busy(app, worker)
+        members = [app.tasks["t.batch_echo"].delay(tag) for tag in ("sleep:4", "a")]
+        busy.get(timeout=CALL_S)
+        _active(app, worker, {m.id for m in members})
+        # Then each member is STARTED while the batch runs, as a plain task is
+        seen: list[str] = []
+        wait_for(lambda: _past_pending(app, members, seen), FIRST_CALL_S,
+                 "the members' states")
+        assert seen == ["STARTED", "STARTED"]
+        # When one is revoked without terminate, and both workers have handled it
+        replies = app.control.revoke(members[1].id, reply=True, timeout=10,
+                                     destination=[worker.hostname, bystander.hostname])
+        assert len(replies) == 2, replies
+        # Then the batch finishes it and its caller gets its result, as for a plain task
+        got = results(members, CALL_S)
+        assert [g["output"]["tag"] for g in got] == ["sleep:4", "a"], got
+        assert AsyncResult(members[1].id, app=app).state == "SUCCESS"
+
+
+def _past_pending(app: Celery, members: list[AsyncResult], seen: list[str]) -> bool:
+    """Whether no member is PENDING any more; their states then in ``seen``."""
+    found = [AsyncResult(m.id, app=app).state for m in members]
+    seen[:] = found
+    return "PENDING" not in found
+
+
 def test_a_hard_limit_spares_the_rows_that_had_finished(
         app: Celery, waiting: dict[str, Any], worker: CeleryProcess) -> None:
     """(each member's on_timeout ran: a row that had finished and stored its SUCCESS
