@@ -3,6 +3,7 @@ process, and how a batch run's outputs become each task's outcome."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -401,3 +402,59 @@ def test_a_job_whose_content_the_app_does_not_accept_is_not_decoded() -> None:
         batched.run_batch([joins.decode_job(raw)])
     assert _RAN == []
     app.close()
+
+
+class _StartedBackend:
+    """Records what a batch's start stores: ``store_started`` (SITS's backend) or, without
+    it, one ``store_result`` per call (any other backend)."""
+
+    def __init__(self, batched_store: bool = True, fails: bool = False) -> None:
+        self.stored: list[tuple[str, Any, str]] = []
+        self.fails = fails
+        if batched_store:
+            self.store_started = self._store_started
+
+    def _store_started(self, started: list[tuple[str, Any, Any]]) -> None:
+        if self.fails:
+            raise ConnectionError("Redis went away")
+        self.stored.extend((task_id, result, "STARTED") for task_id, result, _ in started)
+
+    def store_result(self, task_id: str, result: Any, state: str, request: Any = None) -> None:
+        self.stored.append((task_id, result, state))
+
+
+@pytest.mark.parametrize("batched_store", [True, False])
+def test_a_batch_marks_each_call_started_as_celerys_tracer_would(
+        app: Any, monkeypatch: pytest.MonkeyPatch, batched_store: bool) -> None:
+    """(a batch's calls stayed PENDING while it ran: a revoke on a worker that did not
+    hold it marked a running call REVOKED)"""
+    from celery.app.task import Context
+
+    task = app.tasks["u.score"]
+    backend = _StartedBackend(batched_store)
+    monkeypatch.setattr(task, "backend", backend)
+    requests = [Context({"id": "a", "hostname": "w1@h"}),
+                Context({"id": "quiet", "hostname": "w1@h", "ignore_result": True}),
+                Context({"id": "b", "hostname": "w1@h"})]
+    batched.mark_started(task, requests)
+    pid = os.getpid()
+    assert backend.stored == [("a", {"pid": pid, "hostname": "w1@h"}, "STARTED"),
+                              ("b", {"pid": pid, "hostname": "w1@h"}, "STARTED")]
+    # A task that does not track its start, or ignores its results, writes nothing
+    backend.stored.clear()
+    monkeypatch.setattr(task, "track_started", False)
+    batched.mark_started(task, requests)
+    monkeypatch.setattr(task, "track_started", True)
+    monkeypatch.setattr(task, "ignore_result", True)
+    batched.mark_started(task, requests)
+    assert backend.stored == []
+
+
+def test_a_backend_that_fails_at_a_batch_s_start_only_loses_the_early_mark(
+        app: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from celery.app.task import Context
+
+    task = app.tasks["u.score"]
+    monkeypatch.setattr(task, "backend", _StartedBackend(fails=True))
+    batched.mark_started(task, [Context({"id": "a", "hostname": "w1@h"})])  # no raise
+    assert "could not mark 1 u.score calls STARTED" in caplog.text
