@@ -39,13 +39,9 @@ from kombu.entity import Queue, maybe_delivery_mode
 from kombu.serialization import dumps
 from kombu.utils.uuid import uuid
 
-from sits_queue.app import (
-    call_options,
-    routed_options,
-    sits_config,
-    sits_headers,
-)
+from sits_queue.app import sits_config
 from sits_queue.broker import clock
+from sits_queue.calloptions import call_options, routed_options, sits_headers
 from sits_queue.errors import SitsError
 from sits_queue.options import (
     HEADER,

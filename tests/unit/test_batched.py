@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
-from sits_queue.app import call_options, make_app, resolve_task_options
+from sits_queue.app import make_app
 from sits_queue.broker.keys import BATCH_INFO, batch_mark
 from sits_queue.broker.meta import WaitingMeta
 from sits_queue.broker.qos import held_units
+from sits_queue.calloptions import call_options, resolve_task_options
 from sits_queue.config import ConfigError, SitsConfig
 from sits_queue.errors import InferenceError, InvalidInput, InvalidTaskOptions
 from sits_queue.options import HEADER, batch_key, from_header

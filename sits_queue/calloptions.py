@@ -1,0 +1,158 @@
+"""One call's SITS options: from the task's declaration, the call's keywords and its
+``task_routes`` entry, validated, with the time limits and the ``sits`` header the
+message carries (``SitsTask.apply_async``, ``send_task`` and bulk submission share it)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from celery import Celery, Task
+from celery.app.routes import Router
+
+from sits_queue.checks import shown
+from sits_queue.config import SitsConfig
+from sits_queue.errors import InvalidTaskOptions
+from sits_queue.options import (
+    HEADER,
+    MAINTENANCE_TASKS,
+    OPTION_NAMES,
+    SUBMITTED_AT,
+    TaskOptions,
+    batch_key,
+    header_for,
+    resolve,
+)
+from sits_queue.timelimits import apply_class_limits
+
+#: The SITS options a call may give as keywords (``max_batch``: batch tasks only).
+CALL_OPTIONS = (*OPTION_NAMES, "max_batch")
+
+
+def pop_sits_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Remove and return the SITS option names from apply_async-style ``options``."""
+    return {name: options.pop(name) for name in OPTION_NAMES if name in options}
+
+
+class RoutedOnce(Router):  # type: ignore[misc]
+    """``router`` with one call's lookup made already: Celery's ``send_task`` routes the
+    message (queue, exchange, routing key) from the route the call's SITS options were
+    read from. (Celery looked the route up a second time: a router that answers each
+    call afresh, a round robin, gave the class of one answer and the queue of the next,
+    and every task went to one queue.)"""
+
+    def __init__(self, router: Any, route: Any) -> None:
+        super().__init__(router.routes, router.queues, router.create_missing, router.app)
+        self.found = route
+
+    def lookup_route(self, *args: Any, **kwargs: Any) -> Any:
+        return self.found
+
+
+def routed_options(app: Celery, name: str, args: Any, kwargs: Any,
+                   options: dict[str, Any]) -> None:
+    """Add to a call's ``options`` the SITS options its ``task_routes`` entry gives (a
+    Celery route may carry any apply_async option), under the call's own, which win as
+    in Celery's merge. Read here because they are resolved before Celery routes the
+    message: they were dropped without a word, an unknown class in a route included.
+
+    The route is looked up once: ``options["router"]`` becomes a :class:`RoutedOnce`
+    that hands Celery the same route. Routes do not apply to the beat's maintenance
+    tasks (a glob entry, ``{"*": {"sla_class": "low"}}``, gave them its class and its
+    class's time limits); :func:`~sits_queue.options.route_maintenance` places them.
+    """
+    router = options.get("router") or app.amqp.router
+    if not router.routes or isinstance(router, RoutedOnce):
+        return
+    route = None
+    if name not in MAINTENANCE_TASKS:
+        task = app.tasks.get(name)
+        # what Celery's own lookup was shown: the task's options under the call's
+        seen = {k: v for k, v in task._get_exec_options().items() if v is not None} \
+            if isinstance(task, Task) else {}
+        route = router.lookup_route(options.get("route_name") or name, args or (),
+                                    kwargs or {}, {**seen, **options}, task)
+    if isinstance(route, Mapping):
+        for key in CALL_OPTIONS:
+            if key in route and key not in options:
+                options[key] = route[key]
+        # (they rode on in the message's properties, unused)
+        route = {k: v for k, v in route.items() if k not in CALL_OPTIONS}
+    options["router"] = RoutedOnce(router, route)
+
+
+def resolve_task_options(task: Task | None, config: SitsConfig, per_call: Mapping[str, Any],
+                         args: Any = (), kwargs: Any = None) -> TaskOptions:
+    """Decorator defaults + per-call options, validated (``SitsTask.apply_async``'s rule);
+    a task not registered here (None) declares nothing.
+
+    Raises :class:`~sits_queue.errors.InvalidTaskOptions`; nothing has been sent then.
+    """
+    # Celery's own checks, first: the options read the arguments (input entropy), and
+    # failed on a bad shape with an error naming neither ("'list' object has no
+    # attribute 'values'")
+    who = getattr(task, "name", "the task")
+    if args is not None and not isinstance(args, list | tuple):
+        raise TypeError(f"{who}: task args must be a list or tuple, got "
+                        f"{type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"{who}: task keyword arguments must be a mapping, got "
+                        f"{type(kwargs).__name__}")
+    declared = {name: getattr(task, name, None) for name in OPTION_NAMES}
+    opts = resolve(config, declared, per_call, args, kwargs)
+    most = getattr(task, "max_batch", None)
+    if task is not None and most is not None and not getattr(task, "batches", False):
+        # (a plain task's calls were gathered as batch kin, ahead of their turn, for a
+        # run that takes them one at a time)
+        raise InvalidTaskOptions(f"max_batch applies to batch tasks "
+                                 f"(app.batch_inference_task); {task.name!r} declares "
+                                 f"max_batch={shown(most)} but is not one")
+    # a batch task: the broker may gather its kin
+    if task is not None and isinstance(most, int) and most > 1:
+        opts = replace(opts, batch=batch_key(task.name, opts), batch_max=most)
+    return opts
+
+
+def call_options(task: Task | None, config: SitsConfig, options: dict[str, Any],
+                 conf: Mapping[str, Any], args: Any = (), kwargs: Any = None
+                 ) -> TaskOptions:
+    """One call's SITS options, taken out of its apply_async-style ``options``, with the
+    time limits the message carries set there (:func:`apply_class_limits`); a batch
+    task's key names those limits (:func:`~sits_queue.options.batch_key`)."""
+    most = options.pop("max_batch", None)
+    opts = resolve_task_options(task, config, pop_sits_options(options), args, kwargs)
+    if most is not None:
+        opts = _call_max_batch(task, opts, most)
+    apply_class_limits(task, config, opts.sla_class, options, conf)
+    if task is not None and opts.batch is not None:
+        opts = replace(opts, batch=batch_key(
+            task.name, opts, (options["time_limit"], options["soft_time_limit"])))
+    return opts
+
+
+def _call_max_batch(task: Task | None, opts: TaskOptions, most: Any) -> TaskOptions:
+    """A batch task's call with ``max_batch=N``: it leads batches of at most N tasks, and
+    with 1 it runs alone (no batch key: no other batch takes it either; a shard of
+    :func:`~sits_queue.shards.apply_sharded` is a batch of items already)."""
+    declared = getattr(task, "max_batch", None)
+    if not isinstance(declared, int) or declared <= 1 or opts.batch is None:
+        raise InvalidTaskOptions(f"max_batch applies to batch tasks "
+                                 f"(app.batch_inference_task); {getattr(task, 'name', task)!r} "
+                                 "is not one")
+    if isinstance(most, bool) or not isinstance(most, int) or not 1 <= most <= declared:
+        raise InvalidTaskOptions(f"max_batch must be an integer in [1, {declared}] (the task's "
+                                 f"own), got {shown(most)}")
+    if most == 1:
+        return replace(opts, batch=None, batch_max=None)
+    return replace(opts, batch_max=most)
+
+
+def sits_headers(config: SitsConfig, opts: TaskOptions, headers: Mapping[str, Any] | None,
+                 now_s: float) -> dict[str, Any]:
+    """The caller's headers plus the ``sits`` options header (``opts``, resolved under
+    ``config``) and the submission time."""
+    out = dict(headers or {})
+    out[HEADER] = header_for(config, opts)
+    out[SUBMITTED_AT] = now_s
+    return out
