@@ -3,6 +3,7 @@ options, and the beat's schedule of SITS's maintenance passes."""
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import asdict
@@ -16,6 +17,26 @@ from sits_queue.errors import ConfigError
 
 TRANSPORT = "sits_queue.broker.transport:Transport"
 DEFAULT_QUEUE = "celery"
+
+
+#: The longest the beat sleeps between two ticks (Celery's ``beat_max_loop_interval``,
+#: 300 s by default); an entry due sooner wakes it sooner (the trigger check, every
+#: second by default). Each tick extends the beat's lock: its timeout follows from this.
+BEAT_MAX_LOOP_S = 2.0
+#: The beat's lock outlives its last extension by this many of the beat's longest sleeps,
+LOCK_TIMEOUT_LOOPS = 5
+#: and by this many seconds at least: the rest of a tick's time is its own work (the due
+#: passes sent, a publish retried), which a loaded host slows.
+MIN_LOCK_TIMEOUT_S = 15
+
+
+def beat_lock_timeout_s(max_loop_s: float) -> int:
+    """The beat's lock timeout (``redbeat_lock_timeout``) for a beat whose ticks sleep up
+    to ``max_loop_s``: held by a leader that ticks, free soon after one that stopped
+    (a standby looks each second). (It was 6 x the rescoring interval, which the beat
+    does not tick by: at 300 s a killed beat's lock lived 30 minutes, and its standby
+    sent no trigger check, rescoring or pre-warm plan all that time.)"""
+    return max(MIN_LOCK_TIMEOUT_S, math.ceil(LOCK_TIMEOUT_LOOPS * max_loop_s))
 
 
 #: Transport options the SITS config decides (what it holds, and the keys it names), and
@@ -107,7 +128,9 @@ def celery_settings(config: SitsConfig) -> dict[str, Any]:
         "redbeat_redis_options": {},
         "redbeat_redis_url": config.redis_url,
         "redbeat_key_prefix": f"{prefix}sits:redbeat:",
-        "redbeat_lock_timeout": int(max(30, 6 * config.rescore_interval_s)),
+        "beat_max_loop_interval": BEAT_MAX_LOOP_S,
+        # (raised by the scheduler where the beat sleeps longer: priority/beat.py)
+        "redbeat_lock_timeout": beat_lock_timeout_s(BEAT_MAX_LOOP_S),
         "beat_schedule": beat_schedule(config),
     }
 

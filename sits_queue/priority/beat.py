@@ -14,7 +14,12 @@ that keeps SITS's maintenance passes scheduled and lives through Redis outages.
   is free, looking again every ``max_interval`` (300 s): a second beat, or one restarted
   at once after a crash (its old lock held until it times out), stood idle for up to
   five minutes past the lock's expiry, with no rescoring, aging or trigger checks. Here
-  the tick takes it without blocking, from the first one on.
+  the tick takes it without blocking, from the first one on, and a standby looks again
+  each :data:`RETRY_S`. The lock's timeout follows the beat's longest sleep between
+  ticks, each of which extends it (``settings.beat_lock_timeout_s``: 15 s), never
+  shorter than that allows. (It was 6 x the rescoring interval: at 300 s a killed
+  beat's lock lived 30 minutes, and a standby, looking every sixth of that, sent
+  nothing all along.)
 * **The leader's schedule is its own.** redbeat writes a beat's entries into Redis as it
   starts, before any lock, pruning what its own schedule lacks: a standby started with
   another schedule (a rolling deploy, a host that does not load the user's tasks module)
@@ -41,6 +46,7 @@ from redbeat.schedulers import (
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.broker.meta import WaitingMeta
 from sits_queue.options import CONTROL_QUEUE, MAINTENANCE_TASKS
+from sits_queue.settings import beat_lock_timeout_s
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +65,15 @@ class SitsScheduler(RedBeatScheduler):  # type: ignore[misc]
 
     #: Whether this beat's entries are in Redis since it last took the lock.
     _installed = False
+    #: Seconds the lock outlives its last extension (redbeat's, set from the config).
+    lock_timeout: int
+
+    def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(app, *args, **kwargs)
+        # A beat told to sleep longer (``--max-interval``, its own
+        # ``beat_max_loop_interval``) keeps a lock that outlives its sleeps: shorter, a
+        # healthy leader lost it between two ticks.
+        self.lock_timeout = max(int(self.lock_timeout), beat_lock_timeout_s(self.max_interval))
 
     def setup_schedule(self) -> None:
         from sits_queue.app import beat_schedule, sits_config
@@ -104,7 +119,7 @@ class SitsScheduler(RedBeatScheduler):  # type: ignore[misc]
     def tick(self, *args: Any, **kwargs: Any) -> float:
         try:
             if self.lock_key and not self._holds_lock():
-                return max(RETRY_S, float(self.lock_timeout) / 5)
+                return RETRY_S
             if not self._installed:
                 super().setup_schedule()
                 self._installed = True

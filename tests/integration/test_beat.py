@@ -70,13 +70,17 @@ def test_the_beat_lives_through_a_redis_outage(tmp_path: Path, outage: str) -> N
         server.stop()
 
 
+@pytest.mark.parametrize("rescore_interval_s", ["1", "300"])
 def test_a_standby_beat_takes_over_once_the_lock_of_a_killed_one_expires(
-        tmp_path: Path, redis_url: str, redis_client: redis.Redis) -> None:
+        tmp_path: Path, redis_url: str, redis_client: redis.Redis,
+        rescore_interval_s: str) -> None:
     """(redbeat takes the lock at start blocking, looking again every max_interval: the
-    standby stood idle up to 300 s past the lock's expiry, with no rescoring or aging)"""
+    standby stood idle up to 300 s past the lock's expiry, with no rescoring or aging.
+    And the lock lived 6 x the rescoring interval: 30 minutes at 300 s, with no trigger
+    check sent all that time)"""
     redis_client.flushall()
-    env = worker_env(redis_url, rescore_interval_s="1", trigger_check_interval_s="1",
-                     prewarm_interval_s="0")
+    env = worker_env(redis_url, rescore_interval_s=rescore_interval_s,
+                     trigger_check_interval_s="1", prewarm_interval_s="0")
     first = start_beat(APP_MODULE, env, tmp_path / "first", cwd=ROOT)
     standby = None
     sent = Sends(redis_url)
@@ -86,7 +90,8 @@ def test_a_standby_beat_takes_over_once_the_lock_of_a_killed_one_expires(
         wait_for(lambda: "beat: Starting..." in standby.log(), 60, "the standby to start")
         first.kill()
         before = sent()
-        # The lock lives on for its timeout (30 s here), then the standby takes it
+        # The lock lives on for its timeout (15 s, however long the rescoring interval),
+        # then the standby takes it
         wait_for(lambda: sent() >= before + 2, 90,
                  "passes from the standby once the lock expired")
         assert "beat: acquired lock" in standby.log()
@@ -95,6 +100,31 @@ def test_a_standby_beat_takes_over_once_the_lock_of_a_killed_one_expires(
         first.stop(timeout_s=10)
         if standby is not None:
             standby.stop(timeout_s=10)
+
+
+def test_a_leader_with_long_periods_keeps_its_lock_from_tick_to_tick(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """The lock's timeout no longer follows the rescoring interval: the beat's sleep
+    between ticks (each extends the lock) must stay well inside it, whatever the
+    entries' periods (a sleep to the next rescoring, 300 s, would outlive a 15 s lock)"""
+    redis_client.flushall()
+    app = make_app(SitsConfig(redis_url=redis_url, rescore_interval_s=300.0,
+                              trigger_check_interval_s=600.0, prewarm_interval_s=0.0),
+                   main="beat-long-periods")
+    try:
+        scheduler = SitsScheduler(app=app)
+        for _ in range(3):
+            sleep_s = scheduler.tick()
+            assert scheduler.lock is not None
+            ttl_s = redis_client.pttl(scheduler.lock_key) / 1000
+            # Given the lock just extended, when the beat sleeps its sleep_s, then the
+            # lock outlives that sleep several times over
+            assert 0 < sleep_s <= scheduler.max_interval
+            assert ttl_s > 5 * sleep_s - 1
+            assert ttl_s <= scheduler.lock_timeout <= 30
+        scheduler.close()
+    finally:
+        app.close()
 
 
 def test_an_assigned_beat_schedule_keeps_the_sits_passes(redis_url: str,
