@@ -363,7 +363,7 @@ class SitsCelery(Celery):  # type: ignore[misc]
         ``celery.Task``. (``SitsTask.apply_async`` attaches them before it gets here.)
         A task registered in this app lends its declared options and time limits."""
         self.note_priority(name, options.get("priority"))
-        check_delivery(name, options)
+        check_delivery(name, options, self.timezone)
         route_maintenance(name, options)
         if name in MAINTENANCE_TASKS and self.amqp.router.routes \
                 and not isinstance(options.get("router"), RoutedOnce):

@@ -33,7 +33,6 @@ from celery import Celery, signals
 from celery.app.task import Task
 from celery.utils.nodenames import anon_nodename
 from celery.utils.time import subtract_datetimes
-from dateutil.parser import isoparse
 from kombu.compression import compress
 from kombu.entity import Queue, maybe_delivery_mode
 from kombu.serialization import dumps
@@ -42,7 +41,9 @@ from kombu.utils.uuid import uuid
 from sits_queue.app import sits_config
 from sits_queue.broker import clock
 from sits_queue.calloptions import call_options, routed_options, sits_headers
+from sits_queue.delivery import check_delivery
 from sits_queue.errors import SitsError
+from sits_queue.etas import read_eta
 from sits_queue.options import (
     HEADER,
     OPTION_NAMES,
@@ -188,6 +189,8 @@ def _plan(task: Task, options: dict[str, Any], producer: Any = None) -> _Plan:
     if unsupported:
         raise TypeError(f"enqueue_many does not support {sorted(unsupported)}; supported: "
                         f"{sorted(SUPPORTED_OPTIONS | set(OPTION_NAMES))}")
+    # (as send_task checks them: an ETA past year 9999 was enqueued, to be dead-lettered)
+    check_delivery(task.name, options, app.timezone)
     config = sits_config(app)
     # a route's SITS options too, as delay()'s (its class was dropped, its queue kept)
     routed_options(app, task.name, (), {}, options)
@@ -279,7 +282,7 @@ def _expiration(app: Celery, expires: Any) -> str | None:
     if expires is None:
         return None
     if isinstance(expires, str):
-        expires = isoparse(expires)
+        expires = read_eta(expires)
     if isinstance(expires, datetime):  # a naive one as UTC, as send_task reads it
         seconds = subtract_datetimes(expires, app.now()).total_seconds()
     else:

@@ -6,7 +6,6 @@ import json
 import logging
 import math
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
 from typing import Any
 
 import orjson
@@ -18,6 +17,7 @@ from sits_queue.config import (
     MIN_LOSS_SENSITIVITY,
     SitsConfig,
 )
+from sits_queue.etas import due_s
 from sits_queue.options import (
     HEADER,
     MAX_CONTEXT_TOKENS,
@@ -48,20 +48,13 @@ _KEYS = {"sla_class": "c", "model": "m", "context_tokens": "n", "latency_sla_ms"
 
 def due_at(headers: Any) -> float | None:
     """When a message's ETA or countdown falls due (unix s), from Celery's ``eta`` header;
-    None without one, or one that does not parse. An ETA without a time zone is UTC, as
-    Celery's worker reads it by default (and ``workers/signals.py``): dropped, the task
-    aged from its put while not due, and outranked work it should not have."""
+    None without one, or one that does not parse. Read as Celery's worker reads it
+    (``etas.py``; one without a time zone is UTC): dropped, the task aged from its put
+    while not due, and outranked work it should not have. (Read with
+    ``datetime.fromisoformat``, ``T24:00:00`` and ISO's ``2026-344`` were dropped so,
+    while Celery held them to their time.)"""
     eta = headers.get("eta") if isinstance(headers, dict) else None
-    if not isinstance(eta, str):
-        return None
-    try:
-        when = datetime.fromisoformat(eta)
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=timezone.utc)
-        due = when.timestamp()
-    except (ValueError, OverflowError, OSError):
-        return None
-    return due if math.isfinite(due) else None
+    return due_s(eta) if isinstance(eta, str) else None
 
 
 @dataclass(frozen=True)

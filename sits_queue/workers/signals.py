@@ -18,17 +18,16 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 import redis
 from celery import Celery, signals
-from celery.utils.time import maybe_iso8601, maybe_make_aware
 
 from sits_queue import tracing
 from sits_queue.app import sits_config
 from sits_queue.broker import clock
 from sits_queue.config import SitsConfig
+from sits_queue.etas import due_s
 from sits_queue.options import HEADER, UNCOUNTED_TASKS
 from sits_queue.priority.prewarm import MAX_CATCH_UP, bucket_of, demand_key
 from sits_queue.priority.rescore import counter_key, hot_key, latency_key
@@ -86,15 +85,9 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def _due_at(request: Any) -> float | None:
     """When a task with an ``eta`` (a countdown's too: Celery sends it as one) was due,
-    s since the epoch; None without one, or one that does not parse."""
-    eta = getattr(request, "eta", None)
-    if not isinstance(eta, (str, datetime)):
-        return None
-    try:
-        due = maybe_iso8601(eta)  # Celery's own reading of it
-    except ValueError:
-        return None
-    return maybe_make_aware(due).timestamp() if due is not None else None  # naive: UTC
+    s since the epoch; None without one, or one that does not parse (read as the broker
+    and Celery read it: ``etas.py``)."""
+    return due_s(getattr(request, "eta", None))
 
 
 def record_completion(config: SitsConfig, request: Any, failed: bool, now_s: float,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from kombu.entity import Queue
@@ -74,6 +74,10 @@ def test_a_stored_scheduling_record_out_of_the_options_range_is_refused_naming_i
     # no time zone: UTC, as Celery's worker reads it by default (it was dropped, and the
     # task aged from its put while not due)
     ("2026-12-05T03:30:00", 1796441400.0),
+    # read as Celery reads them (datetime.fromisoformat dropped these, and the task aged
+    # from its put while Celery held it to its time)
+    ("2026-12-04T24:00:00+00:00", 1796428800.0), ("2026-339", 1796428800.0),
+    ("2026-12", 1796083200.0), ("2026", 1767225600.0),
     (None, None), ("soon", None), (1796441400, None), ("2026-13-01T00:00:00+00:00", None),
 ])
 def test_a_waiting_record_keeps_when_its_eta_falls_due(eta: object, due: float | None) -> None:
@@ -214,6 +218,15 @@ def test_a_batch_key_past_its_length_is_refused_at_submission() -> None:
     ({"expires": "soon"}, "expires must be a datetime or its ISO 8601 text, got 'soon'"),
     ({"eta": "tomorrow"}, "eta must be a datetime or its ISO 8601 text, got 'tomorrow'"),
     ({"eta": 12}, "eta must be a datetime or its ISO 8601 text, got 12"),
+    # past the years a date holds where the worker times them (it dead-lettered them with
+    # an OverflowError; a datetime was not looked at)
+    ({"eta": "9999-12-31T23:59:59-05:00"},
+     "eta '9999-12-31T23:59:59-05:00' falls past the years a date holds"),
+    ({"eta": datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone(timedelta(hours=-5)))},
+     "eta '9999-12-31T23:59:59-05:00' falls past the years"),
+    ({"eta": "9999-12-31T24:00:00"}, "eta '9999-12-31T24:00:00' falls past the years"),
+    ({"eta": "0001-01-01T00:00:00+05:00"}, "eta '0001-01-01T00:00:00\\+05:00' falls past"),
+    ({"countdown": -1e11}, "countdown -100000000000.0 s reaches past the years"),
     ({"queue": 5}, "queue must be a queue's name or a kombu Queue, got 5"),
     # (Celery lays them over its own: the message ran under that id, get() waited for good)
     ({"headers": {"id": 5}}, r"headers cannot set Celery's task id \('id': 5\); give "
@@ -242,6 +255,11 @@ def test_celerys_delivery_options_are_checked_before_anything_is_sent(
     {"task_id": "mine-1"}, {"task_id": "mine-2", "headers": {"id": "mine-2", "x": 1}},
     {"countdown": 10}, {"countdown": -3.5}, {"countdown": 0},
     {"eta": datetime(2030, 1, 1, tzinfo=timezone.utc)}, {"eta": "2030-01-01T00:00:00+00:00"},
+    # what Celery can hold, to its last hours (in a system and app zone within 12 h of UTC)
+    {"eta": "2026-344"}, {"eta": "2026-12"}, {"eta": "2026"},
+    {"eta": "2026-12-31T24:00:00+00:00"}, {"eta": "9999-12-31T12:00:00+00:00"},
+    {"eta": datetime(9999, 12, 31, 12)}, {"eta": datetime(1, 1, 1, 12, tzinfo=timezone.utc)},
+    {"eta": datetime(9999, 12, 31, 23, tzinfo=timezone(timedelta(hours=11)))},
     {"expires": 60}, {"expires": datetime(2030, 1, 1)}, {"expires": "2030-01-01T00:00:00"},
     {"queue": "elsewhere"}, {"queue": Queue("elsewhere")},
 ])
