@@ -48,6 +48,7 @@ from typing import Any
 
 import redis
 
+from sits_queue.broker import clock as redis_clock
 from sits_queue.broker import recovery, takeover
 from sits_queue.broker.keys import (
     QueueKeys,
@@ -130,7 +131,7 @@ def status(client: redis.Redis, config: SitsConfig) -> dict[str, Any] | None:
     except (ValueError, TypeError):  # (not ours to read: as if no pass were recorded)
         last = None
     at = stored_number(last.get("at")) if isinstance(last, dict) else None
-    age = round(time.time() - at, 1) if at is not None else None
+    age = round(redis_clock.now(client) - at, 1) if at is not None else None
     return {"site": config.site, "outbox": outbox,
             "replicas_held": held, "last_pass": last, "last_pass_age_s": age}
 
@@ -157,7 +158,7 @@ class SiteSync:
     the pass the beat runs. One per process and config (:func:`for_config`)."""
 
     def __init__(self, config: SitsConfig, local: redis.Redis | None = None,
-                 clock: Any = time.time) -> None:
+                 clock: Any = None) -> None:
         self.config = config
         self.site = config.site
         self.prefix = config.global_keyprefix
@@ -168,7 +169,8 @@ class SiteSync:
                                                      socket_connect_timeout=PEER_TIMEOUT_S)
                         for p in self.peers}
         self.scripts = Scripts.register()
-        self.clock = clock
+        # (this site's Redis's clock, as its other hosts read it: broker/clock.py)
+        self.clock = clock or (lambda: redis_clock.now(self.local))
         self._links: list[Link] = []
         self._links_at = -math.inf
         self._measured = False  # whether _links are this process's own measurement
