@@ -6,6 +6,7 @@
 #
 #   bash ops/gpu_check.sh [SUMMARY.json]      # default: $OUT/gpu_check.json, else ./
 #   GPU_TESTS=tests/gpu/test_tensorrt.py bash ops/gpu_check.sh   # a rerun of some only
+#   (GPU_TESTS: paths or node ids, space-separated, none with a space of its own)
 #   BENCH_SIZE=smoke bash ops/gpu_check.sh    # benchmarks at their smoke shape: checks the
 #                                             # script, its figures mean nothing
 #   KEEP_LOGS=logs.tar.gz bash ops/gpu_check.sh  # also keep every log (the workers' too)
@@ -99,7 +100,7 @@ if [ -z "$deps_missing" ]; then
     # SIGINT, not TERM: pytest stops as after ^C and still writes the junit of the tests
     # that ran, so a run past its box says how far it got and what each test did.
     timeout --signal=INT --kill-after=15 "$TESTS_TIMEOUT_S" \
-        "$PY" -m pytest -m gpu "$GPU_TESTS" -q \
+        "$PY" -m pytest -m gpu $GPU_TESTS -q \
         -p no:cacheprovider -o addopts="" --timeout=200 --basetemp="$WORK/pytest-tmp" \
         --junitxml="$WORK/junit.xml" >"$WORK/pytest.log" 2>&1
     tests_rc=$?

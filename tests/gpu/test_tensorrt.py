@@ -111,7 +111,7 @@ def test_inputs_bind_by_name_views_are_aligned_and_the_default_stream_is_ordered
     engine.to_device(DEVICE)
     ids, scale = inputs(4)
     want = scorer(ids, scale)
-    names = engine._io(trt.TensorIOMode.INPUT)
+    names = [name for name, _ in engine._io(trt.TensorIOMode.INPUT)]
     with torch.inference_mode():
         # by name, and from views that start off TensorRT's 256-byte alignment
         wide_ids, wide_scale = torch.cat([ids[:1], ids]), torch.cat([scale[:1], scale])
