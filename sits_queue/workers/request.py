@@ -75,8 +75,9 @@ class NotStartedHere(TaskRevokedError):  # type: ignore[misc]
 
 
 class FreeMemoryProbe(Protocol):
-    def max_free_bytes(self) -> int:
-        """Free memory of the worker's roomiest device, bytes."""
+    def max_free_bytes(self, cached: Mapping[str, int] | None = None) -> int:
+        """Free memory of the worker's roomiest device, bytes, counting what ``cached``
+        says this worker's own children hold cached there (by device UUID)."""
 
     def max_total_bytes(self) -> int:
         """Memory of the worker's largest device in all, bytes."""
@@ -171,7 +172,7 @@ def admit(needed_gib: float | None, free_bytes: int,
 class HostProbe:
     """The CPU fallback: host RAM stands in for device memory (as in ``cpu_device``)."""
 
-    def max_free_bytes(self) -> int:
+    def max_free_bytes(self, cached: Mapping[str, int] | None = None) -> int:
         return int(psutil.virtual_memory().available)
 
     def max_total_bytes(self) -> int:
@@ -203,9 +204,11 @@ class NvmlProbe:
                 raise
         return self._handles
 
-    def max_free_bytes(self) -> int:
+    def max_free_bytes(self, cached: Mapping[str, int] | None = None) -> int:
+        cached = cached or {}
         with nvmlfork.session():
-            return max(int(self._nvml.nvmlDeviceGetMemoryInfo(h).free) for h in self._open())
+            return max(int(self._nvml.nvmlDeviceGetMemoryInfo(h).free) + cached.get(uuid, 0)
+                       for uuid, h in zip(self._uuids, self._open(), strict=True))
 
     def max_total_bytes(self) -> int:
         with nvmlfork.session():
@@ -237,10 +240,57 @@ def plain_only_pool() -> str | None:
     return _shared.pool if _shared is not None else None
 
 
-def configure(probe: FreeMemoryProbe | None) -> None:
-    """Install the parent's probe (runtime does, from its NVML discovery)."""
-    global _probe
-    _probe = probe
+#: This worker's children's cached device memory by device UUID (:func:`cached_by_device`
+#: over their records), for the probe; None: NVML's figure alone.
+_cached: Callable[[], Mapping[str, int]] | None = None
+
+
+def configure(probe: FreeMemoryProbe | None,
+              cached: Callable[[], Mapping[str, int]] | None = None) -> None:
+    """Install the parent's probe (runtime does, from its NVML discovery), and what reads
+    its children's cached memory."""
+    global _probe, _cached
+    _probe, _cached = probe, cached
+
+
+def cached_by_device(children: Mapping[str, Any], device_of: Callable[[int], Any]
+                     ) -> dict[str, int]:
+    """Device memory this worker's children hold in torch's cache (reserved, not
+    allocated), by the UUID of the device each is pinned to, from their records: the
+    least any child of that device holds (the task goes to whichever is idle).
+
+    NVML counts it used, yet the child that gets the task reuses it (its allocator frees
+    cached blocks before it fails an allocation): a task declaring 40 GiB after one
+    that had used and freed 50 on an 80 GB device was refused with ~26 GiB "free", held
+    off and released again for ever by a worker whose own child could run it."""
+    least: dict[str, int] = {}
+    for slot, child in children.items():
+        memory = child.get("memory") if isinstance(child, Mapping) else None
+        reserved = memory.get("reserved_bytes") if isinstance(memory, Mapping) else None
+        allocated = memory.get("allocated_bytes") if isinstance(memory, Mapping) else None
+        if not isinstance(reserved, int) or not isinstance(allocated, int) \
+                or isinstance(reserved, bool) or isinstance(allocated, bool):
+            continue  # (an older or foreign writer's record: nothing counted)
+        try:
+            device = device_of(int(slot))
+        except (TypeError, ValueError):
+            continue
+        if getattr(device, "kind", None) != "cuda":
+            continue
+        held = max(0, reserved - allocated)
+        least[device.uuid] = min(least.get(device.uuid, held), held)
+    return least
+
+
+def _cached_now() -> Mapping[str, int]:
+    """:data:`_cached`'s reading; nothing where it cannot be read (NVML's figure alone)."""
+    if _cached is None:
+        return {}
+    try:
+        return _cached()
+    except Exception as exc:  # Redis away: the check as it was, not a lost slot
+        logger.debug("children's cached device memory not read (%s)", exc)
+        return {}
 
 
 def probe() -> FreeMemoryProbe:
@@ -327,7 +377,7 @@ def refused(request: Request) -> bool:
                            request.id, needed, limit)
             return False
         try:
-            verdict = admit(needed, probe().max_free_bytes())
+            verdict = admit(needed, probe().max_free_bytes(_cached_now()))
             if verdict is not None and not fits(needed, total := probe().max_total_bytes(),
                                                 HEADROOM_BYTES):
                 verdict = NeverFits(needed, total)

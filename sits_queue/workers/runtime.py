@@ -514,8 +514,14 @@ def init_parent(app: Celery, hostname: str, conf: Any, options: Mapping[str, Any
     _plan = WorkerPlan(hostname=hostname, discovery=discovery,
                        available_cpus=tuple(sorted(os.sched_getaffinity(0))))
     gpus = discovery.cuda_devices
-    admission.configure(admission.NvmlProbe([d.uuid for d in gpus]) if gpus
-                        else admission.HostProbe())
+    if not gpus:
+        admission.configure(admission.HostProbe())
+        return
+    config = app.sits  # (its children's records: what they hold cached, for admission)
+    admission.configure(admission.NvmlProbe([d.uuid for d in gpus]), lambda: (
+        admission.cached_by_device((advertise.read_worker(
+            advertise.client_for(config), config.global_keyprefix, hostname) or {}
+        ).get("children", {}), lambda slot: device_for_slot(discovery, slot))))
 
 
 def record_slots(slots: int) -> None:

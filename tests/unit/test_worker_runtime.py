@@ -356,7 +356,7 @@ class FakeProbe:
     def __init__(self, free_bytes: int, total_bytes: int = 80 * GIB) -> None:
         self.free_bytes, self.total_bytes = free_bytes, total_bytes
 
-    def max_free_bytes(self) -> int:
+    def max_free_bytes(self, cached: Any = None) -> int:
         return self.free_bytes
 
     def max_total_bytes(self) -> int:
@@ -420,7 +420,7 @@ def test_a_task_over_the_largest_device_here_is_held_off_long(
 
 
 class BrokenProbe:
-    def max_free_bytes(self) -> int:
+    def max_free_bytes(self, cached: Any = None) -> int:
         raise RuntimeError("NVML: the driver went away")
 
 
@@ -865,13 +865,56 @@ def test_the_largest_device_is_read_off_every_worker_record() -> None:
     assert advertise.largest_device_bytes([*odd, records[0]]) == 80 * GIB
 
 
-def test_a_probe_reads_the_largest_device_in_all() -> None:
-    memory = {"a": SimpleNamespace(free=5, total=16), "b": SimpleNamespace(free=9, total=12)}
-    nvml = SimpleNamespace(nvmlInit=lambda: None, nvmlShutdown=lambda: None,
+def fake_nvml(memory: dict[str, Any]) -> Any:
+    return SimpleNamespace(nvmlInit=lambda: None, nvmlShutdown=lambda: None,
                            nvmlDeviceGetHandleByUUID=lambda uuid: uuid,
                            nvmlDeviceGetMemoryInfo=lambda handle: memory[handle])
-    probe = request.NvmlProbe(["a", "b"], nvml)
+
+
+def test_what_a_child_holds_cached_counts_as_free_on_its_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(NVML counts torch's cache as used: after a task that used and freed 50 GiB on
+    an 80 GB device, one declaring 40 was refused with ~26 GiB "free", released and
+    held off for ever by the worker whose child could run it)"""
+    nvml = fake_nvml({"GPU-a": SimpleNamespace(free=26 * GIB, total=80 * GIB)})
+    cached = {"GPU-a": 50 * GIB}
+    request.configure(request.NvmlProbe(["GPU-a"], nvml), lambda: cached)
+    try:
+        CeleryGenerated.ran.clear()
+        fits, qos = fake_request(40)
+        assert fits.execute_using_pool(None) == "sent to the pool" and qos.released == []
+        # unreadable records (Redis away): NVML's figure alone, as before
+        request.configure(request.NvmlProbe(["GPU-a"], nvml),
+                          lambda: (_ for _ in ()).throw(ConnectionError("gone")))
+        refused, qos = fake_request(40)
+        with pytest.raises(request.NotStartedHere):
+            refused.execute_using_pool(None)
+        assert qos.released
+    finally:
+        request.configure(None)
+
+
+def test_cached_memory_is_read_per_device_the_least_of_its_children() -> None:
+    gpus = {0: SimpleNamespace(kind="cuda", uuid="GPU-a"),
+            1: SimpleNamespace(kind="cuda", uuid="GPU-b"),
+            2: SimpleNamespace(kind="cuda", uuid="GPU-a")}
+
+    def child(reserved: Any, allocated: Any) -> dict[str, Any]:
+        return {"memory": {"reserved_bytes": reserved, "allocated_bytes": allocated}}
+
+    children = {"0": child(30, 10), "1": child(5, 5), "2": child(12, 2),
+                "3": child("lots", 1), "4": child(True, 0), "x": child(9, 0), "5": "odd"}
+    device_of = lambda slot: gpus.get(slot) or SimpleNamespace(kind="cpu", uuid="cpu")  # noqa: E731
+    # the task goes to whichever child of the device is idle: the least any holds
+    assert request.cached_by_device(children, device_of) == {"GPU-a": 10, "GPU-b": 0}
+    assert request.cached_by_device({}, device_of) == {}
+
+
+def test_a_probe_reads_the_largest_device_in_all() -> None:
+    memory = {"a": SimpleNamespace(free=5, total=16), "b": SimpleNamespace(free=9, total=12)}
+    probe = request.NvmlProbe(["a", "b"], fake_nvml(memory))
     assert (probe.max_free_bytes(), probe.max_total_bytes()) == (9, 16)
+    assert probe.max_free_bytes({"a": 6}) == 11  # a's cached memory counted on a
     probe.close()
     host = request.HostProbe()
     assert 0 < host.max_free_bytes() <= host.max_total_bytes()
