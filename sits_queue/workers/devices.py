@@ -354,7 +354,24 @@ def _unknown_spec_notice(devices: tuple[Device, ...]) -> str | None:
     return f"sits-queue: no published specs for {', '.join(unknown)}; roofline unknown"
 
 
-def _discover_gpus(nvml: Any, visible: str | None) -> Discovery:
+def order_notice(everything: tuple[Device, ...], visible: str | None,
+                 order: str | None) -> str | None:
+    """Why ``CUDA_VISIBLE_DEVICES`` indices may name other GPUs here than in CUDA, or
+    None: they are read in NVML's order (PCI bus), CUDA's is fastest first unless
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (the two agree where every GPU is one model: CUDA
+    breaks its ties by bus)."""
+    if visible is None or (order or "").strip().upper() == "PCI_BUS_ID":
+        return None
+    if not any(token.strip().isdigit() for token in visible.split(",")):
+        return None
+    if len({d.name for d in everything}) <= 1:
+        return None
+    return ("sits-queue: CUDA_VISIBLE_DEVICES names GPUs by index, read in NVML's (PCI "
+            "bus) order, while CUDA numbers mixed models fastest first: set "
+            "CUDA_DEVICE_ORDER=PCI_BUS_ID, or name them by UUID")
+
+
+def _discover_gpus(nvml: Any, visible: str | None, order: str | None = None) -> Discovery:
     count = int(nvml.nvmlDeviceGetCount())
     handles = {i: nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)}
     everything = tuple(_read_device(nvml, i, h) for i, h in handles.items())
@@ -363,16 +380,20 @@ def _discover_gpus(nvml: Any, visible: str | None) -> Discovery:
         hidden = f" of {count} hidden by CUDA_VISIBLE_DEVICES={visible!r}" if count else ""
         return cpu_discovery(f"0 devices{hidden}")
     pairs = topology({d.index: handles[d.index] for d in devices}, nvml)
+    notices = [n for n in (_unknown_spec_notice(devices), order_notice(everything, visible,
+                                                                         order)) if n]
     return Discovery(devices=devices, topology=MappingProxyType(pairs),
-                     notice=_unknown_spec_notice(devices))
+                     notice="; ".join(notices) or None)
 
 
-def discover(nvml: Any = None, visible: str | None = None) -> Discovery:
+def discover(nvml: Any = None, visible: str | None = None,
+             order: str | None = None) -> Discovery:
     """Every NVIDIA GPU NVML can see, or one CPU device with a notice saying why not.
 
     ``nvml`` is the pynvml module (injectable for tests; imported lazily by default).
-    ``visible`` is the ``CUDA_VISIBLE_DEVICES`` value, passed in by the caller so that
-    the environment is read at the edge. Never raises for a missing GPU or driver.
+    ``visible`` is the ``CUDA_VISIBLE_DEVICES`` value and ``order`` the
+    ``CUDA_DEVICE_ORDER`` one, passed in by the caller so that the environment is read
+    at the edge. Never raises for a missing GPU or driver.
     """
     if nvml is None:
         try:
@@ -381,7 +402,7 @@ def discover(nvml: Any = None, visible: str | None = None) -> Discovery:
             return cpu_discovery("nvidia-ml-py is not installed")
     try:
         with _opened(nvml):
-            return _discover_gpus(nvml, visible)
+            return _discover_gpus(nvml, visible, order)
     except _nvml_errors(nvml) as exc:
         return cpu_discovery(str(exc) or type(exc).__name__)
 

@@ -505,7 +505,8 @@ def for_app(app: Celery) -> ChildRuntime:
 def init_parent(app: Celery, hostname: str, conf: Any, options: Mapping[str, Any]) -> None:
     """``celeryd_init``: discover through NVML, size the pool, arm admission."""
     global _plan
-    discovery = discover(visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    discovery = discover(visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                         order=os.environ.get("CUDA_DEVICE_ORDER"))
     if discovery.notice:
         logger.warning("%s", discovery.notice)
     if not options.get("concurrency") and not conf.worker_concurrency:

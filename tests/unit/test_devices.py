@@ -245,6 +245,23 @@ def test_cuda_visible_devices_filters(visible: str | None, uuids: list[str]) -> 
     assert [d.uuid for d in visible_devices(everything, visible)] == uuids
 
 
+@pytest.mark.parametrize(("visible", "order", "said"), [
+    ("1", None, True),               # mixed models, by index, CUDA's own order
+    ("1", "FASTEST_FIRST", True),
+    ("1", "PCI_BUS_ID", False),      # CUDA reads indices in NVML's order then
+    ("GPU-bbbb", None, False),       # by UUID: the same GPU to both
+    (None, None, False),
+])
+def test_indices_of_mixed_models_say_cuda_may_number_them_otherwise(
+        visible: str | None, order: str | None, said: bool) -> None:
+    mixed = FakeNvml([FakeGpu(H100_NAME, "GPU-aaaa-0000"),
+                      FakeGpu("NVIDIA A100-SXM4-80GB", "GPU-bbbb-1111")], levels={(0, 1): 50})
+    notice = discover(mixed, visible=visible, order=order).notice or ""
+    assert ("CUDA_DEVICE_ORDER=PCI_BUS_ID" in notice) is said
+    # one model: CUDA breaks its ties by bus, the same order
+    assert discover(two_h100s(), visible="1", order=None).notice is None
+
+
 def test_hidden_gpus_fall_back_to_cpu_and_restrict_topology() -> None:
     assert discover(two_h100s(), visible="").devices[0].kind == "cpu"
     found = discover(two_h100s(), visible="1")
