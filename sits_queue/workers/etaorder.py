@@ -22,35 +22,11 @@ import logging
 from typing import Any
 
 from celery import bootsteps
-from celery.utils.time import timezone
-from kombu.asynchronous.timer import to_timestamp
 
 from sits_queue.workers import request as admission
-from sits_queue.workers.ratelimits import resumed
+from sits_queue.workers.held import picked_early, resumed
 
 logger = logging.getLogger(__name__)
-
-
-def due_at(request: Any, app_timezone: Any) -> float | None:
-    """When ``request``'s ETA falls due, as Celery's strategy reads it for the worker's
-    timer (``time.monotonic()``; None: no ETA, or one it could not read)."""
-    eta = getattr(request, "eta", None)
-    if not eta:
-        return None
-    try:
-        if getattr(request, "utc", True):
-            return float(to_timestamp(timezone.to_system(eta)))  # type: ignore[no-untyped-call]
-        return float(to_timestamp(eta, app_timezone))  # type: ignore[no-untyped-call]
-    except (OverflowError, ValueError, TypeError, AttributeError):
-        return None
-
-
-def picked_early(request: Any, app_timezone: Any) -> bool:
-    """Whether ``request``'s message was picked before its ETA was due (so it waited in
-    this worker's timer, not in the queue)."""
-    picked = getattr(getattr(request, "message", None), "picked_at", None)
-    due = due_at(request, app_timezone)
-    return isinstance(picked, float) and due is not None and picked < due
 
 
 class EtaOrder(bootsteps.StartStopStep):  # type: ignore[misc]

@@ -29,8 +29,8 @@ from typing import Any
 
 from celery import bootsteps
 
-from sits_queue.broker.keys import CHECKPOINT_HEADER
 from sits_queue.workers import request as admission
+from sits_queue.workers.held import picked_early, resumed
 
 #: Bounds of the hold of a rate-limited message given back, s: not a busy loop of
 #: picks while tokens come faster than this; not so long that a slow rate's next token
@@ -59,13 +59,6 @@ def most_waiting(c: Any) -> int:
         return max(1, int(getattr(c, "initial_prefetch_count", 0) or 1))
     except (TypeError, ValueError):
         return 1
-
-
-def resumed(request: Any) -> bool:
-    """Whether ``request`` resumes a task that yielded its slot (time slices): the same
-    run going on, its token taken when it started. As a new run it waited for another
-    (an hour at ``'1/h'``), and each yield used up one of the type's rate."""
-    return (getattr(request, "request_dict", None) or {}).get(CHECKPOINT_HEADER) is not None
 
 
 class RateLimitHold(bootsteps.StartStopStep):  # type: ignore[misc]
@@ -103,8 +96,21 @@ class RateLimitHold(bootsteps.StartStopStep):  # type: ignore[misc]
             if resumed(request):
                 c.qos.decrement_eventually()  # (the count out of its wait for the ETA)
                 return move(request)
-            # Its ETA was due: the count out it had while waiting for the ETA carries
-            # over to its wait for a token (Celery's own gives it back here).
+            full = len(getattr(bucket, "contents", ())) >= most_waiting(c)
+            if full or picked_early(request, c.app.timezone):
+                # Due after waiting here: it takes its turn in the queue, as a task
+                # without a rate limit does (etaorder.py), and no more of its type wait
+                # here than the pool runs at once (limit_task's rule). (Into the bucket
+                # whatever its size, a worker kept every countdown task of a '1/h' type
+                # for hours while another worker stood idle.)
+                c.qos.decrement_eventually()
+                if request.revoked():  # revoked or expired meanwhile: settled here
+                    return None
+                hold = token_hold(bucket) if full else None
+                admission._give_back(request, None if hold is None else (hold, hold))
+                return None
+            # Its ETA was due when picked: the count out it had while waiting for the
+            # ETA carries over to its wait for a token (Celery's own gives it back here).
             self.held.add(id(request))
             bucket.add((request, tokens))
             return c._schedule_bucket_request(bucket)

@@ -26,11 +26,13 @@ def test_tasks_waiting_for_a_token_leave_the_worker_serving_the_rest(
     hourly = client_app.tasks["w.hourly"]
     assert hourly.delay("first").get(timeout=60) == "first"  # the bucket's one token
     waiting = [hourly.delay("second"), hourly.apply_async(("after its eta",), countdown=1)]
-    # Both held by the worker (unacked), not waiting in the queue
-    wait_for(lambda: redis_client.zcard(KEYS.unacked) == 2, 30,
-             "the worker to take both rate-limited tasks")
-    wait_for(lambda: redis_client.zcard(KEYS.waiting) == 0, 30, "the queue to empty")
-    # The ETA one is due now and waits for a token too; plain work still runs, in turn
+    # The first waits for its token in the worker; the ETA one, once due, goes back to
+    # the queue (no more of a type wait here than the pool runs), held off from this
+    # worker until its next token
+    wait_for(lambda: redis_client.zcard(KEYS.unacked) == 1
+             and redis_client.zcard(KEYS.waiting) == 1, 30,
+             "one task to wait in the worker and the due one in the queue")
+    # plain work still runs, in turn
     results = [client_app.tasks["w.add"].delay(i, i) for i in range(5)]
     assert [r.get(timeout=60) for r in results] == [0, 2, 4, 6, 8]
     assert all(r.state == "PENDING" for r in waiting)
@@ -52,6 +54,26 @@ def test_a_worker_holds_no_more_token_waiters_than_its_pool_the_rest_stay_queued
     # ... where a second worker takes one (its bucket has a token)
     spawn(concurrency=1)
     wait_for(lambda: sum(r.state == "SUCCESS" for r in later) == 1, 60,
+             "the second worker to run one of them")
+
+
+def test_countdown_tasks_of_a_rate_limited_type_are_capped_alike(
+        spawn: Callable[..., CeleryProcess], client_app: Celery,
+        redis_client: redis.Redis) -> None:
+    """(with a countdown each went into the bucket once due, whatever its size: a worker
+    kept five '1/h' tasks for five hours while a second worker stood idle)"""
+    spawn(concurrency=1)
+    hourly = client_app.tasks["w.hourly"]
+    later = [hourly.apply_async((f"later {i}",), countdown=1) for i in range(6)]
+    # One runs on the bucket's token, one waits for the next in the worker, the rest
+    # are back in the queue once due...
+    wait_for(lambda: sum(r.state == "SUCCESS" for r in later) == 1
+             and redis_client.zcard(KEYS.unacked) == 1
+             and redis_client.zcard(KEYS.waiting) == 4, 60,
+             "one run, one waiting for its token in the worker and four in the queue")
+    # ... where a second worker takes one (its bucket has a token)
+    spawn(concurrency=1)
+    wait_for(lambda: sum(r.state == "SUCCESS" for r in later) == 2, 60,
              "the second worker to run one of them")
 
 

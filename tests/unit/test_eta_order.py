@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from sits_queue.workers.etaorder import due_at, picked_early
+from sits_queue.workers.held import due_at, picked_early
 
 
 def request(eta: Any, picked_at: Any, utc: bool = True) -> Any:

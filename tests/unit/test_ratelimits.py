@@ -42,6 +42,7 @@ class StandIn:
 
     #: A pool of two: two requests of a type may wait for tokens.
     initial_prefetch_count = 2
+    app = type("App", (), {"timezone": "UTC"})()
 
     def __init__(self) -> None:
         self.qos = QoS(lambda prefetch_count: None, 1)
@@ -101,12 +102,15 @@ class Released:
     def __init__(self, name: str) -> None:
         self.id, self.acknowledged, self.released = name, False, []
         qos = type("QoS", (), {"release": lambda _, tag, *hold: self.released.append(
-            (tag, *hold)) or hold[0]})()
+            (tag, *hold)) or (hold[0] if hold else 0.0)})()
         self.message = type("Message", (), {"channel": type("C", (), {"qos": qos})(),
                                             "delivery_tag": name, "_state": "RECEIVED"})()
 
     def send_event(self, *args: Any, **kwargs: Any) -> None:
         return None
+
+    def revoked(self) -> bool:
+        return False
 
 
 def test_no_more_of_a_type_wait_than_the_pool_runs_the_rest_go_back() -> None:
@@ -168,3 +172,35 @@ def test_a_consumer_finding_only_its_held_messages_looks_again_when_a_hold_ends(
     channel._hold_ends = [time.monotonic() - 1.0, time.monotonic() + 10.0]
     assert Channel._held_pause_s(channel) == HELD_PAUSE_S
     assert len(channel._hold_ends) == 1  # the one that ran out is forgotten
+
+
+def test_a_due_eta_request_goes_back_when_its_bucket_is_full_or_it_waited_here() -> None:
+    """(the ETA's entered the bucket whatever its size: a worker kept every countdown
+    task of a '1/h' type for hours while another worker stood idle)"""
+    import time
+    from datetime import UTC, datetime
+
+    from sits_queue.workers.ratelimits import MAX_TOKEN_HOLD_S
+
+    c = StandIn()
+    RateLimitHold(c)
+    bucket = TokenBucket(fill_rate=1 / 3600, capacity=1)
+    c._limit_task("first", bucket, 1)  # its token: to the pool at once
+    c._limit_task("second", bucket, 1)
+    c._limit_task("third", bucket, 1)  # two wait: the pool's size
+    late = Released("late")  # picked when due, its bucket full: back, held to the token
+    late.eta, late.utc = datetime.now(UTC), True
+    late.message.picked_at = time.monotonic() + 1
+    c.qos.increment_eventually()  # what the strategy does for a request with an ETA
+    c._limit_post_eta(late, bucket, 1)
+    assert late.released == [("late", MAX_TOKEN_HOLD_S, MAX_TOKEN_HOLD_S)]
+    assert len(bucket.contents) == 2 and c.qos.value == 3  # its count out given back
+    # one that waited here for its ETA takes its turn in the queue, room or not
+    c2 = StandIn()
+    RateLimitHold(c2)
+    early = Released("early")
+    early.eta, early.utc = datetime.now(UTC), True
+    early.message.picked_at = time.monotonic() - 5
+    c2.qos.increment_eventually()
+    c2._limit_post_eta(early, TokenBucket(fill_rate=1 / 3600, capacity=1), 1)
+    assert early.released == [("early",)] and c2.qos.value == 1

@@ -1,0 +1,40 @@
+"""A request the worker holds before it runs it: a resumed run (time slices) and a task
+picked before its ETA was due (``etaorder.py``, ``ratelimits.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.utils.time import timezone
+from kombu.asynchronous.timer import to_timestamp
+
+from sits_queue.broker.keys import CHECKPOINT_HEADER
+
+
+def resumed(request: Any) -> bool:
+    """Whether ``request`` resumes a task that yielded its slot (time slices): the same
+    run going on, its token taken when it started. As a new run it waited for another
+    (an hour at ``'1/h'``), and each yield used up one of the type's rate."""
+    return (getattr(request, "request_dict", None) or {}).get(CHECKPOINT_HEADER) is not None
+
+
+def due_at(request: Any, app_timezone: Any) -> float | None:
+    """When ``request``'s ETA falls due, as Celery's strategy reads it for the worker's
+    timer (``time.monotonic()``; None: no ETA, or one it could not read)."""
+    eta = getattr(request, "eta", None)
+    if not eta:
+        return None
+    try:
+        if getattr(request, "utc", True):
+            return float(to_timestamp(timezone.to_system(eta)))  # type: ignore[no-untyped-call]
+        return float(to_timestamp(eta, app_timezone))  # type: ignore[no-untyped-call]
+    except (OverflowError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def picked_early(request: Any, app_timezone: Any) -> bool:
+    """Whether ``request``'s message was picked before its ETA was due (so it waited in
+    this worker's timer, not in the queue)."""
+    picked = getattr(getattr(request, "message", None), "picked_at", None)
+    due = due_at(request, app_timezone)
+    return isinstance(picked, float) and due is not None and picked < due
