@@ -306,8 +306,8 @@ def _nvml_bandwidth(nvml: Any, handle: Any) -> float | None:
     return float(clock_mhz * _HZ_PER_MHZ * bus_bits * _TRANSFERS_PER_CLOCK / _BITS_PER_BYTE)
 
 
-def _read_device(nvml: Any, index: int, handle: Any) -> Device:
-    name = _text(nvml.nvmlDeviceGetName(handle))
+def _read_device(nvml: Any, index: int, handle: Any, name: str | None = None) -> Device:
+    name = _text(nvml.nvmlDeviceGetName(handle)) if name is None else name
     memory = nvml.nvmlDeviceGetMemoryInfo(handle)
     rates = _optional(nvml, "nvmlDeviceGetUtilizationRates", handle)
     spec = lookup_spec(name)
@@ -323,6 +323,34 @@ def _read_device(nvml: Any, index: int, handle: Any) -> Device:
         peak_flops=spec.peak_flops if spec is not None else _empty_flops())
 
 
+def _mig_handles(nvml: Any, handle: Any) -> list[Any]:
+    """The MIG devices of a GPU in MIG mode, in NVML's order (none when it is not in MIG
+    mode or NVML cannot say: a GPU without MIG answers "not supported")."""
+    mode = _optional(nvml, "nvmlDeviceGetMigMode", handle)
+    if not mode or mode[0] != getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1):
+        return []
+    found = []
+    for k in range(int(_optional(nvml, "nvmlDeviceGetMaxMigDeviceCount", handle) or 0)):
+        mig = _optional(nvml, "nvmlDeviceGetMigDeviceHandleByIndex", handle, k)
+        if mig is not None:  # (an index no instance holds: "not found")
+            found.append(mig)
+    return found
+
+
+def _read_gpu(nvml: Any, index: int, handle: Any) -> list[Device]:
+    """A GPU as its devices: itself, or in MIG mode each of its MIG devices, which a
+    child is pinned to by its ``MIG-`` UUID as to a whole GPU (a CUDA process sees one).
+    A MIG device keeps its GPU's index (they share a board: topology weight 1) and its
+    GPU's published specs (the FLOPs of the whole GPU: its roofline ratio, not its size);
+    its memory is its own."""
+    slices = _mig_handles(nvml, handle)
+    if not slices:
+        return [_read_device(nvml, index, handle)]
+    board = _text(nvml.nvmlDeviceGetName(handle))
+    return [_read_device(nvml, index, mig, _text(
+        _optional(nvml, "nvmlDeviceGetName", mig) or f"{board} MIG")) for mig in slices]
+
+
 def _match_visible(devices: tuple[Device, ...], token: str) -> Device | None:
     if token.isdigit():
         return next((d for d in devices if d.index == int(token)), None)
@@ -331,7 +359,9 @@ def _match_visible(devices: tuple[Device, ...], token: str) -> Device | None:
 
 
 def visible_devices(devices: tuple[Device, ...], spec: str | None) -> tuple[Device, ...]:
-    """Apply a ``CUDA_VISIBLE_DEVICES`` value (indices or UUID prefixes; None = all).
+    """Apply a ``CUDA_VISIBLE_DEVICES`` value (indices, UUID prefixes, ``MIG-`` UUIDs;
+    None = all; an index of a GPU in MIG mode names its first MIG device here: name MIG
+    devices by their ``MIG-`` UUIDs).
 
     Like CUDA, an invalid entry hides it and every entry after it.
     """
@@ -374,7 +404,7 @@ def order_notice(everything: tuple[Device, ...], visible: str | None,
 def _discover_gpus(nvml: Any, visible: str | None, order: str | None = None) -> Discovery:
     count = int(nvml.nvmlDeviceGetCount())
     handles = {i: nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)}
-    everything = tuple(_read_device(nvml, i, h) for i, h in handles.items())
+    everything = tuple(d for i, h in handles.items() for d in _read_gpu(nvml, i, h))
     devices = visible_devices(everything, visible)
     if not devices:
         hidden = f" of {count} hidden by CUDA_VISIBLE_DEVICES={visible!r}" if count else ""

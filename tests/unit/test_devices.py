@@ -60,8 +60,11 @@ class FakeNvml:
     init_error: str | None = None
     broken_call: str | None = None
     shutdowns: int = 0
+    #: GPU index -> its MIG devices (the GPU is in MIG mode); their handles are "i/k".
+    migs: dict[int, list[FakeGpu]] = field(default_factory=dict)
 
     NVMLError = FakeNVMLError
+    NVML_DEVICE_MIG_ENABLE = 1
     NVML_CLOCK_MEM = 2
     NVML_TOPOLOGY_INTERNAL = 0
     NVML_TOPOLOGY_SINGLE = 10
@@ -89,42 +92,67 @@ class FakeNvml:
     def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
         return i
 
-    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> int:
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> Any:
         self._maybe_fail("nvmlDeviceGetHandleByUUID")
         for i, gpu in enumerate(self.gpus):
             if gpu.uuid == uuid:
                 return i
+        for i, migs in self.migs.items():
+            for k, mig in enumerate(migs):
+                if mig.uuid == uuid:
+                    return f"{i}/{k}"
         raise FakeNVMLError(f"{uuid}: Not Found")
 
-    def nvmlDeviceGetName(self, h: int) -> str | bytes:
-        return self.gpus[h].name
+    def _g(self, h: Any) -> FakeGpu:
+        if isinstance(h, str):
+            i, k = (int(x) for x in h.split("/"))
+            return self.migs[i][k]
+        return self.gpus[h]
 
-    def nvmlDeviceGetUUID(self, h: int) -> str:
-        return self.gpus[h].uuid
+    def nvmlDeviceGetMigMode(self, h: Any) -> list[int]:
+        if isinstance(h, str) or h not in self.migs:
+            raise FakeNVMLError("Not Supported")
+        return [1, 1]
 
-    def nvmlDeviceGetMemoryInfo(self, h: int) -> SimpleNamespace:
+    def nvmlDeviceGetMaxMigDeviceCount(self, h: int) -> int:
+        return 7
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, h: int, k: int) -> str:
+        if k >= len(self.migs[h]):
+            raise FakeNVMLError("Not Found")
+        return f"{h}/{k}"
+
+    def nvmlDeviceGetName(self, h: Any) -> str | bytes:
+        return self._g(h).name
+
+    def nvmlDeviceGetUUID(self, h: Any) -> str:
+        return self._g(h).uuid
+
+    def nvmlDeviceGetMemoryInfo(self, h: Any) -> SimpleNamespace:
         self._maybe_fail("nvmlDeviceGetMemoryInfo")
-        g = self.gpus[h]
+        g = self._g(h)
         return SimpleNamespace(total=g.total, free=g.free, used=g.total - g.free)
 
-    def nvmlDeviceGetUtilizationRates(self, h: int) -> SimpleNamespace:
+    def nvmlDeviceGetUtilizationRates(self, h: Any) -> SimpleNamespace:
+        if isinstance(h, str):
+            raise FakeNVMLError("Not Supported")  # (NVML: not on a MIG device)
         return SimpleNamespace(gpu=self.gpus[h].util, memory=3)
 
-    def nvmlDeviceGetNumaNodeId(self, h: int) -> int:
-        numa = self.gpus[h].numa
+    def nvmlDeviceGetNumaNodeId(self, h: Any) -> int:
+        numa = self._g(h).numa
         if numa is None:
             raise FakeNVMLError("Not Supported")
         return numa
 
-    def nvmlDeviceGetMaxClockInfo(self, h: int, clock_type: int) -> int:
+    def nvmlDeviceGetMaxClockInfo(self, h: Any, clock_type: int) -> int:
         assert clock_type == self.NVML_CLOCK_MEM
-        clock = self.gpus[h].mem_clock_mhz
+        clock = self._g(h).mem_clock_mhz
         if clock is None:
             raise FakeNVMLError("Not Supported")
         return clock
 
-    def nvmlDeviceGetMemoryBusWidth(self, h: int) -> int:
-        bits = self.gpus[h].bus_bits
+    def nvmlDeviceGetMemoryBusWidth(self, h: Any) -> int:
+        bits = self._g(h).bus_bits
         if bits is None:
             raise FakeNVMLError("Not Supported")
         return bits
@@ -260,6 +288,34 @@ def test_indices_of_mixed_models_say_cuda_may_number_them_otherwise(
     assert ("CUDA_DEVICE_ORDER=PCI_BUS_ID" in notice) is said
     # one model: CUDA breaks its ties by bus, the same order
     assert discover(two_h100s(), visible="1", order=None).notice is None
+
+
+def mig_host() -> FakeNvml:
+    """GPU 0 whole; GPU 1 in MIG mode with two MIG devices."""
+    gpus = [FakeGpu(H100_NAME, "GPU-aaaa-0000"), FakeGpu(H100_NAME, "GPU-bbbb-1111")]
+    migs = {1: [FakeGpu(f"{H100_NAME} MIG 3g.40gb", "MIG-cccc-2222", total=40 * GIB,
+                        free=39 * GIB, numa=None, mem_clock_mhz=None, bus_bits=None),
+                FakeGpu(f"{H100_NAME} MIG 3g.40gb", "MIG-dddd-3333", total=40 * GIB,
+                        free=20 * GIB, numa=None, mem_clock_mhz=None, bus_bits=None)]}
+    return FakeNvml(gpus, levels={(0, 1): 50}, migs=migs)
+
+
+def test_a_gpu_in_mig_mode_is_its_mig_devices() -> None:
+    """(only whole GPUs were listed: a worker given a MIG slice found no GPU and ran on
+    the CPU, and on a GPU in MIG mode it counted the whole GPU's memory)"""
+    found = discover(mig_host())
+    assert [(d.index, d.uuid, d.total_vram_bytes // GIB) for d in found.devices] == [
+        (0, "GPU-aaaa-0000", 80), (1, "MIG-cccc-2222", 40), (1, "MIG-dddd-3333", 40)]
+    sliced = found.devices[1]
+    assert sliced.name.endswith("MIG 3g.40gb") and sliced.utilisation_pct is None
+    assert sliced.alpha == pytest.approx(found.devices[0].alpha, rel=0.01)  # the board's ratio
+    assert found.pair_weight(1, 1) == 1.0 and default_concurrency(found) == 3
+    # a worker given one slice, by its UUID, as Kubernetes or Slurm hand them out
+    (only,) = discover(mig_host(), visible="MIG-dddd-3333").devices
+    assert (only.uuid, only.free_vram_bytes) == ("MIG-dddd-3333", 20 * GIB)
+    # live readings of a slice: its own memory, by its UUID
+    (again,) = live((only,), mig_host())
+    assert again.free_vram_bytes == 20 * GIB
 
 
 def test_hidden_gpus_fall_back_to_cpu_and_restrict_topology() -> None:
