@@ -67,6 +67,7 @@ from sits_queue.workers import (
     metrics,
     runtime,
     softsignal,
+    taskheader,
 )
 
 logger = logging.getLogger(__name__)
@@ -146,7 +147,7 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
                                     accept=accept)
         jobs.append(job)
         calls.append(Call(task_id, tuple(args), dict(kwargs),
-                          runtime.task_prefix_key(request)))
+                          taskheader.task_prefix_key(request)))
         requests.append(Context({**request, **(embed or {}), "args": args, "kwargs": kwargs,
                                  "is_eager": False}, called_directly=False))
         return len(calls) - 1, calls[-1]

@@ -50,6 +50,7 @@ from sits_queue.workers import (
     metrics,
     runtime,
     slices,
+    taskheader,
 )
 from sits_queue.workers.decoding import (
     decode_steps,
@@ -176,13 +177,13 @@ def _prepare(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     request = task.request
     # the pool's soft limit counts from the run's start, engine load included
     run_started = slices.started_at(getattr(request, "id", None))
-    model = runtime.task_model(request, getattr(task, "model", None))
-    quota = runtime.task_class(rt.config, request, getattr(task, "sla_class", None))
+    model = taskheader.task_model(request, getattr(task, "model", None))
+    quota = taskheader.task_class(rt.config, request, getattr(task, "sla_class", None))
     # (said now: a run whose engine fails to load was traced without them)
     tracing.annotate({"sits.model": model, "sits.sla_class": quota.name})
     cpus = rt.confine(quota)
     rt.cap_for_class(quota)  # the context first, so its cost is timed on its own
-    precision = runtime.task_precision(request, getattr(task, "precision", None))
+    precision = taskheader.task_precision(request, getattr(task, "precision", None))
     acquire_ns = time.time_ns()
     try:
         engine, cold, served = acquire.acquire(rt, model, precision)
@@ -226,7 +227,7 @@ def _active_task(run: _Run, task: Any,
         soft_deadline=run.run_started + run.soft if run.soft else None,
         yielder=getattr(task, "yield_point", None), checkpoint=getattr(task, "checkpoint", None),
         prefixes=rt.prefixes(), count=rt.count,
-        prefix_key=runtime.task_prefix_key(task.request), embeddings=rt.embeddings(),
+        prefix_key=taskheader.task_prefix_key(task.request), embeddings=rt.embeddings(),
         batcher=rt.batcher(run.model),
         early=(lambda i, out: bool(early(i, out, run.so_far()))) if early else None,
         joins=joins)

@@ -145,12 +145,12 @@ def declared_vram_gib(headers: Mapping[str, Any]) -> float | None:
 
 def class_vram_gib(request: Request) -> float | None:
     """The VRAM limit of the class the task runs in, GiB (None: no limit, or no app to
-    read it from): the class the runtime gives it (``runtime.task_class``): its header's,
+    read it from): the class the runtime gives it (``taskheader.task_class``): its header's,
     else the task's declared one, else the default. (A class this worker does not know
     read as no limit, and a task of it declaring more than any device holds was released
     for ever, though it would have run in the default class, under that cap.)"""
     from sits_queue.app import sits_config
-    from sits_queue.workers.runtime import task_class
+    from sits_queue.workers.taskheader import task_class
 
     try:  # (nothing here may raise in the main process: the pool slot would be lost)
         config = sits_config(request.task.app)

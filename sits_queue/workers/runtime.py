@@ -45,8 +45,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from sits_queue.broker import grants, intake
 from sits_queue.cache.budgets import CacheBudgets, children_per_device
 from sits_queue.config import ClassQuota, SitsConfig
-from sits_queue.errors import ConfigError, UnknownModel
-from sits_queue.options import HEADER, PRECISIONS
+from sits_queue.errors import ConfigError
 from sits_queue.workers import (
     advertise,
     childgc,
@@ -62,6 +61,7 @@ from sits_queue.workers import (
 from sits_queue.workers import request as admission
 from sits_queue.workers.devices import Device, Discovery, default_concurrency, discover
 from sits_queue.workers.limits import check_engine_fits_class, cpu_set, memory_cap_fraction
+from sits_queue.workers.taskheader import task_class
 
 logger = logging.getLogger(__name__)
 
@@ -123,56 +123,6 @@ def pin_env(device: Device) -> dict[str, str]:
     if device.kind != "cuda":
         return {}
     return {"CUDA_VISIBLE_DEVICES": device.uuid}
-
-
-def sits_header(request: Any) -> Mapping[str, Any] | None:
-    """The running task's SITS options header: a delivered message's headers are its
-    request's attributes; an eager call (``apply()``, ``task_always_eager``) keeps them
-    in ``request.headers`` (read there, or its model, class and precision were ignored);
-    a batch's jobs carry a request dict (``workers/batched.py``)."""
-    header = request.get(HEADER) if isinstance(request, Mapping) \
-        else getattr(request, HEADER, None)
-    if header is None:
-        headers = request.get("headers") if isinstance(request, Mapping) \
-            else getattr(request, "headers", None)
-        header = headers.get(HEADER) if isinstance(headers, Mapping) else None
-    return header if isinstance(header, Mapping) else None
-
-
-def task_class(config: SitsConfig, request: Any, declared: str | None = None) -> ClassQuota:
-    """The SLA class a running task was submitted with: the message header's, else the
-    task's declared one (a direct call has no header), else the default class."""
-    header = sits_header(request)
-    name = header.get("sla_class") if isinstance(header, Mapping) else None
-    if not isinstance(name, str) or name not in config.class_names:
-        name = declared if declared in config.class_names else config.default_class
-    assert name is not None
-    return config.quota(name)
-
-
-def task_model(request: Any, declared: str | None) -> str:
-    header = sits_header(request)
-    name = header.get("model") if isinstance(header, Mapping) else None
-    name = name if isinstance(name, str) and name else declared
-    if not name:
-        raise UnknownModel("this inference task names no model; register one with "
-                           "@app.model and pass model=... on the task or the call")
-    return name
-
-
-def task_prefix_key(request: Any) -> str | None:
-    """The ``prefix_key`` the producer set or derived (``options.derive_prefix_key``)."""
-    header = sits_header(request)
-    key = header.get("prefix_key") if isinstance(header, Mapping) else None
-    return key if isinstance(key, str) and key else None
-
-
-def task_precision(request: Any, declared: str | None = None) -> str | None:
-    """The precision the task asked its model to be served at; None: as loaded."""
-    header = sits_header(request)
-    value = header.get("precision") if isinstance(header, Mapping) else None
-    value = value if isinstance(value, str) and value else declared
-    return value if value in PRECISIONS else None
 
 
 # -- the active task (read by the built-in inference functions) ------------------------------

@@ -19,7 +19,7 @@ from sits_queue.config import DEFAULT_CLASSES, ClassQuota, SitsConfig
 from sits_queue.errors import ConfigError, ModelLoadError, UnknownModel, VramLimitExceeded
 from sits_queue.options import HEADER
 from sits_queue.registry import ModelRegistry, load_engine
-from sits_queue.workers import advertise, gpu, limits, request
+from sits_queue.workers import advertise, gpu, limits, request, taskheader
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.devices import Device, Discovery
 from sits_queue.workers.limits import BYTES_PER_GIB
@@ -216,17 +216,18 @@ def test_soft_deadline_is_checked_between_steps() -> None:
 
 def test_task_class_from_header_then_declaration_then_default() -> None:
     config = SitsConfig()
-    assert rt.task_class(config, SimpleNamespace(sits={"sla_class": "high"}), "low") is HIGH
-    assert rt.task_class(config, SimpleNamespace(sits=None), "low") is LOW
-    assert rt.task_class(config, SimpleNamespace(), None).name == config.default_class
-    assert rt.task_class(config, SimpleNamespace(sits={"sla_class": "nope"}), None) is MEDIUM
+    assert taskheader.task_class(config, SimpleNamespace(sits={"sla_class": "high"}), "low") is HIGH
+    assert taskheader.task_class(config, SimpleNamespace(sits=None), "low") is LOW
+    assert taskheader.task_class(config, SimpleNamespace(), None).name == config.default_class
+    unknown = SimpleNamespace(sits={"sla_class": "nope"})
+    assert taskheader.task_class(config, unknown, None) is MEDIUM
 
 
 def test_task_model_from_header_or_declaration() -> None:
-    assert rt.task_model(SimpleNamespace(sits={"model": "a"}), "b") == "a"
-    assert rt.task_model(SimpleNamespace(sits={"model": None}), "b") == "b"
+    assert taskheader.task_model(SimpleNamespace(sits={"model": "a"}), "b") == "a"
+    assert taskheader.task_model(SimpleNamespace(sits={"model": None}), "b") == "b"
     with pytest.raises(UnknownModel, match="names no model"):
-        rt.task_model(SimpleNamespace(), None)
+        taskheader.task_model(SimpleNamespace(), None)
 
 
 # -- CPU confinement in a child (affinity faked) -------------------------------------------------
@@ -724,7 +725,7 @@ def test_tasks_side_by_side_in_one_process_are_refused_with_the_fix(module: str)
 def test_a_tasks_prefix_key_is_read_from_a_request_or_a_request_dict(
         request_: Any, key: str | None) -> None:
     """A batch's calls are made from request dicts: read as objects, every call had none."""
-    assert rt.task_prefix_key(request_) == key
+    assert taskheader.task_prefix_key(request_) == key
 
 
 class RefusingChannel:

@@ -1,0 +1,62 @@
+"""What a running task's SITS options header says: its class, model, prefix key and
+precision, read from a delivered request, an eager call's headers or a batch job's dict
+(the runtime, the inference tasks and the batches read them alike)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from sits_queue.config import ClassQuota, SitsConfig
+from sits_queue.errors import UnknownModel
+from sits_queue.options import HEADER, PRECISIONS
+
+
+def sits_header(request: Any) -> Mapping[str, Any] | None:
+    """The running task's SITS options header: a delivered message's headers are its
+    request's attributes; an eager call (``apply()``, ``task_always_eager``) keeps them
+    in ``request.headers`` (read there, or its model, class and precision were ignored);
+    a batch's jobs carry a request dict (``workers/batched.py``)."""
+    header = request.get(HEADER) if isinstance(request, Mapping) \
+        else getattr(request, HEADER, None)
+    if header is None:
+        headers = request.get("headers") if isinstance(request, Mapping) \
+            else getattr(request, "headers", None)
+        header = headers.get(HEADER) if isinstance(headers, Mapping) else None
+    return header if isinstance(header, Mapping) else None
+
+
+def task_class(config: SitsConfig, request: Any, declared: str | None = None) -> ClassQuota:
+    """The SLA class a running task was submitted with: the message header's, else the
+    task's declared one (a direct call has no header), else the default class."""
+    header = sits_header(request)
+    name = header.get("sla_class") if isinstance(header, Mapping) else None
+    if not isinstance(name, str) or name not in config.class_names:
+        name = declared if declared in config.class_names else config.default_class
+    assert name is not None
+    return config.quota(name)
+
+
+def task_model(request: Any, declared: str | None) -> str:
+    header = sits_header(request)
+    name = header.get("model") if isinstance(header, Mapping) else None
+    name = name if isinstance(name, str) and name else declared
+    if not name:
+        raise UnknownModel("this inference task names no model; register one with "
+                           "@app.model and pass model=... on the task or the call")
+    return name
+
+
+def task_prefix_key(request: Any) -> str | None:
+    """The ``prefix_key`` the producer set or derived (``options.derive_prefix_key``)."""
+    header = sits_header(request)
+    key = header.get("prefix_key") if isinstance(header, Mapping) else None
+    return key if isinstance(key, str) and key else None
+
+
+def task_precision(request: Any, declared: str | None = None) -> str | None:
+    """The precision the task asked its model to be served at; None: as loaded."""
+    header = sits_header(request)
+    value = header.get("precision") if isinstance(header, Mapping) else None
+    value = value if isinstance(value, str) and value else declared
+    return value if value in PRECISIONS else None
