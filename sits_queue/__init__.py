@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from sits_queue.app import SitsCelery, SitsTask, make_app
+from sits_queue.config import SitsConfig
 from sits_queue.errors import (
     ConfigError,
     ContextTooLong,
@@ -28,16 +29,30 @@ def _on_a_command_line() -> bool:
         program.name == "__main__.py" and program.parent.name == "celery")
 
 
+def _is_sitsq() -> bool:
+    """Whether this process is ``sitsq`` (or ``python -m sits_queue.cli``: while the
+    package is imported for ``-m``, ``sys.argv[0]`` is "-m" whichever module runs)."""
+    given = list(getattr(sys, "orig_argv", ()))
+    by_module = "-m" in given[:-1] and given[given.index("-m") + 1] == "sits_queue.cli"
+    return Path(sys.argv[0]).name in ("sitsq", "cli.py") or by_module
+
+
 try:
     app = make_app()
 except ConfigError as exc:
-    # ``sitsq`` imports this package before its own error handling can run, and
-    # ``celery -A`` while it loads the app (it would print its 80-line import traceback):
-    # a bad setting is the user's to fix, so one line naming it, as for sitsq's other
-    # errors (a program importing the package gets the exception).
-    if _on_a_command_line():
+    if _is_sitsq():
+        # sitsq reads the settings again in each command that uses them and says what
+        # is wrong there, in its own one line; meanwhile its --help and the commands
+        # that need none work (the import stopped them all: even `sitsq --help` only
+        # printed the setting's error). Its own app is never this one.
+        app = make_app(SitsConfig())
+    # ``celery -A`` loads the app (it would print its 80-line import traceback): a bad
+    # setting is the user's to fix, so one line naming it, as for sitsq's errors (a
+    # program importing the package gets the exception).
+    elif _on_a_command_line():
         raise SystemExit(f"Error: {exc}") from None
-    raise
+    else:
+        raise
 celery = app  # `celery -A sits_queue` also looks for this name
 
 __all__ = ["ConfigError", "ContextTooLong", "InferenceError", "InvalidInput",

@@ -142,6 +142,19 @@ def test_a_bad_setting_is_one_line_naming_it(env: dict[str, str], line: str) -> 
     assert out.stderr.strip() == line
 
 
+def test_help_works_beside_a_bad_setting() -> None:
+    """(the package's import stopped every sitsq command: even --help printed only the
+    setting's error)"""
+    import os
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SITS_")},
+           "SITS_SLICE_MS": "abc"}
+    for args in (["--help"], ["status", "--help"]):
+        out = subprocess.run([sys.executable, "-m", "sits_queue.cli", *args], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.startswith("Usage: "), out.stderr
+
+
 @pytest.mark.parametrize("command", [
     [str(Path(sys.executable).with_name("celery")), "-A", "sits_queue", "worker"],
     [sys.executable, "-m", "celery", "-A", "sits_queue", "inspect", "ping"],
