@@ -756,8 +756,7 @@ def test_a_submission_validates_its_options_once(app: Celery,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """``apply_async`` validates them; ``send_task`` and the put read back the header it
     made (they validated it twice more: a sixth of what ``delay()`` cost)."""
-    import sys
-
+    import sits_queue.calloptions
     import sits_queue.options
 
     resolved: list[Any] = []
@@ -768,8 +767,7 @@ def test_a_submission_validates_its_options_once(app: Celery,
         return real(*args, **kwargs)
 
     monkeypatch.setattr(sits_queue.options, "resolve", counted)
-    # (``sits_queue.app`` is the package's Celery app: the module is had by its name)
-    monkeypatch.setattr(sys.modules["sits_queue.app"], "resolve", counted)
+    monkeypatch.setattr(sits_queue.calloptions, "resolve", counted)
     for tag in ("a", "b", "c"):
         app.tasks["t.echo"].apply_async((tag,), sla_class="high")
     assert len(resolved) == 3
