@@ -90,13 +90,15 @@ _COUNTED = {"waiting": ("zcard", "waiting"), "unacked": ("zcard", "unacked"),
 
 def holds_in_force(records: list[bytes], now_s: float) -> int:
     """How many of a queue's hold records (``release.lua``'s ``"<consumer> <until>
-    <releases>"``) still hold their message off: a record outlives its hold, to count
-    the releases, and a dead worker's stayed counted as holding for good."""
+    <releases>"``, one per consumer that gave the message back) still hold their message
+    off from some worker: a record outlives its hold, to count the releases, and a dead
+    worker's stayed counted as holding for good."""
     held = 0
     for record in records:
         parts = record.split()
+        tills = parts[1::3]
         try:
-            held += len(parts) >= 2 and float(parts[1]) > now_s
+            held += any(float(till) > now_s for till in tills)
         except ValueError:
             continue
     return held

@@ -8,6 +8,7 @@ import json
 import pytest
 import redis
 
+from sits_queue import status
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.broker.scripts import Scripts
 
@@ -203,6 +204,7 @@ def test_a_released_message_is_held_off_from_its_releaser_only(
     assert scripts.run("pick", KEYS, [now + 0.1, 5, "B"], redis_client)[0] == b"big"
     assert release(scripts, redis_client, "B", now + 0.1, "big") == (1, 0.25)
     # And A each time it is offered again: its hold doubles per release by A, to the cap
+    # (B's release in between kept A's count)
     holds = []
     t = now + 1
     for _ in range(4):
@@ -210,7 +212,7 @@ def test_a_released_message_is_held_off_from_its_releaser_only(
         _, hold = release(scripts, redis_client, "A", t, "big")
         holds.append(hold)
         t += hold + 0.01
-    assert holds == [0.25, 0.5, 1.0, 1.0]
+    assert holds == [0.5, 1.0, 1.0, 1.0]
     # A yield gives no hold; ack forgets the record; an empty queue is 0, not a hold
     assert scripts.run("pick", KEYS, [t, 5, "A"], redis_client)[0] == b"big"
     assert scripts.run("release", KEYS, ["A", t, 0, 0, "big"], redis_client) == [1, b"0"]
@@ -218,6 +220,26 @@ def test_a_released_message_is_held_off_from_its_releaser_only(
     scripts.run("ack", KEYS, ["big", "small"], redis_client)
     assert redis_client.hlen(KEYS.held) == 0
     assert scripts.run("pick", KEYS, [t, 5, "A"], redis_client) == 0
+
+
+def test_each_releaser_keeps_its_own_hold(redis_client: redis.Redis) -> None:
+    """(one record per message: two workers each giving back a '1/h' task undid the
+    other's hold and passed it back and forth hundreds of times a second)"""
+    scripts = Scripts.register()
+    now = 1000.0
+    assert scripts.run("put", KEYS, put_args(["slow"]), redis_client) == [1, 1]
+    for consumer in ("A", "B"):
+        assert scripts.run("pick", KEYS, [now, 5, consumer], redis_client)[0] == b"slow"
+        assert release(scripts, redis_client, consumer, now, "slow") == (1, 0.25)
+    # Neither is offered it again within its hold; a third consumer is
+    for consumer in ("A", "B"):
+        assert scripts.run("pick", KEYS, [now + 0.1, 5, consumer], redis_client) == 1
+    assert status.holds_in_force(redis_client.hvals(KEYS.held), now + 0.1) == 1
+    assert scripts.run("pick", KEYS, [now + 0.1, 5, "C"], redis_client)[0] == b"slow"
+    # A record of the old single-entry shape reads as before
+    redis_client.hset(KEYS.held, "slow", f"C {now + 5:.3f} 2")
+    assert release(scripts, redis_client, "C", now + 1, "slow") == (1, 1.0)  # its 4th
+    assert status.holds_in_force(redis_client.hvals(KEYS.held), now + 1.5) == 1
 
 
 def test_a_releaser_reaches_the_task_behind_more_held_ones_than_a_page(

@@ -43,10 +43,14 @@ local SEQ_SPAN, LEVELS, LEVELS_PER_E = 4294967296, 2097151, 131072
 local function held_by_me(id)
   local held = redis.call('HGET', KEYS[13], id)
   if not held then return false end
-  -- "<consumer> <until> <releases>"; a hold that ran out stays for its count
-  -- (release.lua doubles the next one), and ack drops it.
-  local who, till = string.match(held, '^(%S*) (%S+)')
-  return who == consumer and tonumber(till) ~= nil and tonumber(till) > tonumber(now)
+  -- "<consumer> <until> <releases>", one per consumer that gave it back (release.lua);
+  -- a hold that ran out stays for its count (the next one doubles), and ack drops it.
+  for who, till in string.gmatch(held, '(%S+) (%S+) %d+') do
+    if who == consumer then
+      return tonumber(till) ~= nil and tonumber(till) > tonumber(now)
+    end
+  end
+  return false
 end
 
 -- A waiting task's model, prefix key and precision, from its scoring metadata (nil

@@ -14,9 +14,13 @@
 -- hold (it takes the tasks behind them instead); every other consumer may take them at
 -- once. The hold doubles each time the same consumer releases the same message again,
 -- up to the longest: a worker that keeps finding a task too big for it looks at it
--- less and less often. The record ("<consumer> <until> <releases>") outlives the hold
--- for that count; ack, dead-lettering and purge drop it.
+-- less and less often. The record ("<consumer> <until> <releases>", one for each
+-- consumer that gave it back, space-separated: with one, two workers each giving back a
+-- '1/h' task undid the other's hold, and passed it back and forth hundreds of times a
+-- second) outlives the hold for that count, a consumer's for KEEP_S past its hold, at
+-- most MOST of them; ack, dead-lettering and purge drop it.
 -- Returns {number released, the hold given to the last of them (s)}.
+local KEEP_S, MOST = 600, 32
 local n, hold = 0, 0
 local consumer, now = ARGV[1], tonumber(ARGV[2])
 local first, longest = tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -29,15 +33,18 @@ for i = 5, #ARGV do
       -- Same place as before the pick: releasing must not cost the task its priority.
       redis.call('ZADD', KEYS[1], score or 0, id)
       if first > 0 then
-        local releases = 0
+        local releases, kept = 0, {}
         local record = redis.call('HGET', KEYS[13], id)
-        if record then
-          local who, _, count = string.match(record, '^(%S*) (%S+) (%d+)$')
-          if who == consumer then releases = tonumber(count) + 1 end
+        for who, till, count in string.gmatch(record or '', '(%S+) (%S+) (%d+)') do
+          if who == consumer then
+            releases = tonumber(count) + 1
+          elseif (tonumber(till) or 0) > now - KEEP_S and #kept < MOST - 1 then
+            kept[#kept + 1] = who .. ' ' .. till .. ' ' .. count
+          end
         end
         hold = math.min(longest, first * 2 ^ releases)
-        redis.call('HSET', KEYS[13], id,
-                   consumer .. ' ' .. string.format('%.3f', now + hold) .. ' ' .. releases)
+        kept[#kept + 1] = consumer .. ' ' .. string.format('%.3f', now + hold) .. ' ' .. releases
+        redis.call('HSET', KEYS[13], id, table.concat(kept, ' '))
       end
       n = n + 1
     end
