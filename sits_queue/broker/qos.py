@@ -291,8 +291,9 @@ class QoS(kredis.QoS):
         if durable:  # consumers keep the registry whole too (the rescoring pass reads it)
             self.channel.register(*durable)
         for queue in self.channel.active_queues:
-            restored = self.channel._run("restore", queue, [ceiling, num or RESTORE_LIMIT,
-                                                            now + FUTURE_DEADLINE_S])
+            restored = self.channel._run("restore", queue, [
+                ceiling, num or RESTORE_LIMIT, now + FUTURE_DEADLINE_S,
+                self.channel.visibility_timeout / 3])  # (the holders' beat: heartbeat.py)
             if restored:
                 logger.warning("restored %d message(s) of queue %r whose worker stopped "
                                "heartbeating for %.0f s", restored, queue,

@@ -308,6 +308,26 @@ def test_a_crash_restore_counts_only_what_may_have_started(
     assert picked[0] == b"t" and int(picked[2]) == counted
 
 
+@pytest.mark.parametrize(("due_after_beat_s", "counted"), [(30.0, 0), (10.0, 1)])
+def test_a_task_due_after_its_holder_died_is_not_counted(
+        redis_client: redis.Redis, due_after_beat_s: float, counted: int) -> None:
+    """(a worker that died a little before a countdown task fell due had it counted: the
+    sweep came after the due time, and a crash per countdown crept toward poison)"""
+    import time
+
+    scripts = Scripts.register()
+    beat = time.time() - 100  # the holder's last beat; it beat each 20 s until it died
+    meta = {"c": "low", "eta": beat + due_after_beat_s}  # due by now, in both cases
+    scripts.run("put", KEYS, ["t", "{}", json.dumps(meta), "0", "low"], redis_client)
+    assert scripts.run("pick", KEYS, [beat, 5, "A"], redis_client)[0] == b"t"
+    # Due past the beat it missed: it died before the task was due (not counted); due
+    # within it: it may have started (counted)
+    assert scripts.run("restore", KEYS, [beat + 60, 10, beat + 86400, 20.0],
+                       redis_client) == 1
+    picked = scripts.run("pick", KEYS, [time.time(), 5, "B"], redis_client)
+    assert picked[0] == b"t" and int(picked[2]) == counted
+
+
 def test_of_the_runners_that_could_yield_the_lowest_class_does(
         redis_client: redis.Redis, redis_url: str) -> None:
     """(the first runner to ask was granted the yield: a medium task gave its slot to a

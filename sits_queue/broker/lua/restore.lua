@@ -12,7 +12,9 @@
 -- ARGV[3]: with a ceiling, a horizon (unix s): a deadline base above it is no pick or
 --          beat time any worker wrote (another program's, +inf included), and would
 --          otherwise hold its message unacked for good; those are restored too
--- Returns the number restored; each counted as a redelivery unless its ETA is still ahead.
+-- ARGV[4]: with a ceiling, the holders' heartbeat period (s; optional)
+-- Returns the number restored; each counted as a redelivery unless it never started: its
+-- ETA is still ahead, or came after its holder's last beat and the beat it missed.
 -- (6 is read, or its ZREM fails, before anything is written)
 local refused = wrong_type(1, 2, 4, 7, 8)
 if refused then return refused end
@@ -31,16 +33,22 @@ else
 end
 -- A message whose ETA is still ahead never started (its worker only held it in Celery's
 -- timer): its restore is not counted, or worker crashes during a long countdown
--- dead-lettered tasks that never ran as poison.
+-- dead-lettered tasks that never ran as poison. Nor one that fell due after its holder's
+-- last beat (``base``) and the beat that holder then missed: it died before the task
+-- was due (a crash a little before the due time was counted, the sweep coming after it).
 local now = tonumber(redis.call('TIME')[1])
-local function not_due(id)
+local period = tonumber(ARGV[4] or '')
+local function unstarted(id, base)
   local raw = redis.call('HGET', KEYS[3], id)
   if not raw then return false end
   local ok, meta = pcall(cjson.decode, raw)
-  return ok and type(meta) == 'table' and type(meta.eta) == 'number' and meta.eta > now
+  if not (ok and type(meta) == 'table' and type(meta.eta) == 'number') then return false end
+  if meta.eta > now then return true end
+  return period ~= nil and base ~= nil and meta.eta > base + period
 end
 local n = 0
 for _, id in ipairs(ids) do
+  local base = tonumber(redis.call('ZSCORE', KEYS[6], id) or '')
   if redis.call('ZREM', KEYS[6], id) == 1 then
     local score = redis.call('HGET', KEYS[7], id)
     redis.call('HDEL', KEYS[7], id)
@@ -51,7 +59,7 @@ for _, id in ipairs(ids) do
       local value = tonumber(score or '')
       if value == nil or value ~= value then score = 0 end
       redis.call('ZADD', KEYS[1], score, id)
-      if not not_due(id) then add_count(KEYS[8], id, 1) end
+      if not unstarted(id, base) then add_count(KEYS[8], id, 1) end
       n = n + 1
     end
   end
