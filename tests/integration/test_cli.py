@@ -12,7 +12,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
@@ -22,6 +21,7 @@ from celery import Celery
 from sits_queue.broker.keys import QueueKeys, queues_registry
 from sits_queue.embedded import EmbeddedRedis
 from sits_queue.procs import CeleryProcess
+from tests.integration.commands import sent_commands
 from tests.integration.conftest import ROOT
 from tests.waiting import wait_for
 
@@ -451,16 +451,8 @@ def test_the_queues_are_read_in_a_few_round_trips_whatever_their_number(
 
     for i in range(40):
         client_app.tasks["w.add"].apply_async((i, i), queue=f"rt-{i}")
-    sent: list[Any] = []
-    send = redis.connection.AbstractConnection.send_packed_command
-
-    def counted(self: Any, command: Any, check_health: bool = True) -> None:
-        sent.append(command)
-        send(self, command, check_health)
-
-    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted)
-    queues = queue_status(redis_client, SitsConfig(redis_url=redis_url), time.time())
-    monkeypatch.undo()
+    with sent_commands(monkeypatch) as sent:
+        queues = queue_status(redis_client, SitsConfig(redis_url=redis_url), time.time())
     assert len(sent) <= 3  # the registry, the counts and heads, the heads' records
     mine = [q for q in queues if q["queue"].startswith("rt-")]
     assert len(mine) == 40 and all(q["waiting"] == 1 and q["unacked"] == 0 for q in mine)

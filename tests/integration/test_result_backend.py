@@ -18,6 +18,7 @@ from celery import Celery, states
 from sits_queue.app import make_app
 from sits_queue.broker.results import SitsRedisBackend, backend_url, expiry_ms
 from sits_queue.config import SitsConfig
+from tests.integration.commands import sent_commands
 
 
 @pytest.fixture
@@ -232,17 +233,9 @@ def test_a_batch_s_members_are_started_in_one_packet_but_a_revoke_stands(
     app.backend.mark_as_failure("b-failed", RuntimeError("x"))
     app.backend.mark_as_retry("b-retry", RuntimeError("flaky"))
     ids = ["b-new", "b-retry", "b-revoked", "b-done", "b-failed"]
-    sent: list[Any] = []
-    send = redis.connection.AbstractConnection.send_packed_command
-
-    def counted(self: Any, command: Any, check_health: bool = True) -> None:
-        sent.append(command)
-        send(self, command, check_health)
-
-    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted)
-    app.backend.store_started([(i, {"pid": 9, "hostname": "w@h"},
-                                Context({"id": i, "hostname": "w@h"})) for i in ids])
-    monkeypatch.undo()
+    with sent_commands(monkeypatch) as sent:
+        app.backend.store_started([(i, {"pid": 9, "hostname": "w@h"},
+                                    Context({"id": i, "hostname": "w@h"})) for i in ids])
     assert len(sent) == 1 and app.backend._deferred.pending == len(ids)  # one packet
     app.backend._deferred.settle()
     assert {i: stored(redis_client, app, i)["status"] for i in ids} == {

@@ -113,17 +113,24 @@ class Released:
         return False
 
 
-def test_no_more_of_a_type_wait_than_the_pool_runs_the_rest_go_back() -> None:
-    """(every waiting rate-limited task was taken into the bucket: an idle worker beside
-    this one got none, and an urgent task ran behind them all)"""
-    from sits_queue.workers.ratelimits import MAX_TOKEN_HOLD_S
-
+def full_bucket() -> tuple[StandIn, TokenBucket]:
+    """A stand-in consumer whose '1/h' bucket ran one request on its token and holds as
+    many waiting as its pool runs (two)."""
     c = StandIn()
     RateLimitHold(c)
     bucket = TokenBucket(fill_rate=1 / 3600, capacity=1)
     c._limit_task("first", bucket, 1)  # its token: to the pool at once
     c._limit_task("second", bucket, 1)
     c._limit_task("third", bucket, 1)  # two wait: the pool's size
+    return c, bucket
+
+
+def test_no_more_of_a_type_wait_than_the_pool_runs_the_rest_go_back() -> None:
+    """(every waiting rate-limited task was taken into the bucket: an idle worker beside
+    this one got none, and an urgent task ran behind them all)"""
+    from sits_queue.workers.ratelimits import MAX_TOKEN_HOLD_S
+
+    c, bucket = full_bucket()
     fourth = Released("fourth")
     c._limit_task(fourth, bucket, 1)
     assert len(bucket.contents) == 2 and c.qos.value == 3  # not counted out
@@ -182,12 +189,7 @@ def test_a_due_eta_request_goes_back_when_its_bucket_is_full_or_it_waited_here()
 
     from sits_queue.workers.ratelimits import MAX_TOKEN_HOLD_S
 
-    c = StandIn()
-    RateLimitHold(c)
-    bucket = TokenBucket(fill_rate=1 / 3600, capacity=1)
-    c._limit_task("first", bucket, 1)  # its token: to the pool at once
-    c._limit_task("second", bucket, 1)
-    c._limit_task("third", bucket, 1)  # two wait: the pool's size
+    c, bucket = full_bucket()
     late = Released("late")  # picked when due, its bucket full: back, held to the token
     late.eta, late.utc = datetime.now(UTC), True
     late.message.picked_at = time.monotonic() + 1
