@@ -299,13 +299,18 @@ def json_object(raw: Any) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def _record(client: redis.Redis, prefix: str, hostname: str) -> dict[str, Any] | None:
+    """A live worker's own record; None if it is gone (or unreadable)."""
+    try:
+        return json_object(client.get(worker_key(prefix, hostname)))
+    except redis.ResponseError:  # a key of another type there (another program's)
+        return None
+
+
 def read_worker(client: redis.Redis, prefix: str, hostname: str) -> dict[str, Any] | None:
     """One live worker's record with ``children`` (slot -> record) and ``warm``; None if
     it is gone (or its record is unreadable)."""
-    try:
-        record = json_object(client.get(worker_key(prefix, hostname)))
-    except redis.ResponseError:  # a key of another type there (another program's)
-        return None
+    record = _record(client, prefix, hostname)
     if record is None:
         return None
     # The counts as of now, as /metrics reads them: the record's copy is up to a
@@ -316,18 +321,29 @@ def read_worker(client: redis.Redis, prefix: str, hostname: str) -> dict[str, An
         counters = {}
     if counters:
         record["cold_start"] = counters_from(counters)
-    slots = record_slots(record)
+    record["children"] = children = _children(client, prefix, hostname, record)
+    record["warm"] = sorted({str(k) for c in children.values()
+                             if isinstance(c.get("warm"), dict) for k in c["warm"]})
+    return record
+
+
+def read_children(client: redis.Redis, prefix: str, hostname: str) -> dict[str, Any]:
+    """A live worker's children's records (slot -> record), without the rest
+    :func:`read_worker` reads (its counters): what admission reads of its own."""
+    record = _record(client, prefix, hostname)
+    return {} if record is None else _children(client, prefix, hostname, record)
+
+
+def _children(client: redis.Redis, prefix: str, hostname: str, record: Mapping[str, Any]
+              ) -> dict[str, Any]:
     children: dict[str, Any] = {}
-    if slots:
+    if slots := record_slots(record):
         values = client.mget([child_key(prefix, hostname, s) for s in slots])
         for slot, value in zip(slots, values, strict=True):
             child = json_object(value)  # a corrupt child record is left out, not fatal
             if child is not None:
                 children[str(slot)] = child
-    record["children"] = children
-    record["warm"] = sorted({str(k) for c in children.values()
-                             if isinstance(c.get("warm"), dict) for k in c["warm"]})
-    return record
+    return children
 
 
 def live_hostnames(client: redis.Redis, prefix: str = "") -> list[str]:

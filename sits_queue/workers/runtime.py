@@ -470,9 +470,9 @@ def init_parent(app: Celery, hostname: str, conf: Any, options: Mapping[str, Any
         return
     config = app.sits  # (its children's records: what they hold cached, for admission)
     admission.configure(admission.NvmlProbe([d.uuid for d in gpus]), lambda: (
-        admission.cached_by_device((advertise.read_worker(
-            advertise.client_for(config), config.global_keyprefix, hostname) or {}
-        ).get("children", {}), lambda slot: device_for_slot(discovery, slot))))
+        admission.cached_by_device(advertise.read_children(
+            advertise.client_for(config), config.global_keyprefix, hostname),
+            lambda slot: device_for_slot(discovery, slot))))
 
 
 def record_slots(slots: int) -> None:

@@ -121,3 +121,6 @@ def test_a_refresh_keeps_the_records_of_the_slots_it_is_given(
     assert record is not None
     assert (record["slots"], sorted(record["children"])) == ([1, 2], ["1", "2"])
     assert record["warm"] == ["m1", "m2"]
+    # what admission reads of its own worker: the same children, without the counters
+    assert advertise.read_children(redis_client, "", "shrunk@h") == record["children"]
+    assert advertise.read_children(redis_client, "", "gone@h") == {}
