@@ -23,8 +23,7 @@ from typing import Any
 
 from celery import bootsteps
 
-from sits_queue.workers import request as admission
-from sits_queue.workers.held import picked_early, resumed
+from sits_queue.workers.held import give_back_due, picked_early, resumed
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +41,9 @@ class EtaOrder(bootsteps.StartStopStep):  # type: ignore[misc]
         def apply_eta_task(request: Any) -> Any:
             if resumed(request) or not picked_early(request, c.app.timezone):
                 return run(request)
-            c.qos.decrement_eventually()  # (the count out its wait for the ETA had)
-            if request.revoked():  # revoked or expired meanwhile: settled here, as the
-                return None        # pool's run would have (the next worker may not know)
-            admission._give_back(request)
-            logger.debug("task %s[%s] due: back to its queue, to take its turn",
-                         request.name, request.id)
+            if give_back_due(c, request):
+                logger.debug("task %s[%s] due: back to its queue, to take its turn",
+                             request.name, request.id)
             return None
 
         c.apply_eta_task = apply_eta_task

@@ -9,6 +9,7 @@ from celery.utils.time import timezone
 from kombu.asynchronous.timer import to_timestamp
 
 from sits_queue.broker.keys import CHECKPOINT_HEADER
+from sits_queue.workers import request as admission
 
 
 def resumed(request: Any) -> bool:
@@ -38,3 +39,16 @@ def picked_early(request: Any, app_timezone: Any) -> bool:
     picked = getattr(getattr(request, "message", None), "picked_at", None)
     due = due_at(request, app_timezone)
     return isinstance(picked, float) and due is not None and picked < due
+
+
+def give_back_due(c: Any, request: Any, hold_s: float | None = None) -> bool:
+    """A request held for its ETA, now due, goes back to its queue (uncounted; held off
+    from this worker for ``hold_s``, if given) rather than to the pool: out of the
+    prefetch count its wait for the ETA was counted out of, and, where it was revoked or
+    expired meanwhile, settled here as the pool's run would have (the next worker may
+    not know). False for one settled so."""
+    c.qos.decrement_eventually()
+    if request.revoked():
+        return False
+    admission._give_back(request, None if hold_s is None else (hold_s, hold_s))
+    return True

@@ -30,7 +30,7 @@ from typing import Any
 from celery import bootsteps
 
 from sits_queue.workers import request as admission
-from sits_queue.workers.held import picked_early, resumed
+from sits_queue.workers.held import give_back_due, picked_early, resumed
 
 #: Bounds of the hold of a rate-limited message given back, s: not a busy loop of
 #: picks while tokens come faster than this; not so long that a slow rate's next token
@@ -103,11 +103,7 @@ class RateLimitHold(bootsteps.StartStopStep):  # type: ignore[misc]
                 # here than the pool runs at once (limit_task's rule). (Into the bucket
                 # whatever its size, a worker kept every countdown task of a '1/h' type
                 # for hours while another worker stood idle.)
-                c.qos.decrement_eventually()
-                if request.revoked():  # revoked or expired meanwhile: settled here
-                    return None
-                hold = token_hold(bucket) if full else None
-                admission._give_back(request, None if hold is None else (hold, hold))
+                give_back_due(c, request, token_hold(bucket) if full else None)
                 return None
             # Its ETA was due when picked: the count out it had while waiting for the
             # ETA carries over to its wait for a token (Celery's own gives it back here).
