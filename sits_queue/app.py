@@ -97,7 +97,10 @@ class SitsTask(Task):  # type: ignore[misc]
     batches: ClassVar[bool] = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from sits_queue.workers import devicefit
+
         with fail_exits(self):
+            devicefit.check_here(self)  # (the pool child's own device: it may be full)
             return super().__call__(*args, **kwargs)
 
     def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,

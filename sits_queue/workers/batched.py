@@ -62,6 +62,7 @@ from sits_queue.exits import fail_exits
 from sits_queue.workers import (
     acquire,
     advertise,
+    devicefit,
     inference,
     joins,
     metrics,
@@ -359,6 +360,7 @@ class BatchInferenceTask(inference.InferenceTask):
         else:  # alone: a batch of one (an eager call, or a worker without batches)
             call = Call(task_id or "", args, kwargs)
             with fail_exits(self):
+                devicefit.check_here(self)
                 result = inference.run_inference(runtime.for_app(self.app), self, ([call],),
                                                  {})
             outcome = split_outputs(result["output"], [call], result["sits"])[call.id]

@@ -43,6 +43,7 @@ from sits_queue.options import PREWARM_TASK
 from sits_queue.workers import (
     acquire,
     batching,
+    devicefit,
     firsttoken,
     gpu,
     kvreuse,
@@ -86,6 +87,7 @@ class InferenceTask(SitsTask):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with fail_exits(self):
+            devicefit.check_here(self)  # before its engine takes that device's memory
             return run_inference(runtime.for_app(self.app), self, args, kwargs)
 
 

@@ -11,6 +11,11 @@ behind it instead, while every other worker may take it at once. The task never 
 for want of memory it did not yet try to use, and it does not block the tasks behind it
 on a worker that cannot run it.
 
+The main process cannot know which pool child gets the task, so it checks the roomiest
+device; on a worker of several GPUs the child checks its own again (``devicefit.py``)
+and raises :class:`NotOnThisDevice` when the task does not fit there, which gives the
+message back the same way.
+
 A task that declares more than this worker's largest device holds in all can never start
 here: it is held off for :data:`NEVER_HERE_HOLD_S` at once, for a worker with a larger
 device. And when no live worker advertises a device that large (their records in Redis,
@@ -72,6 +77,14 @@ NEVER_HERE_HOLD_S = 60.0
 
 class NotStartedHere(TaskRevokedError):  # type: ignore[misc]
     """Raised to the worker after a release: it frees the pool slot, as for a revoke."""
+
+
+class NotOnThisDevice(Preempted):
+    """Raised in a pool child whose own device cannot hold the task's declared
+    ``vram_gib`` (``devicefit.py``): the main process gives the message back uncounted
+    and held off from this worker, as after its own refusal. A ``Preempted``: Celery's
+    tracer takes it as a ``Reject``, ``autoretry_for`` lets it through, and its
+    traceback frames do not travel to the main process."""
 
 
 class FreeMemoryProbe(Protocol):
@@ -302,6 +315,10 @@ def probe() -> FreeMemoryProbe:
 
 #: The holds of a message given back because it cannot start here now: first, longest.
 HOLDS = (HOLD_FIRST_S, HOLD_LONGEST_S)
+#: ...because the child the pool handed it to cannot hold it (``devicefit.py``): the
+#: worker has room on another device, so it looks again sooner; the pool hands each
+#: write to the next idle child in turn.
+CHILD_HOLDS = (HOLD_FIRST_S, 1.0)
 
 
 def _give_back(request: Request, holds: tuple[float, float] | None = None) -> float:
@@ -353,10 +370,14 @@ def _dead_letter(request: Request, exc: Exception) -> bool:
 
 def release(request: Request, verdict: Verdict | SharedProcess | NeverFits) -> float:
     """Give the message back without a redelivery, held off from this worker; hold s."""
-    hold = _give_back(request, (NEVER_HERE_HOLD_S, NEVER_HERE_HOLD_S)
-                      if isinstance(verdict, NeverFits) else HOLDS)
+    return _released(request, verdict.reason(), (NEVER_HERE_HOLD_S, NEVER_HERE_HOLD_S)
+                     if isinstance(verdict, NeverFits) else HOLDS)
+
+
+def _released(request: Request, reason: str, holds: tuple[float, float]) -> float:
+    hold = _give_back(request, holds)
     logger.info("task %s[%s] not started here: %s; released to its queue, not taken "
-                "back here for %.2f s", request.name, request.id, verdict.reason(), hold)
+                "back here for %.2f s", request.name, request.id, reason, hold)
     return hold
 
 
@@ -462,6 +483,9 @@ class SitsRequest(Request):  # type: ignore[misc]
     def on_failure(self, exc_info: Any, send_failed_event: bool = True,
                    return_ok: bool = False) -> Any:
         exc = failure_of(exc_info)
+        if isinstance(exc, NotOnThisDevice):
+            _released(self, exc.reason, CHILD_HOLDS)
+            return None
         if isinstance(exc, Reject) and exc.requeue:
             # Not a failure, not a redelivery: the task yielded its slot (Preempted: it
             # runs again from its checkpoint) or asked to run again (Reject(requeue=True),

@@ -128,6 +128,14 @@ def register(app: Celery) -> dict[str, Any]:
     def pid() -> int:
         return os.getpid()
 
+    @app.task(name="w.device", sla_class="high", shared=False)
+    def device(tag: str, seconds: float = 0.0) -> str | None:
+        """The device this child is pinned to, said in Redis as it starts."""
+        pinned = os.environ.get("CUDA_VISIBLE_DEVICES")
+        r().rpush(f"test:device:{tag}", pinned or "")
+        time.sleep(seconds)
+        return pinned
+
     @app.model("w.identity", replace=True)
     def identity() -> Any:
         import torch  # in the pool child, on first use only
@@ -200,6 +208,7 @@ def register(app: Celery) -> dict[str, Any]:
         return [len(c.args[0]) for c in calls]
 
     return {"add": add, "record": record, "slow": slow, "mark": mark, "pid": pid,
+            "device": device,
             "steps": steps, "lengths": lengths, "total": total, "flaky": flaky,
             "infer_steps": infer_steps, "unstartable": unstartable,
             "lengths_unstartable": lengths_unstartable, "memerr": memerr,

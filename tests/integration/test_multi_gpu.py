@@ -1,0 +1,89 @@
+"""A worker of two GPUs, as NVML reports them, in a real ``celery worker``: each child
+pinned to its own GPU, and a declared ``vram_gib`` checked against the device of the
+child that got the task, not only the worker's roomiest.
+
+This machine has no GPU: the worker runs with a stand-in ``pynvml`` first on its path
+(``standin_nvml/pynvml.py``), two H100s whose free memory the test sets in a file. All
+else is real: discovery, pinning, admission in the main process, the pool, the broker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from celery import Celery
+
+from sits_queue.broker.keys import QueueKeys
+from sits_queue.procs import CeleryProcess, start_worker, wait_ready
+from sits_queue.workers.limits import BYTES_PER_GIB as GIB
+from tests.integration.conftest import APP_MODULE, ROOT, worker_env
+from tests.waiting import wait_for
+
+STANDIN = Path(__file__).parent / "standin_nvml"
+UUIDS = ("GPU-0a0a0a0a-0000-0000-0000-000000000000", "GPU-1b1b1b1b-0000-0000-0000-000000000000")
+WAITING = QueueKeys.for_queue("celery")
+
+
+def set_free(state: Path, free_gib: dict[str, float]) -> None:
+    gpus = [{"uuid": u, "name": "NVIDIA H100 80GB HBM3", "total": 80 * GIB,
+             "free": int(free_gib[u] * GIB)} for u in UUIDS]
+    tmp = state.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"gpus": gpus}))
+    tmp.replace(state)  # (read at each NVML call: never half-written)
+
+
+@pytest.fixture
+def two_gpus(tmp_path: Path, redis_url: str, r: redis.Redis, client_app: Celery
+             ) -> Iterator[tuple[CeleryProcess, Path]]:
+    state = tmp_path / "nvml.json"
+    set_free(state, dict.fromkeys(UUIDS, 70))
+    env = worker_env(redis_url)
+    env["PYTHONPATH"] = os.pathsep.join([str(STANDIN), str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])
+    env["SITS_TEST_NVML"] = str(state)
+    proc = start_worker(APP_MODULE, env, tmp_path, concurrency=2, cwd=ROOT)
+    try:
+        wait_ready(client_app, [proc])
+        yield proc, state
+    finally:
+        proc.stop(timeout_s=10)
+
+
+def test_each_child_is_pinned_to_its_own_gpu(two_gpus: tuple[CeleryProcess, Path]) -> None:
+    proc, _ = two_gpus
+    wait_for(lambda: proc.log().count("pinned to NVIDIA H100") == 2, 30, "both children")
+    log = proc.log()
+    assert all(f"pinned to NVIDIA H100 80GB HBM3 ({u})" in log for u in UUIDS), log[-3000:]
+
+
+def test_a_task_goes_to_the_child_whose_device_can_hold_it(
+        two_gpus: tuple[CeleryProcess, Path], client_app: Celery, r: redis.Redis) -> None:
+    proc, state = two_gpus
+    device = client_app.tasks["w.device"]
+    # Given one child busy for a few seconds: the other is the only idle one
+    busy = device.apply_async(("busy", 4.0))
+    wait_for(lambda: r.llen("test:device:busy") == 1, 30, "the busy task to start")
+    roomy = r.lindex("test:device:busy", 0).decode()
+    full = next(u for u in UUIDS if u != roomy)
+    # and the idle child's GPU nearly full, the busy one's roomy (the main process
+    # admits by the roomiest device: 70 GiB free)
+    set_free(state, {roomy: 70, full: 5})
+    big = device.apply_async(("big",), vram_gib=40)
+    # Then the idle child, on the full GPU, gives it back, uncounted, naming its device
+    wait_for(lambda: f"[{big.id}] not started here: declares vram_gib=40 but this "
+             f"child's device" in proc.log(), 30, "the idle child to give it back")
+    assert f"({full}) has 5.00 GiB free" in proc.log()
+    # and it runs on the roomy GPU once that child is free, never on the full one
+    assert big.get(timeout=30) == roomy
+    assert busy.get(timeout=10) == roomy
+    assert [d.decode() for d in r.lrange("test:device:big", 0, -1)] == [roomy]
+    assert r.hlen(WAITING.redelivered) == 0 and r.hlen(WAITING.dead) == 0
+    # And a task that fits either device runs on whichever child is idle
+    set_free(state, dict.fromkeys(UUIDS, 70))
+    assert device.apply_async(("any",), vram_gib=40).get(timeout=30) in UUIDS
+    assert proc.alive()
