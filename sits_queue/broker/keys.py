@@ -117,6 +117,7 @@ class QueueKeys:
     yields: str  # HASH waiting message id -> time a running task claimed to yield for it
     held: str  # HASH message id -> "<consumer> <until>": released, not offered back to it
     skipped: str  # HASH message id -> when a pick first passed it over at the head (affinity)
+    idle: str  # SET message ids held by a worker that has said it has not started them
 
     @classmethod
     def for_queue(cls, queue: str, prefix: str = "") -> QueueKeys:
@@ -125,12 +126,12 @@ class QueueKeys:
         check_queue_name(queue)
         base = f"{prefix}sits:{{{queue}}}:"
         return cls(*(base + suffix for suffix in ("z", "p", "i", "mk", "seq", "u", "s", "rd", "dl",
-                                                         "arr", "ck", "yc", "hd", "af")))
+                                                         "arr", "ck", "yc", "hd", "af", "id")))
 
     def all(self) -> list[str]:
         return [self.waiting, self.payloads, self.meta, self.marker, self.seq, self.unacked,
                 self.saved, self.redelivered, self.dead, self.arrivals, self.checkpoints,
-                self.yields, self.held, self.skipped]
+                self.yields, self.held, self.skipped, self.idle]
 
     @property
     def put_channel(self) -> str:

@@ -175,6 +175,32 @@ class QoS(kredis.QoS):
                 virtual.QoS.ack(self, delivery_tag)
         return hold
 
+    def note_unstarted(self, delivery_tag: str, unstarted: bool) -> None:
+        """Say in Redis that a held message has not started (it waits here for a
+        rate-limit token: its restore after this worker dies is then no redelivery,
+        ``lua/restore.lua``), or, before it starts, no longer so.
+
+        Both go out on the channel's one deferred connection, so they reach Redis in
+        the order said; the second is written before the task goes to the pool, so a
+        task that crashes its worker is counted. Said only: an id acked, released or
+        restored meanwhile is dropped from the set by that script, and a message its
+        holder could not mark is counted, as before."""
+        queue = self._queue_of(delivery_tag)
+        if queue is None:
+            return
+        key = self.channel.keys(queue).idle
+        command = ("SADD" if unstarted else "SREM", key, delivery_tag)
+
+        def run() -> None:
+            try:
+                self.channel.raw.execute_command(*command)
+            except self.channel.connection_errors as exc:
+                logger.warning("could not note message %s of queue %r as %s: %s",
+                               delivery_tag, queue,
+                               "not started" if unstarted else "started", exc)
+
+        self.channel._deferred.send_or_run(self.channel.pool, command, run)
+
     def _release(self, queue: str, tags: list[str], first_hold_s: float = 0.0,
                  longest_hold_s: float = 0.0, client: Any = None) -> float:
         """``release.lua`` for ``tags``, on ``client`` (the heartbeat thread's) or the

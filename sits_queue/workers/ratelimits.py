@@ -72,6 +72,8 @@ class RateLimitHold(bootsteps.StartStopStep):  # type: ignore[misc]
         # Requests (by identity) counted out: the bucket holds each one until it moves
         # to the pool, so an id is not reused meanwhile.
         self.held: set[int] = set()
+        # Those of them said in Redis not to have started (:meth:`_waits`).
+        self.unstarted: set[int] = set()
         # Set now, before the Tasks step builds the strategies, which bind the first
         # two; Celery's own bucket scheduling calls the other two on the consumer.
         move = c._limit_move_to_pool
@@ -90,7 +92,7 @@ class RateLimitHold(bootsteps.StartStopStep):  # type: ignore[misc]
             self.held.add(id(request))
             c.qos.increment_eventually()
             bucket.add((request, tokens))
-            return c._schedule_bucket_request(bucket)
+            return self._waits(request, bucket, c._schedule_bucket_request(bucket))
 
         def limit_post_eta(request: Any, bucket: Any, tokens: int) -> Any:
             if resumed(request):
@@ -109,12 +111,15 @@ class RateLimitHold(bootsteps.StartStopStep):  # type: ignore[misc]
             # ETA carries over to its wait for a token (Celery's own gives it back here).
             self.held.add(id(request))
             bucket.add((request, tokens))
-            return c._schedule_bucket_request(bucket)
+            return self._waits(request, bucket, c._schedule_bucket_request(bucket))
 
         def move_to_pool(request: Any) -> Any:
             if id(request) in self.held:
                 self.held.discard(id(request))
                 c.qos.decrement_eventually()
+            if id(request) in self.unstarted:  # (before it starts: a crash then counts)
+                self.unstarted.discard(id(request))
+                _note_unstarted(request, False)
             return move(request)
 
         schedule = c._schedule_bucket_request
@@ -130,7 +135,27 @@ class RateLimitHold(bootsteps.StartStopStep):  # type: ignore[misc]
         c._limit_move_to_pool = move_to_pool
         c._schedule_bucket_request = schedule_and_wake
 
+    def _waits(self, request: Any, bucket: Any, scheduled: Any) -> Any:
+        """After Celery's look at ``bucket``: a request still in it waits here for a
+        token, not started, and says so in Redis. A worker that dies meanwhile then
+        costs it no redelivery (at ``'1/h'`` it may wait an hour; counted, a few
+        crashes of its workers dead-lettered as poison a task that never ran)."""
+        if any(waiting is request for waiting, *_ in getattr(bucket, "contents", ())):
+            self.unstarted.add(id(request))
+            _note_unstarted(request, True)
+        return scheduled
+
     def start(self, c: Any) -> None:
         # A new connection: Celery dropped the buckets' requests (their messages come
         # back by the unacked sweep) and counts the prefetch afresh.
         self.held.clear()
+        self.unstarted.clear()
+
+
+def _note_unstarted(request: Any, unstarted: bool) -> None:
+    """Tell the SITS transport's QoS (another transport's has no such record)."""
+    message = getattr(request, "message", None)
+    qos = getattr(getattr(message, "channel", None), "qos", None)
+    note = getattr(qos, "note_unstarted", None)
+    if callable(note) and message is not None:
+        note(message.delivery_tag, unstarted)

@@ -89,3 +89,54 @@ def test_a_backlog_runs_at_its_rate_not_at_the_give_backs_pace(
     # machine), not one per result
     wait_for(lambda: all(r.ready() for r in results), 15, "the 20 tasks to run")
     assert [r.get(timeout=1) for r in results] == [f"t{i}" for i in range(20)]
+
+
+def sweep(client_app: Celery, redis_client: redis.Redis) -> int:
+    """The visibility sweep's restore (``restore.lua``) of every message held on queue
+    ``celery``, as a live worker's sweep runs it once the holder's beat is overdue."""
+    now = redis_client.time()[0] + 1
+    with client_app.connection_for_write() as conn:
+        return int(conn.default_channel._run("restore", "celery", [now, 1000, now + 86_400,
+                                                                   1.0]))
+
+
+def test_a_task_waiting_for_its_token_in_a_killed_worker_is_no_redelivery(
+        spawn: Callable[..., CeleryProcess], client_app: Celery,
+        redis_client: redis.Redis) -> None:
+    """(it had not started, yet each crash of a worker holding it counted: at '1/h' a
+    few host failures dead-lettered as poison a task that never ran)"""
+    worker = spawn(concurrency=1)
+    hourly = client_app.tasks["w.hourly"]
+    assert hourly.delay("first").get(timeout=60) == "first"  # the bucket's one token
+    second = hourly.delay("second")
+    wait_for(lambda: redis_client.scard(KEYS.idle) == 1, 30,
+             "the worker to say it holds a task it has not started")
+    (tag,) = redis_client.smembers(KEYS.idle)
+    assert redis_client.zscore(KEYS.unacked, tag) is not None
+    # When its worker dies (the host, say) and a sweep restores what it held
+    worker.kill()
+    assert sweep(client_app, redis_client) == 1
+    # Then it waits again, uncounted, and another worker runs it
+    assert redis_client.zscore(KEYS.waiting, tag) is not None
+    assert redis_client.hget(KEYS.redelivered, tag) is None
+    assert redis_client.scard(KEYS.idle) == 0
+    spawn(concurrency=1)
+    assert second.get(timeout=60) == "second"
+
+
+def test_a_task_that_waited_for_its_token_then_crashed_its_worker_counts(
+        spawn: Callable[..., CeleryProcess], client_app: Celery,
+        redis_client: redis.Redis) -> None:
+    """A task says it has started before it runs: one that kills its worker is counted
+    (poison), however long it waited for its token."""
+    worker = spawn(concurrency=1)
+    task = client_app.tasks["w.each_second_or_die"]
+    assert task.delay("first").get(timeout=60) == "first"
+    task.delay("die")  # waits ~1 s for its token, then kills its worker
+    wait_for(lambda: redis_client.scard(KEYS.idle) == 1, 30, "it to wait for its token")
+    (tag,) = redis_client.smembers(KEYS.idle)
+    wait_for(lambda: not worker.alive(), 30, "the task to kill its worker")
+    worker.kill()  # (the pool child's group, if any is left)
+    assert redis_client.scard(KEYS.idle) == 0  # said started before it ran
+    assert sweep(client_app, redis_client) == 1
+    assert redis_client.hget(KEYS.redelivered, tag) == b"1"

@@ -9,6 +9,7 @@ tasks on its own app with :func:`register`.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -124,6 +125,14 @@ def register(app: Celery) -> dict[str, Any]:
     def tenth(tag: str) -> str:
         return tag
 
+    @app.task(name="w.each_second_or_die", rate_limit="1/s", shared=False)
+    def each_second_or_die(tag: str) -> str:
+        """``"die"`` kills its worker, main process and all, as a host crash would."""
+        if tag == "die":
+            os.kill(os.getppid(), signal.SIGKILL)
+            os._exit(1)
+        return tag
+
     @app.task(name="w.pid", shared=False)
     def pid() -> int:
         return os.getpid()
@@ -208,7 +217,7 @@ def register(app: Celery) -> dict[str, Any]:
         return [len(c.args[0]) for c in calls]
 
     return {"add": add, "record": record, "slow": slow, "mark": mark, "pid": pid,
-            "device": device,
+            "device": device, "each_second_or_die": each_second_or_die,
             "steps": steps, "lengths": lengths, "total": total, "flaky": flaky,
             "infer_steps": infer_steps, "unstartable": unstartable,
             "lengths_unstartable": lengths_unstartable, "memerr": memerr,

@@ -5,6 +5,7 @@
 --   10 arrivals HASH (class -> messages ever enqueued)  11 checkpoints HASH
 --   12 yield claims HASH  13 held HASH (released by a consumer, not offered back to it)
 --   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
+--   15 idle SET (ids held by a worker that said it has not started them yet)
 -- ARGV: now (unix s), reason, ids
 -- Returns how many records were written.
 local n = 0
@@ -27,5 +28,6 @@ for i = 3, #ARGV do
   redis.call('HDEL', KEYS[13], id)
   redis.call('HDEL', KEYS[12], id)
   redis.call('HDEL', KEYS[14], id)
+  redis.call('SREM', KEYS[15], id)
 end
 return n

@@ -8,6 +8,7 @@
 --   10 arrivals HASH (class -> messages ever enqueued)  11 checkpoints HASH
 --   12 yield claims HASH  13 held HASH (released by a consumer, not offered back to it)
 --   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
+--   15 idle SET (ids held by a worker that said it has not started them yet)
 -- ARGV: releasing consumer, now (unix s), first hold (s; 0 for none), longest hold (s),
 --       then ids
 -- With a hold, pick.lua does not offer these messages back to that consumer for the
@@ -29,6 +30,7 @@ for i = 5, #ARGV do
   if redis.call('ZREM', KEYS[6], id) == 1 then
     local score = redis.call('HGET', KEYS[7], id)
     redis.call('HDEL', KEYS[7], id)
+    redis.call('SREM', KEYS[15], id)
     if redis.call('HEXISTS', KEYS[2], id) == 1 then
       -- Same place as before the pick: releasing must not cost the task its priority.
       redis.call('ZADD', KEYS[1], score or 0, id)

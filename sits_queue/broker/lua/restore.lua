@@ -6,6 +6,7 @@
 --   10 arrivals HASH (class -> messages ever enqueued)  11 checkpoints HASH
 --   12 yield claims HASH  13 held HASH (released by a consumer, not offered back to it)
 --   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
+--   15 idle SET (ids held by a worker that said it has not started them yet)
 -- ARGV[1]: deadline ceiling (unix s) to restore every message picked/heartbeated before
 --          it, or '-' to restore exactly the ids in ARGV[3..]
 -- ARGV[2]: at most this many (with a ceiling)
@@ -14,9 +15,10 @@
 --          otherwise hold its message unacked for good; those are restored too
 -- ARGV[4]: with a ceiling, the holders' heartbeat period (s; optional)
 -- Returns the number restored; each counted as a redelivery unless it never started: its
--- ETA is still ahead, or came after its holder's last beat and the beat it missed.
+-- holder said so (KEYS[15]: a task waiting in it for a rate-limit token), or its ETA is
+-- still ahead, or came after its holder's last beat and the beat it missed.
 -- (6 is read, or its ZREM fails, before anything is written)
-local refused = wrong_type(1, 2, 4, 7, 8)
+local refused = wrong_type(1, 2, 4, 7, 8, 15)
 if refused then return refused end
 local ids
 if ARGV[1] == '-' then
@@ -59,7 +61,8 @@ for _, id in ipairs(ids) do
       local value = tonumber(score or '')
       if value == nil or value ~= value then score = 0 end
       redis.call('ZADD', KEYS[1], score, id)
-      if not unstarted(id, base) then add_count(KEYS[8], id, 1) end
+      local idle = redis.call('SREM', KEYS[15], id) == 1
+      if not idle and not unstarted(id, base) then add_count(KEYS[8], id, 1) end
       n = n + 1
     end
   end
