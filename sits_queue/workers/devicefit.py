@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 #: This child's NVML reader of its own device (opened at the first check, kept open).
 _probe: request.FreeMemoryProbe | None = None
+#: Whether this child has said that its device's memory could not be read.
+_unreadable_said = False
 
 
 def own_free_bytes(rt: ChildRuntime) -> int:
@@ -73,13 +75,18 @@ def check(rt: ChildRuntime | None, task: Any) -> None:
     if needed is None or needed > task_class(rt.config, task_request,
                                              getattr(task, "sla_class", None)).vram_gib:
         return  # (over its class's cap: it runs under the cap, as the main process said)
+    global _unreadable_said
     try:
         free = own_free_bytes(rt)
     except Exception as exc:
-        logger.warning("task %s[%s]: could not read device %s's free memory (%s); "
-                       "started without this child's vram_gib check", task.name,
-                       task_request.id, rt.device.uuid, exc)
+        # (once per spell, then quietly: a driver that refuses the call, as some refuse
+        # a MIG UUID, refuses it at every task)
+        (logger.debug if _unreadable_said else logger.warning)(
+            "task %s[%s]: could not read device %s's free memory (%s); started without "
+            "this child's vram_gib check", task.name, task_request.id, rt.device.uuid, exc)
+        _unreadable_said = True
         return
+    _unreadable_said = False  # (said again if it fails again after this)
     verdict = request.admit(needed, free)
     if verdict is not None:
         raise request.NotOnThisDevice(

@@ -236,6 +236,8 @@ class NvmlProbe:
 
 
 _probe: FreeMemoryProbe | None = None
+#: Whether the probe's failure to read was said (until a read succeeds again).
+_unreadable_said = False
 #: Set when this worker's pool runs several tasks in one process (plain tasks only).
 _shared: SharedProcess | None = None
 
@@ -397,15 +399,20 @@ def refused(request: Request) -> bool:
                            "(%g GiB): started under the class's cap", request.name,
                            request.id, needed, limit)
             return False
+        global _unreadable_said
         try:
             verdict = admit(needed, probe().max_free_bytes(_cached_now()))
             if verdict is not None and not fits(needed, total := probe().max_total_bytes(),
                                                 HEADROOM_BYTES):
                 verdict = NeverFits(needed, total)
         except Exception as exc:  # NVML gone away: run it; its class cap still holds
-            logger.warning("task %s[%s]: could not read free device memory (%s); "
-                           "started without the vram_gib check", request.name, request.id, exc)
+            # (said once per spell: a driver that refuses the call refuses it each task)
+            (logger.debug if _unreadable_said else logger.warning)(
+                "task %s[%s]: could not read free device memory (%s); started without "
+                "the vram_gib check", request.name, request.id, exc)
+            _unreadable_said = True
             return False
+        _unreadable_said = False
     if verdict is None:
         return False
     if isinstance(verdict, NeverFits) and _fits_no_worker(request, verdict):

@@ -438,6 +438,24 @@ def test_an_unreadable_declaration_or_device_starts_the_task(
     assert CeleryGenerated.ran == ["task-1", "task-1"]
 
 
+def test_an_unreadable_device_is_said_once_per_spell(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # (a driver refusing the call refuses it at every task: a warning per task flooded
+    # the log)
+    monkeypatch.setattr(request, "_unreadable_said", False)
+    monkeypatch.setattr(request, "_probe", BrokenProbe())
+    with caplog.at_level(logging.WARNING, logger=request.__name__):
+        for _ in range(3):
+            fake_request(8)[0].execute_using_pool(None)
+        assert caplog.text.count("could not read free device memory") == 1
+        # read again, then lost again: said again
+        monkeypatch.setattr(request, "_probe", FakeProbe(40 * GIB))
+        fake_request(8)[0].execute_using_pool(None)
+        monkeypatch.setattr(request, "_probe", BrokenProbe())
+        fake_request(8)[0].execute_using_pool(None)
+    assert caplog.text.count("could not read free device memory") == 2
+
+
 def test_a_declaration_over_its_class_limit_runs_under_the_cap_not_released_for_ever(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     # (a producer that skipped the check: no worker could ever start it, and each one
