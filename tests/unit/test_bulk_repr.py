@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from celery.utils.saferepr import saferepr
 
-from sits_queue.broker.bulk import fast_saferepr
+from sits_queue.broker.fastencode import fast_saferepr
 
 MAXLEN = 1024  # Celery's argsrepr_maxsize / kwargsrepr_maxsize default
 
