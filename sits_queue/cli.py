@@ -23,7 +23,7 @@ import redis
 from kombu.exceptions import OperationalError
 
 from sits_queue.bench.report import check_json_path
-from sits_queue.broker import clock, sites
+from sits_queue.broker import clock
 from sits_queue.broker.keys import QueueKeys, queues_registry, registered_queues
 from sits_queue.config import SitsConfig, check_redis_url, redacted
 from sits_queue.embedded import resolve_redis_url
@@ -33,6 +33,7 @@ from sits_queue.status import (
     json_safe,
     printable,
     queue_status,
+    site_status,
     stray_lists,
     workers_status,
 )
@@ -110,7 +111,7 @@ def status(as_json: bool) -> None:
     # (a Redis that does not answer is said by the group, naming the server: _Sitsq)
     queues = queue_status(client, config, clock.now(client))
     report = {"queues": queues, "workers": workers_status(client, config),
-              "site": sites.status(client, config),
+              "site": site_status(client, config),
               "stray": stray_lists(client, config, [q["queue"] for q in queues])}
     if as_json:
         click.echo(json.dumps(json_safe(report), indent=2, default=str))

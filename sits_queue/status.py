@@ -4,13 +4,27 @@ as lines of text (``format_status``)."""
 
 from __future__ import annotations
 
+import json
 from importlib import import_module
 from typing import Any
 
 import redis
 
-from sits_queue.broker.keys import QueueKeys, decode_score, queues_registry, registered_queues
+from sits_queue.broker import clock as redis_clock
+from sits_queue.broker.keys import (
+    QueueKeys,
+    decode_score,
+    last_pass_key,
+    origins_key,
+    outbox_key,
+    queues_registry,
+    registered_queues,
+    replica_keys,
+    replica_queues_key,
+    taken_key,
+)
 from sits_queue.broker.meta import WaitingMeta, wait_start
+from sits_queue.broker.payload import text
 from sits_queue.checks import stored_number
 from sits_queue.config import SitsConfig
 
@@ -141,6 +155,32 @@ def workers_status(client: redis.Redis, config: SitsConfig) -> list[dict[str, An
         return []
     workers: list[dict[str, Any]] = advertise.read_workers(client, config.global_keyprefix)
     return workers
+
+
+def site_status(client: redis.Redis, config: SitsConfig) -> dict[str, Any] | None:
+    """This site for ``sitsq status``: the last pass, the outbox, replicas held here."""
+    if not config.site:
+        return None
+    prefix = config.global_keyprefix
+    raw = client.get(last_pass_key(prefix))
+    held: dict[str, int] = {}
+    for origin_raw in client.smembers(origins_key(prefix)):
+        # (names are ours, but a member that is no UTF-8 failed the whole status)
+        origin = text(origin_raw, "replace")
+        count = 0
+        for q in client.smembers(replica_queues_key(prefix, origin)):
+            count += int(client.zcard(replica_keys(prefix, origin, text(q, "replace"))[0]))
+        held[origin] = count
+    # a batch being sent is still the outbox's until the peer has it (less its token)
+    outbox = int(client.llen(outbox_key(prefix))) + max(0, client.llen(taken_key(prefix)) - 1)
+    try:
+        last = json.loads(raw) if raw else None
+    except (ValueError, TypeError):  # (not ours to read: as if no pass were recorded)
+        last = None
+    at = stored_number(last.get("at")) if isinstance(last, dict) else None
+    age = round(redis_clock.now(client) - at, 1) if at is not None else None
+    return {"site": config.site, "outbox": outbox,
+            "replicas_held": held, "last_pass": last, "last_pass_age_s": age}
 
 
 def printable(value: Any) -> str:

@@ -65,9 +65,7 @@ from sits_queue.broker.keys import (
     taken_key,
 )
 from sits_queue.broker.meta import sla_class_of
-from sits_queue.broker.payload import text
 from sits_queue.broker.scripts import Scripts
-from sits_queue.checks import stored_number
 from sits_queue.config import SitsConfig
 from sits_queue.priority import sites
 from sits_queue.priority.sites import Link, SyncMode, SyncPlan
@@ -108,32 +106,6 @@ SCAN_COUNT = 1000
 
 def link_max_age_s(config: SitsConfig) -> float:
     return min(LINK_MAX_AGE_S, config.site_dead_after_s / 3)
-
-
-def status(client: redis.Redis, config: SitsConfig) -> dict[str, Any] | None:
-    """This site for ``sitsq status``: the last pass, the outbox, replicas held here."""
-    if not config.site:
-        return None
-    prefix = config.global_keyprefix
-    raw = client.get(last_pass_key(prefix))
-    held: dict[str, int] = {}
-    for origin_raw in client.smembers(origins_key(prefix)):
-        # (names are ours, but a member that is no UTF-8 failed the whole status)
-        origin = text(origin_raw, "replace")
-        count = 0
-        for q in client.smembers(replica_queues_key(prefix, origin)):
-            count += int(client.zcard(replica_keys(prefix, origin, text(q, "replace"))[0]))
-        held[origin] = count
-    # a batch being sent is still the outbox's until the peer has it (less its token)
-    outbox = int(client.llen(outbox_key(prefix))) + max(0, client.llen(taken_key(prefix)) - 1)
-    try:
-        last = json.loads(raw) if raw else None
-    except (ValueError, TypeError):  # (not ours to read: as if no pass were recorded)
-        last = None
-    at = stored_number(last.get("at")) if isinstance(last, dict) else None
-    age = round(redis_clock.now(client) - at, 1) if at is not None else None
-    return {"site": config.site, "outbox": outbox,
-            "replicas_held": held, "last_pass": last, "last_pass_age_s": age}
 
 
 @dataclass

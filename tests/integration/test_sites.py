@@ -34,7 +34,7 @@ from sits_queue.config import SitsConfig
 from sits_queue.embedded import EmbeddedRedis
 from sits_queue.priority.sites import Link, Peer, encode_choice
 from sits_queue.procs import CeleryProcess
-from sits_queue.status import format_status
+from sits_queue.status import format_status, site_status
 from tests.waiting import wait_for
 
 QUEUE = QueueKeys.for_queue("celery")
@@ -162,10 +162,10 @@ def test_near_peer_top_class_is_replicated_in_the_enqueue(
     assert b.hget(p, low) == clients[0].hget(QUEUE.payloads, low)
     assert b.exists(sites.alive_key("", "a"))
     # sitsq status: each side's view
-    mine = sites.status(clients[0], app.sits)
+    mine = site_status(clients[0], app.sits)
     assert mine is not None and mine["outbox"] == 0
     assert mine["last_pass"]["peer"] == "b" and mine["last_pass"]["replicated"] == 2
-    theirs = sites.status(b, SitsConfig(redis_url="redis://unused", site="b"))
+    theirs = site_status(b, SitsConfig(redis_url="redis://unused", site="b"))
     assert theirs is not None and theirs["replicas_held"] == {"a": 3}
     shown = format_status({"queues": [], "workers": [], "site": mine})
     assert "replica at b (1.0 ms; high strong" in shown
@@ -369,7 +369,7 @@ def test_a_peer_url_naming_this_sites_own_redis_is_refused_and_said(
         True]
     assert a.keys("sits:replica:*") == []  # nothing drained or digested into itself
     line = format_status({"queues": [], "workers": [], "stray": {},
-                           "site": sites.status(a, app.sits)})
+                           "site": site_status(a, app.sits)})
     assert "last pass: b: is this site's own Redis server" in line
     app.close()
 
@@ -402,7 +402,7 @@ def test_two_deployments_under_one_site_name_are_said_and_take_none_of_each_othe
         assert len(last) == 1 and "writes here as site 'a' too: two deployments must not " \
             "share a site name" in last[0], last
     line = format_status({"queues": [], "workers": [], "stray": {},
-                           "site": sites.status(a, first.sits)})
+                           "site": site_status(a, first.sits)})
     assert "two deployments must not share a site name" in line
     first.close()
     second.close()
@@ -578,7 +578,7 @@ def test_a_new_replica_peer_gets_the_replicas_and_the_old_one_still_hears_from_u
     # Then c keeps the replicas and b none: b hears of no ack any more
     assert report.peer == "c" and report.handed_over == 2
     assert replica_ids(c) == {done, waits} and replica_ids(b) == set()
-    held = sites.status(b, SitsConfig(redis_url="redis://unused", site="b"))
+    held = site_status(b, SitsConfig(redis_url="redis://unused", site="b"))
     assert held is not None and held["replicas_held"] == {"a": 0}
     # and both hear a's heartbeat: a live peer may hold replicas (below), and one that
     # stops hearing from a site takes over what it holds
@@ -734,7 +734,7 @@ def test_entries_the_peer_did_not_take_go_back_to_the_outbox(
     assert sync.sync_pass().errors
     # all still to send, in their order: aside for the next pass
     assert a.lrange(sites.taken_key(""), 1, -1) + a.lrange(outbox, 0, -1) == before
-    assert sites.status(a, app.sits)["outbox"] == 3  # type: ignore[index]
+    assert site_status(a, app.sits)["outbox"] == 3  # type: ignore[index]
     monkeypatch.undo()
     sync.sync_pass()
     assert replica_ids(b) == set(tasks)
@@ -1226,7 +1226,7 @@ def test_entries_another_writer_corrupted_do_not_stop_the_passes(
     b.sadd(takenover_key("", "a"), "not json", json.dumps(["only one"]), json.dumps(5))
     a.set(last_pass_key(""), "{{{")
     # Then the status reads, and the pass sends the good entry and drops the rest
-    assert sites.status(a, app_a.sits) is not None
+    assert site_status(a, app_a.sits) is not None
     report = sync_of(app_a).sync_pass()
     assert report.errors == []
     assert replica_ids(b) == {task}

@@ -23,6 +23,7 @@ from sits_queue.broker.keys import (
 from sits_queue.config import SitsConfig
 from sits_queue.embedded import EmbeddedRedis
 from sits_queue.priority.sites import parse_peers
+from sits_queue.status import site_status
 
 A_PREFIX, B_PREFIX = "east:", "west:"
 
@@ -98,7 +99,7 @@ def test_a_peer_with_its_own_prefix_keeps_takes_over_and_hands_back_the_work(
     assert ids(b, z) == {urgent, bulk}
     assert b.exists(sites.alive_key(B_PREFIX, "a"), epoch_key(B_PREFIX, "a")) == 2
     assert not [k for k in b.scan_iter(f"{A_PREFIX}*")]  # nothing under a's prefix there
-    held = sites.status(b, app_b.sits)
+    held = site_status(b, app_b.sits)
     assert held is not None and held["replicas_held"] == {"a": 2}
     # While a heartbeats, b keeps them; once it has heard nothing for site_dead_after_s,
     # it takes them over into its own queue (under its prefix)
