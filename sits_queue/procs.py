@@ -20,6 +20,7 @@ from pathlib import Path
 from celery import Celery
 
 from sits_queue import lifeline
+from sits_queue.workers import cores
 
 #: How long a worker may take to answer its first ping, s (imports + pool start).
 READY_TIMEOUT_S = 60.0
@@ -81,9 +82,11 @@ def celery_command(app_module: str, args: Sequence[str], env: Mapping[str, str],
                    log_path: Path, cwd: Path | None = None,
                    cpus: Sequence[int] | None = None) -> CeleryProcess:
     """``celery -A app_module *args`` in its own session, logging to ``log_path``; on
-    ``cpus`` only, if given (as ``taskset`` would, without needing it)."""
+    ``cpus`` only, if given (as ``taskset`` would, without needing it) and the platform
+    can pin (not macOS: there it runs on every core)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    launcher = ["-c", _PINNED, ",".join(map(str, cpus))] if cpus else ["-m", "celery"]
+    launcher = (["-c", _PINNED, ",".join(map(str, cpus))] if cpus and cores.can_pin()
+                else ["-m", "celery"])
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(
             [sys.executable, *launcher, "-A", app_module, *args],

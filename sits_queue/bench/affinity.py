@@ -48,6 +48,7 @@ from sits_queue.bench.coldstart_apps import DONE_KEY, build, submit, worker_env
 from sits_queue.bench.report import database_url, ratio, redis_server
 from sits_queue.config import SitsConfig
 from sits_queue.procs import CeleryProcess, start_worker, wait_ready
+from sits_queue.workers import cores
 
 SYSTEMS = ("sits_priority_order", "sits_affinity")
 DATABASES = {"sits_priority_order": 0, "sits_affinity": 1}
@@ -145,7 +146,7 @@ def _warm_up(client: redis.Redis, app: Any, workers: Sequence[CeleryProcess], wa
 
 
 def available_cpus() -> list[int]:
-    return sorted(os.sched_getaffinity(0))
+    return list(cores.usable())
 
 
 def cpu_sets(workers: int, cpus: Sequence[int]) -> list[list[int]]:

@@ -32,6 +32,7 @@ from celery import Celery, signals
 
 from sits_queue.app import make_app
 from sits_queue.config import SitsConfig
+from sits_queue.workers import cores
 
 SYSTEMS = ("celery_per_task", "sits_one_by_one", "sits_batched", "sits_joins")
 #: Systems that run the generation streams only: batching with continuous batching on
@@ -81,7 +82,7 @@ def _load(model_dir: Path) -> Any:
 
         from sits_queue.bench.coldstart_apps import Loaded, tensor_bytes
 
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        torch.set_num_threads(len(cores.usable()))
         module: Any = AutoModel.from_pretrained(model_dir)
         module = module.eval()
         size = tensor_bytes([*module.parameters(), *module.buffers()])

@@ -41,6 +41,7 @@ from sits_queue.bench.report import database_url
 from sits_queue.broker.keys import AFFINITY_HEADER
 from sits_queue.cache.pool import COLD_PHASES
 from sits_queue.config import SitsConfig
+from sits_queue.workers import cores
 from sits_queue.workers.firsttoken import first_token_clock
 
 SYSTEMS = ("celery_load_per_task", "celery_lru", "sits")
@@ -120,7 +121,7 @@ def _threads() -> None:
     if not _threads_set:
         import torch
 
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        torch.set_num_threads(len(cores.usable()))
         _threads_set = True
 
 

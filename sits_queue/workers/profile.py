@@ -47,6 +47,7 @@ from celery import bootsteps
 
 from sits_queue.broker import intake
 from sits_queue.periodic import Periodic
+from sits_queue.workers import cores
 
 logger = logging.getLogger(__name__)
 
@@ -282,7 +283,7 @@ class ProfileStep(bootsteps.StartStopStep):  # type: ignore[misc]
             # thread's (what the event loop's thread read when it sampled)
             children = [p.pid for p in psutil.Process().children()]
             state = current[0].add(sample([os.getpid(), *children],
-                                          len(os.sched_getaffinity(os.getpid()))))
+                                          len(cores.usable())))
         except Exception as exc:  # a failed sample must never stop the worker
             self.failures += 1
             logger.warning("could not sample the worker's resources: %s", exc)

@@ -26,7 +26,6 @@ the I/O (``os``, torch via :mod:`gpu`, Redis via :mod:`advertise`) is below them
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -49,6 +48,7 @@ from sits_queue.errors import ConfigError
 from sits_queue.workers import (
     advertise,
     childgc,
+    cores,
     etaorder,
     gpu,
     metrics,
@@ -319,17 +319,15 @@ class ChildRuntime:
         Returns the cores; outside a pool child, the process's own, untouched.
         """
         if not self.pool_child:
-            return tuple(sorted(os.sched_getaffinity(0)))
+            return cores.usable()
         cpus = cpu_set(quota, self.plan.available_cpus, self.slot % max(1, self.plan.slots),
                        max(1, self.plan.slots))
         # Against what this thread runs on now, not only what was last set: a task that
         # changed its own affinity left it to the tasks after it, whatever their class
-        if cpus != self._cpus or os.sched_getaffinity(0) != set(cpus):
+        if cpus != self._cpus or not cores.pinned_to(cpus):
             # sched_setaffinity(0) pins the calling thread only: torch's OpenMP workers,
             # started under an earlier class's cores, would keep those
-            for tid in _threads():
-                with contextlib.suppress(ProcessLookupError):  # a thread that ended
-                    os.sched_setaffinity(tid, cpus)
+            cores.pin(_threads(), cpus)
             self._cpus = cpus
         torch = sys.modules.get("torch")
         if torch is not None and torch.get_num_threads() != len(cpus):
@@ -437,7 +435,7 @@ def plan() -> WorkerPlan:
     if _plan is None:
         _plan = WorkerPlan(hostname=os.uname().nodename,
                            discovery=discover(visible=os.environ.get("CUDA_VISIBLE_DEVICES")),
-                           available_cpus=tuple(sorted(os.sched_getaffinity(0))), slots=1)
+                           available_cpus=cores.usable(), slots=1)
     return _plan
 
 
@@ -459,11 +457,13 @@ def init_parent(app: Celery, hostname: str, conf: Any, options: Mapping[str, Any
                          order=os.environ.get("CUDA_DEVICE_ORDER"))
     if discovery.notice:
         logger.warning("%s", discovery.notice)
+    if not cores.can_pin():
+        logger.warning("%s", cores.UNPINNED_NOTICE)
     if not options.get("concurrency") and not conf.worker_concurrency:
         conf.worker_concurrency = default_concurrency(discovery)
     intake.in_worker()
     _plan = WorkerPlan(hostname=hostname, discovery=discovery,
-                       available_cpus=tuple(sorted(os.sched_getaffinity(0))))
+                       available_cpus=cores.usable())
     gpus = discovery.cuda_devices
     if not gpus:
         admission.configure(admission.HostProbe())
