@@ -33,8 +33,28 @@ def conf_value(value: str) -> str:
 
 
 def default_data_dir() -> Path:
-    """Where the CLI's embedded server keeps its data (per user)."""
-    return Path(platformdirs.user_data_dir("sits-queue")) / "redis"
+    """Where the CLI's embedded server keeps its data (per user).
+
+    A container's user may have no home: HOME unset and a uid with no passwd entry.
+    platformdirs then raises RuntimeError (it was a traceback from every ``sitsq``
+    command); older versions return a relative ``~/.local/share``, a dir in the cwd.
+    """
+    try:
+        found = Path(platformdirs.user_data_dir("sits-queue"))
+    except RuntimeError:
+        found = None
+    if found is None or not found.is_absolute():
+        raise SitsError(f"no place for the embedded Redis's data: {_why_no_home()}; set HOME "
+                        "(or XDG_DATA_HOME) to a writable dir, or SITS_REDIS_URL to a Redis "
+                        "of your own")
+    return found / "redis"
+
+
+def _why_no_home() -> str:
+    home = os.environ.get("HOME")
+    if not home:
+        return f"HOME is unset and uid {os.getuid()} has no passwd entry"
+    return f"HOME={home!r} is not an absolute path"
 
 
 def make_private(data_dir: Path) -> None:
