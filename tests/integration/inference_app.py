@@ -27,6 +27,7 @@ from sits_queue import app
 from sits_queue.app import make_app
 from sits_queue.config import SitsConfig
 from sits_queue.procs import CeleryProcess, celery_command, wait_ready
+from sits_queue.workers import cores
 from sits_queue.workers.inference import generate
 from tests.integration import forkcheck
 
@@ -247,7 +248,7 @@ def register(app: Celery) -> dict[str, Any]:
         torch = sys.modules["torch"]
         return {"tag": tag, "key": engine.key, "tier": engine.tier,
                 "tokenizer": "tokenizer" in engine.artifacts, "pid": os.getpid(),
-                "affinity": sorted(os.sched_getaffinity(0)),
+                "affinity": list(cores.usable()),
                 "torch_threads": torch.get_num_threads(),
                 "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
