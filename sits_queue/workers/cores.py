@@ -10,8 +10,10 @@ still sets, and :data:`UNPINNED_NOTICE` says so once in the worker's log.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 #: The worker's one line where :func:`can_pin` is False.
 UNPINNED_NOTICE = ("CPU confinement is unavailable on this platform (no sched_setaffinity): "
@@ -45,3 +47,86 @@ def pin(thread_ids: Iterable[int], cpus: Sequence[int]) -> None:
     for tid in thread_ids:
         with contextlib.suppress(ProcessLookupError):  # a thread that ended
             os.sched_setaffinity(tid, cpus)
+
+
+# -- the CPU time a container may use (cgroup quota) -----------------------------------------
+#: Where cgroup file systems are mounted (v2's unified tree, or v1's per controller).
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def quota_from_cpu_max(text: str) -> float | None:
+    """CPUs' worth of time cgroup v2's ``cpu.max`` (``"<quota> <period>"``, or ``"max
+    <period>"``: none) allows; None where unlimited or unreadable."""
+    parts = text.split()
+    if len(parts) != 2 or parts[0] == "max":
+        return None
+    return _ratio(parts[0], parts[1])
+
+
+def quota_from_cfs(quota_us: str, period_us: str) -> float | None:
+    """The same from cgroup v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (a quota
+    of -1: none)."""
+    return _ratio(quota_us.strip(), period_us.strip())
+
+
+def _ratio(quota: str, period: str) -> float | None:
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:
+        return None
+    return q / p if q > 0 and p > 0 else None
+
+
+def _cgroup_paths(self_cgroup: str) -> dict[str, str]:
+    """``/proc/self/cgroup``'s lines as controller -> path (``""`` for v2's unified)."""
+    paths: dict[str, str] = {}
+    for line in self_cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        for controller in controllers.split(","):
+            paths[controller] = path
+    return paths
+
+
+def _up_to(base: Path, path: str) -> list[Path]:
+    """``base/path`` and each directory above it up to ``base`` (inside a container its
+    own cgroup is the root of the mount, whatever the path says)."""
+    here = base / path.strip("/")
+    return [here, *(p for p in here.parents if p.is_relative_to(base))]
+
+
+def cpu_quota(root: Path = CGROUP_ROOT, self_cgroup: Path = Path("/proc/self/cgroup")
+              ) -> float | None:
+    """CPUs' worth of time this process's cgroup may use (a container's ``--cpus``),
+    the tightest along its path up to the root; None without a quota, or where
+    cgroups cannot be read (not Linux)."""
+    try:
+        paths = _cgroup_paths(self_cgroup.read_text())
+    except OSError:
+        return None
+
+    def v2(d: Path) -> float | None:
+        return quota_from_cpu_max((d / "cpu.max").read_text())
+
+    def v1(d: Path) -> float | None:
+        return quota_from_cfs((d / "cpu.cfs_quota_us").read_text(),
+                              (d / "cpu.cfs_period_us").read_text())
+
+    found: list[float] = []
+    for base, path, read in ((root, paths.get(""), v2), (root / "cpu", paths.get("cpu"), v1)):
+        for directory in _up_to(base, path) if path is not None else ():
+            with contextlib.suppress(OSError):
+                if (quota := read(directory)) is not None:
+                    found.append(quota)
+    return min(found) if found else None
+
+
+def threads_within_quota(threads: int, quota: float | None, slots: int) -> int:
+    """``threads`` for one of ``slots`` children, no more than its share of ``quota``
+    CPUs (at least one): more threads than the quota's CPUs are throttled in turns,
+    each a whole period, which stalls an inference step on its slowest thread."""
+    if quota is None:
+        return threads
+    return max(1, min(threads, math.floor(quota / max(1, slots))))

@@ -77,6 +77,9 @@ class WorkerPlan:
     available_cpus: tuple[int, ...]
     #: Pool size; 0 until :class:`PlanStep` records it.
     slots: int = 0
+    #: CPUs' worth of time the worker's cgroup may use (a container's ``--cpus``); None:
+    #: no quota. Caps each child's torch threads at its share (``cores.py``).
+    cpu_quota: float | None = None
 
 
 #: Pools whose tasks each run in a process of their own (prefork's children) or alone in
@@ -329,9 +332,11 @@ class ChildRuntime:
             # started under an earlier class's cores, would keep those
             cores.pin(_threads(), cpus)
             self._cpus = cpus
+        threads = cores.threads_within_quota(len(cpus), self.plan.cpu_quota,
+                                             max(1, self.plan.slots))
         torch = sys.modules.get("torch")
-        if torch is not None and torch.get_num_threads() != len(cpus):
-            torch.set_num_threads(len(cpus))
+        if torch is not None and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         return cpus
 
     def cap_for_class(self, quota: ClassQuota, engine_bytes: int = 0) -> float | None:
@@ -459,11 +464,16 @@ def init_parent(app: Celery, hostname: str, conf: Any, options: Mapping[str, Any
         logger.warning("%s", discovery.notice)
     if not cores.can_pin():
         logger.warning("%s", cores.UNPINNED_NOTICE)
+    usable, quota = cores.usable(), cores.cpu_quota()
+    if quota is not None and quota < len(usable):
+        logger.warning("sits-queue: a CPU quota of %g CPUs (cgroup) for %d visible cores: "
+                       "each child's torch threads are capped at its share of the quota",
+                       quota, len(usable))
     if not options.get("concurrency") and not conf.worker_concurrency:
         conf.worker_concurrency = default_concurrency(discovery)
     intake.in_worker()
-    _plan = WorkerPlan(hostname=hostname, discovery=discovery,
-                       available_cpus=cores.usable())
+    _plan = WorkerPlan(hostname=hostname, discovery=discovery, available_cpus=usable,
+                       cpu_quota=quota)
     gpus = discovery.cuda_devices
     if not gpus:
         admission.configure(admission.HostProbe())
@@ -478,7 +488,7 @@ def init_parent(app: Celery, hostname: str, conf: Any, options: Mapping[str, Any
 def record_slots(slots: int) -> None:
     global _plan
     p = plan()
-    _plan = WorkerPlan(p.hostname, p.discovery, p.available_cpus, slots)
+    _plan = WorkerPlan(p.hostname, p.discovery, p.available_cpus, slots, p.cpu_quota)
 
 
 def init_child(app: Celery, index: int, env: dict[str, str] | None = None) -> ChildRuntime:
