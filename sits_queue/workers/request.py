@@ -11,10 +11,11 @@ behind it instead, while every other worker may take it at once. The task never 
 for want of memory it did not yet try to use, and it does not block the tasks behind it
 on a worker that cannot run it.
 
-The main process cannot know which pool child gets the task, so it checks the roomiest
-device; on a worker of several GPUs the child checks its own again (``devicefit.py``)
-and raises :class:`NotOnThisDevice` when the task does not fit there, which gives the
-message back the same way.
+The main process checks the roomiest device; on a worker of several GPUs it notes the
+devices that hold the task, and the prefork pool hands it to an idle child pinned to one
+of them (``steer.py``). Where none is idle the pool's own choice stands, and the child
+checks its own device again (``devicefit.py``), raising :class:`NotOnThisDevice` when
+the task does not fit there, which gives the message back the same way.
 
 A task that declares more than this worker's largest device holds in all can never start
 here: it is held off for :data:`NEVER_HERE_HOLD_S` at once, for a worker with a larger
@@ -56,7 +57,7 @@ from celery.worker.state import task_ready
 from sits_queue.broker.keys import DELIVERY_HEADER
 from sits_queue.errors import NoDeviceLargeEnough, TaskOutOfMemory
 from sits_queue.options import HEADER, MAX_VRAM_GIB
-from sits_queue.workers import nvmlfork
+from sits_queue.workers import nvmlfork, steer
 from sits_queue.workers.limits import BYTES_PER_GIB, fits
 from sits_queue.workers.slices import Preempted
 
@@ -218,10 +219,15 @@ class NvmlProbe:
         return self._handles
 
     def max_free_bytes(self, cached: Mapping[str, int] | None = None) -> int:
+        return max(self.free_by_device(cached).values())
+
+    def free_by_device(self, cached: Mapping[str, int] | None = None) -> dict[str, int]:
+        """Each device's free memory by UUID, bytes, counting ``cached`` as free (see
+        :meth:`FreeMemoryProbe.max_free_bytes`)."""
         cached = cached or {}
         with nvmlfork.session():
-            return max(int(self._nvml.nvmlDeviceGetMemoryInfo(h).free) + cached.get(uuid, 0)
-                       for uuid, h in zip(self._uuids, self._open(), strict=True))
+            return {uuid: int(self._nvml.nvmlDeviceGetMemoryInfo(h).free) + cached.get(uuid, 0)
+                    for uuid, h in zip(self._uuids, self._open(), strict=True)}
 
     def max_total_bytes(self) -> int:
         with nvmlfork.session():
@@ -401,7 +407,7 @@ def refused(request: Request) -> bool:
             return False
         global _unreadable_said
         try:
-            verdict = admit(needed, probe().max_free_bytes(_cached_now()))
+            verdict = admit(needed, _free_now(request, needed))
             if verdict is not None and not fits(needed, total := probe().max_total_bytes(),
                                                 HEADROOM_BYTES):
                 verdict = NeverFits(needed, total)
@@ -419,6 +425,20 @@ def refused(request: Request) -> bool:
         return True
     release(request, verdict)
     return True
+
+
+def _free_now(request: Request, needed: float) -> int:
+    """The roomiest device's free memory for a task declaring ``needed`` GiB; on a worker
+    of several GPUs, the devices that can hold it are noted for the pool (``steer.py``:
+    it hands the task to a child pinned to one of them, not to whichever is idle)."""
+    by_device = getattr(probe(), "free_by_device", None)
+    if by_device is None:
+        return probe().max_free_bytes(_cached_now())
+    free: dict[str, int] = by_device(_cached_now())
+    roomy = frozenset(u for u, f in free.items() if fits(needed, f, HEADROOM_BYTES))
+    if roomy and len(roomy) < len(free):  # (where every device holds it, any child may)
+        steer.want(request.id, roomy)
+    return max(free.values())
 
 
 def _fits_no_worker(request: Request, verdict: NeverFits) -> bool:

@@ -57,6 +57,7 @@ from sits_queue.workers import (
     sitebeat,
     softsignal,
     stacks,
+    steer,
 )
 from sits_queue.workers import request as admission
 from sits_queue.workers.devices import Device, Discovery, default_concurrency, discover
@@ -559,6 +560,7 @@ def connect(app: Celery) -> None:
     from sits_queue.workers.planstep import PlanStep
 
     app.steps["worker"].add(PlanStep)
+    app.steps["worker"].add(steer.SteerStep)
     app.steps["worker"].add(metrics.MetricsServer)
     app.steps["consumer"].add(advertise.Advertise)
     app.steps["consumer"].add(profile.ProfileStep)

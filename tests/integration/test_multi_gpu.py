@@ -13,6 +13,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -29,26 +30,57 @@ UUIDS = ("GPU-0a0a0a0a-0000-0000-0000-000000000000", "GPU-1b1b1b1b-0000-0000-000
 WAITING = QueueKeys.for_queue("celery")
 
 
-def set_free(state: Path, free_gib: dict[str, float]) -> None:
-    gpus = [{"uuid": u, "name": "NVIDIA H100 80GB HBM3", "total": 80 * GIB,
-             "free": int(free_gib[u] * GIB)} for u in UUIDS]
+#: A host of mixed sizes: GPU 0 an 80 GB H100, GPU 1 a 40 GB A100.
+MIXED = {UUIDS[0]: ("NVIDIA H100 80GB HBM3", 80), UUIDS[1]: ("NVIDIA A100-SXM4-40GB", 40)}
+
+
+def set_free(state: Path, free_gib: dict[str, float],
+             models: dict[str, tuple[str, int]] | None = None) -> None:
+    """The GPUs of ``models`` (uuid -> name, total GiB; two H100s by default) with
+    ``free_gib`` free."""
+    models = models or dict.fromkeys(UUIDS, ("NVIDIA H100 80GB HBM3", 80))
+    gpus = [{"uuid": u, "name": name, "total": total * GIB, "free": int(free_gib[u] * GIB)}
+            for u, (name, total) in models.items()]
     tmp = state.with_suffix(".tmp")
     tmp.write_text(json.dumps({"gpus": gpus}))
     tmp.replace(state)  # (read at each NVML call: never half-written)
 
 
-@pytest.fixture
-def two_gpus(tmp_path: Path, redis_url: str, r: redis.Redis, client_app: Celery
-             ) -> Iterator[tuple[CeleryProcess, Path]]:
+def standin_worker(tmp_path: Path, redis_url: str, client_app: Celery,
+                   **start: Any) -> tuple[CeleryProcess, Path]:
+    """A ready worker (``start_worker``'s arguments) whose NVML is the stand-in reading
+    ``tmp_path/nvml.json``, which the caller has written."""
     state = tmp_path / "nvml.json"
-    set_free(state, dict.fromkeys(UUIDS, 70))
     env = worker_env(redis_url)
     env["PYTHONPATH"] = os.pathsep.join([str(STANDIN), str(ROOT), os.environ.get(
         "PYTHONPATH", "")])
     env["SITS_TEST_NVML"] = str(state)
-    proc = start_worker(APP_MODULE, env, tmp_path, concurrency=2, cwd=ROOT)
+    proc = start_worker(APP_MODULE, env, tmp_path, cwd=ROOT, **start)
     try:
         wait_ready(client_app, [proc])
+    except BaseException:
+        proc.stop(timeout_s=10)
+        raise
+    return proc, state
+
+
+@pytest.fixture
+def two_gpus(tmp_path: Path, redis_url: str, r: redis.Redis, client_app: Celery
+             ) -> Iterator[tuple[CeleryProcess, Path]]:
+    set_free(tmp_path / "nvml.json", dict.fromkeys(UUIDS, 70))
+    proc, state = standin_worker(tmp_path, redis_url, client_app, concurrency=2)
+    try:
+        yield proc, state
+    finally:
+        proc.stop(timeout_s=10)
+
+
+@pytest.fixture
+def mixed_gpus(tmp_path: Path, redis_url: str, r: redis.Redis, client_app: Celery
+               ) -> Iterator[tuple[CeleryProcess, Path]]:
+    set_free(tmp_path / "nvml.json", {UUIDS[0]: 70, UUIDS[1]: 35}, MIXED)
+    proc, state = standin_worker(tmp_path, redis_url, client_app, concurrency=2)
+    try:
         yield proc, state
     finally:
         proc.stop(timeout_s=10)
@@ -86,4 +118,21 @@ def test_a_task_goes_to_the_child_whose_device_can_hold_it(
     # And a task that fits either device runs on whichever child is idle
     set_free(state, dict.fromkeys(UUIDS, 70))
     assert device.apply_async(("any",), vram_gib=40).get(timeout=30) in UUIDS
+    assert proc.alive()
+
+
+def test_a_task_that_fits_one_device_goes_to_its_idle_child(
+        mixed_gpus: tuple[CeleryProcess, Path], client_app: Celery, r: redis.Redis) -> None:
+    proc, state = mixed_gpus
+    device = client_app.tasks["w.device"]
+    # Given both children idle and a task only the 80 GB GPU can hold (50 GiB; the 40 GB
+    # one has 35 free). (The pool handed it to the first idle child in its own order, the
+    # 40 GB one here, at every take: given back, taken again, never run)
+    for n in range(3):
+        assert device.apply_async((f"big{n}",), vram_gib=50).get(timeout=8) == UUIDS[0]
+    # And when the big GPU is nearly full, a task that fits only the small one runs there
+    set_free(state, {UUIDS[0]: 5, UUIDS[1]: 35}, MIXED)
+    for n in range(3):
+        assert device.apply_async((f"small{n}",), vram_gib=30).get(timeout=8) == UUIDS[1]
+    assert r.hlen(WAITING.redelivered) == 0 and r.hlen(WAITING.dead) == 0
     assert proc.alive()

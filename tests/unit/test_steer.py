@@ -1,0 +1,88 @@
+"""Which pool child gets a task that fits only some of the worker's GPUs (steer.py)."""
+
+from __future__ import annotations
+
+from collections import deque
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from sits_queue.workers import request, steer
+from tests.unit.test_worker_runtime import CeleryGenerated, fake_nvml, fake_request
+
+GIB = 2**30
+
+
+@pytest.fixture(autouse=True)
+def _forget() -> Any:
+    steer._wanted.clear()
+    yield
+    steer._wanted.clear()
+
+
+@pytest.mark.parametrize(("ready", "busy", "chosen"), [
+    ([10, 11], set(), [11]),          # the idle child on a device that holds it
+    ([10, 11, 12], set(), [11]),      # the first of those, in the pool's order
+    ([10, 11, 12], {11}, [12]),       # one busy: the next that fits
+    ([10, 11], {11}, None),           # none idle that fits: the pool chooses
+    ([10], set(), None),              # not writable now: likewise
+])
+def test_the_head_task_goes_to_an_idle_child_whose_device_holds_it(
+        ready: list[int], busy: set[int], chosen: list[int] | None) -> None:
+    device = {10: "GPU-small", 11: "GPU-big", 12: "GPU-big2"}
+    assert steer.choose(ready, frozenset({"GPU-big", "GPU-big2"}), device.get,
+                        lambda fd: fd not in busy) == chosen
+
+
+def fake_pool(slots: dict[int, int]) -> Any:
+    """An ``AsynPool``'s parts steering reads: inqueue fd -> process (its slot)."""
+    return SimpleNamespace(
+        outbound_buffer=deque(), _busy_workers=set(), _active_writes=set(),
+        _fileno_to_inq={fd: SimpleNamespace(index=slot) for fd, slot in slots.items()},
+        _create_write_handlers=lambda hub: hub.__setattr__(
+            "consolidate_callback", lambda fds: hub.written.append(list(fds))))
+
+
+def test_an_installed_pool_writes_a_wanted_task_to_a_child_of_its_device() -> None:
+    pool = fake_pool({10: 0, 11: 1})
+    assert steer.install(pool, {0: "GPU-big", 1: "GPU-small"}.get)
+    hub = SimpleNamespace(written=[])
+    pool._create_write_handlers(hub)
+    # Given the pool's writable children in its order, the small GPU's first
+    pool.outbound_buffer.append(SimpleNamespace(correlation_id="t-big"))
+    steer.want("t-big", frozenset({"GPU-big"}))
+    hub.consolidate_callback([11, 10])
+    # Then the task that fits the big GPU only is written to its child, once
+    assert hub.written == [[10]] and steer.wanted("t-big") is None
+    # and a task that declares nothing goes where the pool says
+    pool.outbound_buffer[0] = SimpleNamespace(correlation_id="t-any")
+    hub.consolidate_callback([11, 10])
+    assert hub.written[-1] == [11, 10]
+    # A pool without those parts (solo, threads) is left alone
+    assert not steer.install(SimpleNamespace(), lambda slot: None)
+    assert not steer.install(None, lambda slot: None)
+
+
+def test_admission_notes_the_devices_that_hold_the_task() -> None:
+    nvml = fake_nvml({"GPU-big": SimpleNamespace(free=70 * GIB, total=80 * GIB),
+                      "GPU-small": SimpleNamespace(free=35 * GIB, total=40 * GIB)})
+    request.configure(request.NvmlProbe(["GPU-big", "GPU-small"], nvml))
+    try:
+        CeleryGenerated.ran.clear()
+        big, _ = fake_request(50)
+        assert big.execute_using_pool(None) == "sent to the pool"
+        assert steer.wanted("task-1") == {"GPU-big"}
+        steer.forget("task-1")
+        both, _ = fake_request(20)
+        assert both.execute_using_pool(None) == "sent to the pool"
+        assert steer.wanted("task-1") is None  # every device holds it: any child may
+    finally:
+        request.configure(None)
+
+
+def test_remembered_tasks_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(steer, "MOST_REMEMBERED", 3)
+    for n in range(5):
+        steer.want(f"t{n}", frozenset({"GPU-a"}))
+    assert list(steer._wanted) == ["t2", "t3", "t4"]
