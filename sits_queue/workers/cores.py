@@ -130,3 +130,11 @@ def threads_within_quota(threads: int, quota: float | None, slots: int) -> int:
     if quota is None:
         return threads
     return max(1, min(threads, math.floor(quota / max(1, slots))))
+
+
+def capacity() -> float:
+    """CPUs' worth of time this process may use: its usable cores, or its cgroup's
+    quota where that is less."""
+    usable_now = len(usable())
+    quota = cpu_quota()
+    return min(float(usable_now), quota) if quota is not None else float(usable_now)

@@ -67,7 +67,7 @@ class Sample:
     #: CPU seconds used so far by the worker's processes (user + system).
     cpu_s: float
     #: Cores the worker may use.
-    cpus: int
+    cpus: float  # CPUs' worth of time the worker may use (cores, or a cgroup quota)
     #: Most open descriptors of one of its processes, and the soft limit.
     fds: int
     fd_limit: int
@@ -116,7 +116,7 @@ def profile(samples: Sequence[Sample]) -> Profile | None:
     for a, b in itertools.pairwise(samples):
         dt = b.t_s - a.t_s
         if dt > 0:
-            utils.append(max(0.0, b.cpu_s - a.cpu_s) / (dt * max(1, b.cpus)))
+            utils.append(max(0.0, b.cpu_s - a.cpu_s) / (dt * (b.cpus if b.cpus > 0 else 1.0)))
         ops = b.io_ops - a.io_ops
         last_latency = max(0.0, b.io_ms - a.io_ms) / ops if ops > 0 else 0.0
         if ops > 0:
@@ -167,7 +167,7 @@ def decide(p: Profile, state: str, policy: ProfilePolicy) -> tuple[str, str]:
 
 # -- the edge: sampling and the consumer step ----------------------------------------------
 
-def sample(pids: Sequence[int], cpus: int, now_s: float | None = None) -> Sample:
+def sample(pids: Sequence[int], cpus: float, now_s: float | None = None) -> Sample:
     """One sample of these processes (those gone meanwhile are skipped) and the host."""
     import psutil
 
@@ -280,10 +280,10 @@ class ProfileStep(bootsteps.StartStopStep):  # type: ignore[misc]
             import psutil
 
             # the pool's children are this process's children; the affinity is the main
-            # thread's (what the event loop's thread read when it sampled)
+            # thread's (what the event loop's thread read when it sampled), the quota its
+            # container's (64 cores seen under --cpus=4: never CPU-bound at 4 CPUs busy)
             children = [p.pid for p in psutil.Process().children()]
-            state = current[0].add(sample([os.getpid(), *children],
-                                          len(cores.usable())))
+            state = current[0].add(sample([os.getpid(), *children], cores.capacity()))
         except Exception as exc:  # a failed sample must never stop the worker
             self.failures += 1
             logger.warning("could not sample the worker's resources: %s", exc)

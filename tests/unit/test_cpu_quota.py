@@ -16,6 +16,7 @@ from sits_queue.config import ClassQuota, SitsConfig
 from sits_queue.workers import cores
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.devices import Discovery, cpu_device
+from sits_queue.workers.profile import Sample, profile
 
 HIGH = ClassQuota("high", cpu_cores=16, vram_gib=1, max_run_s=10, weight=100,
                   latency_sla_ms=1000, loss_sensitivity=0.5)
@@ -114,3 +115,20 @@ def test_the_worker_says_its_quota_at_start(monkeypatch: pytest.MonkeyPatch,
         rt.init_parent(app, "w@h", conf, {"concurrency": 1})
     assert rt.plan().cpu_quota == 0.5
     assert "a CPU quota of 0.5 CPUs (cgroup)" in caplog.text
+
+
+def test_the_profile_measures_cpu_against_the_quota(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 64 cores seen, 2 CPUs' time allowed: a worker busy at 2 CPUs is fully busy (read
+    # against 64 cores it was 3% busy, never CPU-bound)
+    monkeypatch.setattr(cores, "usable", lambda pid=0: tuple(range(64)))
+    monkeypatch.setattr(cores, "cpu_quota", lambda: 2.0)
+    assert cores.capacity() == 2.0
+    samples = [Sample(t, 2.0 * t, cores.capacity(), 10, 1024, 100, 0.6, 0.0, 0)
+               for t in (0.0, 5.0, 10.0)]
+    measured = profile(samples)
+    assert measured is not None and measured.cpu_util == pytest.approx(1.0)
+    monkeypatch.setattr(cores, "cpu_quota", lambda: None)
+    assert cores.capacity() == 64.0
+    # a quota under one CPU is measured against itself too
+    half = [Sample(t, 0.5 * t, 0.5, 10, 1024, 100, 0.6, 0.0, 0) for t in (0.0, 5.0)]
+    assert (p := profile(half)) is not None and p.cpu_util == pytest.approx(1.0)
