@@ -507,8 +507,8 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
         from sits_queue.workers import profile, runtime
         from sits_queue.workers import request as admission
 
-        # the devices found at start (the plan's), their live readings taken now
-        devices = list(live(runtime.plan().discovery.devices))
+        # the devices its children use (the plan's), their live readings taken now
+        devices = list(live(runtime.plan().devices))
 
         extra: dict[str, Any] = {}
         if profile.current:

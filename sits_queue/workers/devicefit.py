@@ -55,7 +55,7 @@ def applies(rt: ChildRuntime | None, task: Any) -> bool:
     call) whose message is still there to give back (acked late: a task acked before
     it runs would be lost)."""
     return (rt is not None and rt.pool_child and rt.device.kind == "cuda"
-            and len(rt.plan.discovery.cuda_devices) > 1
+            and sum(d.kind == "cuda" for d in rt.plan.devices) > 1
             and bool(getattr(task, "acks_late", False))
             and not getattr(task.request, "is_eager", False)
             and getattr(task.request, DELIVERY_HEADER, None) is not None)

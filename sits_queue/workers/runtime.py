@@ -82,6 +82,11 @@ class WorkerPlan:
     #: no quota. Caps each child's torch threads at its share (``cores.py``).
     cpu_quota: float | None = None
 
+    @property
+    def devices(self) -> tuple[Device, ...]:
+        """The devices this worker's children use (:func:`used_devices`)."""
+        return used_devices(self.discovery, self.slots)
+
 
 #: Pools whose tasks each run in a process of their own (prefork's children) or alone in
 #: the worker (solo): the per-process CUDA memory cap, CPU confinement and the running
@@ -115,6 +120,31 @@ def device_for_slot(discovery: Discovery, slot: int) -> Device:
     if not gpus:
         return discovery.devices[0]
     return gpus[slot % len(gpus)]
+
+
+def used_devices(discovery: Discovery, slots: int) -> tuple[Device, ...]:
+    """The devices a pool of ``slots`` children is pinned to (:func:`device_for_slot`),
+    in discovery order; every device while the pool's size is unknown (0). A pool of
+    fewer children than GPUs leaves the rest unused: not this worker's to admit by or
+    to advertise (a 50 GiB task admitted for an unused 80 GB GPU's room was given back by
+    the one child, on a 40 GB GPU, for good)."""
+    gpus = discovery.cuda_devices
+    if not gpus or slots <= 0 or slots >= len(gpus):
+        return discovery.devices
+    return gpus[:slots]
+
+
+def unused_notice(discovery: Discovery, slots: int) -> str | None:
+    """One line naming the GPUs no child of a pool of ``slots`` is pinned to; None."""
+    used = used_devices(discovery, slots)
+    idle = [d for d in discovery.cuda_devices if d not in used]
+    if not idle:
+        return None
+    names = ", ".join(f"GPU {d.index} ({d.name}, {d.uuid})" for d in idle)
+    return (f"sits-queue: {names} {'has' if len(idle) == 1 else 'have'} no pool child "
+            f"({slots} for {len(discovery.cuda_devices)} GPUs): this worker neither runs "
+            f"on nor advertises {'it' if len(idle) == 1 else 'them'}; leave -c out (one "
+            "child per GPU), or name this worker's GPUs with CUDA_VISIBLE_DEVICES")
 
 
 def pin_env(device: Device) -> dict[str, str]:
@@ -475,7 +505,14 @@ def init_parent(app: Celery, hostname: str, conf: Any, options: Mapping[str, Any
     intake.in_worker()
     _plan = WorkerPlan(hostname=hostname, discovery=discovery, available_cpus=usable,
                        cpu_quota=quota)
-    gpus = discovery.cuda_devices
+    _arm_admission(app, hostname, discovery, discovery.cuda_devices)
+
+
+def _arm_admission(app: Celery, hostname: str, discovery: Discovery,
+                   gpus: tuple[Device, ...]) -> None:
+    """Admit tasks by ``gpus``' memory (NVML), by host memory where there are none."""
+    global _armed
+    _armed = (app, hostname)
     if not gpus:
         admission.configure(admission.HostProbe())
         return
@@ -486,10 +523,21 @@ def init_parent(app: Celery, hostname: str, conf: Any, options: Mapping[str, Any
             lambda slot: device_for_slot(discovery, slot))))
 
 
+#: The app and hostname admission was armed for by :func:`init_parent` (None elsewhere).
+_armed: tuple[Celery, str] | None = None
+
+
 def record_slots(slots: int) -> None:
+    """The pool's size, known before it forks; admission then counts only the devices
+    its children use (:func:`used_devices`)."""
     global _plan
     p = plan()
     _plan = WorkerPlan(p.hostname, p.discovery, p.available_cpus, slots, p.cpu_quota)
+    if (notice := unused_notice(p.discovery, slots)) is not None:
+        logger.warning("%s", notice)
+        if _armed is not None:
+            _arm_admission(*_armed, p.discovery,
+                           tuple(d for d in _plan.devices if d.kind == "cuda"))
 
 
 def init_child(app: Celery, index: int, env: dict[str, str] | None = None) -> ChildRuntime:

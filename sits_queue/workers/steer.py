@@ -112,7 +112,7 @@ class SteerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         from sits_queue.workers import runtime
 
         discovery = runtime.plan().discovery
-        if len(discovery.cuda_devices) < 2:
+        if sum(d.kind == "cuda" for d in runtime.plan().devices) < 2:
             return
 
         def device_of_slot(slot: int) -> str | None:

@@ -136,3 +136,26 @@ def test_a_task_that_fits_one_device_goes_to_its_idle_child(
         assert device.apply_async((f"small{n}",), vram_gib=30).get(timeout=8) == UUIDS[1]
     assert r.hlen(WAITING.redelivered) == 0 and r.hlen(WAITING.dead) == 0
     assert proc.alive()
+
+
+def test_a_worker_of_fewer_children_than_gpus_admits_and_advertises_theirs_only(
+        tmp_path: Path, redis_url: str, r: redis.Redis, client_app: Celery) -> None:
+    # Given a worker of one child on a host whose GPU 0 is 40 GB and GPU 1 80 GB: its
+    # child is pinned to GPU 0, and nothing runs on GPU 1
+    small_first = {UUIDS[0]: MIXED[UUIDS[1]], UUIDS[1]: MIXED[UUIDS[0]]}
+    set_free(tmp_path / "nvml.json", {UUIDS[0]: 35, UUIDS[1]: 70}, small_first)
+    proc, _ = standin_worker(tmp_path, redis_url, client_app, concurrency=1)
+    try:
+        # Then it says so at start, and advertises the device its child uses
+        assert "GPU 1 (NVIDIA H100 80GB HBM3" in proc.log() and "no pool child" in proc.log()
+        record = json.loads(r.get(f"sits:worker:{proc.hostname}"))
+        assert [d["uuid"] for d in record["devices"]] == [UUIDS[0]]
+        # And a task only GPU 1 could hold is no task for it (no other worker: it is
+        # dead-lettered, not admitted for GPU 1's room and given back by its child for good)
+        big = client_app.tasks["w.device"].apply_async(("big",), vram_gib=50)
+        with pytest.raises(Exception, match="NoDeviceLargeEnough"):
+            big.get(timeout=8)
+        assert client_app.tasks["w.device"].apply_async(("fits",), vram_gib=20).get(
+            timeout=8) == UUIDS[0]
+    finally:
+        proc.stop(timeout_s=10)

@@ -56,6 +56,27 @@ def test_device_for_slot(discovery: Discovery, slot: int, expected: int) -> None
     assert rt.device_for_slot(discovery, slot).index == expected
 
 
+@pytest.mark.parametrize(("discovery", "slots", "expected"), [
+    (FOUR_GPUS, 0, [0, 1, 2, 3]),   # the pool's size not known yet: every device
+    (FOUR_GPUS, 4, [0, 1, 2, 3]), (FOUR_GPUS, 6, [0, 1, 2, 3]),
+    (FOUR_GPUS, 1, [0]), (FOUR_GPUS, 3, [0, 1, 2]),  # fewer children: theirs only
+    (CPU_ONLY, 1, [0]), (CPU_ONLY, 3, [0]),
+])
+def test_a_worker_uses_the_devices_its_children_are_pinned_to(
+        discovery: Discovery, slots: int, expected: list[int]) -> None:
+    assert [d.index for d in rt.used_devices(discovery, slots)] == expected
+    assert [d.index for d in rt.WorkerPlan("h", discovery, (0,), slots).devices] == expected
+
+
+def test_gpus_without_a_child_are_said_once() -> None:
+    assert rt.unused_notice(FOUR_GPUS, 4) is None and rt.unused_notice(CPU_ONLY, 1) is None
+    notice = rt.unused_notice(FOUR_GPUS, 3)
+    assert notice is not None and "GPU 3 (NVIDIA A100-SXM4-80GB, GPU-0003-uuid) has no " \
+        "pool child (3 for 4 GPUs)" in notice and "advertises it;" in notice
+    assert "GPU 1 (" in (rt.unused_notice(FOUR_GPUS, 1) or "") and "them;" in (
+        rt.unused_notice(FOUR_GPUS, 1) or "")
+
+
 def test_pin_env_names_the_gpu_by_uuid_and_leaves_cpu_alone() -> None:
     # The UUID: CUDA orders devices fastest-first, NVML by PCI bus; an index could mismatch.
     assert rt.pin_env(gpu_device(2)) == {"CUDA_VISIBLE_DEVICES": "GPU-0002-uuid"}
