@@ -268,6 +268,23 @@ def _site_line(site: dict[str, Any]) -> str:
             f"{site['replicas_held'] or 'no site'}; {passed}")
 
 
+def _devices_text(devices: Any) -> str:
+    """Each advertised device's label, name and memory free of its total (NVML, as of
+    the worker's last refresh): a worker of several GPUs showed only their names."""
+    parts = []
+    for d in devices if isinstance(devices, list) else []:
+        if not isinstance(d, dict):
+            continue
+        free, total = d.get("free_vram_bytes"), d.get("total_vram_bytes")
+        memory = ""
+        if isinstance(free, int) and isinstance(total, int) \
+                and not isinstance(free, bool) and not isinstance(total, bool):
+            memory = f" {free / 2**30:,.1f} of {total / 2**30:,.1f} GiB free"
+        parts.append(f"{printable(d.get('kind', '?'))}:{printable(d.get('index', '?'))} "
+                     f"{printable(d.get('name', '?'))}{memory}")
+    return "; ".join(parts)
+
+
 def _warm_text(children: Any) -> str:
     """Each pool process's warm engines: the tier each is in and its size, where the
     child's record says (an older writer's gives the tier only)."""
@@ -291,6 +308,8 @@ def _worker_lines(w: dict[str, Any]) -> list[str]:
                  f"{w.get('warm', [])}, cold starts {cold.get('cold', 0)}/"
                  f"{cold.get('tasks', 0)} tasks, {cold.get('affinity_picks', 0)} taken "
                  "ahead by affinity")
+    if shown := _devices_text(w.get("devices")):
+        lines.append(f"    devices: {shown}")
     if warm := _warm_text(w.get("children")):
         lines.append(f"    warm: {warm}")
     if w.get("plain_tasks_only"):

@@ -298,6 +298,21 @@ def test_status_shows_each_childs_warm_engines_with_tier_and_size() -> None:
     assert "warm:" not in idle
 
 
+def test_status_shows_each_devices_free_memory() -> None:
+    """(a worker of several GPUs showed their names only: how much each had free took
+    --json)"""
+    gib = 2**30
+    worker = {"hostname": "w@h", "pid": 1, "concurrency": 2, "devices": [
+        {"index": 0, "kind": "cuda", "name": "NVIDIA H100 80GB HBM3",
+         "total_vram_bytes": 80 * gib, "free_vram_bytes": 70 * gib},
+        {"index": 1, "kind": "cuda", "name": "NVIDIA A100-SXM4-40GB",
+         "total_vram_bytes": 40 * gib, "free_vram_bytes": 2 * gib + gib // 2},
+        {"index": 2, "kind": "cuda", "name": "odd", "free_vram_bytes": "lots"}]}
+    shown = status.format_status({"queues": [], "workers": [worker]})
+    assert ("    devices: cuda:0 NVIDIA H100 80GB HBM3 70.0 of 80.0 GiB free; cuda:1 NVIDIA "
+            "A100-SXM4-40GB 2.5 of 40.0 GiB free; cuda:2 odd") in shown.splitlines()
+
+
 @pytest.mark.parametrize("last", [
     {"peer": "p"}, {"peer": "p", "rtt_ms": 1, "modes": [1]}, [1], "yesterday",
 ])
