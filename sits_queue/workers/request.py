@@ -324,8 +324,8 @@ def probe() -> FreeMemoryProbe:
 #: The holds of a message given back because it cannot start here now: first, longest.
 HOLDS = (HOLD_FIRST_S, HOLD_LONGEST_S)
 #: ...because the child the pool handed it to cannot hold it (``devicefit.py``): the
-#: worker has room on another device, so it looks again sooner; the pool hands each
-#: write to the next idle child in turn.
+#: worker has room on another device, whose child was busy (else ``steer.py`` would have
+#: handed it there), so it looks again sooner.
 CHILD_HOLDS = (HOLD_FIRST_S, 1.0)
 
 
