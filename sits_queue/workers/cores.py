@@ -138,3 +138,40 @@ def capacity() -> float:
     usable_now = len(usable())
     quota = cpu_quota()
     return min(float(usable_now), quota) if quota is not None else float(usable_now)
+
+
+# -- NUMA nodes ---------------------------------------------------------------------------------
+#: Where Linux lists each NUMA node's cores (``node<N>/cpulist``).
+NODE_ROOT = Path("/sys/devices/system/node")
+
+
+def parse_cpulist(text: str) -> tuple[int, ...]:
+    """A kernel cpulist (``"0-3,8-11"``, ``"5"``, ``""``) as sorted core ids; a part that
+    is no list raises ValueError."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        low, _, high = part.partition("-")
+        out.update(range(int(low), int(high or low) + 1))
+    return tuple(sorted(out))
+
+
+def numa_nodes(usable_cores: Iterable[int], root: Path = NODE_ROOT
+               ) -> dict[int, tuple[int, ...]]:
+    """Each NUMA node's cores among ``usable_cores``, by node number; nodes left with
+    none are left out, and so is everything where the nodes cannot be read (not Linux)."""
+    allowed = set(usable_cores)
+    found: dict[int, tuple[int, ...]] = {}
+    with contextlib.suppress(OSError):
+        for entry in root.iterdir():
+            number = entry.name[len("node"):]
+            if not entry.name.startswith("node") or not number.isdigit():
+                continue
+            try:
+                cpus = parse_cpulist((entry / "cpulist").read_text())
+            except (OSError, ValueError):
+                continue
+            if mine := tuple(c for c in cpus if c in allowed):
+                found[int(number)] = mine
+    return found

@@ -7,7 +7,7 @@ The worker child applies the results (``torch.cuda.set_per_process_memory_fracti
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from sits_queue.config import ClassQuota
 from sits_queue.errors import VramLimitExceeded
@@ -69,6 +69,32 @@ def cpu_set(quota: ClassQuota, available_cpus: Sequence[int], slot: int,
     if len(cpus) < slots:
         return (cpus[slot % len(cpus)],)
     return tuple(_share(cpus, slot, slots)[:quota.cpu_cores])
+
+
+def numa_cpu_set(quota: ClassQuota, node_cpus: Mapping[int, Sequence[int]],
+                 slot_nodes: Sequence[int | None], slot: int) -> tuple[int, ...] | None:
+    """The cores pool child ``slot`` may run a task of this class on, taken from the NUMA
+    node of its GPU (``slot_nodes[i]``: child ``i``'s device's node; ``node_cpus``: each
+    node's usable cores); None where that does not apply: a host of one node, a device
+    whose node is unknown, or a node with no usable core (then :func:`cpu_set`).
+
+    The children of one node split its cores as :func:`cpu_set` splits the host's: a
+    child's host-side work (tokenising, pinned-memory copies to its GPU, the CPU half of
+    a generation step) stays on its GPU's socket instead of crossing the interconnect
+    for every buffer, and no two children share a core where the node has enough. The
+    cores of a node with no GPU child go unused by the children."""
+    if not 0 <= slot < len(slot_nodes):
+        raise ValueError(f"slot must be in [0, {len(slot_nodes)}), got {slot}")
+    nodes = {n: sorted(set(c)) for n, c in node_cpus.items() if c}
+    if len(nodes) < 2 or any(n not in nodes for n in slot_nodes):
+        return None
+    node = slot_nodes[slot]
+    assert node is not None  # (every slot's node is a key of nodes)
+    peers = [i for i, n in enumerate(slot_nodes) if n == node]
+    cpus, index = nodes[node], peers.index(slot)
+    if len(cpus) < len(peers):
+        return (cpus[index % len(cpus)],)
+    return tuple(_share(cpus, index, len(peers))[:quota.cpu_cores])
 
 
 def time_limits(quota: ClassQuota, soft_fraction: float) -> tuple[float, float]:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sits_queue.config import ClassQuota
 from sits_queue.workers.devices import Device, Discovery
+from sits_queue.workers.limits import cpu_set, numa_cpu_set
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,22 @@ class WorkerPlan:
     #: CPUs' worth of time the worker's cgroup may use (a container's ``--cpus``); None:
     #: no quota. Caps each child's torch threads at its share (``cores.py``).
     cpu_quota: float | None = None
+    #: Each NUMA node's usable cores, ``(node, cores)`` pairs (``cores.numa_nodes``);
+    #: empty where unknown (one node, or not Linux).
+    node_cpus: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+    def child_cpus(self, quota: ClassQuota, slot: int) -> tuple[int, ...]:
+        """The cores child ``slot`` runs a task of this class on: its share of its GPU's
+        NUMA node where the host has several (:func:`numa_cpu_set`), else its share of
+        the worker's cores (:func:`cpu_set`)."""
+        slots = max(1, self.slots)
+        slot %= slots
+        if self.node_cpus and self.discovery.cuda_devices:
+            nodes = [device_for_slot(self.discovery, i).numa_node for i in range(slots)]
+            near = numa_cpu_set(quota, dict(self.node_cpus), nodes, slot)
+            if near is not None:
+                return near
+        return cpu_set(quota, self.available_cpus, slot, slots)
 
     @property
     def devices(self) -> tuple[Device, ...]:

@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psutil
@@ -61,7 +61,7 @@ from sits_queue.workers import (
 )
 from sits_queue.workers import request as admission
 from sits_queue.workers.devices import Device, Discovery, default_concurrency, discover
-from sits_queue.workers.limits import check_engine_fits_class, cpu_set, memory_cap_fraction
+from sits_queue.workers.limits import check_engine_fits_class, memory_cap_fraction
 from sits_queue.workers.placement import PROCESS_POOLS as PROCESS_POOLS
 from sits_queue.workers.placement import WorkerPlan as WorkerPlan
 from sits_queue.workers.placement import device_for_slot as device_for_slot
@@ -269,8 +269,7 @@ class ChildRuntime:
         """
         if not self.pool_child:
             return cores.usable()
-        cpus = cpu_set(quota, self.plan.available_cpus, self.slot % max(1, self.plan.slots),
-                       max(1, self.plan.slots))
+        cpus = self.plan.child_cpus(quota, self.slot)
         # Against what this thread runs on now, not only what was last set: a task that
         # changed its own affinity left it to the tasks after it, whatever their class
         if cpus != self._cpus or not cores.pinned_to(cpus):
@@ -419,7 +418,7 @@ def init_parent(app: Celery, hostname: str, conf: Any, options: Mapping[str, Any
         conf.worker_concurrency = default_concurrency(discovery)
     intake.in_worker()
     _plan = WorkerPlan(hostname=hostname, discovery=discovery, available_cpus=usable,
-                       cpu_quota=quota)
+                       cpu_quota=quota, node_cpus=tuple(sorted(cores.numa_nodes(usable).items())))
     _arm_admission(app, hostname, discovery, discovery.cuda_devices)
 
 
@@ -447,7 +446,7 @@ def record_slots(slots: int) -> None:
     its children use (:func:`used_devices`)."""
     global _plan
     p = plan()
-    _plan = WorkerPlan(p.hostname, p.discovery, p.available_cpus, slots, p.cpu_quota)
+    _plan = replace(p, slots=slots)
     if (notice := unused_notice(p.discovery, slots)) is not None:
         logger.warning("%s", notice)
         if _armed is not None:
