@@ -269,6 +269,14 @@ class Discovery:
         return topology_weight(self.topology[(min(a, b), max(a, b))])
 
 
+def label(kind: object, index: object, uuid: object) -> str:
+    """A device's name in metrics and results: ``cuda:<NVML index>``, and for a MIG
+    device ``cuda:<index>/<MIG UUID>``: the slices of one GPU share its index, and their
+    series collided (Prometheus drops a scrape with two samples of one label set)."""
+    mig = f"/{uuid}" if isinstance(uuid, str) and uuid.startswith("MIG-") else ""
+    return f"{kind}:{index}{mig}"
+
+
 def cpu_device() -> Device:
     """The fallback device: host RAM stands in for device memory."""
     memory = psutil.virtual_memory()

@@ -53,7 +53,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from sits_queue.checks import stored_number
 from sits_queue.config import SitsConfig
 from sits_queue.errors import SitsError
-from sits_queue.workers import advertise
+from sits_queue.workers import advertise, devices
 from sits_queue.workers.advertise import as_mapping
 
 logger = logging.getLogger(__name__)
@@ -254,8 +254,8 @@ class _Families:
         self.info.add_metric([name, str(w.get("host", "")), str(w.get("pid", ""))], 1)
         self.slots.add_metric([name], _number(w.get("concurrency")) or 0.0)
         self._counters(name, advertise.counter_values(w.get("counters") or {}))
-        devices = w.get("devices")
-        for d in map(as_mapping, devices if isinstance(devices, list) else []):
+        listed = w.get("devices")
+        for d in map(as_mapping, listed if isinstance(listed, list) else []):
             self._device(name, d)
         for slot, child in sorted(as_mapping(w.get("children")).items()):
             self._child(name, str(slot), as_mapping(child))
@@ -287,7 +287,7 @@ class _Families:
             self.failed.add_metric([name, reason], count)
 
     def _device(self, name: str, d: Mapping[str, Any]) -> None:
-        label = f"{d.get('kind', '?')}:{d.get('index', 0)}"
+        label = devices.label(d.get("kind", "?"), d.get("index", 0), d.get("uuid"))
         for state, key in (("total", "total_vram_bytes"), ("free", "free_vram_bytes")):
             if (v := _number(d.get(key))) is not None:
                 self.vram.add_metric([name, label, state], v)

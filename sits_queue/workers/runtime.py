@@ -49,6 +49,7 @@ from sits_queue.workers import (
     advertise,
     childgc,
     cores,
+    devices,
     etaorder,
     gpu,
     metrics,
@@ -201,7 +202,7 @@ class ChildRuntime:
         outlast the seconds Celery gives a new child to report in before it kills it."""
         known = gpu.cuda_known()
         on_cuda = self.device.kind == "cuda" and known is not False
-        return f"cuda:{self.device.index}" if on_cuda else "cpu"
+        return devices.label("cuda", self.device.index, self.device.uuid) if on_cuda else "cpu"
 
     def _budgets(self) -> tuple[int, int]:
         slots = max(1, self.plan.slots)

@@ -255,3 +255,17 @@ def test_each_redis_url_gets_its_own_client_in_a_process() -> None:
     assert get(two).connection_pool.connection_kwargs["port"] == 2
     assert get(two) is get(two)
     assert get(one).connection_pool.connection_kwargs["socket_connect_timeout"] == 2
+
+
+def test_mig_devices_of_one_gpu_are_series_of_their_own() -> None:
+    # (the slices of one GPU share its NVML index: their series had one label set, and
+    # Prometheus rejects a scrape with two samples of one)
+    slices = [{"kind": "cuda", "index": 0, "uuid": f"MIG-{n}", "total_vram_bytes": 10 * 2**30,
+               "free_vram_bytes": n * 2**30} for n in (1, 2)]
+    whole = {"kind": "cuda", "index": 1, "uuid": "GPU-1", "total_vram_bytes": 80 * 2**30,
+             "free_vram_bytes": 3 * 2**30}
+    m = scrape([{"hostname": "w3@h", "concurrency": 3, "devices": [*slices, whole]}])
+    w = ("worker", "w3@h")
+    free = {dict(k[1])["device"]: v for k, v in m.items()
+            if k[0] == "sits_device_vram_bytes" and ("state", "free") in k[1] and w in k[1]}
+    assert free == {"cuda:0/MIG-1": 2**30, "cuda:0/MIG-2": 2 * 2**30, "cuda:1": 3 * 2**30}
