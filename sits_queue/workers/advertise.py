@@ -37,6 +37,7 @@ from sits_queue.broker import affinity
 from sits_queue.checks import stored_number
 from sits_queue.config import SitsConfig
 from sits_queue.periodic import Periodic
+from sits_queue.workers import steer
 from sits_queue.workers.devices import Device, live
 
 logger = logging.getLogger(__name__)
@@ -441,6 +442,10 @@ class WarmReader:
             return self._warm
         children = [c for c in (json_object(v) for v in raw) if c is not None]
         self._warm = affinity.warm_of(children, self._policy, self._precision_weights(now))
+        # (each child's own, for the pool's choice of child: workers/steer.py)
+        steer.note_children({c["slot"]: affinity.warm_of([c], self._policy)
+                             for c in children
+                             if isinstance(c.get("slot"), int) and c["slot"] in self._slots})
         return self._warm
 
     def _precision_weights(self, now: float) -> dict[str, float]:

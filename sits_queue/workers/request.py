@@ -441,6 +441,22 @@ def _free_now(request: Request, needed: float) -> int:
     return max(free.values())
 
 
+def _want_warm(request: Request) -> None:
+    """Note the engine and prompt prefix an inference task runs, for the pool's choice of
+    child (``steer.py``: the one that holds them warm). Nothing here may raise."""
+    if not steer.steering():
+        return
+    try:
+        from sits_queue.workers.taskheader import task_model, task_precision, task_prefix_key
+
+        headers = request.request_dict
+        steer.want_warm(request.id, task_model(headers, getattr(request.task, "model", None)),
+                        task_prefix_key(headers),
+                        task_precision(headers, getattr(request.task, "precision", None)))
+    except Exception as exc:  # (no model named: the child fails it, saying so)
+        logger.debug("task %s[%s]: no engine to steer by (%s)", request.name, request.id, exc)
+
+
 def _fits_no_worker(request: Request, verdict: NeverFits) -> bool:
     """Dead-letter a task no live worker's device could ever hold (True: done); False
     when some worker's could, or the fleet could not be read (it is released then)."""
@@ -469,6 +485,8 @@ def _guard(execute: Callable[..., Any]) -> Callable[..., Any]:
     def execute_using_pool(self: Request, pool: Any, **kwargs: Any) -> Any:
         if refused(self):
             raise NotStartedHere(self.id)
+        if getattr(getattr(self, "task", None), "runs_inference", False):
+            _want_warm(self)
         try:
             # Celery's own execute_using_pool checks for a revoke before the pool takes
             # the request, done here first: Celery took a pool slot for the request

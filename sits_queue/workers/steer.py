@@ -1,50 +1,97 @@
-"""Which pool child gets a task that declares ``vram_gib``, on a worker of several GPUs.
+"""Which pool child gets a task: one pinned to a device that can hold it, and one that
+holds its engine warm.
 
-The main process admits such a task by its devices' free memory (``request.py``), then
-hands it to the pool, and Celery's prefork pool writes it to an idle child of its own
-choosing: the first writable one in its list (``AsynPool.schedule_writes`` starts its
-rotation afresh at every call, celery 5.x). On a host of mixed sizes that child may be
-pinned to a GPU that cannot hold the task: it gives the task back (``devicefit.py``),
-the worker takes it again after the hold, and the pool hands it to the same child, for
-good, while the child on the large GPU sits idle (seen with a stand-in NVML of an 80 GB
-and a 40 GB GPU: a 50 GiB task given back once a second for a minute, never run).
+The main process admits a task, then hands it to the pool, and Celery's prefork pool
+writes it to an idle child of its own choosing: the first writable one in its list
+(``AsynPool.schedule_writes`` starts its rotation afresh at every call, celery 5.x).
 
-So the main process says which devices can hold the task now (:func:`want`, at
-admission), and this module narrows the pool's choice for the task at the head of its
-outbound buffer to an idle child pinned to one of them (:func:`choose`, pure). Where
-none is idle the pool chooses as before, and the child's own check stays the last word.
-Only Celery's prefork pool (``AsynPool``) is steered; any other pool runs as it did.
+* On a host of GPUs of mixed sizes that child may be pinned to a GPU that cannot hold a
+  task declaring ``vram_gib``: it gives the task back (``devicefit.py``), the worker
+  takes it again after the hold, and the pool hands it to the same child, for good,
+  while the child on the large GPU sits idle (seen with a stand-in NVML of an 80 GB and
+  a 40 GB GPU: a 50 GiB task given back once a second for a minute, never run).
+* Each child keeps its own warm engines. The worker's pick takes a task by affinity
+  when some child holds its model (``broker/affinity.py``), and the pool then wrote it
+  to whichever child came first: the model loaded again there, cold, and in time every
+  child held every model, each device tier thrashing, while one child per model would
+  have served warm.
+
+So the main process says, per task, which devices can hold it now (:func:`want`, at
+admission) and which engine and prompt prefix it runs (:func:`want_warm`); it keeps
+each child's warm set as its advert says (:func:`note_children`, from the same read the
+picks use), and the pool's choice for the task at the head of its outbound buffer is
+narrowed to one idle child (:func:`choose`, pure): among those on a device that holds
+it, the one whose warm set weighs most for the task. Where no idle child fits, or none
+holds anything of the task's, the pool chooses as before (and a child on a device too
+small still gives the task back). Only Celery's prefork pool (``AsynPool``) is steered;
+any other pool runs as it did.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from celery import bootsteps
 
+from sits_queue.broker import affinity
+
 logger = logging.getLogger(__name__)
 
-#: Task ids whose devices are remembered, at most: a task admitted that never reaches the
+#: Task ids whose wishes are remembered, at most: a task admitted that never reaches the
 #: pool (revoked meanwhile) leaves its entry until this many newer ones push it out.
 MOST_REMEMBERED = 4096
 
-#: Task id -> UUIDs of the devices that could hold it when it was admitted.
-_wanted: OrderedDict[str, frozenset[str]] = OrderedDict()
+
+@dataclass(frozen=True)
+class Wanted:
+    """Where a task would best run: on one of ``devices`` (UUIDs; None: any), on the
+    child whose warm set weighs most for its engine and prompt prefix."""
+
+    devices: frozenset[str] | None = None
+    model: str | None = None
+    prefix: str | None = None
+    precision: str | None = None
 
 
-def want(task_id: str, uuids: frozenset[str]) -> None:
-    """The task ``task_id`` fits only the devices ``uuids`` now (main process, at
-    admission): the pool should hand it to a child pinned to one of them."""
-    _wanted[task_id] = uuids
+#: Task id -> what it wants.
+_wanted: OrderedDict[str, Wanted] = OrderedDict()
+#: Each child's warm set by slot (its advert's, as the picks read it).
+_children: dict[int, affinity.Warm] = {}
+#: Whether this process's pool is steered (else nothing is noted per task).
+_installed = False
+
+
+def _note(task_id: str, **fields: Any) -> None:
+    _wanted[task_id] = replace(_wanted.get(task_id, Wanted()), **fields)
     _wanted.move_to_end(task_id)
     while len(_wanted) > MOST_REMEMBERED:
         _wanted.popitem(last=False)
 
 
-def wanted(task_id: str | None) -> frozenset[str] | None:
+def want(task_id: str, uuids: frozenset[str]) -> None:
+    """The task ``task_id`` fits only the devices ``uuids`` now (main process, at
+    admission): the pool should hand it to a child pinned to one of them."""
+    _note(task_id, devices=uuids)
+
+
+def want_warm(task_id: str, model: str, prefix: str | None, precision: str | None) -> None:
+    """The task ``task_id`` runs engine ``model`` (at ``precision``) on prompt prefix
+    ``prefix``: the pool should hand it to the child that holds them warm. Noted only
+    where the pool is steered."""
+    if _installed:
+        _note(task_id, model=model, prefix=prefix, precision=precision)
+
+
+def steering() -> bool:
+    """Whether this process's pool is steered."""
+    return _installed
+
+
+def wanted(task_id: str | None) -> Wanted | None:
     return None if task_id is None else _wanted.get(task_id)
 
 
@@ -52,30 +99,54 @@ def forget(task_id: str) -> None:
     _wanted.pop(task_id, None)
 
 
-def choose(ready_fds: Sequence[int], devices: frozenset[str],
-           device_of: Callable[[int], str | None],
+def note_children(by_slot: Mapping[int, affinity.Warm]) -> None:
+    """Each child's warm set, by slot (the main process's read of their adverts)."""
+    if _installed:
+        _children.clear()
+        _children.update(by_slot)
+
+
+def choose(ready_fds: Sequence[int], want: Wanted, device_of: Callable[[int], str | None],
+           warm_of: Callable[[int], affinity.Warm | None],
            idle: Callable[[int], bool]) -> list[int] | None:
-    """The one writable child's fd the head task should go to: the first idle one pinned
-    to one of ``devices``; None where there is none (the pool chooses as before)."""
-    for fd in ready_fds:
-        if idle(fd) and device_of(fd) in devices:
-            return [fd]
-    return None
+    """The one writable child's fd the head task should go to: among the idle ones on a
+    device ``want`` allows, the first whose warm set weighs most for it (any of them
+    where it asks for a device; only one holding something of it where it does not);
+    None where there is none (the pool chooses as before)."""
+    fits = [fd for fd in ready_fds if idle(fd)
+            and (want.devices is None or device_of(fd) in want.devices)]
+    if not fits:
+        return None
+    if want.model is not None:
+        weights = [(w.weight(want.model, want.prefix, want.precision)
+                    if (w := warm_of(fd)) is not None else 0.0) for fd in fits]
+        best = max(weights)
+        if best > 0:
+            return [fits[weights.index(best)]]
+    return [fits[0]] if want.devices is not None else None
 
 
 def install(pool: Any, device_of_slot: Callable[[int], str | None]) -> bool:
     """Steer ``pool`` (a billiard ``AsynPool``, before it registers with the event loop)
     by :func:`choose`; False for a pool without the parts this needs (another pool, or a
     Celery whose pool changed), which is left as it is."""
+    global _installed
     create = getattr(pool, "_create_write_handlers", None)
     needed = ("outbound_buffer", "_fileno_to_inq", "_busy_workers", "_active_writes")
     if create is None or not all(hasattr(pool, name) for name in needed):
         return False
 
+    def slot_of(fd: int) -> int | None:
+        slot = getattr(pool._fileno_to_inq.get(fd), "index", None)
+        return slot if isinstance(slot, int) else None
+
     def device_of(fd: int) -> str | None:
-        proc = pool._fileno_to_inq.get(fd)
-        slot = getattr(proc, "index", None)
-        return device_of_slot(slot) if isinstance(slot, int) else None
+        slot = slot_of(fd)
+        return device_of_slot(slot) if slot is not None else None
+
+    def warm_of(fd: int) -> affinity.Warm | None:
+        slot = slot_of(fd)
+        return _children.get(slot) if slot is not None else None
 
     def idle(fd: int) -> bool:
         return fd not in pool._busy_workers and fd not in pool._active_writes
@@ -87,8 +158,9 @@ def install(pool: Any, device_of_slot: Callable[[int], str | None]) -> bool:
         def schedule_writes(ready_fds: Sequence[int], *rest: Any) -> Any:
             outbound = pool.outbound_buffer
             task_id = getattr(outbound[0], "correlation_id", None) if outbound else None
-            devices = wanted(task_id)
-            if devices and (chosen := choose(ready_fds, devices, device_of, idle)):
+            want = wanted(task_id)
+            if want is not None and (chosen := choose(ready_fds, want, device_of, warm_of,
+                                                      idle)):
                 assert task_id is not None
                 forget(task_id)
                 ready_fds = chosen
@@ -98,25 +170,26 @@ def install(pool: Any, device_of_slot: Callable[[int], str | None]) -> bool:
         return out
 
     pool._create_write_handlers = create_write_handlers
+    _installed = True
     return True
 
 
 class SteerStep(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Worker step: steer the prefork pool of a worker of several GPUs (after the pool
-    starts, before the consumer registers it with the event loop)."""
+    """Worker step: steer the prefork pool of a worker of several children (after the
+    pool starts, before the consumer registers it with the event loop)."""
 
     requires = ("celery.worker.components:Pool",)
-    name = "SITS device steering"
+    name = "SITS pool steering"
 
     def start(self, w: Any) -> None:
         from sits_queue.workers import runtime
 
-        discovery = runtime.plan().discovery
-        if sum(d.kind == "cuda" for d in runtime.plan().devices) < 2:
+        plan = runtime.plan()
+        if plan.slots < 2:
             return
 
         def device_of_slot(slot: int) -> str | None:
-            return runtime.device_for_slot(discovery, slot).uuid
+            return runtime.device_for_slot(plan.discovery, slot).uuid
 
         if not install(getattr(w.pool, "_pool", None), device_of_slot):
-            logger.debug("pool %r not steered by device: not Celery's prefork pool", w.pool)
+            logger.debug("pool %r not steered: not Celery's prefork pool", w.pool)

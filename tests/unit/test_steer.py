@@ -1,4 +1,5 @@
-"""Which pool child gets a task that fits only some of the worker's GPUs (steer.py)."""
+"""Which pool child gets a task (steer.py): one on a GPU that can hold it, one that holds
+its engine warm."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from sits_queue.broker import affinity
 from sits_queue.workers import request, steer
 from tests.unit.test_worker_runtime import CeleryGenerated, fake_nvml, fake_request
 
@@ -15,10 +17,13 @@ GIB = 2**30
 
 
 @pytest.fixture(autouse=True)
-def _forget() -> Any:
+def _forget(monkeypatch: pytest.MonkeyPatch) -> Any:
     steer._wanted.clear()
+    steer._children.clear()
+    monkeypatch.setattr(steer, "_installed", True)
     yield
     steer._wanted.clear()
+    steer._children.clear()
 
 
 @pytest.mark.parametrize(("ready", "busy", "chosen"), [
@@ -31,7 +36,8 @@ def _forget() -> Any:
 def test_the_head_task_goes_to_an_idle_child_whose_device_holds_it(
         ready: list[int], busy: set[int], chosen: list[int] | None) -> None:
     device = {10: "GPU-small", 11: "GPU-big", 12: "GPU-big2"}
-    assert steer.choose(ready, frozenset({"GPU-big", "GPU-big2"}), device.get,
+    want = steer.Wanted(devices=frozenset({"GPU-big", "GPU-big2"}))
+    assert steer.choose(ready, want, device.get, lambda fd: None,
                         lambda fd: fd not in busy) == chosen
 
 
@@ -72,7 +78,7 @@ def test_admission_notes_the_devices_that_hold_the_task() -> None:
         CeleryGenerated.ran.clear()
         big, _ = fake_request(50)
         assert big.execute_using_pool(None) == "sent to the pool"
-        assert steer.wanted("task-1") == {"GPU-big"}
+        assert (w := steer.wanted("task-1")) is not None and w.devices == {"GPU-big"}
         steer.forget("task-1")
         both, _ = fake_request(20)
         assert both.execute_using_pool(None) == "sent to the pool"
@@ -86,3 +92,36 @@ def test_remembered_tasks_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     for n in range(5):
         steer.want(f"t{n}", frozenset({"GPU-a"}))
     assert list(steer._wanted) == ["t2", "t3", "t4"]
+
+
+WARM = {10: affinity.Warm({"gpt": 1.0}), 11: affinity.Warm({"bert": 1.0, "gpt": 0.5}),
+        12: affinity.Warm({"bert": 1.0}, {"tmpl": 0.5})}
+
+
+@pytest.mark.parametrize(("want", "busy", "chosen"), [
+    (steer.Wanted(model="gpt"), set(), [10]),            # warm on the device beats host
+    (steer.Wanted(model="gpt"), {10}, [11]),             # ... the host tier beats cold
+    (steer.Wanted(model="bert"), set(), [11]),
+    (steer.Wanted(model="bert", prefix="tmpl"), set(), [12]),  # its prompt's KV too
+    (steer.Wanted(model="t5"), set(), None),             # warm nowhere: the pool chooses
+    (steer.Wanted(model="gpt"), {10, 11}, None),
+    # a device it must run on comes first, warm or not
+    (steer.Wanted(model="gpt", devices=frozenset({"GPU-c"})), set(), [12]),
+])
+def test_the_head_task_goes_to_the_idle_child_holding_its_engine(
+        want: steer.Wanted, busy: set[int], chosen: list[int] | None) -> None:
+    device = {10: "GPU-a", 11: "GPU-b", 12: "GPU-c"}
+    assert steer.choose([10, 11, 12], want, device.get, WARM.get,
+                        lambda fd: fd not in busy) == chosen
+
+
+def test_warm_wishes_are_noted_only_where_the_pool_is_steered(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    steer.want_warm("t1", "gpt", None, "fp16")
+    assert steer.wanted("t1") == steer.Wanted(model="gpt", precision="fp16")
+    steer.want("t1", frozenset({"GPU-a"}))  # (both wishes kept)
+    assert steer.wanted("t1") == steer.Wanted(frozenset({"GPU-a"}), "gpt", None, "fp16")
+    monkeypatch.setattr(steer, "_installed", False)
+    steer.want_warm("t2", "gpt", None, None)
+    steer.note_children({0: affinity.Warm({"gpt": 1.0})})
+    assert steer.wanted("t2") is None and steer._children == {}
