@@ -184,6 +184,10 @@ class SitsConfig:
     #: tiny model's first load in a child: ~5 s, nearly all imports, down to ~0.25 s).
     #: Off for a worker that would rather start at once and without them in its parent.
     preimport: bool = True
+    #: A worker of several pool children hands each task to a child that fits it: one
+    #: on a device that can hold its declared VRAM, the one holding its engine warm
+    #: (``workers/steer.py``). Off: Celery's prefork pool chooses, as stock.
+    steer_pool: bool = True
     #: Prefix on every Redis key the broker writes (kombu ``global_keyprefix``).
     global_keyprefix: str = ""
     #: Time slices (§1.4), for tasks that call ``self.yield_point()``: a running task

@@ -50,10 +50,22 @@ from sits_queue.config import SitsConfig
 from sits_queue.procs import CeleryProcess, start_worker, wait_ready
 from sits_queue.workers import cores
 
-SYSTEMS = ("sits_priority_order", "sits_affinity")
-DATABASES = {"sits_priority_order": 0, "sits_affinity": 1}
-#: ``SITS_AFFINITY_WINDOW`` per system: off, and the default.
-WINDOWS = {"sits_priority_order": 0, "sits_affinity": SitsConfig().affinity_window}
+SYSTEMS = ("sits_priority_order", "sits_affinity", "sits_one_worker",
+           "sits_one_worker_unsteered")
+DATABASES = {name: i for i, name in enumerate(SYSTEMS)}
+#: ``SitsConfig`` settings per system: affinity off, and the default; the one-worker
+#: systems with the default, the pool's steering on (the default) and off.
+SETTINGS: dict[str, dict[str, Any]] = {
+    "sits_priority_order": {"affinity_window": 0},
+    "sits_affinity": {"affinity_window": SitsConfig().affinity_window},
+    "sits_one_worker": {"affinity_window": SitsConfig().affinity_window},
+    "sits_one_worker_unsteered": {"affinity_window": SitsConfig().affinity_window,
+                                  "steer_pool": False}}
+#: ``SITS_AFFINITY_WINDOW`` per system (the JSON's ``meta``).
+WINDOWS = {name: settings["affinity_window"] for name, settings in SETTINGS.items()}
+#: Systems of one worker whose pool has a child per device (as a host with one worker
+#: of one child per GPU, the default), instead of a worker per device.
+ONE_WORKER = ("sits_one_worker", "sits_one_worker_unsteered")
 #: Warm-up rounds (one request per worker each) before giving up on a worker that never
 #: got one: a worker importing torch is busy for seconds, so one round is the rule.
 WARMUP_ROUNDS = 5
@@ -98,19 +110,21 @@ def run_system(system: str, stream: Sequence[Request], warm: str, url: str, zoo:
     ``settings`` (default: this benchmark's window for ``system``); the task records."""
     client = redis.Redis.from_url(url)
     client.flushdb()
-    settings = {"affinity_window": WINDOWS[system]} if settings is None else settings
+    settings = SETTINGS.get(system, {}) if settings is None else settings
     app = build("sits", url, zoo, budgets[0], settings)
     env = {**worker_env("sits", url, zoo, budgets, settings), **(extra_env or {})}
-    workers = [start_worker("sits_queue.bench.coldstart_apps", env, log_dir, concurrency=1,
-                            hostname=f"{system}-{i}@%h", cpus=cpus)
-               for i, cpus in enumerate(cpu_sets(fleet[0], available_cpus()))]
+    # (a one-worker system: one worker with a pool child where the fleet has a worker)
+    n_workers, children = (1, fleet[0]) if system in ONE_WORKER else (fleet[0], 1)
+    workers = [start_worker("sits_queue.bench.coldstart_apps", env, log_dir,
+                            concurrency=children, hostname=f"{system}-{i}@%h", cpus=cpus)
+               for i, cpus in enumerate(cpu_sets(n_workers, available_cpus()))]
     try:
         wait_ready(app, workers)
         with app.producer_or_acquire() as producer:
-            _warm_up(client, app, workers, warm, warmup_prompt or stream[0].prompt,
-                     fleet[1], producer)
-            on_progress(f"  {system}: {len(workers)} workers warm ({warm}); submitting "
-                        f"{len(stream)} requests")
+            _warm_up(client, app, workers, children, warm,
+                     warmup_prompt or stream[0].prompt, fleet[1], producer)
+            on_progress(f"  {system}: {len(workers)} worker(s) of {children} child(ren) "
+                        f"warm ({warm}); submitting {len(stream)} requests")
             for req in stream:
                 submit(app, "sits", req.model, req.prompt, fleet[1], req.index, producer,
                        **(submit_options or {}))
@@ -124,25 +138,27 @@ def run_system(system: str, stream: Sequence[Request], warm: str, url: str, zoo:
         client.close()
 
 
-def _warm_up(client: redis.Redis, app: Any, workers: Sequence[CeleryProcess], warm: str,
-             prompt: str, max_new_tokens: int, producer: Any) -> None:
-    """Until every worker has served ``warm`` once (one request per worker per round)."""
-    pending = {w.hostname for w in workers}
+def _warm_up(client: redis.Redis, app: Any, workers: Sequence[CeleryProcess], children: int,
+             warm: str, prompt: str, max_new_tokens: int, producer: Any) -> None:
+    """Until every pool child of every worker has served ``warm`` once (one request per
+    child per round)."""
+    pending = len(workers) * children
+    served: set[tuple[Any, Any]] = set()
     for _ in range(WARMUP_ROUNDS):
         client.delete(DONE_KEY)
-        for _ in workers:
+        for _ in range(pending):
             submit(app, "sits", warm, prompt, max_new_tokens, -1, producer)
-        records = await_records(client, len(workers), workers, coldstart.WARMUP_TIMEOUT_S,
+        records = await_records(client, pending, workers, coldstart.WARMUP_TIMEOUT_S,
                                 "the warm-up requests")
         errors = [r["error"] for r in records if r.get("error")]
         if errors:
             raise RuntimeError(f"warm-up failed: {errors[0]}")
-        pending -= {r.get("host") for r in records}
-        if not pending:
+        served |= {(r.get("host"), r.get("pid")) for r in records}
+        if len(served) >= len(workers) * children:
             client.delete(DONE_KEY)
             return
-    raise RuntimeError(f"workers {sorted(pending)} served no warm-up request in "
-                       f"{WARMUP_ROUNDS} rounds")
+    raise RuntimeError(f"{len(served)} of {len(workers) * children} pool children served "
+                       f"a warm-up request in {WARMUP_ROUNDS} rounds")
 
 
 def available_cpus() -> list[int]:
@@ -169,30 +185,61 @@ def fleet_summary(records: Sequence[dict[str, Any]], warm: str) -> dict[str, Any
     """
     out = {k: v for k, v in summarise(records, warm).items() if not k.startswith("gap_")}
     ok = [r for r in records if not r.get("error")]
-    hosts = sorted({str(r.get("host")) for r in ok})
-    per_worker: dict[str, Any] = {}
-    switches = 0
-    for host in hosts:
-        mine = sorted((r for r in ok if str(r.get("host")) == host),
-                      key=lambda r: r["start"] if r.get("start") is not None else r["fin"])
-        models = Counter(str(r["model"]) for r in mine)
-        switches += coldstart.switches([str(r["model"]) for r in mine], warm)
-        per_worker[host] = {
-            "n": len(mine), "cold_share": round(sum(r["cold"] for r in mine) / len(mine), 4),
-            "models": dict(models.most_common())}
-    out["model_switches"] = switches
-    out["per_worker"] = per_worker
+    out["per_worker"] = _spread(ok, _worker_of)
+    # Each pool child keeps its own cache: model changes are counted in each child's
+    # order (a worker of one child: the same as in the worker's)
+    out["per_child"] = _spread(ok, _child_of)
+    out["model_switches"] = sum(
+        coldstart.switches([str(r["model"]) for r in _in_order(ok, _child_of, child)], warm)
+        for child in out["per_child"])
     out["disk_loads"] = sum(1 for r in ok if r["source"] == "disk")
     # Tasks a worker took ahead of its queue's head because it held their model warm.
     out["affinity_picks"] = sum(1 for r in ok if r.get("affinity"))
     return out
 
 
+def _worker_of(record: Mapping[str, Any]) -> str:
+    return str(record.get("host"))
+
+
+def _child_of(record: Mapping[str, Any]) -> str:
+    return f"{record.get('host')} pid {record.get('pid')}"
+
+
+def _in_order(records: Sequence[dict[str, Any]], key: Callable[[Mapping[str, Any]], str],
+              name: str) -> list[dict[str, Any]]:
+    """The records ``key`` names ``name``, in the order they started."""
+    return sorted((r for r in records if key(r) == name),
+                  key=lambda r: r["start"] if r.get("start") is not None else r["fin"])
+
+
+def _spread(records: Sequence[dict[str, Any]], key: Callable[[Mapping[str, Any]], str]
+            ) -> dict[str, Any]:
+    """Per worker (or child, by ``key``): tasks, cold share, models served."""
+    out: dict[str, Any] = {}
+    for name in sorted({key(r) for r in records}):
+        mine = _in_order(records, key, name)
+        out[name] = {"n": len(mine),
+                     "cold_share": round(sum(r["cold"] for r in mine) / len(mine), 4),
+                     "models": dict(Counter(str(r["model"]) for r in mine).most_common())}
+    return out
+
+
 def ratios(systems: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
     on, off = systems["sits_affinity"], systems["sits_priority_order"]
-    return {"cold_share_vs_priority_order": ratio(on["cold_share"], off["cold_share"]),
-            "throughput_vs_priority_order": ratio(on["throughput_tps"], off["throughput_tps"]),
-            "p99_vs_priority_order": ratio(on["p99_ms"], off["p99_ms"])}
+    out = {"cold_share_vs_priority_order": ratio(on["cold_share"], off["cold_share"]),
+           "throughput_vs_priority_order": ratio(on["throughput_tps"], off["throughput_tps"]),
+           "p99_vs_priority_order": ratio(on["p99_ms"], off["p99_ms"])}
+    one, unsteered = systems.get("sits_one_worker"), systems.get("sits_one_worker_unsteered")
+    if one is not None and unsteered is not None:
+        # a worker of a child per device, its pool steered to the child holding each
+        # task's model warm, against the same worker's pool choosing as stock
+        out["one_worker_cold_share_vs_unsteered"] = ratio(one["cold_share"],
+                                                          unsteered["cold_share"])
+        out["one_worker_throughput_vs_unsteered"] = ratio(one["throughput_tps"],
+                                                          unsteered["throughput_tps"])
+        out["one_worker_cold_share_vs_fleet"] = ratio(one["cold_share"], on["cold_share"])
+    return out
 
 
 def targets(r: Mapping[str, float | None]) -> dict[str, bool]:
@@ -254,17 +301,19 @@ def table(result: Mapping[str, Any]) -> str:
                      f"{s['disk_loads']:>6}{s['model_switches']:>10}{s['affinity_picks']:>7}"
                      f"{s['p50_ms']:>9.0f}{s['p99_ms']:>9.0f}{s['throughput_tps']:>8.2f}")
     for name, s in result["systems"].items():
-        spread = "; ".join(f"{w['n']} tasks, {len(w['models'])} models"
-                           for w in s["per_worker"].values())
-        lines.append(f"{name} per worker: {spread}")
+        per, what = (s["per_child"], "child") if name in ONE_WORKER else \
+            (s["per_worker"], "worker")
+        spread = "; ".join(f"{w['n']} tasks, {len(w['models'])} models" for w in per.values())
+        lines.append(f"{name} per {what}: {spread}")
     meta = result["meta"]
     lines.append("(disk: loads from disk; switches: model changes in each worker's order; "
                  "ahead: tasks taken ahead of the head by affinity; p50/p99: submit -> "
                  "finish)")
     lines.append(f"device {meta['device']}, {meta['requests']} requests over "
-                 f"{len(meta['models'])} models, {meta['workers']} workers x concurrency 1, "
+                 f"{len(meta['models'])} models, {meta['workers']} workers x concurrency 1 "
+                 f"(the one-worker systems: 1 worker x concurrency {meta['workers']}), "
                  f"device tier {meta['budget']['device_bytes_per_worker']} of "
-                 f"{meta['budget']['zoo_bytes']} bytes each")
+                 f"{meta['budget']['zoo_bytes']} bytes per child")
     return "\n".join(lines + coldstart.footer(result))
 
 

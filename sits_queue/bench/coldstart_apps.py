@@ -256,6 +256,7 @@ def _connect_records(app: Celery, url: str) -> None:
         rec["host"] = getattr(task.request, "hostname", None)  # which worker served it
         rec["affinity"] = bool(getattr(task.request, AFFINITY_HEADER, False))
         pid = os.getpid()  # a forked child must not reuse its parent's socket
+        rec["pid"] = pid  # which pool child (each keeps its own cache)
         if pid not in clients:
             clients[pid] = redis.Redis.from_url(url)
         clients[pid].rpush(DONE_KEY, json.dumps(rec))

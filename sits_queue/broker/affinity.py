@@ -37,12 +37,15 @@ plain consumers have none and pick plain priority order at no cost.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from sits_queue.broker.keys import LEVELS_PER_E
+
+logger = logging.getLogger(__name__)
 
 #: Cache tiers as the engine cache names them (``sits_queue.cache.policy.Tier``).
 DEVICE_TIER = "device"
@@ -303,8 +306,24 @@ NOTHING_WARM = Warm()
 
 def warm_now() -> Warm:
     """The registered source's weights (the same object until it reads again); empty
-    without one (producers, plain consumers)."""
-    return _source[0]() if _source else NOTHING_WARM
+    without one (producers, plain consumers), and where the source fails: affinity is an
+    optimisation, and an error here, raised in the pick, stopped the worker's intake."""
+    if not _source:
+        return NOTHING_WARM
+    try:
+        warm = _source[0]()
+    except Exception:
+        # (said once per spell, with its traceback: every pick would meet it again)
+        (logger.debug if _failing else logger.exception)(
+            "warm set unreadable; picking without affinity")
+        _failing[:] = [True]
+        return NOTHING_WARM
+    _failing.clear()
+    return warm
+
+
+#: Set while the warm source fails (said once).
+_failing: list[bool] = []
 
 
 def invalidate() -> None:

@@ -410,6 +410,9 @@ class WarmReader:
         self._clock = clock
         self._warm = affinity.Warm()
         self._read_at: float | None = None
+        #: The last reading's child records by slot, and the idle children's views of it.
+        self._by_slot: dict[int, Mapping[str, Any]] = {}
+        self._idle_warm: dict[frozenset[int], affinity.Warm] = {}
 
     @property
     def slots(self) -> tuple[int, ...]:
@@ -432,21 +435,40 @@ class WarmReader:
     def __call__(self) -> affinity.Warm:
         now = self._clock()
         if self._read_at is not None and now - self._read_at < self.WARM_MAX_AGE_S:
-            return self._warm
+            return self._idle_view(self._precisions)
         self._read_at = now
         try:
             raw = client_for(self._config).mget(self._keys)
         except redis.RedisError as exc:
             logger.debug("warm set unreadable, picking without affinity: %s", exc)
-            self._warm = affinity.Warm()
+            self._warm, self._by_slot = affinity.Warm(), {}
             return self._warm
         children = [c for c in (json_object(v) for v in raw) if c is not None]
-        self._warm = affinity.warm_of(children, self._policy, self._precision_weights(now))
+        precisions = self._precision_weights(now)
+        self._warm = affinity.warm_of(children, self._policy, precisions)
         # (each child's own, for the pool's choice of child: workers/steer.py)
-        steer.note_children({c["slot"]: affinity.warm_of([c], self._policy)
-                             for c in children
-                             if isinstance(c.get("slot"), int) and c["slot"] in self._slots})
-        return self._warm
+        self._by_slot = {c["slot"]: c for c in children
+                         if isinstance(c.get("slot"), int) and c["slot"] in self._slots}
+        self._idle_warm = {}
+        steer.note_children({slot: affinity.warm_of([c], self._policy)
+                             for slot, c in self._by_slot.items()})
+        return self._idle_view(precisions)
+
+    def _idle_view(self, precisions: Mapping[str, float]) -> affinity.Warm:
+        """What the idle children hold, where the pool is steered: the freed slot's pick
+        is for them (under a backlog, one), and a task warm only in a busy child, picked
+        by the union of all, went cold to the idle one. The same object while neither
+        the reading nor the idle set changes (the transport re-reads it by identity)."""
+        idle = steer.idle_slots()
+        if not idle or not self._by_slot:
+            return self._warm
+        key = idle.intersection(self._by_slot)
+        if not key:
+            return self._warm
+        if (view := self._idle_warm.get(key)) is None:
+            view = self._idle_warm[key] = affinity.warm_of(
+                [self._by_slot[s] for s in sorted(key)], self._policy, precisions)
+        return view
 
     def _precision_weights(self, now: float) -> dict[str, float]:
         """This worker's precision weights (``affinity.precision_weights``) from every

@@ -63,6 +63,8 @@ _wanted: OrderedDict[str, Wanted] = OrderedDict()
 _children: dict[int, affinity.Warm] = {}
 #: Whether this process's pool is steered (else nothing is noted per task).
 _installed = False
+#: The steered pool (its children's busy marks tell which are idle).
+_pool: Any = None
 
 
 def _note(task_id: str, **fields: Any) -> None:
@@ -89,6 +91,18 @@ def want_warm(task_id: str, model: str, prefix: str | None, precision: str | Non
 def steering() -> bool:
     """Whether this process's pool is steered."""
     return _installed
+
+
+def idle_slots() -> frozenset[int] | None:
+    """The slots of the steered pool's children that are idle now (event loop's thread,
+    as the pool's own marks); None where the pool is not steered."""
+    pool = _pool
+    if pool is None:
+        return None
+    busy, writing = pool._busy_workers, pool._active_writes
+    return frozenset(slot for fd, proc in list(pool._fileno_to_inq.items())
+                     if fd not in busy and fd not in writing
+                     and isinstance(slot := getattr(proc, "index", None), int))
 
 
 def wanted(task_id: str | None) -> Wanted | None:
@@ -130,7 +144,7 @@ def install(pool: Any, device_of_slot: Callable[[int], str | None]) -> bool:
     """Steer ``pool`` (a billiard ``AsynPool``, before it registers with the event loop)
     by :func:`choose`; False for a pool without the parts this needs (another pool, or a
     Celery whose pool changed), which is left as it is."""
-    global _installed
+    global _installed, _pool
     create = getattr(pool, "_create_write_handlers", None)
     needed = ("outbound_buffer", "_fileno_to_inq", "_busy_workers", "_active_writes")
     if create is None or not all(hasattr(pool, name) for name in needed):
@@ -170,7 +184,7 @@ def install(pool: Any, device_of_slot: Callable[[int], str | None]) -> bool:
         return out
 
     pool._create_write_handlers = create_write_handlers
-    _installed = True
+    _installed, _pool = True, pool
     return True
 
 
@@ -182,10 +196,11 @@ class SteerStep(bootsteps.StartStopStep):  # type: ignore[misc]
     name = "SITS pool steering"
 
     def start(self, w: Any) -> None:
+        from sits_queue.app import sits_config
         from sits_queue.workers import runtime
 
         plan = runtime.plan()
-        if plan.slots < 2:
+        if plan.slots < 2 or not sits_config(w.app).steer_pool:
             return
 
         def device_of_slot(slot: int) -> str | None:

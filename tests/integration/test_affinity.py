@@ -4,20 +4,23 @@ policy, keeps the delivery guarantees, and a real worker takes what it holds war
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import redis
 
+from sits_queue.broker import affinity
 from sits_queue.broker.affinity import AffinityPolicy, Candidate, Warm, choose, lua_args
 from sits_queue.broker.keys import QueueKeys, priority_level, score_base
 from sits_queue.broker.scripts import Scripts
 from sits_queue.config import SitsConfig
 from sits_queue.procs import wait_ready
-from sits_queue.workers import advertise
+from sits_queue.workers import advertise, steer
 from tests.integration.inference_app import (
     CALL_S,
     FIRST_CALL_S,
@@ -350,3 +353,48 @@ def test_warm_reader_reads_the_slots_it_is_given(r: redis.Redis, redis_url: str)
         assert reader() == Warm({"z": 1.0})
     finally:
         r.delete(advertise.child_key(prefix, "w@host", 2))
+
+
+def test_a_steered_worker_picks_by_what_its_idle_children_hold(
+        r: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(the pick weighed the union of all children's warm sets: under a backlog the one
+    idle child took a task warm only in a busy one, and loaded it cold)"""
+    config = SitsConfig(redis_url=redis_url, global_keyprefix="aff-idle:")
+    prefix = config.global_keyprefix
+    reader = advertise.WarmReader(config, "w@host", range(2))
+    pool = SimpleNamespace(_busy_workers={10}, _active_writes=set(),
+                           _fileno_to_inq={10: SimpleNamespace(index=0),
+                                           11: SimpleNamespace(index=1)})
+    monkeypatch.setattr(steer, "_pool", pool)
+    monkeypatch.setattr(steer, "_installed", True)
+    try:
+        for slot, model in ((0, "a"), (1, "b")):
+            r.set(advertise.child_key(prefix, "w@host", slot),
+                  json.dumps({"slot": slot, "warm": {model: "device"}}))
+        # slot 0 busy: the pick is for slot 1, and weighs what it holds
+        assert reader() == Warm({"b": 1.0})
+        assert reader() is reader()  # (one object while nothing changes: picks cache on it)
+        pool._busy_workers = {11}
+        assert reader() == Warm({"a": 1.0})
+        pool._busy_workers = set()  # both idle: either may take it
+        assert reader() == Warm({"a": 1.0, "b": 1.0})
+        monkeypatch.setattr(steer, "_pool", None)  # a pool not steered: the union
+        assert reader() == Warm({"a": 1.0, "b": 1.0})
+    finally:
+        r.delete(*(advertise.child_key(prefix, "w@host", s) for s in (0, 1)))
+
+
+def test_a_failing_warm_source_means_no_affinity_not_a_stopped_worker(
+        caplog: pytest.LogCaptureFixture) -> None:
+    def broken() -> Warm:
+        raise TypeError("a bug in the reader")
+
+    affinity.set_warm_source(broken)
+    try:
+        with caplog.at_level(logging.DEBUG, logger=affinity.__name__):
+            assert affinity.warm_now() is affinity.NOTHING_WARM
+            assert affinity.warm_now() is affinity.NOTHING_WARM
+        assert caplog.text.count("Traceback") == 1  # said once per spell
+    finally:
+        affinity.set_warm_source(None)
+        affinity._failing.clear()

@@ -34,14 +34,19 @@ def test_json_has_both_systems_ratios_and_meta(result: dict[str, Any]) -> None:
         assert set(REQUIRED) <= set(s), name
         # Every request ran on one of the two workers, none failed; warm-ups not counted.
         assert (s["n"], s["failed"]) == (TINY.shape.n_requests, 0), (name, s["errors"])
-        assert len(s["per_worker"]) == TINY.workers, name
+        workers = 1 if name in affinity.ONE_WORKER else TINY.workers
+        assert len(s["per_worker"]) == workers, name
+        assert len(s["per_child"]) <= TINY.workers, name  # (one child per worker or slot)
         assert sum(w["n"] for w in s["per_worker"].values()) == TINY.shape.n_requests
         assert s["device"] == ["cpu"]
-    assert set(result["ratios"]) == {"cold_share_vs_priority_order",
-                                     "throughput_vs_priority_order", "p99_vs_priority_order"}
+    assert set(result["ratios"]) == {
+        "cold_share_vs_priority_order", "throughput_vs_priority_order",
+        "p99_vs_priority_order", "one_worker_cold_share_vs_unsteered",
+        "one_worker_throughput_vs_unsteered", "one_worker_cold_share_vs_fleet"}
     meta = result["meta"]
     assert meta["workers"] == TINY.workers and meta["requests"] == TINY.shape.n_requests
-    assert meta["windows"] == {"sits_priority_order": 0, "sits_affinity": 16}
+    assert meta["windows"] == {"sits_priority_order": 0, "sits_affinity": 16,
+                               "sits_one_worker": 16, "sits_one_worker_unsteered": 16}
     assert {"date", "budget", "warm_model", "targets", "cpus_per_worker"} <= set(meta)
 
 
