@@ -20,6 +20,7 @@ from sits_queue.workers import runtime as rt
 from sits_queue.workers.devices import Device, Discovery
 from sits_queue.workers.limits import BYTES_PER_GIB as GIB
 from sits_queue.workers.slices import Preempted
+from tests.unit.test_worker_runtime import FakeQoS
 
 
 def gpu_device(index: int) -> Device:
@@ -169,15 +170,6 @@ def test_own_free_memory_counts_this_childs_cached_blocks(
     assert devicefit.own_free_bytes(child(slot=1)) == 40 * GIB
     assert devicefit.own_free_bytes(child(slot=1)) == 40 * GIB
     assert nvml.inits == 1  # kept open between tasks
-
-
-class FakeQoS:
-    def __init__(self) -> None:
-        self.released: list[tuple[Any, ...]] = []
-
-    def release(self, tag: str, *hold: float) -> float:
-        self.released.append((tag, *hold))
-        return hold[0] if hold else 0.0
 
 
 def test_the_main_process_gives_a_refused_task_back_uncounted_and_held_off(
