@@ -35,6 +35,13 @@ def test_each_task_goes_to_the_child_holding_its_model(
         "SITS_DEVICE_CACHE_BYTES": one_model, "SITS_HOST_CACHE_BYTES": one_model},
         concurrency=2, name="steer")
     describe = app.tasks["t.describe"]
+
+    def settled() -> None:
+        # A child stores its result before its main process hears it is done: until the
+        # main process has acked, it still counts that child busy (and steers around it)
+        wait_for(lambda: redis_client.zcard("sits:{celery}:u") == 0, CALL_S,
+                 "the worker to ack what it ran")
+
     try:
         wait_ready(app, [worker])
         # Given one child that loaded gpt (a task of it holds that child a while) and the
@@ -45,6 +52,7 @@ def test_each_task_goes_to_the_child_holding_its_model(
         home = {"lm-a": describe.apply_async(("a",), model="lm-a").get(
             timeout=FIRST_CALL_S)["output"]["pid"]}
         assert busy.get(timeout=FIRST_CALL_S)["output"] == "finished"
+        settled()
         home["gpt"] = describe.apply_async(("g",), model="gpt").get(
             timeout=CALL_S)["output"]["pid"]
         assert home["gpt"] != home["lm-a"], worker.log()[-3000:]
@@ -53,6 +61,7 @@ def test_each_task_goes_to_the_child_holding_its_model(
         runs: list[dict[str, Any]] = []
         for n in range(6):
             model = ("gpt", "lm-a")[n % 2]
+            settled()
             result = describe.apply_async((f"t{n}",), model=model).get(timeout=CALL_S)
             runs.append({"model": model, "pid": result["output"]["pid"],
                          "cold": result["sits"]["cold"]})
