@@ -19,16 +19,19 @@ writes it to an idle child of its own choosing: the first writable one in its li
 So the main process says, per task, which devices can hold it now (:func:`want`, at
 admission) and which engine and prompt prefix it runs (:func:`want_warm`); it keeps
 each child's warm set as its advert says (:func:`note_children`, from the same read the
-picks use), and the pool's choice for the task at the head of its outbound buffer is
-narrowed to one idle child (:func:`choose`, pure): among those on a device that holds
-it, the one whose warm set weighs most for the task. Where no idle child fits, or none
-holds anything of the task's, the pool chooses as before (and a child on a device too
-small still gives the task back). Only Celery's prefork pool (``AsynPool``) is steered;
-any other pool runs as it did.
+picks use), and the jobs waiting in the pool's outbound buffer are shared among its
+idle children (:func:`share`, pure), written one at a time: each job with a wish to the
+idle child on a device that holds it whose warm set weighs most for it
+(:func:`choose`), the others to those left. Where no idle child fits, or none holds
+anything of the task's, it goes where the pool would put it (and a child on a device too
+small still gives the task back). The transport's picks weigh only the idle children no
+waiting job will take (:func:`idle_slots`). Only Celery's prefork pool (``AsynPool``) is
+steered; any other pool runs as it did.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -65,6 +68,8 @@ _children: dict[int, affinity.Warm] = {}
 _installed = False
 #: The steered pool (its children's busy marks tell which are idle).
 _pool: Any = None
+#: The device (UUID) of each slot of the steered pool's.
+_device_of_slot: Callable[[int], str | None] | None = None
 
 
 def _note(task_id: str, **fields: Any) -> None:
@@ -94,15 +99,24 @@ def steering() -> bool:
 
 
 def idle_slots() -> frozenset[int] | None:
-    """The slots of the steered pool's children that are idle now (event loop's thread,
-    as the pool's own marks); None where the pool is not steered."""
+    """The slots of the steered pool's children that are idle now and that no job waiting
+    in its outbound buffer will take (event loop's thread, as the pool's own marks); None
+    where the pool is not steered.
+
+    (The transport picks several messages in one turn of the loop while the pool has
+    room, each written to a child only on a later turn: weighed by every idle child, a
+    burst took two tasks of the model one idle child held for the two idle children,
+    and the second loaded it cold in the other child, evicting what that one held, while
+    tasks of its model waited.)"""
     pool = _pool
     if pool is None:
         return None
-    busy, writing = pool._busy_workers, pool._active_writes
-    return frozenset(slot for fd, proc in list(pool._fileno_to_inq.items())
-                     if fd not in busy and fd not in writing
-                     and isinstance(slot := getattr(proc, "index", None), int))
+    idle = _idle_fds(pool, list(pool._fileno_to_inq))
+    waiting = list(itertools.islice(getattr(pool, "outbound_buffer", ()), len(idle)))
+    taken = set(share(idle, [wanted(getattr(job, "correlation_id", None)) for job in waiting],
+                      _device_of(pool), _warm_of(pool)))
+    return frozenset(slot for fd in idle if fd not in taken
+                     and (slot := _slot_of(pool, fd)) is not None)
 
 
 def wanted(task_id: str | None) -> Wanted | None:
@@ -140,51 +154,89 @@ def choose(ready_fds: Sequence[int], want: Wanted, device_of: Callable[[int], st
     return [fits[0]] if want.devices is not None else None
 
 
+def share(fds: Sequence[int], wants: Sequence[Wanted | None],
+          device_of: Callable[[int], str | None],
+          warm_of: Callable[[int], affinity.Warm | None]) -> list[int]:
+    """The idle children ``fds`` (in the pool's order) shared among the jobs at the head
+    of the outbound buffer (``wants``: each one's wish, None for none; at most one job
+    per child), the fd each goes to: first each job with a wish, in order, takes the
+    child :func:`choose` gives it among those left, then the others take those left, in
+    order."""
+    assert len(wants) <= len(fds)
+    free = list(fds)
+    chosen: list[int | None] = [None] * len(wants)
+    for n, want in enumerate(wants):
+        if want is not None and (fd := choose(free, want, device_of, warm_of,
+                                              lambda _: True)):
+            chosen[n] = fd[0]
+            free.remove(fd[0])
+    return [fd if fd is not None else free.pop(0) for fd in chosen]
+
+
+def _slot_of(pool: Any, fd: int) -> int | None:
+    slot = getattr(pool._fileno_to_inq.get(fd), "index", None)
+    return slot if isinstance(slot, int) else None
+
+
+def _idle_fds(pool: Any, fds: Sequence[int]) -> list[int]:
+    busy, writing = pool._busy_workers, pool._active_writes
+    return [fd for fd in fds if fd not in busy and fd not in writing]
+
+
+def _device_of(pool: Any) -> Callable[[int], str | None]:
+    def device_of(fd: int) -> str | None:
+        slot, of_slot = _slot_of(pool, fd), _device_of_slot
+        return of_slot(slot) if slot is not None and of_slot is not None else None
+    return device_of
+
+
+def _warm_of(pool: Any) -> Callable[[int], affinity.Warm | None]:
+    def warm_of(fd: int) -> affinity.Warm | None:
+        slot = _slot_of(pool, fd)
+        return _children.get(slot) if slot is not None else None
+    return warm_of
+
+
 def install(pool: Any, device_of_slot: Callable[[int], str | None]) -> bool:
     """Steer ``pool`` (a billiard ``AsynPool``, before it registers with the event loop)
-    by :func:`choose`; False for a pool without the parts this needs (another pool, or a
+    by :func:`share`; False for a pool without the parts this needs (another pool, or a
     Celery whose pool changed), which is left as it is."""
-    global _installed, _pool
+    global _installed, _pool, _device_of_slot
     create = getattr(pool, "_create_write_handlers", None)
     needed = ("outbound_buffer", "_fileno_to_inq", "_busy_workers", "_active_writes")
     if create is None or not all(hasattr(pool, name) for name in needed):
         return False
-
-    def slot_of(fd: int) -> int | None:
-        slot = getattr(pool._fileno_to_inq.get(fd), "index", None)
-        return slot if isinstance(slot, int) else None
-
-    def device_of(fd: int) -> str | None:
-        slot = slot_of(fd)
-        return device_of_slot(slot) if slot is not None else None
-
-    def warm_of(fd: int) -> affinity.Warm | None:
-        slot = slot_of(fd)
-        return _children.get(slot) if slot is not None else None
-
-    def idle(fd: int) -> bool:
-        return fd not in pool._busy_workers and fd not in pool._active_writes
+    device_of, warm_of = _device_of(pool), _warm_of(pool)
 
     def create_write_handlers(hub: Any, *args: Any, **kwargs: Any) -> Any:
         out = create(hub, *args, **kwargs)
         schedule = hub.consolidate_callback
 
         def schedule_writes(ready_fds: Sequence[int], *rest: Any) -> Any:
+            # One job at a time while a job with a wish waits to be written: Celery's own
+            # writes one job per writable child in a call, and the jobs behind the head
+            # went to whichever child came next, unsteered.
             outbound = pool.outbound_buffer
-            task_id = getattr(outbound[0], "correlation_id", None) if outbound else None
-            want = wanted(task_id)
-            if want is not None and (chosen := choose(ready_fds, want, device_of, warm_of,
-                                                      idle)):
-                assert task_id is not None
-                forget(task_id)
-                ready_fds = chosen
-            return schedule(ready_fds, *rest)
+            while outbound:
+                idle = _idle_fds(pool, ready_fds)
+                ids = [getattr(job, "correlation_id", None)
+                       for job in itertools.islice(outbound, len(idle))]
+                wants = [wanted(task_id) for task_id in ids]
+                if not any(wants):  # (plain tasks: the pool's own way, at its own cost)
+                    return schedule(ready_fds, *rest)
+                before = len(outbound)
+                schedule(share(idle, wants, device_of, warm_of)[:1], *rest)
+                if len(outbound) >= before:  # (not written: the pool puts it back)
+                    return None
+                if ids[0] is not None:
+                    forget(ids[0])
+            return None
 
         hub.consolidate_callback = schedule_writes
         return out
 
     pool._create_write_handlers = create_write_handlers
-    _installed, _pool = True, pool
+    _installed, _pool, _device_of_slot = True, pool, device_of_slot
     return True
 
 

@@ -42,32 +42,103 @@ def test_the_head_task_goes_to_an_idle_child_whose_device_holds_it(
 
 
 def fake_pool(slots: dict[int, int]) -> Any:
-    """An ``AsynPool``'s parts steering reads: inqueue fd -> process (its slot)."""
-    return SimpleNamespace(
+    """An ``AsynPool``'s parts steering reads: inqueue fd -> process (its slot), and its
+    write scheduling as Celery's (``schedule_writes``: one job per writable idle child,
+    in the order given, that child then busy), each write noted in ``hub.written``."""
+    pool = SimpleNamespace(
         outbound_buffer=deque(), _busy_workers=set(), _active_writes=set(),
-        _fileno_to_inq={fd: SimpleNamespace(index=slot) for fd, slot in slots.items()},
-        _create_write_handlers=lambda hub: hub.__setattr__(
-            "consolidate_callback", lambda fds: hub.written.append(list(fds))))
+        _fileno_to_inq={fd: SimpleNamespace(index=slot) for fd, slot in slots.items()})
+
+    def create_write_handlers(hub: Any) -> None:
+        def schedule_writes(fds: list[int]) -> None:
+            hub.calls.append(list(fds))
+            for fd in fds:
+                if fd in pool._busy_workers or fd not in pool._fileno_to_inq or \
+                        not pool.outbound_buffer:
+                    continue
+                hub.written.append((pool.outbound_buffer.popleft().correlation_id, fd))
+                pool._busy_workers.add(fd)
+        hub.consolidate_callback = schedule_writes
+
+    pool._create_write_handlers = create_write_handlers
+    return pool
+
+
+def job(task_id: str) -> Any:
+    return SimpleNamespace(correlation_id=task_id)
+
+
+def installed(slots: dict[int, int], device: dict[int, str] | None = None
+              ) -> tuple[Any, Any]:
+    pool = fake_pool(slots)
+    assert steer.install(pool, (device or {}).get)
+    hub = SimpleNamespace(written=[], calls=[])
+    pool._create_write_handlers(hub)
+    return pool, hub
 
 
 def test_an_installed_pool_writes_a_wanted_task_to_a_child_of_its_device() -> None:
-    pool = fake_pool({10: 0, 11: 1})
-    assert steer.install(pool, {0: "GPU-big", 1: "GPU-small"}.get)
-    hub = SimpleNamespace(written=[])
-    pool._create_write_handlers(hub)
+    pool, hub = installed({10: 0, 11: 1}, {0: "GPU-big", 1: "GPU-small"})
     # Given the pool's writable children in its order, the small GPU's first
-    pool.outbound_buffer.append(SimpleNamespace(correlation_id="t-big"))
+    pool.outbound_buffer.append(job("t-big"))
     steer.want("t-big", frozenset({"GPU-big"}))
     hub.consolidate_callback([11, 10])
     # Then the task that fits the big GPU only is written to its child, once
-    assert hub.written == [[10]] and steer.wanted("t-big") is None
+    assert hub.written == [("t-big", 10)] and steer.wanted("t-big") is None
     # and a task that declares nothing goes where the pool says
-    pool.outbound_buffer[0] = SimpleNamespace(correlation_id="t-any")
+    pool._busy_workers.clear()
+    pool.outbound_buffer.append(job("t-any"))
     hub.consolidate_callback([11, 10])
-    assert hub.written[-1] == [11, 10]
+    assert hub.calls[-1] == [11, 10] and hub.written[-1] == ("t-any", 11)
     # A pool without those parts (solo, threads) is left alone
     assert not steer.install(SimpleNamespace(), lambda slot: None)
     assert not steer.install(None, lambda slot: None)
+
+
+def test_jobs_behind_the_head_are_steered_too() -> None:
+    """(Celery writes one job per writable child in one call: the wrapper steered the
+    head only, and the next job went to the child left, cold, while the head, warm
+    nowhere, took the child that held the next one's model)"""
+    pool, hub = installed({10: 0, 11: 1})
+    steer.note_children({0: affinity.Warm({"lm-a": 1.0}), 1: affinity.Warm({"gpt": 1.0})})
+    # Given a task of a model warm nowhere, then one of lm-a (warm in slot 0), and a
+    # plain task first in the next call
+    pool.outbound_buffer.extend([job("t-cold"), job("t-lm-a")])
+    steer.want_warm("t-cold", "lm-b", None, None)
+    steer.want_warm("t-lm-a", "lm-a", None, None)
+    hub.consolidate_callback([10, 11])
+    # Then lm-a goes to the child that holds it, the other to the child left
+    assert sorted(hub.written) == [("t-cold", 11), ("t-lm-a", 10)]
+    assert steer.wanted("t-cold") is None and steer.wanted("t-lm-a") is None
+    # And likewise behind a plain task
+    pool._busy_workers.clear()
+    pool.outbound_buffer.extend([job("t-plain"), job("t-gpt")])
+    steer.want_warm("t-gpt", "gpt", None, None)
+    hub.consolidate_callback([11, 10])
+    assert sorted(hub.written[2:]) == [("t-gpt", 11), ("t-plain", 10)]
+    # and a job the pool does not write (its child gone meanwhile) stays at the head:
+    # the call ends, the pool writes it on a later turn
+    pool._busy_workers.clear()
+    pool.outbound_buffer.append(job("t-later"))
+    steer.want_warm("t-later", "gpt", None, None)
+    hub.consolidate_callback([13])
+    assert list(pool.outbound_buffer) == [job("t-later")] and hub.calls[-1] == [13]
+
+
+def test_a_child_a_waiting_job_will_take_is_not_idle_for_the_pick() -> None:
+    """(the transport picks several messages in one turn of the loop: weighed by every
+    idle child, a burst took two gpt tasks for two idle children, one holding gpt, the
+    other lm-a, and the second loaded gpt cold there while lm-a tasks waited)"""
+    pool, _ = installed({10: 0, 11: 1, 12: 2})
+    steer.note_children({0: affinity.Warm({"lm-a": 1.0}), 1: affinity.Warm({"gpt": 1.0})})
+    assert steer.idle_slots() == {0, 1, 2}
+    pool.outbound_buffer.append(job("t-gpt"))
+    steer.want_warm("t-gpt", "gpt", None, None)
+    assert steer.idle_slots() == {0, 2}  # slot 1 is the gpt task's
+    pool.outbound_buffer.append(job("t-plain"))
+    assert steer.idle_slots() == {2}  # (a plain job takes the first child left)
+    pool._busy_workers.add(12)
+    assert steer.idle_slots() == frozenset()  # none left: the pick weighs them all
 
 
 def test_admission_notes_the_devices_that_hold_the_task() -> None:
