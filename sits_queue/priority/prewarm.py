@@ -173,8 +173,10 @@ def _view(worker: Mapping[str, Any]) -> forecast.WorkerView:
     warm = {str(m).partition("@")[0] for child in children
             for m, tier in as_mapping(as_mapping(child).get("warm")).items() if tier == "device"}
     devices = worker.get("devices")
-    free = sum(_bytes(as_mapping(d).get("free_vram_bytes"))
-               for d in (devices if isinstance(devices, list) else []))
+    # A model loads on one device: the roomiest one's free memory, not the sum (a host
+    # of eight nearly full GPUs outranked one roomy GPU that could hold the model)
+    free = max((_bytes(as_mapping(d).get("free_vram_bytes"))
+                for d in (devices if isinstance(devices, list) else [])), default=0)
     return forecast.WorkerView(str(worker.get("hostname")), frozenset(warm), free)
 
 

@@ -11,7 +11,7 @@ import pytest
 from sits_queue.config import SitsConfig
 from sits_queue.errors import ConfigError
 from sits_queue.priority import forecast as fc
-from sits_queue.priority.forecast import Forecaster, ModelOutlook, WorkerView
+from sits_queue.priority.forecast import Forecaster, ModelOutlook, Prewarm, WorkerView, plan
 
 DAY = 86_400
 T0 = 1_700_006_400 - (1_700_006_400 % DAY)  # a midnight, UTC
@@ -275,6 +275,18 @@ def test_a_worker_record_of_another_shape_counts_as_holding_nothing(
     good = _view({"hostname": "w", "devices": [{"free_vram_bytes": 2**33}, {}],
                   "children": {"0": {"warm": {"gpt": "device", "bert": "host"}}}})
     assert good == WorkerView("w", frozenset({"gpt"}), 2**33)
+
+
+def test_a_worker_ranks_by_its_roomiest_device_not_their_sum() -> None:
+    """(a model loads on one device: eight nearly full GPUs, 40 GiB free in all, outranked
+    one GPU with 30 GiB free, for a model neither of the eight could hold)"""
+    from sits_queue.priority.prewarm import _view
+
+    eight = _view({"hostname": "eight", "devices": [{"free_vram_bytes": 5 * 2**30}] * 8})
+    one = _view({"hostname": "one", "devices": [{"free_vram_bytes": 30 * 2**30}]})
+    assert (eight.free_vram_bytes, one.free_vram_bytes) == (5 * 2**30, 30 * 2**30)
+    need = ModelOutlook("gpt", 9.0, 0.9, 1.0, 900.0, 1, 0, "pre-warm")
+    assert plan([need], [eight, one]) == [Prewarm("gpt", "one")]
 
 
 def test_a_model_warm_at_a_precision_is_warm_for_its_demand() -> None:
