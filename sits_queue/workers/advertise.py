@@ -451,7 +451,10 @@ class WarmReader:
                          if isinstance(c.get("slot"), int) and c["slot"] in self._slots}
         self._idle_warm = {}
         steer.note_children({slot: affinity.warm_of([c], self._policy)
-                             for slot, c in self._by_slot.items()})
+                             for slot, c in self._by_slot.items()},
+                            {slot: room for slot, c in self._by_slot.items()
+                             if isinstance(room := c.get("device_room"), int)
+                             and not isinstance(room, bool)})
         return self._idle_view(precisions)
 
     def _idle_view(self, precisions: Mapping[str, float]) -> affinity.Warm:

@@ -329,6 +329,11 @@ class ChildRuntime:
         with self._publishing:
             self._publish()
 
+    def _device_room(self, warm: Mapping[str, str]) -> int:
+        """Its device tier's budget less what it holds there, bytes."""
+        sizes = self._cache.warm_bytes() if self._cache is not None else {}
+        return _room(self._budgets()[0], warm, sizes)
+
     def _publish(self) -> None:
         warm = self._cache.warm() if self._cache is not None else {}
         device = self.device_label
@@ -339,6 +344,8 @@ class ChildRuntime:
                 "slot": self.slot, "slots": self.plan.slots, "pid": os.getpid(),
                 "device": device, "warm": dict(warm), "cpus": list(self._cpus),
                 "warm_bytes": self._cache.warm_bytes() if self._cache is not None else {},
+                # (where a model warm nowhere loads with the fewest evictions: steer.py)
+                "device_room": self._device_room(warm),
                 # (what a task asking for another key runs warm on: affinity's)
                 "serves": self.serving.served_keys(warm, device),
                 "kv_prefixes": self._prefixes.models() if self._prefixes is not None else {},
@@ -349,6 +356,12 @@ class ChildRuntime:
         finally:
             if not sent:  # Redis away for now (or a signal cut it short): the counts go
                 metrics.merge(self._unsent, unsent)  # with the next publish
+
+
+def _room(budget: int, warm: Mapping[str, str], sizes: Mapping[str, int]) -> int:
+    """Bytes a device tier of ``budget`` has left beside the engines it holds."""
+    held = sum(size for key, size in sizes.items() if warm.get(key) == "device")
+    return max(0, budget - held)
 
 
 def _serving() -> Any:

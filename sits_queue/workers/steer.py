@@ -64,6 +64,8 @@ class Wanted:
 _wanted: OrderedDict[str, Wanted] = OrderedDict()
 #: Each child's warm set by slot (its advert's, as the picks read it).
 _children: dict[int, affinity.Warm] = {}
+#: Each child's device-tier room by slot, bytes (its advert's ``device_room``).
+_room: dict[int, int] = {}
 #: Whether this process's pool is steered (else nothing is noted per task).
 _installed = False
 #: The steered pool (its children's busy marks tell which are idle).
@@ -114,7 +116,7 @@ def idle_slots() -> frozenset[int] | None:
     idle = _idle_fds(pool, list(pool._fileno_to_inq))
     waiting = list(itertools.islice(getattr(pool, "outbound_buffer", ()), len(idle)))
     taken = set(share(idle, [wanted(getattr(job, "correlation_id", None)) for job in waiting],
-                      _device_of(pool), _warm_of(pool)))
+                      _device_of(pool), _warm_of(pool), _room_of(pool)))
     return frozenset(slot for fd in idle if fd not in taken
                      and (slot := _slot_of(pool, fd)) is not None)
 
@@ -127,20 +129,27 @@ def forget(task_id: str) -> None:
     _wanted.pop(task_id, None)
 
 
-def note_children(by_slot: Mapping[int, affinity.Warm]) -> None:
-    """Each child's warm set, by slot (the main process's read of their adverts)."""
+def note_children(by_slot: Mapping[int, affinity.Warm],
+                  room: Mapping[int, int] | None = None) -> None:
+    """Each child's warm set, and the room left in its device tier (bytes), by slot (the
+    main process's read of their adverts)."""
     if _installed:
         _children.clear()
         _children.update(by_slot)
+        _room.clear()
+        _room.update(room or {})
 
 
 def choose(ready_fds: Sequence[int], want: Wanted, device_of: Callable[[int], str | None],
            warm_of: Callable[[int], affinity.Warm | None],
-           idle: Callable[[int], bool]) -> list[int] | None:
+           idle: Callable[[int], bool],
+           room_of: Callable[[int], int | None] = lambda fd: None) -> list[int] | None:
     """The one writable child's fd the head task should go to: among the idle ones on a
-    device ``want`` allows, the first whose warm set weighs most for it (any of them
-    where it asks for a device; only one holding something of it where it does not);
-    None where there is none (the pool chooses as before)."""
+    device ``want`` allows, the first whose warm set weighs most for it; for an engine
+    warm in none of them, the one with the most room left in its device tier
+    (``room_of``: it loads there evicting least, where the first idle child would evict
+    what it holds); else the first (where it asks for a device); None where there is
+    none (the pool chooses as before)."""
     fits = [fd for fd in ready_fds if idle(fd)
             and (want.devices is None or device_of(fd) in want.devices)]
     if not fits:
@@ -151,12 +160,17 @@ def choose(ready_fds: Sequence[int], want: Wanted, device_of: Callable[[int], st
         best = max(weights)
         if best > 0:
             return [fits[weights.index(best)]]
+        rooms = [room_of(fd) for fd in fits]
+        if any(r is not None for r in rooms):
+            most = max(r for r in rooms if r is not None)
+            return [fits[rooms.index(most)]]
     return [fits[0]] if want.devices is not None else None
 
 
 def share(fds: Sequence[int], wants: Sequence[Wanted | None],
           device_of: Callable[[int], str | None],
-          warm_of: Callable[[int], affinity.Warm | None]) -> list[int]:
+          warm_of: Callable[[int], affinity.Warm | None],
+          room_of: Callable[[int], int | None] = lambda fd: None) -> list[int]:
     """The idle children ``fds`` (in the pool's order) shared among the jobs at the head
     of the outbound buffer (``wants``: each one's wish, None for none; at most one job
     per child), the fd each goes to: first each job with a wish, in order, takes the
@@ -167,7 +181,7 @@ def share(fds: Sequence[int], wants: Sequence[Wanted | None],
     chosen: list[int | None] = [None] * len(wants)
     for n, want in enumerate(wants):
         if want is not None and (fd := choose(free, want, device_of, warm_of,
-                                              lambda _: True)):
+                                              lambda _: True, room_of)):
             chosen[n] = fd[0]
             free.remove(fd[0])
     return [fd if fd is not None else free.pop(0) for fd in chosen]
@@ -190,6 +204,13 @@ def _device_of(pool: Any) -> Callable[[int], str | None]:
     return device_of
 
 
+def _room_of(pool: Any) -> Callable[[int], int | None]:
+    def room_of(fd: int) -> int | None:
+        slot = _slot_of(pool, fd)
+        return _room.get(slot) if slot is not None else None
+    return room_of
+
+
 def _warm_of(pool: Any) -> Callable[[int], affinity.Warm | None]:
     def warm_of(fd: int) -> affinity.Warm | None:
         slot = _slot_of(pool, fd)
@@ -206,7 +227,7 @@ def install(pool: Any, device_of_slot: Callable[[int], str | None]) -> bool:
     needed = ("outbound_buffer", "_fileno_to_inq", "_busy_workers", "_active_writes")
     if create is None or not all(hasattr(pool, name) for name in needed):
         return False
-    device_of, warm_of = _device_of(pool), _warm_of(pool)
+    device_of, warm_of, room_of = _device_of(pool), _warm_of(pool), _room_of(pool)
 
     def create_write_handlers(hub: Any, *args: Any, **kwargs: Any) -> Any:
         out = create(hub, *args, **kwargs)
@@ -225,7 +246,7 @@ def install(pool: Any, device_of_slot: Callable[[int], str | None]) -> bool:
                 if not any(wants):  # (plain tasks: the pool's own way, at its own cost)
                     return schedule(ready_fds, *rest)
                 before = len(outbound)
-                schedule(share(idle, wants, device_of, warm_of)[:1], *rest)
+                schedule(share(idle, wants, device_of, warm_of, room_of)[:1], *rest)
                 if len(outbound) >= before:  # (not written: the pool puts it back)
                     return None
                 if ids[0] is not None:

@@ -196,3 +196,30 @@ def test_warm_wishes_are_noted_only_where_the_pool_is_steered(
     steer.want_warm("t2", "gpt", None, None)
     steer.note_children({0: affinity.Warm({"gpt": 1.0})})
     assert steer.wanted("t2") is None and steer._children == {}
+
+
+def test_an_engine_warm_nowhere_loads_where_it_evicts_least() -> None:
+    """(it went to the first idle child, evicting what that one held, while another had
+    room to spare)"""
+    room = {10: 100, 11: 500, 12: None}.get
+    device = {10: "GPU-a", 11: "GPU-b", 12: "GPU-c"}.get
+    cold = steer.Wanted(model="t5")
+    assert steer.choose([10, 11, 12], cold, device, WARM.get, lambda fd: True, room) == [11]
+    # a warm child still comes first, whatever the rooms
+    assert steer.choose([10, 11, 12], steer.Wanted(model="gpt"), device, WARM.get,
+                        lambda fd: True, room) == [10]
+    # rooms unknown (an older child's record): the pool chooses
+    assert steer.choose([10, 11], cold, device, WARM.get, lambda fd: True,
+                        lambda fd: None) is None
+    # among the devices it must run on only
+    assert steer.choose([10, 11, 12], steer.Wanted(frozenset({"GPU-a", "GPU-c"}), "t5"),
+                        device, WARM.get, lambda fd: True, room) == [10]
+
+
+def test_a_childs_device_room() -> None:
+    from sits_queue.workers.runtime import _room
+
+    warm = {"a": "device", "b": "host", "c": "device"}
+    assert _room(1000, warm, {"a": 300, "b": 500, "c": 100}) == 600  # (host bytes not)
+    assert _room(1000, warm, {"a": 900, "c": 400}) == 0
+    assert _room(1000, {}, {}) == 1000
