@@ -67,7 +67,31 @@ def _one_at_a_time(redis_url: str, prefix: str, span_s: float) -> Iterator[None]
         client.close()
 
 
+#: Longest the demo's clean-up may take after SIGTERM or SIGHUP before it exits at once,
+#: s (its worker and beat then end with it: ``sits_queue/lifeline.py``).
+FORCED_EXIT_S = 40.0
+#: The clean-up's deadline, armed by the first of those signals.
+_deadline: list[threading.Timer] = []
+
+
+def _forced_exit() -> None:
+    os.write(2, b"demo: still stopping after the signal; exiting now (its worker and beat "
+                b"end with it)\n")
+    os._exit(1)
+
+
 def _interrupted(signum: int, frame: Any) -> None:
+    """The first signal ends the demo as Ctrl-C does, with a deadline on its clean-up (a
+    KeyboardInterrupt raised at an arbitrary point can leave a lock of a client library
+    held, and the clean-up waiting on it: a demo sent SIGHUP once outlived the minute a
+    test gave it); a second one exits at once."""
+    if _deadline:
+        _forced_exit()
+        return
+    timer = threading.Timer(FORCED_EXIT_S, _forced_exit)
+    timer.daemon = True
+    _deadline.append(timer)
+    timer.start()
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -83,6 +107,8 @@ def _stopped_as_on_ctrl_c() -> Iterator[None]:
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+        while _deadline:  # (cleaned up in time: a caller that goes on is not ended)
+            _deadline.pop().cancel()
 
 
 def run_demo(redis_url: str, jobs: int, concurrency: int, seed: int,

@@ -4,6 +4,7 @@ runs on, and how a bad setting is reported."""
 from __future__ import annotations
 
 import math
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -363,3 +364,32 @@ def test_a_redis_that_does_not_answer_is_named_without_its_password() -> None:
     assert out.exit_code == 1
     assert out.output.startswith("Error: cannot reach Redis at redis://***@127.0.0.1:1/0: ")
     assert "secret" not in out.output
+
+
+def test_a_demo_signalled_twice_or_stuck_in_its_clean_up_exits_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(a KeyboardInterrupt raised at an arbitrary point can leave a client library's lock
+    held and the clean-up waiting on it: a demo sent SIGHUP outlived a minute)"""
+    exits: list[int] = []
+    monkeypatch.setattr(demo.os, "_exit", exits.append)
+    with pytest.raises(KeyboardInterrupt), demo._stopped_as_on_ctrl_c():
+        demo._interrupted(signal.SIGHUP, None)
+    # cleaned up in time: the deadline is cancelled (a caller that goes on is not ended)
+    assert exits == [] and not demo._deadline
+    # a second signal during the clean-up: at once
+    with pytest.raises(KeyboardInterrupt), demo._stopped_as_on_ctrl_c():
+        try:
+            demo._interrupted(signal.SIGTERM, None)
+        finally:
+            demo._interrupted(signal.SIGTERM, None)  # (the stand-in returns)
+    assert exits == [1] and not demo._deadline
+    # a clean-up that outlasts the deadline: ended by it
+    exits.clear()
+    monkeypatch.setattr(demo, "FORCED_EXIT_S", 0.05)
+    with pytest.raises(KeyboardInterrupt), demo._stopped_as_on_ctrl_c():
+        try:
+            demo._interrupted(signal.SIGHUP, None)
+        finally:
+            deadline = demo._deadline[0]
+            deadline.join(5)
+    assert exits == [1]
