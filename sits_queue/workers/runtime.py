@@ -42,6 +42,7 @@ from celery import Celery, current_app, signals
 from celery.exceptions import SoftTimeLimitExceeded
 
 from sits_queue.broker import grants, intake
+from sits_queue.broker.affinity import DEVICE_TIER
 from sits_queue.cache.budgets import CacheBudgets, children_per_device
 from sits_queue.config import ClassQuota, SitsConfig
 from sits_queue.errors import ConfigError
@@ -329,13 +330,9 @@ class ChildRuntime:
         with self._publishing:
             self._publish()
 
-    def _device_room(self, warm: Mapping[str, str]) -> int:
-        """Its device tier's budget less what it holds there, bytes."""
-        sizes = self._cache.warm_bytes() if self._cache is not None else {}
-        return _room(self._budgets()[0], warm, sizes)
-
     def _publish(self) -> None:
         warm = self._cache.warm() if self._cache is not None else {}
+        sizes = self._cache.warm_bytes() if self._cache is not None else {}
         device = self.device_label
         unsent, self._unsent = self._unsent, {}
         sent = False
@@ -343,9 +340,9 @@ class ChildRuntime:
             sent = advertise.publish_child(self.config, self.plan.hostname, self.slot, {
                 "slot": self.slot, "slots": self.plan.slots, "pid": os.getpid(),
                 "device": device, "warm": dict(warm), "cpus": list(self._cpus),
-                "warm_bytes": self._cache.warm_bytes() if self._cache is not None else {},
+                "warm_bytes": sizes,
                 # (where a model warm nowhere loads with the fewest evictions: steer.py)
-                "device_room": self._device_room(warm),
+                "device_room": _room(self._budgets()[0], warm, sizes),
                 # (what a task asking for another key runs warm on: affinity's)
                 "serves": self.serving.served_keys(warm, device),
                 "kv_prefixes": self._prefixes.models() if self._prefixes is not None else {},
@@ -360,7 +357,7 @@ class ChildRuntime:
 
 def _room(budget: int, warm: Mapping[str, str], sizes: Mapping[str, int]) -> int:
     """Bytes a device tier of ``budget`` has left beside the engines it holds."""
-    held = sum(size for key, size in sizes.items() if warm.get(key) == "device")
+    held = sum(size for key, size in sizes.items() if warm.get(key) == DEVICE_TIER)
     return max(0, budget - held)
 
 
