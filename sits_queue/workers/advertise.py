@@ -446,10 +446,13 @@ class WarmReader:
         children = [c for c in (json_object(v) for v in raw) if c is not None]
         precisions = self._precision_weights(now)
         self._warm = affinity.warm_of(children, self._policy, precisions)
+        self._idle_warm = {}
+        if not steer.steering():  # (nothing reads each child's own where none is chosen)
+            self._by_slot = {}
+            return self._warm
         # (each child's own, for the pool's choice of child: workers/steer.py)
         self._by_slot = {c["slot"]: c for c in children
                          if isinstance(c.get("slot"), int) and c["slot"] in self._slots}
-        self._idle_warm = {}
         steer.note_children({slot: affinity.warm_of([c], self._policy)
                              for slot, c in self._by_slot.items()},
                             {slot: room for slot, c in self._by_slot.items()
