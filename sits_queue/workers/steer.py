@@ -66,12 +66,42 @@ _wanted: OrderedDict[str, Wanted] = OrderedDict()
 _children: dict[int, affinity.Warm] = {}
 #: Each child's device-tier room by slot, bytes (its advert's ``device_room``).
 _room: dict[int, int] = {}
-#: Whether this process's pool is steered (else nothing is noted per task).
-_installed = False
-#: The steered pool (its children's busy marks tell which are idle).
-_pool: Any = None
-#: The device (UUID) of each slot of the steered pool's.
-_device_of_slot: Callable[[int], str | None] | None = None
+
+
+@dataclass(frozen=True)
+class _Steered:
+    """The steered pool, and what is known of each child, by its inqueue's fd."""
+
+    pool: Any
+    #: The device (UUID) each slot is pinned to.
+    device_of_slot: Callable[[int], str | None]
+
+    def slot(self, fd: int) -> int | None:
+        slot = getattr(self.pool._fileno_to_inq.get(fd), "index", None)
+        return slot if isinstance(slot, int) else None
+
+    def idle(self, fds: Sequence[int]) -> list[int]:
+        busy, writing = self.pool._busy_workers, self.pool._active_writes
+        return [fd for fd in fds if fd not in busy and fd not in writing]
+
+    def device(self, fd: int) -> str | None:
+        slot = self.slot(fd)
+        return self.device_of_slot(slot) if slot is not None else None
+
+    def warm(self, fd: int) -> affinity.Warm | None:
+        slot = self.slot(fd)
+        return _children.get(slot) if slot is not None else None
+
+    def room(self, fd: int) -> int | None:
+        slot = self.slot(fd)
+        return _room.get(slot) if slot is not None else None
+
+    def share(self, fds: Sequence[int], wants: Sequence[Wanted | None]) -> list[int]:
+        return share(fds, wants, self.device, self.warm, self.room)
+
+
+#: This process's steered pool; None where it is not steered (nothing is noted per task).
+_steered: _Steered | None = None
 
 
 def _note(task_id: str, **fields: Any) -> None:
@@ -91,13 +121,13 @@ def want_warm(task_id: str, model: str, prefix: str | None, precision: str | Non
     """The task ``task_id`` runs engine ``model`` (at ``precision``) on prompt prefix
     ``prefix``: the pool should hand it to the child that holds them warm. Noted only
     where the pool is steered."""
-    if _installed:
+    if _steered is not None:
         _note(task_id, model=model, prefix=prefix, precision=precision)
 
 
 def steering() -> bool:
     """Whether this process's pool is steered."""
-    return _installed
+    return _steered is not None
 
 
 def idle_slots() -> frozenset[int] | None:
@@ -110,15 +140,15 @@ def idle_slots() -> frozenset[int] | None:
     burst took two tasks of the model one idle child held for the two idle children,
     and the second loaded it cold in the other child, evicting what that one held, while
     tasks of its model waited.)"""
-    pool = _pool
-    if pool is None:
+    steered = _steered
+    if steered is None:
         return None
-    idle = _idle_fds(pool, list(pool._fileno_to_inq))
-    waiting = list(itertools.islice(getattr(pool, "outbound_buffer", ()), len(idle)))
-    taken = set(share(idle, [wanted(getattr(job, "correlation_id", None)) for job in waiting],
-                      _device_of(pool), _warm_of(pool), _room_of(pool)))
+    idle = steered.idle(list(steered.pool._fileno_to_inq))
+    waiting = list(itertools.islice(getattr(steered.pool, "outbound_buffer", ()), len(idle)))
+    taken = set(steered.share(idle, [wanted(getattr(job, "correlation_id", None))
+                                     for job in waiting]))
     return frozenset(slot for fd in idle if fd not in taken
-                     and (slot := _slot_of(pool, fd)) is not None)
+                     and (slot := steered.slot(fd)) is not None)
 
 
 def wanted(task_id: str | None) -> Wanted | None:
@@ -133,25 +163,23 @@ def note_children(by_slot: Mapping[int, affinity.Warm],
                   room: Mapping[int, int] | None = None) -> None:
     """Each child's warm set, and the room left in its device tier (bytes), by slot (the
     main process's read of their adverts)."""
-    if _installed:
+    if _steered is not None:
         _children.clear()
         _children.update(by_slot)
         _room.clear()
         _room.update(room or {})
 
 
-def choose(ready_fds: Sequence[int], want: Wanted, device_of: Callable[[int], str | None],
+def choose(idle_fds: Sequence[int], want: Wanted, device_of: Callable[[int], str | None],
            warm_of: Callable[[int], affinity.Warm | None],
-           idle: Callable[[int], bool],
            room_of: Callable[[int], int | None] = lambda fd: None) -> list[int] | None:
-    """The one writable child's fd the head task should go to: among the idle ones on a
-    device ``want`` allows, the first whose warm set weighs most for it; for an engine
+    """The one idle child's fd a task should go to: among those on a device ``want``
+    allows, the first whose warm set weighs most for it; for an engine
     warm in none of them, the one with the most room left in its device tier
     (``room_of``: it loads there evicting least, where the first idle child would evict
     what it holds); else the first (where it asks for a device); None where there is
     none (the pool chooses as before)."""
-    fits = [fd for fd in ready_fds if idle(fd)
-            and (want.devices is None or device_of(fd) in want.devices)]
+    fits = [fd for fd in idle_fds if want.devices is None or device_of(fd) in want.devices]
     if not fits:
         return None
     if want.model is not None:
@@ -180,54 +208,22 @@ def share(fds: Sequence[int], wants: Sequence[Wanted | None],
     free = list(fds)
     chosen: list[int | None] = [None] * len(wants)
     for n, want in enumerate(wants):
-        if want is not None and (fd := choose(free, want, device_of, warm_of,
-                                              lambda _: True, room_of)):
+        if want is not None and (fd := choose(free, want, device_of, warm_of, room_of)):
             chosen[n] = fd[0]
             free.remove(fd[0])
     return [fd if fd is not None else free.pop(0) for fd in chosen]
-
-
-def _slot_of(pool: Any, fd: int) -> int | None:
-    slot = getattr(pool._fileno_to_inq.get(fd), "index", None)
-    return slot if isinstance(slot, int) else None
-
-
-def _idle_fds(pool: Any, fds: Sequence[int]) -> list[int]:
-    busy, writing = pool._busy_workers, pool._active_writes
-    return [fd for fd in fds if fd not in busy and fd not in writing]
-
-
-def _device_of(pool: Any) -> Callable[[int], str | None]:
-    def device_of(fd: int) -> str | None:
-        slot, of_slot = _slot_of(pool, fd), _device_of_slot
-        return of_slot(slot) if slot is not None and of_slot is not None else None
-    return device_of
-
-
-def _room_of(pool: Any) -> Callable[[int], int | None]:
-    def room_of(fd: int) -> int | None:
-        slot = _slot_of(pool, fd)
-        return _room.get(slot) if slot is not None else None
-    return room_of
-
-
-def _warm_of(pool: Any) -> Callable[[int], affinity.Warm | None]:
-    def warm_of(fd: int) -> affinity.Warm | None:
-        slot = _slot_of(pool, fd)
-        return _children.get(slot) if slot is not None else None
-    return warm_of
 
 
 def install(pool: Any, device_of_slot: Callable[[int], str | None]) -> bool:
     """Steer ``pool`` (a billiard ``AsynPool``, before it registers with the event loop)
     by :func:`share`; False for a pool without the parts this needs (another pool, or a
     Celery whose pool changed), which is left as it is."""
-    global _installed, _pool, _device_of_slot
+    global _steered
     create = getattr(pool, "_create_write_handlers", None)
     needed = ("outbound_buffer", "_fileno_to_inq", "_busy_workers", "_active_writes")
     if create is None or not all(hasattr(pool, name) for name in needed):
         return False
-    device_of, warm_of, room_of = _device_of(pool), _warm_of(pool), _room_of(pool)
+    steered = _Steered(pool, device_of_slot)
 
     def create_write_handlers(hub: Any, *args: Any, **kwargs: Any) -> Any:
         out = create(hub, *args, **kwargs)
@@ -239,14 +235,14 @@ def install(pool: Any, device_of_slot: Callable[[int], str | None]) -> bool:
             # went to whichever child came next, unsteered.
             outbound = pool.outbound_buffer
             while outbound:
-                idle = _idle_fds(pool, ready_fds)
+                idle = steered.idle(ready_fds)
                 ids = [getattr(job, "correlation_id", None)
                        for job in itertools.islice(outbound, len(idle))]
                 wants = [wanted(task_id) for task_id in ids]
                 if not any(wants):  # (plain tasks: the pool's own way, at its own cost)
                     return schedule(ready_fds, *rest)
                 before = len(outbound)
-                schedule(share(idle, wants, device_of, warm_of, room_of)[:1], *rest)
+                schedule(steered.share(idle, wants)[:1], *rest)
                 if len(outbound) >= before:  # (not written: the pool puts it back)
                     return None
                 if ids[0] is not None:
@@ -257,7 +253,7 @@ def install(pool: Any, device_of_slot: Callable[[int], str | None]) -> bool:
         return out
 
     pool._create_write_handlers = create_write_handlers
-    _installed, _pool, _device_of_slot = True, pool, device_of_slot
+    _steered = steered
     return True
 
 

@@ -365,8 +365,7 @@ def test_a_steered_worker_picks_by_what_its_idle_children_hold(
     pool = SimpleNamespace(_busy_workers={10}, _active_writes=set(),
                            _fileno_to_inq={10: SimpleNamespace(index=0),
                                            11: SimpleNamespace(index=1)})
-    monkeypatch.setattr(steer, "_pool", pool)
-    monkeypatch.setattr(steer, "_installed", True)
+    monkeypatch.setattr(steer, "_steered", steer._Steered(pool, lambda slot: None))
     try:
         for slot, model in ((0, "a"), (1, "b")):
             r.set(advertise.child_key(prefix, "w@host", slot),
@@ -378,7 +377,7 @@ def test_a_steered_worker_picks_by_what_its_idle_children_hold(
         assert reader() == Warm({"a": 1.0})
         pool._busy_workers = set()  # both idle: either may take it
         assert reader() == Warm({"a": 1.0, "b": 1.0})
-        monkeypatch.setattr(steer, "_pool", None)  # a pool not steered: the union
+        monkeypatch.setattr(steer, "_steered", None)  # a pool not steered: the union
         assert reader() == Warm({"a": 1.0, "b": 1.0})
     finally:
         r.delete(*(advertise.child_key(prefix, "w@host", s) for s in (0, 1)))

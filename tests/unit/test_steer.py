@@ -20,7 +20,7 @@ GIB = 2**30
 def _forget(monkeypatch: pytest.MonkeyPatch) -> Any:
     steer._wanted.clear()
     steer._children.clear()
-    monkeypatch.setattr(steer, "_installed", True)
+    monkeypatch.setattr(steer, "_steered", steer._Steered(None, lambda slot: None))
     yield
     steer._wanted.clear()
     steer._children.clear()
@@ -37,8 +37,8 @@ def test_the_head_task_goes_to_an_idle_child_whose_device_holds_it(
         ready: list[int], busy: set[int], chosen: list[int] | None) -> None:
     device = {10: "GPU-small", 11: "GPU-big", 12: "GPU-big2"}
     want = steer.Wanted(devices=frozenset({"GPU-big", "GPU-big2"}))
-    assert steer.choose(ready, want, device.get, lambda fd: None,
-                        lambda fd: fd not in busy) == chosen
+    idle = [fd for fd in ready if fd not in busy]
+    assert steer.choose(idle, want, device.get, lambda fd: None) == chosen
 
 
 def fake_pool(slots: dict[int, int]) -> Any:
@@ -182,8 +182,8 @@ WARM = {10: affinity.Warm({"gpt": 1.0}), 11: affinity.Warm({"bert": 1.0, "gpt": 
 def test_the_head_task_goes_to_the_idle_child_holding_its_engine(
         want: steer.Wanted, busy: set[int], chosen: list[int] | None) -> None:
     device = {10: "GPU-a", 11: "GPU-b", 12: "GPU-c"}
-    assert steer.choose([10, 11, 12], want, device.get, WARM.get,
-                        lambda fd: fd not in busy) == chosen
+    idle = [fd for fd in [10, 11, 12] if fd not in busy]
+    assert steer.choose(idle, want, device.get, WARM.get) == chosen
 
 
 def test_warm_wishes_are_noted_only_where_the_pool_is_steered(
@@ -192,7 +192,7 @@ def test_warm_wishes_are_noted_only_where_the_pool_is_steered(
     assert steer.wanted("t1") == steer.Wanted(model="gpt", precision="fp16")
     steer.want("t1", frozenset({"GPU-a"}))  # (both wishes kept)
     assert steer.wanted("t1") == steer.Wanted(frozenset({"GPU-a"}), "gpt", None, "fp16")
-    monkeypatch.setattr(steer, "_installed", False)
+    monkeypatch.setattr(steer, "_steered", None)
     steer.want_warm("t2", "gpt", None, None)
     steer.note_children({0: affinity.Warm({"gpt": 1.0})})
     assert steer.wanted("t2") is None and steer._children == {}
@@ -204,16 +204,15 @@ def test_an_engine_warm_nowhere_loads_where_it_evicts_least() -> None:
     room = {10: 100, 11: 500, 12: None}.get
     device = {10: "GPU-a", 11: "GPU-b", 12: "GPU-c"}.get
     cold = steer.Wanted(model="t5")
-    assert steer.choose([10, 11, 12], cold, device, WARM.get, lambda fd: True, room) == [11]
+    assert steer.choose([10, 11, 12], cold, device, WARM.get, room) == [11]
     # a warm child still comes first, whatever the rooms
     assert steer.choose([10, 11, 12], steer.Wanted(model="gpt"), device, WARM.get,
-                        lambda fd: True, room) == [10]
+                        room) == [10]
     # rooms unknown (an older child's record): the pool chooses
-    assert steer.choose([10, 11], cold, device, WARM.get, lambda fd: True,
-                        lambda fd: None) is None
+    assert steer.choose([10, 11], cold, device, WARM.get, lambda fd: None) is None
     # among the devices it must run on only
     assert steer.choose([10, 11, 12], steer.Wanted(frozenset({"GPU-a", "GPU-c"}), "t5"),
-                        device, WARM.get, lambda fd: True, room) == [10]
+                        device, WARM.get, room) == [10]
 
 
 def test_a_childs_device_room() -> None:
