@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sits_queue.broker.keys import LEVELS_PER_E
+from sits_queue.spells import Spell
 
 logger = logging.getLogger(__name__)
 
@@ -313,17 +314,15 @@ def warm_now() -> Warm:
     try:
         warm = _source[0]()
     except Exception:
-        # (said once per spell, with its traceback: every pick would meet it again)
-        (logger.debug if _failing else logger.exception)(
-            "warm set unreadable; picking without affinity")
-        _failing[:] = [True]
+        # (with its traceback, once: every pick would meet it again)
+        _unreadable.failed("warm set unreadable; picking without affinity", exc_info=True)
         return NOTHING_WARM
-    _failing.clear()
+    _unreadable.over()
     return warm
 
 
-#: Set while the warm source fails (said once).
-_failing: list[bool] = []
+#: The warm source's failures, said once a spell.
+_unreadable = Spell(logger, logging.ERROR)
 
 
 def invalidate() -> None:

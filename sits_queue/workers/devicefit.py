@@ -25,6 +25,7 @@ from typing import Any
 
 from sits_queue.broker.keys import DELIVERY_HEADER
 from sits_queue.options import HEADER
+from sits_queue.spells import Spell
 from sits_queue.workers import gpu, request
 from sits_queue.workers.limits import BYTES_PER_GIB
 from sits_queue.workers.runtime import ChildRuntime
@@ -34,8 +35,8 @@ logger = logging.getLogger(__name__)
 
 #: This child's NVML reader of its own device (opened at the first check, kept open).
 _probe: request.FreeMemoryProbe | None = None
-#: Whether this child has said that its device's memory could not be read.
-_unreadable_said = False
+#: This child's failures to read its device's memory, said once a spell.
+_unreadable = Spell(logger)
 
 
 def own_free_bytes(rt: ChildRuntime) -> int:
@@ -75,18 +76,16 @@ def check(rt: ChildRuntime | None, task: Any) -> None:
     if needed is None or needed > task_class(rt.config, task_request,
                                              getattr(task, "sla_class", None)).vram_gib:
         return  # (over its class's cap: it runs under the cap, as the main process said)
-    global _unreadable_said
     try:
         free = own_free_bytes(rt)
     except Exception as exc:
-        # (once per spell, then quietly: a driver that refuses the call, as some refuse
-        # a MIG UUID, refuses it at every task)
-        (logger.debug if _unreadable_said else logger.warning)(
+        # (once a spell: a driver that refuses the call, as some refuse a MIG UUID,
+        # refuses it at every task)
+        _unreadable.failed(
             "task %s[%s]: could not read device %s's free memory (%s); started without "
             "this child's vram_gib check", task.name, task_request.id, rt.device.uuid, exc)
-        _unreadable_said = True
         return
-    _unreadable_said = False  # (said again if it fails again after this)
+    _unreadable.over()
     verdict = request.admit(needed, free)
     if verdict is not None:
         raise request.NotOnThisDevice(

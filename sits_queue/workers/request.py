@@ -57,6 +57,7 @@ from celery.worker.state import task_ready
 from sits_queue.broker.keys import DELIVERY_HEADER
 from sits_queue.errors import NoDeviceLargeEnough, TaskOutOfMemory
 from sits_queue.options import HEADER, MAX_VRAM_GIB
+from sits_queue.spells import Spell
 from sits_queue.workers import nvmlfork, steer
 from sits_queue.workers.limits import BYTES_PER_GIB, fits
 from sits_queue.workers.slices import Preempted
@@ -242,8 +243,8 @@ class NvmlProbe:
 
 
 _probe: FreeMemoryProbe | None = None
-#: Whether the probe's failure to read was said (until a read succeeds again).
-_unreadable_said = False
+#: The probe's failures to read, said once a spell.
+_unreadable = Spell(logger)
 #: Set when this worker's pool runs several tasks in one process (plain tasks only).
 _shared: SharedProcess | None = None
 
@@ -405,20 +406,18 @@ def refused(request: Request) -> bool:
                            "(%g GiB): started under the class's cap", request.name,
                            request.id, needed, limit)
             return False
-        global _unreadable_said
         try:
             verdict = admit(needed, _free_now(request, needed))
             if verdict is not None and not fits(needed, total := probe().max_total_bytes(),
                                                 HEADROOM_BYTES):
                 verdict = NeverFits(needed, total)
         except Exception as exc:  # NVML gone away: run it; its class cap still holds
-            # (said once per spell: a driver that refuses the call refuses it each task)
-            (logger.debug if _unreadable_said else logger.warning)(
+            # (once a spell: a driver that refuses the call refuses it at each task)
+            _unreadable.failed(
                 "task %s[%s]: could not read free device memory (%s); started without "
                 "the vram_gib check", request.name, request.id, exc)
-            _unreadable_said = True
             return False
-        _unreadable_said = False
+        _unreadable.over()
     if verdict is None:
         return False
     if isinstance(verdict, NeverFits) and _fits_no_worker(request, verdict):

@@ -396,4 +396,4 @@ def test_a_failing_warm_source_means_no_affinity_not_a_stopped_worker(
         assert caplog.text.count("Traceback") == 1  # said once per spell
     finally:
         affinity.set_warm_source(None)
-        affinity._failing.clear()
+        affinity._unreadable.over()

@@ -132,7 +132,7 @@ def test_an_unreadable_device_lets_the_task_run(monkeypatch: pytest.MonkeyPatch,
 
     monkeypatch.setattr(rt, "_child", child())
     monkeypatch.setattr(devicefit, "own_free_bytes", broken)
-    monkeypatch.setattr(devicefit, "_unreadable_said", False)
+    monkeypatch.setattr(devicefit._unreadable, "on", False)
     with caplog.at_level(logging.WARNING, logger=devicefit.__name__):
         assert run(big, delivered(40)) == "ran"
         assert run(big, delivered(40)) == "ran"

@@ -468,7 +468,7 @@ def test_an_unreadable_device_is_said_once_per_spell(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     # (a driver refusing the call refuses it at every task: a warning per task flooded
     # the log)
-    monkeypatch.setattr(request, "_unreadable_said", False)
+    monkeypatch.setattr(request._unreadable, "on", False)
     monkeypatch.setattr(request, "_probe", BrokenProbe())
     with caplog.at_level(logging.WARNING, logger=request.__name__):
         for _ in range(3):
