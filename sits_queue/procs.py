@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,3 +135,53 @@ def wait_ready(app: Celery, workers: Sequence[CeleryProcess],
                                f"{logs}")
         for reply in app.control.ping(timeout=0.5) or []:
             pending -= set(reply)
+
+
+#: How long the workers may take to stop or start consuming on a remote-control command, s.
+CONTROL_TIMEOUT_S = 10.0
+
+
+@contextlib.contextmanager
+def intake_held(app: Celery, workers: Sequence[CeleryProcess], queue: str | None = None,
+                timeout_s: float = CONTROL_TIMEOUT_S) -> Iterator[None]:
+    """The ``workers`` take nothing from ``queue`` (default: the app's default queue) while
+    the block runs, and consume it again after: what the block submits there is all
+    waiting before any of it is taken (a backlog, as "submitted at once" promises: a
+    producer slower than the workers, as on a loaded host, fed them one task at a time,
+    and a worker choosing among the waiting tasks had none to choose from). Celery's own
+    remote control: ``cancel_consumer``, then ``add_consumer``."""
+    queue = queue or app.conf.task_default_queue
+    names = [w.hostname for w in workers]
+    before = _consumed(app, names, timeout_s)
+    if missing := sorted(n for n, qs in before.items() if queue not in qs):
+        raise ValueError(f"workers {missing} do not consume {queue!r}")
+    app.control.cancel_consumer(queue, destination=names, reply=True, timeout=timeout_s)
+    # (a command's reply comes before the worker's loop applies it: wait until it has)
+    _await_consumed(app, {n: qs - {queue} for n, qs in before.items()}, timeout_s)
+    try:
+        yield
+    finally:
+        app.control.add_consumer(queue, destination=names, reply=True, timeout=timeout_s)
+        _await_consumed(app, before, timeout_s)
+
+
+def _consumed(app: Celery, names: Sequence[str], timeout_s: float
+              ) -> dict[str, frozenset[str]]:
+    """The queues each worker named consumes now, by its hostname."""
+    replies = app.control.inspect(destination=list(names), timeout=timeout_s).active_queues()
+    out = {host: frozenset(q["name"] for q in queues)
+           for host, queues in (replies or {}).items()}
+    if missing := set(names) - set(out):
+        raise TimeoutError(f"workers {sorted(missing)} did not say which queues they consume "
+                           f"in {timeout_s:.0f} s")
+    return out
+
+
+def _await_consumed(app: Celery, want: Mapping[str, frozenset[str]], timeout_s: float) -> None:
+    """Until each worker in ``want`` consumes exactly its queues there."""
+    deadline = time.monotonic() + timeout_s
+    while (now := _consumed(app, list(want), timeout_s)) != want:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers consume {now}, not {dict(want)}, after "
+                               f"{timeout_s:.0f} s")
+        time.sleep(0.05)

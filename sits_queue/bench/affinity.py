@@ -47,7 +47,7 @@ from sits_queue.bench.coldstart import Request, Shape, await_records, summarise
 from sits_queue.bench.coldstart_apps import DONE_KEY, build, submit, worker_env
 from sits_queue.bench.report import database_url, ratio, redis_server
 from sits_queue.config import SitsConfig
-from sits_queue.procs import CeleryProcess, start_worker, wait_ready
+from sits_queue.procs import CeleryProcess, intake_held, start_worker, wait_ready
 from sits_queue.workers import cores
 
 SYSTEMS = ("sits_priority_order", "sits_affinity", "sits_one_worker",
@@ -125,9 +125,10 @@ def run_system(system: str, stream: Sequence[Request], warm: str, url: str, zoo:
                      warmup_prompt or stream[0].prompt, fleet[1], producer)
             on_progress(f"  {system}: {len(workers)} worker(s) of {children} child(ren) "
                         f"warm ({warm}); submitting {len(stream)} requests")
-            for req in stream:
-                submit(app, "sits", req.model, req.prompt, fleet[1], req.index, producer,
-                       **(submit_options or {}))
+            with intake_held(app, workers):  # the whole stream waits: a backlog
+                for req in stream:
+                    submit(app, "sits", req.model, req.prompt, fleet[1], req.index, producer,
+                           **(submit_options or {}))
         timeout = max(coldstart.DRAIN_MIN_S, coldstart.DRAIN_S_PER_REQUEST * len(stream))
         return await_records(client, len(stream), workers, timeout, "the stream to drain")
     finally:

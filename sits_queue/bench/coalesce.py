@@ -59,7 +59,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -83,7 +83,7 @@ from sits_queue.bench.coalesce_apps import (
 )
 from sits_queue.bench.report import database_url, ratio, redis_server, targets_line
 from sits_queue.bench.workload import percentile
-from sits_queue.procs import start_worker, wait_ready
+from sits_queue.procs import intake_held, start_worker, wait_ready
 
 DATABASES = {"celery_per_task": 0, "sits_one_by_one": 1, "sits_batched": 2,
              "sits_joins": 3}
@@ -330,7 +330,9 @@ class Runner:
         task = self.gen_task if tokens else self.task
         options: dict[str, Any] = {} if plain else {"model": LM_MODEL if tokens else MODEL}
         start = time.monotonic()
-        with self.app.producer_or_acquire() as producer:
+        # (all at once: a backlog, however slow this producer; paced: as they come)
+        held = nullcontext() if rate_per_s else intake_held(self.app, [self.worker])
+        with self.app.producer_or_acquire() as producer, held:
             for i, text in enumerate(texts):
                 if rate_per_s:  # the arrival process of the paced stream
                     delay = start + i / rate_per_s - time.monotonic()
