@@ -141,15 +141,30 @@ def wait_ready(app: Celery, workers: Sequence[CeleryProcess],
 CONTROL_TIMEOUT_S = 10.0
 
 
+@dataclass
+class Hold:
+    """An :func:`intake_held` block: when its workers were told to consume again."""
+
+    #: Unix s, set as the block ends; what it submitted all arrived then, at once.
+    released_s: float | None = None
+
+    def arrived(self, submitted_s: float) -> float:
+        """When a task submitted at ``submitted_s`` in the block reached the workers."""
+        if self.released_s is None:
+            raise RuntimeError("the hold is not released yet")
+        return max(submitted_s, self.released_s)
+
+
 @contextlib.contextmanager
 def intake_held(app: Celery, workers: Sequence[CeleryProcess], queue: str | None = None,
-                timeout_s: float = CONTROL_TIMEOUT_S) -> Iterator[None]:
+                timeout_s: float = CONTROL_TIMEOUT_S) -> Iterator[Hold]:
     """The ``workers`` take nothing from ``queue`` (default: the app's default queue) while
     the block runs, and consume it again after: what the block submits there is all
     waiting before any of it is taken (a backlog, as "submitted at once" promises: a
     producer slower than the workers, as on a loaded host, fed them one task at a time,
     and a worker choosing among the waiting tasks had none to choose from). Celery's own
-    remote control: ``cancel_consumer``, then ``add_consumer``."""
+    remote control: ``cancel_consumer``, then ``add_consumer``. A benchmark times the
+    stream from :attr:`Hold.released_s` (its submission is not the workers' time)."""
     queue = queue or app.conf.task_default_queue
     names = [w.hostname for w in workers]
     before = _consumed(app, names, timeout_s)
@@ -158,9 +173,11 @@ def intake_held(app: Celery, workers: Sequence[CeleryProcess], queue: str | None
     app.control.cancel_consumer(queue, destination=names, reply=True, timeout=timeout_s)
     # (a command's reply comes before the worker's loop applies it: wait until it has)
     _await_consumed(app, {n: qs - {queue} for n, qs in before.items()}, timeout_s)
+    hold = Hold()
     try:
-        yield
+        yield hold
     finally:
+        hold.released_s = time.time()
         app.control.add_consumer(queue, destination=names, reply=True, timeout=timeout_s)
         _await_consumed(app, before, timeout_s)
 

@@ -125,12 +125,13 @@ def run_system(system: str, stream: Sequence[Request], warm: str, url: str, zoo:
                      warmup_prompt or stream[0].prompt, fleet[1], producer)
             on_progress(f"  {system}: {len(workers)} worker(s) of {children} child(ren) "
                         f"warm ({warm}); submitting {len(stream)} requests")
-            with intake_held(app, workers):  # the whole stream waits: a backlog
+            with intake_held(app, workers) as hold:  # the whole stream waits: a backlog
                 for req in stream:
                     submit(app, "sits", req.model, req.prompt, fleet[1], req.index, producer,
                            **(submit_options or {}))
         timeout = max(coldstart.DRAIN_MIN_S, coldstart.DRAIN_S_PER_REQUEST * len(stream))
-        return await_records(client, len(stream), workers, timeout, "the stream to drain")
+        return coldstart.arrived(hold, await_records(client, len(stream), workers, timeout,
+                                                     "the stream to drain"))
     finally:
         for worker in workers:
             worker.stop()

@@ -331,8 +331,8 @@ class Runner:
         options: dict[str, Any] = {} if plain else {"model": LM_MODEL if tokens else MODEL}
         start = time.monotonic()
         # (all at once: a backlog, however slow this producer; paced: as they come)
-        held = nullcontext() if rate_per_s else intake_held(self.app, [self.worker])
-        with self.app.producer_or_acquire() as producer, held:
+        gate: Any = nullcontext() if rate_per_s else intake_held(self.app, [self.worker])
+        with self.app.producer_or_acquire() as producer, gate as hold:
             for i, text in enumerate(texts):
                 if rate_per_s:  # the arrival process of the paced stream
                     delay = start + i / rate_per_s - time.monotonic()
@@ -347,6 +347,8 @@ class Runner:
                         ((text,), {"max_new_tokens": tokens[i], "stop_at_eos": False})
                 result = task.apply_async(args, kwargs, producer=producer, **options)
                 submitted[result.id] = now
+        if hold is not None:  # (at once: all arrived as the worker was let at them)
+            submitted = {task_id: hold.arrived(sent) for task_id, sent in submitted.items()}
         timeout = max(coldstart.DRAIN_MIN_S, DRAIN_S_PER_TASK * len(texts))
         records = coldstart.await_records(self.client, len(texts), [self.worker], timeout,
                                           f"{self.system}'s stream", key=DONE_KEY)

@@ -71,7 +71,7 @@ from sits_queue.bench.coldstart_apps import (
 )
 from sits_queue.bench.report import emit, parser, ratio, redis_server, targets_line
 from sits_queue.bench.workload import percentile
-from sits_queue.procs import intake_held, start_worker, wait_ready
+from sits_queue.procs import Hold, intake_held, start_worker, wait_ready
 
 #: One pool child per system: with one worker the cold-start share is set by the stream
 #: and the cache policy, so the comparison is about what each cold start costs.
@@ -207,17 +207,26 @@ def run_system(system: str, stream: Sequence[Request], warm: str, url: str, zoo:
                 raise RuntimeError(f"{system}: warm-up failed: {warmup[0]['error']}")
             client.delete(DONE_KEY)
             on_progress(f"  {system}: warm ({warm}); submitting {len(stream)} requests")
-            with intake_held(app, [worker]):  # the whole stream waits: a backlog
+            with intake_held(app, [worker]) as hold:  # the whole stream waits: a backlog
                 for req in stream:
                     submit(app, system, req.model, req.prompt, shape.max_new_tokens,
                            req.index, producer)
         timeout = max(DRAIN_MIN_S, DRAIN_S_PER_REQUEST * len(stream))
-        return await_records(client, len(stream), [worker], timeout, "the stream to drain")
+        return arrived(hold, await_records(client, len(stream), [worker], timeout,
+                                           "the stream to drain"))
+
     finally:
         worker.stop()
         app.close()
         client.flushdb()  # leave nothing behind
         client.close()
+
+
+def arrived(hold: Hold, records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``records`` of a stream submitted in ``hold``, each timed from its arrival (``sub``:
+    when the workers were let at the whole stream; ``sent``: when it was sent)."""
+    return [r if r.get("sub") is None else {**r, "sent": r["sub"], "sub": hold.arrived(r["sub"])}
+            for r in records]
 
 
 def await_records(client: redis.Redis, n: int, workers: Sequence[Any], timeout_s: float,

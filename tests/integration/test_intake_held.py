@@ -5,6 +5,7 @@ then found nothing to choose among and took 0 tasks ahead of the head)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
@@ -22,7 +23,7 @@ def test_what_is_submitted_while_held_waits_then_all_of_it_runs(
         spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
     workers = [spawn(concurrency=1), spawn(concurrency=1)]
     # Given two idle workers, the intake held
-    with intake_held(client_app, workers):
+    with intake_held(client_app, workers) as hold:
         # When tasks are sent one at a time, each a round trip through both workers'
         # loops after the one before (a ping: the loop that answers it also picks)
         results = []
@@ -32,6 +33,10 @@ def test_what_is_submitted_while_held_waits_then_all_of_it_runs(
                 destination=[w.hostname for w in workers], timeout=5)) == 2
         # Then every one of them is waiting
         assert redis_client.zcard(WAITING) == 6
+        last_sent = time.time()
+    # (the stream's arrival, for a benchmark's clock: once all of it was sent)
+    assert hold.released_s is not None and hold.released_s >= last_sent
+    assert hold.arrived(last_sent - 60) == hold.released_s
     # And once the block ends, the workers take them all
     assert [r.get(timeout=20) for r in results] == [0, 2, 4, 6, 8, 10]
     # and consume the queue as before (a task sent after runs)
