@@ -27,6 +27,7 @@ from sits_queue.broker.meta import WaitingMeta, wait_start
 from sits_queue.broker.payload import text
 from sits_queue.checks import stored_number
 from sits_queue.config import SitsConfig
+from sits_queue.workers.devices import label
 
 #: Waiting tasks shown per queue by ``sitsq status``.
 HEAD_ROWS = 5
@@ -280,7 +281,9 @@ def _devices_text(devices: Any) -> str:
         if isinstance(free, int) and isinstance(total, int) \
                 and not isinstance(free, bool) and not isinstance(total, bool):
             memory = f" {free / 2**30:,.1f} of {total / 2**30:,.1f} GiB free"
-        parts.append(f"{printable(d.get('kind', '?'))}:{printable(d.get('index', '?'))} "
+        # (as metrics and results name it: a MIG slice by its UUID, its GPU's index
+        # being every slice's)
+        parts.append(f"{printable(label(d.get('kind', '?'), d.get('index', '?'), d.get('uuid')))} "
                      f"{printable(d.get('name', '?'))}{memory}")
     return "; ".join(parts)
 

@@ -314,6 +314,20 @@ def test_status_shows_each_devices_free_memory() -> None:
             "A100-SXM4-40GB 2.5 of 40.0 GiB free; cuda:2 odd") in shown.splitlines()
 
 
+def test_status_names_each_mig_slice_by_its_uuid_as_metrics_do() -> None:
+    """(two slices of GPU 0 were both "cuda:0": which had the room was not to be told)"""
+    gib = 2**30
+    slices = [{"index": 0, "kind": "cuda", "uuid": f"MIG-{n}", "name": "NVIDIA A100 3g.40gb",
+               "total_vram_bytes": 40 * gib, "free_vram_bytes": free * gib}
+              for n, free in (("aaaa", 39), ("bbbb", 1))]
+    whole = {"index": 1, "kind": "cuda", "uuid": "GPU-cccc", "name": "NVIDIA A100"}
+    worker = {"hostname": "w@h", "pid": 1, "concurrency": 3, "devices": [*slices, whole]}
+    shown = status.format_status({"queues": [], "workers": [worker]})
+    assert ("    devices: cuda:0/MIG-aaaa NVIDIA A100 3g.40gb 39.0 of 40.0 GiB free; "
+            "cuda:0/MIG-bbbb NVIDIA A100 3g.40gb 1.0 of 40.0 GiB free; cuda:1 NVIDIA A100"
+            ) in shown.splitlines()
+
+
 @pytest.mark.parametrize("last", [
     {"peer": "p"}, {"peer": "p", "rtt_ms": 1, "modes": [1]}, [1], "yesterday",
 ])
