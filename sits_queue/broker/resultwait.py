@@ -42,6 +42,8 @@ from typing import Any
 
 from celery import states
 from celery.backends.redis import ResultConsumer
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,37 @@ PRUNE_LEAST = 1024
 RECONNECT_PAUSE_S = 1.0
 #: Most task ids remembered as told of their final state.
 TOLD_MOST = 100_000
+#: Longest one Redis call of a wait may go unanswered, s: a Redis that hangs (a stopped
+#: process, a network partition that drops packets, where a closed port would refuse)
+#: held a ``get(timeout=2)`` for the backend's socket timeout (Celery's 120 s) at each
+#: try, and the stored-state read's retries many times over: minutes past its timeout.
+WAIT_IO_TIMEOUT_S = 1.0
+
+
+def capped(connparams: dict[str, Any], most_s: float = WAIT_IO_TIMEOUT_S) -> dict[str, Any]:
+    """The backend's connection parameters for a wait's own client: socket waits (and
+    connects) of at most ``most_s``, and one try per call (redis-py retries a timed-out
+    call three times, with backoff): the wait's loop tries again, within its timeout."""
+    out = dict(connparams)
+    for name in ("socket_timeout", "socket_connect_timeout"):
+        given = out.get(name)
+        out[name] = most_s if not given else min(float(given), most_s)
+    out["retry"] = Retry(NoBackoff(), 0)
+    out["retry_on_timeout"] = False
+    return out
+
+
+class _WaitSide:
+    """The backend as its result consumer sees it: itself, but for ``client``, one of its
+    own whose calls a hung Redis cannot hold past :data:`WAIT_IO_TIMEOUT_S` (Celery's
+    consumer makes its pub/sub connection and its reads through ``backend.client``)."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+        self.client = backend._create_client(**capped(backend.connparams))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
 
 
 def waited_ids(result: Any) -> list[str]:
@@ -70,6 +103,8 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        backend: Any = self.backend
+        self.backend: Any = _WaitSide(backend)
         #: Keys subscribed whose stored state nobody has read since.
         self._unread: set[Any] = set()
         #: (when, key): keys to read once more RECHECK_S after ``when``, oldest first.
@@ -146,13 +181,22 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
             self._reconnect_due = True
 
     def on_wait_for_pending(self, result: Any, timeout: Any = None, **kwargs: Any) -> None:
-        # Celery's step reads the stored states of what is waited on, which is
-        # subscribed by now (add_pending_result came first): not read a second time here.
-        own = {self._get_key_for_task(task_id) for task_id in waited_ids(result)}
+        """The stored states of what is waited on (subscribed by now: add_pending_result
+        came first), and of whatever else was subscribed unread, in one read through the
+        wait's own client. Not Celery's step, which reads through the backend's, retrying
+        (``result_backend_always_retry``) a Redis that hangs for its socket timeout each
+        time. Only final states are handed on, as Celery's step amounts to: a state
+        before it goes to the progress callback of the wait before (``on_message`` is
+        set after this step)."""
+        own = [self._get_key_for_task(task_id) for task_id in waited_ids(result)]
         with self._locked():
-            self._unread -= own
-        super().on_wait_for_pending(result, timeout=timeout, **kwargs)
-        self._read_ready(self._take_unread())
+            self._unread.difference_update(own)
+        if self._reconnect_due:  # Redis away just now (the subscription found it so): the
+            return  # reconnect, at the first drain, reads every subscribed key's state
+        # (Celery's step then drops what it buffered of a result that its message had
+        # resolved meanwhile: here that final state was told once already, and a second
+        # telling stops in on_state_change before anything is buffered.)
+        self._read_ready(own + self._take_unread(), own=frozenset(own))
 
     def drain_events(self, timeout: float | None = None) -> None:
         if self._reconnect_due:
@@ -199,10 +243,11 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
                     due.append(key)
         return due
 
-    def _read_ready(self, keys: list[Any]) -> None:
+    def _read_ready(self, keys: list[Any], own: frozenset[Any] = frozenset()) -> None:
         """Hand on the stored states of ``keys`` that are final, as if their messages
         had come. Not the others: a progress callback (``get(on_message=...)``) would
-        be told again of a state it was told of."""
+        be told again of a state it was told of. A record of ``own`` (what the wait is
+        on) that does not decode raises, as Celery's read does (``UnreadableResult``)."""
         keys = list(dict.fromkeys(keys))
         if not keys:
             return
@@ -220,7 +265,9 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
                 meta = self._decode_result(raw)
             except Exception as exc:  # whatever its decoding raises
                 # (a bad exception type, a corrupt compressed payload...): its own waiter
-                # reads it too, and is told; a wait on another result must not fail for it
+                # is told; a wait on another result must not fail for it
+                if key in own:
+                    raise
                 logger.debug("result %r not readable on a second read: %s", key, exc)
                 continue
             if (isinstance(meta, dict) and meta.get("status") in states.READY_STATES

@@ -181,7 +181,7 @@ def test_a_connection_lost_on_a_quiet_read_is_reconnected(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Handled as Celery handles one on the pub/sub path, not raised out of ``get()``."""
     result = producer.AsyncResult(str(uuid.uuid4()))
-    client = producer.backend.client
+    client = producer.backend.result_consumer.backend.client  # (the waits' own client)
     real_mget = client.mget
     failed: list[bool] = []
 
@@ -386,5 +386,48 @@ def test_a_wait_through_a_redis_outage_ends_at_its_timeout_then_gets_the_result(
             .mark_as_done("t-outage", 7)
         assert result.get(timeout=30) == 7
     finally:
+        app.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("subscribed_before", [True, False])
+def test_a_wait_that_starts_while_redis_hangs_ends_near_its_timeout(
+        tmp_path: Any, subscribed_before: bool) -> None:
+    """Redis stopped (SIGSTOP: connections are accepted, nothing is answered, as in a
+    partition that drops packets). (The wait's subscription waited out the backend's
+    socket timeout, 120 s, and the stored-state read its retries of it: a get(timeout=2)
+    was still blocked after 5 minutes.)"""
+    import os
+    import signal
+    import time
+
+    from celery.exceptions import TimeoutError as CeleryTimeout
+
+    from sits_queue.broker.resultwait import WAIT_IO_TIMEOUT_S
+    from sits_queue.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path / "redis")
+    url = server.start()
+    pid = server.pid
+    assert pid is not None
+    app = make_app(SitsConfig(redis_url=url), main="result-hang")
+    result = app.AsyncResult("t-hang")
+    try:
+        if subscribed_before:
+            with pytest.raises(CeleryTimeout):
+                result.get(timeout=0.2)  # its consumer connected and subscribed
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(CeleryTimeout):
+            result.get(timeout=2)
+        # (each of its few calls gives up after WAIT_IO_TIMEOUT_S; 120 s each before)
+        assert time.monotonic() - started < 2 + 8 * WAIT_IO_TIMEOUT_S
+        os.kill(pid, signal.SIGCONT)
+        # Redis answering again: the same wait gets the result
+        make_app(SitsConfig(redis_url=url), main="result-hang-worker").backend \
+            .mark_as_done("t-hang", 9)
+        assert result.get(timeout=30) == 9
+    finally:
+        os.kill(pid, signal.SIGCONT)
         app.close()
         server.stop()
