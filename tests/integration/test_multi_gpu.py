@@ -20,7 +20,7 @@ import redis
 from celery import Celery
 
 from sits_queue.broker.keys import QueueKeys
-from sits_queue.procs import CeleryProcess, start_worker, wait_ready
+from sits_queue.procs import CeleryProcess, intake_held, start_worker, wait_ready
 from sits_queue.workers.limits import BYTES_PER_GIB as GIB
 from tests.integration.conftest import APP_MODULE, ROOT, worker_env
 from tests.waiting import wait_for
@@ -118,6 +118,37 @@ def test_a_task_goes_to_the_child_whose_device_can_hold_it(
     # And a task that fits either device runs on whichever child is idle
     set_free(state, dict.fromkeys(UUIDS, 70))
     assert device.apply_async(("any",), vram_gib=40).get(timeout=30) in UUIDS
+    assert proc.alive()
+
+
+def test_a_batch_the_idle_childs_device_cannot_hold_goes_back_whole(
+        two_gpus: tuple[CeleryProcess, Path], client_app: Celery, r: redis.Redis) -> None:
+    """(a batch's calls were checked in the main process only, by the roomiest device:
+    the pool child on a full GPU ran them)"""
+    proc, state = two_gpus
+    device = client_app.tasks["w.device"]
+    # Given one child busy for a few seconds, the idle one's GPU nearly full
+    busy = device.apply_async(("busy", 8.0))  # (past the hold's control round trips)
+    wait_for(lambda: r.llen("test:device:busy") == 1, 30, "the busy task to start")
+    roomy = r.lindex("test:device:busy", 0).decode()
+    full = next(u for u in UUIDS if u != roomy)
+    set_free(state, {roomy: 70, full: 5})
+    # When three batch calls declaring 40 GiB wait together (taken as one batch)
+    batch = client_app.tasks["w.batch_device"]
+    with intake_held(client_app, [proc]):
+        calls = [batch.apply_async((f"b{n}",), vram_gib=40) for n in range(3)]
+    # Then the idle child gives the whole batch back, uncounted, naming its device
+    wait_for(lambda: f"({full}) has 5.00 GiB free" in proc.log(), 30,
+             "the idle child to give the batch back")
+    # and the calls run on the roomy GPU once its child is free, never on the full one
+    done = [c.get(timeout=30) for c in calls]
+    assert [d["output"] for d in done] == [roomy] * 3
+    assert [d["sits"]["batch"]["size"] for d in done] == [3] * 3  # (one batch, again)
+    assert busy.get(timeout=10) == roomy
+    for n in range(3):
+        assert [d.decode().split()[0] for d in r.lrange(f"test:device:b{n}", 0, -1)] \
+            == [roomy]
+    assert r.hlen(WAITING.redelivered) == 0 and r.hlen(WAITING.dead) == 0
     assert proc.alive()
 
 

@@ -198,6 +198,16 @@ def register(app: Celery) -> dict[str, Any]:
             sys.exit(4)
         return [len(c.args[0]) for c in calls]
 
+    @app.batch_inference_task(name="w.batch_device", model="w.identity", sla_class="high",
+                              shared=False)
+    def batch_device(engine: Any, calls: list[Any]) -> list[str | None]:
+        """A batch task: the device this child is pinned to, for each call, and each
+        call's tag with the batch's size said in Redis."""
+        pinned = os.environ.get("CUDA_VISIBLE_DEVICES")
+        for c in calls:
+            r().rpush(f"test:device:{c.args[0]}", f"{pinned} {len(calls)}")
+        return [pinned for _ in calls]
+
     @app.model("w.exiting", replace=True)
     def exiting() -> Any:
         raise SystemExit(3)
@@ -222,7 +232,8 @@ def register(app: Celery) -> dict[str, Any]:
             "infer_steps": infer_steps, "unstartable": unstartable,
             "lengths_unstartable": lengths_unstartable, "memerr": memerr,
             "lengths_odd": lengths_odd, "use_exiting": use_exiting, "exits": exits,
-            "infer_exits": infer_exits, "lengths_exits": lengths_exits}
+            "infer_exits": infer_exits, "lengths_exits": lengths_exits,
+            "batch_device": batch_device}
 
 
 class Quit(BaseException):

@@ -188,3 +188,46 @@ def test_the_main_process_gives_a_refused_task_back_uncounted_and_held_off(
     assert req.message._state == "REQUEUED" and req.acknowledged
     assert "t.big[task-1] not started here: declares vram_gib=40 but this child's " \
         "device 0" in caplog.text
+
+
+def batch_calls(*declared: Any, **request: Any) -> list[Any]:
+    """A batch's calls' requests, as ``run_batch`` builds them (attribute access)."""
+    from celery.app.task import Context
+
+    return [Context({**delivered(v, **request), "id": f"call-{n}"})
+            for n, v in enumerate(declared)]
+
+
+def test_a_batch_is_checked_once_by_the_most_any_call_declares(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    read = free(monkeypatch, 30)
+    # The calls run on one engine: 40 GiB declared by one of them does not fit 30 free
+    misfit = devicefit.batch_misfit(child(), big, batch_calls(8, None, 40, 20))
+    assert isinstance(misfit, request.NotOnThisDevice)
+    assert "vram_gib=40 but this child's device 0 (GPU-0000-uuid) has 30.00 GiB free" \
+        in misfit.reason
+    assert read == ["GPU-0000-uuid"]  # (one read for the batch)
+    # 20 and less fit; a batch declaring nothing is not read for
+    assert devicefit.batch_misfit(child(), big, batch_calls(8, 20)) is None
+    assert devicefit.batch_misfit(child(), big, batch_calls(None, None)) is None
+    assert len(read) == 2
+
+
+def test_a_batch_the_check_does_not_apply_to_runs_unchecked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    read = free(monkeypatch, 1)
+    # over its class's cap (64 GiB for "high"): it runs under the cap, as alone
+    assert devicefit.batch_misfit(child(), big, batch_calls(200)) is None
+    # one GPU, eager calls, no child: as for a task alone
+    assert devicefit.batch_misfit(child(ONE_GPU), big, batch_calls(40)) is None
+    assert devicefit.batch_misfit(child(), big, batch_calls(40, is_eager=True)) is None
+    assert devicefit.batch_misfit(None, big, batch_calls(40)) is None
+    assert devicefit.batch_misfit(child(), big, []) is None
+    assert read == []
+    # an unreadable device: run (its class cap still holds)
+
+    def unreadable(runtime: rt.ChildRuntime) -> int:
+        raise OSError("NVML refused")
+
+    monkeypatch.setattr(devicefit, "own_free_bytes", unreadable)
+    assert devicefit.batch_misfit(child(), big, batch_calls(40)) is None
