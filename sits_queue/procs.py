@@ -137,8 +137,10 @@ def wait_ready(app: Celery, workers: Sequence[CeleryProcess],
             pending -= set(reply)
 
 
-#: How long the workers may take to stop or start consuming on a remote-control command, s.
-CONTROL_TIMEOUT_S = 10.0
+#: How long the workers may take to answer a remote-control command, s: a call returns as
+#: soon as every one has, and a loaded host answers late (10 s was too short on CI's,
+#: with a worker's child loading a model beside three test runs on two cores).
+CONTROL_TIMEOUT_S = READY_TIMEOUT_S
 
 
 @dataclass
@@ -178,8 +180,14 @@ def intake_held(app: Celery, workers: Sequence[CeleryProcess], queue: str | None
         yield hold
     finally:
         hold.released_s = time.time()
-        app.control.add_consumer(queue, destination=names, reply=True, timeout=timeout_s)
-        _await_consumed(app, before, timeout_s)
+        # (the reply is enough: the worker's loop consumes at its next turn, and asked
+        # at once, a worker starting the stream's first task beside a loaded host's
+        # other work once answered too late)
+        replies = app.control.add_consumer(queue, destination=names, reply=True,
+                                           timeout=timeout_s)
+        if silent := set(names) - {host for reply in replies or [] for host in reply}:
+            raise TimeoutError(f"workers {sorted(silent)} did not say they consume "
+                               f"{queue!r} again in {timeout_s:.0f} s")
 
 
 def _consumed(app: Celery, names: Sequence[str], timeout_s: float

@@ -38,6 +38,7 @@ import threading
 import time
 import weakref
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 from celery.worker import state as worker_state
@@ -163,16 +164,27 @@ class QoS(kredis.QoS):
         nothing crashed, it must not creep towards the poison-message limit. See
         ``lua/release.lua``.
         """
+        return self.release_many([delivery_tag], first_hold_s, longest_hold_s)
+
+    def release_many(self, delivery_tags: Sequence[str], first_hold_s: float = 0.0,
+                     longest_hold_s: float = 0.0) -> float:
+        """:meth:`release` for messages of one queue in one call, at one instant: held,
+        they come back together (a batch its child's device could not hold, given back
+        one by one, came back in pieces, each hold ending a few ms after the last)."""
+        tags = list(delivery_tags)
         with self._lock:
-            queue = self._queue_of(delivery_tag)
+            by_queue: dict[str, list[str]] = defaultdict(list)
+            for tag in tags:
+                if (queue := self._queue_of(tag)) is not None:
+                    by_queue[queue].append(tag)
             hold = 0.0
             try:
-                if queue is not None:
-                    hold = self._release(queue, [delivery_tag], first_hold_s,
-                                         longest_hold_s)
+                for queue, own in by_queue.items():
+                    hold = self._release(queue, own, first_hold_s, longest_hold_s)
                     self.channel.note_hold(hold)
-            finally:  # forget it locally: Redis has it back (or, failing, the sweep will)
-                virtual.QoS.ack(self, delivery_tag)
+            finally:  # forget them locally: Redis has them back (or, failing, the sweep will)
+                for tag in tags:
+                    virtual.QoS.ack(self, tag)
         return hold
 
     def note_unstarted(self, delivery_tag: str, unstarted: bool) -> None:

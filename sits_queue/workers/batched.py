@@ -161,11 +161,13 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
     for job in given:
         add(job)
     trace = fast_trace_task if app.use_fast_trace_task else trace_task_ret
-    # This child's device may not hold what the calls declare (``devicefit.py``): each
-    # goes back, uncounted, as a task alone would (and the batch is not marked STARTED)
+    # This child's device may not hold what the calls declare (``devicefit.py``): none
+    # runs, nor is marked STARTED; the main process gives them all back together
+    # (``batchmain.py``), uncounted, as a task alone
     misfit = devicefit.batch_misfit(runtime.child(), task, requests)
     if misfit is not None:
-        return _all_given_back(misfit, calls, jobs, trace, began)
+        return [None] * len(jobs), {"seconds": 0.0, "cut_short": False, "failed": True,
+                                    "not_here": misfit.reason}
     # (each call's record stayed PENDING until its trace after the batch: a revoke()
     # without terminate, on a worker that did not hold the batch, marked a running call
     # REVOKED and its caller's get() raised, though the batch ran it to its SUCCESS)
@@ -201,22 +203,6 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
     elapsed = time.monotonic() - began
     timing["seconds"] = max(0.0, elapsed - timing.pop("cold_s"))
     return [None if r is None else (r[0], r[1], elapsed) for r in results], timing
-
-
-def _all_given_back(misfit: BaseException, calls: list[Call], jobs: list[tuple[Any, ...]],
-                    trace: Callable[..., Any], began: float
-                    ) -> tuple[list[tuple[Any, Any, float] | None], dict[str, Any]]:
-    """:func:`run_batch`'s return for a batch none of whose calls ran: each traced with
-    ``misfit`` (its request gives it back); the batch's time budget leaves it out."""
-    _outcomes.update({call.id: (misfit, {}) for call in calls})
-    try:
-        results = [trace(*job) for job in jobs]
-    finally:
-        for call in calls:
-            _outcomes.pop(call.id, None)
-    elapsed = time.monotonic() - began
-    return ([(r[0], r[1], elapsed) for r in results],
-            {"seconds": 0.0, "cut_short": False, "failed": True})
 
 
 def mark_started(task: Any, requests: list[Context]) -> None:

@@ -202,6 +202,12 @@ class _PoolJob:
             self.each("on_failure")(ran)
             return
         results, timing = ran
+        if (reason := timing.get("not_here")) is not None:
+            # None ran: the child's device cannot hold what they declare (devicefit.py)
+            if self.join is not None and self.setup is not None:
+                self.rerun(joins.finish(self.first.id, self.setup.client, taken=0)[1])
+            admission.release_batch(self.requests[:self.own], reason)
+            return
         if not timing.get("failed"):  # every call it served, joined ones included
             (batchbudget.stopped if timing["cut_short"] else batchbudget.ran)(
                 [r for r, o in zip(self.requests, results, strict=False) if o is not None],

@@ -339,15 +339,41 @@ def _give_back(request: Request, holds: tuple[float, float] | None = None) -> fl
     held = 0.0
     if qos is not None and callable(getattr(qos, "release", None)):
         held = float(qos.release(message.delivery_tag, *(holds or ())) or 0.0)
-        # kombu's own requeue() marks the message so; nothing may ack it after this.
-        message._state = "REQUEUED"
     else:  # another transport: a plain requeue (it may count as a redelivery there)
         message.requeue()
+    _forget_given_back(request)
+    return held
+
+
+def _forget_given_back(request: Request) -> None:
+    """The worker's side of a give-back, once the message is back in its queue."""
+    # kombu's own requeue() marks the message so; nothing may ack it after this.
+    request.message._state = "REQUEUED"
     request.acknowledged = True
     with contextlib.suppress(Exception):  # events are best effort, as in Request.reject
         request.send_event("task-rejected", requeue=True)
     task_ready(request)
-    return held
+
+
+def release_batch(requests: Sequence[Request], reason: str) -> float:
+    """Give back a batch's messages, none of whose calls ran because the child that got
+    it cannot hold what they declare (``devicefit.py``): in one call, under one hold, so
+    that they come back together as the batch they were (given back one by one, each
+    hold ended a few ms after the last, and the batch came back in pieces); held off
+    from this worker as a task alone. Returns the hold, s."""
+    channel = getattr(requests[0].message, "channel", None) if requests else None
+    release_many = getattr(getattr(channel, "qos", None), "release_many", None)
+    if not callable(release_many) or any(
+            getattr(r.message, "channel", None) is not channel for r in requests):
+        return max((_released(r, reason, CHILD_HOLDS) for r in requests), default=0.0)
+    hold = float(release_many([r.message.delivery_tag for r in requests], *CHILD_HOLDS)
+                 or 0.0)
+    for request in requests:
+        _forget_given_back(request)
+    logger.info("batch of %d %s tasks [%s] not started here: %s; released to their queue "
+                "together, not taken back here for %.2f s", len(requests), requests[0].name,
+                ", ".join(r.id for r in requests), reason, hold)
+    return hold
 
 
 def dead_letter_unstartable(request: Request, exc: Exception) -> bool:

@@ -137,9 +137,11 @@ def test_a_batch_the_idle_childs_device_cannot_hold_goes_back_whole(
     batch = client_app.tasks["w.batch_device"]
     with intake_held(client_app, [proc]):
         calls = [batch.apply_async((f"b{n}",), vram_gib=40) for n in range(3)]
-    # Then the idle child gives the whole batch back, uncounted, naming its device
+    # Then the idle child gives the whole batch back, uncounted, naming its device, and
+    # the batch goes back as one (under one hold: it comes back whole)
     wait_for(lambda: f"({full}) has 5.00 GiB free" in proc.log(), 30,
              "the idle child to give the batch back")
+    assert "batch of 3 w.batch_device tasks" in proc.log()
     # and the calls run on the roomy GPU once its child is free, never on the full one
     done = [c.get(timeout=30) for c in calls]
     assert [d["output"] for d in done] == [roomy] * 3
