@@ -141,6 +141,8 @@ def wait_ready(app: Celery, workers: Sequence[CeleryProcess],
 #: soon as every one has, and a loaded host answers late (10 s was too short on CI's,
 #: with a worker's child loading a model beside three test runs on two cores).
 CONTROL_TIMEOUT_S = READY_TIMEOUT_S
+#: Longest one question to the workers waits for their replies, s (then asked again).
+ASK_S = 5.0
 
 
 @dataclass
@@ -192,20 +194,28 @@ def intake_held(app: Celery, workers: Sequence[CeleryProcess], queue: str | None
 
 def _consumed(app: Celery, names: Sequence[str], timeout_s: float
               ) -> dict[str, frozenset[str]]:
-    """The queues each worker named consumes now, by its hostname."""
-    replies = app.control.inspect(destination=list(names), timeout=timeout_s).active_queues()
-    out = {host: frozenset(q["name"] for q in queues)
-           for host, queues in (replies or {}).items()}
-    if missing := set(names) - set(out):
-        raise TimeoutError(f"workers {sorted(missing)} did not say which queues they consume "
-                           f"in {timeout_s:.0f} s")
+    """The queues each worker named consumes now, by its hostname: asked again (for
+    those yet to answer) every :data:`ASK_S` until ``timeout_s``, so that one reply
+    lost or late costs a question, not the whole wait."""
+    deadline = time.monotonic() + timeout_s
+    out: dict[str, frozenset[str]] = {}
+    while missing := [n for n in names if n not in out]:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"workers {sorted(missing)} did not say which queues they "
+                               f"consume in {timeout_s:.0f} s")
+        replies = app.control.inspect(destination=missing,
+                                      timeout=min(ASK_S, left)).active_queues()
+        out.update({host: frozenset(q["name"] for q in queues)
+                    for host, queues in (replies or {}).items() if host in missing})
     return out
 
 
 def _await_consumed(app: Celery, want: Mapping[str, frozenset[str]], timeout_s: float) -> None:
     """Until each worker in ``want`` consumes exactly its queues there."""
     deadline = time.monotonic() + timeout_s
-    while (now := _consumed(app, list(want), timeout_s)) != want:
+    # (each round may ask for a while, even past the deadline: a last look, not none)
+    while (now := _consumed(app, list(want), max(ASK_S, deadline - time.monotonic()))) != want:
         if time.monotonic() > deadline:
             raise TimeoutError(f"workers consume {now}, not {dict(want)}, after "
                                f"{timeout_s:.0f} s")
