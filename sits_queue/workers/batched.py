@@ -160,7 +160,6 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
 
     for job in given:
         add(job)
-    trace = fast_trace_task if app.use_fast_trace_task else trace_task_ret
     # This child's device may not hold what the calls declare (``devicefit.py``): none
     # runs, nor is marked STARTED; the main process gives them all back together
     # (``batchmain.py``), uncounted, as a task alone
@@ -172,6 +171,7 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
     # without terminate, on a worker that did not hold the batch, marked a running call
     # REVOKED and its caller's get() raised, though the batch ran it to its SUCCESS)
     mark_started(task, requests)
+    trace = fast_trace_task if app.use_fast_trace_task else trace_task_ret
     traced: dict[int, Any] = {}  # calls done before the batch: what their trace returned
     said: dict[str, Any] = {}  # what the batch's span says, for each member's own
 
