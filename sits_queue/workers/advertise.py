@@ -540,8 +540,13 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
         from sits_queue.workers import profile, runtime
         from sits_queue.workers import request as admission
 
-        # the devices its children use (the plan's), their live readings taken now
-        devices = list(live(runtime.plan().devices))
+        # the devices its live children use (an autoscaled pool below its planned size:
+        # not the plan's others, until it grows), their readings taken now; admission
+        # weighs them alone (a task admitted for an unused GPU's room was given back by
+        # the child that got it, at every take)
+        used = runtime.slot_devices(runtime.plan().discovery, slots)
+        admission.admit_on(frozenset(d.uuid for d in used if d.kind == "cuda"))
+        devices = list(live(used))
 
         extra: dict[str, Any] = {}
         if profile.current:

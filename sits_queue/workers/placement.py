@@ -4,6 +4,7 @@ can give each task its own limits. Pure: the parent's discovery is its input."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sits_queue.config import ClassQuota
@@ -91,6 +92,15 @@ def used_devices(discovery: Discovery, slots: int) -> tuple[Device, ...]:
     if not gpus or slots <= 0 or slots >= len(gpus):
         return discovery.devices
     return gpus[:slots]
+
+
+def slot_devices(discovery: Discovery, slots: Iterable[int]) -> tuple[Device, ...]:
+    """The devices the pool children of these ``slots`` (process indexes) are pinned to,
+    in discovery order; every device for none. A pool that autoscales is planned at its
+    most (:func:`used_devices`) and runs fewer children until it grows: only these
+    devices can run a task meanwhile."""
+    pinned = {device_for_slot(discovery, slot).uuid for slot in slots}
+    return tuple(d for d in discovery.devices if d.uuid in pinned) or discovery.devices
 
 
 def unused_notice(discovery: Discovery, slots: int) -> str | None:

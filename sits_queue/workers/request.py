@@ -452,14 +452,28 @@ def refused(request: Request) -> bool:
     return True
 
 
+#: The GPUs this worker's live pool children are pinned to (its advertiser says, at each
+#: refresh); empty: every GPU admission was armed with.
+_admit_on: frozenset[str] = frozenset()
+
+
+def admit_on(uuids: frozenset[str]) -> None:
+    """Admit by these GPUs alone (an autoscaled pool's live children's), from now on."""
+    global _admit_on
+    _admit_on = uuids
+
+
 def _free_now(request: Request, needed: float) -> int:
-    """The roomiest device's free memory for a task declaring ``needed`` GiB; on a worker
-    of several GPUs, the devices that can hold it are noted for the pool (``steer.py``:
-    it hands the task to a child pinned to one of them, not to whichever is idle)."""
+    """The roomiest device's free memory for a task declaring ``needed`` GiB, of those its
+    live children are pinned to (:func:`admit_on`); on a worker of several GPUs, the
+    devices that can hold it are noted for the pool (``steer.py``: it hands the task to
+    a child pinned to one of them, not to whichever is idle)."""
     by_device = getattr(probe(), "free_by_device", None)
     if by_device is None:
         return probe().max_free_bytes(_cached_now())
     free: dict[str, int] = by_device(_cached_now())
+    if live := {u: f for u, f in free.items() if u in _admit_on}:
+        free = live
     roomy = frozenset(u for u, f in free.items() if fits(needed, f, HEADROOM_BYTES))
     if roomy and len(roomy) < len(free):  # (where every device holds it, any child may)
         steer.want(request.id, roomy)

@@ -70,6 +70,7 @@ from sits_queue.workers.placement import device_for_slot as device_for_slot
 from sits_queue.workers.placement import pin_env as pin_env
 from sits_queue.workers.placement import pool_name as pool_name
 from sits_queue.workers.placement import pool_problem as pool_problem
+from sits_queue.workers.placement import slot_devices as slot_devices
 from sits_queue.workers.placement import unused_notice as unused_notice
 from sits_queue.workers.placement import used_devices as used_devices
 from sits_queue.workers.taskheader import task_class

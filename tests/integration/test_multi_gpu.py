@@ -21,6 +21,7 @@ from celery import Celery
 
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.procs import CeleryProcess, intake_held, start_worker, wait_ready
+from sits_queue.workers.advertise import worker_key
 from sits_queue.workers.limits import BYTES_PER_GIB as GIB
 from tests.integration.conftest import APP_MODULE, ROOT, worker_env
 from tests.waiting import wait_for
@@ -190,5 +191,34 @@ def test_a_worker_of_fewer_children_than_gpus_admits_and_advertises_theirs_only(
             big.get(timeout=8)
         assert client_app.tasks["w.device"].apply_async(("fits",), vram_gib=20).get(
             timeout=8) == UUIDS[0]
+    finally:
+        proc.stop(timeout_s=10)
+
+
+def test_an_autoscaled_pool_admits_by_the_gpus_of_its_live_children(
+        tmp_path: Path, redis_url: str, r: redis.Redis, client_app: Celery) -> None:
+    """(planned at its most, two children on two GPUs, it ran one, on the 40 GB GPU, and
+    admitted a 50 GiB task for the unforked child's 80 GB GPU: the one child gave it
+    back at every take)"""
+    small_first = {UUIDS[0]: MIXED[UUIDS[1]], UUIDS[1]: MIXED[UUIDS[0]]}  # 40 GB, 80 GB
+    set_free(tmp_path / "nvml.json", {UUIDS[0]: 35, UUIDS[1]: 70}, small_first)
+    proc, _ = standin_worker(tmp_path, redis_url, client_app, concurrency=1,
+                             extra_args=["--autoscale=2,1"])
+    try:
+        wait_for(lambda: "pool child 0" in proc.log(), 30, "the first child")
+        # When a task only the unforked child's GPU could hold arrives
+        big = client_app.tasks["w.device"].apply_async(("big",), vram_gib=50)
+        # Then the worker refuses it itself (its one child's GPU is all it weighs), not
+        # the child after the pool handed it over
+        wait_for(lambda: f"[{big.id}] not started here" in proc.log(), 30, "the refusal")
+        log = proc.log()
+        assert "this child's device" not in log, log[-3000:]
+        # and its advertisement names the GPU of its live child only
+        worker = json.loads(r.get(worker_key("", proc.hostname)) or "{}")
+        assert [d["uuid"] for d in worker["devices"]] == [UUIDS[0]]
+        # while a task the live child's GPU holds runs there
+        assert client_app.tasks["w.device"].apply_async(("fits",), vram_gib=30).get(
+            timeout=30) == UUIDS[0]
+        big.revoke()
     finally:
         proc.stop(timeout_s=10)

@@ -158,6 +158,45 @@ def test_admission_notes_the_devices_that_hold_the_task() -> None:
         request.configure(None)
 
 
+def test_admission_weighs_only_the_gpus_of_live_children() -> None:
+    """(an autoscaled pool below its planned size: a 50 GiB task admitted for an unused
+    80 GB GPU's room went to a child on the 40 GB one and was given back at every take)"""
+    nvml = fake_nvml({"GPU-big": SimpleNamespace(free=70 * GIB, total=80 * GIB),
+                      "GPU-small": SimpleNamespace(free=35 * GIB, total=40 * GIB)})
+    request.configure(request.NvmlProbe(["GPU-big", "GPU-small"], nvml))
+    try:
+        request.admit_on(frozenset({"GPU-small"}))  # the big GPU's child not forked yet
+        CeleryGenerated.ran.clear()
+        big, qos = fake_request(50)
+        with pytest.raises(request.NotStartedHere):  # refused here, held off a while
+            big.execute_using_pool(None)
+        assert CeleryGenerated.ran == [] and [r[0] for r in qos.released] == ["tag-1"]
+        assert steer.wanted("task-1") is None
+        fits, _ = fake_request(30)
+        assert fits.execute_using_pool(None) == "sent to the pool"
+        # Once the pool has grown, both count again
+        request.admit_on(frozenset({"GPU-small", "GPU-big"}))
+        again, _ = fake_request(50)
+        assert again.execute_using_pool(None) == "sent to the pool"
+        assert (w := steer.wanted("task-1")) is not None and w.devices == {"GPU-big"}
+        steer.forget("task-1")
+    finally:
+        request.admit_on(frozenset())
+        request.configure(None)
+
+
+def test_a_pools_live_slots_name_their_devices_in_discovery_order() -> None:
+    from sits_queue.workers.devices import Device, Discovery
+    from sits_queue.workers.placement import slot_devices
+
+    gpus = tuple(Device(index=i, kind="cuda", name="H100", uuid=f"GPU-{i}",
+                        total_vram_bytes=80 * GIB, free_vram_bytes=80 * GIB) for i in range(8))
+    eight = Discovery(devices=gpus)
+    assert [d.uuid for d in slot_devices(eight, [1, 0])] == ["GPU-0", "GPU-1"]
+    assert [d.uuid for d in slot_devices(eight, [9])] == ["GPU-1"]  # (round-robin)
+    assert slot_devices(eight, []) == gpus
+
+
 def test_remembered_tasks_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(steer, "MOST_REMEMBERED", 3)
     for n in range(5):
