@@ -82,11 +82,11 @@ class _WaitSide:
     consumer makes its pub/sub connection and its reads through ``backend.client``)."""
 
     def __init__(self, backend: Any) -> None:
-        self._backend = backend
+        self.unwrapped = backend
         self.client = backend._create_client(**capped(backend.connparams))
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._backend, name)
+        return getattr(self.unwrapped, name)
 
 
 def waited_ids(result: Any) -> list[str]:
@@ -122,6 +122,12 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
         self._prune_at = PRUNE_LEAST
         self._told = {}
         self._reconnect_due = False
+        # Celery's resets the pool of the client it sees, the waits' own here; the
+        # backend's, which stores results, is reset as Celery's step would have
+        try:
+            self.backend.unwrapped.client.connection_pool.reset()
+        except KeyError as exc:  # (as Celery's step says it)
+            logger.warning("%s", exc)
         super().on_after_fork()
 
     def on_state_change(self, meta: Any, message: Any) -> None:
