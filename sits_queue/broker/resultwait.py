@@ -68,7 +68,9 @@ def capped(connparams: dict[str, Any], most_s: float = WAIT_IO_TIMEOUT_S) -> dic
     connects) of at most ``most_s``, and one try per call (redis-py retries a timed-out
     call three times, with backoff): the wait's loop tries again, within its timeout."""
     out = dict(connparams)
-    for name in ("socket_timeout", "socket_connect_timeout"):
+    # (a Unix socket's connection takes no connect timeout: Celery leaves it out there)
+    for name in ("socket_timeout",) if "path" in out else ("socket_timeout",
+                                                           "socket_connect_timeout"):
         given = out.get(name)
         out[name] = most_s if not given else min(float(given), most_s)
     out["retry"] = Retry(NoBackoff(), 0)

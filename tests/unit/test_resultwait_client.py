@@ -19,6 +19,9 @@ def test_capped_params_bound_every_socket_wait_and_try_once() -> None:
     assert out["retry_on_timeout"] is False and out["retry"].get_retries() == 0
     # (a shorter one given is kept)
     assert capped({"socket_timeout": 0.25})["socket_timeout"] == 0.25
+    # a Unix socket's: no connect timeout, as Celery leaves it
+    unix = capped({"path": "/tmp/redis.sock", "socket_timeout": None})
+    assert unix["socket_timeout"] == WAIT_IO_TIMEOUT_S and "socket_connect_timeout" not in unix
 
 
 def test_the_consumer_waits_through_its_own_client_and_resets_both_after_fork() -> None:
