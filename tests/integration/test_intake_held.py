@@ -61,3 +61,16 @@ def test_a_worker_that_never_answers_is_a_timeout_naming_it(
     with pytest.raises(TimeoutError, match="nobody@nowhere"), \
             intake_held(client_app, [worker, gone], timeout_s=1):
         pytest.fail("the block ran")
+
+
+def test_a_block_that_raises_leaves_the_workers_consuming_again(
+        spawn: Spawn, client_app: Celery) -> None:
+    worker = spawn(concurrency=1)
+    with pytest.raises(RuntimeError, match="the producer failed"), \
+            intake_held(client_app, [worker]) as hold:
+        sent = client_app.tasks["w.add"].delay(2, 3)
+        raise RuntimeError("the producer failed")
+    # What was sent before the error runs, and so does what is sent after
+    assert hold.released_s is not None
+    assert sent.get(timeout=20) == 5
+    assert client_app.tasks["w.add"].delay(4, 4).get(timeout=20) == 8
