@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 #: Cache tiers as the engine cache names them (``sits_queue.cache.policy.Tier``).
 DEVICE_TIER = "device"
 HOST_TIER = "host"
+#: A model's affinity weight in a child that holds it on its device (the host tier's is
+#: ``AffinityPolicy.host_weight``).
+DEVICE_WEIGHT = 1.0
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,7 @@ def warm_weights(warm_maps: Iterable[Mapping[str, Any]], host_weight: float
     weights: dict[str, float] = {}
     for warm in warm_maps:
         for model, tier in warm.items():
-            w = 1.0 if tier == DEVICE_TIER else host_weight if tier == HOST_TIER else 0.0
+            w = DEVICE_WEIGHT if tier == DEVICE_TIER else host_weight if tier == HOST_TIER else 0.0
             if w > weights.get(model, 0.0):
                 weights[model] = w
     return weights

@@ -20,8 +20,9 @@ Here, per model and per interval (``prewarm_interval_s``, 300 s):
   demand), clamped to [0, 1]: a forecast that has been right recently is trusted;
 * the plan: a model whose predicted demand needs instances (Little's law: arrivals x
   service time / interval), whose cold start costs more than 850 ms and whose forecast
-  is trusted (>= 0.82) gets ``ceil(concurrency x 1.3)`` warm workers; those it lacks are
-  chosen among workers that do not hold it warm, most free device memory first.
+  is trusted (>= 0.82) gets ``ceil(concurrency x 1.3)`` warm instances (pool children:
+  each keeps its own engines); those it lacks are chosen among the children of workers
+  that do not hold it warm, a worker at a time, most free device memory first.
 """
 
 from __future__ import annotations
@@ -177,9 +178,24 @@ class WorkerView:
     """What the planner needs of a live worker (from its advertisement)."""
 
     hostname: str
-    #: Models warm on its device tier.
+    #: Models warm on its device tier (in one of its children or more).
     warm: frozenset[str] = field(default_factory=frozenset)
     free_vram_bytes: int = 0
+    #: Its pool's children a pre-warm can be sent to, each an instance of its own (each
+    #: keeps its own engines); 1 where the pool is not steered: the pool's own choice of
+    #: child can land every pre-warm on the same one.
+    slots: int = 1
+    #: Model -> how many of its children hold it on their device tier (a model in
+    #: ``warm`` and not here: one).
+    holders: Mapping[str, int] = field(default_factory=dict)
+
+    def instances(self, model: str) -> int:
+        """Warm instances of ``model`` here: its children that hold it."""
+        return max(1, self.holders.get(model, 1)) if model in self.warm else 0
+
+    def room(self, model: str) -> int:
+        """Pre-warms of ``model`` this worker can take: its children without it."""
+        return max(0, self.slots - self.instances(model))
 
 
 @dataclass(frozen=True)
@@ -189,7 +205,7 @@ class ModelOutlook:
     confidence: float
     concurrency: float  # instances busy on average (Little's law)
     cold_ms: float  # mean measured cold start; 0 unknown
-    instances: int  # warm workers wanted
+    instances: int  # warm instances wanted (pool children; one per worker unsteered)
     warm_now: int
     reason: str
 
@@ -224,19 +240,30 @@ def outlook(model: str, f: Forecaster, now_s: float, interval_s: float, service_
 def plan(outlooks: Sequence[ModelOutlook], workers: Sequence[WorkerView],
          held_off: frozenset[str] = frozenset()) -> list[Prewarm]:
     """Which worker warms which model: for each model marked ``pre-warm`` (most needed
-    first), its missing instances on workers without it, most free memory first, each
-    worker asked for one model per round; none of ``held_off`` (:func:`missed`)."""
-    taken: set[str] = set()
+    first), its missing instances on children of workers without it (each child an
+    instance: :meth:`WorkerView.room`), a worker at a time in turn, most free memory
+    first (a fleet's instances on several hosts, not all on the roomiest); each worker
+    asked for at most one pre-warm per child a round; none of ``held_off``
+    (:func:`missed`). A worker asked for ``k`` pre-warms of a model is named ``k``
+    times."""
+    asked: dict[str, int] = {}  # pre-warms per worker this round
     out: list[Prewarm] = []
+    ranked = sorted(workers, key=lambda w: (-w.free_vram_bytes, w.hostname))
     for o in sorted(outlooks, key=lambda o: (o.warm_now - o.instances, o.model)):
         if o.reason != "pre-warm" or o.model in held_off:
             continue
-        candidates = sorted((w for w in workers
-                             if o.model not in w.warm and w.hostname not in taken),
-                            key=lambda w: (-w.free_vram_bytes, w.hostname))
-        for w in candidates[:o.instances - o.warm_now]:
-            out.append(Prewarm(o.model, w.hostname))
-            taken.add(w.hostname)
+        missing = o.instances - o.warm_now
+        given: dict[str, int] = {}
+        while missing > 0:
+            takers = [w for w in ranked if given.get(w.hostname, 0) < w.room(o.model)
+                      and asked.get(w.hostname, 0) < w.slots][:missing]
+            if not takers:
+                break
+            for w in takers:
+                out.append(Prewarm(o.model, w.hostname))
+                given[w.hostname] = given.get(w.hostname, 0) + 1
+                asked[w.hostname] = asked.get(w.hostname, 0) + 1
+            missing -= len(takers)
     return out
 
 
@@ -255,7 +282,7 @@ def missed(sent: Sequence[Prewarm], workers: Sequence[WorkerView],
     never pre-warmed. One warm where it was sent is forgotten."""
     out = dict(misses)
     views = {w.hostname: w for w in workers}
-    for p in sent:
+    for p in dict.fromkeys(sent):  # (several to one worker's children: one outcome)
         view = views.get(p.hostname)
         if view is not None and p.model in view.warm:
             out.pop(p.model, None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
@@ -86,7 +87,7 @@ class Prewarmer:
         start = (bucket_of(self.config, now_s)) * self.config.prewarm_interval_s
         outlooks = [forecast.outlook(m, f, start, self.config.prewarm_interval_s,
                                      service.get(m, 0.0), cold.get(m, 0.0),
-                                     sum(m in v.warm for v in views))
+                                     sum(v.instances(m) for v in views))
                     for m, f in sorted(states.items())]
         last_sent, misses = self._read_misses()
         misses = forecast.missed(last_sent, views, misses, now_s,
@@ -163,21 +164,30 @@ class Prewarmer:
 
 
 def _view(worker: Mapping[str, Any]) -> forecast.WorkerView:
-    """What the planner reads of a worker's record: engines warm on a device, free device
-    memory. A field of another shape (an older, newer or foreign writer's) counts as
-    none: raised on, it stopped the planning for every worker."""
+    """What the planner reads of a worker's record: engines warm on a device, in how many
+    children, how many children a pre-warm can go to, free device memory. A field of
+    another shape (an older, newer or foreign writer's) counts as none: raised on, it
+    stopped the planning for every worker."""
     children = as_mapping(worker.get("children")).values()
     # A model warm at a precision is warm for its demand, which is counted by model: a
     # fleet whose traffic asks for bf16 holds gpt@bf16 only, and each pass took every
     # worker for cold and pre-warmed an as-loaded copy no task used
-    warm = {str(m).partition("@")[0] for child in children
-            for m, tier in as_mapping(as_mapping(child).get("warm")).items() if tier == "device"}
+    holders: Counter[str] = Counter()
+    for child in children:
+        warm_map = as_mapping(as_mapping(child).get("warm"))
+        holders.update({str(m).partition("@")[0] for m, tier in warm_map.items()
+                        if tier == "device"})
     devices = worker.get("devices")
     # A model loads on one device: the roomiest one's free memory, not the sum (a host
     # of eight nearly full GPUs outranked one roomy GPU that could hold the model)
     free = max((_bytes(as_mapping(d).get("free_vram_bytes"))
                 for d in (devices if isinstance(devices, list) else [])), default=0)
-    return forecast.WorkerView(str(worker.get("hostname")), frozenset(warm), free)
+    # Each child keeps its own engines, so each is an instance; pre-warms reach the
+    # children without the model only where the pool is steered (workers/steer.py):
+    # Celery's own choice of child can land every one on the same child
+    slots = len(advertise.record_slots(worker)) if worker.get("steered") is True else 1
+    return forecast.WorkerView(str(worker.get("hostname")), frozenset(holders), free,
+                               max(1, slots), dict(holders))
 
 
 def _bytes(value: Any) -> int:

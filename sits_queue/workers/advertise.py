@@ -551,6 +551,8 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
         extra: dict[str, Any] = {}
         if profile.current:
             extra["profile"] = profile.current[0].report()
+        if steer.steering():  # (the pre-warm planner: each child can be sent one)
+            extra["steered"] = True
         if (pool := admission.plain_only_pool()) is not None:
             extra["plain_tasks_only"] = pool  # `sitsq status`: inference goes elsewhere
         try:

@@ -56,7 +56,7 @@ from celery.worker.state import task_ready
 
 from sits_queue.broker.keys import DELIVERY_HEADER
 from sits_queue.errors import NoDeviceLargeEnough, TaskOutOfMemory
-from sits_queue.options import HEADER, MAX_VRAM_GIB
+from sits_queue.options import HEADER, MAX_VRAM_GIB, PREWARM_TASK
 from sits_queue.spells import Spell
 from sits_queue.workers import nvmlfork, steer
 from sits_queue.workers.limits import BYTES_PER_GIB, fits
@@ -491,7 +491,8 @@ def _want_warm(request: Request) -> None:
         headers = request.request_dict
         steer.want_warm(request.id, task_model(headers, getattr(request.task, "model", None)),
                         task_prefix_key(headers),
-                        task_precision(headers, getattr(request.task, "precision", None)))
+                        task_precision(headers, getattr(request.task, "precision", None)),
+                        spread=request.name == PREWARM_TASK)
     except Exception as exc:  # (no model named: the child fails it, saying so)
         logger.debug("task %s[%s]: no engine to steer by (%s)", request.name, request.id, exc)
 

@@ -58,6 +58,9 @@ class Wanted:
     model: str | None = None
     prefix: str | None = None
     precision: str | None = None
+    #: A pre-warm: to a child that does not hold ``model`` on its device (one that does
+    #: would load nothing; the planner counts each child as an instance).
+    spread: bool = False
 
 
 #: Task id -> what it wants.
@@ -117,12 +120,14 @@ def want(task_id: str, uuids: frozenset[str]) -> None:
     _note(task_id, devices=uuids)
 
 
-def want_warm(task_id: str, model: str, prefix: str | None, precision: str | None) -> None:
+def want_warm(task_id: str, model: str, prefix: str | None, precision: str | None,
+              spread: bool = False) -> None:
     """The task ``task_id`` runs engine ``model`` (at ``precision``) on prompt prefix
-    ``prefix``: the pool should hand it to the child that holds them warm. Noted only
-    where the pool is steered."""
+    ``prefix``: the pool should hand it to the child that holds them warm (``spread``, a
+    pre-warm: to one that does not hold the model). Noted only where the pool is
+    steered."""
     if _steered is not None:
-        _note(task_id, model=model, prefix=prefix, precision=precision)
+        _note(task_id, model=model, prefix=prefix, precision=precision, spread=spread)
 
 
 def steering() -> bool:
@@ -170,6 +175,20 @@ def note_children(by_slot: Mapping[int, affinity.Warm],
         _room.update(room or {})
 
 
+def expect(slot: int, want: Wanted) -> None:
+    """The child ``slot`` was handed a task of ``want``'s engine: it holds it on its
+    device from now on. (Its advert says so once the engine is loaded, and the main
+    process reads that later still: a pre-warm written meanwhile went to the child that
+    had just taken a task of its model, as if it held nothing, and loaded nothing.) The
+    next reading of the adverts replaces this."""
+    if want.model is None:
+        return
+    key = affinity.engine_key(want.model, None if want.spread else want.precision)
+    warm = _children.get(slot, affinity.Warm())
+    if warm.models.get(key, 0.0) < affinity.DEVICE_WEIGHT:
+        _children[slot] = replace(warm, models={**warm.models, key: affinity.DEVICE_WEIGHT})
+
+
 def choose(idle_fds: Sequence[int], want: Wanted, device_of: Callable[[int], str | None],
            warm_of: Callable[[int], affinity.Warm | None],
            room_of: Callable[[int], int | None] = lambda fd: None) -> list[int] | None:
@@ -182,6 +201,12 @@ def choose(idle_fds: Sequence[int], want: Wanted, device_of: Callable[[int], str
     fits = [fd for fd in idle_fds if want.devices is None or device_of(fd) in want.devices]
     if not fits:
         return None
+    if want.model is not None and want.spread:
+        fits = [fd for fd in fits if not holds(warm_of(fd), want.model)]
+        if not fits:  # (every idle child holds it: the pool's choice, a load of nothing)
+            return None
+        # (the one holding it in its host tier promotes it: no read from disk)
+        want = replace(want, spread=False, precision=None, prefix=None)
     if want.model is not None:
         weights = [(w.weight(want.model, want.prefix, want.precision)
                     if (w := warm_of(fd)) is not None else 0.0) for fd in fits]
@@ -193,6 +218,14 @@ def choose(idle_fds: Sequence[int], want: Wanted, device_of: Callable[[int], str
             most = max(r for r in rooms if r is not None)
             return [fits[rooms.index(most)]]
     return [fits[0]] if want.devices is not None else None
+
+
+def holds(warm: affinity.Warm | None, model: str) -> bool:
+    """Whether a child's warm set has ``model`` on its device tier, at any precision (as
+    the pre-warm planner counts it: demand is counted by model)."""
+    return warm is not None and any(
+        key.partition("@")[0] == model and weight >= affinity.DEVICE_WEIGHT
+        for key, weight in warm.models.items())
 
 
 def share(fds: Sequence[int], wants: Sequence[Wanted | None],
@@ -242,9 +275,12 @@ def install(pool: Any, device_of_slot: Callable[[int], str | None]) -> bool:
                 if not any(wants):  # (plain tasks: the pool's own way, at its own cost)
                     return schedule(ready_fds, *rest)
                 before = len(outbound)
-                schedule(steered.share(idle, wants)[:1], *rest)
+                chosen = steered.share(idle, wants)[:1]
+                schedule(chosen, *rest)
                 if len(outbound) >= before:  # (not written: the pool puts it back)
                     return None
+                if wants[0] is not None and (slot := steered.slot(chosen[0])) is not None:
+                    expect(slot, wants[0])
                 if ids[0] is not None:
                     forget(ids[0])
             return None

@@ -130,6 +130,38 @@ def test_plan_fills_the_gap_on_the_roomiest_workers_without_the_model() -> None:
     assert [(p.model, p.hostname) for p in got] == [("m", "c"), ("m", "d"), ("x", "b")]
 
 
+def test_each_child_of_a_steered_worker_is_an_instance() -> None:
+    """(a worker of four GPU children holding a model in one counted as one warm
+    instance, and was sent one pre-warm a round at most, which its pool handed to any
+    child: the forecast's instances never came on a single host)"""
+    from sits_queue.priority.prewarm import _view
+
+    record = {"hostname": "big", "steered": True, "slots": [0, 1, 2, 3],
+              "devices": [{"free_vram_bytes": 40 * 2**30}],
+              "children": {"0": {"warm": {"gpt": "device"}}, "1": {"warm": {"gpt": "host"}},
+                           "2": {"warm": {"gpt@bf16": "device"}}, "3": {"warm": {}}}}
+    big = _view(record)
+    assert (big.slots, big.instances("gpt"), big.room("gpt"), big.room("t5")) == (4, 2, 2, 4)
+    # a pool that is not steered (or an older worker's record): one instance at most
+    plain = _view({**record, "steered": False})
+    assert (plain.slots, plain.instances("gpt"), plain.room("gpt"), plain.room("t5")) \
+        == (1, 2, 0, 1)
+    small = WorkerView("small", frozenset(), 2**30, slots=2)
+    # gpt wants 5 and has 2: three more, taken a worker at a time (roomiest first); t5
+    # wants 4, and what is left this round is one child of "big" (a pre-warm per child)
+    gpt = ModelOutlook("gpt", 90, 0.9, 3.5, 2000, 5, 2, "pre-warm")
+    t5 = ModelOutlook("t5", 90, 0.9, 3.0, 2000, 4, 0, "pre-warm")
+    got = fc.plan([gpt, t5], [small, big])
+    assert [(p.model, p.hostname) for p in got] == [
+        ("t5", "big"), ("t5", "small"), ("t5", "big"), ("t5", "small"),
+        ("gpt", "big"), ("gpt", "big")]
+    assert fc.plan([gpt], [small, big]) == [fc.Prewarm("gpt", h) for h in ("big", "small",
+                                                                          "big")]
+    # two sent to one worker that holds the model in neither: one miss, not two
+    sent = [fc.Prewarm("t5", "big"), fc.Prewarm("t5", "big")]
+    assert fc.missed(sent, [big], {}, now_s=0.0, interval_s=300.0) == {"t5": (1, 300.0)}
+
+
 def test_a_model_whose_pre_warms_miss_is_held_off_longer_each_time() -> None:
     """(a model that failed to load took the worker's one pre-warm a round at every
     pass, first by name: the models behind it were never pre-warmed)"""
@@ -274,7 +306,7 @@ def test_a_worker_record_of_another_shape_counts_as_holding_nothing(
     assert view == WorkerView("odd@h", frozenset(), 0)
     good = _view({"hostname": "w", "devices": [{"free_vram_bytes": 2**33}, {}],
                   "children": {"0": {"warm": {"gpt": "device", "bert": "host"}}}})
-    assert good == WorkerView("w", frozenset({"gpt"}), 2**33)
+    assert good == WorkerView("w", frozenset({"gpt"}), 2**33, holders={"gpt": 1})
 
 
 def test_a_worker_ranks_by_its_roomiest_device_not_their_sum() -> None:

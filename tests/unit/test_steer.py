@@ -254,6 +254,64 @@ def test_an_engine_warm_nowhere_loads_where_it_evicts_least() -> None:
                         device, WARM.get, room) == [10]
 
 
+def test_a_pre_warm_goes_to_an_idle_child_without_the_model() -> None:
+    """(steered by affinity, a pre-warm went to the child already holding its model and
+    loaded nothing, so a worker of several children never had a second warm instance)"""
+    room = {10: 100, 11: 500, 12: 900}.get
+    device = {10: "GPU-a", 11: "GPU-b", 12: "GPU-c"}.get
+    warm = {10: affinity.Warm({"gpt@bf16": 1.0}), 11: affinity.Warm({"gpt": 0.5}),
+            12: affinity.Warm({"bert": 1.0})}.get
+    prewarm = steer.Wanted(model="gpt", spread=True)
+    # not 10 (gpt on its device, at a precision: warm for gpt's demand); of the others the
+    # one with gpt in its host tier (a promotion, not a read from disk), whatever the rooms
+    assert steer.choose([10, 11, 12], prewarm, device, warm, room) == [11]
+    assert steer.choose([10, 12], prewarm, device, warm, room) == [12]
+    # every idle child holds it: the pool chooses (a load of nothing)
+    assert steer.choose([10], prewarm, device, warm, room) is None
+    # a task of the model itself still goes to the child holding it
+    assert steer.choose([10, 11, 12], steer.Wanted(model="gpt", precision="bf16"), device,
+                        warm, room) == [10]
+    # two pre-warms waiting together take two children
+    assert steer.share([10, 11, 12], [prewarm, prewarm], device, warm, room) == [11, 12]
+
+
+def test_a_child_handed_a_task_holds_its_engine_until_the_adverts_are_read_again() -> None:
+    """(a pre-warm written just after a task of its model went to that task's child,
+    whose advert did not show the model yet: it loaded nothing, the other child stayed
+    cold)"""
+    pool, hub = installed({10: 0, 11: 1})
+    steer.note_children({0: affinity.Warm({"gpt": 1.0}), 1: affinity.Warm({"gpt": 1.0})},
+                        {0: 500, 1: 100})
+    # Given a task of lm-b (warm nowhere) written to the roomiest child
+    pool.outbound_buffer.append(job("t-lm-b"))
+    steer.want_warm("t-lm-b", "lm-b", None, "bf16")
+    hub.consolidate_callback([10, 11])
+    assert hub.written == [("t-lm-b", 10)]
+    assert steer._children[0] == affinity.Warm({"gpt": 1.0, "lm-b@bf16": 1.0})
+    # When a pre-warm of lm-b follows, both children idle again, before any new reading
+    pool._busy_workers.clear()
+    pool.outbound_buffer.append(job("t-pre"))
+    steer.want_warm("t-pre", "lm-b", None, None, spread=True)
+    hub.consolidate_callback([10, 11])
+    # Then it goes to the other child (and that one now counts as holding lm-b too)
+    assert hub.written[-1] == ("t-pre", 11)
+    assert steer._children[1] == affinity.Warm({"gpt": 1.0, "lm-b": 1.0})
+    # and the next reading of the adverts is what counts again
+    steer.note_children({0: affinity.Warm({"gpt": 1.0})})
+    assert steer._children == {0: affinity.Warm({"gpt": 1.0})}
+
+
+def test_a_pre_warm_is_noted_to_spread() -> None:
+    from sits_queue.options import PREWARM_TASK
+
+    for name, spread in ((PREWARM_TASK, True), ("sits.generate", False)):
+        req = SimpleNamespace(id=f"id-{name}", name=name, request_dict={},
+                              task=SimpleNamespace(model="gpt", precision=None))
+        request._want_warm(req)  # type: ignore[arg-type]
+        wanted = steer.wanted(req.id)
+        assert wanted is not None and (wanted.model, wanted.spread) == ("gpt", spread)
+
+
 def test_a_childs_device_room() -> None:
     from sits_queue.workers.runtime import _room
 

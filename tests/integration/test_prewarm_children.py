@@ -1,0 +1,119 @@
+"""Predictive pre-warming on a worker of several pool children (the default on a host of
+several GPUs: a child per GPU), against a real Redis and a real worker: each child keeps
+its own engines, so each is an instance the forecast's ``ceil(concurrency x 1.3)``
+counts, and the pool hands each pre-warm to a child without the model."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+import redis
+from celery import Celery
+
+from sits_queue.priority import forecast as fc
+from sits_queue.priority import prewarm
+from sits_queue.priority.tasks import prewarmer
+from sits_queue.procs import CeleryProcess
+from sits_queue.workers import advertise
+from tests.integration.inference_app import build_models, client_app, serving, write_config
+from tests.waiting import wait_for
+
+INTERVAL_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory, redis_url: str, r: redis.Redis
+          ) -> Iterator[tuple[Celery, CeleryProcess]]:
+    tmp = tmp_path_factory.mktemp("prewarm-children")
+    models = build_models(tmp / "models")
+    config_path = write_config(tmp / "sits.toml")
+    # (no beat runs here: each pass is the test's own call of the planner)
+    env = {"SITS_PREWARM_INTERVAL_S": str(INTERVAL_S)}
+    app = client_app(redis_url, config_path, "prewarm-children-client")
+    app.sits = replace(app.sits, prewarm_interval_s=INTERVAL_S)
+    try:
+        with serving(redis_url, config_path, models, tmp, app, env, concurrency=2,
+                     name="prewarm2") as worker:
+            yield app, worker
+    finally:
+        app.close()
+
+
+def holders(r: redis.Redis, hostname: str, model: str) -> list[str]:
+    """The slots of the children holding ``model`` on their device tier."""
+    children = advertise.read_children(r, "", hostname)
+    return sorted(slot for slot, c in children.items()
+                  if (c.get("warm") or {}).get(model) == "device")
+
+
+def confident(app: Celery, r: redis.Redis, hostname: str, model: str) -> None:
+    """A forecast of ``model`` right for a day (~90 tasks an interval), its cold starts
+    costing 2 s and its tasks 60 ms each (as a GPU fleet's workers would have counted)."""
+    config = app.sits
+    f = fc.Forecaster()
+    start = (prewarm.bucket_of(config, time.time()) - 300) * INTERVAL_S
+    for k in range(299):
+        f = fc.update(f, start + k * INTERVAL_S, 90.0 + (k % 3))
+    r.hset(prewarm.state_key(config), model, json.dumps(fc.to_json(f)))
+    r.hset(prewarm.state_key(config), "__bucket__",
+           json.dumps([prewarm.bucket_of(config, time.time()) - 1, INTERVAL_S]))
+    r.hset(advertise.counters_key("", hostname),
+           mapping={f"model_cold_ms:{model}": 2000.0, f"model_cold:{model}": 1,
+                    f"model_run_ms:{model}": 60.0, f"model_runs:{model}": 1})
+
+
+def await_holders(r: redis.Redis, worker: CeleryProcess, model: str, n: int) -> None:
+    try:
+        wait_for(lambda: len(holders(r, worker.hostname, model)) == n, 90,
+                 f"{n} children to hold {model}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; holders {holders(r, worker.hostname, model)}\n"
+                             f"{worker.log()[-3000:]}") from None
+
+
+def test_each_child_of_a_worker_is_pre_warmed_as_an_instance(
+        setup: tuple[Celery, CeleryProcess], r: redis.Redis) -> None:
+    app, worker = setup
+    # Given a worker whose pool of two children is steered, and advertised so, and a
+    # confident forecast of a costly model it does not hold
+    wait_for(lambda: (advertise.read_worker(r, "", worker.hostname) or {}).get("steered")
+             is True, 30, "the worker's advertisement")
+    assert holders(r, worker.hostname, "lm-c") == []
+    confident(app, r, worker.hostname, "lm-c")
+    # When the planner runs
+    report = prewarmer(app).run(time.time())
+    # Then it wants ceil(90 x 0.06 s / 2 s x 1.3) = 4 instances, has none, and asks the
+    # one worker for one per child: two pre-warms, which its pool hands to both children
+    lm_c = next(o for o in report["outlooks"] if o["model"] == "lm-c")
+    assert (lm_c["reason"], lm_c["instances"], lm_c["warm_now"]) == ("pre-warm", 4, 0)
+    assert report["sent"] == [{"model": "lm-c", "hostname": worker.hostname}] * 2
+    await_holders(r, worker, "lm-c", 2)
+    # and the next pass counts two warm instances, and has no child left to ask
+    again = prewarmer(app).run(time.time())
+    assert next(o for o in again["outlooks"] if o["model"] == "lm-c")["warm_now"] == 2
+    assert not [s for s in again["sent"] if s["model"] == "lm-c"]
+    assert worker.alive(), worker.log()[-2000:]
+
+
+def test_a_pre_warm_goes_to_the_child_without_the_model(
+        setup: tuple[Celery, CeleryProcess], r: redis.Redis) -> None:
+    """(steered by affinity, the pre-warm went to the idle child already holding the
+    model: it loaded nothing, and the next pass asked for it again)"""
+    app, worker = setup
+    # Given one child holding lm-b (a task of it ran), the other idle
+    app.tasks["sits.generate"].apply_async(("p",), {"max_new_tokens": 2},
+                                           model="lm-b").get(timeout=120)
+    await_holders(r, worker, "lm-b", 1)
+    confident(app, r, worker.hostname, "lm-b")
+    # When the planner runs: one warm instance of four, one child left to ask
+    report = prewarmer(app).run(time.time())
+    lm_b = next(o for o in report["outlooks"] if o["model"] == "lm-b")
+    assert (lm_b["reason"], lm_b["warm_now"]) == ("pre-warm", 1)
+    assert [s for s in report["sent"] if s["model"] == "lm-b"] == [
+        {"model": "lm-b", "hostname": worker.hostname}]
+    # Then the pre-warm loads it in the other child
+    await_holders(r, worker, "lm-b", 2)
