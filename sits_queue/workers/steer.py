@@ -205,8 +205,10 @@ def choose(idle_fds: Sequence[int], want: Wanted, device_of: Callable[[int], str
         fits = [fd for fd in fits if not holds(warm_of(fd), want.model)]
         if not fits:  # (every idle child holds it: the pool's choice, a load of nothing)
             return None
-        # (the one holding it in its host tier promotes it: no read from disk)
-        want = replace(want, spread=False, precision=None, prefix=None)
+        # (the one holding it in its host tier promotes it: no read from disk; else the
+        # roomiest; rooms unknown, the first: the pool's choice could be a holder)
+        as_task = replace(want, spread=False, precision=None, prefix=None)
+        return choose(fits, as_task, device_of, warm_of, room_of) or [fits[0]]
     if want.model is not None:
         weights = [(w.weight(want.model, want.prefix, want.precision)
                     if (w := warm_of(fd)) is not None else 0.0) for fd in fits]

@@ -268,6 +268,8 @@ def test_a_pre_warm_goes_to_an_idle_child_without_the_model() -> None:
     assert steer.choose([10, 12], prewarm, device, warm, room) == [12]
     # every idle child holds it: the pool chooses (a load of nothing)
     assert steer.choose([10], prewarm, device, warm, room) is None
+    # rooms unknown (an older child's record): the first without it, not the pool's pick
+    assert steer.choose([10, 12], prewarm, device, warm, lambda fd: None) == [12]
     # a task of the model itself still goes to the child holding it
     assert steer.choose([10, 11, 12], steer.Wanted(model="gpt", precision="bf16"), device,
                         warm, room) == [10]
