@@ -31,6 +31,7 @@ from sits_queue.errors import SitsError
 from sits_queue.status import (
     format_status,
     json_safe,
+    prewarm_status,
     printable,
     queue_status,
     site_status,
@@ -111,7 +112,7 @@ def status(as_json: bool) -> None:
     # (a Redis that does not answer is said by the group, naming the server: _Sitsq)
     queues = queue_status(client, config, clock.now(client))
     report = {"queues": queues, "workers": workers_status(client, config),
-              "site": site_status(client, config),
+              "site": site_status(client, config), "prewarm": prewarm_status(client, config),
               "stray": stray_lists(client, config, [q["queue"] for q in queues])}
     if as_json:
         click.echo(json.dumps(json_safe(report), indent=2, default=str))

@@ -31,6 +31,8 @@ from sits_queue.workers.devices import label
 
 #: Waiting tasks shown per queue by ``sitsq status``.
 HEAD_ROWS = 5
+#: Models shown in the pre-warm lines, most predicted demand first (all in ``--json``).
+PREWARM_ROWS = 8
 
 
 def queue_status(client: redis.Redis, config: SitsConfig, now_s: float) -> list[dict[str, Any]]:
@@ -184,6 +186,18 @@ def site_status(client: redis.Redis, config: SitsConfig) -> dict[str, Any] | Non
             "replicas_held": held, "last_pass": last, "last_pass_age_s": age}
 
 
+def prewarm_status(client: redis.Redis, config: SitsConfig) -> dict[str, Any] | None:
+    """The pre-warm planner's last pass (``priority/prewarm.py``: its beat task keeps no
+    result) with its age; None before any."""
+    prewarm = import_module("sits_queue.priority.prewarm")
+    last: dict[str, Any] | None = prewarm.last_pass(client, config)
+    if last is None:
+        return None
+    at = stored_number(last.get("at"))
+    age = round(redis_clock.now(client) - at, 1) if at is not None else None
+    return {**last, "age_s": age}
+
+
 def printable(value: Any) -> str:
     """``value`` as text on one line: a character that does not print (a newline, a
     control code in a queue or task name of another program's) escaped, as repr does."""
@@ -246,7 +260,40 @@ def format_status(report: dict[str, Any]) -> str:
             # int past float's range in a field formatted as a float: OverflowError)
             lines.append(f"  {w.get('hostname', '?')}: advertisement not readable here "
                          f"({type(exc).__name__}: {exc}); see sitsq status --json")
+    if report.get("prewarm"):
+        try:
+            lines.extend(_prewarm_lines(report["prewarm"]))
+        except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as exc:
+            lines.append(f"pre-warm: last pass record not readable here "
+                         f"({type(exc).__name__}: {exc}); see sitsq status --json")
     return "\n".join(lines)
+
+
+def _prewarm_lines(last: dict[str, Any]) -> list[str]:
+    """The planner's last pass: what it sent where, and why each model got what it did
+    (an operator's question: why is this model not warm?)."""
+    outlooks = [o for o in last["outlooks"] if isinstance(o, dict)]
+    sent: dict[tuple[str, str], int] = {}
+    for s in last.get("sent") or []:
+        key = (printable(s["model"]), printable(s["hostname"]))
+        sent[key] = sent.get(key, 0) + 1
+    age = last.get("age_s")
+    where = ", ".join(f"{m} to {h}" + (f" x{n}" if n > 1 else "")
+                      for (m, h), n in sent.items())
+    lines = [f"pre-warm: last pass {f'{age} s ago' if age is not None else '(time unknown)'}"
+             f", {len(outlooks)} model(s) forecast, {sum(sent.values())} pre-warm(s) sent"
+             + (f": {where}" if where else "")]
+    ranked = sorted(outlooks, key=lambda o: -(stored_number(o.get("predicted")) or 0.0))
+    for o in ranked[:PREWARM_ROWS]:
+        lines.append(f"  {printable(o['model'])}: {o['predicted']} task(s) predicted next "
+                     f"interval (confidence {o['confidence']}), {o['instances']} warm "
+                     f"instance(s) wanted, {o['warm_now']} now: {printable(o['reason'])}")
+    if len(ranked) > PREWARM_ROWS:
+        lines.append(f"  ... and {len(ranked) - PREWARM_ROWS} more (sitsq status --json)")
+    if held := last.get("held_off"):
+        lines.append("  held off, their pre-warms having not taken: "
+                     + ", ".join(printable(m) for m in held))
+    return lines
 
 
 def _site_line(site: dict[str, Any]) -> str:

@@ -46,8 +46,18 @@ def state_key(config: SitsConfig) -> str:
 
 
 def misses_key(config: SitsConfig) -> str:
-    """The last pass's pre-warms and the models' misses (``forecast.missed``)."""
+    """The last pass: its pre-warms, the models' misses (``forecast.missed``), and for
+    ``sitsq status`` its time and each model's outlook (:func:`last_pass`)."""
     return f"{config.global_keyprefix}sits:prewarm-misses"
+
+
+def last_pass(client: redis.Redis, config: SitsConfig) -> dict[str, Any] | None:
+    """The last planning pass as recorded (``at``, ``outlooks``, ``sent``, ``misses``,
+    ``held_off``); None before any, or for a record of another shape."""
+    record = json_object(client.get(misses_key(config)))
+    if record is None or not isinstance(record.get("outlooks"), list):
+        return None
+    return record
 
 
 def bucket_of(config: SitsConfig, now_s: float) -> int:
@@ -101,10 +111,12 @@ class Prewarmer:
             except Exception as exc:  # one unreachable worker must not stop the others
                 logger.warning("could not send a pre-warm of %r to %s: %s", p.model,
                                p.hostname, exc)
+        report = {"outlooks": [asdict(o) for o in outlooks], "sent": sent,
+                  "workers": len(views), "held_off": sorted(held_off)}
+        # (the beat's task keeps no result: what `sitsq status` says of pre-warming)
         self.client.set(misses_key(self.config), json.dumps(
-            {"sent": sent, "misses": {m: list(v) for m, v in misses.items()}}))
-        return {"outlooks": [asdict(o) for o in outlooks], "sent": sent,
-                "workers": len(views), "held_off": sorted(held_off)}
+            {**report, "misses": {m: list(v) for m, v in misses.items()}, "at": now_s}))
+        return report
 
     def _read_misses(self) -> tuple[list[forecast.Prewarm], dict[str, tuple[int, float]]]:
         """The last pass's pre-warms and the misses so far (a record of another shape:

@@ -6,6 +6,7 @@ counts, and the pool hands each pre-warm to a child without the model."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -20,6 +21,7 @@ from sits_queue.priority.tasks import prewarmer
 from sits_queue.procs import CeleryProcess
 from sits_queue.workers import advertise
 from tests.integration.inference_app import build_models, client_app, serving, write_config
+from tests.integration.test_cli import sitsq
 from tests.waiting import wait_for
 
 INTERVAL_S = 2.0
@@ -91,6 +93,12 @@ def test_each_child_of_a_worker_is_pre_warmed_as_an_instance(
     lm_c = next(o for o in report["outlooks"] if o["model"] == "lm-c")
     assert (lm_c["reason"], lm_c["instances"], lm_c["warm_now"]) == ("pre-warm", 4, 0)
     assert report["sent"] == [{"model": "lm-c", "hostname": worker.hostname}] * 2
+    # and `sitsq status` says so (the beat's task keeps no result)
+    shown = sitsq("status", env={**os.environ, "SITS_REDIS_URL": app.sits.redis_url})
+    assert shown.returncode == 0, shown.stderr
+    assert f"pre-warm(s) sent: lm-c to {worker.hostname} x2" in shown.stdout, shown.stdout
+    assert ("  lm-c: " in shown.stdout
+            and "4 warm instance(s) wanted, 0 now: pre-warm" in shown.stdout), shown.stdout
     await_holders(r, worker, "lm-c", 2)
     # and the next pass counts two warm instances, and has no child left to ask
     again = prewarmer(app).run(time.time())

@@ -341,6 +341,42 @@ def test_status_says_a_site_record_it_cannot_read_and_shows_the_rest(last: Any) 
     assert "outbox 2" in shown and "no queues yet" in shown
 
 
+def _outlook(model: str, predicted: float, reason: str = "pre-warm") -> dict[str, Any]:
+    return {"model": model, "predicted": predicted, "confidence": 0.9, "concurrency": 1.0,
+            "cold_ms": 2000.0, "instances": 4, "warm_now": 1, "reason": reason}
+
+
+def test_status_says_what_the_last_pre_warm_pass_did_and_why() -> None:
+    """(the planner's beat task keeps no result: why a model was not warm was nowhere to
+    be read)"""
+    last = {"age_s": 42.0, "held_off": ["flaky"],
+            "outlooks": [_outlook("small", 1.0, "cold start 12 ms <= 850 ms: not worth it"),
+                         _outlook("lm-c", 91.0)]
+            + [_outlook(f"m{i}", 0.5, "confidence 0.10 < 0.82") for i in range(8)],
+            "sent": [{"model": "lm-c", "hostname": "w1@h"}] * 2
+            + [{"model": "lm-c", "hostname": "w2@h"}]}
+    shown = status.format_status({"queues": [], "workers": [], "prewarm": last}).splitlines()
+    at = shown.index("pre-warm: last pass 42.0 s ago, 10 model(s) forecast, 3 pre-warm(s) "
+                     "sent: lm-c to w1@h x2, lm-c to w2@h")
+    # most predicted demand first, each with the planner's reason
+    assert shown[at + 1] == ("  lm-c: 91.0 task(s) predicted next interval (confidence "
+                             "0.9), 4 warm instance(s) wanted, 1 now: pre-warm")
+    assert shown[at + 2].startswith("  small: 1.0") and shown[at + 2].endswith("not worth it")
+    assert shown[at + 9] == "  ... and 2 more (sitsq status --json)"
+    assert shown[at + 10] == "  held off, their pre-warms having not taken: flaky"
+    # none recorded yet: no such lines
+    assert "pre-warm" not in status.format_status({"queues": [], "workers": [],
+                                                   "prewarm": None})
+
+
+def test_status_says_a_pre_warm_record_it_cannot_read_and_shows_the_rest() -> None:
+    report = {"queues": [], "workers": [],
+              "prewarm": {"outlooks": [{"model": "x"}], "sent": [], "age_s": 1.0}}
+    shown = status.format_status(report)
+    assert "pre-warm: last pass record not readable here (KeyError" in shown
+    assert "no queues yet" in shown
+
+
 def test_status_shows_a_score_no_put_of_ours_wrote_as_unknown() -> None:
     from sits_queue.broker.keys import PRIORITY_LEVELS, SEQ_BITS, decode_score, score_base
 
