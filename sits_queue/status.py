@@ -190,7 +190,10 @@ def prewarm_status(client: redis.Redis, config: SitsConfig) -> dict[str, Any] | 
     """The pre-warm planner's last pass (``priority/prewarm.py``: its beat task keeps no
     result) with its age; None before any."""
     prewarm = import_module("sits_queue.priority.prewarm")
-    last: dict[str, Any] | None = prewarm.last_pass(client, config)
+    try:
+        last: dict[str, Any] | None = prewarm.last_pass(client, config)
+    except redis.ResponseError as exc:  # (a key of another type: said, the rest shown)
+        return {"error": str(exc)}
     if last is None:
         return None
     at = stored_number(last.get("at"))
@@ -272,6 +275,8 @@ def format_status(report: dict[str, Any]) -> str:
 def _prewarm_lines(last: dict[str, Any]) -> list[str]:
     """The planner's last pass: what it sent where, and why each model got what it did
     (an operator's question: why is this model not warm?)."""
+    if "error" in last:
+        return [f"pre-warm: last pass record not readable here ({last['error']})"]
     outlooks = [o for o in last["outlooks"] if isinstance(o, dict)]
     sent: dict[tuple[str, str], int] = {}
     for s in last.get("sent") or []:

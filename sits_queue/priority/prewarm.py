@@ -54,7 +54,7 @@ def misses_key(config: SitsConfig) -> str:
 def last_pass(client: redis.Redis, config: SitsConfig) -> dict[str, Any] | None:
     """The last planning pass as recorded (``at``, ``outlooks``, ``sent``, ``misses``,
     ``held_off``); None before any, or for a record of another shape."""
-    record = json_object(client.get(misses_key(config)))
+    record = json_object(client.get(misses_key(config)))  # (WRONGTYPE raises: said)
     if record is None or not isinstance(record.get("outlooks"), list):
         return None
     return record
@@ -119,9 +119,14 @@ class Prewarmer:
         return report
 
     def _read_misses(self) -> tuple[list[forecast.Prewarm], dict[str, tuple[int, float]]]:
-        """The last pass's pre-warms and the misses so far (a record of another shape:
-        none)."""
-        record = json_object(self.client.get(misses_key(self.config))) or {}
+        """The last pass's pre-warms and the misses so far (a record of another shape, or
+        a key of another type, which this pass's record replaces: none)."""
+        try:
+            record = json_object(self.client.get(misses_key(self.config))) or {}
+        except redis.ResponseError as exc:  # (raised, it failed every pass for good)
+            logger.warning("the last pre-warm pass's record is not readable (%s): "
+                           "replaced by this pass's", exc)
+            record = {}
         sent, misses = [], {}
         try:
             for p in record.get("sent") or []:

@@ -5,6 +5,7 @@ worker leaves the queue for a while instead of stopping. Real Redis, real worker
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 
@@ -282,6 +283,33 @@ def test_a_queue_key_of_another_type_is_said_on_its_row_and_the_others_still_sho
     assert listed.exit_code == 0, listed.output
     if key == "dead":
         assert "celery: dead letters not readable" in listed.output
+
+
+def test_a_pre_warm_record_of_another_type_is_said_and_the_next_pass_replaces_it(
+        client_app: Celery, redis_client: redis.Redis, redis_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(read with GET, it failed every planning pass for good, and `sitsq status`)"""
+    from click.testing import CliRunner
+
+    from sits_queue.cli import main
+    from sits_queue.priority import prewarm
+    from sits_queue.priority.tasks import prewarmer
+
+    client_app.tasks["w.add"].apply_async((1, 1))
+    key = prewarm.misses_key(client_app.sits)
+    redis_client.delete(key)
+    redis_client.rpush(key, "another program's")
+    monkeypatch.setenv("SITS_REDIS_URL", redis_url)
+    shown = CliRunner().invoke(main, ["status"])
+    assert shown.exit_code == 0, shown.output
+    assert "pre-warm: last pass record not readable here (WRONGTYPE" in shown.output
+    assert "queue celery: 1 waiting" in shown.output
+    report = prewarmer(client_app).run(time.time())
+    assert report["sent"] == [] and prewarm.last_pass(redis_client, client_app.sits) \
+        is not None
+    shown = CliRunner().invoke(main, ["status"])
+    assert re.search(r"^pre-warm: last pass -?[0-9.]+ s ago, [0-9]+ model\(s\) forecast, "
+                     r"0 pre-warm\(s\) sent$", shown.output, re.M), shown.output
 
 
 def test_a_worker_registry_of_another_type_shows_no_workers_and_fails_nothing(
