@@ -23,33 +23,16 @@ from sits_queue.priority.forecast import Forecaster
 from sits_queue.priority.tasks import prewarmer
 from sits_queue.procs import CeleryProcess
 from sits_queue.workers import advertise, signals
-from tests.integration.inference_app import (
-    build_models,
-    client_app,
-    serving,
-    write_config,
-)
+from tests.integration.prewarming import INTERVAL_S, prewarm_worker
 from tests.waiting import wait_for
-
-INTERVAL_S = 2.0
-
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory, redis_url: str, r: redis.Redis
           ) -> Iterator[tuple[Celery, CeleryProcess]]:
-    tmp = tmp_path_factory.mktemp("prewarm")
-    models = build_models(tmp / "models")
-    config_path = write_config(tmp / "sits.toml")
-    env = {"SITS_PREWARM_INTERVAL_S": str(INTERVAL_S)}
-    app = client_app(redis_url, config_path, "prewarm-client")
-    app.sits = replace(app.sits, prewarm_interval_s=INTERVAL_S)
-    try:
-        with serving(redis_url, config_path, models, tmp, app, env, concurrency=1,
-                     name="prewarm") as worker:
-            yield app, worker
-    finally:
-        app.close()
+    with prewarm_worker(tmp_path_factory.mktemp("prewarm"), redis_url, 1,
+                        "prewarm") as served:
+        yield served
 
 
 def warm_on(r: redis.Redis, hostname: str) -> dict[str, str]:

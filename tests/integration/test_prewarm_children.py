@@ -5,44 +5,29 @@ counts, and the pool hands each pre-warm to a child without the model."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 
 import pytest
 import redis
 from celery import Celery
 
-from sits_queue.priority import forecast as fc
-from sits_queue.priority import prewarm
 from sits_queue.priority.tasks import prewarmer
 from sits_queue.procs import CeleryProcess
 from sits_queue.workers import advertise
-from tests.integration.inference_app import build_models, client_app, serving, write_config
+from tests.integration.prewarming import confident, prewarm_worker
 from tests.integration.test_cli import sitsq
 from tests.waiting import wait_for
-
-INTERVAL_S = 2.0
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory, redis_url: str, r: redis.Redis
           ) -> Iterator[tuple[Celery, CeleryProcess]]:
-    tmp = tmp_path_factory.mktemp("prewarm-children")
-    models = build_models(tmp / "models")
-    config_path = write_config(tmp / "sits.toml")
     # (no beat runs here: each pass is the test's own call of the planner)
-    env = {"SITS_PREWARM_INTERVAL_S": str(INTERVAL_S)}
-    app = client_app(redis_url, config_path, "prewarm-children-client")
-    app.sits = replace(app.sits, prewarm_interval_s=INTERVAL_S)
-    try:
-        with serving(redis_url, config_path, models, tmp, app, env, concurrency=2,
-                     name="prewarm2") as worker:
-            yield app, worker
-    finally:
-        app.close()
+    with prewarm_worker(tmp_path_factory.mktemp("prewarm-children"), redis_url, 2,
+                        "prewarm2") as served:
+        yield served
 
 
 def holders(r: redis.Redis, hostname: str, model: str) -> list[str]:
@@ -50,22 +35,6 @@ def holders(r: redis.Redis, hostname: str, model: str) -> list[str]:
     children = advertise.read_children(r, "", hostname)
     return sorted(slot for slot, c in children.items()
                   if (c.get("warm") or {}).get(model) == "device")
-
-
-def confident(app: Celery, r: redis.Redis, hostname: str, model: str) -> None:
-    """A forecast of ``model`` right for a day (~90 tasks an interval), its cold starts
-    costing 2 s and its tasks 60 ms each (as a GPU fleet's workers would have counted)."""
-    config = app.sits
-    f = fc.Forecaster()
-    start = (prewarm.bucket_of(config, time.time()) - 300) * INTERVAL_S
-    for k in range(299):
-        f = fc.update(f, start + k * INTERVAL_S, 90.0 + (k % 3))
-    r.hset(prewarm.state_key(config), model, json.dumps(fc.to_json(f)))
-    r.hset(prewarm.state_key(config), "__bucket__",
-           json.dumps([prewarm.bucket_of(config, time.time()) - 1, INTERVAL_S]))
-    r.hset(advertise.counters_key("", hostname),
-           mapping={f"model_cold_ms:{model}": 2000.0, f"model_cold:{model}": 1,
-                    f"model_run_ms:{model}": 60.0, f"model_runs:{model}": 1})
 
 
 def await_holders(r: redis.Redis, worker: CeleryProcess, model: str, n: int) -> None:
