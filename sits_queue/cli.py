@@ -419,7 +419,8 @@ def metrics_command(port: int, addr: str) -> None:
                      metrics_addr=addr)
     try:
         server = metrics.serve(config, None, strict=True,
-                               queues=lambda c: queue_status(c, config, clock.now(c)))
+                               queues=lambda c: queue_status(c, config, clock.now(c)),
+                               prewarm=lambda c: prewarm_status(c, config))
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {addr}:{port}: {exc.strerror or exc} "
                                    "(see --port and --addr)") from exc

@@ -356,17 +356,60 @@ def queue_families(queues: Iterable[Mapping[str, Any]]) -> list[Metric]:
     return out
 
 
+#: Models given pre-warm gauges, the most predicted demand first (bounded labels, §5).
+PREWARM_MODELS = 20
+
+
+def prewarm_families(last: Mapping[str, Any] | None) -> list[Metric]:
+    """Fleet gauges of the pre-warm planner's last pass (``status.prewarm_status``: the
+    record with its ``age_s``); none before any pass or for a record not readable."""
+    if not last or "error" in last or not isinstance(last.get("outlooks"), list):
+        return []
+    age = GaugeMetricFamily("sits_prewarm_last_pass_age_seconds",
+                            "Seconds since the pre-warm planner's last pass (§4.2).")
+    if (seconds := _number(last.get("age_s"))) is not None:
+        age.add_metric([], seconds)
+    gauges = {field: GaugeMetricFamily(f"sits_prewarm_{name}", text, labels=["model"])
+              for field, name, text in (
+                  ("predicted", "predicted_tasks", "Tasks the model's forecast expects in "
+                   "the next interval, as of the last pass."),
+                  ("instances", "instances_wanted", "Warm instances (pool children) the "
+                   "last pass wanted: ceil(concurrency x 1.3), or 0."),
+                  ("warm_now", "instances_warm", "Warm instances the last pass counted."))}
+    sent = GaugeMetricFamily("sits_prewarm_sent", "Pre-warms the last pass sent.",
+                             labels=["model"])
+    outlooks = [o for o in last["outlooks"] if isinstance(o, Mapping)
+                and isinstance(o.get("model"), str)]
+    outlooks.sort(key=lambda o: -(_number(o.get("predicted")) or 0.0))
+    shown = outlooks[:PREWARM_MODELS]
+    for o in shown:
+        for field, family in gauges.items():
+            if (value := _number(o.get(field))) is not None:
+                family.add_metric([o["model"]], value)
+    counts = {o["model"]: 0 for o in shown}
+    for s in last.get("sent") or []:
+        if isinstance(s, Mapping) and s.get("model") in counts:
+            counts[s["model"]] += 1
+    for model, n in counts.items():
+        sent.add_metric([model], n)
+    return [age, *gauges.values(), sent]
+
+
 class WorkerCollector(Collector):
     """What Prometheus scrapes: read from Redis at each scrape (a few round trips).
 
     ``hostname``: that worker only (its own endpoint); None: every live worker, and with
     ``queues`` (a function of the client giving ``status.queue_status`` rows) the queues too
+    and with ``prewarm`` (one giving ``status.prewarm_status``) the last pre-warm pass
     (``sitsq metrics``, one endpoint for the fleet).
     """
 
     def __init__(self, config: SitsConfig, hostname: str | None = None,
-                 queues: Callable[[redis.Redis], list[dict[str, Any]]] | None = None) -> None:
+                 queues: Callable[[redis.Redis], list[dict[str, Any]]] | None = None,
+                 prewarm: Callable[[redis.Redis], dict[str, Any] | None] | None = None
+                 ) -> None:
         self.config, self.hostname, self.queues = config, hostname, queues
+        self.prewarm = prewarm
 
     def collect(self) -> Iterator[Metric]:
         client = advertise.client_for(self.config)
@@ -375,16 +418,18 @@ class WorkerCollector(Collector):
         try:
             workers = read(client, self.config.global_keyprefix, self.hostname)
             queues = self.queues(client) if self.queues is not None else None
+            last = self.prewarm(client) if self.prewarm is not None else None
             up.add_metric([], 1)
         except (redis.RedisError, ValueError) as exc:
             # A scrape answers with what it can: Prometheus shows the gap, the worker lives.
             logger.warning("metrics scrape could not read Redis: %s", exc)
-            workers, queues = [], None
+            workers, queues, last = [], None, None
             up.add_metric([], 0)
         yield up
         yield from families(workers, self.config.class_names)
         if queues is not None:
             yield from queue_families(queues)
+        yield from prewarm_families(last)
 
 
 # -- serving, in the worker's main process -----------------------------------------------------
@@ -394,14 +439,15 @@ _server: Any = None
 
 def serve(config: SitsConfig, hostname: str | None,
           queues: Callable[[redis.Redis], list[dict[str, Any]]] | None = None,
-          strict: bool = False) -> Any:
+          strict: bool = False,
+          prewarm: Callable[[redis.Redis], dict[str, Any] | None] | None = None) -> Any:
     """Start the ``/metrics`` endpoint (a daemon thread); None when the port is off or
     taken (``strict``: the OSError is raised, for a command whose only job this is)."""
     global _server
     if not config.metrics_port:
         return None
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(WorkerCollector(config, hostname, queues))
+    registry.register(WorkerCollector(config, hostname, queues, prewarm))
     try:
         _server, _ = start_http_server(config.metrics_port, addr=config.metrics_addr,
                                        registry=registry)

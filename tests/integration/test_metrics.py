@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
@@ -240,8 +241,12 @@ def sitsq_metrics(port: int, addr: str, redis_url: str) -> subprocess.Popen[str]
 
 def test_sitsq_metrics_serves_the_fleet_and_the_queues(
         app: Celery, worker: CeleryProcess, redis_url: str) -> None:
-    # Given a task waiting in a queue no worker consumes
+    # Given a task waiting in a queue no worker consumes, and a pre-warm pass recorded
+    from sits_queue.priority.prewarm import Prewarmer
+
     app.tasks["t.ping"].apply_async(("x",), queue="nobody-consumes")
+    client = redis.Redis.from_url(redis_url)
+    Prewarmer(app.sits, client, lambda model, hostname: None).run(time.time())
     port = free_port()
     proc = sitsq_metrics(port, "127.0.0.1", redis_url)
     try:
@@ -259,6 +264,8 @@ def test_sitsq_metrics_serves_the_fleet_and_the_queues(
         assert f'sits_worker_slots{{worker="{worker.hostname}"}} 1.0' in text
         assert 'sits_queue_waiting{queue="nobody-consumes"} 1.0' in text
         assert 'sits_queue_dead{queue="celery"}' in text
+        # and the planner's last pass (no model forecast yet: its age alone)
+        assert "sits_prewarm_last_pass_age_seconds " in text
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -15,7 +15,8 @@ from celery import Celery
 
 from sits_queue.priority.tasks import prewarmer
 from sits_queue.procs import CeleryProcess
-from sits_queue.workers import advertise
+from sits_queue.status import prewarm_status
+from sits_queue.workers import advertise, metrics
 from tests.integration.prewarming import confident, prewarm_worker
 from tests.integration.test_cli import sitsq
 from tests.waiting import wait_for
@@ -68,6 +69,14 @@ def test_each_child_of_a_worker_is_pre_warmed_as_an_instance(
     assert f"pre-warm(s) sent: lm-c to {worker.hostname} x2" in shown.stdout, shown.stdout
     assert ("  lm-c: " in shown.stdout
             and "4 warm instance(s) wanted, 0 now: pre-warm" in shown.stdout), shown.stdout
+    # and the fleet's metrics (`sitsq metrics`' collector, reading this Redis)
+    scraped = {(m.name, s.labels.get("model")): s.value
+               for m in metrics.WorkerCollector(app.sits, None, prewarm=lambda c: (
+                   prewarm_status(c, app.sits))).collect() for s in m.samples}
+    assert scraped[("sits_prewarm_instances_wanted", "lm-c")] == 4
+    assert scraped[("sits_prewarm_instances_warm", "lm-c")] == 0
+    assert scraped[("sits_prewarm_sent", "lm-c")] == 2
+    assert scraped[("sits_prewarm_last_pass_age_seconds", None)] < 60
     await_holders(r, worker, "lm-c", 2)
     # and the next pass counts two warm instances, and has no child left to ask
     again = prewarmer(app).run(time.time())

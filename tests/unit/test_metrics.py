@@ -269,3 +269,29 @@ def test_mig_devices_of_one_gpu_are_series_of_their_own() -> None:
     free = {dict(k[1])["device"]: v for k, v in m.items()
             if k[0] == "sits_device_vram_bytes" and ("state", "free") in k[1] and w in k[1]}
     assert free == {"cuda:0/MIG-1": 2**30, "cuda:0/MIG-2": 2 * 2**30, "cuda:1": 3 * 2**30}
+
+
+def _samples(fams: list[Any]) -> dict[tuple[str, str], float]:
+    return {(s.name, s.labels.get("model", "")): s.value for f in fams for s in f.samples}
+
+
+def test_the_last_pre_warm_pass_is_gauges_of_a_bounded_set_of_models() -> None:
+    """(the planner's decisions were nowhere a dashboard could read them)"""
+    outlooks = [{"model": f"m{i:02d}", "predicted": float(i), "confidence": 0.9,
+                 "instances": i % 4, "warm_now": 1, "reason": "pre-warm"} for i in range(25)]
+    outlooks += [{"model": 7}, "junk", {"model": "odd", "predicted": "lots"}]
+    last = {"age_s": 12.5, "outlooks": outlooks,
+            "sent": [{"model": "m24", "hostname": "a"}] * 2 + [{"model": "m03"}, "junk"]}
+    got = _samples(metrics.prewarm_families(last))
+    assert got[("sits_prewarm_last_pass_age_seconds", "")] == 12.5
+    # the 20 most predicted models only, each with what the pass weighed
+    models = {m for (name, m) in got if name == "sits_prewarm_predicted_tasks"}
+    assert models == {f"m{i:02d}" for i in range(5, 25)}
+    assert got[("sits_prewarm_instances_wanted", "m23")] == 3
+    assert got[("sits_prewarm_instances_warm", "m23")] == 1
+    assert got[("sits_prewarm_sent", "m24")] == 2 and got[("sits_prewarm_sent", "m05")] == 0
+    assert ("sits_prewarm_sent", "m03") not in got  # (not among those shown)
+    # before any pass, or a record not readable: no such gauges (not zeros)
+    assert metrics.prewarm_families(None) == []
+    assert metrics.prewarm_families({"error": "WRONGTYPE"}) == []
+    assert metrics.prewarm_families({"outlooks": "x"}) == []
