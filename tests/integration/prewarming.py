@@ -10,7 +10,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+import pytest
 import redis
 from celery import Celery
 
@@ -40,6 +42,19 @@ def prewarm_worker(tmp: Path, redis_url: str, concurrency: int, name: str
             yield app, worker
     finally:
         app.close()
+
+
+def worker_fixture(name: str, concurrency: int) -> Any:
+    """A module's ``setup`` fixture: :func:`prewarm_worker` for the module, on its emptied
+    Redis (the integration conftest's ``r``)."""
+    @pytest.fixture(scope="module")
+    def setup(tmp_path_factory: pytest.TempPathFactory, redis_url: str, r: redis.Redis
+              ) -> Iterator[tuple[Celery, CeleryProcess]]:
+        with prewarm_worker(tmp_path_factory.mktemp(name), redis_url, concurrency,
+                            name) as served:
+            yield served
+
+    return setup
 
 
 def confident(app: Celery, r: redis.Redis, hostname: str, model: str) -> None:

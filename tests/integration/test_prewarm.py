@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
@@ -23,16 +22,10 @@ from sits_queue.priority.forecast import Forecaster
 from sits_queue.priority.tasks import prewarmer
 from sits_queue.procs import CeleryProcess
 from sits_queue.workers import advertise, signals
-from tests.integration.prewarming import INTERVAL_S, prewarm_worker
+from tests.integration.prewarming import INTERVAL_S, worker_fixture
 from tests.waiting import wait_for
 
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory, redis_url: str, r: redis.Redis
-          ) -> Iterator[tuple[Celery, CeleryProcess]]:
-    with prewarm_worker(tmp_path_factory.mktemp("prewarm"), redis_url, 1,
-                        "prewarm") as served:
-        yield served
+setup = worker_fixture("prewarm", 1)
 
 
 def warm_on(r: redis.Redis, hostname: str) -> dict[str, str]:

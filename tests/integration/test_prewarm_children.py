@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 
-import pytest
 import redis
 from celery import Celery
 
@@ -17,18 +15,11 @@ from sits_queue.priority.tasks import prewarmer
 from sits_queue.procs import CeleryProcess
 from sits_queue.status import prewarm_status
 from sits_queue.workers import advertise, metrics
-from tests.integration.prewarming import confident, prewarm_worker
+from tests.integration.prewarming import confident, worker_fixture
 from tests.integration.test_cli import sitsq
 from tests.waiting import wait_for
 
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory, redis_url: str, r: redis.Redis
-          ) -> Iterator[tuple[Celery, CeleryProcess]]:
-    # (no beat runs here: each pass is the test's own call of the planner)
-    with prewarm_worker(tmp_path_factory.mktemp("prewarm-children"), redis_url, 2,
-                        "prewarm2") as served:
-        yield served
+setup = worker_fixture("prewarm2", 2)
 
 
 def holders(r: redis.Redis, hostname: str, model: str) -> list[str]:
