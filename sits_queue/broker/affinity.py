@@ -125,6 +125,11 @@ def engine_key(model: str, precision: str | None) -> str:
     return model if precision is None else f"{model}@{precision}"
 
 
+def model_of(key: str) -> str:
+    """The model an engine key (:func:`engine_key`) serves, whatever its precision."""
+    return key.partition("@")[0]
+
+
 @dataclass(frozen=True)
 class Warm:
     """What a worker holds, as affinity weights: models (engine keys, by tier), prompt

@@ -178,20 +178,22 @@ class WorkerView:
     """What the planner needs of a live worker (from its advertisement)."""
 
     hostname: str
-    #: Models warm on its device tier (in one of its children or more).
-    warm: frozenset[str] = field(default_factory=frozenset)
-    free_vram_bytes: int = 0
-    #: Its pool's children a pre-warm can be sent to, each an instance of its own (each
-    #: keeps its own engines); 1 where the pool is not steered: the pool's own choice of
-    #: child can land every pre-warm on the same one.
-    slots: int = 1
-    #: Model -> how many of its children hold it on their device tier (a model in
-    #: ``warm`` and not here: one).
+    #: Model -> how many of its children hold it on their device tier (each keeps its
+    #: own engines: an instance each).
     holders: Mapping[str, int] = field(default_factory=dict)
+    free_vram_bytes: int = 0
+    #: Its pool's children a pre-warm can be sent to; 1 where the pool is not steered:
+    #: the pool's own choice of child can land every pre-warm on the same one.
+    slots: int = 1
+
+    @property
+    def warm(self) -> frozenset[str]:
+        """Models warm on its device tier (in one of its children or more)."""
+        return frozenset(m for m, n in self.holders.items() if n > 0)
 
     def instances(self, model: str) -> int:
         """Warm instances of ``model`` here: its children that hold it."""
-        return max(1, self.holders.get(model, 1)) if model in self.warm else 0
+        return max(0, self.holders.get(model, 0))
 
     def room(self, model: str) -> int:
         """Pre-warms of ``model`` this worker can take: its children without it."""

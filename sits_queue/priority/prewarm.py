@@ -24,6 +24,7 @@ from typing import Any
 
 import redis
 
+from sits_queue.broker import affinity
 from sits_queue.broker.payload import text
 from sits_queue.config import SitsConfig
 from sits_queue.priority import forecast
@@ -192,7 +193,7 @@ def _view(worker: Mapping[str, Any]) -> forecast.WorkerView:
     holders: Counter[str] = Counter()
     for child in children:
         warm_map = as_mapping(as_mapping(child).get("warm"))
-        holders.update({str(m).partition("@")[0] for m, tier in warm_map.items()
+        holders.update({affinity.model_of(str(m)) for m, tier in warm_map.items()
                         if tier == "device"})
     devices = worker.get("devices")
     # A model loads on one device: the roomiest one's free memory, not the sum (a host
@@ -203,8 +204,8 @@ def _view(worker: Mapping[str, Any]) -> forecast.WorkerView:
     # children without the model only where the pool is steered (workers/steer.py):
     # Celery's own choice of child can land every one on the same child
     slots = len(advertise.record_slots(worker)) if worker.get("steered") is True else 1
-    return forecast.WorkerView(str(worker.get("hostname")), frozenset(holders), free,
-                               max(1, slots), dict(holders))
+    return forecast.WorkerView(str(worker.get("hostname")), dict(holders), free,
+                               max(1, slots))
 
 
 def _bytes(value: Any) -> int:

@@ -226,7 +226,7 @@ def holds(warm: affinity.Warm | None, model: str) -> bool:
     """Whether a child's warm set has ``model`` on its device tier, at any precision (as
     the pre-warm planner counts it: demand is counted by model)."""
     return warm is not None and any(
-        key.partition("@")[0] == model and weight >= affinity.DEVICE_WEIGHT
+        affinity.model_of(key) == model and weight >= affinity.DEVICE_WEIGHT
         for key, weight in warm.models.items())
 
 

@@ -120,8 +120,8 @@ def test_outlook_follows_the_sources_rule() -> None:
 
 
 def test_plan_fills_the_gap_on_the_roomiest_workers_without_the_model() -> None:
-    workers = [WorkerView("a", frozenset({"m"}), 10), WorkerView("b", frozenset(), 50),
-               WorkerView("c", frozenset(), 70), WorkerView("d", frozenset({"x"}), 60)]
+    workers = [WorkerView("a", {"m": 1}, 10), WorkerView("b", {}, 50),
+               WorkerView("c", {}, 70), WorkerView("d", {"x": 1}, 60)]
     need = ModelOutlook("m", 90, 0.9, 2.0, 2000, 3, 1, "pre-warm")
     other = ModelOutlook("x", 90, 0.9, 1.0, 2000, 2, 1, "pre-warm")
     skip = ModelOutlook("y", 90, 0.5, 1.0, 2000, 2, 0, "confidence 0.50 < 0.82")
@@ -146,7 +146,7 @@ def test_each_child_of_a_steered_worker_is_an_instance() -> None:
     plain = _view({**record, "steered": False})
     assert (plain.slots, plain.instances("gpt"), plain.room("gpt"), plain.room("t5")) \
         == (1, 2, 0, 1)
-    small = WorkerView("small", frozenset(), 2**30, slots=2)
+    small = WorkerView("small", {}, 2**30, slots=2)
     # gpt wants 5 and has 2: three more, taken a worker at a time (roomiest first); t5
     # wants 4, and what is left this round is one child of "big" (a pre-warm per child)
     gpt = ModelOutlook("gpt", 90, 0.9, 3.5, 2000, 5, 2, "pre-warm")
@@ -167,7 +167,7 @@ def test_a_model_whose_pre_warms_miss_is_held_off_longer_each_time() -> None:
     pass, first by name: the models behind it were never pre-warmed)"""
     flaky = ModelOutlook("flaky", 90, 0.9, 1.0, 2000, 1, 0, "pre-warm")
     slow = ModelOutlook("slow", 90, 0.9, 1.0, 2000, 1, 0, "pre-warm")
-    idle = [WorkerView("w", frozenset(), 10)]
+    idle = [WorkerView("w", {}, 10)]
     first = fc.plan([flaky, slow], idle)
     assert [p.model for p in first] == ["flaky"]
     # its pre-warm did not take (the worker holds nothing): held off one interval
@@ -180,7 +180,7 @@ def test_a_model_whose_pre_warms_miss_is_held_off_longer_each_time() -> None:
     misses = fc.missed(first, idle, {"flaky": (9, 0.0)}, now_s=0.0, interval_s=300.0)
     assert misses["flaky"] == (10, fc.MOST_HELD_OFF_INTERVALS * 300.0)
     # warm where it was sent: forgotten
-    warm = [WorkerView("w", frozenset({"flaky"}), 10)]
+    warm = [WorkerView("w", {"flaky": 1}, 10)]
     assert fc.missed(first, warm, misses, now_s=1.0, interval_s=300.0) == {}
 
 
@@ -303,10 +303,10 @@ def test_a_worker_record_of_another_shape_counts_as_holding_nothing(
     from sits_queue.priority.prewarm import _view
 
     view = _view({"hostname": "odd@h", **odd})
-    assert view == WorkerView("odd@h", frozenset(), 0)
+    assert view == WorkerView("odd@h", {}, 0)
     good = _view({"hostname": "w", "devices": [{"free_vram_bytes": 2**33}, {}],
                   "children": {"0": {"warm": {"gpt": "device", "bert": "host"}}}})
-    assert good == WorkerView("w", frozenset({"gpt"}), 2**33, holders={"gpt": 1})
+    assert good == WorkerView("w", {"gpt": 1}, 2**33)
 
 
 def test_a_worker_ranks_by_its_roomiest_device_not_their_sum() -> None:
