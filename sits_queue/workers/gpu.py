@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from sits_queue.workers import softsignal
+from sits_queue.workers import childgc, softsignal
 
 #: Bytes of the allocation that forces the caching allocator (and cuBLAS-free parts of the
 #: context) to exist, so the first task's timing does not include them. One float32.
@@ -37,6 +37,9 @@ def _torch() -> Any:
     if "torch" not in sys.modules:  # its first import: not to be cut by a soft limit
         with softsignal.held():
             import torch
+
+            # (before any engine exists: its objects, not a model's, are what is frozen)
+            childgc.settle()
     import torch
 
     return torch

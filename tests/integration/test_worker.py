@@ -65,6 +65,24 @@ def test_a_worker_of_an_app_with_models_forks_its_children_with_torch(
         "torch", "transformers.modeling_utils"]
 
 
+@pytest.mark.parametrize("preimport", ["1", "0"])
+def test_a_pool_childs_full_collection_walks_what_its_tasks_made_not_its_imports(
+        spawn: Spawn, client_app: Celery, preimport: str) -> None:
+    """(workers/childgc.py: the parent freezes before its first fork, the child after its
+    start-up and after its first ``import torch``; a child's collection took 35-90 ms,
+    run after each failed or yielded task every 10 s, its slot busy meanwhile)"""
+    spawn(concurrency=1, preimport=preimport)
+    # Given a child that has loaded a model: torch imported by its parent before the
+    # fork, or by its own first load
+    result = client_app.send_task("w.infer_steps", args=("gc", 1, 0.0)).get(timeout=60)
+    assert result["output"] == 1 and result["sits"]["source"] == "disk"
+    # Then what it imported is frozen, and a full collection walks a small part of it
+    seen = client_app.send_task("x.collector").get(timeout=30)
+    assert seen["torch"]
+    assert seen["frozen"] > 100_000  # (torch alone is ~147k objects)
+    assert seen["tracked"] < seen["frozen"] / 10
+
+
 @pytest.mark.slow
 def test_ten_thousand_in_ten_thousand_out_no_duplicates(spawn: Spawn, client_app: Celery,
                                                         redis_client: redis.Redis) -> None:

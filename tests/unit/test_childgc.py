@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import sys
 import weakref
+from collections.abc import Iterator
 
 import pytest
 from celery import signals, states
@@ -52,3 +53,59 @@ def test_a_failed_tasks_cycles_are_freed_after_it(monkeypatch: pytest.MonkeyPatc
         assert alive() is None
     finally:
         gc.enable()
+
+
+@pytest.fixture
+def unfrozen(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A process that froze nothing, and is left so (this one runs the other tests)."""
+    monkeypatch.setattr(childgc, "_frozen_in", [0])
+    gc.unfreeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def test_a_pool_child_freezes_its_start_up_and_what_it_imports_later(unfrozen: None) -> None:
+    childgc.connect()
+    for signal, receiver in ((signals.worker_process_init, "sits-gc-freeze-child"),
+                             (signals.worker_before_create_process, "sits-gc-freeze-main")):
+        assert sum(1 for r in signal.receivers if receiver in str(r)) == 1
+    # When a pool child's start-up is done
+    childgc._child_started()
+    frozen = gc.get_freeze_count()
+    # Then what it holds is frozen: no collection walks it
+    assert frozen > 1000 and not gc.get_objects(generation=2)
+    # And what a later large import makes is frozen with it
+    imported = [[i] for i in range(5000)]
+    childgc.settle()
+    assert gc.get_freeze_count() >= frozen + 5000
+    del imported
+
+
+def test_settle_freezes_nothing_in_a_process_that_froze_no_start_up(unfrozen: None) -> None:
+    # (a script that runs the runtime's torch code outside a worker: its objects must stay
+    # collectable)
+    childgc.settle()
+    assert gc.get_freeze_count() == 0
+
+
+def test_the_main_process_freezes_before_its_first_fork_only(unfrozen: None) -> None:
+    childgc._before_first_fork()
+    frozen = gc.get_freeze_count()
+    assert frozen > 1000
+    # (a replacement child, forked later, inherits that freeze: the main process's
+    # requests in flight then are not frozen with it)
+    in_flight = [[i] for i in range(5000)]
+    childgc._before_first_fork()
+    assert gc.get_freeze_count() == frozen
+    del in_flight
+
+
+def test_what_a_child_froze_is_still_freed_by_reference_counting(unfrozen: None) -> None:
+    node = _Node()
+    alive = weakref.ref(node)
+    childgc._child_started()
+    assert gc.is_tracked(node) and gc.get_freeze_count()
+    del node
+    assert alive() is None
