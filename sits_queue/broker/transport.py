@@ -46,10 +46,6 @@ MAX_BAD_IN_A_ROW = 100
 #: How long a consumer leaves a queue whose pick Redis refused (a key of the wrong type:
 #: ``lua/queue_types.lua``), s; it is said in the log once a period.
 REFUSED_PAUSE_S = 5.0
-#: A consumer picks from every queue at least this often, s, whatever its marker says: a
-#: marker taken by a wait whose worker then died (or whose pick then failed) announces
-#: none of the messages behind it.
-SWEEP_S = 1.0
 
 
 class Channel(PublishingChannel):
@@ -70,7 +66,6 @@ class Channel(PublishingChannel):
         self._hold_ends: list[float] = []
         #: Queues whose pick Redis refused, and until when (monotonic s) they are left.
         self._refused_until: dict[str, float] = {}
-        self._sweep_due = 0.0
         #: Why the consumer is about to reject a delivered message, and whether its task
         #: fails with it (``workers/consumer.py``); read by ``QoS.reject``.
         self.reject_reasons: dict[str, tuple[str, bool]] = {}
@@ -403,7 +398,7 @@ class Channel(PublishingChannel):
         delivered = False
         try:
             while self.qos.can_consume():
-                for queue in self._marked(self._control_first()):
+                for queue in self._control_first():
                     try:
                         batch = self._consumer_pick(queue)
                     except Empty:
@@ -418,26 +413,6 @@ class Channel(PublishingChannel):
         finally:
             if delivered:
                 self.connection.wake_hub()
-
-    def _marked(self, queues: list[str]) -> list[str]:
-        """Those of ``queues`` whose wake-up marker is set, in order: one round trip for
-        all of them. A queue with messages waiting has it (``put.lua`` sets it, and a
-        pick that leaves messages sets it again); an empty one has it only until a pick
-        or a wait finds it so. Without this each fast pick ran the pick script on every
-        queue the worker consumes (its own, the control queue, the pre-warm one): three
-        round trips where the load leaves the queues empty between arrivals. A marker
-        that cannot be read (another type of key) counts as set: the pick says why. Every
-        :data:`SWEEP_S`, and for a queue whose pick Redis refused, all are picked."""
-        now = time.monotonic()
-        if len(queues) < 2 or now >= self._sweep_due:
-            self._sweep_due = now + SWEEP_S
-            return queues
-        with self.raw.pipeline(transaction=False) as pipe:
-            for queue in queues:
-                pipe.zcard(self.keys(queue).marker)
-            counts = pipe.execute(raise_on_error=False)
-        return [q for q, n in zip(queues, counts, strict=True)
-                if isinstance(n, Exception) or n or q in self._refused_until]
 
     def _brpop_read(self, **options: Any) -> bool:
         try:
