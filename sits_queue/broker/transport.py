@@ -15,6 +15,7 @@ import heapq
 import json
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 from uuid import uuid4
 
@@ -138,6 +139,22 @@ class Channel(PublishingChannel):
         if self._in_poll and wait.misses(self._watched, queue, self.active_queues):
             self._give_up_wait()  # the next wait watches this queue too (broker/wait.py)
         return tag
+
+    def _basic_cancel(self, consumer_tag: str) -> Any:
+        """kombu's; then a wait in flight on a queue no longer consumed is given up.
+
+        Left in flight it could take a wake-up meant for another consumer of that queue
+        (Redis serves the client that blocked first) and nobody would pick what woke it:
+        a plain consumer reads a wait's answer at its next drain only, and its connection
+        may sit idle in a pool meanwhile. A remote-control call ended by its timeout left
+        one so (a ping without destinations always ends so); the next call, on another
+        pooled connection, consumed a reply queue of the same name (kombu names it after
+        the ``id()`` of a copy of the mailbox, which Python reuses), and the old wait
+        took its reply's wake-up: no reply for the whole timeout."""
+        cancelled = super()._basic_cancel(consumer_tag)
+        if self._in_poll and any(q not in self.active_queues for q in self._watched):
+            self._give_up_wait()
+        return cancelled
 
     def _connparams(self, asynchronous: bool = False) -> Any:
         params = super()._connparams(asynchronous)
@@ -398,23 +415,29 @@ class Channel(PublishingChannel):
         delivered = False
         try:
             while self.qos.can_consume():
-                for queue in self._control_first():
-                    try:
-                        batch = self._consumer_pick(queue)
-                    except Empty:
-                        continue
-                    self._queue_cycle.rotate(queue)
-                    self._deliver(queue, batch)
-                    delivered = True
-                    break
-                else:
+                if not self._pick_one(self._control_first()):
                     return False
+                delivered = True
             return True
         finally:
             if delivered:
                 self.connection.wake_hub()
 
+    def _pick_one(self, queues: Sequence[str]) -> bool:
+        """Deliver the first pick that finds a message among ``queues``, in order; False
+        when none did."""
+        for queue in queues:
+            try:
+                batch = self._consumer_pick(queue)
+            except Empty:
+                continue
+            self._queue_cycle.rotate(queue)
+            self._deliver(queue, batch)
+            return True
+        return False
+
     def _brpop_read(self, **options: Any) -> bool:
+        watched = self._watched
         try:
             if not self._in_poll:  # no wait in flight: a read would block for ever
                 wait.stray_readable(self.client.connection, self.connection_errors)
@@ -427,6 +450,14 @@ class Channel(PublishingChannel):
             finally:
                 self._watched = ()
             if not woke:
+                # Without an event loop (a plain consumer: remote-control replies) nothing
+                # else picks: a wake-up another client took (a wait nobody reads, a
+                # process killed mid-wait) would leave its message for ever. Picked once
+                # the wait times out, it is late by brpop_timeout at most. (A worker's
+                # loop picks before each wait it sends: _fast_pick.)
+                if self.connection._hub is None and self._pick_one(
+                        [q for q in watched if q in self.active_queues]):
+                    return True
                 raise Empty()
             key = woke[0] if isinstance(woke[0], bytes) else str(woke[0]).encode()
             if self._throttled():

@@ -199,6 +199,50 @@ def test_a_wait_that_outlived_its_consumer_leaves_the_message_waiting(
     assert redis_client.zcard(keys.marker) == 1
 
 
+def test_a_wait_left_on_a_pooled_connection_takes_no_wake_up_from_the_next_call(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    got: list[str] = []
+    transport = "sits_queue.broker.transport:Transport"
+    with Connection(redis_url, transport=transport) as idle, \
+            Connection(redis_url, transport=transport) as busy:
+        # Given a call's reply consumer that ended by its timeout and was cancelled, its
+        # connection back in a pool and idle (a ping without destinations always ends so)
+        with consume(idle, ["ctl-reply"], got), pytest.raises(TimeoutError):
+            idle.drain_events(timeout=0.1)
+        # When the next call, on another connection, consumes a reply queue of the same
+        # name (kombu names it after the id() of a copy of the mailbox: Python reuses
+        # ids) and its reply arrives
+        with consume(busy, ["ctl-reply"], got):
+            publish(busy, "ctl-reply", "the reply")
+            # Then that call gets it before its own wait times out (the old wait, first
+            # in Redis's line, took the wake-up and the reply was never picked: the bench
+            # holds' add_consumer got no reply in 60 s)
+            busy.drain_events(timeout=SHORT_TIMEOUT_S)
+    assert got == ["the reply"]
+
+
+def test_a_wake_up_another_client_took_delays_a_message_by_one_wait_at_most(
+        conn: Connection, redis_url: str, redis_client: redis.Redis) -> None:
+    got: list[str] = []
+    marker = QueueKeys.for_queue("ctl-g").marker
+    # Given another client blocked on queue g's marker first, its answer never read (a
+    # process killed mid-wait, a connection nobody reads)
+    thief = redis.Redis.from_url(redis_url).connection_pool.make_connection()
+    try:
+        thief.send_command("BZPOPMIN", marker, 30)
+        with consume(conn, ["ctl-g"], got):
+            wait_for(lambda: any(c.get("cmd") == "bzpopmin"
+                                 for c in redis_client.client_list()),
+                     5, "the other client to block")
+            # When a message arrives, its wake-up going to that client
+            publish(conn, "ctl-g", "to g")
+            # Then the consumer picks it once its own wait times out (1 s): it never did
+            conn.drain_events(timeout=3)
+    finally:
+        thief.disconnect()
+    assert got == ["to g"]
+
+
 def test_closing_gives_up_the_wait_and_leaves_its_wake_up(
         redis_url: str, redis_client: redis.Redis) -> None:
     got: list[str] = []
