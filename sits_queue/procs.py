@@ -138,8 +138,7 @@ def wait_ready(app: Celery, workers: Sequence[CeleryProcess],
 
 
 #: How long the workers may take to answer a remote-control command, s: a call returns as
-#: soon as every one has (once, on CI's loaded host, a worker left a question after its
-#: add_consumer unanswered for 10 s).
+#: soon as every one has (a loaded host's workers can be slow to answer).
 CONTROL_TIMEOUT_S = READY_TIMEOUT_S
 #: Longest one question to the workers waits for their replies, s (then asked again).
 ASK_S = 5.0
@@ -182,8 +181,7 @@ def intake_held(app: Celery, workers: Sequence[CeleryProcess], queue: str | None
         yield hold
     finally:
         hold.released_s = time.time()
-        # (the reply is enough: the worker's loop consumes at its next turn; no question
-        # after it, which a worker once left unanswered for 10 s, the stream running)
+        # (the reply is enough: the worker's loop consumes at its next turn)
         replies = app.control.add_consumer(queue, destination=names, reply=True,
                                            timeout=timeout_s)
         if silent := set(names) - {host for reply in replies or [] for host in reply}:
