@@ -47,6 +47,10 @@ MAX_BAD_IN_A_ROW = 100
 #: How long a consumer leaves a queue whose pick Redis refused (a key of the wrong type:
 #: ``lua/queue_types.lua``), s; it is said in the log once a period.
 REFUSED_PAUSE_S = 5.0
+#: A consumer picks from every queue at least this often, s, whatever its marker says: a
+#: marker taken by a wait whose worker then died (or whose pick then failed) announces
+#: none of the messages behind it.
+SWEEP_S = 1.0
 
 
 class Channel(PublishingChannel):
@@ -67,6 +71,7 @@ class Channel(PublishingChannel):
         self._hold_ends: list[float] = []
         #: Queues whose pick Redis refused, and until when (monotonic s) they are left.
         self._refused_until: dict[str, float] = {}
+        self._sweep_due = 0.0
         #: Why the consumer is about to reject a delivered message, and whether its task
         #: fails with it (``workers/consumer.py``); read by ``QoS.reject``.
         self.reject_reasons: dict[str, tuple[str, bool]] = {}
@@ -141,16 +146,8 @@ class Channel(PublishingChannel):
         return tag
 
     def _basic_cancel(self, consumer_tag: str) -> Any:
-        """kombu's; then a wait in flight on a queue no longer consumed is given up.
-
-        Left in flight it could take a wake-up meant for another consumer of that queue
-        (Redis serves the client that blocked first) and nobody would pick what woke it:
-        a plain consumer reads a wait's answer at its next drain only, and its connection
-        may sit idle in a pool meanwhile. A remote-control call ended by its timeout left
-        one so (a ping without destinations always ends so); the next call, on another
-        pooled connection, consumed a reply queue of the same name (kombu names it after
-        the ``id()`` of a copy of the mailbox, which Python reuses), and the old wait
-        took its reply's wake-up: no reply for the whole timeout."""
+        """kombu's; then a wait in flight on a queue no longer consumed is given up: it
+        could take a wake-up meant for another consumer (broker/wait.py)."""
         cancelled = super()._basic_cancel(consumer_tag)
         if self._in_poll and any(q not in self.active_queues for q in self._watched):
             self._give_up_wait()
@@ -415,7 +412,7 @@ class Channel(PublishingChannel):
         delivered = False
         try:
             while self.qos.can_consume():
-                if not self._pick_one(self._control_first()):
+                if not self._pick_one(self._marked(self._control_first())):
                     return False
                 delivered = True
             return True
@@ -436,6 +433,23 @@ class Channel(PublishingChannel):
             return True
         return False
 
+    def _marked(self, queues: list[str]) -> list[str]:
+        """Those of ``queues`` whose wake-up marker is set, in order: one round trip for
+        all of them. A queue with messages waiting has it (``put.lua`` sets it, and a
+        pick that leaves messages sets it again); an empty one has it only until a pick
+        or a wait finds it so. Without this each fast pick ran the pick script on every
+        queue the worker consumes (its own, the control queue, the pre-warm one): three
+        round trips where the load leaves the queues empty between arrivals. A marker
+        that cannot be read (another type of key) counts as set: the pick says why. Every
+        :data:`SWEEP_S`, and for a queue whose pick Redis refused, all are picked."""
+        now = time.monotonic()
+        if len(queues) < 2 or now >= self._sweep_due:
+            self._sweep_due = now + SWEEP_S
+            return queues
+        marked = wait.marked(self.raw, [self.keys(q).marker for q in queues])
+        return [q for q, on in zip(queues, marked, strict=True)
+                if on or q in self._refused_until]
+
     def _brpop_read(self, **options: Any) -> bool:
         watched = self._watched
         try:
@@ -454,7 +468,7 @@ class Channel(PublishingChannel):
                 # else picks: a wake-up another client took (a wait nobody reads, a
                 # process killed mid-wait) would leave its message for ever. Picked once
                 # the wait times out, it is late by brpop_timeout at most. (A worker's
-                # loop picks before each wait it sends: _fast_pick.)
+                # loop picks every queue once a second: _fast_pick, _marked.)
                 if self.connection._hub is None and self._pick_one(
                         [q for q in watched if q in self.active_queues]):
                     return True

@@ -22,6 +22,18 @@ Redis sees the close before our next command, sent afterwards on another connect
 in practice; were a put to slip in between, its wake-up would go to the closed wait and
 the queue's other consumers would find the message at their next wake-up.
 
+A wait that watches a queue its channel stops consuming is given up too. Left in flight
+it could take a wake-up meant for another consumer of that queue (Redis serves the
+client that blocked first), and nobody would pick what woke it: a plain consumer reads a
+wait's answer at its next drain only, and its connection may sit idle in a pool
+meanwhile. A remote-control call ended by its timeout left one so (a ping without
+destinations always ends so); the next call, on another pooled connection, consumed a
+reply queue of the same name (kombu names it after the ``id()`` of a copy of the
+mailbox, which Python reuses), and the old wait took its reply's wake-up: no reply for
+the whole timeout. A wake-up taken anyway (a process killed mid-wait) costs a message a
+second at most: a worker picks every queue once a second, a plain consumer when its wait
+times out empty (``transport.py``).
+
 A socket is taken out of the event loop's poller before it is closed
 (:func:`unpolled_on_disconnect`): epoll keeps a registration while any process holds the
 socket, and a pool child forked while the wait was open holds it. Closed first, the dead
@@ -64,6 +76,16 @@ def give_up(connection: Any, watched: Sequence[str], arm: Callable[[str], object
             logger.debug("queue %r: marker not re-armed after giving up a wait: %s",
                          queue, exc)
             return
+
+
+def marked(client: Any, markers: Sequence[str]) -> list[bool]:
+    """Whether each of ``markers`` is set, in one round trip; one that cannot be read
+    (another type of key) counts as set: the pick that follows says why."""
+    with client.pipeline(transaction=False) as pipe:
+        for key in markers:
+            pipe.zcard(key)
+        counts = pipe.execute(raise_on_error=False)
+    return [isinstance(n, Exception) or bool(n) for n in counts]
 
 
 def unpolled_on_disconnect(connection_class: type, poller: Callable[[], Any]) -> type:

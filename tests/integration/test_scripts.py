@@ -181,6 +181,24 @@ def test_pick_settles_the_claim_and_ack_drops_the_checkpoint(
     assert redis_client.hlen(KEYS.checkpoints) == 0
 
 
+def test_the_marker_is_set_while_messages_wait_and_cleared_by_the_pick_that_empties(
+        redis_client: redis.Redis) -> None:
+    """(a consumer reads the markers before it picks, broker/transport.py: a marker left
+    on an empty queue sent each fast pick there, and woke each wait, for nothing)"""
+    scripts = Scripts.register()
+    assert scripts.run("put", KEYS, put_args(["a", "b"]), redis_client) == [2, 2]
+    redis_client.delete(KEYS.marker)  # (as a wait takes it)
+    assert scripts.run("pick", KEYS, [1000.0, 5], redis_client)[0] == b"a"
+    assert redis_client.zcard(KEYS.marker) == 1  # "b" waits: set again
+    assert scripts.run("pick", KEYS, [1000.0, 5], redis_client)[0] == b"b"
+    assert redis_client.zcard(KEYS.marker) == 0  # none waits
+    assert scripts.run("put", KEYS, put_args(["c"]), redis_client) == [1, 1]
+    assert redis_client.zcard(KEYS.marker) == 1
+    assert scripts.run("pick", KEYS, [1000.0, 5], redis_client)[0] == b"c"
+    assert scripts.run("pick", KEYS, [1000.0, 5], redis_client) == 0
+    assert redis_client.zcard(KEYS.marker) == 0
+
+
 def release(scripts: Scripts, client: redis.Redis, consumer: str, now: float,
             task_id: str) -> tuple[int, float]:
     n, hold = scripts.run("release", KEYS, [consumer, now, 0.25, 1.0, task_id], client)

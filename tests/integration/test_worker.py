@@ -686,3 +686,21 @@ def test_a_soft_limit_overdue_after_its_task_ended_leaves_the_idle_child_alone(
     assert client_app.tasks["w.add"].delay(2, 3).get(timeout=30) == 5
     assert child.is_running() and parent.children() == [child]
     assert "SoftTimeLimitExceeded" not in worker.log(), worker.log()[-3000:]
+
+
+def test_a_message_whose_wake_up_was_taken_and_lost_is_still_served(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(a worker picks only from the queues whose marker is set, broker/transport.py; a
+    marker taken by a wait whose worker then died announces nothing, so every queue is
+    still picked once a second)"""
+    spawn(concurrency=1)
+    # Given the worker's one slot busy, and a message whose marker is gone meanwhile, as
+    # when a worker that took its wake-up died before its pick
+    busy = client_app.tasks["w.slow"].apply_async(("busy", 1.5))
+    wait_for(lambda: redis_client.get("test:started:busy") is not None, 30,
+             "the slow task to start")
+    waiting = client_app.tasks["w.add"].apply_async((2, 3))
+    redis_client.delete(WAITING.marker)
+    # Then once the slot is free, the worker still finds it
+    assert busy.get(timeout=30) == "busy"
+    assert waiting.get(timeout=30) == 5

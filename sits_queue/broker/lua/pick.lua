@@ -192,8 +192,12 @@ local function gather(id, times, reply)
   kin(key, most, 1, reply)
 end
 
+-- The marker says whether messages wait: set while some do, cleared once a pick leaves
+-- none (every script that adds to 1 sets it in the same step), so a consumer that reads
+-- markers before it picks (broker/transport.py) is not sent to an empty queue, nor woken.
 local function mark_ready()
-  if redis.call('ZCARD', KEYS[1]) > 0 then redis.call('ZADD', KEYS[4], 0, 'ready') end
+  if redis.call('ZCARD', KEYS[1]) > 0 then redis.call('ZADD', KEYS[4], 0, 'ready')
+  else redis.call('ZREM', KEYS[4], 'ready') end
 end
 
 -- Join mode: a running generation batch has room for more rows (workers/joins.py):
