@@ -11,6 +11,7 @@ from collections.abc import Callable
 import redis
 from celery import Celery
 
+from sits_queue.broker import clock
 from sits_queue.broker.bulk import enqueue_many
 from sits_queue.procs import CeleryProcess
 from tests.waiting import wait_for
@@ -22,11 +23,14 @@ def test_a_spaced_pass_waits_its_share_of_the_time(client_app: Celery,
 
     rescorer = Rescorer(client_app.sits, redis_client)
     key = _state_key(client_app.sits, "last-pass")
-    # A pass leaves its end and its length
+    # A pass leaves its end, on Redis's clock (this host's plus the offset measured
+    # here: time.time() alone read up to a round trip behind), and its length
+    started = clock.now(redis_client)
     report = rescorer.rescore_all()
     assert report is not None
     last = json.loads(redis_client.get(key) or "{}")
-    assert last["took_s"] == report.duration_ms / 1000 and last["end"] <= time.time()
+    assert last["took_s"] == report.duration_ms / 1000
+    assert started <= last["end"] <= clock.now(redis_client)
     # Given a last pass of 10 s that ended just now: a spaced pass waits (3 x 10 s at a
     # quarter of the time), an unspaced one (a caller's own) runs
     redis_client.set(key, json.dumps({"end": time.time(), "took_s": 10.0}))
