@@ -98,7 +98,8 @@ def test_the_main_process_freezes_before_its_first_fork_only(unfrozen: None) -> 
     # requests in flight then are not frozen with it)
     in_flight = [[i] for i in range(5000)]
     childgc._before_first_fork()
-    assert gc.get_freeze_count() == frozen
+    # (not ==: what was frozen is still freed by reference counting meanwhile)
+    assert gc.get_freeze_count() <= frozen
     del in_flight
 
 
