@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from sits_queue.cache import kvwarm
+from sits_queue.cache import hfprogress, kvwarm
 from sits_queue.cache.contract import (
     Backend,
     Engine,
@@ -483,7 +483,8 @@ def _load_hf(key: str, path: Path) -> TorchEngine:
 
     config = transformers.AutoConfig.from_pretrained(path)
     model_class, task = _hf_class(transformers, config)
-    model = model_class.from_pretrained(path)
+    with hfprogress.quiet():
+        model = model_class.from_pretrained(path)
     if task == "text2text-generation" and not kvwarm.can_generate(model):
         task = "feature-extraction"  # saved without its head (a bare BartModel): as it is
     artifacts: dict[str, Any] = {"config": config, "task": task}

@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from sits_queue.cache import hfprogress
+
 #: Written last into every built directory: the spec it was built from.
 MARKER = "sits_tiny.json"
 #: Bump when a builder's output changes, so directories built by older code are rebuilt.
@@ -71,7 +73,8 @@ def _build(path: Path, spec: Mapping[str, Any], write: Callable[[Path], None]) -
     tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
     tmp.mkdir()
     try:
-        write(tmp)
+        with hfprogress.quiet():
+            write(tmp)
         (tmp / MARKER).write_text(json.dumps(spec, sort_keys=True))
         if path.exists():
             shutil.rmtree(path)  # built from another spec (or half-built by a crash)

@@ -108,6 +108,13 @@ def test_second_call_is_warm(app: Celery, worker: CeleryProcess) -> None:
     assert second["output"]["key"] == "gpt" and second["output"]["tokenizer"] is True
 
 
+def test_a_model_load_leaves_no_progress_bar_in_the_log(app: Celery,
+                                                      worker: CeleryProcess) -> None:
+    # transformers' bar, on the child's redirected stderr, was two WARNING lines a load
+    assert call(app, "t.describe", "loaded", timeout=FIRST_CALL_S)["output"]["key"] == "gpt"
+    assert "Loading weights" not in worker.log()
+
+
 def test_builtin_generate_and_embed(app: Celery, worker: CeleryProcess) -> None:
     text = call(app, "sits.generate", "the worker loads the prompt", model="gpt",
                 kwargs={"max_new_tokens": 8, "stop_at_eos": False}, timeout=FIRST_CALL_S)
