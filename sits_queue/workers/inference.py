@@ -208,8 +208,9 @@ def _prepare(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     resumed = getattr(request, CHECKPOINT_HEADER, None) is not None or (
         tasks == 1 and isinstance(retries, int) and retries > 0)
     rt.count(metrics.task_fields(meta, quota.name, model, tasks, prewarm, resumed))
-    # Published now, not only when the run ends: a child killed at its hard limit never
-    # gets there, and the task and its cold start went uncounted (its warm set unseen)
+    # Published now (a warm set that changed at once, the counts within the deferred
+    # writer's half second), not only when the run ends: a child killed at its hard
+    # limit never gets there, and the task and its cold start went uncounted
     rt.publish()
     _trace(meta, model, quota.name, acquire_ns, acquired_ns)
     timelimit = getattr(request, "timelimit", None) or (None, None)

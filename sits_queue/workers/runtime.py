@@ -50,6 +50,7 @@ from sits_queue.workers import (
     advertise,
     childgc,
     cores,
+    deferred,
     devices,
     etaorder,
     gpu,
@@ -182,6 +183,13 @@ class ChildRuntime:
     serving: Any = field(default_factory=lambda: _serving())
     #: The host pool's ager publishes from its thread too (counts, the warm set).
     _publishing: threading.Lock = field(default_factory=threading.Lock)
+    #: The routing part of the last record Redis took (:func:`deferred.routing`).
+    _sent_routing: dict[str, Any] | None = None
+    _deferred: deferred.Deferred = field(init=False)
+    _resolved_budgets: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        self._deferred = deferred.Deferred(lambda: self.publish(at_once=True))
 
     @property
     def config(self) -> SitsConfig:
@@ -207,10 +215,14 @@ class ChildRuntime:
         return devices.label("cuda", self.device.index, self.device.uuid) if on_cuda else "cpu"
 
     def _budgets(self) -> tuple[int, int]:
-        slots = max(1, self.plan.slots)
-        return self.budgets.resolve(self.device, int(psutil.virtual_memory().total), slots,
-                                    children_per_device(self.plan.discovery, slots,
-                                                        self.slot))
+        # (once: every publish asks, for the room left, and reading the host's memory
+        # from /proc was a quarter of a publish's time)
+        if self._resolved_budgets is None:
+            slots = max(1, self.plan.slots)
+            self._resolved_budgets = self.budgets.resolve(
+                self.device, int(psutil.virtual_memory().total), slots,
+                children_per_device(self.plan.discovery, slots, self.slot))
+        return self._resolved_budgets
 
     def cache(self) -> Any:
         if self._cache is None:
@@ -326,33 +338,50 @@ class ChildRuntime:
             metrics.merge(self.counters, fields)
             metrics.merge(self._unsent, fields)
 
-    def publish(self) -> None:
-        """Write this child's warm set and memory, and its new counts, for the advert."""
+    def publish(self, at_once: bool = False) -> None:
+        """Write this child's warm set and memory, and its new counts, for the advert: at
+        once when what routes work to it changed since the last write (or ``at_once``),
+        else from the deferred writer within ``deferred.DEFER_S`` (``workers/deferred.py``)."""
         with self._publishing:
-            self._publish()
+            record = self._record()
+            if at_once or deferred.routing(record) != self._sent_routing:
+                self._deferred.disarm()
+                self._send(record)
+            else:
+                self._deferred.arm()
 
-    def _publish(self) -> None:
+    def flush_advert(self) -> None:
+        """Write what the deferred writer holds (a child's clean exit)."""
+        self._deferred.flush()
+
+    def _record(self) -> dict[str, Any]:
         warm = self._cache.warm() if self._cache is not None else {}
         sizes = self._cache.warm_bytes() if self._cache is not None else {}
         device = self.device_label
+        return {
+            "slot": self.slot, "slots": self.plan.slots, "pid": os.getpid(),
+            "device": device, "warm": dict(warm), "cpus": list(self._cpus),
+            "warm_bytes": sizes,
+            # (where a model warm nowhere loads with the fewest evictions: steer.py)
+            "device_room": _room(self._budgets()[0], warm, sizes),
+            # (what a task asking for another key runs warm on: affinity's)
+            "serves": self.serving.served_keys(warm, device),
+            "kv_prefixes": self._prefixes.models() if self._prefixes is not None else {},
+            "kv_keys": self._prefixes.tags() if self._prefixes is not None else [],
+            "tasks": int(self.counters.get("tasks", 0)),
+            "cold": int(self.counters.get("cold", 0)),
+            "memory": gpu.memory_stats()}
+
+    def _send(self, record: dict[str, Any]) -> None:
         unsent, self._unsent = self._unsent, {}
         sent = False
         try:
-            sent = advertise.publish_child(self.config, self.plan.hostname, self.slot, {
-                "slot": self.slot, "slots": self.plan.slots, "pid": os.getpid(),
-                "device": device, "warm": dict(warm), "cpus": list(self._cpus),
-                "warm_bytes": sizes,
-                # (where a model warm nowhere loads with the fewest evictions: steer.py)
-                "device_room": _room(self._budgets()[0], warm, sizes),
-                # (what a task asking for another key runs warm on: affinity's)
-                "serves": self.serving.served_keys(warm, device),
-                "kv_prefixes": self._prefixes.models() if self._prefixes is not None else {},
-                "kv_keys": self._prefixes.tags() if self._prefixes is not None else [],
-                "tasks": int(self.counters.get("tasks", 0)),
-                "cold": int(self.counters.get("cold", 0)),
-                "memory": gpu.memory_stats()}, unsent)
+            sent = advertise.publish_child(self.config, self.plan.hostname, self.slot,
+                                           record, unsent)
         finally:
-            if not sent:  # Redis away for now (or a signal cut it short): the counts go
+            if sent:
+                self._sent_routing = deferred.routing(record)
+            else:  # Redis away for now (or a signal cut it short): the counts go
                 metrics.merge(self._unsent, unsent)  # with the next publish
 
 
@@ -476,7 +505,7 @@ def init_child(app: Celery, index: int, env: dict[str, str] | None = None) -> Ch
     stacks.install()  # kill -USR2 <pid>: where this child is, in the worker's log
     _child = ChildRuntime(app=app, plan=p, slot=index, device=device,
                           budgets=CacheBudgets.from_env(), pool_child=True)
-    _child.publish()  # replaces a dead predecessor's record (its engines died with it)
+    _child.publish(at_once=True)  # replaces a dead predecessor's record (its engines died)
     logger.info("pool child %d (pid %d) pinned to %s", index, os.getpid(),
                 f"{device.name} ({device.uuid})" if device.kind == "cuda" else "CPU")
     return _child
@@ -516,6 +545,11 @@ def connect(app: Celery) -> None:
         if rt is not None and getattr(task, "app", None) is app and rt.app is app:
             rt.before_task(task.request, getattr(task, "sla_class", None))
 
+    def on_process_shutdown(**_: Any) -> None:
+        rt = _child
+        if rt is not None and rt.app is app:
+            rt.flush_advert()
+
     def on_after_setup(sender: Any = None, instance: Any = None, **_: Any) -> None:
         # The beat's maintenance tasks go to the control queue: a worker started with
         # -Q for its own queues must consume it too, or rescoring and triggers pile up
@@ -530,6 +564,7 @@ def connect(app: Celery) -> None:
     signals.worker_process_init.connect(on_process_init, weak=False)
     signals.task_prerun.connect(on_prerun, weak=False)
     signals.task_postrun.connect(on_postrun, weak=False)
+    signals.worker_process_shutdown.connect(on_process_shutdown, weak=False)
     childgc.connect()
     from sits_queue.workers.planstep import PlanStep
 

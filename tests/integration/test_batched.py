@@ -23,7 +23,7 @@ from celery.result import AsyncResult
 
 from sits_queue.errors import InferenceError, InvalidInput
 from sits_queue.procs import CeleryProcess
-from sits_queue.workers import metrics
+from tests.integration.counting import counters_once
 from tests.integration.inference_app import BATCH_ECHO_MAX, CALL_S, FIRST_CALL_S, serving
 from tests.waiting import wait_for
 
@@ -234,12 +234,13 @@ def test_counters_count_tasks_not_batches(r: redis.Redis, worker: CeleryProcess,
                                           later: dict[str, Any]) -> None:
     results([*waiting["echo"], waiting["expired"], waiting["limited"], *waiting["embeds"],
              waiting["raw"], waiting["empty"], *waiting["gens"], *waiting["templated"]])
-    record = metrics.read(r, "", worker.hostname)[0]
-    counters = {k.decode(): float(v) for k, v in record["counters"].items()}
     # 18 echo tasks ran (1 failed by its own output) + 6 + 1 embeds; one more embed
     # failed on input, alone; 4 generations + one that failed on input; the templated
     # batch and the later call (its fixture). A batch's cold start counts once.
     generations = len(PROMPTS) + len(TEMPLATED) + 1
+    counters = counters_once(r, worker.hostname, lambda c: c.get("model_runs:gpt", 0) >= len(
+        ECHO_TAGS) + generations and c.get("failed:InvalidInput", 0) >= 3 and c.get(
+        "ftt", 0) >= generations, "every batch's counts")
     assert counters["tasks"] >= len(ECHO_TAGS) + len(TEXTS) + 1
     assert counters["model_runs:gpt"] == len(ECHO_TAGS) + generations
     assert counters["failed:InvalidInput"] == 3

@@ -42,6 +42,7 @@ from sits_queue.workers import advertise, cores
 from sits_queue.workers.advertise import read_workers
 from sits_queue.workers.limits import BYTES_PER_GIB
 from sits_queue.workers.request import HEADROOM_BYTES
+from tests.integration.counting import counters_once
 from tests.integration.inference_app import CALL_S, FIRST_CALL_S, call, serving
 from tests.waiting import wait_for
 
@@ -148,9 +149,8 @@ def test_a_shared_prompt_prefix_is_prefilled_once_across_tasks(
     # Then its prefill skipped the shared whole blocks, which the worker counts
     assert first["cached_tokens"] == 0
     assert 16 <= second["cached_tokens"] < second["prompt_tokens"]
-    counters = {k.decode(): float(v) for k, v in
-                r.hgetall(advertise.counters_key("", worker.hostname)).items()}
-    assert counters["kv_hits"] >= 1 and counters["kv_tokens"] >= second["cached_tokens"]
+    counters_once(r, worker.hostname, lambda c: c.get("kv_hits", 0) >= 1 and c.get(
+        "kv_tokens", 0) >= second["cached_tokens"], "the KV-prefix hit to be counted")
 
 
 def test_repeated_texts_are_embedded_once(app: Celery, worker: CeleryProcess,
@@ -159,9 +159,8 @@ def test_repeated_texts_are_embedded_once(app: Celery, worker: CeleryProcess,
     first = call(app, "sits.embed", texts, model="enc", timeout=FIRST_CALL_S)["output"]
     again = call(app, "sits.embed", list(reversed(texts)), model="enc")["output"]
     assert again == list(reversed(first))  # from the child's cache, the same floats
-    counters = {k.decode(): float(v) for k, v in
-                r.hgetall(advertise.counters_key("", worker.hostname)).items()}
-    assert counters["emb_cached"] >= 2 and counters["emb_texts"] >= 4
+    counters_once(r, worker.hostname, lambda c: c.get("emb_cached", 0) >= 2 and c.get(
+        "emb_texts", 0) >= 4, "the cached embeddings to be counted")
 
 
 def test_eviction_under_a_small_budget(app: Celery, worker: CeleryProcess) -> None:
@@ -422,23 +421,25 @@ def test_hard_time_limit_replaces_the_child(app: Celery, worker: CeleryProcess,
                                            r: redis.Redis) -> None:
     from sits_queue.workers import advertise
 
-    def counted() -> int:
-        record = advertise.read_worker(r, "", worker.hostname) or {}
-        return int(record.get("cold_start", {}).get("tasks", 0))
-
     def failed_other() -> float:
         key = advertise.counters_key("", worker.hostname)
         return float(r.hget(key, "failed:other") or 0)
 
     before = call(app, "t.describe", "before")
-    tasks, others = counted(), failed_other()
-    # When a task ignores its soft limit and is killed at the hard one
-    hung = app.tasks["t.hang"].apply_async((60,), soft_time_limit=1, time_limit=3)
+    others = failed_other()
+    # When a task ignores its soft limit and is killed at the hard one (in a class no other
+    # inference task here runs in: its count is this task's alone, whenever the counts of
+    # the tasks before it arrive)
+    assert float(r.hget(advertise.counters_key("", worker.hostname), "tasks:vast") or 0) == 0
+    hung = app.tasks["t.hang"].apply_async((60,), soft_time_limit=1, time_limit=3,
+                                           sla_class="vast")
     with pytest.raises(TimeLimitExceeded):
         hung.get(timeout=CALL_S)
-    # Its task is counted all the same (the child published once it had the engine; it
-    # counted only when a run ended, which a killed child never reaches)
-    assert counted() == tasks + 1
+    # Its task is counted all the same (the child counted it once it had the engine, and
+    # its deferred writer sent that while the task hung; it counted only when a run ended,
+    # which a killed child never reaches)
+    assert counters_once(r, worker.hostname, lambda c: "tasks:vast" in c,
+                         "the killed task's count")["tasks:vast"] == 1
     # Then a new child takes the same slot (same device), starts cold, and serves
     # (limits past the class's: the new child's cold start counts against them)
     after = call(app, "t.describe", "after", timeout=FIRST_CALL_S, soft_time_limit=90,

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,6 +33,7 @@ from sits_queue.status import format_status, workers_status
 from sits_queue.workers import advertise, metrics
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.devices import Discovery, cpu_device
+from tests.integration.counting import COUNTS_WAIT_S
 from tests.integration.inference_app import (
     FIRST_CALL_S,
     ROOT,
@@ -82,7 +83,24 @@ def worker(tmp_path_factory: pytest.TempPathFactory, redis_url: str, setup: tupl
         proc.stop(timeout_s=30)
 
 
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+Sample = tuple[str, tuple[tuple[str, str], ...]]
+
+
+def scrape_once(port: int, ready: Callable[[dict[Sample, float]], bool], what: str
+                ) -> dict[Sample, float]:
+    """A scrape in which ``ready`` holds: a pool child writes the counts of a run that
+    changed no warm set within ``deferred.DEFER_S`` of its end, not before its result."""
+    seen: list[dict[Sample, float]] = [{}]
+
+    def read() -> bool:
+        seen[0] = scrape(port)
+        return ready(seen[0])
+
+    wait_for(read, COUNTS_WAIT_S, what)
+    return seen[0]
+
+
+def scrape(port: int) -> dict[Sample, float]:
     """Every sample, keyed by name and sorted labels (the worker label dropped)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
@@ -107,7 +125,10 @@ def test_a_scrape_shows_tasks_cold_starts_by_phase_failures_and_devices(
         call(app, "sits.generate", "hi", model="no-such-model")
     with pytest.raises(InvalidInput):
         call(app, "sits.generate", "", model="gpt")
-    m = scrape(port)
+    # (the last failure's count comes with every count before it)
+    m = scrape_once(port, lambda m: m.get(
+        ("sits_inference_failures_total", (("reason", "InvalidInput"),))) == 1,
+        "the failures to be counted")
     assert m[("sits_inference_tasks_total", (("sla_class", "high"),))] == 1
     assert m[("sits_inference_tasks_total", (("sla_class", "low"),))] == 1
     # (sits.generate on "gpt" got its engine before rejecting the empty prompt)
@@ -150,8 +171,8 @@ def test_counts_survive_a_scrape_and_grow(app: Celery, worker: CeleryProcess,
                                           port: int) -> None:
     before = scrape(port)
     call(app, "t.describe", "three", sla_class="low")
-    after = scrape(port)
     key = ("sits_inference_tasks_total", (("sla_class", "low"),))
+    after = scrape_once(port, lambda m: m[key] > before[key], "the task to be counted")
     assert after[key] == before[key] + 1
     # A warm task adds no cold start
     assert after[("sits_cold_start_seconds_count", ())] == \
@@ -164,8 +185,8 @@ def test_a_generation_counts_its_first_token(app: Celery, worker: CeleryProcess,
     before = scrape(port)
     out = call(app, "sits.generate", "the first token", model="gpt",
                kwargs={"max_new_tokens": 3, "stop_at_eos": False}, timeout=FIRST_CALL_S)
-    after = scrape(port)
     count, total = ("sits_first_token_seconds_count", ()), ("sits_first_token_seconds_sum", ())
+    after = scrape_once(port, lambda m: m[count] > before[count], "the first token's count")
     assert after[count] == before[count] + 1
     assert after[total] - before[total] == pytest.approx(out["sits"]["first_token_ms"] / 1000,
                                                          abs=1e-6)
@@ -180,9 +201,13 @@ def test_a_generation_that_yields_its_slot_counts_as_one_task(
         app: Celery, worker: CeleryProcess, port: int, redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url)
     waiting = QueueKeys.for_queue("celery")
+    first = ("sits_first_token_seconds_count", ())
+    tasks = {cls: ("sits_inference_tasks_total", (("sla_class", cls),)) for cls in ("low",
+                                                                                  "high")}
+    base = scrape(port)
     # (the model loaded first, in a class whose time limit a fresh child's imports fit)
     call(app, "t.generate_slow", "warm", 1, sla_class="high", timeout=FIRST_CALL_S)
-    before = scrape(port)
+    before = scrape_once(port, lambda m: m[first] > base[first], "the warm-up's counts")
     # Given a low-class generation of 80 steps at >= 20 ms each on the worker's one slot
     long = app.tasks["t.generate_slow"].apply_async(("the slices", 80), sla_class="low")
     wait_for(lambda: client.zcard(waiting.waiting) == 0 and client.zcard(waiting.unacked) == 1,
@@ -191,14 +216,13 @@ def test_a_generation_that_yields_its_slot_counts_as_one_task(
     call(app, "t.describe", "urgent", sla_class="high", timeout=FIRST_CALL_S)
     out = long.get(timeout=FIRST_CALL_S)
     assert out["output"]["runs"] >= 2
-    after = scrape(port)
+    after = scrape_once(port, lambda m: m[first] > before[first] and all(
+        m[key] > before[key] for key in tasks.values()), "both tasks' counts")
     client.close()
     # Then the generation counts as one task, however many runs it took: in the tasks,
     # the cold-start share's denominator, and its first token
-    for cls in ("low", "high"):
-        key = ("sits_inference_tasks_total", (("sla_class", cls),))
+    for cls, key in tasks.items():
         assert after[key] == before[key] + 1, cls
-    first = ("sits_first_token_seconds_count", ())
     assert after[first] == before[first] + 1
 
 

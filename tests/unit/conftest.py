@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from sits_queue.cache.engines import engine_from_path
 from sits_queue.models import tiny
-from sits_queue.workers import signals
+from sits_queue.workers import deferred, signals
 
 
 @pytest.fixture(autouse=True)
@@ -22,6 +23,16 @@ def no_statistics_sent(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     # (and their end is taken on this host's clock: Redis's is read over the same client)
     monkeypatch.setattr(signals, "finished_at", lambda config: time.time())
     return written
+
+
+@pytest.fixture(autouse=True)
+def no_advert_written_after_the_test(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A child runtime's deferred advert write (``workers/deferred.py``) must not outlive
+    its test: once the test's stand-in for Redis is undone it would go to the default
+    Redis, localhost:6379, someone's. (Asking for ``monkeypatch`` orders this teardown
+    before the stand-in's.)"""
+    yield
+    deferred.drop_all()
 
 
 @pytest.fixture(scope="module")

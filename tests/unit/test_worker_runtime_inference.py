@@ -4,6 +4,7 @@ models, and run_inference's accounting and error mapping with a fake engine cach
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -33,6 +34,7 @@ from sits_queue.workers import (
     batchembed,
     batchgen,
     decoding,
+    deferred,
     firsttoken,
     gpu,
     inference,
@@ -436,18 +438,32 @@ def app() -> Iterator[Celery]:
     yield app
 
 
+#: The runtimes :func:`child` made in this test: :func:`flushed` writes what they defer.
+MADE: list[rt.ChildRuntime] = []
+
+
 @pytest.fixture
-def published(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+def published(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
     """Advertisement writes, captured instead of sent to Redis."""
     seen: list[Any] = []
     monkeypatch.setattr(advertise, "publish_child", lambda *a: not seen.append(a[3:]))
-    return seen
+    MADE.clear()
+    yield seen
+    flushed(seen)  # (here, not later from the writer's thread to the default Redis)
+
+
+def flushed(published: list[Any]) -> list[Any]:
+    """``published`` with what the runtimes' deferred writers hold written too (counts
+    of a run that changed no warm set wait up to ``deferred.DEFER_S`` otherwise)."""
+    for runtime in MADE:
+        runtime.flush_advert()
+    return published
 
 
 def counts_of(published: list[Any]) -> dict[str, Any]:
     """The counts a run published, summed (once it has its engine, and when it ends)."""
     total: dict[str, Any] = {}
-    for _, counts in published:
+    for _, counts in flushed(published):
         for key, value in counts.items():
             total[key] = total.get(key, 0) + value
     return total
@@ -455,8 +471,9 @@ def counts_of(published: list[Any]) -> dict[str, Any]:
 
 def child(app: Celery, outcome: Callable[[], tuple[Any, ColdStart]]) -> rt.ChildRuntime:
     plan = rt.WorkerPlan("w@h", Discovery(devices=(CPU,)), (0,), 1)
-    return rt.ChildRuntime(app=app, plan=plan, slot=0, device=CPU,
-                           cache_factory=lambda *a, **k: FakeCache(outcome))
+    MADE.append(rt.ChildRuntime(app=app, plan=plan, slot=0, device=CPU,
+                                cache_factory=lambda *a, **k: FakeCache(outcome)))
+    return MADE[-1]
 
 
 def fake_task(run: Callable[..., Any], model: str = "m", sla_class: str = "low") -> Any:
@@ -477,8 +494,8 @@ def test_result_carries_output_and_cold_start_accounting(app: Celery,
     assert meta["cold"] is True and meta["source"] == "disk" and meta["load_ms"] == 12.5
     assert meta["run_ms"] >= 0 and meta["device"] == "cpu" and meta["sla_class"] == "low"
     assert meta["limits"]["soft_time_limit_s"] == 8 and meta["limits"]["time_limit_s"] == 10
-    record, _ = published[-1]
     counts = counts_of(published)
+    record, _ = published[-1]
     assert record["warm"] == {"m": "device"} and record["tasks"] == 1
     assert record["warm_bytes"] == {"m": 1000}  # the cache's sizes (sitsq status shows them)
     assert published[0][0]["tasks"] == 1  # (out before the run ended)
@@ -501,6 +518,81 @@ def test_a_retried_run_is_no_new_task(app: Celery, published: list[Any]) -> None
     counts = counts_of(published)
     assert "tasks" not in counts and "tasks:low" not in counts
     assert counts["runs"] == 1 and counts["cold"] == 1  # its run and its cold start count
+
+
+WARM = ColdStart(False, "device", 0.0, 0.0, 0.0, 0.0)
+
+
+def written_within(published: list[Any], n: int, bound_s: float) -> bool:
+    """Whether ``published`` holds ``n`` writes before ``bound_s`` runs out."""
+    deadline = time.monotonic() + bound_s
+    while len(published) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return len(published) >= n
+
+
+def test_counts_of_runs_that_route_nothing_differently_go_in_one_later_write(
+        app: Celery, published: list[Any]) -> None:
+    """(two synchronous writes per task were ~2 ms of a 14 ms embedding task)"""
+    outcomes = [COLD, WARM]
+    runtime = child(app, lambda: (FakeEngine(), outcomes.pop(0)))
+    task = fake_task(lambda engine, x: x)
+    # Given a first run that loaded the model: its new warm set is written at once
+    inference.run_inference(runtime, task, (1,), {})
+    assert len(published) == 1 and published[0][0]["warm"] == {"m": "device"}
+    # When a warm run follows, changing nothing another process routes work by
+    inference.run_inference(runtime, task, (2,), {})
+    # Then neither the first run's end nor the second run wrote before returning...
+    assert len(published) == 1
+    # ...and the deferred writer sends both runs' counts in one write
+    assert written_within(published, 2, 20 * deferred.DEFER_S)
+    record, counts = published[1]
+    assert record["tasks"] == 2 and counts["tasks"] == 1 and counts["model_runs:m"] == 2
+    assert counts_of(published)["tasks"] == 2 and len(published) == 2  # (nothing left)
+
+
+def test_a_run_that_changes_the_warm_set_writes_it_before_it_returns(
+        app: Celery, published: list[Any]) -> None:
+    held = {"m": "device"}
+
+    class Cache(FakeCache):
+        def warm(self) -> dict[str, str]:
+            return dict(held)
+
+        def warm_bytes(self) -> dict[str, int]:
+            return {key: 1000 for key in held}
+
+    plan = rt.WorkerPlan("w@h", Discovery(devices=(CPU,)), (0,), 1)
+    runtime = rt.ChildRuntime(app=app, plan=plan, slot=0, device=CPU,
+                              cache_factory=lambda *a, **k: Cache(lambda: (FakeEngine(), WARM)))
+
+    def run(engine: Any) -> str:
+        held["other"] = "host"  # (a demotion: what affinity and steering weigh changed)
+        return "done"
+
+    inference.run_inference(runtime, fake_task(run), (), {})
+    assert [r["warm"] for r, _ in published] == [{"m": "device"},
+                                                 {"m": "device", "other": "host"}]
+
+
+def test_a_write_redis_refused_is_made_again_at_once(app: Celery,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[Any] = []
+    answers = [False, True, True]
+    MADE.clear()
+    monkeypatch.setattr(advertise, "publish_child",
+                        lambda *a: sent.append(a[3:]) is None and answers.pop(0))
+    runtime = child(app, lambda: (FakeEngine(), WARM))
+    runtime.publish()  # refused: Redis away
+    runtime.count({"tasks": 1})
+    runtime.publish()  # the same record: still written at once, with the kept counts
+    assert len(sent) == 2 and sent[1][1] == {"tasks": 1}
+    runtime.publish()  # taken before: now it waits...
+    assert len(sent) == 2
+    runtime.flush_advert()  # ...for the writer, or a child's clean exit
+    assert len(sent) == 3
+    runtime.flush_advert()  # (nothing more held)
+    assert len(sent) == 3
 
 
 class FakeClock:
@@ -531,12 +623,12 @@ def test_first_token_time_counts_from_before_the_engine_is_got(
     result = inference.run_inference(child(app, acquire), fake_task(run), (), {})
     assert result["sits"]["first_token_ms"] == 270.0
     assert result["sits"]["run_ms"] == 520.0
-    _, counts = published[-1]
+    _, counts = flushed(published)[-1]
     assert (counts["ftt"], counts["ftt_ms"], counts["ftt_le:500"]) == (1, 270.0, 1)
     # A task that makes no tokens says so, and counts no first token
     plain = inference.run_inference(child(app, lambda: (FakeEngine(), COLD)),
                                     fake_task(lambda e: 1), (), {})
-    assert plain["sits"]["first_token_ms"] is None and "ftt" not in published[-1][1]
+    assert plain["sits"]["first_token_ms"] is None and "ftt" not in flushed(published)[-1][1]
 
 
 def test_the_cooperative_soft_deadline_counts_from_the_runs_start_load_included(
@@ -573,7 +665,7 @@ def test_a_sliced_tasks_every_run_is_the_models_service_time(
         inference.run_inference(child(app, lambda: (FakeEngine(), COLD)), fake_task(sliced),
                                 (), {})
     # The slice that yielded served the model for 300 ms, and is no task served yet
-    _, counts = published[-1]
+    _, counts = flushed(published)[-1]
     assert counts["model_run_ms:m"] == 300.0 and "model_runs:m" not in counts
 
     def rest(engine: Any) -> str:
@@ -582,7 +674,7 @@ def test_a_sliced_tasks_every_run_is_the_models_service_time(
 
     inference.run_inference(child(app, lambda: (FakeEngine(), COLD)), fake_task(rest), (), {})
     # The run that finished counts the task: the model served it for 300 + 100 ms
-    _, counts = published[-1]
+    _, counts = flushed(published)[-1]
     assert counts["model_run_ms:m"] == 100.0 and counts["model_runs:m"] == 1
 
 

@@ -1,0 +1,120 @@
+"""A pool child's advert writes, coalesced when nothing that routes work has changed.
+
+A child published its record (warm engines, KV prefixes, room, counts, memory) twice
+per inference task, each a MULTI/EXEC round trip with the record rebuilt: once its
+engine was acquired (so a child killed at its hard limit has its task counted) and
+once the run ended. For short tasks run one at a time that was the largest cost beside
+the model: a profile of a one-at-a-time embedding burst (py-spy on the pool child,
+2026-12-06) put 14% of the child's samples in those writes, ~2 ms of a 14 ms task.
+
+What other processes act on at once is what routes work: the warm set, what it serves,
+the KV prefixes held, the device tier's room (affinity picks, the pool's steering, the
+pre-warm planner). Those are still written before the task returns whenever they
+change. A task that changed none of them (a warm run) only adds counts, which
+:class:`Deferred` writes from a thread within :data:`DEFER_S`, together with whatever
+else counted meanwhile; ``sitsq status`` and the metrics read them that much later. A
+child killed within :data:`DEFER_S` of its last count loses those counts (a hard time
+limit is seconds at least; the process-exit flush covers a clean stop).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: Longest a child's new counts wait when its record's routing part has not changed, s.
+DEFER_S = 0.5
+#: The fields of a child's record that other processes route work by: a change is
+#: written before the task returns; the rest (counts, memory, the cores of the last
+#: task's class) can wait.
+ROUTING_FIELDS = ("device", "warm", "warm_bytes", "device_room", "serves", "kv_prefixes",
+                  "kv_keys")
+
+
+def routing(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a child's record that :data:`ROUTING_FIELDS` names."""
+    return {name: record[name] for name in ROUTING_FIELDS}
+
+
+class Deferred:
+    """Runs ``write`` from a daemon thread :data:`DEFER_S` after :meth:`arm`, once for
+    every arming meanwhile; :meth:`flush` runs it at once when armed. The thread starts
+    at the first arming, in the process that arms (a pool child, after its fork).
+
+    Lock order: a write (the thread's, a flush's) holds ``_writing`` and then whatever
+    ``write`` takes; :meth:`arm` and :meth:`disarm` never take ``_writing``, so
+    ``write``'s own callers may call them under the lock ``write`` takes.
+    """
+
+    def __init__(self, write: Callable[[], None], defer_s: float = DEFER_S) -> None:
+        self._write = write
+        self._defer_s = defer_s
+        self._armed = threading.Event()
+        self._writing = threading.Lock()
+        self._starting = threading.Lock()
+        self._thread: threading.Thread | None = None
+        _live.add(self)
+
+    @property
+    def armed(self) -> bool:
+        return self._armed.is_set()
+
+    def arm(self) -> None:
+        self._armed.set()
+        with self._starting:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="sits-advert",
+                                                daemon=True)
+                self._thread.start()
+
+    def disarm(self) -> None:
+        """What was pending has just been written another way (a write at once)."""
+        self._armed.clear()
+
+    def flush(self) -> None:
+        """Write now what is pending (a clean exit)."""
+        with self._writing:
+            if self._armed.is_set():
+                self._armed.clear()
+                self._write()
+
+    def drop(self) -> None:
+        """Forget what is pending, once any write in progress has ended."""
+        with self._writing:
+            self._armed.clear()
+
+    def _loop(self) -> None:
+        while True:
+            self._armed.wait()
+            time.sleep(self._defer_s)
+            try:
+                self.flush()  # (nothing when written at once meanwhile)
+            except Exception:  # the thread must outlive anything one write meets
+                logger.exception("could not publish the child's advert")
+
+
+#: Every writer of this process, for the exit's flush (and a test's drop).
+_live: weakref.WeakSet[Deferred] = weakref.WeakSet()
+
+
+def flush_all() -> None:
+    """Write what every writer of this process holds: at a solo worker's exit (a pool
+    child's is ``worker_process_shutdown``'s, as billiard ends it without ``atexit``)."""
+    for writer in list(_live):
+        writer.flush()
+
+
+def drop_all() -> None:
+    """Forget what every writer holds (a unit test's end: its Redis was a stand-in)."""
+    for writer in list(_live):
+        writer.drop()
+
+
+atexit.register(flush_all)
