@@ -10,30 +10,38 @@ for what it expects.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import redis
 
 from sits_queue.workers import advertise, deferred
 from tests.waiting import wait_for
 
+T = TypeVar("T")
+
 #: Longest a test waits for counts: the writer's delay, and a loaded host's slack.
 COUNTS_WAIT_S = 20 * deferred.DEFER_S
 
 
-def counters_once(r: redis.Redis, hostname: str, ready: Callable[[dict[str, float]], bool],
-                  what: str, prefix: str = "") -> dict[str, float]:
-    """``hostname``'s counters as soon as ``ready`` holds of them; fails naming ``what``
-    (with the counters last read) after :data:`COUNTS_WAIT_S`."""
-    seen: dict[str, float] = {}
+def read_once(read: Callable[[], T], ready: Callable[[T], bool], what: str) -> T:
+    """``read()`` as soon as ``ready`` holds of it; fails naming ``what`` (with what was
+    last read) after :data:`COUNTS_WAIT_S`."""
+    seen: list[T] = []
 
-    def read() -> bool:
-        seen.clear()
-        seen.update({k.decode(): float(v) for k, v in
-                     r.hgetall(advertise.counters_key(prefix, hostname)).items()})
-        return ready(seen)
+    def check() -> bool:
+        seen[:] = [read()]
+        return ready(seen[0])
 
     try:
-        wait_for(read, COUNTS_WAIT_S, what)
+        wait_for(check, COUNTS_WAIT_S, what)
     except AssertionError as exc:
-        raise AssertionError(f"{exc}; the counters: {seen}") from None
-    return seen
+        raise AssertionError(f"{exc}; last read: {seen[0] if seen else None}") from None
+    return seen[0]
+
+
+def counters_once(r: redis.Redis, hostname: str, ready: Callable[[dict[str, float]], bool],
+                  what: str, prefix: str = "") -> dict[str, float]:
+    """``hostname``'s counters as soon as ``ready`` holds of them (:func:`read_once`)."""
+    return read_once(lambda: {k.decode(): float(v) for k, v in
+                              r.hgetall(advertise.counters_key(prefix, hostname)).items()},
+                     ready, what)

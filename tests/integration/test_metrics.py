@@ -33,7 +33,7 @@ from sits_queue.status import format_status, workers_status
 from sits_queue.workers import advertise, metrics
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.devices import Discovery, cpu_device
-from tests.integration.counting import COUNTS_WAIT_S
+from tests.integration.counting import read_once
 from tests.integration.inference_app import (
     FIRST_CALL_S,
     ROOT,
@@ -90,14 +90,7 @@ def scrape_once(port: int, ready: Callable[[dict[Sample, float]], bool], what: s
                 ) -> dict[Sample, float]:
     """A scrape in which ``ready`` holds: a pool child writes the counts of a run that
     changed no warm set within ``deferred.DEFER_S`` of its end, not before its result."""
-    seen: list[dict[Sample, float]] = [{}]
-
-    def read() -> bool:
-        seen[0] = scrape(port)
-        return ready(seen[0])
-
-    wait_for(read, COUNTS_WAIT_S, what)
-    return seen[0]
+    return read_once(lambda: scrape(port), ready, what)
 
 
 def scrape(port: int) -> dict[Sample, float]:

@@ -4,7 +4,6 @@ models, and run_inference's accounting and error mapping with a fake engine cach
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -41,6 +40,7 @@ from sits_queue.workers import (
 )
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.devices import Device, Discovery
+from tests.waiting import wait_for
 
 CPU = Device(index=0, kind="cpu", name="cpu", uuid="cpu", total_vram_bytes=2**36,
              free_vram_bytes=2**35)
@@ -523,14 +523,6 @@ def test_a_retried_run_is_no_new_task(app: Celery, published: list[Any]) -> None
 WARM = ColdStart(False, "device", 0.0, 0.0, 0.0, 0.0)
 
 
-def written_within(published: list[Any], n: int, bound_s: float) -> bool:
-    """Whether ``published`` holds ``n`` writes before ``bound_s`` runs out."""
-    deadline = time.monotonic() + bound_s
-    while len(published) < n and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return len(published) >= n
-
-
 def test_counts_of_runs_that_route_nothing_differently_go_in_one_later_write(
         app: Celery, published: list[Any]) -> None:
     """(two synchronous writes per task were ~2 ms of a 14 ms embedding task)"""
@@ -545,7 +537,7 @@ def test_counts_of_runs_that_route_nothing_differently_go_in_one_later_write(
     # Then neither the first run's end nor the second run wrote before returning...
     assert len(published) == 1
     # ...and the deferred writer sends both runs' counts in one write
-    assert written_within(published, 2, 20 * deferred.DEFER_S)
+    wait_for(lambda: len(published) >= 2, 20 * deferred.DEFER_S, "the deferred write")
     record, counts = published[1]
     assert record["tasks"] == 2 and counts["tasks"] == 1 and counts["model_runs:m"] == 2
     assert counts_of(published)["tasks"] == 2 and len(published) == 2  # (nothing left)
