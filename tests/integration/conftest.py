@@ -17,6 +17,25 @@ from tests.integration.worker_app import register
 
 ROOT = Path(__file__).resolve().parents[2]
 APP_MODULE = "tests.integration.worker_app"
+#: How much of the end of each process log a failed test's report shows.
+LOG_TAIL_CHARS = 6000
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Iterator[None]:
+    """A failed test's report ends with the logs of the workers and beats it started
+    (every ``*.log`` under its ``tmp_path``): a race that only CI's load loses is then
+    read from the one run that lost it."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    tmp_path = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.when != "call" or not report.failed or tmp_path is None:
+        return
+    for log in sorted(Path(tmp_path).rglob("*.log")):
+        text = log.read_text(errors="replace")
+        report.sections.append((f"end of {log.relative_to(tmp_path)}",
+                                text[-LOG_TAIL_CHARS:]))
 
 
 def refusal(proc: CeleryProcess, what: str) -> str:

@@ -409,10 +409,17 @@ def test_a_pool_shrunk_by_remote_control_is_advertised_by_its_childrens_slots(
     (reply,) = client_app.control.pool_shrink(1, destination=[worker.hostname], reply=True,
                                               timeout=5)
     assert "ok" in reply[worker.hostname], reply
-    wait_for(lambda: len(live_slots()) == 2, 30, "a child stopped")
+    def state() -> dict[str, object]:
+        """What a wait that never ends shows: the advertisement, the live slots, the
+        child records' TTLs."""
+        return {"advertised": advertised(), "live": live_slots(),
+                "ttls": [redis_client.ttl(advertise.child_key("", worker.hostname, s))
+                         for s in range(3)]}
+
+    wait_for(lambda: len(live_slots()) == 2, 30, "a child stopped", seen=state)
     kept = live_slots()
     wait_for(lambda: advertised() == (kept, [str(s) for s in kept]), 30,
-             f"the children left (slots {kept}) advertised")
+             f"the children left (slots {kept}) advertised", seen=state)
     assert client_app.tasks["w.add"].delay(2, 2).get(timeout=30) == 4
 
 
