@@ -22,6 +22,8 @@ from celery.worker.consumer import Consumer
 from celery.worker.consumer.consumer import MESSAGE_DECODE_ERROR, dump_body
 from kombu.utils.encoding import safe_repr
 
+from sits_queue.workers.eventflush import CoalescedEvents
+
 logger = logging.getLogger("celery.worker.consumer.consumer")  # where Celery logs these
 
 #: Longest exception text kept in a dead letter's reason.
@@ -43,8 +45,9 @@ def _note(message: Any, reason: str, fail: bool) -> bool:
     return True
 
 
-class SitsConsumer(Consumer):  # type: ignore[misc]
-    """Celery's consumer, dead-lettering what it would drop or reject without a word."""
+class SitsConsumer(CoalescedEvents, Consumer):  # type: ignore[misc]
+    """Celery's consumer, dead-lettering what it would drop or reject without a word, its
+    task events published together (``workers/eventflush.py``)."""
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:
         if not _note(message, _reason("body does not decode", exc), fail=True):
