@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import weakref
@@ -47,6 +48,9 @@ class Deferred:
     """Runs ``write`` from a daemon thread :data:`DEFER_S` after :meth:`arm`, once for
     every arming meanwhile; :meth:`flush` runs it at once when armed. The thread starts
     at the first arming, in the process that arms (a pool child, after its fork).
+
+    A process forked from the arming one starts with nothing pending and no thread
+    (:func:`_after_fork_in_child`).
 
     Lock order: a write (the thread's, a flush's) holds ``_writing`` and then whatever
     ``write`` takes; :meth:`arm` and :meth:`disarm` never take ``_writing``, so
@@ -90,6 +94,12 @@ class Deferred:
         with self._writing:
             self._armed.clear()
 
+    def _forked(self) -> None:
+        self._armed = threading.Event()
+        self._writing = threading.Lock()
+        self._starting = threading.Lock()
+        self._thread = None
+
     def _loop(self) -> None:
         while True:
             self._armed.wait()
@@ -102,6 +112,15 @@ class Deferred:
 
 #: Every writer of this process, for the exit's flush (and a test's drop).
 _live: weakref.WeakSet[Deferred] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A process forked from one with writers (a task that forks): what was pending is
+    its parent's, which writes it; a writer armed in the child starts a thread of its
+    own (the parent's is not there), and its locks are new (copied as another thread
+    held them, they were held for ever)."""
+    for writer in list(_live):
+        writer._forked()
 
 
 def flush_all() -> None:
@@ -118,3 +137,4 @@ def drop_all() -> None:
 
 
 atexit.register(flush_all)
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -97,3 +97,30 @@ def test_arming_while_the_thread_writes_does_not_wait_for_the_write() -> None:
         assert armed.wait(WAIT_S)
     finally:
         release.set()
+
+
+def test_a_forked_child_leaves_the_pending_write_to_its_parent_and_writes_its_own() -> None:
+    """(armed before a fork, the child's copy thought its thread was running: its own
+    armings never wrote; and a lock the parent's thread held at the fork was the child's
+    for ever)"""
+    import os
+
+    writes = Writes()
+    writer = Deferred(writes, defer_s=0.05)
+    writer.arm()  # the parent's thread starts and waits out its delay
+    with writer._writing:  # held by another thread as the fork happens
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 only if all holds
+            code = 1
+            try:
+                if not writer.armed and writes.count == 0:
+                    writer.arm()
+                    if writes.done.wait(WAIT_S) and writes.count == 1:
+                        code = 0
+            finally:
+                os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert writes.done.wait(WAIT_S)  # the parent wrote its own, once
+    writer.flush()
+    assert writes.count == 1
