@@ -37,7 +37,7 @@ from sits_queue.broker import affinity
 from sits_queue.checks import stored_number
 from sits_queue.config import SitsConfig
 from sits_queue.periodic import Periodic
-from sits_queue.workers import steer
+from sits_queue.workers import routingversions, steer
 from sits_queue.workers.devices import Device, live
 
 logger = logging.getLogger(__name__)
@@ -383,10 +383,10 @@ class WarmReader:
     """Worker main process: what its children hold (engines by tier, KV of prompt
     prefixes) as affinity weights, for the transport's picks (``broker/affinity.py``).
 
-    One ``MGET`` of the child records, reused for :data:`WARM_MAX_AGE_S` and, once a
-    child holds something, read again after every ack (the child published its cache
-    before its task returned). A Redis error means no affinity for that pick, never a
-    failed pick.
+    One ``MGET`` of the child records, reused for :data:`WARM_MAX_AGE_S` and read again
+    after an ack when a child has written a change of what it holds (before its task
+    returned: counted in ``routingversions``). A Redis error means no affinity for that
+    pick, never a failed pick.
     """
 
     #: Longest a warm set is reused without an ack, s (another worker's hold runs out,
@@ -410,6 +410,8 @@ class WarmReader:
         self._clock = clock
         self._warm = affinity.Warm()
         self._read_at: float | None = None
+        #: The children's routing-change counts as that reading began.
+        self._counts_read: tuple[int, ...] | None = None
         #: The last reading's child records by slot, and the idle children's views of it.
         self._by_slot: dict[int, Mapping[str, Any]] = {}
         self._idle_warm: dict[frozenset[int], affinity.Warm] = {}
@@ -427,9 +429,15 @@ class WarmReader:
         self._read_at = None
 
     def invalidate(self) -> None:
-        # Only once some child holds something: a worker of plain tasks (whose children
-        # never publish a warm set) must not pay a read per ack; it looks again with age.
-        if self._warm.models or self._warm.prefixes:
+        # Where the pool counts its children's routing changes (a worker's main process:
+        # workers/routingversions.py), only when one moved since the last reading: the
+        # warm run of a task changes none. Elsewhere, only once some child holds
+        # something: a worker of plain tasks must not pay a read per ack.
+        counts = routingversions.reading()
+        if counts is not None:
+            if counts != self._counts_read:
+                self._read_at = None
+        elif self._warm.models or self._warm.prefixes:
             self._read_at = None
 
     def __call__(self) -> affinity.Warm:
@@ -437,6 +445,7 @@ class WarmReader:
         if self._read_at is not None and now - self._read_at < self.WARM_MAX_AGE_S:
             return self._idle_view(self._precisions)
         self._read_at = now
+        self._counts_read = routingversions.reading()  # (before the read: never a miss)
         try:
             raw = client_for(self._config).mget(self._keys)
         except redis.RedisError as exc:

@@ -16,6 +16,7 @@ from sits_queue.broker.keys import check_queue_name
 from sits_queue.cache.budgets import CacheBudgets
 from sits_queue.errors import ConfigError, InvalidQueueName
 from sits_queue.workers import request as admission
+from sits_queue.workers import routingversions
 from sits_queue.workers.runtime import pool_name, pool_problem, record_slots
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class PlanStep(bootsteps.Step):  # type: ignore[misc]
         admission.leave_inference(pool_name(pool_module) if problem or plain_only else None,
                                   shared=bool(problem))
         record_slots(size)
+        routingversions.create(size)  # (shared with the children: made before the fork)
         _say_unused_limits(w)
         if sits_config(w.app).preimport and not (problem or plain_only):
             preimport(w.app)

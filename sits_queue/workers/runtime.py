@@ -57,6 +57,7 @@ from sits_queue.workers import (
     metrics,
     profile,
     ratelimits,
+    routingversions,
     sitebeat,
     softsignal,
     stacks,
@@ -380,7 +381,10 @@ class ChildRuntime:
                                            record, unsent)
         finally:
             if sent:
-                self._sent_routing = deferred.routing(record)
+                routing = deferred.routing(record)
+                if routing != self._sent_routing:  # (the main process reads it again)
+                    routingversions.bump(self.slot)
+                self._sent_routing = routing
             else:  # Redis away for now (or a signal cut it short): the counts go
                 metrics.merge(self._unsent, unsent)  # with the next publish
 

@@ -216,6 +216,39 @@ def test_warm_reader_reads_the_children_and_rereads_after_an_ack(
         r.delete(*(advertise.child_key(prefix, "w1@host", s) for s in (0, 1)))
 
 
+def test_warm_reader_reads_again_after_an_ack_only_when_a_child_counted_a_change(
+        r: redis.Redis, redis_url: str) -> None:
+    """(a worker's main process: its children count the writes that change what routes
+    work, workers/routingversions.py; a warm run's ack cost a read on every pick)"""
+    from sits_queue.workers import routingversions
+
+    config = SitsConfig(redis_url=redis_url, global_keyprefix="aff-count:")
+    prefix = config.global_keyprefix
+    clock = [0.0]
+    routingversions.create(2)
+    try:
+        reader = advertise.WarmReader(config, "w1@host", range(2), clock=lambda: clock[0])
+        r.set(advertise.child_key(prefix, "w1@host", 0), json.dumps({"warm": {"x": "host"}}))
+        routingversions.bump(0)
+        assert reader() == Warm({"x": 0.5})
+        # a warm run: the record changed (its counts), nothing that routes work did
+        r.set(advertise.child_key(prefix, "w1@host", 0),
+              json.dumps({"warm": {"x": "host"}, "tasks": 9}))
+        reader.invalidate()
+        r.set(advertise.child_key(prefix, "w1@host", 1), json.dumps({"warm": {"y": "host"}}))
+        assert reader() == Warm({"x": 0.5})  # not read again
+        routingversions.bump(1)  # child 1 wrote a change before its task returned
+        assert reader() == Warm({"x": 0.5})  # nothing acked yet: reused until its age
+        reader.invalidate()
+        assert reader() == Warm({"x": 0.5, "y": 0.5})
+        r.set(advertise.child_key(prefix, "w1@host", 1), json.dumps({"warm": {}}))
+        clock[0] += advertise.WarmReader.WARM_MAX_AGE_S  # counted or not, age re-reads
+        assert reader() == Warm({"x": 0.5})
+    finally:
+        routingversions.forget()
+        r.delete(*(advertise.child_key(prefix, "w1@host", s) for s in (0, 1)))
+
+
 def test_warm_reader_weighs_precisions_by_the_fleets_devices(
         r: redis.Redis, redis_url: str) -> None:
     config = SitsConfig(redis_url=redis_url, global_keyprefix="prec-test:")

@@ -567,6 +567,45 @@ def test_a_run_that_changes_the_warm_set_writes_it_before_it_returns(
                                                  {"m": "device", "other": "host"}]
 
 
+def test_a_child_counts_only_the_writes_that_change_what_routes_work(
+        app: Celery, published: list[Any]) -> None:
+    """(the main process reads its children's records again after an ack only when a
+    count moved: workers/routingversions.py)"""
+    from sits_queue.workers import routingversions
+
+    held = {"m": "device"}
+
+    class Cache(FakeCache):
+        def warm(self) -> dict[str, str]:
+            return dict(held)
+
+        def warm_bytes(self) -> dict[str, int]:
+            return {key: 1000 for key in held}
+
+    routingversions.create(2)
+    try:
+        plan = rt.WorkerPlan("w@h", Discovery(devices=(CPU,)), (0,), 2)
+        runtime = rt.ChildRuntime(
+            app=app, plan=plan, slot=1, device=CPU,
+            cache_factory=lambda *a, **k: Cache(lambda: (FakeEngine(), WARM)))
+        runtime.publish()  # the child's first record: nothing held yet
+        assert routingversions.reading()[:2] == (0, 1)  # type: ignore[index]
+        inference.run_inference(runtime, fake_task(lambda engine: "load"), (), {})
+        assert routingversions.reading()[:2] == (0, 2)  # type: ignore[index]
+        for _ in range(3):  # warm runs: counts only, written later
+            inference.run_inference(runtime, fake_task(lambda engine: "warm run"), (), {})
+        assert routingversions.reading()[:2] == (0, 2)  # type: ignore[index]
+
+        def demote(engine: Any) -> str:
+            held["other"] = "host"
+            return "done"
+
+        inference.run_inference(runtime, fake_task(demote), (), {})
+        assert routingversions.reading()[:2] == (0, 3)  # type: ignore[index]
+    finally:
+        routingversions.forget()
+
+
 def test_a_write_redis_refused_is_made_again_at_once(app: Celery,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     sent: list[Any] = []
