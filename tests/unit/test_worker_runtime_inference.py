@@ -543,10 +543,8 @@ def test_counts_of_runs_that_route_nothing_differently_go_in_one_later_write(
     assert counts_of(published)["tasks"] == 2 and len(published) == 2  # (nothing left)
 
 
-def test_a_run_that_changes_the_warm_set_writes_it_before_it_returns(
-        app: Celery, published: list[Any]) -> None:
-    held = {"m": "device"}
-
+def holding(held: dict[str, str]) -> Any:
+    """A cache factory whose cache holds what ``held`` says (a test changes it)."""
     class Cache(FakeCache):
         def warm(self) -> dict[str, str]:
             return dict(held)
@@ -554,9 +552,15 @@ def test_a_run_that_changes_the_warm_set_writes_it_before_it_returns(
         def warm_bytes(self) -> dict[str, int]:
             return {key: 1000 for key in held}
 
+    return lambda *a, **k: Cache(lambda: (FakeEngine(), WARM))
+
+
+def test_a_run_that_changes_the_warm_set_writes_it_before_it_returns(
+        app: Celery, published: list[Any]) -> None:
+    held = {"m": "device"}
     plan = rt.WorkerPlan("w@h", Discovery(devices=(CPU,)), (0,), 1)
     runtime = rt.ChildRuntime(app=app, plan=plan, slot=0, device=CPU,
-                              cache_factory=lambda *a, **k: Cache(lambda: (FakeEngine(), WARM)))
+                              cache_factory=holding(held))
 
     def run(engine: Any) -> str:
         held["other"] = "host"  # (a demotion: what affinity and steering weigh changed)
@@ -574,20 +578,11 @@ def test_a_child_counts_only_the_writes_that_change_what_routes_work(
     from sits_queue.workers import routingversions
 
     held = {"m": "device"}
-
-    class Cache(FakeCache):
-        def warm(self) -> dict[str, str]:
-            return dict(held)
-
-        def warm_bytes(self) -> dict[str, int]:
-            return {key: 1000 for key in held}
-
     routingversions.create(2)
     try:
         plan = rt.WorkerPlan("w@h", Discovery(devices=(CPU,)), (0,), 2)
-        runtime = rt.ChildRuntime(
-            app=app, plan=plan, slot=1, device=CPU,
-            cache_factory=lambda *a, **k: Cache(lambda: (FakeEngine(), WARM)))
+        runtime = rt.ChildRuntime(app=app, plan=plan, slot=1, device=CPU,
+                                  cache_factory=holding(held))
         runtime.publish()  # the child's first record: nothing held yet
         assert routingversions.reading()[:2] == (0, 1)  # type: ignore[index]
         inference.run_inference(runtime, fake_task(lambda engine: "load"), (), {})
