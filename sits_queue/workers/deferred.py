@@ -8,9 +8,9 @@ the model: a profile of a one-at-a-time embedding burst (py-spy on the pool chil
 2026-12-06) put 14% of the child's samples in those writes, ~2 ms of a 14 ms task.
 
 What other processes act on at once is what routes work: the warm set, what it serves,
-the KV prefixes held, the device tier's room (affinity picks, the pool's steering, the
-pre-warm planner). Those are still written before the task returns whenever they
-change. A task that changed none of them (a warm run) only adds counts, which
+the ``prefix_key`` s whose KV it holds, the device tier's room (affinity picks, the
+pool's steering, the pre-warm planner). Those are still written before the task
+returns whenever they change. A task that changed none of them (a warm run) only adds counts, which
 :class:`Deferred` writes from a thread within :data:`DEFER_S`, together with whatever
 else counted meanwhile; ``sitsq status`` and the metrics read them that much later. A
 child killed within :data:`DEFER_S` of its last count loses those counts (a hard time
@@ -34,9 +34,10 @@ logger = logging.getLogger(__name__)
 DEFER_S = 0.5
 #: The fields of a child's record that other processes route work by: a change is
 #: written before the task returns; the rest (counts, memory, the cores of the last
-#: task's class) can wait.
-ROUTING_FIELDS = ("device", "warm", "warm_bytes", "device_room", "serves", "kv_prefixes",
-                  "kv_keys")
+#: task's class, ``kv_prefixes``: how many prompt prefixes it holds per model, which
+#: grows with each new prompt until the store is full and which nothing routes by;
+#: ``kv_keys`` is what affinity reads) can wait.
+ROUTING_FIELDS = ("device", "warm", "warm_bytes", "device_room", "serves", "kv_keys")
 
 
 def routing(record: Mapping[str, Any]) -> dict[str, Any]:

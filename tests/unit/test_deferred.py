@@ -75,8 +75,10 @@ def test_the_routing_part_leaves_counts_and_memory_out() -> None:
     record = {"device": "cpu", "warm": {"m": "device"}, "warm_bytes": {"m": 1},
               "device_room": 5, "serves": {"m": ["m"]}, "kv_prefixes": {}, "kv_keys": [],
               "tasks": 7, "cold": 1, "memory": {"rss": 1}, "cpus": [0], "pid": 9}
-    assert routing(record) == routing({**record, "tasks": 8, "memory": {}, "cpus": [1]})
+    assert routing(record) == routing({**record, "tasks": 8, "memory": {}, "cpus": [1],
+                                       "kv_prefixes": {"m": 3}})
     assert routing(record) != routing({**record, "warm": {"m": "host"}})
+    assert routing(record) != routing({**record, "kv_keys": ["template-1"]})
 
 
 def test_arming_while_the_thread_writes_does_not_wait_for_the_write() -> None:
