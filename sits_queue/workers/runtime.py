@@ -345,9 +345,11 @@ class ChildRuntime:
         else from the deferred writer within ``deferred.DEFER_S`` (``workers/deferred.py``)."""
         with self._publishing:
             record = self._record()
-            if at_once or deferred.routing(record) != self._sent_routing:
+            routing = deferred.routing(record)
+            changed = routing != self._sent_routing
+            if at_once or changed:
                 self._deferred.disarm()
-                self._send(record)
+                self._send(record, routing, changed)
             else:
                 self._deferred.arm()
 
@@ -373,7 +375,9 @@ class ChildRuntime:
             "cold": int(self.counters.get("cold", 0)),
             "memory": gpu.memory_stats()}
 
-    def _send(self, record: dict[str, Any]) -> None:
+    def _send(self, record: dict[str, Any], routing: dict[str, Any], changed: bool) -> None:
+        """Write ``record`` (its routing part ``routing``, ``changed`` since the last
+        write Redis took) and the counts not sent yet."""
         unsent, self._unsent = self._unsent, {}
         sent = False
         try:
@@ -381,8 +385,7 @@ class ChildRuntime:
                                            record, unsent)
         finally:
             if sent:
-                routing = deferred.routing(record)
-                if routing != self._sent_routing:  # (the main process reads it again)
+                if changed:  # (the main process reads its children again)
                     routingversions.bump(self.slot)
                 self._sent_routing = routing
             else:  # Redis away for now (or a signal cut it short): the counts go
