@@ -10,11 +10,11 @@ the model: a profile of a one-at-a-time embedding burst (py-spy on the pool chil
 What other processes act on at once is what routes work: the warm set, what it serves,
 the ``prefix_key`` s whose KV it holds, the device tier's room (affinity picks, the
 pool's steering, the pre-warm planner). Those are still written before the task
-returns whenever they change. A task that changed none of them (a warm run) only adds counts, which
-:class:`Deferred` writes from a thread within :data:`DEFER_S`, together with whatever
-else counted meanwhile; ``sitsq status`` and the metrics read them that much later. A
-child killed within :data:`DEFER_S` of its last count loses those counts (a hard time
-limit is seconds at least; the process-exit flush covers a clean stop).
+returns whenever they change. A task that changed none of them (a warm run) only adds
+counts, which :class:`Deferred` writes from a thread within :data:`DEFER_S`, together
+with whatever else counted meanwhile; ``sitsq status`` and the metrics read them that
+much later. A child killed within :data:`DEFER_S` of its last count loses those counts
+(a hard time limit is seconds at least; the process-exit flush covers a clean stop).
 """
 
 from __future__ import annotations
