@@ -32,10 +32,7 @@ def read_once(read: Callable[[], T], ready: Callable[[T], bool], what: str) -> T
         seen[:] = [read()]
         return ready(seen[0])
 
-    try:
-        wait_for(check, COUNTS_WAIT_S, what)
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}; last read: {seen[0] if seen else None}") from None
+    wait_for(check, COUNTS_WAIT_S, what, seen=lambda: seen[0] if seen else None)
     return seen[0]
 
 

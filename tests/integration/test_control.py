@@ -409,6 +409,7 @@ def test_a_pool_shrunk_by_remote_control_is_advertised_by_its_childrens_slots(
     (reply,) = client_app.control.pool_shrink(1, destination=[worker.hostname], reply=True,
                                               timeout=5)
     assert "ok" in reply[worker.hostname], reply
+
     def state() -> dict[str, object]:
         """What a wait that never ends shows: the advertisement, the live slots, the
         child records' TTLs."""
