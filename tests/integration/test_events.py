@@ -4,7 +4,6 @@ message per event loop turn."""
 
 from __future__ import annotations
 
-import base64
 import json
 import time
 from collections import defaultdict
@@ -15,6 +14,7 @@ import redis
 from celery import Celery
 
 from sits_queue.procs import CeleryProcess
+from tests.integration.test_fanout import body
 
 Spawn = Callable[..., CeleryProcess]
 TASKS = 30
@@ -22,8 +22,8 @@ TASKS = 30
 
 def events_of(message: dict[str, Any]) -> list[dict[str, Any]]:
     """The events one published message carries (``task.multi``: a list of them)."""
-    body = json.loads(base64.b64decode(json.loads(message["data"])["body"]))
-    return body if isinstance(body, list) else [body]
+    published = body(json.loads(message["data"]))
+    return published if isinstance(published, list) else [published]
 
 
 def test_every_task_event_arrives_in_fewer_messages_than_tasks(
