@@ -209,19 +209,6 @@ class SitsTask(Task):  # type: ignore[misc]
                 options.pop(name)
 
     # -- time slices (sits_queue.workers.slices) ------------------------------------------
-    # Celery's worker stores the task's tracer here (``task.__trace__ = build_tracer(...)``
-    # in each pool child); ours wraps it so that a yield's result crosses to the parent
-    # without its traceback frames (see slices.slim_yields).
-    @property
-    def __trace__(self) -> Any:
-        return self.__dict__.get("_sits_tracer")
-
-    @__trace__.setter
-    def __trace__(self, tracer: Any) -> None:
-        from sits_queue.workers import slices
-
-        self.__dict__["_sits_tracer"] = None if tracer is None else slices.slim_yields(tracer)
-
     def yield_point(self, state: Any = None, remaining_s: float | None = None) -> None:
         """Give the pool slot to more urgent work if it is time to; call between steps.
 
