@@ -104,34 +104,40 @@ def test_ten_thousand_in_ten_thousand_out_no_duplicates(spawn: Spawn, client_app
 
 
 def test_a_task_out_of_memory_is_named_in_its_failed_event(
-        spawn: Spawn, client_app: Celery) -> None:
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
     """(the event, which Flower shows, said "ExceptionWithTraceback()")"""
     import threading
 
     failed: list[dict[str, Any]] = []
-    stop = threading.Event()
+    receivers: list[Any] = []
 
     def listen() -> None:
         with client_app.connection_for_read() as conn:
             receiver = client_app.events.Receiver(
                 conn, handlers={"task-failed": failed.append})
-            receiver.should_stop = False
-            while not stop.is_set():
-                # (a second without events ends consume() with a TimeoutError: before
-                # the worker is up, that ended the listener, and the test waited for
-                # an event no one was listening for)
-                with contextlib.suppress(TimeoutError):
-                    for _ in receiver.consume(limit=None, timeout=1.0, wakeup=False):
-                        if stop.is_set():
-                            break
+            receivers.append(receiver)
+            # One subscription for the whole test (no timeout: consume() loops until
+            # should_stop): one consume() a second, as before, left a gap between each
+            # unsubscribe and the next subscribe, and an event published in it was lost
+            # (pub/sub keeps nothing): the test waited 15 s for it under CI's load.
+            for _ in receiver.consume(limit=None, timeout=None, wakeup=False):
+                pass
 
+    patterns = redis_client.pubsub_numpat()  # (kombu subscribes to events by pattern)
     thread = threading.Thread(target=listen, daemon=True)
     thread.start()
-    spawn(concurrency=1)
-    with pytest.raises(MemoryError):
-        client_app.tasks["w.memerr"].delay("evented").get(timeout=30)
-    wait_for(lambda: bool(failed), 15, "the task-failed event")
-    stop.set()
+    try:
+        # (subscribed before anything can be published)
+        wait_for(lambda: redis_client.pubsub_numpat() > patterns, 15,
+                 "the event receiver to subscribe")
+        spawn(concurrency=1)
+        with pytest.raises(MemoryError):
+            client_app.tasks["w.memerr"].delay("evented").get(timeout=30)
+        wait_for(lambda: bool(failed), 15, "the task-failed event")
+    finally:
+        for receiver in receivers:
+            receiver.should_stop = True
+        thread.join(5)
     assert "ran out of memory: MemoryError: simulated: evented" in failed[0]["exception"]
 
 
