@@ -81,11 +81,21 @@ def give_up(connection: Any, watched: Sequence[str], arm: Callable[[str], object
 def marked(client: Any, markers: Sequence[str]) -> list[bool]:
     """Whether each of ``markers`` is set, in one round trip; one that cannot be read
     (another type of key) counts as set: the pick that follows says why."""
+    return marked_and(client, markers, None)[0]
+
+
+def marked_and(client: Any, markers: Sequence[str], command: Sequence[Any] | None
+               ) -> tuple[list[bool], Any]:
+    """:func:`marked`, and ``command``'s reply (an error as its exception, unraised) from
+    the same round trip; None without a command."""
     with client.pipeline(transaction=False) as pipe:
         for key in markers:
             pipe.zcard(key)
-        counts = pipe.execute(raise_on_error=False)
-    return [isinstance(n, Exception) or bool(n) for n in counts]
+        if command is not None:
+            pipe.execute_command(*command)
+        replies = pipe.execute(raise_on_error=False)
+    reply = replies.pop() if command is not None else None
+    return [isinstance(n, Exception) or bool(n) for n in replies], reply
 
 
 def unpolled_on_disconnect(connection_class: type, poller: Callable[[], Any]) -> type:

@@ -166,7 +166,8 @@ def test_a_consumer_finding_only_its_held_messages_looks_again_when_a_hold_ends(
     back up to 0.25 s late, and '10/s' ran at about 7.5/s on one slot)"""
     import time
 
-    from sits_queue.broker.transport import HELD_PAUSE_S, HOLD_END_MARGIN_S, Channel
+    from sits_queue.broker.picking import HELD_PAUSE_S, HOLD_END_MARGIN_S
+    from sits_queue.broker.transport import Channel
 
     channel = type("Held", (), {"_hold_ends": []})()
     assert Channel._held_pause_s(channel) == HELD_PAUSE_S  # none of its own: the usual
