@@ -117,16 +117,20 @@ class QoS(kredis.QoS):
         # Not under the lock: a beat's ZADD XX cannot re-add an acked message, and its id
         # never comes back (ack.lua drops the payload).
         queue = self._queue_of(delivery_tag)
+        # Forgotten here first, even when the ack then fails (Celery logs it and never
+        # acks again): held, it was heartbeated for good and filled a prefetch slot; now
+        # the sweep restores it once the visibility timeout passes.
+        virtual.QoS.ack(self, delivery_tag)
+        affinity.invalidate()  # its child has published what it holds now
         try:
+            # the freed slot's next task is asked for before the ack is written: the
+            # child waits for that pick, nobody waits for the ack (it reaches Redis
+            # right after, on its own connection)
+            self.channel.pick_for_freed_slot()
+        finally:
             if queue is not None:
                 self.channel._ack(queue, [delivery_tag])
                 self.channel._replicas_gone(queue, [delivery_tag])
-        finally:
-            # Forgotten here even when the ack failed (Celery logs it and never acks
-            # again): held, it was heartbeated for good and filled a prefetch slot; now
-            # the sweep restores it once the visibility timeout passes.
-            virtual.QoS.ack(self, delivery_tag)
-        affinity.invalidate()  # its child has published what it holds now
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         with self._lock:
@@ -185,6 +189,7 @@ class QoS(kredis.QoS):
             finally:  # forget them locally: Redis has them back (or, failing, the sweep will)
                 for tag in tags:
                     virtual.QoS.ack(self, tag)
+        self.channel.pick_for_freed_slot()  # (a yield: the task it yielded for)
         return hold
 
     def note_unstarted(self, delivery_tag: str, unstarted: bool) -> None:

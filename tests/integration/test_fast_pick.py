@@ -164,3 +164,42 @@ def test_an_early_pick_redis_refuses_leaves_that_queue_and_serves_the_others(
         assert WORK in consumer.channel._refused_until
     finally:
         consumer.close()
+
+
+def test_an_ack_in_the_event_loop_picks_the_freed_slots_next_task_at_once(
+        app: Celery, redis_client: redis.Redis) -> None:
+    """(``QoS.ack`` -> ``Channel.pick_for_freed_slot``: the pick waited for the loop's
+    next turn, after the ack's own write and the rest of that turn)"""
+    from kombu.asynchronous import Hub
+
+    hub = Hub()
+    got: list[Any] = []
+    with app.connection_for_read() as conn:
+        conn.register_with_event_loop(hub)
+        channel: Any = conn.default_channel
+        channel.basic_qos(0, 1, False)
+        Queue(WORK).bind(channel).declare()
+        channel.basic_consume(WORK, False, got.append, consumer_tag="work")
+        for tag in ("a", "b"):
+            send(app, WORK, tag)
+        loop = hub.create_loop()  # (this thread is the loop's, as a worker's main thread)
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            next(loop)
+        assert [m.payload[0][0] for m in got] == ["a"]
+        # When the task's message is acked in the loop, as Celery acks it
+        got[0].ack()
+        # Then the next one is delivered before the loop turns again
+        assert [m.payload[0][0] for m in got] == ["a", "b"]
+        # and the ack reached Redis: the first is gone, the second held
+        keys = QueueKeys.for_queue(WORK)
+        channel._deferred.settle()
+        assert redis_client.zcard(keys.unacked) == 1
+        assert redis_client.zcard(keys.waiting) == 0
+        # An ack from another thread leaves the pick to the loop (its turn picks)
+        import threading
+        ack = threading.Thread(target=got[1].ack)
+        ack.start()
+        ack.join()
+        assert len(got) == 2
+        hub.close()
