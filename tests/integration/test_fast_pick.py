@@ -53,7 +53,10 @@ class Consumer:
             self.got.append((queue, message.payload[0][0]))
         return take
 
-    def close(self) -> None:
+    def __enter__(self) -> Consumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         self.conn.release()
 
 
@@ -76,8 +79,7 @@ def round_trips(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def test_a_freed_slot_reads_the_markers_and_picks_in_one_round_trip(
         app: Celery, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
-    consumer = Consumer(app, room=1)
-    try:
+    with Consumer(app, room=1) as consumer:
         for tag in ("a", "b"):
             send(app, WORK, tag)
         order = consumer.channel._control_first()
@@ -92,29 +94,23 @@ def test_a_freed_slot_reads_the_markers_and_picks_in_one_round_trip(
         assert consumer.got == [(WORK, "a")]
         assert writes[0] == 1
         assert redis_client.zcard(QueueKeys.for_queue(WORK).waiting) == 1
-    finally:
-        consumer.close()
 
 
 def test_a_guess_that_finds_its_queue_empty_still_serves_the_marked_one(
         app: Celery, redis_client: redis.Redis) -> None:
-    consumer = Consumer(app, room=1)
-    try:
+    with Consumer(app, room=1) as consumer:
         send(app, OTHER, "o")
         consumer.channel._seen_marked = {WORK}  # stale: WORK is empty now
         assert consumer.channel._fast_pick() is True
         assert consumer.got == [(OTHER, "o")]
         # and the next look guesses the queue it found marked
         assert OTHER in consumer.channel._seen_marked
-    finally:
-        consumer.close()
 
 
 def test_the_control_queue_ahead_is_served_first_and_the_early_pick_goes_back(
         app: Celery, redis_client: redis.Redis) -> None:
-    consumer = Consumer(app, room=1)
     keys = QueueKeys.for_queue(WORK)
-    try:
+    with Consumer(app, room=1) as consumer:
         send(app, WORK, "work")
         score = redis_client.zrange(keys.waiting, 0, -1, withscores=True)[0][1]
         send(app, CONTROL_QUEUE, "pass")
@@ -133,28 +129,22 @@ def test_the_control_queue_ahead_is_served_first_and_the_early_pick_goes_back(
         consumer.channel.qos.ack(next(iter(consumer.channel.qos._delivered)))
         assert consumer.channel._fast_pick() is True
         assert consumer.got[-1] == (WORK, "work")
-    finally:
-        consumer.close()
 
 
 def test_with_room_for_both_the_control_message_and_the_early_pick_are_delivered(
         app: Celery, redis_client: redis.Redis) -> None:
-    consumer = Consumer(app, room=2)
-    try:
+    with Consumer(app, room=2) as consumer:
         send(app, WORK, "work")
         send(app, CONTROL_QUEUE, "pass")
         consumer.channel._seen_marked = {WORK}
         assert consumer.channel._fast_pick() is True
         assert consumer.got == [(CONTROL_QUEUE, "pass"), (WORK, "work")]
         assert redis_client.zcard(QueueKeys.for_queue(WORK).unacked) == 1
-    finally:
-        consumer.close()
 
 
 def test_an_early_pick_redis_refuses_leaves_that_queue_and_serves_the_others(
         app: Celery, redis_client: redis.Redis) -> None:
-    consumer = Consumer(app, room=1)
-    try:
+    with Consumer(app, room=1) as consumer:
         send(app, OTHER, "o")
         # Given WORK's payloads key of another type (pick.lua refuses to touch it)
         redis_client.set(QueueKeys.for_queue(WORK).payloads, "not a hash")
@@ -162,8 +152,6 @@ def test_an_early_pick_redis_refuses_leaves_that_queue_and_serves_the_others(
         assert consumer.channel._fast_pick() is True
         assert consumer.got == [(OTHER, "o")]
         assert WORK in consumer.channel._refused_until
-    finally:
-        consumer.close()
 
 
 def test_an_ack_in_the_event_loop_picks_the_freed_slots_next_task_at_once(
