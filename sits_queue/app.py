@@ -224,13 +224,14 @@ class SitsTask(Task):  # type: ignore[misc]
 
         if self.batches:  # one run serves many calls: no one call's slice to give up
             return
-        running = slices.running_from(self.request, slices.started_at(self.request.id))
+        config = sits_config(self.app)
+        if remaining_s is not None and remaining_s * 1000 < config.yield_min_remaining_ms:
+            return
+        request = self.request
+        running = slices.running_from(request, slices.started_at(request.id))
         if running is None:
             return
-        if (remaining_s is not None
-                and remaining_s * 1000 < sits_config(self.app).yield_min_remaining_ms):
-            return
-        slicer = slices.slicer_for(sits_config(self.app))
+        slicer = slices.slicer_for(config)
         try:
             if not slicer.claim(running, time.monotonic(), state):
                 return

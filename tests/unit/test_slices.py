@@ -59,19 +59,20 @@ def test_anything_else_never_yields(req: SimpleNamespace) -> None:
 def test_the_slice_is_measured_from_the_run_start() -> None:
     config = replace(SitsConfig(), slice_ms=20.0)
     running = Running("q", "m", "low", started=100.0)
-    assert not past_slice(running, 100.019, config)
-    assert past_slice(running, 100.021, config)
+    assert not past_slice(running, 100.019, config.slice_s("low"))
+    assert past_slice(running, 100.021, config.slice_s("low"))
 
 
 def test_a_class_may_have_its_own_slice_quota() -> None:
     config = SitsConfig.from_mapping({"slice_ms": 20.0, "classes": [
         {"name": "high"}, {"name": "medium", "slice_ms": 50.0}, {"name": "low"}]})
     medium = Running("q", "m", "medium", started=100.0)
-    assert not past_slice(medium, 100.049, config) and past_slice(medium, 100.051, config)
+    medium_s = config.slice_s("medium")
+    assert not past_slice(medium, 100.049, medium_s) and past_slice(medium, 100.051, medium_s)
     low = Running("q", "m", "low", started=100.0)  # no quota of its own: the global one
-    assert past_slice(low, 100.021, config)
+    assert past_slice(low, 100.021, config.slice_s("low"))
     stranger = Running("q", "m", "other-table", started=100.0)
-    assert past_slice(stranger, 100.021, config)
+    assert past_slice(stranger, 100.021, config.slice_s("other-table"))
 
 
 def test_preempted_is_a_requeueing_reject_that_survives_pickling() -> None:
