@@ -46,9 +46,12 @@ def routing(record: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class Deferred:
-    """Runs ``write`` from a daemon thread :data:`DEFER_S` after :meth:`arm`, once for
-    every arming meanwhile; :meth:`flush` runs it at once when armed. The thread starts
-    at the first arming, in the process that arms (a pool child, after its fork).
+    """Runs ``write`` from a daemon thread ``defer_s`` after :meth:`arm`, once for every
+    arming meanwhile; :meth:`flush` runs it at once when armed. The thread starts at the
+    first arming, in the process that arms (a pool child, after its fork). A child's
+    advert (:data:`DEFER_S`) and the finished tasks' statistics (``signals.py``) are
+    written so; ``name`` names the thread, ``what`` what a failed write's log line says
+    could not be done.
 
     A process forked from the arming one starts with nothing pending and no thread
     (:func:`_after_fork_in_child`).
@@ -58,9 +61,11 @@ class Deferred:
     ``write``'s own callers may call them under the lock ``write`` takes.
     """
 
-    def __init__(self, write: Callable[[], None], defer_s: float = DEFER_S) -> None:
+    def __init__(self, write: Callable[[], None], defer_s: float = DEFER_S,
+                 name: str = "advert", what: str = "publish the child's advert") -> None:
         self._write = write
         self._defer_s = defer_s
+        self._name, self._what = f"sits-{name}", what
         self._armed = threading.Event()
         self._writing = threading.Lock()
         self._starting = threading.Lock()
@@ -75,7 +80,7 @@ class Deferred:
         self._armed.set()
         with self._starting:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="sits-advert",
+                self._thread = threading.Thread(target=self._loop, name=self._name,
                                                 daemon=True)
                 self._thread.start()
 
@@ -108,7 +113,7 @@ class Deferred:
             try:
                 self.flush()  # (nothing when written at once meanwhile)
             except Exception:  # the thread must outlive anything one write meets
-                logger.exception("could not publish the child's advert")
+                logger.exception("could not %s", self._what)
 
 
 #: Every writer of this process, for the exit's flush (and a test's drop).

@@ -11,13 +11,11 @@ child with ``os._exit``, so ``atexit`` runs only in a process that exits normall
 
 from __future__ import annotations
 
-import atexit
 import logging
 import math
 import os
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -31,7 +29,7 @@ from sits_queue.etas import due_s
 from sits_queue.options import HEADER, UNCOUNTED_TASKS
 from sits_queue.priority.prewarm import MAX_CATCH_UP, bucket_of, demand_key
 from sits_queue.priority.rescore import counter_key, hot_key, latency_key
-from sits_queue.workers import advertise
+from sits_queue.workers import advertise, deferred
 
 logger = logging.getLogger(__name__)
 
@@ -56,28 +54,32 @@ class _Record:
     retried: bool = False
 
 
-@dataclass
-class _Buffer:
-    pid: int
-    records: list[_Record] = field(default_factory=list)
-    #: Set while records wait: wakes the flusher thread.
-    waiting: threading.Event = field(default_factory=threading.Event)
-    flusher: threading.Thread | None = None
-
-
-_buffer: _Buffer | None = None
+_records: list[_Record] = []
 #: A worker of plain tasks only may run them in threads of one process (runtime.py).
 _lock = threading.Lock()
-#: Held for a whole flush: a child's exit flush waits for the flusher's write in flight
+
+
+def _write_buffered() -> None:
+    with _lock:
+        records, _records[:] = list(_records), []
+    if records:
+        _write(records)
+
+
+#: Writes the records within FLUSH_EVERY_S of the first one buffered, from a thread of
+#: the process; its write lock makes a child's exit flush wait for a write in flight
 #: (else the process could end while that write is on the wire).
-_writing = threading.Lock()
+_flusher = deferred.Deferred(_write_buffered, FLUSH_EVERY_S, name="statistics",
+                             what="record task statistics")
 
 
 def _after_fork_in_child() -> None:
-    # A fork copies a lock another thread held (the flusher's) as held for ever, and
-    # never the flusher itself: the child starts with fresh ones, and its own buffer.
-    global _buffer, _lock, _writing
-    _lock, _writing, _buffer = threading.Lock(), threading.Lock(), None
+    # A fork copies the records (its parent's to write) and a lock another thread may
+    # have held (as held for ever): the child starts with its own. (The flusher resets
+    # itself: deferred.py.)
+    global _lock
+    _lock = threading.Lock()
+    _records.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -96,7 +98,6 @@ def record_completion(config: SitsConfig, request: Any, failed: bool, now_s: flo
     :data:`FLUSH_EVERY_RECORDS` records, else within :data:`FLUSH_EVERY_S`. A run that
     ended in a retry (``retried``) counts only as a handled message: each retry arrives
     again, and the task finishes once."""
-    global _buffer
     header = getattr(request, HEADER, None)
     if not isinstance(header, dict) or request.task is None or request.task in UNCOUNTED_TASKS:
         return
@@ -114,45 +115,19 @@ def record_completion(config: SitsConfig, request: Any, failed: bool, now_s: flo
     demand = demand_key(config, bucket_of(config, now_s)) \
         if config.prewarm_interval_s > 0 else ""
     with _lock:
-        if _buffer is None or _buffer.pid != os.getpid():
-            _buffer = _Buffer(pid=os.getpid())
-            atexit.register(flush)  # a solo or threads worker's own exit
-        buffer = _buffer
-        buffer.records.append(_Record(config, sla_class, header.get("model"), latency_ms,
-                                      failed, demand, retried))
-        due = len(buffer.records) >= FLUSH_EVERY_RECORDS
-        buffer.waiting.set()
-        if buffer.flusher is None:  # started lazily: the first record after a fork
-            buffer.flusher = threading.Thread(target=_flush_loop, args=(buffer,),
-                                              name="sits-statistics", daemon=True)
-            buffer.flusher.start()
+        _records.append(_Record(config, sla_class, header.get("model"), latency_ms,
+                                failed, demand, retried))
+        due = len(_records) >= FLUSH_EVERY_RECORDS
+    _flusher.arm()  # (its thread starts at the first record after a fork)
     if due:
         flush()
-
-
-def _flush_loop(buffer: _Buffer) -> None:
-    """The flusher thread: once records wait, let more gather for :data:`FLUSH_EVERY_S`
-    (one round trip for them all), then write them."""
-    while buffer is _buffer:  # a fork's child has a buffer (and a flusher) of its own
-        buffer.waiting.wait()
-        time.sleep(FLUSH_EVERY_S)
-        try:
-            flush()
-        except Exception:  # the thread must outlive anything one flush meets
-            logger.exception("could not record task statistics")
 
 
 def flush() -> None:
     """Write the buffered records, each to the Redis and under the keys of the
     configuration it was recorded with (a pipeline per Redis); Redis errors are logged,
-    never raised."""
-    with _writing:
-        with _lock:
-            if _buffer is None or _buffer.pid != os.getpid() or not _buffer.records:
-                return
-            records, _buffer.records = _buffer.records, []
-            _buffer.waiting.clear()
-        _write(records)
+    never raised. (A solo or threads worker's own exit flushes too: deferred.py.)"""
+    _flusher.flush()
 
 
 def _write(records: list[_Record]) -> None:

@@ -20,6 +20,7 @@ def no_statistics_sent(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     built on the defaults is someone's on localhost:6379."""
     written: list[Any] = []
     monkeypatch.setattr(signals, "_write", written.extend)
+    monkeypatch.setattr(signals, "_records", [])  # (none of another test's)
     # (and their end is taken on this host's clock: Redis's is read over the same client)
     monkeypatch.setattr(signals, "finished_at", lambda config: time.time())
     return written
