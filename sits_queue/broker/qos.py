@@ -189,7 +189,6 @@ class QoS(kredis.QoS):
             finally:  # forget them locally: Redis has them back (or, failing, the sweep will)
                 for tag in tags:
                     virtual.QoS.ack(self, tag)
-        self.channel.pick_for_freed_slot()  # (a yield: the task it yielded for)
         return hold
 
     def note_unstarted(self, delivery_tag: str, unstarted: bool) -> None:

@@ -159,8 +159,8 @@ class Channel(PickingChannel):
         self.client.connection.send_command("BZPOPMIN", *markers, timeout or 0)
 
     def pick_for_freed_slot(self) -> None:
-        """A task's message was acked or given back in a worker's event loop: pick the
-        freed slot's next task now, as the loop's next turn would (:meth:`_brpop_start`:
+        """A task's message was acked in a worker's event loop: pick the freed slot's
+        next task now, as the loop's next turn would (:meth:`_brpop_start`:
         the fast pick, else the wait on the markers). That turn came after the rest of
         this one (the ack's own write, the task's events, the timers): ~0.3 ms of the
         child's wait for its next task on a busy worker. Nothing where a wait is in
@@ -168,7 +168,9 @@ class Channel(PickingChannel):
         (a plain consumer picks when it asks), for a consumer with no room, or for one
         whose wait connection kombu has not registered (its turn does, and sends its
         own wait). A lost connection is left to the loop's own pick, which meets it
-        again and recovers."""
+        again and recovers. (Not after a give-back, a yield's: Celery's
+        ``worker_disable_prefetch`` counts the request as reserved until
+        ``SitsRequest`` has forgotten it, after the release, so no pick could start.)"""
         if self.connection is None:  # (closed: a late ack through it, qos.py)
             return
         hub, cycle = self.connection._hub, self.connection.cycle
