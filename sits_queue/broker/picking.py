@@ -316,12 +316,13 @@ class PickingChannel(PublishingChannel):
         cannot be read (another type of key) counts as set: the pick says why. Every
         :data:`SWEEP_S`, and for a queue whose pick Redis refused, all are picked.
 
-        The first queue after the control queue is picked in the round trip that reads
-        the others' markers: a freed slot waited for two (the markers, then the pick),
-        ~0.25 ms of its ~1.2 ms between one task and the next on a busy worker. Should a
-        queue ahead of it turn out marked (a beat's pass in the control queue), that one
-        is picked first, as before, and what the early pick took goes back uncounted,
-        where it was (``release.lua``), unless the consumer still has room for it.
+        The queue last seen marked (else the first after the control queue) is picked in
+        the round trip that reads the others' markers: a freed slot waited for two (the
+        markers, then the pick), ~0.25 ms of its ~1.2 ms between one task and the next
+        on a busy worker. Should a queue ahead of it turn out marked (a beat's pass in
+        the control queue), that one is picked first, as before, and what the early
+        pick took goes back uncounted, where it was (``release.lua``), unless the
+        consumer still has room for it.
         """
         now = time.monotonic()
         if len(queues) < 2 or now >= self._sweep_due:
@@ -330,8 +331,7 @@ class PickingChannel(PublishingChannel):
         # the one likeliest to be picked: marked at the last look, or picked from then
         work = [q for q in queues if q != CONTROL_QUEUE] or queues
         first = next((q for q in work if q in self._seen_marked), work[0])
-        if (first in self._refused_until
-                or self._refused_until.get(first, 0.0) > time.monotonic()):
+        if first in self._refused_until:  # (its pick says when it serves again)
             return self._pick_one(self._marked(queues))
         others = [q for q in queues if q != first]
         names = self.keys(first).all()
