@@ -22,12 +22,14 @@ from sits_queue.calloptions import (
     CALL_OPTIONS,
     RoutedOnce,
     call_options,
+    hand_made_header,
+    header_options,
     routed_options,
     sits_headers,
 )
 from sits_queue.config import SitsConfig, redacted, without_credentials
 from sits_queue.delivery import check_delivery
-from sits_queue.errors import ConfigError, InvalidTaskOptions
+from sits_queue.errors import ConfigError
 from sits_queue.exits import fail_exits
 from sits_queue.options import (
     CONTROL_QUEUE,
@@ -36,7 +38,6 @@ from sits_queue.options import (
     OPTION_NAMES,
     SUBMITTED_AT,
     derived_from_args,
-    from_header,
     route_maintenance,
 )
 from sits_queue.registry import Loader, ModelRegistry
@@ -106,8 +107,7 @@ class SitsTask(Task):  # type: ignore[misc]
     def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
                     producer: Any = None, link: Any = None, link_error: Any = None,
                     shadow: str | None = None, **options: Any) -> Any:
-        headers = options.get("headers")
-        if isinstance(headers, Mapping) and headers.get(HEADER) is not None and \
+        if hand_made_header(options) is not None and \
                 not any(name in options for name in CALL_OPTIONS):
             # A hand-made header, send_task's way: checked there, its class's limits
             # set (made again from the task's defaults here, it was replaced unsaid:
@@ -360,24 +360,12 @@ class SitsCelery(Celery):  # type: ignore[misc]
                 and not isinstance(options.get("router"), RoutedOnce):
             # no route of the app's applies to them, a hand-made header's call included
             options["router"] = RoutedOnce(self.amqp.router, None)
-        headers = options.get("headers")
-        if isinstance(headers, Mapping) and headers.get(HEADER) is not None:
-            # Attached already (apply_async, a retry) or by hand: checked either way, so
-            # a hand-made one with an unknown class or an impossible vram_gib is refused
-            # here, not met by every worker (and one that is no object, not replaced
-            # silently by the defaults)
-            config = sits_config(self)
-            opts = from_header(config, headers[HEADER])
-            if given := sorted(k for k in CALL_OPTIONS if k in options):
-                # (they were sent unchecked and unused, in the message's properties)
-                raise InvalidTaskOptions(
-                    f"task {name}: SITS options both in a hand-made {HEADER!r} header and "
-                    f"as keywords ({', '.join(given)}); give them one way")
-            # A hand-made header's class sets the limits too, and a pair given beside it
-            # is checked as apply_async's keywords are (-5, "x", a soft limit past the
-            # hard one were sent as given); apply_async's own pair holds already
-            apply_class_limits(self.tasks.get(name), config, opts.sla_class, options,
-                               self.conf)
+        header = hand_made_header(options)
+        if header is not None:
+            # Attached already (apply_async, a retry) or by hand: checked either way
+            headers = options["headers"]
+            header_options(self.tasks.get(name), name, sits_config(self), header, options,
+                           self.conf)
             if SUBMITTED_AT not in headers:  # (a retry's keeps the first submission's)
                 # (without it the task's latency went unrecorded in its class's stats)
                 options["headers"] = {**headers, SUBMITTED_AT: time.time()}

@@ -21,6 +21,7 @@ from sits_queue.options import (
     SUBMITTED_AT,
     TaskOptions,
     batch_key,
+    from_header,
     header_for,
     resolve,
 )
@@ -128,6 +129,31 @@ def call_options(task: Task | None, config: SitsConfig, options: dict[str, Any],
     if task is not None and opts.batch is not None:
         opts = replace(opts, batch=batch_key(
             task.name, opts, (options["time_limit"], options["soft_time_limit"])))
+    return opts
+
+
+def hand_made_header(options: Mapping[str, Any]) -> Any:
+    """The ``sits`` header a call's ``headers=`` carries (made by hand, or by an
+    earlier ``apply_async``: a retry's), else None."""
+    headers = options.get("headers")
+    return headers.get(HEADER) if isinstance(headers, Mapping) else None
+
+
+def header_options(task: Task | None, name: str, config: SitsConfig, header: Any,
+                   options: dict[str, Any], conf: Mapping[str, Any]) -> TaskOptions:
+    """A call's options read from its hand-made ``header``: checked (an unknown class or
+    an impossible ``vram_gib`` refused at the call, not met by every worker; a header
+    that is no object not replaced silently by the defaults), refused beside keyword
+    options (which would go unchecked and unused), its class's time limits set in
+    ``options`` as a keyword class's are (``send_task``, ``enqueue_many``)."""
+    opts = from_header(config, header)
+    if given := sorted(k for k in CALL_OPTIONS if k in options):
+        raise InvalidTaskOptions(
+            f"task {name}: SITS options both in a hand-made {HEADER!r} header and as "
+            f"keywords ({', '.join(given)}); give them one way")
+    # (a pair given beside it is checked as apply_async's keywords are: -5, "x", a soft
+    # limit past the hard one were sent as given)
+    apply_class_limits(task, config, opts.sla_class, options, conf)
     return opts
 
 

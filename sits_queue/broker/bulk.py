@@ -39,7 +39,13 @@ from kombu.utils.uuid import uuid
 from sits_queue.app import sits_config
 from sits_queue.broker import clock
 from sits_queue.broker.fastencode import fast_saferepr, plain_json
-from sits_queue.calloptions import call_options, routed_options, sits_headers
+from sits_queue.calloptions import (
+    call_options,
+    hand_made_header,
+    header_options,
+    routed_options,
+    sits_headers,
+)
 from sits_queue.delivery import check_delivery
 from sits_queue.errors import SitsError
 from sits_queue.etas import read_eta
@@ -191,9 +197,14 @@ def _plan(task: Task, options: dict[str, Any], producer: Any = None) -> _Plan:
     # (as send_task checks them: an ETA past year 9999 was enqueued, to be dead-lettered)
     check_delivery(task.name, options, app.timezone)
     config = sits_config(app)
-    # a route's SITS options too, as delay()'s (its class was dropped, its queue kept)
-    routed_options(app, task.name, (), {}, options)
-    opts = call_options(task, config, options, app.conf)
+    header = hand_made_header(options)
+    if header is not None:  # used as send_task uses it (it was replaced by the defaults
+        # unchecked: {"sla_class": "high"} went as the task's class, "nope" was taken)
+        opts = header_options(task, task.name, config, header, options, app.conf)
+    else:
+        # a route's SITS options too, as delay()'s (its class was dropped, its queue kept)
+        routed_options(app, task.name, (), {}, options)
+        opts = call_options(task, config, options, app.conf)
     if task.soft_time_limit and task.time_limit and task.soft_time_limit > task.time_limit:
         raise ValueError("soft_time_limit must be less than or equal to time_limit")
     options = {**task._get_exec_options(), **options}

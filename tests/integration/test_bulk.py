@@ -159,6 +159,25 @@ def test_a_route_s_sits_options_apply_as_they_do_to_delay(app: Celery,
         enqueue_many(bad, [("four",)])
 
 
+def test_a_hand_made_header_is_checked_and_used_as_apply_async_uses_it(
+        app: Celery, redis_client: redis.Redis) -> None:
+    """(enqueue_many replaced a hand-made ``sits`` header with the task's defaults,
+    unchecked: class "high" went as "low", "nope" was enqueued)"""
+    echo = app.tasks["t.echo"]
+    by_hand = {"sits": {"sla_class": "high"}}
+    echo.apply_async(("async",), headers=by_hand)
+    enqueue_many(echo, [("bulk",)], headers=by_hand)
+    got = {first_arg(m): m["headers"] for m in payloads(redis_client).values()}
+    assert got["bulk"]["sits"]["sla_class"] == got["async"]["sits"]["sla_class"] == "high"
+    assert got["bulk"]["timelimit"] == got["async"]["timelimit"] == [45, 36]
+    assert classes(redis_client, "celery") == ["high", "high"]
+    with pytest.raises(InvalidTaskOptions, match="unknown sla_class 'nope'"):
+        enqueue_many(echo, [("x",)], headers={"sits": {"sla_class": "nope"}})
+    with pytest.raises(InvalidTaskOptions, match="both in a hand-made 'sits' header"):
+        enqueue_many(echo, [("x",)], headers=by_hand, sla_class="low")
+    assert redis_client.zcard(KEYS.waiting) == 2
+
+
 def test_a_route_of_an_exchange_and_key_reaches_the_queue_delay_reaches(
         app: Celery, redis_client: redis.Redis) -> None:
     """(Celery's router names no queue for it, and enqueue_many failed on a bare
