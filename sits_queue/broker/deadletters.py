@@ -201,8 +201,10 @@ def read(client: Any, dead_key: str, limit: int | None = None) -> list[DeadLette
             at = float(parsed["at"]) if parsed.get("at") is not None else None
             if at is not None and not math.isfinite(at):
                 at = None  # (a foreign writer's "nan": --json must stay JSON)
-        except (ValueError, TypeError, AttributeError, KeyError, ArithmeticError):
-            # (ArithmeticError: a foreign writer's integer past float's range)
+        except (ValueError, TypeError, AttributeError, KeyError, ArithmeticError,
+                RecursionError):
+            # (ArithmeticError: a foreign writer's integer past float's range; Recursion:
+            # JSON nested thousands deep)
             reason, at = "(unreadable record)", None
         task = task_of(record)
         out.append(DeadLetter(message_id, task[1] if task else "?",
@@ -249,7 +251,9 @@ def requeue(channel: Any, queue: str, ids: Sequence[bytes | str]
                 message = decode(parsed_record(record)["payload"], tuple(channel.codecs))
                 message["properties"]["delivery_tag"] = tag
                 _check_body(channel, message)
-            except (ValueError, TypeError, KeyError, ArithmeticError) as exc:
+            except (ValueError, TypeError, KeyError, ArithmeticError, RecursionError) as exc:
+                # (RecursionError: a body nested thousands deep, parked for it: raised, it
+                # ended the command and left the rest of the letters named dead)
                 refused[shown(message_id)] = f"its payload is not a message ({exc}); drop " \
                                              "it instead"
                 continue
@@ -314,7 +318,8 @@ def expire(client: Any, dead_key: str, before_s: float, chunk: int = 500) -> int
     for message_id, record in client.hscan_iter(dead_key, count=chunk):
         try:
             at = float(parsed_record(record)["at"])
-        except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError):
+        except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError,
+                RecursionError):
             continue
         if at < before_s:
             old.append(message_id)

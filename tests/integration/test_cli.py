@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -268,26 +269,33 @@ def test_dead_letters_are_listed_requeued_and_dropped(
     keys = QueueKeys.for_queue("celery")
     result = client_app.tasks["w.add"].apply_async((2, 3), sla_class="low")
     (message_id,) = [i.decode() for i in redis_client.hkeys(keys.payloads)]
-    # Given a message dead-lettered as poison, and a record whose payload is not a message
+    # ...and one whose body is nested too deep to decode (a RecursionError ended the
+    # requeue, the letters beside it left dead)
+    deep = json.loads(redis_client.hget(keys.payloads, message_id))
+    deep["body"] = base64.b64encode(b"[" * 100_000 + b"]" * 100_000).decode()
+    # Given a message dead-lettered as poison, and records whose payload is not a message
     with client_app.connection_for_write() as conn:
         conn.default_channel._run("dead", "celery", [time.time(), "test: poison", message_id])
     redis_client.hset(keys.dead, "junk", json.dumps({"reason": "malformed", "payload": "{"}))
+    redis_client.hset(keys.dead, "deep", json.dumps({"reason": "malformed",
+                                                     "payload": json.dumps(deep)}))
     # Then they are listed with their task and reason
     listed = sitsq("dead", "list", "celery", "--json", env=env)
     assert listed.returncode == 0, listed.stderr
     report = json.loads(listed.stdout)["celery"]
-    assert report["total"] == 2
+    assert report["total"] == 3
     poison = next(r for r in report["oldest"] if r["id"] == message_id)
     assert poison["task"] == "w.add" and poison["task_id"] == result.id
     assert poison["reason"] == "test: poison"
     # When the poison one is requeued (the junk one cannot be), a worker runs it
-    requeued = sitsq("dead", "requeue", "celery", message_id, "junk", env=env)
-    assert requeued.returncode == 1 and "requeued 1 of 2" in requeued.stdout
+    requeued = sitsq("dead", "requeue", "celery", "deep", message_id, "junk", env=env)
+    assert requeued.returncode == 1 and "requeued 1 of 3" in requeued.stdout
     assert "junk: its payload is not a message" in requeued.stderr
+    assert "deep: its payload is not a message (maximum recursion depth" in requeued.stderr
     spawn()
     assert result.get(timeout=60) == 5
     # And the junk one is dropped; a queue that does not exist is named
-    assert "dropped 1 of 1" in sitsq("dead", "drop", "celery", "--all", env=env).stdout
+    assert "dropped 2 of 2" in sitsq("dead", "drop", "celery", "--all", env=env).stdout
     assert redis_client.hlen(keys.dead) == 0
     missing = sitsq("dead", "list", "nope", env=env)
     assert missing.returncode != 0 and "no queue 'nope'" in missing.stderr
