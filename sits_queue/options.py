@@ -286,6 +286,11 @@ def scoring_inputs(context_tokens: Any, latency_sla_ms: Any, loss_sensitivity: A
             _number("input_entropy", input_entropy or 0.0, 0.0, 1.0))
 
 
+def checked_entropy(value: Any) -> float:
+    """An ``input_entropy`` given by a caller, checked as :func:`resolve` checks it."""
+    return _number("input_entropy", value, 0.0, 1.0)
+
+
 def _number(name: str, value: Any, lo: float, hi: float, integer: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidTaskOptions(f"{name} must be a number, got {shown(value)}")

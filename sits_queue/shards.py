@@ -30,6 +30,8 @@ from typing import Any
 from celery import group
 from kombu.serialization import dumps
 
+from sits_queue.checks import shown
+from sits_queue.options import checked_entropy
 from sits_queue.priority.entropy import input_entropy, is_shardable
 
 #: Items per shard by default: a short task on the ladder the batch controller climbs.
@@ -55,6 +57,8 @@ def plan(n_items: int, entropy: float | None, shard_items: int = DEFAULT_SHARD_I
          ) -> ShardPlan:
     """Shards of at most ``shard_items`` when the input is shardable (§1.3) and longer
     than one shard; otherwise one piece (pure)."""
+    if isinstance(shard_items, bool) or not isinstance(shard_items, int):
+        raise TypeError(f"shard_items must be an integer >= 1, got {shown(shard_items)}")
     if shard_items < 1:
         raise ValueError(f"shard_items must be >= 1, got {shard_items}")
     if n_items < 0:
@@ -148,6 +152,8 @@ def apply_sharded(task: Any, items: Sequence[Any], *args: Any,
     # else measured and sent once: a measured value sent as the call's would outrank
     # the task's declaration in every shard's score
     entropy = options.pop("input_entropy", None)
+    if entropy is not None:  # (checked before the plan compares it: a bare TypeError)
+        entropy = checked_entropy(entropy)
     declared = getattr(task, "input_entropy", None)
     if entropy is None and declared is None:
         entropy = input_entropy((list(items),), {})

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from sits_queue.app import make_app
+from sits_queue.config import SitsConfig
+from sits_queue.errors import InvalidTaskOptions
 from sits_queue.priority.entropy import SHARD_ENTROPY
-from sits_queue.shards import _items_of, plan
+from sits_queue.shards import _items_of, apply_sharded, plan
 
 
 @pytest.mark.parametrize(("n", "entropy", "size", "bounds"), [
@@ -31,6 +34,24 @@ def test_plan_refuses_bad_sizes() -> None:
         plan(10, 0.9, 0)
     with pytest.raises(ValueError, match="n_items must be >= 0"):
         plan(-1, 0.9, 4)
+    for wrong in ("64", 2.5, True, None):  # (compared as given: a bare TypeError, or taken)
+        with pytest.raises(TypeError, match="shard_items must be an integer >= 1, got"):
+            plan(10, 0.9, wrong)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("entropy", ["x", -0.1, 1.5, float("nan"), True])
+def test_apply_sharded_names_a_bad_entropy_before_sending(entropy: object) -> None:
+    """(a string reached the plan's comparison: a TypeError naming no option)"""
+    app = make_app(SitsConfig(redis_url="redis://127.0.0.1:1/0"), main="shards_unit")
+
+    @app.task(name="s.lens", shared=False)
+    def lens(items: list[str]) -> list[int]:
+        return [len(x) for x in items]
+
+    with pytest.raises(InvalidTaskOptions, match="input_entropy must be"):
+        apply_sharded(lens, ["a"] * 130, input_entropy=entropy)
+    with pytest.raises(TypeError, match="shard_items must be an integer"):
+        apply_sharded(lens, ["a"] * 130, shard_items="64")  # type: ignore[arg-type]
 
 
 def test_shard_outputs_are_lists_plain_or_wrapped() -> None:
