@@ -30,14 +30,24 @@ logger = logging.getLogger("celery.worker.consumer.consumer")  # where Celery lo
 REASON_CHARS = 500
 
 
-def _reason(what: str, exc: BaseException | None) -> str:
+def reject_reason(what: str, exc: BaseException | None) -> str:
+    """``what``, with the exception's type and text, cut to :data:`REASON_CHARS`."""
     said = f"{what}: {type(exc).__name__}: {exc}" if exc is not None else what
     return said if len(said) <= REASON_CHARS else said[:REASON_CHARS] + "..."
 
 
-def _note(message: Any, reason: str, fail: bool) -> bool:
-    """Give the SITS channel the reason for the reject to come; False for a message of
-    another transport (Celery's own handling applies)."""
+def task_reject_reason(exc: Any) -> str:
+    """A task's own ``Reject(reason, requeue=False)`` as its dead letter's reason."""
+    reason = exc.reason
+    if isinstance(reason, BaseException):
+        return reject_reason("rejected by the task", reason)
+    return reject_reason(f"rejected by the task: {reason}", None)
+
+
+def note_reject(message: Any, reason: str, fail: bool) -> bool:
+    """Give the SITS channel the reason for the reject to come (``fail``: the task's
+    result fails with it; Celery stored none); False for a message of another transport
+    (Celery's own handling applies)."""
     reasons = getattr(message.channel, "reject_reasons", None)
     if reasons is None or message.delivery_tag is None:
         return False
@@ -50,7 +60,7 @@ class SitsConsumer(CoalescedEvents, Consumer):  # type: ignore[misc]
     task events published together (``workers/eventflush.py``)."""
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:
-        if not _note(message, _reason("body does not decode", exc), fail=True):
+        if not note_reject(message, reject_reason("body does not decode", exc), fail=True):
             super().on_decode_error(message, exc)
             return
         logger.critical(MESSAGE_DECODE_ERROR, exc, message.content_type,
@@ -59,11 +69,11 @@ class SitsConsumer(CoalescedEvents, Consumer):  # type: ignore[misc]
         message.reject_log_error(logger, self.connection_errors)
 
     def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
-        _note(message, _reason("invalid task message", exc), fail=True)
+        note_reject(message, reject_reason("invalid task message", exc), fail=True)
         super().on_invalid_task(body, message, exc)
 
     def on_unknown_message(self, body: Any, message: Any) -> None:
-        _note(message, "not a task message: no task name in its headers or body", fail=True)
+        note_reject(message, "not a task message: no task name in its headers or body", fail=True)
         super().on_unknown_message(body, message)
 
     def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
@@ -71,6 +81,6 @@ class SitsConsumer(CoalescedEvents, Consumer):  # type: ignore[misc]
         name = (message.headers or {}).get("task")
         if name is None and isinstance(body, dict):  # protocol 1
             name = body.get("task")
-        _note(message, f"unknown task {name!r}: not registered in this worker (NotRegistered)",
-              fail=False)
+        note_reject(message, f"unknown task {name!r}: not registered in this worker "
+                    "(NotRegistered)", fail=False)
         super().on_unknown_task(body, message, exc)

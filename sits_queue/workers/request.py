@@ -59,6 +59,7 @@ from sits_queue.errors import NoDeviceLargeEnough, TaskOutOfMemory
 from sits_queue.options import HEADER, MAX_VRAM_GIB, PREWARM_TASK
 from sits_queue.spells import Spell
 from sits_queue.workers import nvmlfork, steer
+from sits_queue.workers.consumer import note_reject, task_reject_reason
 from sits_queue.workers.limits import BYTES_PER_GIB, fits
 from sits_queue.workers.slices import Preempted
 
@@ -582,6 +583,10 @@ class SitsRequest(Request):  # type: ignore[misc]
                         "yielded its slot" if isinstance(exc, Preempted)
                         else "rejected itself and is requeued", exc.reason)
             return None
+        if isinstance(exc, Reject) and self.message is not None:
+            # Rejected for good by the task (or a retry() its options refused): the dead
+            # letter says why, as the result does (it read "rejected by consumer")
+            note_reject(self.message, task_reject_reason(exc), fail=False)
         if isinstance(exc, MemoryError):
             # The task's failure (its result, stored by the child, says MemoryError), not
             # the worker's: Celery re-raises it here, in the main process, and stops

@@ -335,6 +335,23 @@ def test_unknown_task_fails_clearly_and_the_worker_keeps_serving(
                                 "(NotRegistered)")
 
 
+def test_a_task_that_rejects_itself_for_good_is_dead_lettered_with_its_reason(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(the dead letter read "rejected by consumer": ``sitsq dead list`` did not say why)"""
+    spawn(concurrency=1)
+    refused = client_app.tasks["w.refuse"].delay("abc")
+    retried = client_app.tasks["w.retry_refused"].delay()
+    for result in (refused, retried):
+        with pytest.raises(Exception):  # noqa: B017 (the result's own failure: below)
+            result.get(timeout=30)
+    wait_for(lambda: redis_client.hlen(WAITING.dead) == 2, 10, "both dead letters")
+    reasons = sorted(json.loads(v)["reason"] for v in redis_client.hvals(WAITING.dead))
+    assert reasons == ["rejected by the task: InvalidTaskOptions: unknown sla_class 'nope'; "
+                       "known classes: ['high', 'medium', 'low']",
+                       "rejected by the task: input 'abc' is not valid"]
+    assert client_app.tasks["w.add"].delay(1, 2).get(timeout=30) == 3
+
+
 def plant(redis_client: redis.Redis, payloads: dict[str, str]) -> None:
     """Write ``payloads`` straight into the queue, as a foreign writer would, by tag."""
     for tag, payload in payloads.items():

@@ -102,6 +102,16 @@ def register(app: Celery) -> dict[str, Any]:
             raise Reject(f"run {runs}: not yet", requeue=True)
         return runs
 
+    @app.task(name="w.refuse", shared=False)
+    def refuse(value: str) -> None:
+        """Rejects its message for good, saying why."""
+        raise Reject(f"input {value!r} is not valid", requeue=False)
+
+    @app.task(name="w.retry_refused", bind=True, shared=False)
+    def retry_refused(self: Any) -> None:
+        """Retries with an option the broker refuses: Celery turns that into a Reject."""
+        raise self.retry(sla_class="nope", countdown=0)
+
     @app.task(name="w.total", shared=False)
     def total(values: list[int]) -> int:
         """A chord's body: the sum of its header's results."""
