@@ -103,6 +103,10 @@ def _check_task_message(headers: dict[str, Any]) -> None:
     if not isinstance(task_id, str) or not task_id:
         raise MalformedPayload(f"headers.id is not a task id (a non-empty string): "
                                f"{shown(task_id)}")
+    if not task_id.isascii() and not _utf8(task_id):  # (a lone surrogate, JSON-escaped)
+        # ran, then its result could not be stored (UnicodeEncodeError in the worker's
+        # main process) and the message was acked: lost, unexplained
+        raise MalformedPayload(f"headers.id is not UTF-8 text: {shown(task_id)}")
     limits = headers.get("timelimit")
     if limits is not None and not (
             isinstance(limits, (list, tuple)) and len(limits) == 2
@@ -166,6 +170,14 @@ def check_task_body(message: Any) -> None:
             and isinstance(decoded[1], dict) and isinstance(decoded[2], (dict, type(None)))):
         raise MalformedPayload("body is not a task's [args (a list), kwargs (an object), "
                                "embed (an object)]")
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _expect(value: Any, kind: type | tuple[type, ...], name: str, what: str) -> None:

@@ -416,6 +416,8 @@ def test_messages_celery_cannot_take_do_not_kill_the_worker(
            "id-list": celery_message(task_id=["a"]),
            "id-int": celery_message(task_id=5),
            "no-id": celery_message(drop=("id",)),
+           # (ran; its result could not be stored, and the message was acked: lost)
+           "id-surrogate": celery_message(task_id="\udcff-bad"),
            "limits-str": celery_message(task_id="limits-id", timelimit="abc"),
            "limits-strs": celery_message(timelimit=["a", "b"]),
            # JSON integers past a float's range: the pool's timer raised OverflowError
@@ -442,6 +444,7 @@ def test_messages_celery_cannot_take_do_not_kill_the_worker(
     assert "body is not a task's [args" in dead["body-pair"]
     assert "body is not JSON" in dead["body-not-json"]
     assert "headers.id is not a task id" in dead["no-id"]
+    assert "headers.id is not UTF-8 text: '\\udcff-bad'" in dead["id-surrogate"]
     assert dead["no-content-type"].endswith("no content-type: a task message says how its "
                                             "body is encoded (application/json, ...)")
     assert "headers.timelimit" in dead["limits-str"]
