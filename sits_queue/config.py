@@ -363,8 +363,8 @@ class SitsConfig:
         boosts' gains) whose fresh priorities, aged up to the starvation bound (as much
         again), would pass it are refused: with weights of 200000 and 100000 a critical
         task queued after a high one ran after it."""
-        from sits_queue.broker.keys import PRIORITY_CEILING
-        from sits_queue.priority.model import max_fresh_priority
+        from sits_queue.broker.keys import PRIORITY_CEILING, PRIORITY_FLOOR
+        from sits_queue.priority.model import PRIORITY_SCALE, max_fresh_priority
 
         highest = 2 * max_fresh_priority(self)
         if highest >= PRIORITY_CEILING:
@@ -373,6 +373,15 @@ class SitsConfig:
                 f"priorities up to {highest:.3g}, past what a queue score orders "
                 f"({PRIORITY_CEILING:.3g}): scale the weights down (only their ratios "
                 "matter), or the risk_cap / qos_gain / hotness_gain boosts")
+        # ...and below the floor, where a score's levels are as far apart as the
+        # priorities themselves: weights of 1e-12 .. 1e-14 put every task at level 0,
+        # a high task queued after a low one ran after it
+        lowest = min(c.weight for c in self.classes) * PRIORITY_SCALE
+        if lowest < PRIORITY_FLOOR:
+            raise ConfigError(
+                f"class weights down to {min(c.weight for c in self.classes):g} make "
+                f"priorities from {lowest:.3g}, under what a queue score tells apart "
+                f"({PRIORITY_FLOOR:g}): scale the weights up (only their ratios matter)")
 
     def _check_sites(self) -> None:
         from sits_queue.priority import sites

@@ -36,6 +36,10 @@ PRIORITY_LEVELS = (1 << 21) - 1
 LEVELS_PER_E = 1 << 17
 #: Largest priority that still has its own level (log1p(p) * 2**17 < 2**21 - 1).
 PRIORITY_CEILING = math.expm1(PRIORITY_LEVELS / LEVELS_PER_E)
+#: The least priority a class's weight may give a task (``SitsConfig`` refuses weights
+#: under it): a score's levels tell priorities 1% apart from here up (13 levels), while
+#: below ~1e-5 every priority is level 0, served first come first served.
+PRIORITY_FLOOR = 0.01
 
 #: Header a picked message carries to the pool child: [queue, message id] (time slices).
 DELIVERY_HEADER = "sits_delivery"

@@ -9,9 +9,11 @@ from urllib.parse import quote
 
 import pytest
 
+from sits_queue.broker.keys import priority_level
 from sits_queue.config import SitsConfig, configured_redis_url
 from sits_queue.errors import ConfigError, InvalidTaskOptions
 from sits_queue.options import resolve
+from sits_queue.priority.model import PRIORITY_SCALE
 
 CLASS = {"name": "a", "cpu_cores": 1, "vram_gib": 1, "max_run_s": 1, "weight": 1,
          "latency_sla_ms": 1, "loss_sensitivity": 0.5}
@@ -259,6 +261,22 @@ def test_class_weights_past_what_a_queue_score_orders_are_refused() -> None:
     scaled = SitsConfig.from_mapping({"classes": [{**c, "weight": c["weight"] / 1000}
                                                   for c in big], "default_class": "high"})
     assert [c.weight for c in scaled.classes] == [200, 100]
+
+
+def test_class_weights_under_what_a_queue_score_tells_apart_are_refused() -> None:
+    """(weights of 1e-12 .. 1e-14 were taken, and every priority was level 0: a high task
+    queued after a low one ran after it)"""
+    tiny = [{**CLASS, "name": name, "weight": weight}
+            for name, weight in (("high", 1e-12), ("medium", 1e-13), ("low", 1e-14))]
+    with pytest.raises(ConfigError, match=r"class weights down to 1e-14 make priorities "
+                                          r"from 1e-12, under what a queue score tells "
+                                          r"apart \(0\.01\): scale the weights up"):
+        SitsConfig.from_mapping({"classes": tiny, "default_class": "high"})
+    # the same ratios at the floor hold their order: each class its own levels
+    floor = SitsConfig.from_mapping({"classes": [{**c, "weight": c["weight"] * 1e10}
+                                                 for c in tiny], "default_class": "high"})
+    levels = [priority_level(c.weight * PRIORITY_SCALE) for c in floor.classes]
+    assert levels[0] > levels[1] > levels[2] > 0
 
 
 def test_a_variable_that_nearly_names_a_setting_is_warned_about(

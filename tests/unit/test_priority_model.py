@@ -345,7 +345,7 @@ def test_scorer_rejects_an_unknown_class() -> None:
 
 def test_extreme_config_stays_finite_and_positive() -> None:
     config = SitsConfig(
-        classes=(ClassQuota("tiny", cpu_cores=1, vram_gib=1, max_run_s=1, weight=1e-9,
+        classes=(ClassQuota("tiny", cpu_cores=1, vram_gib=1, max_run_s=1, weight=1e-4,
                             latency_sla_ms=1, loss_sensitivity=0.1),),
         default_class="tiny",
         weights=PriorityWeights(entropy_gain=0.999, risk_cap=1e6,
