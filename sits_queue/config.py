@@ -456,12 +456,19 @@ class SitsConfig:
         overrides: dict[str, Any] = {}
         for f in fields(cls):
             key = "SITS_" + f.name.upper()
-            if key in env and f.name not in ("classes", "weights") and not (
-                    f.name == "redis_url" and not env[key]):  # empty: unset, as sitsq reads it
-                # the field's declared type, not the loaded value's: a file's
-                # ``visibility_timeout_s = 60`` must not make "90.5" an invalid int
-                kind = checks.KINDS.get(str(f.type), (str, ""))[0]
-                overrides[f.name] = checks.coerce(f.name, env[key], kind)
+            if key not in env or f.name in ("classes", "weights"):
+                continue
+            value = env[key]
+            if f.name == "redis_url":  # read as sitsq reads it: trimmed, and blank is unset
+                # (" redis://..." was refused here and taken by `sitsq redis-url`; " "
+                # started the embedded server there and was refused here)
+                value = value.strip()
+                if not value:
+                    continue
+            # the field's declared type, not the loaded value's: a file's
+            # ``visibility_timeout_s = 60`` must not make "90.5" an invalid int
+            kind = checks.KINDS.get(str(f.type), (str, ""))[0]
+            overrides[f.name] = checks.coerce(f.name, value, kind)
         try:
             # The file and the variables are checked together: a file invalid on its own
             # that a variable makes whole (a class table without "medium" and

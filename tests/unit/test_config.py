@@ -224,8 +224,16 @@ def test_a_host_no_resolver_takes_is_refused_as_sitsq_reads_the_url() -> None:
 
 
 def test_an_empty_redis_url_is_unset_as_sitsq_reads_it() -> None:
-    assert SitsConfig.from_env({"SITS_REDIS_URL": ""}).redis_url == SitsConfig().redis_url
-    assert configured_redis_url({"SITS_REDIS_URL": ""}) is None
+    """(and a blank one, and spaces around one: ``sitsq redis-url`` trimmed them, while
+    workers and ``sitsq status`` refused " redis://...", and " " started the embedded
+    server for one and was refused by the other)"""
+    for blank in ("", " ", "\t\n"):
+        assert SitsConfig.from_env({"SITS_REDIS_URL": blank}).redis_url \
+            == SitsConfig().redis_url
+        assert configured_redis_url({"SITS_REDIS_URL": blank}) is None
+    spaced = {"SITS_REDIS_URL": " redis://db:6380/1\n"}
+    assert SitsConfig.from_env(spaced).redis_url == configured_redis_url(spaced) \
+        == "redis://db:6380/1"
 
 
 def test_a_config_file_that_cannot_be_read_is_named(tmp_path: Path) -> None:
