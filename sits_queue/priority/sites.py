@@ -235,6 +235,8 @@ def parse_peers(text: str) -> tuple[Peer, ...]:
             raise ConfigError(f"site_peers entry {name!r}: {redacted(url)!r} names no "
                               "socket path")
         clean = urlunsplit(parts._replace(query=urlencode(query)))
+        if parts.scheme == "unix" and not parts.netloc:  # (urlunsplit drops the "//" of
+            clean = "unix://" + clean.removeprefix("unix:")  # a URL with no host)
         # The rest as for redis_url (scheme, port, database, query options, timeouts):
         # what redis-py would make of it fails here, not in every later enqueue
         check_redis_url(clean, f"site_peers entry {name!r}", celery=False)

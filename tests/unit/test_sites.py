@@ -124,6 +124,10 @@ def test_peers_parse_with_hops_and_a_pinned_rtt() -> None:
     assert peers[0] == Peer("b", "redis://h:6379/0", 3, 1.5)
     assert peers[1] == Peer("c", "redis://:pw@x:1/2?db=2", 1, None)
     assert parse_peers("") == ()
+    # a socket peer keeps its "//" (rebuilt without it, "unix:/run/r.sock" was refused
+    # as no unix:// URL: no socket peer could be named)
+    (sock,) = parse_peers("d=unix:///run/r.sock?hops=2&db=1")
+    assert sock == Peer("d", "unix:///run/r.sock?db=1", 2, None)
 
 
 @pytest.mark.parametrize(("text", "message"), [
