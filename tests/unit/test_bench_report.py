@@ -42,6 +42,21 @@ def test_a_file_name_too_long_is_a_usage_error_of_sitsq_and_of_the_module(
     assert "File name too long" in capsys.readouterr().err
 
 
+def test_a_place_no_file_can_be_made_is_refused_before_the_run(tmp_path: Path) -> None:
+    """(os.access said yes to root in /proc: the whole run went, then the write failed)"""
+    with pytest.raises(ValueError, match=r"/proc/sits-no-such\.json is not writable: "):
+        check_json_path(Path("/proc/sits-no-such.json"))
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match=rf"^{a_file} is not a directory$"):  # not "missing"
+        check_json_path(a_file / "out.json")
+    # the check writes nothing: no file left where it looked, none changed
+    assert check_json_path(tmp_path / "new.json") == tmp_path / "new.json"
+    assert check_json_path(a_file) == a_file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+    assert a_file.read_text() == "x"
+
+
 def test_emit_ends_in_one_line_when_the_file_cannot_be_written(
         capsys: pytest.CaptureFixture[str]) -> None:
     # /proc takes no new files (and as root, check_json_path's access() test passes there)
