@@ -67,6 +67,23 @@ def _await_reply(pubsub: Any, timeout_s: float = 5.0) -> None:
             return
 
 
+def check_database(client: redis.Redis, url: str) -> None:
+    """Raise ``SystemExit`` when the server has no database of ``url``'s number: the
+    worker logged "DB index is out of range" and tried again for good. Any other failure
+    is left to the worker's own connection (Redis down at start: it waits)."""
+    from sits_queue.config import redacted
+
+    try:
+        client.ping()
+    except redis.ResponseError as exc:
+        if "db index" not in str(exc).lower():  # ("ERR DB index is out of range")
+            return
+        raise SystemExit(f"Error: Redis at {redacted(url)} has no such database: {exc} "
+                         "(its `databases` setting says how many it keeps)") from None
+    except redis.RedisError:
+        return
+
+
 def check_worker_grants(app: Any, options: Any = None) -> None:
     """Raise ``SystemExit`` naming the channel grants a worker of ``app`` lacks."""
     gossip = not (options or {}).get("without_gossip")
@@ -76,6 +93,7 @@ def check_worker_grants(app: Any, options: Any = None) -> None:
     client = redis.Redis.from_url(app.sits.redis_url, socket_timeout=5,
                                   socket_connect_timeout=5)
     try:
+        check_database(client, app.sits.redis_url)
         refused = refused_patterns(client, patterns)
     finally:
         client.close()

@@ -278,6 +278,16 @@ def test_a_broker_url_other_than_the_sits_one_is_refused_in_one_line(
     assert said in refusal(proc, "a broker URL of its own")
 
 
+def test_a_database_the_server_does_not_keep_is_refused_in_one_line(
+        tmp_path: Path, redis_url: str) -> None:
+    """(the worker logged "DB index is out of range" and tried again for good)"""
+    base, _, _ = redis_url.rpartition("/")
+    proc = start_worker(APP_MODULE, worker_env(f"{base}/9999"), tmp_path, concurrency=1,
+                        cwd=ROOT)
+    said = refusal(proc, "a database out of range")
+    assert "has no such database: DB index is out of range" in said, said[-2000:]
+
+
 def test_an_autoscaled_pool_is_planned_at_its_largest(
         spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
     """(it was planned at its starting size: each child took a whole host's share of
