@@ -564,6 +564,12 @@ def _warn_near_misses(env: Mapping[str, str], known: set[str]) -> None:
     for name in sorted(env):
         if not name.startswith("SITS_") or name in known:
             continue
+        if name in _TABLES and (name, "") not in _warned:  # (a setting's name, not read)
+            _warned.add((name, ""))
+            logging.getLogger(__name__).warning(
+                "%s is ignored: the %s table is set in the SITS_CONFIG file (TOML)", name,
+                _TABLES[name])
+            continue
         near = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
         if near and (name, near[0]) not in _warned:
             _warned.add((name, near[0]))
@@ -571,6 +577,8 @@ def _warn_near_misses(env: Mapping[str, str], known: set[str]) -> None:
                 "%s is no SITS setting and is ignored; did you mean %s?", name, near[0])
 
 
+#: The settings no variable sets, by the variable their name would make.
+_TABLES = {"SITS_CLASSES": "[[classes]]", "SITS_WEIGHTS": "[weights]"}
 #: (variable, setting) pairs already warned about in this process.
 _warned: set[tuple[str, str]] = set()
 

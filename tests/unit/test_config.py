@@ -297,14 +297,20 @@ def test_a_variable_that_nearly_names_a_setting_is_warned_about(
         config = SitsConfig.from_env({"SITS_VISIBILITY_TIMEOUT": "90",
                                       "SITS_BENCH_SYSTEM": "sits", "SITS_CONFIG": "",
                                       "SITS_DEVICE_CACHE_BYTE": "1GiB",
-                                      "SITS_HOST_CACHE_BYTES": "2GiB"})
+                                      "SITS_HOST_CACHE_BYTES": "2GiB",
+                                      # (settings no variable sets: ignored unsaid)
+                                      "SITS_CLASSES": "high,low", "SITS_WEIGHTS": "1"})
     assert config.visibility_timeout_s == SitsConfig().visibility_timeout_s
     # (the cache sizes, read by the worker's children, are settings too)
     assert [r.getMessage() for r in caplog.records] == [
+        "SITS_CLASSES is ignored: the [[classes]] table is set in the SITS_CONFIG file "
+        "(TOML)",
         "SITS_DEVICE_CACHE_BYTE is no SITS setting and is ignored; did you mean "
         "SITS_DEVICE_CACHE_BYTES?",
         "SITS_VISIBILITY_TIMEOUT is no SITS setting and is ignored; did you mean "
-        "SITS_VISIBILITY_TIMEOUT_S?"]
+        "SITS_VISIBILITY_TIMEOUT_S?",
+        "SITS_WEIGHTS is ignored: the [weights] table is set in the SITS_CONFIG file "
+        "(TOML)"]
 
 
 def test_the_transport_options_carry_the_config_without_its_credentials() -> None:
