@@ -209,6 +209,8 @@ def test_a_batch_key_past_its_length_is_refused_at_submission() -> None:
 @pytest.mark.parametrize(("options", "said"), [
     ({"task_id": 5}, "task_id must be a non-empty string, got 5"),
     ({"task_id": ""}, "task_id must be a non-empty string"),
+    # (sent, to be dead-lettered at the worker: no result key can hold it)
+    ({"task_id": "\udcff-x"}, r"task_id must be UTF-8 text, got '\\udcff-x'"),
     ({"countdown": "10"}, "countdown must be a number of seconds, got '10'"),
     ({"countdown": float("nan")}, "countdown must be a finite number of seconds, got nan"),
     ({"countdown": 10**400}, "countdown must be a finite number of seconds"),
