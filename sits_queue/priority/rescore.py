@@ -90,9 +90,20 @@ def _totals(raw: bytes | str | None) -> dict[str, Any]:
         return fresh
     out = {**fresh, **{k: v for k, v in saved.items() if k in fresh}}
     if not all(isinstance(out[k], dict) for k in ("done", "arrived", "rates")) \
-            or not isinstance(out["at"], (int, float)):
+            or not is_number(out["at"]):
         return fresh
-    return out
+    # Each count kept only as a finite number by a class's name (another writer's
+    # {"done": {"high": "x"}} stopped every pass, before the record was rewritten)
+    rates = out["rates"]
+    return {"done": _counts(out["done"]), "arrived": _counts(out["arrived"]),
+            "rates": {k: _counts(rates[k]) for k in ("done", "arrived")
+                      if isinstance(rates.get(k), dict)},
+            "at": out["at"] if finite(out["at"]) else math.nan}
+
+
+def _counts(saved: Mapping[Any, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in saved.items()
+            if isinstance(k, str) and is_number(v) and finite(v)}
 
 
 def _state_key(config: SitsConfig, name: str) -> str:

@@ -5,6 +5,8 @@ worker leaves the queue for a while instead of stopping. Real Redis, real worker
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import time
 from collections.abc import Callable
@@ -249,6 +251,28 @@ def test_a_statistics_key_of_another_type_is_read_as_empty_and_the_pass_goes_on(
     redis_client.sadd(name, "junk")  # a set: no command the pass sends takes it
     report = Rescorer(config, redis_client).rescore_all()
     assert report is not None and report.seen == 1
+
+
+@pytest.mark.parametrize("record", [
+    '{"done": {"high": "x"}, "arrived": {}, "rates": {}, "at": 1}',
+    '{"done": {}, "arrived": {}, "rates": {"done": 5}, "at": 1}',
+    '{"done": {"high": 1e999}, "arrived": {"low": true}, "rates": {"done": {"high": []}},'
+    ' "at": 1e999}'])
+def test_a_totals_record_of_another_shape_is_read_for_what_it_holds_and_rewritten(
+        record: str, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(JSON of the right top-level types with values of others stopped every pass, and
+    every trigger check, until someone deleted the key: it raised before the rewrite)"""
+    from sits_queue.priority.rescore import Rescorer, _state_key, counter_key
+
+    config = client_app.sits
+    client_app.tasks["w.add"].apply_async((1, 1), sla_class="low")
+    redis_client.hset(counter_key(config, "done"), "high", 1)
+    redis_client.set(_state_key(config, "totals"), record)
+    for _ in range(2):
+        report = Rescorer(config, redis_client).rescore_all()
+        assert report is not None and report.seen == 1
+    saved = json.loads(redis_client.get(_state_key(config, "totals")))
+    assert saved["done"] == {"high": 1.0} and math.isfinite(saved["at"])
 
 
 @pytest.mark.parametrize("key", ["dead", "unacked", "waiting"])
