@@ -60,6 +60,9 @@ COMPLIANCE_HALF_LIFE_S = 30.0
 MOST_PASS_SHARE = 0.25
 #: How long the last pass's record is kept, s (past it, nothing spaces the next one).
 _LAST_PASS_TTL_S = 3600
+#: How far ahead of Redis's clock a pass's end may read (it is Redis's time, read after
+#: the pass: only another writer's record is ahead by more).
+_CLOCK_SLACK_S = 1.0
 
 
 def latency_key(config: SitsConfig, sla_class: str) -> str:
@@ -296,7 +299,10 @@ class Rescorer:
 
     def _too_soon(self) -> bool:
         """Whether the last pass ended too recently for another (:data:`MOST_PASS_SHARE`).
-        A record that is not one (another program's) leaves passes unspaced."""
+        A record that is not one (another program's) leaves passes unspaced: one that
+        does not read, and one no pass writes, which would space them past the record's
+        own life or end ahead of Redis's clock ({"end": 1e300}, or a pass of 1e12 s,
+        kept without an expiry, stopped every spaced pass for good, unsaid): deleted."""
         try:
             last = json.loads(self.client.get(_state_key(self.config, "last-pass")) or "{}")
             end, took = float(last["end"]), float(last["took_s"])
@@ -304,7 +310,14 @@ class Rescorer:
             return False
         if not (math.isfinite(end) and math.isfinite(took)) or took <= 0:
             return False
-        return clock.now(self.client) - end < took * (1 / MOST_PASS_SHARE - 1)
+        since, wait = clock.now(self.client) - end, took * (1 / MOST_PASS_SHARE - 1)
+        if since < -_CLOCK_SLACK_S or wait > _LAST_PASS_TTL_S:
+            key = _state_key(self.config, "last-pass")
+            logger.warning("rescoring: the last-pass record %s is no pass's (%.200r): "
+                           "deleted", key, last)
+            self.client.delete(key)  # (as a lock without an expiry: the pass writes its own)
+            return False
+        return since < wait
 
     def _pass(self, now_s: float) -> PassReport:
         started = time.perf_counter()

@@ -10,6 +10,7 @@ import math
 import re
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
@@ -399,6 +400,25 @@ def test_a_rescoring_lock_without_an_expiry_is_no_passs_and_is_taken_over(
     # while a pass's own lock (with its expiry) still keeps a second pass out
     redis_client.set(key, "held", ex=30)
     assert Rescorer(client_app.sits, redis_client).rescore_all() is None
+
+
+@pytest.mark.parametrize("record", [{"end": "now", "took_s": 1e12},
+                                    {"end": 1e300, "took_s": 0.001}])
+def test_a_last_pass_record_no_pass_writes_spaces_no_pass_and_is_deleted(
+        record: dict[str, Any], client_app: Celery, redis_client: redis.Redis) -> None:
+    """(kept without an expiry, a record ahead of Redis's clock or of a pass of 1e12 s
+    stopped every spaced pass, the beat's and the triggers', for good, unsaid)"""
+    from sits_queue.priority.rescore import Rescorer, _state_key
+
+    key = _state_key(client_app.sits, "last-pass")
+    now = float(redis_client.time()[0])
+    redis_client.set(key, json.dumps({**record, "end": now} if record["end"] == "now"
+                                     else record))
+    rescorer = Rescorer(client_app.sits, redis_client)
+    assert rescorer.rescore_all(spaced=True) is not None
+    # and the pass's own record, written after it, spaces the next one as it should
+    assert 0 < redis_client.ttl(key) <= 3600
+    assert json.loads(redis_client.get(key))["took_s"] < 60
 
 
 def test_a_queue_registry_of_another_type_fails_no_remote_control_call(
