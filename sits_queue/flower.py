@@ -71,7 +71,9 @@ class SitsQueues:
                 for _, keys in readable:
                     pipe.zcard(keys.waiting)
                     pipe.zcard(keys.unacked)
-                counts = iter(await pipe.execute())
+                # (one queue's key of another type failed the whole read: every row,
+                # the healthy queues' too, vanished from the page)
+                counts = iter(await pipe.execute(raise_on_error=False))
         except (RedisError, OSError) as exc:
             # Flower shows an empty table and logs; the page must not fail on it.
             logger.error("SITS queue depths unreadable from %s: %s",
@@ -80,9 +82,15 @@ class SitsQueues:
         finally:
             await client.aclose()
         for row, _ in readable:
-            waiting, held = int(next(counts)), int(next(counts))
-            row.update(messages=waiting + held, messages_ready=waiting,
-                       messages_unacknowledged=held)
+            waiting, held = next(counts), next(counts)
+            if isinstance(waiting, Exception) or isinstance(held, Exception):
+                # that queue shown as missing, as one no SITS queue can be; said once a read
+                logger.warning("SITS queue %r depth unreadable: %s", row["name"],
+                               waiting if isinstance(waiting, Exception) else held)
+                row["messages"] = None
+                continue
+            row.update(messages=int(waiting) + int(held), messages_ready=int(waiting),
+                       messages_unacknowledged=int(held))
         return rows
 
 

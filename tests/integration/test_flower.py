@@ -102,6 +102,25 @@ def test_flower_sees_the_worker_and_the_task_events(
         flower.wait(10)
 
 
+def test_one_queue_key_of_another_type_leaves_the_other_queues_on_the_page(
+        client_app: Celery, r: redis.Redis) -> None:
+    """(one foreign key failed the whole read: the Broker page and /api/queues/length
+    showed no queue at all)"""
+    import asyncio
+
+    from sits_queue.flower import SitsQueues
+
+    client_app.tasks["w.add"].apply_async((1, 1), sla_class="low")
+    other = QueueKeys.for_queue("other", client_app.sits.global_keyprefix)
+    r.set(other.unacked, "another program's")
+    rows = asyncio.run(SitsQueues(client_app.sits).queues(["celery", "other"]))
+    by_name = {row["name"]: row for row in rows}
+    assert by_name["other"] == {"name": "other", "messages": None}  # shown as missing
+    assert by_name["celery"] == {"name": "celery", "messages": 1, "messages_ready": 1,
+                                 "messages_unacknowledged": 0}
+    assert by_name["sits.control"]["messages"] == 0
+
+
 def test_flower_broker_api_counts_the_sorted_set_queues(
         client_app: Celery, r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
     """Flower's own Redis reader LLENs lists named like queues and saw every SITS queue
