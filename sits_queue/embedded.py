@@ -382,7 +382,7 @@ class EmbeddedRedis:
         try:
             pid = self._await_ready(proc, port, log_start)
         except BaseException:
-            self._abandon(proc)
+            self._abandon(proc, port)
             raise
         self._pid, self._port = pid, port
         self._proc = None if self.daemon else proc
@@ -425,13 +425,14 @@ class EmbeddedRedis:
             raise SitsError(f"redis-server exited with status {rc} while starting; "
                             f"log {self.log_path}:\n{new_log}")
 
-    def _abandon(self, proc: subprocess.Popen[bytes]) -> None:
-        """Clean up after a failed start: no half-started server may be left behind."""
+    def _abandon(self, proc: subprocess.Popen[bytes], port: int) -> None:
+        """Clean up after a failed start: no half-started server may be left behind (a
+        daemon that wrote no pid file is found by the port it listens on)."""
         if proc.poll() is None:
             proc.kill()
         proc.wait()
         if self.daemon:
-            pid = self._expected_pid(proc)
+            pid = self._expected_pid(proc) or _listening_pid(port)
             if pid is not None and _is_our_server(pid, self.data_dir):
                 _terminate(pid, None, None)
 
@@ -462,7 +463,8 @@ def _live_server(data_dir: Path, password: str) -> tuple[int, int] | None:
     if not answering or not _is_our_server(answering, data_dir):
         return None
     if answering != pid:
-        (data_dir / PID_FILE).write_text(f"{answering}\n")
+        with contextlib.suppress(OSError):  # (a dir made read-only: stop-redis still stops)
+            (data_dir / PID_FILE).write_text(f"{answering}\n")
     return port, answering
 
 
@@ -499,6 +501,7 @@ def _ensure(data_dir: Path) -> tuple[str, bool]:
             _await_loaded(live[0], password)
             return _url(live[0], password), False
         _kill_stale(data_dir)
+        _check_writable(data_dir)
         # Reuse the old port when free so workers holding the old URL reconnect.
         previous = read_port(data_dir)
         server: EmbeddedRedis | None = None
@@ -516,6 +519,15 @@ def _ensure(data_dir: Path) -> tuple[str, bool]:
         assert server.port is not None  # (started)
         _await_loaded(server.port, password)
         return server.url, True
+
+
+def _check_writable(data_dir: Path) -> None:
+    """Raise OSError unless a file can be made in ``data_dir``, tried, not asked: a server
+    started in a read-only dir wrote no pid file, so it was waited for 10 s, said not to
+    answer (it did), and left running where ``stop-redis`` could not find it."""
+    probe = data_dir / f".probe-{os.getpid()}"
+    probe.touch()
+    probe.unlink()
 
 
 def stop_server(data_dir: Path | None = None) -> bool:

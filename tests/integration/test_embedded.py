@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -381,6 +383,58 @@ def test_a_data_dir_that_cannot_be_one_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(SitsError, match=r"data dir .*a-file"):
         ensure_server(blocker)
     assert not stop_server(blocker)  # no dir: nothing was running
+
+
+def _servers_in(data_dir: Path) -> list[int]:
+    """Pids of the redis-servers running in ``data_dir``."""
+    out = []
+    for proc in psutil.process_iter(["name", "cwd"]):
+        if proc.info["name"] == "redis-server" and proc.info["cwd"] == str(data_dir.resolve()):
+            out.append(proc.pid)
+    return out
+
+
+def _unprivileged(argv: list[str]) -> list[str]:
+    """``argv`` run without root's leave to write anywhere, so that a mode bites."""
+    if os.geteuid() != 0:
+        return argv
+    capsh = shutil.which("capsh")
+    if capsh is None:
+        pytest.skip("running as root without capsh: no directory is read-only to root")
+    return [capsh, "--drop=cap_dac_override,cap_dac_read_search", "--", "-c",
+            " ".join(shlex.quote(a) for a in argv)]
+
+
+def test_a_read_only_data_dir_is_a_clear_error_and_leaves_no_server(
+        shared_dir: Path) -> None:
+    """(the server started there wrote no pid file: it was waited for 10 s, said not to
+    answer PING though it did, and left running where stop-redis could not find it)"""
+    ensure_server(shared_dir)
+    stop_server(shared_dir)  # a data dir as a stopped server leaves it
+    shared_dir.chmod(0o500)
+    try:
+        ran = subprocess.run(_unprivileged(
+            [sys.executable, "-c", "import sys; from sits_queue.embedded import ensure_server;"
+             " ensure_server(sys.argv[1])", str(shared_dir)]),
+            capture_output=True, text=True, timeout=60)
+        assert ran.returncode != 0
+        said = ran.stderr.strip().splitlines()[-1]
+        assert said.startswith("sits_queue.errors.SitsError: cannot use the embedded "
+                               "Redis's data dir") and "Permission denied" in said, said
+        assert _servers_in(shared_dir) == []
+    finally:
+        shared_dir.chmod(0o700)
+
+
+def test_a_daemon_that_wrote_no_pid_file_is_found_by_its_port_and_stopped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(a start given up on left such a daemon running: it was looked for by pid file)"""
+    monkeypatch.setattr(embedded, "START_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(EmbeddedRedis, "_expected_pid", lambda self, proc: None)
+    server = EmbeddedRedis(tmp_path, daemon=True)
+    with pytest.raises(SitsError, match="did not answer PING"):
+        server.start()
+    wait_for(lambda: _servers_in(tmp_path) == [], 10, "the half-started daemon to stop")
 
 
 def _refuses_anonymous(url: str) -> bool:
