@@ -339,10 +339,18 @@ class Transport(kredis.Transport):
     def call_later(self, delay_s: float) -> None:
         """Make the event loop turn again in ``delay_s`` (its tick callbacks then run,
         the fast pick among them). Without a hub (a plain drain_events loop) there is
-        nothing to wake: that loop polls again by itself."""
+        nothing to wake: that loop polls again by itself.
+
+        The hub computed this turn's poll timeout from its timers before the tick
+        callbacks ran, this one's caller among them: a timer added now was not in it,
+        and the loop slept on to the next older timer (up to 1 s). A worker holding off
+        given-back messages looked again every ~0.5-1 s, not every 0.25, and every task
+        put meanwhile waited for it. The hub is woken, so that the next turn's timeout
+        counts this timer."""
         if self._hub is not None and not self._wake_scheduled:
             self._wake_scheduled = True
             self._hub.call_later(delay_s, self._woken)
+            self.wake_hub()
 
     def _woken(self) -> None:
         self._wake_scheduled = False

@@ -191,3 +191,40 @@ def test_an_ack_in_the_event_loop_picks_the_freed_slots_next_task_at_once(
         ack.join()
         assert len(got) == 2
         hub.close()
+
+
+def test_a_consumer_holding_off_given_back_messages_picks_a_new_one_at_its_pause_end(
+        app: Celery, redis_client: redis.Redis) -> None:
+    """(with only messages it gave back and holds off waiting, a consumer pauses and looks
+    again when the pause ends (``Channel._paused``): the pause's timer, added in a tick
+    callback, was not in that turn's poll timeout, so the loop slept on to its next
+    older timer, and a task put meanwhile waited for it: ~0.5 s, up to 1 s, where the
+    pause is 0.25)"""
+    from kombu.asynchronous import Hub
+
+    hub = Hub()
+    got: list[Any] = []
+    with app.connection_for_read() as conn:
+        conn.register_with_event_loop(hub)
+        channel: Any = conn.default_channel
+        channel.basic_qos(0, 1, False)
+        Queue(WORK).bind(channel).declare()
+        channel.basic_consume(WORK, False, got.append, consumer_tag="work")
+        send(app, WORK, "given back")
+        loop = hub.create_loop()
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            next(loop)
+        # Given the one message given back, held off from this consumer for a minute
+        channel.qos.release(got.pop().delivery_tag, first_hold_s=60, longest_hold_s=60)
+        while channel._held_pause_until <= time.monotonic() and time.monotonic() < deadline:
+            next(loop)  # (its next pick finds only that one: the consumer pauses)
+        # When a task is put while it pauses, and the loop's next timer is far off
+        sentinel: list[str] = []
+        hub.call_later(0.9, lambda: sentinel.append("loop slept to its older timer"))
+        send(app, WORK, "new")
+        while not got and not sentinel and time.monotonic() < deadline:
+            next(loop)
+        # Then it is picked when the pause ends, before that timer
+        assert [m.payload[0][0] for m in got] == ["new"] and not sentinel
+        hub.close()
