@@ -215,7 +215,8 @@ class SitsTask(Task):  # type: ignore[misc]
         Returns at once (microseconds) unless this task has run its ``slice_ms`` and a
         task of a higher-weight class waits; then ``state`` (JSON data) is saved, the
         task stops with :class:`~sits_queue.workers.slices.Preempted` and runs again
-        later, from the same place in the queue, where ``self.checkpoint`` returns it.
+        later, from the same place in the queue, where ``self.checkpoint`` returns it
+        (as JSON gives it back: tuples as lists, dict keys as strings).
         ``remaining_s``, the task's own estimate of the work left, lets it finish instead
         when that is under ``yield_min_remaining_ms``. Outside a SITS worker (an eager
         call) and in a batch task (``app.batch_inference_task``) it never yields.
