@@ -172,7 +172,7 @@ class SiteSync:
         measures them itself; the enqueue path takes the pass's published choice (one
         local GET), so that every process of the site writes to the peer the pass
         heartbeats and drains, and measures by itself only while no pass publishes
-        (bounded: one PEER_TIMEOUT_S per unreachable peer per period)."""
+        (bounded: one PEER_TIMEOUT_S per unreachable peer per STRONG_BACKOFF_S)."""
         now = time.monotonic()
         if now - self._links_at < self._max_age_s and (self._measured or not refresh):
             return self._links
@@ -182,6 +182,11 @@ class SiteSync:
             off = set() if refresh else {n for n, t in self._strong_off_until.items() if t > now}
             links = [Link(p, math.inf, False) if p.name in off else self._measure(p)
                      for p in self.peers]
+            if not refresh:  # ...nor one its own PING just timed out on: ~1 s a try, it
+                # was tried again every link_max_age_s (10 s), not once per backoff (30)
+                for link in links:
+                    if not link.alive and link.peer.name not in off:
+                        self._strong_off_until[link.peer.name] = now + STRONG_BACKOFF_S
         self._links, self._links_at, self._measured = links, now, refresh
         return self._links
 

@@ -212,7 +212,12 @@ def parse_peers(text: str) -> tuple[Peer, ...]:
             raise ConfigError(f"site_peers entry {name!r}: {redacted(url)!r} holds a comma; "
                               "separate entries with spaces")
         parts = urlsplit(url)
-        query = dict(parse_qsl(parts.query))
+        # (blanks kept: "?prefix=" names the empty prefix, and was dropped unsaid, the
+        # site's own prefix used instead; "?hops=" is refused, not read as 1)
+        pairs = parse_qsl(parts.query, keep_blank_values=True)
+        if twice := sorted({k for k, _ in pairs if [n for n, _ in pairs].count(k) > 1}):
+            raise ConfigError(f"site_peers entry {name!r}: {', '.join(twice)} given twice")
+        query = dict(pairs)
         hops_text, rtt_text = query.pop("hops", "1"), query.pop("rtt_ms", None)
         key_prefix = query.pop("prefix", None)
         if key_prefix is not None:

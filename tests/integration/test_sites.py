@@ -648,6 +648,27 @@ def test_a_hung_peer_holds_up_one_strong_put_not_each(
     app.close()
 
 
+def test_a_producer_measuring_by_itself_waits_on_a_hung_peer_once_per_backoff(
+        clients: tuple[redis.Redis, redis.Redis], redis_url: str,
+        hung_peer: tuple[str, list[socket.socket]]) -> None:
+    """(with no pass's choice published, its PING timed out again at every re-read of
+    the links, every 10 s, where the README says once per 30 s)"""
+    a, _ = clients
+    hung_url, attempts = hung_peer
+    app = site_app(redis_url, "a", "b", hung_url, rtt_ms=1.0)
+    sync = sync_of(app)
+    assert a.get(sites.link_key("")) is None  # no pass has run: the producer measures
+    submit(app, "high")
+    assert len(attempts) == 1 and sync.plan().link is None
+    # When its links are next re-read (link_max_age_s on), inside the backoff
+    sync._links_at = float("-inf")
+    submit(app, "high")
+    # Then the hung peer is not waited on again, and the puts are queued for the pass
+    assert len(attempts) == 1
+    assert a.llen(sites.outbox_key("")) == 2
+    app.close()
+
+
 def test_purged_deleted_and_poison_tasks_leave_the_replica(
         clients: tuple[redis.Redis, redis.Redis], redis_url: str, site_b: str) -> None:
     a, b = clients

@@ -128,12 +128,18 @@ def test_peers_parse_with_hops_and_a_pinned_rtt() -> None:
     # as no unix:// URL: no socket peer could be named)
     (sock,) = parse_peers("d=unix:///run/r.sock?hops=2&db=1")
     assert sock == Peer("d", "unix:///run/r.sock?db=1", 2, None)
+    # an empty prefix is the peer's prefix (dropped, the site's own was used: a prefixed
+    # site could not name a peer of the default prefix, and took nothing over from it)
+    (plain,) = parse_peers("e=redis://h:1/0?prefix=")
+    assert plain == Peer("e", "redis://h:1/0", 1, None, "")
 
 
 @pytest.mark.parametrize(("text", "message"), [
     ("b", "is not name=redis"), ("b=http://x", "must be redis://"),
     ("b=redis://x?hops=-1", "hops must be a whole number >= 0, got '-1'"),
     ("b=redis://x?rtt_ms=abc", "rtt_ms must be a number >= 0, got 'abc'"),
+    ("b=redis://x?hops=", "hops must be a whole number >= 0, got ''"),  # (read as 1)
+    ("b=redis://x?prefix=a:&prefix=b:", "'b': prefix given twice"),  # (the last taken)
     ("b=redis://x b=redis://y", "names a site twice"), ("b c=redis://x", "is not name"),
     ("b/x=redis://x", "site name"),
     ("b=redis://127.0.0.1:99999/0", "'b' .*: Port out of range"),
