@@ -458,6 +458,9 @@ def serve(config: SitsConfig, hostname: str | None,
         # worker on this host) or an address this host does not have.
         hint = ("give each worker on a host its own SITS_METRICS_PORT"
                 if exc.errno == errno.EADDRINUSE else
+                # (a port under 1024 without the privilege: the address was blamed)
+                "choose a SITS_METRICS_PORT of 1024 or more, or give the worker the "
+                "privilege to bind it" if exc.errno in (errno.EACCES, errno.EPERM) else
                 "check SITS_METRICS_ADDR: an address of this host, or 0.0.0.0")
         logger.error("metrics endpoint not started: cannot listen on %s:%d (%s); %s",
                      config.metrics_addr, config.metrics_port, exc, hint)

@@ -295,3 +295,22 @@ def test_the_last_pre_warm_pass_is_gauges_of_a_bounded_set_of_models() -> None:
     assert metrics.prewarm_families(None) == []
     assert metrics.prewarm_families({"error": "WRONGTYPE"}) == []
     assert metrics.prewarm_families({"outlooks": "x"}) == []
+
+
+@pytest.mark.parametrize(("err", "hint"), [
+    (98, "give each worker on a host its own SITS_METRICS_PORT"),  # EADDRINUSE
+    # (a port under 1024 without the privilege: the address was blamed)
+    (13, "choose a SITS_METRICS_PORT of 1024 or more"),  # EACCES
+    (99, "check SITS_METRICS_ADDR"),  # EADDRNOTAVAIL
+])
+def test_an_endpoint_that_cannot_listen_says_what_to_change(
+        err: int, hint: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    def refused(*_: Any, **__: Any) -> Any:
+        raise OSError(err, "refused")
+
+    monkeypatch.setattr(metrics, "start_http_server", refused)
+    with caplog.at_level("ERROR", logger=metrics.logger.name):
+        assert metrics.serve(SitsConfig(metrics_port=80), "w@h") is None
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith("metrics endpoint not started: cannot listen on") and hint in said
