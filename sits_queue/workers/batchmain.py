@@ -182,14 +182,21 @@ class _PoolJob:
             admission.failure_of(args[0] if args else kwargs.get("exc_info")), Terminated)
         if method == "on_timeout" and hard:  # killed: the child says nothing more
             batchbudget.stopped(self.requests[:self.own])
-        for request in self.served(error and hard):
+        served = self.served(error and hard)
+        mate_revoked = terminated and any(_revoked(r) for r in served)
+        for request in served:
             if error and hard and len(self.requests) > 1 and _finished(request):
                 continue
             if terminated and not _revoked(request):
-                # A batch-mate of a task revoked with terminate=True: the kill that
-                # stopped that task stopped the whole batch. Not revoked itself, it goes
-                # back to its queue uncounted (it was announced revoked, and lost)
-                admission._give_back(request)
+                if mate_revoked:
+                    # A batch-mate of a task revoked with terminate=True: the kill that
+                    # stopped that task stopped the whole batch. Not revoked itself, it
+                    # goes back to its queue uncounted (it was announced revoked, and lost)
+                    admission._give_back(request)
+                # else a cold shutdown's cancel (none revoked): held, as a plain task's
+                # message is, for the channel's close to give back, counted (it started;
+                # given back uncounted, a batch that hung its worker into a cold shutdown
+                # never neared the poison limit, and came back as kin of new arrivals)
                 continue
             getattr(request, method)(*args, **kwargs)
 

@@ -87,6 +87,29 @@ def test_a_task_running_at_a_cold_shutdown_counts(start: Start, client_app: Cele
     assert list(redis_client.hvals(KEYS.redelivered)) == [b"1"]
 
 
+def test_a_batch_running_at_a_cold_shutdown_counts_as_a_task_does(
+        start: Start, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(a batch's members were given back uncounted, as the mates of a revoke(terminate=
+    True): a batch that hung its worker into cold shutdowns never neared the poison
+    limit, and came back as the kin of new arrivals)"""
+    worker = start(visibility_timeout_s="4")
+    hung = client_app.tasks["w.lengths_hung"].delay("hung batch")
+    wait_for(lambda: redis_client.get("test:started:hung batch") == b"1", 60,
+             "the batch to start")
+
+    def accepted() -> bool:  # (the worker's main process has it as started)
+        replies = client_app.control.inspect(destination=[worker.hostname],
+                                             timeout=1).active() or {}
+        return hung.id in {t["id"] for tasks in replies.values() for t in tasks}
+
+    wait_for(accepted, 30, "the worker to count the batch started")
+    time.sleep(2.0)  # a sweep tick or two see it started
+    os.killpg(worker.pid, signal.SIGQUIT)
+    worker.popen.wait(20)
+    assert redis_client.zcard(KEYS.waiting) == 1, worker.log()[-2000:]
+    assert list(redis_client.hvals(KEYS.redelivered)) == [b"1"]
+
+
 def test_a_solo_worker_keeps_a_task_longer_than_the_visibility_timeout(
         start: Start, client_app: Celery, redis_client: redis.Redis) -> None:
     # Given a solo worker running a task 2.5x the visibility timeout (the task blocks

@@ -201,6 +201,14 @@ def register(app: Celery) -> dict[str, Any]:
         """An inference task that calls sys.exit()."""
         sys.exit(code)
 
+    @app.batch_inference_task(name="w.lengths_hung", model="w.identity", shared=False)
+    def lengths_hung(engine: Any, calls: list[Any]) -> list[int]:
+        """``w.lengths``, after marking ``test:started:<first call's text>`` and hanging
+        a minute."""
+        r().set(f"test:started:{calls[0].args[0]}", 1)
+        time.sleep(60)
+        return [len(c.args[0]) for c in calls]
+
     @app.batch_inference_task(name="w.lengths_exits", model="w.identity", shared=False)
     def lengths_exits(engine: Any, calls: list[Any]) -> list[int]:
         """``w.lengths``, but a call "exit" makes the batch function call sys.exit()."""
