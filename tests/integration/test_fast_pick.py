@@ -4,6 +4,7 @@ of it in the consumer's order (the control queue) is still served first."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -154,10 +155,10 @@ def test_an_early_pick_redis_refuses_leaves_that_queue_and_serves_the_others(
         assert WORK in consumer.channel._refused_until
 
 
-def test_an_ack_in_the_event_loop_picks_the_freed_slots_next_task_at_once(
-        app: Celery, redis_client: redis.Redis) -> None:
-    """(``QoS.ack`` -> ``Channel.pick_for_freed_slot``: the pick waited for the loop's
-    next turn, after the ack's own write and the rest of that turn)"""
+@contextlib.contextmanager
+def looped(app: Celery) -> Iterator[tuple[Any, Any, list[Any]]]:
+    """A consumer of ``WORK`` with room for one, on a real kombu event loop (a hub): the
+    hub, the channel and what it is handed, in order."""
     from kombu.asynchronous import Hub
 
     hub = Hub()
@@ -168,6 +169,17 @@ def test_an_ack_in_the_event_loop_picks_the_freed_slots_next_task_at_once(
         channel.basic_qos(0, 1, False)
         Queue(WORK).bind(channel).declare()
         channel.basic_consume(WORK, False, got.append, consumer_tag="work")
+        try:
+            yield hub, channel, got
+        finally:
+            hub.close()
+
+
+def test_an_ack_in_the_event_loop_picks_the_freed_slots_next_task_at_once(
+        app: Celery, redis_client: redis.Redis) -> None:
+    """(``QoS.ack`` -> ``Channel.pick_for_freed_slot``: the pick waited for the loop's
+    next turn, after the ack's own write and the rest of that turn)"""
+    with looped(app) as (hub, channel, got):
         for tag in ("a", "b"):
             send(app, WORK, tag)
         loop = hub.create_loop()  # (this thread is the loop's, as a worker's main thread)
@@ -190,7 +202,6 @@ def test_an_ack_in_the_event_loop_picks_the_freed_slots_next_task_at_once(
         ack.start()
         ack.join()
         assert len(got) == 2
-        hub.close()
 
 
 def test_a_consumer_holding_off_given_back_messages_picks_a_new_one_at_its_pause_end(
@@ -200,16 +211,7 @@ def test_a_consumer_holding_off_given_back_messages_picks_a_new_one_at_its_pause
     callback, was not in that turn's poll timeout, so the loop slept on to its next
     older timer, and a task put meanwhile waited for it: ~0.5 s, up to 1 s, where the
     pause is 0.25)"""
-    from kombu.asynchronous import Hub
-
-    hub = Hub()
-    got: list[Any] = []
-    with app.connection_for_read() as conn:
-        conn.register_with_event_loop(hub)
-        channel: Any = conn.default_channel
-        channel.basic_qos(0, 1, False)
-        Queue(WORK).bind(channel).declare()
-        channel.basic_consume(WORK, False, got.append, consumer_tag="work")
+    with looped(app) as (hub, channel, got):
         send(app, WORK, "given back")
         loop = hub.create_loop()
         deadline = time.monotonic() + 10
@@ -227,4 +229,3 @@ def test_a_consumer_holding_off_given_back_messages_picks_a_new_one_at_its_pause
             next(loop)
         # Then it is picked when the pause ends, before that timer
         assert [m.payload[0][0] for m in got] == ["new"] and not sentinel
-        hub.close()
