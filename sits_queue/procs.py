@@ -50,7 +50,10 @@ class CeleryProcess:
             return ""
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """Warm shutdown (SIGTERM): running tasks finish, held messages go back."""
+        """SIGTERM to the process group, as a service manager stops one: the main process
+        shuts down warm and gives its held messages back; the pool children get it too,
+        so a task still running is cut short and requeued, as for a lost child (signal
+        the main process alone for running tasks to finish)."""
         if not self.alive():
             return
         self._signal(signal.SIGTERM)
