@@ -1,12 +1,15 @@
 """Checks of one setting's value, shared by the config dataclasses: each raises
 :class:`ConfigError` naming the setting and what it must hold. And the two helpers every
-reader of outside values shares: :func:`shown` (a value for an error message) and
+reader of outside values shares: :func:`shown` (a value for an error message),
 :func:`stored_number` (a number read back from Redis or a record, which another program
-may have written)."""
+may have written) and :func:`is_utf8` (a str Redis can take); and :func:`make_file_in`,
+whether a directory takes a new file."""
 
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from dataclasses import fields
 from typing import Any, TypeGuard
 
@@ -71,6 +74,26 @@ MAX_DURATION_S = 365 * 86_400
 
 #: Longest raw value an error message quotes whole, characters.
 _QUOTED_CHARS = 80
+
+
+def is_utf8(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8: not so a str with a lone surrogate (JSON
+    carries one as ``"\\udcff"``), which no Redis command can take."""
+    if text.isascii():
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def make_file_in(directory: str | os.PathLike[str], prefix: str = ".sits-") -> None:
+    """Make a file in ``directory`` and remove it, or raise the OSError that stopped it:
+    tried, not asked (``os.access`` says yes to root everywhere, /proc included)."""
+    fd, probe = tempfile.mkstemp(prefix=prefix, dir=directory)
+    os.close(fd)
+    os.unlink(probe)
 
 
 def shown(value: Any) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 from kombu.entity import Queue
 
-from sits_queue.checks import shown
+from sits_queue.checks import is_utf8, shown
 from sits_queue.errors import InvalidTaskOptions
 from sits_queue.etas import after_seconds, out_of_range, read_eta
 
@@ -36,12 +36,10 @@ def check_delivery(name: str, options: Mapping[str, Any],
     if task_id is not None and (not isinstance(task_id, str) or not task_id):
         raise InvalidTaskOptions(f"task {name}: task_id must be a non-empty string, got "
                                  f"{shown(task_id)}")
-    if task_id is not None and not task_id.isascii():
-        try:  # (a lone surrogate was sent, to be dead-lettered: no result key holds it)
-            task_id.encode()
-        except UnicodeEncodeError:
-            raise InvalidTaskOptions(f"task {name}: task_id must be UTF-8 text, got "
-                                     f"{shown(task_id)}") from None
+    if task_id is not None and not is_utf8(task_id):
+        # (a lone surrogate was sent, to be dead-lettered: no result key holds it)
+        raise InvalidTaskOptions(f"task {name}: task_id must be UTF-8 text, got "
+                                 f"{shown(task_id)}")
     countdown = options.get("countdown")
     if countdown is not None:
         _seconds_from_now(name, "countdown", countdown, zone)

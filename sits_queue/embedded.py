@@ -32,6 +32,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from sits_queue.checks import make_file_in
 from sits_queue.embeddedfiles import (
     CONF_FILE,
     LOG_FILE,
@@ -501,7 +502,10 @@ def _ensure(data_dir: Path) -> tuple[str, bool]:
             _await_loaded(live[0], password)
             return _url(live[0], password), False
         _kill_stale(data_dir)
-        _check_writable(data_dir)
+        # (a server started in a dir it cannot write wrote no pid file: it was waited
+        # for 10 s, said not to answer (it did), and left running where stop-redis
+        # could not find it)
+        make_file_in(data_dir, ".probe-")
         # Reuse the old port when free so workers holding the old URL reconnect.
         previous = read_port(data_dir)
         server: EmbeddedRedis | None = None
@@ -519,15 +523,6 @@ def _ensure(data_dir: Path) -> tuple[str, bool]:
         assert server.port is not None  # (started)
         _await_loaded(server.port, password)
         return server.url, True
-
-
-def _check_writable(data_dir: Path) -> None:
-    """Raise OSError unless a file can be made in ``data_dir``, tried, not asked: a server
-    started in a read-only dir wrote no pid file, so it was waited for 10 s, said not to
-    answer (it did), and left running where ``stop-redis`` could not find it."""
-    probe = data_dir / f".probe-{os.getpid()}"
-    probe.touch()
-    probe.unlink()
 
 
 def stop_server(data_dir: Path | None = None) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from sits_queue.checks import make_file_in
 from sits_queue.config import check_redis_url
 from sits_queue.embedded import EmbeddedRedis
 
@@ -130,9 +130,7 @@ def _checked_json_path(path: Path) -> Path:
             with path.open("a"):
                 pass
         else:
-            fd, probe = tempfile.mkstemp(prefix=".sits-bench-", dir=parent)
-            os.close(fd)
-            os.unlink(probe)
+            make_file_in(parent, ".sits-bench-")
     except OSError as exc:
         raise ValueError(f"{path} is not writable: {exc.strerror or exc}") from exc
     return path

@@ -17,7 +17,7 @@ from kombu.transport import virtual
 from kombu.utils.json import dumps, loads
 
 from sits_queue.broker.keys import AFFINITY_HEADER, BATCH_INFO, CHECKPOINT_HEADER, DELIVERY_HEADER
-from sits_queue.checks import shown
+from sits_queue.checks import is_utf8, shown
 
 #: Types orjson writes as kombu's JSON does (so kombu's ``loads`` gives the same value).
 _NATIVE = frozenset({str, int, bool, type(None)})
@@ -103,7 +103,7 @@ def _check_task_message(headers: dict[str, Any]) -> None:
     if not isinstance(task_id, str) or not task_id:
         raise MalformedPayload(f"headers.id is not a task id (a non-empty string): "
                                f"{shown(task_id)}")
-    if not task_id.isascii() and not _utf8(task_id):  # (a lone surrogate, JSON-escaped)
+    if not is_utf8(task_id):  # (a lone surrogate, JSON-escaped)
         # ran, then its result could not be stored (UnicodeEncodeError in the worker's
         # main process) and the message was acked: lost, unexplained
         raise MalformedPayload(f"headers.id is not UTF-8 text: {shown(task_id)}")
@@ -170,14 +170,6 @@ def check_task_body(message: Any) -> None:
             and isinstance(decoded[1], dict) and isinstance(decoded[2], (dict, type(None)))):
         raise MalformedPayload("body is not a task's [args (a list), kwargs (an object), "
                                "embed (an object)]")
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _expect(value: Any, kind: type | tuple[type, ...], name: str, what: str) -> None:
