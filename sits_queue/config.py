@@ -376,10 +376,10 @@ class SitsConfig:
         # ...and below the floor, where a score's levels are as far apart as the
         # priorities themselves: weights of 1e-12 .. 1e-14 put every task at level 0,
         # a high task queued after a low one ran after it
-        lowest = min(c.weight for c in self.classes) * PRIORITY_SCALE
-        if lowest < PRIORITY_FLOOR:
+        least = min(c.weight for c in self.classes)
+        if (lowest := least * PRIORITY_SCALE) < PRIORITY_FLOOR:
             raise ConfigError(
-                f"class weights down to {min(c.weight for c in self.classes):g} make "
+                f"class weights down to {least:g} make "
                 f"priorities from {lowest:.3g}, under what a queue score tells apart "
                 f"({PRIORITY_FLOOR:g}): scale the weights up (only their ratios matter)")
 

@@ -32,6 +32,7 @@ import enum
 import hashlib
 import json
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -215,7 +216,7 @@ def parse_peers(text: str) -> tuple[Peer, ...]:
         # (blanks kept: "?prefix=" names the empty prefix, and was dropped unsaid, the
         # site's own prefix used instead; "?hops=" is refused, not read as 1)
         pairs = parse_qsl(parts.query, keep_blank_values=True)
-        if twice := sorted({k for k, _ in pairs if [n for n, _ in pairs].count(k) > 1}):
+        if twice := sorted(k for k, n in Counter(k for k, _ in pairs).items() if n > 1):
             raise ConfigError(f"site_peers entry {name!r}: {', '.join(twice)} given twice")
         query = dict(pairs)
         hops_text, rtt_text = query.pop("hops", "1"), query.pop("rtt_ms", None)

@@ -62,7 +62,7 @@ class Deferred:
     """
 
     def __init__(self, write: Callable[[], None], defer_s: float = DEFER_S,
-                 name: str = "advert", what: str = "publish the child's advert") -> None:
+                 *, name: str = "deferred", what: str = "write what was deferred") -> None:
         self._write = write
         self._defer_s = defer_s
         self._name, self._what = f"sits-{name}", what

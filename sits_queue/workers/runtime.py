@@ -190,7 +190,8 @@ class ChildRuntime:
     _resolved_budgets: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        self._deferred = deferred.Deferred(lambda: self.publish(at_once=True))
+        self._deferred = deferred.Deferred(lambda: self.publish(at_once=True), name="advert",
+                                           what="publish the child's advert")
 
     @property
     def config(self) -> SitsConfig:

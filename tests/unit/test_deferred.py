@@ -61,7 +61,8 @@ def test_a_write_made_another_way_or_dropped_is_not_made_again() -> None:
 
 def test_the_thread_outlives_a_write_that_raises(caplog: pytest.LogCaptureFixture) -> None:
     writes = Writes(fail_first=True)
-    writer = Deferred(writes, defer_s=0.05)
+    writer = Deferred(writes, defer_s=0.05, name="advert",  # (as runtime.py makes it)
+                      what="publish the child's advert")
     writer.arm()
     assert writes.done.wait(WAIT_S)
     writes.done.clear()
