@@ -189,6 +189,12 @@ class DeadLetter:
                 "age_s": None if self.at is None else round(now_s - self.at, 1)}
 
 
+#: What reading a record another program wrote may raise (ArithmeticError: an integer
+#: past float's range; RecursionError: JSON nested thousands deep).
+_UNREADABLE = (ValueError, TypeError, AttributeError, KeyError, ArithmeticError,
+               RecursionError)
+
+
 def read(client: Any, dead_key: str, limit: int | None = None) -> list[DeadLetter]:
     """The queue's dead letters, oldest first (at most ``limit``). A record that does not
     parse is shown with what could be read of it."""
@@ -201,10 +207,7 @@ def read(client: Any, dead_key: str, limit: int | None = None) -> list[DeadLette
             at = float(parsed["at"]) if parsed.get("at") is not None else None
             if at is not None and not math.isfinite(at):
                 at = None  # (a foreign writer's "nan": --json must stay JSON)
-        except (ValueError, TypeError, AttributeError, KeyError, ArithmeticError,
-                RecursionError):
-            # (ArithmeticError: a foreign writer's integer past float's range; Recursion:
-            # JSON nested thousands deep)
+        except _UNREADABLE:
             reason, at = "(unreadable record)", None
         task = task_of(record)
         out.append(DeadLetter(message_id, task[1] if task else "?",
@@ -318,8 +321,7 @@ def expire(client: Any, dead_key: str, before_s: float, chunk: int = 500) -> int
     for message_id, record in client.hscan_iter(dead_key, count=chunk):
         try:
             at = float(parsed_record(record)["at"])
-        except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError,
-                RecursionError):
+        except _UNREADABLE:
             continue
         if at < before_s:
             old.append(message_id)
