@@ -31,7 +31,7 @@ from typing import Any
 from sits_queue.broker.keys import DELIVERY_HEADER
 from sits_queue.options import HEADER
 from sits_queue.spells import Spell
-from sits_queue.workers import gpu, request
+from sits_queue.workers import freemem, gpu, request
 from sits_queue.workers.limits import BYTES_PER_GIB
 from sits_queue.workers.runtime import ChildRuntime
 from sits_queue.workers.taskheader import task_class
@@ -39,7 +39,7 @@ from sits_queue.workers.taskheader import task_class
 logger = logging.getLogger(__name__)
 
 #: This child's NVML reader of its own device (opened at the first check, kept open).
-_probe: request.FreeMemoryProbe | None = None
+_probe: freemem.FreeMemoryProbe | None = None
 #: This child's failures to read its device's memory, said once a spell.
 _unreadable = Spell(logger)
 
@@ -49,7 +49,7 @@ def own_free_bytes(rt: ChildRuntime) -> int:
     NVML's free figure plus this child's cached blocks (reserved, not allocated)."""
     global _probe
     if _probe is None:
-        _probe = request.NvmlProbe([rt.device.uuid])
+        _probe = freemem.NvmlProbe([rt.device.uuid])
     stats = gpu.memory_stats()
     cached = max(0, stats["reserved_bytes"] - stats["allocated_bytes"])
     return _probe.max_free_bytes({rt.device.uuid: cached})

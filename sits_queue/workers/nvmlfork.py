@@ -3,7 +3,7 @@ closed in the worker's parent, as it is when the pool first starts.
 
 The parent asks NVML (never CUDA) about its GPUs: at start (:func:`devices.discover`),
 from the advertiser's thread every few seconds, and on the main thread when it admits a
-task that declares its VRAM (``request.NvmlProbe``, which keeps NVML open). The pool
+task that declares its VRAM (``freemem.NvmlProbe``, which keeps NVML open). The pool
 forks later too: a replacement for a child killed at its hard time limit. A fork copies
 libnvidia-ml as the other threads left it (a call in flight holds the library's own
 mutexes; an open session holds its connection to the driver), and the child asks NVML

@@ -53,6 +53,7 @@ from sits_queue.workers import (
     deferred,
     devices,
     etaorder,
+    freemem,
     gpu,
     metrics,
     profile,
@@ -477,11 +478,11 @@ def _arm_admission(app: Celery, hostname: str, discovery: Discovery,
     global _armed
     _armed = (app, hostname)
     if not gpus:
-        admission.configure(admission.HostProbe())
+        admission.configure(freemem.HostProbe())
         return
     config = app.sits  # (its children's records: what they hold cached, for admission)
-    admission.configure(admission.NvmlProbe([d.uuid for d in gpus]), lambda: (
-        admission.cached_by_device(advertise.read_children(
+    admission.configure(freemem.NvmlProbe([d.uuid for d in gpus]), lambda: (
+        freemem.cached_by_device(advertise.read_children(
             advertise.client_for(config), config.global_keyprefix, hostname),
             lambda slot: device_for_slot(discovery, slot))))
 

@@ -15,7 +15,7 @@ from sits_queue.app import make_app
 from sits_queue.broker.keys import DELIVERY_HEADER
 from sits_queue.config import SitsConfig
 from sits_queue.options import HEADER
-from sits_queue.workers import devicefit, gpu, request
+from sits_queue.workers import devicefit, freemem, gpu, request
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.devices import Device, Discovery
 from sits_queue.workers.limits import BYTES_PER_GIB as GIB
@@ -164,7 +164,7 @@ def test_own_free_memory_counts_this_childs_cached_blocks(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # NVML counts the allocator's cache used, yet the task reuses it
     nvml = FakeNvml(10 * GIB)
-    monkeypatch.setattr(devicefit, "_probe", request.NvmlProbe(["GPU-0001-uuid"], nvml))
+    monkeypatch.setattr(devicefit, "_probe", freemem.NvmlProbe(["GPU-0001-uuid"], nvml))
     monkeypatch.setattr(gpu, "memory_stats", lambda: {
         "allocated_bytes": 2 * GIB, "reserved_bytes": 32 * GIB, "peak_allocated_bytes": 0})
     assert devicefit.own_free_bytes(child(slot=1)) == 40 * GIB

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from sits_queue.workers import devices, nvmlfork
-from sits_queue.workers.request import NvmlProbe
+from sits_queue.workers.freemem import NvmlProbe
 from tests.unit.test_devices import two_h100s
 
 #: A fake NVML for the scripts: counts inits and shutdowns, answers memory by UUID.
@@ -23,7 +23,7 @@ FAKE = """
 import json, os, sys, threading, time
 from types import SimpleNamespace
 from sits_queue.workers import nvmlfork
-from sits_queue.workers.request import NvmlProbe
+from sits_queue.workers.freemem import NvmlProbe
 
 class Nvml:
     def __init__(self):

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from sits_queue.broker import affinity
-from sits_queue.workers import request, steer
+from sits_queue.workers import freemem, request, steer
 from tests.unit.test_worker_runtime import CeleryGenerated, fake_nvml, fake_request
 
 GIB = 2**30
@@ -144,7 +144,7 @@ def test_a_child_a_waiting_job_will_take_is_not_idle_for_the_pick() -> None:
 def test_admission_notes_the_devices_that_hold_the_task() -> None:
     nvml = fake_nvml({"GPU-big": SimpleNamespace(free=70 * GIB, total=80 * GIB),
                       "GPU-small": SimpleNamespace(free=35 * GIB, total=40 * GIB)})
-    request.configure(request.NvmlProbe(["GPU-big", "GPU-small"], nvml))
+    request.configure(freemem.NvmlProbe(["GPU-big", "GPU-small"], nvml))
     try:
         CeleryGenerated.ran.clear()
         big, _ = fake_request(50)
@@ -163,7 +163,7 @@ def test_admission_weighs_only_the_gpus_of_live_children() -> None:
     80 GB GPU's room went to a child on the 40 GB one and was given back at every take)"""
     nvml = fake_nvml({"GPU-big": SimpleNamespace(free=70 * GIB, total=80 * GIB),
                       "GPU-small": SimpleNamespace(free=35 * GIB, total=40 * GIB)})
-    request.configure(request.NvmlProbe(["GPU-big", "GPU-small"], nvml))
+    request.configure(freemem.NvmlProbe(["GPU-big", "GPU-small"], nvml))
     try:
         request.admit_on(frozenset({"GPU-small"}))  # the big GPU's child not forked yet
         CeleryGenerated.ran.clear()

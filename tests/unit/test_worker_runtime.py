@@ -19,7 +19,7 @@ from sits_queue.config import DEFAULT_CLASSES, ClassQuota, SitsConfig
 from sits_queue.errors import ConfigError, ModelLoadError, UnknownModel, VramLimitExceeded
 from sits_queue.options import HEADER
 from sits_queue.registry import ModelRegistry, load_engine
-from sits_queue.workers import advertise, gpu, limits, request, taskheader
+from sits_queue.workers import advertise, freemem, gpu, limits, request, taskheader
 from sits_queue.workers import runtime as rt
 from sits_queue.workers.devices import Device, Discovery
 from sits_queue.workers.limits import BYTES_PER_GIB
@@ -923,13 +923,13 @@ def test_what_a_child_holds_cached_counts_as_free_on_its_device(
     held off for ever by the worker whose child could run it)"""
     nvml = fake_nvml({"GPU-a": SimpleNamespace(free=26 * GIB, total=80 * GIB)})
     cached = {"GPU-a": 50 * GIB}
-    request.configure(request.NvmlProbe(["GPU-a"], nvml), lambda: cached)
+    request.configure(freemem.NvmlProbe(["GPU-a"], nvml), lambda: cached)
     try:
         CeleryGenerated.ran.clear()
         fits, qos = fake_request(40)
         assert fits.execute_using_pool(None) == "sent to the pool" and qos.released == []
         # unreadable records (Redis away): NVML's figure alone, as before
-        request.configure(request.NvmlProbe(["GPU-a"], nvml),
+        request.configure(freemem.NvmlProbe(["GPU-a"], nvml),
                           lambda: (_ for _ in ()).throw(ConnectionError("gone")))
         refused, qos = fake_request(40)
         with pytest.raises(request.NotStartedHere):
@@ -951,17 +951,17 @@ def test_cached_memory_is_read_per_device_the_least_of_its_children() -> None:
                 "3": child("lots", 1), "4": child(True, 0), "x": child(9, 0), "5": "odd"}
     device_of = lambda slot: gpus.get(slot) or SimpleNamespace(kind="cpu", uuid="cpu")  # noqa: E731
     # the task goes to whichever child of the device is idle: the least any holds
-    assert request.cached_by_device(children, device_of) == {"GPU-a": 10, "GPU-b": 0}
-    assert request.cached_by_device({}, device_of) == {}
+    assert freemem.cached_by_device(children, device_of) == {"GPU-a": 10, "GPU-b": 0}
+    assert freemem.cached_by_device({}, device_of) == {}
 
 
 def test_a_probe_reads_the_largest_device_in_all() -> None:
     memory = {"a": SimpleNamespace(free=5, total=16), "b": SimpleNamespace(free=9, total=12)}
-    probe = request.NvmlProbe(["a", "b"], fake_nvml(memory))
+    probe = freemem.NvmlProbe(["a", "b"], fake_nvml(memory))
     assert (probe.max_free_bytes(), probe.max_total_bytes()) == (9, 16)
     assert probe.max_free_bytes({"a": 6}) == 11  # a's cached memory counted on a
     probe.close()
-    host = request.HostProbe()
+    host = freemem.HostProbe()
     assert 0 < host.max_free_bytes() <= host.max_total_bytes()
 
 
