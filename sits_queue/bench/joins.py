@@ -89,6 +89,9 @@ class LocalFeed:
     def decline(self, index: int) -> None:
         self.declined.add(index)
 
+    def first_token(self, index: int) -> None:
+        """(A joined row's first token: the benchmark times the whole run.)"""
+
 
 def _active(engine: Any, device: str, **extra: Any) -> rt.ActiveTask:
     return rt.ActiveTask("lm", SitsConfig().quota("high"), int(engine.size_bytes()), device,

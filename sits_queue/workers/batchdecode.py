@@ -176,6 +176,7 @@ class Decoding:
         kept, tokens = [], []
         for b, row in enumerate(fresh):
             joining.starts[row.index] = starts[b]
+            joining.first(row.index)
             self.rows.append(row)
             self.new.append([firsts[b]])
             if row.most <= 1 or firsts[b] in self.eos:  # done at its first token

@@ -57,6 +57,7 @@ from celery.exceptions import Retry, SoftTimeLimitExceeded
 from kombu.serialization import loads, prepare_accept_content
 
 from sits_queue import tracing
+from sits_queue.broker.keys import AFFINITY_HEADER
 from sits_queue.errors import InferenceError, InvalidInput
 from sits_queue.exits import fail_exits
 from sits_queue.workers import (
@@ -175,19 +176,24 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
     traced: dict[int, Any] = {}  # calls done before the batch: what their trace returned
     said: dict[str, Any] = {}  # what the batch's span says, for each member's own
 
+    feed = _feed(app, join, joined) if join is not None else None
+
     def early(index: int, output: Any, meta: dict[str, Any]) -> bool:
         # Celery's tracer, as for any task (result, signals, chord), run now: the
         # caller's get() returns while the batch goes on. Events and the ack follow
         # with the batch's, from the main process. A call is traced once.
         if index in traced or not 0 <= index < len(calls):
             return False
+        late = index >= len(given)  # it joined the batch on the way
+        if late and feed is not None:  # its own run: its join to its end, warm
+            meta = {**feed.own_meta(index, meta),
+                    "affinity": bool(getattr(requests[index], AFFINITY_HEADER, False))}
         _outcomes[calls[index].id] = (output if isinstance(output, BaseException) else
                                       _result(output, meta, index, len(calls),
-                                              joined=index >= len(given)), said)
+                                              joined=late), said)
         traced[index] = trace(*jobs[index])
         return True
 
-    feed = _feed(app, join, joined) if join is not None else None
     try:
         # its own span: the members' run spans begin only as each is traced, after it
         with tracing.batch_span(f"run_batch/{task.name}", [job[2] for job in jobs], said):
@@ -385,10 +391,14 @@ class BatchInferenceTask(inference.InferenceTask):
 
 def _own_attributes(outcome: Any) -> dict[str, Any]:
     """The span attributes a batch's call has of its own (a generation row's first
-    token and cached prompt tokens), from its outcome."""
+    token and cached prompt tokens; a call that joined it on the way, its warm start and
+    affinity), from its outcome."""
     if not isinstance(outcome, dict):
         return {}
     meta, output = outcome.get("sits") or {}, outcome.get("output")
     cached = output.get("cached_tokens") if isinstance(output, dict) else None
-    return {"sits.first_token_ms": meta.get("first_token_ms"),
-            "sits.cached_tokens": cached if isinstance(cached, int) else None}
+    own = {"sits.first_token_ms": meta.get("first_token_ms"),
+           "sits.cached_tokens": cached if isinstance(cached, int) else None}
+    if (meta.get("batch") or {}).get("joined"):
+        own.update({"sits.cold": meta.get("cold"), "sits.affinity": meta.get("affinity")})
+    return own

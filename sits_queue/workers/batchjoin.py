@@ -41,6 +41,8 @@ class Joining:
     prefill: Callable[[list[_Row], Any], Prefilled | None]
     #: Each joined call's (shared tokens, tokens from the KV-prefix store).
     starts: dict[int, tuple[int, int]] = field(default_factory=dict)
+    #: ``first(index)``: joined call ``index`` has its first new token (its own timing).
+    first: Callable[[int], None] = lambda index: None
 
 
 def joining_for(engine: Any, tokenizer: Any, model: str, limit: int | None, stop: bool,
@@ -79,7 +81,8 @@ def joining_for(engine: Any, tokenizer: Any, model: str, limit: int | None, stop
         getattr(tokenizer, "eos_token_id", None) or 0)
     return Joining(take, lambda row: feed.decline(row.index),
                    lambda rows, generator: prefill_rows(module, model, rows, generator,
-                                                        active, pad))
+                                                        active, pad),
+                   first=feed.first_token)
 
 
 def _prefill_row(module: Any, model: str, row: _Row, generator: Any,

@@ -272,6 +272,8 @@ def _account(run: _Run, meta: dict[str, Any], tasks: int, joins: Any, output: An
     if run.clock.ms is not None:
         run.rt.count(metrics.first_token_fields(run.clock.ms, tasks))
         tracing.annotate({"sits.first_token_ms": run.clock.ms})
+    for ms in joins.first_tokens_ms() if joined else ():  # each joined call's own
+        run.rt.count(metrics.first_token_fields(ms))
     if isinstance(output, dict) and isinstance(output.get("cached_tokens"), int):
         tracing.annotate({"sits.cached_tokens": output["cached_tokens"]})
 

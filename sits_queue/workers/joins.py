@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,7 @@ from kombu.utils.json import dumps, loads
 
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.broker.scripts import Scripts
+from sits_queue.cache.pool import COLD_PHASES
 
 if TYPE_CHECKING:
     from sits_queue.workers.batched import Call
@@ -119,6 +120,10 @@ def _join_script(client: redis.Redis, keys: list[str], *args: Any) -> Any:
     return _scripts.run_on("join", keys, list(args), client)
 
 
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
+
+
 # -- the pool child ---------------------------------------------------------------------------
 
 @dataclass
@@ -137,6 +142,10 @@ class Feed:
     taken: int = 0
     offered: int = -1
     open: bool = True
+    #: perf_counter s when each joined call (by index) was taken, and when its first new
+    #: token came (:meth:`first_token`): its own run's, for its result (:meth:`own_meta`).
+    joined_at: dict[int, float] = field(default_factory=dict)
+    first_at: dict[int, float] = field(default_factory=dict)
 
     @property
     def least(self) -> int:
@@ -178,6 +187,7 @@ class Feed:
         for item in raw:
             try:
                 taken.append(self.add(decode_job(item)))
+                self.joined_at[taken[-1][0]] = time.perf_counter()
             except (ValueError, KombuError) as exc:  # not our main process's: a bug, or
                 # forged (content the app does not accept). Stop here: the main process
                 # runs its jobs from this one on again (it counts those the batch
@@ -189,6 +199,29 @@ class Feed:
 
     def fits(self, most: int, step_s: float) -> bool:
         return fits(time.monotonic(), self.deadline(), most, step_s)
+
+    def first_token(self, index: int) -> None:
+        """The joined call ``index`` has its first new token (its prefill's)."""
+        if index not in self.first_at:
+            self.first_at[index] = time.perf_counter()
+
+    def first_tokens_ms(self) -> list[float]:
+        """Each joined call's time from its join to its first new token, ms."""
+        return [_ms(at - self.joined_at[i]) for i, at in self.first_at.items()
+                if i in self.joined_at]
+
+    def own_meta(self, index: int, meta: Mapping[str, Any]) -> dict[str, Any]:
+        """Joined call ``index``'s result metadata as it leaves: the batch's (device,
+        class, limits, precision) with its own run: served by the engine the batch held,
+        no cold start; its run and its first token timed from its join (the batch's
+        figures, a cold load's included, were another run's)."""
+        now = time.perf_counter()
+        began = self.joined_at.get(index, now)
+        first = self.first_at.get(index)
+        return {**meta, "cold": False, "source": "device",
+                **dict.fromkeys(COLD_PHASES, 0.0), "evicted": [], "demoted": [],
+                "run_ms": _ms(now - began),
+                "first_token_ms": _ms(first - began) if first is not None else None}
 
     def decline(self, index: int) -> None:
         """The job at call ``index`` is not run here: the main process runs it again (told

@@ -103,6 +103,11 @@ def test_tasks_join_a_running_batch_and_decode_as_alone(
         # stored when done, while the long row went on
         assert result.date_done < first["long"].date_done
         assert got["sits"]["run_ms"] < long["sits"]["run_ms"]
+        # its own run, warm, timed from its join: not the batch's figures
+        sits = got["sits"]
+        assert (sits["cold"], sits["source"], sits["load_ms"]) == (False, "device", 0.0)
+        assert 0 < sits["first_token_ms"] <= sits["run_ms"]
+        assert sits["first_token_ms"] != long["sits"]["first_token_ms"]
     assert long["output"]["tokens"] == LONG and "joined" not in long["sits"]["batch"]
 
 
@@ -128,6 +133,7 @@ def test_joined_tasks_are_counted_and_no_join_keys_are_left(
     wait_for(lambda: counters().get("model_runs:slow") == 3 + len(LATER)  # each task once
              and not list(r.scan_iter(match="*:join:*")), 30, "the batches to end")
     assert counters()["joined"] == 3  # the short one and the later two (the last declined)
+    assert counters()["ftt"] == 3 + len(LATER)  # each generation's own first token
     assert counters().get("failed", 0) == 0  # a joined task that succeeded is no failure
 
 

@@ -71,6 +71,34 @@ def test_a_batch_offers_its_rows_only_once_it_would_take_them(
     assert [c for c in calls if c[0] == "take"] == [("take", 2)]
 
 
+def test_a_joined_call_reports_its_own_warm_run_not_the_batch_s_cold_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(joined calls carried the batch's sits block: a cold start they never paid, its
+    load_ms, and the first token of the batch's own run; the metrics counted one first
+    token for the batch, none for the calls that joined it)"""
+    monkeypatch.setattr(joins, "_join_script",
+                        lambda client, keys, op, *args: 1 if op == "room" else [b"job"])
+    monkeypatch.setattr(joins, "decode_job", lambda raw: raw)
+    clock = iter([10.0, 10.25, 10.5, 11.0])
+    monkeypatch.setattr(joins.time, "perf_counter", lambda: next(clock))
+    feed = joins.Feed(client=None, keys=["l", "s"], capacity=4, until=float("inf"),
+                      add=lambda job: (3, Call("x", (), {})))
+    assert [i for i, _ in feed.take(1)] == [3]  # taken at 10.0
+    feed.first_token(3)  # 10.25
+    feed.first_token(3)  # (once: a later call changes nothing)
+    batch = {"cold": True, "source": "disk", "cuda_ctx_ms": 3.0, "load_ms": 145.7,
+             "promote_ms": 2.0, "warmup_ms": 9.0, "evicted": ["a"], "demoted": ["b"],
+             "run_ms": 900.0, "first_token_ms": 455.2, "device": "cpu", "slot": 0,
+             "sla_class": "low", "precision": None}
+    own = feed.own_meta(3, batch)  # it leaves at 10.5
+    assert own == {**batch, "cold": False, "source": "device", "cuda_ctx_ms": 0.0,
+                   "load_ms": 0.0, "promote_ms": 0.0, "warmup_ms": 0.0, "evicted": [],
+                   "demoted": [], "run_ms": 500.0, "first_token_ms": 250.0}
+    assert feed.first_tokens_ms() == [250.0]
+    # one that left with no first token said (failed at its parse): none made up
+    assert feed.own_meta(7, batch)["first_token_ms"] is None
+
+
 def test_join_keys_share_the_queue_hash_tag() -> None:
     keys = joins.join_keys("gen", "task-1", "p:")
     assert keys == ["p:sits:{gen}:join:task-1", "p:sits:{gen}:join:task-1:state"]
@@ -116,6 +144,7 @@ class ListFeed:
     rooms: list[int] = field(default_factory=list)
     declined: set[int] = field(default_factory=set)
     fit: bool = True
+    firsts: list[int] = field(default_factory=list)  # joined rows with a first token
 
     def take(self, live: int) -> list[tuple[int, Call]]:
         free = joins.room(self.capacity, live)
@@ -134,6 +163,9 @@ class ListFeed:
 
     def decline(self, index: int) -> None:
         self.declined.add(index)
+
+    def first_token(self, index: int) -> None:
+        self.firsts.append(index)
 
 
 def run_with(lm: Any, own: list[Call], feed: ListFeed
@@ -193,6 +225,9 @@ def test_rows_join_freed_slots_and_decode_exactly_as_alone(lm: Any) -> None:
     # 6 runs b alone; h joins (P) (g was declined); steps 7-8 run b, h; step 9 b alone.
     assert sizes == [2, 1, 3, 1, 3, 3, 3, 1, 1, 1, 2, 2, 1]
     assert feed.taken == [2, 3, 4, 5, 6, 7]
+    # each joined row's first token is its own, said as its prefill gives it ("e"'s
+    # too, done at it; not the failed "f"'s nor the declined "g"'s)
+    assert feed.firsts == [2, 3, 4, 7]
 
 
 def test_no_room_no_joins_and_joins_end_with_the_batch(lm: Any) -> None:
