@@ -294,14 +294,33 @@ def _displace(state: PoolState, victim: Entry, keep: str, now_s: float,
 def _make_device_room(state: PoolState, size_bytes: int, keep: str, now_s: float,
                       half_life_s: float, lent: int) -> list[Action]:
     actions: list[Action] = []
-    for victim in victim_order((e for e in state.on("device") if e.key != keep),
-                               now_s, half_life_s):
-        if state.free("device") >= size_bytes:
-            break
+    for victim in _victims(state, size_bytes, keep, now_s, half_life_s):
         step = _displace(state, victim, keep, now_s, half_life_s, lent)
         state = _run(state, step, now_s)
         actions += step
     return _evicted_where_demoted(actions)
+
+
+def _victims(state: PoolState, size_bytes: int, keep: str, now_s: float,
+             half_life_s: float) -> list[Entry]:
+    """The device engines that leave to free ``size_bytes``: the coldest first until
+    they do, less those whose room the later, larger ones made needless, the warmest
+    of them kept first (a small cold engine taken first, then a larger one that freed
+    enough alone: both went, the small one the engine just used, and it came back from
+    the host at its next task)."""
+    free = state.free("device")
+    chosen: list[Entry] = []
+    for victim in victim_order((e for e in state.on("device") if e.key != keep),
+                               now_s, half_life_s):
+        if free >= size_bytes:
+            break
+        chosen.append(victim)
+        free += victim.size_bytes
+    for victim in reversed(chosen[:-1]):
+        if free - victim.size_bytes >= size_bytes:
+            chosen.remove(victim)
+            free -= victim.size_bytes
+    return chosen
 
 
 def _evicted_where_demoted(actions: list[Action]) -> list[Action]:

@@ -139,6 +139,26 @@ def test_eviction_follows_activity_not_plain_recency() -> None:
     assert plan.actions == (("demote", "once"), ("load", "new"))
 
 
+def test_an_engine_whose_room_a_larger_victim_made_needless_stays() -> None:
+    """(the probe's sequence on 3 MB tiers: big1, big2, big3, big1, big2, small, big3;
+    big3 demoted "small", the engine just used, and big1, which alone was enough)"""
+    # Given a device holding two large engines used twice and a small one used once
+    s = state(30, 70, entry("big1", 12, "device", uses=(1.0, 4.0)),
+              entry("big2", 12, "device", uses=(2.0, 5.0)),
+              entry("small", 1, "device", uses=(6.0,)))
+    # When a large engine needs 12 with 5 free: "small" is the coldest, too small alone
+    plan = plan_admit(s, "big3", 12, 7.0, HALF_LIFE_S)
+    # Then only the larger victim goes: the small one's room was not needed after all
+    assert plan.actions == (("demote", "big1"), ("load", "big3"))
+
+
+def test_every_victim_stays_needed_when_each_frees_part_of_the_room() -> None:
+    s = state(30, 70, entry("a", 10, "device", uses=(1.0,)),
+              entry("b", 10, "device", uses=(2.0,)), entry("c", 10, "device", uses=(3.0,)))
+    plan = plan_admit(s, "new", 20, 4.0, HALF_LIFE_S)
+    assert plan.actions == (("demote", "a"), ("demote", "b"), ("load", "new"))
+
+
 def test_demotion_keeps_the_engine_in_host_memory() -> None:
     s = state(10, 70, entry("old", 10, "device"))
     _, s = admit(s, "new", 10, now=5.0)
