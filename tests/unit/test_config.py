@@ -313,6 +313,40 @@ def test_a_variable_that_nearly_names_a_setting_is_warned_about(
         "(TOML)"]
 
 
+@pytest.mark.parametrize(("name", "meant"), [
+    # (difflib named the seconds setting, which refuses "on"; and a unit word missing
+    # or another was not warned about at all)
+    ("SITS_BATCH_JOINS", "SITS_BATCH_JOIN or SITS_BATCH_JOIN_S"),
+    ("SITS_HOST_CACHE", "SITS_HOST_CACHE_BYTES"),
+    ("SITS_HOST_CACHE_SIZE", "SITS_HOST_CACHE_BYTES"),
+    ("SITS_DEVICE_CACHE_SIZE", "SITS_DEVICE_CACHE_BYTES"),
+    ("SITS_REDIS_ULR", "SITS_REDIS_URL"),  # two letters swapped: one edit
+    ("SITS_METRIC_PORT", "SITS_METRICS_PORT"),
+])
+def test_a_near_miss_names_every_setting_as_near(
+        name: str, meant: str, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import sits_queue.config
+
+    monkeypatch.setattr(sits_queue.config, "_warned", set())
+    with caplog.at_level("WARNING", logger="sits_queue.config"):
+        SitsConfig.from_env({name: "on"})
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{name} is no SITS setting and is ignored; did you mean {meant}?"]
+
+
+def test_variables_far_from_every_setting_are_not_warned_about(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sits_queue.config
+
+    monkeypatch.setattr(sits_queue.config, "_warned", set())
+    ours = ["SITS_BENCH_SYSTEM", "SITS_CLASS", "SITS_TASK", "SITS_SYSTEMS", "SITS_EXIT_WITH",
+            "SITS_COLDSTART_BUDGET_BYTES", "SITS_TEST_SLOW_FORWARD_S", "SITS_GEN_TASK"]
+    with caplog.at_level("WARNING", logger="sits_queue.config"):
+        SitsConfig.from_env(dict.fromkeys(ours, "x"))
+    assert caplog.records == []
+
+
 def test_the_transport_options_carry_the_config_without_its_credentials() -> None:
     """(Celery sends the transport options whole in ``inspect stats``: Flower's worker page
     showed the Redis password and the peers')"""
