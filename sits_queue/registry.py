@@ -124,7 +124,11 @@ class _PathLoader:
 
 
 def _path_loader(path: Path) -> Loader:
-    return _PathLoader(path)
+    """Made absolute at registration (the place meant is the one beside the registering
+    code's working directory, whatever a worker's is when it loads) and written plainly,
+    so that the same place registered again is the same registration
+    (``models/../models/lm``, ``./models/lm`` and ``models/lm`` were three)."""
+    return _PathLoader(Path(os.path.abspath(path)))
 
 
 def _same_registration(a: ModelSpec, b: ModelSpec) -> bool:

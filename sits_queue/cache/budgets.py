@@ -108,6 +108,10 @@ def parse_bytes(key: str, raw: str) -> int:
         raise ConfigError(f"{key}={raw!r} must be a finite number of bytes >= 0")
     if value >= 2**63:
         raise ConfigError(f"{key}={raw!r} is too large: at most 8 EiB (2**63 - 1 bytes)")
+    if _UNITS[unit] == 1 and not value.is_integer():
+        # (1.5 was read as 1 byte: a unit forgotten, most likely, not a budget meant)
+        raise ConfigError(f"{key}={raw!r} is a fraction of a byte: give a unit (1.5GB, "
+                          "1.5GiB) or a whole number of bytes")
     return int(value)
 
 

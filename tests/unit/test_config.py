@@ -421,7 +421,9 @@ def test_an_ordinary_key_prefix_is_taken(prefix: str) -> None:
 @pytest.mark.parametrize(("raw", "said"), [
     ("inf", "must be a finite number of bytes"), ("-1GiB", "must be a finite number"),
     ("99999999999999999999999999GiB", r"is too large: at most 8 EiB"),
-    ("lots", "is not a number of bytes")])
+    ("lots", "is not a number of bytes"),
+    # (1.5 and 0.5 were budgets of 1 byte and none: a unit forgotten)
+    ("1.5", "is a fraction of a byte: give a unit"), ("0.5b", "is a fraction of a byte")])
 def test_a_cache_size_out_of_range_says_which_way(raw: str, said: str) -> None:
     """(a size past 8 EiB was called not finite)"""
     from sits_queue.cache.budgets import parse_bytes

@@ -834,6 +834,8 @@ def test_the_same_registration_again_changes_nothing_and_another_is_refused(
     registry = ModelRegistry()
     registry.register("lm", tmp_path)
     registry.register("lm", str(tmp_path))
+    registry.register("lm", tmp_path / ".." / tmp_path.name)  # the same place written
+    registry.register("lm", f"{tmp_path}/./")                 # otherwise
     first = registry.register("ranker", _ranker, sample_inputs=(torch.randn(1, 8),))
     assert registry.register("ranker", _ranker, sample_inputs=(torch.randn(1, 8),)) is first
     # A module imported twice (as __main__ and by name): new loader objects, same source
