@@ -386,9 +386,7 @@ class Rescorer:
         :func:`sweep_period_s` across every beat (a Redis key says when it last ran):
         between sweeps a pass reads nothing of them. How many went."""
         ttl = self.config.dead_letter_ttl_s
-        if ttl <= 0 or not queues or not self.client.set(
-                _state_key(self.config, "dead-sweep"), 1, nx=True,
-                px=max(1, int(sweep_period_s(ttl) * 1000))):
+        if ttl <= 0 or not queues or not self._sweep_due(sweep_period_s(ttl)):
             return 0
         dead = {queue: self.keys(queue).dead for queue in queues}
         with self.client.pipeline(transaction=False) as pipe:
@@ -407,6 +405,23 @@ class Rescorer:
             logger.info("deleted %d dead letter(s) older than %.0f s: %s", total, ttl,
                         {q: n for q, n in expired.items() if n})
         return total
+
+    def _sweep_due(self, period_s: float) -> bool:
+        """Whether this pass sweeps the dead letters: none did within ``period_s``. A
+        mark set under a longer period (the TTL lowered since: its 24th, up to an hour)
+        is no reason to wait: dropped, this pass sweeps (the lowered TTL took effect
+        only once the old mark ran out)."""
+        key, period_ms = _state_key(self.config, "dead-sweep"), max(1, int(period_s * 1000))
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.set(key, 1, nx=True, px=period_ms)
+            pipe.pttl(key)
+            taken, left = pipe.execute()
+        if taken:
+            return True
+        if left == -1 or left > period_ms:  # (-1: no life at all, set by hand)
+            self.client.delete(key)
+            return bool(self.client.set(key, 1, nx=True, px=period_ms))
+        return False
 
     def rescore_queue(self, queue: str, snapshot: PrioritySnapshot) -> tuple[int, int, int, float]:
         """Rewrite one queue's scores chunk by chunk; returns (seen, rewritten, calls, max s).

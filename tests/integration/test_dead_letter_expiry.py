@@ -86,6 +86,33 @@ def test_between_sweeps_a_pass_reads_no_dead_letter(
     assert not redis_client.hexists(QueueKeys.for_queue("celery").dead, message_id)
 
 
+def test_a_lowered_ttl_sweeps_at_once_not_when_the_old_period_ends(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """(a sweep under the default week-long TTL marked the next due in an hour: a TTL
+    lowered to 30 s then deleted nothing for up to that hour)"""
+    week = build_app(redis_url, dead_letter_ttl_s=7 * 86400)
+    short = build_app(redis_url, dead_letter_ttl_s=30)
+    try:
+        (message_id,) = reject(short, "celery", "old").values()
+        backdate(redis_client, "celery", message_id, 60)
+        assert Rescorer(week.sits, redis_client).expire_dead_letters(["celery"],
+                                                                     time.time()) == 0
+        assert redis_client.pttl("sits:state:dead-sweep") > 3_000_000  # the hour's mark
+        rescorer = Rescorer(short.sits, redis_client)
+        assert rescorer.expire_dead_letters(["celery"], time.time()) == 1
+        assert 0 < redis_client.pttl("sits:state:dead-sweep") <= sweep_period_s(30) * 1000
+        # and within its own period it waits as before
+        (later,) = reject(short, "celery", "later").values()
+        backdate(redis_client, "celery", later, 60)
+        assert rescorer.expire_dead_letters(["celery"], time.time()) == 0
+        # a mark with no life (set by hand) holds no sweep off for good
+        redis_client.set("sits:state:dead-sweep", 1)
+        assert rescorer.expire_dead_letters(["celery"], time.time()) == 1
+    finally:
+        week.close()
+        short.close()
+
+
 def test_a_ttl_of_zero_keeps_every_letter(redis_url: str, redis_client: redis.Redis) -> None:
     app = build_app(redis_url, dead_letter_ttl_s=0)
     try:
