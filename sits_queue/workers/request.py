@@ -498,6 +498,8 @@ class SitsRequest(Request):  # type: ignore[misc]
             failed = TaskOutOfMemory(f"task {self.name}[{self.id}] ran out of memory: "
                                      f"MemoryError: {exc}")
             exc_info.type = TaskOutOfMemory
+            logger.error("%s: %s; it failed alone, the worker serves on",
+                         TaskOutOfMemory.__name__, failed)
             # (as is: wrapped in billiard's ExceptionWithTraceback, never pickled here,
             # the task-failed event, Flower's page, read "ExceptionWithTraceback()")
             exc_info.exception = failed

@@ -155,6 +155,9 @@ def test_a_task_out_of_memory_fails_alone_and_the_worker_serves_on(
     with pytest.raises(MemoryError, match="simulated: one"):
         client_app.tasks["w.memerr"].delay("one").get(timeout=30)
     assert client_app.tasks["w.add"].delay(2, 3).get(timeout=30) == 5
+    # the log says so in the main process's words (it said only the child's "raised
+    # unexpected: MemoryError"), as README promises
+    wait_for(lambda: "TaskOutOfMemory: task w.memerr[" in worker.log(), 10, "the log line")
     got: list[Any] = []
     for one in batch:
         try:
