@@ -57,7 +57,8 @@ class EngineTooLarge(SitsError, ValueError):
 
     def __str__(self) -> str:
         return (f"engine {self.key!r} needs {self.size_bytes} bytes on the device; the device "
-                f"pool holds {self.budget_bytes}: raise the budget or use a smaller model")
+                f"pool holds {self.budget_bytes}: raise the budget (SITS_DEVICE_CACHE_BYTES, "
+                "each worker child's) or use a smaller model")
 
 
 class EngineInUse(EngineTooLarge):

@@ -236,7 +236,8 @@ def test_an_engine_found_too_large_is_refused_again_without_loading_for_a_while(
     cache, _ = make_cache(device_budget=200)
     loaders = Loaders({"huge": 201})
     for _ in range(3):
-        with pytest.raises(EngineTooLarge, match=r"'huge' needs 201 bytes.*holds 200"):
+        with pytest.raises(EngineTooLarge, match=r"'huge' needs 201 bytes.*holds 200: "
+                           r"raise the budget \(SITS_DEVICE_CACHE_BYTES"):
             cache.get("huge", loaders("huge"))
     assert loaders.loads["huge"] == 1 and cache.stats()["too_large"] == 3
     # Looked at again once the refusal is old (the model on disk may have changed)
