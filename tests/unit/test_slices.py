@@ -132,6 +132,28 @@ def test_a_foreign_header_never_fails_a_yield_point(caplog: pytest.LogCaptureFix
         app.close()
 
 
+@pytest.mark.parametrize("bad", ["x", -1, -0.5, float("nan"), float("inf"), True, [1]])
+def test_a_remaining_estimate_that_is_no_number_of_seconds_is_named(bad: object) -> None:
+    """("x" failed the task with "'<' not supported between instances of 'str' and
+    'float'"; -1 never yielded, NaN always did)"""
+    from sits_queue.app import make_app
+
+    app = make_app(SitsConfig(redis_url="redis://127.0.0.1:1/0"), main="slices_remaining")
+
+    @app.task(bind=True, sla_class="low", shared=False)
+    def step(self: object) -> None: ...
+
+    task = app.tasks[step.name]
+    try:
+        with pytest.raises(ValueError, match=r"yield_point: remaining_s must be a finite "
+                                             r"number of seconds >= 0 or None, got"):
+            task.yield_point({"done": 1}, remaining_s=bad)
+        task.yield_point({"done": 1}, remaining_s=0)  # (outside a worker: never yields)
+        task.yield_point({"done": 1}, remaining_s=2.5)
+    finally:
+        app.close()
+
+
 def test_a_batch_task_never_yields(caplog: pytest.LogCaptureFixture) -> None:
     """(one run serves many calls; run alone, as a batch of one, it asked the broker and
     could give up a slot no call's slice was)"""
