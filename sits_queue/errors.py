@@ -20,6 +20,10 @@ class InvalidQueueName(SitsError, ValueError):
     the queue's keys over Redis Cluster slots, which its scripts cannot span)."""
 
 
+class Unroutable(SitsError, ValueError):
+    """A task sent to an exchange whose routing key reaches no queue: not sent."""
+
+
 class DeadLettered(SitsError, RuntimeError):
     """The broker parked the task's message in its queue's dead letters without running it
     (a poison message: it was redelivered more than ``max_redeliveries`` times, each

@@ -33,6 +33,7 @@ from sits_queue.broker.meta import WaitingMeta, due_at
 from sits_queue.broker.scripts import Scripts
 from sits_queue.broker.snapshot import SnapshotCache
 from sits_queue.config import SitsConfig
+from sits_queue.errors import Unroutable
 from sits_queue.options import SUBMITTED_AT, UNCOUNTED_TASKS, TaskOptions
 from sits_queue.priority.model import Scorer
 from sits_queue.settings import config_from_options
@@ -112,6 +113,35 @@ class PublishingChannel(kredis.Channel):
 
 
     # -- publishing ------------------------------------------------------------------------
+    def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str,
+                      **kwargs: Any) -> Any:
+        """kombu's, but a task sent to an exchange whose routing key reaches no queue is
+        refused (:class:`Unroutable`): kombu dropped it, unsaid, and its caller's
+        ``get()`` waited for good (``apply_async(exchange="x", routing_key="y")`` with
+        nothing bound; ``enqueue_many`` refused the same route). Other messages (control
+        replies, events) are kombu's to deliver or drop, as on any transport."""
+        headers = message.get("headers")
+        if not exchange or not isinstance(headers, dict) or "task" not in headers \
+                or self.typeof(exchange).type == "fanout":
+            return super().basic_publish(message, exchange, routing_key, **kwargs)
+        self._inplace_augment_message(message, exchange, routing_key)
+        queues = self._lookup(exchange, routing_key)
+        if not queues:
+            # (kombu keeps exchange types in each connection's memory: one this producer
+            # never declared is read as direct, a topic pattern matching nothing)
+            unknown = "" if exchange in self.state.exchanges else (
+                "; this producer has not declared that exchange, so kombu reads it as a "
+                "direct one (a topic exchange: route the task to its queue, queue=, "
+                "whose declaration declares the exchange)")
+            raise Unroutable(
+                f"task {headers.get('task')}[{headers.get('id')}]: exchange {exchange!r} "
+                f"with routing key {routing_key!r} reaches no queue, so it was not sent: "
+                "route it to a queue (queue=, or a task_routes entry's 'queue'), or "
+                f"declare a queue bound to that key (task_queues){unknown}")
+        for queue in queues:  # (what kombu's exchange types do)
+            self._put(queue, message, **kwargs)
+        return None
+
     def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
                     **kwargs: Any) -> None:
         """Events and broadcasts: PUBLISH without waiting for the reply (broker/fanout.py)."""

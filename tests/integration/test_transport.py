@@ -18,7 +18,7 @@ from sits_queue.app import make_app
 from sits_queue.broker import deadletters
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.config import SitsConfig
-from sits_queue.errors import DeadLettered, InvalidTaskOptions
+from sits_queue.errors import DeadLettered, InvalidTaskOptions, Unroutable
 from sits_queue.priority.model import starvation_bound_s
 from sits_queue.priority.rescore import Rescorer, hot_key, latency_key
 
@@ -55,6 +55,34 @@ def drain(app: Celery, queue: str = "celery", limit: int = 10_000) -> list[str]:
             msg.ack()
         q.close()
     return out
+
+
+def test_a_task_sent_to_a_route_that_reaches_no_queue_is_refused(
+        app: Celery, redis_client: redis.Redis) -> None:
+    """(kombu dropped it, unsaid: its caller's get() waited for good; enqueue_many
+    refused the same route)"""
+    from kombu import Exchange, Queue
+
+    with pytest.raises(Unroutable, match=r"t\.echo\[.*\]: exchange 'nosuch' with routing "
+                                         r"key 'zzz' reaches no queue, so it was not sent"):
+        app.tasks["t.echo"].apply_async(("lost",), exchange="nosuch", routing_key="zzz")
+    assert not [k for k in redis_client.scan_iter() if b"waiting" in k and
+                redis_client.zcard(k)]
+    # a bound key reaches its queue, as before (declared here as a worker consuming it
+    # would, on a connection of its own: its binding in Redis is what routes the task)
+    with app.connection_for_write() as conn:
+        Queue("feed", Exchange("feeds"), routing_key="f.one")(conn.default_channel).declare()
+        Queue("topical", Exchange("topics", type="topic"), routing_key="t.#")(
+            conn.default_channel).declare()
+    app.tasks["t.echo"].apply_async(("fed",), exchange="feeds", routing_key="f.one")
+    app.tasks["t.echo"].apply_async(("plain",), exchange="celery", routing_key="celery")
+    assert drain(app, "feed") == ["fed"] and drain(app) == ["plain"]
+    # a topic exchange this producer never declared is a direct one to kombu (it keeps
+    # exchange types in the connection's memory): its pattern matched nothing, and the
+    # task was dropped; now refused, saying why
+    with pytest.raises(Unroutable, match=r"exchange 'topics' .* this producer has not "
+                                         r"declared that exchange"):
+        app.tasks["t.echo"].apply_async(("t",), exchange="topics", routing_key="t.one")
 
 
 def test_strict_priority_order_with_fifo_ties(app: Celery) -> None:
