@@ -132,6 +132,10 @@ def test_smoke_is_offered_where_a_benchmark_has_its_shape_and_reaches_it(
     ({"SITS_REDIS_URL": "redis://127.0.0.1:99999/0"},
      "Error: redis_url 'redis://127.0.0.1:99999/0': Port out of range 0-65535 "
      "(set by SITS_REDIS_URL)"),
+    # (status took it, where the app, its workers and `celery -A` refused it)
+    ({"SITS_DEVICE_CACHE_BYTES": "lots", "SITS_REDIS_URL": "redis://127.0.0.1:1/0"},
+     "Error: SITS_DEVICE_CACHE_BYTES='lots' is not a number of bytes (say 8GiB, 512MB or "
+     "65536)"),
 ])
 def test_a_bad_setting_is_one_line_naming_it(env: dict[str, str], line: str) -> None:
     import os
