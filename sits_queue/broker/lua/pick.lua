@@ -30,7 +30,8 @@
 -- (task, model, class), nearest the head first, up to its 'bn' in all; none for (and
 -- none that is) a message restored after a crash.
 -- Join mode returns only such kin of the given key, up to the count: {id, payload,
--- times, ...}, empty when none waits (a running batch's free rows, workers/joins.py).
+-- times, ...}, empty when none waits or the head is no such kin (a running batch's
+-- free rows, workers/joins.py).
 -- (1 and 13 are read before anything is written: a wrong type fails there, harmless)
 local refused = wrong_type(2, 3, 4, 6, 7, 8, 9, 11, 12, 14)
 if refused then return refused end
@@ -200,11 +201,29 @@ local function mark_ready()
   else redis.call('ZREM', KEYS[4], 'ready') end
 end
 
+-- Whether the queue's next task in priority order (the first one this consumer does
+-- not hold off) has batch key 'key': one this running batch could take itself.
+local function head_is_kin(key)
+  local window = math.max(1, tonumber(ARGV[4] or '') or 0)
+  local near = redis.call('ZRANGE', KEYS[1], 0, window - 1)
+  for _, id in ipairs(near) do
+    if not held_by_me(id) then
+      local ok, record = pcall(cjson.decode, redis.call('HGET', KEYS[3], id) or '')
+      return ok and type(record) == 'table' and record['b'] == key
+    end
+  end
+  return false
+end
+
 -- Join mode: a running generation batch has room for more rows (workers/joins.py):
--- only waiting tasks of its batch key, no head pick.
+-- only waiting tasks of its batch key, no head pick; and only while the head is one
+-- of them. A batch does not yield its slot, and joins keep it running for up to
+-- batch_join_s: taken from behind a more urgent task (a higher class, another model),
+-- they held that task off for as long (a high task waited 5-13 s behind a stream of
+-- low generations, 70 ms without joins).
 if ARGV[5] == 'join' then
   local reply = {}
-  kin(ARGV[6], tonumber(ARGV[7]) or 0, 0, reply)
+  if head_is_kin(ARGV[6]) then kin(ARGV[6], tonumber(ARGV[7]) or 0, 0, reply) end
   return reply
 end
 
