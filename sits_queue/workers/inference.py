@@ -366,7 +366,9 @@ def generate(engine: Any, prompt: str, max_new_tokens: int = 32, temperature: fl
     if new:  # the tokens of earlier runs go in with the prompt: one pass rebuilds the cache
         input_ids = torch.cat([input_ids, torch.tensor([new], device=device)], dim=1)
     prefix = kvreuse.PromptPrefix.looked_up(active, model, input_ids[0].tolist())
-    progress["cached_tokens"] = prefix.tokens
+    # (of the prompt: a resumed run's store may hold its earlier tokens too, and a
+    # result said 176 cached tokens of a 2-token prompt)
+    progress["cached_tokens"] = min(prefix.tokens, prompt_tokens)
     decode_steps(module, input_ids, max_new_tokens, eos, float(temperature), int(seed),
                  progress, active, prefix, model=model)
     return generated(tokenizer, new, eos, prompt_tokens=prompt_tokens,

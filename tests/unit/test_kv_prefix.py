@@ -147,6 +147,43 @@ def test_a_shared_prefix_is_prefilled_once_and_decodes_the_same(lm: Any,
     assert counts == {"kv_lookups": 2, "kv_hits": 1, "kv_tokens": second["cached_tokens"]}
 
 
+def test_a_resumed_generation_counts_only_its_prompt_as_cached(lm: Any) -> None:
+    """(a generation resumed after yields found its own earlier tokens in the store:
+    its result said 176 cached tokens of a 2-token prompt)"""
+    import json
+
+    store, counts = PrefixStore(2**26), {}
+    kwargs = {"max_new_tokens": 44, "stop_at_eos": False}
+    cut_at, checkpoint, runs = {36, 39}, None, 0
+
+    class Yielded(Exception):
+        pass
+
+    def yielder(state: Any, remaining_s: float | None) -> None:
+        nonlocal checkpoint
+        if len(state["new"]) in cut_at:
+            cut_at.discard(len(state["new"]))
+            checkpoint = json.loads(json.dumps(state))
+            raise Yielded()
+
+    while True:
+        runs += 1
+        active = rt.ActiveTask("lm", SitsConfig().quota("low"), lm.size_bytes(), "cpu",
+                               prefixes=store, count=lambda f: metrics.merge(counts, f),
+                               yielder=yielder, checkpoint=checkpoint)
+        try:
+            with rt.activated(active):
+                result = inference.generate(lm, "hi", **kwargs)
+            break
+        except Yielded:
+            continue
+    assert runs == 3 and result["runs"] == 3
+    # the third run found the second's 32 tokens (prompt and generated) in the store
+    assert counts["kv_tokens"] >= store.block > result["prompt_tokens"]
+    assert result["cached_tokens"] <= result["prompt_tokens"]
+    assert result["text"] == inference.generate(lm, "hi", **kwargs)["text"]
+
+
 def test_a_repeated_prompt_reuses_all_but_its_last_block(lm: Any) -> None:
     store: PrefixStore = PrefixStore(2**26)
     a = with_store(lm, store, {}, SHARED, max_new_tokens=4, stop_at_eos=False)
