@@ -189,7 +189,9 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
             meta = {**feed.own_meta(index, meta),
                     "affinity": bool(getattr(requests[index], AFFINITY_HEADER, False))}
         _outcomes[calls[index].id] = (output if isinstance(output, BaseException) else
-                                      _result(output, meta, index, len(calls),
+                                      # (its size: the calls it began with, for every
+                                      # member; it was the count joined so far)
+                                      _result(output, meta, index, len(given),
                                               joined=late), said)
         traced[index] = trace(*jobs[index])
         return True

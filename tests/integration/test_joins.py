@@ -108,7 +108,11 @@ def test_tasks_join_a_running_batch_and_decode_as_alone(
         assert (sits["cold"], sits["source"], sits["load_ms"]) == (False, "device", 0.0)
         assert 0 < sits["first_token_ms"] <= sits["run_ms"]
         assert sits["first_token_ms"] != long["sits"]["first_token_ms"]
+        # the batch's size is the calls it began with, the long row alone, for every
+        # member; a joined call's index counts on from there
+        assert sits["batch"]["size"] == 1 and sits["batch"]["index"] >= 1
     assert long["output"]["tokens"] == LONG and "joined" not in long["sits"]["batch"]
+    assert long["sits"]["batch"] == {"size": 1, "index": 0}
 
 
 def test_a_row_that_would_not_finish_before_the_soft_limit_runs_after_the_batch(
