@@ -186,13 +186,13 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
             return False
         late = index >= len(given)  # it joined the batch on the way
         if late and feed is not None:  # its own run: its join to its end, warm
-            meta = {**feed.own_meta(index, meta),
-                    "affinity": bool(getattr(requests[index], AFFINITY_HEADER, False))}
+            meta = feed.own_meta(index, meta)
         _outcomes[calls[index].id] = (output if isinstance(output, BaseException) else
                                       # (its size: the calls it began with, for every
                                       # member; it was the count joined so far)
-                                      _result(output, meta, index, len(given),
-                                              joined=late), said)
+                                      _own_pick(_result(output, meta, index, len(given),
+                                                        joined=late), requests[index]),
+                                      said)
         traced[index] = trace(*jobs[index])
         return True
 
@@ -201,8 +201,8 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
         with tracing.batch_span(f"run_batch/{task.name}", [job[2] for job in jobs], said):
             outcomes, timing = _run(task, calls, jobs[0][2], early, feed)
         declined = feed.declined if feed is not None else set()
-        _outcomes.update({c.id: (outcomes[c.id], said) for i, c in enumerate(calls)
-                          if i not in traced and i not in declined})
+        _outcomes.update({c.id: (_own_pick(outcomes[c.id], requests[i]), said)
+                          for i, c in enumerate(calls) if i not in traced and i not in declined})
         results = [None if i in declined else traced[i] if i in traced else trace(*job)
                    for i, job in enumerate(jobs)]
     finally:
@@ -211,6 +211,15 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
     elapsed = time.monotonic() - began
     timing["seconds"] = max(0.0, elapsed - timing.pop("cold_s"))
     return [None if r is None else (r[0], r[1], elapsed) for r in results], timing
+
+
+def _own_pick(outcome: Any, request: Any) -> Any:
+    """A member's outcome saying whether it was itself taken ahead of its queue's head
+    by affinity: the first call's flag was every member's (each result said true where
+    the worker counted one such pick), and its kin were only gathered with it."""
+    if isinstance(outcome, dict) and isinstance(outcome.get("sits"), dict):
+        outcome["sits"]["affinity"] = bool(getattr(request, AFFINITY_HEADER, False))
+    return outcome
 
 
 def mark_started(task: Any, requests: list[Context]) -> None:
@@ -393,14 +402,15 @@ class BatchInferenceTask(inference.InferenceTask):
 
 def _own_attributes(outcome: Any) -> dict[str, Any]:
     """The span attributes a batch's call has of its own (a generation row's first
-    token and cached prompt tokens; a call that joined it on the way, its warm start and
-    affinity), from its outcome."""
+    token and cached prompt tokens, whether it was taken ahead by affinity; a call that
+    joined it on the way, its warm start), from its outcome."""
     if not isinstance(outcome, dict):
         return {}
     meta, output = outcome.get("sits") or {}, outcome.get("output")
     cached = output.get("cached_tokens") if isinstance(output, dict) else None
     own = {"sits.first_token_ms": meta.get("first_token_ms"),
-           "sits.cached_tokens": cached if isinstance(cached, int) else None}
+           "sits.cached_tokens": cached if isinstance(cached, int) else None,
+           "sits.affinity": meta.get("affinity")}
     if (meta.get("batch") or {}).get("joined"):
-        own.update({"sits.cold": meta.get("cold"), "sits.affinity": meta.get("affinity")})
+        own["sits.cold"] = meta.get("cold")
     return own

@@ -322,6 +322,17 @@ def test_a_worker_takes_the_task_it_holds_warm_first(
             generate.apply_async((prompt,), model=m, sla_class="medium")
             for prompt, m in [("ab", "lm-b"), ("cd", "lm-b"), ("ef", "lm-a")]])
         metas = [r["sits"] for r in results]
+        if window == "16":
+            # And a batch: lm-b, last used, waits in the host tier now (the long task's
+            # model took the device); its first call is taken ahead by affinity, the
+            # other gathered with it, and only the first says so (each said true)
+            embed = app.tasks["sits.embed"]
+            batch, batch_order = behind_a_long_task(app, redis_client, lambda: [
+                embed.apply_async((text,), model=m, sla_class="medium")
+                for text, m in [("x", "lm-a"), ("y1", "lm-b"), ("y2", "lm-b")]])
+            assert batch_order[2] == 0, worker.log()[-3000:]
+            assert [r["sits"]["batch"]["size"] for r in batch] == [1, 2, 2]
+            assert [r["sits"]["affinity"] for r in batch] == [False, True, False]
     finally:
         worker.stop(timeout_s=20)
         app.close()
