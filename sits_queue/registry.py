@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sits_queue.errors import ModelLoadError, UnknownModel
+from sits_queue.errors import ModelLoadError, UnknownModel, missing_extra
 
 #: What a loader may return: an Engine, an nn.Module, or a path (directory or engine file).
 Loader = Callable[[], Any]
@@ -249,8 +249,10 @@ def load_engine(spec: ModelSpec, device: str) -> Any:
     except Exception as exc:
         if gpu.is_oom(exc):
             raise
+        hint = missing_extra(exc)
         raise ModelLoadError(f"loader for model {spec.name!r} failed: "
-                             f"{type(exc).__name__}: {exc}") from exc
+                             f"{type(exc).__name__}: {exc}"
+                             + (f" (the inference extra: {hint})" if hint else "")) from exc
     except (SystemExit, KeyboardInterrupt) as exc:
         # The loader's own (a pool child ignores SIGINT): let through, it ended the child
         # at every redelivery, and the task was dead-lettered as poison with no word of

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from sits_queue.cache import hfprogress
+from sits_queue.errors import missing_extra
 
 #: Written last into every built directory: the spec it was built from.
 MARKER = "sits_tiny.json"
@@ -73,8 +74,14 @@ def _build(path: Path, spec: Mapping[str, Any], write: Callable[[Path], None]) -
     tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
     tmp.mkdir()
     try:
-        with hfprogress.quiet():
-            write(tmp)
+        try:
+            with hfprogress.quiet():
+                write(tmp)
+        except ModuleNotFoundError as exc:
+            if (hint := missing_extra(exc)) is None:
+                raise
+            raise ModuleNotFoundError(f"{exc}: building a tiny model needs the inference "
+                                      f"extra: {hint}", name=exc.name) from exc
         (tmp / MARKER).write_text(json.dumps(spec, sort_keys=True))
         if path.exists():
             shutil.rmtree(path)  # built from another spec (or half-built by a crash)

@@ -430,3 +430,29 @@ def test_a_cache_size_out_of_range_says_which_way(raw: str, said: str) -> None:
 
     with pytest.raises(ConfigError, match=rf"SITS_DEVICE_CACHE_BYTES=.*{said}"):
         parse_bytes("SITS_DEVICE_CACHE_BYTES", raw)
+
+
+def test_a_missing_inference_module_is_named_with_its_install_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(a worker without the inference extra failed its inference tasks with "No module
+    named 'torch'", and the tiny-model builder alike)"""
+    import sys
+
+    from sits_queue.errors import ModelLoadError, missing_extra
+    from sits_queue.models.tiny import build_tiny_causal_lm
+    from sits_queue.registry import ModelRegistry, load_engine
+
+    hint = "pip install 'sits-queue[inference]'"
+    assert missing_extra(ModuleNotFoundError("x", name="torch.cuda")) == hint
+    assert missing_extra(ModuleNotFoundError("x", name="yaml")) is None
+    assert missing_extra(ImportError("x", name="torch")) is None
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ModuleNotFoundError, match=r"building a tiny model needs the "
+                                                  r"inference extra: pip install"):
+        build_tiny_causal_lm(tmp_path / "lm")
+    registry = ModelRegistry()
+    spec = registry.register("lm", lambda: __import__("transformers"))
+    with pytest.raises(ModelLoadError, match=r"loader for model 'lm' failed: "
+                                             r"ModuleNotFoundError: .*\(the inference extra: "
+                                             r"pip install 'sits-queue\[inference\]'\)"):
+        load_engine(spec, "cpu")

@@ -447,3 +447,25 @@ def test_a_demo_signalled_twice_or_stuck_in_its_clean_up_exits_at_once(
             deadline = demo._deadline[0]
             deadline.join(5)
     assert exits == [1]
+
+
+def test_a_benchmark_without_the_inference_extra_names_it_in_one_line() -> None:
+    """(`sitsq bench joins --smoke` without torch ended in a 64-line traceback)"""
+    import os
+
+    code = ("import sys; sys.modules['torch'] = sys.modules['transformers'] = None; "
+            "from sits_queue import cli; cli.main(['bench', 'joins', '--smoke'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={k: v for k, v in os.environ.items()
+                                           if not k.startswith("SITS_")})
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1].endswith(
+        "this needs the inference extra: pip install 'sits-queue[inference]'"), out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_sitsq_says_its_version() -> None:
+    from importlib.metadata import version
+
+    out = CliRunner().invoke(cli.main, ["--version"])
+    assert out.exit_code == 0 and out.output.strip() == f"sitsq, version {version('sits-queue')}"
