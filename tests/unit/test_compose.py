@@ -85,6 +85,13 @@ def test_dockerfile_is_slim_non_root_and_inference_is_opt_in() -> None:
     assert "ARG INSTALL_INFERENCE=0" in text
     assert '".[monitor]"' in text and "inference]" in text
     assert "WORKDIR /app" in text
+    # built elsewhere and removed: a source copy in /app shadowed the installed package
+    assert text.index("rm -rf /src") < text.index("WORKDIR /app")
+    copied = [line.split()[1:-1] for line in text.splitlines() if line.startswith("COPY ")]
+    for names in copied:  # (what pip's build reads: LICENSE is the metadata's licence file)
+        for name in names:
+            assert list(ROOT.glob(name)), name
+    assert "LICENSE" in {n for names in copied for n in names}
     user_lines = [line.split()[1] for line in text.splitlines() if line.startswith("USER ")]
     assert user_lines and user_lines[-1] not in ("root", "0")
 
