@@ -237,6 +237,12 @@ def precision_weights(own: Mapping[str, float], fleet: Sequence[Mapping[str, flo
     return out
 
 
+#: What a level may fall short of :func:`min_level` and still be taken: levels are whole,
+#: the floor's rounding error (pick.lua's, which has no log1p and expm1) ~1e-9 of one; at a
+#: ratio of 1 the floor is the head's own level, and Lua's came out a hair above it.
+FLOOR_SLACK = 1e-6
+
+
 def min_level(head_level: int, ratio: float) -> float:
     """The lowest level a task may have to be taken ahead of a head at ``head_level``:
     that of the head's priority divided by ``ratio`` (levels are ``log1p(p) * 2**17``)."""
@@ -266,7 +272,7 @@ def choose(candidates: Sequence[Candidate], warm: Warm, policy: AffinityPolicy,
     if since is not None and math.isfinite(since) and since <= now_s \
             and now_s - since >= policy.max_skip_s:
         return 0
-    floor = min_level(head.level, policy.priority_ratio)
+    floor = min_level(head.level, policy.priority_ratio) - FLOOR_SLACK
     best = 0
     for i, cand in enumerate(candidates[1:policy.window], start=1):
         if cand.level < floor:

@@ -131,6 +131,19 @@ def test_pick_lua_agrees_with_the_reference_policy(r: redis.Redis, scripts: Scri
     assert checked > 250 and 30 < ahead < checked - 30
 
 
+@pytest.mark.parametrize("priority", [0.0333, 0.0412, 0.5, 1.0, 1.7, 10.0])
+def test_at_a_ratio_of_one_a_warm_task_level_with_the_head_is_taken_by_both(
+        r: redis.Redis, scripts: Scripts, priority: float) -> None:
+    """(pick.lua's floor, without log1p and expm1, came out a hair above the head's own
+    level below a priority of ~1.7: it refused what the reference took)"""
+    policy = AffinityPolicy(window=4, priority_ratio=1.0, max_skip_s=10.0)
+    tasks = [task("head", priority, "y"), task("warm", priority, "x")]
+    enqueue(r, tasks)
+    assert expected(tasks, policy, Warm({"x": 1.0}, {}, {})) == (tasks[1].id, 1)
+    got = pick(scripts, r, policy, Warm({"x": 1.0}, {}, {}))
+    assert [got[0].decode(), got[4]] == [tasks[1].id, 1]
+
+
 @pytest.mark.parametrize("stamp", ["inf", "nan", repr(NOW + 3600)])
 def test_a_skip_stamp_no_pick_wrote_does_not_pass_the_head_over_for_good(
         r: redis.Redis, scripts: Scripts, stamp: str) -> None:

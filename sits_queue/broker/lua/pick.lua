@@ -41,6 +41,8 @@ local consumer = ARGV[3] or ''
 local MAX_SCAN = 4096
 local poisoned = {}  -- ids dead-lettered as poison messages by this call
 local SEQ_SPAN, LEVELS, LEVELS_PER_E = 4294967296, 2097151, 131072
+-- affinity.py's FLOOR_SLACK: levels are whole, a floor's rounding error ~1e-9 of one
+local FLOOR_SLACK = 1e-6
 
 local function held_by_me(id)
   local held = redis.call('HGET', KEYS[13], id)
@@ -115,7 +117,9 @@ local function affinity_pick()
   local best
   for i = 3, #near - 1, 2 do
     local level = LEVELS - math.floor(tonumber(near[i + 1]) / SEQ_SPAN)
-    if level < floor then break end
+    -- (less a hair, as affinity.py: Lua has no log1p and expm1, and at a ratio of 1 the
+    -- floor came out above the head's own level, refusing a task level with it)
+    if level < floor - FLOOR_SLACK then break end
     local w = weight_of(warm, near[i])
     if w > best_w and not held_by_me(near[i]) then
       best, best_w = i, w
