@@ -35,10 +35,6 @@ Tier = Literal["device", "host"]
 ActionKind = Literal["demote", "evict", "promote", "load", "sync", "resize"]
 Action = tuple[ActionKind, str]
 
-#: MISSION §4.3: the device warm pool holds about 30% of the cache's capacity ...
-DEVICE_SHARE = 0.30
-#: ... and the host shadow pool the other 70%.
-HOST_SHARE = 0.70
 #: Use timestamps kept per entry: older uses weigh < 2**-16 at any sane half-life anyway.
 MAX_USES = 16
 #: Half-life of one use's weight in the activity score, seconds: a model called every few
@@ -52,18 +48,6 @@ class InvariantViolation(RuntimeError):
 
 class IllegalAction(ValueError):
     """An action does not fit the state it is applied to (e.g. promoting a device entry)."""
-
-
-def budgets_from(total_bytes: int) -> tuple[int, int]:
-    """``(device_budget_bytes, host_budget_bytes)``: :data:`DEVICE_SHARE` and
-    :data:`HOST_SHARE` of one total cache capacity.
-
-    MISSION §4.3 gives the shares of one capacity without naming it; callers that size
-    the tiers from VRAM and host RAM separately build :class:`PoolState` directly.
-    """
-    if total_bytes < 0:
-        raise ValueError(f"total_bytes must be >= 0, got {total_bytes}")
-    return int(total_bytes * DEVICE_SHARE), int(total_bytes * HOST_SHARE)
 
 
 @dataclass(frozen=True)
@@ -111,10 +95,6 @@ class PoolState:
             raise ValueError("budgets must be >= 0")
         # A caller's dict must not change the snapshot behind its back.
         object.__setattr__(self, "entries", _frozen_entries(self.entries))
-
-    @classmethod
-    def from_total(cls, total_bytes: int) -> PoolState:
-        return cls(*budgets_from(total_bytes))
 
     def on(self, tier: Tier) -> tuple[Entry, ...]:
         return tuple(e for e in self.entries.values() if e.tier == tier)

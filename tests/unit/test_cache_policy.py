@@ -8,8 +8,6 @@ import pytest
 
 from sits_queue.cache.policy import (
     DEFAULT_HALF_LIFE_S,
-    DEVICE_SHARE,
-    HOST_SHARE,
     MAX_USES,
     Action,
     Entry,
@@ -20,7 +18,6 @@ from sits_queue.cache.policy import (
     Tier,
     activity_score,
     apply,
-    budgets_from,
     check,
     mark_dirty,
     plan_admit,
@@ -49,15 +46,6 @@ def admit(s: PoolState, key: str, size: int, now: float) -> tuple[Plan, PoolStat
 
 
 # -- budgets and scores -----------------------------------------------------------------------
-
-def test_default_split_is_30_70() -> None:
-    assert (DEVICE_SHARE, HOST_SHARE) == (0.30, 0.70)
-    assert budgets_from(1000) == (300, 700)
-    s = PoolState.from_total(10 * 2**30)
-    assert s.device_budget_bytes + s.host_budget_bytes <= 10 * 2**30
-    with pytest.raises(ValueError, match="total_bytes"):
-        budgets_from(-1)
-
 
 @pytest.mark.parametrize(("uses", "now", "score"), [
     ((), 50.0, 0.0),
