@@ -107,9 +107,10 @@ def fail_tasks(client: Any, dead_key: str, ids: Sequence[str], backend: Any = No
         error = DeadLettered(f"task {name}[{task_id}] will not run: its message was "
                              f"dead-lettered ({reason}); it stays in the queue's dead "
                              f"letters as {message_id}")
-        if not _store_failure(backend, task_id, name, error, request_of(record, accept)):
+        request = request_of(record, accept)
+        if not _store_failure(backend, task_id, name, error, request):
             continue
-        _announce_failure(app, task_id, error)
+        _announce_failure(app, task_id, name, error, request)
         failed += 1
     return failed
 
@@ -134,16 +135,29 @@ def _store_failure(backend: Any, task_id: str, name: str, error: Exception,
     return _store_failure(backend, task_id, name, error, None)
 
 
-def _announce_failure(app: Any, task_id: str, error: Exception) -> None:
+#: The worker's own name (``-n``), set at its start: the events it sends say it (None
+#: outside a worker: Celery's default name for the process).
+event_hostname: str | None = None
+
+
+def _announce_failure(app: Any, task_id: str, name: str, error: Exception,
+                      request: Context | None) -> None:
     """A ``task-failed`` event for a dead-lettered task, where the app sends task events:
     Flower (which follows events, not the result backend) showed a poison task, whose
-    runs all died with their pool child, as STARTED for ever."""
+    runs all died with their pool child, as STARTED for ever. It carries the task's name
+    and arguments, as a ``task-received`` would (a task that never reached Celery's
+    consumer had none in Flower), and comes from the worker's own name (the process's
+    default one made a worker of its own in Flower's list)."""
     if app is None or not app.conf.worker_send_task_events:
         return
+    shown: dict[str, Any] = {"name": name}
+    if request is not None:
+        shown["args"] = getattr(request, "argsrepr", None) or repr(tuple(request.args or ()))
+        shown["kwargs"] = getattr(request, "kwargsrepr", None) or repr(request.kwargs or {})
     try:
-        with app.events.default_dispatcher() as dispatcher:
+        with app.events.default_dispatcher(hostname=event_hostname) as dispatcher:
             dispatcher.send("task-failed", uuid=task_id, exception=repr(error),
-                            traceback=None)
+                            traceback=None, **shown)
     except Exception as exc:  # an event is no reason to fail the dead-lettering
         logger.warning("dead-lettered task %s: could not send its task-failed event: %s",
                        task_id, exc)

@@ -467,6 +467,9 @@ def init_parent(app: Celery, hostname: str, conf: Any, options: Mapping[str, Any
     if not options.get("concurrency") and not conf.worker_concurrency:
         conf.worker_concurrency = default_concurrency(discovery)
     intake.in_worker()
+    from sits_queue.broker import deadletters
+
+    deadletters.event_hostname = hostname  # (its dead-letter events: this worker's)
     _plan = WorkerPlan(hostname=hostname, discovery=discovery, available_cpus=usable,
                        cpu_quota=quota, node_cpus=tuple(sorted(cores.numa_nodes(usable).items())))
     _arm_admission(app, hostname, discovery, discovery.cuda_devices)

@@ -3,6 +3,7 @@ rescoring pass, at most once per sweep period across every beat; never with a TT
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from collections.abc import Iterator
@@ -159,3 +160,30 @@ def test_a_letter_of_a_payload_that_is_not_utf8_is_read_and_expires(
     assert letter.reason == "malformed payload" and letter.at is not None
     assert deadletters.expire(redis_client, keys.dead, time.time() - TTL_S) == 1
     assert not redis_client.hexists(keys.dead, "bin")
+
+
+def test_a_dead_lettered_task_s_failed_event_names_it_and_the_worker(
+        app: Celery, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(a poison task's event came from the process's default name, gen<pid>@host, which
+    Flower listed as a worker of its own, online; and without the task's name and
+    arguments, which no task-received had given it: Flower showed "-")"""
+    (message_id,) = reject(app, "celery", "parked").values()
+    app.conf.worker_send_task_events = True
+    monkeypatch.setattr(deadletters, "event_hostname", "w1@probe")  # (set at its start)
+    pubsub = redis_client.pubsub(ignore_subscribe_messages=True)
+    pubsub.psubscribe("*celeryev*")
+    while pubsub.get_message(timeout=0.1) is not None:
+        pass
+    assert deadletters.fail_tasks(redis_client, QueueKeys.for_queue("celery").dead,
+                                  [message_id], app.backend) == 1
+    message = pubsub.get_message(timeout=5)
+    pubsub.close()
+    assert message is not None
+    envelope = json.loads(message["data"])
+    body = envelope["body"]
+    if envelope["properties"].get("body_encoding") == "base64":
+        body = base64.b64decode(body)
+    event = json.loads(body)
+    assert event["type"] == "task-failed" and event["hostname"] == "w1@probe"
+    assert event["name"] == "t.echo" and event["args"] == "('parked',)"
+    assert "DeadLettered" in event["exception"]

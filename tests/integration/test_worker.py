@@ -106,6 +106,17 @@ def test_ten_thousand_in_ten_thousand_out_no_duplicates(spawn: Spawn, client_app
 def test_a_task_out_of_memory_is_named_in_its_failed_event(
         spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
     """(the event, which Flower shows, said "ExceptionWithTraceback()")"""
+    def out_of_memory() -> None:
+        with pytest.raises(MemoryError):
+            client_app.tasks["w.memerr"].delay("evented").get(timeout=30)
+
+    _, failed = failed_events(spawn, client_app, redis_client, out_of_memory)
+    assert "ran out of memory: MemoryError: simulated: evented" in failed[0]["exception"]
+
+
+def failed_events(spawn: Spawn, client_app: Celery, redis_client: redis.Redis,
+                  act: Callable[[], None]) -> tuple[CeleryProcess, list[dict[str, Any]]]:
+    """A worker of one slot, and the task-failed events it sent while ``act()`` ran."""
     import threading
 
     failed: list[dict[str, Any]] = []
@@ -130,15 +141,14 @@ def test_a_task_out_of_memory_is_named_in_its_failed_event(
         # (subscribed before anything can be published)
         wait_for(lambda: redis_client.pubsub_numpat() > patterns, 15,
                  "the event receiver to subscribe")
-        spawn(concurrency=1)
-        with pytest.raises(MemoryError):
-            client_app.tasks["w.memerr"].delay("evented").get(timeout=30)
+        worker = spawn(concurrency=1)
+        act()
         wait_for(lambda: bool(failed), 15, "the task-failed event")
     finally:
         for receiver in receivers:
             receiver.should_stop = True
         thread.join(5)
-    assert "ran out of memory: MemoryError: simulated: evented" in failed[0]["exception"]
+    return worker, failed
 
 
 def test_a_task_out_of_memory_fails_alone_and_the_worker_serves_on(
