@@ -22,7 +22,7 @@ from typing import Any
 from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 
-from sits_queue.broker.keys import QueueKeys
+from sits_queue.broker.keys import QueueKeys, queues_registry, registered_queues
 from sits_queue.config import SitsConfig
 from sits_queue.errors import InvalidQueueName
 from sits_queue.options import CONTROL_QUEUE
@@ -46,6 +46,24 @@ class SitsQueues:
         self.config = config
 
     async def queues(self, names: Iterable[str]) -> list[dict[str, Any]]:
+        client = aioredis.Redis.from_url(self.config.redis_url,
+                                         socket_connect_timeout=CONNECT_TIMEOUT_S,
+                                         socket_timeout=READ_TIMEOUT_S)
+        try:
+            return await self._queues(client, list(names))
+        finally:
+            await client.aclose()
+
+    async def _queues(self, client: Any, names: list[str]) -> list[dict[str, Any]]:
+        prefix = self.config.global_keyprefix
+        try:
+            # Every queue ever declared, not only those of the workers Flower knows: a
+            # backlog no worker consumes, when it matters most, was not shown at all
+            names += [q for q in registered_queues(await client.smembers(
+                queues_registry(prefix))) if q not in names]
+        except (RedisError, OSError) as exc:
+            logger.warning("SITS queue registry unreadable (the workers' queues shown): %s",
+                           exc)
         rows: list[dict[str, Any]] = []
         readable: list[tuple[dict[str, Any], QueueKeys]] = []
         for name in names:
@@ -63,9 +81,6 @@ class SitsQueues:
             rows.append({"name": CONTROL_QUEUE})
             readable.append((rows[-1], QueueKeys.for_queue(CONTROL_QUEUE,
                                                            self.config.global_keyprefix)))
-        client = aioredis.Redis.from_url(self.config.redis_url,
-                                         socket_connect_timeout=CONNECT_TIMEOUT_S,
-                                         socket_timeout=READ_TIMEOUT_S)
         try:
             async with client.pipeline(transaction=False) as pipe:
                 for _, keys in readable:
@@ -79,8 +94,6 @@ class SitsQueues:
             logger.error("SITS queue depths unreadable from %s: %s",
                          self.config.redis_url.split("@")[-1], exc)
             return []
-        finally:
-            await client.aclose()
         for row, _ in readable:
             waiting, held = next(counts), next(counts)
             if isinstance(waiting, Exception) or isinstance(held, Exception):

@@ -18,7 +18,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from sits_queue.broker.keys import QueueKeys
+from sits_queue.broker.keys import QueueKeys, queues_registry
 from sits_queue.procs import CeleryProcess
 from tests.integration.conftest import APP_MODULE, ROOT, worker_env
 
@@ -132,6 +132,9 @@ def test_flower_broker_api_counts_the_sorted_set_queues(
     keys = QueueKeys.for_queue("celery", client_app.sits.global_keyprefix)
     head, _ = r.zpopmin(keys.waiting)[0]
     r.zadd(keys.unacked, {head: time.time()})
+    # and a queue no worker consumes nor the app declares (a backlog Flower did not show)
+    idle = QueueKeys.for_queue("idle", client_app.sits.global_keyprefix)
+    client_app.tasks["w.add"].apply_async((9, 9), queue="idle")
     flower, base = _start_flower(redis_url, tmp_path)
     try:
         deadline = time.monotonic() + 60
@@ -150,6 +153,7 @@ def test_flower_broker_api_counts_the_sorted_set_queues(
         assert rows["celery"] == {"name": "celery", "messages": 3, "messages_ready": 2,
                                   "messages_unacknowledged": 1}
         assert rows["sits.control"]["messages"] == 0
+        assert rows["idle"]["messages"] == rows["idle"]["messages_ready"] == 1
         with urllib.request.urlopen(f"{base}/broker", timeout=5) as resp:
             page = resp.read().decode()
         row = page.split('<tr id="celery">', 1)[1].split("</tr>", 1)[0]
@@ -159,4 +163,6 @@ def test_flower_broker_api_counts_the_sorted_set_queues(
         flower.terminate()
         flower.wait(10)
         r.zrem(keys.unacked, head)
+        r.delete(*idle.all())
+        r.srem(queues_registry(client_app.sits.global_keyprefix), "idle")
         client_app.control.purge()
