@@ -528,6 +528,9 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
         self._refresher: Periodic | None = None
         self._reader: WarmReader | None = None
         self._most = 0  # the most slots seen: withdrawn at the end, each child's record
+        from sits_queue.workers.readvert import ChildRecords
+
+        self._records = ChildRecords()  # (written back where Redis lost them)
 
     def _args(self, c: Any) -> tuple[SitsConfig, str, int, list[int]]:
         config: SitsConfig = c.app.sits
@@ -548,6 +551,7 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
             self._reader.resize(slots)
         from sits_queue.workers import profile, runtime
         from sits_queue.workers import request as admission
+        from sits_queue.workers.readvert import live_pids
 
         # the devices its live children use (an autoscaled pool below its planned size:
         # not the plan's others, until it grows), their readings taken now; admission
@@ -567,6 +571,8 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
         try:
             refresh(client_for(config), config.global_keyprefix, hostname, os.getpid(),
                     concurrency, devices, time.time(), extra, slots)
+            self._records.keep(client_for(config), config.global_keyprefix, hostname,
+                               live_pids(c.pool, slots))
         except redis.RedisError as exc:
             logger.warning("could not refresh the worker advertisement: %s", exc)
 

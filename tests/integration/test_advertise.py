@@ -124,3 +124,43 @@ def test_a_refresh_keeps_the_records_of_the_slots_it_is_given(
     # what admission reads of its own worker: the same children, without the counters
     assert advertise.read_children(redis_client, "", "shrunk@h") == record["children"]
     assert advertise.read_children(redis_client, "", "gone@h") == {}
+
+
+def test_a_child_record_lost_with_redis_s_data_is_written_back(
+        tmp_path: Path, redis_url: str, client_app: Celery,
+        redis_client: redis.Redis) -> None:
+    """(after a Redis restart without persistence an idle child's record, its warm
+    engines, stayed missing, out of affinity's, status's and the metrics' sight, until
+    the child ran a task)"""
+    proc = start_worker("tests.integration.short_ttl_app", worker_env(redis_url), tmp_path,
+                        concurrency=1, cwd=ROOT)
+    key = advertise.child_key("", proc.hostname, 0)
+    try:
+        wait_ready(client_app, [proc])
+        assert client_app.tasks["w.add"].delay(1, 2).get(timeout=30) == 3
+        wait_for(lambda: redis_client.exists(key), 15, "the child's record")
+        record = json.loads(redis_client.get(key))
+        redis_client.delete(key)  # (what a restart without persistence leaves)
+        wait_for(lambda: redis_client.exists(key), 5, "the record written back")
+        assert json.loads(redis_client.get(key)) == record
+        assert "wrote back the records of children [0]" in proc.log()
+    finally:
+        proc.stop(timeout_s=15)
+
+
+def test_only_the_same_live_child_s_record_is_written_back(redis_client: redis.Redis) -> None:
+    from sits_queue.workers.readvert import ChildRecords
+
+    records = ChildRecords()
+    for slot, pid in ((0, 111), (1, 222), (2, 333)):
+        redis_client.set(advertise.child_key("", "w@h", slot), json.dumps({"pid": pid}))
+    assert records.keep(redis_client, "", "w@h", {0: 111, 1: 222, 2: 333}) == []
+    redis_client.delete(*(advertise.child_key("", "w@h", s) for s in range(3)))
+    redis_client.set(advertise.child_key("", "w@h", 2), json.dumps({"pid": 333, "new": 1}))
+    # slot 0: its child lives on; slot 1: replaced (a hard-limit kill): not its record;
+    # slot 2: the child wrote its own meanwhile, which stays
+    assert records.keep(redis_client, "", "w@h", {0: 111, 1: 999, 2: 333}) == [0]
+    assert json.loads(redis_client.get(advertise.child_key("", "w@h", 0))) == {"pid": 111}
+    assert not redis_client.exists(advertise.child_key("", "w@h", 1))
+    assert json.loads(redis_client.get(advertise.child_key("", "w@h", 2)))["new"] == 1
+    assert 0 < redis_client.ttl(advertise.child_key("", "w@h", 0)) <= advertise.TTL_S
