@@ -191,17 +191,22 @@ def counters_from(raw: Mapping[Any, Any]) -> dict[str, Any]:
             "failed": {k: int(v) for k, v in group("failed:").items()}}
 
 
-def pool_slots(pool: Any, size: int) -> list[int]:
-    """The slots of a pool's live children, where their records are kept: a prefork
-    child's is its process index, and the children a ``pool_shrink`` leaves keep theirs
-    (billiard stops the first idle one: a pool of three shrunk by one holds slots 1 and
-    2). 0..size-1 for a pool without processes of its own (solo, threads) or none yet."""
+def pool_children(pool: Any) -> dict[int, Any]:
+    """Slot -> pid of a pool's live children: a prefork child's slot is its process
+    index, and the children a ``pool_shrink`` leaves keep theirs (billiard stops the
+    first idle one: a pool of three shrunk by one holds slots 1 and 2). None for a pool
+    without processes of its own (solo, threads) or none yet."""
     processes = getattr(getattr(pool, "_pool", None), "_pool", None)
     try:
-        slots = sorted({int(p.index) for p in processes or ()})
+        return {int(p.index): getattr(p, "pid", None) for p in processes or ()}
     except (TypeError, ValueError, AttributeError):
-        slots = []
-    return slots or list(range(max(1, size)))
+        return {}
+
+
+def pool_slots(pool: Any, size: int) -> list[int]:
+    """Where the records of a pool's live children are kept (:func:`pool_children`);
+    0..size-1 for a pool without processes of its own or none yet."""
+    return sorted(pool_children(pool)) or list(range(max(1, size)))
 
 
 def record_slots(record: Mapping[str, Any]) -> list[int]:

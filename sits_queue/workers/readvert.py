@@ -29,13 +29,10 @@ logger = logging.getLogger(__name__)
 
 
 def live_pids(pool: Any, slots: list[int]) -> dict[int, int]:
-    """Slot -> pid of each live child of ``pool``; a pool with no processes of its own
-    (solo, threads) runs its tasks in this process."""
-    processes = getattr(getattr(pool, "_pool", None), "_pool", None)
-    try:
-        found = {int(p.index): int(p.pid) for p in processes or () if p.pid}
-    except (TypeError, ValueError, AttributeError):
-        found = {}
+    """Slot -> pid of each live child of ``pool`` (:func:`advertise.pool_children`); a
+    pool with no processes of its own (solo, threads) runs its tasks in this process."""
+    found = {slot: pid for slot, pid in advertise.pool_children(pool).items()
+             if isinstance(pid, int) and pid}
     return found or dict.fromkeys(slots, os.getpid())
 
 
