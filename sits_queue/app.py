@@ -18,7 +18,7 @@ from kombu.utils.objects import cached_property
 
 from sits_queue import flower, redisurl
 from sits_queue.broker.keys import DELIVERY_ONLY
-from sits_queue.cache.budgets import CacheBudgets
+from sits_queue.cache.budgets import settings_from_env
 from sits_queue.calloptions import (
     CALL_OPTIONS,
     RoutedOnce,
@@ -470,11 +470,7 @@ class SitsCelery(Celery):  # type: ignore[misc]
 def make_app(config: SitsConfig | None = None, main: str = "sits_queue") -> SitsCelery:
     """A configured Celery app. ``celery -A sits_queue`` uses the one built from the env."""
     if config is None:
-        config = SitsConfig.from_env()
-        # The cache sizes are read again in each pool child; a bad one is the same
-        # one-line error as a bad setting here (in the worker it stopped the start with
-        # two tracebacks).
-        CacheBudgets.from_env()
+        config = settings_from_env()
     app = SitsCelery(main, task_cls=SitsTask)
     app.sits = config
     app.conf.update(celery_settings(config))

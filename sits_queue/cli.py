@@ -25,6 +25,7 @@ from kombu.exceptions import OperationalError
 from sits_queue.bench.report import check_json_path
 from sits_queue.broker import clock
 from sits_queue.broker.keys import QueueKeys, queues_registry, registered_queues
+from sits_queue.cache.budgets import settings_from_env
 from sits_queue.config import SitsConfig, check_redis_url, redacted
 from sits_queue.embedded import resolve_redis_url
 from sits_queue.errors import SitsError, missing_extra
@@ -42,17 +43,6 @@ from sits_queue.status import (
 
 def _redis_url() -> str:
     return _resolved()[0]
-
-
-def _settings() -> SitsConfig:
-    """The settings from the environment, the cache sizes checked too: a bad one is
-    refused here as by the app (``sitsq status`` took ``SITS_DEVICE_CACHE_BYTES=lots``,
-    which stopped every worker and import of the app)."""
-    from sits_queue.cache.budgets import CacheBudgets
-
-    config = SitsConfig.from_env()
-    CacheBudgets.from_env()
-    return config
 
 
 #: Where the command's Redis URL is kept for :class:`_Sitsq`'s error lines.
@@ -123,7 +113,7 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 def status(as_json: bool) -> None:
     """Queues (depth, head tasks with score and class) and the workers seen."""
-    config = _settings()
+    config = settings_from_env()
     url = _redis_url()
     client = redis.Redis.from_url(url, socket_timeout=5)
     # (a Redis that does not answer is said by the group, naming the server: _Sitsq)
@@ -329,7 +319,7 @@ def dead_list(queue: str | None, limit: int, as_json: bool) -> None:
     """Dead letters of QUEUE (default: every queue that has any)."""
     from sits_queue.broker import deadletters
 
-    config = _settings()
+    config = settings_from_env()
     client = redis.Redis.from_url(_redis_url(), socket_timeout=5)
     now = clock.now(client)
     report: dict[str, dict[str, Any]] = {}
@@ -381,7 +371,7 @@ def dead_requeue(queue: str, ids: tuple[str, ...], every: bool) -> None:
     from sits_queue.app import make_app
     from sits_queue.broker import deadletters
 
-    config = replace(_settings(), redis_url=_redis_url())
+    config = replace(settings_from_env(), redis_url=_redis_url())
     client = redis.Redis.from_url(config.redis_url, socket_timeout=5)
     _dead_queue(client, config, queue)
     chosen = _chosen(client, QueueKeys.for_queue(queue, config.global_keyprefix).dead,
@@ -407,7 +397,7 @@ def dead_drop(queue: str, ids: tuple[str, ...], every: bool) -> None:
     """Delete dead letters of QUEUE for good."""
     from sits_queue.broker import deadletters
 
-    config = _settings()
+    config = settings_from_env()
     client = redis.Redis.from_url(_redis_url(), socket_timeout=5)
     _dead_queue(client, config, queue)
     key = QueueKeys.for_queue(queue, config.global_keyprefix).dead
@@ -432,7 +422,7 @@ def metrics_command(port: int, addr: str) -> None:
     from sits_queue.workers import metrics
 
     url = _redis_url()
-    config = replace(_settings(), redis_url=url, metrics_port=port,
+    config = replace(settings_from_env(), redis_url=url, metrics_port=port,
                      metrics_addr=addr)
     try:
         server = metrics.serve(config, None, strict=True,

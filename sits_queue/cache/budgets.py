@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from sits_queue.config import CACHE_BYTES_VARS
+from sits_queue.config import CACHE_BYTES_VARS, SitsConfig
 from sits_queue.errors import ConfigError
 from sits_queue.workers.devices import Device, Discovery
 
@@ -120,3 +120,13 @@ def _env_bytes(env: Mapping[str, str], key: str) -> int | None:
     if raw is None or raw.strip() == "":
         return None
     return parse_bytes(key, raw)
+
+
+def settings_from_env() -> SitsConfig:
+    """The settings from the environment, the cache sizes checked with them: each pool
+    child reads those again, and a bad one is the same one-line error as a bad setting
+    where the settings are read (the app, ``sitsq``), not two tracebacks in the worker's
+    start (and ``sitsq status`` took ``SITS_DEVICE_CACHE_BYTES=lots``)."""
+    config = SitsConfig.from_env()
+    CacheBudgets.from_env()
+    return config
