@@ -10,7 +10,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-from sits_queue import checks, redisurl
+from sits_queue import checks, envnames, redisurl
 from sits_queue.broker.affinity import AffinityPolicy
 from sits_queue.checks import MAX_DURATION_S as MAX_DURATION_S
 from sits_queue.errors import ConfigError
@@ -450,7 +450,7 @@ class SitsConfig:
     def from_env(cls, env: Mapping[str, str] | None = None) -> SitsConfig:
         """Build from ``SITS_*`` variables, on top of ``SITS_CONFIG`` (a TOML file) if set."""
         env = os.environ if env is None else env
-        _warn_near_misses(env, {"SITS_CONFIG", *CACHE_BYTES_VARS,
+        envnames.warn_near_misses(env, {"SITS_CONFIG", *CACHE_BYTES_VARS,
                                 *("SITS_" + f.name.upper() for f in fields(cls)
                                   if f.name not in ("classes", "weights"))})
         overrides: dict[str, Any] = {}
@@ -552,77 +552,6 @@ def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
     except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not UTF-8
         raise ConfigError(f"config file {p} cannot be read: {exc}") from exc
-
-
-def _warn_near_misses(env: Mapping[str, str], known: set[str]) -> None:
-    """A warning for each ``SITS_*`` variable that is no setting but nearly one (TOML
-    refuses an unknown key; a variable cannot be refused: other programs' share the
-    prefix): ``SITS_VISIBILITY_TIMEOUT`` was silently not ``SITS_VISIBILITY_TIMEOUT_S``."""
-    import logging
-
-    for name in sorted(env):
-        if not name.startswith("SITS_") or name in known:
-            continue
-        if name in _TABLES and (name, "") not in _warned:  # (a setting's name, not read)
-            _warned.add((name, ""))
-            logging.getLogger(__name__).warning(
-                "%s is ignored: the %s table is set in the SITS_CONFIG file (TOML)", name,
-                _TABLES[name])
-            continue
-        near = near_names(name, known)
-        if near and (name, near[0]) not in _warned:
-            _warned.add((name, near[0]))
-            logging.getLogger(__name__).warning(
-                "%s is no SITS setting and is ignored; did you mean %s?", name,
-                " or ".join(near))
-
-
-#: Unit suffixes a variable's name may have, lack or get wrong (``SITS_HOST_CACHE_SIZE``
-#: for ``SITS_HOST_CACHE_BYTES``, ``SITS_VISIBILITY_TIMEOUT`` for ``..._TIMEOUT_S``).
-_UNITS = ("_BYTES", "_SIZE", "_SECONDS", "_SECS", "_S")
-
-
-def _stem(name: str) -> str:
-    return next((name[:-len(u)] for u in _UNITS if name.endswith(u)), name)
-
-
-def near_names(name: str, known: Iterable[str]) -> list[str]:
-    """The settings ``name`` most likely meant, sorted, or none: those of its stem (a
-    unit suffix missing or another), else those fewest edits away (at most 2, a swap of
-    two neighbours one), else difflib's closest (``SITS_BATCH_JOINS`` is one edit from
-    both ``SITS_BATCH_JOIN`` and ``SITS_BATCH_JOIN_S``: both are named; difflib alone
-    named the seconds)."""
-    import difflib
-
-    known = sorted(known)
-    if same := [k for k in known if _stem(k) == _stem(name)]:
-        return same
-    distances = {k: _edits(name, k) for k in known}
-    least = min(distances.values(), default=3)
-    if least <= 2:
-        return [k for k, d in distances.items() if d == least]
-    return difflib.get_close_matches(name, known, n=1, cutoff=0.85)
-
-
-def _edits(a: str, b: str) -> int:
-    """Optimal string alignment distance: insertions, deletions, substitutions and
-    swaps of neighbours, one each."""
-    previous, row = None, list(range(len(b) + 1))
-    for i in range(1, len(a) + 1):
-        before, previous, row = previous, row, [i] + [0] * len(b)
-        for j in range(1, len(b) + 1):
-            row[j] = min(previous[j] + 1, row[j - 1] + 1,
-                         previous[j - 1] + (a[i - 1] != b[j - 1]))
-            if (before is not None and j > 1 and a[i - 1] == b[j - 2]
-                    and a[i - 2] == b[j - 1]):
-                row[j] = min(row[j], before[j - 2] + 1)
-    return row[-1]
-
-
-#: The settings no variable sets, by the variable their name would make.
-_TABLES = {"SITS_CLASSES": "[[classes]]", "SITS_WEIGHTS": "[weights]"}
-#: (variable, setting) pairs already warned about in this process.
-_warned: set[tuple[str, str]] = set()
 
 
 def configured_redis_url(env: Mapping[str, str]) -> str | None:

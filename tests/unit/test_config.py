@@ -290,9 +290,9 @@ def test_class_weights_under_what_a_queue_score_tells_apart_are_refused() -> Non
 def test_a_variable_that_nearly_names_a_setting_is_warned_about(
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """(``SITS_VISIBILITY_TIMEOUT=90`` was silently not the 90 s timeout meant)"""
-    import sits_queue.config
+    import sits_queue.envnames
 
-    monkeypatch.setattr(sits_queue.config, "_warned", set())  # (once per process)
+    monkeypatch.setattr(sits_queue.envnames, "_warned", set())  # (once per process)
     with caplog.at_level("WARNING", logger="sits_queue.config"):
         config = SitsConfig.from_env({"SITS_VISIBILITY_TIMEOUT": "90",
                                       "SITS_BENCH_SYSTEM": "sits", "SITS_CONFIG": "",
@@ -326,9 +326,9 @@ def test_a_variable_that_nearly_names_a_setting_is_warned_about(
 def test_a_near_miss_names_every_setting_as_near(
         name: str, meant: str, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import sits_queue.config
+    import sits_queue.envnames
 
-    monkeypatch.setattr(sits_queue.config, "_warned", set())
+    monkeypatch.setattr(sits_queue.envnames, "_warned", set())
     with caplog.at_level("WARNING", logger="sits_queue.config"):
         SitsConfig.from_env({name: "on"})
     assert [r.getMessage() for r in caplog.records] == [
@@ -337,9 +337,9 @@ def test_a_near_miss_names_every_setting_as_near(
 
 def test_variables_far_from_every_setting_are_not_warned_about(
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    import sits_queue.config
+    import sits_queue.envnames
 
-    monkeypatch.setattr(sits_queue.config, "_warned", set())
+    monkeypatch.setattr(sits_queue.envnames, "_warned", set())
     ours = ["SITS_BENCH_SYSTEM", "SITS_CLASS", "SITS_TASK", "SITS_SYSTEMS", "SITS_EXIT_WITH",
             "SITS_COLDSTART_BUDGET_BYTES", "SITS_TEST_SLOW_FORWARD_S", "SITS_GEN_TASK"]
     with caplog.at_level("WARNING", logger="sits_queue.config"):
