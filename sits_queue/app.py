@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -28,7 +27,7 @@ from sits_queue.calloptions import (
     routed_options,
     sits_headers,
 )
-from sits_queue.checks import shown
+from sits_queue.checks import finite, is_number, shown
 from sits_queue.config import SitsConfig, redacted, without_credentials
 from sits_queue.delivery import check_delivery
 from sits_queue.errors import ConfigError
@@ -225,9 +224,8 @@ class SitsTask(Task):  # type: ignore[misc]
         """
         from sits_queue.workers import slices
 
-        if remaining_s is not None and (
-                isinstance(remaining_s, bool) or not isinstance(remaining_s, int | float)
-                or not remaining_s >= 0 or math.isinf(remaining_s)):
+        if remaining_s is not None and not (
+                is_number(remaining_s) and finite(remaining_s) and remaining_s >= 0):
             # ("x" raised a bare TypeError from a comparison; -1 never yielded, NaN always)
             raise ValueError(f"yield_point: remaining_s must be a finite number of seconds "
                              f">= 0 or None, got {shown(remaining_s)}")
