@@ -93,6 +93,7 @@ class SitsTask(Task):  # type: ignore[misc]
     vram_gib: float | None = None
     prefix_key: str | None = None
     precision: str | None = None
+    arithmetic_intensity: float | None = None
     #: Batch tasks (``app.batch_inference_task``): most tasks one batch may take.
     max_batch: int | None = None
     #: Whether its calls run as batches (only ``BatchInferenceTask``'s do).

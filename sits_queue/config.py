@@ -224,8 +224,12 @@ class SitsConfig:
     affinity_host_weight: float = 0.5
     #: a task whose prompt prefix's KV the worker holds adds this much;
     affinity_prefix_weight: float = 0.5
-    #: a task's precision adds up to this much on a device relatively strong at it.
+    #: a task's precision adds up to this much on a device relatively strong at it;
     affinity_precision_weight: float = 0.5
+    #: a task's roofline bound (its declared ``arithmetic_intensity`` against the
+    #: device's ridge point) adds up to this much on a device relatively rich in the
+    #: resource that bounds it (§3.1).
+    affinity_roofline_weight: float = 0.5
     #: Characters of a prompt the automatic ``prefix_key`` covers (0: derive none).
     prefix_key_chars: int = 256
     #: Same-model batching (``workers/batched.py``): a pick that takes a batchable task
@@ -409,7 +413,8 @@ class SitsConfig:
                               max_skip_s=self.affinity_max_skip_ms / 1000.0,
                               host_weight=self.affinity_host_weight,
                               prefix_weight=self.affinity_prefix_weight,
-                              precision_weight=self.affinity_precision_weight)
+                              precision_weight=self.affinity_precision_weight,
+                              roofline_weight=self.affinity_roofline_weight)
 
     @property
     def class_names(self) -> tuple[str, ...]:

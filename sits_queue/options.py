@@ -58,13 +58,16 @@ HEADER = "sits"
 SUBMITTED_AT = "sits_submitted_at"
 #: Option names accepted on ``@app.task(...)`` and ``apply_async(...)``.
 OPTION_NAMES = ("sla_class", "model", "context_tokens", "latency_sla_ms", "loss_sensitivity",
-                "input_entropy", "vram_gib", "prefix_key", "precision")
+                "input_entropy", "vram_gib", "prefix_key", "precision", "arithmetic_intensity")
 #: Precisions a task may ask its model to be served at (``cache/precision.py``, §3.2).
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 #: Larger contexts than this are typos, not prompts (10M tokens).
 MAX_CONTEXT_TOKENS = 10_000_000
 #: No single device offers more (largest parts today: 192 GiB).
 MAX_VRAM_GIB = 1024.0
+#: FLOP per byte past any device's ridge point (the largest today are ~600 at int8):
+#: larger intensities are typos, not kernels.
+MAX_ARITHMETIC_INTENSITY = 1e6
 #: A batch key names a task, a model and a class: room for long dotted task names.
 MAX_BATCH_KEY = 1000
 
@@ -87,6 +90,10 @@ class TaskOptions:
     batch_max: int | None = None
     #: The precision to serve the model at (§3.2); None: as loaded.
     precision: str | None = None
+    #: FLOP per byte of device-memory traffic (§3.1 roofline): below a device's ridge
+    #: point the task is memory-bound there, at or above it compute-bound; placement
+    #: matches it to devices relatively rich in that resource. None: not declared.
+    arithmetic_intensity: float | None = None
 
     def to_header(self) -> dict[str, Any]:
         # (every field is a plain value: dataclasses.asdict's deep copy cost ~10 us a call)
@@ -173,6 +180,9 @@ def resolve(config: SitsConfig, declared: Mapping[str, Any], per_call: Mapping[s
         batch_max=None if merged.get("batch_max") is None
         else int(_number("batch_max", merged["batch_max"], 1, MAX_BATCH_TASKS, integer=True)),
         precision=_precision(merged.get("precision")),
+        arithmetic_intensity=None if merged.get("arithmetic_intensity") is None
+        else _number("arithmetic_intensity", merged["arithmetic_intensity"], 0.0,
+                     MAX_ARITHMETIC_INTENSITY),
     )
 
 

@@ -340,6 +340,25 @@ def _devices_text(devices: Any) -> str:
     return "; ".join(parts)
 
 
+def _placement_text(placement: Any) -> str:
+    """What the worker's picks weigh against its fleet (``workers/fleet.py``): the
+    precisions and the roofline bound its devices are relatively strong at, with its
+    fp16 ridge point; empty where it weighs nothing."""
+    if not isinstance(placement, dict):
+        return ""
+    parts = []
+    for name, key in (("precision", "precisions"), ("roofline", "bounds")):
+        weights = placement.get(key)
+        for what, w in sorted(weights.items() if isinstance(weights, dict) else ()):
+            if isinstance(w, (int, float)) and not isinstance(w, bool):
+                parts.append(f"{name} {printable(what)} +{w:g}")
+    ridges = placement.get("ridges")
+    ridge = ridges.get("fp16") if isinstance(ridges, dict) else None
+    if parts and isinstance(ridge, (int, float)) and not isinstance(ridge, bool):
+        parts.append(f"fp16 ridge {ridge:,.0f} FLOP/byte")
+    return ", ".join(parts)
+
+
 def _warm_text(children: Any) -> str:
     """Each pool process's warm engines: the tier each is in and its size, where the
     child's record says (an older writer's gives the tier only)."""
@@ -365,6 +384,8 @@ def _worker_lines(w: dict[str, Any]) -> list[str]:
                  "ahead by affinity")
     if shown := _devices_text(w.get("devices")):
         lines.append(f"    devices: {shown}")
+    if placed := _placement_text(w.get("placement")):
+        lines.append(f"    placement: {placed}")
     if warm := _warm_text(w.get("children")):
         lines.append(f"    warm: {warm}")
     if w.get("plain_tasks_only"):

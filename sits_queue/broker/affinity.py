@@ -26,7 +26,13 @@ order breaks ties. A task that asks for a ``precision`` (§3.2) matches the engi
 at that precision (``<model>@<precision>``), and adds its precision's weight on this
 worker (:func:`precision_weights`: the device's comparative advantage at it across the
 fleet, so in a mixed fleet INT8 work drifts to the parts strongest at INT8 and FP16 work
-to the FP16 ones; nothing in a fleet of one kind). :func:`choose` is the reference of
+to the FP16 ones; nothing in a fleet of one kind). A task that declares its
+``arithmetic_intensity`` (§3.1, FLOP per byte) is memory-bound on a device below that
+device's ridge point and compute-bound at or above it; its bound adds the device's
+weight for that resource (:func:`roofline_weights`: how bandwidth-rich or compute-rich
+the device is against the fleet, by its alpha), so memory-bound work (decoding) drifts
+to the parts with the most bandwidth per FLOP and compute-bound work (prefill, encoders
+over long batches) to those with the most FLOPs per byte. :func:`choose` is the reference of
 what ``lua/pick.lua`` does inside Redis (the integration tests check they agree).
 
 The warm set comes from the pool children's advertisements (a worker's pick cannot
@@ -70,6 +76,9 @@ class AffinityPolicy:
     prefix_weight: float = 0.5
     #: Most added for a task's precision on a device with an advantage at it (§3.2).
     precision_weight: float = 0.5
+    #: Most added for a task's roofline bound on a device relatively rich in the
+    #: resource that bounds it (§3.1).
+    roofline_weight: float = 0.5
 
     def __post_init__(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) \
@@ -90,6 +99,9 @@ class AffinityPolicy:
         if not _finite(self.precision_weight) or not 0 <= self.precision_weight <= 10:
             raise ValueError(f"affinity_precision_weight must be in [0, 10], got "
                              f"{self.precision_weight!r}")
+        if not _finite(self.roofline_weight) or not 0 <= self.roofline_weight <= 10:
+            raise ValueError(f"affinity_roofline_weight must be in [0, 10], got "
+                             f"{self.roofline_weight!r}")
 
     @property
     def enabled(self) -> bool:
@@ -117,6 +129,8 @@ class Candidate:
     prefix: str | None = None
     #: The precision it asks its model to be served at, if any.
     precision: str | None = None
+    #: Its declared ``arithmetic_intensity``, FLOP/byte, if any.
+    intensity: float | None = None
 
 
 def engine_key(model: str, precision: str | None) -> str:
@@ -130,41 +144,66 @@ def model_of(key: str) -> str:
     return key.partition("@")[0]
 
 
+#: The roofline's two bounds (``workers/devices.py``'s ``Device.bound``).
+MEMORY, COMPUTE = "memory", "compute"
+#: The precision a task that names none is served at, for its ridge point: inference's
+#: usual one (``Device.alpha`` is at it too).
+DEFAULT_PRECISION = "fp16"
+
+
 @dataclass(frozen=True)
 class Warm:
     """What a worker holds, as affinity weights: models (engine keys, by tier), prompt
-    prefixes (by ``prefix_key``) and precisions (its device's advantage at each). Only
-    positive weights are kept."""
+    prefixes (by ``prefix_key``), precisions (its device's advantage at each) and the
+    roofline's bounds (``memory``, ``compute``: how rich its device is in each against
+    the fleet), with the ridge points (FLOP/byte, per precision) that tell a task's
+    bound here. Only positive weights are kept."""
 
     models: Mapping[str, float] = field(default_factory=dict)
     prefixes: Mapping[str, float] = field(default_factory=dict)
     precisions: Mapping[str, float] = field(default_factory=dict)
+    bounds: Mapping[str, float] = field(default_factory=dict)
+    ridges: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("models", "prefixes", "precisions"):
+        for name in ("models", "prefixes", "precisions", "bounds", "ridges"):
             object.__setattr__(self, name,
                                {k: w for k, w in getattr(self, name).items() if w > 0})
+        if not self.ridges:  # (a bound no task can be told to have weighs nothing)
+            object.__setattr__(self, "bounds", {})
 
     def __bool__(self) -> bool:
-        return bool(self.models or self.prefixes or self.precisions)
+        return bool(self.models or self.prefixes or self.precisions or self.bounds)
 
     @property
     def top(self) -> float:
-        """The largest weight a task can have here (model + prefix + precision)."""
+        """The largest weight a task can have here (model + prefix + precision + bound)."""
         return max(self.models.values(), default=0.0) + \
             max(self.prefixes.values(), default=0.0) + \
-            max(self.precisions.values(), default=0.0)
+            max(self.precisions.values(), default=0.0) + \
+            max(self.bounds.values(), default=0.0)
+
+    def bound(self, intensity: float | None, precision: str | None = None) -> str | None:
+        """A task's roofline bound on this device: ``memory`` below the ridge point at
+        its precision, ``compute`` at or above it; None without an intensity or a ridge
+        point at that precision."""
+        ridge = self.ridges.get(precision or DEFAULT_PRECISION)
+        if intensity is None or ridge is None:
+            return None
+        return MEMORY if intensity < ridge else COMPUTE
 
     def weight(self, model: str | None, prefix: str | None,
-               precision: str | None = None) -> float:
+               precision: str | None = None, intensity: float | None = None) -> float:
         held = self.models.get(engine_key(model, precision), 0.0) if model is not None \
             else 0.0
         # A prompt prefix's KV is reused by the engine that holds it only: counted where
         # the task's engine is warm here (a template shared by several models pulled a
         # task for a model this worker does not hold, to a cold start, "by affinity")
         kv = self.prefixes.get(prefix, 0.0) if prefix is not None and held > 0 else 0.0
+        bound = self.bound(intensity, precision) if self.bounds else None
         return held + kv + \
-            (self.precisions.get(precision, 0.0) if precision is not None else 0.0)
+            (self.precisions.get(precision, 0.0) if precision is not None else 0.0) + \
+            (self.bounds.get(bound, 0.0) if bound is not None else 0.0)
 
 
 def warm_weights(warm_maps: Iterable[Mapping[str, Any]], host_weight: float
@@ -180,17 +219,20 @@ def warm_weights(warm_maps: Iterable[Mapping[str, Any]], host_weight: float
 
 
 def warm_of(children: Iterable[Mapping[str, Any]], policy: AffinityPolicy,
-            precisions: Mapping[str, float] | None = None) -> Warm:
+            precisions: Mapping[str, float] | None = None,
+            roofline: Roofline | None = None) -> Warm:
     """A worker's :class:`Warm` from its children's advertised records: ``warm``
     (engine key -> tier) and ``kv_keys`` (prefix keys whose KV the child holds), with
-    its ``precisions`` weights (:func:`precision_weights`)."""
+    its ``precisions`` weights (:func:`precision_weights`) and ``roofline``
+    (:func:`roofline_weights`)."""
     records = [c for c in children if isinstance(c, Mapping)]
     models = warm_weights((_serving(c) for c in records if isinstance(c.get("warm"), Mapping)),
                           policy.host_weight)
     keys = {str(k) for c in records if isinstance(c.get("kv_keys"), list)
             for k in c["kv_keys"]}
+    roof = roofline or NO_ROOFLINE
     return Warm(models, dict.fromkeys(sorted(keys), policy.prefix_weight),
-                dict(precisions or {}))
+                dict(precisions or {}), dict(roof.bounds), dict(roof.ridges))
 
 
 def _serving(child: Mapping[str, Any]) -> dict[str, Any]:
@@ -237,6 +279,52 @@ def precision_weights(own: Mapping[str, float], fleet: Sequence[Mapping[str, flo
     return out
 
 
+@dataclass(frozen=True)
+class Roofline:
+    """A worker's roofline figures for picks (§3.1): its device's ridge point per
+    precision (FLOP/byte) and the weight of each bound (:func:`roofline_weights`)."""
+
+    ridges: Mapping[str, float] = field(default_factory=dict)
+    bounds: Mapping[str, float] = field(default_factory=dict)
+
+
+NO_ROOFLINE = Roofline()
+
+
+def ridge_points(peaks_tflops: Mapping[str, float], bandwidth_gb_s: float | None
+                 ) -> dict[str, float]:
+    """Ridge point per precision, FLOP/byte (``peak / bandwidth``), from datasheet peaks
+    in TFLOP/s and the memory bandwidth in GB/s; empty where the bandwidth is unknown."""
+    if not _finite(bandwidth_gb_s) or bandwidth_gb_s is None or bandwidth_gb_s <= 0:
+        return {}
+    return {p: round(v * 1e12 / (bandwidth_gb_s * 1e9), 6) for p, v in peaks_tflops.items()
+            if _finite(v) and v > 0}
+
+
+def roofline_weights(own_ridge: float | None, fleet_ridges: Sequence[float | None],
+                     weight: float) -> dict[str, float]:
+    """§3.1, roofline placement: this worker's weight per bound (``memory``,
+    ``compute``), from its device's ridge point at fp16 and every live worker's (own
+    included; None: unknown, a CPU's).
+
+    By alpha (bandwidth per FLOP, ``word_size / ridge``) against the fleet's geometric
+    mean: a device with more bandwidth per FLOP than the mean weighs memory-bound tasks
+    (up to ``weight`` at twice the mean and beyond), one with less weighs compute-bound
+    ones as much. So an H200 next to L40S parts takes the decoding, the L40S the
+    long-prompt encoding; a fleet of one kind weighs neither (nothing to match)."""
+    known = [r for r in fleet_ridges if _finite(r) and r is not None and r > 0]
+    if own_ridge is None or not _finite(own_ridge) or own_ridge <= 0 or not known:
+        return {}
+    # (alphas' ratios are the ridges' inverted: the word size cancels)
+    mean = math.exp(sum(math.log(r) for r in known) / len(known))
+    out: dict[str, float] = {}
+    for bound, richer in ((MEMORY, mean / own_ridge), (COMPUTE, own_ridge / mean)):
+        w = round(weight * min(1.0, richer - 1), 6)
+        if w > 0:
+            out[bound] = w
+    return out
+
+
 #: What a level may fall short of :func:`min_level` and still be taken: levels are whole,
 #: the floor's rounding error (pick.lua's, which has no log1p and expm1) ~1e-9 of one; at a
 #: ratio of 1 the floor is the head's own level, and Lua's came out a hair above it.
@@ -264,7 +352,7 @@ def choose(candidates: Sequence[Candidate], warm: Warm, policy: AffinityPolicy,
         return 0
     head = candidates[0]
     top = warm.top
-    best_w = warm.weight(head.model, head.prefix, head.precision)
+    best_w = warm.weight(head.model, head.prefix, head.precision, head.intensity)
     if head.held or best_w >= top:
         return 0
     since = head.skipped_since_s
@@ -277,7 +365,7 @@ def choose(candidates: Sequence[Candidate], warm: Warm, policy: AffinityPolicy,
     for i, cand in enumerate(candidates[1:policy.window], start=1):
         if cand.level < floor:
             break  # queue order: every later one ranks lower still
-        w = warm.weight(cand.model, cand.prefix, cand.precision)
+        w = warm.weight(cand.model, cand.prefix, cand.precision, cand.intensity)
         if not cand.held and w > best_w:
             best, best_w = i, w
             if w >= top:
@@ -288,14 +376,16 @@ def choose(candidates: Sequence[Candidate], warm: Warm, policy: AffinityPolicy,
 def lua_args(policy: AffinityPolicy, warm: Warm) -> list[Any]:
     """``pick.lua``'s affinity arguments (after its first four); empty when off.
 
-    Weights go as ``m:<engine key>``, ``p:<prefix key>`` and ``q:<precision>`` pairs
-    (namespaces: a model may be named like a key)."""
+    Weights go as ``m:<engine key>``, ``p:<prefix key>``, ``q:<precision>`` and
+    ``r:<bound>`` pairs (namespaces: a model may be named like a key), ridge points as
+    ``z:<precision>`` pairs (not weights), sent only with a bound's weight."""
     if not policy.enabled or not warm:
         return []
     args: list[Any] = [policy.window, repr(float(policy.priority_ratio)),
                        repr(float(policy.max_skip_s))]
     for space, weights in (("m:", warm.models), ("p:", warm.prefixes),
-                           ("q:", warm.precisions)):
+                           ("q:", warm.precisions), ("r:", warm.bounds),
+                           ("z:", warm.ridges if warm.bounds else {})):
         for name, w in sorted(weights.items()):
             args += [space + name, repr(float(w))]
     return args

@@ -43,7 +43,8 @@ def compact_json(value: Any) -> bytes:
 # Short JSON keys: this record exists once per waiting message (100k+ in a deep queue).
 _KEYS = {"sla_class": "c", "model": "m", "context_tokens": "n", "latency_sla_ms": "sla",
          "loss_sensitivity": "ls", "input_entropy": "e", "vram_gib": "v",
-         "prefix_key": "px", "batch": "b", "batch_max": "bn", "precision": "q"}
+         "prefix_key": "px", "batch": "b", "batch_max": "bn", "precision": "q",
+         "arithmetic_intensity": "ai"}
 
 
 def due_at(headers: Any) -> float | None:

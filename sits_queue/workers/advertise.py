@@ -37,7 +37,7 @@ from sits_queue.broker import affinity
 from sits_queue.checks import stored_number
 from sits_queue.config import SitsConfig
 from sits_queue.periodic import Periodic
-from sits_queue.workers import routingversions, steer
+from sits_queue.workers import fleet, routingversions, steer
 from sits_queue.workers.devices import Device, live
 
 logger = logging.getLogger(__name__)
@@ -116,8 +116,11 @@ def device_record(device: Device) -> dict[str, Any]:
             "free_vram_bytes": device.free_vram_bytes,
             "utilisation_pct": device.utilisation_pct, "numa_node": device.numa_node,
             "alpha": device.alpha,
-            # Peak throughput per precision (datasheet), for precision matching (§3.2).
-            "peak_tflops": {p: round(v / 1e12, 3) for p, v in device.peak_flops.items()}}
+            # Peak throughput per precision and bandwidth (datasheet), for precision
+            # matching (§3.2) and the roofline (§3.1): workers/fleet.py.
+            "peak_tflops": {p: round(v / 1e12, 3) for p, v in device.peak_flops.items()},
+            "bandwidth_gb_s": None if device.memory_bandwidth_bytes_per_s is None
+            else round(device.memory_bandwidth_bytes_per_s / 1e9, 3)}
 
 
 def largest_device_bytes(records: Iterable[Mapping[str, Any]]) -> int | None:
@@ -131,18 +134,6 @@ def largest_device_bytes(records: Iterable[Mapping[str, Any]]) -> int | None:
             if isinstance(size, int) and not isinstance(size, bool):
                 sizes.append(size)
     return max(sizes) if sizes else None
-
-
-def device_peaks(record: Mapping[str, Any]) -> dict[str, float]:
-    """A worker record's peak TFLOP/s per precision, the best of its devices."""
-    peaks: dict[str, float] = {}
-    devices = record.get("devices")
-    for device in devices if isinstance(devices, list) else []:
-        table = device.get("peak_tflops") if isinstance(device, Mapping) else None
-        for precision, value in (table.items() if isinstance(table, Mapping) else ()):
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-                peaks[str(precision)] = max(peaks.get(str(precision), 0.0), float(value))
-    return peaks
 
 
 def counter_values(raw: Mapping[Any, Any]) -> dict[str, float]:
@@ -397,9 +388,6 @@ class WarmReader:
     #: Longest a warm set is reused without an ack, s (another worker's hold runs out,
     #: a child was replaced): picks stay cheap, a stale set costs only a cold start.
     WARM_MAX_AGE_S = 0.5
-    #: How often the fleet's devices are read again for the precision weights, s (the
-    #: fleet's make-up changes when workers come and go, not per task).
-    FLEET_MAX_AGE_S = 30.0
 
     def __init__(self, config: SitsConfig, hostname: str, slots: Iterable[int],
                  clock: Any = time.monotonic) -> None:
@@ -407,8 +395,10 @@ class WarmReader:
         self._policy = config.affinity
         self._config = config
         self._hostname = hostname
-        self._precisions: dict[str, float] = {}
-        self._fleet_at: float | None = None
+        self._fleet = fleet.FleetWeights(
+            self._policy, self._read_fleet,
+            lambda: int(client_for(config).zcard(workers_key(config.global_keyprefix))),
+            clock)
         self._slots: tuple[int, ...] = ()
         self._keys: list[str] = []
         self.resize(slots)
@@ -424,6 +414,11 @@ class WarmReader:
     @property
     def slots(self) -> tuple[int, ...]:
         return self._slots
+
+    @property
+    def standing(self) -> fleet.Standing:
+        """The fleet weights its picks use now, as last read (reads nothing)."""
+        return self._fleet.current
 
     def resize(self, slots: Iterable[int]) -> None:
         """Read the children in ``slots`` from now on (:func:`pool_slots`: a pool grown
@@ -448,7 +443,7 @@ class WarmReader:
     def __call__(self) -> affinity.Warm:
         now = self._clock()
         if self._read_at is not None and now - self._read_at < self.WARM_MAX_AGE_S:
-            return self._idle_view(self._precisions)
+            return self._idle_view(self._fleet())
         self._read_at = now
         self._counts_read = routingversions.reading()  # (before the read: never a miss)
         try:
@@ -458,8 +453,9 @@ class WarmReader:
             self._warm, self._by_slot = affinity.Warm(), {}
             return self._warm
         children = [c for c in (json_object(v) for v in raw) if c is not None]
-        precisions = self._precision_weights(now)
-        self._warm = affinity.warm_of(children, self._policy, precisions)
+        standing = self._fleet()
+        self._warm = affinity.warm_of(children, self._policy, standing.precisions,
+                                      standing.roofline)
         self._idle_warm = {}
         if not steer.steering():  # (nothing reads each child's own where none is chosen)
             self._by_slot = {}
@@ -472,9 +468,9 @@ class WarmReader:
                             {slot: room for slot, c in self._by_slot.items()
                              if isinstance(room := c.get("device_room"), int)
                              and not isinstance(room, bool)})
-        return self._idle_view(precisions)
+        return self._idle_view(standing)
 
-    def _idle_view(self, precisions: Mapping[str, float]) -> affinity.Warm:
+    def _idle_view(self, standing: fleet.Standing) -> affinity.Warm:
         """What the idle children hold, where the pool is steered: the freed slot's pick
         is for them (under a backlog, one), and a task warm only in a busy child, picked
         by the union of all, went cold to the idle one. The same object while neither
@@ -487,31 +483,22 @@ class WarmReader:
             return self._warm
         if (view := self._idle_warm.get(key)) is None:
             view = self._idle_warm[key] = affinity.warm_of(
-                [self._by_slot[s] for s in sorted(key)], self._policy, precisions)
+                [self._by_slot[s] for s in sorted(key)], self._policy, standing.precisions,
+                standing.roofline)
         return view
 
-    def _precision_weights(self, now: float) -> dict[str, float]:
-        """This worker's precision weights (``affinity.precision_weights``) from every
-        live worker's advertised devices, re-read every :data:`FLEET_MAX_AGE_S`."""
-        if self._policy.precision_weight <= 0 or (
-                self._fleet_at is not None and now - self._fleet_at < self.FLEET_MAX_AGE_S):
-            return self._precisions
-        self._fleet_at = now
+    def _read_fleet(self) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """This worker's own record and every live worker's (their own records only, no
+        child records), for :class:`fleet.FleetWeights`. A device without datasheet
+        figures (a CPU) is matched to nothing: no fleet to read."""
         client, prefix = client_for(self._config), self._config.global_keyprefix
-        try:
-            own = device_peaks(json_object(client.get(worker_key(prefix, self._hostname)))
-                               or {})
-            # A device without datasheet figures (a CPU) prefers no precision: no fleet
-            # to read. Otherwise the workers' own records only (no child records).
-            names = live_hostnames(client, prefix) if own else []
-            fleet = [device_peaks(r) for raw in (client.mget(
-                [worker_key(prefix, n) for n in names]) if names else [])
-                if (r := json_object(raw)) is not None]
-        except redis.RedisError as exc:  # keep the last weights
-            logger.debug("fleet unreadable, precision weights kept: %s", exc)
-            return self._precisions
-        self._precisions = affinity.precision_weights(own, fleet, self._policy.precision_weight)
-        return self._precisions
+        own = json_object(client.get(worker_key(prefix, self._hostname)))
+        names = live_hostnames(client, prefix) \
+            if own is not None and fleet.device_peaks(own) else []
+        records = [r for raw in (client.mget([worker_key(prefix, n) for n in names])
+                                 if names else [])
+                   if (r := json_object(raw)) is not None]
+        return own, records
 
 
 # -- the bootstep ------------------------------------------------------------------------
@@ -571,6 +558,8 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
             extra["profile"] = profile.current[0].report()
         if steer.steering():  # (the pre-warm planner: each child can be sent one)
             extra["steered"] = True
+        if self._reader is not None:  # (`sitsq status`: what its picks weigh, and why)
+            extra["placement"] = fleet.placement_record(self._reader.standing)
         if (pool := admission.plain_only_pool()) is not None:
             extra["plain_tasks_only"] = pool  # `sitsq status`: inference goes elsewhere
         try:

@@ -55,7 +55,8 @@ def enqueue(client: redis.Redis, tasks: list[Candidate], held_until: float = NOW
         client.zadd(KEYS.waiting, {t.id: score_base(priority) + seq})
         client.hset(KEYS.payloads, t.id, json.dumps({"id": t.id}))
         client.hset(KEYS.meta, t.id, json.dumps({"c": "high", "m": t.model, "t": NOW - 9,
-                                                 "px": t.prefix, "q": t.precision}))
+                                                 "px": t.prefix, "q": t.precision,
+                                                 "ai": t.intensity}))
         if t.skipped_since_s is not None:
             client.hset(KEYS.skipped, t.id, repr(t.skipped_since_s))
         if t.held:
@@ -64,10 +65,11 @@ def enqueue(client: redis.Redis, tasks: list[Candidate], held_until: float = NOW
 
 def task(name: str, priority: float, model: str | None, skipped_s: float | None = None,
          held: bool = False, prefix: str | None = None,
-         precision: str | None = None) -> Candidate:
+         precision: str | None = None, intensity: float | None = None) -> Candidate:
     tid = f"{name}@{priority}"
     since = None if skipped_s is None else NOW - skipped_s
-    return Candidate(tid, priority_level(priority), model, since, held, prefix, precision)
+    return Candidate(tid, priority_level(priority), model, since, held, prefix, precision,
+                     intensity)
 
 
 def pick(scripts: Scripts, client: redis.Redis, policy: AffinityPolicy, warm: Warm) -> Any:
@@ -93,7 +95,9 @@ def test_pick_lua_agrees_with_the_reference_policy(r: redis.Redis, scripts: Scri
                       # (a negative one: a stamp ahead of now, a clock running ahead)
                       rng.choice([None, None, 0.0, 0.3, 0.9, 1.5, 5.0, -30.0]),
                       held=rng.random() < 0.1, prefix=rng.choice([None, "p1", "p2"]),
-                      precision=rng.choice([None, None, "int8", "fp16"]))
+                      precision=rng.choice([None, None, "int8", "fp16"]),
+                      # (at a ridge point exactly: compute-bound, in both)
+                      intensity=rng.choice([None, None, 0.0, 8.0, 200.0, 300.0, 4000.0]))
                  for i in range(n)]
         if all(t.held for t in tasks):
             continue
@@ -105,7 +109,12 @@ def test_pick_lua_agrees_with_the_reference_policy(r: redis.Redis, scripts: Scri
                      if rng.random() < 0.6},
                     {p: rng.choice([0.0, 0.5, 0.75]) for p in ("p1", "p2") if rng.random() < 0.4},
                     {q: rng.choice([0.0, 0.25, 0.5]) for q in ("int8", "fp16")
-                     if rng.random() < 0.4})
+                     if rng.random() < 0.4},
+                    # roofline bounds, with the ridge points that tell a task's bound
+                    {b: rng.choice([0.0, 0.2, 0.5]) for b in ("memory", "compute")
+                     if rng.random() < 0.4},
+                    {q: ridge for q, ridge in (("fp16", 200.0), ("int8", 400.0))
+                     if rng.random() < 0.7})
         r.delete(*KEYS.all())
         enqueue(r, tasks)
         want_id, want_ahead = expected(tasks, policy, warm)
@@ -287,6 +296,38 @@ def test_warm_reader_weighs_precisions_by_the_fleets_devices(
         # And a corrupt record is left out, not fatal (status reads the same records)
         assert advertise.read_worker(r, prefix, "v100b@h")["children"] == {}
         assert len(advertise.read_workers(r, prefix)) == 3
+    finally:
+        r.delete(*r.keys(f"{prefix}*"))
+
+
+def test_warm_reader_weighs_roofline_bounds_by_the_fleets_devices(
+        r: redis.Redis, redis_url: str, scripts: Scripts) -> None:
+    config = SitsConfig(redis_url=redis_url, global_keyprefix="roof-test:")
+    prefix = config.global_keyprefix
+
+    def worker(host: str, fp16_tflops: float, bandwidth_gb_s: float | None) -> None:
+        r.set(advertise.worker_key(prefix, host), json.dumps(
+            {"hostname": host, "concurrency": 1,
+             "devices": [{"name": host, "peak_tflops": {"fp16": fp16_tflops},
+                          "bandwidth_gb_s": bandwidth_gb_s}]}))
+        r.zadd(advertise.workers_key(prefix), {host: 1.0})
+
+    try:
+        # Given an H200-like worker (ridge ~206 FLOP/byte) and an L4-like one (~403)
+        worker("h200@h", 989.5, 4800.0)
+        worker("l4@h", 121.0, 300.0)
+        h200 = advertise.WarmReader(config, "h200@h", range(1))()
+        l4 = advertise.WarmReader(config, "l4@h", range(1))()
+        # Then the H200 weighs memory-bound work, the L4 compute-bound work
+        assert set(h200.bounds) == {"memory"} and set(l4.bounds) == {"compute"}
+        assert h200.ridges["fp16"] == pytest.approx(206.146, rel=1e-4)
+        # And its pick takes a decoding task (8 FLOP/byte) from behind a prefill (5000)
+        enqueue(r, [task("prefill", 100, None, intensity=5000.0),
+                    task("decode", 100, None, intensity=8.0)])
+        assert pick(scripts, r, config.affinity, h200)[0] == b"decode@100"
+        # And a worker with no bandwidth figure (a GPU the table lacks) weighs neither
+        worker("odd@h", 100.0, None)
+        assert not advertise.WarmReader(config, "odd@h", range(1))().bounds
     finally:
         r.delete(*r.keys(f"{prefix}*"))
 

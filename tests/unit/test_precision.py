@@ -24,8 +24,8 @@ from sits_queue.cache import precision
 from sits_queue.config import SitsConfig
 from sits_queue.errors import InvalidTaskOptions, ModelLoadError
 from sits_queue.options import batch_key, from_header, resolve
-from sits_queue.workers.advertise import device_peaks
 from sits_queue.workers.devices import KNOWN_GPUS
+from sits_queue.workers.fleet import device_peaks
 
 CONFIG = SitsConfig()
 

@@ -318,6 +318,20 @@ def test_status_shows_each_devices_free_memory() -> None:
             "A100-SXM4-40GB 2.5 of 40.0 GiB free; cuda:2 odd") in shown.splitlines()
 
 
+def test_status_shows_what_a_workers_picks_weigh_against_its_fleet() -> None:
+    worker = {"hostname": "w@h", "pid": 1, "concurrency": 1, "placement": {
+        "precisions": {"int8": 0.5}, "bounds": {"memory": 0.199383},
+        "ridges": {"fp16": 206.145833, "int8": 412.3}}}
+    shown = status.format_status({"queues": [], "workers": [worker]})
+    assert ("    placement: precision int8 +0.5, roofline memory +0.199383, fp16 ridge 206 "
+            "FLOP/byte") in shown.splitlines()
+    # a fleet of one kind weighs nothing, and a record no worker of ours wrote is skipped
+    for nothing in ({"precisions": {}, "bounds": {}, "ridges": {}}, "junk",
+                    {"bounds": {"memory": "lots"}, "ridges": [1]}):
+        assert "placement:" not in status.format_status(
+            {"queues": [], "workers": [{**worker, "placement": nothing}]})
+
+
 def test_status_names_each_mig_slice_by_its_uuid_as_metrics_do() -> None:
     """(two slices of GPU 0 were both "cuda:0": which had the room was not to be told)"""
     gib = 2**30

@@ -13,7 +13,9 @@
 --   optional affinity (broker/affinity.py, whose choose() this mirrors): window,
 --   priority ratio, max skip s, then name, weight pairs of what the consumer holds warm:
 --   'm:<engine key>' (engines: '<model>' or '<model>@<precision>'), 'p:<prefix key>' (KV
---   of prompt prefixes) and 'q:<precision>' (the device's advantage at a precision);
+--   of prompt prefixes), 'q:<precision>' (the device's advantage at a precision) and
+--   'r:memory', 'r:compute' (its richness in the resource that bounds a task, §3.1),
+--   with 'z:<precision>' pairs: its ridge points, FLOP/byte (figures, not weights);
 --   or, instead of affinity, 'join', a batch key, a count: join mode (below);
 --   or, instead of affinity, 'noack': the consumer does not ack (kombu's no_ack), so what
 --   it takes is forgotten at once, as ack.lua would, instead of recorded as unacked
@@ -57,30 +59,38 @@ local function held_by_me(id)
   return false
 end
 
--- A waiting task's model, prefix key and precision, from its scoring metadata (nil
--- where absent).
+-- A waiting task's model, prefix key, precision and arithmetic intensity, from its
+-- scoring metadata (nil where absent).
 local function wants(id)
   local raw = redis.call('HGET', KEYS[3], id)
-  if not raw then return nil, nil, nil end
+  if not raw then return nil, nil, nil, nil end
   local ok, record = pcall(cjson.decode, raw)
-  if not ok or type(record) ~= 'table' then return nil, nil, nil end
-  local model, prefix, precision = record['m'], record['px'], record['q']
+  if not ok or type(record) ~= 'table' then return nil, nil, nil, nil end
+  local model, prefix, precision, ai = record['m'], record['px'], record['q'], record['ai']
   if type(model) ~= 'string' then model = nil end
   if type(prefix) ~= 'string' then prefix = nil end
   if type(precision) ~= 'string' then precision = nil end
-  return model, prefix, precision
+  if type(ai) ~= 'number' then ai = nil end
+  return model, prefix, precision, ai
 end
 
 -- The engine a task needs is held under '<model>@<precision>' when it asks for one. Its
--- prompt prefix counts only where that engine is warm: the KV is that engine's.
-local function weight_of(warm, id)
-  local model, prefix, precision = wants(id)
+-- prompt prefix counts only where that engine is warm: the KV is that engine's. Its
+-- roofline bound here: memory below the ridge point at its precision (fp16 where it
+-- names none), compute at or above it.
+local function weight_of(warm, ridges, id)
+  local model, prefix, precision, ai = wants(id)
   local engine = model
   if model and precision then engine = model .. '@' .. precision end
   local held = (engine and warm['m:' .. engine]) or 0
   local kv = 0
   if held > 0 and prefix then kv = warm['p:' .. prefix] or 0 end
-  return held + kv + ((precision and warm['q:' .. precision]) or 0)
+  local bound = 0
+  local ridge = ridges[precision or 'fp16']
+  if ai and ridge then
+    if ai < ridge then bound = warm['r:memory'] or 0 else bound = warm['r:compute'] or 0 end
+  end
+  return held + kv + ((precision and warm['q:' .. precision]) or 0) + bound
 end
 
 -- The warmest task within the window and the priority ratio, if warmer than the head:
@@ -92,17 +102,21 @@ local function affinity_pick()
   local window = tonumber(ARGV[5] or '')
   if window == nil or window < 2 or #ARGV < 9 then return nil end
   local ratio, max_skip = tonumber(ARGV[6]), tonumber(ARGV[7])
-  local warm, tops = {}, {}
+  local warm, tops, ridges = {}, {}, {}
   for i = 8, #ARGV - 1, 2 do
     local w = tonumber(ARGV[i + 1]) or 0
     local space = string.sub(ARGV[i], 1, 2)
-    warm[ARGV[i]] = w
-    if w > (tops[space] or 0) then tops[space] = w end
+    if space == 'z:' then
+      ridges[string.sub(ARGV[i], 3)] = w
+    else
+      warm[ARGV[i]] = w
+      if w > (tops[space] or 0) then tops[space] = w end
+    end
   end
-  local top = (tops['m:'] or 0) + (tops['p:'] or 0) + (tops['q:'] or 0)
+  local top = (tops['m:'] or 0) + (tops['p:'] or 0) + (tops['q:'] or 0) + (tops['r:'] or 0)
   local near = redis.call('ZRANGE', KEYS[1], 0, window - 1, 'WITHSCORES')
   if #near < 4 then return nil end
-  local best_w = weight_of(warm, near[1])
+  local best_w = weight_of(warm, ridges, near[1])
   if best_w >= top or held_by_me(near[1]) then return nil end
   local since = tonumber(redis.call('HGET', KEYS[14], near[1]) or '')
   -- A stamp no pick of this clock wrote (inf, nan, ahead of now: a record made by hand,
@@ -120,7 +134,7 @@ local function affinity_pick()
     -- (less a hair, as affinity.py: Lua has no log1p and expm1, and at a ratio of 1 the
     -- floor came out above the head's own level, refusing a task level with it)
     if level < floor - FLOOR_SLACK then break end
-    local w = weight_of(warm, near[i])
+    local w = weight_of(warm, ridges, near[i])
     if w > best_w and not held_by_me(near[i]) then
       best, best_w = i, w
       if w >= top then break end

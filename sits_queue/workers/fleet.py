@@ -1,0 +1,155 @@
+"""A worker's place in its fleet, for picks: how its devices compare with every live
+worker's, as affinity weights (``broker/affinity.py``).
+
+Two comparisons, both read from the workers' advertised device records
+(``advertise.device_record``), never from another worker's children:
+
+* precisions (§3.2): each precision's datasheet peak against the fleet's
+  (``affinity.precision_weights``);
+* the roofline (§3.1): the device's ridge point (peak FLOP/s over bandwidth, per
+  precision) against the fleet's (``affinity.roofline_weights``).
+
+A fleet's make-up changes when workers come and go, not per task: read every
+:data:`FleetWeights.MAX_AGE_S`, and sooner when the number of registered workers moved
+(one ``ZCARD`` every :data:`FleetWeights.PROBE_S`: the first worker of a fleet to pick
+saw a fleet of one, and matched nothing for half a minute). A Redis error keeps the
+last weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from sits_queue.broker import affinity
+from sits_queue.checks import finite, is_number
+
+logger = logging.getLogger(__name__)
+
+
+def device_peaks(record: Mapping[str, Any]) -> dict[str, float]:
+    """A worker record's peak TFLOP/s per precision, the best of its devices."""
+    peaks: dict[str, float] = {}
+    for device in _devices(record):
+        table = device.get("peak_tflops")
+        for precision, value in (table.items() if isinstance(table, Mapping) else ()):
+            if _positive(value):
+                peaks[str(precision)] = max(peaks.get(str(precision), 0.0), float(value))
+    return peaks
+
+
+def device_bandwidth(record: Mapping[str, Any]) -> float | None:
+    """A worker record's memory bandwidth, GB/s, the best of its devices; None where
+    none advertises one (a CPU, a GPU missing from the datasheet table)."""
+    known = [float(d["bandwidth_gb_s"]) for d in _devices(record)
+             if _positive(d.get("bandwidth_gb_s"))]
+    return max(known) if known else None
+
+
+def device_ridges(record: Mapping[str, Any]) -> dict[str, float]:
+    """A worker record's ridge points per precision, FLOP/byte (the best device's
+    peaks over its bandwidth, as :func:`device_peaks` and :func:`device_bandwidth`)."""
+    return affinity.ridge_points(device_peaks(record), device_bandwidth(record))
+
+
+def _devices(record: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    devices = record.get("devices")
+    return [d for d in (devices if isinstance(devices, list) else [])
+            if isinstance(d, Mapping)]
+
+
+def _positive(value: Any) -> bool:
+    return is_number(value) and finite(value) and value > 0
+
+
+@dataclass(frozen=True)
+class Standing:
+    """This worker's fleet weights: per precision, and its roofline."""
+
+    precisions: Mapping[str, float] = field(default_factory=dict)
+    roofline: affinity.Roofline = affinity.NO_ROOFLINE
+
+
+def placement_record(standing: Standing) -> dict[str, Any]:
+    """A :class:`Standing` as the worker's advertisement carries it (``sitsq status``)."""
+    return {"precisions": dict(standing.precisions),
+            "bounds": dict(standing.roofline.bounds),
+            "ridges": dict(standing.roofline.ridges)}
+
+
+def standing(own: Mapping[str, Any], fleet: Sequence[Mapping[str, Any]],
+             policy: affinity.AffinityPolicy) -> Standing:
+    """This worker's :class:`Standing` from its own record and every live worker's
+    (own included)."""
+    precisions = affinity.precision_weights(
+        device_peaks(own), [device_peaks(r) for r in fleet], policy.precision_weight) \
+        if policy.precision_weight > 0 else {}
+    ridges = device_ridges(own)
+    bounds = affinity.roofline_weights(
+        ridges.get(affinity.DEFAULT_PRECISION),
+        [device_ridges(r).get(affinity.DEFAULT_PRECISION) for r in fleet],
+        policy.roofline_weight) if policy.roofline_weight > 0 else {}
+    return Standing(precisions, affinity.Roofline(ridges if bounds else {}, bounds))
+
+
+class FleetWeights:
+    """Worker main process: its :class:`Standing`, read again every :data:`MAX_AGE_S`,
+    or at the next call after the registry's size moved."""
+
+    #: How often the fleet's devices are read again at the most, s.
+    MAX_AGE_S = 30.0
+    #: How often the registry's size is looked at, s.
+    PROBE_S = 2.0
+
+    def __init__(self, policy: affinity.AffinityPolicy,
+                 read: Callable[[], tuple[Mapping[str, Any] | None, Sequence[Mapping[str, Any]]]],
+                 size: Callable[[], int], clock: Callable[[], float] = time.monotonic) -> None:
+        """``read``: this worker's own record (None while it has none) and, where it
+        asks, every live worker's; ``size``: how many workers are registered. Both raise
+        ``redis.RedisError`` when Redis fails."""
+        self._policy = policy
+        self._read = read
+        self._size = size
+        self._clock = clock
+        self._at: float | None = None
+        self._probed_at: float | None = None
+        #: The registry's size as the last reading began; None: read again at the probe.
+        self._count: int | None = None
+        self._standing = Standing()
+
+    @property
+    def current(self) -> Standing:
+        """The last reading's weights, without reading."""
+        return self._standing
+
+    def __call__(self) -> Standing:
+        policy = self._policy
+        if policy.precision_weight <= 0 and policy.roofline_weight <= 0:
+            return self._standing
+        now = self._clock()
+        if self._at is not None and now - self._at < self.MAX_AGE_S:
+            if self._probed_at is not None and now - self._probed_at < self.PROBE_S:
+                return self._standing
+            self._probed_at = now
+            try:
+                if self._count is not None and self._size() == self._count:
+                    return self._standing
+            except redis.RedisError as exc:
+                logger.debug("worker registry unreadable, fleet weights kept: %s", exc)
+                return self._standing
+        self._at = self._probed_at = now
+        try:
+            count = self._size()  # (before the read: a worker joining now is not missed)
+            own, fleet = self._read()
+        except redis.RedisError as exc:  # keep the last weights
+            logger.debug("fleet unreadable, fleet weights kept: %s", exc)
+            return self._standing
+        # (this worker's own record not written yet: read again at the next probe)
+        self._count = count if own is not None else None
+        self._standing = standing(own or {}, fleet, policy)
+        return self._standing

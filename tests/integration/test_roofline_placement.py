@@ -1,0 +1,94 @@
+"""Roofline placement (MISSION §3.1) in a real fleet of two ``celery worker``s on unlike
+GPUs: memory-bound tasks go to the worker with the most bandwidth per FLOP, compute-bound
+ones to the worker with the most FLOPs per byte.
+
+This machine has no GPU: each worker runs with the stand-in ``pynvml``
+(``standin_nvml/pynvml.py``), one an H200 (ridge ~206 FLOP/byte at fp16), one an L4
+(~403). All else is real: discovery, the datasheet figures, the advertisements, each
+worker's reading of its fleet, ``pick.lua``, the pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from celery import Celery
+
+from sits_queue.procs import CeleryProcess, intake_held, start_worker, wait_ready
+from sits_queue.workers import advertise
+from sits_queue.workers.limits import BYTES_PER_GIB as GIB
+from tests.integration.conftest import APP_MODULE, ROOT, worker_env
+from tests.waiting import wait_for
+
+STANDIN = Path(__file__).parent / "standin_nvml"
+H200 = "GPU-a2000000-0000-0000-0000-000000000000"
+L4 = "GPU-b4000000-0000-0000-0000-000000000000"
+#: Tasks of each kind: a decode step's intensity (memory-bound on both parts) and a long
+#: prefill's (compute-bound on both).
+EACH = 30
+DECODE_FLOP_PER_BYTE = 8.0
+PREFILL_FLOP_PER_BYTE = 4000.0
+
+
+def gpu_worker(tmp_path: Path, redis_url: str, uuid: str, name: str, total_gib: int
+               ) -> CeleryProcess:
+    """A worker of one child whose NVML reports one GPU ``name``."""
+    home = tmp_path / uuid[:8]
+    home.mkdir()
+    state = home / "nvml.json"
+    state.write_text(json.dumps({"gpus": [{"uuid": uuid, "name": name,
+                                           "total": total_gib * GIB,
+                                           "free": (total_gib - 2) * GIB}]}))
+    env = worker_env(redis_url)
+    env["PYTHONPATH"] = os.pathsep.join([str(STANDIN), str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])
+    env["SITS_TEST_NVML"] = str(state)
+    return start_worker(APP_MODULE, env, home, concurrency=1, cwd=ROOT)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, redis_url: str, r: redis.Redis, client_app: Celery
+          ) -> Iterator[list[CeleryProcess]]:
+    procs = [gpu_worker(tmp_path, redis_url, H200, "NVIDIA H200", 141),
+             gpu_worker(tmp_path, redis_url, L4, "NVIDIA L4", 24)]
+    try:
+        wait_ready(client_app, procs)
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop(timeout_s=10)
+
+
+def test_memory_bound_work_goes_to_the_bandwidth_rich_gpu_and_compute_bound_to_the_other(
+        fleet: list[CeleryProcess], client_app: Celery, r: redis.Redis) -> None:
+    # Given each worker has read its fleet (its advertisement says what its picks weigh)
+    def bounds() -> dict[str, set[str]]:
+        return {w["devices"][0]["uuid"]: set(w.get("placement", {}).get("bounds", {}))
+                for w in advertise.read_workers(r)}
+
+    wait_for(lambda: bounds() == {H200: {"memory"}, L4: {"compute"}}, 30,
+             "each worker to weigh its bound")
+    device = client_app.tasks["w.device"]
+    # When decode-like and prefill-like tasks wait interleaved, all at once, at one
+    # priority (an entropy given: measured, the two tags' would order them apart)
+    with intake_held(client_app, fleet):
+        for _ in range(EACH):
+            device.apply_async(("decode", 0.05), arithmetic_intensity=DECODE_FLOP_PER_BYTE,
+                               input_entropy=0.5)
+            device.apply_async(("prefill", 0.05), arithmetic_intensity=PREFILL_FLOP_PER_BYTE,
+                               input_entropy=0.5)
+    wait_for(lambda: r.llen("test:device:decode") + r.llen("test:device:prefill")
+             == 2 * EACH, 60, "every task to run")
+    # Then each kind ran on the GPU richer in what bounds it (the pinned child's device
+    # says which worker ran it); by priority order alone, each GPU would get half of each
+    decode = [d.decode() for d in r.lrange("test:device:decode", 0, -1)]
+    prefill = [d.decode() for d in r.lrange("test:device:prefill", 0, -1)]
+    assert decode.count(H200) >= 0.8 * EACH, (decode.count(H200), decode.count(L4))
+    assert prefill.count(L4) >= 0.8 * EACH, (prefill.count(L4), prefill.count(H200))
+    # And both GPUs worked: placement reorders the queue, it does not idle a device
+    assert {*decode, *prefill} == {H200, L4}

@@ -1,0 +1,226 @@
+"""Roofline placement (MISSION §3.1): the ``arithmetic_intensity`` option, each device's
+ridge points, the fleet's bound weights, and the pick's use of them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+import redis
+
+from sits_queue.broker.affinity import (
+    COMPUTE,
+    MEMORY,
+    AffinityPolicy,
+    Candidate,
+    Roofline,
+    Warm,
+    choose,
+    lua_args,
+    ridge_points,
+    roofline_weights,
+    warm_of,
+)
+from sits_queue.broker.keys import priority_level
+from sits_queue.broker.meta import WaitingMeta
+from sits_queue.config import SitsConfig
+from sits_queue.errors import InvalidTaskOptions
+from sits_queue.options import from_header, resolve
+from sits_queue.workers import fleet
+from sits_queue.workers.advertise import device_record
+from sits_queue.workers.devices import KNOWN_GPUS, Device
+
+CONFIG = SitsConfig()
+POLICY = AffinityPolicy()
+
+
+def record(*names: str) -> dict[str, Any]:
+    """A worker record advertising devices of the datasheet table, as a worker writes it."""
+    devices = [device_record(Device(i, "gpu", f"NVIDIA {n}", f"GPU-{i}", 1, 1,
+                                    memory_bandwidth_bytes_per_s=KNOWN_GPUS[n]
+                                    .memory_bandwidth_bytes_per_s,
+                                    peak_flops=KNOWN_GPUS[n].peak_flops))
+               for i, n in enumerate(names)]
+    return {"hostname": "w", "devices": devices}
+
+
+def ridge(name: str, precision: str = "fp16") -> float:
+    spec = KNOWN_GPUS[name]
+    return spec.peak_flops[precision] / spec.memory_bandwidth_bytes_per_s
+
+
+# -- the option ----------------------------------------------------------------------------
+
+def test_arithmetic_intensity_is_a_validated_option_that_reaches_the_broker_record() -> None:
+    opts = resolve(CONFIG, {"arithmetic_intensity": 2}, {})
+    assert opts.arithmetic_intensity == 2.0
+    # per call over the decorator's, and back from the header as it was sent
+    opts = resolve(CONFIG, {"arithmetic_intensity": 2}, {"arithmetic_intensity": 900.5})
+    assert from_header(CONFIG, opts.to_header()).arithmetic_intensity == 900.5
+    meta = WaitingMeta(options=opts, enqueued_at_s=1.0, task="t")
+    assert b'"ai":900.5' in meta.to_json()
+    assert WaitingMeta.from_json(meta.to_json()).options.arithmetic_intensity == 900.5
+    assert resolve(CONFIG, {}, {}).arithmetic_intensity is None
+
+
+@pytest.mark.parametrize("bad", [-1, math.inf, math.nan, 1e7, "high", True, [1.0]])
+def test_a_bad_arithmetic_intensity_is_refused_naming_it(bad: Any) -> None:
+    with pytest.raises(InvalidTaskOptions, match="arithmetic_intensity"):
+        resolve(CONFIG, {}, {"arithmetic_intensity": bad})
+
+
+# -- ridge points and the fleet's weights ---------------------------------------------------
+
+def test_ridge_points_come_from_the_datasheet_peaks_and_bandwidth() -> None:
+    h200 = fleet.device_ridges(record("H200"))
+    assert h200["fp16"] == pytest.approx(ridge("H200"), rel=1e-4)  # ~206 FLOP/byte
+    assert h200["int8"] == pytest.approx(2 * h200["fp16"], rel=1e-4)
+    assert fleet.device_bandwidth(record("L4", "A100")) == pytest.approx(2039.0)
+    # a device without a bandwidth (a CPU's record, one from the table's gaps) has none
+    assert ridge_points({"fp16": 100.0}, None) == {}
+    assert ridge_points({"fp16": 100.0}, 0.0) == {}
+    assert fleet.device_ridges({"devices": [{"peak_tflops": {"fp16": 9.0},
+                                             "bandwidth_gb_s": "fast"}, "junk"]}) == {}
+
+
+def test_the_device_record_advertises_its_bandwidth() -> None:
+    assert record("H200")["devices"][0]["bandwidth_gb_s"] == 4800.0
+    assert device_record(Device(0, "cpu", "cpu", "cpu", 1, 1))["bandwidth_gb_s"] is None
+
+
+def test_a_bandwidth_rich_device_weighs_memory_bound_work_a_compute_rich_one_compute() -> None:
+    fleet_ridges = [ridge("H200"), ridge("L4")]  # ~206 and ~403 FLOP/byte
+    h200 = roofline_weights(ridge("H200"), fleet_ridges, 0.5)
+    l4 = roofline_weights(ridge("L4"), fleet_ridges, 0.5)
+    assert set(h200) == {MEMORY} and set(l4) == {COMPUTE}
+    # by how far each stands from the fleet's (geometric) mean: here as far both ways
+    assert h200[MEMORY] == pytest.approx(l4[COMPUTE], abs=1e-6)
+    assert 0 < h200[MEMORY] < 0.5
+    # a fleet of one kind matches nothing, nor does a device without figures
+    assert roofline_weights(ridge("H200"), [ridge("H200")] * 3, 0.5) == {}
+    assert roofline_weights(None, fleet_ridges, 0.5) == {}
+    # workers without figures (CPUs) are no devices to compare against
+    assert roofline_weights(ridge("L4"), [ridge("L4"), None, None], 0.5) == {}
+    # twice the mean and beyond: the whole weight; 0: off
+    assert roofline_weights(1.0, [1.0, 16.0], 0.5) == {MEMORY: 0.5}
+    assert roofline_weights(16.0, [1.0, 16.0], 0.0) == {}
+
+
+def test_the_standing_joins_precision_and_roofline_weights() -> None:
+    own, other = record("H200"), record("L4")
+    got = fleet.standing(own, [own, other], POLICY)
+    assert set(got.roofline.bounds) == {MEMORY}
+    assert got.roofline.ridges["fp16"] == pytest.approx(ridge("H200"), rel=1e-4)
+    # the setting at 0 turns the roofline's weights off
+    off = fleet.standing(own, [own, other], AffinityPolicy(roofline_weight=0.0))
+    assert off.roofline.bounds == {} and off.roofline.ridges == {}
+    # alone in its fleet: no bounds, and no ridges sent for nothing
+    alone = fleet.standing(own, [own], POLICY)
+    assert alone.roofline.bounds == {} and alone.roofline.ridges == {}
+
+
+# -- the pick ------------------------------------------------------------------------------
+
+def cand(name: str, intensity: float | None, precision: str | None = None) -> Candidate:
+    return Candidate(name, priority_level(100.0), None, precision=precision,
+                     intensity=intensity)
+
+
+def test_a_task_is_memory_bound_below_the_ridge_and_compute_bound_at_it() -> None:
+    warm = Warm(bounds={MEMORY: 0.3, COMPUTE: 0.1}, ridges={"fp16": 200.0, "int8": 400.0})
+    assert warm.bound(199.9) == MEMORY and warm.weight(None, None, None, 199.9) == 0.3
+    assert warm.bound(200.0) == COMPUTE and warm.weight(None, None, None, 200.0) == 0.1
+    # at its precision's ridge: int8 work of 300 FLOP/byte is memory-bound here
+    assert warm.bound(300.0, "int8") == MEMORY
+    # no intensity, or no ridge at its precision: no bound, no weight
+    assert warm.bound(None) is None and warm.weight(None, None, None, None) == 0.0
+    assert warm.bound(10.0, "bf16") is None
+    assert warm.top == 0.3
+
+
+def test_bounds_without_ridges_weigh_nothing() -> None:
+    warm = Warm(bounds={MEMORY: 0.3})
+    assert not warm and warm.bounds == {} and lua_args(POLICY, warm) == []
+
+
+def test_a_memory_rich_worker_takes_the_memory_bound_task_behind_the_head() -> None:
+    rich = warm_of([], POLICY, roofline=Roofline({"fp16": 206.0}, {MEMORY: 0.2}))
+    tasks = [cand("prefill", 5000.0), cand("other", None), cand("decode", 8.0)]
+    assert choose(tasks, rich, POLICY, 0.0) == 2
+    # and the ridge points go to pick.lua as figures, not weights
+    assert lua_args(POLICY, rich)[3:] == ["r:memory", "0.2", "z:fp16", "206.0"]
+    # a compute-rich one leaves the compute-bound head where it is
+    dense = warm_of([], POLICY, roofline=Roofline({"fp16": 403.0}, {COMPUTE: 0.2}))
+    assert choose(tasks, dense, POLICY, 0.0) == 0
+
+
+# -- reading the fleet ---------------------------------------------------------------------
+
+class Reads:
+    """A fleet to read, counting the reads; ``fail`` makes them raise as Redis would."""
+
+    def __init__(self, own: Mapping[str, Any] | None, others: Sequence[Mapping[str, Any]]
+                 ) -> None:
+        self.own, self.others = own, list(others)
+        self.reads = self.sizes = 0
+        self.fail = False
+
+    def read(self) -> tuple[Mapping[str, Any] | None, list[Mapping[str, Any]]]:
+        self.reads += 1
+        if self.fail:
+            raise redis.ConnectionError("gone")
+        return self.own, ([self.own] if self.own else []) + self.others
+
+    def size(self) -> int:
+        self.sizes += 1
+        if self.fail:
+            raise redis.ConnectionError("gone")
+        return 1 + len(self.others)
+
+
+def test_the_fleet_is_read_again_when_a_worker_joins_not_on_every_pick() -> None:
+    now = [0.0]
+    reads = Reads(record("H200"), [])
+    weights = fleet.FleetWeights(POLICY, reads.read, reads.size, lambda: now[0])
+    assert weights().roofline.bounds == {} and reads.reads == 1  # alone: nothing to match
+    now[0] = 1.0
+    weights()
+    assert reads.sizes == 1 and reads.reads == 1  # within the probe: nothing asked
+    # an L4 worker registers: read at the next probe, not half a minute later
+    reads.others.append(record("L4"))
+    now[0] = 2.5
+    assert set(weights().roofline.bounds) == {MEMORY} and reads.reads == 2
+    now[0] = 5.0
+    weights()
+    assert reads.reads == 2  # the same fleet: probed, not read
+    # Redis away: the last weights are kept, whichever read fails
+    reads.fail = True
+    now[0] = 7.5
+    assert set(weights().roofline.bounds) == {MEMORY}
+    now[0] = 40.0
+    assert set(weights().roofline.bounds) == {MEMORY}
+
+
+def test_a_worker_not_yet_advertised_reads_its_fleet_again_at_the_next_probe() -> None:
+    now = [0.0]
+    reads = Reads(None, [record("L4")])
+    weights = fleet.FleetWeights(POLICY, reads.read, reads.size, lambda: now[0])
+    assert not weights().roofline.bounds
+    reads.own = record("H200")
+    now[0] = 2.5
+    assert set(weights().roofline.bounds) == {MEMORY} and reads.reads == 2
+
+
+def test_both_settings_off_reads_nothing() -> None:
+    reads = Reads(record("H200"), [record("L4")])
+    off = AffinityPolicy(precision_weight=0.0, roofline_weight=0.0)
+    assert fleet.FleetWeights(off, reads.read, reads.size)() == fleet.Standing()
+    assert reads.reads == reads.sizes == 0
+
+
+@pytest.mark.parametrize("bad", [-0.1, 11.0, math.nan])
+def test_a_bad_roofline_weight_is_refused_naming_the_setting(bad: float) -> None:
+    with pytest.raises(ValueError, match="affinity_roofline_weight"):
+        AffinityPolicy(roofline_weight=bad)
