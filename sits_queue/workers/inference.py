@@ -482,18 +482,33 @@ def prewarm(engine: Any) -> dict[str, Any]:
     return {"model": getattr(engine, "key", "?"), "bytes": int(engine.size_bytes())}
 
 
+#: The built-in tasks' declared roofline intensities (§3.1; a call may give its own),
+#: FLOP per byte of weights read, at 2-byte (fp16) weights: a forward pass does 2 FLOP
+#: per weight per token in flight. Decoding one row: 1, memory-bound on every GPU (fp16
+#: ridge points are 140-400); decoding a batch of 32 rows: 32, still memory-bound; an
+#: encoder over a batch (32 texts of ~64 tokens): ~2048, compute-bound everywhere. Only
+#: a fleet of unlike devices reads them (``broker/affinity.py``).
+DECODE_FLOP_PER_BYTE = 1.0
+BATCH_DECODE_FLOP_PER_BYTE = 32.0
+ENCODE_FLOP_PER_BYTE = 2048.0
+
+
 def register(app: Any) -> dict[str, Any]:
     """``sits.generate``, ``sits.embed`` (a batch task: calls waiting together run as
     one batch) and ``sits.prewarm`` on ``app`` (model per call)."""
     from sits_queue.workers import batchembed, batchgen
 
     tasks: dict[str, Callable[..., Any]] = {
-        "generate": app.inference_task(name="sits.generate", shared=False)(generate),
-        "embed": app.batch_inference_task(name="sits.embed", shared=False,
-                                          work=batchembed.texts_of)(batchembed.embed_calls),
+        "generate": app.inference_task(
+            name="sits.generate", shared=False,
+            arithmetic_intensity=DECODE_FLOP_PER_BYTE)(generate),
+        "embed": app.batch_inference_task(
+            name="sits.embed", shared=False, work=batchembed.texts_of,
+            arithmetic_intensity=ENCODE_FLOP_PER_BYTE)(batchembed.embed_calls),
         "generate_batched": app.batch_inference_task(
             name="sits.generate_batched", shared=False, joins=True,
-            work=batchgen.tokens_asked)(batchgen.generate_calls),
+            work=batchgen.tokens_asked,
+            arithmetic_intensity=BATCH_DECODE_FLOP_PER_BYTE)(batchgen.generate_calls),
         "prewarm": app.inference_task(name=PREWARM_TASK, shared=False)(prewarm),
     }
     return tasks

@@ -224,3 +224,25 @@ def test_both_settings_off_reads_nothing() -> None:
 def test_a_bad_roofline_weight_is_refused_naming_the_setting(bad: float) -> None:
     with pytest.raises(ValueError, match="affinity_roofline_weight"):
         AffinityPolicy(roofline_weight=bad)
+
+
+# -- the built-in tasks' declared intensities ------------------------------------------------
+
+def test_built_in_decoding_is_declared_memory_bound_and_encoding_compute_bound() -> None:
+    from sits_queue.app import make_app
+    from sits_queue.calloptions import resolve_task_options
+
+    app = make_app(CONFIG, main="roofline-unit")
+    # on the parts of the datasheet table (fp16 ridge points ~139 to ~403 FLOP/byte)
+    ridges = [spec.peak_flops["fp16"] / spec.memory_bandwidth_bytes_per_s
+              for spec in KNOWN_GPUS.values() if "fp16" in spec.peak_flops]
+    for name, bound in (("sits.generate", MEMORY), ("sits.generate_batched", MEMORY),
+                        ("sits.embed", COMPUTE)):
+        opts = resolve_task_options(app.tasks[name], CONFIG, {"model": "m"}, ("x",))
+        assert opts.arithmetic_intensity is not None, name
+        assert {MEMORY if opts.arithmetic_intensity < r else COMPUTE for r in ridges} \
+            == {bound}, name
+    # and a call's own figure wins (a generation of long prompts, a tiny embedding)
+    own = resolve_task_options(app.tasks["sits.embed"], CONFIG,
+                               {"model": "m", "arithmetic_intensity": 4.0}, ("x",))
+    assert own.arithmetic_intensity == 4.0
