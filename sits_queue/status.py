@@ -340,6 +340,16 @@ def _devices_text(devices: Any) -> str:
     return "; ".join(parts)
 
 
+def _links_text(links: Any) -> str:
+    """The topology NVML reports between each pair of the worker's GPUs (by index)."""
+    parts = []
+    for link in links if isinstance(links, list) else []:
+        if isinstance(link, dict) and {"a", "b", "level"} <= set(link):
+            parts.append(f"cuda:{printable(link['a'])}-cuda:{printable(link['b'])} "
+                         f"{printable(link['level'])}")
+    return ", ".join(parts)
+
+
 def _placement_text(placement: Any) -> str:
     """What the worker's picks weigh against its fleet (``workers/fleet.py``): the
     precisions and the roofline bound its devices are relatively strong at, with its
@@ -384,6 +394,8 @@ def _worker_lines(w: dict[str, Any]) -> list[str]:
                  "ahead by affinity")
     if shown := _devices_text(w.get("devices")):
         lines.append(f"    devices: {shown}")
+    if links := _links_text(w.get("links")):
+        lines.append(f"    links: {links}")
     if placed := _placement_text(w.get("placement")):
         lines.append(f"    placement: {placed}")
     if warm := _warm_text(w.get("children")):

@@ -558,6 +558,8 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
             extra["profile"] = profile.current[0].report()
         if steer.steering():  # (the pre-warm planner: each child can be sent one)
             extra["steered"] = True
+        if links := runtime.plan().discovery.links(used):  # (GPU pairs: `sitsq status`)
+            extra["links"] = links
         if self._reader is not None:  # (`sitsq status`: what its picks weigh, and why)
             extra["placement"] = fleet.placement_record(self._reader.standing)
         if (pool := admission.plain_only_pool()) is not None:

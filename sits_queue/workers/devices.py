@@ -178,7 +178,10 @@ _P2P_CAPS_INDEX_NVLINK = 2
 _P2P_STATUS_OK = 0
 
 #: Affinity weight per topology level, roughly the share of peer-to-peer bandwidth left.
-#: Only the order and rough ratios matter: placement prefers pairs with higher weight.
+#: Only the order and rough ratios matter. Advertised with each pair (``Discovery.links``,
+#: ``sitsq status``); no pick weighs them: each pool child holds its engines in its own
+#: process on its own GPU (pinned, no peer-to-peer path between children), and no task
+#: runs across two GPUs, so a pair's link moves no bytes a task waits on.
 TOPOLOGY_WEIGHTS: Mapping[str, float] = MappingProxyType({
     NVLINK: 1.0,        # direct GPU-GPU links, hundreds of GB/s
     "INTERNAL": 1.0,    # two GPUs on one board (on-board switch)
@@ -261,6 +264,14 @@ class Discovery:
     @property
     def cuda_devices(self) -> tuple[Device, ...]:
         return tuple(d for d in self.devices if d.kind == "cuda")
+
+    def links(self, devices: Sequence[Device]) -> list[dict[str, Any]]:
+        """The topology between each pair of ``devices`` (GPUs of different indices; MIG
+        slices of one board share its index) as the advertisement carries it."""
+        indices = sorted({d.index for d in devices if d.kind == "cuda"})
+        return [{"a": i, "b": j, "level": level, "weight": TOPOLOGY_WEIGHTS[level]}
+                for n, i in enumerate(indices) for j in indices[n + 1:]
+                if (level := self.topology.get((i, j), "")) in TOPOLOGY_WEIGHTS]
 
     def pair_weight(self, a: int, b: int) -> float:
         """:func:`topology_weight` between two device indices; 1.0 for a device with itself."""

@@ -198,6 +198,9 @@ def test_nvlink_overrides_the_pcie_ancestor() -> None:
     found = discover(two_h100s(nvlinks={(0, 1)}))
     assert found.topology[(0, 1)] == NVLINK
     assert found.pair_weight(1, 0) == 1.0
+    # advertised per pair of the devices a worker uses (sitsq status: "links")
+    assert found.links(found.devices) == [{"a": 0, "b": 1, "level": NVLINK, "weight": 1.0}]
+    assert found.links(found.devices[:1]) == []
 
 
 @pytest.mark.parametrize("fake", [
