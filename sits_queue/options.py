@@ -65,7 +65,7 @@ PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 MAX_CONTEXT_TOKENS = 10_000_000
 #: No single device offers more (largest parts today: 192 GiB).
 MAX_VRAM_GIB = 1024.0
-#: FLOP per byte past any device's ridge point (the largest today are ~600 at int8):
+#: FLOP per byte past any device's ridge point (the largest tabled: ~810, an L4's int8):
 #: larger intensities are typos, not kernels.
 MAX_ARITHMETIC_INTENSITY = 1e6
 #: A batch key names a task, a model and a class: room for long dotted task names.

@@ -5,6 +5,7 @@ as lines of text (``format_status``)."""
 from __future__ import annotations
 
 import json
+import math
 from importlib import import_module
 from typing import Any
 
@@ -360,13 +361,18 @@ def _placement_text(placement: Any) -> str:
     for name, key in (("precision", "precisions"), ("roofline", "bounds")):
         weights = placement.get(key)
         for what, w in sorted(weights.items() if isinstance(weights, dict) else ()):
-            if isinstance(w, (int, float)) and not isinstance(w, bool):
+            if _positive(w):  # (a record no worker of ours wrote: -1, inf, "lots")
                 parts.append(f"{name} {printable(what)} +{w:g}")
     ridges = placement.get("ridges")
     ridge = ridges.get("fp16") if isinstance(ridges, dict) else None
-    if parts and isinstance(ridge, (int, float)) and not isinstance(ridge, bool):
+    if parts and _positive(ridge):
         parts.append(f"fp16 ridge {ridge:,.0f} FLOP/byte")
     return ", ".join(parts)
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value) and value > 0
 
 
 def _warm_text(children: Any) -> str:

@@ -194,6 +194,8 @@ class Warm:
 
     def weight(self, model: str | None, prefix: str | None,
                precision: str | None = None, intensity: float | None = None) -> float:
+        """The task's weight here: its engine held (at its precision), its prompt
+        prefix's KV (where that engine is), its precision's and its bound's weights."""
         held = self.models.get(engine_key(model, precision), 0.0) if model is not None \
             else 0.0
         # A prompt prefix's KV is reused by the engine that holds it only: counted where
@@ -203,7 +205,13 @@ class Warm:
         bound = self.bound(intensity, precision) if self.bounds else None
         return held + kv + \
             (self.precisions.get(precision, 0.0) if precision is not None else 0.0) + \
-            (self.bounds.get(bound, 0.0) if bound is not None else 0.0)
+            (self.bounds.get(bound_key(bound, precision), 0.0) if bound is not None else 0.0)
+
+
+def bound_key(bound: str, precision: str | None) -> str:
+    """A bound's weight's key in :attr:`Warm.bounds`: ``memory@fp16`` (the device's
+    richness in a resource is weighed at the precision the task runs at)."""
+    return f"{bound}@{precision or DEFAULT_PRECISION}"
 
 
 def warm_weights(warm_maps: Iterable[Mapping[str, Any]], host_weight: float
@@ -253,6 +261,17 @@ def precision_profile(peaks: Mapping[str, float]) -> dict[str, float]:
     return {p: v / top for p, v in peaks.items() if top and _finite(v) and v > 0}
 
 
+#: Least advantage over the fleet that weighs anything (precision share, bandwidth per
+#: FLOP): less is datasheet rounding and boost clocks, not a difference between parts
+#: (an L4's fp16 of 121 TFLOP/s beside its int8 of 242.5 gave an A100 an fp16 weight of
+#: 0.0005, and every fp16 task went ahead of plain ones at equal priority).
+MIN_ADVANTAGE = 0.1
+
+
+def _advantage_weight(weight: float, advantage: float) -> float:
+    return round(weight * min(1.0, advantage), 6) if advantage >= MIN_ADVANTAGE else 0.0
+
+
 def precision_weights(own: Mapping[str, float], fleet: Sequence[Mapping[str, float]],
                       weight: float) -> dict[str, float]:
     """§3.2, matching precisions to devices: this worker's weight per precision, from
@@ -272,8 +291,7 @@ def precision_weights(own: Mapping[str, float], fleet: Sequence[Mapping[str, flo
     out: dict[str, float] = {}
     for precision, share in mine.items():
         mean = sum(p.get(precision, 0.0) for p in profiles) / len(profiles)
-        advantage = share / mean - 1 if mean > 0 else 0.0
-        w = round(weight * min(1.0, advantage), 6)
+        w = _advantage_weight(weight, share / mean - 1 if mean > 0 else 0.0)
         if w > 0:
             out[precision] = w
     return out
@@ -282,7 +300,8 @@ def precision_weights(own: Mapping[str, float], fleet: Sequence[Mapping[str, flo
 @dataclass(frozen=True)
 class Roofline:
     """A worker's roofline figures for picks (§3.1): its device's ridge point per
-    precision (FLOP/byte) and the weight of each bound (:func:`roofline_weights`)."""
+    precision (FLOP/byte, at the precision a task asking for it is served at) and the
+    weight of each bound at each precision (:func:`bound_key`, :func:`roofline_weights`)."""
 
     ridges: Mapping[str, float] = field(default_factory=dict)
     bounds: Mapping[str, float] = field(default_factory=dict)
@@ -304,8 +323,8 @@ def ridge_points(peaks_tflops: Mapping[str, float], bandwidth_gb_s: float | None
 def roofline_weights(own_ridge: float | None, fleet_ridges: Sequence[float | None],
                      weight: float) -> dict[str, float]:
     """§3.1, roofline placement: this worker's weight per bound (``memory``,
-    ``compute``), from its device's ridge point at fp16 and every live worker's (own
-    included; None: unknown, a CPU's).
+    ``compute``) at one precision, from its device's ridge point at it and every live
+    worker's (own included; None: unknown, a CPU's).
 
     By alpha (bandwidth per FLOP, ``word_size / ridge``) against the fleet's geometric
     mean: a device with more bandwidth per FLOP than the mean weighs memory-bound tasks
@@ -319,7 +338,7 @@ def roofline_weights(own_ridge: float | None, fleet_ridges: Sequence[float | Non
     mean = math.exp(sum(math.log(r) for r in known) / len(known))
     out: dict[str, float] = {}
     for bound, richer in ((MEMORY, mean / own_ridge), (COMPUTE, own_ridge / mean)):
-        w = round(weight * min(1.0, richer - 1), 6)
+        w = _advantage_weight(weight, richer - 1)
         if w > 0:
             out[bound] = w
     return out
@@ -377,7 +396,7 @@ def lua_args(policy: AffinityPolicy, warm: Warm) -> list[Any]:
     """``pick.lua``'s affinity arguments (after its first four); empty when off.
 
     Weights go as ``m:<engine key>``, ``p:<prefix key>``, ``q:<precision>`` and
-    ``r:<bound>`` pairs (namespaces: a model may be named like a key), ridge points as
+    ``r:<bound>@<precision>`` pairs (namespaces: a model may be named like a key), ridge points as
     ``z:<precision>`` pairs (not weights), sent only with a bound's weight."""
     if not policy.enabled or not warm:
         return []

@@ -368,6 +368,14 @@ def live_hostnames(client: redis.Redis, prefix: str = "") -> list[str]:
     return [n for n, up in zip(names, alive, strict=True) if up]
 
 
+def recent_hostnames(client: redis.Redis, prefix: str = "") -> tuple[str, ...]:
+    """The workers whose last refresh is within the advertisement's TTL by their
+    registry scores (one round trip; a record's expiry is what :func:`live_hostnames`
+    checks, dearer): who is live, to tell a change of the fleet by."""
+    names = client.zrangebyscore(workers_key(prefix), time.time() - TTL_S, "+inf")
+    return tuple(sorted(str(n) for n in names))
+
+
 def read_workers(client: redis.Redis, prefix: str = "") -> list[dict[str, Any]]:
     """Every live worker's record (see :func:`read_worker`), by hostname."""
     workers = [r for name in live_hostnames(client, prefix)
@@ -397,8 +405,7 @@ class WarmReader:
         self._hostname = hostname
         self._fleet = fleet.FleetWeights(
             self._policy, self._read_fleet,
-            lambda: int(client_for(config).zcard(workers_key(config.global_keyprefix))),
-            clock)
+            lambda: recent_hostnames(client_for(config), config.global_keyprefix), clock)
         self._slots: tuple[int, ...] = ()
         self._keys: list[str] = []
         self.resize(slots)

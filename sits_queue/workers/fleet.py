@@ -10,17 +10,21 @@ Two comparisons, both read from the workers' advertised device records
   precision) against the fleet's (``affinity.roofline_weights``).
 
 A fleet's make-up changes when workers come and go, not per task: read every
-:data:`FleetWeights.MAX_AGE_S`, and sooner when the number of registered workers moved
-(one ``ZCARD`` every :data:`FleetWeights.PROBE_S`: the first worker of a fleet to pick
-saw a fleet of one, and matched nothing for half a minute). A Redis error keeps the
-last weights.
+:data:`FleetWeights.MAX_AGE_S`, and sooner when the workers that refreshed their
+advertisement within its TTL are others than at the last reading (one ``ZRANGEBYSCORE``
+every :data:`FleetWeights.PROBE_S`: the first worker of a fleet to pick saw a fleet of
+one, and matched nothing for half a minute; a worker killed was weighed against for as
+long). A Redis error keeps the last weights.
+
+The fleet is every live worker, whatever queues it consumes: two pools of GPUs behind
+different queues are compared with each other too.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +32,7 @@ import redis
 
 from sits_queue.broker import affinity
 from sits_queue.checks import finite, is_number
+from sits_queue.options import PRECISIONS
 
 logger = logging.getLogger(__name__)
 
@@ -43,18 +48,31 @@ def device_peaks(record: Mapping[str, Any]) -> dict[str, float]:
     return peaks
 
 
-def device_bandwidth(record: Mapping[str, Any]) -> float | None:
-    """A worker record's memory bandwidth, GB/s, the best of its devices; None where
-    none advertises one (a CPU, a GPU missing from the datasheet table)."""
-    known = [float(d["bandwidth_gb_s"]) for d in _devices(record)
-             if _positive(d.get("bandwidth_gb_s"))]
-    return max(known) if known else None
-
-
 def device_ridges(record: Mapping[str, Any]) -> dict[str, float]:
-    """A worker record's ridge points per precision, FLOP/byte (the best device's
-    peaks over its bandwidth, as :func:`device_peaks` and :func:`device_bandwidth`)."""
-    return affinity.ridge_points(device_peaks(record), device_bandwidth(record))
+    """A worker record's ridge points, FLOP/byte, per precision a task may ask for, at
+    the precision it is served at there (int8 at fp16 on a GPU: ``precision.first_choice``):
+    one device's, its best (the highest fp16 peak, then bandwidth; a device's peaks
+    over another's bandwidth made a ridge neither has). Empty where no device has a
+    bandwidth and peaks (a CPU, a GPU missing from the datasheet table)."""
+    from sits_queue.cache.precision import first_choice  # (light: no torch)
+
+    best: tuple[float, float] | None = None
+    ridges: dict[str, float] = {}
+    where = "cpu"
+    for device in _devices(record):
+        table, bandwidth = device.get("peak_tflops"), device.get("bandwidth_gb_s")
+        peaks = {str(p): float(v) for p, v in (table.items() if isinstance(table, Mapping)
+                                               else ()) if _positive(v)}
+        if not peaks or not is_number(bandwidth) or not _positive(bandwidth):
+            continue
+        rank = (peaks.get(affinity.DEFAULT_PRECISION, max(peaks.values())), float(bandwidth))
+        if best is None or rank > best:
+            best, ridges = rank, affinity.ridge_points(peaks, float(bandwidth))
+            where = "cuda" if device.get("kind") == "cuda" else "cpu"
+    if not ridges:
+        return {}
+    served = {p: first_choice(p, where)[0] for p in PRECISIONS}
+    return {p: ridges[s] for p, s in served.items() if s in ridges}
 
 
 def _devices(record: Mapping[str, Any]) -> list[Mapping[str, Any]]:
@@ -90,36 +108,40 @@ def standing(own: Mapping[str, Any], fleet: Sequence[Mapping[str, Any]],
         device_peaks(own), [device_peaks(r) for r in fleet], policy.precision_weight) \
         if policy.precision_weight > 0 else {}
     ridges = device_ridges(own)
-    bounds = affinity.roofline_weights(
-        ridges.get(affinity.DEFAULT_PRECISION),
-        [device_ridges(r).get(affinity.DEFAULT_PRECISION) for r in fleet],
-        policy.roofline_weight) if policy.roofline_weight > 0 else {}
-    return Standing(precisions, affinity.Roofline(ridges if bounds else {}, bounds))
+    bounds: dict[str, float] = {}
+    if policy.roofline_weight > 0 and ridges:
+        theirs = [device_ridges(r) for r in fleet]
+        for precision, ridge in ridges.items():  # (each at the precision tasks ask for)
+            for bound, w in affinity.roofline_weights(
+                    ridge, [r.get(precision) for r in theirs], policy.roofline_weight).items():
+                bounds[affinity.bound_key(bound, precision)] = w
+    return Standing(precisions, affinity.Roofline(ridges, bounds))
 
 
 class FleetWeights:
     """Worker main process: its :class:`Standing`, read again every :data:`MAX_AGE_S`,
-    or at the next call after the registry's size moved."""
+    or at the next call after the live workers changed."""
 
     #: How often the fleet's devices are read again at the most, s.
     MAX_AGE_S = 30.0
-    #: How often the registry's size is looked at, s.
+    #: How often who is live is looked at, s.
     PROBE_S = 2.0
 
     def __init__(self, policy: affinity.AffinityPolicy,
                  read: Callable[[], tuple[Mapping[str, Any] | None, Sequence[Mapping[str, Any]]]],
-                 size: Callable[[], int], clock: Callable[[], float] = time.monotonic) -> None:
+                 members: Callable[[], Hashable], clock: Callable[[], float] = time.monotonic
+                 ) -> None:
         """``read``: this worker's own record (None while it has none) and, where it
-        asks, every live worker's; ``size``: how many workers are registered. Both raise
-        ``redis.RedisError`` when Redis fails."""
+        asks, every live worker's; ``members``: who is live now, cheaply (a change of
+        it reads the fleet again). Both raise ``redis.RedisError`` when Redis fails."""
         self._policy = policy
         self._read = read
-        self._size = size
+        self._members = members
         self._clock = clock
         self._at: float | None = None
         self._probed_at: float | None = None
-        #: The registry's size as the last reading began; None: read again at the probe.
-        self._count: int | None = None
+        #: Who was live as the last reading began; None: read again at the probe.
+        self._seen: Hashable | None = None
         self._standing = Standing()
 
     @property
@@ -137,19 +159,19 @@ class FleetWeights:
                 return self._standing
             self._probed_at = now
             try:
-                if self._count is not None and self._size() == self._count:
+                if self._seen is not None and self._members() == self._seen:
                     return self._standing
             except redis.RedisError as exc:
                 logger.debug("worker registry unreadable, fleet weights kept: %s", exc)
                 return self._standing
         self._at = self._probed_at = now
         try:
-            count = self._size()  # (before the read: a worker joining now is not missed)
+            seen = self._members()  # (before the read: a worker joining now is not missed)
             own, fleet = self._read()
         except redis.RedisError as exc:  # keep the last weights
             logger.debug("fleet unreadable, fleet weights kept: %s", exc)
             return self._standing
         # (this worker's own record not written yet: read again at the next probe)
-        self._count = count if own is not None else None
+        self._seen = seen if own is not None else None
         self._standing = standing(own or {}, fleet, policy)
         return self._standing

@@ -486,8 +486,9 @@ def prewarm(engine: Any) -> dict[str, Any]:
 #: FLOP per byte of weights read, at 2-byte (fp16) weights: a forward pass does 2 FLOP
 #: per weight per token in flight. Decoding one row: 1, memory-bound on every GPU (fp16
 #: ridge points are 140-400); decoding a batch of 32 rows: 32, still memory-bound; an
-#: encoder over a batch (32 texts of ~64 tokens): ~2048, compute-bound everywhere. Only
-#: a fleet of unlike devices reads them (``broker/affinity.py``).
+#: encoder over a batch (32 texts of ~64 tokens): ~2048, compute-bound everywhere. At
+#: fp32 (4-byte weights, ridges of 10-100 on CUDA cores) a call gives its own. Only a
+#: fleet of unlike devices reads them (``broker/affinity.py``).
 DECODE_FLOP_PER_BYTE = 1.0
 BATCH_DECODE_FLOP_PER_BYTE = 32.0
 ENCODE_FLOP_PER_BYTE = 2048.0

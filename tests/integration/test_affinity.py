@@ -111,8 +111,8 @@ def test_pick_lua_agrees_with_the_reference_policy(r: redis.Redis, scripts: Scri
                     {q: rng.choice([0.0, 0.25, 0.5]) for q in ("int8", "fp16")
                      if rng.random() < 0.4},
                     # roofline bounds, with the ridge points that tell a task's bound
-                    {b: rng.choice([0.0, 0.2, 0.5]) for b in ("memory", "compute")
-                     if rng.random() < 0.4},
+                    {f"{b}@{q}": rng.choice([0.0, 0.2, 0.5]) for b in ("memory", "compute")
+                     for q in ("fp16", "int8") if rng.random() < 0.4},
                     {q: ridge for q, ridge in (("fp16", 200.0), ("int8", 400.0))
                      if rng.random() < 0.7})
         r.delete(*KEYS.all())
@@ -319,7 +319,7 @@ def test_warm_reader_weighs_roofline_bounds_by_the_fleets_devices(
         h200 = advertise.WarmReader(config, "h200@h", range(1))()
         l4 = advertise.WarmReader(config, "l4@h", range(1))()
         # Then the H200 weighs memory-bound work, the L4 compute-bound work
-        assert set(h200.bounds) == {"memory"} and set(l4.bounds) == {"compute"}
+        assert set(h200.bounds) == {"memory@fp16"} and set(l4.bounds) == {"compute@fp16"}
         assert h200.ridges["fp16"] == pytest.approx(206.146, rel=1e-4)
         # And its pick takes a decoding task (8 FLOP/byte) from behind a prefill (5000)
         enqueue(r, [task("prefill", 100, None, intensity=5000.0),

@@ -38,7 +38,7 @@ POLICY = AffinityPolicy()
 
 def record(*names: str) -> dict[str, Any]:
     """A worker record advertising devices of the datasheet table, as a worker writes it."""
-    devices = [device_record(Device(i, "gpu", f"NVIDIA {n}", f"GPU-{i}", 1, 1,
+    devices = [device_record(Device(i, "cuda", f"NVIDIA {n}", f"GPU-{i}", 1, 1,
                                     memory_bandwidth_bytes_per_s=KNOWN_GPUS[n]
                                     .memory_bandwidth_bytes_per_s,
                                     peak_flops=KNOWN_GPUS[n].peak_flops))
@@ -76,8 +76,17 @@ def test_a_bad_arithmetic_intensity_is_refused_naming_it(bad: Any) -> None:
 def test_ridge_points_come_from_the_datasheet_peaks_and_bandwidth() -> None:
     h200 = fleet.device_ridges(record("H200"))
     assert h200["fp16"] == pytest.approx(ridge("H200"), rel=1e-4)  # ~206 FLOP/byte
-    assert h200["int8"] == pytest.approx(2 * h200["fp16"], rel=1e-4)
-    assert fleet.device_bandwidth(record("L4", "A100")) == pytest.approx(2039.0)
+    assert h200["fp32"] == pytest.approx(ridge("H200", "fp32"), rel=1e-4)
+    # a GPU serves int8 requests at fp16 (cache/precision.py): their ridge is fp16's
+    assert h200["int8"] == h200["fp16"]
+    cpu_like = {"devices": [{"kind": "cpu", "peak_tflops": {"fp16": 4.0, "int8": 8.0},
+                             "bandwidth_gb_s": 100.0}]}
+    assert fleet.device_ridges(cpu_like)["int8"] == pytest.approx(80.0)
+    # a host of unlike GPUs: one device's ridge, its best's (the highest fp16 peak), not
+    # one's peak over the other's bandwidth (H100 PCIe's 756.5 over an A100's 2039 GB/s)
+    mixed = fleet.device_ridges(record("A100", "H100 PCIe"))
+    assert mixed["fp16"] == pytest.approx(ridge("H100 PCIe"), rel=1e-4)
+    assert mixed["fp32"] == pytest.approx(ridge("H100 PCIe", "fp32"), rel=1e-4)
     # a device without a bandwidth (a CPU's record, one from the table's gaps) has none
     assert ridge_points({"fp16": 100.0}, None) == {}
     assert ridge_points({"fp16": 100.0}, 0.0) == {}
@@ -108,17 +117,26 @@ def test_a_bandwidth_rich_device_weighs_memory_bound_work_a_compute_rich_one_com
     assert roofline_weights(16.0, [1.0, 16.0], 0.0) == {}
 
 
-def test_the_standing_joins_precision_and_roofline_weights() -> None:
+def test_the_standing_weighs_each_bound_at_each_precision() -> None:
     own, other = record("H200"), record("L4")
     got = fleet.standing(own, [own, other], POLICY)
-    assert set(got.roofline.bounds) == {MEMORY}
+    # at fp16/bf16 (and int8, served at fp16) the H200 has more bandwidth per FLOP; at
+    # fp32 (CUDA-core peaks: H200 ~14, L4 ~101 FLOP/byte) too
+    assert set(got.roofline.bounds) == {f"memory@{p}" for p in ("fp32", "fp16", "bf16",
+                                                                  "int8")}
     assert got.roofline.ridges["fp16"] == pytest.approx(ridge("H200"), rel=1e-4)
+    # where the ranking turns at a precision, so do the bounds: a V100 beside an A100
+    # is bandwidth-rich at fp16 (139 against 153) but not at fp32 (17 against 10)
+    v100 = fleet.standing(record("V100"), [record("V100"), record("A100")], POLICY)
+    assert "memory@fp32" not in v100.roofline.bounds
+    assert "compute@fp32" in v100.roofline.bounds
     # the setting at 0 turns the roofline's weights off
     off = fleet.standing(own, [own, other], AffinityPolicy(roofline_weight=0.0))
-    assert off.roofline.bounds == {} and off.roofline.ridges == {}
-    # alone in its fleet: no bounds, and no ridges sent for nothing
+    assert off.roofline.bounds == {}
+    # alone in its fleet: no bounds; its ridges still said (sitsq status --json)
     alone = fleet.standing(own, [own], POLICY)
-    assert alone.roofline.bounds == {} and alone.roofline.ridges == {}
+    assert alone.roofline.bounds == {} and alone.roofline.ridges["fp16"] > 0
+    assert lua_args(POLICY, warm_of([], POLICY, roofline=alone.roofline)) == []
 
 
 # -- the pick ------------------------------------------------------------------------------
@@ -129,11 +147,14 @@ def cand(name: str, intensity: float | None, precision: str | None = None) -> Ca
 
 
 def test_a_task_is_memory_bound_below_the_ridge_and_compute_bound_at_it() -> None:
-    warm = Warm(bounds={MEMORY: 0.3, COMPUTE: 0.1}, ridges={"fp16": 200.0, "int8": 400.0})
+    warm = Warm(bounds={"memory@fp16": 0.3, "compute@fp16": 0.1, "memory@int8": 0.2},
+                ridges={"fp16": 200.0, "int8": 400.0})
     assert warm.bound(199.9) == MEMORY and warm.weight(None, None, None, 199.9) == 0.3
     assert warm.bound(200.0) == COMPUTE and warm.weight(None, None, None, 200.0) == 0.1
-    # at its precision's ridge: int8 work of 300 FLOP/byte is memory-bound here
+    # at its precision's ridge, with its precision's weight: int8 work of 300 FLOP/byte
     assert warm.bound(300.0, "int8") == MEMORY
+    assert warm.weight(None, None, "int8", 300.0) == 0.2
+    assert warm.weight(None, None, "int8", 500.0) == 0.0  # compute@int8: none here
     # no intensity, or no ridge at its precision: no bound, no weight
     assert warm.bound(None) is None and warm.weight(None, None, None, None) == 0.0
     assert warm.bound(10.0, "bf16") is None
@@ -141,18 +162,18 @@ def test_a_task_is_memory_bound_below_the_ridge_and_compute_bound_at_it() -> Non
 
 
 def test_bounds_without_ridges_weigh_nothing() -> None:
-    warm = Warm(bounds={MEMORY: 0.3})
+    warm = Warm(bounds={"memory@fp16": 0.3})
     assert not warm and warm.bounds == {} and lua_args(POLICY, warm) == []
 
 
 def test_a_memory_rich_worker_takes_the_memory_bound_task_behind_the_head() -> None:
-    rich = warm_of([], POLICY, roofline=Roofline({"fp16": 206.0}, {MEMORY: 0.2}))
+    rich = warm_of([], POLICY, roofline=Roofline({"fp16": 206.0}, {"memory@fp16": 0.2}))
     tasks = [cand("prefill", 5000.0), cand("other", None), cand("decode", 8.0)]
     assert choose(tasks, rich, POLICY, 0.0) == 2
     # and the ridge points go to pick.lua as figures, not weights
-    assert lua_args(POLICY, rich)[3:] == ["r:memory", "0.2", "z:fp16", "206.0"]
+    assert lua_args(POLICY, rich)[3:] == ["r:memory@fp16", "0.2", "z:fp16", "206.0"]
     # a compute-rich one leaves the compute-bound head where it is
-    dense = warm_of([], POLICY, roofline=Roofline({"fp16": 403.0}, {COMPUTE: 0.2}))
+    dense = warm_of([], POLICY, roofline=Roofline({"fp16": 403.0}, {"compute@fp16": 0.2}))
     assert choose(tasks, dense, POLICY, 0.0) == 0
 
 
@@ -173,17 +194,17 @@ class Reads:
             raise redis.ConnectionError("gone")
         return self.own, ([self.own] if self.own else []) + self.others
 
-    def size(self) -> int:
+    def members(self) -> tuple[int, ...]:
         self.sizes += 1
         if self.fail:
             raise redis.ConnectionError("gone")
-        return 1 + len(self.others)
+        return tuple(id(o) for o in self.others)
 
 
 def test_the_fleet_is_read_again_when_a_worker_joins_not_on_every_pick() -> None:
     now = [0.0]
     reads = Reads(record("H200"), [])
-    weights = fleet.FleetWeights(POLICY, reads.read, reads.size, lambda: now[0])
+    weights = fleet.FleetWeights(POLICY, reads.read, reads.members, lambda: now[0])
     assert weights().roofline.bounds == {} and reads.reads == 1  # alone: nothing to match
     now[0] = 1.0
     weights()
@@ -191,32 +212,48 @@ def test_the_fleet_is_read_again_when_a_worker_joins_not_on_every_pick() -> None
     # an L4 worker registers: read at the next probe, not half a minute later
     reads.others.append(record("L4"))
     now[0] = 2.5
-    assert set(weights().roofline.bounds) == {MEMORY} and reads.reads == 2
+    assert "memory@fp16" in weights().roofline.bounds and reads.reads == 2
     now[0] = 5.0
     weights()
     assert reads.reads == 2  # the same fleet: probed, not read
     # Redis away: the last weights are kept, whichever read fails
     reads.fail = True
     now[0] = 7.5
-    assert set(weights().roofline.bounds) == {MEMORY}
+    assert "memory@fp16" in weights().roofline.bounds
     now[0] = 40.0
-    assert set(weights().roofline.bounds) == {MEMORY}
+    assert "memory@fp16" in weights().roofline.bounds
+
+
+def test_a_worker_gone_or_swapped_for_another_reads_the_fleet_again() -> None:
+    """(the registry's size was probed: a killed worker stayed in it until the half
+    minute's full read, weighed against all along, and one leaving as another joined
+    left the size as it was)"""
+    now = [0.0]
+    reads = Reads(record("H200"), [record("L4")])
+    weights = fleet.FleetWeights(POLICY, reads.read, reads.members, lambda: now[0])
+    assert "memory@fp16" in weights().roofline.bounds
+    reads.others = [record("A100")]  # the L4 gone, an A100 come, in one probe
+    now[0] = 2.5
+    assert weights().roofline.bounds != {} and reads.reads == 2
+    reads.others = []  # the A100 killed: alone, nothing to match
+    now[0] = 5.0
+    assert weights().roofline.bounds == {} and reads.reads == 3
 
 
 def test_a_worker_not_yet_advertised_reads_its_fleet_again_at_the_next_probe() -> None:
     now = [0.0]
     reads = Reads(None, [record("L4")])
-    weights = fleet.FleetWeights(POLICY, reads.read, reads.size, lambda: now[0])
+    weights = fleet.FleetWeights(POLICY, reads.read, reads.members, lambda: now[0])
     assert not weights().roofline.bounds
     reads.own = record("H200")
     now[0] = 2.5
-    assert set(weights().roofline.bounds) == {MEMORY} and reads.reads == 2
+    assert "memory@fp16" in weights().roofline.bounds and reads.reads == 2
 
 
 def test_both_settings_off_reads_nothing() -> None:
     reads = Reads(record("H200"), [record("L4")])
     off = AffinityPolicy(precision_weight=0.0, roofline_weight=0.0)
-    assert fleet.FleetWeights(off, reads.read, reads.size)() == fleet.Standing()
+    assert fleet.FleetWeights(off, reads.read, reads.members)() == fleet.Standing()
     assert reads.reads == reads.sizes == 0
 
 

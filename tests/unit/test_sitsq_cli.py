@@ -320,12 +320,12 @@ def test_status_shows_each_devices_free_memory() -> None:
 
 def test_status_shows_what_a_workers_picks_weigh_against_its_fleet() -> None:
     worker = {"hostname": "w@h", "pid": 1, "concurrency": 1, "placement": {
-        "precisions": {"int8": 0.5}, "bounds": {"memory": 0.199383},
+        "precisions": {"int8": 0.5}, "bounds": {"memory@fp16": 0.199383},
         "ridges": {"fp16": 206.145833, "int8": 412.3}}}
     worker["links"] = [{"a": 0, "b": 1, "level": "NVLINK", "weight": 1.0}, "junk", {"a": 0}]
     shown = status.format_status({"queues": [], "workers": [worker]})
     assert "    links: cuda:0-cuda:1 NVLINK" in shown.splitlines()
-    assert ("    placement: precision int8 +0.5, roofline memory +0.199383, fp16 ridge 206 "
+    assert ("    placement: precision int8 +0.5, roofline memory@fp16 +0.199383, fp16 ridge 206 "
             "FLOP/byte") in shown.splitlines()
     # a fleet of one kind weighs nothing, and a record no worker of ours wrote is skipped
     for nothing in ({"precisions": {}, "bounds": {}, "ridges": {}}, "junk",

@@ -14,8 +14,9 @@
 --   priority ratio, max skip s, then name, weight pairs of what the consumer holds warm:
 --   'm:<engine key>' (engines: '<model>' or '<model>@<precision>'), 'p:<prefix key>' (KV
 --   of prompt prefixes), 'q:<precision>' (the device's advantage at a precision) and
---   'r:memory', 'r:compute' (its richness in the resource that bounds a task, §3.1),
---   with 'z:<precision>' pairs: its ridge points, FLOP/byte (figures, not weights);
+--   'r:memory@<precision>', 'r:compute@<precision>' (its richness in the resource that
+--   bounds a task at that precision, §3.1), with 'z:<precision>' pairs: its ridge
+--   points, FLOP/byte (figures, not weights);
 --   or, instead of affinity, 'join', a batch key, a count: join mode (below);
 --   or, instead of affinity, 'noack': the consumer does not ack (kombu's no_ack), so what
 --   it takes is forgotten at once, as ack.lua would, instead of recorded as unacked
@@ -88,7 +89,9 @@ local function weight_of(warm, ridges, id)
   local bound = 0
   local ridge = ridges[precision or 'fp16']
   if ai and ridge then
-    if ai < ridge then bound = warm['r:memory'] or 0 else bound = warm['r:compute'] or 0 end
+    local at = '@' .. (precision or 'fp16')
+    if ai < ridge then bound = warm['r:memory' .. at] or 0
+    else bound = warm['r:compute' .. at] or 0 end
   end
   return held + kv + ((precision and warm['q:' .. precision]) or 0) + bound
 end
