@@ -102,6 +102,8 @@ class TaskOptions:
 
 _FIELD_NAMES = tuple(f.name for f in fields(TaskOptions))
 _FIELD_SET = frozenset(_FIELD_NAMES)
+#: What a ``sits`` header may hold (:class:`TaskOptions`' fields).
+OPTION_FIELDS = _FIELD_SET
 
 
 class _Made(threading.local):

@@ -20,6 +20,7 @@ from sits_queue.config import (
 from sits_queue.etas import due_s
 from sits_queue.options import (
     HEADER,
+    OPTION_FIELDS,
     MAX_CONTEXT_TOKENS,
     TaskOptions,
     batch_key,
@@ -89,8 +90,17 @@ class WaitingMeta:
         headers = message.get("headers")
         if not isinstance(headers, dict):
             headers = {}
+        header = headers.get(HEADER)
+        if isinstance(header, dict) and (unknown := sorted(set(header) - OPTION_FIELDS)):
+            # A newer release's options (a fleet upgraded one host at a time: its
+            # producer's header requeued or retried here): the ones known here keep
+            # their effect, class included, where the defaults replaced them all
+            logger.warning("message %s: options %s are unknown to this release; "
+                           "scheduled by the others",
+                           message.get("properties", {}).get("delivery_tag"), unknown)
+            header = {k: v for k, v in header.items() if k in OPTION_FIELDS}
         try:
-            options = from_header(config, headers.get(HEADER))
+            options = from_header(config, header)
         except (ValueError, TypeError, ArithmeticError) as exc:
             # A foreign producer wrote a bad header: enqueue with defaults, never drop.
             # InvalidTaskOptions (a ValueError) names the option; a TypeError or an

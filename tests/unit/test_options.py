@@ -93,6 +93,27 @@ def test_a_waiting_record_keeps_when_its_eta_falls_due(eta: object, due: float |
     assert (b'"eta"' in meta.to_json()) == (due is not None)
 
 
+def test_a_newer_releases_options_are_dropped_at_the_put_and_the_rest_kept(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """(a header with an option this release does not know was scheduled with the
+    default options: a fleet upgraded one host at a time requeued a newer producer's
+    high task as medium)"""
+    from sits_queue.broker.meta import WaitingMeta
+
+    config = SitsConfig()
+    header = {**resolve(config, {}, {"sla_class": "high", "model": "lm"}).to_header(),
+              "tomorrows_option": 3}
+    message = {"headers": {"task": "t.x", "sits": header},
+               "properties": {"delivery_tag": "tag-1"}}
+    with caplog.at_level("WARNING", logger="sits_queue.broker.meta"):
+        meta = WaitingMeta.of_message(config, message, 1_800_000_000.0)
+    assert (meta.options.sla_class, meta.options.model) == ("high", "lm")
+    assert "tag-1" in caplog.text and "['tomorrows_option']" in caplog.text
+    # a known option that is bad still gets the defaults, said
+    message["headers"]["sits"] = {**header, "sla_class": "platinum"}
+    assert WaitingMeta.of_message(config, message, 1.0).options.sla_class == "medium"
+
+
 @pytest.mark.parametrize("args, kwargs, said", [
     ((1,), [2], "u.add: task keyword arguments must be a mapping, got list"),
     (5, None, "u.add: task args must be a list or tuple, got int"),
