@@ -20,8 +20,8 @@ from sits_queue.config import (
 from sits_queue.etas import due_s
 from sits_queue.options import (
     HEADER,
-    OPTION_FIELDS,
     MAX_CONTEXT_TOKENS,
+    OPTION_FIELDS,
     TaskOptions,
     batch_key,
     from_header,
