@@ -28,9 +28,11 @@ every second.
 What this changes against Celery's consumer, which has a result's messages from its
 submission on: a wait that begins after the result's record expired (``result_expires``,
 a day by default) finds nothing, where Celery's had the message buffered; and a
-``get(on_message=...)`` progress callback is told of the states published from the wait
-on, not those before it. ``result_subscribe_on_send`` (``SITS_RESULT_SUBSCRIBE_ON_SEND``)
-subscribes at every submission, as Celery does, for producers that need either.
+``get(on_message=...)`` progress callback is told the state the task is in as the wait
+begins (its stored ``STARTED`` or ``PROGRESS``, once), then the states published from
+the wait on, not the earlier ones (a task in PROGRESS when its wait began was heard only
+at SUCCESS). ``result_subscribe_on_send`` (``SITS_RESULT_SUBSCRIBE_ON_SEND``) subscribes
+at every submission, as Celery does, for producers that need either.
 """
 
 from __future__ import annotations
@@ -38,10 +40,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 from celery import states
 from celery.backends.redis import ResultConsumer
+from celery.exceptions import TimeoutError as CeleryTimeoutError
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -117,8 +121,12 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
         self._told: dict[str, None] = {}
         #: Whether the pub/sub connection is to be made again (Redis was away).
         self._reconnect_due = False
+        #: Task id -> the state a progress callback was told as its wait began (read
+        #: from the store): the same state heard from the channel next is not told again.
+        self._current: dict[str, Any] = {}
 
     def on_after_fork(self) -> None:
+        self._current = {}
         self._unread = set()
         self._recheck = deque()
         self._prune_at = PRUNE_LEAST
@@ -136,6 +144,9 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
         """Celery's, but a final state is handed on once: read from the store (the reads
         after a subscription) and then heard from the channel in the same drain, a
         progress callback (``get(on_message=...)``) was told SUCCESS twice."""
+        if isinstance(meta, dict) and self._current and \
+                self._current.pop(str(meta.get("task_id")), None) == meta:
+            return  # (the state it was told as the wait began, heard now)
         if isinstance(meta, dict) and meta.get("status") in states.READY_STATES:
             task_id = meta.get("task_id")
             if isinstance(task_id, str):
@@ -205,6 +216,51 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
         # resolved meanwhile: here that final state was told once already, and a second
         # telling stops in on_state_change before anything is buffered.)
         self._read_ready(own + self._take_unread(), own=frozenset(own))
+
+    def _wait_for_pending(self, result: Any, timeout: Any = None, on_interval: Any = None,
+                          on_message: Any = None, **kwargs: Any) -> Iterator[None]:
+        """Celery's, but a progress callback is first told the state each result waited
+        on is in now, where it is no final one: a wait subscribes as it begins, so the
+        states published before (a STARTED, the PROGRESS the task is at) never reach it,
+        where Celery's consumer, subscribed at the submission, had them all."""
+        if on_message is None or getattr(self.backend, "subscribes_on_send", False):
+            yield from super()._wait_for_pending(
+                result, timeout=timeout, on_interval=on_interval, on_message=on_message,
+                **kwargs)
+            return
+        self.on_wait_for_pending(result, timeout=timeout, **kwargs)
+        before: Any = getattr(self, "on_message", None)
+        self.on_message = on_message
+        try:
+            self._tell_current(waited_ids(result))
+            for _ in self.drain_events_until(result.on_ready, timeout=timeout,
+                                             on_interval=on_interval):
+                yield
+                time.sleep(0)
+        except TimeoutError:
+            raise CeleryTimeoutError("The operation timed out.") from None
+        finally:
+            self.on_message = before
+
+    def _tell_current(self, task_ids: list[str]) -> None:
+        """The progress callback told the stored state of each of ``task_ids`` that is
+        not final (a final one was handed on by :meth:`on_wait_for_pending`)."""
+        if self._reconnect_due or not task_ids:
+            return
+        raws: list[Any] | None = None
+        with self.reconnect_on_error():
+            raws = self.backend.client.mget([self._get_key_for_task(t) for t in task_ids])
+        for task_id, raw in zip(task_ids, raws or [], strict=False):
+            try:
+                meta = self._decode_result(raw) if raw is not None else None
+            except Exception:  # (unreadable: the wait's own read raised already)
+                continue
+            if isinstance(meta, dict) and meta.get("status") not in states.READY_STATES:
+                if len(self._current) >= TOLD_MOST:
+                    self._current.clear()
+                self._current[task_id] = meta
+                if self.on_message:
+                    self.on_message(meta)
 
     def drain_events(self, timeout: float | None = None) -> None:
         if self._reconnect_due:

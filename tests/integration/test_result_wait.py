@@ -135,7 +135,8 @@ def test_a_result_whose_message_never_came_is_read_again(producer: Celery,
 def test_a_progress_callback_is_not_told_a_state_twice(producer: Celery,
                                                        worker_side: Celery) -> None:
     """The quiet-time reads hand on final states only: a stored STARTED re-read every
-    second would reach ``on_message`` again each time."""
+    second would reach ``on_message`` again each time. (It is told once, as the wait
+    begins: the state the task is in.)"""
     result = producer.AsyncResult(str(uuid.uuid4()))
     worker_side.backend.store_result(result.id, None, states.STARTED)
     seen: list[str] = []
@@ -143,8 +144,29 @@ def test_a_progress_callback_is_not_told_a_state_twice(producer: Celery,
                   lambda: worker_side.backend.mark_as_done(result.id, "done"))
     assert result.get(timeout=10, on_message=lambda m: seen.append(m["status"])) == "done"
     timer.join()
-    assert seen.count(states.STARTED) == 0
-    assert seen[-1] == states.SUCCESS
+    assert seen == [states.STARTED, states.SUCCESS]
+
+
+def test_a_progress_callback_is_told_the_state_its_task_is_in_as_the_wait_begins(
+        producer: Celery, worker_side: Celery) -> None:
+    """(a task in PROGRESS when its wait began was heard only at SUCCESS: the wait
+    subscribes as it begins, and what was published before never reached it; Celery's
+    consumer, subscribed at the submission, heard it)"""
+    result = producer.AsyncResult(str(uuid.uuid4()))
+    worker_side.backend.store_result(result.id, {"done": 3}, "PROGRESS")
+    seen: list[tuple[str, Any]] = []
+
+    def progress() -> None:  # the task goes on: a new PROGRESS, then its result
+        worker_side.backend.store_result(result.id, {"done": 7}, "PROGRESS")
+        worker_side.backend.mark_as_done(result.id, "done")
+
+    timer = later(0.5, progress)
+    assert result.get(timeout=10, on_message=lambda m: seen.append(
+        (m["status"], m["result"]))) == "done"
+    timer.join()
+    # told each state once: the one it was in, the ones published from then on
+    assert seen == [("PROGRESS", {"done": 3}), ("PROGRESS", {"done": 7}),
+                    (states.SUCCESS, "done")]
 
 
 def test_a_final_state_read_and_then_heard_is_told_once(producer: Celery,
