@@ -31,8 +31,14 @@ a day by default) finds nothing, where Celery's had the message buffered; and a
 ``get(on_message=...)`` progress callback is told the state the task is in as the wait
 begins (its stored ``STARTED`` or ``PROGRESS``, once), then the states published from
 the wait on, not the earlier ones (a task in PROGRESS when its wait began was heard only
-at SUCCESS). ``result_subscribe_on_send`` (``SITS_RESULT_SUBSCRIBE_ON_SEND``) subscribes
-at every submission, as Celery does, for producers that need either.
+at SUCCESS). Only where its channel has said nothing since its subscription: a result
+subscribed before its wait (a group's members, by the group's barrier; one waited on
+before) has its states on its channel, in order, and those waiting there are told
+first; a stored state told before them came out of order, and twice. A state
+published in the instant between a wait's subscription and its read of the stored one
+(a task updating its state in a tight loop) may come after it.
+``result_subscribe_on_send`` (``SITS_RESULT_SUBSCRIBE_ON_SEND``) subscribes at every
+submission, as Celery does, for producers that need either.
 """
 
 from __future__ import annotations
@@ -124,9 +130,13 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
         #: Task id -> the state a progress callback was told as its wait began (read
         #: from the store): the same state heard from the channel next is not told again.
         self._current: dict[str, Any] = {}
+        #: Task ids whose channel has said something since their subscription (insertion
+        #: order: oldest first): their stored state is not told at a wait's start.
+        self._heard: dict[str, None] = {}
 
     def on_after_fork(self) -> None:
         self._current = {}
+        self._heard = {}
         self._unread = set()
         self._recheck = deque()
         self._prune_at = PRUNE_LEAST
@@ -144,6 +154,10 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
         """Celery's, but a final state is handed on once: read from the store (the reads
         after a subscription) and then heard from the channel in the same drain, a
         progress callback (``get(on_message=...)``) was told SUCCESS twice."""
+        if message is not None and isinstance(meta, dict):  # (from its channel)
+            self._heard[str(meta.get("task_id"))] = None
+            if len(self._heard) > TOLD_MOST:
+                del self._heard[next(iter(self._heard))]
         if isinstance(meta, dict) and self._current and \
                 self._current.pop(str(meta.get("task_id")), None) == meta:
             return  # (the state it was told as the wait began, heard now)
@@ -169,6 +183,8 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
             if fresh and not getattr(self.backend, "subscribes_on_send", False):
                 self._unread.add(key)
                 self._recheck_later([key])
+            if fresh:  # (its channel has said nothing yet)
+                self._heard.pop(task_id, None)
 
     def cancel_for(self, task_id: str) -> None:
         # (a group's members are subscribed as it is made: a producer that never waits
@@ -232,7 +248,10 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
         before: Any = getattr(self, "on_message", None)
         self.on_message = on_message
         try:
-            self._tell_current(waited_ids(result))
+            # What their channels hold already first (a group's members are subscribed
+            # as it is sent), then the stored state of those whose channel said nothing
+            self._drain_buffered()
+            self._tell_current([t for t in waited_ids(result) if t not in self._heard])
             for _ in self.drain_events_until(result.on_ready, timeout=timeout,
                                              on_interval=on_interval):
                 yield
@@ -242,9 +261,25 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
         finally:
             self.on_message = before
 
+    def _drain_buffered(self, most: int = 10_000) -> None:
+        """The messages already read from the result channels handed on, without
+        waiting (Celery's ``_drain_one``: none where this Celery has no such step, or
+        another thread waits on the socket)."""
+        drain_one = getattr(self, "_drain_one", None)
+        if drain_one is None or self._reconnect_due:
+            return
+        with self._locked():
+            pubsub = self._pubsub
+            if pubsub is None or getattr(self, "_socket_waiter", False):
+                return
+            for _ in range(most):
+                if not drain_one(pubsub, 0):
+                    return
+
     def _tell_current(self, task_ids: list[str]) -> None:
-        """The progress callback told the stored state of each of ``task_ids`` that is
-        not final (a final one was handed on by :meth:`on_wait_for_pending`)."""
+        """The progress callback told the stored state of each of ``task_ids`` (those
+        whose channel said nothing yet) that is not final (a final one was handed on by
+        :meth:`on_wait_for_pending`)."""
         if self._reconnect_due or not task_ids:
             return
         raws: list[Any] | None = None

@@ -169,6 +169,31 @@ def test_a_progress_callback_is_told_the_state_its_task_is_in_as_the_wait_begins
                     (states.SUCCESS, "done")]
 
 
+def test_a_result_subscribed_before_its_wait_is_told_its_states_in_order(
+        producer: Celery, worker_side: Celery) -> None:
+    """(the stored state was told first to every wait: a group's members, subscribed by
+    the group's barrier, and a result waited on before, had the states published
+    since on their channels, and heard P5, STARTED, P0 ... P5 ..., SUCCESS)"""
+    for earlier in ("then", "timed_out_get"):
+        result = producer.AsyncResult(str(uuid.uuid4()))
+        if earlier == "then":  # as a group's barrier subscribes its members
+            result.then(lambda _: None)
+        else:
+            with pytest.raises(Exception, match="timed out"):
+                result.get(timeout=0.2)
+        worker_side.backend.store_result(result.id, None, states.STARTED)
+        for step in range(3):
+            worker_side.backend.store_result(result.id, {"step": step}, "PROGRESS")
+        seen: list[Any] = []
+        timer = later(0.3, lambda r=result: worker_side.backend.mark_as_done(r.id, "end"))
+        assert result.get(timeout=10, on_message=lambda m, seen=seen: seen.append(
+            (m["status"], m["result"]))) == "end"
+        timer.join()
+        assert seen == [(states.STARTED, None), ("PROGRESS", {"step": 0}),
+                        ("PROGRESS", {"step": 1}), ("PROGRESS", {"step": 2}),
+                        (states.SUCCESS, "end")], earlier
+
+
 def test_a_final_state_read_and_then_heard_is_told_once(producer: Celery,
                                                         worker_side: Celery) -> None:
     """(the read after the subscription handed SUCCESS on, and the message the same
