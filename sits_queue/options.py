@@ -274,6 +274,32 @@ def from_header(config: SitsConfig, header: Any) -> TaskOptions:
     return resolve(config, {}, header)
 
 
+def salvage(config: SitsConfig, header: Mapping[str, Any]) -> tuple[TaskOptions, list[str]]:
+    """The options of a ``header`` :func:`from_header` refused, less those that fail on
+    their own (beside its class, where that one holds), and the names dropped: a newer
+    release's value of an option (a precision, a class this config lacks) loses that
+    option alone, not the task's class with it. Raises InvalidTaskOptions where the
+    rest still does not hold together."""
+    base = {}
+    if "sla_class" in header:
+        try:
+            resolve(config, {}, {"sla_class": header["sla_class"]})
+            base = {"sla_class": header["sla_class"]}
+        except (ValueError, TypeError, ArithmeticError):
+            pass
+    kept: dict[str, Any] = {}
+    dropped: list[str] = []
+    for name, value in header.items():
+        try:
+            if name not in _FIELD_SET:
+                raise InvalidTaskOptions(f"unknown option {name!r}")
+            resolve(config, {}, {**base, name: value})
+            kept[name] = value
+        except (ValueError, TypeError, ArithmeticError):
+            dropped.append(str(name))
+    return resolve(config, {}, kept), dropped
+
+
 def _name(option: str, value: Any, longest: int = 200) -> str | None:
     """A model name or key: None, or a non-empty string of at most ``longest`` characters."""
     if value is None:

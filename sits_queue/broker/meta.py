@@ -25,6 +25,7 @@ from sits_queue.options import (
     TaskOptions,
     batch_key,
     from_header,
+    salvage,
     scoring_inputs,
 )
 
@@ -102,12 +103,19 @@ class WaitingMeta:
         try:
             options = from_header(config, header)
         except (ValueError, TypeError, ArithmeticError) as exc:
-            # A foreign producer wrote a bad header: enqueue with defaults, never drop.
+            # A foreign producer wrote a bad header (or a newer release, a value this one
+            # does not know): enqueue by what holds of it, else with defaults; never drop.
             # InvalidTaskOptions (a ValueError) names the option; a TypeError or an
             # ArithmeticError would mean a check it slipped past: no reason to refuse either.
-            logger.warning("message %s: %s; scheduling it with default options",
-                           message.get("properties", {}).get("delivery_tag"), exc)
-            options = from_header(config, None)
+            tag = message.get("properties", {}).get("delivery_tag")
+            try:
+                if not isinstance(header, dict):
+                    raise TypeError("the header is no object")
+                options, dropped = salvage(config, header)
+                logger.warning("message %s: %s; scheduling it without %s", tag, exc, dropped)
+            except (ValueError, TypeError, ArithmeticError, AttributeError):
+                logger.warning("message %s: %s; scheduling it with default options", tag, exc)
+                options = from_header(config, None)
         task = str(headers.get("task", ""))
         if options.batch is not None:
             # A batch key is the producer's for a batch task: its task, model, class,

@@ -109,8 +109,20 @@ def test_a_newer_releases_options_are_dropped_at_the_put_and_the_rest_kept(
         meta = WaitingMeta.of_message(config, message, 1_800_000_000.0)
     assert (meta.options.sla_class, meta.options.model) == ("high", "lm")
     assert "tag-1" in caplog.text and "['tomorrows_option']" in caplog.text
-    # a known option that is bad still gets the defaults, said
+    # a value this release does not know (a newer precision) loses that option alone,
+    # said; a class this config lacks loses the class alone
+    message["headers"]["sits"] = {**header, "precision": "fp8"}
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sits_queue.broker.meta"):
+        meta = WaitingMeta.of_message(config, message, 1.0)
+    assert (meta.options.sla_class, meta.options.model, meta.options.precision) == (
+        "high", "lm", None)
+    assert "without ['precision']" in caplog.text
     message["headers"]["sits"] = {**header, "sla_class": "platinum"}
+    meta = WaitingMeta.of_message(config, message, 1.0)
+    assert (meta.options.sla_class, meta.options.model) == ("medium", "lm")
+    # a header that is no object gets the defaults
+    message["headers"]["sits"] = ["high"]
     assert WaitingMeta.of_message(config, message, 1.0).options.sla_class == "medium"
 
 
