@@ -155,9 +155,10 @@ DEFAULT_PRECISION = "fp16"
 class Warm:
     """What a worker holds, as affinity weights: models (engine keys, by tier), prompt
     prefixes (by ``prefix_key``), precisions (its device's advantage at each) and the
-    roofline's bounds (``memory``, ``compute``: how rich its device is in each against
-    the fleet), with the ridge points (FLOP/byte, per precision) that tell a task's
-    bound here. Only positive weights are kept."""
+    roofline's bounds (:func:`bound_key`, ``memory@fp16``: how rich its device is in
+    each resource against the fleet, at each precision), with the ridge points
+    (FLOP/byte, per precision) that tell a task's bound here. Only positive weights are
+    kept."""
 
     models: Mapping[str, float] = field(default_factory=dict)
     prefixes: Mapping[str, float] = field(default_factory=dict)
@@ -329,8 +330,9 @@ def roofline_weights(own_ridge: float | None, fleet_ridges: Sequence[float | Non
     By alpha (bandwidth per FLOP, ``word_size / ridge``) against the fleet's geometric
     mean: a device with more bandwidth per FLOP than the mean weighs memory-bound tasks
     (up to ``weight`` at twice the mean and beyond), one with less weighs compute-bound
-    ones as much. So an H200 next to L40S parts takes the decoding, the L40S the
-    long-prompt encoding; a fleet of one kind weighs neither (nothing to match)."""
+    ones as much. So an H200 beside L4s takes the decoding, the L4s the long-prompt
+    encoding; a fleet of one kind weighs neither (nothing to match). Advantages under
+    :data:`MIN_ADVANTAGE` weigh nothing."""
     known = [r for r in fleet_ridges if _finite(r) and r is not None and r > 0]
     if own_ridge is None or not _finite(own_ridge) or own_ridge <= 0 or not known:
         return {}
