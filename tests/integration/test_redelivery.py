@@ -9,8 +9,10 @@ and runs it a second time.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -44,6 +46,25 @@ def start(tmp_path: Path, redis_url: str, client_app: Celery,
     yield _start
     for proc in started:
         proc.stop(timeout_s=10)
+
+
+#: Longest a cold shutdown may take: its pool's children killed, its channel closed.
+COLD_SHUTDOWN_S = 30.0
+
+
+def exited_or_stacks(worker: CeleryProcess) -> None:
+    """Wait for a worker sent SIGQUIT to exit; one that does not is asked for every
+    thread's stack (Celery's SIGUSR1 handler writes them to its log) and the test fails
+    with them: a cold shutdown once outlasted 20 s on CI's loaded host, and its log
+    said only that it had begun."""
+    try:
+        worker.popen.wait(COLD_SHUTDOWN_S)
+    except subprocess.TimeoutExpired:
+        os.kill(worker.pid, signal.SIGUSR1)
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: "LOCAL VARIABLES" in worker.log(), 5, "the stacks")
+        pytest.fail(f"the worker did not exit within {COLD_SHUTDOWN_S:g} s of SIGQUIT; "
+                    f"its log, stacks last:\n{worker.log()[-12000:]}")
 
 
 def test_a_held_task_survives_more_warm_restarts_than_max_redeliveries(
@@ -80,7 +101,7 @@ def test_a_task_running_at_a_cold_shutdown_counts(start: Start, client_app: Cele
     time.sleep(2.0)  # a sweep tick or two see it started
     # When the worker is stopped cold (SIGQUIT): Celery cancels the running task
     os.killpg(worker.pid, signal.SIGQUIT)
-    worker.popen.wait(20)
+    exited_or_stacks(worker)
     # Then its message went back counted: a task that keeps a worker from stopping
     # (or brings it down) is a poison candidate
     assert redis_client.zcard(KEYS.waiting) == 1, worker.log()[-2000:]
@@ -105,7 +126,7 @@ def test_a_batch_running_at_a_cold_shutdown_counts_as_a_task_does(
     wait_for(accepted, 30, "the worker to count the batch started")
     time.sleep(2.0)  # a sweep tick or two see it started
     os.killpg(worker.pid, signal.SIGQUIT)
-    worker.popen.wait(20)
+    exited_or_stacks(worker)
     assert redis_client.zcard(KEYS.waiting) == 1, worker.log()[-2000:]
     assert list(redis_client.hvals(KEYS.redelivered)) == [b"1"]
 
