@@ -280,16 +280,12 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
         """The progress callback told the stored state of each of ``task_ids`` (those
         whose channel said nothing yet) that is not final (a final one was handed on by
         :meth:`on_wait_for_pending`)."""
-        if self._reconnect_due or not task_ids:
+        if self._reconnect_due:
             return
-        raws: list[Any] | None = None
-        with self.reconnect_on_error():
-            raws = self.backend.client.mget([self._get_key_for_task(t) for t in task_ids])
-        for task_id, raw in zip(task_ids, raws or [], strict=False):
-            try:
-                meta = self._decode_result(raw) if raw is not None else None
-            except Exception:  # (unreadable: the wait's own read raised already)
-                continue
+        ids = {self._get_key_for_task(t): t for t in task_ids}
+        # (one unreadable was raised by the wait's own read already: skipped here)
+        for key, meta in self._stored(list(ids)):
+            task_id = ids[key]
             if isinstance(meta, dict) and meta.get("status") not in states.READY_STATES:
                 if len(self._current) >= TOLD_MOST:
                     self._current.clear()
@@ -347,28 +343,34 @@ class SitsResultConsumer(ResultConsumer):  # type: ignore[misc]
         had come. Not the others: a progress callback (``get(on_message=...)``) would
         be told again of a state it was told of. A record of ``own`` (what the wait is
         on) that does not decode raises, as Celery's read does (``UnreadableResult``)."""
+        for _, meta in self._stored(keys, own):
+            if (isinstance(meta, dict) and meta.get("status") in states.READY_STATES
+                    and isinstance(meta.get("task_id"), str)):
+                self.on_state_change(meta, None)
+
+    def _stored(self, keys: list[Any], own: frozenset[Any] = frozenset()
+                ) -> list[tuple[Any, Any]]:
+        """(key, decoded record) of each of ``keys`` that has one, in one read through
+        the wait's own client. A record of ``own`` that does not decode raises, as
+        Celery's read does (``UnreadableResult``); another's is skipped."""
         keys = list(dict.fromkeys(keys))
         if not keys:
-            return
+            return []
         raws: list[Any] | None = None
         # A lost connection is Celery's to handle, as on the pub/sub path: it reconnects,
         # reading every subscribed key's state then
         with self.reconnect_on_error():
             raws = self.backend.client.mget(keys)
-        if raws is None:
-            return
-        for key, raw in zip(keys, raws, strict=True):
+        found: list[tuple[Any, Any]] = []
+        for key, raw in zip(keys, raws or [], strict=False):
             if raw is None:
                 continue
             try:
-                meta = self._decode_result(raw)
+                found.append((key, self._decode_result(raw)))
             except Exception as exc:  # whatever its decoding raises
                 # (a bad exception type, a corrupt compressed payload...): its own waiter
                 # is told; a wait on another result must not fail for it
                 if key in own:
                     raise
                 logger.debug("result %r not readable on a second read: %s", key, exc)
-                continue
-            if (isinstance(meta, dict) and meta.get("status") in states.READY_STATES
-                    and isinstance(meta.get("task_id"), str)):
-                self.on_state_change(meta, None)
+        return found
