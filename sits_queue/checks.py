@@ -124,6 +124,11 @@ def is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def is_positive(value: object) -> TypeGuard[int | float]:
+    """A number (no bool), finite as a float, above 0: a figure read from a record."""
+    return is_number(value) and finite(value) and value > 0
+
+
 def finite(value: float) -> bool:
     """Whether a number is finite as a float: an int past ~1.8e308 is not (``float()``
     of it raises OverflowError, which a setting's check must not)."""

@@ -5,7 +5,6 @@ as lines of text (``format_status``)."""
 from __future__ import annotations
 
 import json
-import math
 from importlib import import_module
 from typing import Any
 
@@ -26,7 +25,7 @@ from sits_queue.broker.keys import (
 )
 from sits_queue.broker.meta import WaitingMeta, wait_start
 from sits_queue.broker.payload import text
-from sits_queue.checks import stored_number
+from sits_queue.checks import is_positive, stored_number
 from sits_queue.config import SitsConfig
 from sits_queue.workers.devices import label
 
@@ -361,18 +360,13 @@ def _placement_text(placement: Any) -> str:
     for name, key in (("precision", "precisions"), ("roofline", "bounds")):
         weights = placement.get(key)
         for what, w in sorted(weights.items() if isinstance(weights, dict) else ()):
-            if _positive(w):  # (a record no worker of ours wrote: -1, inf, "lots")
+            if is_positive(w):  # (a record no worker of ours wrote: -1, inf, "lots")
                 parts.append(f"{name} {printable(what)} +{w:g}")
     ridges = placement.get("ridges")
     ridge = ridges.get("fp16") if isinstance(ridges, dict) else None
-    if parts and _positive(ridge):
+    if parts and is_positive(ridge):
         parts.append(f"fp16 ridge {ridge:,.0f} FLOP/byte")
     return ", ".join(parts)
-
-
-def _positive(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and math.isfinite(value) and value > 0
 
 
 def _warm_text(children: Any) -> str:

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sits_queue.broker.keys import LEVELS_PER_E
+from sits_queue.checks import is_positive
 from sits_queue.spells import Spell
 
 logger = logging.getLogger(__name__)
@@ -315,10 +316,10 @@ def ridge_points(peaks_tflops: Mapping[str, float], bandwidth_gb_s: float | None
                  ) -> dict[str, float]:
     """Ridge point per precision, FLOP/byte (``peak / bandwidth``), from datasheet peaks
     in TFLOP/s and the memory bandwidth in GB/s; empty where the bandwidth is unknown."""
-    if not _finite(bandwidth_gb_s) or bandwidth_gb_s is None or bandwidth_gb_s <= 0:
+    if not is_positive(bandwidth_gb_s):
         return {}
     return {p: round(v * 1e12 / (bandwidth_gb_s * 1e9), 6) for p, v in peaks_tflops.items()
-            if _finite(v) and v > 0}
+            if is_positive(v)}
 
 
 def roofline_weights(own_ridge: float | None, fleet_ridges: Sequence[float | None],
@@ -333,8 +334,8 @@ def roofline_weights(own_ridge: float | None, fleet_ridges: Sequence[float | Non
     ones as much. So an H200 beside L4s takes the decoding, the L4s the long-prompt
     encoding; a fleet of one kind weighs neither (nothing to match). Advantages under
     :data:`MIN_ADVANTAGE` weigh nothing."""
-    known = [r for r in fleet_ridges if _finite(r) and r is not None and r > 0]
-    if own_ridge is None or not _finite(own_ridge) or own_ridge <= 0 or not known:
+    known = [r for r in fleet_ridges if is_positive(r)]
+    if not is_positive(own_ridge) or not known:
         return {}
     # (alphas' ratios are the ridges' inverted: the word size cancels)
     mean = math.exp(sum(math.log(r) for r in known) / len(known))

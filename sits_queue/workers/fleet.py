@@ -31,7 +31,7 @@ from typing import Any
 import redis
 
 from sits_queue.broker import affinity
-from sits_queue.checks import finite, is_number
+from sits_queue.checks import is_positive
 from sits_queue.options import PRECISIONS
 
 logger = logging.getLogger(__name__)
@@ -41,10 +41,8 @@ def device_peaks(record: Mapping[str, Any]) -> dict[str, float]:
     """A worker record's peak TFLOP/s per precision, the best of its devices."""
     peaks: dict[str, float] = {}
     for device in _devices(record):
-        table = device.get("peak_tflops")
-        for precision, value in (table.items() if isinstance(table, Mapping) else ()):
-            if _positive(value):
-                peaks[str(precision)] = max(peaks.get(str(precision), 0.0), float(value))
+        for precision, value in _peaks_of(device).items():
+            peaks[precision] = max(peaks.get(precision, 0.0), value)
     return peaks
 
 
@@ -60,10 +58,8 @@ def device_ridges(record: Mapping[str, Any]) -> dict[str, float]:
     ridges: dict[str, float] = {}
     where = "cpu"
     for device in _devices(record):
-        table, bandwidth = device.get("peak_tflops"), device.get("bandwidth_gb_s")
-        peaks = {str(p): float(v) for p, v in (table.items() if isinstance(table, Mapping)
-                                               else ()) if _positive(v)}
-        if not peaks or not is_number(bandwidth) or not _positive(bandwidth):
+        peaks, bandwidth = _peaks_of(device), device.get("bandwidth_gb_s")
+        if not peaks or not is_positive(bandwidth):
             continue
         rank = (peaks.get(affinity.DEFAULT_PRECISION, max(peaks.values())), float(bandwidth))
         if best is None or rank > best:
@@ -81,8 +77,11 @@ def _devices(record: Mapping[str, Any]) -> list[Mapping[str, Any]]:
             if isinstance(d, Mapping)]
 
 
-def _positive(value: Any) -> bool:
-    return is_number(value) and finite(value) and value > 0
+def _peaks_of(device: Mapping[str, Any]) -> dict[str, float]:
+    """One advertised device's peak TFLOP/s per precision (those that are figures)."""
+    table = device.get("peak_tflops")
+    return {str(p): float(v) for p, v in (table.items() if isinstance(table, Mapping)
+                                          else ()) if is_positive(v)}
 
 
 @dataclass(frozen=True)
