@@ -394,6 +394,9 @@ def _worker_lines(w: dict[str, Any]) -> list[str]:
                  "ahead by affinity")
     if shown := _devices_text(w.get("devices")):
         lines.append(f"    devices: {shown}")
+    queues = w.get("queues")
+    if isinstance(queues, list):  # (its peers for placement: workers/fleet.py)
+        lines.append("    queues: " + (", ".join(printable(q) for q in queues) or "none"))
     if links := _links_text(w.get("links")):
         lines.append(f"    links: {links}")
     if placed := _placement_text(w.get("placement")):

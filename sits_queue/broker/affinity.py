@@ -421,7 +421,7 @@ _source: list[WarmSource] = []
 
 def set_warm_source(source: WarmSource | None) -> None:
     """The worker's main process registers where its children's warm set is read
-    (``workers.advertise.WarmReader``); None unregisters it."""
+    (``workers.warmreader.WarmReader``); None unregisters it."""
     _source.clear()
     if source is not None:
         _source.append(source)

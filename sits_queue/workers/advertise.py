@@ -28,17 +28,21 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from celery import bootsteps
 
 from sits_queue.broker import affinity
+from sits_queue.broker.keys import site_local
 from sits_queue.checks import stored_number
 from sits_queue.config import SitsConfig
 from sits_queue.periodic import Periodic
-from sits_queue.workers import fleet, routingversions, steer
+from sits_queue.workers import fleet, steer
 from sits_queue.workers.devices import Device, live
+
+if TYPE_CHECKING:
+    from sits_queue.workers.warmreader import WarmReader
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +82,13 @@ def workers_key(prefix: str) -> str:
     """ZSET hostname -> its last refresh (unix s): the workers there are, found without
     a SCAN of every key (result-backend keys can be millions)."""
     return f"{prefix}sits:workers"
+
+
+def queues_version_key(prefix: str) -> str:
+    """A count bumped whenever a worker advertises other queues than before (a start,
+    remote control's ``add_consumer``/``cancel_consumer``): its peers' placement weights
+    (``workers/fleet.py``) are read again when it moves, not at their next full read."""
+    return f"{prefix}sits:workers:queues"
 
 
 def child_key(prefix: str, hostname: str, slot: int) -> str:
@@ -259,10 +270,11 @@ def publish_child(config: SitsConfig, hostname: str, slot: int, record: Mapping[
 def refresh(client: redis.Redis, prefix: str, hostname: str, pid: int, concurrency: int,
             devices: list[Device], now_s: float,
             extra: Mapping[str, Any] | None = None,
-            slots: list[int] | None = None) -> dict[str, Any]:
+            slots: list[int] | None = None, queues_moved: bool = False) -> dict[str, Any]:
     """Main process: rewrite the worker record (plus ``extra`` fields: its runtime
-    profile), re-arm the TTLs of its children's records (``slots``, :func:`pool_slots`;
-    0..concurrency-1 if not given)."""
+    profile, its queues), re-arm the TTLs of its children's records (``slots``,
+    :func:`pool_slots`; 0..concurrency-1 if not given); ``queues_moved``: the queues it
+    says are others than its last record's (:func:`queues_version_key`)."""
     counters = client.hgetall(counters_key(prefix, hostname))
     record = {**worker_record(hostname, pid, concurrency, devices, counters, now_s, slots),
               **(extra or {})}
@@ -272,6 +284,8 @@ def refresh(client: redis.Redis, prefix: str, hostname: str, pid: int, concurren
     for slot in record["slots"]:
         pipe.expire(child_key(prefix, hostname, slot), TTL_S)
     pipe.expire(counters_key(prefix, hostname), COUNTERS_TTL_S)
+    if queues_moved:
+        pipe.incr(queues_version_key(prefix))
     pipe.execute()
     return record
 
@@ -368,12 +382,16 @@ def live_hostnames(client: redis.Redis, prefix: str = "") -> list[str]:
     return [n for n, up in zip(names, alive, strict=True) if up]
 
 
-def recent_hostnames(client: redis.Redis, prefix: str = "") -> tuple[str, ...]:
+def fleet_members(client: redis.Redis, prefix: str = "") -> tuple[tuple[str, ...], Any]:
     """The workers whose last refresh is within the advertisement's TTL by their
-    registry scores (one round trip; a record's expiry is what :func:`live_hostnames`
-    checks, dearer): who is live, to tell a change of the fleet by."""
-    names = client.zrangebyscore(workers_key(prefix), time.time() - TTL_S, "+inf")
-    return tuple(sorted(str(n) for n in names))
+    registry scores (a record's expiry is what :func:`live_hostnames` checks, dearer),
+    and the count of changes of what they consume (:func:`queues_version_key`), in one
+    round trip: who is live and on which queues, to tell a change of the fleet by."""
+    with client.pipeline(transaction=False) as pipe:
+        pipe.zrangebyscore(workers_key(prefix), time.time() - TTL_S, "+inf")
+        pipe.get(queues_version_key(prefix))
+        names, version = pipe.execute()
+    return tuple(sorted(str(n) for n in names)), version
 
 
 def read_workers(client: redis.Redis, prefix: str = "") -> list[dict[str, Any]]:
@@ -383,132 +401,24 @@ def read_workers(client: redis.Redis, prefix: str = "") -> list[dict[str, Any]]:
     return sorted(workers, key=lambda r: str(r.get("hostname", "")))
 
 
-class WarmReader:
-    """Worker main process: what its children hold (engines by tier, KV of prompt
-    prefixes) as affinity weights, for the transport's picks (``broker/affinity.py``).
-
-    One ``MGET`` of the child records, reused for :data:`WARM_MAX_AGE_S` and read again
-    after an ack when a child has written a change of what it holds (before its task
-    returned: counted in ``routingversions``). A Redis error means no affinity for that
-    pick, never a failed pick.
-    """
-
-    #: Longest a warm set is reused without an ack, s (another worker's hold runs out,
-    #: a child was replaced): picks stay cheap, a stale set costs only a cold start.
-    WARM_MAX_AGE_S = 0.5
-
-    def __init__(self, config: SitsConfig, hostname: str, slots: Iterable[int],
-                 clock: Any = time.monotonic) -> None:
-        """``slots``: the children's slots (:func:`pool_slots`)."""
-        self._policy = config.affinity
-        self._config = config
-        self._hostname = hostname
-        self._fleet = fleet.FleetWeights(
-            self._policy, self._read_fleet,
-            lambda: recent_hostnames(client_for(config), config.global_keyprefix), clock)
-        self._slots: tuple[int, ...] = ()
-        self._keys: list[str] = []
-        self.resize(slots)
-        self._clock = clock
-        self._warm = affinity.Warm()
-        self._read_at: float | None = None
-        #: The children's routing-change counts as that reading began.
-        self._counts_read: tuple[int, ...] | None = None
-        #: The last reading's child records by slot, and the idle children's views of it.
-        self._by_slot: dict[int, Mapping[str, Any]] = {}
-        self._idle_warm: dict[frozenset[int], affinity.Warm] = {}
-
-    @property
-    def slots(self) -> tuple[int, ...]:
-        return self._slots
-
-    @property
-    def standing(self) -> fleet.Standing:
-        """The fleet weights its picks use now, as last read (reads nothing)."""
-        return self._fleet.current
-
-    def resize(self, slots: Iterable[int]) -> None:
-        """Read the children in ``slots`` from now on (:func:`pool_slots`: a pool grown
-        or shrunk by remote control)."""
-        self._slots = tuple(slots)
-        self._keys = [child_key(self._config.global_keyprefix, self._hostname, s)
-                      for s in self._slots]
-        self._read_at = None
-
-    def invalidate(self) -> None:
-        # Where the pool counts its children's routing changes (a worker's main process:
-        # workers/routingversions.py), only when one moved since the last reading: the
-        # warm run of a task changes none. Elsewhere, only once some child holds
-        # something: a worker of plain tasks must not pay a read per ack.
-        counts = routingversions.reading()
-        if counts is not None:
-            if counts != self._counts_read:
-                self._read_at = None
-        elif self._warm.models or self._warm.prefixes:
-            self._read_at = None
-
-    def __call__(self) -> affinity.Warm:
-        now = self._clock()
-        if self._read_at is not None and now - self._read_at < self.WARM_MAX_AGE_S:
-            return self._idle_view(self._fleet())
-        self._read_at = now
-        self._counts_read = routingversions.reading()  # (before the read: never a miss)
-        try:
-            raw = client_for(self._config).mget(self._keys)
-        except redis.RedisError as exc:
-            logger.debug("warm set unreadable, picking without affinity: %s", exc)
-            self._warm, self._by_slot = affinity.Warm(), {}
-            return self._warm
-        children = [c for c in (json_object(v) for v in raw) if c is not None]
-        standing = self._fleet()
-        self._warm = affinity.warm_of(children, self._policy, standing.precisions,
-                                      standing.roofline)
-        self._idle_warm = {}
-        if not steer.steering():  # (nothing reads each child's own where none is chosen)
-            self._by_slot = {}
-            return self._warm
-        # (each child's own, for the pool's choice of child: workers/steer.py)
-        self._by_slot = {c["slot"]: c for c in children
-                         if isinstance(c.get("slot"), int) and c["slot"] in self._slots}
-        steer.note_children({slot: affinity.warm_of([c], self._policy)
-                             for slot, c in self._by_slot.items()},
-                            {slot: room for slot, c in self._by_slot.items()
-                             if isinstance(room := c.get("device_room"), int)
-                             and not isinstance(room, bool)})
-        return self._idle_view(standing)
-
-    def _idle_view(self, standing: fleet.Standing) -> affinity.Warm:
-        """What the idle children hold, where the pool is steered: the freed slot's pick
-        is for them (under a backlog, one), and a task warm only in a busy child, picked
-        by the union of all, went cold to the idle one. The same object while neither
-        the reading nor the idle set changes (the transport re-reads it by identity)."""
-        idle = steer.idle_slots()
-        if not idle or not self._by_slot:
-            return self._warm
-        key = idle.intersection(self._by_slot)
-        if not key:
-            return self._warm
-        if (view := self._idle_warm.get(key)) is None:
-            view = self._idle_warm[key] = affinity.warm_of(
-                [self._by_slot[s] for s in sorted(key)], self._policy, standing.precisions,
-                standing.roofline)
-        return view
-
-    def _read_fleet(self) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-        """This worker's own record and every live worker's (their own records only, no
-        child records), for :class:`fleet.FleetWeights`. A device without datasheet
-        figures (a CPU) is matched to nothing: no fleet to read."""
-        client, prefix = client_for(self._config), self._config.global_keyprefix
-        own = json_object(client.get(worker_key(prefix, self._hostname)))
-        names = live_hostnames(client, prefix) \
-            if own is not None and fleet.device_peaks(own) else []
-        records = [r for raw in (client.mget([worker_key(prefix, n) for n in names])
-                                 if names else [])
-                   if (r := json_object(raw)) is not None]
-        return own, records
-
-
 # -- the bootstep ------------------------------------------------------------------------
+
+def consumed_queues(c: Any) -> list[str] | None:
+    """The queues of work a worker's consumer takes from now, by name (remote control's
+    ``add_consumer``/``cancel_consumer`` included); None where it cannot say. Not the
+    control queue, which every worker consumes, nor its own direct queue
+    (``keys.site_local``): by them, every worker competed with every other."""
+    consumer = getattr(c, "task_consumer", None)
+    try:
+        if consumer is not None:
+            names = {q.name for q in list(consumer.queues)}
+        else:
+            queues = c.app.amqp.queues
+            names = set(queues.consume_from or queues)
+    except (AttributeError, RuntimeError):  # (RuntimeError: changed under the copy)
+        return None
+    return sorted(n for n in names if isinstance(n, str) and not site_local(n))
+
 
 class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
     """Consumer step: refresh this worker's advertisement every :data:`REFRESH_S`.
@@ -527,6 +437,7 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
         self._refresher: Periodic | None = None
         self._reader: WarmReader | None = None
         self._most = 0  # the most slots seen: withdrawn at the end, each child's record
+        self._queues_said: list[str] | None = None  # (in its last record written)
         from sits_queue.workers.readvert import ChildRecords
 
         self._records = ChildRecords()  # (written back where Redis lost them)
@@ -571,9 +482,13 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
             extra["placement"] = fleet.placement_record(self._reader.standing)
         if (pool := admission.plain_only_pool()) is not None:
             extra["plain_tasks_only"] = pool  # `sitsq status`: inference goes elsewhere
+        if (queues := consumed_queues(c)) is not None:  # (its peers: workers/fleet.py)
+            extra["queues"] = queues
         try:
             refresh(client_for(config), config.global_keyprefix, hostname, os.getpid(),
-                    concurrency, devices, time.time(), extra, slots)
+                    concurrency, devices, time.time(), extra, slots,
+                    queues_moved=queues != self._queues_said)
+            self._queues_said = queues
             self._records.keep(client_for(config), config.global_keyprefix, hostname,
                                live_pids(c.pool, slots))
         except redis.RedisError as exc:
@@ -582,6 +497,8 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
     def start(self, c: Any) -> None:
         config, hostname, _, slots = self._args(c)
         if config.affinity.enabled:
+            from sits_queue.workers.warmreader import WarmReader
+
             self._reader = WarmReader(config, hostname, slots)
             affinity.set_warm_source(self._reader)
         self.tick(c)

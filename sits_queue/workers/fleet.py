@@ -11,13 +11,16 @@ Two comparisons, both read from the workers' advertised device records
 
 A fleet's make-up changes when workers come and go, not per task: read every
 :data:`FleetWeights.MAX_AGE_S`, and sooner when the workers that refreshed their
-advertisement within its TTL are others than at the last reading (one ``ZRANGEBYSCORE``
-every :data:`FleetWeights.PROBE_S`: the first worker of a fleet to pick saw a fleet of
-one, and matched nothing for half a minute; a worker killed was weighed against for as
-long). A Redis error keeps the last weights.
+advertisement within its TTL are others than at the last reading, or one of them moved
+queues (one ``ZRANGEBYSCORE`` and a counter's ``GET`` every :data:`FleetWeights.PROBE_S`:
+the first worker of a fleet to pick saw a fleet of one, and matched nothing for half a
+minute; a worker killed was weighed against for as long). A Redis error keeps the last
+weights.
 
-The fleet is every live worker, whatever queues it consumes: two pools of GPUs behind
-different queues are compared with each other too.
+A worker's fleet is the live workers it competes with for tasks: those consuming one of
+its queues (:func:`peers`; its advertisement says which, ``queues``). Two pools of GPUs
+behind different queues are not weighed against each other: an H200 alone on its queue
+beside L4s on another's is not "rich in bandwidth" for any task it can take.
 """
 
 from __future__ import annotations
@@ -84,6 +87,27 @@ def _peaks_of(device: Mapping[str, Any]) -> dict[str, float]:
                                           else ()) if is_positive(v)}
 
 
+def consumed(record: Mapping[str, Any]) -> frozenset[str] | None:
+    """The queues a worker record says its worker consumes; None where it does not say
+    (an earlier release's record)."""
+    queues = record.get("queues")
+    if not isinstance(queues, list):
+        return None
+    return frozenset(q for q in queues if isinstance(q, str))
+
+
+def peers(own: Mapping[str, Any], fleet: Sequence[Mapping[str, Any]]
+          ) -> list[Mapping[str, Any]]:
+    """The records of ``fleet`` whose workers compete with ``own``'s for tasks: those
+    consuming a queue it consumes, and those whose record does not say (an earlier
+    release's, in a fleet upgraded host by host: counted, as it was). Every one where
+    ``own`` does not say."""
+    mine = consumed(own)
+    if mine is None:
+        return list(fleet)
+    return [r for r in fleet if (theirs := consumed(r)) is None or theirs & mine]
+
+
 @dataclass(frozen=True)
 class Standing:
     """This worker's fleet weights: per precision, and its roofline."""
@@ -102,14 +126,15 @@ def placement_record(standing: Standing) -> dict[str, Any]:
 def standing(own: Mapping[str, Any], fleet: Sequence[Mapping[str, Any]],
              policy: affinity.AffinityPolicy) -> Standing:
     """This worker's :class:`Standing` from its own record and every live worker's
-    (own included)."""
+    (own included), weighed against its :func:`peers`."""
+    rivals = peers(own, fleet)
     precisions = affinity.precision_weights(
-        device_peaks(own), [device_peaks(r) for r in fleet], policy.precision_weight) \
+        device_peaks(own), [device_peaks(r) for r in rivals], policy.precision_weight) \
         if policy.precision_weight > 0 else {}
     ridges = device_ridges(own)
     bounds: dict[str, float] = {}
     if policy.roofline_weight > 0 and ridges:
-        theirs = [device_ridges(r) for r in fleet]
+        theirs = [device_ridges(r) for r in rivals]
         for precision, ridge in ridges.items():  # (each at the precision tasks ask for)
             for bound, w in affinity.roofline_weights(
                     ridge, [r.get(precision) for r in theirs], policy.roofline_weight).items():
@@ -131,8 +156,9 @@ class FleetWeights:
                  members: Callable[[], Hashable], clock: Callable[[], float] = time.monotonic
                  ) -> None:
         """``read``: this worker's own record (None while it has none) and, where it
-        asks, every live worker's; ``members``: who is live now, cheaply (a change of
-        it reads the fleet again). Both raise ``redis.RedisError`` when Redis fails."""
+        asks, every live worker's; ``members``: who is live now and on which queues,
+        cheaply (a change of it reads the fleet again). Both raise ``redis.RedisError``
+        when Redis fails."""
         self._policy = policy
         self._read = read
         self._members = members

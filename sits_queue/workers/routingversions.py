@@ -8,7 +8,7 @@ routes work (a warm model run again): that read was a Redis round trip on the pa
 every pick, between a slot freeing and its next task. Now a child counts each write
 that changed its record's routing part (``deferred.ROUTING_FIELDS``), after Redis took
 it, and an ack makes the next pick read again only when some child's count moved
-(``advertise.WarmReader``). A count bumped after its write is never seen before the
+(``warmreader.WarmReader``). A count bumped after its write is never seen before the
 record is: a reading taken before the ``MGET`` that misses a bump only reads once more.
 
 Each child writes only its own slot's counter (no lost updates without a lock); a

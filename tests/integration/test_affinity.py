@@ -20,7 +20,7 @@ from sits_queue.broker.keys import QueueKeys, priority_level, score_base
 from sits_queue.broker.scripts import Scripts
 from sits_queue.config import SitsConfig
 from sits_queue.procs import wait_ready
-from sits_queue.workers import advertise, steer
+from sits_queue.workers import advertise, steer, warmreader
 from tests.integration.inference_app import (
     CALL_S,
     FIRST_CALL_S,
@@ -210,7 +210,7 @@ def test_warm_reader_reads_the_children_and_rereads_after_an_ack(
         r: redis.Redis, redis_url: str) -> None:
     config = SitsConfig(redis_url=redis_url, global_keyprefix="aff-test:")
     clock = [0.0]
-    reader = advertise.WarmReader(config, "w1@host", range(2), clock=lambda: clock[0])
+    reader = warmreader.WarmReader(config, "w1@host", range(2), clock=lambda: clock[0])
     prefix = config.global_keyprefix
     try:
         # Given no child has published yet: an ack does not make the next pick read again
@@ -218,7 +218,7 @@ def test_warm_reader_reads_the_children_and_rereads_after_an_ack(
         r.set(advertise.child_key(prefix, "w1@host", 0), json.dumps({"warm": {"x": "host"}}))
         reader.invalidate()
         assert reader() == Warm()
-        clock[0] += advertise.WarmReader.WARM_MAX_AGE_S
+        clock[0] += warmreader.WarmReader.WARM_MAX_AGE_S
         assert reader() == Warm({"x": 0.5})
         # Given two children, one with an unreadable record
         r.set(advertise.child_key(prefix, "w1@host", 0),
@@ -232,7 +232,7 @@ def test_warm_reader_reads_the_children_and_rereads_after_an_ack(
         reader.invalidate()
         assert reader() == Warm({"x": 1.0, "y": 1.0}, {"k1": 0.5})
         r.delete(advertise.child_key(prefix, "w1@host", 0))
-        clock[0] += advertise.WarmReader.WARM_MAX_AGE_S
+        clock[0] += warmreader.WarmReader.WARM_MAX_AGE_S
         assert reader() == Warm({"y": 1.0})
     finally:
         r.delete(*(advertise.child_key(prefix, "w1@host", s) for s in (0, 1)))
@@ -249,7 +249,7 @@ def test_warm_reader_reads_again_after_an_ack_only_when_a_child_counted_a_change
     clock = [0.0]
     routingversions.create(2)
     try:
-        reader = advertise.WarmReader(config, "w1@host", range(2), clock=lambda: clock[0])
+        reader = warmreader.WarmReader(config, "w1@host", range(2), clock=lambda: clock[0])
         r.set(advertise.child_key(prefix, "w1@host", 0), json.dumps({"warm": {"x": "host"}}))
         routingversions.bump(0)
         assert reader() == Warm({"x": 0.5})
@@ -264,7 +264,7 @@ def test_warm_reader_reads_again_after_an_ack_only_when_a_child_counted_a_change
         reader.invalidate()
         assert reader() == Warm({"x": 0.5, "y": 0.5})
         r.set(advertise.child_key(prefix, "w1@host", 1), json.dumps({"warm": {}}))
-        clock[0] += advertise.WarmReader.WARM_MAX_AGE_S  # counted or not, age re-reads
+        clock[0] += warmreader.WarmReader.WARM_MAX_AGE_S  # counted or not, age re-reads
         assert reader() == Warm({"x": 0.5})
     finally:
         routingversions.forget()
@@ -290,8 +290,8 @@ def test_warm_reader_weighs_precisions_by_the_fleets_devices(
         r.set(advertise.child_key(prefix, "v100b@h", 0), "garbage")
         r.set(advertise.child_key(prefix, "v100b@h", 1), "[1, 2]")
         # Then the T4 pulls int8 tasks (and only those); the V100s fp16 (and fp32)
-        assert advertise.WarmReader(config, "t4@h", range(1))().precisions == {"int8": 0.5}
-        v100 = advertise.WarmReader(config, "v100a@h", range(1))().precisions
+        assert warmreader.WarmReader(config, "t4@h", range(1))().precisions == {"int8": 0.5}
+        v100 = warmreader.WarmReader(config, "v100a@h", range(1))().precisions
         assert set(v100) == {"fp16", "fp32"} and "int8" not in v100
         # And a corrupt record is left out, not fatal (status reads the same records)
         assert advertise.read_worker(r, prefix, "v100b@h")["children"] == {}
@@ -316,8 +316,8 @@ def test_warm_reader_weighs_roofline_bounds_by_the_fleets_devices(
         # Given an H200-like worker (ridge ~206 FLOP/byte) and an L4-like one (~403)
         worker("h200@h", 989.5, 4800.0)
         worker("l4@h", 121.0, 300.0)
-        h200 = advertise.WarmReader(config, "h200@h", range(1))()
-        l4 = advertise.WarmReader(config, "l4@h", range(1))()
+        h200 = warmreader.WarmReader(config, "h200@h", range(1))()
+        l4 = warmreader.WarmReader(config, "l4@h", range(1))()
         # Then the H200 weighs memory-bound work, the L4 compute-bound work
         assert set(h200.bounds) == {"memory@fp16"} and set(l4.bounds) == {"compute@fp16"}
         assert h200.ridges["fp16"] == pytest.approx(206.146, rel=1e-4)
@@ -327,14 +327,14 @@ def test_warm_reader_weighs_roofline_bounds_by_the_fleets_devices(
         assert pick(scripts, r, config.affinity, h200)[0] == b"decode@100"
         # And a worker with no bandwidth figure (a GPU the table lacks) weighs neither
         worker("odd@h", 100.0, None)
-        assert not advertise.WarmReader(config, "odd@h", range(1))().bounds
+        assert not warmreader.WarmReader(config, "odd@h", range(1))().bounds
     finally:
         r.delete(*r.keys(f"{prefix}*"))
 
 
 def test_warm_reader_without_redis_means_no_affinity() -> None:
     config = SitsConfig(redis_url="redis://127.0.0.1:1/0")  # nothing listens on port 1
-    assert advertise.WarmReader(config, "w@h", range(1))() == Warm()
+    assert warmreader.WarmReader(config, "w@h", range(1))() == Warm()
 
 
 # -- a real worker --------------------------------------------------------------------------
@@ -442,7 +442,7 @@ def test_warm_reader_reads_the_slots_it_is_given(r: redis.Redis, redis_url: str)
     what slot 2's child held)"""
     config = SitsConfig(redis_url=redis_url, global_keyprefix="aff-slots:")
     prefix = config.global_keyprefix
-    reader = advertise.WarmReader(config, "w@host", range(2))
+    reader = warmreader.WarmReader(config, "w@host", range(2))
     try:
         r.set(advertise.child_key(prefix, "w@host", 2), json.dumps({"warm": {"z": "device"}}))
         assert reader() == Warm()
@@ -459,7 +459,7 @@ def test_a_steered_worker_picks_by_what_its_idle_children_hold(
     idle child took a task warm only in a busy one, and loaded it cold)"""
     config = SitsConfig(redis_url=redis_url, global_keyprefix="aff-idle:")
     prefix = config.global_keyprefix
-    reader = advertise.WarmReader(config, "w@host", range(2))
+    reader = warmreader.WarmReader(config, "w@host", range(2))
     pool = SimpleNamespace(_busy_workers={10}, _active_writes=set(),
                            _fileno_to_inq={10: SimpleNamespace(index=0),
                                            11: SimpleNamespace(index=1)})

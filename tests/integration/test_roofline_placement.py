@@ -35,8 +35,8 @@ DECODE_FLOP_PER_BYTE = 8.0
 PREFILL_FLOP_PER_BYTE = 4000.0
 
 
-def gpu_worker(tmp_path: Path, redis_url: str, uuid: str, name: str, total_gib: int
-               ) -> CeleryProcess:
+def gpu_worker(tmp_path: Path, redis_url: str, uuid: str, name: str, total_gib: int,
+               queues: str | None = None) -> CeleryProcess:
     """A worker of one child whose NVML reports one GPU ``name``."""
     home = tmp_path / uuid[:8]
     home.mkdir()
@@ -48,7 +48,13 @@ def gpu_worker(tmp_path: Path, redis_url: str, uuid: str, name: str, total_gib: 
     env["PYTHONPATH"] = os.pathsep.join([str(STANDIN), str(ROOT), os.environ.get(
         "PYTHONPATH", "")])
     env["SITS_TEST_NVML"] = str(state)
-    return start_worker(APP_MODULE, env, home, concurrency=1, cwd=ROOT)
+    return start_worker(APP_MODULE, env, home, concurrency=1, cwd=ROOT, queues=queues)
+
+
+def bounds(r: redis.Redis) -> dict[str, set[str]]:
+    """Each worker's roofline weights as its advertisement says, by its GPU's UUID."""
+    return {w["devices"][0]["uuid"]: set(w.get("placement", {}).get("bounds", {}))
+            for w in advertise.read_workers(r)}
 
 
 @pytest.fixture
@@ -67,12 +73,8 @@ def fleet(tmp_path: Path, redis_url: str, r: redis.Redis, client_app: Celery
 def test_memory_bound_work_goes_to_the_bandwidth_rich_gpu_and_compute_bound_to_the_other(
         fleet: list[CeleryProcess], client_app: Celery, r: redis.Redis) -> None:
     # Given each worker has read its fleet (its advertisement says what its picks weigh)
-    def bounds() -> dict[str, set[str]]:
-        return {w["devices"][0]["uuid"]: set(w.get("placement", {}).get("bounds", {}))
-                for w in advertise.read_workers(r)}
-
-    wait_for(lambda: "memory@fp16" in bounds().get(H200, ())
-             and "compute@fp16" in bounds().get(L4, ()), 30, "each worker to weigh its bound")
+    wait_for(lambda: "memory@fp16" in bounds(r).get(H200, ())
+             and "compute@fp16" in bounds(r).get(L4, ()), 30, "each worker to weigh its bound")
     device = client_app.tasks["w.device"]
     # When decode-like and prefill-like tasks wait interleaved, all at once, at one
     # priority (an entropy given: measured, the two tags' would order them apart)
@@ -92,3 +94,32 @@ def test_memory_bound_work_goes_to_the_bandwidth_rich_gpu_and_compute_bound_to_t
     assert prefill.count(L4) >= 0.8 * EACH, (prefill.count(L4), prefill.count(H200))
     # And both GPUs worked: placement reorders the queue, it does not idle a device
     assert {*decode, *prefill} == {H200, L4}
+
+
+def test_workers_behind_other_queues_are_not_weighed_against_each_other(
+        tmp_path: Path, redis_url: str, r: redis.Redis, client_app: Celery) -> None:
+    # Given an H200 on one queue and an L4 on another, each advertising its queues
+    procs = [gpu_worker(tmp_path, redis_url, H200, "NVIDIA H200", 141, queues="decode"),
+             gpu_worker(tmp_path, redis_url, L4, "NVIDIA L4", 24, queues="encode")]
+    try:
+        wait_ready(client_app, procs)
+        h200, l4 = (p.hostname for p in procs)
+        def said() -> dict[str, object]:
+            return {w["hostname"]: w.get("queues") for w in advertise.read_workers(r)}
+
+        wait_for(lambda: said() == {h200: ["decode"], l4: ["encode"]}, 30,
+                 "each to advertise its queues", seen=said)
+        # When the L4's worker also takes the H200's queue (remote control), both weigh
+        # their bounds, the H200's too: its peers moved, it did not
+        client_app.control.add_consumer("decode", destination=[l4], reply=True)
+        wait_for(lambda: "memory@fp16" in bounds(r).get(H200, ())
+                 and "compute@fp16" in bounds(r).get(L4, ()), 30, "both to weigh their bound",
+                 seen=lambda: bounds(r))
+        # Then, the L4 back on its own queue alone, neither weighs one: nothing they
+        # compete for (counted as one fleet, each went on weighing the other)
+        client_app.control.cancel_consumer("decode", destination=[l4], reply=True)
+        wait_for(lambda: bounds(r) == {H200: set(), L4: set()}, 30,
+                 "the weights to go with the shared queue", seen=lambda: bounds(r))
+    finally:
+        for proc in procs:
+            proc.stop(timeout_s=10)

@@ -139,6 +139,42 @@ def test_the_standing_weighs_each_bound_at_each_precision() -> None:
     assert lua_args(POLICY, warm_of([], POLICY, roofline=alone.roofline)) == []
 
 
+def on(queues: Sequence[str] | None, *names: str) -> dict[str, Any]:
+    """A worker record of ``names``' devices that says it consumes ``queues``."""
+    own = record(*names)
+    if queues is not None:
+        own["queues"] = list(queues)
+    return own
+
+
+def test_a_worker_is_weighed_against_the_workers_of_its_queues_alone() -> None:
+    h200, l4 = on(["decode"], "H200"), on(["encode"], "L4")
+    # two pools behind two queues: each alone in its own, nothing to match
+    assert fleet.standing(h200, [h200, l4], POLICY) == fleet.Standing(
+        {}, Roofline(fleet.device_ridges(h200), {}))
+    assert fleet.standing(l4, [h200, l4], POLICY).roofline.bounds == {}
+    # one queue in common is enough: they compete for its tasks
+    both = on(["encode", "x"], "L4")
+    assert "memory@fp16" in fleet.standing(h200 | {"queues": ["decode", "x"]},
+                                           [h200, both], POLICY).roofline.bounds
+    # a record that does not say (an earlier release's) is counted, as it was; and a
+    # worker whose own record does not say is weighed against every one
+    assert "memory@fp16" in fleet.standing(h200, [h200, record("L4")], POLICY).roofline.bounds
+    assert "memory@fp16" in fleet.standing(record("H200"), [h200, l4], POLICY).roofline.bounds
+    # the precisions too: a T4 (int8 twice fp16) beside V100s of another queue matches none
+    t4 = on(["a"], "T4")
+    assert fleet.standing(t4, [t4, on(["b"], "V100")], POLICY).precisions == {}
+    assert fleet.standing(t4, [t4, on(["a"], "V100")], POLICY).precisions
+
+
+def test_peers_are_read_from_the_record_and_junk_is_no_queue() -> None:
+    assert fleet.consumed({"queues": ["a", 3, None, "b"]}) == {"a", "b"}
+    assert fleet.consumed({"queues": "a"}) is None and fleet.consumed({}) is None
+    # a worker consuming nothing (every consumer cancelled) competes with no one that says
+    idle = {"queues": []}
+    assert fleet.peers(idle, [idle, {"queues": ["a"]}, {}]) == [{}]
+
+
 # -- the pick ------------------------------------------------------------------------------
 
 def cand(name: str, intensity: float | None, precision: str | None = None) -> Candidate:
@@ -248,6 +284,46 @@ def test_a_worker_not_yet_advertised_reads_its_fleet_again_at_the_next_probe() -
     reads.own = record("H200")
     now[0] = 2.5
     assert "memory@fp16" in weights().roofline.bounds and reads.reads == 2
+
+
+def test_a_worker_moving_queues_reads_the_fleet_again() -> None:
+    now = [0.0]
+    reads = Reads(on(["decode"], "H200"), [on(["encode"], "L4")])
+    moves = [1]  # (advertise.queues_version_key: bumped by each worker that moves)
+    weights = fleet.FleetWeights(POLICY, reads.read,
+                                 lambda: (reads.members(), moves[0]), lambda: now[0])
+    assert weights().roofline.bounds == {} and reads.reads == 1
+    # `celery control add_consumer decode` to the L4's worker: the same workers live,
+    # the count moved; read at the next probe, not half a minute later
+    reads.others = [on(["decode", "encode"], "L4")]
+    moves[0] += 1
+    now[0] = 2.5
+    assert "memory@fp16" in weights().roofline.bounds and reads.reads == 2
+
+
+def test_a_worker_advertises_the_queues_its_consumer_takes_from_now() -> None:
+    from types import SimpleNamespace
+
+    from celery import Celery
+    from kombu import Connection, Consumer, Queue
+
+    from sits_queue.workers.advertise import consumed_queues
+
+    app = Celery(set_as_current=False)
+    app.conf.task_default_queue = "celery"
+    with Connection("memory://") as conn:
+        # (the control queue and its own direct queue are every worker's: not its work)
+        consumer = Consumer(conn.channel(), [Queue("b"), Queue("a"), Queue("sits.control"),
+                                             Queue("w@h.dq2")], auto_declare=False)
+        c = SimpleNamespace(task_consumer=consumer, app=app)
+        assert consumed_queues(c) == ["a", "b"]
+        # remote control's add_consumer / cancel_consumer act on the kombu consumer
+        consumer.add_queue(Queue("c"))
+        consumer.cancel_by_queue("a")
+        assert consumed_queues(c) == ["b", "c"]
+    # before the consumer starts: the app's queues to consume (-Q), else all it knows
+    assert consumed_queues(SimpleNamespace(task_consumer=None, app=app)) == ["celery"]
+    assert consumed_queues(SimpleNamespace()) is None
 
 
 def test_both_settings_off_reads_nothing() -> None:

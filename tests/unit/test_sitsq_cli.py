@@ -318,6 +318,17 @@ def test_status_shows_each_devices_free_memory() -> None:
             "A100-SXM4-40GB 2.5 of 40.0 GiB free; cuda:2 odd") in shown.splitlines()
 
 
+def test_status_shows_the_queues_a_worker_consumes() -> None:
+    worker = {"hostname": "w@h", "pid": 1, "concurrency": 1, "queues": ["a", "b\x1b[2J"]}
+    assert "    queues: a, b\\x1b[2J" in status.format_status(
+        {"queues": [], "workers": [worker]}).splitlines()
+    # every consumer cancelled: said; an earlier release's record: no line
+    assert "    queues: none" in status.format_status(
+        {"queues": [], "workers": [{**worker, "queues": []}]}).splitlines()
+    assert "queues:" not in status.format_status(
+        {"queues": [], "workers": [{**worker, "queues": None}]})
+
+
 def test_status_shows_what_a_workers_picks_weigh_against_its_fleet() -> None:
     worker = {"hostname": "w@h", "pid": 1, "concurrency": 1, "placement": {
         "precisions": {"int8": 0.5}, "bounds": {"memory@fp16": 0.199383},
