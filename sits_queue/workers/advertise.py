@@ -286,7 +286,17 @@ def refresh(client: redis.Redis, prefix: str, hostname: str, pid: int, concurren
     pipe.expire(counters_key(prefix, hostname), COUNTERS_TTL_S)
     if queues_moved:
         pipe.incr(queues_version_key(prefix))
-    pipe.execute()
+    done = pipe.execute(raise_on_error=False)
+    if queues_moved and isinstance(done[-1], redis.ResponseError):
+        # (no count there: junk or a key of another type; a count started again is a
+        # change to its peers as well)
+        logger.warning("the count of queue moves %s was not a count (%s): started again",
+                       queues_version_key(prefix), done[-1])
+        client.set(queues_version_key(prefix), 1)
+        done = done[:-1]
+    for outcome in done:
+        if isinstance(outcome, Exception):
+            raise outcome
     return record
 
 
@@ -390,8 +400,13 @@ def fleet_members(client: redis.Redis, prefix: str = "") -> tuple[tuple[str, ...
     with client.pipeline(transaction=False) as pipe:
         pipe.zrangebyscore(workers_key(prefix), time.time() - TTL_S, "+inf")
         pipe.get(queues_version_key(prefix))
-        names, version = pipe.execute()
-    return tuple(sorted(str(n) for n in names)), version
+        names, version = pipe.execute(raise_on_error=False)
+    if isinstance(names, Exception):
+        raise names
+    # (a key of another type there: no count of moves, until a worker's move starts one)
+    return tuple(sorted(n.decode(errors="replace") if isinstance(n, bytes) else str(n)
+                        for n in names)), \
+        None if isinstance(version, Exception) else version
 
 
 def read_workers(client: redis.Redis, prefix: str = "") -> list[dict[str, Any]]:

@@ -345,6 +345,28 @@ def test_a_worker_registry_of_another_type_shows_no_workers_and_fails_nothing(
     assert read_workers(redis_client) == []
 
 
+@pytest.mark.parametrize("junk", ["hash", "not a number"])
+def test_a_count_of_queue_moves_no_count_reads_as_none_and_a_move_starts_it_again(
+        redis_client: redis.Redis, junk: str) -> None:
+    """(a key of another type there failed every probe of the fleet: its placement
+    weights never read again, and every refresh of a worker moving queues)"""
+    from sits_queue.workers.advertise import fleet_members, queues_version_key, refresh
+
+    key = queues_version_key("")
+    if junk == "hash":
+        redis_client.hset(key, "x", "1")
+    else:
+        redis_client.set(key, junk)
+    members, count = fleet_members(redis_client)
+    assert members == () and count == (None if junk == "hash" else junk.encode())
+    refresh(redis_client, "", "w@h", 1, 1, [], time.time(), {"queues": ["a"]},
+            queues_moved=True)
+    assert redis_client.get(key) == b"1" and fleet_members(redis_client) == (("w@h",), b"1")
+    refresh(redis_client, "", "w@h", 1, 1, [], time.time(), {"queues": ["b"]},
+            queues_moved=True)
+    assert redis_client.get(key) == b"2"
+
+
 def test_a_dead_letter_key_of_another_type_is_left_and_the_sweep_expires_the_rest(
         client_app: Celery, redis_client: redis.Redis) -> None:
     """(it failed the sweep, every period, for every queue: no dead letter expired)"""
