@@ -70,10 +70,12 @@ def cut(members: list[Any]) -> list[Any]:
         return members
     for request in members[keep:]:
         admission._give_back(request)
+    hard, soft = admission.time_limits(members[0])
+    # (%g: a 0.05 s limit read "0.1 s" at one decimal)
     logger.info("batch of %d %s tasks cut to %d: the rest would not finish within %.0f%% "
-                "of its %.1f s time limit at the %.3f s per unit its last runs took; they "
+                "of its %g s %s time limit at the %.3f s per unit its last runs took; they "
                 "went back to their queue", len(members), members[0].name, keep,
-                100 * share, limit or 0.0,
+                100 * share, limit or 0.0, "soft" if soft else "hard",
                 _times[key].per_unit_s() or 0.0)
     return members[:keep]
 

@@ -129,8 +129,13 @@ def run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None = None
     """
     # (a pool job of its own, not through Celery's tracer, whose task_prerun gives the
     # soft-limit signal back: muted since the child's last task ended, it stayed so,
-    # and the batch's soft limit never fired)
-    softsignal.restore()
+    # and the batch's soft limit never fired; its members' traces leave it to the job)
+    with softsignal.batch_job():
+        return _run_batch(given, join)
+
+
+def _run_batch(given: list[tuple[Any, ...]], join: dict[str, Any] | None
+               ) -> tuple[list[tuple[Any, Any, float] | None], dict[str, Any]]:
     began = time.monotonic()
     app = current_app._get_current_object()
     task = app.tasks[given[0][0]]

@@ -549,10 +549,10 @@ def connect(app: Celery) -> None:
         # Between tasks the signal is ignored: a timer overdue in a parent whose loop was
         # blocked (a Redis outage) fired after its task ended, and the idle child died
         # of the SoftTimeLimitExceeded raised in the pool's own loop.
-        softsignal.mute()
+        softsignal.task_ended()
 
     def on_prerun(sender: Any = None, task: Any = None, **_: Any) -> None:
-        softsignal.restore()
+        softsignal.task_started()
         rt = _child
         if rt is not None and getattr(task, "app", None) is app and rt.app is app:
             rt.before_task(task.request, getattr(task, "sla_class", None))

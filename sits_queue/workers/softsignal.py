@@ -30,6 +30,9 @@ from billiard import pool as billiard_pool
 from celery.exceptions import SoftTimeLimitExceeded
 
 _muted: Any = None
+#: In a batch's pool job (``batched.py``): the job owns the signal, its members' own
+#: task_prerun/postrun leave it as it is.
+_in_batch = False
 
 
 def _pool_child_signal() -> int | None:
@@ -59,6 +62,39 @@ def restore() -> None:
             and threading.current_thread() is threading.main_thread():
         signal.signal(billiard_pool.SIG_SOFT_TIMEOUT, _muted)
         _muted = None
+
+
+def task_started() -> None:
+    """A task's start (task_prerun): billiard's handler back, unless the task is a
+    member of a batch being traced, whose pool job owns the signal (:func:`batch_job`)."""
+    if not _in_batch:
+        restore()
+
+
+def task_ended() -> None:
+    """A task's end (task_postrun): the signal ignored until the next task, unless the
+    task is a member of a batch, whose pool job mutes it as it ends."""
+    if not _in_batch:
+        mute()
+
+
+@contextmanager
+def batch_job() -> Iterator[None]:
+    """A batch's pool job: the signal armed for its run (muted since the child's last
+    task ended), and ignored again as it ends. Its members' traces, during the run or
+    after it, leave it: a member's start armed it again after the run had stopped itself
+    at its soft limit, and the pool's signal, up to a second late, then cut a member's
+    trace (a call that had finished stored as a bare ``SoftTimeLimitExceeded()``); a
+    member traced while the run went on muted it, and the run's own soft limit never
+    came."""
+    global _in_batch
+    restore()
+    _in_batch = True
+    try:
+        yield
+    finally:
+        _in_batch = False
+        mute()
 
 
 @contextmanager

@@ -109,3 +109,36 @@ def test_torchs_first_import_in_a_pool_child_is_not_cut_by_a_soft_limit(
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines() == ["raised after the import", "torch 2.0"]
+
+
+def _raises_on_signal() -> bool:
+    try:
+        os.kill(os.getpid(), SIG)
+        time.sleep(0.1)
+    except SoftTimeLimitExceeded:
+        return True
+    return False
+
+
+def test_a_batchs_members_leave_the_signal_to_the_batch_job(pool_child_handler: None) -> None:
+    """The batch's members are traced by Celery's tracer, whose task_prerun armed the
+    signal again after the run had stopped itself at its soft limit (the pool's signal,
+    a second late, then cut a member that had finished: a probe saw it land in a
+    member's prerun), and whose task_postrun, for a member traced while the run went on,
+    muted the run's own limit."""
+    from celery import signals
+
+    from sits_queue.app import make_app
+
+    make_app(SitsConfig(), main="softsignal-unit")  # (its worker's signal handlers)
+    softsignal.mute()  # (between tasks: as the child's last task left it)
+    with softsignal.batch_job():
+        assert _raises_on_signal()  # armed for the run
+        signals.task_postrun.send(sender=None, task=None)  # a member traced early
+        assert _raises_on_signal()  # still armed: the run's limit stands
+        _stopped_at_its_soft_limit()  # the run stops itself at its soft limit
+        signals.task_prerun.send(sender=None, task=None)  # the members' traces
+        assert not _raises_on_signal()  # the late signal cuts no member
+    assert not _raises_on_signal()  # nor the pool's loop, between tasks
+    signals.task_prerun.send(sender=None, task=None)  # the next task alone
+    assert _raises_on_signal()
