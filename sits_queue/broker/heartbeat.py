@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 #: that waits longer than this on Redis is given up and retried next period.
 SOCKET_TIMEOUT_S = 5.0
 #: After a failed beat, the next is tried this soon (at most a period): a Redis back from
-#: an outage hears from the holder before any sweep counts it silent.
+#: an outage hears from the holder soon; the sweeps hold off for two periods after such a
+#: gap meanwhile (``restore.lua``).
 RETRY_S = 1.0
 #: How long closing the channel waits for a beat in flight, s (it is one pipeline).
 STOP_WAIT_S = SOCKET_TIMEOUT_S + 1.0

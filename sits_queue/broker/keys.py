@@ -122,6 +122,7 @@ class QueueKeys:
     held: str  # HASH message id -> "<consumer> <until>": released, not offered back to it
     skipped: str  # HASH message id -> when a pick first passed it over at the head (affinity)
     idle: str  # SET message ids held by a worker that has said it has not started them
+    sweep: str  # HASH the visibility sweeps' last time and hold (restore.lua), by Redis's clock
 
     @classmethod
     def for_queue(cls, queue: str, prefix: str = "") -> QueueKeys:
@@ -129,13 +130,14 @@ class QueueKeys:
         not make one hash tag."""
         check_queue_name(queue)
         base = f"{prefix}sits:{{{queue}}}:"
-        return cls(*(base + suffix for suffix in ("z", "p", "i", "mk", "seq", "u", "s", "rd", "dl",
-                                                         "arr", "ck", "yc", "hd", "af", "id")))
+        return cls(*(base + suffix for suffix in (
+            "z", "p", "i", "mk", "seq", "u", "s", "rd", "dl", "arr", "ck", "yc", "hd", "af", "id",
+            "sw")))
 
     def all(self) -> list[str]:
         return [self.waiting, self.payloads, self.meta, self.marker, self.seq, self.unacked,
                 self.saved, self.redelivered, self.dead, self.arrivals, self.checkpoints,
-                self.yields, self.held, self.skipped, self.idle]
+                self.yields, self.held, self.skipped, self.idle, self.sweep]
 
     @property
     def put_channel(self) -> str:

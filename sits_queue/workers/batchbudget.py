@@ -70,7 +70,7 @@ def cut(members: list[Any]) -> list[Any]:
         return members
     for request in members[keep:]:
         admission._give_back(request)
-    hard, soft = admission.time_limits(members[0])
+    _, soft = admission.time_limits(members[0])
     # (%g: a 0.05 s limit read "0.1 s" at one decimal)
     logger.info("batch of %d %s tasks cut to %d: the rest would not finish within %.0f%% "
                 "of its %g s %s time limit at the %.3f s per unit its last runs took; they "

@@ -184,3 +184,46 @@ def test_a_lost_connection_does_not_rerun_what_the_worker_runs(tmp_path: Path) -
             assert worker.alive()
     finally:
         server.stop()
+
+
+def test_a_redis_stall_past_the_timeout_does_not_rerun_what_another_worker_picked(
+        tmp_path: Path) -> None:
+    """Two workers draining a burst, Redis frozen longer than the visibility timeout: a
+    pick in flight ran once Redis woke, recording the pick time of before the stall, and
+    the other worker's first sweep found that message silent past the timeout and ran it
+    again (a probe: 2 of 3,000 tasks twice, in 3 runs of 3). Every holder's beats were
+    missed alike: the sweeps now hold off after such a gap until the holders beat."""
+    from sits_queue.broker.bulk import enqueue_many
+
+    burst = 3000
+    server = start_server(tmp_path, appendonly=False)
+    client = redis.Redis.from_url(server.url)
+    try:
+        with worker_on(server.url, tmp_path, "stall-two", 2,
+                       visibility_timeout_s=5) as (app, tasks, first):
+            env = worker_env(server.url, visibility_timeout_s="5")
+            second = start_worker(APP_MODULE, env, tmp_path / "logs", concurrency=2,
+                                  cwd=ROOT)
+            try:
+                wait_ready(app, [second])
+                enqueue_many(tasks["record"], [(f"b{i}",) for i in range(burst)])
+                wait_for(lambda: int(client.get("test:runs") or 0) >= 200, 60,
+                         "the burst to be under way")
+                # When Redis stalls past the timeout while both pick
+                assert server.pid is not None
+                os.kill(server.pid, signal.SIGSTOP)
+                time.sleep(8)  # the stall: 5 s visibility timeout + 3
+                os.kill(server.pid, signal.SIGCONT)
+                # Then every task ran, each once, and no sweep restored anything
+                wait_for(lambda: client.scard("test:done") == burst, 120,
+                         "every task to run", seen=lambda: client.scard("test:done"))
+                wait_for(lambda: client.zcard(QueueKeys.for_queue("celery").unacked) == 0,
+                         30, "the last acks")
+                assert int(client.get("test:runs") or 0) == burst, \
+                    [line for w in (first, second) for line in w.log().splitlines()
+                     if "restored" in line]
+                assert first.alive() and second.alive()
+            finally:
+                second.stop()
+    finally:
+        server.stop()

@@ -346,6 +346,57 @@ def test_a_task_due_after_its_holder_died_is_not_counted(
     assert picked[0] == b"t" and int(picked[2]) == counted
 
 
+def test_after_a_gap_in_the_sweeps_none_restores_until_the_holders_have_beaten(
+        redis_client: redis.Redis) -> None:
+    """(Redis stalled past the visibility timeout: nobody could beat meanwhile, and the
+    first sweep after it restored, and ran twice, what live workers held)"""
+    scripts = Scripts.register()
+    period = 2.0
+
+    def clock() -> float:
+        seconds, micros = redis_client.time()
+        return seconds + micros / 1e6
+
+    def sweep() -> int:
+        now = clock()
+        return int(scripts.run("restore", KEYS, [now - 3 * period, 10, now + 86_400, period],
+                               redis_client))
+
+    scripts.run("put", KEYS, put_args(["a", "b", "c"]), redis_client)
+    for _ in range(3):
+        scripts.run("pick", KEYS, [clock() - 60, 5, "A"], redis_client)  # silent a minute
+    redis_client.zadd(KEYS.unacked, {"c": clock()}, xx=True)  # c's holder beats
+    # Given sweeps every period: a silent holder's messages go back at once (the first
+    # sweep of a queue finds no record to measure a gap by)
+    redis_client.zadd(KEYS.unacked, {"b": clock()}, xx=True)
+    assert sweep() == 1 and set(redis_client.zrange(KEYS.unacked, 0, -1)) == {b"b", b"c"}
+    # When the last sweep was longer ago than the sweeps' period allows (Redis stalled)
+    redis_client.zadd(KEYS.unacked, {"b": clock() - 60}, xx=True)  # its beats missed
+    redis_client.hset(KEYS.sweep, "at", clock() - 10 * period)
+    # Then no sweep restores anything for two periods, the holders' time to beat
+    assert sweep() == 0 and sweep() == 0
+    hold = float(redis_client.hget(KEYS.sweep, "hold") or 0)
+    assert clock() + period < hold <= clock() + 2 * period
+    # and a restore of named ids (a worker giving its own back) is not held
+    assert scripts.run("restore", KEYS, ["-", 0, "c"], redis_client) == 1
+    # And once the hold is over, a holder still silent loses its message
+    redis_client.hset(KEYS.sweep, "hold", clock() - 0.001)
+    assert sweep() == 1 and redis_client.zcard(KEYS.unacked) == 0
+    ttl = redis_client.ttl(KEYS.sweep)
+    assert 0 < ttl <= 86_400  # (a queue no one sweeps any more leaves no record for good)
+
+
+def test_a_sweep_record_of_another_type_refuses_the_sweep_and_writes_nothing(
+        redis_client: redis.Redis) -> None:
+    scripts = Scripts.register()
+    scripts.run("put", KEYS, put_args(["a"]), redis_client)
+    scripts.run("pick", KEYS, [1000.0, 5, "A"], redis_client)
+    redis_client.set(KEYS.sweep, "another program's")
+    with pytest.raises(redis.ResponseError, match="SITS_WRONGTYPE"):
+        scripts.run("restore", KEYS, [2000.0, 10, 3000.0, 2.0], redis_client)
+    assert redis_client.zrange(KEYS.unacked, 0, -1) == [b"a"]
+
+
 def test_of_the_runners_that_could_yield_the_lowest_class_does(
         redis_client: redis.Redis, redis_url: str) -> None:
     """(the first runner to ask was granted the yield: a medium task gave its slot to a

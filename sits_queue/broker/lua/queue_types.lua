@@ -8,8 +8,9 @@
 --   6 unacked ZSET  7 saved-score HASH  8 redelivered HASH  9 dead-letter HASH
 --   10 arrivals HASH  11 checkpoints HASH  12 yield claims HASH  13 held HASH
 --   14 skipped HASH  15 idle SET
+--   16 sweep HASH (the visibility sweeps' last time, and a hold after a gap)
 local QUEUE_TYPES = {'zset', 'hash', 'hash', 'zset', 'string', 'zset', 'hash', 'hash',
-                     'hash', 'hash', 'hash', 'hash', 'hash', 'hash', 'set'}
+                     'hash', 'hash', 'hash', 'hash', 'hash', 'hash', 'set', 'hash'}
 
 -- An error reply naming the first of KEYS[i...] of a type it should not be; nil if none.
 local function wrong_type(...)

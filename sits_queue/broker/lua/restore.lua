@@ -7,19 +7,43 @@
 --   12 yield claims HASH  13 held HASH (released by a consumer, not offered back to it)
 --   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
 --   15 idle SET (ids held by a worker that said it has not started them yet)
+--   16 sweep HASH (the visibility sweeps' last time, and a hold after a gap)
 -- ARGV[1]: deadline ceiling (unix s) to restore every message picked/heartbeated before
 --          it, or '-' to restore exactly the ids in ARGV[3..]
 -- ARGV[2]: at most this many (with a ceiling)
 -- ARGV[3]: with a ceiling, a horizon (unix s): a deadline base above it is no pick or
 --          beat time any worker wrote (another program's, +inf included), and would
 --          otherwise hold its message unacked for good; those are restored too
--- ARGV[4]: with a ceiling, the holders' heartbeat period (s; optional)
+-- ARGV[4]: with a ceiling, the holders' heartbeat period (s; optional): the sweeps of
+--          the queue's consumers come about that often
 -- Returns the number restored; each counted as a redelivery unless it never started: its
 -- holder said so (KEYS[15]: a task waiting in it for a rate-limit token), or its ETA is
 -- still ahead, or came after its holder's last beat and the beat it missed.
 -- (6 is read, or its ZREM fails, before anything is written)
-local refused = wrong_type(1, 2, 4, 7, 8, 15)
+local refused = wrong_type(1, 2, 4, 7, 8, 15, 16)
 if refused then return refused end
+-- A gap in the sweeps, by Redis's own clock, longer than their period allows: Redis was
+-- not serving (stopped, hung, restarted from its data), or no consumer of the queue was
+-- live. Nobody could beat meanwhile: counted silent, every holder's messages went back
+-- and ran twice, a pick or a sweep sent before the stall running after it with its
+-- time of then. So no message is restored until the holders have had two beats since
+-- (a sweep that waited in a stalled Redis, run at its end, finds the hold too).
+local SWEEP_KEPT_S = 86400  -- (the record of a queue no one sweeps any more goes)
+local period = tonumber(ARGV[4] or '')
+if ARGV[1] ~= '-' and period and period > 0 then
+  local t = redis.call('TIME')
+  local clock = tonumber(t[1]) + tonumber(t[2]) / 1e6
+  local last = redis.call('HMGET', KEYS[16], 'at', 'every', 'hold')
+  local at, every, hold = tonumber(last[1] or ''), tonumber(last[2] or ''), tonumber(last[3] or '')
+  local span = math.max(period, every or 0)
+  if at and clock - at > 1.75 * span then
+    hold = clock + 2 * span
+    redis.call('HSET', KEYS[16], 'hold', hold)
+  end
+  redis.call('HSET', KEYS[16], 'at', clock, 'every', period)
+  redis.call('EXPIRE', KEYS[16], SWEEP_KEPT_S)
+  if hold and clock < hold then return 0 end
+end
 local ids
 if ARGV[1] == '-' then
   ids = {}
@@ -39,7 +63,6 @@ end
 -- last beat (``base``) and the beat that holder then missed: it died before the task
 -- was due (a crash a little before the due time was counted, the sweep coming after it).
 local now = tonumber(redis.call('TIME')[1])
-local period = tonumber(ARGV[4] or '')
 local function unstarted(id, base)
   local raw = redis.call('HGET', KEYS[3], id)
   if not raw then return false end
