@@ -62,8 +62,10 @@ class ChildRecords:
         for slot in set(self._last) - set(live):  # (a slot the pool no longer has)
             del self._last[slot]
         if restored:
-            logger.warning("wrote back the records of children %s, lost with Redis's data",
-                           restored)
+            # (gone either way: expired while Redis stalled past their TTL, or lost with
+            # a restart's data; a probe read "lost with Redis's data" after a mere stall)
+            logger.warning("wrote back the records of children %s, gone from Redis (expired "
+                           "during an outage, or lost with its data)", restored)
         return restored
 
 
