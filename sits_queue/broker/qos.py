@@ -41,6 +41,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+import redis
 from celery.worker import state as worker_state
 from kombu.transport import redis as kredis
 from kombu.transport import virtual
@@ -351,13 +352,20 @@ class QoS(kredis.QoS):
             if not by_queue:
                 _OUTLIVING.discard(self)  # owes nothing more (a live channel: not there)
                 return
-            now = clock.now(client or self.channel.raw)
-            # XX: only ids still unacked; an id acked meanwhile is not brought back.
-            with (client or self.channel.raw).pipeline(transaction=False) as pipe:
-                for queue, tags in by_queue.items():
-                    pipe.zadd(self.channel.keys(queue).unacked, dict.fromkeys(tags, now),
-                              xx=True)
-                pipe.execute()
+            redis_client = client or self.channel.raw
+            now = clock.now(redis_client)
+            period = self.channel.visibility_timeout / 3
+            # (beat.lua: only ids still unacked, an id acked meanwhile is not brought back;
+            # and Redis hears the queue is served, by its own clock: a gap holds the sweeps)
+            refused: list[redis.ResponseError] = []
+            for queue, tags in by_queue.items():
+                try:
+                    self.channel.scripts.run("beat", self.channel.keys(queue),
+                                             [now, period, *tags], redis_client)
+                except redis.ResponseError as exc:  # (a queue key of another type: the
+                    refused.append(exc)             # other queues are beaten all the same)
+            if refused:
+                raise refused[0]
 
     def _give_back_idle(self, client: Any) -> None:
         """After a close that could not reach Redis: release the held messages that had

@@ -20,14 +20,16 @@ from redis.exceptions import ConnectionError, NoScriptError
 from sits_queue.broker.keys import QueueKeys
 
 SCRIPT_NAMES = ("put", "pick", "ack", "dead", "restore", "release", "purge", "preempt", "join",
-                "prune_hot", "arm", "take_outbox", "done_outbox", "forget", "requeue")
+                "prune_hot", "arm", "take_outbox", "done_outbox", "forget", "requeue", "beat")
 
 
 #: What is prepended to a script, in order. ``queue_types.lua``: to those that check their
 #: keys' types before any write (their writes, stopped half-way, would lose or duplicate a
-#: message). ``put_lib.lua``: the put, to both scripts that put messages.
+#: message). ``put_lib.lua``: the put, to both scripts that put messages. ``sweeps.lua``:
+#: the gap that holds the sweeps, to both scripts that tell a queue is being served.
 LIBRARIES = {"put": ("queue_types", "put_lib"), "requeue": ("queue_types", "put_lib"),
-             "pick": ("queue_types",), "restore": ("queue_types",)}
+             "pick": ("queue_types",), "restore": ("queue_types", "sweeps"),
+             "beat": ("queue_types", "sweeps")}
 
 
 def _source(name: str) -> str:

@@ -147,3 +147,31 @@ def test_a_solo_worker_keeps_a_task_longer_than_the_visibility_timeout(
     assert redis_client.lrange("test:finished", 0, -1) == [b"long"]
     assert "whose worker stopped heartbeating" not in sweeper.log() + solo.log()
     assert redis_client.hlen(KEYS.redelivered) == 0
+
+
+def test_a_busy_solo_worker_still_restores_what_a_dead_worker_held(
+        start: Start, client_app: Celery, redis_client: redis.Redis) -> None:
+    """The sweeps hold off after a gap in a queue's sweeps and beats (``sweeps.lua``: a
+    Redis stall). A solo worker running task after task sweeps only between them, further
+    apart than that gap: counted by its sweeps alone, its every sweep found a gap and
+    held, and what a dead worker held stayed unacked while it was busy. Its heartbeat
+    thread's beats keep the queue's record fresh."""
+    slow = client_app.tasks["w.slow"]
+    # Given a worker holding a running task
+    doomed = start(visibility_timeout_s="5")
+    slow.delay("held", 60.0)
+    wait_for(lambda: redis_client.get("test:started:held") == b"1", 30, "the task to start")
+    # and a solo worker busy with tasks longer than the sweeps' period allows between
+    # two sweeps (5 s against 1.75 x 5/3 s)
+    solo = start(pool="solo", visibility_timeout_s="5")
+    busy = [slow.delay(f"busy{i}", 5.0) for i in range(10)]
+    wait_for(lambda: redis_client.get("test:started:busy0") == b"1", 30, "the solo's work")
+    # When the first worker dies
+    doomed.kill()
+    died = time.monotonic()
+    # Then the solo worker restores its task between two of its own and runs it, well
+    # before its own work is done (50 s)
+    wait_for(lambda: redis_client.get("test:started:held") == b"2", 30,
+             "the dead worker's task to run again", seen=lambda: solo.log()[-2000:])
+    assert time.monotonic() - died < 30
+    assert sum(r.ready() for r in busy) < len(busy)

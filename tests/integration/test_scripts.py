@@ -386,6 +386,42 @@ def test_after_a_gap_in_the_sweeps_none_restores_until_the_holders_have_beaten(
     assert 0 < ttl <= 86_400  # (a queue no one sweeps any more leaves no record for good)
 
 
+def test_a_holders_beat_keeps_the_queue_heard_and_after_a_gap_holds_the_sweeps(
+        redis_client: redis.Redis) -> None:
+    """(beat.lua: a solo worker sweeps only between its tasks, further apart than a gap
+    allows; its heartbeat thread's beats, every period, tell Redis the queue is served)"""
+    scripts = Scripts.register()
+    period = 2.0
+
+    def clock() -> float:
+        seconds, micros = redis_client.time()
+        return seconds + micros / 1e6
+
+    scripts.run("put", KEYS, put_args(["a", "b"]), redis_client)
+    for _ in range(2):
+        scripts.run("pick", KEYS, [clock() - 60, 5, "A"], redis_client)
+    # A beat pushes the deadlines of the ids still unacked, and notes the queue served
+    assert scripts.run("beat", KEYS, [clock(), period, "a", "gone"], redis_client) == 1
+    assert redis_client.zscore(KEYS.unacked, "a") > clock() - 1
+    assert redis_client.zscore(KEYS.unacked, "gone") is None  # (not brought back)
+    at = float(redis_client.hget(KEYS.sweep, "at") or 0)
+    assert clock() - 1 < at <= clock() and not redis_client.hexists(KEYS.sweep, "hold")
+    # so a sweep a long while after the last sweep, beats between, restores at once
+    now = clock()
+    assert scripts.run("restore", KEYS, [now - 3 * period, 10, now + 86_400, period],
+                       redis_client) == 1
+    # The first beat after a gap (a Redis stall) holds the sweeps, as a sweep would
+    redis_client.hset(KEYS.sweep, "at", clock() - 10 * period)
+    scripts.run("beat", KEYS, [clock() - 30, period, "a"], redis_client)  # (sent long ago)
+    now = clock()
+    assert scripts.run("restore", KEYS, [now - 3 * period, 10, now + 86_400, period],
+                       redis_client) == 0
+    # and a sweep record of another type stops no beat
+    redis_client.delete(KEYS.sweep)
+    redis_client.set(KEYS.sweep, "another program's")
+    assert scripts.run("beat", KEYS, [clock(), period, "a"], redis_client) == 1
+
+
 def test_a_sweep_record_of_another_type_refuses_the_sweep_and_writes_nothing(
         redis_client: redis.Redis) -> None:
     scripts = Scripts.register()

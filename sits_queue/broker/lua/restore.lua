@@ -22,28 +22,9 @@
 -- (6 is read, or its ZREM fails, before anything is written)
 local refused = wrong_type(1, 2, 4, 7, 8, 15, 16)
 if refused then return refused end
--- A gap in the sweeps, by Redis's own clock, longer than their period allows: Redis was
--- not serving (stopped, hung, restarted from its data), or no consumer of the queue was
--- live. Nobody could beat meanwhile: counted silent, every holder's messages went back
--- and ran twice, a pick or a sweep sent before the stall running after it with its
--- time of then. So no message is restored until the holders have had two beats since
--- (a sweep that waited in a stalled Redis, run at its end, finds the hold too).
-local SWEEP_KEPT_S = 86400  -- (the record of a queue no one sweeps any more goes)
+-- (after a gap in the queue's sweeps and beats, none restores for a while: sweeps.lua)
 local period = tonumber(ARGV[4] or '')
-if ARGV[1] ~= '-' and period and period > 0 then
-  local t = redis.call('TIME')
-  local clock = tonumber(t[1]) + tonumber(t[2]) / 1e6
-  local last = redis.call('HMGET', KEYS[16], 'at', 'every', 'hold')
-  local at, every, hold = tonumber(last[1] or ''), tonumber(last[2] or ''), tonumber(last[3] or '')
-  local span = math.max(period, every or 0)
-  if at and clock - at > 1.75 * span then
-    hold = clock + 2 * span
-    redis.call('HSET', KEYS[16], 'hold', hold)
-  end
-  redis.call('HSET', KEYS[16], 'at', clock, 'every', period)
-  redis.call('EXPIRE', KEYS[16], SWEEP_KEPT_S)
-  if hold and clock < hold then return 0 end
-end
+if ARGV[1] ~= '-' and period and period > 0 and served(period) then return 0 end
 local ids
 if ARGV[1] == '-' then
   ids = {}
