@@ -264,6 +264,20 @@ class Channel(PickingChannel):
 
     def _delete(self, queue: str, exchange: str, routing_key: str, pattern: str, *args: Any,
                 **kwargs: Any) -> None:
+        if getattr(self, "_closing", False):
+            # kombu's close deletes the channel's auto-delete fanout queues (Celery's
+            # gossip, its events): with Redis away the error escaped the close, and
+            # Celery's consumer restart, whose connection is gone by then, logged some
+            # 60 lines of "Error on restarting Gossip: AttributeError" at each outage
+            try:
+                self._delete_queue(queue, exchange, routing_key, pattern)
+            except self.connection_errors as exc:
+                logger.debug("queue %r not deleted at the channel's close: %s", queue, exc)
+            return
+        self._delete_queue(queue, exchange, routing_key, pattern)
+
+    def _delete_queue(self, queue: str, exchange: str, routing_key: str, pattern: str
+                      ) -> None:
         self.auto_delete_queues.discard(queue)
         if self._site_sync(queue) is not None:  # its tasks' replicas at the peer go too
             ids = [text(i, "replace") for i in self.raw.hkeys(self.keys(queue).payloads)]

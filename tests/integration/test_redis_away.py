@@ -103,3 +103,25 @@ def test_a_wait_connection_closed_while_intake_is_paused_reconnects(
         hub.close()
         conn.release()
         app.close()
+
+
+def test_a_channel_closed_with_redis_away_closes_whole_with_its_fanout_queues(
+        server: EmbeddedRedis) -> None:
+    """kombu's close deletes a channel's auto-delete fanout queues (Celery's gossip and
+    events consumers have one): with Redis away the connection error escaped the close,
+    half done, and Celery's consumer, its connection already dropped, logged some 60 lines
+    of "Error on restarting Gossip: AttributeError" at every outage."""
+    from kombu import Exchange
+
+    app = make_app(SitsConfig(redis_url=server.url), main="away-fanout")
+    conn = app.connection_for_read()
+    conn.connect()
+    channel = conn.channel()
+    gossip = Queue("w.gossip", Exchange("gossip", "fanout"), auto_delete=True)
+    Consumer(channel, [gossip], callbacks=[lambda body, message: None]).consume()
+    assert "w.gossip" in channel.auto_delete_queues
+    # When Redis goes away and the channel closes
+    server.stop()
+    channel.close()  # Then it closes without raising, and whole
+    assert channel.closed and channel._pool is None  # (its connections dropped too)
+    conn.release()
