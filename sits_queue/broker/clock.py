@@ -11,10 +11,11 @@ to the Redis server's ``TIME``, measured over the client SITS already holds and 
 every :data:`REFRESH_S` (a step of the host's clock is caught then), one offset per
 server and process.
 
-The offset is taken at the middle of the ``TIME`` round trip: off by at most half of it.
-A measurement that fails (Redis away) keeps the last offset and is tried again after
-:data:`RETRY_S`; before any has succeeded the host's own clock stands (the caller's own
-command then meets the same outage and says so).
+The offset is taken at the middle of the ``TIME`` round trip: off by at most half of it,
+so a round trip over :data:`MAX_ROUND_TRIP_S` (Redis stalled meanwhile) measures nothing.
+A measurement that fails (Redis away, or that slow) keeps the last offset and is tried
+again after :data:`RETRY_S`; before any has succeeded the host's own clock stands (the
+caller's own command then meets the same outage and says so).
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ from typing import Any
 REFRESH_S = 30.0
 #: Seconds before a failed measurement is tried again.
 RETRY_S = 5.0
+#: A ``TIME`` round trip longer than this, s, measures nothing: the server read its clock
+#: somewhere within it, not halfway (one blocked through a 30 s stall of Redis made an
+#: offset of +15 s, kept for :data:`REFRESH_S`, and a sweep with it counted live holders
+#: silent 15 s early). Tried again after :data:`RETRY_S`.
+MAX_ROUND_TRIP_S = 0.5
 
 
 def offset_of(before_s: float, server_time: Sequence[Any], after_s: float) -> float:
@@ -76,8 +82,9 @@ def now(client: Any) -> float:
         except Exception:  # Redis away, a client closing: the last offset stands
             pass
         else:
-            offset.seconds = offset_of(before, reply, after)
-            offset.due = time.monotonic() + REFRESH_S
+            if after - before <= MAX_ROUND_TRIP_S:
+                offset.seconds = offset_of(before, reply, after)
+                offset.due = time.monotonic() + REFRESH_S
     return time.time() + offset.seconds
 
 

@@ -11,6 +11,7 @@ import redis
 from celery import Celery
 
 from sits_queue.app import make_app
+from sits_queue.broker.keys import QueueKeys
 from sits_queue.config import SitsConfig
 from sits_queue.procs import CeleryProcess, start_beat, start_worker, wait_ready
 from tests.integration.worker_app import register
@@ -51,6 +52,15 @@ def refusal(proc: CeleryProcess, what: str) -> str:
         return log
     finally:
         proc.stop(timeout_s=10)
+
+
+def served(client: redis.Redis, queue: str = "celery", period_s: float = 1.0) -> None:
+    """Record ``queue`` as served until now, by Redis's clock, as its live workers' sweeps
+    and beats do (``sweeps.lua``): a test's own first sweep of a queue that holds messages
+    and has no such record holds off, as after a Redis stall."""
+    seconds, micros = client.time()
+    client.hset(QueueKeys.for_queue(queue).sweep,
+                mapping={"at": int(seconds) + int(micros) / 1e6, "every": period_s})
 
 
 def worker_env(redis_url: str, **settings: str) -> dict[str, str]:

@@ -17,6 +17,7 @@ from celery.worker import state as worker_state
 from sits_queue.app import make_app
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.config import SitsConfig
+from tests.integration.conftest import served
 from tests.waiting import wait_for
 
 KEYS = QueueKeys.for_queue("celery")
@@ -228,6 +229,7 @@ def test_a_message_whose_ack_failed_is_not_beaten_for_good(
     channel.qos.heartbeat()
     assert redis_client.zscore(KEYS.unacked, message.delivery_tag) == pytest.approx(old, abs=1)
     # and the sweep restores it, past its visibility timeout, to run again
+    served(redis_client)  # (the queue served until now: no gap holds the sweep)
     channel.qos.restore_visible()
     assert redis_client.zscore(KEYS.waiting, message.delivery_tag) is not None
     close(conn, channel)
@@ -265,6 +267,7 @@ def test_each_consuming_channel_sweeps_its_own_queues(
     channels = [conn.channel(), conn.channel()]
     for channel, queue in zip(channels, ("qa", "qb"), strict=True):
         channel.basic_consume(queue, no_ack=False, callback=lambda m: None, consumer_tag=queue)
+        served(redis_client, queue)  # (served until now: no gap holds the sweeps)
     conn.transport.cycle.maybe_restore_messages()
     for queue in ("qa", "qb"):
         keys = QueueKeys.for_queue(queue)

@@ -11,6 +11,7 @@ from celery import Celery
 
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.procs import CeleryProcess
+from tests.integration.conftest import served
 from tests.waiting import wait_for
 
 KEYS = QueueKeys.for_queue("celery")
@@ -95,6 +96,7 @@ def sweep(client_app: Celery, redis_client: redis.Redis) -> int:
     """The visibility sweep's restore (``restore.lua``) of every message held on queue
     ``celery``, as a live worker's sweep runs it once the holder's beat is overdue."""
     now = redis_client.time()[0] + 1
+    served(redis_client)  # (and no gap in its sweeps and beats holds this one)
     with client_app.connection_for_write() as conn:
         return int(conn.default_channel._run("restore", "celery", [now, 1000, now + 86_400,
                                                                    1.0]))

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 from celery import Celery
 
@@ -186,8 +187,9 @@ def test_a_lost_connection_does_not_rerun_what_the_worker_runs(tmp_path: Path) -
         server.stop()
 
 
+@pytest.mark.parametrize("swept", [True, False], ids=["swept", "before-any-sweep"])
 def test_a_redis_stall_past_the_timeout_does_not_rerun_what_another_worker_picked(
-        tmp_path: Path) -> None:
+        tmp_path: Path, swept: bool) -> None:
     """Two workers draining a burst, Redis frozen longer than the visibility timeout: a
     pick in flight ran once Redis woke, recording the pick time of before the stall, and
     the other worker's first sweep found that message silent past the timeout and ran it
@@ -209,6 +211,13 @@ def test_a_redis_stall_past_the_timeout_does_not_rerun_what_another_worker_picke
                 enqueue_many(tasks["record"], [(f"b{i}",) for i in range(burst)])
                 wait_for(lambda: int(client.get("test:runs") or 0) >= 200, 60,
                          "the burst to be under way")
+                # (the queue's record of being served, or none yet: a stall before the
+                # first sweep or beat, as a probe met 2 s into a burst from fresh workers)
+                sweep_record = QueueKeys.for_queue("celery").sweep
+                if swept:
+                    wait_for(lambda: client.exists(sweep_record), 30, "a sweep or a beat")
+                else:
+                    client.delete(sweep_record)
                 # When Redis stalls past the timeout while both pick
                 assert server.pid is not None
                 os.kill(server.pid, signal.SIGSTOP)

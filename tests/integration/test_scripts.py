@@ -339,7 +339,9 @@ def test_a_task_due_after_its_holder_died_is_not_counted(
     scripts.run("put", KEYS, ["t", "{}", json.dumps(meta), "0", "low"], redis_client)
     assert scripts.run("pick", KEYS, [beat, 5, "A"], redis_client)[0] == b"t"
     # Due past the beat it missed: it died before the task was due (not counted); due
-    # within it: it may have started (counted)
+    # within it: it may have started (counted). (The queue's other workers sweep it: no
+    # gap holds the sweep.)
+    redis_client.hset(KEYS.sweep, mapping={"at": time.time(), "every": 20.0})
     assert scripts.run("restore", KEYS, [beat + 60, 10, beat + 86400, 20.0],
                        redis_client) == 1
     picked = scripts.run("pick", KEYS, [time.time(), 5, "B"], redis_client)
@@ -362,12 +364,17 @@ def test_after_a_gap_in_the_sweeps_none_restores_until_the_holders_have_beaten(
         return int(scripts.run("restore", KEYS, [now - 3 * period, 10, now + 86_400, period],
                                redis_client))
 
+    # A queue nothing is held of keeps no record (a reply queue read without acks)
+    assert sweep() == 0 and not redis_client.exists(KEYS.sweep)
     scripts.run("put", KEYS, put_args(["a", "b", "c"]), redis_client)
     for _ in range(3):
         scripts.run("pick", KEYS, [clock() - 60, 5, "A"], redis_client)  # silent a minute
     redis_client.zadd(KEYS.unacked, {"c": clock()}, xx=True)  # c's holder beats
-    # Given sweeps every period: a silent holder's messages go back at once (the first
-    # sweep of a queue finds no record to measure a gap by)
+    # Given messages held and no record of the queue served yet (a stall before the
+    # first sweep or beat would not show as a gap): counted as one, held
+    assert sweep() == 0 and redis_client.hexists(KEYS.sweep, "hold")
+    # Given sweeps every period since: a silent holder's messages go back at once
+    redis_client.hdel(KEYS.sweep, "hold")
     redis_client.zadd(KEYS.unacked, {"b": clock()}, xx=True)
     assert sweep() == 1 and set(redis_client.zrange(KEYS.unacked, 0, -1)) == {b"b", b"c"}
     # When the last sweep was longer ago than the sweeps' period allows (Redis stalled)
@@ -401,11 +408,15 @@ def test_a_holders_beat_keeps_the_queue_heard_and_after_a_gap_holds_the_sweeps(
     for _ in range(2):
         scripts.run("pick", KEYS, [clock() - 60, 5, "A"], redis_client)
     # A beat pushes the deadlines of the ids still unacked, and notes the queue served
+    # (the first, messages held without a record: as after a gap, it holds)
     assert scripts.run("beat", KEYS, [clock(), period, "a", "gone"], redis_client) == 1
     assert redis_client.zscore(KEYS.unacked, "a") > clock() - 1
     assert redis_client.zscore(KEYS.unacked, "gone") is None  # (not brought back)
     at = float(redis_client.hget(KEYS.sweep, "at") or 0)
-    assert clock() - 1 < at <= clock() and not redis_client.hexists(KEYS.sweep, "hold")
+    assert clock() - 1 < at <= clock() and redis_client.hexists(KEYS.sweep, "hold")
+    redis_client.hdel(KEYS.sweep, "hold")
+    scripts.run("beat", KEYS, [clock(), period, "a"], redis_client)  # (a record now)
+    assert not redis_client.hexists(KEYS.sweep, "hold")
     # so a sweep a long while after the last sweep, beats between, restores at once
     now = clock()
     assert scripts.run("restore", KEYS, [now - 3 * period, 10, now + 86_400, period],

@@ -21,6 +21,7 @@ from sits_queue.config import SitsConfig
 from sits_queue.errors import DeadLettered, InvalidTaskOptions, Unroutable
 from sits_queue.priority.model import starvation_bound_s
 from sits_queue.priority.rescore import Rescorer, hot_key, latency_key
+from tests.integration.conftest import served
 
 
 def build_app(redis_url: str, **overrides: Any) -> Celery:
@@ -511,6 +512,7 @@ def test_unacked_messages_are_restored_never_lost(redis_url: str,
         ch = conn2.default_channel
         ch.basic_consume("celery", no_ack=False, callback=lambda *a: None, consumer_tag="t")
         ch.qos._last_sweep = -1e9
+        served(redis_client)  # (the queue's other workers sweep it: no gap holds this one)
         ch.qos.restore_visible()
     # Then the three unacked ones are back, the two acked ones are gone, nothing else moved
     got = drain(app2)

@@ -85,6 +85,30 @@ def test_an_outage_keeps_the_last_offset_and_tries_again_later(
     assert clock.now(server) == pytest.approx(time.time() - 200.0, abs=0.5)
 
 
+def test_a_round_trip_through_a_redis_stall_measures_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(a ``TIME`` blocked through a 30 s ``SIGSTOP``, the server reading its clock at the
+    end, measured +15 s; kept 30 s, a sweep counted live holders silent 15 s early)"""
+    host = [1_000_000.0]
+    mono = [1000.0]
+    monkeypatch.setattr(clock.time, "time", lambda: host[0])
+    monkeypatch.setattr(clock.time, "monotonic", lambda: mono[0])
+
+    class Stalled(Server):
+        stall_s = 30.0
+
+        def time(self) -> tuple[int, int]:
+            self.calls += 1
+            host[0] += self.stall_s  # the reply comes once Redis wakes
+            return int(host[0]), 0  # read by the server then: no skew at all
+
+    server = Stalled(0.0)
+    assert clock.now(server) == pytest.approx(host[0])  # the host's clock, not +15 s
+    mono[0] += clock.RETRY_S  # tried again soon; a prompt round trip measures
+    server.stall_s = 0.01
+    assert clock.now(server) == pytest.approx(host[0], abs=0.01) and server.calls == 2
+
+
 def test_before_any_measurement_succeeds_this_hosts_clock_stands() -> None:
     server = Server(999.0)
     server.down = True
