@@ -102,10 +102,14 @@ class QoS(kredis.QoS):
         if self._heartbeat is None:  # a channel that never holds anything needs no thread
             self._start_heartbeat()
 
+    @property
+    def beat_period_s(self) -> float:
+        """How often a holder beats, and a consumer sweeps, s: a third of the timeout."""
+        return float(self.channel.visibility_timeout) / 3
+
     def _start_heartbeat(self) -> None:
         self._heartbeat = Heartbeat(weakref.WeakMethod(self.heartbeat),
-                                    self.channel._connparams(),
-                                    self.channel.visibility_timeout / 3,
+                                    self.channel._connparams(), self.beat_period_s,
                                     name=f"sits-heartbeat-{self.channel.consumer_id[:8]}")
         self._heartbeat.start()
 
@@ -319,7 +323,7 @@ class QoS(kredis.QoS):
         self.channel._deferred.poll()  # an idle worker's owed ack replies, errors too
         self.note_started()
         now_mono = time.monotonic()
-        period = self.channel.visibility_timeout / 3
+        period = self.beat_period_s
         if now_mono - self._last_sweep < period:
             return
         self._last_sweep = now_mono
@@ -336,7 +340,7 @@ class QoS(kredis.QoS):
         for queue in self.channel.active_queues:
             restored = self.channel._run("restore", queue, [
                 ceiling, num or RESTORE_LIMIT, now + FUTURE_DEADLINE_S,
-                self.channel.visibility_timeout / 3])  # (the holders' beat: heartbeat.py)
+                period])  # (the holders' beat: heartbeat.py)
             if restored:
                 logger.warning("restored %d message(s) of queue %r whose worker stopped "
                                "heartbeating for %.0f s", restored, queue,
@@ -354,7 +358,7 @@ class QoS(kredis.QoS):
                 return
             redis_client = client or self.channel.raw
             now = clock.now(redis_client)
-            period = self.channel.visibility_timeout / 3
+            period = self.beat_period_s
             # (beat.lua: only ids still unacked, an id acked meanwhile is not brought back;
             # and Redis hears the queue is served, by its own clock: a gap holds the sweeps)
             refused: list[redis.ResponseError] = []

@@ -35,6 +35,7 @@ from celery import bootsteps
 
 from sits_queue.broker import affinity
 from sits_queue.broker.keys import site_local
+from sits_queue.broker.payload import text
 from sits_queue.checks import stored_number
 from sits_queue.config import SitsConfig
 from sits_queue.periodic import Periodic
@@ -404,8 +405,7 @@ def fleet_members(client: redis.Redis, prefix: str = "") -> tuple[tuple[str, ...
     if isinstance(names, Exception):
         raise names
     # (a key of another type there: no count of moves, until a worker's move starts one)
-    return tuple(sorted(n.decode(errors="replace") if isinstance(n, bytes) else str(n)
-                        for n in names)), \
+    return tuple(sorted(text(n, "replace") for n in names)), \
         None if isinstance(version, Exception) else version
 
 

@@ -21,15 +21,12 @@ local function served(period)
   local at, every, hold = tonumber(last[1] or ''), tonumber(last[2] or ''),
                           tonumber(last[3] or '')
   local span = math.max(period, every or 0)
-  if not at then
-    -- No record: nothing held, nothing to keep (a reply queue read without acks leaves
-    -- none). Messages held with no record of the queue served: a stall before its first
-    -- beat or sweep would not show as a gap (a probe: 2 of 3,000 tasks ran twice after a
-    -- stall 2 s into a burst from fresh workers), so it counts as one.
-    if redis.call('ZCARD', KEYS[6]) == 0 then return nil end
-    hold = clock + 2 * span
-    redis.call('HSET', KEYS[16], 'hold', hold)
-  elseif clock - at > 1.75 * span then
+  -- No record: nothing held, nothing to keep (a reply queue read without acks leaves
+  -- none). Messages held with no record of the queue served: a stall before its first
+  -- beat or sweep would not show as a gap (a probe: 2 of 3,000 tasks ran twice after a
+  -- stall 2 s into a burst from fresh workers), so it counts as one.
+  if not at and redis.call('ZCARD', KEYS[6]) == 0 then return nil end
+  if not at or clock - at > 1.75 * span then
     hold = clock + 2 * span
     redis.call('HSET', KEYS[16], 'hold', hold)
   end
