@@ -366,6 +366,12 @@ def _placement_text(placement: Any) -> str:
     ridge = ridges.get("fp16") if isinstance(ridges, dict) else None
     if parts and is_positive(ridge):
         parts.append(f"fp16 ridge {ridge:,.0f} FLOP/byte")
+    # (a host of unlike GPUs: what each device's own children pick by)
+    devices = placement.get("devices")
+    for uuid, own in sorted(devices.items() if isinstance(devices, dict) else ()):
+        if isinstance(own, dict) and (text := _placement_text(
+                {"bounds": own.get("bounds"), "ridges": own.get("ridges")})):
+            parts.append(f"on {printable(uuid)}: {text}")
     return ", ".join(parts)
 
 

@@ -114,32 +114,88 @@ class Standing:
 
     precisions: Mapping[str, float] = field(default_factory=dict)
     roofline: affinity.Roofline = affinity.NO_ROOFLINE
+    #: On a host of unlike GPUs, each device's own roofline (by UUID), for the picks of
+    #: its children alone (``warmreader.py``); empty on a host of one kind.
+    devices: Mapping[str, affinity.Roofline] = field(default_factory=dict)
 
 
 def placement_record(standing: Standing) -> dict[str, Any]:
     """A :class:`Standing` as the worker's advertisement carries it (``sitsq status``)."""
-    return {"precisions": dict(standing.precisions),
-            "bounds": dict(standing.roofline.bounds),
-            "ridges": dict(standing.roofline.ridges)}
+    record: dict[str, Any] = {"precisions": dict(standing.precisions),
+                              "bounds": dict(standing.roofline.bounds),
+                              "ridges": dict(standing.roofline.ridges)}
+    if standing.devices:
+        record["devices"] = {uuid: {"bounds": dict(r.bounds), "ridges": dict(r.ridges)}
+                             for uuid, r in standing.devices.items()}
+    return record
 
 
 def standing(own: Mapping[str, Any], fleet: Sequence[Mapping[str, Any]],
              policy: affinity.AffinityPolicy) -> Standing:
     """This worker's :class:`Standing` from its own record and every live worker's
-    (own included), weighed against its :func:`peers`."""
+    (own included), weighed against its :func:`peers`: each kind of device a peer has
+    once (:func:`kind_ridges`; a worker of one kind, one), so that the two GPUs of a
+    host of an H200 and an L4 are an H200 and an L4 of the fleet."""
     rivals = peers(own, fleet)
     precisions = affinity.precision_weights(
         device_peaks(own), [device_peaks(r) for r in rivals], policy.precision_weight) \
         if policy.precision_weight > 0 else {}
     ridges = device_ridges(own)
+    if policy.roofline_weight <= 0 or not ridges:
+        return Standing(precisions, affinity.Roofline(ridges, {}))
+    weight = policy.roofline_weight
+    theirs = [kind for r in rivals for kind in kind_ridges(r)]
+    mine = {str(d.get("uuid")): r for d in _devices(own)
+            if (r := device_ridges({"devices": [d]}))}
+    devices = {uuid: affinity.Roofline(r, _bounds(r, theirs, weight))
+               for uuid, r in mine.items()} \
+        if len({tuple(sorted(r.items())) for r in mine.values()}) > 1 else {}
+    return Standing(precisions, affinity.Roofline(ridges, _bounds(ridges, theirs, weight)),
+                    devices)
+
+
+def kind_ridges(record: Mapping[str, Any]) -> list[dict[str, float]]:
+    """A worker record's ridge points (:func:`device_ridges`) per kind of device it has,
+    each kind once: one entry for a worker of one kind of GPU however many it has, two
+    for a host of an H200 and an L4; none for a CPU."""
+    kinds: list[dict[str, float]] = []
+    for device in _devices(record):
+        if (r := device_ridges({"devices": [device]})) and r not in kinds:
+            kinds.append(r)
+    return kinds
+
+
+def _bounds(ridges: Mapping[str, float], theirs: Sequence[Mapping[str, float]],
+            weight: float) -> dict[str, float]:
+    """The bound weights (:func:`affinity.bound_key` -> weight) of a device of ``ridges``
+    against ``theirs`` (its own included), each at the precision tasks ask for."""
     bounds: dict[str, float] = {}
-    if policy.roofline_weight > 0 and ridges:
-        theirs = [device_ridges(r) for r in rivals]
-        for precision, ridge in ridges.items():  # (each at the precision tasks ask for)
-            for bound, w in affinity.roofline_weights(
-                    ridge, [r.get(precision) for r in theirs], policy.roofline_weight).items():
-                bounds[affinity.bound_key(bound, precision)] = w
-    return Standing(precisions, affinity.Roofline(ridges, bounds))
+    for precision, ridge in ridges.items():
+        for bound, w in affinity.roofline_weights(
+                ridge, [r.get(precision) for r in theirs], weight).items():
+            bounds[affinity.bound_key(bound, precision)] = w
+    return bounds
+
+
+def host_rooflines(devices: Sequence[Mapping[str, Any]], weight: float
+                   ) -> dict[str, affinity.Roofline]:
+    """Each of one worker's devices' roofline against its others' (advertised device
+    records, ``advertise.device_record``; by UUID), for which of its children runs a
+    task that declares its ``arithmetic_intensity`` (``steer.py``): the worker's picks
+    weigh its best device against the fleet (:func:`standing`), and on a host of unlike
+    GPUs a decode step taken for its H200 went to whichever child was idle, the L4's as
+    well. As :func:`standing` weighs the fleet: by ridge point against the geometric
+    mean of the host's kinds of device, each kind once. A host of one kind, or of
+    devices without datasheet figures, weighs nothing (an empty map)."""
+    if weight <= 0:
+        return {}
+    ridges = {str(d.get("uuid")): device_ridges({"devices": [d]}) for d in devices}
+    theirs = kind_ridges({"devices": list(devices)})
+    out: dict[str, affinity.Roofline] = {}
+    for uuid, own in ridges.items():
+        if own and (bounds := _bounds(own, theirs, weight)):
+            out[uuid] = affinity.Roofline(own, bounds)
+    return out
 
 
 class FleetWeights:

@@ -385,19 +385,30 @@ def _free_now(request: Request, needed: float) -> int:
     return max(free.values())
 
 
-def _want_warm(request: Request) -> None:
-    """Note the engine and prompt prefix an inference task runs, for the pool's choice of
-    child (``steer.py``: the one that holds them warm). Nothing here may raise."""
+def _want_child(request: Request) -> None:
+    """Note the engine and prompt prefix an inference task runs, and the arithmetic
+    intensity any task declares, for the pool's choice of child (``steer.py``: the one
+    that holds them warm, or whose device suits the intensity). Nothing here may raise."""
     if not steer.steering():
         return
     try:
-        from sits_queue.workers.taskheader import task_model, task_precision, task_prefix_key
+        from sits_queue.workers.taskheader import (
+            task_intensity,
+            task_model,
+            task_precision,
+            task_prefix_key,
+        )
 
         headers = request.request_dict
-        steer.want_warm(request.id, task_model(headers, getattr(request.task, "model", None)),
-                        task_prefix_key(headers),
-                        task_precision(headers, getattr(request.task, "precision", None)),
-                        spread=request.name == PREWARM_TASK)
+        task = request.task
+        intensity = task_intensity(headers)
+        precision = task_precision(headers, getattr(task, "precision", None))
+        if getattr(task, "runs_inference", False):
+            steer.want_warm(request.id, task_model(headers, getattr(task, "model", None)),
+                            task_prefix_key(headers), precision,
+                            spread=request.name == PREWARM_TASK, intensity=intensity)
+        elif intensity is not None:
+            steer.want_bound(request.id, intensity, precision)
     except Exception as exc:  # (no model named: the child fails it, saying so)
         logger.debug("task %s[%s]: no engine to steer by (%s)", request.name, request.id, exc)
 
@@ -430,8 +441,7 @@ def _guard(execute: Callable[..., Any]) -> Callable[..., Any]:
     def execute_using_pool(self: Request, pool: Any, **kwargs: Any) -> Any:
         if refused(self):
             raise NotStartedHere(self.id)
-        if getattr(getattr(self, "task", None), "runs_inference", False):
-            _want_warm(self)
+        _want_child(self)
         try:
             # Celery's own execute_using_pool checks for a revoke before the pool takes
             # the request, done here first: Celery took a pool slot for the request

@@ -35,7 +35,7 @@ import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from celery import bootsteps
@@ -58,6 +58,9 @@ class Wanted:
     model: str | None = None
     prefix: str | None = None
     precision: str | None = None
+    #: Its declared ``arithmetic_intensity``, FLOP/byte: on a host of unlike GPUs, to
+    #: the child whose device is rich in the resource that bounds it (§3.1).
+    intensity: float | None = None
     #: A pre-warm: to a child that does not hold ``model`` on its device (one that does
     #: would load nothing; the planner counts each child as an instance).
     spread: bool = False
@@ -78,6 +81,9 @@ class _Steered:
     pool: Any
     #: The device (UUID) each slot is pinned to.
     device_of_slot: Callable[[int], str | None]
+    #: Each device's roofline against the host's others, by UUID (``fleet.host_rooflines``;
+    #: empty on a host of one kind).
+    rooflines: Mapping[str, affinity.Roofline] = field(default_factory=dict)
 
     def slot(self, fd: int) -> int | None:
         slot = getattr(self.pool._fileno_to_inq.get(fd), "index", None)
@@ -92,8 +98,17 @@ class _Steered:
         return self.device_of_slot(slot) if slot is not None else None
 
     def warm(self, fd: int) -> affinity.Warm | None:
+        """The child's warm set, with its device's roofline against the host's others."""
         slot = self.slot(fd)
-        return _children.get(slot) if slot is not None else None
+        if slot is None:
+            return None
+        warm = _children.get(slot)
+        roofline = self.rooflines.get(self.device_of_slot(slot) or "") \
+            if self.rooflines else None
+        if roofline is None:
+            return warm
+        return replace(warm or affinity.Warm(), ridges=roofline.ridges,
+                       bounds=roofline.bounds)
 
     def room(self, fd: int) -> int | None:
         slot = self.slot(fd)
@@ -121,13 +136,23 @@ def want(task_id: str, uuids: frozenset[str]) -> None:
 
 
 def want_warm(task_id: str, model: str, prefix: str | None, precision: str | None,
-              spread: bool = False) -> None:
+              spread: bool = False, intensity: float | None = None) -> None:
     """The task ``task_id`` runs engine ``model`` (at ``precision``) on prompt prefix
     ``prefix``: the pool should hand it to the child that holds them warm (``spread``, a
-    pre-warm: to one that does not hold the model). Noted only where the pool is
-    steered."""
+    pre-warm: to one that does not hold the model), else to one whose device suits its
+    ``intensity`` (:func:`want_bound`). Noted only where the pool is steered."""
     if _steered is not None:
-        _note(task_id, model=model, prefix=prefix, precision=precision, spread=spread)
+        _note(task_id, model=model, prefix=prefix, precision=precision, spread=spread,
+              intensity=intensity)
+
+
+def want_bound(task_id: str, intensity: float, precision: str | None) -> None:
+    """The task ``task_id`` (one running no engine of ours) declares ``intensity``
+    FLOP/byte at ``precision``: on a host of unlike GPUs the pool should hand it to the
+    child whose device is rich in the resource that bounds it. Noted only where the
+    pool is steered and its devices differ (elsewhere every child suits it alike)."""
+    if _steered is not None and _steered.rooflines:
+        _note(task_id, precision=precision, intensity=intensity)
 
 
 def steering() -> bool:
@@ -154,6 +179,12 @@ def idle_slots() -> frozenset[int] | None:
                                      for job in waiting]))
     return frozenset(slot for fd in idle if fd not in taken
                      and (slot := steered.slot(fd)) is not None)
+
+
+def device_of(slot: int) -> str | None:
+    """The device (UUID) the steered pool's child ``slot`` is pinned to; None where the
+    pool is not steered."""
+    return _steered.device_of_slot(slot) if _steered is not None else None
 
 
 def wanted(task_id: str | None) -> Wanted | None:
@@ -193,7 +224,8 @@ def choose(idle_fds: Sequence[int], want: Wanted, device_of: Callable[[int], str
            warm_of: Callable[[int], affinity.Warm | None],
            room_of: Callable[[int], int | None] = lambda fd: None) -> list[int] | None:
     """The one idle child's fd a task should go to: among those on a device ``want``
-    allows, the first whose warm set weighs most for it; for an engine
+    allows, the first whose warm set weighs most for it (its engine, prompt prefix and,
+    for a declared intensity, its device's roofline: ``_Steered.warm``); for an engine
     warm in none of them, the one with the most room left in its device tier
     (``room_of``: it loads there evicting least, where the first idle child would evict
     what it holds); else the first (where it asks for a device); None where there is
@@ -209,12 +241,13 @@ def choose(idle_fds: Sequence[int], want: Wanted, device_of: Callable[[int], str
         # roomiest; rooms unknown, the first: the pool's choice could be a holder)
         as_task = replace(want, spread=False, precision=None, prefix=None)
         return choose(fits, as_task, device_of, warm_of, room_of) or [fits[0]]
-    if want.model is not None:
-        weights = [(w.weight(want.model, want.prefix, want.precision)
+    if want.model is not None or want.intensity is not None:
+        weights = [(w.weight(want.model, want.prefix, want.precision, want.intensity)
                     if (w := warm_of(fd)) is not None else 0.0) for fd in fits]
         best = max(weights)
         if best > 0:
             return [fits[weights.index(best)]]
+    if want.model is not None:
         rooms = [room_of(fd) for fd in fits]
         if any(r is not None for r in rooms):
             most = max(r for r in rooms if r is not None)
@@ -249,16 +282,18 @@ def share(fds: Sequence[int], wants: Sequence[Wanted | None],
     return [fd if fd is not None else free.pop(0) for fd in chosen]
 
 
-def install(pool: Any, device_of_slot: Callable[[int], str | None]) -> bool:
+def install(pool: Any, device_of_slot: Callable[[int], str | None],
+            rooflines: Mapping[str, affinity.Roofline] | None = None) -> bool:
     """Steer ``pool`` (a billiard ``AsynPool``, before it registers with the event loop)
-    by :func:`share`; False for a pool without the parts this needs (another pool, or a
-    Celery whose pool changed), which is left as it is."""
+    by :func:`share`, ``rooflines`` being its devices' against each other's (by UUID);
+    False for a pool without the parts this needs (another pool, or a Celery whose pool
+    changed), which is left as it is."""
     global _steered
     create = getattr(pool, "_create_write_handlers", None)
     needed = ("outbound_buffer", "_fileno_to_inq", "_busy_workers", "_active_writes")
     if create is None or not all(hasattr(pool, name) for name in needed):
         return False
-    steered = _Steered(pool, device_of_slot)
+    steered = _Steered(pool, device_of_slot, dict(rooflines or {}))
 
     def create_write_handlers(hub: Any, *args: Any, **kwargs: Any) -> Any:
         out = create(hub, *args, **kwargs)
@@ -304,14 +339,24 @@ class SteerStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def start(self, w: Any) -> None:
         from sits_queue.app import sits_config
-        from sits_queue.workers import runtime
+        from sits_queue.workers import advertise, fleet, runtime
+        from sits_queue.workers.placement import used_devices
 
         plan = runtime.plan()
-        if plan.slots < 2 or not sits_config(w.app).steer_pool:
+        config = sits_config(w.app)
+        if plan.slots < 2 or not config.steer_pool:
             return
 
         def device_of_slot(slot: int) -> str | None:
             return runtime.device_for_slot(plan.discovery, slot).uuid
 
-        if not install(getattr(w.pool, "_pool", None), device_of_slot):
+        rooflines = fleet.host_rooflines(
+            [advertise.device_record(d) for d in used_devices(plan.discovery, plan.slots)],
+            config.affinity.roofline_weight)
+        if rooflines:
+            logger.info("pool steering: a task's declared arithmetic intensity goes to the "
+                        "child whose GPU suits it (%s)", ", ".join(
+                            f"{uuid}: {' '.join(sorted(r.bounds))}"
+                            for uuid, r in sorted(rooflines.items())))
+        if not install(getattr(w.pool, "_pool", None), device_of_slot, rooflines):
             logger.debug("pool %r not steered: not Celery's prefork pool", w.pool)

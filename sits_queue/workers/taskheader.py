@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from sits_queue.checks import finite, is_number
 from sits_queue.config import ClassQuota, SitsConfig
 from sits_queue.errors import UnknownModel
 from sits_queue.options import HEADER, PRECISIONS
@@ -60,3 +61,12 @@ def task_precision(request: Any, declared: str | None = None) -> str | None:
     value = header.get("precision") if isinstance(header, Mapping) else None
     value = value if isinstance(value, str) and value else declared
     return value if value in PRECISIONS else None
+
+
+def task_intensity(request: Any) -> float | None:
+    """The ``arithmetic_intensity`` (FLOP/byte) the task declared or was given; None where
+    it has none (or the header's is no number: a header is checked where it is read for
+    the task's options, not here)."""
+    header = sits_header(request)
+    value = header.get("arithmetic_intensity") if isinstance(header, Mapping) else None
+    return float(value) if is_number(value) and finite(value) and value >= 0 else None

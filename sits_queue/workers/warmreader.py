@@ -63,6 +63,8 @@ class WarmReader:
         #: The last reading's child records by slot, and the idle children's views of it.
         self._by_slot: dict[int, Mapping[str, Any]] = {}
         self._idle_warm: dict[frozenset[int], affinity.Warm] = {}
+        #: The fleet weights those views were made with.
+        self._idle_standing: fleet.Standing | None = None
 
     @property
     def slots(self) -> tuple[int, ...]:
@@ -127,17 +129,27 @@ class WarmReader:
         """What the idle children hold, where the pool is steered: the freed slot's pick
         is for them (under a backlog, one), and a task warm only in a busy child, picked
         by the union of all, went cold to the idle one. The same object while neither
-        the reading nor the idle set changes (the transport re-reads it by identity)."""
+        the reading nor the idle set changes (the transport re-reads it by identity).
+
+        On a host of unlike GPUs, idle children all on one device pick by that device's
+        roofline (``Standing.devices``): the L4's child of a host with an H200 pulls
+        the compute-bound work, the H200's the memory-bound (by the worker's best
+        device, each freed child pulled alike)."""
         idle = steer.idle_slots()
         if not idle or not self._by_slot:
             return self._warm
         key = idle.intersection(self._by_slot)
         if not key:
             return self._warm
+        if standing is not self._idle_standing:
+            self._idle_warm, self._idle_standing = {}, standing
         if (view := self._idle_warm.get(key)) is None:
+            roofline = standing.roofline
+            if standing.devices and len(uuids := {steer.device_of(s) for s in key}) == 1:
+                roofline = standing.devices.get(uuids.pop() or "", roofline)
             view = self._idle_warm[key] = affinity.warm_of(
                 [self._by_slot[s] for s in sorted(key)], self._policy, standing.precisions,
-                standing.roofline)
+                roofline)
         return view
 
     def _read_fleet(self) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:

@@ -123,3 +123,49 @@ def test_workers_behind_other_queues_are_not_weighed_against_each_other(
     finally:
         for proc in procs:
             proc.stop(timeout_s=10)
+
+
+def test_on_a_host_of_unlike_gpus_each_child_takes_the_work_its_gpu_suits(
+        tmp_path: Path, redis_url: str, r: redis.Redis, client_app: Celery) -> None:
+    # Given one worker of two children on one host: an H200 and an L4 (one fleet alone)
+    state = tmp_path / "nvml.json"
+    state.write_text(json.dumps({"gpus": [
+        {"uuid": H200, "name": "NVIDIA H200", "total": 141 * GIB, "free": 139 * GIB},
+        {"uuid": L4, "name": "NVIDIA L4", "total": 24 * GIB, "free": 22 * GIB}]}))
+    env = worker_env(redis_url)
+    env["PYTHONPATH"] = os.pathsep.join([str(STANDIN), str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])
+    env["SITS_TEST_NVML"] = str(state)
+    proc = start_worker(APP_MODULE, env, tmp_path, concurrency=2, cwd=ROOT)
+    try:
+        wait_ready(client_app, [proc])
+
+        def devices() -> dict[str, set[str]]:
+            placement = advertise.read_workers(r)[0].get("placement", {})
+            return {u: set(d.get("bounds", {}))
+                    for u, d in placement.get("devices", {}).items()}
+
+        # each device weighed on its own (the worker as a whole, by its H200, weighed
+        # memory-bound work on both children: measured, half of each kind on each GPU)
+        wait_for(lambda: "memory@fp16" in devices().get(H200, ())
+                 and "compute@fp16" in devices().get(L4, ()), 30,
+                 "each device to weigh its bound", seen=devices)
+        device = client_app.tasks["w.device"]
+        with intake_held(client_app, [proc]):
+            for _ in range(EACH):
+                device.apply_async(("decode", 0.05), arithmetic_intensity=DECODE_FLOP_PER_BYTE,
+                                   input_entropy=0.5)
+                device.apply_async(("prefill", 0.05),
+                                   arithmetic_intensity=PREFILL_FLOP_PER_BYTE,
+                                   input_entropy=0.5)
+        wait_for(lambda: r.llen("test:device:decode") + r.llen("test:device:prefill")
+                 == 2 * EACH, 60, "every task to run")
+    finally:
+        proc.stop(timeout_s=10)
+    # Then each kind ran mostly on the GPU richer in what bounds it (the pinned child's
+    # CUDA_VISIBLE_DEVICES says which), and both GPUs worked
+    decode = [d.decode() for d in r.lrange("test:device:decode", 0, -1)]
+    prefill = [d.decode() for d in r.lrange("test:device:prefill", 0, -1)]
+    assert decode.count(H200) >= 0.8 * EACH, (decode.count(H200), decode.count(L4))
+    assert prefill.count(L4) >= 0.8 * EACH, (prefill.count(L4), prefill.count(H200))
+    assert {*decode, *prefill} == {H200, L4}

@@ -308,8 +308,9 @@ def test_a_pre_warm_is_noted_to_spread() -> None:
 
     for name, spread in ((PREWARM_TASK, True), ("sits.generate", False)):
         req = SimpleNamespace(id=f"id-{name}", name=name, request_dict={},
-                              task=SimpleNamespace(model="gpt", precision=None))
-        request._want_warm(req)  # type: ignore[arg-type]
+                              task=SimpleNamespace(model="gpt", precision=None,
+                                                    runs_inference=True))
+        request._want_child(req)  # type: ignore[arg-type]
         wanted = steer.wanted(req.id)
         assert wanted is not None and (wanted.model, wanted.spread) == ("gpt", spread)
 
