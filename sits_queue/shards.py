@@ -31,6 +31,7 @@ from celery import group
 from kombu.serialization import dumps
 
 from sits_queue.checks import shown
+from sits_queue.errors import InvalidTaskOptions
 from sits_queue.options import checked_entropy
 from sits_queue.priority.entropy import input_entropy, is_shardable
 
@@ -148,6 +149,11 @@ def apply_sharded(task: Any, items: Sequence[Any], *args: Any,
         raise TypeError("items must be a list (or another sequence) of inputs, "
                         f"got {type(items).__name__}")
     options = dict(options)
+    if "task_id" in options:  # (every shard would share it: one result key, mixed up)
+        raise InvalidTaskOptions(
+            "apply_sharded takes no task_id: the items may go as several tasks, each with "
+            "an id of its own (the job's .results hold them); submit with apply_async to "
+            "name one task's id")
     # The caller's, else the task's declared one (which applies to each shard as it is),
     # else measured and sent once: a measured value sent as the call's would outrank
     # the task's declaration in every shard's score

@@ -54,6 +54,21 @@ def test_apply_sharded_names_a_bad_entropy_before_sending(entropy: object) -> No
         apply_sharded(lens, ["a"] * 130, shard_items="64")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("entropy", [0.9, 0.1])
+def test_apply_sharded_refuses_a_task_id_sharded_or_not(entropy: float) -> None:
+    """(every shard was sent with the one id: one result key, and the job's get()
+    returned 132 outputs for 130 items, mixed up, without an error)"""
+    app = make_app(SitsConfig(redis_url="redis://127.0.0.1:1/0"), main="shards_unit")
+
+    @app.task(name="s.lens", shared=False)
+    def lens(items: list[str]) -> list[int]:
+        return [len(x) for x in items]
+
+    # (the Redis at port 1 is no server: a refusal is raised before anything is sent)
+    with pytest.raises(InvalidTaskOptions, match="apply_sharded takes no task_id"):
+        apply_sharded(lens, ["a"] * 130, input_entropy=entropy, task_id="job-1")
+
+
 def test_shard_outputs_are_lists_plain_or_wrapped() -> None:
     assert _items_of([1, 2]) == [1, 2]
     assert _items_of({"output": [3], "sits": {}}) == [3]
