@@ -56,6 +56,11 @@ RETRY_S = 0.002
 #: A claim to yield for a waiting task stands this long, s: others do not yield for the
 #: same task meanwhile; a claimer that died is forgotten after it.
 CLAIM_S = 1.0
+#: After a Redis error at a yield point, how long yield points ask nothing, s: each ask
+#: of a Redis that is down failed in a connect (a warning each: ~50 lines a second from
+#: a task of 20 ms steps), and of one that hangs blocked the task up to the socket's
+#: timeout, at every yield point.
+AWAY_S = 5.0
 #: A state whose JSON is longer than this, bytes, is no longer sent with each ask (it is
 #: kept only once a yield is granted, a round trip more): a task that carries its results
 #: so far re-serialised and re-sent megabytes every 0.2 s, and every 2 ms while an urgent
@@ -188,6 +193,10 @@ class Slicer:
         self._deferred: set[str] = set()
         #: Per class, what a yield point needs of the configuration (:meth:`_plan`).
         self._plans: dict[str, tuple[str, tuple[str, ...], float]] = {}
+        #: Until when (monotonic) yield points ask nothing, Redis having failed; and
+        #: whether that outage was said (once, at its first error).
+        self._away_until = 0.0
+        self._away_said = False
 
     # -- the task's view --------------------------------------------------------------
     def claim(self, running: Running, now: float, state: Any) -> bool:
@@ -198,13 +207,36 @@ class Slicer:
         The checkpoint is kept even when ``state`` is None: a waiting task with one is a
         resumption, and ``preempt.lua`` lets no one yield for it (else one urgent arrival
         would cascade: high displaces medium, medium displaces low).
+
+        With Redis unreachable the task runs on: False, said once per outage (a
+        warning), and nothing asked for :data:`AWAY_S` after each error.
         """
         plan = self._plans.get(running.sla_class)
         if plan is None:
             plan = self._plans[running.sla_class] = self._plan(running.sla_class)
         runs_as, outranking, slice_s = plan
-        if not outranking or not past_slice(running, now, slice_s):
+        if not outranking or not past_slice(running, now, slice_s) or now < self._away_until:
             return False
+        try:
+            granted = self._claim(running, now, state, runs_as, outranking)
+        except redis.RedisError as exc:
+            # Yielding is an optimisation: with Redis unreachable the task runs on (a
+            # yield whose checkpoint could not be saved would lose its progress).
+            self._away_until = now + AWAY_S
+            if not self._away_said:
+                self._away_said = True
+                logger.warning("yield point skipped: %s (yield points ask again every "
+                               "%g s until Redis answers)", exc, AWAY_S)
+            else:
+                logger.debug("yield point skipped: %s", exc)
+            return False
+        if self._away_said:
+            self._away_said = False
+            logger.info("yield points reach Redis again")
+        return granted
+
+    def _claim(self, running: Running, now: float, state: Any, runs_as: str,
+               outranking: tuple[str, ...]) -> bool:
         keys = self.keys(running.queue)
         self._listen(keys)
         if self._heard(outranking):

@@ -238,3 +238,39 @@ def test_a_yield_crosses_to_the_parent_without_its_traceback_frames(
         assert frames[fails.name] and all(tb is not None for tb in frames[fails.name])
     finally:
         app.close()
+
+
+def test_yield_points_with_redis_away_warn_once_and_ask_again_after_a_while(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """(each yield point asked again: a warning each, ~50 lines a second from a task of
+    20 ms steps, and against a Redis that hangs each blocked up to the socket timeout)"""
+    import redis
+
+    from sits_queue.workers import slices
+
+    class Away:
+        """A client whose every call fails as a Redis that is down does."""
+
+        asked = 0
+
+        def pubsub(self, **_: object) -> Away:
+            return self
+
+        def subscribe(self, *_: object) -> None:
+            Away.asked += 1
+            raise redis.ConnectionError("Error 111 connecting to localhost:6396")
+
+    slicer = slices.Slicer(replace(SitsConfig(), slice_ms=20.0), client=Away())  # type: ignore[arg-type]
+    running = Running("q", "m", "low", started=0.0)
+    with caplog.at_level("DEBUG", logger=slices.logger.name):
+        # When a task passes 100 yield points over 1 s with Redis down
+        for step in range(100):
+            assert not slicer.claim(running, 1.0 + step / 100, {"done": step})
+        # Then Redis was asked once, and said so once, as a warning
+        assert Away.asked == 1
+        warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and "yield point skipped" in warnings[0].getMessage()
+        # and asked again once the pause is over (failing again: no new warning)
+        assert not slicer.claim(running, 1.0 + slices.AWAY_S + 0.01, None)
+        assert Away.asked == 2
+        assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
