@@ -167,7 +167,7 @@ def test_preempt_does_not_yield_for_a_task_whose_eta_is_not_due(
     assert preempt(scripts, redis_client, "run", now + 8.5, "high") == b"later"  # due
 
 
-def test_pick_settles_the_claim_and_ack_drops_the_checkpoint(
+def test_a_claim_stands_through_the_pick_and_the_ack_drops_it_and_the_checkpoint(
         redis_client: redis.Redis) -> None:
     scripts = Scripts.register()
     assert scripts.run("put", KEYS, put_args(["h"]), redis_client) == [1, 1]
@@ -175,10 +175,30 @@ def test_pick_settles_the_claim_and_ack_drops_the_checkpoint(
     redis_client.hset(KEYS.checkpoints, "h", "{}")
     picked = scripts.run("pick", KEYS, [1000.0, 5], redis_client)
     assert picked[0] == b"h"
-    assert redis_client.hlen(KEYS.yields) == 0
+    assert redis_client.hlen(KEYS.yields) == 1  # (dropped by its ack, or it runs out)
     assert redis_client.hlen(KEYS.checkpoints) == 1  # kept while the task runs
     scripts.run("ack", KEYS, ["h"], redis_client)
-    assert redis_client.hlen(KEYS.checkpoints) == 0
+    assert redis_client.hlen(KEYS.checkpoints) == 0 and redis_client.hlen(KEYS.yields) == 0
+
+
+def test_an_urgent_task_given_back_unstarted_gets_no_second_yielder(
+        redis_client: redis.Redis) -> None:
+    """(a worker picked the urgent task for the slot a yield freed and a beat task of its
+    control queue too, one slot for two, and gave the urgent one back: the pick had
+    dropped its claim, and the other running task yielded for it as well)"""
+    scripts = Scripts.register()
+    now = 1000.0
+    redis_client.zadd(KEYS.unacked, {"run-1": now, "run-2": now})
+    waiting_task(redis_client, "h", "high", now - 0.01, 1)
+    redis_client.hset(KEYS.payloads, "h", "{}")
+    # Given run-1 yielded for h, and h was picked and given back unstarted
+    assert preempt(scripts, redis_client, "run-1", now, "high") == b"h"
+    assert scripts.run("pick", KEYS, [now, 5], redis_client)[0] == b"h"
+    assert scripts.run("release", KEYS, ["w1", now, 0, 0, "h"], redis_client)[0] == 1
+    # Then run-2 does not yield for it while run-1's claim stands (a slot frees for it)
+    assert preempt(scripts, redis_client, "run-2", now + 0.01, "high") is None
+    # and may once the claim ran out with h still waiting
+    assert preempt(scripts, redis_client, "run-2", now + 1.5, "high") == b"h"
 
 
 def test_the_marker_is_set_while_messages_wait_and_cleared_by_the_pick_that_empties(

@@ -155,10 +155,14 @@ local forget = ARGV[5] == 'noack'
 -- Marks one message as delivered: unacked from now, its score kept for a restore; for a
 -- consumer that does not ack, gone for good instead (nothing would ever ack it, and a
 -- restore would deliver it again). Read what the reply needs before.
+-- A yield claim on it (preempt.lua) stands on until its ack drops it or it runs out: a
+-- worker that picked an urgent task for a slot a yield freed, along with a task of
+-- another queue, and gave the urgent one back (one slot, two picks), left it unclaimed,
+-- and a second running task yielded for it (4 of ~200 urgent tasks, under a beat).
 local function take(id, score)
-  redis.call('HDEL', KEYS[12], id)
   redis.call('HDEL', KEYS[14], id)
   if forget then
+    redis.call('HDEL', KEYS[12], id)
     redis.call('HDEL', KEYS[2], id)
     redis.call('HDEL', KEYS[3], id)
     redis.call('HDEL', KEYS[8], id)
