@@ -14,6 +14,13 @@ caches for at start (``--autoscale``'s maximum): more children would share the p
 slots' devices and memory budgets past what they hold. Asked for more, it sets that and
 says so; ``pool_grow`` alike.
 
+``enable_events`` and ``disable_events``: a worker sending task events from its start
+(SITS turns them on: ``worker_send_task_events``) has no event groups, which means all
+of them, and Celery's commands change a group list only where there is one:
+``disable_events`` replied "task events already disabled" and the events went on (stock
+Celery started with ``-E`` alike). These give such a worker the list it would have had
+without them, ``worker``, and take ``task`` off it or put it back.
+
 ``conf`` and ``stats``: Celery's, with the credentials of every URL in them masked.
 Celery masks its own settings' (``broker_url``, a backend's) but not
 ``redbeat_redis_url``, and sends the transport options whole: Flower's worker page
@@ -108,6 +115,35 @@ def pool_grow(state: Any, n: Any = 1, **kwargs: Any) -> Any:
     return grown
 
 
+#: The event groups of a worker that sends no task events (Celery's ``Events`` step).
+_WITHOUT_TASK_EVENTS = ("worker",)
+
+
+def enable_events(state: Any) -> Any:
+    """Tell worker(s) to send task-related events."""
+    dispatcher = state.consumer.event_dispatcher
+    if dispatcher is None:
+        return celery_control.nok("event dispatcher unavailable")
+    if not dispatcher.groups or "task" in dispatcher.groups:  # (none: every group)
+        return celery_control.ok("task events already enabled")
+    dispatcher.groups.add("task")
+    celery_control.logger.info("Events of group {task} enabled by remote.")
+    return celery_control.ok("task events enabled")
+
+
+def disable_events(state: Any) -> Any:
+    """Tell worker(s) to stop sending task-related events."""
+    dispatcher = state.consumer.event_dispatcher
+    if dispatcher is None:
+        return celery_control.nok("event dispatcher unavailable")
+    if dispatcher.groups and "task" not in dispatcher.groups:
+        return celery_control.ok("task events already disabled")
+    # (a set of groups kept across reconnects: Celery's Events step reads it back)
+    dispatcher.groups = (set(dispatcher.groups) or set(_WITHOUT_TASK_EVENTS)) - {"task"}
+    celery_control.logger.info("Events of group {task} disabled by remote.")
+    return celery_control.ok("task events disabled")
+
+
 def conf(state: Any, with_defaults: bool = False, **kwargs: Any) -> Any:
     """List configuration."""
     return without_credentials(_celery_conf(state, with_defaults, **kwargs))
@@ -124,6 +160,8 @@ def register() -> None:
     idempotent)."""
     for name, command in (("add_consumer", add_consumer), ("time_limit", time_limit),
                           ("autoscale", autoscale), ("pool_grow", pool_grow),
+                          ("enable_events", enable_events),
+                          ("disable_events", disable_events),
                           ("conf", conf), ("stats", stats)):
         meta = celery_control.Panel.meta[name]
         celery_control.Panel._register(name=name, **meta._asdict())(command)
