@@ -177,11 +177,16 @@ def _not_before(recorded_pass: str, last_pass: int) -> bool:
 _said_same: set[str] = set()
 
 
+#: What a peer URL leading back to this site's own Redis server is told.
+SAME_SERVER = ("is this site's own Redis server (same run_id): nothing is replicated there; "
+               "point site_peers at the peer's own server")
+
+
 class SamePeer(redis.RedisError):
     """A peer URL that names this site's own Redis server."""
 
 
-def _check_another_server(server: Any, current: str, peer: redis.Redis) -> None:
+def check_another_server(server: Any, current: str, peer: redis.Redis) -> None:
     """Raises :class:`SamePeer` when ``server`` (the peer's ``INFO server`` reply) is this
     site's own server (``current``, its run id): a peer URL pointing back here, under
     another name, took the replicas into this site's own Redis and nothing said so. (A
@@ -193,8 +198,7 @@ def _check_another_server(server: Any, current: str, peer: redis.Redis) -> None:
         raise server
     theirs = server.get("run_id")
     if theirs and str(theirs) == current:
-        said = ("is this site's own Redis server (same run_id): nothing is replicated "
-                "there; point site_peers at the peer's own server")
+        said = SAME_SERVER
         if current not in _said_same:  # (once a process: the pass says it each second)
             _said_same.add(current)
             logger.error("site peer %s %s", peer.get_connection_kwargs().get("host"), said)
@@ -244,7 +248,7 @@ def restore(local: redis.Redis, peer: redis.Redis, scripts: Scripts, prefix: str
         pipe.info("server")
         pipe.get(key)
         server, recorded = pipe.execute(raise_on_error=False)
-    _check_another_server(server, current, peer)
+    check_another_server(server, current, peer)
     if isinstance(recorded, Exception):
         raise recorded
     was, _, at = text(recorded or b"").partition(" ")

@@ -156,6 +156,8 @@ class SiteSync:
         self._plan: tuple[list[Link], SyncPlan] | None = None
         self._outbox_full_until = 0.0
         self._beat_off_until: dict[str, float] = {}
+        #: Peers whose URL leads back to this site's own Redis server, as last measured.
+        self._own: set[str] = set()
 
     def at(self, peer: str) -> str:
         """The key prefix at ``peer``: its own (``?prefix=``), else this site's. Every key
@@ -205,8 +207,29 @@ class SiteSync:
         except redis.RedisError as exc:
             logger.warning("site %s: peer %s unreachable: %s", self.site, peer.name, exc)
             return Link(peer, peer.rtt_ms if peer.rtt_ms is not None else float("inf"), False)
+        if self._own_server(client):
+            self._own.add(peer.name)
+            # No replica peer, no heartbeat: a producer's strong write went there though
+            # the pass refused the peer, the replica of a task done here was never
+            # deleted, and the "peer" took it over and ran it again once this site's
+            # workers stopped.
+            return Link(peer, float("inf"), False)
+        self._own.discard(peer.name)
         rtt = peer.rtt_ms if peer.rtt_ms is not None else statistics.median(samples)
         return Link(peer, rtt, True)
+
+    def _own_server(self, client: redis.Redis) -> bool:
+        """Whether a peer's URL leads back to this site's own Redis server (same run id;
+        said once, as an error, by ``recovery``). A server that forbids INFO, here or
+        there, is not told apart."""
+        try:
+            recovery.check_another_server(client.info("server"),
+                                          recovery.epoch(self.local, self.prefix), client)
+        except recovery.SamePeer:
+            return True
+        except redis.RedisError:
+            return False
+        return False
 
     def plan(self, refresh: bool = False) -> SyncPlan:
         return self._plan_of(self.links(refresh))
@@ -292,6 +315,7 @@ class SiteSync:
         self.local.set(link_key(self.prefix), sites.encode_choice(plan.link),
                        px=int(3 * self._max_age_s * 1000))  # gone with the beat
         report = PassReport(modes={c: m.value for c, m in plan.modes.items()})
+        report.errors += [f"{peer}: {recovery.SAME_SERVER}" for peer in sorted(self._own)]
         # Every live peer: any may hold replicas (an earlier replica peer, one a producer
         # chose by an older measurement), and would take them over on hearing nothing.
         live = [x.peer.name for x in links if x.alive]

@@ -368,6 +368,13 @@ def test_a_peer_url_naming_this_sites_own_redis_is_refused_and_said(
     assert [e.startswith("b: is this site's own Redis server") for e in report.errors] == [
         True]
     assert a.keys("sits:replica:*") == []  # nothing drained or digested into itself
+    # nor written there by a producer: an urgent task's replica is strong, in the put
+    # itself (it went there, was never deleted, and the "peer" ran the task again once
+    # this site's workers stopped), and no heartbeat goes there either
+    submit(app, "high")
+    sync_of(app).sync_pass()
+    assert a.keys("sits:replica:*") == []
+    assert not a.exists(sites.alive_key("", "a"))
     line = format_status({"queues": [], "workers": [], "stray": {},
                            "site": site_status(a, app.sits)})
     assert "last pass: b: is this site's own Redis server" in line
