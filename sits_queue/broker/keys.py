@@ -285,6 +285,12 @@ def takenover_key(prefix: str, site: str) -> str:
     return f"{prefix}sits:site:{{{site}}}:takenover"
 
 
+def mirror_key(prefix: str, site: str) -> str:
+    """This site's tasks a peer took over, whose results are to be copied here from the
+    peer's backend (``takeover.mirror_results``): ``[peer, task id]`` entries."""
+    return f"{prefix}sits:site:{{{site}}}:mirror"
+
+
 def outbox_key(prefix: str) -> str:
     # one hash tag with the taken batch's key: take_outbox.lua moves entries between them
     return f"{prefix}sits:site:{{outbox}}"

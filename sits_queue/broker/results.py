@@ -58,6 +58,19 @@ def expiry_ms(expires: float | timedelta | None) -> int:
     return max(1, round(seconds * 1000)) if seconds > 0 else 0
 
 
+#: The key of a task's result under a backend's global key prefix (Celery's layout).
+RESULT_KEY = "celery-task-meta-"
+
+
+def store_encoded(client: Any, key: str, value: bytes | str, ttl_ms: int) -> bool:
+    """Store a result meta already encoded (another backend's record of the task) at
+    ``key``, as a worker's store does (``store_result.lua``: never over a SUCCESS, and
+    published to the key's channel, where a waiting ``get()`` hears it); whether it was
+    stored."""
+    source = resources.files("sits_queue.broker").joinpath("lua/store_result.lua").read_text()
+    return bool(client.register_script(source)(keys=[key], args=[value, max(0, ttl_ms)]))
+
+
 class SitsRedisBackend(RedisBackend):  # type: ignore[misc]
     """Celery's Redis result backend with the state write done by ``store_result.lua``
     and the result consumer of ``resultwait.py``."""

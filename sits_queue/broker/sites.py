@@ -122,6 +122,7 @@ class PassReport:
     dropped: int = 0
     handed_over: int = 0
     restored: int = 0
+    results_mirrored: int = 0
     errors: list[str] = field(default_factory=list)
 
 
@@ -323,6 +324,8 @@ class SiteSync:
         # Before the drain or the digest: a task a peer took over leaves here, and its
         # replicas, or they would be replicated again.
         self._guarded(report, live, self._drop_taken_over)
+        # (the results of what they took over, for the callers waiting here)
+        self._guarded(report, live, lambda peer, rep: takeover.mirror_results(self, peer, rep))
         # And the tasks this site's Redis lost come back from the replicas (recovery.py)
         # before anything there is deleted: a peer not reached for that does no more.
         current = recovery.epoch(self.local, self.prefix)

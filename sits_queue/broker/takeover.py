@@ -13,10 +13,13 @@ import json
 import logging
 from typing import TYPE_CHECKING
 
-from sits_queue.broker import recovery
+from celery import states
+
+from sits_queue.broker import recovery, results
 from sits_queue.broker.keys import (
     QueueKeys,
     alive_key,
+    mirror_key,
     missing_since_key,
     origins_key,
     queues_registry,
@@ -139,18 +142,85 @@ def drop_taken_over(sync: SiteSync, peer: str, report: PassReport) -> None:
                 for _, task_id in items:
                     pipe.zscore(k.waiting, task_id)
                     pipe.zscore(k.unacked, task_id)
+                    pipe.hget(k.payloads, task_id)
                 found = pipe.execute()
-            waiting = [i for n, (_, i) in enumerate(items) if found[2 * n] is not None]
+            waiting = [(i, found[3 * n + 2]) for n, (_, i) in enumerate(items)
+                       if found[3 * n] is not None]
             if waiting:
+                ids = [i for i, _ in waiting]
                 report.dropped += int(sync.scripts.run("dead", k, [
                     now, f"taken over by site {peer} while site {sync.site} was "
-                         "unreachable; it runs there", *waiting], sync.local))
+                         "unreachable; it runs there", *ids], sync.local))
                 # A replica of it anywhere would be taken over again: it runs at peer.
-                sync.on_ack(queue, waiting)
+                sync.on_ack(queue, ids)
+                # Its callers wait here: its result is copied from the peer's backend
+                mirrored = [json.dumps([peer, t]) for _, payload in waiting
+                            if (t := _task_id(payload)) is not None]
+                if mirrored:
+                    mirror = mirror_key(sync.prefix, sync.site)
+                    sync.local.sadd(mirror, *mirrored)
+                    sync.local.expire(mirror, TAKEOVER_TTL_S)
             settled += [raw for n, (raw, _) in enumerate(items)
-                        if found[2 * n] is not None or found[2 * n + 1] is None]
+                        if found[3 * n] is not None or found[3 * n + 1] is None]
         if settled:
             client.srem(marker, *settled)
+
+
+def mirror_results(sync: SiteSync, peer: str, report: PassReport) -> None:
+    """The results, at ``peer``'s backend, of this site's tasks it took over (recorded
+    by :func:`drop_taken_over`), stored in this site's backend once they are ready
+    there (a state of Celery's ``READY_STATES``), with the time to live they have there:
+    a caller's ``get()`` here waited for ever on the copy dead-lettered here. One that
+    is not ready yet is looked for again at the next pass, for up to
+    :data:`TAKEOVER_TTL_S` (a task that stores no result, ``ignore_result``, is no more
+    looked for once the record expires). Results of the backend a peer's URL leads to,
+    under its key prefix: a peer with a result backend elsewhere is not read."""
+    mirror = mirror_key(sync.prefix, sync.site)
+    wanted: list[tuple[bytes, str]] = []
+    for raw in sync.local.sscan_iter(mirror, count=TAKEOVER_CHUNK):
+        entry = _entry(raw)
+        if entry is None:
+            sync.local.srem(mirror, raw)  # (not ours to read)
+        elif entry[0] == peer:
+            wanted.append((raw, entry[1]))
+    client, prefix = sync.clients[peer], sync.at(peer)
+    for at in range(0, len(wanted), TAKEOVER_CHUNK):
+        chunk = wanted[at:at + TAKEOVER_CHUNK]
+        with client.pipeline(transaction=False) as pipe:
+            for _, task_id in chunk:
+                pipe.get(f"{prefix}{results.RESULT_KEY}{task_id}")
+                pipe.pttl(f"{prefix}{results.RESULT_KEY}{task_id}")
+            found = pipe.execute()
+        done: list[bytes] = []
+        for n, (raw, task_id) in enumerate(chunk):
+            value, ttl_ms = found[2 * n], found[2 * n + 1]
+            if value is None or _state(value) not in states.READY_STATES:
+                continue
+            results.store_encoded(sync.local, f"{sync.prefix}{results.RESULT_KEY}{task_id}", value,
+                                  int(ttl_ms) if isinstance(ttl_ms, int) and ttl_ms > 0 else 0)
+            report.results_mirrored += 1
+            done.append(raw)
+        if done:
+            sync.local.srem(mirror, *done)
+
+
+def _task_id(payload: bytes | str | None) -> str | None:
+    """A message's Celery task id (its ``headers.id``); None where it has none."""
+    try:
+        task_id = json.loads(payload or b"")["headers"]["id"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    return task_id if isinstance(task_id, str) and task_id else None
+
+
+def _state(value: bytes | str) -> str | None:
+    """A stored result meta's ``status``; None where it is no meta of Celery's."""
+    try:
+        meta = json.loads(value)
+    except (ValueError, TypeError):
+        return None
+    status = meta.get("status") if isinstance(meta, dict) else None
+    return status if isinstance(status, str) else None
 
 
 def _entry(raw: bytes | str) -> tuple[str, str] | None:

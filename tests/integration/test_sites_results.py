@@ -1,0 +1,126 @@
+"""The result of a task a peer took over reaches the callers at its origin (MISSION
+§2.3): site "a" on the session server, site "b" on a server of its own, a real ``celery
+worker`` at b running what b took over, and a's pass copying the result home."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.result import AsyncResult
+
+from sits_queue.app import make_app
+from sits_queue.broker import sites
+from sits_queue.broker.keys import mirror_key, missing_since_key
+from sits_queue.config import SitsConfig
+from sits_queue.embedded import EmbeddedRedis
+from sits_queue.procs import start_worker, wait_ready
+from tests.integration.conftest import APP_MODULE, ROOT, worker_env
+from tests.waiting import wait_for
+
+
+@pytest.fixture(scope="module")
+def site_b(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    server = EmbeddedRedis(Path(tmp_path_factory.mktemp("site-b")))
+    server.start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def apps(redis_client: redis.Redis, redis_url: str, site_b: str
+         ) -> Iterator[tuple[Celery, Celery]]:
+    redis.Redis.from_url(site_b).flushall()
+    sites._syncs.clear()  # each test builds its own sites
+    a_url = redis_url
+    app_a = make_app(SitsConfig(redis_url=a_url, site="a",
+                                site_peers=f"b={site_b}?rtt_ms=1.0"), main="site-a")
+    app_b = make_app(SitsConfig(redis_url=site_b, site="b",
+                                site_peers=f"a={a_url}?rtt_ms=1.0"), main="site-b")
+    for app in (app_a, app_b):
+        @app.task(name="w.add", shared=False)
+        def add(x: int, y: int) -> int:
+            return x + y
+
+        @app.task(name="w.fail", shared=False)
+        def fail(message: str) -> None:
+            raise ValueError(message)
+    yield app_a, app_b
+    app_a.close()
+    app_b.close()
+
+
+def sync_of(app: Celery) -> sites.SiteSync:
+    sync = sites.for_config(app.sits)
+    assert sync is not None
+    return sync
+
+
+def take_over(app_a: Celery, app_b: Celery) -> None:
+    """Site a replicates its work to b, then falls silent, and b takes it over."""
+    sync_of(app_a).sync_pass()
+    b = sync_of(app_b).local
+    b.delete(sites.alive_key("", "a"))
+    assert sync_of(app_b).sync_pass().taken_over == 0  # (b starts counting)
+    since = float(b.get(missing_since_key("", "a")) or 0)
+    b.set(missing_since_key("", "a"), since - app_b.sits.site_dead_after_s)
+    assert sync_of(app_b).sync_pass().taken_over > 0
+
+
+def test_a_taken_over_tasks_result_reaches_the_caller_at_its_origin(
+        apps: tuple[Celery, Celery], site_b: str, tmp_path: Path) -> None:
+    """(its result was stored at the peer's backend alone: the caller's get() at the
+    origin waited for ever, the copy there dead-lettered as taken over)"""
+    app_a, app_b = apps
+    # Given a task submitted at a, taken over by b while a was silent
+    result = app_a.tasks["w.add"].apply_async((2, 3), sla_class="high")
+    take_over(app_a, app_b)
+    # and run there by a real worker
+    worker = start_worker(APP_MODULE, worker_env(site_b), tmp_path, concurrency=1, cwd=ROOT)
+    try:
+        wait_ready(app_b, [worker])
+        wait_for(lambda: AsyncResult(result.id, app=app_b).state == "SUCCESS", 30,
+                 "the task to run at b")
+    finally:
+        worker.stop(timeout_s=10)
+    # When a caller at a is waiting on it, and a comes back
+    got: dict[str, Any] = {}
+    waiter = threading.Thread(target=lambda: got.update(value=result.get(timeout=20)))
+    waiter.start()
+    report = sync_of(app_a).sync_pass()
+    waiter.join(30)
+    # Then a's pass dead-letters its own copy and copies b's result home: the caller hears it
+    assert report.dropped == 1 and report.results_mirrored == 1, report
+    assert got == {"value": 5}
+    assert AsyncResult(result.id, app=app_a).state == "SUCCESS"
+    assert not sync_of(app_a).local.exists(mirror_key("", "a"))  # nothing left to copy
+
+
+def test_a_result_not_ready_at_the_peer_is_copied_at_a_later_pass_failures_too(
+        apps: tuple[Celery, Celery]) -> None:
+    app_a, app_b = apps
+    ok = app_a.tasks["w.add"].apply_async((1, 1), sla_class="high")
+    bad = app_a.tasks["w.fail"].apply_async(("boom",), sla_class="high")
+    take_over(app_a, app_b)
+    # Given neither has run at b yet: a drops its copies, and has nothing to copy yet
+    first = sync_of(app_a).sync_pass()
+    assert first.dropped == 2 and first.results_mirrored == 0
+    assert AsyncResult(ok.id, app=app_a).state == "PENDING"
+    # When b's workers run them (b's own backend, as its worker stores them) and one is
+    # only STARTED at b
+    app_b.backend.mark_as_started(ok.id)
+    app_b.backend.mark_as_failure(bad.id, ValueError("boom"))
+    second = sync_of(app_a).sync_pass()
+    assert second.results_mirrored == 1
+    with pytest.raises(ValueError, match="boom"):
+        bad.get(timeout=5)
+    assert AsyncResult(ok.id, app=app_a).state == "PENDING"  # (STARTED is not copied)
+    # Then the other once it is done
+    app_b.backend.mark_as_done(ok.id, 2)
+    assert sync_of(app_a).sync_pass().results_mirrored == 1
+    assert ok.get(timeout=5) == 2
