@@ -103,7 +103,10 @@ def promote(sync: SiteSync, origin: str, queue: str) -> int:
             sync.scripts.run("put", QueueKeys.for_queue(queue, sync.prefix), args,
                              sync.local)
             sync.local.sadd(queues_registry(sync.prefix), queue)
-        sync.local.sadd(marker, *(json.dumps([queue, i]) for i in ids))
+        # (with the task's id: an origin back without its data has no copy to read it
+        # from, and its callers wait for the result all the same)
+        sync.local.sadd(marker, *(json.dumps([queue, e[0], t] if (t := _task_id(e[2]))
+                                             else [queue, e[0]]) for e in entries))
         sync.local.expire(marker, TAKEOVER_TTL_S)
         with sync.local.pipeline(transaction=True) as pipe:
             pipe.zrem(z, *ids)
@@ -126,7 +129,7 @@ def drop_taken_over(sync: SiteSync, peer: str, report: PassReport) -> None:
     now = sync.clock()
     entries = list(client.sscan_iter(marker, count=TAKEOVER_CHUNK))
     for at in range(0, len(entries), TAKEOVER_CHUNK):
-        by_queue: dict[str, list[tuple[bytes, str]]] = {}
+        by_queue: dict[str, list[tuple[bytes, str, str | None]]] = {}
         settled: list[bytes] = []
         for raw in entries[at:at + TAKEOVER_CHUNK]:
             entry = _entry(raw)
@@ -135,32 +138,33 @@ def drop_taken_over(sync: SiteSync, peer: str, report: PassReport) -> None:
                              "%.200r", sync.site, peer, raw)
                 settled.append(raw)
                 continue
-            by_queue.setdefault(entry[0], []).append((raw, entry[1]))
+            by_queue.setdefault(entry[0], []).append((raw, entry[1], entry[2]))
         for queue, items in by_queue.items():
             k = QueueKeys.for_queue(queue, sync.prefix)
             with sync.local.pipeline(transaction=False) as pipe:
-                for _, task_id in items:
-                    pipe.zscore(k.waiting, task_id)
-                    pipe.zscore(k.unacked, task_id)
-                    pipe.hget(k.payloads, task_id)
+                for _, message_id, _ in items:
+                    pipe.zscore(k.waiting, message_id)
+                    pipe.zscore(k.unacked, message_id)
+                    pipe.hget(k.payloads, message_id)
                 found = pipe.execute()
-            waiting = [(i, found[3 * n + 2]) for n, (_, i) in enumerate(items)
-                       if found[3 * n] is not None]
+            waiting = [i for n, (_, i, _) in enumerate(items) if found[3 * n] is not None]
             if waiting:
-                ids = [i for i, _ in waiting]
                 report.dropped += int(sync.scripts.run("dead", k, [
                     now, f"taken over by site {peer} while site {sync.site} was "
-                         "unreachable; it runs there", *ids], sync.local))
+                         "unreachable; it runs there", *waiting], sync.local))
                 # A replica of it anywhere would be taken over again: it runs at peer.
-                sync.on_ack(queue, ids)
-                # Its callers wait here: its result is copied from the peer's backend
-                mirrored = [json.dumps([peer, t]) for _, payload in waiting
-                            if (t := _task_id(payload)) is not None]
-                if mirrored:
-                    mirror = mirror_key(sync.prefix, sync.site)
-                    sync.local.sadd(mirror, *mirrored)
-                    sync.local.expire(mirror, TAKEOVER_TTL_S)
-            settled += [raw for n, (raw, _) in enumerate(items)
+                sync.on_ack(queue, waiting)
+            # Its callers wait here: the result of a copy dropped here, or not here at all
+            # (this site's Redis lost it), is copied from the peer's backend. (A copy
+            # acked here ran here too: its SUCCESS here is never overwritten.)
+            mirrored = {json.dumps([peer, t]) for n, (_, _, named) in enumerate(items)
+                        if found[3 * n + 1] is None
+                        and (t := named or _task_id(found[3 * n + 2])) is not None}
+            if mirrored:
+                mirror = mirror_key(sync.prefix, sync.site)
+                sync.local.sadd(mirror, *mirrored)
+                sync.local.expire(mirror, TAKEOVER_TTL_S)
+            settled += [raw for n, (raw, _, _) in enumerate(items)
                         if found[3 * n] is not None or found[3 * n + 1] is None]
         if settled:
             client.srem(marker, *settled)
@@ -181,7 +185,7 @@ def mirror_results(sync: SiteSync, peer: str, report: PassReport) -> None:
         entry = _entry(raw)
         if entry is None:
             sync.local.srem(mirror, raw)  # (not ours to read)
-        elif entry[0] == peer:
+        elif entry[0] == peer and entry[2] is None:
             wanted.append((raw, entry[1]))
     client, prefix = sync.clients[peer], sync.at(peer)
     for at in range(0, len(wanted), TAKEOVER_CHUNK):
@@ -223,13 +227,15 @@ def _state(value: bytes | str) -> str | None:
     return status if isinstance(status, str) else None
 
 
-def _entry(raw: bytes | str) -> tuple[str, str] | None:
-    """A taken-over marker's ``[queue, task id]``; None for anything else."""
+def _entry(raw: bytes | str) -> tuple[str, str, str | None] | None:
+    """A taken-over marker's ``[queue, message id, task id]`` (an earlier release's has
+    no task id: None), or a mirror record's ``[peer, task id]`` (None third); None for
+    anything else."""
     try:
         entry = json.loads(raw)
     except (ValueError, TypeError):
         return None
-    if isinstance(entry, list) and len(entry) == 2 and all(
+    if isinstance(entry, list) and len(entry) in (2, 3) and all(
             isinstance(x, str) and x for x in entry):
-        return entry[0], entry[1]
+        return entry[0], entry[1], entry[2] if len(entry) == 3 else None
     return None

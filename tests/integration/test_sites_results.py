@@ -124,3 +124,20 @@ def test_a_result_not_ready_at_the_peer_is_copied_at_a_later_pass_failures_too(
     app_b.backend.mark_as_done(ok.id, 2)
     assert sync_of(app_a).sync_pass().results_mirrored == 1
     assert ok.get(timeout=5) == 2
+
+
+def test_an_origin_back_without_its_data_still_gets_the_results_home(
+        apps: tuple[Celery, Celery]) -> None:
+    """(its Redis restarted empty: no copy to read the task's id from, and the caller,
+    polling the result here, waited for ever)"""
+    app_a, app_b = apps
+    result = app_a.tasks["w.add"].apply_async((4, 4), sla_class="high")
+    take_over(app_a, app_b)
+    app_b.backend.mark_as_done(result.id, 8)
+    # Given site a's Redis lost everything meanwhile
+    local = sync_of(app_a).local
+    local.flushall()
+    # When it is back, its pass finds no copy to drop, yet copies the result home
+    report = sync_of(app_a).sync_pass()
+    assert report.dropped == 0 and report.results_mirrored == 1, report
+    assert result.get(timeout=5) == 8
