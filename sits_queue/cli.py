@@ -359,7 +359,34 @@ def _chosen(client: redis.Redis, key: str, ids: tuple[str, ...], every: bool
         return list(client.hkeys(key))
     # an id named twice is one letter; bytes a shell passed that are not UTF-8 (argv's
     # surrogate escapes) are the stored id's bytes, which redis-py cannot encode as text
-    return list(dict.fromkeys(os.fsencode(i) for i in ids))
+    named = list(dict.fromkeys(os.fsencode(i) for i in ids))
+    return list(dict.fromkeys(_letters_of_tasks(client, key, named)))
+
+
+def _letters_of_tasks(client: redis.Redis, key: str, ids: list[bytes]) -> list[bytes]:
+    """``ids`` with each that is no dead letter's id but a task's (`dead list` shows it in
+    brackets, and it is the id a caller knows: it was refused as "no such dead letter")
+    replaced by its letter's id; one found as neither stays, to be reported."""
+    with client.pipeline(transaction=False) as pipe:
+        for message_id in ids:
+            pipe.hexists(key, message_id)
+        present = pipe.execute()
+    wanted = {i for i, there in zip(ids, present, strict=True) if not there}
+    if not wanted:
+        return ids
+    from sits_queue.broker import deadletters
+
+    letters: dict[bytes, list[bytes]] = {}
+    for letter, record in client.hscan_iter(key, count=1000):  # (one pass over them)
+        task = deadletters.task_of(record)
+        if task is not None and (task_id := os.fsencode(task[0])) in wanted:
+            letters.setdefault(task_id, []).append(letter)
+    for task_id, found in letters.items():
+        if len(found) > 1:  # (requeued both, it would run twice)
+            raise click.UsageError(
+                f"task {printable(os.fsdecode(task_id))} has {len(found)} dead letters ("
+                f"{', '.join(sorted(printable(os.fsdecode(f)) for f in found))}): name one")
+    return [letters[i][0] if i in letters else i for i in ids]
 
 
 @dead.command("requeue")
@@ -405,7 +432,8 @@ def dead_drop(queue: str, ids: tuple[str, ...], every: bool) -> None:
     missing = deadletters.drop_each(client, key, chosen)
     click.echo(f"dropped {len(chosen) - len(missing)} of {len(chosen)}")
     for message_id in missing:
-        click.echo(f"  {message_id}: no such dead letter", err=True)
+        click.echo(f"  {message_id}: no such dead letter (name a letter's id or its task's, "
+                   "as `sitsq dead list` shows them)", err=True)
     if missing:
         sys.exit(1)
 

@@ -256,7 +256,8 @@ def requeue(channel: Any, queue: str, ids: Sequence[bytes | str]
         ready: list[tuple[bytes | str, bytes, dict[str, Any]]] = []
         for message_id, record in zip(chunk, channel.raw.hmget(keys.dead, chunk), strict=True):
             if record is None:
-                refused[shown(message_id)] = "no such dead letter"
+                refused[shown(message_id)] = "no such dead letter (name a letter's id or " \
+                                             "its task's, as `sitsq dead list` shows them)"
                 continue
             try:
                 tag = text(message_id)

@@ -273,6 +273,7 @@ def test_dead_letters_are_listed_requeued_and_dropped(
     # requeue, the letters beside it left dead)
     deep = json.loads(redis_client.hget(keys.payloads, message_id))
     deep["body"] = base64.b64encode(b"[" * 100_000 + b"]" * 100_000).decode()
+    deep["headers"]["id"] = "deep-task"
     # Given a message dead-lettered as poison, and records whose payload is not a message
     with client_app.connection_for_write() as conn:
         conn.default_channel._run("dead", "celery", [time.time(), "test: poison", message_id])
@@ -287,8 +288,9 @@ def test_dead_letters_are_listed_requeued_and_dropped(
     poison = next(r for r in report["oldest"] if r["id"] == message_id)
     assert poison["task"] == "w.add" and poison["task_id"] == result.id
     assert poison["reason"] == "test: poison"
-    # When the poison one is requeued (the junk one cannot be), a worker runs it
-    requeued = sitsq("dead", "requeue", "celery", "deep", message_id, "junk", env=env)
+    # When the poison one is requeued, named by its task's id as a caller knows it (the
+    # junk one cannot be), a worker runs it
+    requeued = sitsq("dead", "requeue", "celery", "deep", result.id, "junk", env=env)
     assert requeued.returncode == 1 and "requeued 1 of 3" in requeued.stdout
     assert "junk: its payload is not a message" in requeued.stderr
     assert "deep: its payload is not a message (maximum recursion depth" in requeued.stderr
@@ -331,6 +333,17 @@ def test_dead_letter_commands_name_what_is_not_there(
     out = sitsq("dead", "drop", "celery", "junk", "nope", "junk", env=env)
     assert out.returncode == 1
     assert "dropped 1 of 2" in out.stdout and "nope: no such dead letter" in out.stderr
+    assert redis_client.hlen(keys.dead) == 0
+    # A task's id names its letter; a task with two letters is refused, both named
+    for letter in ("l-1", "l-2"):
+        redis_client.hset(keys.dead, letter, json.dumps({
+            "reason": "x", "payload": json.dumps({"headers": {"id": "t-1", "task": "x"}})}))
+    out = sitsq("dead", "drop", "celery", "t-1", env=env)
+    assert out.returncode == 2 and "task t-1 has 2 dead letters (l-1, l-2): name one" in \
+        out.stderr, out.stderr
+    redis_client.hdel(keys.dead, "l-2")
+    out = sitsq("dead", "drop", "celery", "t-1", env=env)
+    assert out.returncode == 0 and "dropped 1 of 1" in out.stdout, out.stderr
     assert redis_client.hlen(keys.dead) == 0
 
 
