@@ -119,6 +119,7 @@ class SitsTask(Task):  # type: ignore[misc]
                                        shadow, **options)
         routed_options(self.app, self.name, args, kwargs, options)
         config = sits_config(self.app)
+        self._drop_foreign_class(config, options)
         opts = call_options(self, config, options, self.app.conf, args, kwargs)
         options["headers"] = sits_headers(config, opts, options.pop("headers", None),
                                           time.time())
@@ -167,8 +168,15 @@ class SitsTask(Task):  # type: ignore[misc]
             derived = {} if args is None and kwargs is None else derived_from_args(
                 sits_config(self.app), getattr(running, "args", None) or (),
                 getattr(running, "kwargs", None) or {})
+            config = sits_config(self.app)
             for name in OPTION_NAMES:
                 value = header.get(name)
+                if name == "sla_class" and value not in config.class_names:
+                    # (a producer of another class table's: refused, the retry was
+                    # dead-lettered; the task's own or the default class applies)
+                    if value is not None and "sla_class" not in sig.options:
+                        _said_foreign(config, self.name, value, self.sla_class)
+                    continue
                 if value is not None and (name not in derived or derived[name] != value):
                     sig.options.setdefault(name, value)
             old = header.get("sla_class")
@@ -185,12 +193,30 @@ class SitsTask(Task):  # type: ignore[misc]
         of its own, on its signature or its task, takes the running one's."""
         header = getattr(self.request, HEADER, None)
         running = header.get("sla_class") if isinstance(header, Mapping) else None
-        if isinstance(running, str):
+        if isinstance(running, str) and running in sits_config(self.app).class_names:
             for leaf in _leaves(sig):
                 declared = getattr(self.app.tasks.get(leaf.task), "sla_class", None)
                 if leaf.options.get("sla_class") is None and declared is None:
                     leaf.options["sla_class"] = running
         return super().replace(sig)
+
+    def _drop_foreign_class(self, config: SitsConfig, options: dict[str, Any]) -> None:
+        """A chain's next step or a callback that Celery's tracer sends on from a worker
+        (with ``parent_id``; a retry's options also carry ``retries``) in a class this
+        worker's table lacks: the class came with the canvas from its producer (one of
+        another table, in an upgrade that renames classes); it is dropped, said in a
+        warning, and the task's own or the default class applies, as a put drops it.
+        (Refused, the chain stopped at that step.) A retry's carried class is dropped
+        where it is carried (:meth:`signature_from_request`); a class a call names,
+        a producer's or a task's own code's (``retry(sla_class=...)`` included), is
+        refused as before: a typo is the caller's to hear."""
+        sla_class = options.get("sla_class")
+        if not isinstance(sla_class, str) or sla_class in config.class_names or \
+                "parent_id" not in options or "retries" in options or \
+                self.app.current_worker_task is None:
+            return
+        del options["sla_class"]
+        _said_foreign(config, self.name, sla_class, self.sla_class)
 
     def _forget_class_defaults(self, options: dict[str, Any], old: str,
                                given: Mapping[str, Any]) -> None:
@@ -248,6 +274,14 @@ class SitsTask(Task):  # type: ignore[misc]
         from sits_queue.workers import slices
 
         return slices.checkpoint_of(self.request)
+
+
+def _said_foreign(config: SitsConfig, task: str, sla_class: object,
+                  declared: str | None) -> None:
+    runs_as = declared if declared in config.class_names else config.default_class
+    logger.warning("task %s: sla_class %r is not in this worker's classes %s (a producer of "
+                   "another class table?): sent on in %r", task, sla_class,
+                   list(config.class_names), runs_as)
 
 
 def sits_config(app: Celery) -> SitsConfig:

@@ -1,0 +1,73 @@
+"""A producer and a worker of different class tables (a fleet upgraded host by host, one
+release renaming classes): what the producer sent runs, retries and goes on down its
+chain at the worker, in the worker's own classes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+from celery import Celery, chain
+
+from sits_queue.broker.keys import QueueKeys
+from sits_queue.procs import CeleryProcess
+from tests.waiting import wait_for
+
+Spawn = Callable[..., CeleryProcess]
+
+#: The worker's table: none of the producer's "medium" or "low".
+FOUR_CLASSES = """
+default_class = "batch"
+[[classes]]
+name = "critical"
+cpu_cores = 1
+vram_gib = 8
+max_run_s = 20
+weight = 1000
+latency_sla_ms = 500
+loss_sensitivity = 0.9
+[[classes]]
+name = "high"
+[[classes]]
+name = "batch"
+cpu_cores = 1
+vram_gib = 4
+max_run_s = 30
+weight = 5
+latency_sla_ms = 10000
+loss_sensitivity = 0.3
+[[classes]]
+name = "scavenger"
+cpu_cores = 1
+vram_gib = 2
+max_run_s = 30
+weight = 0.5
+latency_sla_ms = 60000
+loss_sensitivity = 0.1
+"""
+
+
+def test_a_class_the_worker_lacks_still_retries_and_chains_in_its_default_class(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis, tmp_path: Path) -> None:
+    """(the retry was refused, "unknown sla_class 'medium'", and dead-lettered; a chain
+    stopped at its second step, which failed with the same error)"""
+    table = tmp_path / "four.toml"
+    table.write_text(FOUR_CLASSES)
+    worker = spawn(concurrency=1, config=str(table))
+    # When the producer's "medium" task retries itself at the worker
+    retried = client_app.tasks["w.flaky"].apply_async(("other-table", 1), sla_class="medium")
+    # Then it runs again, in the worker's default class
+    outcome = retried.get(timeout=30)
+    assert (outcome["runs"], outcome["retries"], outcome["sla_class"]) == (2, 1, "batch")
+    # And a chain of the producer's "medium" steps runs to its end
+    add = client_app.tasks["w.add"]
+    steps = chain(add.s(1, 2).set(sla_class="medium"), add.s(10).set(sla_class="medium"),
+                  add.s(100).set(sla_class="medium"))
+    assert steps.apply_async().get(timeout=30) == 113
+    # Said in the worker's log, with what it ran them as; nothing dead-lettered
+    said = "'medium' is not in this worker's classes"
+    wait_for(lambda: worker.log_path.read_text().count(said) >= 3, 10, "the warnings",
+             seen=lambda: worker.log_path.read_text()[-2000:])
+    assert "sent on in 'batch'" in worker.log_path.read_text()
+    assert redis_client.hlen(QueueKeys.for_queue("celery").dead) == 0
