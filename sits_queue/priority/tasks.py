@@ -26,27 +26,37 @@ def _rescorer(app: Celery) -> Rescorer:
     return r
 
 
+#: The least hard time limit of a maintenance task, s: it runs in the top class (first
+#: in line), but a pass over a deep backlog takes its own time (1-2 s per 100k tasks,
+#: measured), and a latency-critical top class's limit (1 s) killed every rescoring pass
+#: over 200k tasks: the queue's tail was never aged.
+MAINTENANCE_MIN_LIMIT_S = 120.0
+
+
 def register(app: Celery) -> None:
     top = app.sits.top_class
+    # (the task's own limit, the soft one its fraction: over the app's and the class's)
+    limit = max(app.sits.time_limits(top)[1], MAINTENANCE_MIN_LIMIT_S)
 
-    @app.task(name="sits.rescore", ignore_result=True, shared=False, sla_class=top)  # type: ignore[untyped-decorator]
+    @app.task(name="sits.rescore", ignore_result=True, shared=False, sla_class=top,  # type: ignore[untyped-decorator]
+              time_limit=limit)
     def rescore() -> dict[str, Any] | None:
         report = _rescorer(app).rescore_all(spaced=True)
         return None if report is None else asdict(report)
 
     @app.task(name="sits.check_triggers", ignore_result=True, shared=False,  # type: ignore[untyped-decorator]
-              sla_class=top)
+              sla_class=top, time_limit=limit)
     def check_triggers() -> list[str]:
         return list(_rescorer(app).check_triggers())
 
     @app.task(name="sits.prewarm_plan", ignore_result=True, shared=False,  # type: ignore[untyped-decorator]
-              sla_class=top)
+              sla_class=top, time_limit=limit)
     def prewarm_plan() -> dict[str, Any]:
         planner = prewarmer(app)
         return planner.run(clock.now(planner.client))
 
     @app.task(name="sits.site_sync", ignore_result=True, shared=False,  # type: ignore[untyped-decorator]
-              sla_class=top)
+              sla_class=top, time_limit=limit)
     def site_sync() -> dict[str, Any] | None:
         from sits_queue.broker import sites
 

@@ -439,5 +439,38 @@ def test_routes_do_not_reach_the_beat_s_maintenance_tasks() -> None:
                       headers={HEADER: {"sla_class": "high"}})
     assert [kw["routing_key"] for kw in sent] == ["sits.control"] * 3
     assert [kw["headers"][HEADER]["sla_class"] for kw in sent] == ["high"] * 3
-    high = SitsConfig().quota("high").max_run_s
-    assert all(kw["headers"]["timelimit"][0] == high for kw in sent)
+    # (the passes' own limit: the top class's, or the least a pass over a deep backlog
+    # needs; not the route's class's)
+    from sits_queue.priority.tasks import MAINTENANCE_MIN_LIMIT_S
+
+    own = max(SitsConfig().quota("high").max_run_s, MAINTENANCE_MIN_LIMIT_S)
+    assert all(kw["headers"]["timelimit"][0] == own for kw in sent)
+
+
+def test_maintenance_passes_get_time_to_go_over_a_deep_backlog() -> None:
+    """(they ran in the top class under its limits: a latency-critical top class of
+    max_run_s = 1 killed every rescoring pass over 200k tasks, and the queue's tail was
+    never aged)"""
+    from dataclasses import replace
+
+    from sits_queue.options import MAINTENANCE_TASKS
+    from sits_queue.priority.tasks import MAINTENANCE_MIN_LIMIT_S
+
+    base = SitsConfig()
+    quick = replace(base, classes=tuple(replace(c, max_run_s=1.0) if c.name == base.top_class
+                                        else c for c in base.classes))
+    app = make_app(quick, main="maintenance-limits")
+    app.conf.task_time_limit = 2  # (an app's limit for its own tasks: not the passes')
+    with capturing_producer() as (producer, sent):
+        for name in MAINTENANCE_TASKS:
+            app.tasks[name].apply_async(producer=producer)
+    limits = [m["headers"]["timelimit"] for m in sent]
+    assert limits == [[MAINTENANCE_MIN_LIMIT_S, MAINTENANCE_MIN_LIMIT_S
+                       * quick.soft_limit_fraction]] * len(MAINTENANCE_TASKS), limits
+    # A top class of a longer limit keeps it
+    app = make_app(replace(base, classes=tuple(replace(c, max_run_s=900.0)
+                                               if c.name == base.top_class else c
+                                               for c in base.classes)), main="long-top")
+    with capturing_producer() as (producer, sent):
+        app.tasks["sits.rescore"].apply_async(producer=producer)
+    assert sent[0]["headers"]["timelimit"][0] == 900.0
