@@ -333,6 +333,8 @@ def _devices_text(devices: Any) -> str:
         if isinstance(free, int) and isinstance(total, int) \
                 and not isinstance(free, bool) and not isinstance(total, bool):
             memory = f" {free / 2**30:,.1f} of {total / 2**30:,.1f} GiB free"
+            if d.get("readable") is False:  # (NVML could not read it at the last refresh)
+                memory += " (unreadable now: an earlier reading)"
         # (as metrics and results name it: a MIG slice by its UUID, its GPU's index
         # being every slice's)
         parts.append(f"{printable(label(d.get('kind', '?'), d.get('index', '?'), d.get('uuid')))} "

@@ -132,7 +132,9 @@ def device_record(device: Device) -> dict[str, Any]:
             # matching (§3.2) and the roofline (§3.1): workers/fleet.py.
             "peak_tflops": {p: round(v / 1e12, 3) for p, v in device.peak_flops.items()},
             "bandwidth_gb_s": None if device.memory_bandwidth_bytes_per_s is None
-            else round(device.memory_bandwidth_bytes_per_s / 1e9, 3)}
+            else round(device.memory_bandwidth_bytes_per_s / 1e9, 3),
+            # (False: NVML could not read it now; its free memory is an earlier reading)
+            "readable": device.readable}
 
 
 def largest_device_bytes(records: Iterable[Mapping[str, Any]]) -> int | None:

@@ -32,7 +32,7 @@ from sits_queue.broker.keys import DELIVERY_HEADER
 from sits_queue.options import HEADER
 from sits_queue.spells import Spell
 from sits_queue.workers import freemem, gpu, request
-from sits_queue.workers.limits import BYTES_PER_GIB
+from sits_queue.workers.limits import BYTES_PER_GIB, fits
 from sits_queue.workers.runtime import ChildRuntime
 from sits_queue.workers.taskheader import task_class
 
@@ -111,6 +111,14 @@ def _misfit(rt: ChildRuntime, task: Any, needed: float | None, task_id: Any
     try:
         free = own_free_bytes(rt)
     except Exception as exc:
+        total = rt.device.total_vram_bytes
+        if rt.device.kind == "cuda" and not fits(needed, total, request.HEADROOM_BYTES):
+            # (its size is known from the start: a 50 GiB task on a 24 GB GPU whose free
+            # memory could not be read ran, and failed there)
+            return request.NotOnThisDevice(
+                f"declares vram_gib={needed:g} but this child's device {rt.device.index} "
+                f"({rt.device.uuid}) has {total / BYTES_PER_GIB:.2f} GiB in all (its free "
+                f"memory could not be read: {exc})")
         # (once a spell: a driver that refuses the call, as some refuse a MIG UUID,
         # refuses it at every task)
         _unreadable.failed(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import math
 import platform
 import re
@@ -24,6 +25,7 @@ from typing import Any, Literal
 
 import psutil
 
+from sits_queue.spells import Spell
 from sits_queue.workers import nvmlfork
 
 DeviceKind = Literal["cuda", "cpu"]
@@ -125,6 +127,9 @@ class Device:
     memory_bandwidth_bytes_per_s: float | None = None
     #: Dense peak FLOP/s per precision ("fp32", "fp16", "bf16", "int8"); may be empty.
     peak_flops: Mapping[str, float] = field(default_factory=_empty_flops, hash=False)
+    #: False where NVML could not read it at the last :func:`live` reading (its free
+    #: memory and utilisation are an earlier reading's).
+    readable: bool = True
 
     def alpha_at(self, precision: str) -> float | None:
         """MISSION §3.1 ``alpha = bandwidth / (peak_flops / word_size)`` at one precision.
@@ -474,12 +479,22 @@ def live(devices: Sequence[Device], nvml: Any = None) -> tuple[Device, ...]:
     session (by UUID), the CPU device from psutil. Names, bandwidth, FLOPs and topology do
     not change while a worker runs: not read again (a whole :func:`discover` every few
     seconds cost an NVML init and shutdown and every topology pair, each time). A GPU NVML
-    cannot read now keeps its last reading."""
+    cannot read now keeps its last reading, marked not ``readable``; any failure of
+    NVML's, or of a driver odder than NVML's errors say, is one: the advertisement goes on
+    (a ValueError out of NVML's init stopped the worker's refreshes, its record expired,
+    and a 50 GiB task that its H200 could hold was dead-lettered as fitting no worker)."""
     gpus = [d for d in devices if d.kind == "cuda"]
     readings: dict[str, tuple[int, float | None]] = {}
     if gpus:
-        with contextlib.suppress(ImportError):
+        try:
             readings = _live_readings(_import_nvml() if nvml is None else nvml, gpus)
+        except ImportError:
+            pass
+        except Exception as exc:
+            _unreadable.failed("NVML could not be read (%s): the GPUs keep their last "
+                               "readings", exc)
+        else:
+            _unreadable.over()
     out = []
     for device in devices:
         if device.kind == "cpu":
@@ -487,10 +502,15 @@ def live(devices: Sequence[Device], nvml: Any = None) -> tuple[Device, ...]:
                                free_vram_bytes=int(psutil.virtual_memory().available)))
         elif device.uuid in readings:
             free, busy = readings[device.uuid]
-            out.append(replace(device, free_vram_bytes=free, utilisation_pct=busy))
+            out.append(replace(device, free_vram_bytes=free, utilisation_pct=busy,
+                               readable=True))
         else:
-            out.append(device)
+            out.append(replace(device, readable=False))
     return tuple(out)
+
+
+#: NVML failing at every reading of :func:`live`, said once while it lasts.
+_unreadable = Spell(logging.getLogger(__name__))
 
 
 def _live_readings(nvml: Any, gpus: Sequence[Device]) -> dict[str, tuple[int, float | None]]:
@@ -501,7 +521,7 @@ def _live_readings(nvml: Any, gpus: Sequence[Device]) -> dict[str, tuple[int, fl
             try:
                 handle = nvml.nvmlDeviceGetHandleByUUID(device.uuid)
                 memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-            except errors:
+            except Exception:  # (one GPU lost: the others are read)
                 continue
             rates = _optional(nvml, "nvmlDeviceGetUtilizationRates", handle)
             found[device.uuid] = (int(memory.free),

@@ -5,12 +5,15 @@ children hold in torch's cache counts as free (:func:`cached_by_device`)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import psutil
 
 from sits_queue.workers import nvmlfork
+
+logger = logging.getLogger(__name__)
 
 
 class FreeMemoryProbe(Protocol):
@@ -44,7 +47,14 @@ class NvmlProbe:
         self._nvml: Any = nvml
         self._uuids = tuple(uuids)
         self._handles: list[Any] | None = None
+        #: Devices whose last read failed (said once a spell).
+        self._failing: set[str] = set()
         nvmlfork.close_before_fork(self.close)
+
+    @property
+    def uuids(self) -> tuple[str, ...]:
+        """The devices it reads."""
+        return self._uuids
 
     def _open(self) -> list[Any]:
         if self._handles is None:
@@ -62,15 +72,41 @@ class NvmlProbe:
 
     def free_by_device(self, cached: Mapping[str, int] | None = None) -> dict[str, int]:
         """Each device's free memory by UUID, bytes, counting ``cached`` as free (see
-        :meth:`FreeMemoryProbe.max_free_bytes`)."""
+        :meth:`FreeMemoryProbe.max_free_bytes`), of those that could be read: one that
+        cannot (a GPU fallen off the bus, "GPU is lost") is left out, said once, and
+        admits nothing until it reads again (read as a failure of all, every device's
+        check was skipped: tasks of 50 GiB ran on a 24 GB L4). Raises the error when no
+        device could be read."""
         cached = cached or {}
-        with nvmlfork.session():
-            return {uuid: int(self._nvml.nvmlDeviceGetMemoryInfo(h).free) + cached.get(uuid, 0)
-                    for uuid, h in zip(self._uuids, self._open(), strict=True)}
+        return {uuid: free + cached.get(uuid, 0)
+                for uuid, free in self._each(lambda info: int(info.free)).items()}
 
     def max_total_bytes(self) -> int:
+        return max(self._each(lambda info: int(info.total)).values())
+
+    def _each(self, field: Callable[[Any], int]) -> dict[str, int]:
+        """``field`` of each readable device's memory info, by UUID (see
+        :meth:`free_by_device`)."""
+        out: dict[str, int] = {}
+        error: Exception | None = None
         with nvmlfork.session():
-            return max(int(self._nvml.nvmlDeviceGetMemoryInfo(h).total) for h in self._open())
+            for uuid, handle in zip(self._uuids, self._open(), strict=True):
+                try:
+                    out[uuid] = field(self._nvml.nvmlDeviceGetMemoryInfo(handle))
+                except Exception as exc:  # (NVMLError, or a driver's odder failure)
+                    error = error or exc
+                    if uuid not in self._failing and len(self._uuids) > 1:
+                        logger.warning("device %s: its memory could not be read (%s): "
+                                       "tasks declaring vram_gib are not admitted there "
+                                       "until it reads again", uuid, exc)
+                    self._failing.add(uuid)
+                    continue
+                if uuid in self._failing:
+                    self._failing.discard(uuid)
+                    logger.info("device %s: its memory reads again", uuid)
+        if not out and error is not None:
+            raise error
+        return out
 
     def close(self) -> None:
         """Shut the session down (it reopens at the next read)."""

@@ -377,10 +377,16 @@ def _free_now(request: Request, needed: float) -> int:
     if by_device is None:
         return probe().max_free_bytes(_cached_now())
     free: dict[str, int] = by_device(_cached_now())
+    devices = set(getattr(probe(), "uuids", free))
     if live := {u: f for u, f in free.items() if u in _admit_on}:
         free = live
+        devices &= _admit_on
+    if not free:  # (the live children's devices all unreadable: none admits)
+        return 0
     roomy = frozenset(u for u, f in free.items() if fits(needed, f, HEADROOM_BYTES))
-    if roomy and len(roomy) < len(free):  # (where every device holds it, any child may)
+    # (where every device holds it, any child may; a device that could not be read is
+    # not one that holds it)
+    if roomy and len(roomy) < len(devices | free.keys()):
         steer.want(request.id, roomy)
     return max(free.values())
 

@@ -138,6 +138,16 @@ def test_an_unreadable_device_lets_the_task_run(monkeypatch: pytest.MonkeyPatch,
         assert run(big, delivered(40)) == "ran"
     # said once per child, not at every task
     assert caplog.text.count("could not read device GPU-0000-uuid's free memory") == 1
+    # ...but a task larger than the whole device never fits it: refused, not run (a 50
+    # GiB task ran on a 24 GB L4 whose memory read failed)
+    small = Device(index=1, kind="cuda", name="NVIDIA L4", uuid="GPU-l4",
+                   total_vram_bytes=24 * GIB, free_vram_bytes=22 * GIB)
+    monkeypatch.setattr(rt, "_child", child(Discovery(devices=(gpu_device(0), small)), slot=1))
+    with pytest.raises(Reject) as refused:
+        run(big, delivered(50))
+    assert "has 24.00 GiB in all (its free memory could not be read" in str(
+        refused.value.reason)
+    assert run(big, delivered(20)) == "ran"  # (it may fit: run, as before)
 
 
 class FakeNvml:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -476,10 +476,29 @@ def test_a_gpu_nvml_cannot_read_now_keeps_its_last_reading() -> None:
     fake.gpus[0].free = 1 * GIB
     fake.gpus[1].uuid = "GPU-gone"  # fallen off the bus, say
     now = live(found, nvml=fake)
-    assert now[0].free_vram_bytes == 1 * GIB
-    assert now[1] == found[1]
+    assert now[0].free_vram_bytes == 1 * GIB and now[0].readable
+    # (its reading kept, said to be an earlier one)
+    assert now[1] == replace(found[1], readable=False)
     fake.init_error = "Driver Not Loaded"
-    assert live(now, nvml=fake) == now
+    assert live(now, nvml=fake) == tuple(replace(d, readable=False) for d in now)
+
+
+def test_a_failure_nvml_does_not_name_is_a_reading_kept_not_an_error(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """(a ValueError out of NVML's init stopped the worker's advertisement: its record
+    expired, and a 50 GiB task that its H200 could hold was dead-lettered as fitting no
+    worker)"""
+    fake = two_h100s()
+    found = discover(nvml=fake).devices
+
+    def odd() -> None:
+        raise ValueError("Expecting value: line 1 column 1 (char 0)")
+
+    fake.nvmlInit = odd
+    with caplog.at_level("WARNING"):
+        assert live(found, nvml=fake) == tuple(replace(d, readable=False) for d in found)
+        live(found, nvml=fake)
+    assert caplog.text.count("NVML could not be read (Expecting value") == 1
 
 
 def test_live_reads_the_cpu_device_from_psutil() -> None:

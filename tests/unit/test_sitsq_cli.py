@@ -316,6 +316,12 @@ def test_status_shows_each_devices_free_memory() -> None:
     shown = status.format_status({"queues": [], "workers": [worker]})
     assert ("    devices: cuda:0 NVIDIA H100 80GB HBM3 70.0 of 80.0 GiB free; cuda:1 NVIDIA "
             "A100-SXM4-40GB 2.5 of 40.0 GiB free; cuda:2 odd") in shown.splitlines()
+    # one NVML could not read at the worker's last refresh says its reading is old (it
+    # showed a lost GPU's last free memory as now's)
+    worker["devices"][1]["readable"] = False
+    shown = status.format_status({"queues": [], "workers": [worker]})
+    assert "A100-SXM4-40GB 2.5 of 40.0 GiB free (unreadable now: an earlier reading); " \
+        "cuda:2" in shown
 
 
 def test_status_shows_the_queues_a_worker_consumes() -> None:

@@ -158,6 +158,51 @@ def test_admission_notes_the_devices_that_hold_the_task() -> None:
         request.configure(None)
 
 
+class Lost:
+    """A GPU fallen off the bus: NVML's reads of it fail."""
+
+    @property
+    def free(self) -> int:
+        raise RuntimeError("GPU is lost")
+
+    total = free
+
+
+def test_a_gpu_whose_memory_cannot_be_read_admits_nothing_the_others_still_do(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """(read as a failure of all, every device's check was skipped: tasks of 50 GiB
+    ran on a 24 GB L4 whose NVML read failed, while the H200 had 10 GiB free)"""
+    memory: dict[str, Any] = {"GPU-big": SimpleNamespace(free=10 * GIB, total=141 * GIB),
+                              "GPU-small": Lost()}
+    request.configure(freemem.NvmlProbe(["GPU-big", "GPU-small"], fake_nvml(memory)))
+    try:
+        CeleryGenerated.ran.clear()
+        with caplog.at_level("INFO", logger=freemem.logger.name):
+            # Then a 50 GiB task is held off (no device it can be known to fit)
+            big, qos = fake_request(50)
+            with pytest.raises(request.NotStartedHere):
+                big.execute_using_pool(None)
+            assert CeleryGenerated.ran == [] and [r[0] for r in qos.released] == ["tag-1"]
+            # and one that fits the readable GPU goes to its child, not the lost one's
+            small, _ = fake_request(5)
+            assert small.execute_using_pool(None) == "sent to the pool"
+            assert (w := steer.wanted("task-1")) is not None and w.devices == {"GPU-big"}
+            steer.forget("task-1")
+            # the lost GPU said once, and once more when it reads again
+            memory["GPU-small"] = SimpleNamespace(free=22 * GIB, total=24 * GIB)
+            again, _ = fake_request(5)
+            assert again.execute_using_pool(None) == "sent to the pool"
+        said = [r.getMessage() for r in caplog.records if r.name == freemem.logger.name]
+        assert len(said) == 2 and "GPU is lost" in said[0] and "reads again" in said[1], said
+        # With no device readable, the check is skipped as before (the class cap holds)
+        memory.update({"GPU-big": Lost(), "GPU-small": Lost()})
+        none, _ = fake_request(50)
+        assert none.execute_using_pool(None) == "sent to the pool"
+    finally:
+        steer.forget("task-1")
+        request.configure(None)
+
+
 def test_admission_weighs_only_the_gpus_of_live_children() -> None:
     """(an autoscaled pool below its planned size: a 50 GiB task admitted for an unused
     80 GB GPU's room went to a child on the 40 GB one and was given back at every take)"""
