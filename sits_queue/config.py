@@ -81,9 +81,9 @@ class ClassQuota:
                         MIN_LATENCY_SLA_MS, MAX_LATENCY_SLA_MS)
         checks.interval(f"class {self.name}: loss_sensitivity", self.loss_sensitivity,
                         MIN_LOSS_SENSITIVITY, MAX_LOSS_SENSITIVITY)
-        if self.slice_ms < 0:
-            raise ConfigError(f"class {self.name}: slice_ms must be >= 0 (0: the global "
-                              f"slice_ms), got {self.slice_ms!r}")
+        # (as the global one's: 1e12 was taken, where SITS_SLICE_MS=1e12 was refused)
+        checks.interval(f"class {self.name}: slice_ms", self.slice_ms, 0, 3_600_000,
+                        open_hi=True, note=" ms (0: the global slice_ms)")
 
 
 #: MISSION §1.4 defaults for an A100-80G node. Weights and SLAs are ours: the source gives

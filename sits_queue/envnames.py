@@ -35,8 +35,9 @@ def warn_near_misses(env: Mapping[str, str], known: set[str]) -> None:
 
 
 #: Unit suffixes a variable's name may have, lack or get wrong (``SITS_HOST_CACHE_SIZE``
-#: for ``SITS_HOST_CACHE_BYTES``, ``SITS_VISIBILITY_TIMEOUT`` for ``..._TIMEOUT_S``).
-_UNITS = ("_BYTES", "_SIZE", "_SECONDS", "_SECS", "_S")
+#: for ``SITS_HOST_CACHE_BYTES``, ``SITS_VISIBILITY_TIMEOUT`` for ``..._TIMEOUT_S``,
+#: ``SITS_SLICE`` for ``SITS_SLICE_MS``: without ``_MS`` it was "did you mean SITS_SITE?").
+_UNITS = ("_BYTES", "_SIZE", "_SECONDS", "_SECS", "_MS", "_S")
 
 
 def _stem(name: str) -> str:

@@ -166,6 +166,13 @@ def check_redis_url(url: str, what: str = "redis_url", celery: bool = True) -> s
                           "(Celery's broker layer reads it from the URL itself); give the "
                           "password as redis://:PASSWORD@host, a user as redis://USER:"
                           "PASSWORD@host")
+    # (parse_qsl drops them, so did every check below; Celery's reading of the URL does
+    # not: "?socket_timeout=" ended every command on a traceback, "could not convert
+    # string to float: ''")
+    blank = sorted({k for k, v in parse_qsl(parts.query, keep_blank_values=True)
+                    if not v.strip()})
+    if blank:
+        raise ConfigError(f"{what} {shown}: query option {', '.join(blank)} has no value")
     for key, path in parse_qsl(parts.query):
         # redis-py opens them at the first connection and says "No such file or
         # directory" naming none: a worker retried that for good
@@ -199,7 +206,18 @@ def check_redis_url(url: str, what: str = "redis_url", celery: bool = True) -> s
                               + f" s, got {value!r}")
     if celery and (why := unsupported(url)) is not None:
         raise ConfigError(f"{what} {shown}: {why}")
+    most = [v for k, v in parse_qsl(parts.query) if k == "max_connections"]
+    if celery and most and int(most[-1]) < MIN_CONNECTIONS:
+        # (its consumer, producers, result backend and heartbeat each hold one: at 1 a
+        # worker started, then lost its broker in a loop and ran nothing)
+        raise ConfigError(f"{what} {shown}: max_connections must be at least "
+                          f"{MIN_CONNECTIONS} (a worker holds several at once; Celery's "
+                          f"default is {MIN_CONNECTIONS}), got {most[-1]}")
     return url
+
+
+#: The fewest connections per pool a URL may allow (kombu's and Celery's default pool).
+MIN_CONNECTIONS = 10
 
 
 #: Characters a key prefix must not hold: Redis glob characters (kombu subscribes to the

@@ -242,12 +242,17 @@ def format_status(report: dict[str, Any]) -> str:
         if q.get("error"):
             lines.append(f"  not all of it readable (a key of another program's?): "
                          f"{q['error']}")
-        for row in q["head"]:
+        # (columns as wide as the longest name, a space after: a class of 8 letters
+        # ran into its task's name, "criticalp4.echo")
+        classes = [printable(row.get("sla_class") or "?") for row in q["head"]]
+        tasks = [printable(row.get("task") or "?") for row in q["head"]]
+        wide = max([7, *map(len, classes)]) + 1
+        wider = max([31, *map(len, tasks)]) + 1
+        for row, sla_class, task in zip(q["head"], classes, tasks, strict=True):
             prio = "?" if row["priority"] is None else f"{row['priority']:.2f}"
             waited = (f"due in {row['due_in_s']} s" if row.get("due_in_s") is not None
                       else f"waited {_or_unknown(row.get('wait_s'))} s")
-            lines.append(f"  {prio:>12}  {printable(row.get('sla_class') or '?')!s:<8}"
-                         f"{printable(row.get('task') or '?')!s:<32}{waited}")
+            lines.append(f"  {prio:>12}  {sla_class:<{wide}}{task:<{wider}}{waited}")
     for name, n in (report.get("stray") or {}).items():
         lines.append(f"warning: {n} message(s) in plain Redis lists of queue {name!r} (the "
                      "list of its name and its priority lists): sent by a "

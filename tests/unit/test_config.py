@@ -107,7 +107,9 @@ def test_boolean_words(word: str) -> None:
     ({"weights": {"risk_cap": True}}, "risk_cap"),
     ({"classes": 5}, "classes must be a list of"),
     ({"classes": [{"name": "low", "slice_ms": -1.0}], "default_class": "low"},
-     "class low: slice_ms must be >= 0"),
+     r"class low: slice_ms must be in \[0, 3600000\) ms"),
+    ({"classes": [{"name": "low", "slice_ms": 1e12}], "default_class": "low"},
+     r"class low: slice_ms must be in \[0, 3600000\) ms \(0: the global slice_ms\)"),
     ({"classes": [{"name": "low", "slice_ms": "5"}], "default_class": "low"},
      "class 'low': slice_ms must be a finite number"),
     ({"weights": {"qos_gain": "x"}}, "qos_gain"),
@@ -322,6 +324,8 @@ def test_a_variable_that_nearly_names_a_setting_is_warned_about(
     ("SITS_DEVICE_CACHE_SIZE", "SITS_DEVICE_CACHE_BYTES"),
     ("SITS_REDIS_ULR", "SITS_REDIS_URL"),  # two letters swapped: one edit
     ("SITS_METRIC_PORT", "SITS_METRICS_PORT"),
+    ("SITS_SLICE", "SITS_SLICE_MS"),  # (it was "did you mean SITS_SITE?")
+    ("SITS_SLICE_SECONDS", "SITS_SLICE_MS"),
 ])
 def test_a_near_miss_names_every_setting_as_near(
         name: str, meant: str, caplog: pytest.LogCaptureFixture,

@@ -46,3 +46,24 @@ def test_a_refused_url_is_a_one_line_setting_error() -> None:
         SitsConfig(redis_url="rediss://h/0")
     assert unsupported("redis://h/0?socket_timeout=5&db=1") is None
     assert unsupported("rediss://h/0?ssl_cert_reqs=required&ssl_ca_certs=/ca.pem") is None
+
+
+@pytest.mark.parametrize("option", ["socket_timeout", "db", "health_check_interval",
+                                    "max_connections", "socket_connect_timeout",
+                                    "retry_on_timeout"])
+def test_a_query_option_without_a_value_is_refused_naming_it(option: str) -> None:
+    """(parse_qsl drops a blank option, so every check passed it; Celery's reading did
+    not: "?socket_timeout=" ended every command on a traceback, "could not convert
+    string to float: ''")"""
+    with pytest.raises(ConfigError, match=f"query option {option} has no value"):
+        SitsConfig(redis_url=f"redis://127.0.0.1:6379/0?{option}=")
+    # a site peer's URL too (redis-py's alone: it passed)
+    with pytest.raises(ConfigError, match=f"query option {option} has no value"):
+        SitsConfig(site="a", site_peers=f"b=redis://127.0.0.1:6380/2?{option}=")
+
+
+def test_too_few_connections_for_a_worker_are_refused() -> None:
+    """(at 1 a worker started, then lost its broker in a loop and ran nothing)"""
+    with pytest.raises(ConfigError, match="max_connections must be at least 10"):
+        SitsConfig(redis_url="redis://127.0.0.1:6379/0?max_connections=1")
+    assert SitsConfig(redis_url="redis://127.0.0.1:6379/0?max_connections=10")

@@ -502,3 +502,17 @@ def test_sitsq_says_its_version() -> None:
 
     out = CliRunner().invoke(cli.main, ["--version"])
     assert out.exit_code == 0 and out.output.strip() == f"sitsq, version {version('sits-queue')}"
+
+
+def test_status_columns_fit_long_class_and_task_names() -> None:
+    """(a class of 8 letters ran into its task's name: "criticalp4.echo")"""
+    head = [{"id": "x", "priority": 1.0, "seq": 1, "sla_class": "critical", "task": "p4.echo",
+             "wait_s": 0.5},
+            {"id": "y", "priority": 1.0, "seq": 2, "sla_class": "scavenger",
+             "task": "a" * 40, "wait_s": 0.5}]
+    report = {"queues": [{"queue": "celery", "waiting": 2, "unacked": 0, "dead": 0,
+                          "checkpointed": 0, "held": 0, "head": head}], "workers": []}
+    rows = [line.split() for line in status.format_status(report).splitlines()
+            if "waited" in line]
+    assert rows == [["1.00", "critical", "p4.echo", "waited", "0.5", "s"],
+                    ["1.00", "scavenger", "a" * 40, "waited", "0.5", "s"]]
