@@ -18,18 +18,15 @@ from sits_queue.app import make_app
 from sits_queue.broker import sites
 from sits_queue.broker.keys import mirror_key, missing_since_key
 from sits_queue.config import SitsConfig
-from sits_queue.embedded import EmbeddedRedis
 from sits_queue.procs import start_worker, wait_ready
 from tests.integration.conftest import APP_MODULE, ROOT, worker_env
+from tests.integration.test_sites import embedded_site
 from tests.waiting import wait_for
 
 
 @pytest.fixture(scope="module")
 def site_b(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = EmbeddedRedis(Path(tmp_path_factory.mktemp("site-b")))
-    server.start()
-    yield server.url
-    server.stop()
+    yield from embedded_site(tmp_path_factory, "site-b-results")
 
 
 @pytest.fixture
