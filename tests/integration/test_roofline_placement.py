@@ -128,6 +128,7 @@ def test_workers_behind_other_queues_are_not_weighed_against_each_other(
 def test_on_a_host_of_unlike_gpus_each_child_takes_the_work_its_gpu_suits(
         tmp_path: Path, redis_url: str, r: redis.Redis, client_app: Celery) -> None:
     # Given one worker of two children on one host: an H200 and an L4 (one fleet alone)
+    r.delete("test:device:decode", "test:device:prefill")  # (the module's earlier tests')
     state = tmp_path / "nvml.json"
     state.write_text(json.dumps({"gpus": [
         {"uuid": H200, "name": "NVIDIA H200", "total": 141 * GIB, "free": 139 * GIB},
