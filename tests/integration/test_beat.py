@@ -321,3 +321,39 @@ def test_a_pass_goes_to_the_control_queue_alone_under_topic_routing(
         assert redis_client.zcard(CONTROL.waiting) == 1
     finally:
         app.close()
+
+
+@pytest.mark.parametrize("outage", ["down", "hung"])
+def test_a_beat_stopped_while_its_redis_is_away_stops(tmp_path: Path, outage: str) -> None:
+    """(SIGTERM with Redis down: exit 1 on ~1,400 lines of traceback; with Redis hung,
+    the lock's release failed inside the signal handler, the next tick took the error
+    for an outage to wait out, and the beat went on leading for good)"""
+    import os
+    import signal
+
+    server = EmbeddedRedis(tmp_path / "redis")
+    url = server.start()
+    beat = start_beat(APP_MODULE, worker_env(url, prewarm_interval_s="0"),
+                      tmp_path / "logs", cwd=ROOT)
+    stopped = False
+    try:
+        wait_for(lambda: "acquired lock" in beat.log(), 60, "the beat to lead")
+        if outage == "down":
+            server.stop()
+        else:
+            os.kill(server.pid, signal.SIGSTOP)
+            stopped = True
+        time.sleep(1)
+        # When it is asked to stop
+        os.kill(beat.pid, signal.SIGTERM)
+        # Then it stops, at once but for one socket timeout, saying so in one line
+        beat.popen.wait(30)
+        log = beat.log()
+        assert beat.popen.returncode == 0, log[-3000:]
+        assert "could not release its lock, Redis unreachable" in log
+        assert "Traceback" not in log, log[-3000:]
+    finally:
+        if stopped:
+            os.kill(server.pid, signal.SIGCONT)
+        beat.kill()
+        server.stop()
