@@ -163,12 +163,12 @@ class SitsTask(Task):  # type: ignore[misc]
         running = self.request if request is None else request
         header = getattr(running, HEADER, None)
         if isinstance(header, Mapping):
+            config = sits_config(self.app)
             # New arguments: what the first send worked out from the old ones (its input
             # entropy, its prompt's prefix key) is worked out afresh from these
             derived = {} if args is None and kwargs is None else derived_from_args(
-                sits_config(self.app), getattr(running, "args", None) or (),
+                config, getattr(running, "args", None) or (),
                 getattr(running, "kwargs", None) or {})
-            config = sits_config(self.app)
             for name in OPTION_NAMES:
                 value = header.get(name)
                 if name == "sla_class" and value not in config.class_names:
@@ -182,7 +182,7 @@ class SitsTask(Task):  # type: ignore[misc]
             old = header.get("sla_class")
             if isinstance(old, str) and sig.options.get("sla_class") != old:
                 self._forget_class_defaults(sig.options, old, extra_options)
-            fit_carried_limit(sits_config(self.app), sig.options, old, extra_options)
+            fit_carried_limit(config, sig.options, old, extra_options)
         return sig
 
     def replace(self, sig: Any) -> Any:

@@ -160,7 +160,8 @@ def check_redis_url(url: str, what: str = "redis_url", celery: bool = True) -> s
     # Kombu (Celery's broker layer) reads these from the URL itself: given in the query
     # too, every producer and Celery command failed with a raw TypeError ("multiple
     # values for keyword argument 'password'")
-    clashing = sorted(k for k, _ in parse_qsl(parts.query) if k in _KOMBU_URL_FIELDS)
+    query = parse_qsl(parts.query)  # (without blank options: those are refused below)
+    clashing = sorted(k for k, _ in query if k in _KOMBU_URL_FIELDS)
     if clashing:
         raise ConfigError(f"{what} {shown}: {', '.join(clashing)} cannot be a query option "
                           "(Celery's broker layer reads it from the URL itself); give the "
@@ -173,13 +174,13 @@ def check_redis_url(url: str, what: str = "redis_url", celery: bool = True) -> s
                     if not v.strip()})
     if blank:
         raise ConfigError(f"{what} {shown}: query option {', '.join(blank)} has no value")
-    for key, path in parse_qsl(parts.query):
+    for key, path in query:
         # redis-py opens them at the first connection and says "No such file or
         # directory" naming none: a worker retried that for good
         if key in TLS_OPTIONS - {"ssl_cert_reqs"} and not os.access(path, os.R_OK):
             state = "is not a readable file" if os.path.exists(path) else "does not exist"
             raise ConfigError(f"{what} {shown}: {key} {path} {state}")
-    for key, word in parse_qsl(parts.query):
+    for key, word in query:
         # redis-py reads any value but 0/f/false/n/no as true, this module's reading for
         # Celery's backend only 1/true/yes/on: "off" or "maybe" meant one to the broker's
         # connections and the other to the backend's
@@ -206,7 +207,7 @@ def check_redis_url(url: str, what: str = "redis_url", celery: bool = True) -> s
                               + f" s, got {value!r}")
     if celery and (why := unsupported(url)) is not None:
         raise ConfigError(f"{what} {shown}: {why}")
-    most = [v for k, v in parse_qsl(parts.query) if k == "max_connections"]
+    most = [v for k, v in query if k == "max_connections"]
     if celery and most and int(most[-1]) < MIN_CONNECTIONS:
         # (its consumer, producers, result backend and heartbeat each hold one: at 1 a
         # worker started, then lost its broker in a loop and ran nothing)

@@ -26,6 +26,7 @@ Celery picks it from the backend URL: ``sits_queue.broker.results:SitsRedisBacke
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from importlib import resources
@@ -67,8 +68,14 @@ def store_encoded(client: Any, key: str, value: bytes | str, ttl_ms: int) -> boo
     ``key``, as a worker's store does (``store_result.lua``: never over a SUCCESS, and
     published to the key's channel, where a waiting ``get()`` hears it); whether it was
     stored."""
-    source = resources.files("sits_queue.broker").joinpath("lua/store_result.lua").read_text()
-    return bool(client.register_script(source)(keys=[key], args=[value, max(0, ttl_ms)]))
+    script = client.register_script(store_result_source())
+    return bool(script(keys=[key], args=[value, max(0, ttl_ms)]))
+
+
+@functools.cache
+def store_result_source() -> str:
+    """``store_result.lua``'s source (read once a process)."""
+    return resources.files("sits_queue.broker").joinpath("lua/store_result.lua").read_text()
 
 
 class SitsRedisBackend(RedisBackend):  # type: ignore[misc]
@@ -169,8 +176,7 @@ class SitsRedisBackend(RedisBackend):  # type: ignore[misc]
     def _script(self) -> Any:
         if self._store_script is None:
             # redis-py's Script: EVALSHA, loading the source once after NOSCRIPT.
-            source = resources.files("sits_queue.broker").joinpath(
-                "lua/store_result.lua").read_text()
+            source = store_result_source()
             script = self.client.register_script(source)
             # Loaded now: a deferred STARTED sent before the first load would meet NOSCRIPT.
             self.client.script_load(source)

@@ -145,11 +145,8 @@ def standing(own: Mapping[str, Any], fleet: Sequence[Mapping[str, Any]],
         return Standing(precisions, affinity.Roofline(ridges, {}))
     weight = policy.roofline_weight
     theirs = [kind for r in rivals for kind in kind_ridges(r)]
-    mine = {str(d.get("uuid")): r for d in _devices(own)
-            if (r := device_ridges({"devices": [d]}))}
-    devices = {uuid: affinity.Roofline(r, _bounds(r, theirs, weight))
-               for uuid, r in mine.items()} \
-        if len({tuple(sorted(r.items())) for r in mine.values()}) > 1 else {}
+    devices = _each_device(_devices(own), theirs, weight) if len(kind_ridges(own)) > 1 \
+        else {}
     return Standing(precisions, affinity.Roofline(ridges, _bounds(ridges, theirs, weight)),
                     devices)
 
@@ -163,6 +160,14 @@ def kind_ridges(record: Mapping[str, Any]) -> list[dict[str, float]]:
         if (r := device_ridges({"devices": [device]})) and r not in kinds:
             kinds.append(r)
     return kinds
+
+
+def _each_device(devices: Sequence[Mapping[str, Any]], theirs: Sequence[Mapping[str, float]],
+                 weight: float) -> dict[str, affinity.Roofline]:
+    """Each of ``devices``' (advertised records) roofline against ``theirs``, by UUID;
+    one without datasheet figures has none."""
+    return {str(d.get("uuid")): affinity.Roofline(r, _bounds(r, theirs, weight))
+            for d in devices if (r := device_ridges({"devices": [d]}))}
 
 
 def _bounds(ridges: Mapping[str, float], theirs: Sequence[Mapping[str, float]],
@@ -189,13 +194,8 @@ def host_rooflines(devices: Sequence[Mapping[str, Any]], weight: float
     devices without datasheet figures, weighs nothing (an empty map)."""
     if weight <= 0:
         return {}
-    ridges = {str(d.get("uuid")): device_ridges({"devices": [d]}) for d in devices}
     theirs = kind_ridges({"devices": list(devices)})
-    out: dict[str, affinity.Roofline] = {}
-    for uuid, own in ridges.items():
-        if own and (bounds := _bounds(own, theirs, weight)):
-            out[uuid] = affinity.Roofline(own, bounds)
-    return out
+    return {uuid: r for uuid, r in _each_device(devices, theirs, weight).items() if r.bounds}
 
 
 class FleetWeights:
