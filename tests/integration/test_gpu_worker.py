@@ -423,9 +423,14 @@ def test_usr2_puts_a_childs_stacks_in_the_log_and_it_serves_on(
     # When a pool child gets SIGUSR2 (as an operator would, for a child that is stuck)
     os.kill(before, signal.SIGUSR2)
     # Then every thread's stack is in the worker's log, and the same child serves on
-    wait_for(lambda: worker.log().count("(most recent call first)") > dumps, CALL_S,
-             "the child's stacks in the worker's log")
-    assert "File " in worker.log().rsplit("(most recent call first)", 1)[1]
+    # (faulthandler writes each thread's header line before its frames: wait for a frame of
+    # the new dump, not only its first header, or a read between the two finds none)
+    def new_frames() -> bool:
+        log = worker.log()
+        return (log.count("(most recent call first)") > dumps
+                and "File " in log.split("(most recent call first)", dumps + 1)[-1])
+
+    wait_for(new_frames, CALL_S, "the child's stacks in the worker's log")
     assert call(app, "t.describe", "after-usr2")["output"]["pid"] == before
     assert_serving(app, worker)
 
