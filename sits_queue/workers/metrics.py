@@ -465,7 +465,9 @@ def serve(config: SitsConfig, hostname: str | None,
         logger.error("metrics endpoint not started: cannot listen on %s:%d (%s); %s",
                      config.metrics_addr, config.metrics_port, exc, hint)
         return None
-    logger.info("metrics at http://%s:%d/metrics", config.metrics_addr,
+    addr = config.metrics_addr
+    logger.info("metrics at http://%s:%d/metrics",
+                f"[{addr}]" if ":" in addr else addr,  # (IPv6, as a URL writes it)
                 _server.server_address[1])
     return _server
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import pytest
@@ -314,3 +315,24 @@ def test_an_endpoint_that_cannot_listen_says_what_to_change(
         assert metrics.serve(SitsConfig(metrics_port=80), "w@h") is None
     (said,) = [r.getMessage() for r in caplog.records]
     assert said.startswith("metrics endpoint not started: cannot listen on") and hint in said
+
+
+@pytest.mark.parametrize(("addr", "url"), [("::1", "http://[::1]:"),
+                                           ("127.0.0.1", "http://127.0.0.1:")])
+def test_the_endpoint_logs_a_url_an_ipv6_address_can_be_opened_at(
+        addr: str, url: str, caplog: pytest.LogCaptureFixture) -> None:
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    try:
+        with socket.socket(family) as probe:  # (a free port on that address)
+            probe.bind((addr, 0))
+            port = probe.getsockname()[1]
+    except OSError as exc:  # (a host without IPv6 on its loopback: nothing to show)
+        pytest.skip(f"cannot listen on {addr}: {exc}")
+    with caplog.at_level("INFO", logger=metrics.logger.name):
+        assert metrics.serve(SitsConfig(metrics_port=port, metrics_addr=addr), "w@h",
+                             strict=True) is not None
+    try:
+        (said,) = [r.getMessage() for r in caplog.records if "metrics at" in r.getMessage()]
+        assert said == f"metrics at {url}{port}/metrics"
+    finally:
+        metrics.stop()
