@@ -20,6 +20,11 @@ that keeps SITS's maintenance passes scheduled and lives through Redis outages.
   shorter than that allows. (It was 6 x the rescoring interval: at 300 s a killed
   beat's lock lived 30 minutes, and a standby, looking every sixth of that, sent
   nothing all along.)
+* **A bad entry is said once.** An app's entry whose SITS options (or the arguments they
+  read) are refused was sent each period and refused each time, logged with a stack
+  dump by Celery. Here it is left out of the schedule as the beat starts, in one error
+  naming the entry and the problem; an entry put in Redis by other means (redbeat's own
+  entries) is refused in one line, once.
 * **The leader's schedule is its own.** redbeat writes a beat's entries into Redis as it
   starts, before any lock, pruning what its own schedule lacks: a standby started with
   another schedule (a rolling deploy, a host that does not load the user's tasks module)
@@ -37,6 +42,7 @@ from typing import Any
 
 import redis
 from celery import beat
+from celery.beat import BeatLazyFunc, SchedulingError
 from celery.signals import beat_init
 from redbeat.schedulers import (
     LUA_EXTEND_TO_SCRIPT,
@@ -47,6 +53,7 @@ from redbeat.schedulers import (
 
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.broker.meta import WaitingMeta
+from sits_queue.errors import InvalidTaskOptions
 from sits_queue.options import CONTROL_QUEUE, MAINTENANCE_TASKS
 from sits_queue.settings import beat_lock_timeout_s
 
@@ -71,6 +78,8 @@ class SitsScheduler(RedBeatScheduler):  # type: ignore[misc]
     lock_timeout: int
 
     def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
+        #: (entry, reason) refused as sent, said once
+        self._refused: set[tuple[str, str]] = set()
         super().__init__(app, *args, **kwargs)
         # A beat told to sleep longer (``--max-interval``, its own
         # ``beat_max_loop_interval``) keeps a lock that outlives its sleeps: shorter, a
@@ -87,7 +96,16 @@ class SitsScheduler(RedBeatScheduler):  # type: ignore[misc]
             logger.warning("beat: beat_schedule was replaced; SITS's maintenance entries %s "
                            "added back (update beat_schedule rather than assign it)",
                            sorted(missing))
-            self.app.conf.beat_schedule = {**current, **missing}
+            current = {**current, **missing}
+        refused = {name: why for name, entry in current.items()
+                   if name not in missing and (why := unsendable(self.app, entry))}
+        for name, why in refused.items():
+            logger.error("beat: entry %r (%s) left out of the schedule, its task would be "
+                         "refused: %s (fix it in beat_schedule)", name,
+                         current[name].get("task"), why)
+        if missing or refused:
+            self.app.conf.beat_schedule = {name: entry for name, entry in current.items()
+                                           if name not in refused}
         # Installed into Redis by the first tick that holds the lock (module docstring).
         self._installed = False
 
@@ -104,7 +122,19 @@ class SitsScheduler(RedBeatScheduler):  # type: ignore[misc]
             logger.info("beat: %s not sent: the last one still waits for a slot",
                         entry.task)
             return None
-        return super().apply_async(entry, producer, advance, **kwargs)
+        try:
+            return super().apply_async(entry, producer, advance, **kwargs)
+        except SchedulingError as exc:
+            # (an entry in Redis that is not the app's: those are checked as the beat
+            # starts) refused in one line, once, not with a stack dump each period
+            cause = exc.__context__
+            if not isinstance(cause, InvalidTaskOptions):
+                raise
+            said = (entry.name, str(cause))
+            if said not in self._refused:
+                self._refused.add(said)
+                logger.error("beat: %s (%s) not sent: %s", entry.name, entry.task, cause)
+            return None
 
     def _waiting(self, task: str) -> bool:
         """Whether a message of ``task`` waits in the control queue (among its first
@@ -166,3 +196,36 @@ class SitsScheduler(RedBeatScheduler):  # type: ignore[misc]
         # it. Installing them again keeps the last runs of any that are still there.
         self._installed = False
         return True
+
+
+def unsendable(app: Any, entry: Any) -> str | None:
+    """Why a ``beat_schedule`` entry's task would be refused as it is sent (its SITS and
+    delivery options, and the arguments they read), or None. Lazy arguments
+    (``BeatLazyFunc``) are not called here: the options are checked without them."""
+    from sits_queue.app import sits_config
+    from sits_queue.calloptions import call_options, routed_options
+    from sits_queue.delivery import check_delivery
+
+    if not isinstance(entry, dict):
+        return None  # (not ours to judge: Celery's own check of the schedule says)
+    name, options = entry.get("task"), entry.get("options") or {}
+    if not isinstance(name, str) or not isinstance(options, dict):
+        return None
+    args, kwargs = entry.get("args", ()), entry.get("kwargs", {})
+    if isinstance(args, BeatLazyFunc) or isinstance(kwargs, BeatLazyFunc) or any(
+            isinstance(v, BeatLazyFunc) for v in (*_items(args), *_items(kwargs))):
+        args, kwargs = (), {}
+    options = dict(options)
+    try:
+        check_delivery(name, options, app.timezone)
+        routed_options(app, name, args, kwargs, options)
+        call_options(app.tasks.get(name), sits_config(app), options, app.conf, args, kwargs)
+    except (InvalidTaskOptions, TypeError) as exc:
+        return str(exc)
+    return None
+
+
+def _items(value: Any) -> tuple[Any, ...]:
+    if isinstance(value, dict):
+        return tuple(value.values())
+    return tuple(value) if isinstance(value, list | tuple) else ()

@@ -143,6 +143,48 @@ def test_an_assigned_beat_schedule_keeps_the_sits_passes(redis_url: str,
         app.close()
 
 
+def test_an_entry_whose_task_would_be_refused_is_left_out_in_one_error(
+        redis_url: str, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+        ) -> None:
+    """(it was sent each period and refused each time, with a stack dump)"""
+    app = make_app(SitsConfig(redis_url=redis_url), main="beat-refused")
+    schedule = {
+        "bad-class": {"task": "app.tick", "schedule": 5.0, "options": {"sla_class": "nope"}},
+        "bad-args": {"task": "app.tick", "schedule": 5.0, "args": 5},
+        "bad-delivery": {"task": "app.tick", "schedule": 5.0, "options": {"task_id": ""}},
+        "tick": {"task": "app.tick", "schedule": 5.0, "options": {"sla_class": "high"}},
+    }
+    app.conf.beat_schedule = dict(schedule)
+    redis_client.flushall()
+    try:
+        with caplog.at_level("INFO", logger="sits_queue.priority.beat"):
+            scheduler = SitsScheduler(app=app)
+            scheduler.tick()
+        said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert len(said) == 3, said
+        assert any("'bad-class' (app.tick)" in line and "sla_class 'nope'" in line
+                   for line in said)
+        assert any("'bad-args'" in line and "list or tuple, got int" in line for line in said)
+        assert any("'bad-delivery'" in line and "task_id" in line for line in said)
+        assert redis_client.exists("sits:redbeat:tick")
+        for name in ("bad-class", "bad-args", "bad-delivery"):
+            assert not redis_client.exists(f"sits:redbeat:{name}"), name
+        # An entry not in the app's schedule (put in Redis by other means) is refused as
+        # it comes due: in one line, once, and the beat goes on
+        caplog.clear()
+        entry = ScheduleEntry(name="dynamic", task="app.tick", schedule=1.0, app=app,
+                              options={"sla_class": "nope"})
+        with caplog.at_level("INFO", logger="sits_queue.priority.beat"):
+            assert scheduler.apply_async(entry, advance=False) is None
+            assert scheduler.apply_async(entry, advance=False) is None
+        (line,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert line.startswith("beat: dynamic (app.tick) not sent: unknown sla_class 'nope'")
+        assert not caplog.records[0].exc_info
+        scheduler.close()
+    finally:
+        app.close()
+
+
 def test_a_standby_beat_leaves_the_leader_s_schedule_alone(
         redis_url: str, redis_client: redis.Redis) -> None:
     """(redbeat installs a beat's entries as it starts, before any lock, deleting what its
