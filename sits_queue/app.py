@@ -406,7 +406,8 @@ class SitsCelery(Celery):  # type: ignore[misc]
             return super().send_task(name, args, kwargs, **options)
         routed_options(self, name, args, kwargs, options)
         config = sits_config(self)
-        opts = call_options(self.tasks.get(name), config, options, self.conf, args, kwargs)
+        opts = call_options(self.tasks.get(name), config, options, self.conf, args, kwargs,
+                            name)
         options["headers"] = sits_headers(config, opts, options.pop("headers", None),
                                           time.time())
         return super().send_task(name, args, kwargs, **options)

@@ -84,16 +84,17 @@ def routed_options(app: Celery, name: str, args: Any, kwargs: Any,
 
 
 def resolve_task_options(task: Task | None, config: SitsConfig, per_call: Mapping[str, Any],
-                         args: Any = (), kwargs: Any = None) -> TaskOptions:
+                         args: Any = (), kwargs: Any = None, name: str | None = None
+                         ) -> TaskOptions:
     """Decorator defaults + per-call options, validated (``SitsTask.apply_async``'s rule);
-    a task not registered here (None) declares nothing.
+    a task not registered here (None) declares nothing, and errors name it by ``name``.
 
     Raises :class:`~sits_queue.errors.InvalidTaskOptions`; nothing has been sent then.
     """
     # Celery's own checks, first: the options read the arguments (input entropy), and
     # failed on a bad shape with an error naming neither ("'list' object has no
     # attribute 'values'")
-    who = getattr(task, "name", "the task")
+    who = getattr(task, "name", None) or name or "the task"
     if args is not None and not isinstance(args, list | tuple):
         raise TypeError(f"{who}: task args must be a list or tuple, got "
                         f"{type(args).__name__}")
@@ -116,13 +117,13 @@ def resolve_task_options(task: Task | None, config: SitsConfig, per_call: Mappin
 
 
 def call_options(task: Task | None, config: SitsConfig, options: dict[str, Any],
-                 conf: Mapping[str, Any], args: Any = (), kwargs: Any = None
-                 ) -> TaskOptions:
+                 conf: Mapping[str, Any], args: Any = (), kwargs: Any = None,
+                 name: str | None = None) -> TaskOptions:
     """One call's SITS options, taken out of its apply_async-style ``options``, with the
     time limits the message carries set there (:func:`apply_class_limits`); a batch
     task's key names those limits (:func:`~sits_queue.options.batch_key`)."""
     most = options.pop("max_batch", None)
-    opts = resolve_task_options(task, config, pop_sits_options(options), args, kwargs)
+    opts = resolve_task_options(task, config, pop_sits_options(options), args, kwargs, name)
     if most is not None:
         opts = _call_max_batch(task, opts, most)
     apply_class_limits(task, config, opts.sla_class, options, conf)

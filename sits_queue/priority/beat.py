@@ -219,7 +219,8 @@ def unsendable(app: Any, entry: Any) -> str | None:
     try:
         check_delivery(name, options, app.timezone)
         routed_options(app, name, args, kwargs, options)
-        call_options(app.tasks.get(name), sits_config(app), options, app.conf, args, kwargs)
+        call_options(app.tasks.get(name), sits_config(app), options, app.conf, args, kwargs,
+                     name)
     except (InvalidTaskOptions, TypeError) as exc:
         return str(exc)
     return None

@@ -164,7 +164,8 @@ def test_an_entry_whose_task_would_be_refused_is_left_out_in_one_error(
         assert len(said) == 3, said
         assert any("'bad-class' (app.tick)" in line and "sla_class 'nope'" in line
                    for line in said)
-        assert any("'bad-args'" in line and "list or tuple, got int" in line for line in said)
+        assert any("'bad-args'" in line and "app.tick: task args must be a list or tuple, got int"
+                   in line for line in said)
         assert any("'bad-delivery'" in line and "task_id" in line for line in said)
         assert redis_client.exists("sits:redbeat:tick")
         for name in ("bad-class", "bad-args", "bad-delivery"):

@@ -147,6 +147,9 @@ def test_arguments_of_the_wrong_shape_are_refused_naming_them(
         add.apply_async(args, kwargs)
     with pytest.raises(TypeError, match=said):
         app.send_task("u.add", args, kwargs)
+    # a task this app does not register, sent by name, is named too
+    with pytest.raises(TypeError, match=said.replace("u.add", "elsewhere.add")):
+        app.send_task("elsewhere.add", args, kwargs)
 
 
 def test_a_countdown_tasks_wait_counts_from_when_it_falls_due() -> None:
