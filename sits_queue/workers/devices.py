@@ -514,9 +514,12 @@ _unreadable = Spell(logging.getLogger(__name__))
 
 
 def _live_readings(nvml: Any, gpus: Sequence[Device]) -> dict[str, tuple[int, float | None]]:
-    errors = _nvml_errors(nvml)
+    """Each GPU's (free bytes, utilisation) by UUID, one NVML session; a GPU it cannot read
+    now is left out. A failure of the session itself is raised, for :func:`live` to say
+    (an NVML error here was let go unsaid: a driver unloaded showed as GPUs unreadable, no
+    reason given, where any other failure was said)."""
     found: dict[str, tuple[int, float | None]] = {}
-    with contextlib.suppress(*errors), _opened(nvml):
+    with _opened(nvml):
         for device in gpus:
             try:
                 handle = nvml.nvmlDeviceGetHandleByUUID(device.uuid)

@@ -470,7 +470,8 @@ def test_live_reads_free_memory_and_utilisation_and_nothing_else() -> None:
     assert fake.shutdowns == 2  # discovery's session, then one for both readings
 
 
-def test_a_gpu_nvml_cannot_read_now_keeps_its_last_reading() -> None:
+def test_a_gpu_nvml_cannot_read_now_keeps_its_last_reading(
+        caplog: pytest.LogCaptureFixture) -> None:
     fake = two_h100s()
     found = discover(nvml=fake).devices
     fake.gpus[0].free = 1 * GIB
@@ -479,8 +480,15 @@ def test_a_gpu_nvml_cannot_read_now_keeps_its_last_reading() -> None:
     assert now[0].free_vram_bytes == 1 * GIB and now[0].readable
     # (its reading kept, said to be an earlier one)
     assert now[1] == replace(found[1], readable=False)
+    assert "NVML could not be read" not in caplog.text  # (one GPU lost: not NVML)
     fake.init_error = "Driver Not Loaded"
-    assert live(now, nvml=fake) == tuple(replace(d, readable=False) for d in now)
+    with caplog.at_level("WARNING"):
+        assert live(now, nvml=fake) == tuple(replace(d, readable=False) for d in now)
+    # (said, with NVML's reason: it was let go unsaid)
+    assert "NVML could not be read (" in caplog.text and "Driver Not Loaded" in caplog.text
+    fake.init_error = None
+    with caplog.at_level("INFO"):
+        assert live(now, nvml=fake)[0].readable
 
 
 def test_a_failure_nvml_does_not_name_is_a_reading_kept_not_an_error(
