@@ -377,7 +377,8 @@ def _placement_text(placement: Any) -> str:
     devices = placement.get("devices")
     for uuid, own in sorted(devices.items() if isinstance(devices, dict) else ()):
         if isinstance(own, dict) and (text := _placement_text(
-                {"bounds": own.get("bounds"), "ridges": own.get("ridges")})):
+                {"precisions": own.get("precisions"), "bounds": own.get("bounds"),
+                 "ridges": own.get("ridges")})):
             parts.append(f"on {printable(uuid)}: {text}")
     return ", ".join(parts)
 

@@ -117,6 +117,9 @@ class Standing:
     #: On a host of unlike GPUs, each device's own roofline (by UUID), for the picks of
     #: its children alone (``warmreader.py``); empty on a host of one kind.
     devices: Mapping[str, affinity.Roofline] = field(default_factory=dict)
+    #: On a host of unlike GPUs, each device's own precision weights (by UUID; a device
+    #: strong at none: empty), as :attr:`devices`; empty on a host of one kind.
+    device_precisions: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
 
 def placement_record(standing: Standing) -> dict[str, Any]:
@@ -124,9 +127,13 @@ def placement_record(standing: Standing) -> dict[str, Any]:
     record: dict[str, Any] = {"precisions": dict(standing.precisions),
                               "bounds": dict(standing.roofline.bounds),
                               "ridges": dict(standing.roofline.ridges)}
-    if standing.devices:
-        record["devices"] = {uuid: {"bounds": dict(r.bounds), "ridges": dict(r.ridges)}
-                             for uuid, r in standing.devices.items()}
+    devices: dict[str, dict[str, Any]] = {}
+    for uuid, r in standing.devices.items():
+        devices[uuid] = {"bounds": dict(r.bounds), "ridges": dict(r.ridges)}
+    for uuid, weights in standing.device_precisions.items():
+        devices.setdefault(uuid, {})["precisions"] = dict(weights)
+    if devices:
+        record["devices"] = devices
     return record
 
 
@@ -137,18 +144,42 @@ def standing(own: Mapping[str, Any], fleet: Sequence[Mapping[str, Any]],
     once (:func:`kind_ridges`; a worker of one kind, one), so that the two GPUs of a
     host of an H200 and an L4 are an H200 and an L4 of the fleet."""
     rivals = peers(own, fleet)
+    strength = policy.precision_weight
     precisions = affinity.precision_weights(
-        device_peaks(own), [device_peaks(r) for r in rivals], policy.precision_weight) \
-        if policy.precision_weight > 0 else {}
+        device_peaks(own), [device_peaks(r) for r in rivals], strength) \
+        if strength > 0 else {}
+    by_device = _each_device_precisions(
+        _devices(own), [kind for r in rivals for kind in kind_peaks(r)], strength) \
+        if strength > 0 and len(kind_peaks(own)) > 1 else {}
     ridges = device_ridges(own)
     if policy.roofline_weight <= 0 or not ridges:
-        return Standing(precisions, affinity.Roofline(ridges, {}))
+        return Standing(precisions, affinity.Roofline(ridges, {}),
+                        device_precisions=by_device)
     weight = policy.roofline_weight
     theirs = [kind for r in rivals for kind in kind_ridges(r)]
     devices = _each_device(_devices(own), theirs, weight) if len(kind_ridges(own)) > 1 \
         else {}
     return Standing(precisions, affinity.Roofline(ridges, _bounds(ridges, theirs, weight)),
-                    devices)
+                    devices, by_device)
+
+
+def kind_peaks(record: Mapping[str, Any]) -> list[dict[str, float]]:
+    """A worker record's peak TFLOP/s per precision (:func:`_peaks_of`) per kind of device
+    it has, each kind once (as :func:`kind_ridges`); none for a device without figures."""
+    kinds: list[dict[str, float]] = []
+    for device in _devices(record):
+        if (p := _peaks_of(device)) and p not in kinds:
+            kinds.append(p)
+    return kinds
+
+
+def _each_device_precisions(devices: Sequence[Mapping[str, Any]],
+                            theirs: Sequence[Mapping[str, float]], weight: float
+                            ) -> dict[str, dict[str, float]]:
+    """Each of ``devices``' (advertised records) precision weights against ``theirs``
+    (peaks per kind of device), by UUID; one without datasheet figures has none."""
+    return {str(d.get("uuid")): affinity.precision_weights(p, theirs, weight)
+            for d in devices if (p := _peaks_of(d))}
 
 
 def kind_ridges(record: Mapping[str, Any]) -> list[dict[str, float]]:
@@ -196,6 +227,21 @@ def host_rooflines(devices: Sequence[Mapping[str, Any]], weight: float
         return {}
     theirs = kind_ridges({"devices": list(devices)})
     return {uuid: r for uuid, r in _each_device(devices, theirs, weight).items() if r.bounds}
+
+
+def host_precisions(devices: Sequence[Mapping[str, Any]], weight: float
+                    ) -> dict[str, dict[str, float]]:
+    """Each of one worker's devices' precision weights against its others' (by UUID), for
+    which of its children runs a task that asks for a precision (``steer.py``), as
+    :func:`host_rooflines` weighs bounds: an fp8 task taken for the H100 of a host with
+    an A100 went to whichever child was idle, the A100's as well (where fp8 runs at
+    fp16's rate). A host of one kind, or where no device is relatively stronger at any
+    precision, weighs nothing (an empty map)."""
+    theirs = kind_peaks({"devices": list(devices)})
+    if weight <= 0 or len(theirs) < 2:
+        return {}
+    found = _each_device_precisions(devices, theirs, weight)
+    return found if any(found.values()) else {}
 
 
 class FleetWeights:

@@ -393,8 +393,9 @@ def _free_now(request: Request, needed: float) -> int:
 
 def _want_child(request: Request) -> None:
     """Note the engine and prompt prefix an inference task runs, and the arithmetic
-    intensity any task declares, for the pool's choice of child (``steer.py``: the one
-    that holds them warm, or whose device suits the intensity). Nothing here may raise."""
+    intensity and precision any task declares, for the pool's choice of child
+    (``steer.py``: the one that holds them warm, or whose device suits the intensity and
+    precision). Nothing here may raise."""
     if not steer.steering():
         return
     try:
@@ -413,7 +414,7 @@ def _want_child(request: Request) -> None:
             steer.want_warm(request.id, task_model(headers, getattr(task, "model", None)),
                             task_prefix_key(headers), precision,
                             spread=request.name == PREWARM_TASK, intensity=intensity)
-        elif intensity is not None:
+        elif intensity is not None or precision is not None:
             steer.want_bound(request.id, intensity, precision)
     except Exception as exc:  # (no model named: the child fails it, saying so)
         logger.debug("task %s[%s]: no engine to steer by (%s)", request.name, request.id, exc)

@@ -84,6 +84,14 @@ class _Steered:
     #: Each device's roofline against the host's others, by UUID (``fleet.host_rooflines``;
     #: empty on a host of one kind).
     rooflines: Mapping[str, affinity.Roofline] = field(default_factory=dict)
+    #: Each device's precision weights against the host's others, by UUID
+    #: (``fleet.host_precisions``; empty on a host of one kind).
+    precisions: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+
+    @property
+    def unlike(self) -> bool:
+        """Whether its devices differ in what a task's wish can weigh."""
+        return bool(self.rooflines or self.precisions)
 
     def slot(self, fd: int) -> int | None:
         slot = getattr(self.pool._fileno_to_inq.get(fd), "index", None)
@@ -98,17 +106,23 @@ class _Steered:
         return self.device_of_slot(slot) if slot is not None else None
 
     def warm(self, fd: int) -> affinity.Warm | None:
-        """The child's warm set, with its device's roofline against the host's others."""
+        """The child's warm set, with its device's roofline and precision weights against
+        the host's others."""
         slot = self.slot(fd)
         if slot is None:
             return None
         warm = _children.get(slot)
-        roofline = self.rooflines.get(self.device_of_slot(slot) or "") \
-            if self.rooflines else None
-        if roofline is None:
+        if not self.unlike:
             return warm
-        return replace(warm or affinity.Warm(), ridges=roofline.ridges,
-                       bounds=roofline.bounds)
+        device = self.device_of_slot(slot) or ""
+        roofline = self.rooflines.get(device)
+        precisions = self.precisions.get(device)
+        if roofline is None and precisions is None:
+            return warm
+        warm = warm or affinity.Warm()
+        if roofline is not None:
+            warm = replace(warm, ridges=roofline.ridges, bounds=roofline.bounds)
+        return replace(warm, precisions=precisions) if precisions is not None else warm
 
     def room(self, fd: int) -> int | None:
         slot = self.slot(fd)
@@ -146,12 +160,13 @@ def want_warm(task_id: str, model: str, prefix: str | None, precision: str | Non
               intensity=intensity)
 
 
-def want_bound(task_id: str, intensity: float, precision: str | None) -> None:
+def want_bound(task_id: str, intensity: float | None, precision: str | None) -> None:
     """The task ``task_id`` (one running no engine of ours) declares ``intensity``
-    FLOP/byte at ``precision``: on a host of unlike GPUs the pool should hand it to the
-    child whose device is rich in the resource that bounds it. Noted only where the
-    pool is steered and its devices differ (elsewhere every child suits it alike)."""
-    if _steered is not None and _steered.rooflines:
+    FLOP/byte, or asks for ``precision``: on a host of unlike GPUs the pool should hand it
+    to the child whose device is rich in the resource that bounds it, or relatively
+    strong at that precision. Noted only where the pool is steered and its devices
+    differ (elsewhere every child suits it alike)."""
+    if _steered is not None and _steered.unlike:
         _note(task_id, precision=precision, intensity=intensity)
 
 
@@ -241,7 +256,7 @@ def choose(idle_fds: Sequence[int], want: Wanted, device_of: Callable[[int], str
         # roomiest; rooms unknown, the first: the pool's choice could be a holder)
         as_task = replace(want, spread=False, precision=None, prefix=None)
         return choose(fits, as_task, device_of, warm_of, room_of) or [fits[0]]
-    if want.model is not None or want.intensity is not None:
+    if want.model is not None or want.intensity is not None or want.precision is not None:
         weights = [(w.weight(want.model, want.prefix, want.precision, want.intensity)
                     if (w := warm_of(fd)) is not None else 0.0) for fd in fits]
         best = max(weights)
@@ -283,17 +298,18 @@ def share(fds: Sequence[int], wants: Sequence[Wanted | None],
 
 
 def install(pool: Any, device_of_slot: Callable[[int], str | None],
-            rooflines: Mapping[str, affinity.Roofline] | None = None) -> bool:
+            rooflines: Mapping[str, affinity.Roofline] | None = None,
+            precisions: Mapping[str, Mapping[str, float]] | None = None) -> bool:
     """Steer ``pool`` (a billiard ``AsynPool``, before it registers with the event loop)
-    by :func:`share`, ``rooflines`` being its devices' against each other's (by UUID);
-    False for a pool without the parts this needs (another pool, or a Celery whose pool
-    changed), which is left as it is."""
+    by :func:`share`, ``rooflines`` and ``precisions`` being its devices' against each
+    other's (by UUID); False for a pool without the parts this needs (another pool, or a
+    Celery whose pool changed), which is left as it is."""
     global _steered
     create = getattr(pool, "_create_write_handlers", None)
     needed = ("outbound_buffer", "_fileno_to_inq", "_busy_workers", "_active_writes")
     if create is None or not all(hasattr(pool, name) for name in needed):
         return False
-    steered = _Steered(pool, device_of_slot, dict(rooflines or {}))
+    steered = _Steered(pool, device_of_slot, dict(rooflines or {}), dict(precisions or {}))
 
     def create_write_handlers(hub: Any, *args: Any, **kwargs: Any) -> Any:
         out = create(hub, *args, **kwargs)
@@ -350,13 +366,20 @@ class SteerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         def device_of_slot(slot: int) -> str | None:
             return runtime.device_for_slot(plan.discovery, slot).uuid
 
-        rooflines = fleet.host_rooflines(
-            [advertise.device_record(d) for d in used_devices(plan.discovery, plan.slots)],
-            config.affinity.roofline_weight)
+        records = [advertise.device_record(d)
+                   for d in used_devices(plan.discovery, plan.slots)]
+        rooflines = fleet.host_rooflines(records, config.affinity.roofline_weight)
+        precisions = fleet.host_precisions(records, config.affinity.precision_weight)
         if rooflines:
             logger.info("pool steering: a task's declared arithmetic intensity goes to the "
                         "child whose GPU suits it (%s)", ", ".join(
                             f"{uuid}: {' '.join(sorted(r.bounds))}"
                             for uuid, r in sorted(rooflines.items())))
-        if not install(getattr(w.pool, "_pool", None), device_of_slot, rooflines):
+        if precisions:
+            logger.info("pool steering: a task's precision goes to the child whose GPU is "
+                        "relatively strong at it (%s)", ", ".join(
+                            f"{uuid}: {' '.join(sorted(w)) or '-'}"
+                            for uuid, w in sorted(precisions.items())))
+        if not install(getattr(w.pool, "_pool", None), device_of_slot, rooflines,
+                       precisions):
             logger.debug("pool %r not steered: not Celery's prefork pool", w.pool)

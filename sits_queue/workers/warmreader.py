@@ -132,8 +132,9 @@ class WarmReader:
         the reading nor the idle set changes (the transport re-reads it by identity).
 
         On a host of unlike GPUs, idle children all on one device pick by that device's
-        roofline (``Standing.devices``): the L4's child of a host with an H200 pulls
-        the compute-bound work, the H200's the memory-bound (by the worker's best
+        roofline and precision weights (``Standing.devices``, ``device_precisions``):
+        the L4's child of a host with an H200 pulls the compute-bound work, the H200's
+        the memory-bound, an H100's the fp8 tasks beside an A100 (by the worker's best
         device, each freed child pulled alike)."""
         idle = steer.idle_slots()
         if not idle or not self._by_slot:
@@ -144,12 +145,13 @@ class WarmReader:
         if standing is not self._idle_standing:
             self._idle_warm, self._idle_standing = {}, standing
         if (view := self._idle_warm.get(key)) is None:
-            roofline = standing.roofline
-            if standing.devices and len(uuids := {steer.device_of(s) for s in key}) == 1:
-                roofline = standing.devices.get(uuids.pop() or "", roofline)
+            roofline, precisions = standing.roofline, standing.precisions
+            if len(uuids := {steer.device_of(s) for s in key}) == 1:
+                device = uuids.pop() or ""
+                roofline = standing.devices.get(device, roofline)
+                precisions = standing.device_precisions.get(device, precisions)
             view = self._idle_warm[key] = affinity.warm_of(
-                [self._by_slot[s] for s in sorted(key)], self._policy, standing.precisions,
-                roofline)
+                [self._by_slot[s] for s in sorted(key)], self._policy, precisions, roofline)
         return view
 
     def _read_fleet(self) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:

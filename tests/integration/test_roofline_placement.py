@@ -170,3 +170,51 @@ def test_on_a_host_of_unlike_gpus_each_child_takes_the_work_its_gpu_suits(
     assert decode.count(H200) >= 0.8 * EACH, (decode.count(H200), decode.count(L4))
     assert prefill.count(L4) >= 0.8 * EACH, (prefill.count(L4), prefill.count(H200))
     assert {*decode, *prefill} == {H200, L4}
+
+
+A100 = "GPU-a1000000-0000-0000-0000-000000000000"
+T4 = "GPU-t4000000-0000-0000-0000-000000000000"
+
+
+def test_on_a_host_of_unlike_gpus_each_child_takes_the_precision_its_gpu_suits(
+        tmp_path: Path, redis_url: str, r: redis.Redis, client_app: Celery) -> None:
+    """(MISSION §3.2 on one host: weighed by its best device, each freed child pulled
+    bf16 and fp32 tasks alike, and the pool wrote them to whichever child was idle, the
+    T4's, without bf16, as well)"""
+    # Given one worker of two children on one host: an A100 and a T4 (one fleet alone)
+    r.delete("test:device:bf16", "test:device:fp32")
+    state = tmp_path / "nvml.json"
+    state.write_text(json.dumps({"gpus": [
+        {"uuid": A100, "name": "NVIDIA A100-SXM4-80GB", "total": 80 * GIB, "free": 78 * GIB},
+        {"uuid": T4, "name": "Tesla T4", "total": 16 * GIB, "free": 14 * GIB}]}))
+    env = worker_env(redis_url)
+    env["PYTHONPATH"] = os.pathsep.join([str(STANDIN), str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])
+    env["SITS_TEST_NVML"] = str(state)
+    proc = start_worker(APP_MODULE, env, tmp_path, concurrency=2, cwd=ROOT)
+    try:
+        wait_ready(client_app, [proc])
+
+        def devices() -> dict[str, set[str]]:
+            placement = advertise.read_workers(r)[0].get("placement", {})
+            return {u: set(d.get("precisions", {}))
+                    for u, d in placement.get("devices", {}).items()}
+
+        wait_for(lambda: devices().get(A100) == {"bf16"} and devices().get(T4) == {"fp32"},
+                 30, "each device to weigh its precisions", seen=devices)
+        device = client_app.tasks["w.device"]
+        with intake_held(client_app, [proc]):
+            for _ in range(EACH):
+                for precision in ("bf16", "fp32"):
+                    device.apply_async((precision, 0.05), precision=precision,
+                                       input_entropy=0.5)
+        wait_for(lambda: r.llen("test:device:bf16") + r.llen("test:device:fp32")
+                 == 2 * EACH, 60, "every task to run")
+    finally:
+        proc.stop(timeout_s=10)
+    # Then each precision ran mostly on the GPU relatively strong at it, and both worked
+    bf16 = [d.decode() for d in r.lrange("test:device:bf16", 0, -1)]
+    fp32 = [d.decode() for d in r.lrange("test:device:fp32", 0, -1)]
+    assert bf16.count(A100) >= 0.8 * EACH, (bf16.count(A100), bf16.count(T4))
+    assert fp32.count(T4) >= 0.8 * EACH, (fp32.count(T4), fp32.count(A100))
+    assert {*bf16, *fp32} == {A100, T4}
