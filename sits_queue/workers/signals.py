@@ -24,6 +24,7 @@ from celery import Celery, signals
 from sits_queue import tracing
 from sits_queue.app import sits_config
 from sits_queue.broker import clock
+from sits_queue.checks import finite, is_number
 from sits_queue.config import SitsConfig
 from sits_queue.etas import due_s
 from sits_queue.options import HEADER, UNCOUNTED_TASKS
@@ -38,6 +39,8 @@ logger = logging.getLogger(__name__)
 FLUSH_EVERY_RECORDS = 32
 #: Longest a record waits in the buffer, s (the flusher thread's period while any wait).
 FLUSH_EVERY_S = 0.5
+#: Longest model name counted in a model's demand (the options' own limit on a name).
+MODEL_NAME_MOST = 200
 
 
 @dataclass(frozen=True)
@@ -105,18 +108,27 @@ def record_completion(config: SitsConfig, request: Any, failed: bool, now_s: flo
     if sla_class not in config.class_names:
         return
     submitted = getattr(request, "sits_submitted_at", None)
-    if isinstance(submitted, (int, float)):
+    latency_ms = None
+    # (a header written by hand may hold anything: an int past a float's range raised
+    # in the post-run handler, and -1e308 wrote an infinite latency)
+    if is_number(submitted) and finite(submitted):
         # From when it was due: a countdown, an eta or a retry's countdown is the
         # caller's wish, not lateness (it inflated the class's p95, jitter and priority)
         submitted = max(submitted, _due_at(request) or submitted)
-    latency_ms = (round(max(0.0, now_s - submitted) * 1000, 3)
-                  if isinstance(submitted, (int, float)) else None)
+        latency_ms = round(max(0.0, now_s - submitted) * 1000, 3)
+        if not math.isfinite(latency_ms):
+            latency_ms = None
+    # A model named by anything but a name counts for no model's demand: the hash field
+    # refused it, and with it the whole flush's statistics (up to 32 tasks') were lost
+    model = header.get("model")
+    if not isinstance(model, str) or not model or len(model) > MODEL_NAME_MOST:
+        model = None
     # The demand belongs to the interval the task finished in, whenever it is written.
     demand = demand_key(config, bucket_of(config, now_s)) \
         if config.prewarm_interval_s > 0 else ""
     with _lock:
-        _records.append(_Record(config, sla_class, header.get("model"), latency_ms,
-                                failed, demand, retried))
+        _records.append(_Record(config, sla_class, model, latency_ms, failed, demand,
+                                retried))
         due = len(_records) >= FLUSH_EVERY_RECORDS
     _flusher.arm()  # (its thread starts at the first record after a fork)
     if due:

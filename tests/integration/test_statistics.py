@@ -114,6 +114,30 @@ def test_a_task_held_for_its_eta_counts_its_latency_from_when_it_was_due(
     assert sorted(samples) == pytest.approx([500.0, 2000.0], abs=1.0)
 
 
+def test_a_hand_made_header_s_junk_loses_no_other_task_s_statistics(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """(a model that was no name, {"a": 1}, was refused as a hash field, and with it the
+    whole flush: up to 32 tasks' counts, latencies and demand; a submission time past a
+    float's range raised in the post-run handler, and -1e308 wrote an infinite latency)"""
+    config = replace(SitsConfig(redis_url=redis_url), global_keyprefix="junk:")
+    now = time.time()
+    good = SimpleNamespace(task="t.any", sits={"sla_class": "low", "model": "m"},
+                           sits_submitted_at=now - 1.0)
+    junk = [SimpleNamespace(task="t.any", sits={"sla_class": "low", "model": model},
+                            sits_submitted_at=submitted)
+            for model, submitted in (({"a": 1}, now - 0.25), (["m"], 10 ** 400), ("", -1e308),
+                                     ("x" * 10_000, float("nan")), (7, True))]
+    for request in (good, *junk, good):
+        signals.record_completion(config, request, False, now)
+    signals.flush()
+    # Then every task is counted, the good ones' model too, and no latency is junk
+    # (the first junk one's time is a time: its latency counts)
+    assert redis_client.hget("junk:sits:done", "low") == b"7"
+    assert redis_client.hgetall("junk:sits:hot") == {b"m": b"2"}
+    samples = [float(v) for v in redis_client.lrange("junk:sits:lat:low", 0, -1)]
+    assert sorted(samples) == pytest.approx([250.0, 1000.0, 1000.0], abs=1.0)
+
+
 def test_each_app_s_statistics_go_to_its_own_redis(redis_url: str,
                                                    redis_client: redis.Redis) -> None:
     """(one flush wrote every buffered record to the Redis of the configuration it was
