@@ -156,10 +156,15 @@ class SitsTask(Task):  # type: ignore[misc]
         # Celery copies the delivered message's headers into the retry: what the broker
         # added for that delivery (a time-slice checkpoint, the affinity mark, the queue
         # and id it came from, the redelivery flag) would make the retry resume mid-way.
+        # And its ``sits`` header: the options are carried below as keywords, and the
+        # header is made afresh from them; where none is carried (a hand-made header
+        # whose only option was a class of another producer's table, dropped), the copy
+        # was taken for a hand-made header, checked again, and the retry refused.
         headers = sig.options.get("headers")
-        if isinstance(headers, Mapping) and any(k in headers for k in DELIVERY_ONLY):
+        if isinstance(headers, Mapping) and (
+                HEADER in headers or any(k in headers for k in DELIVERY_ONLY)):
             sig.options["headers"] = {k: v for k, v in headers.items()
-                                      if k not in DELIVERY_ONLY}
+                                      if k not in DELIVERY_ONLY and k != HEADER}
         running = self.request if request is None else request
         header = getattr(running, HEADER, None)
         if isinstance(header, Mapping):

@@ -23,6 +23,7 @@ from typing import Any
 
 from kombu.entity import Queue
 
+from sits_queue.broker.keys import DELIVERY_ONLY
 from sits_queue.checks import is_utf8, shown
 from sits_queue.errors import InvalidTaskOptions
 from sits_queue.etas import after_seconds, out_of_range, read_eta
@@ -58,6 +59,12 @@ def check_delivery(name: str, options: Mapping[str, Any],
         # lettered, under that id, and the caller's get() waited for good on another)
         raise InvalidTaskOptions(f"task {name}: headers cannot set Celery's task id "
                                  f"('id': {shown(headers['id'])}); give task_id= instead")
+    if isinstance(headers, Mapping) and (forged := sorted(DELIVERY_ONLY & set(headers))):
+        # (a pick adds them for one delivery: a caller's ran its task's first run from a
+        # made-up checkpoint, self.checkpoint being None there only on the broker's word)
+        raise InvalidTaskOptions(f"task {name}: headers cannot set {forged}: the broker "
+                                 "adds them to one delivery (a time slice's checkpoint, "
+                                 "a batch's mark); a task's first run starts from none")
     queue = options.get("queue")
     if queue is not None and not (isinstance(queue, Queue)
                                   or (isinstance(queue, str) and queue)):
