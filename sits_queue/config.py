@@ -169,6 +169,11 @@ class SitsConfig:
     #: whole payload (a prompt, a batch of texts) for a person to look at, and a producer
     #: of poison messages left alone would fill Redis. 14 days, as SQS keeps them at most.
     dead_letter_ttl_s: float = 1_209_600.0
+    #: A queue no live worker consumes, holding nothing, with no put for this long, s, is
+    #: forgotten by the rescoring pass, with its counters (0: kept): a queue per job left
+    #: its keys and registry entry for good. A put, or a worker consuming it, brings it
+    #: back.
+    idle_queue_forget_s: float = 86_400.0
     #: Publish a task-sent event per submission (Flower's SENT state). Off, as in stock
     #: Celery: it is one more PUBLISH on every ``delay()``; Flower still sees every task
     #: from the worker's received/started/succeeded events.
@@ -322,6 +327,7 @@ class SitsConfig:
         checks.integer("stats_window", self.stats_window, 1_000_000, least=1)
         checks.integer("max_redeliveries", self.max_redeliveries, 1_000_000, least=1)
         checks.non_negative("dead_letter_ttl_s", self.dead_letter_ttl_s, " s (0: kept)")
+        checks.non_negative("idle_queue_forget_s", self.idle_queue_forget_s, " s (0: kept)")
         for name in ("slice_ms", "yield_wait_ms", "yield_rank_wait_ms",
                      "yield_min_remaining_ms", "affinity_max_skip_ms"):
             checks.interval(name, getattr(self, name), 0, 3_600_000, open_hi=True, note=" ms")

@@ -16,13 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from celery.utils.nodenames import WORKER_DIRECT_EXCHANGE
 
 from sits_queue.broker import clock, deadletters
 from sits_queue.broker.keys import (
-    BINDING_SEP,
     DIRECT_QUEUE_SUFFIX,
-    REPLY_QUEUE_EXPIRES_MS,
     SEQ_SPAN,
     QueueKeys,
     is_reply_queue,
@@ -60,6 +57,9 @@ COMPLIANCE_HALF_LIFE_S = 30.0
 MOST_PASS_SHARE = 0.25
 #: How long the last pass's record is kept, s (past it, nothing spaces the next one).
 _LAST_PASS_TTL_S = 3600
+#: Seconds between a process's prunings of idle queues and departed workers' bindings
+#: (``pruning.py``; departed workers' direct queues: at every pass).
+PRUNE_IDLE_EVERY_S = 60.0
 #: How far ahead of Redis's clock a pass's end may read (it is Redis's time, read after
 #: the pass: only another writer's record is ahead by more).
 _CLOCK_SLACK_S = 1.0
@@ -186,6 +186,8 @@ class Rescorer:
         self.config = config
         self.client = client or redis.Redis.from_url(config.redis_url)
         self.scripts = Scripts.register()
+        #: When idle queues and departed workers' bindings were last pruned (monotonic).
+        self._pruned_at = -math.inf
 
     def queues(self) -> list[str]:
         return registered_queues(self.client.smembers(
@@ -341,45 +343,24 @@ class Rescorer:
                           (time.perf_counter() - started) * 1000)
 
     def prune_departed(self, queues: list[str]) -> list[str]:
-        """Take out of the registry, and out of Redis, queues that only ever fill it:
+        """Take out of the registry, and out of Redis, what only ever accumulates
+        (``pruning.py``): departed workers' direct queues and bindings, stray reply
+        queues and, at most every :data:`PRUNE_IDLE_EVERY_S`, idle queues no worker
+        consumes. The queues taken out of the registry."""
+        from sits_queue.priority import pruning
+        from sits_queue.workers.advertise import live_hostnames, read_workers
 
-        * the worker-direct queues (``<hostname>.dq2``, one per worker ever started:
-          with containers, per deploy) of workers no longer advertised, once nothing is
-          left in them (dead letters included), with their binding to Celery's ``C.dq2``
-          exchange; ``sitsq status``, the metrics and this pass would list them for ever,
-          and every publish to the exchange reads its bindings. A put to one, or a
-          consumer of it, registers it again;
-        * control reply queues an older version listed (their keys are left to expire).
-        """
-        from sits_queue.workers.advertise import live_hostnames
-
-        replies = [q for q in queues if is_reply_queue(q)]
-        direct = [q for q in queues if q.endswith(DIRECT_QUEUE_SUFFIX) and q not in replies]
-        candidates: list[str] = []
-        if direct:
-            live = set(live_hostnames(self.client, self.config.global_keyprefix))
-            candidates = [q for q in direct if q[:-len(DIRECT_QUEUE_SUFFIX)] not in live]
-        gone = [q for q in candidates
-                if self.scripts.run("forget", self.keys(q), [], self.client)]
-        if not gone and not replies:
-            return []
         prefix = self.config.global_keyprefix
-        exchange = WORKER_DIRECT_EXCHANGE.name
-        with self.client.pipeline(transaction=False) as pipe:
-            pipe.srem(queues_registry(prefix), *gone, *replies)
-            for queue in gone:  # kombu's binding: routing key (the hostname), "", queue
-                member = BINDING_SEP.join([queue[:-len(DIRECT_QUEUE_SUFFIX)], "", queue])
-                pipe.srem(f"{prefix}_kombu.binding.{exchange}", member)
-                pipe.srem(f"{prefix}_kombu.binding_permanent.{exchange}", member)
-            for queue in replies:
-                for key in self.keys(queue).all():
-                    pipe.pexpire(key, REPLY_QUEUE_EXPIRES_MS)
-            pipe.execute()
-        if gone:
-            logger.info("forgot the direct queues of departed workers: %s", gone)
-        if replies:
-            logger.info("took %d control reply queue(s) out of the registry", len(replies))
-        return [*gone, *replies]
+        now = time.monotonic()
+        if now - self._pruned_at >= PRUNE_IDLE_EVERY_S:  # (each live record: a read)
+            self._pruned_at = now
+            live = read_workers(self.client, prefix)
+            return pruning.prune(self.client, self.config, self.scripts, queues,
+                                 {str(r.get("hostname")) for r in live}, live)
+        if not any(is_reply_queue(q) or q.endswith(DIRECT_QUEUE_SUFFIX) for q in queues):
+            return []
+        return pruning.prune(self.client, self.config, self.scripts, queues,
+                             set(live_hostnames(self.client, prefix)), None)
 
     def expire_dead_letters(self, queues: list[str], now_s: float) -> int:
         """Delete dead letters older than ``dead_letter_ttl_s``, once per

@@ -420,6 +420,17 @@ def read_workers(client: redis.Redis, prefix: str = "") -> list[dict[str, Any]]:
 
 # -- the bootstep ------------------------------------------------------------------------
 
+def event_queues(c: Any) -> list[str]:
+    """The event queues a worker's consumer receives on (its gossip's, named afresh at
+    each consumer start), for the rescoring pass to unbind once the worker is gone
+    (``priority/pruning.py``)."""
+    try:
+        return sorted(q.name for consumer in (getattr(c.gossip, "consumers", None) or ())
+                      for q in consumer.queues if isinstance(q.name, str))
+    except (AttributeError, RuntimeError, TypeError):  # (no gossip: --without-gossip)
+        return []
+
+
 def consumed_queues(c: Any) -> list[str] | None:
     """The queues of work a worker's consumer takes from now, by name (remote control's
     ``add_consumer``/``cancel_consumer`` included); None where it cannot say. Not the
@@ -455,6 +466,7 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
         self._reader: WarmReader | None = None
         self._most = 0  # the most slots seen: withdrawn at the end, each child's record
         self._queues_said: list[str] | None = None  # (in its last record written)
+        self._events_said: list[str] = []  # (its gossip queues, said: pruning.py)
         from sits_queue.workers.readvert import ChildRecords
 
         self._records = ChildRecords()  # (written back where Redis lost them)
@@ -508,6 +520,12 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
             self._queues_said = queues
             self._records.keep(client_for(config), config.global_keyprefix, hostname,
                                live_pids(c.pool, slots))
+            if (events := event_queues(c)) and events != self._events_said:
+                from sits_queue.priority.pruning import record_event_queues
+
+                record_event_queues(client_for(config), config.global_keyprefix, hostname,
+                                    events)
+                self._events_said = events
         except redis.RedisError as exc:
             logger.warning("could not refresh the worker advertisement: %s", exc)
 

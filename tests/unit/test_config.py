@@ -45,6 +45,7 @@ CLASS = {"name": "a", "cpu_cores": 1, "vram_gib": 1, "max_run_s": 1, "weight": 1
     ("SITS_VISIBILITY_TIMEOUT_S", "2.5", r"must be > 3 s \(heartbeat every third\), got 2.5"),
     ("SITS_HOST_POOL_TTL_S", "inf", "host_pool_ttl_s"),
     ("SITS_DEAD_LETTER_TTL_S", "-5", r"dead_letter_ttl_s must be >= 0 s \(0: kept\)"),
+    ("SITS_IDLE_QUEUE_FORGET_S", "-1", r"idle_queue_forget_s must be >= 0 s \(0: kept\)"),
     ("SITS_DEAD_LETTER_TTL_S", "two weeks", "SITS_DEAD_LETTER_TTL_S"),
     ("SITS_HOST_POOL_PRESSURE_SHARE", "1", r"host_pool_pressure_share must be in \[0, 1\)"),
     ("SITS_HOST_POOL_PRESSURE_SHARE", "nan", "host_pool_pressure_share"),

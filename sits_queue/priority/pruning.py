@@ -1,0 +1,177 @@
+"""What the rescoring pass takes out of Redis that nothing else would: queues and kombu
+bindings that only ever accumulate, one set per worker ever started or per queue name
+ever used.
+
+* **Departed workers' direct queues** (``<hostname>.dq2``, one per worker ever started:
+  with containers, per deploy), once nothing is left in them (dead letters included),
+  with their binding to Celery's ``C.dq2`` exchange; ``sitsq status``, the metrics and
+  the pass would list them for ever, and every publish to the exchange reads its
+  bindings. A put to one, or a consumer of it, registers it again.
+* **Control reply queues** an older version listed (their keys are left to expire).
+* **Idle queues**: a queue no live worker consumes, that holds nothing (waiting, held,
+  dead-lettered or checkpointed) and had no put for ``idle_queue_forget_s`` (1 day), with
+  its counters. A queue per job, per tenant or per experiment left four keys and a
+  registry entry for good, each walked by every pass (``sitsq status`` listed them all).
+  kombu's own bindings of it stay: a producer that declared it once does not declare it
+  again, and routes by them. A put registers it again; a worker consuming it keeps it.
+* **Departed workers' remote-control and event bindings**: a worker killed (SIGKILL, an
+  OOM kill) leaves its ``<hostname>.celery.pidbox`` member in the ``celery.pidbox``
+  exchange's bindings and its gossip queue's in ``celeryev``'s (a clean stop removes
+  them), kept by kombu while any consumer refreshes the table: one pair per crash, for
+  good. Each worker records its event queues' names with its hostname
+  (:func:`record_event_queues`); those of a worker no longer advertised are removed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import redis
+from celery.utils.nodenames import WORKER_DIRECT_EXCHANGE
+
+from sits_queue.broker.keys import (
+    BINDING_SEP,
+    CONTROL_QUEUE,
+    DIRECT_QUEUE_SUFFIX,
+    REPLY_QUEUE_EXPIRES_MS,
+    QueueKeys,
+    is_reply_queue,
+    queues_registry,
+)
+from sits_queue.broker.scripts import Scripts
+from sits_queue.config import SitsConfig
+
+logger = logging.getLogger(__name__)
+
+#: Celery's remote-control exchange (``control_exchange`` + ``.pidbox``) and event
+#: exchange (``event_exchange``), as Celery names them by default.
+PIDBOX_EXCHANGE = "celery.pidbox"
+EVENT_EXCHANGE = "celeryev"
+PIDBOX_SUFFIX = ".celery.pidbox"
+
+
+def event_queues_key(prefix: str = "") -> str:
+    """HASH: a worker's event (gossip) queue name -> its hostname (:func:`record_event_queues`)."""
+    return f"{prefix}sits:event-queues"
+
+
+def record_event_queues(client: redis.Redis, prefix: str, hostname: str,
+                        names: Iterable[str]) -> None:
+    """Say which event queues are ``hostname``'s (its gossip receiver's, made afresh at
+    each consumer start), for :func:`prune` to unbind them once it is gone."""
+    mapping: dict[Any, Any] = dict.fromkeys(names, hostname)
+    if mapping:
+        client.hset(event_queues_key(prefix), mapping=mapping)
+
+
+def prune(client: redis.Redis, config: SitsConfig, scripts: Scripts, queues: Sequence[str],
+          hosts: set[str], live: Sequence[Mapping[str, Any]] | None) -> list[str]:
+    """Take out what only accumulates (the module's text); ``hosts``: the live workers'
+    hostnames; ``live``: their records, for the idle queues and the bindings (None: the
+    direct and reply queues alone). The queues taken out of the registry."""
+    gone = _departed_direct(client, config, scripts, queues, hosts)
+    replies = [q for q in queues if is_reply_queue(q)]
+    idle = [] if live is None else _idle(
+        client, config, scripts, [q for q in queues if q not in gone and q not in replies],
+        live)
+    if gone or replies or idle:
+        _unregister(client, config.global_keyprefix, gone, replies, idle)
+    if live is not None:
+        _unbind_departed(client, config.global_keyprefix, hosts)
+    return [*gone, *replies, *idle]
+
+
+def _departed_direct(client: redis.Redis, config: SitsConfig, scripts: Scripts,
+                     queues: Sequence[str], hosts: set[str]) -> list[str]:
+    direct = [q for q in queues if q.endswith(DIRECT_QUEUE_SUFFIX) and not is_reply_queue(q)]
+    candidates = [q for q in direct if q[:-len(DIRECT_QUEUE_SUFFIX)] not in hosts]
+    return [q for q in candidates if _forget(client, config, scripts, q)]
+
+
+def _idle(client: redis.Redis, config: SitsConfig, scripts: Scripts, queues: Sequence[str],
+          live: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The queues of ``queues`` forgotten as idle (the module's text)."""
+    after_s = config.idle_queue_forget_s
+    if after_s <= 0 or not queues:
+        return []
+    consumed: set[str] = set()
+    for record in live:
+        said = record.get("queues")
+        if not isinstance(said, list):
+            return []  # (a record that does not say, an earlier release's: it may be any)
+        consumed.update(q for q in said if isinstance(q, str))
+    candidates = [q for q in queues if q not in consumed and q != CONTROL_QUEUE
+                  and not q.endswith(DIRECT_QUEUE_SUFFIX)]
+    if not candidates:
+        return []
+    with client.pipeline(transaction=False) as pipe:
+        for queue in candidates:  # (its seq is written by puts alone: the last put's age)
+            pipe.object("idletime", QueueKeys.for_queue(queue, config.global_keyprefix).seq)
+        idle_s = pipe.execute(raise_on_error=False)
+    # (no seq: never put to, or put to before this release kept one; an error: a memory
+    # policy of LFU, which keeps no idle time: nothing is forgotten then)
+    stale = [q for q, s in zip(candidates, idle_s, strict=True)
+             if (s is None or (isinstance(s, int) and s >= after_s))
+             and not isinstance(s, Exception)]
+    return [q for q in stale if _forget(client, config, scripts, q)]
+
+
+def _forget(client: redis.Redis, config: SitsConfig, scripts: Scripts, queue: str) -> bool:
+    keys = QueueKeys.for_queue(queue, config.global_keyprefix)
+    return bool(scripts.run("forget", keys, [], client))
+
+
+def _unregister(client: redis.Redis, prefix: str, gone: Sequence[str],
+                replies: Sequence[str], idle: Sequence[str]) -> None:
+    exchange = WORKER_DIRECT_EXCHANGE.name
+    with client.pipeline(transaction=False) as pipe:
+        pipe.srem(queues_registry(prefix), *gone, *replies, *idle)
+        for queue in gone:  # kombu's binding: routing key (the hostname), "", queue
+            member = BINDING_SEP.join([queue[:-len(DIRECT_QUEUE_SUFFIX)], "", queue])
+            pipe.srem(f"{prefix}_kombu.binding.{exchange}", member)
+            pipe.srem(f"{prefix}_kombu.binding_permanent.{exchange}", member)
+        for queue in replies:
+            for key in QueueKeys.for_queue(queue, prefix).all():
+                pipe.pexpire(key, REPLY_QUEUE_EXPIRES_MS)
+        pipe.execute()
+    if gone:
+        logger.info("forgot the direct queues of departed workers: %s", list(gone))
+    if replies:
+        logger.info("took %d control reply queue(s) out of the registry", len(replies))
+    if idle:
+        logger.info("forgot %d idle queue(s) no worker consumes: %s", len(idle),
+                    list(idle)[:10])
+
+
+def _unbind_departed(client: redis.Redis, prefix: str, hosts: set[str]) -> None:
+    """Remove the pidbox and event bindings of workers no longer advertised."""
+    events = event_queues_key(prefix)
+    owners = {_text(k): _text(v) for k, v in client.hgetall(events).items()}
+    departed_events = {q for q, host in owners.items() if host not in hosts}
+    removed = 0
+    for exchange, departed in ((PIDBOX_EXCHANGE, _departed_pidbox(hosts)),
+                               (EVENT_EXCHANGE, departed_events.__contains__)):
+        for table in (f"{prefix}_kombu.binding.{exchange}",
+                      f"{prefix}_kombu.binding_permanent.{exchange}"):
+            stale = [m for m in client.smembers(table)
+                     if departed(_text(m).rpartition(BINDING_SEP)[2])]
+            if stale:
+                removed += int(client.srem(table, *stale))
+    if departed_events:
+        client.hdel(events, *departed_events)
+    if removed:
+        logger.info("removed %d remote-control and event binding(s) of departed workers",
+                    removed)
+
+
+def _departed_pidbox(hosts: set[str]) -> Any:
+    def departed(queue: str) -> bool:
+        return queue.endswith(PIDBOX_SUFFIX) and queue[:-len(PIDBOX_SUFFIX)] not in hosts
+
+    return departed
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
