@@ -136,6 +136,16 @@ def _unregister(client: redis.Redis, prefix: str, gone: Sequence[str],
             for key in QueueKeys.for_queue(queue, prefix).all():
                 pipe.pexpire(key, REPLY_QUEUE_EXPIRES_MS)
         pipe.execute()
+    # A put that landed between a queue's forgetting (forget.lua, atomic) and its leaving
+    # the registry registered it again first: taken out after, it would hold a task no
+    # pass or `sitsq status` sees. Such a one goes back in.
+    forgotten = [*gone, *idle]
+    with client.pipeline(transaction=False) as pipe:
+        for queue in forgotten:
+            pipe.exists(QueueKeys.for_queue(queue, prefix).seq)
+        again = [q for q, n in zip(forgotten, pipe.execute(), strict=True) if n]
+    if again:
+        client.sadd(queues_registry(prefix), *again)
     if gone:
         logger.info("forgot the direct queues of departed workers: %s", list(gone))
     if replies:

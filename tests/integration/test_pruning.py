@@ -168,3 +168,17 @@ def test_a_killed_workers_bindings_go_once_its_advertisement_expires(
     members = {m.decode() for key in ("_kombu.binding.celeryev", "_kombu.binding.celery.pidbox")
                for m in redis_client.smembers(key)}
     assert not any(m.endswith(gossip) or host in m for m in members), members
+
+
+def test_a_put_racing_the_forgetting_keeps_its_queue_registered(
+        app: Celery, redis_client: redis.Redis) -> None:
+    """(forget.lua is atomic, the registry's SREM comes after it: a put in between
+    registered the queue first, and the SREM took a queue holding a task out of sight)"""
+    echo = app.tasks["t.echo"]
+    redis_client.sadd(queues_registry(""), "job-race", "job-quiet")
+    # Given both forgotten, and a task put to one before they leave the registry
+    echo.apply_async(("raced",), queue="job-race")
+    pruning._unregister(redis_client, "", [], [], ["job-race", "job-quiet"])
+    # Then the one the put reached stays listed, the other goes
+    assert "job-race" in registered(redis_client)
+    assert "job-quiet" not in registered(redis_client)
