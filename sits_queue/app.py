@@ -14,7 +14,7 @@ from celery.canvas import _chain, _chord
 from kombu.entity import Exchange, Queue
 from kombu.utils.objects import cached_property
 
-from sits_queue import flower, redisurl
+from sits_queue import flower, quietlogs, redisurl
 from sits_queue.broker.keys import DELIVERY_ONLY
 from sits_queue.cache.budgets import settings_from_env
 from sits_queue.calloptions import (
@@ -347,6 +347,7 @@ class SitsCelery(Celery):  # type: ignore[misc]
         # Flower's Broker page reads Redis lists; under `celery flower` Flower is loaded
         # before the app, and is shown the sorted sets instead (sits_queue/flower.py).
         flower.install()
+        quietlogs.install()  # (SITS's housekeeping tasks: at debug in Celery's logs)
 
     def _connection(self, url: Any, *args: Any, transport_options: Any = None,
                     **kwargs: Any) -> Any:

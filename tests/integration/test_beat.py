@@ -335,6 +335,10 @@ def test_a_worker_whose_every_slot_is_busy_still_runs_the_passes(
         wait_for(rescored, 60, "four rescoring passes while every slot is busy")
         assert redis_client.llen("test:finished") < 12  # (busy all along)
         assert max(depths) <= 2  # one pass of each kind waits, at most
+        # and the passes, at --loglevel=INFO, are not in the logs line by line (~3 lines
+        # a second at the default intervals); the user's tasks are
+        assert "sits.rescore[" not in worker.log() and "w.slow[" in worker.log()
+        assert "Sending due task" not in beat.log()
     finally:
         beat.stop(timeout_s=10)
         worker.stop(timeout_s=10)
