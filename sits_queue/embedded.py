@@ -382,6 +382,9 @@ class EmbeddedRedis:
                                     start_new_session=self.daemon)
         try:
             pid = self._await_ready(proc, port, log_start)
+            # (it answers INFO while it replays its AOF, every other command with LOADING:
+            # a start that returned then failed its caller's first command)
+            _await_loaded(port, self.password)
         except BaseException:
             self._abandon(proc, port)
             raise

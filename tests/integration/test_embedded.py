@@ -232,6 +232,34 @@ def test_a_restarted_server_is_handed_out_once_its_data_is_loaded(shared_dir: Pa
             again.close()
 
 
+def test_an_append_only_server_started_again_answers_its_first_command(
+        tmp_path: Path) -> None:
+    """(EmbeddedRedis.start returned once INFO answered, which it does while it replays
+    its append-only file: a site's test, restarting its Redis, met "Redis is loading the
+    dataset in memory" at its first command)"""
+    server = EmbeddedRedis(tmp_path / "aof", appendonly=True)
+    client = redis.Redis.from_url(server.start())
+    for chunk in range(20):
+        with client.pipeline(transaction=False) as pipe:
+            for i in range(10_000):
+                pipe.hset(f"h{chunk}", f"f{i}", "x" * 40)
+            pipe.execute()
+    client.close()
+    port = server.port
+    try:
+        for _ in range(2):
+            server.stop()
+            server = EmbeddedRedis(tmp_path / "aof", port=port, appendonly=True,
+                                   password=server.password)
+            again = redis.Redis.from_url(server.start(), retry=Retry(NoBackoff(), 0))
+            try:
+                assert again.hlen("h19") == 10_000  # the first command, at once
+            finally:
+                again.close()
+    finally:
+        server.stop()
+
+
 def test_a_data_dir_that_existed_open_is_made_private(shared_dir: Path) -> None:
     """(mkdir's mode is for a new dir: one made open beforehand kept its mode, and the
     server's appendonlydir/ in it was readable by every local user)"""
