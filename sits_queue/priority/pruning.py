@@ -8,7 +8,8 @@ ever used.
   the pass would list them for ever, and every publish to the exchange reads its
   bindings. A put to one, or a consumer of it, registers it again.
 * **Control reply queues** an older version listed (their keys are left to expire).
-* **Idle queues**: a queue no live worker consumes, that holds nothing (waiting, held,
+* **Idle queues**: a queue no live worker consumes (while some worker is live), that
+  holds nothing (waiting, held,
   dead-lettered or checkpointed) and had no put for ``idle_queue_forget_s`` (1 day), with
   its counters. A queue per job, per tenant or per experiment left four keys and a
   registry entry for good, each walked by every pass (``sitsq status`` listed them all).
@@ -78,7 +79,7 @@ def prune(client: redis.Redis, config: SitsConfig, scripts: Scripts, queues: Seq
         live)
     if gone or replies or idle:
         _unregister(client, config.global_keyprefix, gone, replies, idle)
-    if live is not None:
+    if live is not None and hosts:  # (none live: a fleet stopped, nothing to tell by)
         _unbind_departed(client, config.global_keyprefix, hosts)
     return [*gone, *replies, *idle]
 
@@ -94,7 +95,8 @@ def _idle(client: redis.Redis, config: SitsConfig, scripts: Scripts, queues: Seq
           live: Sequence[Mapping[str, Any]]) -> list[str]:
     """The queues of ``queues`` forgotten as idle (the module's text)."""
     after_s = config.idle_queue_forget_s
-    if after_s <= 0 or not queues:
+    # (no live worker, a fleet stopped or restarting: none to say what is consumed)
+    if after_s <= 0 or not queues or not live:
         return []
     consumed: set[str] = set()
     for record in live:

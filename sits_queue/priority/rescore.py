@@ -348,19 +348,22 @@ class Rescorer:
         queues and, at most every :data:`PRUNE_IDLE_EVERY_S`, idle queues no worker
         consumes. The queues taken out of the registry."""
         from sits_queue.priority import pruning
-        from sits_queue.workers.advertise import live_hostnames, read_workers
+        from sits_queue.workers.advertise import live_hostnames, read_worker
 
         prefix = self.config.global_keyprefix
         now = time.monotonic()
-        if now - self._pruned_at >= PRUNE_IDLE_EVERY_S:  # (each live record: a read)
-            self._pruned_at = now
-            live = read_workers(self.client, prefix)
-            return pruning.prune(self.client, self.config, self.scripts, queues,
-                                 {str(r.get("hostname")) for r in live}, live)
-        if not any(is_reply_queue(q) or q.endswith(DIRECT_QUEUE_SUFFIX) for q in queues):
+        due = now - self._pruned_at >= PRUNE_IDLE_EVERY_S
+        if not due and not any(is_reply_queue(q) or q.endswith(DIRECT_QUEUE_SUFFIX)
+                               for q in queues):
             return []
-        return pruning.prune(self.client, self.config, self.scripts, queues,
-                             set(live_hostnames(self.client, prefix)), None)
+        hosts = live_hostnames(self.client, prefix)
+        if not due:
+            return pruning.prune(self.client, self.config, self.scripts, queues,
+                                 set(hosts), None)
+        self._pruned_at = now
+        live = [r for name in hosts  # (each live record: a read, once a minute)
+                if (r := read_worker(self.client, prefix, name)) is not None]
+        return pruning.prune(self.client, self.config, self.scripts, queues, set(hosts), live)
 
     def expire_dead_letters(self, queues: list[str], now_s: float) -> int:
         """Delete dead letters older than ``dead_letter_ttl_s``, once per

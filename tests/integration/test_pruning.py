@@ -95,8 +95,16 @@ def test_no_queue_is_forgotten_where_a_worker_does_not_say_what_it_consumes(
     redis_client.sadd(queues_registry(""), "never-put")
     Rescorer(app.sits, redis_client).rescore_all()
     assert "never-put" in registered(redis_client)
-    # nor with the setting at 0
+    # nor with no worker live (a fleet stopped: none to say what is consumed), and its
+    # workers' bindings stay
     redis_client.delete(worker_key("", "old@h"))
+    pidbox = SEP.join(["", "", "old@h.celery.pidbox"])
+    redis_client.sadd("_kombu.binding.celery.pidbox", pidbox)
+    Rescorer(app.sits, redis_client).rescore_all()
+    assert "never-put" in registered(redis_client)
+    assert redis_client.sismember("_kombu.binding.celery.pidbox", pidbox)
+    # nor with the setting at 0
+    live(redis_client, "new@h", [])
     kept = replace(app.sits, idle_queue_forget_s=0.0)
     Rescorer(kept, redis_client).rescore_all()
     assert "never-put" in registered(redis_client)
@@ -161,9 +169,11 @@ def test_a_killed_workers_bindings_go_once_its_advertisement_expires(
                                       SEP.join(["", "", f"{host}.celery.pidbox"]))
     finally:
         worker.kill()
-    # When its advertisement has expired (a crash: nothing said goodbye)
+    # When its advertisement has expired (a crash: nothing said goodbye), in a fleet that
+    # goes on (another worker live)
     wait_for(lambda: not redis_client.exists(worker_key("", host)), 30,
              "the killed worker's advertisement to expire")
+    live(redis_client, "other@h", [])
     Rescorer(client_app.sits, redis_client).rescore_all()
     members = {m.decode() for key in ("_kombu.binding.celeryev", "_kombu.binding.celery.pidbox")
                for m in redis_client.smembers(key)}
