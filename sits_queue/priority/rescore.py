@@ -57,9 +57,11 @@ COMPLIANCE_HALF_LIFE_S = 30.0
 MOST_PASS_SHARE = 0.25
 #: How long the last pass's record is kept, s (past it, nothing spaces the next one).
 _LAST_PASS_TTL_S = 3600
-#: Seconds between a process's prunings of idle queues and departed workers' bindings
+#: Seconds between the fleet's prunings of idle queues and departed workers' bindings
 #: (``pruning.py``; departed workers' direct queues: at every pass).
 PRUNE_IDLE_EVERY_S = 60.0
+#: The fleet's mark of the last such pruning (``_state_key``).
+PRUNE_MARK = "prune"
 #: How far ahead of Redis's clock a pass's end may read (it is Redis's time, read after
 #: the pass: only another writer's record is ahead by more).
 _CLOCK_SLACK_S = 1.0
@@ -186,8 +188,6 @@ class Rescorer:
         self.config = config
         self.client = client or redis.Redis.from_url(config.redis_url)
         self.scripts = Scripts.register()
-        #: When idle queues and departed workers' bindings were last pruned (monotonic).
-        self._pruned_at = -math.inf
 
     def queues(self) -> list[str]:
         return registered_queues(self.client.smembers(
@@ -351,8 +351,7 @@ class Rescorer:
         from sits_queue.workers.advertise import live_hostnames, read_worker
 
         prefix = self.config.global_keyprefix
-        now = time.monotonic()
-        due = now - self._pruned_at >= PRUNE_IDLE_EVERY_S
+        due = self._sweep_due(PRUNE_IDLE_EVERY_S, PRUNE_MARK)  # (one pass of the fleet's)
         if not due and not any(is_reply_queue(q) or q.endswith(DIRECT_QUEUE_SUFFIX)
                                for q in queues):
             return []
@@ -360,7 +359,6 @@ class Rescorer:
         if not due:
             return pruning.prune(self.client, self.config, self.scripts, queues,
                                  set(hosts), None)
-        self._pruned_at = now
         live = [r for name in hosts  # (each live record: a read, once a minute)
                 if (r := read_worker(self.client, prefix, name)) is not None]
         return pruning.prune(self.client, self.config, self.scripts, queues, set(hosts), live)
@@ -390,12 +388,12 @@ class Rescorer:
                         {q: n for q, n in expired.items() if n})
         return total
 
-    def _sweep_due(self, period_s: float) -> bool:
-        """Whether this pass sweeps the dead letters: none did within ``period_s``. A
-        mark set under a longer period (the TTL lowered since: its 24th, up to an hour)
-        is no reason to wait: dropped, this pass sweeps (the lowered TTL took effect
-        only once the old mark ran out)."""
-        key, period_ms = _state_key(self.config, "dead-sweep"), max(1, int(period_s * 1000))
+    def _sweep_due(self, period_s: float, mark: str = "dead-sweep") -> bool:
+        """Whether this pass sweeps (the dead letters; ``mark``: another sweep's): none of
+        the fleet's passes did within ``period_s``. A mark set under a longer period (the
+        TTL lowered since: its 24th, up to an hour) is no reason to wait: dropped, this
+        pass sweeps (the lowered TTL took effect only once the old mark ran out)."""
+        key, period_ms = _state_key(self.config, mark), max(1, int(period_s * 1000))
         with self.client.pipeline(transaction=False) as pipe:
             pipe.set(key, 1, nx=True, px=period_ms)
             pipe.pttl(key)

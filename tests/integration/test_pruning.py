@@ -19,7 +19,7 @@ from sits_queue.app import make_app
 from sits_queue.broker.keys import QueueKeys, queues_registry
 from sits_queue.config import SitsConfig
 from sits_queue.priority import pruning
-from sits_queue.priority.rescore import Rescorer
+from sits_queue.priority.rescore import PRUNE_MARK, Rescorer
 from sits_queue.procs import celery_command, wait_ready
 from sits_queue.workers.advertise import worker_key, workers_key
 from tests.integration.conftest import APP_MODULE, ROOT, worker_env
@@ -49,6 +49,13 @@ def live(client: redis.Redis, hostname: str, queues: list[str] | None) -> None:
     client.zadd(workers_key(""), {hostname: 1.0})
 
 
+def rescoring_pass(config: SitsConfig, client: redis.Redis) -> None:
+    """A pass that prunes: the fleet's mark of the last pruning (one a minute, whichever
+    process's pass it is) taken away first."""
+    client.delete(f"sits:state:{PRUNE_MARK}")
+    Rescorer(config, client).rescore_all()
+
+
 def registered(client: redis.Redis) -> set[str]:
     return {m.decode() for m in client.smembers(queues_registry(""))}
 
@@ -70,14 +77,14 @@ def test_an_idle_queue_no_worker_consumes_is_forgotten_and_comes_back_with_a_put
     for queue in ("job-1", "job-2", "served"):  # (the put counters stay: seq, arr)
         assert redis_client.exists(QueueKeys.for_queue(queue).seq)
     # When a pass runs before they have been idle for idle_queue_forget_s (2 s)
-    Rescorer(app.sits, redis_client).rescore_all()
+    rescoring_pass(app.sits, redis_client)
     # Then only the one never put to goes
     assert {"job-1", "job-2", "busy", "served"} <= registered(redis_client)
     assert "never-put" not in registered(redis_client)
     # And once idle for longer, the empty unconsumed ones go with their counters; kombu's
     # bindings stay (a producer that declared the queue once routes by them)
     time.sleep(3.0)  # (the scenario: Redis's idle clock counts whole seconds)
-    Rescorer(app.sits, redis_client).rescore_all()
+    rescoring_pass(app.sits, redis_client)
     assert registered(redis_client) >= {"busy", "served"}
     assert not {"job-1", "job-2"} & registered(redis_client)
     assert redis_client.exists(*QueueKeys.for_queue("job-1").all()) == 0
@@ -93,20 +100,20 @@ def test_no_queue_is_forgotten_where_a_worker_does_not_say_what_it_consumes(
         app: Celery, redis_client: redis.Redis) -> None:
     live(redis_client, "old@h", None)  # (an earlier release's record)
     redis_client.sadd(queues_registry(""), "never-put")
-    Rescorer(app.sits, redis_client).rescore_all()
+    rescoring_pass(app.sits, redis_client)
     assert "never-put" in registered(redis_client)
     # nor with no worker live (a fleet stopped: none to say what is consumed), and its
     # workers' bindings stay
     redis_client.delete(worker_key("", "old@h"))
     pidbox = SEP.join(["", "", "old@h.celery.pidbox"])
     redis_client.sadd("_kombu.binding.celery.pidbox", pidbox)
-    Rescorer(app.sits, redis_client).rescore_all()
+    rescoring_pass(app.sits, redis_client)
     assert "never-put" in registered(redis_client)
     assert redis_client.sismember("_kombu.binding.celery.pidbox", pidbox)
     # nor with the setting at 0
     live(redis_client, "new@h", [])
     kept = replace(app.sits, idle_queue_forget_s=0.0)
-    Rescorer(kept, redis_client).rescore_all()
+    rescoring_pass(kept, redis_client)
     assert "never-put" in registered(redis_client)
 
 
@@ -119,7 +126,7 @@ def test_under_an_lfu_memory_policy_idle_queues_are_kept(
     before = redis_client.config_get("maxmemory-policy")["maxmemory-policy"]
     redis_client.config_set("maxmemory-policy", "allkeys-lfu")
     try:
-        Rescorer(replace(app.sits, idle_queue_forget_s=1.0), redis_client).rescore_all()
+        rescoring_pass(replace(app.sits, idle_queue_forget_s=1.0), redis_client)
     finally:
         redis_client.config_set("maxmemory-policy", before)
     assert "job-lfu" in registered(redis_client)
@@ -135,7 +142,7 @@ def test_departed_workers_remote_control_and_event_bindings_are_removed(
         redis_client.sadd(f"_kombu.{table}.celeryev", *events)
     pruning.record_event_queues(redis_client, "", "up@h", ["celeryev.up"])
     pruning.record_event_queues(redis_client, "", "gone@h", ["celeryev.gone"])
-    Rescorer(app.sits, redis_client).rescore_all()
+    rescoring_pass(app.sits, redis_client)
     for table in ("binding", "binding_permanent"):
         assert redis_client.smembers(f"_kombu.{table}.celery.pidbox") == {pidbox[0].encode()}
         # (one no worker recorded, Flower's receiver, say, is not ours to remove)
@@ -174,7 +181,7 @@ def test_a_killed_workers_bindings_go_once_its_advertisement_expires(
     wait_for(lambda: not redis_client.exists(worker_key("", host)), 30,
              "the killed worker's advertisement to expire")
     live(redis_client, "other@h", [])
-    Rescorer(client_app.sits, redis_client).rescore_all()
+    rescoring_pass(client_app.sits, redis_client)
     members = {m.decode() for key in ("_kombu.binding.celeryev", "_kombu.binding.celery.pidbox")
                for m in redis_client.smembers(key)}
     assert not any(m.endswith(gossip) or host in m for m in members), members
@@ -192,3 +199,16 @@ def test_a_put_racing_the_forgetting_keeps_its_queue_registered(
     # Then the one the put reached stays listed, the other goes
     assert "job-race" in registered(redis_client)
     assert "job-quiet" not in registered(redis_client)
+
+
+def test_one_pass_a_minute_of_the_whole_fleet_prunes(
+        app: Celery, redis_client: redis.Redis) -> None:
+    """(each worker's process pruned once a minute: a fleet of N read N records N times)"""
+    live(redis_client, "w@h", [])
+    redis_client.sadd(queues_registry(""), "never-put-1")
+    Rescorer(app.sits, redis_client).rescore_all()  # (another process's, say)
+    assert "never-put-1" not in registered(redis_client)
+    redis_client.sadd(queues_registry(""), "never-put-2")
+    Rescorer(app.sits, redis_client).rescore_all()
+    assert "never-put-2" in registered(redis_client)  # (within the minute: not again)
+    assert 0 < redis_client.pttl(f"sits:state:{PRUNE_MARK}") <= 60_000
