@@ -210,18 +210,22 @@ def test_ensure_server_outlives_its_session_and_keeps_data(shared_dir: Path) -> 
     assert redis.Redis.from_url(url).get("job") == b"kept"
 
 
-def test_a_restarted_server_is_handed_out_once_its_data_is_loaded(shared_dir: Path) -> None:
-    """(its URL came back while it replayed its append-only file: the caller's first
-    command failed with "Redis is loading the dataset in memory")"""
-    url, _ = ensure_server(shared_dir)
-    client = redis.Redis.from_url(url)
-    # a replay that takes a while: 200k commands in the append-only file
+def fill_append_only_file(client: redis.Redis) -> None:
+    """A replay that takes a while: 200k commands in the append-only file (then closed)."""
     for chunk in range(20):
         with client.pipeline(transaction=False) as pipe:
             for i in range(10_000):
                 pipe.hset(f"h{chunk}", f"f{i}", "x" * 40)
             pipe.execute()
     client.close()
+
+
+def test_a_restarted_server_is_handed_out_once_its_data_is_loaded(shared_dir: Path) -> None:
+    """(its URL came back while it replayed its append-only file: the caller's first
+    command failed with "Redis is loading the dataset in memory")"""
+    url, _ = ensure_server(shared_dir)
+    client = redis.Redis.from_url(url)
+    fill_append_only_file(client)
     for _ in range(2):
         stop_server(shared_dir)
         url, started = ensure_server(shared_dir)
@@ -239,12 +243,7 @@ def test_an_append_only_server_started_again_answers_its_first_command(
     dataset in memory" at its first command)"""
     server = EmbeddedRedis(tmp_path / "aof", appendonly=True)
     client = redis.Redis.from_url(server.start())
-    for chunk in range(20):
-        with client.pipeline(transaction=False) as pipe:
-            for i in range(10_000):
-                pipe.hset(f"h{chunk}", f"f{i}", "x" * 40)
-            pipe.execute()
-    client.close()
+    fill_append_only_file(client)
     port = server.port
     try:
         for _ in range(2):

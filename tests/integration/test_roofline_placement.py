@@ -125,96 +125,75 @@ def test_workers_behind_other_queues_are_not_weighed_against_each_other(
             proc.stop(timeout_s=10)
 
 
-def test_on_a_host_of_unlike_gpus_each_child_takes_the_work_its_gpu_suits(
-        tmp_path: Path, redis_url: str, r: redis.Redis, client_app: Celery) -> None:
-    # Given one worker of two children on one host: an H200 and an L4 (one fleet alone)
-    r.delete("test:device:decode", "test:device:prefill")  # (the module's earlier tests')
+def host_worker(tmp_path: Path, redis_url: str, gpus: list[tuple[str, str, int]]
+                ) -> CeleryProcess:
+    """A worker of one child per GPU of ``gpus`` (UUID, name, GiB) on one stand-in host."""
     state = tmp_path / "nvml.json"
     state.write_text(json.dumps({"gpus": [
-        {"uuid": H200, "name": "NVIDIA H200", "total": 141 * GIB, "free": 139 * GIB},
-        {"uuid": L4, "name": "NVIDIA L4", "total": 24 * GIB, "free": 22 * GIB}]}))
+        {"uuid": uuid, "name": name, "total": gib * GIB, "free": (gib - 2) * GIB}
+        for uuid, name, gib in gpus]}))
     env = worker_env(redis_url)
     env["PYTHONPATH"] = os.pathsep.join([str(STANDIN), str(ROOT), os.environ.get(
         "PYTHONPATH", "")])
     env["SITS_TEST_NVML"] = str(state)
-    proc = start_worker(APP_MODULE, env, tmp_path, concurrency=2, cwd=ROOT)
-    try:
-        wait_ready(client_app, [proc])
+    return start_worker(APP_MODULE, env, tmp_path, concurrency=len(gpus), cwd=ROOT)
 
-        def devices() -> dict[str, set[str]]:
-            placement = advertise.read_workers(r)[0].get("placement", {})
-            return {u: set(d.get("bounds", {}))
-                    for u, d in placement.get("devices", {}).items()}
 
-        # each device weighed on its own (the worker as a whole, by its H200, weighed
-        # memory-bound work on both children: measured, half of each kind on each GPU)
-        wait_for(lambda: "memory@fp16" in devices().get(H200, ())
-                 and "compute@fp16" in devices().get(L4, ()), 30,
-                 "each device to weigh its bound", seen=devices)
-        device = client_app.tasks["w.device"]
-        with intake_held(client_app, [proc]):
-            for _ in range(EACH):
-                device.apply_async(("decode", 0.05), arithmetic_intensity=DECODE_FLOP_PER_BYTE,
-                                   input_entropy=0.5)
-                device.apply_async(("prefill", 0.05),
-                                   arithmetic_intensity=PREFILL_FLOP_PER_BYTE,
-                                   input_entropy=0.5)
-        wait_for(lambda: r.llen("test:device:decode") + r.llen("test:device:prefill")
-                 == 2 * EACH, 60, "every task to run")
-    finally:
-        proc.stop(timeout_s=10)
-    # Then each kind ran mostly on the GPU richer in what bounds it (the pinned child's
-    # CUDA_VISIBLE_DEVICES says which), and both GPUs worked
-    decode = [d.decode() for d in r.lrange("test:device:decode", 0, -1)]
-    prefill = [d.decode() for d in r.lrange("test:device:prefill", 0, -1)]
-    assert decode.count(H200) >= 0.8 * EACH, (decode.count(H200), decode.count(L4))
-    assert prefill.count(L4) >= 0.8 * EACH, (prefill.count(L4), prefill.count(H200))
-    assert {*decode, *prefill} == {H200, L4}
+def device_weights(r: redis.Redis, kind: str) -> dict[str, set[str]]:
+    """The one worker's per-device placement weights of ``kind`` (``bounds``,
+    ``precisions``) as its advertisement says, by UUID."""
+    placement = advertise.read_workers(r)[0].get("placement", {})
+    return {u: set(d.get(kind, {})) for u, d in placement.get("devices", {}).items()}
 
 
 A100 = "GPU-a1000000-0000-0000-0000-000000000000"
 T4 = "GPU-t4000000-0000-0000-0000-000000000000"
+#: Hosts of unlike GPUs: (UUID, name, GiB) each; the placement weights each device must
+#: show (kind, UUID -> a weight's key); and each kind of task's options and the GPU it
+#: should run on.
+UNLIKE_HOSTS = {
+    # (MISSION §3.1; weighed by its best device, the H200's, each freed child pulled
+    # memory-bound work alike: measured, half of each kind on each GPU)
+    "roofline": ([(H200, "NVIDIA H200", 141), (L4, "NVIDIA L4", 24)],
+                 "bounds", {H200: "memory@fp16", L4: "compute@fp16"},
+                 {"decode": ({"arithmetic_intensity": DECODE_FLOP_PER_BYTE}, H200),
+                  "prefill": ({"arithmetic_intensity": PREFILL_FLOP_PER_BYTE}, L4)}),
+    # (§3.2; the pool wrote bf16 tasks to whichever child was idle, the T4's, which has
+    # no bf16, as well: 18-22 of 30 on the A100)
+    "precision": ([(A100, "NVIDIA A100-SXM4-80GB", 80), (T4, "Tesla T4", 16)],
+                  "precisions", {A100: "bf16", T4: "fp32"},
+                  {"bf16": ({"precision": "bf16"}, A100),
+                   "fp32": ({"precision": "fp32"}, T4)}),
+}
 
 
-def test_on_a_host_of_unlike_gpus_each_child_takes_the_precision_its_gpu_suits(
-        tmp_path: Path, redis_url: str, r: redis.Redis, client_app: Celery) -> None:
-    """(MISSION §3.2 on one host: weighed by its best device, each freed child pulled
-    bf16 and fp32 tasks alike, and the pool wrote them to whichever child was idle, the
-    T4's, without bf16, as well)"""
-    # Given one worker of two children on one host: an A100 and a T4 (one fleet alone)
-    r.delete("test:device:bf16", "test:device:fp32")
-    state = tmp_path / "nvml.json"
-    state.write_text(json.dumps({"gpus": [
-        {"uuid": A100, "name": "NVIDIA A100-SXM4-80GB", "total": 80 * GIB, "free": 78 * GIB},
-        {"uuid": T4, "name": "Tesla T4", "total": 16 * GIB, "free": 14 * GIB}]}))
-    env = worker_env(redis_url)
-    env["PYTHONPATH"] = os.pathsep.join([str(STANDIN), str(ROOT), os.environ.get(
-        "PYTHONPATH", "")])
-    env["SITS_TEST_NVML"] = str(state)
-    proc = start_worker(APP_MODULE, env, tmp_path, concurrency=2, cwd=ROOT)
+@pytest.mark.parametrize("host", sorted(UNLIKE_HOSTS))
+def test_on_a_host_of_unlike_gpus_each_child_takes_the_work_its_gpu_suits(
+        tmp_path: Path, redis_url: str, r: redis.Redis, client_app: Celery, host: str
+        ) -> None:
+    gpus, kind, weights, tasks = UNLIKE_HOSTS[host]
+    # Given one worker of two children on one host of two kinds of GPU (one fleet alone)
+    r.delete(*(f"test:device:{name}" for name in tasks))  # (the module's earlier tests')
+    proc = host_worker(tmp_path, redis_url, gpus)
     try:
         wait_ready(client_app, [proc])
-
-        def devices() -> dict[str, set[str]]:
-            placement = advertise.read_workers(r)[0].get("placement", {})
-            return {u: set(d.get("precisions", {}))
-                    for u, d in placement.get("devices", {}).items()}
-
-        wait_for(lambda: devices().get(A100) == {"bf16"} and devices().get(T4) == {"fp32"},
-                 30, "each device to weigh its precisions", seen=devices)
+        # each device weighed on its own
+        wait_for(lambda: all(w in device_weights(r, kind).get(u, ()) for u, w in
+                             weights.items()), 30, "each device to weigh its own",
+                 seen=lambda: device_weights(r, kind))
         device = client_app.tasks["w.device"]
         with intake_held(client_app, [proc]):
             for _ in range(EACH):
-                for precision in ("bf16", "fp32"):
-                    device.apply_async((precision, 0.05), precision=precision,
-                                       input_entropy=0.5)
-        wait_for(lambda: r.llen("test:device:bf16") + r.llen("test:device:fp32")
-                 == 2 * EACH, 60, "every task to run")
+                for name, (options, _) in tasks.items():
+                    device.apply_async((name, 0.05), input_entropy=0.5, **options)
+        wait_for(lambda: sum(r.llen(f"test:device:{name}") for name in tasks)
+                 == len(tasks) * EACH, 60, "every task to run")
     finally:
         proc.stop(timeout_s=10)
-    # Then each precision ran mostly on the GPU relatively strong at it, and both worked
-    bf16 = [d.decode() for d in r.lrange("test:device:bf16", 0, -1)]
-    fp32 = [d.decode() for d in r.lrange("test:device:fp32", 0, -1)]
-    assert bf16.count(A100) >= 0.8 * EACH, (bf16.count(A100), bf16.count(T4))
-    assert fp32.count(T4) >= 0.8 * EACH, (fp32.count(T4), fp32.count(A100))
-    assert {*bf16, *fp32} == {A100, T4}
+    # Then each kind ran mostly on the GPU that suits it (the pinned child's
+    # CUDA_VISIBLE_DEVICES says which), and both GPUs worked
+    ran = {name: [d.decode() for d in r.lrange(f"test:device:{name}", 0, -1)]
+           for name in tasks}
+    for name, (_, gpu) in tasks.items():
+        assert ran[name].count(gpu) >= 0.8 * EACH, (name, ran[name].count(gpu))
+    assert {d for where in ran.values() for d in where} == {u for u, _, _ in gpus}
