@@ -2,10 +2,13 @@
 prefix, checked when a worker starts.
 
 kombu subscribes to Celery's fanout exchanges by pattern (``PSUBSCRIBE``): the remote
-control's ``<prefix>/<db>.celery.pidbox`` and, for a worker that gossips, the events'
-``<prefix>/<db>.celeryev/*``. Redis matches a subscribed *pattern* against the user's
-channel grants as written, not as a channel name: ``&a:*`` allows ``SUBSCRIBE
-a:anything`` but not ``PSUBSCRIBE a:/0.celeryev/*``. A user confined to its prefix
+control's ``<prefix>/<db>.celery.pidbox`` and, for a worker that gossips, the workers'
+events, ``<prefix>/<db>.celeryev/worker.*`` (gossip binds ``worker.#``; ``celery
+events`` and Flower, binding ``#``, subscribe ``.../celeryev/*``). Redis matches a
+subscribed *pattern* against the user's channel grants as written, not as a channel
+name: ``&a:*`` allows ``SUBSCRIBE a:anything`` but not ``PSUBSCRIBE a:/0.celeryev/*``,
+nor does ``&a:/0.celeryev/*`` allow ``PSUBSCRIBE a:/0.celeryev/worker.*`` (a worker
+given the grants this check named then died at its first gossip). A user confined to its prefix
 (``ACL SETUSER sits on >pw ~a:* &a:* +@all``, the usual multi-tenant set-up) started a
 worker that died on its first connection with "Unrecoverable error: auth:
 NoPermissionError" and ~50 lines of traceback naming no channel. The worker now stops
@@ -30,8 +33,8 @@ def fanout_patterns(app: Any, gossip: bool = True) -> list[str]:
     patterns = []
     if app.conf.worker_enable_remote_control:
         patterns.append(f"{prefix}/{db}.{app.control.mailbox.namespace}.pidbox")
-    if gossip:
-        patterns.append(f"{prefix}/{db}.{app.conf.event_exchange}/*")
+    if gossip:  # (Celery's gossip binds "worker.#", kombu's pattern turns # into *)
+        patterns.append(f"{prefix}/{db}.{app.conf.event_exchange}/worker.*")
     return patterns
 
 
