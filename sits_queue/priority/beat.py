@@ -80,6 +80,8 @@ class SitsScheduler(RedBeatScheduler):  # type: ignore[misc]
     def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
         #: (entry, reason) refused as sent, said once
         self._refused: set[tuple[str, str]] = set()
+        #: Maintenance tasks not sent, one of theirs still waiting (said once a stretch).
+        self._held_back: set[str] = set()
         super().__init__(app, *args, **kwargs)
         # A beat told to sleep longer (``--max-interval``, its own
         # ``beat_max_loop_interval``) keeps a lock that outlives its sleeps: shorter, a
@@ -90,8 +92,8 @@ class SitsScheduler(RedBeatScheduler):  # type: ignore[misc]
         from sits_queue.app import beat_schedule, sits_config
 
         current = dict(self.app.conf.beat_schedule or {})
-        missing = {name: entry for name, entry in beat_schedule(sits_config(self.app)).items()
-                   if name not in current}
+        ours = beat_schedule(sits_config(self.app))
+        missing = {name: entry for name, entry in ours.items() if name not in current}
         if missing:
             logger.warning("beat: beat_schedule was replaced; SITS's maintenance entries %s "
                            "added back (update beat_schedule rather than assign it)",
@@ -100,12 +102,16 @@ class SitsScheduler(RedBeatScheduler):  # type: ignore[misc]
         refused = {name: why for name, entry in current.items()
                    if name not in missing and (why := unsendable(self.app, entry))}
         for name, why in refused.items():
-            logger.error("beat: entry %r (%s) left out of the schedule, its task would be "
-                         "refused: %s (fix it in beat_schedule)", name,
-                         current[name].get("task"), why)
+            # (one of SITS's own, changed by the app: its default, not none; left out,
+            # the rescoring pass, and with it aging and pruning, stopped)
+            instead = "SITS's default entry runs instead" if name in ours else \
+                "left out of the schedule"
+            logger.error("beat: entry %r (%s): its task would be refused: %s; %s (fix it "
+                         "in beat_schedule)", name, current[name].get("task"), why, instead)
         if missing or refused:
-            self.app.conf.beat_schedule = {name: entry for name, entry in current.items()
-                                           if name not in refused}
+            self.app.conf.beat_schedule = {
+                name: ours[name] if name in refused else entry
+                for name, entry in current.items() if name not in refused or name in ours}
         # Installed into Redis by the first tick that holds the lock (module docstring).
         self._installed = False
 
@@ -119,9 +125,14 @@ class SitsScheduler(RedBeatScheduler):  # type: ignore[misc]
         if entry.task in MAINTENANCE_TASKS and self._waiting(entry.task):
             if advance:
                 entry = self.reserve(entry)  # (the schedule keeps its rhythm)
-            logger.info("beat: %s not sent: the last one still waits for a slot",
-                        entry.task)
+            # (said once while it lasts: each second, with every slot busy or no worker
+            # up, it was a line at info)
+            level = logging.DEBUG if entry.task in self._held_back else logging.INFO
+            self._held_back.add(entry.task)
+            logger.log(level, "beat: %s not sent: the last one still waits for a slot "
+                       "(said again once one is sent and another waits)", entry.task)
             return None
+        self._held_back.discard(entry.task)
         try:
             return super().apply_async(entry, producer, advance, **kwargs)
         except SchedulingError as exc:

@@ -153,6 +153,10 @@ def test_an_entry_whose_task_would_be_refused_is_left_out_in_one_error(
         "bad-args": {"task": "app.tick", "schedule": 5.0, "args": 5},
         "bad-delivery": {"task": "app.tick", "schedule": 5.0, "options": {"task_id": ""}},
         "tick": {"task": "app.tick", "schedule": 5.0, "options": {"sla_class": "high"}},
+        # one of SITS's own, changed by the app: its default runs (left out, rescoring
+        # stopped, and with it aging and pruning)
+        "sits-rescore": {"task": "sits.rescore", "schedule": 9.0,
+                         "options": {"sla_class": "urgent"}},
     }
     app.conf.beat_schedule = dict(schedule)
     redis_client.flushall()
@@ -161,7 +165,12 @@ def test_an_entry_whose_task_would_be_refused_is_left_out_in_one_error(
             scheduler = SitsScheduler(app=app)
             scheduler.tick()
         said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-        assert len(said) == 3, said
+        assert len(said) == 4, said
+        assert any("'sits-rescore' (sits.rescore)" in line and "SITS's default entry runs "
+                   "instead" in line for line in said)
+        definition = json.loads(redis_client.hget("sits:redbeat:sits-rescore", "definition"))
+        assert "urgent" not in json.dumps(definition) and \
+            definition["schedule"]["every"] == app.sits.rescore_interval_s
         assert any("'bad-class' (app.tick)" in line and "sla_class 'nope'" in line
                    for line in said)
         assert any("'bad-args'" in line and "app.tick: task args must be a list or tuple, got int"
@@ -286,8 +295,9 @@ def test_the_beat_s_passes_go_to_the_control_queue_on_every_path(
         app.close()
 
 
-def test_the_beat_sends_no_pass_beside_one_still_waiting(redis_url: str,
-                                                         redis_client: redis.Redis) -> None:
+def test_the_beat_sends_no_pass_beside_one_still_waiting(
+        redis_url: str, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+        ) -> None:
     """(with every slot busy, the passes queued behind one another, each expired by the
     time a slot took it: none ran, and the control queue only grew)"""
     app = make_app(SitsConfig(redis_url=redis_url), main="beat-one-waiting")
@@ -297,13 +307,22 @@ def test_the_beat_sends_no_pass_beside_one_still_waiting(redis_url: str,
                                       schedule=1.0, app=app)
                         for task in ("rescore", "check_triggers"))
         assert scheduler.apply_async(entry, advance=False) is not None
-        # one waits: none beside it
-        assert scheduler.apply_async(entry, advance=False) is None
+        # one waits: none beside it (said once while it lasts: it was a line a second)
+        with caplog.at_level("DEBUG", logger="sits_queue.priority.beat"):
+            assert scheduler.apply_async(entry, advance=False) is None
+            assert scheduler.apply_async(entry, advance=False) is None
+        assert [r.levelname for r in caplog.records if "not sent" in r.getMessage()] == \
+            ["INFO", "DEBUG"]
         assert scheduler.apply_async(other, advance=False) is not None  # another task's own
         assert redis_client.zcard(CONTROL.waiting) == 2
-        # Once it is taken, the next is sent
+        # Once it is taken, the next is sent, and a later wait is said again
         redis_client.zpopmin(CONTROL.waiting, 2)
         assert scheduler.apply_async(entry, advance=False) is not None
+        caplog.clear()
+        with caplog.at_level("DEBUG", logger="sits_queue.priority.beat"):
+            assert scheduler.apply_async(entry, advance=False) is None
+        assert [r.levelname for r in caplog.records if "not sent" in r.getMessage()] == \
+            ["INFO"]
     finally:
         app.close()
 
