@@ -28,7 +28,7 @@ from sits_queue.calloptions import (
 )
 from sits_queue.checks import finite, is_number, shown
 from sits_queue.config import SitsConfig, redacted, without_credentials
-from sits_queue.delivery import check_delivery
+from sits_queue.delivery import check_delivery, drop_delivery_only
 from sits_queue.errors import ConfigError
 from sits_queue.exits import fail_exits
 from sits_queue.options import (
@@ -395,6 +395,7 @@ class SitsCelery(Celery):  # type: ignore[misc]
         A task registered in this app lends its declared options and time limits."""
         self.note_priority(name, options.get("priority"))
         check_delivery(name, options, self.timezone)
+        drop_delivery_only(options)
         route_maintenance(name, options)
         if name in MAINTENANCE_TASKS and self.amqp.router.routes \
                 and not isinstance(options.get("router"), RoutedOnce):

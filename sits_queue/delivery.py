@@ -59,12 +59,6 @@ def check_delivery(name: str, options: Mapping[str, Any],
         # lettered, under that id, and the caller's get() waited for good on another)
         raise InvalidTaskOptions(f"task {name}: headers cannot set Celery's task id "
                                  f"('id': {shown(headers['id'])}); give task_id= instead")
-    if isinstance(headers, Mapping) and (forged := sorted(DELIVERY_ONLY & set(headers))):
-        # (a pick adds them for one delivery: a caller's ran its task's first run from a
-        # made-up checkpoint, self.checkpoint being None there only on the broker's word)
-        raise InvalidTaskOptions(f"task {name}: headers cannot set {forged}: the broker "
-                                 "adds them to one delivery (a time slice's checkpoint, "
-                                 "a batch's mark); a task's first run starts from none")
     queue = options.get("queue")
     if queue is not None and not (isinstance(queue, Queue)
                                   or (isinstance(queue, str) and queue)):
@@ -122,3 +116,14 @@ def _iso_time(name: str, option: str, value: Any) -> datetime:
             pass
     raise InvalidTaskOptions(f"task {name}: {option} must be a datetime or its ISO 8601 "
                              f"text, got {shown(value)}")
+
+
+def drop_delivery_only(options: dict[str, Any]) -> None:
+    """Take the headers a pick adds to one delivery out of a call's ``headers=``: a task
+    that forwards ``self.request.headers`` (its correlation headers) carries them, and
+    a caller's ``sits_checkpoint`` ran the first run from a made-up checkpoint,
+    ``self.checkpoint`` being None there only on the broker's word. (Refused, every
+    forwarding of a request's headers failed.)"""
+    headers = options.get("headers")
+    if isinstance(headers, Mapping) and not DELIVERY_ONLY.isdisjoint(headers):
+        options["headers"] = {k: v for k, v in headers.items() if k not in DELIVERY_ONLY}

@@ -46,7 +46,7 @@ from sits_queue.calloptions import (
     routed_options,
     sits_headers,
 )
-from sits_queue.delivery import check_delivery
+from sits_queue.delivery import check_delivery, drop_delivery_only
 from sits_queue.errors import SitsError
 from sits_queue.etas import read_eta
 from sits_queue.options import (
@@ -196,6 +196,7 @@ def _plan(task: Task, options: dict[str, Any], producer: Any = None) -> _Plan:
                         f"{sorted(SUPPORTED_OPTIONS | set(OPTION_NAMES))}")
     # (as send_task checks them: an ETA past year 9999 was enqueued, to be dead-lettered)
     check_delivery(task.name, options, app.timezone)
+    drop_delivery_only(options)
     config = sits_config(app)
     header = hand_made_header(options)
     if header is not None:  # used as send_task uses it (it was replaced by the defaults

@@ -3,6 +3,7 @@ yield point, and resumes from its checkpoint without losing its place or its cou
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -112,6 +113,21 @@ def test_a_task_that_yields_resumes_past_its_expiry(spawn: Spawn, client_app: Ce
     assert low.get(timeout=60) == 2
     log = steps_log(redis_client)
     assert any(":yield:" in x for x in log) and log[-1] == "low:end:2"
+
+
+def test_a_call_forwarding_delivered_headers_runs_from_no_checkpoint(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(refused, a task forwarding its request's headers to a child always failed, they
+    carry the broker's sits_delivery; and a caller's sits_checkpoint ran the first run
+    as if resumed)"""
+    spawn(concurrency=1)
+    forwarded = {"sits_checkpoint": json.dumps({"done": 4, "runs": 41}),
+                 "sits_delivery": "celery", "sits_batch": ["b", 0, 2], "redelivered": True,
+                 "trace_id": "t-1"}
+    result = client_app.tasks["w.steps"].apply_async(("fwd", 5, 0.0), headers=forwarded)
+    assert result.get(timeout=30) == 1  # a first run, all five steps
+    assert steps_log(redis_client) == ["fwd:start:0", "fwd:end:1"]
+    assert result.get(timeout=1) == 1 and client_app.AsyncResult(result.id).state == "SUCCESS"
 
 
 def test_yield_point_outside_a_worker_never_yields(client_app: Celery,

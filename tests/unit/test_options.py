@@ -270,12 +270,6 @@ def test_a_batch_key_past_its_length_is_refused_at_submission() -> None:
     ({"headers": {"id": 5}}, r"headers cannot set Celery's task id \('id': 5\); give "
                              r"task_id= instead"),
     ({"headers": {"id": "x"}, "task_id": "y"}, "headers cannot set Celery's task id"),
-    # (the broker adds them to one delivery: a caller's ran the first run from a made-up
-    # checkpoint, self.checkpoint being None there only on the broker's word)
-    ({"headers": {"sits_checkpoint": '{"done": 4}'}},
-     r"headers cannot set \['sits_checkpoint'\]: the broker adds them to one delivery"),
-    ({"headers": {"sits_batch": ["b", 0, 2], "redelivered": True, "x": 1}},
-     r"headers cannot set \['redelivered', 'sits_batch'\]"),
 ])
 def test_celerys_delivery_options_are_checked_before_anything_is_sent(
         options: dict[str, object], said: str) -> None:
