@@ -19,8 +19,9 @@ ever used.
   OOM kill) leaves its ``<hostname>.celery.pidbox`` member in the ``celery.pidbox``
   exchange's bindings and its gossip queue's in ``celeryev``'s (a clean stop removes
   them), kept by kombu while any consumer refreshes the table: one pair per crash, for
-  good. Each worker records its event queues' names with its hostname
-  (:func:`record_event_queues`); those of a worker no longer advertised are removed.
+  good. Each worker records its event queues' names with its hostname and process
+  (:func:`record_event_queues`); those of a process gone (its worker no longer
+  advertised, or advertised by another process) are removed.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 import redis
 from celery.utils.nodenames import WORKER_DIRECT_EXCHANGE
 
+from sits_queue.broker import clock
 from sits_queue.broker.keys import (
     BINDING_SEP,
     CONTROL_QUEUE,
@@ -53,16 +55,25 @@ EVENT_EXCHANGE = "celeryev"
 PIDBOX_SUFFIX = ".celery.pidbox"
 
 
+def puts_seen_key(prefix: str = "") -> str:
+    """HASH: an unconsumed queue's put counter as the pruning passes last saw it change,
+    and when (Redis's clock): ``<count>@<s>``."""
+    return f"{prefix}sits:state:puts-seen"
+
+
 def event_queues_key(prefix: str = "") -> str:
     """HASH: a worker's event (gossip) queue name -> its hostname (:func:`record_event_queues`)."""
     return f"{prefix}sits:event-queues"
 
 
-def record_event_queues(client: redis.Redis, prefix: str, hostname: str,
+def record_event_queues(client: redis.Redis, prefix: str, hostname: str, pid: int,
                         names: Iterable[str]) -> None:
-    """Say which event queues are ``hostname``'s (its gossip receiver's, made afresh at
-    each consumer start), for :func:`prune` to unbind them once it is gone."""
-    mapping: dict[Any, Any] = dict.fromkeys(names, hostname)
+    """Say which event queues are the worker ``hostname``'s process ``pid``'s (its gossip
+    receiver's, made afresh at each consumer start), for :func:`prune` to unbind them
+    once that process is gone: the worker no longer advertised, or advertised by
+    another process (restarted under its name, as systemd or Kubernetes do: by hostname
+    alone, a crashed one's binding stayed for good)."""
+    mapping: dict[Any, Any] = dict.fromkeys(names, f"{pid} {hostname}")
     if mapping:
         client.hset(event_queues_key(prefix), mapping=mapping)
 
@@ -80,7 +91,8 @@ def prune(client: redis.Redis, config: SitsConfig, scripts: Scripts, queues: Seq
     if gone or replies or idle:
         _unregister(client, config.global_keyprefix, gone, replies, idle)
     if live is not None and hosts:  # (none live: a fleet stopped, nothing to tell by)
-        _unbind_departed(client, config.global_keyprefix, hosts)
+        pids = {str(r.get("hostname")): r.get("pid") for r in live}
+        _unbind_departed(client, config.global_keyprefix, hosts, pids)
     return [*gone, *replies, *idle]
 
 
@@ -108,16 +120,46 @@ def _idle(client: redis.Redis, config: SitsConfig, scripts: Scripts, queues: Seq
                   and not q.endswith(DIRECT_QUEUE_SUFFIX)]
     if not candidates:
         return []
+    return [q for q in _unchanged_for(client, config.global_keyprefix, candidates, after_s)
+            if _forget(client, config, scripts, q)]
+
+
+def _unchanged_for(client: redis.Redis, prefix: str, queues: Sequence[str], after_s: float
+                   ) -> list[str]:
+    """Those of ``queues`` whose put counter (``seq``, written by puts alone) has not
+    moved for ``after_s``, by what the passes saw of it (:func:`puts_seen_key`: the count
+    and the server time it was first seen at). ``OBJECT IDLETIME`` was no measure: Redis
+    shares one object among keys holding a small integer, so the idle time was any such
+    key's (a queue of 53 puts was forgotten 4 s after its last, one of 2 never)."""
+    seen_key = puts_seen_key(prefix)
     with client.pipeline(transaction=False) as pipe:
-        for queue in candidates:  # (its seq is written by puts alone: the last put's age)
-            pipe.object("idletime", QueueKeys.for_queue(queue, config.global_keyprefix).seq)
-        idle_s = pipe.execute(raise_on_error=False)
-    # (no seq: never put to, or put to before this release kept one; an error: a memory
-    # policy of LFU, which keeps no idle time: nothing is forgotten then)
-    stale = [q for q, s in zip(candidates, idle_s, strict=True)
-             if (s is None or (isinstance(s, int) and s >= after_s))
-             and not isinstance(s, Exception)]
-    return [q for q in stale if _forget(client, config, scripts, q)]
+        for queue in queues:
+            pipe.get(QueueKeys.for_queue(queue, prefix).seq)
+        pipe.hgetall(seen_key)
+        *counts, raw = pipe.execute()
+    seen = {_text(k): _text(v) for k, v in raw.items()}
+    now = clock.now(client)
+    fresh: dict[Any, Any] = {}
+    stale: list[str] = []
+    for queue, count in zip(queues, counts, strict=True):
+        said = _text(count) if count is not None else ""  # ("": never put to)
+        was, _, since = seen.get(queue, "").partition("@")
+        try:
+            first = float(since) if was == said and since else None
+        except ValueError:
+            first = None
+        if first is None:
+            fresh[queue] = f"{said}@{now}"
+        elif now - first >= after_s:
+            stale.append(queue)
+    gone = [q for q in seen if q not in queues or q in stale]
+    with client.pipeline(transaction=False) as pipe:
+        if fresh:
+            pipe.hset(seen_key, mapping=fresh)
+        if gone:  # (a queue consumed again, or forgotten: seen afresh next time)
+            pipe.hdel(seen_key, *gone)
+        pipe.execute()
+    return stale
 
 
 def _forget(client: redis.Redis, config: SitsConfig, scripts: Scripts, queue: str) -> bool:
@@ -157,11 +199,13 @@ def _unregister(client: redis.Redis, prefix: str, gone: Sequence[str],
                     list(idle)[:10])
 
 
-def _unbind_departed(client: redis.Redis, prefix: str, hosts: set[str]) -> None:
-    """Remove the pidbox and event bindings of workers no longer advertised."""
+def _unbind_departed(client: redis.Redis, prefix: str, hosts: set[str],
+                     pids: Mapping[str, Any]) -> None:
+    """Remove the pidbox bindings of workers no longer advertised, and the event bindings
+    of worker processes gone (``pids``: each live worker's process, by hostname)."""
     events = event_queues_key(prefix)
     owners = {_text(k): _text(v) for k, v in client.hgetall(events).items()}
-    departed_events = {q for q, host in owners.items() if host not in hosts}
+    departed_events = {q for q, owner in owners.items() if _gone(owner, hosts, pids)}
     removed = 0
     for exchange, departed in ((PIDBOX_EXCHANGE, _departed_pidbox(hosts)),
                                (EVENT_EXCHANGE, departed_events.__contains__)):
@@ -176,6 +220,15 @@ def _unbind_departed(client: redis.Redis, prefix: str, hosts: set[str]) -> None:
     if removed:
         logger.info("removed %d remote-control and event binding(s) of departed workers",
                     removed)
+
+
+def _gone(owner: str, hosts: set[str], pids: Mapping[str, Any]) -> bool:
+    """Whether the process of an event queue's owner (``"<pid> <hostname>"``) is gone."""
+    pid, _, host = owner.partition(" ")
+    if host not in hosts:
+        return True
+    live = pids.get(host)
+    return live is not None and str(live) != pid
 
 
 def _departed_pidbox(hosts: set[str]) -> Any:

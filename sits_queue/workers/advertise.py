@@ -524,7 +524,7 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
                 from sits_queue.priority.pruning import record_event_queues
 
                 record_event_queues(client_for(config), config.global_keyprefix, hostname,
-                                    events)
+                                    os.getpid(), events)
                 self._events_said = events
         except redis.RedisError as exc:
             logger.warning("could not refresh the worker advertisement: %s", exc)
