@@ -62,7 +62,8 @@ def puts_seen_key(prefix: str = "") -> str:
 
 
 def event_queues_key(prefix: str = "") -> str:
-    """HASH: a worker's event (gossip) queue name -> its hostname (:func:`record_event_queues`)."""
+    """HASH: a worker's event (gossip) queue name -> its process, ``"<pid> <hostname>"``
+    (:func:`record_event_queues`)."""
     return f"{prefix}sits:event-queues"
 
 
