@@ -15,7 +15,6 @@ from kombu.entity import Exchange, Queue
 from kombu.utils.objects import cached_property
 
 from sits_queue import flower, quietlogs, redisurl
-from sits_queue.broker.keys import DELIVERY_ONLY
 from sits_queue.cache.budgets import settings_from_env
 from sits_queue.calloptions import (
     CALL_OPTIONS,
@@ -160,11 +159,10 @@ class SitsTask(Task):  # type: ignore[misc]
         # header is made afresh from them; where none is carried (a hand-made header
         # whose only option was a class of another producer's table, dropped), the copy
         # was taken for a hand-made header, checked again, and the retry refused.
+        drop_delivery_only(sig.options)
         headers = sig.options.get("headers")
-        if isinstance(headers, Mapping) and (
-                HEADER in headers or any(k in headers for k in DELIVERY_ONLY)):
-            sig.options["headers"] = {k: v for k, v in headers.items()
-                                      if k not in DELIVERY_ONLY and k != HEADER}
+        if isinstance(headers, Mapping) and HEADER in headers:
+            sig.options["headers"] = {k: v for k, v in headers.items() if k != HEADER}
         running = self.request if request is None else request
         header = getattr(running, HEADER, None)
         if isinstance(header, Mapping):

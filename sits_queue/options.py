@@ -70,6 +70,8 @@ MAX_VRAM_GIB = 1024.0
 MAX_ARITHMETIC_INTENSITY = 1e6
 #: A batch key names a task, a model and a class: room for long dotted task names.
 MAX_BATCH_KEY = 1000
+#: The longest model name or prompt-prefix key a call may give.
+MAX_NAME = 200
 
 
 @dataclass(frozen=True)
@@ -300,7 +302,7 @@ def salvage(config: SitsConfig, header: Mapping[str, Any]) -> tuple[TaskOptions,
     return resolve(config, {}, kept), dropped
 
 
-def _name(option: str, value: Any, longest: int = 200) -> str | None:
+def _name(option: str, value: Any, longest: int = MAX_NAME) -> str | None:
     """A model name or key: None, or a non-empty string of at most ``longest`` characters."""
     if value is None:
         return None

@@ -27,7 +27,7 @@ ever used.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import redis
@@ -232,7 +232,8 @@ def _gone(owner: str, hosts: set[str], pids: Mapping[str, Any]) -> bool:
     return live is not None and str(live) != pid
 
 
-def _departed_pidbox(hosts: set[str]) -> Any:
+def _departed_pidbox(hosts: set[str]) -> Callable[[str], bool]:
+    """Whether a pidbox binding's queue is a worker's no longer advertised."""
     def departed(queue: str) -> bool:
         return queue.endswith(PIDBOX_SUFFIX) and queue[:-len(PIDBOX_SUFFIX)] not in hosts
 

@@ -166,11 +166,7 @@ def standing(own: Mapping[str, Any], fleet: Sequence[Mapping[str, Any]],
 def kind_peaks(record: Mapping[str, Any]) -> list[dict[str, float]]:
     """A worker record's peak TFLOP/s per precision (:func:`_peaks_of`) per kind of device
     it has, each kind once (as :func:`kind_ridges`); none for a device without figures."""
-    kinds: list[dict[str, float]] = []
-    for device in _devices(record):
-        if (p := _peaks_of(device)) and p not in kinds:
-            kinds.append(p)
-    return kinds
+    return _each_kind(record, _peaks_of)
 
 
 def _each_device_precisions(devices: Sequence[Mapping[str, Any]],
@@ -186,10 +182,18 @@ def kind_ridges(record: Mapping[str, Any]) -> list[dict[str, float]]:
     """A worker record's ridge points (:func:`device_ridges`) per kind of device it has,
     each kind once: one entry for a worker of one kind of GPU however many it has, two
     for a host of an H200 and an L4; none for a CPU."""
+    return _each_kind(record, lambda device: device_ridges({"devices": [device]}))
+
+
+def _each_kind(record: Mapping[str, Any],
+               figures: Callable[[Mapping[str, Any]], dict[str, float]]
+               ) -> list[dict[str, float]]:
+    """``figures`` of each of a record's devices, each distinct one once (a kind of
+    device), leaving out devices without any."""
     kinds: list[dict[str, float]] = []
     for device in _devices(record):
-        if (r := device_ridges({"devices": [device]})) and r not in kinds:
-            kinds.append(r)
+        if (found := figures(device)) and found not in kinds:
+            kinds.append(found)
     return kinds
 
 

@@ -27,7 +27,7 @@ from sits_queue.broker import clock
 from sits_queue.checks import finite, is_number
 from sits_queue.config import SitsConfig
 from sits_queue.etas import due_s
-from sits_queue.options import HEADER, UNCOUNTED_TASKS
+from sits_queue.options import HEADER, MAX_NAME, UNCOUNTED_TASKS
 from sits_queue.priority.prewarm import MAX_CATCH_UP, bucket_of, demand_key
 from sits_queue.priority.rescore import counter_key, hot_key, latency_key
 from sits_queue.workers import advertise, deferred
@@ -39,8 +39,6 @@ logger = logging.getLogger(__name__)
 FLUSH_EVERY_RECORDS = 32
 #: Longest a record waits in the buffer, s (the flusher thread's period while any wait).
 FLUSH_EVERY_S = 0.5
-#: Longest model name counted in a model's demand (the options' own limit on a name).
-MODEL_NAME_MOST = 200
 
 
 @dataclass(frozen=True)
@@ -121,7 +119,7 @@ def record_completion(config: SitsConfig, request: Any, failed: bool, now_s: flo
     # A model named by anything but a name counts for no model's demand: the hash field
     # refused it, and with it the whole flush's statistics (up to 32 tasks') were lost
     model = header.get("model")
-    if not isinstance(model, str) or not model or len(model) > MODEL_NAME_MOST:
+    if not isinstance(model, str) or not model or len(model) > MAX_NAME:
         model = None
     # The demand belongs to the interval the task finished in, whenever it is written.
     demand = demand_key(config, bucket_of(config, now_s)) \

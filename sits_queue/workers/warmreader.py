@@ -134,7 +134,7 @@ class WarmReader:
         On a host of unlike GPUs, idle children all on one device pick by that device's
         roofline and precision weights (``Standing.devices``, ``device_precisions``):
         the L4's child of a host with an H200 pulls the compute-bound work, the H200's
-        the memory-bound, an H100's the fp8 tasks beside an A100 (by the worker's best
+        the memory-bound, an A100's the bf16 tasks beside a T4 (by the worker's best
         device, each freed child pulled alike)."""
         idle = steer.idle_slots()
         if not idle or not self._by_slot:
