@@ -110,6 +110,12 @@ def shown(value: Any) -> str:
     return text
 
 
+def text(value: object, errors: str = "strict") -> str:
+    """A Redis reply as text: bytes decoded (``errors`` as for ``bytes.decode``), a
+    number or str as its ``str``."""
+    return value.decode(errors=errors) if isinstance(value, bytes) else str(value)
+
+
 def stored_number(raw: Any) -> float | None:
     """A number as Redis or a record holds it (bytes, text, a number); None for one that
     does not parse or is not finite: a reader leaves it out instead of failing on it."""

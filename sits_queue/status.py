@@ -24,8 +24,7 @@ from sits_queue.broker.keys import (
     taken_key,
 )
 from sits_queue.broker.meta import WaitingMeta, wait_start
-from sits_queue.broker.payload import text
-from sits_queue.checks import is_positive, stored_number
+from sits_queue.checks import is_positive, stored_number, text
 from sits_queue.config import SitsConfig
 from sits_queue.workers.devices import label
 

@@ -34,6 +34,7 @@ from sits_queue.app import DEFAULT_QUEUE, make_app
 from sits_queue.bench.report import database_url, redis_server, run_main
 from sits_queue.broker.bulk import enqueue_many
 from sits_queue.broker.keys import QueueKeys
+from sits_queue.checks import text
 from sits_queue.config import SitsConfig
 from sits_queue.priority.rescore import Rescorer
 
@@ -115,8 +116,7 @@ def slowlog(client: redis.Redis, slower_than_us: int
 
 def _command_name(entry: dict[str, Any]) -> str:
     command = entry.get("command", b"")
-    text = command.decode(errors="replace") if isinstance(command, bytes) else str(command)
-    return text.split(" ", 1)[0].upper()
+    return text(command, "replace").split(" ", 1)[0].upper()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -146,8 +146,8 @@ def delay_rate(apps: dict[str, Celery], n: int, rounds: int) -> dict[str, Any]:
             task = apps[name].tasks[TASK_NAME]
             texts = [f"document {r}-{i}: the quick brown fox" for i in range(per_round)]
             started = time.perf_counter()
-            for text in texts:
-                task.delay(text)
+            for document in texts:
+                task.delay(document)
             took[name] = time.perf_counter() - started
             spent[name] += took[name]
         round_ratios.append(took["celery"] / took["sits"])

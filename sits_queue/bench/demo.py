@@ -33,7 +33,7 @@ import redis
 
 from sits_queue.bench.ab import CLASSES, DRAIN_TIMEOUT_S, run_system
 from sits_queue.bench.workload import mixed_workload
-from sits_queue.broker.payload import text
+from sits_queue.checks import text
 from sits_queue.errors import SitsError
 
 #: The key prefix of the demo's keys, whichever server it runs on.

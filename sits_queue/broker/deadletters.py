@@ -30,7 +30,8 @@ from celery.app.task import Context
 from kombu.serialization import loads, prepare_accept_content
 
 from sits_queue.broker import clock
-from sits_queue.broker.payload import MalformedPayload, check_task_body, decode, text
+from sits_queue.broker.payload import MalformedPayload, check_task_body, decode
+from sits_queue.checks import text
 from sits_queue.errors import DeadLettered
 
 logger = logging.getLogger(__name__)

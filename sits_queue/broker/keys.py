@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from celery.utils.nodenames import WORKER_DIRECT_QUEUE_FORMAT
 
+from sits_queue.checks import text
 from sits_queue.errors import InvalidQueueName
 
 logger = logging.getLogger(__name__)
@@ -207,7 +208,7 @@ def registered_queues(names: Iterable[bytes | str]) -> list[str]:
     warning: the passes that walk every queue must not stop at it."""
     out = []
     for raw in names:
-        name = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+        name = text(raw, "replace")
         try:
             out.append(check_queue_name(name))
         except InvalidQueueName as exc:

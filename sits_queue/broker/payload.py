@@ -17,7 +17,7 @@ from kombu.transport import virtual
 from kombu.utils.json import dumps, loads
 
 from sits_queue.broker.keys import AFFINITY_HEADER, BATCH_INFO, CHECKPOINT_HEADER, DELIVERY_HEADER
-from sits_queue.checks import is_utf8, shown
+from sits_queue.checks import is_utf8, shown, text
 
 #: Types orjson writes as kombu's JSON does (so kombu's ``loads`` gives the same value).
 _NATIVE = frozenset({str, int, bool, type(None)})
@@ -217,11 +217,6 @@ def mark(batch: list[Any], group: str) -> list[Any]:
         message.delivery_info[BATCH_INFO] = mark
         message.headers[BATCH_INFO] = mark
     return batch
-
-
-def text(value: bytes | str, errors: str = "strict") -> str:
-    """A Redis reply as text; ``errors`` as for ``bytes.decode``."""
-    return value.decode(errors=errors) if isinstance(value, bytes) else value
 
 
 def poison_split(picked: Any) -> tuple[Any, list[str]]:

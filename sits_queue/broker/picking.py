@@ -24,8 +24,9 @@ from redis.exceptions import NoScriptError
 
 from sits_queue.broker import affinity, clock, deadletters, intake, payload, wait
 from sits_queue.broker.keys import CONTROL_QUEUE
-from sits_queue.broker.payload import SitsMessage, poison_split, text
+from sits_queue.broker.payload import SitsMessage, poison_split
 from sits_queue.broker.publishing import PublishingChannel
+from sits_queue.checks import text
 
 logger = logging.getLogger(__name__)
 

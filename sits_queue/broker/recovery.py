@@ -60,8 +60,8 @@ from sits_queue.broker.keys import (
     taken_key,
 )
 from sits_queue.broker.meta import sla_class_of
-from sits_queue.broker.payload import text
 from sits_queue.broker.scripts import Scripts
+from sits_queue.checks import text
 
 logger = logging.getLogger(__name__)
 

@@ -66,6 +66,7 @@ from sits_queue.broker.keys import (
 )
 from sits_queue.broker.meta import sla_class_of
 from sits_queue.broker.scripts import Scripts
+from sits_queue.checks import text
 from sits_queue.config import SitsConfig
 from sits_queue.priority import sites
 from sits_queue.priority.sites import Link, SyncMode, SyncPlan
@@ -553,7 +554,7 @@ class SiteSync:
     def _held(self, queue: str) -> dict[str, str | None]:
         """The ids of the tasks held here (waiting or running), with their classes."""
         k = QueueKeys.for_queue(queue, self.prefix)
-        return {(raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)):
+        return {text(raw_id):
                 sla_class_of(raw_meta)
                 for raw_id, raw_meta in self.local.hscan_iter(k.meta, count=SCAN_COUNT)}
 

@@ -28,7 +28,7 @@ from sits_queue.broker.keys import (
     site_local,
     takenover_key,
 )
-from sits_queue.checks import stored_number
+from sits_queue.checks import stored_number, text
 
 if TYPE_CHECKING:
     from sits_queue.broker.sites import PassReport, SiteSync
@@ -47,11 +47,11 @@ def take_over(sync: SiteSync, report: PassReport) -> None:
     """Replicas held here of origins whose heartbeat here expired: into this site's
     own queues, their ids recorded for the origin."""
     for raw in sync.local.smembers(origins_key(sync.prefix)):
-        origin = raw.decode() if isinstance(raw, bytes) else str(raw)
+        origin = text(raw)
         if origin == sync.site or not silent(sync, origin):
             continue
         for qraw in sync.local.smembers(replica_queues_key(sync.prefix, origin)):
-            queue = qraw.decode() if isinstance(qraw, bytes) else str(qraw)
+            queue = text(qraw)
             if site_local(queue):
                 # (an older digest replicated them: the origin's maintenance and its
                 # workers' own queues, which no worker here serves)

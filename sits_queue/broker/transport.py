@@ -23,9 +23,10 @@ from kombu.transport import virtual
 
 from sits_queue.broker import intake, wait
 from sits_queue.broker.keys import MARKER_MEMBER, queues_registry
-from sits_queue.broker.payload import SitsMessage, text
+from sits_queue.broker.payload import SitsMessage
 from sits_queue.broker.picking import PickingChannel
 from sits_queue.broker.qos import QoS
+from sits_queue.checks import text
 from sits_queue.errors import InvalidQueueName
 
 logger = logging.getLogger(__name__)

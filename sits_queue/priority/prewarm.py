@@ -25,7 +25,7 @@ from typing import Any
 import redis
 
 from sits_queue.broker import affinity
-from sits_queue.broker.payload import text
+from sits_queue.checks import text
 from sits_queue.config import SitsConfig
 from sits_queue.priority import forecast
 from sits_queue.workers import advertise, metrics

@@ -44,6 +44,7 @@ from sits_queue.broker.keys import (
     queues_registry,
 )
 from sits_queue.broker.scripts import Scripts
+from sits_queue.checks import text
 from sits_queue.config import SitsConfig
 
 logger = logging.getLogger(__name__)
@@ -138,12 +139,12 @@ def _unchanged_for(client: redis.Redis, prefix: str, queues: Sequence[str], afte
             pipe.get(QueueKeys.for_queue(queue, prefix).seq)
         pipe.hgetall(seen_key)
         *counts, raw = pipe.execute()
-    seen = {_text(k): _text(v) for k, v in raw.items()}
+    seen = {text(k, "replace"): text(v, "replace") for k, v in raw.items()}
     now = clock.now(client)
     fresh: dict[Any, Any] = {}
     stale: list[str] = []
     for queue, count in zip(queues, counts, strict=True):
-        said = _text(count) if count is not None else ""  # ("": never put to)
+        said = text(count, "replace") if count is not None else ""  # ("": never put to)
         was, _, since = seen.get(queue, "").partition("@")
         try:
             first = float(since) if was == said and since else None
@@ -205,7 +206,7 @@ def _unbind_departed(client: redis.Redis, prefix: str, hosts: set[str],
     """Remove the pidbox bindings of workers no longer advertised, and the event bindings
     of worker processes gone (``pids``: each live worker's process, by hostname)."""
     events = event_queues_key(prefix)
-    owners = {_text(k): _text(v) for k, v in client.hgetall(events).items()}
+    owners = {text(k, "replace"): text(v, "replace") for k, v in client.hgetall(events).items()}
     departed_events = {q for q, owner in owners.items() if _gone(owner, hosts, pids)}
     removed = 0
     for exchange, departed in ((PIDBOX_EXCHANGE, _departed_pidbox(hosts)),
@@ -213,7 +214,7 @@ def _unbind_departed(client: redis.Redis, prefix: str, hosts: set[str],
         for table in (f"{prefix}_kombu.binding.{exchange}",
                       f"{prefix}_kombu.binding_permanent.{exchange}"):
             stale = [m for m in client.smembers(table)
-                     if departed(_text(m).rpartition(BINDING_SEP)[2])]
+                     if departed(text(m, "replace").rpartition(BINDING_SEP)[2])]
             if stale:
                 removed += int(client.srem(table, *stale))
     if departed_events:
@@ -240,5 +241,3 @@ def _departed_pidbox(hosts: set[str]) -> Callable[[str], bool]:
     return departed
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

@@ -35,8 +35,7 @@ from celery import bootsteps
 
 from sits_queue.broker import affinity
 from sits_queue.broker.keys import site_local
-from sits_queue.broker.payload import text
-from sits_queue.checks import stored_number
+from sits_queue.checks import stored_number, text
 from sits_queue.config import SitsConfig
 from sits_queue.periodic import Periodic
 from sits_queue.workers import fleet, steer
@@ -158,7 +157,7 @@ def counter_values(raw: Mapping[Any, Any]) -> dict[str, float]:
     for key, value in raw.items():
         number = stored_number(value)
         if number is not None:
-            values[key.decode(errors="replace") if isinstance(key, bytes) else str(key)] = number
+            values[text(key, "replace")] = number
     return values
 
 
@@ -382,7 +381,7 @@ def live_hostnames(client: redis.Redis, prefix: str = "") -> list[str]:
         logger.warning("the worker registry %s is not readable (%s): no workers shown",
                        workers_key(prefix), exc)
         return []
-    names = [n.decode(errors="replace") if isinstance(n, bytes) else str(n) for n in listed]
+    names = [text(n, "replace") for n in listed]
     if not names:
         return []
     with client.pipeline(transaction=False) as pipe:

@@ -46,6 +46,7 @@ from kombu.utils.json import dumps, loads
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.broker.scripts import Scripts
 from sits_queue.cache.pool import COLD_PHASES
+from sits_queue.checks import text
 
 if TYPE_CHECKING:
     from sits_queue.workers.batched import Call
@@ -282,7 +283,7 @@ def declined_in(state: dict[Any, Any]) -> set[int]:
     """The call indices a batch's child declined, from its state hash (``join.lua``)."""
     found = set()
     for field_ in state:
-        name = field_.decode() if isinstance(field_, bytes) else str(field_)
+        name = text(field_)
         if name.startswith("d:") and name[2:].isdigit():
             found.add(int(name[2:]))
     return found
