@@ -5,6 +5,7 @@
 
 import sys
 from pathlib import Path
+from types import TracebackType
 
 from sits_queue.app import SitsCelery, SitsTask, make_app
 from sits_queue.config import SitsConfig
@@ -36,6 +37,25 @@ def _is_sitsq() -> bool:
     by_module = "-m" in given[:-1] and given[given.index("-m") + 1] == "sits_queue.cli"
     return Path(sys.argv[0]).name in ("sitsq", "cli.py") or by_module
 
+
+def _say_ours_in_one_line() -> None:
+    """On Celery's command line, our errors that reach the top (``celery -A sits_queue
+    call TASK --countdown nan``: the call's options are checked as it is sent) are a
+    line naming the problem, as click says its own, not a 30-line traceback; anything
+    else is shown as it was."""
+    shown = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if isinstance(exc, SitsError):
+            print(f"Error: {exc}", file=sys.stderr)
+        else:
+            shown(kind, exc, tb)
+
+    sys.excepthook = hook
+
+
+if _on_a_command_line() and not _is_sitsq():
+    _say_ours_in_one_line()
 
 try:
     app = make_app()

@@ -262,6 +262,28 @@ def test_sitsq_celery_passes_any_command_and_its_help_to_celery(redis_url: str) 
     assert "No nodes replied" in theirs.stdout + theirs.stderr
 
 
+@pytest.mark.parametrize("via", [["celery", "-A", "sits_queue"], ["sitsq", "celery"]])
+def test_celery_call_with_a_bad_option_says_it_in_one_line(redis_url: str, via: list[str],
+                                                           redis_client: redis.Redis) -> None:
+    env = {**os.environ, "SITS_REDIS_URL": redis_url}
+    runner = ["-m", "celery", *via[1:]] if via[0] == "celery" else ["-m", "sits_queue.cli",
+                                                                      *via[1:]]
+    said = subprocess.run([sys.executable, *runner, "call", "sits_queue.demo.job", "--args",
+                           "[1]", "--countdown", "nan"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert said.returncode == 1
+    assert said.stderr.splitlines()[-1] == (
+        "Error: task sits_queue.demo.job: countdown must be a finite number of seconds, got nan")
+    assert "Traceback" not in said.stderr
+    assert redis_client.dbsize() == 0  # nothing was sent
+    # what is not ours is shown as Celery shows it
+    theirs = subprocess.run([sys.executable, *runner, "call", "sits_queue.demo.job",
+                             "--serializer", "nope"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert theirs.returncode == 1 and "Traceback" in theirs.stderr
+    assert "SerializerNotInstalled" in theirs.stderr
+
+
 def test_dead_letters_are_listed_requeued_and_dropped(
         client_app: Celery, spawn: Callable[..., CeleryProcess], redis_url: str,
         redis_client: redis.Redis) -> None:
