@@ -5,12 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
-from celery import Celery, Signature, Task, group
+from celery import Celery, Task
 from celery.app.amqp import AMQP
-from celery.canvas import _chain, _chord
 from kombu.entity import Exchange, Queue
 from kombu.utils.objects import cached_property
 
@@ -20,8 +19,10 @@ from sits_queue.calloptions import (
     CALL_OPTIONS,
     RoutedOnce,
     call_options,
+    check_later_steps,
     hand_made_header,
     header_options,
+    leaves,
     routed_options,
     sits_headers,
 )
@@ -54,21 +55,6 @@ logger = logging.getLogger(__name__)
 
 #: Marks a function whose first argument the worker supplies (the warm engine).
 ENGINE_ARG = "__sits_engine_arg__"
-def _leaves(sig: Any) -> Iterator[Signature]:
-    """The task signatures a canvas sends: a chain's steps, a group's members, a chord's
-    header and body, recursively."""
-    if isinstance(sig, _chord):
-        yield from _leaves(sig.tasks)
-        yield from _leaves(sig.body)
-    elif isinstance(sig, group | _chain):
-        yield from _leaves(sig.tasks)
-    elif isinstance(sig, list | tuple):
-        for member in sig:
-            yield from _leaves(member)
-    elif isinstance(sig, Signature):
-        yield sig
-
-
 class SitsTask(Task):  # type: ignore[misc]
     """Celery task whose ``apply_async`` validates and attaches the SITS options.
 
@@ -118,7 +104,10 @@ class SitsTask(Task):  # type: ignore[misc]
                                        shadow, **options)
         routed_options(self.app, self.name, args, kwargs, options)
         config = sits_config(self.app)
-        self._drop_foreign_class(config, options)
+        if _sent_on(self.app, options, task_id):
+            self._drop_foreign_class(config, options)
+        else:
+            check_later_steps(self.app, config, options, link, link_error)
         opts = call_options(self, config, options, self.app.conf, args, kwargs)
         options["headers"] = sits_headers(config, opts, options.pop("headers", None),
                                           time.time())
@@ -197,15 +186,15 @@ class SitsTask(Task):  # type: ignore[misc]
         header = getattr(self.request, HEADER, None)
         running = header.get("sla_class") if isinstance(header, Mapping) else None
         if isinstance(running, str) and running in sits_config(self.app).class_names:
-            for leaf in _leaves(sig):
+            for leaf in leaves(sig):
                 declared = getattr(self.app.tasks.get(leaf.task), "sla_class", None)
                 if leaf.options.get("sla_class") is None and declared is None:
                     leaf.options["sla_class"] = running
         return super().replace(sig)
 
     def _drop_foreign_class(self, config: SitsConfig, options: dict[str, Any]) -> None:
-        """A chain's next step or a callback that Celery's tracer sends on from a worker
-        (with ``parent_id``; a retry's options also carry ``retries``) in a class this
+        """A chain's next step, a callback or a chord's body that Celery sends on from a
+        worker (:func:`_sent_on`; a retry's options also carry ``retries``) in a class this
         worker's table lacks: the class came with the canvas from its producer (one of
         another table, in an upgrade that renames classes); it is dropped, said in a
         warning, and the task's own or the default class applies, as a put drops it.
@@ -215,8 +204,7 @@ class SitsTask(Task):  # type: ignore[misc]
         refused as before: a typo is the caller's to hear."""
         sla_class = options.get("sla_class")
         if not isinstance(sla_class, str) or sla_class in config.class_names or \
-                "parent_id" not in options or "retries" in options or \
-                self.app.current_worker_task is None:
+                "retries" in options:
             return
         del options["sla_class"]
         _said_foreign(config, self.name, sla_class, self.sla_class)
@@ -277,6 +265,22 @@ class SitsTask(Task):  # type: ignore[misc]
         from sits_queue.workers import slices
 
         return slices.checkpoint_of(self.request)
+
+
+def _sent_on(app: Celery, options: Mapping[str, Any], task_id: str | None) -> bool:
+    """Whether Celery sends this from a worker, on from the running task: a chain's next
+    step or a callback (the tracer's send, with ``parent_id``), or the chord's body
+    that the header's last task sends (the result backend's ``callback.delay``, with the
+    body's frozen id and no ``parent_id``: taken for a submission, a body of a class the
+    worker's table lacks failed the chord, where a chain's step went on)."""
+    running = app.current_worker_task
+    if running is None:
+        return False
+    if "parent_id" in options:
+        return True
+    chord = getattr(running.request, "chord", None)
+    body = chord.get("options") if isinstance(chord, Mapping) else None
+    return task_id is not None and isinstance(body, Mapping) and body.get("task_id") == task_id
 
 
 def _said_foreign(config: SitsConfig, task: str, sla_class: object,
@@ -411,6 +415,9 @@ class SitsCelery(Celery):  # type: ignore[misc]
             return super().send_task(name, args, kwargs, **options)
         routed_options(self, name, args, kwargs, options)
         config = sits_config(self)
+        if not _sent_on(self, options, options.get("task_id")):
+            check_later_steps(self, config, options, options.get("link"),
+                              options.get("link_error"))
         opts = call_options(self.tasks.get(name), config, options, self.conf, args, kwargs,
                             name)
         options["headers"] = sits_headers(config, opts, options.pop("headers", None),

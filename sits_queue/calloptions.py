@@ -4,12 +4,13 @@ message carries (``SitsTask.apply_async``, ``send_task`` and bulk submission sha
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
-from celery import Celery, Task
-from celery.app.routes import Router
+from celery import Celery, Signature, Task, group
+from celery.app.routes import MapRoute, Router
+from celery.canvas import _chain, _chord, maybe_signature
 
 from sits_queue.checks import shown
 from sits_queue.config import SitsConfig
@@ -183,3 +184,56 @@ def sits_headers(config: SitsConfig, opts: TaskOptions, headers: Mapping[str, An
     out[HEADER] = header_for(config, opts)
     out[SUBMITTED_AT] = now_s
     return out
+
+
+def leaves(sig: Any) -> Iterator[Signature]:
+    """The task signatures a canvas sends: a chain's steps, a group's members, a chord's
+    header and body, recursively."""
+    if isinstance(sig, _chord):
+        yield from leaves(sig.tasks)
+        yield from leaves(sig.body)
+    elif isinstance(sig, group | _chain):
+        yield from leaves(sig.tasks)
+    elif isinstance(sig, list | tuple):
+        for member in sig:
+            yield from leaves(member)
+    elif isinstance(sig, Signature):
+        yield sig
+
+
+def check_later_steps(app: Celery, config: SitsConfig, options: Mapping[str, Any],
+                      link: Any = None, link_error: Any = None) -> None:
+    """What a submission sends later, from a worker (a chain's next steps, a chord's body,
+    its callbacks and errbacks), checked now by the rule its first step's options are:
+    a later step's unknown class or a ``vram_gib`` past its class's limit was heard only
+    when the worker sent that step on, where the chain stopped and the step before it,
+    which had succeeded, was marked failed. Where the app has a route that is a
+    function, a later step is checked when it is sent (a function's answer may differ
+    from call to call: a round robin's would move on).
+
+    Raises :class:`~sits_queue.errors.InvalidTaskOptions` naming the step; nothing has
+    been sent then."""
+    if not all(isinstance(route, MapRoute) for route in app.amqp.router.routes):
+        return
+    for later in (options.get("chain"), options.get("chord"), link, link_error):
+        for leaf in leaves(_signatures(app, later)):
+            given = dict(leaf.options)
+            if hand_made_header(given) is not None:
+                continue  # (checked at its send, as send_task checks one)
+            given.pop("router", None)
+            routed_options(app, leaf.task, leaf.args, leaf.kwargs, given)
+            try:
+                call_options(app.tasks.get(leaf.task), config, given, app.conf, leaf.args,
+                             leaf.kwargs, leaf.task)
+            except InvalidTaskOptions as exc:
+                raise InvalidTaskOptions(f"{leaf.task}, a later step of this call (a "
+                                         f"chain's next, a chord's body or a callback): "
+                                         f"{exc}") from exc
+
+
+def _signatures(app: Celery, sent: Any) -> Any:
+    """``sent`` (a signature, its dict from a message, or a list of either) as canvas
+    objects."""
+    if isinstance(sent, list | tuple):
+        return [_signatures(app, each) for each in sent]
+    return None if sent is None else maybe_signature(sent, app=app)

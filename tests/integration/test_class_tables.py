@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import redis
-from celery import Celery, chain
+from celery import Celery, chain, chord
 
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.procs import CeleryProcess
@@ -71,9 +71,17 @@ def test_a_class_the_worker_lacks_still_retries_and_chains_in_its_default_class(
     steps = chain(add.s(1, 2).set(sla_class="medium"), add.s(10).set(sla_class="medium"),
                   add.s(100).set(sla_class="medium"))
     assert steps.apply_async().get(timeout=30) == 113
+    # And a chord whose body is of the producer's "medium": the body is sent on by the
+    # header's last task, as a result backend's callback (it failed the chord,
+    # "ChordError: Callback error: InvalidTaskOptions")
+    total = client_app.tasks["w.total"]
+    joined = chord([add.s(1, 2).set(sla_class="medium"), add.s(3, 4)],
+                   total.s().set(sla_class="medium"))
+    assert joined.apply_async().get(timeout=30) == 10
     # Said in the worker's log, with what it ran them as; nothing dead-lettered
     said = "'medium' is not in this worker's classes"
-    wait_for(lambda: worker.log_path.read_text().count(said) >= 3
+    wait_for(lambda: f"w.total: sla_class {said}" in worker.log_path.read_text()
+             and worker.log_path.read_text().count(said) >= 4
              and "'low' is not in this worker's classes" in worker.log_path.read_text(),
              10, "the warnings",
              seen=lambda: worker.log_path.read_text()[-2000:])

@@ -339,8 +339,8 @@ def test_a_replacement_goes_on_in_the_running_tasks_class(replacing: Any) -> Non
     canvas = chain(plain.s(), group(plain.s(), low.s(), plain.s().set(sla_class="medium")),
                    chord([plain.s()], plain.s()))
     sent = replaced(replacing, {"sla_class": "high"}, canvas)
-    from sits_queue.app import _leaves
-    classes = [leaf.options.get("sla_class") for leaf in _leaves(sent)]
+    from sits_queue.calloptions import leaves
+    classes = [leaf.options.get("sla_class") for leaf in leaves(sent)]
     # a task that declares its own class, or a signature that names one, keeps it
     assert classes == ["high", "high", None, "medium", "high", "high"]
 
