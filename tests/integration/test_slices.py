@@ -176,3 +176,29 @@ def test_a_task_that_rejects_itself_with_requeue_is_never_poison(
     got = client_app.tasks["w.requeue"].delay("again", 8)
     assert got.get(timeout=60) == 8
     assert redis_client.hlen(KEYS.dead) == 0
+
+
+def test_a_running_task_revoked_without_terminate_ends_at_its_yield(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    """A revoke leaves a running run alone (Celery's rule); once the task yields its slot
+    it is a waiting message, and a revoked waiting one is discarded (README: time
+    slices)."""
+    worker = spawn(concurrency=1)
+    low = client_app.tasks["w.steps"].delay("revoked", 40, 0.05)
+    wait_for(lambda: "revoked:start:0" in steps_log(redis_client), 20, "the task to start")
+    low.revoke()
+    wait_for(lambda: "flagged as revoked" in worker.log_path.read_text(), 10,
+             "the worker to hear the revoke")
+    high = client_app.tasks["w.slow"].apply_async(("urgent-after-revoke", 0.0),
+                                                  sla_class="high")
+    assert high.get(timeout=30) == "urgent-after-revoke"
+    wait_for(lambda: low.state == "REVOKED", 20, "the task to end revoked",
+             seen=lambda: steps_log(redis_client))
+    log = steps_log(redis_client)
+    assert log[0] == "revoked:start:0" and log[1].startswith("revoked:yield:")
+    assert len(log) == 2  # not resumed, not ended
+    # and what its yield left (its checkpoint, its record of yields) goes with it
+    wait_for(lambda: redis_client.hlen(KEYS.checkpoints) == 0
+             and redis_client.hlen(KEYS.yields) == 0, 10, "the checkpoint to go",
+             seen=lambda: (redis_client.hgetall(KEYS.checkpoints),
+                           redis_client.hgetall(KEYS.yields)))
