@@ -9,6 +9,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from celery.exceptions import WorkerShutdown, WorkerTerminate
+
 from sits_queue.options import HEADER
 from sits_queue.workers import batchtime
 from sits_queue.workers import request as admission
@@ -20,6 +22,8 @@ logger = logging.getLogger(__name__)
 #: per call would add one a call).
 _times: OrderedDict[str, batchtime.Times] = OrderedDict()
 MOST_KEYS = 1024
+#: Task types whose ``work=`` function failed here (said once each).
+_failing: set[str] = set()
 
 
 def key_of(request: Any) -> str | None:
@@ -31,15 +35,34 @@ def key_of(request: Any) -> str | None:
 
 def work_of(request: Any) -> float:
     """``request``'s units of work: what its task's ``batch_work`` says of its arguments,
-    else 1. Never raises: a malformed call (it fails on its own in the batch) counts 1."""
+    else 1. Never raises: a malformed call (it fails on its own in the batch) counts 1,
+    and so does a call the function fails on, ``sys.exit()`` and ``KeyboardInterrupt``
+    included. (The user's function runs in the worker's main process: its SystemExit
+    ended the worker after the batch ran, its message was given back unacked, and the
+    next worker to run it ended alike, the task never dead-lettered.)"""
     measure: Callable[..., Any] | None = getattr(request.task, "batch_work", None)
     if measure is None:
         return 1.0
     try:
         work = float(measure(*(request.args or ()), **(request.kwargs or {})))
-    except Exception:
+    except (WorkerShutdown, WorkerTerminate):
+        raise  # (Celery's own, from a signal handler that ran meanwhile: the worker stops)
+    except BaseException as exc:  # (see above)
+        _said_failing(request.name, exc)
         return 1.0
     return work if math.isfinite(work) and work > 0 else 1.0
+
+
+def _said_failing(task: str, exc: BaseException) -> None:
+    """Once per task type a worker: its ``work=`` function failed on a call's
+    arguments (the call counted as 1 unit)."""
+    if task in _failing:
+        return
+    _failing.add(task)
+    logger.warning("task %s: its work= function failed on a call's arguments (%s: %s); "
+                   "such a call counts as 1 unit of work in its batch's time budget "
+                   "(said once)", task, type(exc).__name__, exc)
+
 
 
 def limit_of(request: Any) -> float | None:

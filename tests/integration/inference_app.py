@@ -346,9 +346,21 @@ def register(app: Celery) -> dict[str, Any]:
     def batch_short(engine: Any, calls: list[Any]) -> list[Any]:
         return []  # one output per call is owed: every call fails, clearly
 
+    def work_that_exits(tag: str) -> float:
+        """A ``work=`` function ending its process on the tag "exit" (it runs in the
+        worker's main process)."""
+        if tag == "exit":
+            raise SystemExit(3)
+        return 1.0
+
+    @app.batch_inference_task(name="t.batch_weighed", model="gpt", work=work_that_exits,
+                              shared=False)
+    def batch_weighed(engine: Any, calls: list[Any]) -> list[Any]:
+        return [len(c.args[0]) for c in calls]
+
     return {"describe": describe, "generate_slow": generate_slow, "hang": hang, "ping": ping,
             "alloc": alloc, "batch_echo": batch_echo, "batch_short": batch_short,
-            "lengths": lengths}
+            "batch_weighed": batch_weighed, "lengths": lengths}
 
 
 tasks = register(app)

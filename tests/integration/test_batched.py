@@ -288,6 +288,19 @@ def test_a_batch_function_that_retries_or_exits_fails_each_call_by_its_own_name(
         == "after"
 
 
+def test_a_work_function_that_exits_leaves_the_worker_serving(
+        app: Celery, worker: CeleryProcess) -> None:
+    """(``work=`` runs in the worker's main process: its sys.exit() ended the worker once
+    the batch had run, and the message, given back unacked, ended the next worker too)"""
+    weighed = app.tasks["t.batch_weighed"]
+    assert weighed.delay("exit").get(timeout=CALL_S)["output"] == 4
+    assert weighed.delay("after").get(timeout=CALL_S)["output"] == 5
+    assert worker.popen.poll() is None
+    said = "task t.batch_weighed: its work= function failed on a call's arguments " \
+           "(SystemExit: 3)"
+    wait_for(lambda: said in worker.log_path.read_text(), 10, "the warning")
+
+
 def test_soft_time_limit_fails_the_batch_and_the_child_lives(
         app: Celery, worker: CeleryProcess) -> None:
     got = app.tasks["t.batch_echo"].apply_async(("sleep:3",), soft_time_limit=1,

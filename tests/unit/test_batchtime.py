@@ -160,6 +160,35 @@ def test_a_work_function_that_raises_or_lies_counts_one(given_back: list[Any]) -
     assert len(batchbudget.cut(requests(4, task=task))) == 3  # 1 + 1 + 4 units: 1.2 s
 
 
+@pytest.mark.parametrize("ending", [SystemExit(3), KeyboardInterrupt(), GeneratorExit()])
+def test_a_work_function_that_exits_counts_one_and_is_said_once(
+        ending: BaseException, given_back: list[Any], caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(it runs in the worker's main process: its sys.exit() ended the worker after each
+    batch, the message given back unacked to end the next worker alike)"""
+    monkeypatch.setattr(batchbudget, "_failing", set())
+
+    def work(text: str) -> float:
+        raise ending
+
+    calls = requests(3, task=Task(App(), batch_work=work))
+    assert [batchbudget.work_of(r) for r in calls] == [1.0, 1.0, 1.0]
+    said = [r.getMessage() for r in caplog.records if "work= function failed" in r.message]
+    assert len(said) == 1 and said[0].startswith("task t.batch: ")
+    assert type(ending).__name__ in said[0]
+
+
+def test_celerys_own_shutdown_raised_meanwhile_still_stops_the_worker() -> None:
+    from celery.exceptions import WorkerShutdown, WorkerTerminate
+
+    for stop in (WorkerShutdown(0), WorkerTerminate(1)):
+        def work(text: str, stop: BaseException = stop) -> float:
+            raise stop  # (a signal handler's, run while the function did)
+
+        with pytest.raises(type(stop)):
+            batchbudget.work_of(requests(1, task=Task(App(), batch_work=work))[0])
+
+
 def test_a_batch_tasks_work_is_its_own_function_and_must_be_callable() -> None:
     from sits_queue.app import make_app
 
