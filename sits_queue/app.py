@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -267,6 +268,25 @@ class SitsTask(Task):  # type: ignore[misc]
         return slices.checkpoint_of(self.request)
 
 
+def _check_takes(fun: Callable[..., Any], first: tuple[str, ...], what: str) -> None:
+    """Refuse, where it is defined, a function that cannot take the arguments the worker
+    passes first (the engine; a batch task's calls too): each call failed instead,
+    blaming its caller ("takes 0 positional arguments but 1 was given"; by name, "too
+    many positional arguments" for a call that gave none)."""
+    try:
+        params = inspect.signature(fun).parameters.values()
+    except (TypeError, ValueError):
+        return  # (no signature to read: a builtin; its calls say it)
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < len(first):
+        name = getattr(fun, "__qualname__", repr(fun))
+        raise TypeError(f"{name} is {what}: it must take {' and '.join(first)} as its first "
+                        f"positional argument{'s' if len(first) > 1 else ''}, the worker's "
+                        f"to pass; it takes {len(positional)}")
+
+
 def _sent_on(app: Celery, options: Mapping[str, Any], task_id: str | None) -> bool:
     """Whether Celery sends this from a worker, on from the running task: a chain's next
     step or a callback (the tracer's send, with ``parent_id``), or the chord's body
@@ -454,6 +474,7 @@ class SitsCelery(Celery):  # type: ignore[misc]
                             "engine; use celery.current_task for the request")
 
         def decorate(fun: F) -> Any:
+            _check_takes(fun, ("engine",), "an inference task")
             setattr(fun, ENGINE_ARG, True)
             return self.task(base=InferenceTask, model=model, **options)(fun)
 
@@ -492,6 +513,7 @@ class SitsCelery(Celery):  # type: ignore[misc]
             raise TypeError(f"work must be a callable of a call's arguments, got {work!r}")
 
         def decorate(fun: F) -> Any:
+            _check_takes(fun, ("engine", "calls"), "a batch task")
             setattr(fun, ENGINE_ARG, True)
             # (a function as a class attribute would be bound to the task)
             return self.task(base=BatchInferenceTask, model=model, max_batch=most,

@@ -365,6 +365,36 @@ def test_options_a_batch_task_cannot_keep_are_refused_at_its_definition(
         app.batch_inference_task(model="enc", **options)
 
 
+def test_a_function_that_cannot_take_the_engine_is_refused_at_its_definition(
+        app: Any) -> None:
+    """(each call failed instead, blaming the caller: "takes 0 positional arguments but 1
+    was given", or by name "too many positional arguments" for a call that gave none)"""
+    def no_engine() -> int:
+        return 1
+
+    def engine_only(engine: Any) -> list[int]:
+        return []
+
+    with pytest.raises(TypeError, match=r"no_engine is an inference task: it must take "
+                                        r"engine as its first positional argument.*takes 0"):
+        app.inference_task(model="enc")(no_engine)
+    with pytest.raises(TypeError, match=r"engine_only is a batch task: it must take engine "
+                                        r"and calls as its first positional arguments"):
+        app.batch_inference_task(model="enc")(engine_only)
+    assert "u.no_engine" not in app.tasks
+    # what can take them is taken: named, by *args, with keyword-only ones beside
+    def star(*args: Any) -> Any:
+        return args
+
+    def batch(engine: Any, calls: list[Any], *, size: int = 1) -> list[int]:
+        return [size] * len(calls)
+
+    app.inference_task(model="enc", name="u.named", shared=False)(engine_only)
+    app.inference_task(model="enc", name="u.star", shared=False)(star)
+    app.batch_inference_task(model="enc", name="u.batch", shared=False)(batch)
+    assert {"u.named", "u.star", "u.batch"} <= set(app.tasks)
+
+
 _RAN: list[str] = []
 
 
