@@ -105,10 +105,12 @@ class Sharded:
                 outcome = result.get(timeout=left)
             except Exception as exc:
                 # which shard, of which items: the error named only a task id, to be
-                # looked up in job.results
+                # looked up in job.results, and an item by its place in the shard
                 start, end = self.plan.bounds[index]
                 exc.add_note(f"shard {index} of {len(self.results)} (items {start} to "
-                             f"{end - 1}), task {result.id}")
+                             f"{end - 1}), task {result.id}"
+                             + (f"; an item it names by number is that many past item "
+                                f"{start}" if start else ""))
                 raise
             yield _items_of(outcome)
 

@@ -95,4 +95,5 @@ def test_a_failed_shard_is_named_by_its_place_and_items() -> None:
     with pytest.raises(RuntimeError, match="dead-lettered") as info:
         job.get()
     assert info.value is failure  # the same error, its type kept for the caller's except
-    assert info.value.__notes__ == ["shard 1 of 3 (items 2 to 3), task b"]
+    assert info.value.__notes__ == ["shard 1 of 3 (items 2 to 3), task b; an item it names "
+                                    "by number is that many past item 2"]
