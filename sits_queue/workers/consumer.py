@@ -18,8 +18,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from celery.concurrency import solo
+from celery.exceptions import WorkerTerminate
+from celery.platforms import EX_FAILURE
 from celery.worker.consumer import Consumer
 from celery.worker.consumer.consumer import MESSAGE_DECODE_ERROR, dump_body
+from celery.worker.state import active_requests, successful_requests, task_ready
 from kombu.utils.encoding import safe_repr
 
 from sits_queue.workers.eventflush import CoalescedEvents
@@ -84,3 +88,38 @@ class SitsConsumer(CoalescedEvents, Consumer):  # type: ignore[misc]
         note_reject(message, f"unknown task {name!r}: not registered in this worker "
                     "(NotRegistered)", fail=False)
         super().on_unknown_task(body, message, exc)
+
+    def cancel_active_requests(self) -> None:
+        """Celery's, but on the solo pool (the task runs on this thread, which the
+        signal interrupts) a cold shutdown (SIGQUIT, a second Ctrl-C) gives the running
+        task back to its queue, as a prefork worker's does, by ending this process now
+        with its message unacked (given back as the channel closes). Celery asked the
+        pool to end the job there, which raised NotImplementedError into the running
+        task: it was stored as FAILURE and acked, its work lost. (A threads pool's task
+        runs on another thread, which nothing can stop: the process would wait for it to
+        end, and it would then run again from its queue.)"""
+        given_back = [r for r in list(active_requests) if _given_back_at_cancel(r)]
+        if not isinstance(self.pool, solo.TaskPool) or not given_back:
+            super().cancel_active_requests()
+            return
+        logger.warning("cold shutdown of a solo pool with a task running: its message goes "
+                       "back to its queue, and the worker stops now")
+        # Started, so its give-back counts as a redelivery, as a prefork worker's does
+        # (the solo pool's task blocked the loop whose ticks note what has started)
+        channel = getattr(self.task_consumer, "channel", None)
+        note_started = getattr(getattr(channel, "qos", None), "note_started", None)
+        if note_started is not None:
+            note_started()
+        for request in given_back:
+            # (no longer running: the channel's close gives its message back, where it
+            # kept a running task's for it to ack)
+            task_ready(request)
+            request.send_event("task-cancelled")
+        raise WorkerTerminate(EX_FAILURE)
+
+
+def _given_back_at_cancel(request: Any) -> bool:
+    """Whether a cold shutdown gives ``request`` back (Celery's rule): a late-acked task
+    not yet acked nor done."""
+    return bool(request.task.acks_late and not request.acknowledged
+                and request.id not in successful_requests)

@@ -108,6 +108,24 @@ def test_a_task_running_at_a_cold_shutdown_counts(start: Start, client_app: Cele
     assert list(redis_client.hvals(KEYS.redelivered)) == [b"1"]
 
 
+def test_a_solo_workers_running_task_goes_back_at_a_cold_shutdown(
+        start: Start, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(Celery asked the solo pool to end the job: its NotImplementedError was raised into
+    the running task, which was stored as FAILURE and acked, its work lost)"""
+    worker = start(pool="solo", visibility_timeout_s="4")
+    result = client_app.tasks["w.slow"].delay("solo-cold", 60.0)
+    wait_for(lambda: redis_client.get("test:started:solo-cold") == b"1", 30,
+             "the task to start")
+    time.sleep(2.0)  # a sweep tick or two see it started
+    os.kill(worker.pid, signal.SIGQUIT)
+    exited_or_stacks(worker)
+    # Then it is waiting again, counted as a prefork worker's is, and not failed
+    assert redis_client.zcard(KEYS.waiting) == 1, worker.log()[-2000:]
+    assert list(redis_client.hvals(KEYS.redelivered)) == [b"1"]
+    assert result.state == "STARTED"
+    assert "cold shutdown of a solo pool with a task running" in worker.log()
+
+
 def test_a_batch_running_at_a_cold_shutdown_counts_as_a_task_does(
         start: Start, client_app: Celery, redis_client: redis.Redis) -> None:
     """(a batch's members were given back uncounted, as the mates of a revoke(terminate=
