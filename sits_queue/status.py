@@ -83,8 +83,8 @@ def queue_status(client: redis.Redis, config: SitsConfig, now_s: float) -> list[
             if (meta := WaitingMeta.read(raw)) is not None:
                 # (a task with an ETA waits from when it falls due: not yet, none)
                 due_in = wait_start(meta.enqueued_at_s, meta.due_s) - now_s
-                row.update(task=meta.task, sla_class=meta.options.sla_class,
-                           model=meta.options.model,
+                row.update(task=meta.task, task_id=meta.task_id,
+                           sla_class=meta.options.sla_class, model=meta.options.model,
                            wait_s=0.0 if due_in > 0 else stored_number(round(-due_in, 2)))
                 if due_in > 0:
                     row["due_in_s"] = stored_number(round(due_in, 2))
@@ -244,7 +244,10 @@ def format_status(report: dict[str, Any]) -> str:
         # (columns as wide as the longest name, a space after: a class of 8 letters
         # ran into its task's name, "criticalp4.echo")
         classes = [printable(row.get("sla_class") or "?") for row in q["head"]]
-        tasks = [printable(row.get("task") or "?") for row in q["head"]]
+        # (with the task id, as `sitsq dead list` shows it: what revoke() takes)
+        tasks = [printable(row.get("task") or "?")
+                 + (f"[{printable(row['task_id'])}]" if row.get("task_id") else "")
+                 for row in q["head"]]
         wide = max([7, *map(len, classes)]) + 1
         wider = max([31, *map(len, tasks)]) + 1
         for row, sla_class, task in zip(q["head"], classes, tasks, strict=True):

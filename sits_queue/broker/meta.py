@@ -21,6 +21,7 @@ from sits_queue.etas import due_s
 from sits_queue.options import (
     HEADER,
     MAX_CONTEXT_TOKENS,
+    MAX_NAME,
     OPTION_FIELDS,
     TaskOptions,
     batch_key,
@@ -67,6 +68,9 @@ class WaitingMeta:
     task: str
     #: When its ETA falls due: a running task does not yield for it before (preempt.lua).
     due_s: float | None = None
+    #: Celery's task id (``sitsq status`` shows it: what ``revoke`` and ``AsyncResult``
+    #: take; the message id is the broker's).
+    task_id: str | None = None
 
     @property
     def waiting_since_s(self) -> float:
@@ -79,6 +83,8 @@ class WaitingMeta:
                                   for name, short in _KEYS.items()}
         record["t"] = self.enqueued_at_s
         record["task"] = self.task
+        if self.task_id is not None:
+            record["id"] = self.task_id
         if self.due_s is not None:
             record["eta"] = self.due_s
         return compact_json(record)
@@ -132,16 +138,19 @@ class WaitingMeta:
                                message.get("properties", {}).get("delivery_tag"),
                                options.batch, own)
                 options = replace(options, batch=None, batch_max=None)
-        return cls(options=options, enqueued_at_s=now, task=task, due_s=due_at(headers))
+        return cls(options=options, enqueued_at_s=now, task=task, due_s=due_at(headers),
+                   task_id=task_id_of(headers))
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> WaitingMeta:
         record = json.loads(raw)
         options = TaskOptions(**{name: record.get(short) for name, short in _KEYS.items()})
         due = record.get("eta")
+        task_id = record.get("id")
         return cls(options=options, enqueued_at_s=float(record["t"]),
                    task=str(record.get("task", "")),
-                   due_s=float(due) if isinstance(due, int | float) else None)
+                   due_s=float(due) if isinstance(due, int | float) else None,
+                   task_id=task_id if isinstance(task_id, str) else None)
 
     @classmethod
     def read(cls, raw: str | bytes | None) -> WaitingMeta | None:
@@ -154,6 +163,13 @@ class WaitingMeta:
         except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError,
                 RecursionError):  # (JSON nested thousands deep)
             return None
+
+
+def task_id_of(headers: Any) -> str | None:
+    """A message's Celery task id (its ``id`` header), None for none or one that is no
+    short string (a foreign producer's)."""
+    task_id = headers.get("id") if isinstance(headers, dict) else None
+    return task_id if isinstance(task_id, str) and 0 < len(task_id) <= MAX_NAME else None
 
 
 def wait_start(enqueued_s: float, due: Any) -> float:

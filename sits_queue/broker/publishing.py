@@ -29,7 +29,7 @@ from sits_queue.broker.keys import (
     score_base,
     site_local,
 )
-from sits_queue.broker.meta import WaitingMeta, due_at
+from sits_queue.broker.meta import WaitingMeta, due_at, task_id_of
 from sits_queue.broker.scripts import Scripts
 from sits_queue.broker.snapshot import SnapshotCache
 from sits_queue.config import SitsConfig
@@ -174,7 +174,7 @@ class PublishingChannel(kredis.Channel):
         (bulk submission), else they are read from the message's header."""
         meta = (WaitingMeta.of_message(self.config, message, now) if options is None else
                 WaitingMeta(options, now, str(message["headers"].get("task", "")),
-                            due_at(message["headers"])))
+                            due_at(message["headers"]), task_id_of(message["headers"])))
         o = meta.options
         headers = message.get("headers")
         if isinstance(headers, dict) and SUBMITTED_AT in headers:

@@ -35,8 +35,8 @@ def sitsq(*args: str, env: dict[str, str], timeout: float = 180
 
 def test_status_shows_depth_and_head_tasks_with_class(client_app: Celery, redis_url: str,
                                                       redis_client: redis.Redis) -> None:
-    client_app.tasks["w.add"].apply_async((1, 2), sla_class="low")
-    client_app.tasks["w.add"].apply_async((3, 4), sla_class="high")
+    low = client_app.tasks["w.add"].apply_async((1, 2), sla_class="low")
+    high = client_app.tasks["w.add"].apply_async((3, 4), sla_class="high")
     out = sitsq("status", "--json", env={**os.environ, "SITS_REDIS_URL": redis_url})
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
@@ -45,6 +45,9 @@ def test_status_shows_depth_and_head_tasks_with_class(client_app: Celery, redis_
     assert [row["sla_class"] for row in queue["head"]] == ["high", "low"]
     assert queue["head"][0]["priority"] > queue["head"][1]["priority"]
     assert queue["head"][0]["task"] == "w.add"
+    # each with its task id (what revoke() takes) beside its message id (the broker's)
+    assert [row["task_id"] for row in queue["head"]] == [high.id, low.id]
+    assert queue["head"][0]["id"] != high.id
     assert queue["checkpointed"] == queue["held"] == 0
     # A task resuming from a yield and one held off by a worker are counted
     first_id = queue["head"][0]["id"]
@@ -56,6 +59,7 @@ def test_status_shows_depth_and_head_tasks_with_class(client_app: Celery, redis_
     redis_client.hset(keys.held, queue["head"][1]["id"], "gone@host 1000.000 2")
     text = sitsq("status", env={**os.environ, "SITS_REDIS_URL": redis_url}).stdout
     assert "1 with a yield's progress saved, 1 held off by a worker" in text
+    assert f"w.add[{high.id}]" in text and f"w.add[{low.id}]" in text
 
 
 def test_status_says_when_a_stock_producer_sent_to_a_plain_list(

@@ -114,6 +114,17 @@ def test_batch_options_survive_the_header_and_the_broker_record(app: Any) -> Non
     assert WaitingMeta.from_json(WaitingMeta(opts, 1.0, "u.score").to_json()).options == opts
 
 
+@pytest.mark.parametrize(("task_id", "kept"), [
+    ("1f0c-task", "1f0c-task"), ("", None), (7, None), ("x" * 201, None), (None, None)])
+def test_the_broker_record_keeps_a_task_id_that_is_a_short_string(
+        task_id: Any, kept: str | None) -> None:
+    """(``sitsq status`` shows it; a foreign producer's odd id is none, never a failure)"""
+    message = {"headers": {"task": "u.score", "id": task_id}, "properties": {}}
+    meta = WaitingMeta.of_message(CONFIG, message, 1.0)
+    assert meta.task_id == kept
+    assert WaitingMeta.from_json(meta.to_json()).task_id == kept
+
+
 @pytest.mark.parametrize(("header", "message"), [
     ({"batch": ""}, "batch must be a non-empty string"),
     ({"batch": 7}, "batch must be a non-empty string"),
