@@ -132,6 +132,9 @@ def run_demo(redis_url: str, jobs: int, concurrency: int, seed: int,
     for cls in CLASSES:
         c = summary[cls]
         assert isinstance(c, dict)
+        if not c["n"]:  # (no job of the class: no wait measured, not one of 0 ms)
+            echo(f"{cls:<8}{0:>6}{'-':>13}{'-':>13}{'-':>10}")
+            continue
         echo(f"{cls:<8}{c['n']:>6}{c['p50_wait_ms']:>13.1f}{c['p99_wait_ms']:>13.1f}"
              f"{c['max_wait_ms']:>10.1f}")
     echo(f"throughput: {summary['throughput_tps']} tasks/s, completed "

@@ -27,17 +27,30 @@ def redis_server(redis_url: str | None, span: int = 1) -> Iterator[str]:
     each (:func:`database_url`), and flushes them."""
     if redis_url is not None:
         first = url_database(redis_url)
-        if first + span > SERVER_DATABASES:
+        if first + span > SERVER_DATABASES and first + span > (
+                kept := server_databases(redis_url)):
             raise SystemExit(
                 f"--redis-url: this benchmark runs its systems in databases {first}.."
-                f"{first + span - 1} (one each, the URL's first) and flushes them; a Redis "
-                f"server has 0-{SERVER_DATABASES - 1}: name database "
-                f"{SERVER_DATABASES - span} or lower")
+                f"{first + span - 1} (one each, the URL's first) and flushes them; this "
+                f"Redis server has 0-{kept - 1}: name database {kept - span} or lower")
         yield redis_url
         return
     with tempfile.TemporaryDirectory(prefix="sits-bench-") as tmp, \
             EmbeddedRedis(Path(tmp) / "redis") as server:
         yield server.url
+
+
+def server_databases(url: str) -> int:
+    """How many databases the server at ``url`` keeps (its ``databases`` setting), else
+    :data:`SERVER_DATABASES` where it does not say (CONFIG refused, unreachable: the run
+    says that in its own words)."""
+    import redis
+
+    try:
+        with redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5) as client:
+            return int(client.config_get("databases").get("databases", SERVER_DATABASES))
+    except (redis.RedisError, ValueError, TypeError, OSError):
+        return SERVER_DATABASES
 
 
 def url_database(url: str) -> int:

@@ -573,3 +573,34 @@ def test_a_password_less_redis_elsewhere_named_by_the_files_is_not_adopted(
     finally:
         foreign.kill()
         foreign.wait()
+
+
+def test_a_benchmark_takes_the_databases_a_server_keeps(tmp_path: Path) -> None:
+    """(a server of `databases 32` was refused database 20: "a Redis server has 0-15")"""
+    from sits_queue.bench.report import redis_server
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([find_redis_server(), "--port", str(port), "--databases", "32",
+                               "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        client = redis.Redis(port=port)
+        wait_for(lambda: _answers(client), 20, "the server to answer")
+        with redis_server(f"redis://127.0.0.1:{port}/20", 4) as url:
+            assert url.endswith("/20")
+        past = r"this Redis server has 0-31: name database 28 or lower"
+        with pytest.raises(SystemExit, match=past), \
+                redis_server(f"redis://127.0.0.1:{port}/29", 4):
+            pass
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def _answers(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
