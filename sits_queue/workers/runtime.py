@@ -58,6 +58,7 @@ from sits_queue.workers import (
     metrics,
     profile,
     ratelimits,
+    reap,
     routingversions,
     sitebeat,
     softsignal,
@@ -582,6 +583,7 @@ def connect(app: Celery) -> None:
 
     app.steps["worker"].add(PlanStep)
     app.steps["worker"].add(steer.SteerStep)
+    app.steps["worker"].add(reap.ReapStep)
     app.steps["worker"].add(metrics.MetricsServer)
     app.steps["consumer"].add(advertise.Advertise)
     app.steps["consumer"].add(profile.ProfileStep)
