@@ -19,6 +19,7 @@ import logging
 from typing import Any
 
 from celery.concurrency import solo
+from celery.concurrency.base import BasePool
 from celery.exceptions import WorkerTerminate
 from celery.platforms import EX_FAILURE
 from celery.worker.consumer import Consumer
@@ -95,12 +96,22 @@ class SitsConsumer(CoalescedEvents, Consumer):  # type: ignore[misc]
         task back to its queue, as a prefork worker's does, by ending this process now
         with its message unacked (given back as the channel closes). Celery asked the
         pool to end the job there, which raised NotImplementedError into the running
-        task: it was stored as FAILURE and acked, its work lost. (A threads pool's task
-        runs on another thread, which nothing can stop: the process would wait for it to
-        end, and it would then run again from its queue.)"""
-        given_back = [r for r in list(active_requests) if _given_back_at_cancel(r)]
-        if not isinstance(self.pool, solo.TaskPool) or not given_back:
+        task: it was stored as FAILURE and acked, its work lost. Another pool that
+        cannot end one job (threads: the task runs on a thread nothing can stop) lets
+        its tasks run to their end, said in a warning (Celery's NotImplementedError
+        ended the signal handler as an "Unrecoverable error")."""
+        if type(self.pool).terminate_job is not BasePool.terminate_job \
+                or not active_requests:
             super().cancel_active_requests()
+            return
+        given_back = [r for r in list(active_requests) if _given_back_at_cancel(r)]
+        if not (isinstance(self.pool, solo.TaskPool) and given_back):
+            # (Celery's ask raised NotImplementedError out of the signal handler: an
+            # "Unrecoverable error" and its traceback, the tasks running to their end)
+            logger.warning("cold shutdown of a %s pool: its %d running task(s) cannot be "
+                           "stopped; the worker stops once they end",
+                           type(self.pool).__module__.rsplit(".", 1)[-1],
+                           len(active_requests))
             return
         logger.warning("cold shutdown of a solo pool with a task running: its message goes "
                        "back to its queue, and the worker stops now")

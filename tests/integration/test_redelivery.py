@@ -126,6 +126,22 @@ def test_a_solo_workers_running_task_goes_back_at_a_cold_shutdown(
     assert "cold shutdown of a solo pool with a task running" in worker.log()
 
 
+def test_a_threads_workers_running_task_ends_before_a_cold_shutdown_does(
+        start: Start, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(a thread cannot be stopped: Celery's ask raised NotImplementedError out of the
+    signal handler, logged as an "Unrecoverable error" with its traceback)"""
+    worker = start(pool="threads")
+    result = client_app.tasks["w.slow"].delay("threads-cold", 3.0)
+    wait_for(lambda: redis_client.get("test:started:threads-cold") == b"1", 30,
+             "the task to start")
+    os.kill(worker.pid, signal.SIGQUIT)
+    exited_or_stacks(worker)
+    assert result.get(timeout=10) == "threads-cold"
+    assert "its 1 running task(s) cannot be stopped" in worker.log()
+    assert "Unrecoverable error" not in worker.log()
+    assert redis_client.zcard(KEYS.waiting) == 0
+
+
 def test_a_batch_running_at_a_cold_shutdown_counts_as_a_task_does(
         start: Start, client_app: Celery, redis_client: redis.Redis) -> None:
     """(a batch's members were given back uncounted, as the mates of a revoke(terminate=
