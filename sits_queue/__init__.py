@@ -47,14 +47,24 @@ def _say_ours_in_one_line() -> None:
 
     def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         if isinstance(exc, SitsError):
-            print(f"Error: {exc}", file=sys.stderr)
+            print(f"Error: {exc or kind.__name__}", file=sys.stderr)
         else:
             shown(kind, exc, tb)
 
     sys.excepthook = hook
 
 
-if _on_a_command_line() and not _is_sitsq():
+def _is_celerys() -> bool:
+    """Whether this process is Celery's command line (``celery``, ``python -m celery``),
+    not another program run with ``-m`` while its package imports this one."""
+    given = list(getattr(sys, "orig_argv", ()))
+    by_module = "-m" in given[:-1] and given[given.index("-m") + 1] == "celery"
+    program = Path(sys.argv[0])
+    return program.name == "celery" or by_module or (
+        program.name == "__main__.py" and program.parent.name == "celery")
+
+
+if _is_celerys():
     _say_ours_in_one_line()
 
 try:

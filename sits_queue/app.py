@@ -5,12 +5,14 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
 from celery import Celery, Task
 from celery.app.amqp import AMQP
+from celery.canvas import maybe_signature
 from kombu.entity import Exchange, Queue
 from kombu.utils.objects import cached_property
 
@@ -105,11 +107,12 @@ class SitsTask(Task):  # type: ignore[misc]
                                        shadow, **options)
         routed_options(self.app, self.name, args, kwargs, options)
         config = sits_config(self.app)
-        if _sent_on(self.app, options, task_id):
+        sent_on = _sent_on(self.app, options, task_id)
+        if sent_on:
             self._drop_foreign_class(config, options)
-        else:
-            check_later_steps(self.app, config, options, link, link_error)
         opts = call_options(self, config, options, self.app.conf, args, kwargs)
+        if not sent_on:  # (after its own: a call's own typo is the one named)
+            check_later_steps(self.app, config, options, link, link_error)
         options["headers"] = sits_headers(config, opts, options.pop("headers", None),
                                           time.time())
         settle_bound_limits(self)
@@ -191,7 +194,11 @@ class SitsTask(Task):  # type: ignore[misc]
                 declared = getattr(self.app.tasks.get(leaf.task), "sla_class", None)
                 if leaf.options.get("sla_class") is None and declared is None:
                     leaf.options["sla_class"] = running
-        return super().replace(sig)
+        _replacing.task = self
+        try:
+            return super().replace(sig)
+        finally:
+            _replacing.task = None
 
     def _drop_foreign_class(self, config: SitsConfig, options: dict[str, Any]) -> None:
         """A chain's next step, a callback or a chord's body that Celery sends on from a
@@ -268,13 +275,17 @@ class SitsTask(Task):  # type: ignore[misc]
         return slices.checkpoint_of(self.request)
 
 
+#: The task whose :meth:`SitsTask.replace` runs on this thread, if any.
+_replacing = threading.local()
+
+
 def _check_takes(fun: Callable[..., Any], first: tuple[str, ...], what: str) -> None:
     """Refuse, where it is defined, a function that cannot take the arguments the worker
     passes first (the engine; a batch task's calls too): each call failed instead,
     blaming its caller ("takes 0 positional arguments but 1 was given"; by name, "too
     many positional arguments" for a call that gave none)."""
     try:
-        params = inspect.signature(fun).parameters.values()
+        params = inspect.signature(fun, follow_wrapped=False).parameters.values()
     except (TypeError, ValueError):
         return  # (no signature to read: a builtin; its calls say it)
     if any(p.kind is p.VAR_POSITIONAL for p in params):
@@ -292,15 +303,22 @@ def _sent_on(app: Celery, options: Mapping[str, Any], task_id: str | None) -> bo
     step or a callback (the tracer's send, with ``parent_id``), or the chord's body
     that the header's last task sends (the result backend's ``callback.delay``, with the
     body's frozen id and no ``parent_id``: taken for a submission, a body of a class the
-    worker's table lacks failed the chord, where a chain's step went on)."""
+    worker's table lacks failed the chord, where a chain's step went on), or what a
+    running task's :meth:`~SitsTask.replace` sends on (the chain and chord it was part of,
+    its producer's)."""
     running = app.current_worker_task
     if running is None:
         return False
+    if getattr(_replacing, "task", None) is running:
+        return True
     if "parent_id" in options:
         return True
     chord = getattr(running.request, "chord", None)
-    body = chord.get("options") if isinstance(chord, Mapping) else None
-    return task_id is not None and isinstance(body, Mapping) and body.get("task_id") == task_id
+    if task_id is None or not isinstance(chord, Mapping):
+        return False
+    # (a body that is a chain or a group sends a step or member of its own id)
+    return any(leaf.options.get("task_id") == task_id
+               for leaf in leaves(maybe_signature(chord, app=app)))
 
 
 def _said_foreign(config: SitsConfig, task: str, sla_class: object,
@@ -435,11 +453,11 @@ class SitsCelery(Celery):  # type: ignore[misc]
             return super().send_task(name, args, kwargs, **options)
         routed_options(self, name, args, kwargs, options)
         config = sits_config(self)
+        opts = call_options(self.tasks.get(name), config, options, self.conf, args, kwargs,
+                            name)
         if not _sent_on(self, options, options.get("task_id")):
             check_later_steps(self, config, options, options.get("link"),
                               options.get("link_error"))
-        opts = call_options(self.tasks.get(name), config, options, self.conf, args, kwargs,
-                            name)
         options["headers"] = sits_headers(config, opts, options.pop("headers", None),
                                           time.time())
         return super().send_task(name, args, kwargs, **options)

@@ -204,31 +204,61 @@ def leaves(sig: Any) -> Iterator[Signature]:
 def check_later_steps(app: Celery, config: SitsConfig, options: Mapping[str, Any],
                       link: Any = None, link_error: Any = None) -> None:
     """What a submission sends later, from a worker (a chain's next steps, a chord's body,
-    its callbacks and errbacks), checked now by the rule its first step's options are:
-    a later step's unknown class or a ``vram_gib`` past its class's limit was heard only
-    when the worker sent that step on, where the chain stopped and the step before it,
-    which had succeeded, was marked failed. Where the app has a route that is a
-    function, a later step is checked when it is sent (a function's answer may differ
-    from call to call: a round robin's would move on).
+    callbacks and errbacks, theirs too), checked now by the rule its first step's options
+    are: a later step's unknown class or a ``vram_gib`` past its class's limit was heard
+    only when the worker sent that step on, where the chain stopped and the step before
+    it, which had succeeded, was marked failed. A step of a task this app does not
+    register is checked for what does not depend on its declaration (the worker's
+    declares its class and whether it batches: a ``vram_gib`` is weighed only against a
+    class the step names). Where the app has a route that is a function, later steps
+    are checked when they are sent (a function's answer may differ from call to call: a
+    round robin's would move on).
 
     Raises :class:`~sits_queue.errors.InvalidTaskOptions` naming the step; nothing has
     been sent then."""
-    if not all(isinstance(route, MapRoute) for route in app.amqp.router.routes):
+    chord = options.get("chord")
+    if not (options.get("chain") or chord or link or link_error) or \
+            not all(isinstance(route, MapRoute) for route in app.amqp.router.routes):
         return
-    for later in (options.get("chain"), options.get("chord"), link, link_error):
-        for leaf in leaves(_signatures(app, later)):
-            given = dict(leaf.options)
-            if hand_made_header(given) is not None:
-                continue  # (checked at its send, as send_task checks one)
-            given.pop("router", None)
-            routed_options(app, leaf.task, leaf.args, leaf.kwargs, given)
-            try:
-                call_options(app.tasks.get(leaf.task), config, given, app.conf, leaf.args,
-                             leaf.kwargs, leaf.task)
-            except InvalidTaskOptions as exc:
-                raise InvalidTaskOptions(f"{leaf.task}, a later step of this call (a "
-                                         f"chain's next, a chord's body or a callback): "
-                                         f"{exc}") from exc
+    if chord is not None and _checked_chord.get(id(app)) is chord:
+        chord = None  # (each member of a chord's header carries the same body)
+    for later in (options.get("chain"), chord, link, link_error):
+        for leaf in _leaves_and_callbacks(_signatures(app, later)):
+            _check_step(app, config, leaf)
+    if chord is not None:
+        _checked_chord[id(app)] = chord
+
+
+#: Per app, the chord body checked last (the same object for each header member).
+_checked_chord: dict[int, Any] = {}
+
+
+def _check_step(app: Celery, config: SitsConfig, leaf: Signature) -> None:
+    given = dict(leaf.options)
+    if hand_made_header(given) is not None:
+        return  # (checked at its send, as send_task checks one)
+    for sent_with_it in ("router", "link", "link_error", "chain", "chord"):
+        given.pop(sent_with_it, None)
+    routed_options(app, leaf.task, leaf.args, leaf.kwargs, given)
+    task = app.tasks.get(leaf.task)
+    if task is None:
+        given.pop("max_batch", None)
+        if given.get("sla_class") is None:
+            given.pop("vram_gib", None)
+    try:
+        call_options(task, config, given, app.conf, leaf.args, leaf.kwargs, leaf.task)
+    except InvalidTaskOptions as exc:
+        raise InvalidTaskOptions(f"{leaf.task}, a later step of this call (a chain's "
+                                 f"next, a chord's body or a callback): {exc}") from exc
+
+
+def _leaves_and_callbacks(sig: Any) -> Iterator[Signature]:
+    """:func:`leaves`, and the leaves of each one's own ``link`` and ``link_error``."""
+    for leaf in leaves(sig):
+        yield leaf
+        for name in ("link", "link_error"):
+            if callbacks := leaf.options.get(name):
+                yield from _leaves_and_callbacks(_signatures(leaf.app, callbacks))
 
 
 def _signatures(app: Celery, sent: Any) -> Any:

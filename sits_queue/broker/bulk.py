@@ -41,6 +41,7 @@ from sits_queue.broker import clock
 from sits_queue.broker.fastencode import fast_saferepr, plain_json
 from sits_queue.calloptions import (
     call_options,
+    check_later_steps,
     hand_made_header,
     header_options,
     routed_options,
@@ -206,6 +207,8 @@ def _plan(task: Task, options: dict[str, Any], producer: Any = None) -> _Plan:
         # a route's SITS options too, as delay()'s (its class was dropped, its queue kept)
         routed_options(app, task.name, (), {}, options)
         opts = call_options(task, config, options, app.conf)
+    # (its callbacks are sent from the worker: checked now, as delay()'s are)
+    check_later_steps(app, config, options, options.get("link"), options.get("link_error"))
     if task.soft_time_limit and task.time_limit and task.soft_time_limit > task.time_limit:
         raise ValueError("soft_time_limit must be less than or equal to time_limit")
     options = {**task._get_exec_options(), **options}

@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from sits_queue.checks import is_utf8
 from sits_queue.config import (
     MAX_LATENCY_SLA_MS,
     MAX_LOSS_SENSITIVITY,
@@ -169,7 +170,10 @@ def task_id_of(headers: Any) -> str | None:
     """A message's Celery task id (its ``id`` header), None for none or one that is no
     short string (a foreign producer's)."""
     task_id = headers.get("id") if isinstance(headers, dict) else None
-    return task_id if isinstance(task_id, str) and 0 < len(task_id) <= MAX_NAME else None
+    # (one that is no UTF-8, a lone surrogate, would fail the record's encoding, and the
+    # put with it: the message is dead-lettered at its pick, with the reason, instead)
+    return task_id if isinstance(task_id, str) and 0 < len(task_id) <= MAX_NAME \
+        and is_utf8(task_id) else None
 
 
 def wait_start(enqueued_s: float, due: Any) -> float:

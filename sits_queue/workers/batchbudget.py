@@ -9,8 +9,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from celery.exceptions import WorkerShutdown, WorkerTerminate
-
+from sits_queue.exits import worker_exit
 from sits_queue.options import HEADER
 from sits_queue.workers import batchtime
 from sits_queue.workers import request as admission
@@ -45,9 +44,9 @@ def work_of(request: Any) -> float:
         return 1.0
     try:
         work = float(measure(*(request.args or ()), **(request.kwargs or {})))
-    except (WorkerShutdown, WorkerTerminate):
-        raise  # (Celery's own, from a signal handler that ran meanwhile: the worker stops)
-    except BaseException as exc:  # (see above)
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:  # (see above)
+        if worker_exit(exc):
+            raise  # (Celery's own, from a signal handler that ran meanwhile: it stops)
         _said_failing(request.name, exc)
         return 1.0
     return work if math.isfinite(work) and work > 0 else 1.0

@@ -76,7 +76,7 @@ def test_bulk_message_is_the_message_apply_async_sends(app: Celery, redis_client
     options: dict[str, Any] = {"sla_class": "high", "model": "summarizer",
                                "context_tokens": 300, "headers": {"trace": "abc"}}
     # Given one task sent each way with the same arguments and options
-    echo.apply_async((prompt,), {"n": 3}, **options)
+    sent = echo.apply_async((prompt,), {"n": 3}, **options)
     (single,) = payloads(redis_client).values()
     single_meta = json.loads(next(iter(redis_client.hvals(KEYS.meta))))
     redis_client.flushall()
@@ -90,6 +90,7 @@ def test_bulk_message_is_the_message_apply_async_sends(app: Celery, redis_client
     assert bulk["headers"]["trace"] == "abc"
     single_meta.pop("t")
     bulk_meta.pop("t")
+    assert (single_meta.pop("id"), bulk_meta.pop("id")) == (sent.id, task_id)
     assert bulk_meta == single_meta
     # (a prompt of 256+ characters gets a prefix key, the same one both ways)
     assert (bulk_meta["px"] is not None) == (len(prompt) >= 256)

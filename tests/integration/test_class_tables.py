@@ -78,6 +78,16 @@ def test_a_class_the_worker_lacks_still_retries_and_chains_in_its_default_class(
     joined = chord([add.s(1, 2).set(sla_class="medium"), add.s(3, 4)],
                    total.s().set(sla_class="medium"))
     assert joined.apply_async().get(timeout=30) == 10
+    # a chord whose body is a chain, and a chain's step that replaces itself (Celery
+    # carries the chain on into the replacement: its later steps were checked there
+    # against the worker's table, and the replacement refused)
+    chained_body = chord([add.s(1, 2), add.s(3, 4)],
+                         chain(total.s().set(sla_class="medium"),
+                               add.s(100).set(sla_class="medium")))
+    assert chained_body.apply_async().get(timeout=30) == 110
+    replacing = chain(client_app.tasks["w.add_by_replacing"].s(1, 1).set(sla_class="medium"),
+                      add.s(1000).set(sla_class="medium"))
+    assert replacing.apply_async().get(timeout=30) == 1002
     # Said in the worker's log, with what it ran them as; nothing dead-lettered
     said = "'medium' is not in this worker's classes"
     wait_for(lambda: f"w.total: sla_class {said}" in worker.log_path.read_text()

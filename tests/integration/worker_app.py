@@ -38,6 +38,11 @@ def register(app: Celery) -> dict[str, Any]:
     def add(x: int, y: int) -> int:
         return x + y
 
+    @app.task(name="w.add_by_replacing", bind=True, shared=False)
+    def add_by_replacing(self: Any, x: int, y: int) -> Any:
+        """``w.add``, by replacing itself with it (Celery's ``Task.replace``)."""
+        return self.replace(add.si(x, y))
+
     @app.task(name="w.record", shared=False)
     def record(tag: str) -> str:
         """Count every execution, so duplicates show up as runs > distinct tags."""

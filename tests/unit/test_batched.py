@@ -500,3 +500,11 @@ def test_a_backend_that_fails_at_a_batch_s_start_only_loses_the_early_mark(
     monkeypatch.setattr(task, "backend", _StartedBackend(fails=True))
     batched.mark_started(task, [Context({"id": "a", "hostname": "w1@h"})])  # no raise
     assert "could not mark 1 u.score calls STARTED" in caplog.text
+
+
+def test_a_task_id_that_is_no_utf8_is_left_out_of_the_record() -> None:
+    """(encoding the record failed the put: the message is dead-lettered at its pick,
+    with the reason, instead)"""
+    message = {"headers": {"task": "u.score", "id": "ab\udc80"}, "properties": {}}
+    meta = WaitingMeta.of_message(CONFIG, message, 1.0)
+    assert meta.task_id is None and b'"id"' not in meta.to_json()

@@ -160,8 +160,8 @@ def test_a_work_function_that_raises_or_lies_counts_one(given_back: list[Any]) -
     assert len(batchbudget.cut(requests(4, task=task))) == 3  # 1 + 1 + 4 units: 1.2 s
 
 
-@pytest.mark.parametrize("ending", [SystemExit(3), KeyboardInterrupt(), GeneratorExit()])
-def test_a_work_function_that_exits_counts_one_and_is_said_once(
+@pytest.mark.parametrize("ending", [SystemExit(3), KeyboardInterrupt(), ValueError("odd")])
+def test_a_work_function_that_fails_or_exits_counts_one_and_is_said_once(
         ending: BaseException, given_back: list[Any], caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """(it runs in the worker's main process: its sys.exit() ended the worker after each

@@ -113,3 +113,40 @@ def test_a_hand_made_header_on_a_later_step_is_left_to_its_send() -> None:
     app = _app()
     step = app.tasks["u.add"].s(1).set(headers={"sits": {"sla_class": "high"}})
     check_later_steps(app, sits_config(app), {"chain": [step]})
+
+
+def test_a_step_of_a_task_not_registered_here_is_checked_for_what_its_call_names() -> None:
+    """(its declaration is the worker's: the default class's vram limit, and "not a batch
+    task", refused steps the worker would send)"""
+    app = _app()
+    config = sits_config(app)
+    check_later_steps(app, config, {"chain": [
+        signature("remote.batch", app=app).set(max_batch=4),
+        signature("remote.big", app=app).set(vram_gib=60)]})
+    with pytest.raises(InvalidTaskOptions, match=r"remote\.big, a later step .* vram_gib 60 "
+                                                 r"exceeds the 'medium' class"):
+        check_later_steps(app, config, {"chain": [
+            signature("remote.big", app=app).set(vram_gib=60, sla_class="medium")]})
+    with pytest.raises(InvalidTaskOptions, match=r"remote\.x, a later step .* sla_class"):
+        check_later_steps(app, config, {"chain": [
+            signature("remote.x", app=app).set(sla_class="bogus")]})
+
+
+def test_a_later_steps_own_callbacks_are_checked_and_the_calls_own_error_comes_first(
+        ) -> None:
+    app = _app()
+    add = app.tasks["u.add"]
+    errback = add.si(1).set(sla_class="bogus")
+    with pytest.raises(InvalidTaskOptions, match=r"u\.add, a later step .* 'bogus'"):
+        chain(add.s(1, 1), add.s(2).on_error(errback)).apply_async()
+    with pytest.raises(InvalidTaskOptions, match=r"^unknown sla_class 'typo'"):
+        chain(add.s(1, 1).set(sla_class="typo"), add.s(2).set(sla_class="bogus")).apply_async()
+
+
+def test_bulk_submissions_callbacks_are_checked_before_anything_is_sent() -> None:
+    from sits_queue.broker.bulk import enqueue_many
+
+    app = _app()
+    with pytest.raises(InvalidTaskOptions, match=r"u\.total, a later step"):
+        enqueue_many(app.tasks["u.add"], [(1, 2)],
+                     link=app.tasks["u.total"].s().set(sla_class="bogus"))

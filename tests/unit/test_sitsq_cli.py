@@ -517,3 +517,22 @@ def test_status_columns_fit_long_class_and_task_names() -> None:
             if "waited" in line]
     assert rows == [["1.00", "critical", "p4.echo", "waited", "0.5", "s"],
                     ["1.00", "scavenger", "a" * 40, "waited", "0.5", "s"]]
+
+
+@pytest.mark.parametrize(("argv0", "orig", "celerys"), [
+    ("/venv/bin/celery", ["/venv/bin/python", "/venv/bin/celery", "call", "x"], True),
+    ("-m", ["python", "-m", "celery", "-A", "sits_queue", "call", "x"], True),
+    ("/venv/lib/celery/__main__.py", ["python", "-m", "celery"], True),
+    # another program run with -m while its package imports sits_queue: its own
+    # tracebacks are left whole
+    ("-m", ["python", "-m", "pkg.run"], False),
+    ("/venv/bin/sitsq", ["python", "/venv/bin/sitsq", "status"], False),
+    ("run.py", ["python", "run.py"], False),
+])
+def test_sits_errors_are_one_line_on_celerys_command_line_alone(
+        monkeypatch: pytest.MonkeyPatch, argv0: str, orig: list[str], celerys: bool) -> None:
+    import sits_queue
+
+    monkeypatch.setattr(sys, "argv", [argv0])
+    monkeypatch.setattr(sys, "orig_argv", orig)
+    assert sits_queue._is_celerys() is celerys
