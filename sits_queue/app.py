@@ -5,14 +5,12 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
 from celery import Celery, Task
 from celery.app.amqp import AMQP
-from celery.canvas import maybe_signature
 from kombu.entity import Exchange, Queue
 from kombu.utils.objects import cached_property
 
@@ -22,6 +20,7 @@ from sits_queue.calloptions import (
     CALL_OPTIONS,
     RoutedOnce,
     call_options,
+    carried_ids,
     check_later_steps,
     hand_made_header,
     header_options,
@@ -194,11 +193,7 @@ class SitsTask(Task):  # type: ignore[misc]
                 declared = getattr(self.app.tasks.get(leaf.task), "sla_class", None)
                 if leaf.options.get("sla_class") is None and declared is None:
                     leaf.options["sla_class"] = running
-        _replacing.task = self
-        try:
-            return super().replace(sig)
-        finally:
-            _replacing.task = None
+        return super().replace(sig)
 
     def _drop_foreign_class(self, config: SitsConfig, options: dict[str, Any]) -> None:
         """A chain's next step, a callback or a chord's body that Celery sends on from a
@@ -275,10 +270,6 @@ class SitsTask(Task):  # type: ignore[misc]
         return slices.checkpoint_of(self.request)
 
 
-#: The task whose :meth:`SitsTask.replace` runs on this thread, if any.
-_replacing = threading.local()
-
-
 def _check_takes(fun: Callable[..., Any], first: tuple[str, ...], what: str) -> None:
     """Refuse, where it is defined, a function that cannot take the arguments the worker
     passes first (the engine; a batch task's calls too): each call failed instead,
@@ -303,22 +294,11 @@ def _sent_on(app: Celery, options: Mapping[str, Any], task_id: str | None) -> bo
     step or a callback (the tracer's send, with ``parent_id``), or the chord's body
     that the header's last task sends (the result backend's ``callback.delay``, with the
     body's frozen id and no ``parent_id``: taken for a submission, a body of a class the
-    worker's table lacks failed the chord, where a chain's step went on), or what a
-    running task's :meth:`~SitsTask.replace` sends on (the chain and chord it was part of,
-    its producer's)."""
-    running = app.current_worker_task
-    if running is None:
+    worker's table lacks failed the chord, where a chain's step went on)."""
+    if app.current_worker_task is None:
         return False
-    if getattr(_replacing, "task", None) is running:
-        return True
-    if "parent_id" in options:
-        return True
-    chord = getattr(running.request, "chord", None)
-    if task_id is None or not isinstance(chord, Mapping):
-        return False
-    # (a body that is a chain or a group sends a step or member of its own id)
-    return any(leaf.options.get("task_id") == task_id
-               for leaf in leaves(maybe_signature(chord, app=app)))
+    return "parent_id" in options or (task_id is not None
+                                      and task_id in carried_ids(app).chord)
 
 
 def _said_foreign(config: SitsConfig, task: str, sla_class: object,

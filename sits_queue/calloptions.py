@@ -4,8 +4,9 @@ message carries (``SitsTask.apply_async``, ``send_task`` and bulk submission sha
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from celery import Celery, Signature, Task, group
@@ -210,9 +211,12 @@ def check_later_steps(app: Celery, config: SitsConfig, options: Mapping[str, Any
     it, which had succeeded, was marked failed. A step of a task this app does not
     register is checked for what does not depend on its declaration (the worker's
     declares its class and whether it batches: a ``vram_gib`` is weighed only against a
-    class the step names). Where the app has a route that is a function, later steps
-    are checked when they are sent (a function's answer may differ from call to call: a
-    round robin's would move on).
+    class the step names). What a running task carries on from its own request (the
+    rest of its chain and its chord, which ``replace`` and ``add_to_chord`` send with
+    the replacement; its producer's, of another class table maybe) is left to be sent
+    on as it came. Where the app has a route that is a function, later steps are checked
+    when they are sent (a function's answer may differ from call to call: a round
+    robin's would move on).
 
     Raises :class:`~sits_queue.errors.InvalidTaskOptions` naming the step; nothing has
     been sent then."""
@@ -220,17 +224,64 @@ def check_later_steps(app: Celery, config: SitsConfig, options: Mapping[str, Any
     if not (options.get("chain") or chord or link or link_error) or \
             not all(isinstance(route, MapRoute) for route in app.amqp.router.routes):
         return
-    if chord is not None and _checked_chord.get(id(app)) is chord:
-        chord = None  # (each member of a chord's header carries the same body)
+    group_id = options.get("group_id")
+    if chord is not None and group_id is not None:
+        # (each task of a chord's header carries the same body, and the group's id)
+        seen = _checked_chord.get(app)
+        if seen is not None and seen[0] == group_id and seen[1]() is chord:
+            chord = None
+    carried = carried_ids(app).every if app.current_worker_task is not None else frozenset()
     for later in (options.get("chain"), chord, link, link_error):
-        for leaf in _leaves_and_callbacks(_signatures(app, later)):
-            _check_step(app, config, leaf)
-    if chord is not None:
-        _checked_chord[id(app)] = chord
+        for leaf in _leaves_and_callbacks(app, _signatures(app, later), set()):
+            if leaf.options.get("task_id") not in carried:
+                _check_step(app, config, leaf)
+    if chord is not None and group_id is not None:
+        _checked_chord[app] = (group_id, weakref.ref(chord))
 
 
-#: Per app, the chord body checked last (the same object for each header member).
-_checked_chord: dict[int, Any] = {}
+#: Per app, the chord body checked last and its group's id.
+_checked_chord: weakref.WeakKeyDictionary[Celery, tuple[Any, weakref.ref[Any]]] = \
+    weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class Carried:
+    """The task ids a running task's request carries on: the rest of its chain, its
+    chord's body (its steps or members), and both."""
+
+    chain: frozenset[str]
+    chord: frozenset[str]
+
+    @property
+    def every(self) -> frozenset[str]:
+        return self.chain | self.chord
+
+
+_NONE_CARRIED = Carried(frozenset(), frozenset())
+
+
+def carried_ids(app: Celery) -> Carried:
+    """:class:`Carried` of the task running in this worker (none outside one), read once
+    per request. A chain or chord Celery cannot rebuild here (a canvas type this worker
+    does not know) carries none: the sends it did not mean are not failed for it."""
+    running = app.current_worker_task
+    request = getattr(running, "request", None)
+    if request is None:
+        return _NONE_CARRIED
+    known = getattr(request, "_sits_carried", None)
+    if isinstance(known, Carried):
+        return known
+    try:
+        carried = Carried(_ids(app, request.chain or []), _ids(app, request.chord))
+    except (TypeError, ValueError, KeyError, AttributeError):
+        carried = _NONE_CARRIED
+    request._sits_carried = carried
+    return carried
+
+
+def _ids(app: Celery, sent: Any) -> frozenset[str]:
+    return frozenset(task_id for leaf in leaves(_signatures(app, sent))
+                     if isinstance(task_id := leaf.options.get("task_id"), str))
 
 
 def _check_step(app: Celery, config: SitsConfig, leaf: Signature) -> None:
@@ -252,13 +303,17 @@ def _check_step(app: Celery, config: SitsConfig, leaf: Signature) -> None:
                                  f"next, a chord's body or a callback): {exc}") from exc
 
 
-def _leaves_and_callbacks(sig: Any) -> Iterator[Signature]:
-    """:func:`leaves`, and the leaves of each one's own ``link`` and ``link_error``."""
+def _leaves_and_callbacks(app: Celery, sig: Any, seen: set[int]) -> Iterator[Signature]:
+    """:func:`leaves`, and the leaves of each one's own ``link`` and ``link_error``, each
+    once (a signature linked to itself is no loop here)."""
     for leaf in leaves(sig):
+        if id(leaf) in seen:
+            continue
+        seen.add(id(leaf))
         yield leaf
         for name in ("link", "link_error"):
             if callbacks := leaf.options.get(name):
-                yield from _leaves_and_callbacks(_signatures(leaf.app, callbacks))
+                yield from _leaves_and_callbacks(app, _signatures(app, callbacks), seen)
 
 
 def _signatures(app: Celery, sent: Any) -> Any:

@@ -100,7 +100,10 @@ class SitsConsumer(CoalescedEvents, Consumer):  # type: ignore[misc]
         cannot end one job (threads: the task runs on a thread nothing can stop) lets
         its tasks run to their end, said in a warning (Celery's NotImplementedError
         ended the signal handler as an "Unrecoverable error")."""
-        if type(self.pool).terminate_job is not BasePool.terminate_job \
+        # (prefork's TaskPool sets terminate_job on the instance when it starts: its
+        # class has BasePool's, which raises)
+        terminate_job = getattr(self.pool, "terminate_job", None)
+        if getattr(terminate_job, "__func__", terminate_job) is not BasePool.terminate_job \
                 or not active_requests:
             super().cancel_active_requests()
             return

@@ -52,6 +52,11 @@ def install(pool: Any) -> bool:
     def event_process_exit(hub: Any, proc: Any) -> None:
         exited(hub, proc)
         if unreaped(proc):  # (its sentinel is no longer watched: look again soon)
+            if getattr(proc, "_sentinel_poll", 0) is None:
+                # (Celery left None there: the pool registered again meanwhile, on a
+                # reconnect, watched fd None and the consumer could not restart; gone,
+                # the popen's sentinel is watched again, and fires at once)
+                del proc._sentinel_poll
             hub.call_later(FIRST_RETRY_S, again, hub, proc, FIRST_RETRY_S)
 
     pool._event_process_exit = event_process_exit

@@ -7,10 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import redis
 from celery import Celery, chain, chord
 
 from sits_queue.broker.keys import QueueKeys
+from sits_queue.errors import InvalidTaskOptions
 from sits_queue.procs import CeleryProcess
 from tests.waiting import wait_for
 
@@ -88,6 +90,10 @@ def test_a_class_the_worker_lacks_still_retries_and_chains_in_its_default_class(
     replacing = chain(client_app.tasks["w.add_by_replacing"].s(1, 1).set(sla_class="medium"),
                       add.s(1000).set(sla_class="medium"))
     assert replacing.apply_async().get(timeout=30) == 1002
+    # while a class the task's own code names for its replacement is refused there
+    typo = client_app.tasks["w.add_by_replacing"].delay(1, 1, "typo")
+    with pytest.raises(InvalidTaskOptions, match="unknown sla_class 'typo'"):
+        typo.get(timeout=30)
     # Said in the worker's log, with what it ran them as; nothing dead-lettered
     said = "'medium' is not in this worker's classes"
     wait_for(lambda: f"w.total: sla_class {said}" in worker.log_path.read_text()

@@ -108,6 +108,23 @@ def test_a_task_running_at_a_cold_shutdown_counts(start: Start, client_app: Cele
     assert list(redis_client.hvals(KEYS.redelivered)) == [b"1"]
 
 
+def test_a_cold_shutdown_signalled_to_the_main_process_alone_gives_the_task_back(
+        start: Start, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(SIGQUIT to the main process only, as systemd's KillMode=mixed sends it: Celery
+    ends the running child itself; a check on the pool's class, where prefork sets
+    terminate_job on the instance, took it for a pool that cannot, and waited for it)"""
+    worker = start(visibility_timeout_s="4")
+    client_app.tasks["w.slow"].delay("main-only", 60.0)
+    wait_for(lambda: redis_client.get("test:started:main-only") == b"1", 30,
+             "the task to start")
+    time.sleep(2.0)  # a sweep tick or two see it started
+    os.kill(worker.pid, signal.SIGQUIT)
+    exited_or_stacks(worker)
+    assert redis_client.zcard(KEYS.waiting) == 1, worker.log()[-2000:]
+    assert list(redis_client.hvals(KEYS.redelivered)) == [b"1"]
+    assert "cannot be stopped" not in worker.log()
+
+
 def test_a_solo_workers_running_task_goes_back_at_a_cold_shutdown(
         start: Start, client_app: Celery, redis_client: redis.Redis) -> None:
     """(Celery asked the solo pool to end the job: its NotImplementedError was raised into

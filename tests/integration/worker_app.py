@@ -39,9 +39,10 @@ def register(app: Celery) -> dict[str, Any]:
         return x + y
 
     @app.task(name="w.add_by_replacing", bind=True, shared=False)
-    def add_by_replacing(self: Any, x: int, y: int) -> Any:
-        """``w.add``, by replacing itself with it (Celery's ``Task.replace``)."""
-        return self.replace(add.si(x, y))
+    def add_by_replacing(self: Any, x: int, y: int, sla_class: str | None = None) -> Any:
+        """``w.add``, by replacing itself with it (Celery's ``Task.replace``), in
+        ``sla_class`` if given."""
+        return self.replace(add.si(x, y).set(sla_class=sla_class))
 
     @app.task(name="w.record", shared=False)
     def record(tag: str) -> str:

@@ -150,3 +150,38 @@ def test_bulk_submissions_callbacks_are_checked_before_anything_is_sent() -> Non
     with pytest.raises(InvalidTaskOptions, match=r"u\.total, a later step"):
         enqueue_many(app.tasks["u.add"], [(1, 2)],
                      link=app.tasks["u.total"].s().set(sla_class="bogus"))
+
+
+def test_what_a_running_task_carries_on_is_left_to_be_sent_on_as_it_came() -> None:
+    """(``replace`` and ``add_to_chord`` send the running request's chain and chord on
+    with what they send: its producer's, of another class table maybe, were checked
+    against this worker's and refused)"""
+    from celery._state import _task_stack
+
+    app = _app()
+    config = sits_config(app)
+    add, total = app.tasks["u.add"], app.tasks["u.total"]
+    step = add.s(2).set(sla_class="producers")
+    step.freeze()
+    body = total.s().set(sla_class="producers")
+    body.freeze()
+    add.push_request(id="r-1", called_directly=False, chain=[dict(step)], chord=dict(body))
+    _task_stack.push(add)
+    try:
+        check_later_steps(app, config, {"chain": [signature(dict(step), app=app)],
+                                        "chord": signature(dict(body), app=app)})
+        # what the task's own code adds is checked
+        with pytest.raises(InvalidTaskOptions, match="unknown sla_class 'typo'"):
+            check_later_steps(app, config, {"chain": [add.s(3).set(sla_class="typo"),
+                                                      signature(dict(step), app=app)]})
+    finally:
+        _task_stack.pop()
+        add.pop_request()
+
+
+def test_a_signature_linked_to_itself_is_checked_once() -> None:
+    app = _app()
+    add = app.tasks["u.add"]
+    looped = add.si(1)
+    looped.link(looped)
+    check_later_steps(app, sits_config(app), {}, link=looped)

@@ -26,7 +26,7 @@ class Pool:
     """A pool whose child ``proc`` is reapable only after ``looks`` maintain_pool calls."""
 
     def __init__(self, looks: int) -> None:
-        self.proc = object()
+        self.proc = Proc()
         self._pool = [self.proc, object()]
         self.looks_left = looks
         self.maintained = 0
@@ -40,7 +40,12 @@ class Pool:
 
     def _event_process_exit(self, hub: Any, proc: Any) -> None:
         self.untracked.append(proc)  # (Celery's: the sentinel unwatched, then a look)
+        proc._sentinel_poll = None
         self.maintain_pool()
+
+
+class Proc:
+    _sentinel_poll: int | None = 7
 
 
 def test_a_child_reaped_at_its_sentinel_needs_no_look_again() -> None:
@@ -55,6 +60,9 @@ def test_a_child_not_yet_reapable_is_looked_at_again_until_it_is() -> None:
     assert reap.install(pool)
     pool._event_process_exit(hub, pool.proc)
     assert pool.untracked == [pool.proc] and pool.maintained == 1
+    # (a registration meanwhile, on a reconnect, watches the popen's sentinel again: it
+    # watched None, and the consumer could not restart)
+    assert "_sentinel_poll" not in vars(pool.proc)
     delays = []
     while hub.later:
         delays.append(hub.run_next())
