@@ -93,54 +93,33 @@ def test_a_held_task_survives_more_warm_restarts_than_max_redeliveries(
     assert redis_client.hlen(KEYS.dead) == 0
 
 
-def test_a_task_running_at_a_cold_shutdown_counts(start: Start, client_app: Celery,
-                                                   redis_client: redis.Redis) -> None:
-    worker = start(visibility_timeout_s="4")  # the loop's sweep tick: every second
-    client_app.tasks["w.slow"].delay("hung", 60.0)
+@pytest.mark.parametrize(("pool", "to_group", "said"), [
+    ("prefork", True, None),  # a terminal's Ctrl-\\: the whole process group
+    # the main process alone, as systemd's KillMode=mixed signals it: Celery ends the
+    # running child itself (a check on the pool's class, where prefork sets terminate_job
+    # on the instance, took it for a pool that cannot, and waited for the task)
+    ("prefork", False, None),
+    # (Celery asked the solo pool to end the job: its NotImplementedError was raised
+    # into the running task, which was stored as FAILURE and acked, its work lost)
+    ("solo", False, "cold shutdown of a solo pool with a task running"),
+])
+def test_a_task_running_at_a_cold_shutdown_goes_back_counted(
+        start: Start, client_app: Celery, redis_client: redis.Redis, pool: str,
+        to_group: bool, said: str | None) -> None:
+    worker = start(pool=pool, visibility_timeout_s="4")  # the loop's sweep tick: 1 s
+    result = client_app.tasks["w.slow"].delay("hung", 60.0)
     wait_for(lambda: redis_client.get("test:started:hung") == b"1", 30, "the task to start")
     time.sleep(2.0)  # a sweep tick or two see it started
     # When the worker is stopped cold (SIGQUIT): Celery cancels the running task
-    os.killpg(worker.pid, signal.SIGQUIT)
+    (os.killpg if to_group else os.kill)(worker.pid, signal.SIGQUIT)
     exited_or_stacks(worker)
     # Then its message went back counted: a task that keeps a worker from stopping
-    # (or brings it down) is a poison candidate
-    assert redis_client.zcard(KEYS.waiting) == 1, worker.log()[-2000:]
-    assert list(redis_client.hvals(KEYS.redelivered)) == [b"1"]
-
-
-def test_a_cold_shutdown_signalled_to_the_main_process_alone_gives_the_task_back(
-        start: Start, client_app: Celery, redis_client: redis.Redis) -> None:
-    """(SIGQUIT to the main process only, as systemd's KillMode=mixed sends it: Celery
-    ends the running child itself; a check on the pool's class, where prefork sets
-    terminate_job on the instance, took it for a pool that cannot, and waited for it)"""
-    worker = start(visibility_timeout_s="4")
-    client_app.tasks["w.slow"].delay("main-only", 60.0)
-    wait_for(lambda: redis_client.get("test:started:main-only") == b"1", 30,
-             "the task to start")
-    time.sleep(2.0)  # a sweep tick or two see it started
-    os.kill(worker.pid, signal.SIGQUIT)
-    exited_or_stacks(worker)
-    assert redis_client.zcard(KEYS.waiting) == 1, worker.log()[-2000:]
-    assert list(redis_client.hvals(KEYS.redelivered)) == [b"1"]
-    assert "cannot be stopped" not in worker.log()
-
-
-def test_a_solo_workers_running_task_goes_back_at_a_cold_shutdown(
-        start: Start, client_app: Celery, redis_client: redis.Redis) -> None:
-    """(Celery asked the solo pool to end the job: its NotImplementedError was raised into
-    the running task, which was stored as FAILURE and acked, its work lost)"""
-    worker = start(pool="solo", visibility_timeout_s="4")
-    result = client_app.tasks["w.slow"].delay("solo-cold", 60.0)
-    wait_for(lambda: redis_client.get("test:started:solo-cold") == b"1", 30,
-             "the task to start")
-    time.sleep(2.0)  # a sweep tick or two see it started
-    os.kill(worker.pid, signal.SIGQUIT)
-    exited_or_stacks(worker)
-    # Then it is waiting again, counted as a prefork worker's is, and not failed
+    # (or brings it down) is a poison candidate; it is not failed
     assert redis_client.zcard(KEYS.waiting) == 1, worker.log()[-2000:]
     assert list(redis_client.hvals(KEYS.redelivered)) == [b"1"]
     assert result.state == "STARTED"
-    assert "cold shutdown of a solo pool with a task running" in worker.log()
+    assert "cannot be stopped" not in worker.log()
+    assert said is None or said in worker.log()
 
 
 def test_a_threads_workers_running_task_ends_before_a_cold_shutdown_does(
