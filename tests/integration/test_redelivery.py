@@ -94,7 +94,7 @@ def test_a_held_task_survives_more_warm_restarts_than_max_redeliveries(
 
 
 @pytest.mark.parametrize(("pool", "to_group", "said"), [
-    ("prefork", True, None),  # a terminal's Ctrl-\\: the whole process group
+    ("prefork", True, None),  # a terminal's Ctrl-\: the whole process group
     # the main process alone, as systemd's KillMode=mixed signals it: Celery ends the
     # running child itself (a check on the pool's class, where prefork sets terminate_job
     # on the instance, took it for a pool that cannot, and waited for the task)
