@@ -106,11 +106,17 @@ class SitsTask(Task):  # type: ignore[misc]
                                        shadow, **options)
         routed_options(self.app, self.name, args, kwargs, options)
         config = sits_config(self.app)
-        sent_on = _sent_on(self.app, options, task_id)
+        later = _sends_later(options, link, link_error)
+        sla_class = options.get("sla_class")
+        # (whether a worker sends it on matters to a class foreign here, or to the
+        # canvas the call carries: asked then only, it walks the task stack)
+        sent_on = (later or (isinstance(sla_class, str)
+                             and sla_class not in config.class_names)) \
+            and _sent_on(self.app, options, task_id)
         if sent_on:
             self._drop_foreign_class(config, options)
         opts = call_options(self, config, options, self.app.conf, args, kwargs)
-        if not sent_on:  # (after its own: a call's own typo is the one named)
+        if later and not sent_on:  # (after its own: a call's own typo is the one named)
             check_later_steps(self.app, config, options, link, link_error)
         options["headers"] = sits_headers(config, opts, options.pop("headers", None),
                                           time.time())
@@ -289,6 +295,11 @@ def _check_takes(fun: Callable[..., Any], first: tuple[str, ...], what: str) -> 
                         f"to pass; it takes {len(positional)}")
 
 
+def _sends_later(options: Mapping[str, Any], link: Any, link_error: Any) -> bool:
+    """Whether a call carries a canvas a worker sends on later (:func:`check_later_steps`)."""
+    return bool(options.get("chain") or options.get("chord") or link or link_error)
+
+
 def _sent_on(app: Celery, options: Mapping[str, Any], task_id: str | None) -> bool:
     """Whether Celery sends this from a worker, on from the running task: a chain's next
     step or a callback (the tracer's send, with ``parent_id``), or the chord's body
@@ -435,9 +446,10 @@ class SitsCelery(Celery):  # type: ignore[misc]
         config = sits_config(self)
         opts = call_options(self.tasks.get(name), config, options, self.conf, args, kwargs,
                             name)
-        if not _sent_on(self, options, options.get("task_id")):
-            check_later_steps(self, config, options, options.get("link"),
-                              options.get("link_error"))
+        link, link_error = options.get("link"), options.get("link_error")
+        if _sends_later(options, link, link_error) and \
+                not _sent_on(self, options, options.get("task_id")):
+            check_later_steps(self, config, options, link, link_error)
         options["headers"] = sits_headers(config, opts, options.pop("headers", None),
                                           time.time())
         return super().send_task(name, args, kwargs, **options)
