@@ -30,12 +30,17 @@ def _on_a_command_line() -> bool:
         program.name == "__main__.py" and program.parent.name == "celery")
 
 
-def _is_sitsq() -> bool:
-    """Whether this process is ``sitsq`` (or ``python -m sits_queue.cli``: while the
-    package is imported for ``-m``, ``sys.argv[0]`` is "-m" whichever module runs)."""
+def _run_as_module(name: str) -> bool:
+    """Whether this process is ``python -m name`` (while the package is imported for
+    ``-m``, ``sys.argv[0]`` is "-m" whichever module runs: the interpreter's own
+    arguments say which)."""
     given = list(getattr(sys, "orig_argv", ()))
-    by_module = "-m" in given[:-1] and given[given.index("-m") + 1] == "sits_queue.cli"
-    return Path(sys.argv[0]).name in ("sitsq", "cli.py") or by_module
+    return "-m" in given[:-1] and given[given.index("-m") + 1] == name
+
+
+def _is_sitsq() -> bool:
+    """Whether this process is ``sitsq`` (or ``python -m sits_queue.cli``)."""
+    return Path(sys.argv[0]).name in ("sitsq", "cli.py") or _run_as_module("sits_queue.cli")
 
 
 def _say_ours_in_one_line() -> None:
@@ -57,10 +62,8 @@ def _say_ours_in_one_line() -> None:
 def _is_celerys() -> bool:
     """Whether this process is Celery's command line (``celery``, ``python -m celery``),
     not another program run with ``-m`` while its package imports this one."""
-    given = list(getattr(sys, "orig_argv", ()))
-    by_module = "-m" in given[:-1] and given[given.index("-m") + 1] == "celery"
     program = Path(sys.argv[0])
-    return program.name == "celery" or by_module or (
+    return program.name == "celery" or _run_as_module("celery") or (
         program.name == "__main__.py" and program.parent.name == "celery")
 
 

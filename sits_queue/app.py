@@ -26,6 +26,7 @@ from sits_queue.calloptions import (
     header_options,
     leaves,
     routed_options,
+    sends_later,
     sits_headers,
 )
 from sits_queue.checks import finite, is_number, shown
@@ -106,7 +107,7 @@ class SitsTask(Task):  # type: ignore[misc]
                                        shadow, **options)
         routed_options(self.app, self.name, args, kwargs, options)
         config = sits_config(self.app)
-        later = _sends_later(options, link, link_error)
+        later = sends_later(options, link, link_error)
         sla_class = options.get("sla_class")
         # (whether a worker sends it on matters to a class foreign here, or to the
         # canvas the call carries: asked then only, it walks the task stack)
@@ -295,11 +296,6 @@ def _check_takes(fun: Callable[..., Any], first: tuple[str, ...], what: str) -> 
                         f"to pass; it takes {len(positional)}")
 
 
-def _sends_later(options: Mapping[str, Any], link: Any, link_error: Any) -> bool:
-    """Whether a call carries a canvas a worker sends on later (:func:`check_later_steps`)."""
-    return bool(options.get("chain") or options.get("chord") or link or link_error)
-
-
 def _sent_on(app: Celery, options: Mapping[str, Any], task_id: str | None) -> bool:
     """Whether Celery sends this from a worker, on from the running task: a chain's next
     step or a callback (the tracer's send, with ``parent_id``), or the chord's body
@@ -447,7 +443,7 @@ class SitsCelery(Celery):  # type: ignore[misc]
         opts = call_options(self.tasks.get(name), config, options, self.conf, args, kwargs,
                             name)
         link, link_error = options.get("link"), options.get("link_error")
-        if _sends_later(options, link, link_error) and \
+        if sends_later(options, link, link_error) and \
                 not _sent_on(self, options, options.get("task_id")):
             check_later_steps(self, config, options, link, link_error)
         options["headers"] = sits_headers(config, opts, options.pop("headers", None),

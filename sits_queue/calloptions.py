@@ -202,6 +202,11 @@ def leaves(sig: Any) -> Iterator[Signature]:
         yield sig
 
 
+def sends_later(options: Mapping[str, Any], link: Any, link_error: Any) -> bool:
+    """Whether a call carries a canvas a worker sends on later (:func:`check_later_steps`)."""
+    return bool(options.get("chain") or options.get("chord") or link or link_error)
+
+
 def check_later_steps(app: Celery, config: SitsConfig, options: Mapping[str, Any],
                       link: Any = None, link_error: Any = None) -> None:
     """What a submission sends later, from a worker (a chain's next steps, a chord's body,
@@ -220,17 +225,17 @@ def check_later_steps(app: Celery, config: SitsConfig, options: Mapping[str, Any
 
     Raises :class:`~sits_queue.errors.InvalidTaskOptions` naming the step; nothing has
     been sent then."""
-    chord = options.get("chord")
-    if not (options.get("chain") or chord or link or link_error) or \
+    if not sends_later(options, link, link_error) or \
             not all(isinstance(route, MapRoute) for route in app.amqp.router.routes):
         return
+    chord = options.get("chord")
     group_id = options.get("group_id")
     if chord is not None and group_id is not None:
         # (each task of a chord's header carries the same body, and the group's id)
         seen = _checked_chord.get(app)
         if seen is not None and seen[0] == group_id and seen[1]() is chord:
             chord = None
-    carried = carried_ids(app).every if app.current_worker_task is not None else frozenset()
+    carried = carried_ids(app).every  # (none outside a worker)
     for later in (options.get("chain"), chord, link, link_error):
         for leaf in _leaves_and_callbacks(app, _signatures(app, later), set()):
             if leaf.options.get("task_id") not in carried:

@@ -239,5 +239,3 @@ def _departed_pidbox(hosts: set[str]) -> Callable[[str], bool]:
         return queue.endswith(PIDBOX_SUFFIX) and queue[:-len(PIDBOX_SUFFIX)] not in hosts
 
     return departed
-
-

@@ -356,11 +356,8 @@ class Rescorer:
                                for q in queues):
             return []
         hosts = live_hostnames(self.client, prefix)
-        if not due:
-            return pruning.prune(self.client, self.config, self.scripts, queues,
-                                 set(hosts), None)
-        live = [r for name in hosts  # (each live record: a read, once a minute)
-                if (r := read_worker(self.client, prefix, name)) is not None]
+        live = None if not due else [  # (each live record: a read, once a minute)
+            r for name in hosts if (r := read_worker(self.client, prefix, name)) is not None]
         return pruning.prune(self.client, self.config, self.scripts, queues, set(hosts), live)
 
     def expire_dead_letters(self, queues: list[str], now_s: float) -> int:

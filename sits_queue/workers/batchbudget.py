@@ -63,7 +63,6 @@ def _said_failing(task: str, exc: BaseException) -> None:
                    "(said once)", task, type(exc).__name__, exc)
 
 
-
 def limit_of(request: Any) -> float | None:
     """The time limit a batch led by ``request`` runs under, s: its soft one, else its
     hard one (None: none)."""
