@@ -266,6 +266,11 @@ def _run_module(module: str, size: list[str], json_path: Path | None,
         raise
     finally:  # (in-process callers, tests, keep their own handler)
         signal.signal(signal.SIGTERM, previous)
+    if terminated:
+        # (the handler's SystemExit is lost when the signal lands in a finalizer, a
+        # __del__ or a weakref callback, where Python ignores it: the run went on to its
+        # end, and exited 0 for a run that was told to stop)
+        sys.exit(128 + terminated[0])
     if rc:
         sys.exit(rc)
 
