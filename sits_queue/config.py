@@ -164,6 +164,12 @@ class SitsConfig:
     visibility_timeout_s: float = 60.0
     #: A message redelivered more often than this is dead-lettered (it keeps killing workers).
     max_redeliveries: int = 5
+    #: A worker process on this host (and pid namespace) that died holding messages has
+    #: them restored by the next sweep tick of a worker here, not after the visibility
+    #: timeout (``broker/holders.py``). Off: this worker neither says which process it
+    #: is nor looks for dead neighbours; what it held waits for the timeout, as for a
+    #: worker on another host.
+    reclaim_dead_holders: bool = True
     #: A dead letter is deleted this long after it was dead-lettered, s (0: kept until
     #: ``sitsq dead drop``). Its task's result says FAILURE already; the record keeps the
     #: whole payload (a prompt, a batch of texts) for a person to look at, and a producer

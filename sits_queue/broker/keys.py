@@ -124,6 +124,7 @@ class QueueKeys:
     skipped: str  # HASH message id -> when a pick first passed it over at the head (affinity)
     idle: str  # SET message ids held by a worker that has said it has not started them
     sweep: str  # HASH the visibility sweeps' last time and hold (restore.lua), by Redis's clock
+    holders: str  # HASH unacked message id -> the consumer holding it (broker/holders.py)
 
     @classmethod
     def for_queue(cls, queue: str, prefix: str = "") -> QueueKeys:
@@ -133,12 +134,12 @@ class QueueKeys:
         base = f"{prefix}sits:{{{queue}}}:"
         return cls(*(base + suffix for suffix in (
             "z", "p", "i", "mk", "seq", "u", "s", "rd", "dl", "arr", "ck", "yc", "hd", "af", "id",
-            "sw")))
+            "sw", "ho")))
 
     def all(self) -> list[str]:
         return [self.waiting, self.payloads, self.meta, self.marker, self.seq, self.unacked,
                 self.saved, self.redelivered, self.dead, self.arrivals, self.checkpoints,
-                self.yields, self.held, self.skipped, self.idle, self.sweep]
+                self.yields, self.held, self.skipped, self.idle, self.sweep, self.holders]
 
     @property
     def put_channel(self) -> str:

@@ -38,7 +38,7 @@ import threading
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis
@@ -46,7 +46,7 @@ from celery.worker import state as worker_state
 from kombu.transport import redis as kredis
 from kombu.transport import virtual
 
-from sits_queue.broker import affinity, clock, deadletters
+from sits_queue.broker import affinity, clock, deadletters, holders
 from sits_queue.broker.heartbeat import Heartbeat
 from sits_queue.broker.keys import batch_units
 
@@ -322,6 +322,7 @@ class QoS(kredis.QoS):
         by its heartbeat thread)."""
         self.channel._deferred.poll()  # an idle worker's owed ack replies, errors too
         self.note_started()
+        self._reclaim()
         now_mono = time.monotonic()
         period = self.beat_period_s
         if now_mono - self._last_sweep < period:
@@ -346,6 +347,32 @@ class QoS(kredis.QoS):
                                "heartbeating for %.0f s", restored, queue,
                                self.channel.visibility_timeout)
 
+    def _reclaim(self) -> None:
+        """Each tick: this consumer's record, and the messages that consumers of this
+        host whose process ended held, put back (``holders.py``)."""
+        channel = self.channel
+        if not channel.config.reclaim_dead_holders:
+            return
+        now = clock.now(channel.raw)
+        try:
+            self.record(channel.raw, now, self._held_by_queue())
+            holders.reclaim(channel.raw, channel.global_keyprefix, channel.consumer_id,
+                            now, channel.visibility_timeout,
+                            lambda queue, args: channel._run("restore", queue, args))
+        except redis.ResponseError as exc:  # (the host's hash of another type: the
+            logger.warning("dead holders not looked for: %s", exc)  # timeout restores)
+
+    def record(self, client: Any, now: float, held: Iterable[str]) -> None:
+        """Which process this consumer is, and its queues with those it holds messages
+        of (``holders.py``): written at its first consume and refreshed at every beat
+        (``now``: that of the beat's deadlines) and sweep tick. A consumer that acks
+        nothing (Celery's reply and event receivers) holds nothing: not written."""
+        channel = self.channel
+        queues = [*(q for q in channel.active_queues if q not in channel._no_ack), *held]
+        if queues and channel.config.reclaim_dead_holders:
+            holders.record(client, channel.global_keyprefix, channel.consumer_id, queues,
+                           now)
+
     def heartbeat(self, client: Any = None) -> None:
         """Push the deadline of every message this channel holds (running or reserved),
         on ``client`` (the heartbeat thread's own) or the channel's."""
@@ -358,6 +385,10 @@ class QoS(kredis.QoS):
                 return
             redis_client = client or self.channel.raw
             now = clock.now(redis_client)
+            try:  # (before the beats: their deadlines are no later than its time)
+                self.record(redis_client, now, by_queue)
+            except redis.RedisError as exc:  # (the beats matter more: they go on)
+                logger.debug("holder record not written: %s", exc)
             period = self.beat_period_s
             # (beat.lua: only ids still unacked, an id acked meanwhile is not brought back;
             # and Redis hears the queue is served, by its own clock: a gap holds the sweeps)

@@ -21,7 +21,7 @@ import redis
 from kombu.transport import redis as kredis
 from kombu.transport import virtual
 
-from sits_queue.broker import intake, wait
+from sits_queue.broker import clock, intake, wait
 from sits_queue.broker.keys import MARKER_MEMBER, queues_registry
 from sits_queue.broker.payload import SitsMessage
 from sits_queue.broker.picking import PickingChannel
@@ -109,6 +109,9 @@ class Channel(PickingChannel):
         # kombu keeps one callback per queue, so the latest consumer's no_ack holds.
         (self._no_ack.add if no_ack else self._no_ack.discard)(queue)
         tag = super().basic_consume(queue, no_ack, *args, **kwargs)
+        if not no_ack:  # before its first pick: a task that kills it at once is seen
+            with contextlib.suppress(redis.RedisError):  # (else the first tick writes it)
+                self.qos.record(self.raw, clock.now(self.raw), ())
         if self._in_poll and wait.misses(self._watched, queue, self.active_queues):
             self._give_up_wait()  # the next wait watches this queue too (broker/wait.py)
         return tag

@@ -187,8 +187,9 @@ def test_a_busy_solo_worker_still_restores_what_a_dead_worker_held(
     held, and what a dead worker held stayed unacked while it was busy. Its heartbeat
     thread's beats keep the queue's record fresh."""
     slow = client_app.tasks["w.slow"]
-    # Given a worker holding a running task
-    doomed = start(visibility_timeout_s="5")
+    # Given a worker holding a running task (as one of another host: it does not say
+    # which process it is, so its death is seen by the timeout alone)
+    doomed = start(visibility_timeout_s="5", reclaim_dead_holders="0")
     slow.delay("held", 60.0)
     wait_for(lambda: redis_client.get("test:started:held") == b"1", 30, "the task to start")
     # and a solo worker busy with tasks longer than the sweeps' period allows between

@@ -316,7 +316,9 @@ def test_an_autoscaled_pool_is_planned_at_its_largest(
 
 def test_sigkilled_worker_task_is_redelivered_and_completes(
         spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
-    first = spawn(visibility_timeout_s="4")
+    # (as for a worker of another host: this one does not say which process it is, so
+    # no worker here can see it die; test_a_sigkilled_workers_task_... below)
+    first = spawn(visibility_timeout_s="4", reclaim_dead_holders="0")
     result = client_app.tasks["w.slow"].delay("k", 2.0)
     wait_for(lambda: redis_client.get("test:started:k") == b"1", 30, "the task to start")
     # When the whole worker (main process and pool) dies without a word
@@ -328,6 +330,34 @@ def test_sigkilled_worker_task_is_redelivered_and_completes(
     assert redis_client.get("test:started:k") == b"2"
     # Late ack: the result is stored just before the ack, so wait for the ack itself.
     wait_for(lambda: redis_client.zcard(WAITING.unacked) == 0, 10, "the ack")
+
+
+@pytest.mark.parametrize("pool", ["prefork", "solo"])
+def test_a_sigkilled_workers_task_is_restored_by_a_worker_of_its_host_within_a_tick(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis, pool: str) -> None:
+    """(only the visibility timeout brought it back, a minute or more later: a worker of
+    another host may be alive behind a slow network, but a dead one of this host is
+    seen dead in /proc: broker/holders.py)"""
+    timeout = "120"  # restored by the timeout, it would run again after 119 s or more
+    # Given a worker running a task
+    first = spawn(pool=pool, concurrency=1, visibility_timeout_s=timeout)
+    result = client_app.tasks["w.slow"].delay("k", 3.0)
+    wait_for(lambda: redis_client.get("test:started:k") == b"1", 30, "the task to start")
+    children = psutil.Process(first.pid).children(recursive=True)
+    # When its main process is killed (the OOM killer, a crash in an extension under
+    # --pool=solo), alone: no shutdown, no give-back
+    os.kill(first.pid, signal.SIGKILL)
+    first.popen.wait(10)
+    # and its supervisor starts a worker in its place
+    spawn(pool=pool, concurrency=1, visibility_timeout_s=timeout)
+    # Then the task runs again within a sweep tick of a consumer of this host (this
+    # test's own control client among them), far sooner than the timeout
+    assert result.get(timeout=60) == "k"
+    assert redis_client.get("test:started:k") == b"2"
+    # and not beside an orphan of itself: the pool child died with its parent (it would
+    # have finished its 3 s by now)
+    assert not any(child.is_running() for child in children)
+    assert redis_client.lrange("test:finished", 0, -1) == [b"k"]
 
 
 def test_sigkilled_pool_child_requeues_its_task(spawn: Spawn, client_app: Celery,

@@ -7,6 +7,7 @@
 --   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
 --   15 idle SET (ids held by a worker that said it has not started them yet)
 --   16 sweep HASH (the visibility sweeps' last time, and a hold after a gap)
+--   17 holders HASH (id -> the consumer holding it unacked: its worker died, holders.py)
 -- ARGV: ids
 -- Returns how many were still unacked.
 -- An ack that comes after the sweep restored its message (the holder's heartbeat was
@@ -27,5 +28,6 @@ for i = 1, #ARGV do
   redis.call('HDEL', KEYS[13], id)
   redis.call('HDEL', KEYS[14], id)
   redis.call('SREM', KEYS[15], id)
+  redis.call('HDEL', KEYS[17], id)
 end
 return n

@@ -10,6 +10,7 @@
 --   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
 --   15 idle SET (ids held by a worker that said it has not started them yet)
 --   16 sweep HASH (the visibility sweeps' last time, and a hold after a gap)
+--   17 holders HASH (id -> the consumer holding it unacked: its worker died, holders.py)
 -- ARGV: none.
 -- Returns 1 if the marker is set, 0 if nothing waits (then no key is made: a deleted
 -- reply queue stays deleted).

@@ -8,6 +8,7 @@
 --   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
 --   15 idle SET (ids held by a worker that said it has not started them yet)
 --   16 sweep HASH (the visibility sweeps' last time, and a hold after a gap)
+--   17 holders HASH (id -> the consumer holding it unacked: its worker died, holders.py)
 -- ARGV[1]: now (unix s, the holder's clock set to Redis's); ARGV[2]: its beat period (s);
 -- ARGV[3..]: the ids it holds. Returns how many deadlines it moved.
 local refused = wrong_type(6)

@@ -7,6 +7,7 @@
 --   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
 --   15 idle SET (ids held by a worker that said it has not started them yet)
 --   16 sweep HASH (the visibility sweeps' last time, and a hold after a gap)
+--   17 holders HASH (id -> the consumer holding it unacked: its worker died, holders.py)
 -- ARGV: now (unix s), reason, ids
 -- Returns how many records were written.
 local n = 0
@@ -30,5 +31,6 @@ for i = 3, #ARGV do
   redis.call('HDEL', KEYS[12], id)
   redis.call('HDEL', KEYS[14], id)
   redis.call('SREM', KEYS[15], id)
+  redis.call('HDEL', KEYS[17], id)
 end
 return n

@@ -8,6 +8,7 @@
 --   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
 --   15 idle SET (ids held by a worker that said it has not started them yet)
 --   16 sweep HASH (the visibility sweeps' last time, and a hold after a gap)
+--   17 holders HASH (id -> the consumer holding it unacked: its worker died, holders.py)
 -- ARGV: now (unix s), max redeliveries before dead-lettering, consumer ('' for none),
 --   batch window (0 or absent: no batching; else how deep to look for the picked
 --   task's batch kin, workers/batched.py);
@@ -37,7 +38,7 @@
 -- times, ...}, empty when none waits or the head is no such kin (a running batch's
 -- free rows, workers/joins.py).
 -- (1 and 13 are read before anything is written: a wrong type fails there, harmless)
-local refused = wrong_type(2, 3, 4, 6, 7, 8, 9, 11, 12, 14)
+local refused = wrong_type(2, 3, 4, 6, 7, 8, 9, 11, 12, 14, 17)
 if refused then return refused end
 local now, max_redeliveries = ARGV[1], tonumber(ARGV[2])
 local consumer = ARGV[3] or ''
@@ -172,6 +173,7 @@ local function take(id, score)
   end
   redis.call('ZADD', KEYS[6], now, id)
   redis.call('HSET', KEYS[7], id, score)
+  if consumer ~= '' then redis.call('HSET', KEYS[17], id, consumer) end
 end
 
 -- Waiting tasks with batch key 'key' (task, model, class), nearest the head first

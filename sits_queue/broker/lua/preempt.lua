@@ -8,6 +8,7 @@
 --   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
 --   15 idle SET (ids held by a worker that said it has not started them yet)
 --   16 sweep HASH (the visibility sweeps' last time, and a hold after a gap)
+--   17 holders HASH (id -> the consumer holding it unacked: its worker died, holders.py)
 -- ARGV: running message id, now (unix s), least wait before yielding for a task (s),
 --       how long a claim stands (s), the running task's state (JSON) to keep when it
 --       yields ('': the caller keeps it itself once granted, a large state), then the

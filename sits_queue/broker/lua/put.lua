@@ -8,6 +8,7 @@
 --   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
 --   15 idle SET (ids held by a worker that said it has not started them yet)
 --   16 sweep HASH (the visibility sweeps' last time, and a hold after a gap)
+--   17 holders HASH (id -> the consumer holding it unacked: its worker died, holders.py)
 -- ARGV (per message): id, payload JSON, meta JSON, score base ((levels - level) * 2^32),
 --                      SLA class ("~class": a task the statistics do not count, such as
 --                      a pre-warm: announced, but no arrival counted)

@@ -8,6 +8,7 @@
 --   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
 --   15 idle SET (ids held by a worker that said it has not started them yet)
 --   16 sweep HASH (the visibility sweeps' last time, and a hold after a gap)
+--   17 holders HASH (id -> the consumer holding it unacked: its worker died, holders.py)
 --
 -- One variadic HSET/ZADD per slice of messages instead of four calls per message: a
 -- chunk of 200 costs Redis about a third of the time, which is what bulk enqueue and the

@@ -9,8 +9,10 @@
 --   10 arrivals HASH  11 checkpoints HASH  12 yield claims HASH  13 held HASH
 --   14 skipped HASH  15 idle SET
 --   16 sweep HASH (the visibility sweeps' last time, and a hold after a gap)
+--   17 holders HASH (id -> the consumer holding it unacked: its worker died, holders.py)
 local QUEUE_TYPES = {'zset', 'hash', 'hash', 'zset', 'string', 'zset', 'hash', 'hash',
-                     'hash', 'hash', 'hash', 'hash', 'hash', 'hash', 'set', 'hash'}
+                     'hash', 'hash', 'hash', 'hash', 'hash', 'hash', 'set', 'hash',
+                     'hash'}
 
 -- An error reply naming the first of KEYS[i...] of a type it should not be; nil if none.
 local function wrong_type(...)

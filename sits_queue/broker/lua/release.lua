@@ -10,6 +10,7 @@
 --   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
 --   15 idle SET (ids held by a worker that said it has not started them yet)
 --   16 sweep HASH (the visibility sweeps' last time, and a hold after a gap)
+--   17 holders HASH (id -> the consumer holding it unacked: its worker died, holders.py)
 -- ARGV: releasing consumer, now (unix s), first hold (s; 0 for none), longest hold (s),
 --       then ids
 -- With a hold, pick.lua does not offer these messages back to that consumer for the
@@ -31,6 +32,7 @@ for i = 5, #ARGV do
   if redis.call('ZREM', KEYS[6], id) == 1 then
     local score = redis.call('HGET', KEYS[7], id)
     redis.call('HDEL', KEYS[7], id)
+    redis.call('HDEL', KEYS[17], id)
     redis.call('SREM', KEYS[15], id)
     if redis.call('HEXISTS', KEYS[2], id) == 1 then
       -- Same place as before the pick: releasing must not cost the task its priority.

@@ -13,6 +13,7 @@
 --   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
 --   15 idle SET (ids held by a worker that said it has not started them yet)
 --   16 sweep HASH (the visibility sweeps' last time, and a hold after a gap)
+--   17 holders HASH (id -> the consumer holding it unacked: its worker died, holders.py)
 -- ARGV (per message): put.lua's five (id, payload JSON, meta JSON, score base, class),
 --                      then its dead-letter record as the requeue read it
 -- Returns {messages put back, waiting after, ids not put back (their record is gone or

@@ -8,8 +8,12 @@
 --   14 skipped HASH (id -> when a pick first passed it over at the head, by affinity)
 --   15 idle SET (ids held by a worker that said it has not started them yet)
 --   16 sweep HASH (the visibility sweeps' last time, and a hold after a gap)
+--   17 holders HASH (id -> the consumer holding it unacked: its worker died, holders.py)
 -- ARGV[1]: deadline ceiling (unix s) to restore every message picked/heartbeated before
---          it, or '-' to restore exactly the ids in ARGV[3..]
+--          it, or '-' to restore exactly the ids in ARGV[3..], or '=' to restore those
+--          a consumer that died held (KEYS[17]): ARGV[2] names it, ARGV[3] is a bound
+--          (unix s) its deadlines are under (one above it is a later holder's, which an
+--          older worker's pick, writing no holder, left under the dead one's name)
 -- ARGV[2]: at most this many (with a ceiling)
 -- ARGV[3]: with a ceiling, a horizon (unix s): a deadline base above it is no pick or
 --          beat time any worker wrote (another program's, +inf included), and would
@@ -20,15 +24,31 @@
 -- holder said so (KEYS[15]: a task waiting in it for a rate-limit token), or its ETA is
 -- still ahead, or came after its holder's last beat and the beat it missed.
 -- (6 is read, or its ZREM fails, before anything is written)
-local refused = wrong_type(1, 2, 4, 7, 8, 15, 16)
+local refused = wrong_type(1, 2, 4, 7, 8, 15, 16, 17)
 if refused then return refused end
--- (after a gap in the queue's sweeps and beats, none restores for a while: sweeps.lua)
+-- (after a gap in the queue's sweeps and beats, none restores for a while: sweeps.lua;
+-- a holder known dead is no silence, nothing to wait for)
 local period = tonumber(ARGV[4] or '')
-if ARGV[1] ~= '-' and period and period > 0 and served(period) then return 0 end
+local sweep = ARGV[1] ~= '-' and ARGV[1] ~= '='
+if sweep and period and period > 0 and served(period) then return 0 end
 local ids
 if ARGV[1] == '-' then
   ids = {}
   for i = 3, #ARGV do ids[#ids + 1] = ARGV[i] end
+elseif ARGV[1] == '=' then
+  ids = {}
+  local bound = tonumber(ARGV[3])
+  local holders = redis.call('HGETALL', KEYS[17])
+  for i = 1, #holders, 2 do
+    if holders[i + 1] == ARGV[2] then
+      local base = tonumber(redis.call('ZSCORE', KEYS[6], holders[i]) or '')
+      if base == nil then  -- acked or given back by an older worker: no holder wrote
+        redis.call('HDEL', KEYS[17], holders[i])
+      elseif base < bound then
+        ids[#ids + 1] = holders[i]
+      end
+    end
+  end
 else
   local limit = tonumber(ARGV[2])
   ids = redis.call('ZRANGE', KEYS[6], '-inf', ARGV[1], 'BYSCORE', 'LIMIT', 0, limit)
@@ -58,6 +78,7 @@ for _, id in ipairs(ids) do
   if redis.call('ZREM', KEYS[6], id) == 1 then
     local score = redis.call('HGET', KEYS[7], id)
     redis.call('HDEL', KEYS[7], id)
+    redis.call('HDEL', KEYS[17], id)
     if redis.call('HEXISTS', KEYS[2], id) == 1 then
       -- No saved score (older state), or one that is no number (another program's): the
       -- very front is safer than losing its place. (The text itself is kept: Lua's
