@@ -15,15 +15,17 @@ among them — instead of a minute later.
 * Each consumer records, at its first consume and at every beat and sweep, which
   process it is and which queues it consumes (:class:`Holder`), in one hash per host
   and pid namespace (:func:`host_key`), so a sweep reads only its neighbours'.
-* Each sweep tick restores what a holder there whose process is gone held
-  (``restore.lua``'s ``=`` mode), counted as a redelivery as the timeout's restore is:
-  a task that kills its worker each time is dead-lettered after ``max_redeliveries``
-  the sooner. A restored task does not run beside an orphan of itself: Celery's prefork
-  children get SIGKILL when their parent dies (``set_pdeathsig``).
+* Each sweep tick looks at the records there; the consumer that drops the record of a
+  holder whose process has ended restores what it held (``restore.lua``'s ``=`` mode),
+  counted as a redelivery as the timeout's restore is: a task that kills its worker
+  each time is dead-lettered after ``max_redeliveries`` the sooner. A restored task
+  does not run beside an orphan of itself: Celery's prefork children get SIGKILL when
+  their parent dies (``set_pdeathsig``).
 
-Certain or nothing: a holder on another host or in another pid namespace (a restarted
-container has a new one), where ``/proc`` is missing (macOS), or a record that cannot
-be read, is left to the visibility timeout.
+Certain or nothing: a live worker taken for dead would have its running tasks run
+twice. A holder on another host, in another pid namespace (a restarted container has a
+new one), whose ``/proc`` entry cannot be read, where ``/proc`` is missing (macOS), or
+whose record cannot be read, is left to the visibility timeout.
 """
 
 from __future__ import annotations
@@ -42,11 +44,9 @@ from sits_queue.checks import text
 
 logger = logging.getLogger(__name__)
 
-#: A record no consumer rewrote for this long (s; at least ten visibility timeouts) is
-#: of a consumer that is gone one way or another (a channel closed across a reconnect,
-#: a process whose records another host's view cannot check): dropped. A live one
-#: writes its record again at its next sweep.
-STALE_S = 3600.0
+#: A host's hash of records lives this long after its last write, s: a host never seen
+#: again leaves nothing for good.
+HOST_KEPT_S = 3600
 PROC = "/proc"
 
 
@@ -69,23 +69,48 @@ class Process:
         return self.started is not None and bool(self.boot) and bool(self.pidns)
 
 
-def start_ticks(pid: int, proc: str = PROC) -> int | None:
-    """When process ``pid`` started (clock ticks after boot); None if there is no such
-    process here, or only its zombie (killed, not yet reaped by its parent)."""
+def _stat(path: str) -> tuple[bytes, int] | None:
+    """(state, start time in clock ticks after boot) from a ``/proc/<pid>/stat``; None
+    if it cannot be read or parsed."""
     try:
-        with open(f"{proc}/{pid}/stat", "rb") as f:
+        with open(path, "rb") as f:
             stat = f.read()
     except OSError:
         return None
     # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so the fields
     # are counted from the last ')'; state is field 3, starttime field 22.
     fields = stat[stat.rfind(b")") + 2:].split()
-    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
-        return None
     try:
-        return int(fields[19])
-    except ValueError:
+        return fields[0], int(fields[19])
+    except (IndexError, ValueError):
         return None
+
+
+def _exists(pid: int) -> bool:
+    """Whether some process has ``pid`` here (another user's too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (EPERM: it exists, and is another user's)
+        return True
+    return True
+
+
+def ended(pid: int, started: int, proc: str = PROC,
+          exists: Callable[[int], bool] = _exists) -> bool:
+    """Whether the process ``pid`` that started at ``started`` has certainly ended: no
+    process has its pid, or a later one, or only its zombie (killed, not yet reaped). A
+    process /proc does not show (``hidepid``, another user's under systemd's
+    ``ProtectProc``) or that cannot be read has not: a live worker must never be taken
+    for dead, its running tasks would run twice."""
+    if not exists(pid):
+        return True
+    stat = _stat(f"{proc}/{pid}/stat")
+    if stat is None:
+        return False
+    state, ticks = stat
+    return state in (b"Z", b"X") or ticks != started
 
 
 def _read(path: str) -> str | None:
@@ -112,9 +137,21 @@ def this_process() -> Process:
     global _this
     pid = os.getpid()
     if _this is None or _this[0] != pid:
-        _this = pid, Process(socket.gethostname(), pid, start_ticks(pid),
-                             _read(f"{PROC}/sys/kernel/random/boot_id"), _pidns())
+        _this = pid, read_process(pid)
     return _this[1]
+
+
+def read_process(pid: int, proc: str = PROC) -> Process:
+    """Process ``pid``, this one, as ``proc`` shows it: not checkable where that is not
+    of this process's pid namespace (``unshare --pid`` without a /proc of its own: its
+    pids there name other processes)."""
+    try:
+        ours = os.readlink(f"{proc}/self") == str(pid)
+    except OSError:
+        ours = False
+    stat = _stat(f"{proc}/self/stat") if ours else None
+    return Process(socket.gethostname(), pid, stat[1] if stat else None,
+                   _read(f"{proc}/sys/kernel/random/boot_id"), _pidns(proc))
 
 
 @dataclass(frozen=True)
@@ -151,10 +188,16 @@ class Holder:
                    queues, seen)
 
 
-def gone(holder: Holder, started: Callable[[int], int | None] = start_ticks) -> bool:
-    """Whether ``holder``'s process has certainly ended: its pid runs no process here,
-    or a later one (the records of one host hash share its boot and pid namespace)."""
-    return started(holder.process.pid) != holder.process.started
+Ended = Callable[[int, int], bool]
+
+
+def gone(holder: Holder, here: Process, has_ended: Ended = ended) -> bool:
+    """Whether ``holder``'s process has certainly ended (the records of one host hash
+    share its boot and pid namespace; one of another host name is left alone: VMs
+    cloned from one snapshot share a boot id)."""
+    assert holder.process.started is not None  # (decode: an int)
+    return (holder.process.host == here.host
+            and has_ended(holder.process.pid, holder.process.started))
 
 
 def host_key(prefix: str, process: Process) -> str | None:
@@ -175,17 +218,18 @@ def record(client: Any, prefix: str, consumer: str, queues: Iterable[str], now: 
     holder = Holder(consumer, process, tuple(dict.fromkeys(queues)), now)
     pipe = client.pipeline(transaction=False)
     pipe.hset(key, consumer, holder.encode())
-    pipe.expire(key, int(STALE_S))
+    pipe.expire(key, HOST_KEPT_S)
     pipe.execute()
 
 
-Restore = Callable[[str, list[Any]], int]
+#: ``restore(queue, args)``: ``restore.lua`` run on a queue, its reply.
+Restore = Callable[[str, list[Any]], Any]
 
 
 def reclaim(client: Any, prefix: str, own: str, now: float, visibility_timeout: float,
-            restore: Restore, started: Callable[[int], int | None] = start_ticks) -> int:
-    """Put back what the consumers of this host whose process has ended held;
-    ``restore(queue, args)`` runs ``restore.lua`` on a queue. Returns how many."""
+            restore: Restore, has_ended: Ended = ended) -> int:
+    """Put back what the consumers of this host whose process has ended held. Returns
+    how many."""
     here = this_process()
     key = host_key(prefix, here)
     if key is None:
@@ -193,41 +237,55 @@ def reclaim(client: Any, prefix: str, own: str, now: float, visibility_timeout: 
     total = 0
     for name, raw in client.hgetall(key).items():
         consumer = text(name)
-        if consumer == own:
-            continue
-        holder = Holder.decode(consumer, raw, here)
+        holder = None if consumer == own else Holder.decode(consumer, raw, here)
         if holder is None:
             continue
-        if not gone(holder, started):
-            if holder.seen < now - max(STALE_S, 10 * visibility_timeout):
+        if not gone(holder, here, has_ended):
+            # A live process's record no one rewrote for three timeouts is of a channel
+            # it closed (a consuming one rewrites it each tick, one holding anything at
+            # each beat besides).
+            if holder.seen < now - 3 * visibility_timeout:
                 client.hdel(key, consumer)
             continue
-        restored, whole = _put_back(holder, visibility_timeout, restore)
+        if client.hdel(key, consumer) != 1:
+            continue  # another consumer of this host took it first: that one puts back
+        restored = _put_back(holder, visibility_timeout, restore)
         total += restored
         if restored:
             logger.warning("restored %d message(s) held by process %d on %s, which ended "
                            "(consumer %s)", restored, holder.process.pid,
                            holder.process.host, consumer[:8])
-        if whole:  # (else the next tick tries again; the timeout's sweep covers the rest)
-            client.hdel(key, consumer)
     return total
 
 
-def _put_back(holder: Holder, visibility_timeout: float, restore: Restore) -> tuple[int, bool]:
-    """``restore.lua``'s ``=`` mode on each of ``holder``'s queues: its deadlines are
-    under ``seen`` plus the timeout (a later holder's, left under its name by a worker
-    of an older version, are above it). Returns (restored, whether every queue answered)."""
-    restored, whole = 0, True
-    bound = holder.seen + visibility_timeout
+#: Holder entries a queue's ``restore.lua`` call scans (HSCAN's COUNT): a queue holding
+#: 100k ETA tasks unacked is looked through in steps, none holding Redis for long.
+SCAN_STEP = 1000
+
+
+def _put_back(holder: Holder, visibility_timeout: float, restore: Restore) -> int:
+    """``restore.lua``'s ``=`` mode through each of ``holder``'s queues. Its own
+    deadlines are under ``seen`` plus half the timeout (a pick comes at most a tick, a
+    sixth of it, after a record). Another holder's that an earlier release's worker took
+    again, which records no holder and so leaves the entry under the dead one's name,
+    is above that: restored by a sweep once the dead one's last beat (at most a third
+    of the timeout before ``seen``) was a timeout old, then picked. Returns how many;
+    a queue that fails is left to the visibility timeout."""
+    restored = 0
+    bound = holder.seen + visibility_timeout / 2
     period = visibility_timeout / 3
     for queue in holder.queues:
+        cursor: Any = "0"
         try:
-            restored += int(restore(queue, ["=", holder.consumer, bound, period]))
-        except redis.ResponseError as exc:  # a queue key of another type: the rest go on
-            logger.warning("could not restore what consumer %s held in queue %r: %s",
-                           holder.consumer[:8], queue, exc)
+            while True:
+                n, cursor = restore(queue, ["=", holder.consumer, bound, period, cursor,
+                                            SCAN_STEP])
+                restored += int(n)
+                if text(cursor) == "0":
+                    break
         except ValueError:  # a queue name no key can be made of (InvalidQueueName)
             continue
-        except redis.RedisError:
-            whole = False
-    return restored, whole
+        except redis.RedisError as exc:
+            logger.warning("what process %d held in queue %r is left to the visibility "
+                           "timeout: %s", holder.process.pid, queue, exc)
+    return restored

@@ -34,6 +34,7 @@ beaten either: an ack that failed for good leaves its message to the sweep.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import weakref
@@ -76,6 +77,7 @@ class QoS(kredis.QoS):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._last_sweep = 0.0
+        self._last_reclaim = -math.inf
         #: Held while a beat reads and extends what is held, and while a message is
         #: given back or forgotten (see the module docstring). Re-entrant: a signal
         #: handler that closes the channel may run while this thread holds it.
@@ -351,8 +353,13 @@ class QoS(kredis.QoS):
         """Each tick: this consumer's record, and the messages that consumers of this
         host whose process ended held, put back (``holders.py``)."""
         channel = self.channel
-        if not channel.config.reclaim_dead_holders:
+        now_mono = time.monotonic()
+        # (a worker's ticks come every sixth of the timeout; a plain consumer's
+        # drain_events calls this at each poll)
+        if (not channel.config.reclaim_dead_holders
+                or now_mono - self._last_reclaim < self.beat_period_s / 3):
             return
+        self._last_reclaim = now_mono
         now = clock.now(channel.raw)
         try:
             self.record(channel.raw, now, self._held_by_queue())

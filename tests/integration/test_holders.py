@@ -13,6 +13,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -154,8 +155,8 @@ def test_a_holder_killed_and_not_yet_reaped_is_dead(
     # Given a holder killed whose parent has not reaped it yet (a zombie: its pid still
     # names a process in /proc)
     holder.popen.send_signal(signal.SIGKILL)
-    wait_for(lambda: holders.start_ticks(holder.popen.pid) is None
-             and os.path.exists(f"/proc/{holder.popen.pid}"), 10, "the zombie")
+    stat = Path(f"/proc/{holder.popen.pid}/stat")
+    wait_for(lambda: stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", 10, "the zombie")
     # Then the sweep puts its message back
     sweep(app)
     assert redis_client.zcard(KEYS.waiting) == 1
@@ -178,23 +179,31 @@ def test_only_what_the_dead_holder_still_held_goes_back(
 
 def test_a_later_holders_message_left_under_a_dead_ones_name_stays(
         app: Celery, spawn: Any, redis_client: redis.Redis) -> None:
-    app.tasks["t.echo"].delay("m")
-    holder = spawn(take=1)
-    (tag,) = [bytes(t) for t in redis_client.zrange(KEYS.unacked, 0, -1)]
-    # Given the message restored by a sweep of an older version (which drops no holder
-    # entry) and taken again by an older worker (which writes none), alive: its deadline
-    # is the later pick's, a visibility timeout and more after the dead holder's record
-    record = holders.Holder.decode(holder.consumer,
-                                   host_records(redis_client)[holder.consumer.encode()],
+    for i in range(2):
+        app.tasks["t.echo"].delay(f"m{i}")
+    holder = spawn(take=2)
+    mine, other = [bytes(t) for t in redis_client.zrange(KEYS.unacked, 0, -1)]
+    seen = last_record(redis_client, holder.consumer)
+    # Given one message restored by a sweep of an earlier release (which drops no holder
+    # entry) and taken again by a worker of one (which writes none), alive: at the
+    # earliest, its deadline is that pick's, a timeout after the dead holder's last beat
+    # of it, which came at most a beat period (a third of the timeout) before its record
+    redis_client.zadd(KEYS.unacked, {other: seen + TIMEOUT_S * 2 / 3})
+    # and the other picked by the holder a tick (a sixth) after its last record
+    redis_client.zadd(KEYS.unacked, {mine: seen + TIMEOUT_S / 6})
+    # When the holder dies
+    holder.kill()
+    # Then its own goes back, and the other stays with its live holder
+    sweep(app)
+    assert redis_client.zrange(KEYS.waiting, 0, -1) == [mine]
+    assert redis_client.zrange(KEYS.unacked, 0, -1) == [other]
+
+
+def last_record(client: redis.Redis, consumer: str) -> float:
+    record = holders.Holder.decode(consumer, host_records(client)[consumer.encode()],
                                    holders.this_process())
     assert record is not None
-    redis_client.zadd(KEYS.unacked, {tag: record.seen + TIMEOUT_S + 1})
-    # When the first holder dies
-    holder.kill()
-    # Then the message stays with its live holder
-    sweep(app)
-    assert redis_client.zcard(KEYS.unacked) == 1
-    assert redis_client.zcard(KEYS.waiting) == 0
+    return record.seen
 
 
 def test_a_consumer_told_not_to_leaves_a_dead_holder_to_the_timeout(
@@ -212,7 +221,7 @@ def test_a_consumer_told_not_to_leaves_a_dead_holder_to_the_timeout(
         off.close()
 
 
-def test_a_holder_that_closed_cleanly_is_forgotten_by_the_next_tick(
+def test_the_record_of_a_holder_that_closed_cleanly_then_ended_is_dropped(
         app: Celery, spawn: Any, redis_client: redis.Redis) -> None:
     app.tasks["t.echo"].delay("m")
     # Given a holder that closed its channel (giving its message back, uncounted), then

@@ -83,3 +83,32 @@ def test_a_site_drains_its_outbox_on_redis_6_2(redis62: str, redis_url: str) -> 
     assert peer.zcard(sites.replica_keys("", "a", "celery")[0]) == 1
     sites._syncs.clear()
     app.close()
+
+
+def test_a_dead_holders_messages_are_put_back_on_redis_6_2(redis62: str) -> None:
+    """``restore.lua``'s ``=`` mode writes after an HSCAN (a command Redis before 5 let
+    no script write after); the process check itself: ``test_holders.py``."""
+    client = redis.Redis.from_url(redis62)
+    client.flushall()
+    app = build_app(redis62)
+    keys = QueueKeys.for_queue("celery")
+    for i in range(3):
+        app.tasks["t.echo"].delay(f"m{i}")
+    with app.connection_for_write() as conn:
+        ch = conn.default_channel
+        ch.basic_consume("celery", no_ack=False, callback=lambda *a: None, consumer_tag="c")
+        held = [ch.basic_get("celery") for _ in range(2)]
+        assert all(held) and client.hlen(keys.holders) == 2
+        # as holders.reclaim calls it for a consumer found dead, in steps of one entry
+        now, replies = time.time(), []
+        cursor: object = "0"
+        while True:
+            n, cursor = ch._run("restore", "celery", ["=", ch.consumer_id, now + 30, 20,
+                                                      cursor, 1])
+            replies.append(n)
+            if cursor == b"0":
+                break
+    assert sum(replies) == 2
+    assert client.zcard(keys.waiting) == 3 and client.zcard(keys.unacked) == 0
+    assert client.hlen(keys.holders) == 0 and client.hlen(keys.redelivered) == 2
+    app.close()

@@ -32,7 +32,6 @@ for i = 5, #ARGV do
   if redis.call('ZREM', KEYS[6], id) == 1 then
     local score = redis.call('HGET', KEYS[7], id)
     redis.call('HDEL', KEYS[7], id)
-    redis.call('HDEL', KEYS[17], id)
     redis.call('SREM', KEYS[15], id)
     if redis.call('HEXISTS', KEYS[2], id) == 1 then
       -- Same place as before the pick: releasing must not cost the task its priority.
@@ -53,6 +52,8 @@ for i = 5, #ARGV do
       end
       n = n + 1
     end
+    -- (last: a key of another type fails here, the message back in its queue already)
+    redis.call('HDEL', KEYS[17], id)
   end
 end
 if n > 0 then redis.call('ZADD', KEYS[4], 0, 'ready') end

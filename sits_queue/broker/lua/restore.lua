@@ -13,7 +13,9 @@
 --          it, or '-' to restore exactly the ids in ARGV[3..], or '=' to restore those
 --          a consumer that died held (KEYS[17]): ARGV[2] names it, ARGV[3] is a bound
 --          (unix s) its deadlines are under (one above it is a later holder's, which an
---          older worker's pick, writing no holder, left under the dead one's name)
+--          older worker's pick, writing no holder, left under the dead one's name),
+--          ARGV[5] and ARGV[6] an HSCAN cursor and count through KEYS[17]; this mode
+--          returns {number restored, the next cursor ('0': done)}
 -- ARGV[2]: at most this many (with a ceiling)
 -- ARGV[3]: with a ceiling, a horizon (unix s): a deadline base above it is no pick or
 --          beat time any worker wrote (another program's, +inf included), and would
@@ -31,14 +33,16 @@ if refused then return refused end
 local period = tonumber(ARGV[4] or '')
 local sweep = ARGV[1] ~= '-' and ARGV[1] ~= '='
 if sweep and period and period > 0 and served(period) then return 0 end
-local ids
+local ids, cursor
 if ARGV[1] == '-' then
   ids = {}
   for i = 3, #ARGV do ids[#ids + 1] = ARGV[i] end
 elseif ARGV[1] == '=' then
   ids = {}
   local bound = tonumber(ARGV[3])
-  local holders = redis.call('HGETALL', KEYS[17])
+  local step = redis.call('HSCAN', KEYS[17], ARGV[5], 'COUNT', tonumber(ARGV[6]))
+  cursor = step[1]
+  local holders = step[2]
   for i = 1, #holders, 2 do
     if holders[i + 1] == ARGV[2] then
       local base = tonumber(redis.call('ZSCORE', KEYS[6], holders[i]) or '')
@@ -93,4 +97,5 @@ for _, id in ipairs(ids) do
   end
 end
 if n > 0 then redis.call('ZADD', KEYS[4], 0, 'ready') end
+if cursor then return {n, cursor} end
 return n
