@@ -227,14 +227,18 @@ Restore = Callable[[str, list[Any]], Any]
 
 
 def reclaim(client: Any, prefix: str, own: str, now: float, visibility_timeout: float,
-            restore: Restore, has_ended: Ended = ended) -> int:
-    """Put back what the consumers of this host whose process has ended held. Returns
-    how many."""
+            restore: Restore, has_ended: Ended = ended,
+            older: Callable[[], str | None] = lambda: None) -> int:
+    """Put back what the consumers of this host whose process has ended held; none
+    while ``older()`` names a live worker of a release that keeps no holder entries
+    (its sweep and pick leave a message it took again under the dead holder's name,
+    and a dead holder that had come back from a stall, its record fresh, would have
+    that message put back while it runs). Returns how many."""
     here = this_process()
     key = host_key(prefix, here)
     if key is None:
         return 0
-    total = 0
+    total, looked, older_live = 0, False, None
     for name, raw in client.hgetall(key).items():
         consumer = text(name)
         holder = None if consumer == own else Holder.decode(consumer, raw, here)
@@ -247,6 +251,14 @@ def reclaim(client: Any, prefix: str, own: str, now: float, visibility_timeout: 
             if holder.seen < now - 3 * visibility_timeout:
                 client.hdel(key, consumer)
             continue
+        if not looked:  # (once a call, and only when someone died: it reads the fleet)
+            looked, older_live = True, older()
+            if older_live:
+                _say_once(f"a worker of an earlier release is live ({older_live}): what "
+                          f"a dead worker of this host held is left to the visibility "
+                          f"timeout")
+        if older_live:
+            continue
         if client.hdel(key, consumer) != 1:
             continue  # another consumer of this host took it first: that one puts back
         restored = _put_back(holder, visibility_timeout, restore)
@@ -256,6 +268,15 @@ def reclaim(client: Any, prefix: str, own: str, now: float, visibility_timeout: 
                            "(consumer %s)", restored, holder.process.pid,
                            holder.process.host, consumer[:8])
     return total
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        logger.warning(message)
 
 
 #: Holder entries a queue's ``restore.lua`` call scans (HSCAN's COUNT): a queue holding

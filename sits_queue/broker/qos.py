@@ -130,14 +130,16 @@ class QoS(kredis.QoS):
         virtual.QoS.ack(self, delivery_tag)
         affinity.invalidate()  # its child has published what it holds now
         try:
-            # the freed slot's next task is asked for before the ack is written: the
-            # child waits for that pick, nobody waits for the ack (it reaches Redis
-            # right after, on its own connection)
-            self.channel.pick_for_freed_slot()
-        finally:
+            # The ack first (sent without waiting for Redis's reply: transport._ack),
+            # then the freed slot's next task: on --pool=solo that pick runs the task
+            # then and there. Sent after it, the ack waited for that task's end, the
+            # finished one no longer beaten: one longer than the visibility timeout had
+            # it restored by another worker's sweep, and run again.
             if queue is not None:
                 self.channel._ack(queue, [delivery_tag])
                 self.channel._replicas_gone(queue, [delivery_tag])
+        finally:
+            self.channel.pick_for_freed_slot()
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         with self._lock:
@@ -365,9 +367,15 @@ class QoS(kredis.QoS):
             self.record(channel.raw, now, self._held_by_queue())
             holders.reclaim(channel.raw, channel.global_keyprefix, channel.consumer_id,
                             now, channel.visibility_timeout,
-                            lambda queue, args: channel._run("restore", queue, args))
+                            lambda queue, args: channel._run("restore", queue, args),
+                            older=self._older_release)
         except redis.ResponseError as exc:  # (the host's hash of another type: the
             logger.warning("dead holders not looked for: %s", exc)  # timeout restores)
+
+    def _older_release(self) -> str | None:
+        from sits_queue.workers import advertise  # (workers/ builds on broker/)
+
+        return advertise.older_release(self.channel.raw, self.channel.global_keyprefix)
 
     def record(self, client: Any, now: float, held: Iterable[str]) -> None:
         """Which process this consumer is, and its queues with those it holds messages

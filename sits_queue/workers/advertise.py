@@ -234,7 +234,9 @@ def worker_record(hostname: str, pid: int, concurrency: int, devices: list[Devic
             "concurrency": concurrency,
             "slots": slots if slots is not None else list(range(max(1, concurrency))),
             "devices": [device_record(d) for d in devices],
-            "cold_start": counters_from(counters), "updated_at": now_s, "ttl_s": TTL_S}
+            "cold_start": counters_from(counters), "updated_at": now_s, "ttl_s": TTL_S,
+            # (its release keeps holder entries: broker/holders.py, older_release)
+            "holders": 1}
 
 
 # -- writing -----------------------------------------------------------------------------
@@ -408,6 +410,18 @@ def fleet_members(client: redis.Redis, prefix: str = "") -> tuple[tuple[str, ...
     # (a key of another type there: no count of moves, until a worker's move starts one)
     return tuple(sorted(text(n, "replace") for n in names)), \
         None if isinstance(version, Exception) else version
+
+
+def older_release(client: redis.Redis, prefix: str = "") -> str | None:
+    """A live worker of a release that keeps no holder entries (its record lacks
+    ``holders``), if any: such a worker's sweep restores a message and its pick takes it
+    again leaving the entry under the first holder's name, so what a dead holder held
+    is left to the visibility timeout while one is live (``broker/holders.py``)."""
+    for name in live_hostnames(client, prefix):
+        record = _record(client, prefix, name)
+        if record is not None and "holders" not in record:
+            return name
+    return None
 
 
 def read_workers(client: redis.Redis, prefix: str = "") -> list[dict[str, Any]]:

@@ -6,11 +6,13 @@ Real workers: ``test_redelivery.py``."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -233,3 +235,26 @@ def test_the_record_of_a_holder_that_closed_cleanly_then_ended_is_dropped(
     sweep(app)
     assert holder.consumer.encode() not in host_records(redis_client)
     assert redis_client.hlen(KEYS.redelivered) == 0
+
+
+def test_a_live_worker_of_an_earlier_release_holds_the_put_back_off(
+        app: Celery, spawn: Any, redis_client: redis.Redis) -> None:
+    from sits_queue.workers import advertise
+
+    app.tasks["t.echo"].delay("m")
+    holder = spawn(take=1)
+    # Given a live worker whose advertisement does not say it keeps holder entries (an
+    # earlier release's)
+    older = advertise.worker_record("old@vm", 1, 1, [], {}, 0.0)
+    del older["holders"]
+    redis_client.set(advertise.worker_key("", "old@vm"), json.dumps(older), ex=60)
+    redis_client.zadd(advertise.workers_key(""), {"old@vm": time.time()})
+    # When the holder dies
+    holder.kill()
+    # Then what it held is left to the visibility timeout while that worker is live
+    sweep(app)
+    assert redis_client.zcard(KEYS.unacked) == 1
+    # and put back at the first tick after it is gone
+    redis_client.delete(advertise.worker_key("", "old@vm"))
+    sweep(app)
+    assert redis_client.zcard(KEYS.waiting) == 1

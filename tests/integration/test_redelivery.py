@@ -179,6 +179,29 @@ def test_a_solo_worker_keeps_a_task_longer_than_the_visibility_timeout(
     assert redis_client.hlen(KEYS.redelivered) == 0
 
 
+def test_a_solo_worker_acks_a_task_before_it_runs_the_next(
+        start: Start, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(the freed slot's next task was picked before the finished one's ack was sent: on
+    ``--pool=solo`` that pick runs the next task then and there, so the ack waited for
+    its end; one longer than the visibility timeout had the finished task, no longer
+    beaten, restored by another worker's sweep and run again)"""
+    slow = client_app.tasks["w.slow"]
+    # Given a solo worker that runs a short task, then one longer than the timeout, put
+    # while the first runs (picked when the first ends, by the pick for the freed slot)
+    solo = start(pool="solo", visibility_timeout_s="4")
+    slow.delay("short", 1.0)
+    wait_for(lambda: redis_client.get("test:started:short") == b"1", 30, "the short one")
+    slow.delay("long", 12.0)
+    wait_for(lambda: redis_client.get("test:started:long") == b"1", 30, "the long one")
+    # and another worker sweeping the queue meanwhile
+    sweeper = start(visibility_timeout_s="4")
+    # Then the short one runs once: acked when it ended, nothing to restore
+    wait_for(lambda: redis_client.lrange("test:finished", 0, -1) == [b"short", b"long"],
+             40, "both to finish", seen=lambda: redis_client.lrange("test:finished", 0, -1))
+    assert redis_client.get("test:started:short") == b"1", sweeper.log()[-2000:]
+    assert "whose worker stopped heartbeating" not in sweeper.log() + solo.log()
+
+
 def test_a_busy_solo_worker_still_restores_what_a_dead_worker_held(
         start: Start, client_app: Celery, redis_client: redis.Redis) -> None:
     """The sweeps hold off after a gap in a queue's sweeps and beats (``sweeps.lua``: a

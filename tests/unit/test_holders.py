@@ -215,3 +215,26 @@ def test_reclaim_does_nothing_where_nothing_can_be_checked(
     monkeypatch.setattr(holders, "this_process", lambda: Process("mac", 1, None, None, None))
     client = Hashes({"dead": record(11, ("a",), 9_990.0)})
     assert reclaim(client, lambda q, args: [1, "0"], lambda pid: True) == 0
+
+
+@pytest.mark.usefixtures("here")
+def test_nothing_is_put_back_while_a_worker_of_an_earlier_release_is_live() -> None:
+    """(its sweep restores a message and its pick takes it again with the dead holder's
+    entry left: a dead holder that had come back from a stall, its record fresh, had
+    that message put back while the older worker ran it)"""
+    client = Hashes({"dead": record(11, ("a",), 9_990.0), "dead2": record(12, ("a",), 9_990.0)})
+    asked: list[int] = []
+
+    def older() -> str | None:
+        asked.append(1)
+        return "old@host"
+
+    calls: list[str] = []
+    n = holders.reclaim(client, "", "own", 10_000.0, 60.0,
+                        lambda q, args: calls.append(q) or [1, "0"],
+                        lambda pid, started: True, older)
+    assert (n, calls, len(asked)) == (0, [], 1)  # (the fleet read once a call)
+    assert set(client.records) == {b"dead", b"dead2"}  # kept: put back once it is gone
+    assert holders.reclaim(client, "", "own", 10_000.0, 60.0, lambda q, args: [1, "0"],
+                           lambda pid, started: True, lambda: None) == 2
+    assert not client.records
