@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 from collections.abc import Callable, Iterable
@@ -48,6 +49,8 @@ logger = logging.getLogger(__name__)
 #: again leaves nothing for good.
 HOST_KEPT_S = 3600
 PROC = "/proc"
+#: Linux's largest pid_max (2**22): a record's pid above it is no process's.
+PID_MAX = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -164,11 +167,14 @@ class Holder:
     process: Process
     queues: tuple[str, ...]
     seen: float
+    #: its visibility timeout, s (apps sharing a Redis may set others)
+    timeout: float
 
     def encode(self) -> str:
         return json.dumps({"host": self.process.host, "pid": self.process.pid,
                            "started": self.process.started, "queues": list(self.queues),
-                           "seen": self.seen}, separators=(",", ":"))
+                           "seen": self.seen, "timeout": self.timeout},
+                          separators=(",", ":"))
 
     @classmethod
     def decode(cls, consumer: str, raw: Any, here: Process) -> Holder | None:
@@ -177,15 +183,18 @@ class Holder:
         try:
             data = json.loads(raw)
             pid, started, seen = data["pid"], data["started"], float(data["seen"])
+            timeout = float(data["timeout"])
             queues = tuple(data["queues"])
             host = data.get("host")
-        except (ValueError, TypeError, KeyError, AttributeError):
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError,
+                RecursionError):
             return None
-        if not (type(pid) is int and type(started) is int and pid > 0
-                and all(isinstance(q, str) for q in queues) and seen == seen):
+        if not (type(pid) is int and type(started) is int and 0 < pid <= PID_MAX
+                and all(isinstance(q, str) for q in queues) and math.isfinite(seen)
+                and math.isfinite(timeout) and timeout > 0):
             return None
         return cls(consumer, Process(str(host), pid, started, here.boot, here.pidns),
-                   queues, seen)
+                   queues, seen, timeout)
 
 
 Ended = Callable[[int, int], bool]
@@ -208,14 +217,16 @@ def host_key(prefix: str, process: Process) -> str | None:
     return f"{prefix}sits:holders:{process.boot}:{process.pidns}"
 
 
-def record(client: Any, prefix: str, consumer: str, queues: Iterable[str], now: float) -> None:
+def record(client: Any, prefix: str, consumer: str, queues: Iterable[str], now: float,
+           visibility_timeout: float) -> None:
     """Write (or refresh) ``consumer``'s record; the host hash lives while someone there
     writes (a host never seen again leaves nothing for good)."""
     process = this_process()
     key = host_key(prefix, process)
     if key is None:
         return
-    holder = Holder(consumer, process, tuple(dict.fromkeys(queues)), now)
+    holder = Holder(consumer, process, tuple(dict.fromkeys(queues)), now,
+                    visibility_timeout)
     pipe = client.pipeline(transaction=False)
     pipe.hset(key, consumer, holder.encode())
     pipe.expire(key, HOST_KEPT_S)
@@ -226,7 +237,14 @@ def record(client: Any, prefix: str, consumer: str, queues: Iterable[str], now: 
 Restore = Callable[[str, list[Any]], Any]
 
 
-def reclaim(client: Any, prefix: str, own: str, now: float, visibility_timeout: float,
+def forget(prefix: str, consumer: str) -> tuple[str, str, str] | None:
+    """(HDEL, key, field) of ``consumer``'s record, for a channel that closes holding
+    nothing; None where it writes none."""
+    key = host_key(prefix, this_process())
+    return None if key is None else ("HDEL", key, consumer)
+
+
+def reclaim(client: Any, prefix: str, own: str, now: float,
             restore: Restore, has_ended: Ended = ended,
             older: Callable[[], str | None] = lambda: None) -> int:
     """Put back what the consumers of this host whose process has ended held; none
@@ -240,7 +258,7 @@ def reclaim(client: Any, prefix: str, own: str, now: float, visibility_timeout: 
         return 0
     total, looked, older_live = 0, False, None
     for name, raw in client.hgetall(key).items():
-        consumer = text(name)
+        consumer = text(name, "replace")
         holder = None if consumer == own else Holder.decode(consumer, raw, here)
         if holder is None:
             continue
@@ -248,7 +266,7 @@ def reclaim(client: Any, prefix: str, own: str, now: float, visibility_timeout: 
             # A live process's record no one rewrote for three timeouts is of a channel
             # it closed (a consuming one rewrites it each tick, one holding anything at
             # each beat besides).
-            if holder.seen < now - 3 * visibility_timeout:
+            if holder.seen < now - 3 * holder.timeout:
                 client.hdel(key, consumer)
             continue
         if not looked:  # (once a call, and only when someone died: it reads the fleet)
@@ -261,7 +279,7 @@ def reclaim(client: Any, prefix: str, own: str, now: float, visibility_timeout: 
             continue
         if client.hdel(key, consumer) != 1:
             continue  # another consumer of this host took it first: that one puts back
-        restored = _put_back(holder, visibility_timeout, restore)
+        restored = _put_back(holder, restore)
         total += restored
         if restored:
             logger.warning("restored %d message(s) held by process %d on %s, which ended "
@@ -284,7 +302,7 @@ def _say_once(message: str) -> None:
 SCAN_STEP = 1000
 
 
-def _put_back(holder: Holder, visibility_timeout: float, restore: Restore) -> int:
+def _put_back(holder: Holder, restore: Restore) -> int:
     """``restore.lua``'s ``=`` mode through each of ``holder``'s queues. Its own
     deadlines are under ``seen`` plus half the timeout (a pick comes at most a tick, a
     sixth of it, after a record). Another holder's that an earlier release's worker took
@@ -293,8 +311,8 @@ def _put_back(holder: Holder, visibility_timeout: float, restore: Restore) -> in
     of the timeout before ``seen``) was a timeout old, then picked. Returns how many;
     a queue that fails is left to the visibility timeout."""
     restored = 0
-    bound = holder.seen + visibility_timeout / 2
-    period = visibility_timeout / 3
+    bound = holder.seen + holder.timeout / 2
+    period = holder.timeout / 3
     for queue in holder.queues:
         cursor: Any = "0"
         try:

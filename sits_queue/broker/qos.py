@@ -33,8 +33,10 @@ beaten either: an ack that failed for good leaves its message to the sweep.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import threading
 import time
 import weakref
@@ -78,6 +80,14 @@ class QoS(kredis.QoS):
         super().__init__(*args, **kwargs)
         self._last_sweep = 0.0
         self._last_reclaim = -math.inf
+        #: The process whose record this consumer writes (``holders.py``): a child
+        #: forked with the channel writes none, or its end would look like ours.
+        self._owner_pid = os.getpid()
+        #: Whether it wrote one (a clean close drops it: transport.Channel.close).
+        self.recorded = False
+        #: (when, what) the fleet's adverts last said of a live worker of an earlier
+        #: release (:meth:`_older_release`)
+        self._older_seen: tuple[float, str | None] = (-math.inf, None)
         #: Held while a beat reads and extends what is held, and while a message is
         #: given back or forgotten (see the module docstring). Re-entrant: a signal
         #: handler that closes the channel may run while this thread holds it.
@@ -289,10 +299,21 @@ class QoS(kredis.QoS):
         if getattr(self._delivered, "restored", False):
             return  # kombu's own check asserts that nothing is held by then: we may hold
         self.stop_heartbeat()
+        had = bool(self._delivered)
         try:
             super().restore_unacked_once(stderr)
         except self.channel.connection_errors as exc:
             self._outlive_close(exc)
+            return
+        # Given all back: the record goes too (transport.Channel.close drops that of a
+        # channel that held nothing, on the connection its acks went by). The give-back
+        # reached Redis through a client of the closing channel, opened again for it:
+        # reused here, never opened for this alone (Redis may be away).
+        if had and self.recorded and not self._held_by_queue():
+            command = holders.forget(self.channel.global_keyprefix, self.channel.consumer_id)
+            if command is not None and self.channel._pool is not None:
+                with contextlib.suppress(Exception):
+                    self.channel.raw.execute_command(*command)
 
     def _outlive_close(self, exc: BaseException) -> None:
         """Redis was away when the channel closed: nothing was given back. Left so, the
@@ -362,20 +383,27 @@ class QoS(kredis.QoS):
                 or now_mono - self._last_reclaim < self.beat_period_s / 3):
             return
         self._last_reclaim = now_mono
-        now = clock.now(channel.raw)
         try:
+            now = clock.now(channel.raw)
             self.record(channel.raw, now, self._held_by_queue())
             holders.reclaim(channel.raw, channel.global_keyprefix, channel.consumer_id,
-                            now, channel.visibility_timeout,
-                            lambda queue, args: channel._run("restore", queue, args),
+                            now, lambda queue, args: channel._run("restore", queue, args),
                             older=self._older_release)
-        except redis.ResponseError as exc:  # (the host's hash of another type: the
-            logger.warning("dead holders not looked for: %s", exc)  # timeout restores)
+        except channel.connection_errors:
+            raise  # (the poller's: the loop reconnects)
+        except Exception as exc:  # (a key of another type, a record no one can read:
+            # the sweep after this must run all the same; the timeout restores)
+            logger.warning("dead holders of this host not looked for: %r", exc)
 
     def _older_release(self) -> str | None:
+        """:func:`advertise.older_release` for ``holders.reclaim``, read at most once per
+        advert TTL (it reads every worker's advert), and only when someone died."""
         from sits_queue.workers import advertise  # (workers/ builds on broker/)
 
-        return advertise.older_release(self.channel.raw, self.channel.global_keyprefix)
+        if time.monotonic() - self._older_seen[0] >= advertise.TTL_S:
+            self._older_seen = (time.monotonic(), advertise.older_release(
+                self.channel.raw, self.channel.global_keyprefix))
+        return self._older_seen[1]
 
     def record(self, client: Any, now: float, held: Iterable[str]) -> None:
         """Which process this consumer is, and its queues with those it holds messages
@@ -384,9 +412,11 @@ class QoS(kredis.QoS):
         nothing (Celery's reply and event receivers) holds nothing: not written."""
         channel = self.channel
         queues = [*(q for q in channel.active_queues if q not in channel._no_ack), *held]
-        if queues and channel.config.reclaim_dead_holders:
+        if (queues and channel.config.reclaim_dead_holders
+                and os.getpid() == self._owner_pid):
             holders.record(client, channel.global_keyprefix, channel.consumer_id, queues,
-                           now)
+                           now, channel.visibility_timeout)
+            self.recorded = True
 
     def heartbeat(self, client: Any = None) -> None:
         """Push the deadline of every message this channel holds (running or reserved),
@@ -402,8 +432,8 @@ class QoS(kredis.QoS):
             now = clock.now(redis_client)
             try:  # (before the beats: their deadlines are no later than its time)
                 self.record(redis_client, now, by_queue)
-            except redis.RedisError as exc:  # (the beats matter more: they go on)
-                logger.debug("holder record not written: %s", exc)
+            except Exception as exc:  # (the beats matter more: they go on)
+                logger.debug("holder record not written: %r", exc)
             period = self.beat_period_s
             # (beat.lua: only ids still unacked, an id acked meanwhile is not brought back;
             # and Redis hears the queue is served, by its own clock: a gap holds the sweeps)

@@ -21,7 +21,7 @@ import redis
 from kombu.transport import redis as kredis
 from kombu.transport import virtual
 
-from sits_queue.broker import clock, intake, wait
+from sits_queue.broker import clock, holders, intake, wait
 from sits_queue.broker.keys import MARKER_MEMBER, queues_registry
 from sits_queue.broker.payload import SitsMessage
 from sits_queue.broker.picking import PickingChannel
@@ -84,12 +84,26 @@ class Channel(PickingChannel):
             # connection acks here when it ends (qos.py), after kombu dropped the pool
             with contextlib.suppress(Exception):
                 self._closed_params = self._connparams()
+            self._forget_record()
             self._deferred.close()
             if self._in_poll and self._watched:
                 # kombu would read the wait's answer first: up to brpop_timeout, then a
                 # pick for a closing consumer. A wait holds no message: give it up.
                 self._give_up_wait()
         super().close()
+
+    def _forget_record(self) -> None:
+        """A consumer that closes holding nothing drops its record (``holders.py``), sent
+        with the owed acks and read with them: left, each restart's record read as a
+        dead holder's by its neighbours. One still holding (a reconnect with a task
+        running) keeps it: its beats go on."""
+        qos = self._qos
+        if (qos is None or not qos.recorded or qos._delivered or self._pool is None
+                or (command := holders.forget(self.global_keyprefix,
+                                              self.consumer_id)) is None):
+            return
+        with contextlib.suppress(Exception):  # (Redis away: the neighbours drop it)
+            self._deferred.send(self._pool, [command], lambda exc: None)
 
     # -- consuming -------------------------------------------------------------------------
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> SitsMessage | None:

@@ -417,8 +417,13 @@ def older_release(client: redis.Redis, prefix: str = "") -> str | None:
     ``holders``), if any: such a worker's sweep restores a message and its pick takes it
     again leaving the entry under the first holder's name, so what a dead holder held
     is left to the visibility timeout while one is live (``broker/holders.py``)."""
-    for name in live_hostnames(client, prefix):
-        record = _record(client, prefix, name)
+    names = live_hostnames(client, prefix)
+    with client.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.get(worker_key(prefix, name))
+        raws = pipe.execute(raise_on_error=False)
+    for name, raw in zip(names, raws, strict=True):
+        record = None if isinstance(raw, Exception) else json_object(raw)
         if record is not None and "holders" not in record:
             return name
     return None

@@ -26,7 +26,7 @@ from sits_queue.app import make_app
 from sits_queue.broker import holders
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.config import SitsConfig
-from tests.integration.conftest import ROOT
+from tests.integration.conftest import ROOT, served
 from tests.waiting import wait_for
 
 KEYS = QueueKeys.for_queue("celery")
@@ -223,18 +223,66 @@ def test_a_consumer_told_not_to_leaves_a_dead_holder_to_the_timeout(
         off.close()
 
 
-def test_the_record_of_a_holder_that_closed_cleanly_then_ended_is_dropped(
+def test_a_consumer_that_closes_holding_nothing_drops_its_record(
         app: Celery, spawn: Any, redis_client: redis.Redis) -> None:
+    """(left, each restart's record was read as a dead holder's by its neighbours, each
+    costing a scan of its queues)"""
     app.tasks["t.echo"].delay("m")
-    # Given a holder that closed its channel (giving its message back, uncounted), then
-    # ended
+    # Given a holder that closed its channel (giving its message back, uncounted)
     holder = spawn(take=1, close=True)
+    # Then its record is gone, and nothing was counted
     assert redis_client.zcard(KEYS.waiting) == 1
-    holder.kill()
-    # Then the next tick drops its record, and nothing is counted
-    sweep(app)
     assert holder.consumer.encode() not in host_records(redis_client)
     assert redis_client.hlen(KEYS.redelivered) == 0
+
+
+def test_junk_in_the_host_hash_stops_neither_the_put_back_nor_the_sweep(
+        app: Celery, spawn: Any, redis_client: redis.Redis) -> None:
+    """(a field no UTF-8, a record past a float's range raised out of the sweep tick:
+    nothing was restored, by any path, while it stayed)"""
+    key = holders.host_key("", holders.this_process())
+    assert key is not None
+    app.tasks["t.echo"].delay("m")
+    holder = spawn(take=1)
+    redis_client.hset(key, mapping={b"\xff\xfe": b"{}",
+                                    "big": '{"pid": 1, "started": 1, "queues": [], '
+                                           '"seen": 1' + "0" * 400 + ', "timeout": 60}'})
+    holder.kill()
+    sweep(app)
+    assert redis_client.zcard(KEYS.waiting) == 1
+    # and a host hash of another type (another program's) leaves the sweep whole: a
+    # message whose holder went silent for the timeout is restored all the same
+    redis_client.delete(key)
+    redis_client.set(key, "not a hash")
+    app.tasks["t.echo"].delay("n")
+    silent = spawn(take=2)
+    silent.kill()
+    redis_client.zadd(KEYS.unacked, {t: 0 for t in redis_client.zrange(KEYS.unacked, 0, -1)})
+    served(redis_client)
+    sweep(app)
+    assert redis_client.zcard(KEYS.waiting) == 2
+
+
+def test_a_child_forked_with_the_channel_writes_no_record(
+        app: Celery, redis_client: redis.Redis) -> None:
+    """(it wrote its own pid under the channel's consumer: its end made the parent's
+    held messages look a dead holder's)"""
+    conn = app.connection_for_write()
+    channel = conn.channel()
+    channel.basic_consume("celery", no_ack=False, callback=lambda m: None, consumer_tag="c")
+    pid = os.fork()
+    if pid == 0:  # the child: a tick of its own, then gone
+        try:
+            channel.qos.record(redis.Redis.from_url(app.conf.broker_url), 1.0, ["celery"])
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    record = holders.Holder.decode(channel.consumer_id,
+                                   host_records(redis_client)[channel.consumer_id.encode()],
+                                   holders.this_process())
+    assert record is not None and record.process.pid == os.getpid()
+    channel.close()
+    conn.release()
 
 
 def test_a_live_worker_of_an_earlier_release_holds_the_put_back_off(

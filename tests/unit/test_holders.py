@@ -67,12 +67,12 @@ def test_a_process_proc_hides_or_cannot_read_has_not_ended(tmp_path: Path) -> No
 def test_this_process_is_checkable_and_alive_on_linux() -> None:
     me = holders.this_process()
     assert me.pid == os.getpid() and me.checkable
-    assert not holders.gone(Holder("c", me, ("celery",), 0.0), me)
+    assert not holders.gone(Holder("c", me, ("celery",), 0.0, 60.0), me)
     # a process that ended is gone, its pid free or reused by another start
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
     ended = Process(me.host, int(done.stdout), me.started, me.boot, me.pidns)
-    assert holders.gone(Holder("c", ended, ("celery",), 0.0), me)
+    assert holders.gone(Holder("c", ended, ("celery",), 0.0, 60.0), me)
 
 
 def test_a_proc_of_another_pid_namespace_checks_nothing(tmp_path: Path) -> None:
@@ -89,12 +89,12 @@ def test_a_proc_of_another_pid_namespace_checks_nothing(tmp_path: Path) -> None:
 
 def test_a_record_of_another_host_name_is_not_checked() -> None:
     """(VMs cloned from one snapshot share a boot id and the first pid namespace)"""
-    clone = Holder("c", Process("vm2", 11, 1000, "boot-1", "4026531836"), ("a",), 0.0)
+    clone = Holder("c", Process("vm2", 11, 1000, "boot-1", "4026531836"), ("a",), 0.0, 60.0)
     assert not holders.gone(clone, HERE, lambda pid, started: True)
 
 
 def test_a_reused_pid_is_another_process() -> None:
-    holder = Holder("c", HERE, ("celery",), 0.0)
+    holder = Holder("c", HERE, ("celery",), 0.0, 60.0)
     assert holders.gone(holder, HERE, lambda pid, started: True)
     assert not holders.gone(holder, HERE, lambda pid, started: False)
 
@@ -107,19 +107,25 @@ def test_no_host_hash_where_processes_cannot_be_checked() -> None:
 
 
 def test_a_record_reads_back_with_the_readers_boot_and_namespace() -> None:
-    holder = Holder("c1", HERE, ("celery", "gpu"), 1.5)
+    holder = Holder("c1", HERE, ("celery", "gpu"), 1.5, 90.0)
     back = Holder.decode("c1", holder.encode().encode(), HERE)
     assert back == holder
 
 
 @pytest.mark.parametrize("raw", [
-    b"not json", b"[]", b'{"pid": 1}', b'{"pid": "1", "started": 1, "queues": [], "seen": 1}',
-    b'{"pid": 1, "started": 1.5, "queues": [], "seen": 1}',
-    b'{"pid": 0, "started": 1, "queues": [], "seen": 1}',
-    b'{"pid": true, "started": 1, "queues": [], "seen": 1}',
-    b'{"pid": 1, "started": 1, "queues": [1], "seen": 1}',
-    b'{"pid": 1, "started": 1, "queues": "celery", "seen": "x"}',
-    b'{"pid": 1, "started": 1, "queues": [], "seen": NaN}', b"\xff"])
+    b"not json", b"[]", b'{"pid": 1}',
+    b'{"pid": "1", "started": 1, "queues": [], "seen": 1, "timeout": 60}',
+    b'{"pid": 1, "started": 1.5, "queues": [], "seen": 1, "timeout": 60}',
+    b'{"pid": 0, "started": 1, "queues": [], "seen": 1, "timeout": 60}',
+    b'{"pid": true, "started": 1, "queues": [], "seen": 1, "timeout": 60}',
+    b'{"pid": 1, "started": 1, "queues": [1], "seen": 1, "timeout": 60}',
+    b'{"pid": 1, "started": 1, "queues": "celery", "seen": "x", "timeout": 60}',
+    b'{"pid": 1, "started": 1, "queues": [], "seen": NaN, "timeout": 60}',
+    b'{"pid": 1, "started": 1, "queues": [], "seen": 1}',  # (no timeout)
+    b'{"pid": 1, "started": 1, "queues": [], "seen": 1, "timeout": 0}',
+    b'{"pid": 1, "started": 1, "queues": [], "seen": 1' + b"0" * 400 + b', "timeout": 60}',
+    b'{"pid": 99999999999999999999, "started": 1, "queues": [], "seen": 1, "timeout": 60}',
+    b"[" * 100_000, b"\xff"])
 def test_a_record_this_version_cannot_read_is_none(raw: bytes) -> None:
     assert Holder.decode("c", raw, HERE) is None
 
@@ -138,8 +144,7 @@ class Hashes:
 
 
 def reclaim(client: Hashes, restore: Any, dead: Any, now: float = 10_000.0) -> int:
-    return holders.reclaim(client, "", "own", now, 60.0, restore,
-                           lambda pid, started: dead(pid))
+    return holders.reclaim(client, "", "own", now, restore, lambda pid, started: dead(pid))
 
 
 @pytest.fixture
@@ -147,9 +152,10 @@ def here(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(holders, "this_process", lambda: HERE)
 
 
-def record(pid: int, queues: tuple[str, ...], seen: float, started: int = 1000) -> str:
+def record(pid: int, queues: tuple[str, ...], seen: float, started: int = 1000,
+           timeout: float = 60.0) -> str:
     return Holder("x", Process("vm", pid, started, "boot-1", "4026531836"), queues,
-                  seen).encode()
+                  seen, timeout).encode()
 
 
 @pytest.mark.usefixtures("here")
@@ -230,11 +236,11 @@ def test_nothing_is_put_back_while_a_worker_of_an_earlier_release_is_live() -> N
         return "old@host"
 
     calls: list[str] = []
-    n = holders.reclaim(client, "", "own", 10_000.0, 60.0,
+    n = holders.reclaim(client, "", "own", 10_000.0,
                         lambda q, args: calls.append(q) or [1, "0"],
                         lambda pid, started: True, older)
     assert (n, calls, len(asked)) == (0, [], 1)  # (the fleet read once a call)
     assert set(client.records) == {b"dead", b"dead2"}  # kept: put back once it is gone
-    assert holders.reclaim(client, "", "own", 10_000.0, 60.0, lambda q, args: [1, "0"],
+    assert holders.reclaim(client, "", "own", 10_000.0, lambda q, args: [1, "0"],
                            lambda pid, started: True, lambda: None) == 2
     assert not client.records
