@@ -309,11 +309,18 @@ class QoS(kredis.QoS):
         # channel that held nothing, on the connection its acks went by). The give-back
         # reached Redis through a client of the closing channel, opened again for it:
         # reused here, never opened for this alone (Redis may be away).
-        if had and self.recorded and not self._held_by_queue():
-            command = holders.forget(self.channel.global_keyprefix, self.channel.consumer_id)
-            if command is not None and self.channel._pool is not None:
-                with contextlib.suppress(Exception):
-                    self.channel.raw.execute_command(*command)
+        if had and self.channel._pool is not None \
+                and (command := self.record_to_drop()) is not None:
+            with contextlib.suppress(Exception):
+                self.channel.raw.execute_command(*command)
+
+    def record_to_drop(self) -> tuple[str, str, str] | None:
+        """The command that drops this consumer's record (``holders.forget``) once it
+        holds nothing; None if it wrote none, or still holds something (a reconnect
+        with a task running: its beats go on)."""
+        if not self.recorded or self._held_by_queue():
+            return None
+        return holders.forget(self.channel.global_keyprefix, self.channel.consumer_id)
 
     def _outlive_close(self, exc: BaseException) -> None:
         """Redis was away when the channel closed: nothing was given back. Left so, the

@@ -21,7 +21,7 @@ import redis
 from kombu.transport import redis as kredis
 from kombu.transport import virtual
 
-from sits_queue.broker import clock, holders, intake, wait
+from sits_queue.broker import clock, intake, wait
 from sits_queue.broker.keys import MARKER_MEMBER, queues_registry
 from sits_queue.broker.payload import SitsMessage
 from sits_queue.broker.picking import PickingChannel
@@ -95,12 +95,11 @@ class Channel(PickingChannel):
     def _forget_record(self) -> None:
         """A consumer that closes holding nothing drops its record (``holders.py``), sent
         with the owed acks and read with them: left, each restart's record read as a
-        dead holder's by its neighbours. One still holding (a reconnect with a task
-        running) keeps it: its beats go on."""
+        dead holder's by its neighbours. (One that holds messages gives them back
+        first: ``QoS.restore_unacked_once`` drops it then.)"""
         qos = self._qos
-        if (qos is None or not qos.recorded or qos._delivered or self._pool is None
-                or (command := holders.forget(self.global_keyprefix,
-                                              self.consumer_id)) is None):
+        if (qos is None or qos._delivered or self._pool is None
+                or (command := qos.record_to_drop()) is None):
             return
         with contextlib.suppress(Exception):  # (Redis away: the neighbours drop it)
             self._deferred.send(self._pool, [command], lambda exc: None)
