@@ -120,7 +120,7 @@ class QoS(kredis.QoS):
         return float(self.channel.visibility_timeout) / 3
 
     def _start_heartbeat(self) -> None:
-        self._heartbeat = Heartbeat(weakref.WeakMethod(self.heartbeat),
+        self._heartbeat = Heartbeat(weakref.WeakMethod(self._thread_beat),
                                     self.channel._connparams(), self.beat_period_s,
                                     name=f"sits-heartbeat-{self.channel.consumer_id[:8]}")
         self._heartbeat.start()
@@ -393,23 +393,45 @@ class QoS(kredis.QoS):
         try:
             now = clock.now(channel.raw)
             self.record(channel.raw, now, self._held_by_queue())
-            holders.reclaim(channel.raw, channel.global_keyprefix, channel.consumer_id,
-                            now, lambda queue, args: channel._run("restore", queue, args),
-                            older=self._older_release)
+            self._put_back_dead(channel.raw, now)
         except channel.connection_errors:
             raise  # (the poller's: the loop reconnects)
         except Exception as exc:  # (a key of another type, a record no one can read:
             # the sweep after this must run all the same; the timeout restores)
             logger.warning("dead holders of this host not looked for: %r", exc)
 
-    def _older_release(self) -> str | None:
+    def _put_back_dead(self, client: Any, now: float) -> None:
+        """``holders.reclaim`` on ``client``: the channel's, or the heartbeat thread's."""
+        channel = self.channel
+        holders.reclaim(client, channel.global_keyprefix, channel.consumer_id, now,
+                        lambda queue, args: channel.scripts.run(
+                            "restore", channel.keys(queue), args, client),
+                        older=lambda: self._older_release(client))
+
+    def _thread_beat(self, client: Any) -> None:
+        """The heartbeat thread's call: the beat, then, if the event loop has not looked
+        for dead holders for a whole period, the look from here. A ``--pool=solo``
+        worker runs its task in the loop: busy, it ticked only between tasks, and a dead
+        neighbour's messages waited for its task's end (or another worker's tick)."""
+        self.heartbeat(client)
+        channel = self.channel
+        if (not channel.config.reclaim_dead_holders or channel.closed
+                or time.monotonic() - self._last_reclaim < self.beat_period_s):
+            return
+        self._last_reclaim = time.monotonic()
+        try:  # (the beat just wrote this consumer's record)
+            self._put_back_dead(client, clock.now(client))
+        except Exception as exc:  # (the beat went through: not the beat's failure)
+            logger.warning("dead holders of this host not looked for: %r", exc)
+
+    def _older_release(self, client: Any) -> str | None:
         """:func:`advertise.older_release` for ``holders.reclaim``, read at most once per
         advert TTL (it reads every worker's advert), and only when someone died."""
         from sits_queue.workers import advertise  # (workers/ builds on broker/)
 
         if time.monotonic() - self._older_seen[0] >= advertise.TTL_S:
             self._older_seen = (time.monotonic(), advertise.older_release(
-                self.channel.raw, self.channel.global_keyprefix))
+                client, self.channel.global_keyprefix))
         return self._older_seen[1]
 
     def record(self, client: Any, now: float, held: Iterable[str]) -> None:

@@ -13,7 +13,8 @@ free slot, and then the best waiting task (the same worker with a slot free pick
 again at once, if nothing outranks it: two round trips more). A task picked when
 already due runs at once, so it is never given back twice; one revoked or expired while
 it waited is settled here, as the pool would have. Rate-limited tasks wait for their
-token first (``ratelimits.py``); a resumed run (time slices) goes on as it was.
+token first (``ratelimits.py``); a resumed run (time slices) goes on as it was; one of
+a queue the worker no longer consumes runs here, as Celery's would.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 from celery import bootsteps
 
-from sits_queue.workers.held import give_back_due, picked_early, resumed
+from sits_queue.workers.held import consumed, give_back_due, picked_early, resumed
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,8 @@ class EtaOrder(bootsteps.StartStopStep):  # type: ignore[misc]
         run = c.apply_eta_task
 
         def apply_eta_task(request: Any) -> Any:
-            if resumed(request) or not picked_early(request, c.app.timezone):
+            if (resumed(request) or not picked_early(request, c.app.timezone)
+                    or not consumed(request)):
                 return run(request)
             if give_back_due(c, request):
                 logger.debug("task %s[%s] due: back to its queue, to take its turn",

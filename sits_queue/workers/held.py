@@ -41,6 +41,17 @@ def picked_early(request: Any, app_timezone: Any) -> bool:
     return isinstance(picked, float) and due is not None and picked < due
 
 
+def consumed(request: Any) -> bool:
+    """Whether this worker still consumes the queue ``request`` came from. A task held
+    for its ETA in a queue it stopped consuming (remote control's ``cancel_consumer``)
+    runs here once due, as Celery runs the tasks a worker reserved: given back to take
+    its turn, it waited in a queue that perhaps no worker consumed."""
+    message = getattr(request, "message", None)
+    queue = (getattr(message, "delivery_info", None) or {}).get("sits_queue")
+    active = getattr(getattr(message, "channel", None), "active_queues", None)
+    return queue is None or active is None or queue in active
+
+
 def give_back_due(c: Any, request: Any, hold_s: float | None = None) -> bool:
     """A request held for its ETA, now due, goes back to its queue (uncounted; held off
     from this worker for ``hold_s``, if given) rather than to the pool: out of the

@@ -30,7 +30,7 @@ from typing import Any
 from celery import bootsteps
 
 from sits_queue.workers import request as admission
-from sits_queue.workers.held import give_back_due, picked_early, resumed
+from sits_queue.workers.held import consumed, give_back_due, picked_early, resumed
 
 #: Bounds of the hold of a rate-limited message given back, s: not a busy loop of
 #: picks while tokens come faster than this; not so long that a slow rate's next token
@@ -99,7 +99,7 @@ class RateLimitHold(bootsteps.StartStopStep):  # type: ignore[misc]
                 c.qos.decrement_eventually()  # (the count out of its wait for the ETA)
                 return move(request)
             full = len(getattr(bucket, "contents", ())) >= most_waiting(c)
-            if full or picked_early(request, c.app.timezone):
+            if consumed(request) and (full or picked_early(request, c.app.timezone)):
                 # Due after waiting here: it takes its turn in the queue, as a task
                 # without a rate limit does (etaorder.py), and no more of its type wait
                 # here than the pool runs at once (limit_task's rule). (Into the bucket
@@ -107,6 +107,8 @@ class RateLimitHold(bootsteps.StartStopStep):  # type: ignore[misc]
                 # for hours while another worker stood idle.)
                 give_back_due(c, request, token_hold(bucket) if full else None)
                 return None
+            # (one of a queue this worker no longer consumes waits for its token here, as
+            # Celery's does: given back, perhaps no worker would take it)
             # Its ETA was due when picked: the count out it had while waiting for the
             # ETA carries over to its wait for a token (Celery's own gives it back here).
             self.held.add(id(request))

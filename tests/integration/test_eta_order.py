@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
+import pytest
 import redis
 from celery import Celery
 
@@ -55,3 +57,25 @@ def test_a_task_picked_when_due_runs_and_is_not_given_back(
     spawn(concurrency=1)  # (a worker takes longer than that to start)
     assert held.get(timeout=60) == "late"
     assert started(redis_client) == ["late"]
+
+
+@pytest.mark.parametrize("name, args", [("w.slow", ("eta", 0)), ("w.tenth", ("eta",))],
+                         ids=["plain", "rate-limited"])
+def test_a_due_task_of_a_queue_the_worker_no_longer_consumes_runs_there(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis, name: str,
+        args: tuple[Any, ...]) -> None:
+    """(as stock Celery runs the ETA tasks a worker holds after ``cancel_consumer``:
+    given back to take its turn, it waited in a queue no worker consumed)"""
+    worker = spawn(concurrency=1)
+    # Given a countdown task a worker picked early and holds for its ETA
+    held = client_app.tasks[name].apply_async(args, countdown=2.0)
+    wait_for(lambda: redis_client.zcard(KEYS.waiting) == 0
+             and redis_client.zcard(KEYS.unacked) == 1, 20, "the worker to pick it early")
+    # When the worker is told to stop consuming its queue before the task falls due
+    replies = client_app.control.cancel_consumer("celery", destination=[worker.hostname],
+                                                 reply=True, timeout=5)
+    assert replies, "the worker did not answer cancel_consumer"
+    # Then it runs the task it holds once due, there
+    assert held.get(timeout=30) == "eta"
+    wait_for(lambda: redis_client.zcard(KEYS.unacked) == 0, 10, "the ack")
+    assert redis_client.zcard(KEYS.waiting) == 0

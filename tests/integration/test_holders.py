@@ -208,6 +208,42 @@ def last_record(client: redis.Redis, consumer: str) -> float:
     return record.seen
 
 
+def test_a_holder_whose_loop_stalls_looks_from_its_heartbeat_thread(
+        app: Celery, spawn: Any, redis_client: redis.Redis) -> None:
+    """(a --pool=solo worker runs its task in its event loop, which ticks only between
+    tasks: ``test_worker.py`` has the real worker)"""
+    app.tasks["t.echo"].delay("own")
+    app.tasks["t.echo"].delay("theirs")
+    conn = app.connection_for_write()
+    channel = conn.channel()
+    try:
+        # Given a consumer of this process holding a message, and a dead neighbour's
+        channel.basic_consume("celery", no_ack=False, callback=lambda m: None,
+                              consumer_tag="b")
+        assert channel.basic_get("celery") is not None
+        holder = spawn(take=1)
+        holder.kill()
+        thread_client = redis.Redis.from_url(app.conf.broker_url)
+        qos = channel.qos
+        # When the heartbeat thread beats while the event loop looked a moment ago: only
+        # the beat (the loop's next tick looks)
+        qos._last_reclaim = time.monotonic()
+        qos._thread_beat(thread_client)
+        assert redis_client.zcard(KEYS.unacked) == 2
+        # but when the loop has not looked for a whole period (busy with a task), the
+        # thread puts the dead one's back itself, counted, and keeps its own held
+        qos._last_reclaim = time.monotonic() - qos.beat_period_s
+        qos._thread_beat(thread_client)
+        assert redis_client.zcard(KEYS.unacked) == 1
+        assert redis_client.zcard(KEYS.waiting) == 1
+        assert [int(v) for v in redis_client.hvals(KEYS.redelivered)] == [1]
+        assert list(redis_client.hvals(KEYS.holders)) == [channel.consumer_id.encode()]
+        thread_client.close()
+    finally:
+        channel.close()
+        conn.release()
+
+
 def test_a_consumer_told_not_to_leaves_a_dead_holder_to_the_timeout(
         redis_url: str, spawn: Any, redis_client: redis.Redis) -> None:
     off = build_app(redis_url, reclaim_dead_holders=False)

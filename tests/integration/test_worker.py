@@ -360,6 +360,35 @@ def test_a_sigkilled_workers_task_is_restored_by_a_worker_of_its_host_within_a_t
     assert redis_client.lrange("test:finished", 0, -1) == [b"k"]
 
 
+def test_a_busy_solo_worker_puts_back_a_dead_neighbours_task_while_its_own_runs(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(a --pool=solo worker runs its task in its event loop: busy, it looked for dead
+    holders only between tasks, and so did its sweep: the neighbour's task waited for
+    the busy one's end; now its heartbeat thread looks when the loop has not)"""
+    timeout = "15"  # a beat every 5 s
+    # Given a solo worker busy with a long task, no other consumer in the test
+    busy = spawn(pool="solo", concurrency=1, visibility_timeout_s=timeout)
+    client_app.tasks["w.slow"].delay("long", 25.0)
+    wait_for(lambda: redis_client.get("test:started:long") == b"1", 30, "the long task")
+    # and a neighbour running a task
+    doomed = spawn(pool="solo", concurrency=1, visibility_timeout_s=timeout)
+    short = client_app.tasks["w.slow"].delay("k", 1.0)
+    wait_for(lambda: redis_client.get("test:started:k") == b"1", 30, "the task to start")
+    # When the neighbour is killed outright
+    os.kill(doomed.pid, signal.SIGKILL)
+    doomed.popen.wait(10)
+    # Then its task is back in the queue while the busy worker's own still runs
+    wait_for(lambda: redis_client.zcard(WAITING.unacked) == 1, 15,
+             "the dead worker's task to go back")
+    assert redis_client.zcard(WAITING.waiting) == 1
+    assert redis_client.lrange("test:finished", 0, -1) == []
+    # and runs once that one is done
+    assert short.get(timeout=60) == "k"
+    assert redis_client.get("test:started:k") == b"2"
+    assert redis_client.lrange("test:finished", 0, -1) == [b"long", b"k"]
+    assert busy.alive()
+
+
 def test_sigkilled_pool_child_requeues_its_task(spawn: Spawn, client_app: Celery,
                                                 redis_client: redis.Redis) -> None:
     worker = spawn(concurrency=1)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from sits_queue.workers.held import due_at, picked_early
+from sits_queue.workers.held import consumed, due_at, picked_early
 
 
 def request(eta: Any, picked_at: Any, utc: bool = True) -> Any:
@@ -37,3 +37,16 @@ def test_picked_early(ahead_s: float, picked_ago_s: float, early: bool) -> None:
 def test_a_message_of_another_transport_is_never_early(picked_at: Any) -> None:
     eta = datetime.now(UTC) + timedelta(seconds=10)
     assert picked_early(request(eta, picked_at), "UTC") is False
+
+
+@pytest.mark.parametrize(("queue", "active", "expected"), [
+    ("a", ["a", "b"], True),
+    ("a", ["b"], False),   # cancel_consumer("a"): it runs here, as Celery's would
+    (None, ["b"], True),   # a message of another transport: the default path
+])
+def test_a_held_task_whose_queue_is_no_longer_consumed_is_not_given_back(
+        queue: Any, active: list[str], expected: bool) -> None:
+    message = SimpleNamespace(delivery_info={"sits_queue": queue} if queue else {},
+                              channel=SimpleNamespace(active_queues=active))
+    assert consumed(SimpleNamespace(message=message)) is expected
+    assert consumed(SimpleNamespace(message=None)) is True
