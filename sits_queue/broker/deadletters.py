@@ -68,7 +68,16 @@ def request_of(record: bytes | str, accept: Sequence[str]) -> Context | None:
     for a message whose body does not decode (a serializer not in ``accept``: never
     decoded here)."""
     try:
-        message = json.loads(parsed_record(record)["payload"])
+        payload = parsed_record(record)["payload"]
+    except Exception:
+        return None
+    return request_of_payload(payload, accept)
+
+
+def request_of_payload(payload: bytes | str, accept: Sequence[str]) -> Context | None:
+    """:func:`request_of` for a message as the queue stores it."""
+    try:
+        message = json.loads(payload)
         props = message["properties"]
         body: Any = message["body"]
         if props.get("body_encoding") == "base64":
@@ -86,6 +95,14 @@ def request_of(record: bytes | str, accept: Sequence[str]) -> Context | None:
     return Context(request)
 
 
+def accepted(backend: Any) -> list[str]:
+    """The content types ``backend``'s app accepts (its settings name serializers,
+    "json"; kombu's ``loads`` checks content types)."""
+    conf = getattr(getattr(backend, "app", None), "conf", None)
+    return sorted(prepare_accept_content(  # type: ignore[no-untyped-call]
+        getattr(conf, "accept_content", None) or ["json"]))
+
+
 def fail_tasks(client: Any, dead_key: str, ids: Sequence[str], backend: Any = None) -> int:
     """Store FAILURE for the tasks of dead-lettered messages ``ids``, as a chord's part
     with its errbacks called where the message says so; how many were stored."""
@@ -94,9 +111,7 @@ def fail_tasks(client: Any, dead_key: str, ids: Sequence[str], backend: Any = No
 
         backend = current_app.backend
     app = getattr(backend, "app", None)
-    # (the settings name serializers, "json"; kombu's loads checks content types)
-    accept = sorted(prepare_accept_content(  # type: ignore[no-untyped-call]
-        getattr(getattr(app, "conf", None), "accept_content", None) or ["json"]))
+    accept = accepted(backend)
     failed = 0
     for message_id, record in zip(ids, client.hmget(dead_key, list(ids)), strict=True):
         task = task_of(record) if record is not None else None

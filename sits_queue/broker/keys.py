@@ -293,6 +293,12 @@ def mirror_key(prefix: str, site: str) -> str:
     return f"{prefix}sits:site:{{{site}}}:mirror"
 
 
+def mirror_chords_key(prefix: str, site: str) -> str:
+    """Of those, the chord members: HASH task id -> the message dropped here, whose
+    request counts the result in its chord here once it is copied home."""
+    return f"{prefix}sits:site:{{{site}}}:mirror-chords"
+
+
 def outbox_key(prefix: str) -> str:
     # one hash tag with the taken batch's key: take_outbox.lua moves entries between them
     return f"{prefix}sits:site:{{outbox}}"

@@ -124,6 +124,8 @@ class PassReport:
     handed_over: int = 0
     restored: int = 0
     results_mirrored: int = 0
+    #: of those, chord members counted in their chord here
+    chord_parts: int = 0
     errors: list[str] = field(default_factory=list)
 
 
@@ -290,7 +292,7 @@ class SiteSync:
             self._queue(entries)
 
     # -- the pass ------------------------------------------------------------------------------
-    def sync_pass_locked(self) -> PassReport | None:
+    def sync_pass_locked(self, backend: Any = None) -> PassReport | None:
         """:meth:`sync_pass` unless another worker of this site runs one now (two would
         drain the outbox twice); None when it was skipped."""
         lock = self.local.lock(f"{self.prefix}sits:site:sync-lock",
@@ -303,15 +305,17 @@ class SiteSync:
                           self._heartbeat)
             return None
         try:
-            return self.sync_pass()
+            return self.sync_pass(backend)
         finally:
             # A lock that timed out meanwhile has nothing left to free.
             with contextlib.suppress(redis.exceptions.LockError):
                 lock.release()
 
-    def sync_pass(self) -> PassReport:
+    def sync_pass(self, backend: Any = None) -> PassReport:
         """Honour take-overs, heartbeat, drain the outbox, check digests, hand over the
-        replicas other peers hold, take over dead origins' replicas held here."""
+        replicas other peers hold, take over dead origins' replicas held here.
+        ``backend``: this site's result backend, which counts a chord's member taken
+        over in its chord here (``takeover.mirror_results``)."""
         links = self.links(refresh=True)
         plan = self._plan_of(links)
         self.local.set(link_key(self.prefix), sites.encode_choice(plan.link),
@@ -326,7 +330,8 @@ class SiteSync:
         # replicas, or they would be replicated again.
         self._guarded(report, live, self._drop_taken_over)
         # (the results of what they took over, for the callers waiting here)
-        self._guarded(report, live, lambda peer, rep: takeover.mirror_results(self, peer, rep))
+        self._guarded(report, live, lambda peer, rep: takeover.mirror_results(
+            self, peer, rep, backend))
         # And the tasks this site's Redis lost come back from the replicas (recovery.py)
         # before anything there is deleted: a peer not reached for that does no more.
         current = recovery.epoch(self.local, self.prefix)

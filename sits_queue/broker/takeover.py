@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from celery import states
 
-from sits_queue.broker import recovery, results
+from sits_queue.broker import deadletters, recovery, results
 from sits_queue.broker.keys import (
     QueueKeys,
     alive_key,
+    mirror_chords_key,
     mirror_key,
     missing_since_key,
     origins_key,
@@ -164,13 +165,24 @@ def drop_taken_over(sync: SiteSync, peer: str, report: PassReport) -> None:
                 mirror = mirror_key(sync.prefix, sync.site)
                 sync.local.sadd(mirror, *mirrored)
                 sync.local.expire(mirror, TAKEOVER_TTL_S)
+            # (a chord's member dropped here: its result, copied home, counts in the
+            # chord here, whose count and body are here; one picked here counts itself)
+            members: dict[Any, Any] = {
+                t: payload for n, (_, _, named) in enumerate(items)
+                if found[3 * n] is not None and (payload := found[3 * n + 2])
+                and (t := named or _task_id(payload)) is not None and _in_group(payload)}
+            if members:
+                chords = mirror_chords_key(sync.prefix, sync.site)
+                sync.local.hset(chords, mapping=members)
+                sync.local.expire(chords, TAKEOVER_TTL_S)
             settled += [raw for n, (raw, _, _) in enumerate(items)
                         if found[3 * n] is not None or found[3 * n + 1] is None]
         if settled:
             client.srem(marker, *settled)
 
 
-def mirror_results(sync: SiteSync, peer: str, report: PassReport) -> None:
+def mirror_results(sync: SiteSync, peer: str, report: PassReport,
+                   backend: Any = None) -> None:
     """The results, at ``peer``'s backend, of this site's tasks it took over (recorded
     by :func:`drop_taken_over`), stored in this site's backend once they are ready
     there (a state of Celery's ``READY_STATES``), with the time to live they have there:
@@ -178,7 +190,13 @@ def mirror_results(sync: SiteSync, peer: str, report: PassReport) -> None:
     is not ready yet is looked for again at the next pass, for up to
     :data:`TAKEOVER_TTL_S` (a task that stores no result, ``ignore_result``, is no more
     looked for once the record expires). Results of the backend a peer's URL leads to,
-    under its key prefix: a peer with a result backend elsewhere is not read."""
+    under its key prefix: a peer with a result backend elsewhere is not read.
+
+    A chord's member counts in its chord here, through ``backend`` (this site's app's:
+    the pass a worker runs), as the worker that ran it would have counted it: the
+    chord's count and body are here, and the peer's worker counted it at the peer's
+    backend, which knows no such chord. Without a backend, it is counted by a later
+    pass that has one."""
     mirror = mirror_key(sync.prefix, sync.site)
     wanted: list[tuple[bytes, str]] = []
     for raw in sync.local.sscan_iter(mirror, count=TAKEOVER_CHUNK):
@@ -188,6 +206,7 @@ def mirror_results(sync: SiteSync, peer: str, report: PassReport) -> None:
         elif entry[0] == peer and entry[2] is None:
             wanted.append((raw, entry[1]))
     client, prefix = sync.clients[peer], sync.at(peer)
+    ready: list[tuple[str, bytes]] = []
     for at in range(0, len(wanted), TAKEOVER_CHUNK):
         chunk = wanted[at:at + TAKEOVER_CHUNK]
         with client.pipeline(transaction=False) as pipe:
@@ -200,12 +219,56 @@ def mirror_results(sync: SiteSync, peer: str, report: PassReport) -> None:
             value, ttl_ms = found[2 * n], found[2 * n + 1]
             if value is None or _state(value) not in states.READY_STATES:
                 continue
-            results.store_encoded(sync.local, f"{sync.prefix}{results.RESULT_KEY}{task_id}", value,
-                                  int(ttl_ms) if isinstance(ttl_ms, int) and ttl_ms > 0 else 0)
+            stored = results.store_encoded(
+                sync.local, f"{sync.prefix}{results.RESULT_KEY}{task_id}", value,
+                int(ttl_ms) if isinstance(ttl_ms, int) and ttl_ms > 0 else 0)
             report.results_mirrored += 1
+            if stored:
+                ready.append((task_id, value))
             done.append(raw)
+        if ready and backend is not None:
+            report.chord_parts += _count_in_chords(sync, backend, ready)
         if done:
             sync.local.srem(mirror, *done)
+        ready.clear()
+
+
+def _count_in_chords(sync: SiteSync, backend: Any, ready: list[tuple[str, bytes]]) -> int:
+    """Count each of ``ready`` (task id, result meta as stored) that is a chord's member
+    dropped here in its chord (Celery's ``on_chord_part_return``: the last one sends
+    the body, or fails it); how many were. Each is counted once: its record goes first
+    (a pass that dies midway loses a count rather than making one twice)."""
+    chords = mirror_chords_key(sync.prefix, sync.site)
+    ids = [task_id for task_id, _ in ready]
+    payloads = sync.local.hmget(chords, ids)
+    members = [(task_id, value, payload) for (task_id, value), payload
+               in zip(ready, payloads, strict=True) if payload is not None]
+    if not members:
+        return 0
+    sync.local.hdel(chords, *(task_id for task_id, _, _ in members))
+    accept = deadletters.accepted(backend)
+    counted = 0
+    for task_id, value, payload in members:
+        request = deadletters.request_of_payload(payload, accept)
+        if request is None or not getattr(request, "chord", None):
+            continue
+        try:
+            meta = backend.decode_result(value)
+            backend.on_chord_part_return(request, meta["status"], meta["result"])
+        except Exception as exc:  # (the body's own send, a chord Celery cannot read)
+            logger.error("site %s: task %s, taken over, not counted in its chord: %r",
+                         sync.site, task_id, exc)
+            continue
+        counted += 1
+    return counted
+
+
+def _in_group(payload: bytes | str) -> bool:
+    """Whether a message's task is a group's member (a chord's header is one)."""
+    try:
+        return bool(json.loads(payload)["headers"].get("group"))
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return False
 
 
 def _task_id(payload: bytes | str | None) -> str | None:

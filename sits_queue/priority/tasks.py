@@ -61,7 +61,7 @@ def register(app: Celery) -> None:
         from sits_queue.broker import sites
 
         sync = sites.for_config(app.sits)
-        report = None if sync is None else sync.sync_pass_locked()
+        report = None if sync is None else sync.sync_pass_locked(app.backend)
         return None if report is None else asdict(report)
 
 

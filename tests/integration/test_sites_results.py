@@ -4,6 +4,7 @@ worker`` at b running what b took over, and a's pass copying the result home."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,12 +12,13 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, chord
+from celery.exceptions import ChordError
 from celery.result import AsyncResult
 
 from sits_queue.app import make_app
 from sits_queue.broker import sites
-from sits_queue.broker.keys import mirror_key, missing_since_key
+from sits_queue.broker.keys import QueueKeys, mirror_key, missing_since_key
 from sits_queue.config import SitsConfig
 from sits_queue.procs import start_worker, wait_ready
 from tests.integration.conftest import APP_MODULE, ROOT, worker_env
@@ -47,6 +49,10 @@ def apps(redis_client: redis.Redis, redis_url: str, site_b: str
         @app.task(name="w.fail", shared=False)
         def fail(message: str) -> None:
             raise ValueError(message)
+
+        @app.task(name="w.total", shared=False)
+        def total(values: list[int]) -> int:
+            return sum(values)
     yield app_a, app_b
     app_a.close()
     app_b.close()
@@ -138,3 +144,52 @@ def test_an_origin_back_without_its_data_still_gets_the_results_home(
     report = sync_of(app_a).sync_pass()
     assert report.dropped == 0 and report.results_mirrored == 1, report
     assert result.get(timeout=5) == 8
+
+
+def queued_tasks(app: Celery) -> list[tuple[str, str]]:
+    """(task name, task id) of every message waiting in ``app``'s default queue."""
+    payloads = sync_of(app).local.hvals(QueueKeys.for_queue("celery").payloads)
+    return sorted((h["task"], h["id"]) for h in (json.loads(p)["headers"] for p in payloads))
+
+
+@pytest.mark.parametrize("failing", [False, True], ids=["success", "failure"])
+def test_a_taken_over_chord_member_counts_in_its_chord_at_the_origin(
+        apps: tuple[Celery, Celery], site_b: str, tmp_path: Path, failing: bool) -> None:
+    """(its result came home, but the chord's count here never heard of it: the body
+    never ran, its caller waited for ever)"""
+    app_a, app_b = apps
+    add, high = app_a.tasks["w.add"], {"sla_class": "high"}
+    # Given a chord submitted at a whose members b took over while a was silent
+    result = chord([add.s(1, 1).set(**high), add.s(2, 2).set(**high)])(
+        app_a.tasks["w.total"].s().set(**high))
+    members = [child.id for child in result.parent.results]
+    take_over(app_a, app_b)
+    assert sync_of(app_a).sync_pass(app_a.backend).dropped == 2
+    assert queued_tasks(app_a) == []
+    # When both run at b: a real worker there, which counts them in a chord b's backend
+    # does not know; or one of them fails
+    if failing:
+        app_b.backend.mark_as_done(members[0], 2)
+        app_b.backend.mark_as_failure(members[1], ValueError("boom"))
+    else:
+        worker = start_worker(APP_MODULE, worker_env(site_b), tmp_path, concurrency=1,
+                              cwd=ROOT)
+        try:
+            wait_ready(app_b, [worker])
+            wait_for(lambda: all(AsyncResult(m, app=app_b).state == "SUCCESS"
+                                 for m in members), 30, "the members to run at b")
+        finally:
+            worker.stop(timeout_s=10)
+        assert "ERROR" not in worker.log()
+    report = sync_of(app_a).sync_pass(app_a.backend)
+    # Then their results, copied home, count in the chord there: its body is sent at a
+    assert report.results_mirrored == 2, report
+    if failing:  # (or fails, as Celery fails a chord one of whose members failed)
+        body = AsyncResult(result.id, app=app_a)
+        assert body.state == "FAILURE" and isinstance(body.result, ChordError)
+        assert "boom" in str(body.result)
+        assert queued_tasks(app_a) == []
+    else:
+        assert queued_tasks(app_a) == [("w.total", result.id)]
+    # and a later pass counts nothing twice
+    assert sync_of(app_a).sync_pass(app_a.backend).results_mirrored == 0
