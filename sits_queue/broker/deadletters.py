@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery.app.task import Context
+from kombu.compression import decompress
 from kombu.serialization import loads, prepare_accept_content
 
 from sits_queue.broker import clock
@@ -82,6 +83,8 @@ def request_of_payload(payload: bytes | str, accept: Sequence[str]) -> Context |
         body: Any = message["body"]
         if props.get("body_encoding") == "base64":
             body = base64.b64decode(body)
+        if compression := message["headers"].get("compression"):
+            body = decompress(body, compression)  # type: ignore[no-untyped-call]
         args, kwargs, embed = loads(body, message["content-type"],  # type: ignore[no-untyped-call]
                                     message["content-encoding"], accept=accept)
         request = {**message["headers"], "args": args, "kwargs": kwargs,

@@ -33,7 +33,8 @@ SOCKET_TIMEOUT_S = 5.0
 #: an outage hears from the holder soon; the sweeps hold off for two periods after such a
 #: gap meanwhile (``restore.lua``).
 RETRY_S = 1.0
-#: How long closing the channel waits for a beat in flight, s (it is one pipeline).
+#: How long closing the channel waits for a beat in flight, s (one pipeline; or, past
+#: it, a look for dead holders, which a close that waits no longer leaves to finish).
 STOP_WAIT_S = SOCKET_TIMEOUT_S + 1.0
 
 #: Pushes the deadlines of what its channel holds, on the client given; returns nothing.

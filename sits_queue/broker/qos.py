@@ -80,6 +80,7 @@ class QoS(kredis.QoS):
         super().__init__(*args, **kwargs)
         self._last_sweep = 0.0
         self._last_reclaim = -math.inf
+        self._look_failing = False  # (the heartbeat thread's look: _thread_beat)
         #: The process whose record this consumer writes (``holders.py``): a child
         #: forked with the channel writes none, or its end would look like ours.
         self._owner_pid = os.getpid()
@@ -421,8 +422,12 @@ class QoS(kredis.QoS):
         self._last_reclaim = time.monotonic()
         try:  # (the beat just wrote this consumer's record)
             self._put_back_dead(client, clock.now(client))
-        except Exception as exc:  # (the beat went through: not the beat's failure)
-            logger.warning("dead holders of this host not looked for: %r", exc)
+        except Exception as exc:  # (not the beat's failure; said once a failing stretch)
+            if not self._look_failing:
+                logger.warning("dead holders of this host not looked for: %r", exc)
+            self._look_failing = True
+        else:
+            self._look_failing = False
 
     def _older_release(self, client: Any) -> str | None:
         """:func:`advertise.older_release` for ``holders.reclaim``, read at most once per

@@ -13,6 +13,7 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
+import redis
 from celery import states
 
 from sits_queue.broker import deadletters, recovery, results
@@ -155,6 +156,17 @@ def drop_taken_over(sync: SiteSync, peer: str, report: PassReport) -> None:
                          "unreachable; it runs there", *waiting], sync.local))
                 # A replica of it anywhere would be taken over again: it runs at peer.
                 sync.on_ack(queue, waiting)
+            # (a chord's member dropped here: its result, copied home, counts in the
+            # chord here, whose count and body are here; one picked here counts itself.
+            # Written before the entries below: a pass that reads those finds it.)
+            members: dict[Any, Any] = {
+                t: payload for n, (_, _, named) in enumerate(items)
+                if found[3 * n] is not None and (payload := found[3 * n + 2])
+                and (t := named or _task_id(payload)) is not None and _chord_member(payload)}
+            if members:
+                chords = mirror_chords_key(sync.prefix, sync.site)
+                sync.local.hset(chords, mapping=members)
+                sync.local.expire(chords, TAKEOVER_TTL_S)
             # Its callers wait here: the result of a copy dropped here, or not here at all
             # (this site's Redis lost it), is copied from the peer's backend. (A copy
             # acked here ran here too: its SUCCESS here is never overwritten.)
@@ -165,16 +177,6 @@ def drop_taken_over(sync: SiteSync, peer: str, report: PassReport) -> None:
                 mirror = mirror_key(sync.prefix, sync.site)
                 sync.local.sadd(mirror, *mirrored)
                 sync.local.expire(mirror, TAKEOVER_TTL_S)
-            # (a chord's member dropped here: its result, copied home, counts in the
-            # chord here, whose count and body are here; one picked here counts itself)
-            members: dict[Any, Any] = {
-                t: payload for n, (_, _, named) in enumerate(items)
-                if found[3 * n] is not None and (payload := found[3 * n + 2])
-                and (t := named or _task_id(payload)) is not None and _in_group(payload)}
-            if members:
-                chords = mirror_chords_key(sync.prefix, sync.site)
-                sync.local.hset(chords, mapping=members)
-                sync.local.expire(chords, TAKEOVER_TTL_S)
             settled += [raw for n, (raw, _, _) in enumerate(items)
                         if found[3 * n] is not None or found[3 * n + 1] is None]
         if settled:
@@ -193,10 +195,10 @@ def mirror_results(sync: SiteSync, peer: str, report: PassReport,
     under its key prefix: a peer with a result backend elsewhere is not read.
 
     A chord's member counts in its chord here, through ``backend`` (this site's app's:
-    the pass a worker runs), as the worker that ran it would have counted it: the
-    chord's count and body are here, and the peer's worker counted it at the peer's
-    backend, which knows no such chord. Without a backend, it is counted by a later
-    pass that has one."""
+    the pass the beat schedules has it), as the worker that ran it would have counted
+    it: the chord's count and body are here, and the peer's worker counted it at the
+    peer's backend, which knows no such chord. A pass without a backend leaves such a
+    result to be copied and counted by one that has (:func:`_count_in_chords`)."""
     mirror = mirror_key(sync.prefix, sync.site)
     wanted: list[tuple[bytes, str]] = []
     for raw in sync.local.sscan_iter(mirror, count=TAKEOVER_CHUNK):
@@ -206,7 +208,6 @@ def mirror_results(sync: SiteSync, peer: str, report: PassReport,
         elif entry[0] == peer and entry[2] is None:
             wanted.append((raw, entry[1]))
     client, prefix = sync.clients[peer], sync.at(peer)
-    ready: list[tuple[str, bytes]] = []
     for at in range(0, len(wanted), TAKEOVER_CHUNK):
         chunk = wanted[at:at + TAKEOVER_CHUNK]
         with client.pipeline(transaction=False) as pipe:
@@ -214,61 +215,74 @@ def mirror_results(sync: SiteSync, peer: str, report: PassReport,
                 pipe.get(f"{prefix}{results.RESULT_KEY}{task_id}")
                 pipe.pttl(f"{prefix}{results.RESULT_KEY}{task_id}")
             found = pipe.execute()
-        done: list[bytes] = []
+        ready: list[tuple[bytes, str, bytes]] = []
         for n, (raw, task_id) in enumerate(chunk):
             value, ttl_ms = found[2 * n], found[2 * n + 1]
             if value is None or _state(value) not in states.READY_STATES:
                 continue
-            stored = results.store_encoded(
-                sync.local, f"{sync.prefix}{results.RESULT_KEY}{task_id}", value,
-                int(ttl_ms) if isinstance(ttl_ms, int) and ttl_ms > 0 else 0)
-            report.results_mirrored += 1
-            if stored:
-                ready.append((task_id, value))
-            done.append(raw)
-        if ready and backend is not None:
-            report.chord_parts += _count_in_chords(sync, backend, ready)
-        if done:
+            if results.store_encoded(
+                    sync.local, f"{sync.prefix}{results.RESULT_KEY}{task_id}", value,
+                    int(ttl_ms) if isinstance(ttl_ms, int) and ttl_ms > 0 else 0):
+                report.results_mirrored += 1
+            ready.append((raw, task_id, value))
+        kept = _count_in_chords(sync, backend, ready, report)
+        if done := [raw for raw, _, _ in ready if raw not in kept]:
             sync.local.srem(mirror, *done)
-        ready.clear()
 
 
-def _count_in_chords(sync: SiteSync, backend: Any, ready: list[tuple[str, bytes]]) -> int:
-    """Count each of ``ready`` (task id, result meta as stored) that is a chord's member
-    dropped here in its chord (Celery's ``on_chord_part_return``: the last one sends
-    the body, or fails it); how many were. Each is counted once: its record goes first
-    (a pass that dies midway loses a count rather than making one twice)."""
+def _count_in_chords(sync: SiteSync, backend: Any, ready: list[tuple[bytes, str, bytes]],
+                     report: PassReport) -> set[bytes]:
+    """Count each of ``ready`` (mirror entry, task id, result meta as stored) that is a
+    chord's member dropped here in its chord (Celery's ``on_chord_part_return``: the
+    last one sends the body, or fails it). Returns the mirror entries to keep for a
+    later pass: all such members without a ``backend``, and one whose count failed on
+    Redis. (Counted twice, a member is counted once: Celery's chord script keeps each
+    task id and index once.)"""
     chords = mirror_chords_key(sync.prefix, sync.site)
-    ids = [task_id for task_id, _ in ready]
-    payloads = sync.local.hmget(chords, ids)
-    members = [(task_id, value, payload) for (task_id, value), payload
+    payloads = sync.local.hmget(chords, [task_id for _, task_id, _ in ready]) if ready else []
+    members = [(raw, task_id, value, payload) for (raw, task_id, value), payload
                in zip(ready, payloads, strict=True) if payload is not None]
-    if not members:
-        return 0
-    sync.local.hdel(chords, *(task_id for task_id, _, _ in members))
+    if backend is None or not members:
+        return {raw for raw, _, _, _ in members}
     accept = deadletters.accepted(backend)
-    counted = 0
-    for task_id, value, payload in members:
+    kept: set[bytes] = set()
+    settled: list[str] = []
+    for raw, task_id, value, payload in members:
         request = deadletters.request_of_payload(payload, accept)
-        if request is None or not getattr(request, "chord", None):
-            continue
-        try:
-            meta = backend.decode_result(value)
-            backend.on_chord_part_return(request, meta["status"], meta["result"])
-        except Exception as exc:  # (the body's own send, a chord Celery cannot read)
-            logger.error("site %s: task %s, taken over, not counted in its chord: %r",
-                         sync.site, task_id, exc)
-            continue
-        counted += 1
-    return counted
+        if request is None:
+            logger.error("site %s: task %s, taken over, not counted in its chord: its "
+                         "message does not decode here", sync.site, task_id)
+        elif getattr(request, "chord", None):
+            try:
+                meta = backend.decode_result(value)
+                backend.on_chord_part_return(request, meta["status"], meta["result"])
+            except redis.RedisError as exc:
+                logger.warning("site %s: task %s, taken over, counted in its chord at a "
+                               "later pass: %r", sync.site, task_id, exc)
+                kept.add(raw)
+                continue
+            except Exception as exc:  # (a result or chord Celery cannot read)
+                logger.error("site %s: task %s, taken over, not counted in its chord: %r",
+                             sync.site, task_id, exc)
+            else:
+                report.chord_parts += 1
+        settled.append(task_id)
+    if settled:
+        sync.local.hdel(chords, *settled)
+    return kept
 
 
-def _in_group(payload: bytes | str) -> bool:
-    """Whether a message's task is a group's member (a chord's header is one)."""
+def _chord_member(payload: bytes | str) -> bool:
+    """Whether a message's task is a chord's member: a group's, whose request names a
+    chord (or whose body is not JSON, which is decoded at the count, with the app's
+    serializers)."""
     try:
-        return bool(json.loads(payload)["headers"].get("group"))
+        if not json.loads(payload)["headers"].get("group"):
+            return False
     except (ValueError, TypeError, KeyError, AttributeError):
         return False
+    request = deadletters.request_of_payload(payload, deadletters.accepted(None))
+    return request is None or bool(getattr(request, "chord", None))
 
 
 def _task_id(payload: bytes | str | None) -> str | None:

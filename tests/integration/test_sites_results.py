@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery, chord
+from celery import Celery, chord, group
 from celery.exceptions import ChordError
 from celery.result import AsyncResult
 
 from sits_queue.app import make_app
 from sits_queue.broker import sites
-from sits_queue.broker.keys import QueueKeys, mirror_key, missing_since_key
+from sits_queue.broker.keys import QueueKeys, mirror_chords_key, mirror_key, missing_since_key
 from sits_queue.config import SitsConfig
 from sits_queue.procs import start_worker, wait_ready
 from tests.integration.conftest import APP_MODULE, ROOT, worker_env
@@ -152,26 +152,28 @@ def queued_tasks(app: Celery) -> list[tuple[str, str]]:
     return sorted((h["task"], h["id"]) for h in (json.loads(p)["headers"] for p in payloads))
 
 
-@pytest.mark.parametrize("failing", [False, True], ids=["success", "failure"])
+@pytest.mark.parametrize("how", ["worker", "failure", "gzip", "later"])
 def test_a_taken_over_chord_member_counts_in_its_chord_at_the_origin(
-        apps: tuple[Celery, Celery], site_b: str, tmp_path: Path, failing: bool) -> None:
+        apps: tuple[Celery, Celery], site_b: str, tmp_path: Path, how: str) -> None:
     """(its result came home, but the chord's count here never heard of it: the body
     never ran, its caller waited for ever)"""
     app_a, app_b = apps
-    add, high = app_a.tasks["w.add"], {"sla_class": "high"}
-    # Given a chord submitted at a whose members b took over while a was silent
-    result = chord([add.s(1, 1).set(**high), add.s(2, 2).set(**high)])(
-        app_a.tasks["w.total"].s().set(**high))
+    add = app_a.tasks["w.add"]
+    options = {"sla_class": "high", **({"compression": "gzip"} if how == "gzip" else {})}
+    # Given a chord submitted at a whose members b took over while a was silent (and a
+    # plain group's member beside it)
+    result = chord([add.s(1, 1).set(**options), add.s(2, 2).set(**options)])(
+        app_a.tasks["w.total"].s().set(sla_class="high"))
     members = [child.id for child in result.parent.results]
+    plain = group([add.s(5, 5).set(sla_class="high")]).apply_async()
     take_over(app_a, app_b)
-    assert sync_of(app_a).sync_pass(app_a.backend).dropped == 2
+    assert sync_of(app_a).sync_pass(app_a.backend).dropped == 3
     assert queued_tasks(app_a) == []
+    chords = sync_of(app_a).local.hkeys(mirror_chords_key("", "a"))
+    assert sorted(k.decode() for k in chords) == sorted(members)  # (not the plain one)
     # When both run at b: a real worker there, which counts them in a chord b's backend
     # does not know; or one of them fails
-    if failing:
-        app_b.backend.mark_as_done(members[0], 2)
-        app_b.backend.mark_as_failure(members[1], ValueError("boom"))
-    else:
+    if how == "worker":
         worker = start_worker(APP_MODULE, worker_env(site_b), tmp_path, concurrency=1,
                               cwd=ROOT)
         try:
@@ -181,15 +183,32 @@ def test_a_taken_over_chord_member_counts_in_its_chord_at_the_origin(
         finally:
             worker.stop(timeout_s=10)
         assert "ERROR" not in worker.log()
-    report = sync_of(app_a).sync_pass(app_a.backend)
-    # Then their results, copied home, count in the chord there: its body is sent at a
-    assert report.results_mirrored == 2, report
-    if failing:  # (or fails, as Celery fails a chord one of whose members failed)
+    else:
+        app_b.backend.mark_as_done(members[0], 2)
+        if how == "failure":
+            app_b.backend.mark_as_failure(members[1], ValueError("boom"))
+        else:
+            app_b.backend.mark_as_done(members[1], 4)
+    app_b.backend.mark_as_done(plain.results[0].id, 10)
+    if how == "later":  # (a pass with no backend to count them with: they wait for one)
+        report = sync_of(app_a).sync_pass()
+        assert report.results_mirrored == 3 and report.chord_parts == 0, report
+        assert queued_tasks(app_a) == []
+        report = sync_of(app_a).sync_pass(app_a.backend)
+        assert report.chord_parts == 2, report
+    else:
+        report = sync_of(app_a).sync_pass(app_a.backend)
+        # Then their results, copied home, count in the chord there
+        assert report.results_mirrored == 3 and report.chord_parts == 2, report
+    if how == "failure":  # (failing it, as Celery fails a chord one of whose members failed)
         body = AsyncResult(result.id, app=app_a)
         assert body.state == "FAILURE" and isinstance(body.result, ChordError)
         assert "boom" in str(body.result)
         assert queued_tasks(app_a) == []
-    else:
+    else:  # its body is sent at a
         assert queued_tasks(app_a) == [("w.total", result.id)]
-    # and a later pass counts nothing twice
+    assert plain.get(timeout=5) == [10]
+    # and nothing is left to count, or counted twice
     assert sync_of(app_a).sync_pass(app_a.backend).results_mirrored == 0
+    assert not sync_of(app_a).local.exists(mirror_chords_key("", "a"))
+    assert not sync_of(app_a).local.exists(mirror_key("", "a"))
