@@ -726,7 +726,7 @@ def test_orphan_id_without_payload_is_skipped(app: Celery, redis_client: redis.R
 
 
 def test_poison_message_is_dead_lettered_after_max_redeliveries(
-        redis_url: str, redis_client: redis.Redis) -> None:
+        redis_url: str, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture) -> None:
     app = build_app(redis_url, max_redeliveries=2)
     keys = QueueKeys.for_queue("celery")
     result = app.tasks["t.echo"].delay("poison")
@@ -736,8 +736,12 @@ def test_poison_message_is_dead_lettered_after_max_redeliveries(
             q.get(block=False).requeue()
         with pytest.raises(q.Empty):
             q.get(block=False)
-    record = json.loads(redis_client.hget(keys.dead, next(iter(redis_client.hkeys(keys.dead)))))
+    (message_id,) = redis_client.hkeys(keys.dead)
+    record = json.loads(redis_client.hget(keys.dead, message_id))
     assert "poison" in record["reason"]
+    # said in the log of the consumer whose pick met it
+    assert (f"queue 'celery': 1 message(s) redelivered more than 2 times dead-lettered as "
+            f"poison (sitsq dead list): {message_id.decode()}") in caplog.text
     # and its caller learns why instead of waiting for ever
     with pytest.raises(DeadLettered, match=r"redelivered 3 times \(poison message\)"):
         result.get(timeout=10)
