@@ -69,7 +69,9 @@ def acquire(rt: runtime.ChildRuntime, model: str, precision: str | None = None
     except pool.ModelLoadError as exc:
         cause = exc.cause
         if isinstance(cause, InferenceError):
-            raise cause from None  # already says what went wrong, in our words
+            # already says what went wrong, in our words; its own cause (the loader's
+            # exception) kept: ``autoretry_for`` may name it (workers/autoretry.py)
+            raise cause from cause.__cause__
         if not gpu.is_oom(cause):
             # Re-raised as our own error: it pickles and JSON-serialises by message alone.
             raise ModelLoadError(str(exc)) from cause

@@ -42,6 +42,7 @@ from sits_queue.exits import fail_exits, worker_exit
 from sits_queue.options import PREWARM_TASK
 from sits_queue.workers import (
     acquire,
+    autoretry,
     batching,
     devicefit,
     firsttoken,
@@ -133,7 +134,12 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
          kwargs: dict[str, Any], clock: firsttoken.FirstToken, tasks: int = 1,
          early: Callable[[int, Any, dict[str, Any]], bool] | None = None,
          joins: Any = None) -> dict[str, Any]:
-    run = _prepare(rt, task, args, kwargs, clock, tasks)
+    try:
+        run = _prepare(rt, task, args, kwargs, clock, tasks)
+    except Exception as exc:
+        if tasks != 1 or early is not None:  # (a batch: its calls' own retries are theirs)
+            raise
+        autoretry.retry_or_raise(task, exc)  # (Celery's covers the function alone)
     output = _call(run, task, _active_task(run, task, early, joins), args, kwargs)
     meta = run.so_far()
     _account(run, meta, tasks, joins, output)

@@ -133,6 +133,17 @@ def register_models(app: Celery, root: Path) -> None:
     def broken() -> Any:
         raise RuntimeError("simulated: weights file is corrupt")
 
+    @app.model("flaky")
+    def flaky() -> Any:
+        """The tiny GPT, from a store that times out on the first load of all."""
+        from sits_queue.cache.engines import engine_from_path
+
+        failed = root / "flaky-failed-once"
+        if not failed.exists():
+            failed.touch()
+            raise OSError("simulated: the model store timed out")
+        return engine_from_path("flaky", root / "gpt", "cpu")
+
     @app.model("not-a-model")
     def not_a_model() -> Any:
         return 42
@@ -251,6 +262,11 @@ def register(app: Celery) -> dict[str, Any]:
                 "affinity": list(cores.usable()),
                 "torch_threads": torch.get_num_threads(),
                 "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    @app.inference_task(name="t.describe_retried", model="flaky", autoretry_for=(OSError,),
+                        retry_kwargs={"countdown": 0.1, "max_retries": 2}, shared=False)
+    def describe_retried(engine: Any, tag: str) -> dict[str, Any]:
+        return {"tag": tag, "key": engine.key}
 
     @app.inference_task(name="t.generate_slow", model="slow", shared=False)
     def generate_slow(engine: Any, prompt: str, max_new_tokens: int) -> dict[str, Any]:

@@ -387,6 +387,18 @@ def test_failure_is_clear_and_the_worker_survives(app: Celery, worker: CeleryPro
     assert_serving(app, worker)
 
 
+def test_a_load_that_fails_once_is_retried_as_the_task_says(app: Celery,
+                                                             worker: CeleryProcess) -> None:
+    """(Celery's ``autoretry_for`` wraps the task's function; the engine is fetched before
+    it: a loader whose store timed out once failed the task at its first try)"""
+    out = app.tasks["t.describe_retried"].delay("again").get(timeout=FIRST_CALL_S)
+    assert out["output"] == {"tag": "again", "key": "flaky"}
+    assert out["sits"]["cold"] and out["sits"]["source"] == "disk"  # (loaded at the retry)
+    assert "t.describe_retried[" in worker.log() and "retry: Retry in 0.1s: ModelLoadError(" \
+        "\"loader for model 'flaky' failed: OSError" in worker.log()
+    assert_serving(app, worker)
+
+
 def test_soft_time_limit_mid_generation(app: Celery, worker: CeleryProcess) -> None:
     # Given the model loaded (a cold load can take the whole second: that case is the
     # next test's), a generation of 200 steps at >= 20 ms each, and a soft limit of 1 s
