@@ -77,7 +77,7 @@ from sits_queue.workers.placement import pool_problem as pool_problem
 from sits_queue.workers.placement import slot_devices as slot_devices
 from sits_queue.workers.placement import unused_notice as unused_notice
 from sits_queue.workers.placement import used_devices as used_devices
-from sits_queue.workers.taskheader import task_class
+from sits_queue.workers.taskheader import say_foreign_class, task_class
 
 logger = logging.getLogger(__name__)
 
@@ -324,6 +324,7 @@ class ChildRuntime:
             # A batch's call traced while the batch runs on (its result stored early,
             # ``batched.py``): the batch's confinement and cap stay as they are.
             return
+        say_foreign_class(self.config, request, declared_class)
         quota = task_class(self.config, request, declared_class)
         self.confine(quota)
         # A plain task gets its class cap too, but only once the child has a context:

@@ -4,6 +4,7 @@ precision, read from a delivered request, an eager call's headers or a batch job
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,6 +12,8 @@ from sits_queue.checks import finite, is_number
 from sits_queue.config import ClassQuota, SitsConfig
 from sits_queue.errors import UnknownModel
 from sits_queue.options import HEADER, PRECISIONS
+
+logger = logging.getLogger(__name__)
 
 
 def sits_header(request: Any) -> Mapping[str, Any] | None:
@@ -36,6 +39,28 @@ def task_class(config: SitsConfig, request: Any, declared: str | None = None) ->
         name = declared if declared in config.class_names else config.default_class
     assert name is not None
     return config.quota(name)
+
+
+#: Classes this process said it lacks (:func:`say_foreign_class`), at most this many.
+_said_foreign: set[str] = set()
+_SAID_MOST = 64
+
+
+def say_foreign_class(config: SitsConfig, request: Any, declared: str | None) -> None:
+    """Warn, once per class a process, of a task whose header names a class this
+    worker's table lacks (a producer of another table, a release that renamed classes):
+    it runs in its own or the default class (:func:`task_class`), with the time limits
+    its message carries, set at submission from the class it named."""
+    header = sits_header(request)
+    name = header.get("sla_class") if isinstance(header, Mapping) else None
+    if not isinstance(name, str) or name in config.class_names or name in _said_foreign \
+            or len(_said_foreign) >= _SAID_MOST:
+        return
+    _said_foreign.add(name)
+    logger.warning("task %s: sla_class %.100r is not in this worker's classes %s (a producer "
+                   "of another class table?): runs in %r, with the time limits its message "
+                   "carries", getattr(request, "task", None) or "?", name,
+                   list(config.class_names), task_class(config, request, declared).name)
 
 
 def task_model(request: Any, declared: str | None) -> str:

@@ -102,4 +102,11 @@ def test_a_class_the_worker_lacks_still_retries_and_chains_in_its_default_class(
              10, "the warnings",
              seen=lambda: worker.log_path.read_text()[-2000:])
     assert "sent on in 'batch'" in worker.log_path.read_text()
+    # and so are the tasks run in a class other than their own, once a class
+    classes = "['critical', 'high', 'batch', 'scavenger']"
+    for name, asked in (("w.flaky", "medium"), ("w.flaky", "low")):
+        assert worker.log_path.read_text().count(
+            f"task {name}: sla_class '{asked}' is not in this worker's classes {classes} (a "
+            f"producer of another class table?): runs in 'batch', with the time limits its "
+            f"message carries") == 1
     assert redis_client.hlen(QueueKeys.for_queue("celery").dead) == 0
