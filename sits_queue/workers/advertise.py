@@ -209,8 +209,9 @@ def pool_children(pool: Any) -> dict[int, Any]:
 
 def pool_slots(pool: Any, size: int) -> list[int]:
     """Where the records of a pool's live children are kept (:func:`pool_children`);
-    0..size-1 for a pool without processes of its own or none yet."""
-    return sorted(pool_children(pool)) or list(range(max(1, size)))
+    0..size-1 for a pool without processes of its own or none yet; none for a size of
+    0 (a pool shrunk to no child)."""
+    return sorted(pool_children(pool)) or list(range(max(0, size)))
 
 
 def record_slots(record: Mapping[str, Any]) -> list[int]:
@@ -493,13 +494,14 @@ class Advertise(bootsteps.StartStopStep):  # type: ignore[misc]
         config: SitsConfig = c.app.sits
         # The pool's size now: `celery control pool_grow/pool_shrink` change it, not the
         # worker's --concurrency (status, /metrics and the warm reader kept the start's)
+        # (0 is a prefork pool shrunk to no child: it runs nothing, and said the planned
+        # size, it advertised a slot and the engines of the child it stopped)
         try:
-            concurrency = int(c.pool.num_processes or 0)
+            concurrency = int(c.pool.num_processes)
         except (AttributeError, TypeError, ValueError):
-            concurrency = 0
-        concurrency = concurrency or int(getattr(c.controller, "concurrency", 0) or 1)
+            concurrency = int(getattr(c.controller, "concurrency", 0) or 1)
         slots = pool_slots(getattr(c, "pool", None), concurrency)
-        self._most = max(self._most, concurrency, max(slots) + 1)
+        self._most = max(self._most, concurrency, max(slots, default=-1) + 1)
         return config, c.hostname, concurrency, slots
 
     def tick(self, c: Any) -> None:

@@ -9,6 +9,9 @@ each with a short timeout, as ``wait_ready``, Flower and monitoring scripts do.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,6 +24,7 @@ from kombu import Connection, Consumer, Exchange, Message, Queue
 
 from sits_queue.broker.keys import QueueKeys
 from sits_queue.procs import CeleryProcess
+from tests.integration.conftest import ROOT
 from tests.waiting import wait_for
 
 Spawn = Callable[..., CeleryProcess]
@@ -377,8 +381,6 @@ def test_a_pool_shrunk_by_remote_control_is_advertised_by_its_childrens_slots(
     """(billiard stops the first idle child, so the two left hold slots 1 and 2; the
     advertisement read and kept alive 0 and 1: slot 2's record, and the engines its
     child held, were neither read for picks nor kept past its expiry)"""
-    import os
-
     from sits_queue.workers import advertise
 
     worker = spawn(concurrency=3)
@@ -422,6 +424,45 @@ def test_a_pool_shrunk_by_remote_control_is_advertised_by_its_childrens_slots(
     wait_for(lambda: advertised() == (kept, [str(s) for s in kept]), 30,
              f"the children left (slots {kept}) advertised", seen=state)
     assert client_app.tasks["w.add"].delay(2, 2).get(timeout=30) == 4
+
+
+def test_a_pool_shrunk_to_no_child_advertises_no_slot_and_serves_once_grown(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(read as the planned size, it was advertised with one slot and the warm engines of
+    the child it had stopped: `sitsq status`, /metrics, the picks' weights)"""
+    from sits_queue.workers import advertise
+
+    worker = spawn(concurrency=1)
+    assert client_app.tasks["w.add"].delay(1, 1).get(timeout=30) == 2
+
+    def advertised() -> tuple[object, object, list[str]] | None:
+        record = advertise.read_worker(redis_client, "", worker.hostname)
+        return None if record is None else (record.get("concurrency"), record.get("slots"),
+                                            sorted(record["children"]))
+
+    wait_for(lambda: advertised() == (1, [0], ["0"]), 30, "the child advertised")
+
+    def shrunk() -> bool:  # (refused while billiard still counts the child busy)
+        (reply,) = client_app.control.pool_shrink(1, destination=[worker.hostname],
+                                                  reply=True, timeout=5)
+        return "ok" in reply[worker.hostname]
+
+    wait_for(shrunk, 30, "the pool shrunk")
+    wait_for(lambda: advertised() == (0, [], []), 30, "no child advertised",
+             seen=advertised)
+    status = subprocess.run([sys.executable, "-m", "sits_queue.cli", "status"], cwd=ROOT,
+                            env={**os.environ, "SITS_REDIS_URL": client_app.sits.redis_url},
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert f"  {worker.hostname}: pid {worker.pid}, concurrency 0," in status.stdout, \
+        status.stdout
+    # and grown again, it serves, advertised again
+    (reply,) = client_app.control.pool_grow(1, destination=[worker.hostname], reply=True,
+                                            timeout=5)
+    assert "ok" in reply[worker.hostname], reply
+    assert client_app.tasks["w.add"].delay(2, 2).get(timeout=30) == 4
+    wait_for(lambda: (advertised() or (0,))[0] == 1, 30, "the child advertised again",
+             seen=advertised)
 
 
 def test_autoscale_set_remotely_is_followed_up_to_the_planned_pool(

@@ -876,7 +876,7 @@ def test_a_pools_slots_are_its_live_childrens_indexes() -> None:
     assert advertise.pool_slots(prefork(0, 1, 2), 3) == [0, 1, 2]
     assert advertise.pool_slots(prefork(), 3) == [0, 1, 2]  # no child started yet
     assert advertise.pool_slots(SimpleNamespace(), 2) == [0, 1]  # solo, threads
-    assert advertise.pool_slots(None, 0) == [0]
+    assert advertise.pool_slots(None, 0) == []  # a pool shrunk to no child
     assert advertise.pool_slots(prefork(*[None]), 2) == [0, 1]  # type: ignore[list-item]
 
 
