@@ -399,6 +399,20 @@ def _warm_text(children: Any) -> str:
     return "; ".join(parts)
 
 
+def _phase_lines(cold: dict[str, Any]) -> list[str]:
+    """The cold starts' phases: each a mean per cold start (a total, shown beside a mean
+    first-token time, read as one start's), the totals after."""
+    totals = cold.get("phases_ms") or {}
+    starts = cold.get("cold")
+    if not isinstance(totals, dict) or not totals:
+        return []
+    shown = ", ".join(f"{k} {v:,.1f}" for k, v in totals.items())
+    if not isinstance(starts, int) or starts <= 0:
+        return [f"    cold-start ms, in all: {shown}"]
+    means = ", ".join(f"{k} {v / starts:,.1f}" for k, v in totals.items())
+    return [f"    cold-start ms, mean of {starts}: {means} (in all: {shown})"]
+
+
 def _worker_lines(w: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     devices = ", ".join(str(d.get("name", "?")) for d in w.get("devices", []))
@@ -422,9 +436,7 @@ def _worker_lines(w: dict[str, Any]) -> list[str]:
     if w.get("plain_tasks_only"):
         lines.append(f"    plain tasks only ({w['plain_tasks_only']} pool): inference "
                      "tasks are left for other workers")
-    phases = ", ".join(f"{k} {v:,.1f}" for k, v in cold.get("phases_ms", {}).items())
-    if phases:
-        lines.append(f"    cold-start ms: {phases}")
+    lines += _phase_lines(cold)
     if cold.get("first_tokens"):
         lines.append(f"    first token: {cold['first_token_ms_mean']:,.1f} ms mean over "
                      f"{cold['first_tokens']} generations")

@@ -156,7 +156,7 @@ def test_sitsq_status_shows_the_phases_and_failures(worker: CeleryProcess,
     # The advertisement is refreshed every few seconds from the same counters
     wait_for(lambda: "failed: InvalidInput 1, UnknownModel 1" in text(), 20,
              "the worker's record to show the failures")
-    assert "cold-start ms: " in text() and "load " in text()
+    assert "cold-start ms, mean of " in text() and "load " in text()
     client.close()
 
 

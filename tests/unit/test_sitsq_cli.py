@@ -304,6 +304,19 @@ def test_status_shows_each_childs_warm_engines_with_tier_and_size() -> None:
     assert "warm:" not in idle
 
 
+def test_status_shows_cold_start_phases_as_means_per_start_and_in_all() -> None:
+    """(it showed the totals alone, beside a mean first-token time: 832 ms of loading
+    over six cold starts read as one start's)"""
+    worker = {"hostname": "w@h", "pid": 1, "concurrency": 1, "cold_start": {
+        "cold": 6, "tasks": 40, "phases_ms": {"load": 832.2, "promote": 2.6, "warmup": 75.0}}}
+    shown = status.format_status({"queues": [], "workers": [worker]})
+    assert ("    cold-start ms, mean of 6: load 138.7, promote 0.4, warmup 12.5 (in all: "
+            "load 832.2, promote 2.6, warmup 75.0)") in shown.splitlines()
+    worker["cold_start"]["cold"] = 0  # (a record whose counts cannot say how many)
+    assert "    cold-start ms, in all: load 832.2, promote 2.6, warmup 75.0" in \
+        status.format_status({"queues": [], "workers": [worker]}).splitlines()
+
+
 def test_status_shows_each_devices_free_memory() -> None:
     """(a worker of several GPUs showed their names only: how much each had free took
     --json)"""
