@@ -70,6 +70,11 @@ def _build(path: Path, spec: Mapping[str, Any], write: Callable[[Path], None]) -
     spec = {**spec, "version": BUILD_VERSION}
     if _built_with(path) == spec:
         return path
+    if path.exists() and _built_with(path) is None and (not path.is_dir()
+                                                        or any(path.iterdir())):
+        # (replaced, a model directory of the user's own at that path was deleted)
+        raise FileExistsError(f"{path} exists and is no tiny model built here: not "
+                              "replaced; give another path")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
     tmp.mkdir()
@@ -84,7 +89,7 @@ def _build(path: Path, spec: Mapping[str, Any], write: Callable[[Path], None]) -
                                       f"extra: {hint}", name=exc.name) from exc
         (tmp / MARKER).write_text(json.dumps(spec, sort_keys=True))
         if path.exists():
-            shutil.rmtree(path)  # built from another spec (or half-built by a crash)
+            shutil.rmtree(path)  # built here from another spec
         try:
             tmp.rename(path)
         except OSError:
