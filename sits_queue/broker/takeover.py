@@ -173,6 +173,11 @@ def drop_taken_over(sync: SiteSync, peer: str, report: PassReport) -> None:
             mirrored = {json.dumps([peer, t]) for n, (_, _, named) in enumerate(items)
                         if found[3 * n + 1] is None
                         and (t := named or _task_id(found[3 * n + 2])) is not None}
+            # and so are those of what it sends on at the peer, whose ids its message
+            # names (a chain's later steps: a caller waits on the last one's id here)
+            mirrored |= {json.dumps([peer, t]) for n in range(len(items))
+                         if found[3 * n + 1] is None and (payload := found[3 * n + 2])
+                         for t in _sent_on_ids(payload)}
             if mirrored:
                 mirror = mirror_key(sync.prefix, sync.site)
                 sync.local.sadd(mirror, *mirrored)
@@ -283,6 +288,38 @@ def _chord_member(payload: bytes | str) -> bool:
         return False
     request = deadletters.request_of_payload(payload, deadletters.accepted(None))
     return request is None or bool(getattr(request, "chord", None))
+
+
+#: Ids of later tasks read from one message at most (a chain of a million steps names
+#: them all; their results come home once each is ready).
+MOST_SENT_ON = 10_000
+
+
+def _sent_on_ids(payload: bytes | str) -> list[str]:
+    """The task ids a message's task sends on (its chain's later steps, its callbacks
+    and errbacks, the members and bodies of the groups and chords among them) that its
+    message names: run at the peer that took the task over, their results are there
+    alone. Read with JSON alone (another serializer's body names none here)."""
+    request = deadletters.request_of_payload(payload, deadletters.accepted(None))
+    if request is None:
+        return []
+    ids: list[str] = []
+    todo = [sig for field in ("chain", "callbacks", "errbacks")
+            if isinstance(sigs := getattr(request, field, None), list) for sig in sigs]
+    while todo and len(ids) < MOST_SENT_ON:
+        sig = todo.pop()
+        if not isinstance(sig, dict):
+            continue
+        options, kwargs = sig.get("options"), sig.get("kwargs")
+        if isinstance(options, dict) and isinstance(task_id := options.get("task_id"), str) \
+                and task_id:
+            ids.append(task_id)
+        if isinstance(kwargs, dict) and sig.get("subtask_type") in ("chain", "group",
+                                                                    "chord"):
+            for part in ("tasks", "header", "body"):
+                inner = kwargs.get(part)
+                todo.extend(inner if isinstance(inner, list) else [inner])
+    return ids
 
 
 def _task_id(payload: bytes | str | None) -> str | None:

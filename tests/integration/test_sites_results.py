@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery, chord, group
+from celery import Celery, chain, chord, group
 from celery.exceptions import ChordError
 from celery.result import AsyncResult
 
@@ -102,6 +102,37 @@ def test_a_taken_over_tasks_result_reaches_the_caller_at_its_origin(
     assert got == {"value": 5}
     assert AsyncResult(result.id, app=app_a).state == "SUCCESS"
     assert not sync_of(app_a).local.exists(mirror_key("", "a"))  # nothing left to copy
+
+
+def test_the_results_of_what_a_taken_over_task_sends_on_come_home_too(
+        apps: tuple[Celery, Celery], site_b: str, tmp_path: Path) -> None:
+    """(a chain's later steps were sent at the peer by the worker that ran its first:
+    their results were there alone, and a caller at the origin waited for ever)"""
+    app_a, app_b = apps
+    add = app_a.tasks["w.add"]
+    # Given a chain (and a task with a link) submitted at a, taken over by b
+    steps = chain(add.s(1, 2).set(sla_class="high"), add.s(10).set(sla_class="high"),
+                  add.s(100).set(sla_class="high")).apply_async()
+    linked = add.apply_async((5, 5), sla_class="high",
+                             link=add.s(1000).set(sla_class="high", task_id="linked-next"))
+    take_over(app_a, app_b)
+    assert sync_of(app_a).sync_pass(app_a.backend).dropped == 2
+    # When a real worker at b runs it, sending the later steps on at b
+    worker = start_worker(APP_MODULE, worker_env(site_b), tmp_path, concurrency=1, cwd=ROOT)
+    try:
+        wait_ready(app_b, [worker])
+        wait_for(lambda: AsyncResult(steps.id, app=app_b).state == "SUCCESS"
+                 and AsyncResult("linked-next", app=app_b).state == "SUCCESS", 30,
+                 "the chain and the link to run at b")
+    finally:
+        worker.stop(timeout_s=10)
+    # Then a's next pass copies their results home too: its callers hear them
+    report = sync_of(app_a).sync_pass(app_a.backend)
+    assert report.results_mirrored == 5, report  # 2 taken over, 3 sent on
+    assert steps.get(timeout=5) == 113 and steps.parent.get(timeout=5) == 13
+    assert linked.get(timeout=5) == 10
+    assert AsyncResult("linked-next", app=app_a).get(timeout=5) == 1010
+    assert not sync_of(app_a).local.exists(mirror_key("", "a"))
 
 
 def test_a_result_not_ready_at_the_peer_is_copied_at_a_later_pass_failures_too(

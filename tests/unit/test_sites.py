@@ -204,3 +204,30 @@ def test_a_records_class_is_read_or_none() -> None:
     for bad in (None, b"not json", b"[1]", b'{"c": 3}', b"{}"):
         assert sla_class_of(bad) is None
 
+
+
+def test_the_ids_a_message_sends_on_are_read_through_chains_groups_and_chords() -> None:
+    """(``takeover._sent_on_ids``: a chain's later steps, run at the peer that took its
+    first over, have their results copied home by these ids)"""
+    import base64
+    import json
+
+    from sits_queue.broker.takeover import _sent_on_ids
+
+    def sig(task_id: str, **kwargs: object) -> dict[str, object]:
+        return {"task": "t", "options": {"task_id": task_id}, **kwargs}
+
+    chord_step = sig("body", subtask_type="chord", kwargs={
+        "header": sig("g", subtask_type="group", kwargs={"tasks": [sig("m1"), sig("m2")]}),
+        "body": sig("body")})
+    embed = {"chain": [chord_step, sig("step2")], "callbacks": [sig("linked")],
+             "errbacks": [{"task": "t", "options": {}}], "chord": None}
+    body = json.dumps([[1], {}, embed]).encode()
+    message = {"body": base64.b64encode(body).decode(), "content-type": "application/json",
+               "content-encoding": "utf-8", "headers": {"id": "first", "task": "t"},
+               "properties": {"body_encoding": "base64"}}
+    ids = _sent_on_ids(json.dumps(message))
+    assert sorted(set(ids)) == ["body", "g", "linked", "m1", "m2", "step2"]
+    message["content-type"] = "application/x-python-serialize"  # never unpickled here
+    assert _sent_on_ids(json.dumps(message)) == []
+    assert _sent_on_ids(b"not json") == []
