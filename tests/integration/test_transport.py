@@ -355,6 +355,34 @@ def test_the_beats_own_tasks_are_not_top_class_backlog_or_arrivals(
     assert wait is not None and wait >= 900
 
 
+def test_the_rtt_trigger_reads_the_least_of_a_checks_pings(
+        app: Celery, redis_client: redis.Redis) -> None:
+    """(one PING timed the process's scheduling too: a worker starting on a loaded host
+    fired "rtt" at every check, a rescoring pass and a log line a second)"""
+    class Stalled:
+        """A client whose first PING of each check is held up (a busy host)."""
+
+        def __init__(self) -> None:
+            self.pings = 0
+
+        def ping(self) -> bool:
+            self.pings += 1
+            if self.pings % 3 == 1:
+                time.sleep(0.05)
+            return bool(redis_client.ping())
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(redis_client, name)
+
+    rescorer = Rescorer(app.sits, redis_client)
+    rescorer.client = Stalled()  # type: ignore[assignment]
+    for _ in range(3):
+        assert "rtt" not in rescorer.check_triggers()
+    state = json.loads(redis_client.get(f"{app.sits.global_keyprefix}sits:state:triggers")
+                       or b"{}")
+    assert state["state"]["rtt_baseline_ms"] < 40, state
+
+
 def test_a_task_put_after_the_trigger_check_read_its_clock_has_waited_nothing(
         app: Celery, redis_client: redis.Redis) -> None:
     # (a producer's clock ahead of the beat's, or a put racing the check: the negative
