@@ -1,14 +1,17 @@
-"""Celery's ``autoretry_for`` for the part of an inference task before its function.
+"""Celery's ``autoretry_for`` for an inference task's engine load.
 
 Celery wraps a task's ``run`` in its autoretry policy (``celery.app.autoretry``). An
 inference task's engine is fetched before ``run`` is called (``inference._prepare``),
 so a loader that failed once (a model store that timed out) failed the task at its first
 try, whatever ``autoretry_for`` said, while the same error raised by the function was
-retried. Here the same policy, read from the same task attributes, covers that part.
+retried. Here the same policy, read from the same task attributes, covers the load: a
+``ModelLoadError`` alone (``inference._retry_load``). What is checked before or after
+the load gives the same answer each time (bad arguments, an unknown model, an engine
+larger than the class allows): retried, a typo was told minutes later.
 
 A load failure is a ``ModelLoadError`` whose cause is the loader's own exception: either
-matches ``autoretry_for`` (``(OSError,)`` names the store's timeout, as it would in the
-function).
+matches ``autoretry_for`` and ``dont_autoretry_for`` (``(OSError,)`` names the store's
+timeout, as it would raised in the function).
 """
 
 from __future__ import annotations

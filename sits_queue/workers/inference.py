@@ -21,7 +21,9 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
+
+from celery.exceptions import Retry
 
 from sits_queue import tracing
 from sits_queue.app import SitsTask
@@ -136,14 +138,38 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
          joins: Any = None) -> dict[str, Any]:
     try:
         run = _prepare(rt, task, args, kwargs, clock, tasks)
-    except Exception as exc:
+    except ModelLoadError as exc:
         if tasks != 1 or early is not None:  # (a batch: its calls' own retries are theirs)
             raise
-        autoretry.retry_or_raise(task, exc)  # (Celery's covers the function alone)
+        _retry_load(rt, task, exc)
     output = _call(run, task, _active_task(run, task, early, joins), args, kwargs)
     meta = run.so_far()
     _account(run, meta, tasks, joins, output)
     return {"output": output, "sits": meta}
+
+
+def _retry_load(rt: runtime.ChildRuntime, task: Any, exc: ModelLoadError) -> NoReturn:
+    """A task whose engine failed to load, retried as its ``autoretry_for`` says (Celery's
+    wraps the function alone, called after the load: ``workers/autoretry.py``), else
+    failed. Retried, it is counted as a task now: its next run, a retry, is read as the
+    same task again (``_resumed``)."""
+    try:
+        autoretry.retry_or_raise(task, exc)
+    except Retry:
+        request = task.request
+        if not _resumed(request, 1):
+            quota = taskheader.task_class(rt.config, request, getattr(task, "sla_class", None))
+            rt.count({"tasks": 1, f"tasks:{quota.name}": 1})
+        raise
+
+
+def _resumed(request: Any, tasks: int) -> bool:
+    """Whether a run is of a task counted already: a run after a yield has the checkpoint
+    header, a retry its count (the task counted on its first run; a retried task counted
+    once per run)."""
+    retries = getattr(request, "retries", 0)
+    return getattr(request, CHECKPOINT_HEADER, None) is not None or (
+        tasks == 1 and isinstance(retries, int) and retries > 0)
 
 
 @dataclass
@@ -208,12 +234,8 @@ def _prepare(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     # What a precision request got (§3.2): served, the int8 gate's KL, why not if not.
     meta["precision"] = served
     prewarm = getattr(task, "name", None) == PREWARM_TASK
-    # (a run after a yield has the checkpoint header, a retry its count: the task counted
-    # on its first run; a retried task counted once per run)
-    retries = getattr(request, "retries", 0)
-    resumed = getattr(request, CHECKPOINT_HEADER, None) is not None or (
-        tasks == 1 and isinstance(retries, int) and retries > 0)
-    rt.count(metrics.task_fields(meta, quota.name, model, tasks, prewarm, resumed))
+    rt.count(metrics.task_fields(meta, quota.name, model, tasks, prewarm,
+                                 _resumed(request, tasks)))
     # Published now (a warm set that changed at once, the counts within the deferred
     # writer's half second), not only when the run ends: a child killed at its hard
     # limit never gets there, and the task and its cold start went uncounted

@@ -387,15 +387,30 @@ def test_failure_is_clear_and_the_worker_survives(app: Celery, worker: CeleryPro
     assert_serving(app, worker)
 
 
-def test_a_load_that_fails_once_is_retried_as_the_task_says(app: Celery,
-                                                             worker: CeleryProcess) -> None:
+def test_a_load_that_fails_once_is_retried_as_the_task_says(app: Celery, worker: CeleryProcess,
+                                                             r: redis.Redis) -> None:
     """(Celery's ``autoretry_for`` wraps the task's function; the engine is fetched before
     it: a loader whose store timed out once failed the task at its first try)"""
+    def counted(name: str) -> float:
+        raw = r.hget(advertise.counters_key("", worker.hostname), name)
+        return float(raw or 0)
+
+    def settled() -> bool:  # (the earlier tests' counts reach Redis within half a second)
+        seen = (counted("tasks"), counted("runs"))
+        time.sleep(1.0)
+        return seen == (counted("tasks"), counted("runs"))
+
+    wait_for(settled, 30, "the worker's counts to settle")
+    tasks, runs = counted("tasks"), counted("runs")
     out = app.tasks["t.describe_retried"].delay("again").get(timeout=FIRST_CALL_S)
     assert out["output"] == {"tag": "again", "key": "flaky"}
     assert out["sits"]["cold"] and out["sits"]["source"] == "disk"  # (loaded at the retry)
     assert "t.describe_retried[" in worker.log() and "retry: Retry in 0.1s: ModelLoadError(" \
         "\"loader for model 'flaky' failed: OSError" in worker.log()
+    # counted as one task, of one run (the retry read as the same task again: it was
+    # counted as no task at all)
+    wait_for(lambda: (counted("tasks"), counted("runs")) == (tasks + 1, runs + 1), 15,
+             "the task counted", seen=lambda: (counted("tasks"), counted("runs")))
     assert_serving(app, worker)
 
 
