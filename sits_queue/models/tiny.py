@@ -7,7 +7,9 @@ model from a seed, and saves both with ``save_pretrained``.
 
 Builds are idempotent and safe to race: a directory is written under a temporary name,
 stamped with :data:`MARKER` (its build spec) last, then renamed into place; a directory
-whose marker matches the requested spec is reused as is. transformers, tokenizers and
+whose marker matches the requested spec is reused as is, one of another spec (an older
+release's) is moved aside in one rename before it is deleted, and a path that holds
+anything else (a model of the user's own) is refused, never replaced. transformers, tokenizers and
 torch are imported inside the builders only.
 """
 
@@ -70,9 +72,7 @@ def _build(path: Path, spec: Mapping[str, Any], write: Callable[[Path], None]) -
     spec = {**spec, "version": BUILD_VERSION}
     if _built_with(path) == spec:
         return path
-    if path.exists() and _built_with(path) is None and (not path.is_dir()
-                                                        or any(path.iterdir())):
-        # (replaced, a model directory of the user's own at that path was deleted)
+    if _foreign(path):  # (replaced, a model directory of the user's own was deleted)
         raise FileExistsError(f"{path} exists and is no tiny model built here: not "
                               "replaced; give another path")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -88,8 +88,18 @@ def _build(path: Path, spec: Mapping[str, Any], write: Callable[[Path], None]) -
             raise ModuleNotFoundError(f"{exc}: building a tiny model needs the inference "
                                       f"extra: {hint}", name=exc.name) from exc
         (tmp / MARKER).write_text(json.dumps(spec, sort_keys=True))
-        if path.exists():
-            shutil.rmtree(path)  # built here from another spec
+        if _built_with(path) == spec:  # (a builder racing this one put it there first)
+            return path
+        if path.exists():  # built here from another spec: moved aside in one step, so
+            # no reader or builder ever sees it half deleted (a builder racing this one
+            # read a directory without its marker as the user's own, and refused it)
+            aside = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.old"
+            try:
+                path.rename(aside)
+            except FileNotFoundError:
+                pass  # (another builder moved it first)
+            else:
+                shutil.rmtree(aside, ignore_errors=True)
         try:
             tmp.rename(path)
         except OSError:
@@ -98,6 +108,20 @@ def _build(path: Path, spec: Mapping[str, Any], write: Callable[[Path], None]) -
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def _foreign(path: Path) -> bool:
+    """Whether ``path`` holds something this module did not build: a file, or a
+    directory with no :data:`MARKER` that is not empty (one being moved aside by another
+    builder is gone, not foreign)."""
+    try:
+        if (path / MARKER).exists():
+            return False
+        if path.is_dir():
+            return any(path.iterdir())
+        return path.exists()
+    except (FileNotFoundError, NotADirectoryError):
+        return False
 
 
 def _built_with(path: Path) -> dict[str, Any] | None:
