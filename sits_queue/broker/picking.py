@@ -104,14 +104,15 @@ class PickingChannel(PublishingChannel):
             if self._refused_until.pop(queue, None) is not None:
                 logger.info("queue %r: Redis takes its picks again", queue)
             picked, poisoned = poison_split(reply)
-            if poisoned:  # dead-lettered by the pick: their replicas go as an ack's would,
-                self._replicas_gone(queue, poisoned)  # and their callers learn why
-                deadletters.fail_tasks(self.raw, self.keys(queue).dead, poisoned)
-                # (and the log says so: it said only that a dead worker's were restored)
+            if poisoned:  # dead-lettered by the pick: the log says so (it said only that
+                # a dead worker's were restored), their replicas go as an ack's would,
+                # and their callers learn why
                 logger.error("queue %r: %d message(s) redelivered more than %d times "
                              "dead-lettered as poison (sitsq dead list): %s", queue,
                              len(poisoned), self.config.max_redeliveries,
                              ", ".join(map(text, poisoned[:10])))
+                self._replicas_gone(queue, poisoned)
+                deadletters.fail_tasks(self.raw, self.keys(queue).dead, poisoned)
             if isinstance(picked, int) and picked > 0:
                 # Only messages this consumer released (and still holds off) wait at the
                 # head: pause briefly, or the marker they keep set would wake us at once.

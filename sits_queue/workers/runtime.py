@@ -556,8 +556,11 @@ def connect(app: Celery) -> None:
     def on_prerun(sender: Any = None, task: Any = None, **_: Any) -> None:
         softsignal.task_started()
         rt = _child
-        if rt is not None and getattr(task, "app", None) is app and rt.app is app:
+        ours = getattr(task, "app", None) is app
+        if ours and rt is not None and rt.app is app:
             rt.before_task(task.request, getattr(task, "sla_class", None))
+        elif ours:  # (a threads or gevent pool: no child runtime, the warning all the same)
+            say_foreign_class(app.sits, task.request, getattr(task, "sla_class", None))
 
     def on_process_shutdown(**_: Any) -> None:
         rt = _child

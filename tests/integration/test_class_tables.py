@@ -110,3 +110,17 @@ def test_a_class_the_worker_lacks_still_retries_and_chains_in_its_default_class(
             f"producer of another class table?): runs in 'batch', with the time limits its "
             f"message carries") == 1
     assert redis_client.hlen(QueueKeys.for_queue("celery").dead) == 0
+
+
+@pytest.mark.parametrize("pool", ["solo", "threads"])
+def test_a_task_of_a_class_the_worker_lacks_is_said_on_every_pool(
+        spawn: Spawn, client_app: Celery, tmp_path: Path, pool: str) -> None:
+    """(said from the pool child's runtime alone: a threads pool, which has none, ran
+    such tasks unsaid)"""
+    table = tmp_path / "four.toml"
+    table.write_text(FOUR_CLASSES)
+    worker = spawn(concurrency=1, pool=pool, config=str(table))
+    assert client_app.tasks["w.add"].apply_async((1, 2), sla_class="low").get(timeout=30) == 3
+    wait_for(lambda: "task w.add: sla_class 'low' is not in this worker's classes" in
+             worker.log_path.read_text() and "runs in 'batch'" in worker.log_path.read_text(),
+             10, "the warning", seen=lambda: worker.log_path.read_text()[-2000:])
