@@ -269,6 +269,7 @@ def _call(run: _Run, task: Any, active: runtime.ActiveTask, args: tuple[Any, ...
     """The task's function on the warm engine; out of memory is the class's
     ``VramLimitExceeded``, the memory released first."""
     oom: str | None = None
+    retry: Retry | None = None
     run.start = time.perf_counter()
     try:
         with runtime.activated(active), acquire.using(run.rt, run.engine.key):
@@ -280,12 +281,23 @@ def _call(run: _Run, task: Any, active: runtime.ActiveTask, args: tuple[Any, ...
             run.rt.count(metrics.run_fields(
                 run.model, round((time.perf_counter() - run.start) * _MS_PER_S, 3), 0))
         raise
+    except Retry as exc:
+        # The task's autoretry_for took an out-of-memory error (Celery's wrapper turns it
+        # into a Retry before it gets here): its memory is released all the same, or the
+        # allocator kept it for the child's next task
+        cause = getattr(exc, "exc", None)
+        if not isinstance(cause, BaseException) or not gpu.is_oom(cause):
+            raise
+        cause.__traceback__ = None  # (its frames hold the run's tensors)
+        retry = exc
     except Exception as exc:
         if not gpu.is_oom(exc):
             raise
         oom = str(exc).splitlines()[0][:300]
     # (out of the except clause: its traceback no longer holds the run's tensors)
     gpu.release_memory()
+    if retry is not None:
+        raise retry.with_traceback(None)
     raise VramLimitExceeded(f"task exceeded the {run.quota.vram_gib:g} GiB VRAM limit of "
                             f"class {run.quota.name!r} running model {run.model!r}: {oom}")
 

@@ -752,6 +752,37 @@ def test_oom_while_running_is_a_vram_limit_failure_and_memory_is_released(
     assert released == [True]
 
 
+def test_oom_the_task_retries_on_still_has_its_memory_released(
+        app: Celery, published: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """(``autoretry_for=(RuntimeError,)``: Celery's wrapper makes the out-of-memory error
+    a Retry before the run sees it, and the allocator kept the memory for the next task)"""
+    import torch
+    from celery.exceptions import Retry
+
+    released: list[bool] = []
+    monkeypatch.setattr(gpu, "release_memory", lambda: released.append(True))
+
+    def run(engine: Any) -> Any:
+        raise Retry(exc=torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+
+    with pytest.raises(Retry) as raised:
+        inference.run_inference(child(app, lambda: (FakeEngine(), COLD)), fake_task(run),
+                                (), {})
+    assert released == [True]
+    assert isinstance(raised.value.exc, torch.OutOfMemoryError)
+    assert raised.value.exc.__traceback__ is None  # (its frames held the run's tensors)
+    # while a retry for anything else is the task's own business
+    released.clear()
+
+    def other(engine: Any) -> Any:
+        raise Retry(exc=KeyError("flaky"))
+
+    with pytest.raises(Retry):
+        inference.run_inference(child(app, lambda: (FakeEngine(), COLD)), fake_task(other),
+                                (), {})
+    assert released == []
+
+
 def test_other_task_errors_pass_through(app: Celery, published: list[Any]) -> None:
     def run(engine: Any) -> Any:
         raise KeyError("user bug")
