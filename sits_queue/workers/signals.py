@@ -26,6 +26,7 @@ from sits_queue.app import sits_config
 from sits_queue.broker import clock
 from sits_queue.checks import finite, is_number
 from sits_queue.config import SitsConfig
+from sits_queue.errors import UnknownModel
 from sits_queue.etas import due_s
 from sits_queue.options import HEADER, MAX_NAME, UNCOUNTED_TASKS
 from sits_queue.priority.prewarm import MAX_CATCH_UP, bucket_of, demand_key
@@ -94,11 +95,12 @@ def _due_at(request: Any) -> float | None:
 
 
 def record_completion(config: SitsConfig, request: Any, failed: bool, now_s: float,
-                      retried: bool = False) -> None:
+                      retried: bool = False, unknown_model: bool = False) -> None:
     """Buffer one finished task's statistics (``now_s``: when it finished); flushed every
     :data:`FLUSH_EVERY_RECORDS` records, else within :data:`FLUSH_EVERY_S`. A run that
     ended in a retry (``retried``) counts only as a handled message: each retry arrives
-    again, and the task finishes once."""
+    again, and the task finishes once. One that failed naming a model no worker
+    registers (``unknown_model``) counts for no model's demand or hotness."""
     header = getattr(request, HEADER, None)
     if not isinstance(header, dict) or request.task is None or request.task in UNCOUNTED_TASKS:
         return
@@ -121,6 +123,8 @@ def record_completion(config: SitsConfig, request: Any, failed: bool, now_s: flo
     model = header.get("model")
     if not isinstance(model, str) or not model or len(model) > MAX_NAME:
         model = None
+    if unknown_model:  # (a name no worker registers: the pre-warm planner sent a doomed
+        model = None   # load of it each interval, and its calls made it "hot")
     # The demand belongs to the interval the task finished in, whenever it is written.
     demand = demand_key(config, bucket_of(config, now_s)) \
         if config.prewarm_interval_s > 0 else ""
@@ -220,14 +224,15 @@ def finished_at(config: SitsConfig) -> float:
 
 def connect(app: Celery) -> None:
     def on_postrun(sender: Any = None, task: Any = None, state: str | None = None,
-                   **_: Any) -> None:
+                   retval: Any = None, **_: Any) -> None:
         if task is None or getattr(task, "app", None) is not app:
             return
         if state not in ("SUCCESS", "FAILURE", "RETRY"):
             return  # a slot yielded (REJECTED): the same message runs on later
         config = sits_config(app)
         record_completion(config, task.request, failed=state == "FAILURE",
-                          now_s=finished_at(config), retried=state == "RETRY")
+                          now_s=finished_at(config), retried=state == "RETRY",
+                          unknown_model=isinstance(retval, UnknownModel))
 
     def on_process_shutdown(**_: Any) -> None:
         # A pool child's buffered records and spans would die with it (billiard ends it

@@ -414,6 +414,27 @@ def test_a_load_that_fails_once_is_retried_as_the_task_says(app: Celery, worker:
     assert_serving(app, worker)
 
 
+def test_a_model_no_worker_registers_counts_for_no_demand_or_hotness(
+        app: Celery, worker: CeleryProcess, r: redis.Redis) -> None:
+    """(each failed call counted for its name: the pre-warm planner sent a doomed load of
+    it every interval, and the rescoring pass up-weighted it as a hot model)"""
+    from sits_queue.priority.rescore import counter_key, hot_key
+
+    def failed() -> int:
+        return sum(int(v) for v in r.hvals(counter_key(app.sits, "failed")))
+
+    before = failed()
+    for model in ("nowhere-model", "gpt"):  # (a known one, failing on its input, counts)
+        with pytest.raises((UnknownModel, InvalidInput)):
+            call(app, "sits.generate" if model == "gpt" else "t.describe",
+                 42 if model == "gpt" else "x", model=model)
+    wait_for(lambda: failed() >= before + 2, 15, "the failures counted")
+    hot = {k.decode() for k in r.hkeys(hot_key(app.sits))}
+    demand = {k.decode() for key in r.keys("sits:demand:*") for k in r.hkeys(key)}
+    assert "gpt" in hot and "gpt" in demand
+    assert "nowhere-model" not in hot | demand
+
+
 def test_soft_time_limit_mid_generation(app: Celery, worker: CeleryProcess) -> None:
     # Given the model loaded (a cold load can take the whole second: that case is the
     # next test's), a generation of 200 steps at >= 20 ms each, and a soft limit of 1 s
