@@ -41,7 +41,7 @@ from billiard.process import current_process
 from celery import Celery, current_app, signals
 from celery.exceptions import SoftTimeLimitExceeded
 
-from sits_queue.broker import grants, intake
+from sits_queue.broker import eviction, grants, intake
 from sits_queue.broker.affinity import DEVICE_TIER
 from sits_queue.cache.budgets import CacheBudgets, children_per_device
 from sits_queue.config import ClassQuota, SitsConfig
@@ -541,6 +541,7 @@ def connect(app: Celery) -> None:
             except ConfigError as exc:
                 raise SystemExit(f"Error: {exc}") from None
             grants.check_worker_grants(app, options)  # (an ACL user's, likewise)
+            eviction.warn_if_evicting(instance.app.sits.redis_url)
             init_parent(app, str(sender), conf, options or {})
 
     def on_process_init(**_: Any) -> None:
