@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 from celery import states
+from celery.app.task import Context
 
 from sits_queue.broker import deadletters, recovery, results
 from sits_queue.broker.keys import (
@@ -163,6 +164,11 @@ def drop_taken_over(sync: SiteSync, peer: str, report: PassReport) -> None:
                 t: payload for n, (_, _, named) in enumerate(items)
                 if found[3 * n] is not None and (payload := found[3 * n + 2])
                 and (t := named or _task_id(payload)) is not None and _chord_member(payload)}
+            # (and a chain's step that ends a chord's header member: sent on at the peer,
+            # it is named, with its chord, in the message of the chain's first)
+            for n in range(len(items)):
+                if found[3 * n] is not None and (payload := found[3 * n + 2]):
+                    members.update(_chained_chord_members(payload))
             if members:
                 chords = mirror_chords_key(sync.prefix, sync.site)
                 sync.local.hset(chords, mapping=members)
@@ -173,11 +179,6 @@ def drop_taken_over(sync: SiteSync, peer: str, report: PassReport) -> None:
             mirrored = {json.dumps([peer, t]) for n, (_, _, named) in enumerate(items)
                         if found[3 * n + 1] is None
                         and (t := named or _task_id(found[3 * n + 2])) is not None}
-            # and so are those of what it sends on at the peer, whose ids its message
-            # names (a chain's later steps: a caller waits on the last one's id here)
-            mirrored |= {json.dumps([peer, t]) for n in range(len(items))
-                         if found[3 * n + 1] is None and (payload := found[3 * n + 2])
-                         for t in _sent_on_ids(payload)}
             if mirrored:
                 mirror = mirror_key(sync.prefix, sync.site)
                 sync.local.sadd(mirror, *mirrored)
@@ -206,15 +207,18 @@ def mirror_results(sync: SiteSync, peer: str, report: PassReport,
     result to be copied and counted by one that has (:func:`_count_in_chords`)."""
     mirror = mirror_key(sync.prefix, sync.site)
     wanted: list[tuple[bytes, str]] = []
+    known: set[str] = set()
     for raw in sync.local.sscan_iter(mirror, count=TAKEOVER_CHUNK):
         entry = _entry(raw)
         if entry is None:
             sync.local.srem(mirror, raw)  # (not ours to read)
         elif entry[0] == peer and entry[2] is None:
             wanted.append((raw, entry[1]))
+            known.add(entry[1])
     client, prefix = sync.clients[peer], sync.at(peer)
-    for at in range(0, len(wanted), TAKEOVER_CHUNK):
-        chunk = wanted[at:at + TAKEOVER_CHUNK]
+    followed = 0
+    while wanted:
+        chunk, wanted = wanted[:TAKEOVER_CHUNK], wanted[TAKEOVER_CHUNK:]
         with client.pipeline(transaction=False) as pipe:
             for _, task_id in chunk:
                 pipe.get(f"{prefix}{results.RESULT_KEY}{task_id}")
@@ -230,9 +234,50 @@ def mirror_results(sync: SiteSync, peer: str, report: PassReport,
                     int(ttl_ms) if isinstance(ttl_ms, int) and ttl_ms > 0 else 0):
                 report.results_mirrored += 1
             ready.append((raw, task_id, value))
+        # What those tasks sent on at the peer (a chain's next step, callbacks: their
+        # result's children) ran there too, their results there alone: copied home
+        # alike, in this pass as they are found ready (a chain's caller here waits on
+        # its last step).
+        children: list[str] = []
+        for _, _, value in ready:
+            for child in _children_ids(value):
+                if child not in known and followed + len(children) < MOST_FOLLOWED:
+                    known.add(child)
+                    children.append(json.dumps([peer, child]))
+        if children:
+            followed += len(children)
+            sync.local.sadd(mirror, *children)
+            sync.local.expire(mirror, TAKEOVER_TTL_S)
+            wanted += [(c.encode(), json.loads(c)[1]) for c in children]
         kept = _count_in_chords(sync, backend, ready, report)
         if done := [raw for raw, _, _ in ready if raw not in kept]:
             sync.local.srem(mirror, *done)
+
+
+#: Tasks sent on at a peer that one pass adds to those whose results come home.
+MOST_FOLLOWED = 10_000
+
+
+def _children_ids(value: bytes | str) -> list[str]:
+    """The ids of the tasks a stored result says its task sent on (Celery's
+    ``children``: a chain's next step, callbacks; a group's members, a group having no
+    result of its own); none for a result not in JSON."""
+    try:
+        meta = json.loads(value)
+    except (ValueError, TypeError):
+        return []
+    todo = list(meta.get("children") or []) if isinstance(meta, dict) else []
+    ids: list[str] = []
+    while todo and len(ids) < MOST_FOLLOWED:
+        item = todo.pop()
+        if not (isinstance(item, list) and len(item) == 2):
+            continue
+        head, members = item
+        if isinstance(members, list):
+            todo.extend(members)
+        elif isinstance(head, list) and head and isinstance(head[0], str) and head[0]:
+            ids.append(head[0])
+    return ids
 
 
 def _count_in_chords(sync: SiteSync, backend: Any, ready: list[tuple[bytes, str, bytes]],
@@ -253,7 +298,7 @@ def _count_in_chords(sync: SiteSync, backend: Any, ready: list[tuple[bytes, str,
     kept: set[bytes] = set()
     settled: list[str] = []
     for raw, task_id, value, payload in members:
-        request = deadletters.request_of_payload(payload, accept)
+        request = _chord_request(payload, accept)
         if request is None:
             logger.error("site %s: task %s, taken over, not counted in its chord: its "
                          "message does not decode here", sync.site, task_id)
@@ -277,6 +322,18 @@ def _count_in_chords(sync: SiteSync, backend: Any, ready: list[tuple[bytes, str,
     return kept
 
 
+def _chord_request(stored: bytes | str, accept: list[str]) -> Context | None:
+    """A chord member's request as kept here: its message, or, for a chain's step sent
+    on at the peer, the request its chain named (:func:`_chained_chord_members`)."""
+    try:
+        parsed = json.loads(stored)
+    except (ValueError, TypeError):
+        parsed = None
+    if isinstance(parsed, dict) and isinstance(parsed.get("request"), dict):
+        return Context(parsed["request"])
+    return deadletters.request_of_payload(stored, accept)
+
+
 def _chord_member(payload: bytes | str) -> bool:
     """Whether a message's task is a chord's member: a group's, whose request names a
     chord (or whose body is not JSON, which is decoded at the count, with the app's
@@ -290,36 +347,23 @@ def _chord_member(payload: bytes | str) -> bool:
     return request is None or bool(getattr(request, "chord", None))
 
 
-#: Ids of later tasks read from one message at most (a chain of a million steps names
-#: them all; their results come home once each is ready).
-MOST_SENT_ON = 10_000
-
-
-def _sent_on_ids(payload: bytes | str) -> list[str]:
-    """The task ids a message's task sends on (its chain's later steps, its callbacks
-    and errbacks, the members and bodies of the groups and chords among them) that its
-    message names: run at the peer that took the task over, their results are there
-    alone. Read with JSON alone (another serializer's body names none here)."""
+def _chained_chord_members(payload: bytes | str) -> dict[str, str]:
+    """Task id -> the request (JSON) of each of a message's later chain steps that is a
+    chord's header member (the last step of a chain in a chord's header: Celery gives
+    it the chord and its group); read with JSON alone."""
     request = deadletters.request_of_payload(payload, deadletters.accepted(None))
-    if request is None:
-        return []
-    ids: list[str] = []
-    todo = [sig for field in ("chain", "callbacks", "errbacks")
-            if isinstance(sigs := getattr(request, field, None), list) for sig in sigs]
-    while todo and len(ids) < MOST_SENT_ON:
-        sig = todo.pop()
-        if not isinstance(sig, dict):
+    steps = getattr(request, "chain", None) if request is not None else None
+    found: dict[str, str] = {}
+    for sig in steps if isinstance(steps, list) else ():
+        options = sig.get("options") if isinstance(sig, dict) else None
+        if not isinstance(options, dict) or not options.get("chord"):
             continue
-        options, kwargs = sig.get("options"), sig.get("kwargs")
-        if isinstance(options, dict) and isinstance(task_id := options.get("task_id"), str) \
-                and task_id:
-            ids.append(task_id)
-        if isinstance(kwargs, dict) and sig.get("subtask_type") in ("chain", "group",
-                                                                    "chord"):
-            for part in ("tasks", "header", "body"):
-                inner = kwargs.get(part)
-                todo.extend(inner if isinstance(inner, list) else [inner])
-    return ids
+        task_id, group = options.get("task_id"), options.get("group_id")
+        if isinstance(task_id, str) and task_id and isinstance(group, str) and group:
+            found[task_id] = json.dumps({"request": {
+                "id": task_id, "group": group, "group_index": options.get("group_index"),
+                "chord": options["chord"]}})
+    return found
 
 
 def _task_id(payload: bytes | str | None) -> str | None:

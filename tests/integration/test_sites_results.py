@@ -135,6 +135,29 @@ def test_the_results_of_what_a_taken_over_task_sends_on_come_home_too(
     assert not sync_of(app_a).local.exists(mirror_key("", "a"))
 
 
+def test_a_chain_in_a_chord_header_taken_over_counts_in_its_chord_at_the_origin(
+        apps: tuple[Celery, Celery], site_b: str, tmp_path: Path) -> None:
+    """(the chain's last step alone knows the chord, and it is sent on at the peer: its
+    result came home counted in no chord, and the body never ran)"""
+    app_a, app_b = apps
+    add, high = app_a.tasks["w.add"], {"sla_class": "high"}
+    result = chord([chain(add.s(1, 1).set(**high), add.s(10).set(**high)),
+                    add.s(2, 2).set(**high)])(app_a.tasks["w.total"].s().set(**high))
+    take_over(app_a, app_b)
+    assert sync_of(app_a).sync_pass(app_a.backend).dropped == 2
+    worker = start_worker(APP_MODULE, worker_env(site_b), tmp_path, concurrency=1, cwd=ROOT)
+    try:
+        wait_ready(app_b, [worker])
+        members = [r.id for r in result.parent.results]
+        wait_for(lambda: all(AsyncResult(m, app=app_b).state == "SUCCESS" for m in members),
+                 30, "the header to run at b")
+    finally:
+        worker.stop(timeout_s=10)
+    report = sync_of(app_a).sync_pass(app_a.backend)
+    assert report.chord_parts == 2, report
+    assert queued_tasks(app_a) == [("w.total", result.id)]
+
+
 def test_a_result_not_ready_at_the_peer_is_copied_at_a_later_pass_failures_too(
         apps: tuple[Celery, Celery]) -> None:
     app_a, app_b = apps

@@ -206,28 +206,40 @@ def test_a_records_class_is_read_or_none() -> None:
 
 
 
-def test_the_ids_a_message_sends_on_are_read_through_chains_groups_and_chords() -> None:
-    """(``takeover._sent_on_ids``: a chain's later steps, run at the peer that took its
-    first over, have their results copied home by these ids)"""
+def test_the_tasks_a_result_says_its_task_sent_on_are_read_from_its_children() -> None:
+    """(``takeover._children_ids``: a chain's next step and callbacks, run at the peer
+    that took the first over, have their results copied home by these ids)"""
+    import json
+
+    from sits_queue.broker.takeover import _children_ids
+
+    step = [["step2", ["first", None]], None]  # AsyncResult.as_tuple()
+    group = [["g", None], [[["m1", None], None], [["m2", None], None]]]  # GroupResult's
+    meta = {"status": "SUCCESS", "result": 3, "children": [step, group, "junk", [1]]}
+    assert sorted(_children_ids(json.dumps(meta))) == ["m1", "m2", "step2"]
+    assert _children_ids(json.dumps({"status": "SUCCESS", "children": None})) == []
+    assert _children_ids(b"\x80 not json") == []
+
+
+def test_a_chains_step_that_ends_a_chord_header_member_is_kept_with_its_chord() -> None:
+    """(a chain in a chord's header: its last step alone knows the chord, and it is
+    sent on at the peer: its result, copied home, was counted in no chord)"""
     import base64
     import json
 
-    from sits_queue.broker.takeover import _sent_on_ids
+    from sits_queue.broker.takeover import _chained_chord_members, _chord_request
 
-    def sig(task_id: str, **kwargs: object) -> dict[str, object]:
-        return {"task": "t", "options": {"task_id": task_id}, **kwargs}
-
-    chord_step = sig("body", subtask_type="chord", kwargs={
-        "header": sig("g", subtask_type="group", kwargs={"tasks": [sig("m1"), sig("m2")]}),
-        "body": sig("body")})
-    embed = {"chain": [chord_step, sig("step2")], "callbacks": [sig("linked")],
-             "errbacks": [{"task": "t", "options": {}}], "chord": None}
-    body = json.dumps([[1], {}, embed]).encode()
+    chord_sig = {"task": "w.total", "options": {"task_id": "body"}}
+    chain = [{"task": "w.add", "options": {"task_id": "b", "group_id": "g", "group_index": 0,
+                                          "chord": chord_sig}},
+             {"task": "w.add", "options": {"task_id": "plain-step"}}]
+    body = json.dumps([[1, 1], {}, {"chain": chain, "chord": None}]).encode()
     message = {"body": base64.b64encode(body).decode(), "content-type": "application/json",
-               "content-encoding": "utf-8", "headers": {"id": "first", "task": "t"},
+               "content-encoding": "utf-8", "headers": {"id": "a", "task": "w.add"},
                "properties": {"body_encoding": "base64"}}
-    ids = _sent_on_ids(json.dumps(message))
-    assert sorted(set(ids)) == ["body", "g", "linked", "m1", "m2", "step2"]
-    message["content-type"] = "application/x-python-serialize"  # never unpickled here
-    assert _sent_on_ids(json.dumps(message)) == []
-    assert _sent_on_ids(b"not json") == []
+    found = _chained_chord_members(json.dumps(message))
+    assert list(found) == ["b"]
+    request = _chord_request(found["b"], ["application/json"])
+    assert request is not None
+    assert (request.id, request.group, request.group_index, request.chord) == (
+        "b", "g", 0, chord_sig)
