@@ -91,6 +91,10 @@ class VramLimitExceeded(InferenceError, RuntimeError):
     exits (``Request.on_failure``), while this failure must leave the worker serving.
     """
 
+    #: Whether the device ran short while loading the model (a retry may find room),
+    #: not against the class's cap (the same answer every time); the worker's own mark.
+    at_load = False
+
 
 #: What the ``inference`` extra installs (pyproject.toml), by import name.
 INFERENCE_MODULES = frozenset({"torch", "transformers", "tokenizers", "onnxruntime", "onnx",

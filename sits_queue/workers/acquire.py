@@ -78,7 +78,9 @@ def acquire(rt: runtime.ChildRuntime, model: str, precision: str | None = None
         oom = str(cause).splitlines()[0][:300]
     # Outside the handler: the failed frames (and the tensors they hold) are gone now.
     gpu.release_memory()
-    raise VramLimitExceeded(f"out of device memory loading model {model!r}: {oom}")
+    error = VramLimitExceeded(f"out of device memory loading model {model!r}: {oom}")
+    error.at_load = True  # (the device was short then: a retry may find room)
+    raise error
 
 
 def merged_moves(first: Any, then: Any, served: str) -> Any:

@@ -138,8 +138,11 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
          joins: Any = None) -> dict[str, Any]:
     try:
         run = _prepare(rt, task, args, kwargs, clock, tasks)
-    except ModelLoadError as exc:
-        if tasks != 1 or early is not None:  # (a batch: its calls' own retries are theirs)
+    except (ModelLoadError, VramLimitExceeded) as exc:
+        # (a load that failed, or ran out of device memory: what else is checked here
+        # gives the same answer every time; a batch's calls' own retries are theirs)
+        if tasks != 1 or early is not None or not (isinstance(exc, ModelLoadError)
+                                                   or getattr(exc, "at_load", False)):
             raise
         _retry_load(rt, task, exc)
     output = _call(run, task, _active_task(run, task, early, joins), args, kwargs)
@@ -148,7 +151,7 @@ def _run(rt: runtime.ChildRuntime, task: Any, args: tuple[Any, ...],
     return {"output": output, "sits": meta}
 
 
-def _retry_load(rt: runtime.ChildRuntime, task: Any, exc: ModelLoadError) -> NoReturn:
+def _retry_load(rt: runtime.ChildRuntime, task: Any, exc: Exception) -> NoReturn:
     """A task whose engine failed to load, retried as its ``autoretry_for`` says (Celery's
     wraps the function alone, called after the load: ``workers/autoretry.py``), else
     failed. Retried, it is counted as a task now: its next run, a retry, is read as the

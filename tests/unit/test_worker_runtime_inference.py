@@ -814,6 +814,39 @@ def test_cache_errors_are_mapped(app: Celery, published: list[Any], exc: BaseExc
     assert type(info.value).__module__ == "sits_queue.errors"  # JSON-serialisable by message
 
 
+def test_autoretry_for_takes_load_failures_and_load_oom_not_what_is_the_same_each_time(
+        app: Celery, published: list[Any]) -> None:
+    """(``workers/autoretry.py``: an engine too large for its class, a model no one
+    registers, were retried for minutes; a load short of device memory was not)"""
+    from celery.exceptions import Retry
+
+    def retrying(model: str = "m") -> Any:
+        task = fake_task(lambda e: 1, model=model)
+        task.autoretry_for = (ModelLoadError, VramLimitExceeded, UnknownModel)
+        task.request.retries = 0
+
+        def retry(exc: BaseException, **_: Any) -> Retry:
+            task.retried = exc
+            return Retry(exc=exc)
+
+        task.retry = retry
+        return task
+
+    for cause in (OSError("store timed out"), RuntimeError("CUDA out of memory")):
+        task = retrying()
+        with pytest.raises(Retry):
+            inference.run_inference(child(app, raising(PoolLoadError("m", cause))), task,
+                                    (), {})
+        assert isinstance(task.retried, ModelLoadError | VramLimitExceeded)
+    huge, task = FakeEngine(size=9 * 2**30), retrying()
+    with pytest.raises(VramLimitExceeded, match="limit of class 'low'"):
+        inference.run_inference(child(app, lambda: (huge, COLD)), task, (), {})
+    task = retrying(model="nope")
+    with pytest.raises(UnknownModel):
+        inference.run_inference(child(app, lambda: (FakeEngine(), COLD)), task, (), {})
+    assert not hasattr(task, "retried")
+
+
 def test_unknown_model_and_class_limit(app: Celery, published: list[Any]) -> None:
     with pytest.raises(UnknownModel, match="'nope'"):
         inference.run_inference(child(app, lambda: (FakeEngine(), COLD)),
