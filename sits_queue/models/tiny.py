@@ -15,6 +15,7 @@ torch are imported inside the builders only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -78,6 +79,7 @@ def _build(path: Path, spec: Mapping[str, Any], write: Callable[[Path], None]) -
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
     tmp.mkdir()
+    aside = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.old"
     try:
         try:
             with hfprogress.quiet():
@@ -90,16 +92,13 @@ def _build(path: Path, spec: Mapping[str, Any], write: Callable[[Path], None]) -
         (tmp / MARKER).write_text(json.dumps(spec, sort_keys=True))
         if _built_with(path) == spec:  # (a builder racing this one put it there first)
             return path
-        if path.exists():  # built here from another spec: moved aside in one step, so
-            # no reader or builder ever sees it half deleted (a builder racing this one
-            # read a directory without its marker as the user's own, and refused it)
-            aside = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.old"
-            try:
+        # One built here from another spec is moved aside in one step, and deleted once
+        # the new one is in place: no reader or builder ever sees it half deleted (a
+        # builder racing this one read a directory without its marker as the user's
+        # own, and refused it), and the path is empty only between the two renames.
+        if path.exists():
+            with contextlib.suppress(FileNotFoundError):  # (another builder moved it)
                 path.rename(aside)
-            except FileNotFoundError:
-                pass  # (another builder moved it first)
-            else:
-                shutil.rmtree(aside, ignore_errors=True)
         try:
             tmp.rename(path)
         except OSError:
@@ -107,6 +106,7 @@ def _build(path: Path, spec: Mapping[str, Any], write: Callable[[Path], None]) -
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(aside, ignore_errors=True)
     return path
 
 
