@@ -241,7 +241,10 @@ def check_later_steps(app: Celery, config: SitsConfig, options: Mapping[str, Any
             if leaf.options.get("task_id") not in carried:
                 _check_step(app, config, leaf)
     if chord is not None and group_id is not None:
-        _checked_chord[app] = (group_id, weakref.ref(chord))
+        try:
+            _checked_chord[app] = (group_id, weakref.ref(chord))
+        except TypeError:  # (a chord a running task's request carries, as a dict: no
+            pass           # memo; a member's replace failed, and its chord with it)
 
 
 #: Per app, the chord body checked last and its group's id.

@@ -35,6 +35,18 @@ def test_a_group_and_a_chord_gather_every_result(spawn: Spawn, client_app: Celer
     assert chord([add.s(i, 1) for i in range(10)])(total.s()).get(timeout=RESULT_S) == 55
 
 
+def test_a_chord_member_that_replaces_itself_counts_in_its_chord(
+        spawn: Spawn, client_app: Celery) -> None:
+    """(its request carries the chord as a dict, which the check of the replacement's
+    later steps could not weak-reference: the member failed with a TypeError, and the
+    chord with a ChordError)"""
+    spawn()
+    add, total = client_app.tasks["w.add"], client_app.tasks["w.total"]
+    replacing = client_app.tasks["w.add_by_replacing"]
+    joined = chord([replacing.s(1, 2), add.s(3, 4), replacing.s(5, 6)])(total.s())
+    assert joined.get(timeout=RESULT_S) == 21
+
+
 def test_a_dead_lettered_task_fails_its_chord_and_calls_its_errbacks(
         spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
     """(its FAILURE was stored without its request: the chord's body stayed PENDING for
