@@ -4,6 +4,7 @@ message carries (``SitsTask.apply_async``, ``send_task`` and bulk submission sha
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -241,10 +242,10 @@ def check_later_steps(app: Celery, config: SitsConfig, options: Mapping[str, Any
             if leaf.options.get("task_id") not in carried:
                 _check_step(app, config, leaf)
     if chord is not None and group_id is not None:
-        try:
+        # (a chord a running task's request carries is a dict: no memo; its member's
+        # replace failed on the weak reference, and its chord with it)
+        with contextlib.suppress(TypeError):
             _checked_chord[app] = (group_id, weakref.ref(chord))
-        except TypeError:  # (a chord a running task's request carries, as a dict: no
-            pass           # memo; a member's replace failed, and its chord with it)
 
 
 #: Per app, the chord body checked last and its group's id.
