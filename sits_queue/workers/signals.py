@@ -197,13 +197,14 @@ def _reset_refused_counters(config: SitsConfig, commands: list[tuple[Any, ...]],
                             replies: list[Any]) -> None:
     """A counter field another program left that is no number refuses every increment
     (its class's done count stopped growing, and each flush logged it): it starts again
-    from this increment. Other refusals (a key of another type) are logged."""
+    from this increment. Other refusals (a key of another type, a full server's OOM:
+    reset then, the count went back to one once the server had room) are logged."""
     client = advertise.client_for(config)
     for command, reply in zip(commands, replies, strict=True):
         if not isinstance(reply, redis.ResponseError):
             continue
         name, *args = command
-        if str(name).upper() in ("HINCRBY", "HINCRBYFLOAT") and "WRONGTYPE" not in str(reply):
+        if str(name).upper() in ("HINCRBY", "HINCRBYFLOAT") and _not_a_number(reply):
             key, field, amount = args
             logger.warning("statistics counter %s %s was no number (%s): starts again",
                            key, field, reply)
@@ -214,6 +215,13 @@ def _reset_refused_counters(config: SitsConfig, commands: list[tuple[Any, ...]],
         else:
             logger.warning("could not record a task statistic (%s %s): %s", name,
                            args[0] if args else "", reply)
+
+
+def _not_a_number(reply: redis.ResponseError) -> bool:
+    """Whether Redis refused an increment because the field holds no number ("hash
+    value is not an integer" / "... not a float")."""
+    text = str(reply).lower()
+    return "hash value is not" in text
 
 
 def finished_at(config: SitsConfig) -> float:

@@ -172,3 +172,21 @@ def test_a_counter_field_that_is_no_number_starts_again_and_the_rest_is_recorded
     assert redis_client.hget("sits:done", "low") == b"2"
     assert redis_client.hget("sits:failed", "low") == b"2"  # (its neighbours were kept)
     assert float(redis_client.hget("sits:hot", "m") or 0) == 2.0
+
+
+def test_a_counter_refused_by_a_full_server_keeps_its_count(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """(an increment refused for want of memory was taken for a field that is no number:
+    the count went back to one once the server had room)"""
+    config = SitsConfig(redis_url=redis_url)
+    redis_client.hset("sits:done", "medium", 300)
+    # Given a flush whose increment the server refused while full, and room again since
+    refused = redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
+    signals._reset_refused_counters(config, [("HINCRBY", "sits:done", "medium", 1)],
+                                    [refused])
+    # Then the count is as it was, and grows from there
+    assert redis_client.hget("sits:done", "medium") == b"300"
+    request = SimpleNamespace(task="t.any", sits={"sla_class": "medium", "model": "m"})
+    signals.record_completion(config, request, False, time.time())
+    signals.flush()
+    assert redis_client.hget("sits:done", "medium") == b"301"
