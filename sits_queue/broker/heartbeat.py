@@ -84,9 +84,9 @@ class Heartbeat:
                 try:
                     beat(client)
                 except Exception as exc:  # Redis away, or a bug: the next period retries
-                    if not failing:
+                    if not failing:  # (the retries' pace, not the beats')
                         logger.warning("could not heartbeat held messages (%s); retrying "
-                                       "every %.1f s", exc, self.period_s)
+                                       "every %.1f s", exc, min(RETRY_S, self.period_s))
                     failing = True
                 else:
                     if failing:

@@ -174,6 +174,10 @@ class SitsScheduler(RedBeatScheduler):  # type: ignore[misc]
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             logger.warning("beat: Redis unreachable (%s); trying again in %g s", exc, RETRY_S)
             return RETRY_S
+        except redis.exceptions.OutOfMemoryError as exc:  # (it exited 1 on a traceback,
+            # and stayed down once the server had room: rescoring stopped till restarted)
+            logger.warning("beat: Redis is full (%s); trying again in %g s", exc, RETRY_S)
+            return RETRY_S
 
     def close(self) -> None:
         """redbeat's, with a Redis that cannot be reached said in one line and the stop

@@ -229,6 +229,34 @@ def test_a_standby_beat_leaves_the_leader_s_schedule_alone(
         standby_app.close()
 
 
+def test_the_beat_lives_through_a_full_redis(tmp_path: Path) -> None:
+    """(a server out of memory, maxmemory with noeviction, refused the beat's writes: it
+    exited 1 on a traceback and stayed down once the server had room again)"""
+    server = EmbeddedRedis(tmp_path / "redis")
+    url = server.start()
+    env = worker_env(url, rescore_interval_s="1", trigger_check_interval_s="1",
+                     prewarm_interval_s="0")
+    beat = start_beat(APP_MODULE, env, tmp_path / "logs", cwd=ROOT)
+    sent, client = Sends(url), redis.Redis.from_url(url)
+    try:
+        wait_for(lambda: sent() >= 2, 60, "the beat's first passes")
+        # When the server is full (every write that may grow it refused)
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", 1)
+        wait_for(lambda: "beat: Redis is full" in beat.log() or not beat.alive(), 30,
+                 "the beat to meet a full Redis")
+        assert beat.alive(), beat.log()[-3000:]
+        # Then, room again, it goes on
+        client.config_set("maxmemory", 0)
+        before = sent()
+        wait_for(lambda: sent() >= before + 2, 60, "the beat's passes once there is room")
+        assert beat.alive() and "Traceback" not in beat.log(), beat.log()[-3000:]
+    finally:
+        beat.stop(timeout_s=10)
+        client.close()
+        server.stop()
+
+
 def test_a_beat_started_while_redis_is_away_waits_for_it(tmp_path: Path) -> None:
     """(the schedule's install at start met the connection error and ended the beat)"""
     first = EmbeddedRedis(tmp_path / "probe")
