@@ -55,6 +55,7 @@ from sits_queue.workers import (
     etaorder,
     freemem,
     gpu,
+    latelimit,
     metrics,
     profile,
     ratelimits,
@@ -589,6 +590,7 @@ def connect(app: Celery) -> None:
     app.steps["worker"].add(PlanStep)
     app.steps["worker"].add(steer.SteerStep)
     app.steps["worker"].add(reap.ReapStep)
+    app.steps["worker"].add(latelimit.LateLimitStep)
     app.steps["worker"].add(metrics.MetricsServer)
     app.steps["consumer"].add(advertise.Advertise)
     app.steps["consumer"].add(profile.ProfileStep)

@@ -389,6 +389,32 @@ def test_a_busy_solo_worker_puts_back_a_dead_neighbours_task_while_its_own_runs(
     assert busy.alive()
 
 
+def test_a_hard_limit_overdue_after_its_task_ended_kills_no_idle_child(
+        spawn: Spawn, client_app: Celery, redis_client: redis.Redis) -> None:
+    """(``workers/latelimit.py``: a parent whose loop was blocked past a task's hard
+    limit ran the overdue timer before it read the child's result, and killed the
+    child, idle by then, with its warm engines)"""
+    worker = spawn(concurrency=1)
+    (child,) = psutil.Process(worker.pid).children()
+    # Given a task that runs past its soft limit (3.2 s) and ends before its hard one
+    result = client_app.tasks["w.past_soft"].apply_async(("late", 3.8), time_limit=4.0)
+    wait_for(lambda: redis_client.get("test:started:late") is not None, 30, "the start")
+    started = float(redis_client.get("test:started:late") or 0)
+    # When the worker's main process stalls past the hard limit, after the soft one
+    # fired (a Redis outage holding its loop), the task ending meanwhile
+    time.sleep(max(0.0, started + 3.45 - time.time()))
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        time.sleep(max(0.0, started + 5.5 - time.time()))
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+    # Then its result is read, and the child lives on
+    assert result.get(timeout=30) == "late"
+    assert client_app.tasks["w.add"].delay(1, 1).get(timeout=30) == 2
+    assert [p.pid for p in psutil.Process(worker.pid).children()] == [child.pid]
+    assert "Hard time limit" not in worker.log()
+
+
 def test_sigkilled_pool_child_requeues_its_task(spawn: Spawn, client_app: Celery,
                                                 redis_client: redis.Redis) -> None:
     worker = spawn(concurrency=1)
