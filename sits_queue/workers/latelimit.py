@@ -18,7 +18,7 @@ import logging
 import select
 from typing import Any
 
-from celery import bootsteps
+from sits_queue.workers.reap import ReapStep
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +69,9 @@ def install(pool: Any) -> bool:
     return True
 
 
-class LateLimitStep(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Worker step: :func:`install` on the prefork pool (after it starts, before the
-    consumer registers it with the event loop)."""
+class LateLimitStep(ReapStep):
+    """Worker step: :func:`install` on the prefork pool, as ``reap.ReapStep`` installs
+    its own."""
 
-    requires = ("celery.worker.components:Pool",)
     name = "SITS late hard limits"
-
-    def start(self, w: Any) -> None:
-        if not install(getattr(w.pool, "_pool", None)):
-            logger.debug("pool %r: hard limits as Celery's (not its prefork pool)", w.pool)
+    patch = staticmethod(install)

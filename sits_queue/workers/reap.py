@@ -65,11 +65,15 @@ def install(pool: Any) -> bool:
 
 class ReapStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Worker step: :func:`install` on the prefork pool (after it starts, before the
-    consumer registers it with the event loop)."""
+    consumer registers it with the event loop). A step that patches the pool likewise
+    subclasses it with its own ``patch``."""
 
     requires = ("celery.worker.components:Pool",)
     name = "SITS pool child reaping"
+    #: Patches the pool (billiard's ``AsynPool``); False for one it leaves as it is.
+    patch = staticmethod(install)
 
     def start(self, w: Any) -> None:
-        if not install(getattr(w.pool, "_pool", None)):
-            logger.debug("pool %r: no sentinel retries (not Celery's prefork pool)", w.pool)
+        if not self.patch(getattr(w.pool, "_pool", None)):
+            logger.debug("pool %r: %s not installed (not Celery's prefork pool)", w.pool,
+                         self.name)
