@@ -160,15 +160,10 @@ def drop_taken_over(sync: SiteSync, peer: str, report: PassReport) -> None:
             # (a chord's member dropped here: its result, copied home, counts in the
             # chord here, whose count and body are here; one picked here counts itself.
             # Written before the entries below: a pass that reads those finds it.)
-            members: dict[Any, Any] = {
-                t: payload for n, (_, _, named) in enumerate(items)
-                if found[3 * n] is not None and (payload := found[3 * n + 2])
-                and (t := named or _task_id(payload)) is not None and _chord_member(payload)}
-            # (and a chain's step that ends a chord's header member: sent on at the peer,
-            # it is named, with its chord, in the message of the chain's first)
-            for n in range(len(items)):
+            members: dict[Any, Any] = {}
+            for n, (_, _, named) in enumerate(items):
                 if found[3 * n] is not None and (payload := found[3 * n + 2]):
-                    members.update(_chained_chord_members(payload))
+                    members.update(_chord_records(named or _task_id(payload), payload))
             if members:
                 chords = mirror_chords_key(sync.prefix, sync.site)
                 sync.local.hset(chords, mapping=members)
@@ -238,17 +233,17 @@ def mirror_results(sync: SiteSync, peer: str, report: PassReport,
         # result's children) ran there too, their results there alone: copied home
         # alike, in this pass as they are found ready (a chain's caller here waits on
         # its last step).
-        children: list[str] = []
+        children: list[tuple[bytes, str]] = []
         for _, _, value in ready:
             for child in _children_ids(value):
                 if child not in known and followed + len(children) < MOST_FOLLOWED:
                     known.add(child)
-                    children.append(json.dumps([peer, child]))
+                    children.append((json.dumps([peer, child]).encode(), child))
         if children:
             followed += len(children)
-            sync.local.sadd(mirror, *children)
+            sync.local.sadd(mirror, *(entry for entry, _ in children))
             sync.local.expire(mirror, TAKEOVER_TTL_S)
-            wanted += [(c.encode(), json.loads(c)[1]) for c in children]
+            wanted += children
         kept = _count_in_chords(sync, backend, ready, report)
         if done := [raw for raw, _, _ in ready if raw not in kept]:
             sync.local.srem(mirror, *done)
@@ -324,7 +319,7 @@ def _count_in_chords(sync: SiteSync, backend: Any, ready: list[tuple[bytes, str,
 
 def _chord_request(stored: bytes | str, accept: list[str]) -> Context | None:
     """A chord member's request as kept here: its message, or, for a chain's step sent
-    on at the peer, the request its chain named (:func:`_chained_chord_members`)."""
+    on at the peer, the request its chain named (:func:`_chord_records`)."""
     try:
         parsed = json.loads(stored)
     except (ValueError, TypeError):
@@ -334,34 +329,32 @@ def _chord_request(stored: bytes | str, accept: list[str]) -> Context | None:
     return deadletters.request_of_payload(stored, accept)
 
 
-def _chord_member(payload: bytes | str) -> bool:
-    """Whether a message's task is a chord's member: a group's, whose request names a
-    chord (or whose body is not JSON, which is decoded at the count, with the app's
-    serializers)."""
+def _chord_records(task_id: str | None, payload: bytes | str) -> dict[str, Any]:
+    """What to keep of a message dropped here for counting in chords (task id -> record,
+    :func:`_chord_request` reads it back), its body decoded once, with JSON alone: the
+    message itself, for a chord's member (a group's, whose request names a chord; or
+    one whose body is not JSON, decoded at the count with the app's serializers); and
+    the request, as its chain names it, of each later chain step that ends a chord's
+    header member (the last step of a chain in a chord's header: Celery gives it the
+    chord and its group, and it is sent on at the peer)."""
     try:
-        if not json.loads(payload)["headers"].get("group"):
-            return False
+        grouped = bool(json.loads(payload)["headers"].get("group"))
     except (ValueError, TypeError, KeyError, AttributeError):
-        return False
+        return {}  # (no message of kombu's: nothing in it to count)
     request = deadletters.request_of_payload(payload, deadletters.accepted(None))
-    return request is None or bool(getattr(request, "chord", None))
-
-
-def _chained_chord_members(payload: bytes | str) -> dict[str, str]:
-    """Task id -> the request (JSON) of each of a message's later chain steps that is a
-    chord's header member (the last step of a chain in a chord's header: Celery gives
-    it the chord and its group); read with JSON alone."""
-    request = deadletters.request_of_payload(payload, deadletters.accepted(None))
+    found: dict[str, Any] = {}
+    if task_id is not None and grouped and (request is None
+                                            or getattr(request, "chord", None)):
+        found[task_id] = payload
     steps = getattr(request, "chain", None) if request is not None else None
-    found: dict[str, str] = {}
     for sig in steps if isinstance(steps, list) else ():
         options = sig.get("options") if isinstance(sig, dict) else None
         if not isinstance(options, dict) or not options.get("chord"):
             continue
-        task_id, group = options.get("task_id"), options.get("group_id")
-        if isinstance(task_id, str) and task_id and isinstance(group, str) and group:
-            found[task_id] = json.dumps({"request": {
-                "id": task_id, "group": group, "group_index": options.get("group_index"),
+        step, group = options.get("task_id"), options.get("group_id")
+        if isinstance(step, str) and step and isinstance(group, str) and group:
+            found[step] = json.dumps({"request": {
+                "id": step, "group": group, "group_index": options.get("group_index"),
                 "chord": options["chord"]}})
     return found
 

@@ -227,7 +227,7 @@ def test_a_chains_step_that_ends_a_chord_header_member_is_kept_with_its_chord() 
     import base64
     import json
 
-    from sits_queue.broker.takeover import _chained_chord_members, _chord_request
+    from sits_queue.broker.takeover import _chord_records, _chord_request
 
     chord_sig = {"task": "w.total", "options": {"task_id": "body"}}
     chain = [{"task": "w.add", "options": {"task_id": "b", "group_id": "g", "group_index": 0,
@@ -237,7 +237,7 @@ def test_a_chains_step_that_ends_a_chord_header_member_is_kept_with_its_chord() 
     message = {"body": base64.b64encode(body).decode(), "content-type": "application/json",
                "content-encoding": "utf-8", "headers": {"id": "a", "task": "w.add"},
                "properties": {"body_encoding": "base64"}}
-    found = _chained_chord_members(json.dumps(message))
+    found = _chord_records("a", json.dumps(message))  # (a itself is no group's member)
     assert list(found) == ["b"]
     request = _chord_request(found["b"], ["application/json"])
     assert request is not None
