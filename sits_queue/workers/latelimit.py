@@ -30,11 +30,9 @@ GRACE_S = 0.25
 def _pipe_readable(pool: Any, result: Any) -> bool:
     """Whether the pipe ``result``'s child writes its outcome to holds something unread
     (False where that cannot be told)."""
-    pid = getattr(result, "_worker_pid", None)
-    proc = next((p for p in list(getattr(pool, "_pool", ())) if p.pid == pid), None)
-    reader = getattr(getattr(proc, "outq", None), "_reader", None)
     try:
-        readable, _, _ = select.select([reader.fileno()], [], [], 0)  # type: ignore[union-attr]
+        proc, _ = pool._process_by_pid(getattr(result, "_worker_pid", None))
+        readable, _, _ = select.select([proc.outq._reader.fileno()], [], [], 0)
     except (AttributeError, OSError, ValueError):
         return False
     return bool(readable)
